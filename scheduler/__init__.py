@@ -1,0 +1,1 @@
+"""Tasklet scheduler package."""
