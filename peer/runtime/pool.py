@@ -1,0 +1,140 @@
+"""The task pool of one training step: micro-batches leased to pipelines, committed exactly once.
+
+Not to be confused with hivemind's or Petals' "task pool", which is a server-side batching queue. Here a
+*task* is one micro-batch of the current step, and the pool is the book-keeping that makes the step's
+gradient a sum over every micro-batch exactly once, whatever pipelines die on the way.
+
+Rules, and why:
+
+* A pipeline's first stage *pulls* work: ``lease(pipeline)`` hands out the lowest free micro-batch id. Pulling
+  (rather than a fixed split) lets fast pipelines do more micro-batches, and makes re-assignment after a
+  death the normal path instead of a special case.
+* ``commit(mb, pipeline)`` is called when the micro-batch's backward finished on the pipeline's first stage,
+  i.e. every stage of that pipeline holds its gradient contribution. The first commit wins; a second commit
+  of the same micro-batch (a late reply after a requeue) is reported as a duplicate and must not be summed.
+* When a pipeline loses a member, every micro-batch it leased *or committed* in this step goes back to the
+  pool, and the surviving stages of that pipeline drop their whole gradient accumulator for the step. A
+  committed micro-batch has to be redone too: its contribution to the dead stage is gone with the peer.
+* A lease that passes its deadline counts as the death of its pipeline (same treatment). A replica adds a
+  micro-batch's gradient to its accumulator as soon as its backward is done (memory stays one gradient per
+  replica); the price is that a failed pipeline's whole share of the step is redone, never patched.
+* A failed pipeline gets no more leases and its commits are stale for the rest of the step; the coordinator
+  re-plans and the next step (or the re-planned remainder of this one) uses new pipeline ids.
+* The step may synchronise gradients only when ``complete()``: every micro-batch committed. The commit record
+  (``assignment()``) tells each stage replica exactly which micro-batches its accumulator must hold, so the
+  reduction can verify "each micro-batch once" instead of trusting it.
+
+The pool is pure state (no I/O, no threads); the coordinator serialises calls to it.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+class CommitResult(enum.Enum):
+    """What happened to a commit request."""
+
+    COMMITTED = "committed"
+    DUPLICATE = "duplicate"  # already committed (by this or another pipeline): ignore its gradient
+    STALE = "stale"  # not leased to this pipeline (requeued after its death or lease expiry)
+
+
+@dataclass
+class Lease:
+    """A micro-batch handed to a pipeline, valid until ``deadline`` (monotonic seconds)."""
+
+    microbatch: int
+    pipeline: int
+    deadline: float
+
+
+class TaskPool:
+    """Leases and commits of the micro-batches of one step."""
+
+    def __init__(
+        self,
+        step: int,
+        n_microbatches: int,
+        lease_timeout_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if n_microbatches <= 0:
+            raise ValueError(f"n_microbatches: must be positive, got {n_microbatches}")
+        if lease_timeout_s <= 0:
+            raise ValueError(f"lease_timeout_s: must be positive, got {lease_timeout_s}")
+        self.step = step
+        self.n_microbatches = n_microbatches
+        self.lease_timeout_s = lease_timeout_s
+        self._clock = clock
+        self._free: list[int] = list(range(n_microbatches))
+        self._leases: dict[int, Lease] = {}
+        self._committed: dict[int, int] = {}
+        self._failed: set[int] = set()
+        self.requeued = 0
+
+    # -- leasing -----------------------------------------------------------------------------------------
+    def lease(self, pipeline: int) -> int | None:
+        """Lease the lowest free micro-batch to ``pipeline``; None when nothing is free right now."""
+        self.expire()
+        if pipeline in self._failed or not self._free:
+            return None
+        mb = min(self._free)
+        self._free.remove(mb)
+        self._leases[mb] = Lease(mb, pipeline, self._clock() + self.lease_timeout_s)
+        return mb
+
+    def commit(self, microbatch: int, pipeline: int) -> CommitResult:
+        """Record that ``pipeline`` finished ``microbatch`` on every stage."""
+        if microbatch in self._committed:
+            return CommitResult.DUPLICATE
+        lease = self._leases.get(microbatch)
+        if lease is None or lease.pipeline != pipeline or pipeline in self._failed:
+            return CommitResult.STALE
+        del self._leases[microbatch]
+        self._committed[microbatch] = pipeline
+        return CommitResult.COMMITTED
+
+    def fail_pipeline(self, pipeline: int) -> list[int]:
+        """Return every micro-batch ``pipeline`` leased or committed this step to the pool; list them."""
+        self._failed.add(pipeline)
+        lost = [mb for mb, lease in self._leases.items() if lease.pipeline == pipeline]
+        lost += [mb for mb, owner in self._committed.items() if owner == pipeline]
+        for mb in lost:
+            self._leases.pop(mb, None)
+            self._committed.pop(mb, None)
+        self._free.extend(lost)
+        self.requeued += len(lost)
+        return sorted(lost)
+
+    def expire(self) -> list[int]:
+        """Fail every pipeline holding a lease past its deadline; return those pipelines."""
+        now = self._clock()
+        late = sorted({lease.pipeline for lease in self._leases.values() if lease.deadline < now})
+        for pipeline in late:
+            self.fail_pipeline(pipeline)
+        return late
+
+    def failed(self) -> set[int]:
+        """Pipelines failed in this step."""
+        return set(self._failed)
+
+    # -- queries -----------------------------------------------------------------------------------------
+    def complete(self) -> bool:
+        """True when every micro-batch of the step is committed: gradients may be synchronised."""
+        return len(self._committed) == self.n_microbatches
+
+    def assignment(self) -> dict[int, int]:
+        """Committed micro-batch -> the pipeline whose contribution counts."""
+        return dict(self._committed)
+
+    def microbatches_of(self, pipeline: int) -> list[int]:
+        """The committed micro-batches a replica in ``pipeline`` must hold in its accumulator."""
+        return sorted(mb for mb, owner in self._committed.items() if owner == pipeline)
+
+    def in_flight(self, pipeline: int) -> int:
+        """How many micro-batches ``pipeline`` holds leased and not yet committed."""
+        return sum(1 for lease in self._leases.values() if lease.pipeline == pipeline)
