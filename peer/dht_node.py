@@ -1,0 +1,119 @@
+"""Start (or join) the hivemind DHT with the peer's signing key, failing fast with a one-line reason.
+
+A ``hivemind.DHT`` runs in a child process that starts a libp2p daemon; errors come back as
+``P2PDaemonError("Daemon failed to start: 2026/01/01 12:00:00 failed to connect to bootstrap peers")``.
+:func:`start_dht` bounds the start-up with a deadline, always cleans the child up on failure and turns the
+daemon's message into a :class:`DHTStartError` that says what to fix.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import re
+from dataclasses import dataclass
+
+import hivemind
+
+from peer.identity import Identity
+
+logger = logging.getLogger(__name__)
+
+_DAEMON_PREFIX_RE = re.compile(r"^(Daemon failed to start:\s*)?(\d{4}/\d\d/\d\d \d\d:\d\d:\d\d\s*)?")
+
+
+class DHTStartError(RuntimeError):
+    """The DHT could not be started or joined; the message is one line meant for the user."""
+
+
+@dataclass(frozen=True)
+class DHTConfig:
+    """Where the DHT listens and whom it joins.
+
+    ``host``/``port`` are the listen address (port 0 picks a free one); ``announce_host`` the address other
+    peers should dial when it differs (NAT, containers). ``client_mode`` nodes only read and write, they do
+    not serve other peers (``peer status`` uses one).
+    """
+
+    initial_peers: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 0
+    announce_host: str | None = None
+    client_mode: bool = False
+    startup_timeout_s: float = 10.0
+
+    def host_maddrs(self) -> list[str]:
+        return [_tcp_maddr("host", self.host, self.port)]
+
+    def announce_maddrs(self) -> list[str] | None:
+        if self.announce_host is None:
+            return None
+        return [_tcp_maddr("announce_host", self.announce_host, self.port)]
+
+
+def _tcp_maddr(field: str, host: str, port: int) -> str:
+    if not 0 <= port <= 65535:
+        raise DHTStartError(f"port must be in 0..65535, got {port}")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError as error:
+        raise DHTStartError(f"{field} must be an IP address, got {host!r}") from error
+    return f"/ip{address.version}/{address}/tcp/{port}"
+
+
+def _clean_daemon_message(error: BaseException) -> str:
+    text = " ".join(str(error).split()) or type(error).__name__
+    return _DAEMON_PREFIX_RE.sub("", text)
+
+
+def _explain(config: DHTConfig, message: str) -> str:
+    lowered = message.lower()
+    if "address already in use" in lowered:
+        return f"cannot listen on {config.host}:{config.port}: address already in use"
+    if config.initial_peers:
+        joined = " ".join(config.initial_peers)
+        if "parse multiaddr" in lowered or "invalid" in lowered or "must begin with" in lowered:
+            return f"bad --dht address {joined!r}: {message} (expected /ip4/HOST/tcp/PORT/p2p/PEER_ID)"
+        return f"cannot join the DHT at {joined}: {message}"
+    return f"cannot start the DHT: {message}"
+
+
+def start_dht(config: DHTConfig, identity: Identity) -> hivemind.DHT:
+    """A running DHT that signs this identity's records, or a :class:`DHTStartError` within the deadline.
+
+    The caller owns the returned DHT and must ``shutdown()`` it.
+    """
+    dht = hivemind.DHT(
+        initial_peers=list(config.initial_peers) or None,
+        start=False,
+        record_validators=[identity.signature_validator()],
+        client_mode=config.client_mode,
+        host_maddrs=config.host_maddrs(),
+        announce_maddrs=config.announce_maddrs(),
+        startup_timeout=config.startup_timeout_s,
+    )
+    try:
+        dht.run_in_background(await_ready=True, timeout=config.startup_timeout_s)
+    except TimeoutError as error:
+        _stop(dht)
+        where = " ".join(config.initial_peers) or f"{config.host}:{config.port}"
+        raise DHTStartError(f"DHT at {where} did not answer within {config.startup_timeout_s:g} s") from error
+    except Exception as error:  # hivemind raises P2PDaemonError, ValueError, OSError, ...
+        _stop(dht)
+        raise DHTStartError(_explain(config, _clean_daemon_message(error))) from error
+    return dht
+
+
+def _stop(dht: hivemind.DHT) -> None:
+    try:
+        dht.shutdown()
+    except Exception:  # the child may already be gone; make sure it is
+        logger.debug("DHT shutdown after a failed start raised", exc_info=True)
+    if dht.is_alive():
+        dht.terminate()
+        dht.join(5)
+
+
+def visible_maddrs(dht: hivemind.DHT) -> list[str]:
+    """The multiaddrs other peers can pass to ``--dht`` to join through this node."""
+    return [str(maddr) for maddr in dht.get_visible_maddrs()]

@@ -1,0 +1,187 @@
+"""Owner-signed, secret-sealed records of one run in the hivemind DHT.
+
+Every record of a run lives under the key ``f"{run_id}:{name}"`` (``peers``, ``links``, ``plans``, ``run``)
+with a subkey ``owner_tag + suffix``: hivemind's ``RSASignatureValidator`` makes every DHT node require the
+owner's signature on it, so nobody can write under somebody else's subkey, and readers take the writer's peer
+id from the tag (see ``peer.identity``).
+
+A swarm may also have a join secret. The secret never travels; instead each record carries
+
+    mac = HMAC-SHA256(secret, run_id | key name | subkey suffix | canonical JSON of the payload)
+
+and readers drop every record whose MAC does not verify, so a peer without the secret is simply not seen
+(and sees nobody). Binding the key name and suffix stops a valid record from being replayed under another
+key. Canonical JSON (sorted keys, no spaces, finite floats) is the same bytes on every peer because the
+payload went through msgpack and back, which preserves str/int/float/bool/None/list/dict exactly.
+
+Reading never trusts the network: a record that is not a well-formed envelope, whose MAC is wrong or
+missing, or that is too large is skipped with a log line; the caller's own schema check comes after.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import Enum
+
+import hivemind
+from hivemind.utils import get_dht_time
+
+from peer.identity import Identity, split_owner_subkey
+
+logger = logging.getLogger(__name__)
+
+MAX_PAYLOAD_BYTES = 256 * 1024
+_ENVELOPE_FIELDS = {"p", "mac"}
+
+
+class MacStatus(Enum):
+    OK = "ok"  # verifies with our secret, or neither side has a secret
+    MISSING = "missing"  # we have a secret, the record has no MAC
+    BAD = "bad"  # the record has a MAC that does not verify (wrong secret, or we have none)
+
+
+@dataclass(frozen=True)
+class SignedRecord:
+    """One record as read: the writer's peer id (from its signed owner tag) and the payload."""
+
+    owner: str
+    suffix: bytes
+    payload: dict
+    expires_at: float
+    mac_status: MacStatus
+
+
+def canonical_json(payload: object) -> bytes:
+    """Deterministic bytes of a JSON-like value; ValueError for anything else (bytes, NaN, sets...)."""
+    try:
+        return json.dumps(payload, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"payload is not plain JSON data: {error}") from error
+
+
+class RecordStore:
+    """Reads and writes the records of one run for one identity.
+
+    ``identity`` may be None for a read-only store. ``dht`` must have been started with
+    ``identity.signature_validator()`` among its record validators (``peer.dht_node.start_dht`` does
+    that), otherwise other nodes refuse our records as unsigned.
+    Every DHT call waits at most ``timeout_s``.
+    """
+
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        run_id: str,
+        identity: Identity | None,
+        secret: str | None,
+        timeout_s: float = 5.0,
+    ):
+        if not run_id or not isinstance(run_id, str) or len(run_id) > 128:
+            raise ValueError(f"run_id must be a non-empty string of at most 128 characters, got {run_id!r}")
+        if secret is not None and not secret:
+            raise ValueError("secret must be a non-empty string or None")
+        self.dht, self.run_id, self.identity, self.timeout_s = dht, run_id, identity, timeout_s
+        self._secret = secret.encode() if secret is not None else None
+
+    def key(self, name: str) -> str:
+        return f"{self.run_id}:{name}"
+
+    def mac(self, name: str, suffix: bytes, payload: dict, secret: bytes | None = None) -> str | None:
+        secret = self._secret if secret is None else secret
+        if secret is None:
+            return None
+        message = b"\x00".join([self.run_id.encode(), name.encode(), suffix, canonical_json(payload)])
+        return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+    def put(self, name: str, payload: dict, expires_at: float, suffix: bytes = b"") -> bool:
+        """Store ``payload`` under our own subkey; False when the DHT refused or did not answer in time.
+
+        The DHT keeps, per subkey, the value with the latest expiration: a put whose ``expires_at`` is not
+        later than what is stored is refused (returns False).
+        """
+        if self.identity is None:
+            raise ValueError("this record store is read-only (no identity to sign with)")
+        encoded = canonical_json(payload)  # raises before anything is sent
+        if len(encoded) > MAX_PAYLOAD_BYTES:
+            raise ValueError(f"{name} record is {len(encoded)} bytes, more than {MAX_PAYLOAD_BYTES}")
+        envelope = {"p": payload, "mac": self.mac(name, suffix, payload)}
+        future = self.dht.store(
+            self.key(name), envelope, expires_at, subkey=self.identity.owner_tag + suffix, return_future=True
+        )
+        try:
+            return bool(future.result(timeout=self.timeout_s))
+        except TimeoutError:
+            future.cancel()
+            logger.warning("storing %s timed out after %.1f s", self.key(name), self.timeout_s)
+            return False
+
+    def read(self, name: str) -> list[SignedRecord] | None:
+        """Every well-formed, unexpired record under ``name``, whatever its MAC; None if the DHT timed out."""
+        future = self.dht.get(self.key(name), latest=True, return_future=True)
+        try:
+            found = future.result(timeout=self.timeout_s)
+        except TimeoutError:
+            future.cancel()
+            logger.warning("reading %s timed out after %.1f s", self.key(name), self.timeout_s)
+            return None
+        if found is None:
+            return []
+        if not isinstance(found.value, dict):
+            logger.warning("%s holds a plain value, not per-peer records; ignored", self.key(name))
+            return []
+        now = get_dht_time()
+        return list(self._parse(name, found.value, now))
+
+    def _parse(self, name: str, entries: dict, now: float) -> Iterator[SignedRecord]:
+        for subkey, item in entries.items():
+            owner = split_owner_subkey(subkey)
+            if owner is None:
+                logger.debug("%s: skipping a record without an owner tag", self.key(name))
+                continue
+            peer_id, suffix = owner
+            if item.expiration_time < now:
+                continue
+            try:
+                payload, mac = self._open_envelope(item.value)
+                status = self._check_mac(name, suffix, payload, mac)
+            except ValueError as error:
+                logger.warning("%s: ignoring a malformed record from %s: %s", self.key(name), peer_id, error)
+                continue
+            yield SignedRecord(peer_id, suffix, payload, float(item.expiration_time), status)
+
+    @staticmethod
+    def _open_envelope(value: object) -> tuple[dict, str | None]:
+        if not isinstance(value, dict) or set(value) != _ENVELOPE_FIELDS:
+            raise ValueError("not a {p, mac} envelope")
+        payload, mac = value["p"], value["mac"]
+        if not isinstance(payload, dict):
+            raise ValueError("payload is not a dict")
+        if mac is not None and not (isinstance(mac, str) and len(mac) == 64):
+            raise ValueError("mac is not a 64-character hex string")
+        if len(canonical_json(payload)) > MAX_PAYLOAD_BYTES:
+            raise ValueError(f"payload larger than {MAX_PAYLOAD_BYTES} bytes")
+        return payload, mac
+
+    def _check_mac(self, name: str, suffix: bytes, payload: dict, mac: str | None) -> MacStatus:
+        if self._secret is None:
+            return MacStatus.OK if mac is None else MacStatus.BAD
+        if mac is None:
+            return MacStatus.MISSING
+        expected = self.mac(name, suffix, payload)
+        return MacStatus.OK if hmac.compare_digest(expected or "", mac) else MacStatus.BAD
+
+    def get_all(self, name: str) -> list[SignedRecord] | None:
+        """The records under ``name`` that this swarm accepts (MAC checked); None if the DHT timed out."""
+        records = self.read(name)
+        if records is None:
+            return None
+        accepted = [rec for rec in records if rec.mac_status is MacStatus.OK]
+        if len(accepted) < len(records):
+            logger.debug("%s: dropped %d records with a missing or wrong join-secret MAC",
+                         self.key(name), len(records) - len(accepted))
+        return accepted

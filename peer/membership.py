@@ -1,0 +1,307 @@
+"""Swarm membership: signed, expiring adverts in the hivemind DHT, renewed on a heartbeat.
+
+Liveness is expiry. A peer stores its advert with ``expires_at = now + ttl_s`` and re-stores it every
+``heartbeat_s``; with ``ttl_s = 3 * heartbeat_s`` two heartbeats may be lost (a slow DHT round, a GC pause)
+before others drop the peer, and a peer that dies without a word disappears at most ``ttl_s`` after its last
+heartbeat. A peer that leaves on purpose does better: it overwrites its advert with a *tombstone*. The DHT
+keeps, per subkey, the value with the latest expiration, so the tombstone must expire later than the last
+advert did; it does (``now + ttl_s`` > ``last heartbeat + ttl_s``), and readers that see it drop the peer at
+their next read instead of waiting for the expiry.
+
+Records (all under ``run_id``; see ``peer.dht_records`` for signatures and the join secret):
+
+* ``peers``: one advert (or tombstone) per peer, ``{"advert": {...}, "at": heartbeat time}``.
+* ``links``: one list of link reports per reporting peer, renewed with the advert.
+* ``run``: the run's configuration, published by the first peer (and adopted by others so it outlives it).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import hivemind
+from hivemind.utils import get_dht_time
+
+from peer.advert import Advert, LinkReport
+from peer.dht_records import MacStatus, RecordStore
+from peer.identity import Identity
+
+logger = logging.getLogger(__name__)
+
+MAX_LINK_REPORTS = 1024
+
+
+class SwarmSecretError(RuntimeError):
+    """This peer's join secret does not match the run's; the message is one line meant for the user."""
+
+
+@dataclass(frozen=True)
+class PeerEntry:
+    """A live peer as read from the DHT: its advert, its last heartbeat and when its advert expires."""
+
+    advert: Advert
+    heartbeat_at: float
+    expires_at: float
+
+    def last_seen_s(self, now: float | None = None) -> float:
+        return max(0.0, (get_dht_time() if now is None else now) - self.heartbeat_at)
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """The run's configuration with who published it and when (the earliest publication wins)."""
+
+    config: dict
+    created_at: float
+    publisher: str
+
+
+class Membership:
+    """Announce this peer, keep it alive, and read who else is alive.
+
+    ``dht`` must sign with ``identity`` (``peer.dht_node.start_dht``). ``secret`` is the swarm's join
+    secret or None. Every DHT call waits at most ``timeout_s``; a read that times out returns what the
+    previous successful read returned, so one slow round does not make the whole swarm "disappear".
+    """
+
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        run_id: str,
+        identity: Identity,
+        secret: str | None = None,
+        heartbeat_s: float = 2.0,
+        ttl_s: float | None = None,
+        timeout_s: float = 5.0,
+    ):
+        if heartbeat_s <= 0:
+            raise ValueError(f"heartbeat_s must be positive, got {heartbeat_s}")
+        self.ttl_s = 3.0 * heartbeat_s if ttl_s is None else ttl_s
+        if self.ttl_s <= heartbeat_s:
+            raise ValueError(f"ttl_s ({self.ttl_s}) must exceed heartbeat_s ({heartbeat_s})")
+        self.identity, self.run_id, self.heartbeat_s = identity, run_id, heartbeat_s
+        self.store = RecordStore(dht, run_id, identity, secret, timeout_s)
+        self._lock = threading.Lock()
+        self._advert: Advert | None = None
+        self._links: list[LinkReport] = []
+        self._run: RunRecord | None = None
+        self._last_expiry = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_entries: list[PeerEntry] = []
+        self._last_links: list[LinkReport] = []
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id
+
+    # ---- writing --------------------------------------------------------------------------------------
+
+    def announce(self, advert: Advert) -> bool:
+        """Store (or replace) our advert now and keep renewing it until :meth:`leave`.
+
+        Returns whether the DHT accepted this first store; the heartbeat retries either way.
+        """
+        if advert.peer_id != self.peer_id:
+            raise ValueError(f"advert.peer_id {advert.peer_id!r} is not this identity's {self.peer_id!r}")
+        with self._lock:
+            self._advert = advert
+        self._stop.clear()
+        stored = self._store_advert()
+        if self._thread is None or not self._thread.is_alive():
+            name = f"heartbeat-{self.peer_id}"
+            self._thread = threading.Thread(target=self._heartbeat, name=name, daemon=True)
+            self._thread.start()
+        return stored
+
+    def _store_advert(self) -> bool:
+        with self._lock:
+            advert = self._advert
+        if advert is None:
+            return False
+        now = get_dht_time()
+        expires_at = max(now + self.ttl_s, self._last_expiry + 1e-3)
+        stored = self.store.put("peers", {"advert": advert.to_record(), "at": now}, expires_at)
+        if stored:
+            self._last_expiry = expires_at
+        else:
+            logger.warning("advert of %s was not stored; retrying at the next heartbeat", self.peer_id)
+        return stored
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            try:
+                self._store_advert()
+                with self._lock:
+                    links, run = list(self._links), self._run
+                if links:
+                    self._store_links(links)
+                if run is not None:
+                    self._store_run(run)
+            except Exception:  # a heartbeat must survive anything the DHT throws; the next one retries
+                logger.exception("heartbeat of %s failed", self.peer_id)
+
+    def leave(self) -> None:
+        """Stop the heartbeat and announce our departure (others drop us at their next read)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.store.timeout_s * 4 + self.heartbeat_s)
+            self._thread = None
+        with self._lock:
+            had_advert, self._advert = self._advert is not None, None
+        if had_advert:
+            now = get_dht_time()
+            expires_at = max(now + self.ttl_s, self._last_expiry + 1e-3)
+            if self.store.put("peers", {"left": True, "at": now}, expires_at):
+                self._last_expiry = expires_at
+            else:
+                logger.warning("departure of %s was not stored; it will expire within %.1f s",
+                               self.peer_id, self.ttl_s)
+
+    def report_links(self, reports: list[LinkReport]) -> bool:
+        """Publish our view of our links (replaces the previous one; renewed with the heartbeat)."""
+        if len(reports) > MAX_LINK_REPORTS:
+            raise ValueError(f"at most {MAX_LINK_REPORTS} link reports, got {len(reports)}")
+        for report in reports:
+            if report.src != self.peer_id:
+                raise ValueError(f"link.src {report.src!r} is not this peer {self.peer_id!r}")
+        with self._lock:
+            self._links = list(reports)
+        return self._store_links(reports)
+
+    def _store_links(self, reports: list[LinkReport]) -> bool:
+        now = get_dht_time()
+        payload = {"links": [report.to_record() for report in reports], "at": now}
+        return self.store.put("links", payload, now + self.ttl_s)
+
+    def publish_run(self, run_config: dict, created_at: float | None = None) -> RunRecord:
+        """Publish the run configuration (first peer) and keep it alive with our heartbeat.
+
+        Joiners may re-publish what they read with its original ``created_at`` (:meth:`adopt_run`) so the
+        run outlives its first peer; readers take the earliest publication.
+        """
+        if not isinstance(run_config, dict):
+            raise ValueError(f"run config must be a dict, got {type(run_config).__name__}")
+        created_at = get_dht_time() if created_at is None else float(created_at)
+        record = RunRecord(dict(run_config), created_at, self.peer_id)
+        with self._lock:
+            self._run = record
+        if not self._store_run(record):
+            logger.warning("run %s was not stored yet; retrying at the next heartbeat", self.run_id)
+        return record
+
+    def adopt_run(self, record: RunRecord) -> None:
+        """Keep an existing run alive under our own key too (same config, same ``created_at``)."""
+        self.publish_run(record.config, record.created_at)
+
+    def _store_run(self, record: RunRecord) -> bool:
+        payload = {"config": record.config, "created_at": record.created_at}
+        return self.store.put("run", payload, get_dht_time() + max(self.ttl_s, 60.0))
+
+    # ---- reading --------------------------------------------------------------------------------------
+
+    def live_entries(self) -> list[PeerEntry]:
+        """Live peers with heartbeat times, sorted by peer id (expired, departed and malformed dropped)."""
+        records = self.store.get_all("peers")
+        if records is None:
+            return list(self._last_entries)
+        entries = []
+        for record in records:
+            payload = record.payload
+            if payload.get("left") is True:
+                continue
+            try:
+                if set(payload) != {"advert", "at"}:
+                    raise ValueError("peers record must hold exactly advert and at")
+                advert = Advert.from_record(payload["advert"])
+                heartbeat_at = payload["at"]
+                if isinstance(heartbeat_at, bool) or not isinstance(heartbeat_at, (int, float)):
+                    raise ValueError("at: expected a number")
+            except ValueError as error:
+                logger.warning("ignoring the advert of %s: %s", record.owner, error)
+                continue
+            if advert.peer_id != record.owner:
+                logger.warning("ignoring an advert for %s signed by %s", advert.peer_id, record.owner)
+                continue
+            entries.append(PeerEntry(advert, float(heartbeat_at), record.expires_at))
+        entries.sort(key=lambda entry: entry.advert.peer_id)
+        self._last_entries = entries
+        return list(entries)
+
+    def live_peers(self) -> list[Advert]:
+        """Adverts of the live peers, sorted by peer id."""
+        return [entry.advert for entry in self.live_entries()]
+
+    def links(self) -> list[LinkReport]:
+        """Every valid link report of every reporter (a report must come from its ``src``)."""
+        records = self.store.get_all("links")
+        if records is None:
+            return list(self._last_links)
+        reports = []
+        for record in records:
+            items = record.payload.get("links")
+            if not isinstance(items, list) or len(items) > MAX_LINK_REPORTS:
+                logger.warning("ignoring the link reports of %s: not a list of at most %d",
+                               record.owner, MAX_LINK_REPORTS)
+                continue
+            for item in items:
+                try:
+                    report = LinkReport.from_record(item)
+                except ValueError as error:
+                    logger.warning("ignoring a link report of %s: %s", record.owner, error)
+                    continue
+                if report.src == record.owner:
+                    reports.append(report)
+        reports.sort(key=lambda report: (report.src, report.dst))
+        self._last_links = reports
+        return list(reports)
+
+    def get_run_record(self) -> RunRecord | None:
+        """The earliest valid publication of the run, or None when nobody (with our secret) published it."""
+        records = self.store.get_all("run")
+        return _earliest_run(records or [])
+
+    def get_run(self) -> dict | None:
+        record = self.get_run_record()
+        return None if record is None else record.config
+
+
+def _earliest_run(records: list) -> RunRecord | None:
+    runs = []
+    for record in records:
+        payload = record.payload
+        config, created_at = payload.get("config"), payload.get("created_at")
+        if set(payload) != {"config", "created_at"} or not isinstance(config, dict):
+            logger.warning("ignoring a malformed run record from %s", record.owner)
+            continue
+        if isinstance(created_at, bool) or not isinstance(created_at, (int, float)):
+            logger.warning("ignoring a run record from %s without a numeric created_at", record.owner)
+            continue
+        runs.append(RunRecord(config, float(created_at), record.owner))
+    return min(runs, key=lambda run: (run.created_at, run.publisher), default=None)
+
+
+def verify_swarm_secret(
+    dht: hivemind.DHT, run_id: str, secret: str | None, timeout_s: float = 5.0
+) -> RunRecord | None:
+    """Check our join secret against the published run before announcing anything.
+
+    Returns the run when it is published and our secret matches (None when no run is published at all);
+    raises :class:`SwarmSecretError` when the run exists but only with MACs we cannot verify.
+    """
+    store = RecordStore(dht, run_id, None, secret, timeout_s)
+    records = store.read("run")
+    if records is None:
+        raise SwarmSecretError(f"could not read run {run_id!r} from the DHT within {timeout_s:g} s")
+    accepted = [record for record in records if record.mac_status is MacStatus.OK]
+    run = _earliest_run(accepted)
+    if run is not None or not records:
+        return run
+    statuses = {record.mac_status for record in records}
+    if secret is None:
+        raise SwarmSecretError(f"run {run_id!r} requires a join secret (--secret)")
+    if MacStatus.BAD in statuses:
+        raise SwarmSecretError(f"wrong join secret for run {run_id!r}")
+    raise SwarmSecretError(f"run {run_id!r} has no join secret, but one was given")
