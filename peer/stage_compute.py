@@ -1,0 +1,472 @@
+"""One stage replica's compute state: forward/backward per micro-batch, exactly-once gradient commits, AdamW.
+
+The runtime drives a :class:`StageCompute` from a single compute thread (it is not thread-safe). The protocol
+of one training step, for one stage replica:
+
+1. ``forward(mb, x)`` for each micro-batch leased to this pipeline; the output goes to the next stage. The
+   input and output are stashed for the backward pass. On the last stage ``forward_loss(mb, x, targets)`` does
+   forward, loss and backward in one call.
+2. ``backward(mb, grad_out)``: the gradient w.r.t. the input goes back to the previous stage; the gradient
+   w.r.t. this stage's parameters goes to a **pending** buffer keyed by ``mb``.
+3. ``commit(mb)`` once the task pool confirms the micro-batch: pending -> the step's accumulated sum. A second
+   commit of the same ``mb`` (a task re-done after a presumed failure) returns ``False`` and changes nothing,
+   which is how the *exactly once* invariant of DESIGN.md is kept locally. ``discard(mb)`` drops the state of
+   a micro-batch whose lease failed.
+4. The replicas of the stage sum their ``accumulated_grad()`` (all-reduce / parameter server, outside this
+   class) and every replica calls ``apply_update(summed, n_microbatches)``.
+
+**Why ``summed / n_microbatches``.** The full batch's loss is the mean of ``n`` equal-size micro-batch losses
+(each itself a mean over its ``B * T`` tokens): ``L = (1/n) sum_m L_m``, so ``dL/dθ = (1/n) sum_m dL_m/dθ``.
+Every micro-batch's backward therefore runs on its own unscaled loss, and the ``1/n`` is applied once, after
+the sum over all replicas — nobody needs to know ``n`` while the step is still running.
+
+**Precision.** Parameters live as one flat fp32 *master* vector; the optimizer (``torch.optim.AdamW``) updates
+per-parameter *views* of it, so its arithmetic is exactly that of AdamW on an ordinary model. In ``fp32``
+the module's parameters alias the master (no copy). In ``bf16``/``fp16`` the module holds a low-precision
+copy that is refreshed from the master after every step, while gradients are accumulated in fp32: small
+updates that would round away in bf16 still accumulate in the master. ``fp16`` uses a static loss scale
+(default 1024): the last stage multiplies the loss by it, the scale travels back inside the activation
+gradients, and every stage divides its parameter gradients by it; a non-finite gradient is refused by
+:meth:`apply_update`.
+
+**Devices.** Inputs are moved to the compute device; everything this class *returns* (activations, gradients,
+flat vectors) is a host (CPU) tensor, ready to serialise. Untested here (CPU-only CI): the CUDA path itself —
+it is the same code with ``device=cuda`` (no device-specific branches except in ``peer/devices.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from peer.devices import check_precision, resolve_device
+from peer.model import ModelConfig, build_stage, is_weight_decayed, lm_loss
+
+log = logging.getLogger(__name__)
+
+STATE_FORMAT = 1
+DEFAULT_FP16_LOSS_SCALE = 1024.0
+
+
+class StageConfigError(ValueError):
+    """A stage or optimizer configuration field is invalid; the message names the field."""
+
+
+class UnknownMicrobatchError(LookupError):
+    """A call names a micro-batch this stage holds no state for (never forwarded, or already discarded)."""
+
+
+class GradientError(ValueError):
+    """A gradient handed to the stage has the wrong size/shape/dtype or holds NaN/inf."""
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW hyper-parameters; ``grad_clip`` is a max global L2 norm (across *all* stages) or ``None``."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float | None = None
+
+    def validate(self) -> OptimConfig:
+        if not (isinstance(self.lr, (int, float)) and self.lr > 0 and math.isfinite(self.lr)):
+            raise StageConfigError(f"optim.lr must be a positive number, got {self.lr!r}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise StageConfigError(f"optim.betas must be two numbers in [0, 1), got {self.betas!r}")
+        if not self.eps > 0:
+            raise StageConfigError(f"optim.eps must be > 0, got {self.eps!r}")
+        if not self.weight_decay >= 0:
+            raise StageConfigError(f"optim.weight_decay must be >= 0, got {self.weight_decay!r}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise StageConfigError(f"optim.grad_clip must be > 0 or None, got {self.grad_clip!r}")
+        return self
+
+
+@dataclass(frozen=True)
+class StageComputeConfig:
+    """What one stage replica computes: layers ``[first_layer, last_layer)`` of ``model``."""
+
+    model: ModelConfig
+    first_layer: int
+    last_layer: int
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    device: str = "cpu"
+    precision: str = "fp32"
+    loss_scale: float | None = None  # None: 1 for fp32/bf16, DEFAULT_FP16_LOSS_SCALE for fp16
+
+    def resolved_loss_scale(self) -> float:
+        if self.loss_scale is not None:
+            if not (self.loss_scale > 0 and math.isfinite(self.loss_scale)):
+                raise StageConfigError(f"loss_scale must be positive and finite, got {self.loss_scale!r}")
+            return float(self.loss_scale)
+        return DEFAULT_FP16_LOSS_SCALE if self.precision == "fp16" else 1.0
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """Factor that scales a gradient of L2 norm ``total_norm`` down to at most ``max_norm``.
+
+    ``min(1, max_norm / (total_norm + 1e-6))``, the formula of ``torch.nn.utils.clip_grad_norm_``; the 1e-6
+    keeps a zero gradient finite. Shared by the stage runtime and the single-process reference.
+    """
+    return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+def shard_bounds(numel: int, n_shards: int) -> list[tuple[int, int]]:
+    """Split ``[0, numel)`` into ``n_shards`` contiguous ``(start, end)`` ranges for a reduce-scatter.
+
+    The first ``numel % n_shards`` shards get one extra element, so sizes differ by at most one and the
+    ranges are a pure function of ``(numel, n_shards)`` — every replica computes the same split.
+    """
+    if n_shards < 1:
+        raise ValueError(f"n_shards must be >= 1, got {n_shards}")
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    base, extra = divmod(numel, n_shards)
+    bounds, start = [], 0
+    for i in range(n_shards):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+@dataclass
+class _Stash:
+    """What backward needs: the (leaf) input and the output of the stage's forward pass."""
+
+    inp: torch.Tensor
+    out: torch.Tensor
+
+
+class StageCompute:
+    """Compute state of one replica of one pipeline stage (see the module docstring for the protocol)."""
+
+    def __init__(self, cfg: StageComputeConfig) -> None:
+        cfg.model.validate()
+        cfg.optim.validate()
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        self.dtype = check_precision(cfg.precision, self.device)
+        self.loss_scale = cfg.resolved_loss_scale()
+        module = build_stage(cfg.model, cfg.first_layer, cfg.last_layer)  # fp32 on the CPU, seeded
+
+        named = list(module.named_parameters())
+        self.names = [n for n, _ in named]
+        self._shapes = [p.shape for _, p in named]
+        sizes = [p.numel() for _, p in named]
+        self._offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        self.numel = self._offsets[-1]
+
+        self._master = torch.cat([p.detach().reshape(-1) for _, p in named]).to(self.device, torch.float32)
+        self._master_grad = torch.zeros_like(self._master)
+        self._master_views = [nn.Parameter(v) for v in self._views(self._master)]
+        for param, grad_view in zip(self._master_views, self._views(self._master_grad), strict=True):
+            param.grad = grad_view  # the optimizer reads these; never zero_grad(set_to_none=True)
+
+        self._aliased = self.dtype == torch.float32
+        if self._aliased:
+            for (_, param), view in zip(named, self._master_views, strict=True):
+                param.data = view.data
+            self.module = module.to(self.device)  # no-op on data already on the device
+        else:
+            self.module = module.to(self.device, self.dtype)
+            self._sync_compute_weights()
+        self._compute_params = [p for _, p in self.module.named_parameters()]
+
+        o = cfg.optim
+        named_master = list(zip(self.names, self._master_views, strict=True))
+        decay = [p for n, p in named_master if is_weight_decayed(n, p)]
+        no_decay = [p for n, p in named_master if not is_weight_decayed(n, p)]
+        groups = [g for g in ({"params": decay, "weight_decay": o.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps)
+        self._slices = {id(v): (a, b) for v, a, b in
+                        zip(self._master_views, self._offsets[:-1], self._offsets[1:], strict=True)}
+
+        self.step = 0
+        self._stash: dict[int, _Stash] = {}
+        self._pending: dict[int, torch.Tensor] = {}
+        self._committed: set[int] = set()
+        self._accum = torch.zeros_like(self._master)
+
+    # ----------------------------------------------------------------------------------------- layout helpers
+    @property
+    def is_first(self) -> bool:
+        return self.cfg.first_layer == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.cfg.last_layer == self.cfg.model.n_layers
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[a:b].view(shape) for a, b, shape in
+                zip(self._offsets[:-1], self._offsets[1:], self._shapes, strict=True)]
+
+    def _sync_compute_weights(self) -> None:
+        """Copy (and cast) the fp32 master into the low-precision compute weights; no-op when aliased."""
+        if self._aliased:
+            return
+        with torch.no_grad():
+            for param, master in zip(self.module.parameters(), self._master_views, strict=True):
+                param.copy_(master)
+
+    def _flatten_grads(self, grads: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+        """fp32 flat parameter gradient of one micro-batch, loss scale removed (an unused parameter -> 0)."""
+        flat = torch.cat([
+            (g if g is not None else torch.zeros(shape, device=self.device)).reshape(-1).float()
+            for g, shape in zip(grads, self._shapes, strict=True)
+        ])
+        return flat / self.loss_scale if self.loss_scale != 1.0 else flat
+
+    # --------------------------------------------------------------------------------- forward and backward
+    def _prepare_input(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            if x.dtype != torch.int64:
+                raise ValueError(f"first stage expects int64 token ids, got {x.dtype}")
+            return x.to(self.device)
+        if not x.is_floating_point():
+            raise ValueError(f"stage {self.cfg.first_layer} expects float hidden states, got {x.dtype}")
+        return x.to(self.device, self.dtype).detach().requires_grad_(True)
+
+    def _run_forward(self, mb: int, x: torch.Tensor) -> _Stash:
+        inp = self._prepare_input(x)
+        with torch.enable_grad():
+            out = self.module(inp)
+        if mb in self._stash:
+            log.info("stage %d-%d: micro-batch %d forwarded again; replacing its stash",
+                     self.cfg.first_layer, self.cfg.last_layer, mb)
+        return _Stash(inp=inp, out=out)
+
+    def forward(self, mb: int, x: torch.Tensor) -> torch.Tensor:
+        """Forward micro-batch ``mb``; stash what backward needs; return the output on the host.
+
+        Returns hidden states in the compute dtype (bf16 stays bf16 on the wire: half the traffic), or logits
+        on the last stage.
+        """
+        stash = self._run_forward(mb, x)
+        self._stash[mb] = stash
+        return stash.out.detach().cpu()
+
+    def forward_loss(
+        self, mb: int, x: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[float, torch.Tensor | None]:
+        """Last stage: forward, mean cross-entropy and backward at once.
+
+        Returns ``(loss, grad_input)``: the unscaled loss value, and the gradient w.r.t. this stage's input
+        (``None`` when this stage is also the first). The parameter gradient goes to ``mb``'s pending buffer.
+        """
+        if not self.is_last:
+            raise RuntimeError(f"forward_loss on stage {self.cfg.first_layer}-{self.cfg.last_layer}, "
+                               "which is not the last stage")
+        stash = self._run_forward(mb, x)
+        self._stash.pop(mb, None)
+        targets = targets.to(self.device)
+        with torch.enable_grad():
+            loss = lm_loss(stash.out, targets)
+            seed = loss * self.loss_scale if self.loss_scale != 1.0 else loss
+            grad_input = self._backward_from(mb, stash, seed, None)
+        return float(loss.detach()), grad_input
+
+    def backward(self, mb: int, grad_out: torch.Tensor) -> torch.Tensor | None:
+        """Backward of micro-batch ``mb`` given the gradient w.r.t. its output; return the input gradient.
+
+        ``None`` on the first stage (its input is token ids). Raises :class:`UnknownMicrobatchError` if ``mb``
+        was never forwarded here (or was discarded), ``ValueError`` if ``grad_out`` has the wrong shape.
+        """
+        stash = self._stash.get(mb)
+        if stash is None:
+            raise UnknownMicrobatchError(f"backward for micro-batch {mb}, which this stage has not forwarded")
+        if tuple(grad_out.shape) != tuple(stash.out.shape):
+            raise ValueError(f"grad_out shape {tuple(grad_out.shape)} does not match the output "
+                             f"shape {tuple(stash.out.shape)} of micro-batch {mb}")
+        if not grad_out.is_floating_point():
+            raise ValueError(f"grad_out must be floating point, got {grad_out.dtype}")
+        del self._stash[mb]
+        grad = grad_out.to(self.device, stash.out.dtype)
+        return self._backward_from(mb, stash, stash.out, grad)
+
+    def _backward_from(self, mb: int, stash: _Stash, root: torch.Tensor,
+                       grad: torch.Tensor | None) -> torch.Tensor | None:
+        inputs = list(self._compute_params) + ([] if self.is_first else [stash.inp])
+        grads = torch.autograd.grad(root, inputs, grad_outputs=grad, allow_unused=True)
+        if mb in self._pending:
+            log.info("micro-batch %d: replacing an uncommitted pending gradient", mb)
+        self._pending[mb] = self._flatten_grads(grads[: len(self._compute_params)])
+        if self.is_first:
+            return None
+        grad_input = grads[-1]
+        if grad_input is None:  # cannot happen for a real stage; keep the contract anyway
+            grad_input = torch.zeros_like(stash.inp)
+        return grad_input.detach().cpu()
+
+    # ------------------------------------------------------------------------------- exactly-once bookkeeping
+    def commit(self, mb: int) -> bool:
+        """Add ``mb``'s pending gradient to the step's sum; ``False`` (and no change) for a duplicate."""
+        if mb in self._committed:
+            self._pending.pop(mb, None)
+            log.info("micro-batch %d already committed this step; duplicate ignored", mb)
+            return False
+        pending = self._pending.pop(mb, None)
+        if pending is None:
+            raise UnknownMicrobatchError(f"commit of micro-batch {mb}, which has no pending gradient")
+        self._accum += pending
+        self._committed.add(mb)
+        return True
+
+    def discard(self, mb: int) -> bool:
+        """Drop the stash and pending gradient of ``mb`` (its lease failed). A committed gradient stays.
+
+        Returns whether there was anything to drop.
+        """
+        had_stash = self._stash.pop(mb, None) is not None
+        had_pending = self._pending.pop(mb, None) is not None
+        return had_stash or had_pending
+
+    def committed(self) -> set[int]:
+        return set(self._committed)
+
+    def pending(self) -> set[int]:
+        return set(self._pending)
+
+    def accumulated_grad(self) -> torch.Tensor:
+        """The step's committed gradient sum, flat fp32 on the host (a copy)."""
+        return self._accum.detach().cpu().clone()
+
+    # ------------------------------------------------------------------------------------- optimizer step
+    def _check_flat(self, flat: torch.Tensor, what: str) -> None:
+        if not isinstance(flat, torch.Tensor):
+            raise GradientError(f"{what} must be a tensor, got {type(flat).__name__}")
+        if flat.dim() != 1 or flat.numel() != self.numel:
+            raise GradientError(f"{what} must be a flat vector of {self.numel} values, got shape "
+                                f"{tuple(flat.shape)}")
+        if flat.dtype != torch.float32:
+            raise GradientError(f"{what} must be float32, got {flat.dtype}")
+        if not bool(torch.isfinite(flat).all()):
+            raise GradientError(f"{what} holds NaN or inf values")
+
+    def grad_sq_norm(self, summed_grad: torch.Tensor, n_microbatches: int) -> float:
+        """``||summed / n||^2`` of this stage in fp64; the global clip norm is the sqrt of the stages' sum."""
+        self._check_flat(summed_grad, "summed_grad")
+        return float(((summed_grad.double() / n_microbatches) ** 2).sum())
+
+    def apply_update(self, summed_grad: torch.Tensor, n_microbatches: int,
+                     global_grad_norm: float | None = None) -> None:
+        """AdamW step with gradient ``summed_grad / n_microbatches``; clear the step's state; ``step += 1``.
+
+        ``summed_grad`` is the sum over all replicas of their :meth:`accumulated_grad`. With ``grad_clip``
+        set, ``global_grad_norm`` must be the norm of the *whole model's* averaged gradient (sqrt of the sum
+        of every stage's :meth:`grad_sq_norm`), because clipping each stage by its own norm would not be the
+        same optimisation as clipping the full model; a stage holding the whole model computes it itself.
+        Bad input raises :class:`GradientError` and leaves the state untouched.
+        """
+        self._check_flat(summed_grad, "summed_grad")
+        if not (isinstance(n_microbatches, int) and n_microbatches >= 1):
+            raise GradientError(f"n_microbatches must be a positive integer, got {n_microbatches!r}")
+        grad = summed_grad.to(self.device) / n_microbatches
+        clip = self.cfg.optim.grad_clip
+        if clip is not None:
+            if global_grad_norm is None:
+                if not (self.is_first and self.is_last):
+                    raise GradientError("optim.grad_clip is set: pass global_grad_norm (over all stages)")
+                global_grad_norm = float(grad.double().norm())
+            if not (math.isfinite(global_grad_norm) and global_grad_norm >= 0):
+                raise GradientError(f"global_grad_norm must be finite and >= 0, got {global_grad_norm!r}")
+            coef = clip_coefficient(global_grad_norm, clip)
+            if coef < 1.0:
+                grad = grad * coef
+        self._master_grad.copy_(grad)
+        self.optimizer.step()
+        self._sync_compute_weights()
+        self._clear_step_state()
+        self.step += 1
+
+    def _clear_step_state(self) -> None:
+        self._accum.zero_()
+        self._committed.clear()
+        self._pending.clear()
+        self._stash.clear()
+
+    # ------------------------------------------------------------------------------------ parameters / state
+    def flat_params(self) -> torch.Tensor:
+        """The fp32 master parameters as one flat host vector (a copy), in ``self.names`` order."""
+        return self._master.detach().cpu().clone()
+
+    def named_params(self) -> dict[str, torch.Tensor]:
+        """fp32 master parameters by name; names are those of the full model (global layer indices)."""
+        flat = self.flat_params()
+        return {n: v.clone() for n, v in zip(self.names, self._views(flat), strict=True)}
+
+    def _flat_optimizer_state(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        exp_avg = torch.zeros(self.numel)
+        exp_avg_sq = torch.zeros(self.numel)
+        adam_step = 0.0
+        for param, a, b in zip(self._master_views, self._offsets[:-1], self._offsets[1:], strict=True):
+            state = self.optimizer.state.get(param)
+            if state:
+                exp_avg[a:b] = state["exp_avg"].detach().reshape(-1).cpu()
+                exp_avg_sq[a:b] = state["exp_avg_sq"].detach().reshape(-1).cpu()
+                adam_step = float(state["step"])
+        return exp_avg, exp_avg_sq, adam_step
+
+    def state_dict(self) -> dict[str, Any]:
+        """Parameters, AdamW state and step, as flat host tensors (for checkpoints and stage hand-over)."""
+        exp_avg, exp_avg_sq, adam_step = self._flat_optimizer_state()
+        return {
+            "format": STATE_FORMAT,
+            "model": self.cfg.model.to_dict(),
+            "layers": [self.cfg.first_layer, self.cfg.last_layer],
+            "step": self.step,
+            "params": self.flat_params(),
+            "exp_avg": exp_avg,
+            "exp_avg_sq": exp_avg_sq,
+            "adam_step": adam_step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace parameters, optimizer state and step; validate everything first (state untouched on error).
+
+        Clears the current step's pending/committed gradients: they were computed with the old parameters.
+        """
+        if state.get("format") != STATE_FORMAT:
+            raise StageConfigError(f"stage state format {state.get('format')!r} is not {STATE_FORMAT}")
+        if state.get("model") != self.cfg.model.to_dict():
+            raise StageConfigError("stage state is for a different model config")
+        if list(state.get("layers", ())) != [self.cfg.first_layer, self.cfg.last_layer]:
+            raise StageConfigError(f"stage state holds layers {state.get('layers')!r}, this stage holds "
+                                   f"[{self.cfg.first_layer}, {self.cfg.last_layer}]")
+        for key in ("params", "exp_avg", "exp_avg_sq"):
+            self._check_flat(state.get(key), f"state[{key!r}]")  # type: ignore[arg-type]
+        step, adam_step = state.get("step"), state.get("adam_step")
+        if not (isinstance(step, int) and step >= 0):
+            raise StageConfigError(f"state['step'] must be a non-negative integer, got {step!r}")
+        if not (isinstance(adam_step, (int, float)) and adam_step >= 0):
+            raise StageConfigError(f"state['adam_step'] must be >= 0, got {adam_step!r}")
+
+        with torch.no_grad():
+            self._master.copy_(state["params"])
+        if adam_step > 0:
+            # torch's optimizer state dict numbers parameters in param-group order; build it in that order.
+            osd = self.optimizer.state_dict()
+            params_in_order = [p for group in self.optimizer.param_groups for p in group["params"]]
+            ids_in_order = [pid for group in osd["param_groups"] for pid in group["params"]]
+            osd["state"] = {}
+            for pid, param in zip(ids_in_order, params_in_order, strict=True):
+                a, b = self._slices[id(param)]
+                osd["state"][pid] = {
+                    "step": torch.tensor(float(adam_step)),
+                    "exp_avg": state["exp_avg"][a:b].view(param.shape).clone(),
+                    "exp_avg_sq": state["exp_avg_sq"][a:b].view(param.shape).clone(),
+                }
+            self.optimizer.load_state_dict(osd)
+        else:
+            self.optimizer.state.clear()
+        self._sync_compute_weights()
+        self._clear_step_state()
+        self.step = step
