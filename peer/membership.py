@@ -143,12 +143,19 @@ class Membership:
             except Exception:  # a heartbeat must survive anything the DHT throws; the next one retries
                 logger.exception("heartbeat of %s failed", self.peer_id)
 
-    def leave(self) -> None:
-        """Stop the heartbeat and announce our departure (others drop us at their next read)."""
+    def stop_heartbeat(self) -> None:
+        """Stop renewing our records without announcing departure: they expire within ``ttl_s``.
+
+        This is what a crash looks like to others; :meth:`leave` is the graceful way out.
+        """
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.store.timeout_s * 4 + self.heartbeat_s)
             self._thread = None
+
+    def leave(self) -> None:
+        """Stop the heartbeat and announce our departure (others drop us at their next read)."""
+        self.stop_heartbeat()
         with self._lock:
             had_advert, self._advert = self._advert is not None, None
         if had_advert:

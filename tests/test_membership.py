@@ -1,0 +1,242 @@
+"""Membership over real hivemind DHT processes on loopback: adverts, departure, expiry, secrets, signatures.
+
+Four DHT nodes (each its own process with its own libp2p daemon) are shared by the module; each test uses
+its own run id, so tests do not see each other's records. Short heartbeats keep the file fast.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+from hivemind.utils import get_dht_time
+
+from peer.advert import Advert, LinkReport
+from peer.device import DeviceInfo
+from peer.dht_node import DHTConfig, start_dht, visible_maddrs
+from peer.identity import Identity
+from peer.membership import Membership, SwarmSecretError, verify_swarm_secret
+
+HEARTBEAT_S = 0.5
+TTL_S = 1.5
+DEVICE = DeviceInfo("emulated", "cpu", 2**33, 10.0, False, True)
+
+
+class Node:
+    def __init__(self, identity: Identity, initial: tuple[str, ...] = ()):
+        self.identity = identity
+        self.dht = start_dht(DHTConfig(initial_peers=initial), identity)
+
+    def membership(self, run_id: str, secret: str | None = None, **kwargs) -> Membership:
+        return Membership(
+            self.dht, run_id, self.identity, secret, heartbeat_s=HEARTBEAT_S, ttl_s=TTL_S, **kwargs
+        )
+
+    def advert(self, port: int, started_at: float | None = None, **kwargs) -> Advert:
+        started = get_dht_time() if started_at is None else started_at
+        return Advert(self.identity.peer_id, f"127.0.0.1:{port}", DEVICE, started, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def nodes() -> Iterator[list[Node]]:
+    """Four DHT nodes; the first bootstraps, the others join through it."""
+    started: list[Node] = []
+    try:
+        started.append(Node(Identity.generate()))
+        bootstrap = tuple(visible_maddrs(started[0].dht))
+        for _ in range(3):
+            started.append(Node(Identity.generate(), bootstrap))
+        yield started
+    finally:
+        for node in started:
+            node.dht.shutdown()
+
+
+@pytest.fixture
+def run_id() -> str:
+    return f"test-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def members() -> Iterator[list[Membership]]:
+    """Memberships a test creates; all leave at teardown, so no heartbeat thread outlives its test."""
+    created: list[Membership] = []
+    try:
+        yield created
+    finally:
+        for membership in created:
+            membership.leave()
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, poll_s: float = 0.1) -> float:
+    """Seconds until ``condition()`` held; fails the test after ``timeout_s``."""
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout_s:
+            pytest.fail(f"condition not met within {timeout_s} s")
+        time.sleep(poll_s)
+    return time.monotonic() - start
+
+
+def ids(membership: Membership) -> set[str]:
+    return {advert.peer_id for advert in membership.live_peers()}
+
+
+def test_adverts_appear_on_all_peers(nodes, run_id, members):
+    members.extend(node.membership(run_id) for node in nodes)
+    for port, (node, membership) in enumerate(zip(nodes, members, strict=True), start=5000):
+        assert membership.announce(node.advert(port, extra={"stage": port - 5000}))
+    everyone = {node.identity.peer_id for node in nodes}
+    for membership in members:
+        wait_for(lambda m=membership: ids(m) == everyone, timeout_s=10)
+    adverts = {advert.peer_id: advert for advert in members[0].live_peers()}
+    for port, node in enumerate(nodes, start=5000):
+        advert = adverts[node.identity.peer_id]
+        assert advert.endpoint == f"127.0.0.1:{port}" and advert.extra == {"stage": port - 5000}
+        assert advert.device == DEVICE
+    entries = members[1].live_entries()
+    assert all(0 <= entry.last_seen_s() < TTL_S and entry.expires_at > get_dht_time() for entry in entries)
+
+
+def test_heartbeat_keeps_advert_alive_and_announce_updates_it(nodes, run_id, members):
+    mine, other = nodes[0].membership(run_id), nodes[1].membership(run_id)
+    members.extend([mine, other])
+    mine.announce(nodes[0].advert(6000))
+    time.sleep(3 * TTL_S)  # far past one ttl: only the heartbeat can keep it there
+    assert ids(other) == {nodes[0].identity.peer_id}
+    mine.announce(nodes[0].advert(6001))
+    wait_for(lambda: other.live_peers()[0].endpoint == "127.0.0.1:6001", timeout_s=5)
+
+
+def test_leave_is_noticed_long_before_the_advert_would_expire(nodes, run_id, members):
+    slow = Membership(nodes[0].dht, run_id, nodes[0].identity, None, heartbeat_s=1.0, ttl_s=60.0)
+    watcher = nodes[2].membership(run_id)
+    members.extend([slow, watcher])
+    slow.announce(nodes[0].advert(6100))
+    wait_for(lambda: ids(watcher) == {nodes[0].identity.peer_id}, timeout_s=5)
+    slow.leave()
+    # The advert would live 60 s; the tombstone removes it at the next read.
+    wait_for(lambda: not ids(watcher), timeout_s=5)
+    # Rejoining with the same identity works: the new advert expires later than the tombstone.
+    slow.announce(nodes[0].advert(6101))
+    wait_for(lambda: ids(watcher) == {nodes[0].identity.peer_id}, timeout_s=5)
+
+
+def test_peer_whose_heartbeat_stops_expires(nodes, run_id, members):
+    doomed = Node(Identity.generate(), tuple(visible_maddrs(nodes[0].dht)))
+    try:
+        membership = doomed.membership(run_id)
+        watcher = nodes[3].membership(run_id)
+        members.append(watcher)
+        membership.announce(doomed.advert(6200))
+        wait_for(lambda: ids(watcher) == {doomed.identity.peer_id}, timeout_s=5)
+        membership.stop_heartbeat()  # the process "dies": no more heartbeats, no departure
+        doomed.dht.shutdown()
+        gone_after = wait_for(lambda: not ids(watcher), timeout_s=TTL_S + HEARTBEAT_S + 5)
+        assert gone_after > 0  # it did not vanish before its advert expired
+    finally:
+        doomed.dht.shutdown()
+
+
+def test_malformed_records_are_ignored(nodes, run_id, members):
+    good = nodes[0].membership(run_id)
+    reader = nodes[1].membership(run_id)
+    members.extend([good, reader])
+    good.announce(nodes[0].advert(6300))
+    forger = nodes[2]
+    tag = forger.identity.owner_tag
+    # Distinct expiries: hivemind's storage heap compares subkeys on equal expiry, and str < bytes raises.
+    expiries = iter(get_dht_time() + 30 + 0.01 * i for i in range(10))
+    bad_advert = forger.advert(6301).to_record()
+    bad_advert["device"]["tflops"] = "very fast"
+    someone_else = forger.advert(6302).to_record()
+    someone_else["peer_id"] = nodes[0].identity.peer_id  # claims to be another peer
+    dht, key = forger.dht, f"{run_id}:peers"
+    assert dht.store(key, {"p": {"advert": bad_advert, "at": 1.0}, "mac": None}, next(expiries), subkey=tag)
+    impostor = {"p": {"advert": someone_else, "at": 1.0}, "mac": None}
+    assert dht.store(key, impostor, next(expiries), subkey=tag + b"x")
+    assert dht.store(key, "not an envelope", next(expiries), subkey=tag + b"y")
+    assert dht.store(key, {"p": {"advert": [1, 2]}, "mac": None}, next(expiries), subkey=tag + b"z")
+    assert dht.store(key, {"p": {}, "mac": "zz"}, next(expiries), subkey=tag + b"w")
+    assert dht.store(key, {"advert": bad_advert}, next(expiries), subkey="no-owner-tag")
+    link_key = f"{run_id}:links"
+    forged_link = LinkReport(nodes[0].identity.peer_id, forger.identity.peer_id, 0.1, 1e6, True, 1.0)
+    links = {"p": {"links": [forged_link.to_record(), {"src": 1}], "at": 1.0}, "mac": None}
+    assert dht.store(link_key, links, next(expiries), subkey=tag)
+    run = {"p": {"config": "nope", "created_at": 0.0}, "mac": None}
+    assert dht.store(f"{run_id}:run", run, next(expiries), subkey=tag)
+    # Readers survive all of it and see only the honest peer, no links, no run.
+    assert [advert.peer_id for advert in reader.live_peers()] == [nodes[0].identity.peer_id]
+    assert reader.links() == []
+    assert reader.get_run() is None
+
+
+def test_links_are_reported_and_read_back(nodes, run_id, members):
+    a, b = nodes[0].membership(run_id), nodes[1].membership(run_id)
+    members.extend([a, b])
+    a_id, b_id = nodes[0].identity.peer_id, nodes[1].identity.peer_id
+    report = LinkReport(a_id, b_id, 0.02, 5e8, True, get_dht_time())
+    estimate = LinkReport(a_id, nodes[2].identity.peer_id, 0.1, 1e8, False, get_dht_time())
+    with pytest.raises(ValueError, match="link.src"):
+        a.report_links([LinkReport(b_id, a_id, 0.02, 5e8, True, get_dht_time())])
+    assert a.report_links([report, estimate])
+    assert b.links() == sorted([report, estimate], key=lambda r: (r.src, r.dst))
+
+
+def test_run_is_published_and_earliest_wins(nodes, run_id, members):
+    first, second, reader = (node.membership(run_id) for node in nodes[:3])
+    members.extend([first, second, reader])
+    assert reader.get_run() is None
+    published = first.publish_run({"model": {"n_layers": 4}, "steps": 10})
+    second.publish_run({"model": "a later, different run"})
+    assert reader.get_run() == {"model": {"n_layers": 4}, "steps": 10}
+    record = reader.get_run_record()
+    assert record.publisher == nodes[0].identity.peer_id and record.created_at == published.created_at
+    second.adopt_run(record)
+    assert reader.get_run() == {"model": {"n_layers": 4}, "steps": 10}
+
+
+def test_wrong_secret_makes_records_invisible_and_check_fails(nodes, run_id, members):
+    insiders = [nodes[0].membership(run_id, "open sesame"), nodes[1].membership(run_id, "open sesame")]
+    outsider = nodes[2].membership(run_id, "guess")
+    no_secret = nodes[3].membership(run_id, None)
+    members.extend([*insiders, outsider, no_secret])
+    insiders[0].publish_run({"model": "m"})
+    everyone = [*insiders, outsider, no_secret]
+    for node, membership, port in zip(nodes, everyone, range(6400, 6404), strict=True):
+        membership.announce(node.advert(port))
+    insider_ids = {nodes[0].identity.peer_id, nodes[1].identity.peer_id}
+    wait_for(lambda: ids(insiders[1]) == insider_ids, timeout_s=5)
+    time.sleep(2 * HEARTBEAT_S)  # give the outsiders' adverts time to spread, so absence means something
+    assert ids(insiders[0]) == insider_ids  # neither outsider is seen
+    assert ids(outsider) == {nodes[2].identity.peer_id}  # the outsider sees only itself
+    assert ids(no_secret) == {nodes[3].identity.peer_id}
+    assert verify_swarm_secret(nodes[2].dht, run_id, "open sesame").config == {"model": "m"}
+    with pytest.raises(SwarmSecretError, match="wrong join secret"):
+        verify_swarm_secret(nodes[2].dht, run_id, "guess")
+    with pytest.raises(SwarmSecretError, match="requires a join secret"):
+        verify_swarm_secret(nodes[3].dht, run_id, None)
+    open_run = f"{run_id}-open"
+    opener = nodes[0].membership(open_run)
+    members.append(opener)
+    opener.publish_run({"model": "m"})
+    with pytest.raises(SwarmSecretError, match="has no join secret"):
+        verify_swarm_secret(nodes[1].dht, open_run, "unexpected")
+    assert verify_swarm_secret(nodes[1].dht, f"{run_id}-nobody", "x") is None
+
+
+def test_another_peer_cannot_overwrite_my_advert(nodes, run_id, members):
+    owner = Membership(nodes[0].dht, run_id, nodes[0].identity, None, heartbeat_s=10.0, ttl_s=60.0)
+    reader = nodes[3].membership(run_id)
+    members.extend([owner, reader])
+    owner.announce(nodes[0].advert(6500))
+    wait_for(lambda: ids(reader) == {nodes[0].identity.peer_id}, timeout_s=5)
+    forged = nodes[0].advert(6666).to_record()  # same peer id, the forger's endpoint
+    envelope = {"p": {"advert": forged, "at": get_dht_time()}, "mac": None}
+    # The forger's DHT signs with the forger's key, which does not match the owner tag in the subkey.
+    # Its expiry (90 s) is later than the owner's (60 s), so an unsigned-check DHT would take it.
+    nodes[1].dht.store(f"{run_id}:peers", envelope, get_dht_time() + 90, subkey=nodes[0].identity.owner_tag)
+    adverts = reader.live_peers()
+    assert [advert.endpoint for advert in adverts] == ["127.0.0.1:6500"]
