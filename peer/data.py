@@ -86,6 +86,8 @@ def _concat(paths: list[Path], max_bytes: int) -> bytes:
         except OSError as exc:  # unreadable file inside a folder: skip it, but say so
             log.warning("skipping unreadable corpus file %s: %s", path, exc)
             continue
+        if not data:
+            continue
         piece = data + b"\n"
         chunks.append(piece[: max_bytes - total])
         total += len(chunks[-1])

@@ -105,9 +105,17 @@ def assert_equivalent(stages: list[list[StageCompute]], losses: list[float],
     assert max(float((reference[n] - initial[n]).abs().max()) for n in initial) > 1e-3
 
 
-@pytest.mark.parametrize("splits", [[(0, 2), (2, 4)], [(0, 1), (1, 4)]], ids=["2+2 layers", "1+3 layers"])
-def test_two_stages_two_replicas_match_single_process(corpus: Corpus, splits: list[tuple[int, int]]) -> None:
-    optim = OptimConfig(lr=3e-3, weight_decay=0.1)
+@pytest.mark.parametrize(
+    ("splits", "eps"),
+    # eps=1e-3 is comparable to sqrt(v): the update then depends on the gradient's scale (plain Adam is
+    # scale-invariant), so a wrong 1/n or a replica counted twice shows up as a difference.
+    [([(0, 2), (2, 4)], 1e-8), ([(0, 1), (1, 4)], 1e-8), ([(0, 2), (2, 4)], 1e-3)],
+    ids=["2+2 layers", "1+3 layers", "2+2 layers, scale-sensitive eps"],
+)
+def test_two_stages_two_replicas_match_single_process(
+    corpus: Corpus, splits: list[tuple[int, int]], eps: float
+) -> None:
+    optim = OptimConfig(lr=3e-3, weight_decay=0.1, eps=eps)
     reference, ref_losses = train_reference(MODEL, optim, corpus, SEED, STEPS, N_MICROBATCHES, MICRO_BATCH)
     stages, losses = train_pipeline(MODEL, optim, corpus, splits, n_replicas=2)
     assert_equivalent(stages, losses, reference, ref_losses)

@@ -1,0 +1,288 @@
+"""StageCompute: exactly-once commits, discard, bad input, state hand-over, reduced precision, devices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peer import devices
+from peer.data import Corpus, microbatch
+from peer.devices import DeviceError, check_precision, resolve_device, resolve_dtype
+from peer.model import ModelConfig
+from peer.stage_compute import (
+    GradientError,
+    OptimConfig,
+    StageCompute,
+    StageComputeConfig,
+    StageConfigError,
+    UnknownMicrobatchError,
+    shard_bounds,
+)
+
+MODEL = ModelConfig(n_layers=4, d_model=32, n_heads=4, seq_len=32, seed=1)
+MB, SEQ = 2, 32
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def corpus() -> Corpus:
+    return Corpus.from_stdlib(max_bytes=1 << 18)
+
+
+def make(first: int, last: int, **kw: object) -> StageCompute:
+    return StageCompute(StageComputeConfig(MODEL, first, last, **kw))  # type: ignore[arg-type]
+
+
+def batch(corpus: Corpus, step: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return microbatch(corpus, 0, step, mb, MB, SEQ)
+
+
+def run_mb(s0: StageCompute, s1: StageCompute, corpus: Corpus, step: int, mb: int) -> float:
+    x, y = batch(corpus, step, mb)
+    loss, grad = s1.forward_loss(mb, s0.forward(mb, x), y)
+    assert s0.backward(mb, grad) is None
+    return loss
+
+
+def test_duplicate_commit_is_ignored(corpus: Corpus) -> None:
+    s0, s1 = make(0, 2), make(2, 4)
+    run_mb(s0, s1, corpus, 0, 0)
+    assert s0.pending() == {0}
+    assert s0.commit(0) and s1.commit(0)
+    once = s0.accumulated_grad()
+    assert float(once.abs().sum()) > 0
+    run_mb(s0, s1, corpus, 0, 0)  # the same micro-batch re-done (its lease was thought lost)
+    assert not s0.commit(0) and not s1.commit(0)
+    assert torch.equal(s0.accumulated_grad(), once), "a duplicate must not change the sum"
+    assert s0.committed() == {0} and s0.pending() == set()
+    run_mb(s0, s1, corpus, 0, 1)
+    assert s0.commit(1)
+    assert s0.committed() == {0, 1}
+    assert not torch.equal(s0.accumulated_grad(), once)
+
+
+def test_discard_drops_stash_and_pending_but_not_committed(corpus: Corpus) -> None:
+    s0, s1 = make(0, 2), make(2, 4)
+    x, _ = batch(corpus, 0, 3)
+    s0.forward(3, x)
+    assert s0.discard(3)
+    with pytest.raises(UnknownMicrobatchError, match="3"):
+        s0.backward(3, torch.zeros(MB, SEQ, 32))
+    run_mb(s0, s1, corpus, 0, 4)
+    assert s0.discard(4) and s0.pending() == set()
+    with pytest.raises(UnknownMicrobatchError, match="4"):
+        s0.commit(4)
+    run_mb(s0, s1, corpus, 0, 5)
+    s0.commit(5)
+    committed = s0.accumulated_grad()
+    assert not s0.discard(5), "nothing left to drop once committed"
+    assert torch.equal(s0.accumulated_grad(), committed)
+    assert not s0.discard(99)
+
+
+def test_interleaved_micro_batches_give_the_same_gradients(corpus: Corpus) -> None:
+    """1F1B interleaves forwards and backwards; each micro-batch's gradient must not depend on that."""
+    seq0, seq1 = make(0, 2), make(2, 4)
+    for mb in (0, 1):
+        run_mb(seq0, seq1, corpus, 0, mb)
+    il0, il1 = make(0, 2), make(2, 4)
+    (x0, y0), (x1, y1) = batch(corpus, 0, 0), batch(corpus, 0, 1)
+    h0, h1 = il0.forward(0, x0), il0.forward(1, x1)
+    _, g1 = il1.forward_loss(1, h1, y1)
+    _, g0 = il1.forward_loss(0, h0, y0)
+    il0.backward(1, g1)
+    il0.backward(0, g0)
+    for a, b in ((seq0, il0), (seq1, il1)):
+        for mb in (0, 1):
+            a.commit(mb)
+            b.commit(mb)
+    for a, b in ((seq0, il0), (seq1, il1)):
+        assert torch.equal(a.accumulated_grad(), b.accumulated_grad())
+
+
+def test_bad_gradients_are_refused_and_state_is_untouched(corpus: Corpus) -> None:
+    s0, s1 = make(0, 2), make(2, 4)
+    run_mb(s0, s1, corpus, 0, 0)
+    s1.commit(0)
+    before = s1.flat_params()
+    acc = s1.accumulated_grad()
+    good = acc.clone()
+    nan = good.clone()
+    nan[7] = float("nan")
+    cases = [(good[:-1], "flat vector"), (good.view(-1, 1)[:10], "flat vector"), (good.double(), "float32"),
+             (nan, "NaN"), (torch.full_like(good, float("inf")), "NaN or inf")]
+    for bad, msg in cases:
+        with pytest.raises(GradientError, match=msg):
+            s1.apply_update(bad, 1)
+    with pytest.raises(GradientError, match="n_microbatches"):
+        s1.apply_update(good, 0)
+    assert torch.equal(s1.flat_params(), before) and s1.step == 0
+    assert torch.equal(s1.accumulated_grad(), acc) and s1.committed() == {0}
+    # wrong-shaped activation gradient: refused, and the stash survives for a correct retry
+    x, _ = batch(corpus, 0, 1)
+    s0.forward(1, x)
+    with pytest.raises(ValueError, match="shape"):
+        s0.backward(1, torch.zeros(MB, SEQ, 16))
+    assert s0.backward(1, torch.zeros(MB, SEQ, 32)) is None
+    with pytest.raises(RuntimeError, match="not the last"):
+        s0.forward_loss(2, x, x)
+    with pytest.raises(ValueError, match="int64 token ids"):
+        s0.forward(2, x.float())
+
+
+def test_update_clears_the_step_and_replicas_stay_identical(corpus: Corpus) -> None:
+    a, b = make(0, 4), make(0, 4)
+    for rep, mb in ((a, 0), (b, 1)):
+        x, y = batch(corpus, 0, mb)
+        rep.forward_loss(mb, x, y)
+        rep.commit(mb)
+    summed = a.accumulated_grad() + b.accumulated_grad()
+    before = a.flat_params()
+    for rep in (a, b):
+        rep.apply_update(summed, 2)
+        assert rep.step == 1 and rep.committed() == set() and float(rep.accumulated_grad().abs().sum()) == 0
+    assert torch.equal(a.flat_params(), b.flat_params())
+    assert not torch.equal(a.flat_params(), before)
+    # a micro-batch id committed last step may be committed again in the new step
+    x, y = batch(corpus, 1, 0)
+    a.forward_loss(0, x, y)
+    assert a.commit(0)
+
+
+def test_grad_clip_needs_the_global_norm_on_a_partial_stage(corpus: Corpus) -> None:
+    s0, s1 = make(0, 2, optim=OptimConfig(grad_clip=1.0)), make(2, 4, optim=OptimConfig(grad_clip=1.0))
+    run_mb(s0, s1, corpus, 0, 0)
+    s0.commit(0)
+    with pytest.raises(GradientError, match="global_grad_norm"):
+        s0.apply_update(s0.accumulated_grad(), 1)
+    s0.apply_update(s0.accumulated_grad(), 1, global_grad_norm=2.0)
+    assert s0.step == 1
+
+
+def train_steps(stage: StageCompute, corpus: Corpus, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = batch(corpus, step, 0)
+        losses.append(stage.forward_loss(0, x, y)[0])
+        stage.commit(0)
+        stage.apply_update(stage.accumulated_grad(), 1)
+    return losses
+
+
+def test_state_dict_hand_over_resumes_bit_identically(corpus: Corpus) -> None:
+    optim = OptimConfig(lr=3e-3)
+    original = make(0, 4, optim=optim)
+    train_steps(original, corpus, range(2))
+    state = original.state_dict()
+    assert state["step"] == 2 and state["params"].dtype == torch.float32 and state["adam_step"] == 2
+    joiner = make(0, 4, optim=optim)
+    assert not torch.equal(joiner.flat_params(), original.flat_params())
+    joiner.load_state_dict(state)
+    assert joiner.step == 2
+    train_steps(original, corpus, range(2, 4))
+    train_steps(joiner, corpus, range(2, 4))
+    assert torch.equal(joiner.flat_params(), original.flat_params())
+    other_layers = make(0, 2)
+    with pytest.raises(StageConfigError, match="layers"):
+        other_layers.load_state_dict(state)
+    broken = dict(state, params=state["params"][:-3])
+    with pytest.raises(GradientError, match="params"):
+        joiner.load_state_dict(broken)
+    with pytest.raises(StageConfigError, match="model config"):
+        joiner.load_state_dict(dict(state, model={**MODEL.to_dict(), "seed": 9}))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_reduced_precision_keeps_an_fp32_master(corpus: Corpus, precision: str) -> None:
+    """The CPU runs bf16/fp16 too (slowly), which exercises the master-copy and loss-scale logic here."""
+    ref0, ref1 = make(0, 2), make(2, 4)
+    low0, low1 = make(0, 2, precision=precision), make(2, 4, precision=precision)
+    assert torch.equal(low0.flat_params(), ref0.flat_params()), "same fp32 master at start"
+    dtype = resolve_dtype(precision)
+    x, y = batch(corpus, 0, 0)
+    h = low0.forward(0, x)
+    assert h.dtype == dtype and h.device.type == "cpu"
+    loss_low, grad = low1.forward_loss(0, h, y)
+    assert grad is not None and grad.dtype == dtype
+    low0.backward(0, grad)
+    loss_ref = run_mb(ref0, ref1, corpus, 0, 0)
+    assert loss_low == pytest.approx(loss_ref, rel=2e-2)
+    for low, ref in ((low0, ref0), (low1, ref1)):
+        low.commit(0)
+        ref.commit(0)
+        g_low, g_ref = low.accumulated_grad(), ref.accumulated_grad()
+        assert g_low.dtype == torch.float32
+        # the loss scale (1024 for fp16) was divided back out: same gradient up to half-precision error
+        assert float((g_low - g_ref).norm() / g_ref.norm()) < 0.1
+        low.apply_update(g_low, 1)
+        master = low.flat_params()
+        assert master.dtype == torch.float32
+        compute = torch.cat([p.detach().reshape(-1) for p in low.module.parameters()])
+        assert compute.dtype == dtype
+        assert torch.equal(compute, master.to(dtype)), "compute weights are the master, rounded"
+
+
+def test_shard_bounds_cover_evenly() -> None:
+    for numel, n in [(10, 3), (7, 7), (5, 8), (0, 2), (1_000_003, 4)]:
+        bounds = shard_bounds(numel, n)
+        assert len(bounds) == n and bounds[0][0] == 0 and bounds[-1][1] == numel
+        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
+        sizes = [e - s for s, e in bounds]
+        assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 0
+    assert shard_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    with pytest.raises(ValueError, match="n_shards"):
+        shard_bounds(10, 0)
+
+
+def test_config_errors_name_the_field() -> None:
+    with pytest.raises(StageConfigError, match="optim.lr"):
+        make(0, 4, optim=OptimConfig(lr=-1.0))
+    with pytest.raises(StageConfigError, match="optim.betas"):
+        make(0, 4, optim=OptimConfig(betas=(0.9, 1.0)))
+    with pytest.raises(DeviceError, match="--precision"):
+        make(0, 4, precision="fp8")
+    with pytest.raises(StageConfigError, match="loss_scale"):
+        make(0, 4, precision="fp16", loss_scale=0.0)
+
+
+def test_resolve_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(DeviceError, match="--device"):
+        resolve_device("tpu")
+    monkeypatch.setattr(devices.torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    with pytest.raises(DeviceError, match="no CUDA GPU"):
+        resolve_device("cuda")
+    # a mocked GPU (the only mock allowed): auto picks it, and an out-of-range index is refused
+    monkeypatch.setattr(devices.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(devices.torch.cuda, "device_count", lambda: 1)
+    assert resolve_device("auto") == torch.device("cuda")
+    assert resolve_device("CUDA:0") == torch.device("cuda", 0)
+    with pytest.raises(DeviceError, match="only 1"):
+        resolve_device("cuda:1")
+    monkeypatch.setattr(devices.torch.cuda, "is_bf16_supported", lambda: False)
+    monkeypatch.setattr(devices.torch.cuda, "get_device_name", lambda _d=None: "Old GPU")
+    with pytest.raises(DeviceError, match="bf16"):
+        check_precision("bf16", torch.device("cuda", 0))
+    assert devices.default_precision(torch.device("cuda", 0)) == "fp32"
+    assert devices.default_precision(torch.device("cpu")) == "fp32"
+
+
+def test_update_uses_the_mean_of_the_micro_batch_gradients(corpus: Corpus) -> None:
+    """Adam's step direction is blind to the gradient's scale, so check the moments it stored instead."""
+    optim = OptimConfig(betas=(0.9, 0.95))
+    stage = make(0, 4, optim=optim)
+    for mb in range(3):
+        x, y = batch(corpus, 0, mb)
+        stage.forward_loss(mb, x, y)
+        stage.commit(mb)
+    summed = stage.accumulated_grad()
+    stage.apply_update(summed, 3)
+    state = stage.state_dict()
+    mean = summed / 3
+    torch.testing.assert_close(state["exp_avg"], (1 - 0.9) * mean, rtol=1e-5, atol=1e-12)
+    torch.testing.assert_close(state["exp_avg_sq"], (1 - 0.95) * mean * mean, rtol=1e-5, atol=1e-16)
