@@ -1,1 +1,12 @@
-"""Tasklet protocol package."""
+"""Tasklet's wire protocol: the `.proto` messages, their generated stubs, tensor (de)serialisation with
+optional compression, chunking of large messages, and the protocol version every message carries.
+
+This package imports nothing else of Tasklet's, so any process (daemon, tests, benchmarks) can speak the
+protocol without pulling in the runtime.
+"""
+
+PROTOCOL_VERSION: int = 1
+"""Bumped on any change to the wire format that an older peer would misread. Peers refuse messages of any
+other version (see peer.transport), so mixed-version swarms fail loudly instead of corrupting training."""
+
+__all__ = ["PROTOCOL_VERSION"]

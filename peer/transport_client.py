@@ -1,0 +1,279 @@
+"""The gRPC client of a peer: one PeerClient per destination endpoint.
+
+Every call has a deadline (the caller's `timeout_s`, else config.default_timeout_s). gRPC failures come back
+as the protocol's typed errors: `Refused` when the peer answered no (INVALID_ARGUMENT, FAILED_PRECONDITION,
+RESOURCE_EXHAUSTED, INTERNAL, ...; it carries the peer's one-line message), `PeerUnreachable` when it did
+not answer (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED).
+
+Backpressure: at most `config.max_inflight_pushes` pushes to this peer are unfinished at any time; a further
+push blocks until one finishes, for at most its own timeout, then raises `Backpressure`. The caller that
+produces faster than the link carries is thus slowed to the link's pace, with bounded memory.
+
+Link emulation: with a `LinkShaper`, everything this client sends is held back by the link's delay and paced
+by its rate (see peer.shaping); share one shaper between all clients that talk to the same destination.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import grpc
+
+from peer.shaping import LinkShaper
+from peer.transport_config import TransportConfig
+from peer.transport_server import SERVICE, kind_value
+from protocol import PROTOCOL_VERSION
+from protocol import tasklet_pb2 as pb
+from protocol import tasklet_pb2_grpc as pb_grpc
+from protocol.chunking import Reassembler, check_version, decode_chunk, split_envelope
+from protocol.errors import Backpressure, PeerUnreachable, Refused, TransportError
+
+logger = logging.getLogger(__name__)
+
+UNREACHABLE_CODES = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+)
+PROBE_CHUNK_BYTES = 256 * 1024
+# Slack on top of a call's own deadline when waiting for its future: gRPC enforces the deadline itself, this
+# only guards against a future that never resolves.
+_RESULT_SLACK_S = 5.0
+
+
+def map_rpc_error(exc: grpc.RpcError, endpoint: str) -> TransportError:
+    """The typed error for a failed gRPC call."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    detail = (exc.details() if hasattr(exc, "details") else None) or str(code)
+    if code in UNREACHABLE_CODES:
+        return PeerUnreachable(endpoint, f"{code.name}: {detail}")
+    return Refused(code.name, detail, endpoint)
+
+
+class PeerClient:
+    """Calls one remote PeerServer at `endpoint` ("host:port").
+
+    sender: this process's peer id, stamped on Envelopes that have none and sent with Fetch/Ping/Probe so
+    the server can shape its replies back to us. shaper: emulation of the link to `endpoint`, or None.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        config: TransportConfig | None = None,
+        *,
+        shaper: LinkShaper | None = None,
+        sender: str = "",
+    ) -> None:
+        self.endpoint = endpoint
+        self.config = config or TransportConfig()
+        self.shaper = shaper
+        self.sender = sender
+        self._channel = grpc.insecure_channel(endpoint, options=self.config.grpc_options)
+        self._stub = pb_grpc.PeerStub(self._channel)
+        # Push and Fetch move serialized Chunks as raw bytes (see protocol.chunking.encode_chunk).
+        self._push = self._channel.stream_unary(
+            f"/{SERVICE}/Push", request_serializer=None, response_deserializer=pb.Ack.FromString
+        )
+        self._fetch = self._channel.unary_stream(
+            f"/{SERVICE}/Fetch",
+            request_serializer=pb.FetchRequest.SerializeToString,
+            response_deserializer=None,
+        )
+        self._inflight = threading.BoundedSemaphore(self.config.max_inflight_pushes)
+
+    def _timeout(self, timeout_s: float | None) -> float:
+        return self.config.default_timeout_s if timeout_s is None else timeout_s
+
+    def _chunk_bytes(self) -> int:
+        size = self.config.chunk_bytes
+        return size if self.shaper is None else self.shaper.chunk_bytes(size)
+
+    # --- push ---------------------------------------------------------------------------------------------
+    def push_async(self, envelope: pb.Envelope, timeout_s: float | None = None) -> Future[None]:
+        """Start delivering `envelope`; the Future resolves to None or fails with Refused/PeerUnreachable.
+
+        Blocks (at most timeout_s) while max_inflight_pushes pushes are unfinished: that is the backpressure.
+        Stamps protocol_version and sender on the envelope when they are unset. timeout_s covers the wait
+        for a slot and the whole call.
+        """
+        timeout = self._timeout(timeout_s)
+        deadline = time.monotonic() + timeout
+        if not self._inflight.acquire(timeout=timeout):
+            raise Backpressure(
+                self.endpoint,
+                f"{self.config.max_inflight_pushes} pushes in flight, none finished in {timeout:.3g} s",
+            )
+        try:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise Backpressure(
+                    self.endpoint, f"no time left of {timeout:.3g} s after waiting for a push slot"
+                )
+            if envelope.protocol_version == 0:
+                envelope.protocol_version = PROTOCOL_VERSION
+            if not envelope.sender:
+                envelope.sender = self.sender
+            chunks = self._push_chunks(envelope)
+            call = self._push.future(chunks, timeout=remaining)
+        except BaseException:
+            self._inflight.release()
+            raise
+        result: Future[None] = Future()
+        result.set_running_or_notify_cancel()
+
+        def finished(done: grpc.Future) -> None:
+            self._inflight.release()
+            try:
+                done.result()
+            except grpc.RpcError as exc:
+                result.set_exception(map_rpc_error(exc, self.endpoint))
+            except grpc.FutureCancelledError:
+                result.set_exception(PeerUnreachable(self.endpoint, "push cancelled"))
+            else:
+                result.set_result(None)
+
+        call.add_done_callback(finished)
+        return result
+
+    def _push_chunks(self, envelope: pb.Envelope) -> Iterator[bytes]:
+        # Serialising happens when gRPC pulls the first chunk, on gRPC's sending thread, not the caller's.
+        sent_at = time.monotonic()
+        chunks = split_envelope(envelope, self._chunk_bytes())
+        if self.shaper is None:
+            yield from chunks
+        else:
+            yield from self.shaper.shape(chunks, len, sent_at=sent_at)
+
+    def push(self, envelope: pb.Envelope, timeout_s: float | None = None) -> None:
+        """Deliver `envelope` and wait for the peer's acknowledgement (see push_async)."""
+        timeout = self._timeout(timeout_s)
+        future = self.push_async(envelope, timeout)
+        try:
+            future.result(timeout=timeout + _RESULT_SLACK_S)
+        except FutureTimeout:
+            raise PeerUnreachable(self.endpoint, f"push did not finish within {timeout:.3g} s") from None
+
+    # --- fetch --------------------------------------------------------------------------------------------
+    def fetch(
+        self,
+        kind: int | str,
+        key: pb.Key | None = None,
+        *,
+        meta: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> pb.Envelope:
+        """Ask the peer for an Envelope of `kind` (e.g. STAGE_STATE) about `key`; checked like a push.
+
+        Raises Refused/PeerUnreachable, or protocol.errors.BadMessage if the reply stream is malformed.
+        """
+        timeout = self._timeout(timeout_s)
+        request = pb.FetchRequest(
+            protocol_version=PROTOCOL_VERSION,
+            kind=kind_value(kind),
+            sender=self.sender,
+            meta=dict(meta or {}),
+        )
+        if key is not None:
+            request.key.CopyFrom(key)
+        start = time.monotonic()
+        if self.shaper is not None:
+            self.shaper.wait_delay(start)
+        asm = Reassembler(self.config.max_envelope_bytes)
+        stream = self._fetch(request, timeout=max(1e-3, timeout - (time.monotonic() - start)))
+        try:
+            for raw in stream:
+                asm.add(decode_chunk(raw))
+        except grpc.RpcError as exc:
+            raise map_rpc_error(exc, self.endpoint) from None
+        except Exception:
+            stream.cancel()
+            raise
+        return asm.envelope()
+
+    # --- control calls ------------------------------------------------------------------------------------
+    def ping(self, timeout_s: float | None = None) -> float:
+        """Round-trip time in seconds of a small call (both directions of an emulated link included when the
+        server shapes its replies)."""
+        timeout = self._timeout(timeout_s)
+        start = time.monotonic()
+        if self.shaper is not None:
+            self.shaper.wait_delay(start)
+        request = pb.PingRequest(
+            protocol_version=PROTOCOL_VERSION, sender=self.sender, sent_ns=time.monotonic_ns()
+        )
+        try:
+            reply = self._stub.Ping(request, timeout=max(1e-3, timeout - (time.monotonic() - start)))
+        except grpc.RpcError as exc:
+            raise map_rpc_error(exc, self.endpoint) from None
+        check_version("ping_reply.protocol_version", reply.protocol_version)
+        return time.monotonic() - start
+
+    def probe(self, n_bytes: int, timeout_s: float | None = None) -> float:
+        """Bandwidth in bits/s of the link to the peer, from a timed stream of n_bytes.
+
+        The receiver timestamps chunk arrivals; (bytes after the first chunk) / (last - first arrival) is free
+        of the link's latency. With a single chunk, falls back to the sender's timing (latency included).
+        """
+        if n_bytes <= 0:
+            raise ValueError(f"n_bytes must be positive, got {n_bytes}")
+        timeout = self._timeout(timeout_s)
+        chunk = min(PROBE_CHUNK_BYTES, self._chunk_bytes())
+        payload = bytes(chunk)
+
+        def chunks() -> Iterator[pb.ProbeChunk]:
+            sent = 0
+            seq = 0
+            while sent < n_bytes:
+                size = min(chunk, n_bytes - sent)
+                yield pb.ProbeChunk(
+                    protocol_version=PROTOCOL_VERSION, seq=seq, sender=self.sender, payload=payload[:size]
+                )
+                sent += size
+                seq += 1
+
+        stream: Iterator[pb.ProbeChunk] = chunks()
+        start = time.monotonic()
+        if self.shaper is not None:
+            stream = self.shaper.shape(stream, lambda c: len(c.payload), sent_at=start)
+        try:
+            reply = self._stub.Probe(stream, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise map_rpc_error(exc, self.endpoint) from None
+        elapsed = time.monotonic() - start
+        check_version("probe_reply.protocol_version", reply.protocol_version)
+        span_s = (reply.last_recv_ns - reply.first_recv_ns) / 1e9
+        after_first = reply.bytes_received - reply.first_chunk_bytes
+        if after_first > 0 and span_s > 0:
+            return 8.0 * after_first / span_s
+        return 8.0 * reply.bytes_received / max(elapsed, 1e-9)
+
+    def status(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """The peer's status as filled by its daemon (plus the transport's counters)."""
+        request = pb.StatusRequest(protocol_version=PROTOCOL_VERSION)
+        try:
+            reply = self._stub.Status(request, timeout=self._timeout(timeout_s))
+        except grpc.RpcError as exc:
+            raise map_rpc_error(exc, self.endpoint) from None
+        check_version("status_reply.protocol_version", reply.protocol_version)
+        try:
+            status = json.loads(reply.json)
+        except ValueError as exc:
+            raise Refused("INVALID_REPLY", f"status_reply.json: not JSON ({exc})", self.endpoint) from None
+        if not isinstance(status, dict):
+            raise Refused("INVALID_REPLY", "status_reply.json: not a JSON object", self.endpoint)
+        return status
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> PeerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,68 @@
+"""Configuration shared by the transport's server and client (see peer.transport)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MIB = 1 << 20
+# Room for a Chunk's own fields and gRPC framing around a payload of chunk_bytes.
+CHUNK_OVERHEAD_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """Limits and sizes of one peer's gRPC transport.
+
+    host, port: where the server listens (port 0: let the OS pick; PeerServer.start returns it).
+    max_message_bytes: the gRPC per-message limit, both directions (one Chunk must fit).
+    max_envelope_bytes: the largest reassembled Envelope the server accepts (and the client accepts from a
+        Fetch); larger ones are refused from the first chunk, before anything is buffered.
+    chunk_bytes: payload per Chunk when sending (a shaped link may use smaller ones, see LinkShaper).
+    max_concurrent_streams: streaming calls (Push, Fetch, Probe) served at once; more are refused with
+        UNAVAILABLE ("busy") instead of queueing behind them.
+    thread_pool_size: server worker threads; must exceed max_concurrent_streams so that unary calls (Ping,
+        Status) always find a thread while every stream slot is taken.
+    max_inflight_pushes: client-side backpressure; a push blocks while this many are unfinished.
+    default_timeout_s: the deadline of a call whose caller gives none (there is never a call without one).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_message_bytes: int = 8 * MIB
+    max_envelope_bytes: int = 1024 * MIB
+    chunk_bytes: int = 1 * MIB
+    max_concurrent_streams: int = 8
+    thread_pool_size: int = 12
+    max_inflight_pushes: int = 4
+    default_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive, got {self.chunk_bytes}")
+        if self.chunk_bytes + CHUNK_OVERHEAD_BYTES > self.max_message_bytes:
+            raise ValueError(
+                f"chunk_bytes ({self.chunk_bytes}) plus {CHUNK_OVERHEAD_BYTES} bytes of framing must fit in "
+                f"max_message_bytes ({self.max_message_bytes})"
+            )
+        if self.max_envelope_bytes <= 0:
+            raise ValueError(f"max_envelope_bytes must be positive, got {self.max_envelope_bytes}")
+        if self.max_concurrent_streams < 1:
+            raise ValueError(f"max_concurrent_streams must be >= 1, got {self.max_concurrent_streams}")
+        if self.thread_pool_size < self.max_concurrent_streams + 2:
+            raise ValueError(
+                f"thread_pool_size ({self.thread_pool_size}) must be at least max_concurrent_streams + 2 "
+                f"({self.max_concurrent_streams + 2}) so that Ping and Status are served while streams run"
+            )
+        if self.max_inflight_pushes < 1:
+            raise ValueError(f"max_inflight_pushes must be >= 1, got {self.max_inflight_pushes}")
+        if not self.default_timeout_s > 0:
+            raise ValueError(f"default_timeout_s must be positive, got {self.default_timeout_s}")
+
+    @property
+    def grpc_options(self) -> list[tuple[str, int]]:
+        return [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+        ]

@@ -1,0 +1,339 @@
+"""The gRPC server of a peer: takes chunked Envelopes and dispatches them to handlers the runtime registers.
+
+Order of checks on a Push, all before any handler sees the message: the call has a deadline, a stream slot
+is free, every chunk has our protocol version, chunk sequence numbers count up from 0, the announced total is
+within `max_envelope_bytes` (checked on the first chunk, before buffering), the stream carries exactly the
+announced bytes, the bytes parse as an Envelope of our protocol version, and a handler exists for its Kind.
+The handler then validates the content (tensors via protocol.codec.decode_tensor, keys against its state)
+and may raise:
+
+* protocol.errors.BadMessage  -> INVALID_ARGUMENT with the handler's message,
+* protocol.errors.Rejected    -> FAILED_PRECONDITION (e.g. unknown step or micro-batch),
+* protocol.errors.Unavailable -> UNAVAILABLE (try later).
+
+Any other exception is logged with its traceback and answered with INTERNAL; in every case the server keeps
+serving. Handlers run on the server's worker threads (up to `max_concurrent_streams` at once), so they must
+be thread-safe, and a slow handler holds a stream slot for as long as it runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+
+from peer.shaping import LinkShaper
+from peer.transport_config import TransportConfig
+from protocol import PROTOCOL_VERSION
+from protocol import tasklet_pb2 as pb
+from protocol.chunking import Reassembler, check_version, decode_chunk, split_envelope
+from protocol.errors import BadMessage, Rejected, Unavailable
+
+logger = logging.getLogger(__name__)
+
+PushHandler = Callable[[pb.Envelope], None]
+FetchHandler = Callable[[pb.FetchRequest], pb.Envelope]
+StatusProvider = Callable[[], dict[str, Any]]
+ReplyShaperLookup = Callable[[str], LinkShaper | None]
+R = TypeVar("R")
+
+_ERROR_CODES: list[tuple[type[Exception], grpc.StatusCode]] = [
+    (BadMessage, grpc.StatusCode.INVALID_ARGUMENT),
+    (Rejected, grpc.StatusCode.FAILED_PRECONDITION),
+    (Unavailable, grpc.StatusCode.UNAVAILABLE),
+]
+
+
+def kind_value(kind: int | str) -> int:
+    """A Kind given as its enum value or its name ("ACTIVATION")."""
+    if isinstance(kind, str):
+        return pb.Kind.Value(kind)
+    pb.Kind.Name(kind)  # raises ValueError for an unknown value
+    return kind
+
+
+def _kind_name(kind: int) -> str:
+    try:
+        return pb.Kind.Name(kind)
+    except ValueError:
+        return str(kind)
+
+
+def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    context.abort(code, message)
+    raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
+
+
+def _guarded(context: grpc.ServicerContext, what: str, fn: Callable[[], R]) -> R:
+    """Run fn, turning the protocol's typed errors into gRPC statuses (see module docstring)."""
+    try:
+        return fn()
+    except grpc.RpcError:
+        # The client went away (cancelled, deadline passed) while we were reading its stream.
+        _abort(context, grpc.StatusCode.CANCELLED, f"{what}: the call ended before the message was complete")
+    except tuple(cls for cls, _ in _ERROR_CODES) as exc:
+        code = next(code for cls, code in _ERROR_CODES if isinstance(exc, cls))
+        logger.info("%s refused (%s): %s", what, code.name, exc)
+        _abort(context, code, str(exc))
+    except Exception as exc:
+        logger.exception("%s: handler failed", what)
+        _abort(
+            context, grpc.StatusCode.INTERNAL, f"{what}: internal error ({type(exc).__name__}: {exc})"[:500]
+        )
+
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Peer"].full_name
+
+
+class _Servicer:
+    """The gRPC side of PeerServer (the methods of service Peer); all state lives in the PeerServer.
+
+    Push requests and Fetch replies travel as raw bytes and are (de)serialized by protocol.chunking's
+    copy-avoiding Chunk codec; the other calls use the generated message classes.
+    """
+
+    def __init__(self, owner: PeerServer) -> None:
+        self._owner = owner
+
+    def _require_deadline(self, context: grpc.ServicerContext, what: str) -> None:
+        if context.time_remaining() is None:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{what}: calls without a deadline are refused")
+
+    def _stream_slot(self, context: grpc.ServicerContext, what: str) -> None:
+        if not self._owner._streams.acquire(blocking=False):
+            _abort(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                f"{what}: busy, {self._owner.config.max_concurrent_streams} streams already in progress",
+            )
+
+    def Push(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> pb.Ack:  # noqa: N802
+        self._require_deadline(context, "Push")
+        self._stream_slot(context, "Push")
+        try:
+            return _guarded(context, "Push", lambda: self._owner._deliver(request_iterator))
+        finally:
+            self._owner._streams.release()
+
+    def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[bytes]:  # noqa: N802
+        self._require_deadline(context, "Fetch")
+        self._stream_slot(context, "Fetch")
+        try:
+            envelope = _guarded(context, "Fetch", lambda: self._owner._fetch(request))
+            shaper = self._owner._reply_shaper(request.sender)
+            chunk_bytes = self._owner.config.chunk_bytes
+            if shaper is None:
+                yield from split_envelope(envelope, chunk_bytes)
+            else:
+                chunks = split_envelope(envelope, shaper.chunk_bytes(chunk_bytes))
+                yield from shaper.shape(chunks, len)
+        finally:
+            self._owner._streams.release()
+
+    def Ping(self, request: pb.PingRequest, context: grpc.ServicerContext) -> pb.PingReply:  # noqa: N802
+        self._require_deadline(context, "Ping")
+        _guarded(context, "Ping", lambda: check_version("ping.protocol_version", request.protocol_version))
+        shaper = self._owner._reply_shaper(request.sender)
+        if shaper is not None:
+            shaper.wait_delay(shaper.now())
+        return pb.PingReply(protocol_version=PROTOCOL_VERSION, echo_sent_ns=request.sent_ns)
+
+    def Probe(  # noqa: N802
+        self, request_iterator: Iterator[pb.ProbeChunk], context: grpc.ServicerContext
+    ) -> pb.ProbeReply:
+        self._require_deadline(context, "Probe")
+        self._stream_slot(context, "Probe")
+        try:
+            return _guarded(context, "Probe", lambda: self._owner._probe(request_iterator))
+        finally:
+            self._owner._streams.release()
+
+    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:  # noqa: N802
+        self._require_deadline(context, "Status")
+        _guarded(
+            context, "Status", lambda: check_version("status.protocol_version", request.protocol_version)
+        )
+        return pb.StatusReply(
+            protocol_version=PROTOCOL_VERSION, json=_guarded(context, "Status", self._owner._status)
+        )
+
+
+def _generic_handler(servicer: _Servicer) -> grpc.GenericRpcHandler:
+    """Method table of service Peer. A None (de)serializer passes raw bytes through."""
+    return grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "Push": grpc.stream_unary_rpc_method_handler(
+                servicer.Push, request_deserializer=None, response_serializer=pb.Ack.SerializeToString
+            ),
+            "Fetch": grpc.unary_stream_rpc_method_handler(
+                servicer.Fetch, request_deserializer=pb.FetchRequest.FromString, response_serializer=None
+            ),
+            "Ping": grpc.unary_unary_rpc_method_handler(
+                servicer.Ping,
+                request_deserializer=pb.PingRequest.FromString,
+                response_serializer=pb.PingReply.SerializeToString,
+            ),
+            "Probe": grpc.stream_unary_rpc_method_handler(
+                servicer.Probe,
+                request_deserializer=pb.ProbeChunk.FromString,
+                response_serializer=pb.ProbeReply.SerializeToString,
+            ),
+            "Status": grpc.unary_unary_rpc_method_handler(
+                servicer.Status,
+                request_deserializer=pb.StatusRequest.FromString,
+                response_serializer=pb.StatusReply.SerializeToString,
+            ),
+        },
+    )
+
+
+class PeerServer:
+    """A peer's gRPC server. Register handlers, then `start()`; `stop()` when done (or use `with`).
+
+    Handlers run on server threads (see the module docstring for the errors they may raise).
+    """
+
+    def __init__(self, config: TransportConfig | None = None) -> None:
+        self.config = config or TransportConfig()
+        self._push_handlers: dict[int, PushHandler] = {}
+        self._fetch_handlers: dict[int, FetchHandler] = {}
+        self._status_provider: StatusProvider | None = None
+        self._reply_shapers: ReplyShaperLookup | None = None
+        self._streams = threading.BoundedSemaphore(self.config.max_concurrent_streams)
+        self._lock = threading.Lock()
+        self._server: grpc.Server | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self.port: int | None = None
+        self.stats = {"pushes": 0, "push_bytes": 0, "fetches": 0, "probes": 0}
+
+    # --- registration -------------------------------------------------------------------------------------
+    def register_push(self, kind: int | str, handler: PushHandler) -> None:
+        """Call handler(envelope) for every valid pushed Envelope of this Kind (replaces a previous one)."""
+        with self._lock:
+            self._push_handlers[kind_value(kind)] = handler
+
+    def register_fetch(self, kind: int | str, handler: FetchHandler) -> None:
+        """Answer Fetch requests of this Kind with handler(request) -> Envelope."""
+        with self._lock:
+            self._fetch_handlers[kind_value(kind)] = handler
+
+    def set_status_provider(self, provider: StatusProvider) -> None:
+        """provider() -> JSON-serialisable dict, returned by the Status call."""
+        self._status_provider = provider
+
+    def set_reply_shaper(self, lookup: ReplyShaperLookup) -> None:
+        """lookup(sender peer id) -> the LinkShaper of the link from this peer back to the sender, or None.
+
+        Applied to what this server sends back: Fetch streams (bandwidth and delay) and Ping replies (delay),
+        so that a fetched stage state and a measured RTT see both directions of the emulated link. Push acks
+        are not delayed: a pusher learns of delivery after one way plus transmission time.
+        """
+        self._reply_shapers = lookup
+
+    # --- lifecycle ----------------------------------------------------------------------------------------
+    @property
+    def endpoint(self) -> str:
+        if self.port is None:
+            raise RuntimeError("the server is not started")
+        return f"{self.config.host}:{self.port}"
+
+    def start(self) -> int:
+        """Bind and start serving; return the port (the OS picks one when config.port is 0)."""
+        if self._server is not None:
+            raise RuntimeError("the server is already started")
+        self._executor = ThreadPoolExecutor(
+            max_workers=self.config.thread_pool_size, thread_name_prefix="peer-rpc"
+        )
+        server = grpc.server(self._executor, options=self.config.grpc_options)
+        server.add_generic_rpc_handlers((_generic_handler(_Servicer(self)),))
+        port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if port == 0:
+            self._executor.shutdown(wait=False)
+            raise OSError(f"cannot listen on {self.config.host}:{self.config.port}")
+        server.start()
+        self._server, self.port = server, port
+        logger.info("peer server listening on %s", self.endpoint)
+        return port
+
+    def stop(self, grace: float = 1.0) -> None:
+        """Stop accepting calls, give running ones `grace` seconds, then end them and free the threads."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.stop(grace).wait(timeout=grace + 5.0)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+        logger.info("peer server on port %s stopped", self.port)
+
+    def __enter__(self) -> PeerServer:
+        if self._server is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- call bodies (run on server threads) --------------------------------------------------------------
+    def _deliver(self, chunks: Iterator[bytes]) -> pb.Ack:
+        asm = Reassembler(self.config.max_envelope_bytes)
+        for raw in chunks:
+            asm.add(decode_chunk(raw))
+        envelope = asm.envelope()
+        handler = self._push_handlers.get(envelope.kind)
+        if handler is None:
+            raise Rejected(f"envelope.kind: this peer takes no {_kind_name(envelope.kind)} messages")
+        handler(envelope)
+        with self._lock:
+            self.stats["pushes"] += 1
+            self.stats["push_bytes"] += asm.total
+        return pb.Ack(protocol_version=PROTOCOL_VERSION, bytes_received=asm.total)
+
+    def _fetch(self, request: pb.FetchRequest) -> pb.Envelope:
+        check_version("fetch.protocol_version", request.protocol_version)
+        handler = self._fetch_handlers.get(request.kind)
+        if handler is None:
+            raise Rejected(f"fetch.kind: this peer serves no {_kind_name(request.kind)} fetches")
+        envelope = handler(request)
+        if envelope.protocol_version == 0:
+            envelope.protocol_version = PROTOCOL_VERSION
+        with self._lock:
+            self.stats["fetches"] += 1
+        return envelope
+
+    def _probe(self, chunks: Iterator[pb.ProbeChunk]) -> pb.ProbeReply:
+        reply = pb.ProbeReply(protocol_version=PROTOCOL_VERSION)
+        for chunk in chunks:
+            now = time.monotonic_ns()
+            check_version("probe.protocol_version", chunk.protocol_version)
+            size = len(chunk.payload)
+            if reply.bytes_received + size > self.config.max_envelope_bytes:
+                raise BadMessage(
+                    "probe.payload",
+                    f"probe longer than this peer's limit of {self.config.max_envelope_bytes}",
+                )
+            if reply.bytes_received == 0 and reply.first_recv_ns == 0:
+                reply.first_recv_ns = now
+                reply.first_chunk_bytes = size
+            reply.last_recv_ns = now
+            reply.bytes_received += size
+        with self._lock:
+            self.stats["probes"] += 1
+        return reply
+
+    def _status(self) -> str:
+        status: dict[str, Any] = {"protocol_version": PROTOCOL_VERSION, "transport": dict(self.stats)}
+        if self._status_provider is not None:
+            status.update(self._status_provider())
+        return json.dumps(status, default=str)
+
+    def _reply_shaper(self, sender: str) -> LinkShaper | None:
+        lookup = self._reply_shapers
+        return None if lookup is None or not sender else lookup(sender)
