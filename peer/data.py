@@ -94,9 +94,12 @@ def _concat(paths: list[Path], max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Corpus:
-    """The training text as a flat uint8 tensor, with a description of where it came from."""
+    """The training text as a flat uint8 tensor, with a description of where it came from.
+
+    Compare corpora by :attr:`fingerprint` (``eq=False``: comparing tensors with ``==`` is elementwise).
+    """
 
     data: torch.Tensor  # uint8 [N]
     source: str

@@ -36,6 +36,7 @@ it is the same code with ``device=cuda`` (no device-specific branches except in 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -161,7 +162,7 @@ class StageCompute:
         self.names = [n for n, _ in named]
         self._shapes = [p.shape for _, p in named]
         sizes = [p.numel() for _, p in named]
-        self._offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        self._offsets = [0, *itertools.accumulate(sizes)]
         self.numel = self._offsets[-1]
 
         self._master = torch.cat([p.detach().reshape(-1) for _, p in named]).to(self.device, torch.float32)
