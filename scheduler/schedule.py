@@ -1,0 +1,79 @@
+"""Per-tasklet timing facts shared by the ``full`` cost model and the discrete-event simulator.
+
+Both must model exactly what the runtime does (see ``docs/scheduler.md``), so the numbers they start from are
+computed once, here: forward / backward op times per (pipeline, stage), the transfer time of an activation or
+activation gradient over every hop, and the duration of each stage's gradient synchronisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .cluster import Cluster
+from .plan import Plan
+from .workload import Workload
+
+BACKWARD_FACTOR = 2.0
+
+
+@dataclass
+class Timing:
+    """Times in seconds; ``m`` is the plan matrix (replicas x stages)."""
+
+    m: np.ndarray
+    fwd: np.ndarray  # (D, S) forward op time of one micro-batch
+    bwd: np.ndarray  # (D, S) backward op time
+    hop_fwd: np.ndarray  # (D, S-1) activation transfer stage s -> s+1: delay + bits / bw
+    hop_bwd: np.ndarray  # (D, S-1) gradient transfer stage s+1 -> s
+    sync: np.ndarray  # (S,) reduce-scatter + all-gather of each stage's gradient
+    n_microbatches: int
+    window: int
+    activation_bytes: float
+
+    @property
+    def replicas(self) -> int:
+        return int(self.m.shape[0])
+
+    @property
+    def stages(self) -> int:
+        return int(self.m.shape[1])
+
+
+def stage_flops(workload: Workload, stages: list[tuple[int, int]]) -> np.ndarray:
+    return np.array([workload.stage_forward_flops(a, b) for a, b in stages])
+
+
+def sync_times(cluster: Cluster, workload: Workload, stages: list[tuple[int, int]], m: np.ndarray
+               ) -> np.ndarray:
+    """Per stage: 2 phases x max over ordered member pairs of (delay + 8 (P_s / D) / bw).
+
+    Reduce-scatter then all-gather: in each phase every member sends a 1/D shard of the stage gradient to
+    every other member at once, over independent links, so a phase lasts as long as its slowest pair.
+    """
+    d = m.shape[0]
+    out = np.zeros(m.shape[1])
+    if d == 1:
+        return out
+    for s, (a, b) in enumerate(stages):
+        g = m[:, s]
+        shard = workload.stage_param_bytes(a, b) / d
+        t = cluster.delay_s[np.ix_(g, g)] + 8.0 * shard / cluster.bandwidth_bps[np.ix_(g, g)]
+        np.fill_diagonal(t, 0.0)
+        out[s] = 2.0 * t.max()
+    return out
+
+
+def timing(cluster: Cluster, workload: Workload, plan: Plan, flops: np.ndarray | None = None) -> Timing:
+    m = plan.matrix()
+    if flops is None:
+        flops = stage_flops(workload, plan.stages)
+    fwd = flops[None, :] / (cluster.tflops[m] * 1e12)
+    act = workload.activation_bytes()
+    a, b = m[:, :-1], m[:, 1:]
+    hop_fwd = cluster.delay_s[a, b] + 8.0 * act / cluster.bandwidth_bps[a, b]
+    hop_bwd = cluster.delay_s[b, a] + 8.0 * act / cluster.bandwidth_bps[b, a]
+    return Timing(m=m, fwd=fwd, bwd=BACKWARD_FACTOR * fwd, hop_fwd=hop_fwd, hop_bwd=hop_bwd,
+                  sync=sync_times(cluster, workload, plan.stages, m), n_microbatches=workload.n_microbatches,
+                  window=m.shape[1], activation_bytes=act)
