@@ -16,8 +16,9 @@ would need trustworthy send times):
   i.e. when a real link would have finished putting it on the wire. Concurrent messages to the same
   destination draw from the same clock, so they share the link's rate instead of each getting all of it.
   Because slots are computed from the virtual clock and not from when a sleeping thread woke up, sleep
-  overshoot does not accumulate; a small `slack_s` lets a sender that fell behind (a late wake-up, a slow
-  consumer) catch up on that much lost time instead of losing it for good.
+  overshoot does not accumulate; a sender that fell behind by at most `slack_s` (a late wake-up, a slow
+  consumer) continues from the end of its previous slot and so catches up. An idle link banks nothing:
+  after a pause, transmission starts from "now", never earlier.
 * Granularity: releasing a 1 MiB chunk at once on a 10 Mbit/s link would make the stream bursty (0.8 s of
   nothing, then a burst at memory speed). `chunk_bytes` suggests chunks of about `quantum_s` worth of the
   link's rate, so the release pattern is smooth at every rate.
@@ -99,7 +100,9 @@ class LinkShaper:
             now = self._clock()
             if self.rate_bps is None:
                 return now
-            start = max(self._next_free, now - self.slack_s)
+            # Busy link (its previous booking ended at most slack_s ago): continue right after it, catching
+            # up on a late wake-up. Idle link: start now; idle time is not banked as a burst.
+            start = self._next_free if self._next_free >= now - self.slack_s else now
             self._next_free = start + 8.0 * n_bytes / self.rate_bps
             return self._next_free
 

@@ -42,6 +42,8 @@ FetchHandler = Callable[[pb.FetchRequest], pb.Envelope]
 StatusProvider = Callable[[], dict[str, Any]]
 ReplyShaperLookup = Callable[[str], LinkShaper | None]
 R = TypeVar("R")
+# A deadline further away than this (a day) counts as none: every peer call must be bounded.
+MAX_DEADLINE_S = 86_400.0
 
 _ERROR_CODES: list[tuple[type[Exception], grpc.StatusCode]] = [
     (BadMessage, grpc.StatusCode.INVALID_ARGUMENT),
@@ -102,7 +104,9 @@ class _Servicer:
         self._owner = owner
 
     def _require_deadline(self, context: grpc.ServicerContext, what: str) -> None:
-        if context.time_remaining() is None:
+        # gRPC reports a call without deadline as one due in the far future (or None in some versions).
+        remaining = context.time_remaining()
+        if remaining is None or remaining > MAX_DEADLINE_S:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{what}: calls without a deadline are refused")
 
     def _stream_slot(self, context: grpc.ServicerContext, what: str) -> None:

@@ -1,0 +1,244 @@
+"""PeerServer / PeerClient over real gRPC on 127.0.0.1: chunked pushes and fetches, control calls, deadlines,
+stream limits and client backpressure."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+
+from peer.shaping import LinkShaper
+from peer.transport import PeerClient, PeerServer, TransportConfig
+from protocol import PROTOCOL_VERSION
+from protocol import tasklet_pb2 as pb
+from protocol.codec import decode_tensor, encode_tensor
+from protocol.errors import Backpressure, PeerUnreachable, Refused
+
+CONFIG = TransportConfig(max_message_bytes=2 << 20, chunk_bytes=1 << 20, max_envelope_bytes=64 << 20)
+
+
+class Inbox:
+    """A push handler that records what it got (thread-safe)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.got: list[pb.Envelope] = []
+
+    def __call__(self, env: pb.Envelope) -> None:
+        with self.lock:
+            self.got.append(env)
+
+
+@pytest.fixture
+def server() -> Iterator[PeerServer]:
+    srv = PeerServer(CONFIG)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop(grace=0.5)
+
+
+@pytest.fixture
+def client(server: PeerServer) -> Iterator[PeerClient]:
+    cli = PeerClient(server.endpoint, CONFIG, sender="tester")
+    try:
+        yield cli
+    finally:
+        cli.close()
+
+
+def _activation(t: torch.Tensor, step: int = 0, compression: str = "none") -> pb.Envelope:
+    env = pb.Envelope(kind=pb.ACTIVATION)
+    env.key.step = step
+    env.key.microbatch = 1
+    env.tensors.append(encode_tensor("h", t, compression))
+    return env
+
+
+def test_push_large_tensor_streams_past_grpc_message_limit(server: PeerServer, client: PeerClient) -> None:
+    inbox = Inbox()
+    server.register_push("ACTIVATION", inbox)
+    t = torch.randn(3, 1 << 20)  # 12 MiB, six times the 2 MiB gRPC message limit
+    client.push(_activation(t, step=5), timeout_s=30)
+    assert len(inbox.got) == 1
+    env = inbox.got[0]
+    assert env.protocol_version == PROTOCOL_VERSION and env.sender == "tester" and env.key.step == 5
+    assert torch.equal(decode_tensor(env.tensors[0], expect_shape=(3, 1 << 20)), t)
+    assert server.stats["pushes"] == 1 and server.stats["push_bytes"] > 12 << 20
+
+
+def test_compressed_push_round_trip(server: PeerServer, client: PeerClient) -> None:
+    inbox = Inbox()
+    server.register_push(pb.ACTIVATION, inbox)
+    t = torch.randn(1000)
+    client.push(_activation(t, compression="int8"), timeout_s=10)
+    out = decode_tensor(inbox.got[0].tensors[0])
+    assert (out - t).abs().max() <= t.abs().max() / 254 * 1.001
+
+
+def test_fetch_stage_state(server: PeerServer, client: PeerClient) -> None:
+    params = torch.randn(5 << 20 >> 2)  # 5 MiB: several chunks back
+
+    def stage_state(request: pb.FetchRequest) -> pb.Envelope:
+        env = pb.Envelope(kind=pb.STAGE_STATE, sender="server")
+        env.key.CopyFrom(request.key)
+        env.tensors.append(encode_tensor("w", params))
+        env.meta["optimizer_step"] = "7"
+        env.meta["asked_by"] = request.sender
+        return env
+
+    server.register_fetch("STAGE_STATE", stage_state)
+    key = pb.Key(run_id="r", stage=1)
+    env = client.fetch("STAGE_STATE", key, meta={"why": "join"}, timeout_s=30)
+    assert env.key.stage == 1 and env.meta["optimizer_step"] == "7" and env.meta["asked_by"] == "tester"
+    assert torch.equal(decode_tensor(env.tensors[0]), params)
+    with pytest.raises(Refused) as info:
+        client.fetch("GRAD_SHARD", key, timeout_s=5)
+    assert info.value.code == "FAILED_PRECONDITION" and "GRAD_SHARD" in info.value.detail
+
+
+def test_control_calls(server: PeerServer, client: PeerClient) -> None:
+    server.set_status_provider(lambda: {"stage": 1, "loss": 2.5})
+    assert 0 < client.ping(timeout_s=5) < 5
+    status = client.status(timeout_s=5)
+    assert status["stage"] == 1 and status["loss"] == 2.5 and status["protocol_version"] == PROTOCOL_VERSION
+    assert client.probe(3 << 20, timeout_s=30) > 0
+    assert client.status()["transport"]["probes"] == 1
+
+
+def test_push_without_handler_is_refused(server: PeerServer, client: PeerClient) -> None:
+    with pytest.raises(Refused) as info:
+        client.push(_activation(torch.ones(2)), timeout_s=5)
+    assert info.value.code == "FAILED_PRECONDITION"
+    assert "envelope.kind: this peer takes no ACTIVATION messages" in str(info.value)
+
+
+def test_handler_crash_is_internal_and_server_keeps_serving(server: PeerServer, client: PeerClient) -> None:
+    calls = []
+
+    def flaky(env: pb.Envelope) -> None:
+        calls.append(env.key.step)
+        if env.key.step == 0:
+            raise KeyError("boom")
+
+    server.register_push("ACTIVATION", flaky)
+    with pytest.raises(Refused) as info:
+        client.push(_activation(torch.ones(2), step=0), timeout_s=5)
+    assert info.value.code == "INTERNAL" and "KeyError" in info.value.detail
+    client.push(_activation(torch.ones(2), step=1), timeout_s=5)
+    assert calls == [0, 1]
+
+
+def test_unreachable_peer_and_deadline() -> None:
+    srv = PeerServer(CONFIG)
+    port = srv.start()
+    srv.stop(grace=0)
+    with PeerClient(f"127.0.0.1:{port}", CONFIG) as dead:
+        with pytest.raises(PeerUnreachable, match="UNAVAILABLE"):
+            dead.ping(timeout_s=2)
+        with pytest.raises(PeerUnreachable):
+            dead.push(_activation(torch.ones(2)), timeout_s=2)
+
+    release = threading.Event()
+    with PeerServer(CONFIG) as slow, PeerClient(slow.endpoint, CONFIG) as cli:
+        slow.register_push("ACTIVATION", lambda env: release.wait(10))
+        try:
+            with pytest.raises(PeerUnreachable, match="DEADLINE_EXCEEDED"):
+                cli.push(_activation(torch.ones(2)), timeout_s=0.5)
+        finally:
+            release.set()
+
+
+def test_calls_without_deadline_are_refused(server: PeerServer) -> None:
+    with grpc.insecure_channel(server.endpoint) as channel:
+        ping = channel.unary_unary(
+            "/tasklet.v1.Peer/Ping",
+            request_serializer=pb.PingRequest.SerializeToString,
+            response_deserializer=pb.PingReply.FromString,
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            ping(pb.PingRequest(protocol_version=PROTOCOL_VERSION))  # no timeout on purpose
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "without a deadline" in info.value.details()
+
+
+def test_client_backpressure_blocks_then_times_out() -> None:
+    cfg = TransportConfig(max_inflight_pushes=2)
+    release = threading.Event()
+    entered = threading.Semaphore(0)
+
+    def blocked(env: pb.Envelope) -> None:
+        entered.release()
+        release.wait(10)
+
+    with PeerServer(cfg) as srv, PeerClient(srv.endpoint, cfg) as cli:
+        srv.register_push("ACTIVATION", blocked)
+        try:
+            first = cli.push_async(_activation(torch.ones(2)), timeout_s=10)
+            second = cli.push_async(_activation(torch.ones(2)), timeout_s=10)
+            assert entered.acquire(timeout=5) and entered.acquire(timeout=5)
+            with pytest.raises(Backpressure, match="2 pushes in flight"):
+                cli.push_async(_activation(torch.ones(2)), timeout_s=0.3)
+        finally:
+            release.set()
+        first.result(timeout=10)
+        second.result(timeout=10)
+        cli.push(_activation(torch.ones(2)), timeout_s=5)  # a slot is free again
+
+
+def test_server_stream_limit_answers_busy() -> None:
+    cfg = TransportConfig(max_concurrent_streams=1, thread_pool_size=3)
+    release = threading.Event()
+    entered = threading.Event()
+
+    def blocked(env: pb.Envelope) -> None:
+        entered.set()
+        release.wait(10)
+
+    with PeerServer(cfg) as srv, PeerClient(srv.endpoint, cfg) as a, PeerClient(srv.endpoint, cfg) as b:
+        srv.register_push("ACTIVATION", blocked)
+        try:
+            pending = a.push_async(_activation(torch.ones(2)), timeout_s=10)
+            assert entered.wait(5)
+            with pytest.raises(PeerUnreachable, match="busy"):
+                b.push(_activation(torch.ones(2)), timeout_s=5)
+            assert b.ping(timeout_s=5) > 0  # unary calls still get a thread
+        finally:
+            release.set()
+        pending.result(timeout=10)
+
+
+def test_shaped_link_delays_push_and_both_ping_directions(server: PeerServer) -> None:
+    inbox = Inbox()
+    server.register_push("ACTIVATION", inbox)
+    back = LinkShaper(50e6, 0.03)
+    server.set_reply_shaper(lambda sender: back if sender == "shaped" else None)
+    link = LinkShaper(50e6, 0.02)
+    with PeerClient(server.endpoint, CONFIG, shaper=link, sender="shaped") as cli:
+        t = torch.randn(100_000)
+        cli.push(_activation(t), timeout_s=10)
+        assert torch.equal(decode_tensor(inbox.got[0].tensors[0]), t)
+        assert link.bytes_sent >= 400_000
+        # Lower bounds hold by construction (the shaper sleeps); they are not performance assertions.
+        assert cli.ping(timeout_s=5) >= 0.05
+        state = torch.randn(50_000)
+        server.register_fetch("STAGE_STATE", lambda req: pb.Envelope(tensors=[encode_tensor("w", state)]))
+        start = time.monotonic()
+        env = cli.fetch("STAGE_STATE", timeout_s=10)
+        assert time.monotonic() - start >= 0.05  # request one way + reply one way
+        assert torch.equal(decode_tensor(env.tensors[0]), state)
+        assert back.bytes_sent >= 200_000  # the reply went through the server's shaper for this sender
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        TransportConfig(chunk_bytes=8 << 20, max_message_bytes=8 << 20)
+    with pytest.raises(ValueError, match="thread_pool_size"):
+        TransportConfig(max_concurrent_streams=8, thread_pool_size=8)
+    with pytest.raises(ValueError, match="port"):
+        TransportConfig(port=70000)
