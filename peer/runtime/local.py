@@ -1,0 +1,210 @@
+"""Run a plan on this machine: one worker process per device, each on its own loopback address.
+
+Used by tests, benchmarks and ``peer swarm``. Device ``i`` of the plan is a worker process listening on
+``127.0.0.{i+2}``; with a ``LinkModel`` every worker shapes what it sends to device ``j`` to the scenario's
+bandwidth and one-way delay, and stretches its compute to the device's declared TFLOP/s.
+
+Every process started here is ended by :meth:`LocalWorkers.close` (also on errors, via ``with``), and each
+worker exits by itself when its parent dies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from peer.runtime.coordinator import Coordinator, StepReport
+from peer.runtime.spec import Assignment, RunSpec
+
+log = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 60.0
+
+
+def loopback_host(device: int) -> str:
+    """127.0.0.2, 127.0.0.3, ... (127.0.0.1 is left to the coordinator and the DHT)."""
+    if not 0 <= device < 250 * 250:
+        raise ValueError(f"device index {device} out of range for loopback addresses")
+    return f"127.0.{device // 250}.{device % 250 + 2}"
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """Emulated network and devices: per-pair bandwidth (bit/s) and one-way delay (s), per-device TFLOP/s.
+
+    ``bandwidth_bps[i][j]`` and ``delay_s[i][j]`` describe the directed link i -> j; ``None`` = unshaped.
+    """
+
+    bandwidth_bps: Sequence[Sequence[float]] | None = None
+    delay_s: Sequence[Sequence[float]] | None = None
+    tflops: Sequence[float] | None = None
+
+
+@dataclass
+class RunResult:
+    """What a local run produced."""
+
+    reports: list[StepReport]
+    states: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def losses(self) -> list[float]:
+        return [r.loss for r in self.reports]
+
+    @property
+    def step_seconds(self) -> list[float]:
+        return [r.seconds for r in self.reports]
+
+
+class LocalWorkers:
+    """``n`` worker processes on loopback; ``endpoints[i]`` serves device ``i``."""
+
+    def __init__(self, n: int, log_dir: str | os.PathLike[str] | None = None, log_level: str = "WARNING") -> None:
+        self.n = n
+        self.log_dir = Path(log_dir) if log_dir else None
+        self.log_level = log_level
+        self.procs: list[subprocess.Popen[str]] = []
+        self.endpoints: list[str] = []
+        self._logs: list[IO[str]] = []
+
+    def __enter__(self) -> LocalWorkers:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        for i in range(self.n):
+            if self.log_dir:
+                self.log_dir.mkdir(parents=True, exist_ok=True)
+                stderr: IO[str] | int = open(self.log_dir / f"worker-{i}.log", "w")  # noqa: SIM115
+                self._logs.append(stderr)  # type: ignore[arg-type]
+            else:
+                stderr = subprocess.DEVNULL
+            cmd = [sys.executable, "-m", "peer.runtime.worker_main", "--host", loopback_host(i),
+                   "--peer-id", f"device-{i}", "--log-level", self.log_level]
+            self.procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env))
+        for i, proc in enumerate(self.procs):
+            self.endpoints.append(_read_ready(proc, i))
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+            if proc.stdout:
+                proc.stdout.close()
+        for f in self._logs:
+            f.close()
+        self.procs, self._logs = [], []
+
+
+def _read_ready(proc: subprocess.Popen[str], i: int) -> str:
+    """Wait (bounded) for the worker's ``READY host:port`` line."""
+    line: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        line.append(proc.stdout.readline())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(READY_TIMEOUT_S)
+    text = line[0].strip() if line else ""
+    if not text.startswith("READY "):
+        raise RuntimeError(f"worker {i} did not start (exit status {proc.poll()}, said {text!r})")
+    return text.split()[1]
+
+
+def build_assignments(
+    spec: RunSpec,
+    stages: Sequence[tuple[int, int]],
+    pipelines: Sequence[Sequence[int]],
+    endpoints: Sequence[str],
+    coordinator: str,
+    epoch: int = 1,
+    links: LinkModel | None = None,
+    forward_flops: Callable[[int, int], float] | None = None,
+) -> dict[str, Assignment]:
+    """Turn a plan (``pipelines[r][s]`` = device) into one Assignment per device endpoint."""
+    n_stages, n_replicas = len(stages), len(pipelines)
+    out: dict[str, Assignment] = {}
+    for r, pipe in enumerate(pipelines):
+        if len(pipe) != n_stages:
+            raise ValueError(f"pipeline {r} has {len(pipe)} stages, the plan has {n_stages}")
+        for s, dev in enumerate(pipe):
+            group = tuple(endpoints[pipelines[q][s]] for q in range(n_replicas))
+            shaped: dict[str, tuple[float, float]] = {}
+            if links is not None and links.bandwidth_bps is not None and links.delay_s is not None:
+                for other in {d for p in pipelines for d in p} - {dev}:
+                    shaped[endpoints[other]] = (float(links.bandwidth_bps[dev][other]),
+                                                float(links.delay_s[dev][other]))
+            tflops = None if links is None or links.tflops is None else float(links.tflops[dev])
+            a, b = stages[s]
+            out[endpoints[dev]] = Assignment(
+                epoch=epoch, stage=s, replica=r, n_stages=n_stages, n_replicas=n_replicas, layers=(a, b),
+                group=group, coordinator=coordinator,
+                prev=endpoints[pipe[s - 1]] if s > 0 else None,
+                next=endpoints[pipe[s + 1]] if s < n_stages - 1 else None,
+                links=shaped, emulate_tflops=tflops,
+                forward_flops=forward_flops(a, b) if forward_flops else 0.0,
+            ).validate()
+    return out
+
+
+def train_plan(
+    spec: RunSpec,
+    stages: Sequence[tuple[int, int]],
+    pipelines: Sequence[Sequence[int]],
+    steps: int,
+    *,
+    links: LinkModel | None = None,
+    forward_flops: Callable[[int, int], float] | None = None,
+    collect_states: bool = True,
+    log_dir: str | os.PathLike[str] | None = None,
+    on_step: Callable[[StepReport], None] | None = None,
+    step_timeout_s: float = 600.0,
+) -> RunResult:
+    """Start workers for every device of the plan, train ``steps`` steps, return losses, timings, states."""
+    n_devices = 1 + max(d for p in pipelines for d in p)
+    coordinator = Coordinator(spec)
+    coordinator.start()
+    try:
+        with LocalWorkers(n_devices, log_dir=log_dir) as workers:
+            assignments = build_assignments(spec, stages, pipelines, workers.endpoints, coordinator.endpoint,
+                                            links=links, forward_flops=forward_flops)
+            coordinator.assign(assignments)
+            reports = []
+            for step in range(steps):
+                report = coordinator.run_step(step, timeout_s=step_timeout_s)
+                reports.append(report)
+                if on_step:
+                    on_step(report)
+            result = RunResult(reports)
+            if collect_states:
+                for ep, a in assignments.items():
+                    result.states[(a.stage, a.replica)] = coordinator.fetch_state(ep)
+            coordinator.stop_workers()
+            return result
+    finally:
+        coordinator.close()

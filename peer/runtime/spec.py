@@ -1,0 +1,189 @@
+"""What a run is (``RunSpec``) and what one peer does in it (``Assignment``): the runtime's two configs.
+
+Both travel as JSON (inside a STAGE_ASSIGNMENT envelope, in the DHT, in ``run.json``), so each has a strict
+``from_dict`` that names the bad field instead of failing somewhere deep in the training loop.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from peer.model import ModelConfig
+from peer.stage_compute import OptimConfig
+
+COMPRESSIONS = ("none", "fp16", "int8")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+class SpecError(ValueError):
+    """A run or assignment field is invalid; the message names the field."""
+
+
+def _need(d: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if key not in d:
+        raise SpecError(f"{where}.{key}: missing")
+    value = d[key]
+    if isinstance(value, bool) and kind is not bool:
+        raise SpecError(f"{where}.{key}: expected {kind}, got a boolean")
+    if not isinstance(value, kind):
+        raise SpecError(f"{where}.{key}: expected {kind}, got {type(value).__name__}")
+    return value
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything every peer of a run must agree on: model, optimizer, data, batch, numerics.
+
+    The global batch of one step is ``n_microbatches x micro_batch`` sequences of ``model.seq_len`` tokens;
+    micro-batch ``m`` of step ``k`` is ``peer.data.microbatch(corpus, seed, k, m, ...)`` on whichever peer
+    computes it.
+    """
+
+    run_id: str = "tasklet"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    seed: int = 0
+    micro_batch: int = 4
+    n_microbatches: int = 8
+    corpus: str | None = None  # None: the Python standard library's sources
+    corpus_fingerprint: str = ""
+    precision: str = "fp32"
+    compression: str = "none"  # of activations and activation gradients on the wire
+
+    def validate(self) -> RunSpec:
+        self.model.validate()
+        self.optim.validate()
+        if self.optim.grad_clip is not None:
+            raise SpecError("optim.grad_clip: global-norm clipping across stages is not supported yet")
+        if not self.run_id or len(self.run_id) > 128:
+            raise SpecError("run.run_id: must be 1-128 characters")
+        for name in ("micro_batch", "n_microbatches"):
+            if getattr(self, name) < 1:
+                raise SpecError(f"run.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.precision not in PRECISIONS:
+            raise SpecError(f"run.precision: must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.compression not in COMPRESSIONS:
+            raise SpecError(f"run.compression: must be one of {COMPRESSIONS}, got {self.compression!r}")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["optim"]["betas"] = list(self.optim.betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunSpec:
+        if not isinstance(d, dict):
+            raise SpecError("run: expected a JSON object")
+        model = _need(d, "model", dict, "run")
+        optim = dict(_need(d, "optim", dict, "run"))
+        if "betas" in optim:
+            optim["betas"] = tuple(optim["betas"])
+        try:
+            spec = cls(
+                run_id=_need(d, "run_id", str, "run"),
+                model=ModelConfig(**model),
+                optim=OptimConfig(**optim),
+                seed=_need(d, "seed", int, "run"),
+                micro_batch=_need(d, "micro_batch", int, "run"),
+                n_microbatches=_need(d, "n_microbatches", int, "run"),
+                corpus=d.get("corpus"),
+                corpus_fingerprint=d.get("corpus_fingerprint", ""),
+                precision=d.get("precision", "fp32"),
+                compression=d.get("compression", "none"),
+            )
+        except TypeError as exc:  # an unknown key inside model/optim
+            raise SpecError(f"run: {exc}") from None
+        return spec.validate()
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """One peer's tasklet: stage ``stage`` of pipeline ``replica``, under plan ``epoch``.
+
+    Endpoints are "host:port" of the neighbours' gRPC servers; ``group[r]`` is the endpoint of replica ``r`` of
+    this stage (this peer included). ``links`` maps a destination endpoint to ``[rate_bps, delay_s]`` of the
+    emulated link towards it (absent: unshaped). ``emulate_tflops``: when set, every forward takes exactly
+    ``forward_flops / (emulate_tflops * 1e12)`` seconds (backward twice that) — an emulated GPU.
+    """
+
+    epoch: int
+    stage: int
+    replica: int
+    n_stages: int
+    n_replicas: int
+    layers: tuple[int, int]
+    group: tuple[str, ...]
+    coordinator: str
+    prev: str | None = None
+    next: str | None = None
+    links: dict[str, tuple[float, float]] = field(default_factory=dict)
+    emulate_tflops: float | None = None
+    forward_flops: float = 0.0
+    device: str = "cpu"
+
+    def validate(self) -> Assignment:
+        if not 0 <= self.stage < self.n_stages:
+            raise SpecError(f"assignment.stage: {self.stage} not in [0, {self.n_stages})")
+        if not 0 <= self.replica < self.n_replicas:
+            raise SpecError(f"assignment.replica: {self.replica} not in [0, {self.n_replicas})")
+        if len(self.group) != self.n_replicas:
+            raise SpecError(f"assignment.group: {len(self.group)} endpoints for {self.n_replicas} replicas")
+        if (self.stage > 0) != (self.prev is not None):
+            raise SpecError("assignment.prev: required exactly when stage > 0")
+        if (self.stage < self.n_stages - 1) != (self.next is not None):
+            raise SpecError("assignment.next: required exactly when stage < n_stages - 1")
+        if self.emulate_tflops is not None and not (self.emulate_tflops > 0 and math.isfinite(self.emulate_tflops)):
+            raise SpecError(f"assignment.emulate_tflops: must be positive, got {self.emulate_tflops}")
+        for dest, link in self.links.items():
+            rate, delay = link
+            if not (rate > 0 and delay >= 0):
+                raise SpecError(f"assignment.links[{dest}]: need rate > 0 and delay >= 0, got {link}")
+        return self
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.n_stages - 1
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["layers"] = list(self.layers)
+        d["group"] = list(self.group)
+        d["links"] = {k: list(v) for k, v in self.links.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Assignment:
+        if not isinstance(d, dict):
+            raise SpecError("assignment: expected a JSON object")
+        try:
+            layers = tuple(int(x) for x in _need(d, "layers", list, "assignment"))
+            links = {str(k): (float(v[0]), float(v[1])) for k, v in d.get("links", {}).items()}
+            tflops = d.get("emulate_tflops")
+            a = cls(
+                epoch=_need(d, "epoch", int, "assignment"),
+                stage=_need(d, "stage", int, "assignment"),
+                replica=_need(d, "replica", int, "assignment"),
+                n_stages=_need(d, "n_stages", int, "assignment"),
+                n_replicas=_need(d, "n_replicas", int, "assignment"),
+                layers=(layers[0], layers[1]),
+                group=tuple(str(x) for x in _need(d, "group", list, "assignment")),
+                coordinator=_need(d, "coordinator", str, "assignment"),
+                prev=d.get("prev"),
+                next=d.get("next"),
+                links=links,
+                emulate_tflops=None if tflops is None else float(tflops),
+                forward_flops=float(d.get("forward_flops", 0.0)),
+                device=str(d.get("device", "cpu")),
+            )
+        except (IndexError, TypeError, ValueError) as exc:
+            if isinstance(exc, SpecError):
+                raise
+            raise SpecError(f"assignment: malformed field ({exc})") from None
+        return a.validate()

@@ -1,0 +1,50 @@
+"""Process entry of a local stage worker: ``python -m peer.runtime.worker_main --host 127.0.0.2``.
+
+Prints ``READY <host:port>`` on stdout once serving, then runs until the coordinator sends ``stop``, a
+SIGTERM/SIGINT arrives, or the parent process dies — so a crashed test or launcher never leaves workers
+behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+import torch
+
+from peer.runtime.worker import StageWorker
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=0, help="port; 0 lets the OS pick (default: %(default)s)")
+    parser.add_argument("--peer-id", default="", help="name used in logs and message headers")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads; local swarms share cores (default: %(default)s)")
+    parser.add_argument("--log-level", default="WARNING", help="logging level (default: %(default)s)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s {args.peer_id or 'worker'} %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(args.threads)
+    parent = os.getppid()
+    worker = StageWorker(args.host, args.port, peer_id=args.peer_id)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: worker.stopped.set())
+    endpoint = worker.start()
+    print(f"READY {endpoint}", flush=True)
+    try:
+        while not worker.stopped.wait(0.5):
+            if os.getppid() != parent:
+                logging.getLogger(__name__).warning("parent process is gone; exiting")
+                break
+    finally:
+        worker.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
