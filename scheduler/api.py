@@ -26,7 +26,8 @@ def memory_violations(cluster: Cluster, workload: Workload, stages: list[tuple[i
     """(N, S) True where device n cannot hold stage s (weights, grads, AdamW, S - s stashed micro-batches).
     """
     n_st = len(stages)
-    need = np.array([workload.stage_memory_bytes(a, b, in_flight=n_st - s) for s, (a, b) in enumerate(stages)])
+    need = np.array([workload.stage_memory_bytes(a, b, in_flight=n_st - s)
+                     for s, (a, b) in enumerate(stages)])
     bad = need[None, :] > cluster.memory_bytes[:, None]
     for s, (a, b) in enumerate(stages):
         if bad[:, s].all():
@@ -131,7 +132,8 @@ def plan(cluster: Cluster, workload: Workload, cost_model: str = "full", seed: i
     n_st, n_rep = workload.stages, workload.replicas
     assert n_st is not None and n_rep is not None
     if n_st * n_rep > cluster.n:
-        raise PlanningError("replicas", f"{n_st} stages x {n_rep} replicas need {n_st * n_rep} devices, the scenario has "
+        raise PlanningError("replicas", f"{n_st} stages x {n_rep} replicas need {n_st * n_rep} devices, the "
+                            f"scenario has "
                             f"{cluster.n}")
     stages = even_stages(workload.n_layers, n_st)
     mem_bad = memory_violations(cluster, workload, stages)
@@ -140,7 +142,8 @@ def plan(cluster: Cluster, workload: Workload, cost_model: str = "full", seed: i
                           "time_limit_s": time_limit_s if time_limit_s is not None else cfg.time_limit_s})
     if cost_model == "full" and config is None:
         cfg.max_evaluations = min(cfg.max_evaluations, 4000)
-    obj, link = _objective(cluster, workload, stages, n_st, n_rep, cost_model, mem_bad if mem_bad.any() else None)
+    obj, link = _objective(cluster, workload, stages, n_st, n_rep, cost_model,
+                           mem_bad if mem_bad.any() else None)
     res: SearchResult = run_search(obj, seeds(link, n_st, n_rep), cluster.n, cfg)
     m = res.matrix
     if mem_bad[m, np.arange(n_st)[None, :]].any():

@@ -33,4 +33,5 @@ def rank_order_plan(cluster: Cluster, workload: Workload) -> Plan:
     """``pipelines[r][s] = r * S + s``: rank order, as Megatron lays out pipeline groups."""
     n_st, n_rep = _split(cluster, workload)
     return Plan(stages=even_stages(workload.n_layers, n_st),
-                pipelines=np.arange(n_st * n_rep).reshape(n_rep, n_st).tolist(), search={"algorithm": "rank-order"})
+                pipelines=np.arange(n_st * n_rep).reshape(n_rep, n_st).tolist(),
+                search={"algorithm": "rank-order"})

@@ -28,7 +28,7 @@ from .workload import Workload
 
 @dataclass
 class DtfmPairs:
-    """``dp[i, j] = 2 (delay_ij + 8 G / (bw_ij D))``, ``pp[i, j] = delay_ij + 8 A / bw_ij``, 0 on the diagonal."""
+    """``dp[i, j] = 2 (delay_ij + 8 G / (bw_ij D))``, ``pp[i, j] = delay_ij + 8 A / bw_ij`` (diagonal 0)."""
 
     dp: np.ndarray
     pp: np.ndarray

@@ -10,6 +10,7 @@ nearest-neighbour starts polished by 2-opt).
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import numpy as np
@@ -57,38 +58,40 @@ def open_path_tsp(w: np.ndarray) -> tuple[float, list[int]]:
     return _two_opt_path(w)
 
 
+@functools.lru_cache(maxsize=16)
+def _masks_by_popcount(k: int) -> list[np.ndarray]:
+    masks = np.arange(1 << k)
+    pc = np.array([bin(x).count("1") for x in range(1 << k)])
+    return [masks[pc == c] for c in range(k + 1)]
+
+
 def _held_karp_path(w: np.ndarray) -> tuple[float, list[int]]:
+    """dp[mask, i] = cheapest path visiting exactly ``mask`` and ending at i, layer by layer of |mask|.
+
+    dp[mask, i] = min_j dp[mask without i, j] + w[j, i]; each layer is k vectorised updates. The path is
+    recovered backwards by finding the j that attains each minimum, so no parent table is kept.
+    """
     k = w.shape[0]
     full = 1 << k
     dp = np.full((full, k), np.inf)
-    parent = np.full((full, k), -1, dtype=np.int64)
     for j in range(k):
         dp[1 << j, j] = 0.0
-    for mask in range(1, full):
-        row = dp[mask]
-        if not np.isfinite(row).any():
-            continue
-        # extend every end j in mask to every i not in mask, vectorised over (j, i)
-        ends = [j for j in range(k) if mask >> j & 1 and np.isfinite(row[j])]
-        outs = [i for i in range(k) if not mask >> i & 1]
-        if not outs:
-            continue
-        cand = row[ends][:, None] + w[np.ix_(ends, outs)]
-        best_j = cand.argmin(axis=0)
-        for col, i in enumerate(outs):
-            nm = mask | (1 << i)
-            v = cand[best_j[col], col]
-            if v < dp[nm, i]:
-                dp[nm, i] = v
-                parent[nm, i] = ends[best_j[col]]
-    last = int(dp[full - 1].argmin())
-    cost = float(dp[full - 1, last])
-    order, mask, j = [], full - 1, last
-    while j != -1:
+    layers = _masks_by_popcount(k)
+    for c in range(2, k + 1):
+        ms = layers[c]
+        for i in range(k):
+            sel = ms[(ms >> i) & 1 == 1]
+            prev = sel ^ (1 << i)
+            dp[sel, i] = (dp[prev] + w[:, i][None, :]).min(axis=1)
+    mask = full - 1
+    last = int(dp[mask].argmin())
+    cost = float(dp[mask, last])
+    order = [last]
+    while mask != 1 << last:
+        prev = mask ^ (1 << last)
+        j = int((dp[prev] + w[:, last]).argmin())
         order.append(j)
-        pj = int(parent[mask, j])
-        mask ^= 1 << j
-        j = pj
+        mask, last = prev, j
     return cost, order[::-1]
 
 
@@ -127,10 +130,14 @@ def best_pipelines(pp: np.ndarray, groups: list[np.ndarray]) -> tuple[float, np.
         return 0.0, np.asarray(groups[0], dtype=int).reshape(d, 1)
     b = np.zeros((k, k))
     match: dict[tuple[int, int], np.ndarray] = {}
+    symmetric = bool(np.array_equal(pp, pp.T))
     for a in range(k):
         for c in range(k):
-            if a != c:
-                b[a, c], match[a, c] = bottleneck_matching(pp[np.ix_(groups[a], groups[c])])
+            if a == c or (symmetric and c < a):
+                continue
+            b[a, c], match[a, c] = bottleneck_matching(pp[np.ix_(groups[a], groups[c])])
+            if symmetric:  # the transposed matching is optimal for the reverse direction
+                b[c, a], match[c, a] = b[a, c], np.argsort(match[a, c])
     cost, order = open_path_tsp(b)
     m = np.empty((d, k), dtype=int)
     m[:, 0] = groups[order[0]]
