@@ -12,13 +12,14 @@ would need trustworthy send times):
   Several messages in flight therefore wait *concurrently*: a 100 ms link still carries many messages per
   second. Delay is latency, not a per-message lock.
 * Bandwidth: one virtual clock per link (`_next_free`, the time the link finishes what it has been given).
-  A chunk of c bytes reserves the slot [max(next_free, now), +8c/r] and is released at the *end* of its slot,
-  i.e. when a real link would have finished putting it on the wire. Concurrent messages to the same
-  destination draw from the same clock, so they share the link's rate instead of each getting all of it.
-  Because slots are computed from the virtual clock and not from when a sleeping thread woke up, sleep
-  overshoot does not accumulate; a sender that fell behind by at most `slack_s` (a late wake-up, a slow
-  consumer) continues from the end of its previous slot and so catches up. An idle link banks nothing:
-  after a pause, transmission starts from "now", never earlier.
+  After its delay, a message of n bytes books the slot [max(next_free, now), +8n/r]; each chunk is released
+  when the bytes up to its end have been transmitted, i.e. when a real link would have finished putting it
+  on the wire. Messages to the same destination share the one clock, so concurrent messages share the
+  link's rate instead of each getting all of it, and leave in FIFO order like packets through a bottleneck
+  queue (a message handed over first arrives first). Because slots are computed from the virtual clock and
+  not from when a sleeping thread woke up, sleep overshoot does not accumulate; a sender that fell behind
+  by at most `slack_s` (a late wake-up, a slow consumer) continues from the end of its previous slot and so
+  catches up. An idle link banks nothing: after a pause, transmission starts from "now", never earlier.
 * Granularity: releasing a 1 MiB chunk at once on a 10 Mbit/s link would make the stream bursty (0.8 s of
   nothing, then a burst at memory speed). `chunk_bytes` suggests chunks of about `quantum_s` worth of the
   link's rate, so the release pattern is smooth at every rate.
@@ -56,6 +57,10 @@ class LinkShaper:
 
     rate_bps: link bandwidth in bits per second (None or inf: unlimited, delay only).
     delay_s: one-way latency in seconds.
+    base_delay_s: the one-way latency the real transport adds by itself (gRPC on loopback: about 2 ms on a
+        loaded 2-core machine), subtracted from the hold time so that the end-to-end latency of a message,
+        not just the shaper's hold, equals delay_s. 0 by default: then the first byte is never delivered
+        before delay_s, and the end-to-end latency is delay_s plus the transport's own.
     Thread-safe: share one instance between all senders to the same destination.
     """
 
@@ -64,6 +69,7 @@ class LinkShaper:
         rate_bps: float | None,
         delay_s: float = 0.0,
         *,
+        base_delay_s: float = 0.0,
         quantum_s: float = 0.005,
         slack_s: float = 0.005,
         clock: Callable[[], float] = time.monotonic,
@@ -75,6 +81,7 @@ class LinkShaper:
             raise ValueError(f"delay_s must be >= 0, got {delay_s}")
         self.rate_bps = None if rate_bps is None or math.isinf(rate_bps) else float(rate_bps)
         self.delay_s = float(delay_s)
+        self.base_delay_s = float(base_delay_s)
         self.quantum_s = quantum_s
         self.slack_s = slack_s
         self._clock = clock
@@ -93,40 +100,70 @@ class LinkShaper:
             return default
         return max(1, min(default, max(MIN_CHUNK_BYTES, int(self.rate_bps / 8 * self.quantum_s))))
 
-    def reserve(self, n_bytes: int) -> float:
-        """Book n_bytes on the link; return the time at which they have been fully transmitted."""
+    def book(self, n_bytes: int) -> tuple[float, float]:
+        """Book n_bytes on the link; return (start, end) of their transmission slot."""
         with self._lock:
             self.bytes_sent += n_bytes
             now = self._clock()
             if self.rate_bps is None:
-                return now
+                return now, now
             # Busy link (its previous booking ended at most slack_s ago): continue right after it, catching
             # up on a late wake-up. Idle link: start now; idle time is not banked as a burst.
             start = self._next_free if self._next_free >= now - self.slack_s else now
             self._next_free = start + 8.0 * n_bytes / self.rate_bps
-            return self._next_free
+            return start, self._next_free
+
+    def reserve(self, n_bytes: int) -> float:
+        """Book n_bytes on the link; return the time at which they have been fully transmitted."""
+        return self.book(n_bytes)[1]
+
+    @property
+    def hold_s(self) -> float:
+        """How long a message is held back before transmission: the delay less the transport's own."""
+        return max(0.0, self.delay_s - self.base_delay_s)
 
     def wait_delay(self, sent_at: float) -> None:
-        """Block until one-way delay has passed since `sent_at` (a `clock()` time)."""
-        if self.delay_s > 0:
-            sleep_until(sent_at + self.delay_s, self._clock, self._sleep)
+        """Block until the one-way delay (less base_delay_s) has passed since `sent_at` (a `clock()` time)."""
+        if self.hold_s > 0:
+            sleep_until(sent_at + self.hold_s, self._clock, self._sleep)
 
     def transmit(self, n_bytes: int) -> None:
         """Block until n_bytes have passed through the link's bandwidth."""
         sleep_until(self.reserve(n_bytes), self._clock, self._sleep)
 
     def shape(
-        self, items: Iterable[T], size_of: Callable[[T], int], sent_at: float | None = None
+        self,
+        items: Iterable[T],
+        size_of: Callable[[T], int],
+        sent_at: float | None = None,
+        total_bytes: int | None = None,
     ) -> Iterator[T]:
         """Yield `items` (the pieces of one message) no earlier than the link would deliver them.
 
-        The first piece waits for the delay from `sent_at` (default: now, when iteration starts), then
-        every piece waits for its bandwidth slot.
+        The first piece waits for the delay from `sent_at` (default: now, when iteration starts). With
+        `total_bytes`, the whole message is then booked at once, so messages to one destination leave in the
+        order they were handed over, like packets through a FIFO bottleneck, and each piece is released when
+        the bytes up to its end have been transmitted. total_bytes should be the sum of size_of over the
+        pieces; bytes beyond it are accounted on the link (later messages wait for them) but not waited for.
+        Without it, every piece is booked on its own (concurrent messages then interleave).
         """
-        start = self._clock() if sent_at is None else sent_at
-        self.wait_delay(start)
+        self.wait_delay(self._clock() if sent_at is None else sent_at)
+        if total_bytes is None or self.rate_bps is None:
+            for item in items:
+                self.transmit(size_of(item))
+                yield item
+            return
+        start, _ = self.book(total_bytes)
+        done = 0
         for item in items:
-            self.transmit(size_of(item))
+            size = size_of(item)
+            within = max(0, min(size, total_bytes - done))
+            done += size
+            if size > within:
+                # The caller under-announced: account for the excess (it delays later messages) but do not
+                # send this message's tail to the back of the queue.
+                self.book(size - within)
+            sleep_until(start + 8.0 * min(done, total_bytes) / self.rate_bps, self._clock, self._sleep)
             yield item
 
     def now(self) -> float:

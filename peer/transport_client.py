@@ -32,7 +32,7 @@ from peer.transport_server import SERVICE, kind_value
 from protocol import PROTOCOL_VERSION
 from protocol import tasklet_pb2 as pb
 from protocol import tasklet_pb2_grpc as pb_grpc
-from protocol.chunking import Reassembler, check_version, decode_chunk, split_envelope
+from protocol.chunking import Reassembler, check_version, chunk_payload_sizes, decode_chunk, iter_chunk_wire
 from protocol.errors import Backpressure, PeerUnreachable, Refused, TransportError
 
 logger = logging.getLogger(__name__)
@@ -112,9 +112,7 @@ class PeerClient:
         try:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise Backpressure(
-                    self.endpoint, f"no time left of {timeout:.3g} s after waiting for a push slot"
-                )
+                raise Backpressure(self.endpoint, f"no time left of {timeout:.3g} s after waiting for a push slot")
             if envelope.protocol_version == 0:
                 envelope.protocol_version = PROTOCOL_VERSION
             if not envelope.sender:
@@ -144,11 +142,16 @@ class PeerClient:
     def _push_chunks(self, envelope: pb.Envelope) -> Iterator[bytes]:
         # Serialising happens when gRPC pulls the first chunk, on gRPC's sending thread, not the caller's.
         sent_at = time.monotonic()
-        chunks = split_envelope(envelope, self._chunk_bytes())
+        data = envelope.SerializeToString()
+        chunk_bytes = self._chunk_bytes()
+        chunks = iter_chunk_wire(data, chunk_bytes)
         if self.shaper is None:
             yield from chunks
         else:
-            yield from self.shaper.shape(chunks, len, sent_at=sent_at)
+            # The message is booked on the link as a whole (FIFO with other messages to this peer), counted
+            # in payload bytes (chunk headers are a few bytes per chunk and are not counted).
+            sizes = chunk_payload_sizes(len(data), chunk_bytes)
+            yield from self.shaper.shape(chunks, lambda _: next(sizes), sent_at=sent_at, total_bytes=len(data))
 
     def push(self, envelope: pb.Envelope, timeout_s: float | None = None) -> None:
         """Deliver `envelope` and wait for the peer's acknowledgement (see push_async)."""
@@ -204,9 +207,7 @@ class PeerClient:
         start = time.monotonic()
         if self.shaper is not None:
             self.shaper.wait_delay(start)
-        request = pb.PingRequest(
-            protocol_version=PROTOCOL_VERSION, sender=self.sender, sent_ns=time.monotonic_ns()
-        )
+        request = pb.PingRequest(protocol_version=PROTOCOL_VERSION, sender=self.sender, sent_ns=time.monotonic_ns())
         try:
             reply = self._stub.Ping(request, timeout=max(1e-3, timeout - (time.monotonic() - start)))
         except grpc.RpcError as exc:

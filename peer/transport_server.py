@@ -32,7 +32,14 @@ from peer.shaping import LinkShaper
 from peer.transport_config import TransportConfig
 from protocol import PROTOCOL_VERSION
 from protocol import tasklet_pb2 as pb
-from protocol.chunking import Reassembler, check_version, decode_chunk, split_envelope
+from protocol.chunking import (
+    Reassembler,
+    check_version,
+    chunk_payload_sizes,
+    decode_chunk,
+    iter_chunk_wire,
+    split_envelope,
+)
 from protocol.errors import BadMessage, Rejected, Unavailable
 
 logger = logging.getLogger(__name__)
@@ -85,9 +92,7 @@ def _guarded(context: grpc.ServicerContext, what: str, fn: Callable[[], R]) -> R
         _abort(context, code, str(exc))
     except Exception as exc:
         logger.exception("%s: handler failed", what)
-        _abort(
-            context, grpc.StatusCode.INTERNAL, f"{what}: internal error ({type(exc).__name__}: {exc})"[:500]
-        )
+        _abort(context, grpc.StatusCode.INTERNAL, f"{what}: internal error ({type(exc).__name__}: {exc})"[:500])
 
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Peer"].full_name
@@ -135,8 +140,11 @@ class _Servicer:
             if shaper is None:
                 yield from split_envelope(envelope, chunk_bytes)
             else:
-                chunks = split_envelope(envelope, shaper.chunk_bytes(chunk_bytes))
-                yield from shaper.shape(chunks, len)
+                data = envelope.SerializeToString()
+                chunk_bytes = shaper.chunk_bytes(chunk_bytes)
+                sizes = chunk_payload_sizes(len(data), chunk_bytes)
+                chunks = iter_chunk_wire(data, chunk_bytes)
+                yield from shaper.shape(chunks, lambda _: next(sizes), total_bytes=len(data))
         finally:
             self._owner._streams.release()
 
@@ -160,12 +168,8 @@ class _Servicer:
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:  # noqa: N802
         self._require_deadline(context, "Status")
-        _guarded(
-            context, "Status", lambda: check_version("status.protocol_version", request.protocol_version)
-        )
-        return pb.StatusReply(
-            protocol_version=PROTOCOL_VERSION, json=_guarded(context, "Status", self._owner._status)
-        )
+        _guarded(context, "Status", lambda: check_version("status.protocol_version", request.protocol_version))
+        return pb.StatusReply(protocol_version=PROTOCOL_VERSION, json=_guarded(context, "Status", self._owner._status))
 
 
 def _generic_handler(servicer: _Servicer) -> grpc.GenericRpcHandler:
@@ -252,9 +256,7 @@ class PeerServer:
         """Bind and start serving; return the port (the OS picks one when config.port is 0)."""
         if self._server is not None:
             raise RuntimeError("the server is already started")
-        self._executor = ThreadPoolExecutor(
-            max_workers=self.config.thread_pool_size, thread_name_prefix="peer-rpc"
-        )
+        self._executor = ThreadPoolExecutor(max_workers=self.config.thread_pool_size, thread_name_prefix="peer-rpc")
         server = grpc.server(self._executor, options=self.config.grpc_options)
         server.add_generic_rpc_handlers((_generic_handler(_Servicer(self)),))
         port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")

@@ -67,9 +67,7 @@ def _read_varint(data: memoryview, pos: int) -> tuple[int, int]:
 _TAG_VERSION, _TAG_TOTAL, _TAG_SEQ, _TAG_PAYLOAD = 0x08, 0x10, 0x18, 0x22
 
 
-def encode_chunk(
-    total_bytes: int, seq: int, payload: bytes | memoryview, version: int = PROTOCOL_VERSION
-) -> bytes:
+def encode_chunk(total_bytes: int, seq: int, payload: bytes | memoryview, version: int = PROTOCOL_VERSION) -> bytes:
     """The serialized form of Chunk(version, total_bytes, seq, payload), copying the payload once.
 
     Building a pb.Chunk and serializing it would copy a 1 MiB payload three times (into the message, into
@@ -107,9 +105,7 @@ def decode_chunk(data: bytes) -> ChunkView:
             size, pos = _read_varint(view, pos + 1)
             payload, pos = view[pos : pos + size], pos + size
         if pos == len(view) and fields.get(_TAG_VERSION, 0) < 1 << 32 and fields.get(_TAG_SEQ, 0) < 1 << 32:
-            return ChunkView(
-                fields.get(_TAG_VERSION, 0), fields.get(_TAG_TOTAL, 0), fields.get(_TAG_SEQ, 0), payload
-            )
+            return ChunkView(fields.get(_TAG_VERSION, 0), fields.get(_TAG_TOTAL, 0), fields.get(_TAG_SEQ, 0), payload)
     except ValueError:
         pass
     try:
@@ -127,6 +123,12 @@ def iter_chunk_wire(data: bytes, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iter
     view = memoryview(data)
     for seq, start in enumerate(range(0, max(total, 1), chunk_bytes)):
         yield encode_chunk(total, seq, view[start : start + chunk_bytes])
+
+
+def chunk_payload_sizes(total: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[int]:
+    """Payload sizes of the chunks iter_chunk_wire(data of length total, chunk_bytes) yields, in order."""
+    for start in range(0, max(total, 1), chunk_bytes):
+        yield min(chunk_bytes, total - start)
 
 
 def split_bytes(data: bytes, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[pb.Chunk]:
@@ -180,15 +182,12 @@ class Reassembler:
             if chunk.total_bytes > self.max_total_bytes:
                 raise BadMessage(
                     "chunk.total_bytes",
-                    f"message of {chunk.total_bytes} bytes exceeds this peer's limit of "
-                    f"{self.max_total_bytes}",
+                    f"message of {chunk.total_bytes} bytes exceeds this peer's limit of {self.max_total_bytes}",
                 )
             self._total = chunk.total_bytes
             self._buf = bytearray(self._total)
         elif chunk.total_bytes != self._total:
-            raise BadMessage(
-                "chunk.total_bytes", f"changed from {self._total} to {chunk.total_bytes} mid-stream"
-            )
+            raise BadMessage("chunk.total_bytes", f"changed from {self._total} to {chunk.total_bytes} mid-stream")
         elif not payload:
             raise BadMessage("chunk.payload", f"empty chunk {chunk.seq}")
         end = self._received + len(payload)
@@ -202,9 +201,7 @@ class Reassembler:
         if self._buf is None:
             raise BadMessage("chunk", "stream ended before its first chunk")
         if self._received != self._total:
-            raise BadMessage(
-                "chunk.total_bytes", f"stream ended after {self._received} of {self._total} bytes"
-            )
+            raise BadMessage("chunk.total_bytes", f"stream ended after {self._received} of {self._total} bytes")
         env = pb.Envelope()
         try:
             env.ParseFromString(self._buf)

@@ -118,3 +118,38 @@ def test_link_table_keeps_one_shaper_per_destination() -> None:
     assert table.get("127.0.0.2:5000") is first
     assert table.get("local") is None and table.get("local") is None
     assert asked == ["127.0.0.2:5000", "local"]
+
+
+def test_whole_message_booking_is_fifo_and_paced() -> None:
+    clock = SimClock()
+    link = _shaper(8e6, 0.0, clock)  # 1 MB/s
+    a = link.shape([b"a" * 100_000] * 5, len, total_bytes=500_000)
+    b = link.shape([b"b" * 100_000] * 5, len, total_bytes=500_000)
+    start = clock.now
+    next(a)
+    next(b)  # b was handed over second: it is booked after all of a
+    assert clock.now - start == pytest.approx(0.6)  # b's first piece ends at 0.5 + 0.1
+    rest_a = list(a)  # a's remaining pieces were due long ago: released at once
+    assert len(rest_a) == 4 and clock.now - start == pytest.approx(0.6)
+    list(b)
+    assert clock.now - start == pytest.approx(1.0)
+
+
+def test_bytes_beyond_the_announced_total_delay_later_messages_only() -> None:
+    clock = SimClock()
+    link = _shaper(8e6, 0.0, clock)
+    start = clock.now
+    list(link.shape([b"x" * 100_000, b"y" * 110_000], len, total_bytes=200_000))
+    assert clock.now - start == pytest.approx(0.2)  # not sent to the back of the queue
+    assert link.bytes_sent == 210_000
+    link.transmit(10_000)
+    assert clock.now - start == pytest.approx(0.22)  # the excess was accounted on the link
+
+
+def test_base_delay_is_subtracted_from_the_hold() -> None:
+    clock = SimClock()
+    link = _shaper(None, 0.010, clock, base_delay_s=0.002)
+    start = clock.now
+    list(link.shape([b"p"], len))
+    assert clock.now - start == pytest.approx(0.008)
+    assert _shaper(None, 0.001, clock, base_delay_s=0.002).hold_s == 0.0
