@@ -119,6 +119,9 @@ class RecordStore:
             future.cancel()
             logger.warning("storing %s timed out after %.1f s", self.key(name), self.timeout_s)
             return False
+        except Exception as error:  # the DHT process reports its own failures; the caller retries
+            logger.warning("storing %s failed: %s: %s", self.key(name), type(error).__name__, error)
+            return False
 
     def read(self, name: str) -> list[SignedRecord] | None:
         """Every well-formed, unexpired record under ``name``, whatever its MAC; None if the DHT timed out."""
@@ -128,6 +131,9 @@ class RecordStore:
         except TimeoutError:
             future.cancel()
             logger.warning("reading %s timed out after %.1f s", self.key(name), self.timeout_s)
+            return None
+        except Exception as error:  # e.g. hivemind's storage heap comparing a str subkey with a bytes one
+            logger.warning("reading %s failed: %s: %s", self.key(name), type(error).__name__, error)
             return None
         if found is None:
             return []
