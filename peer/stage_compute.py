@@ -388,6 +388,14 @@ class StageCompute:
         self._clear_step_state()
         self.step += 1
 
+    def reset_step(self) -> None:
+        """Forget everything of the current step (stashes, pending and committed gradients).
+
+        The runtime calls this when its pipeline is dropped from a step (a member died): its micro-batches are
+        redone elsewhere, so nothing it accumulated may reach the update.
+        """
+        self._clear_step_state()
+
     def _clear_step_state(self) -> None:
         self._accum.zero_()
         self._committed.clear()

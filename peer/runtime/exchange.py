@@ -1,14 +1,19 @@
 """Data-parallel gradient averaging inside one stage's group: reduce-scatter, then all-gather.
 
-Replica ``r`` of a group of ``D`` owns shard ``r`` of the stage's flat gradient (``shard_bounds``). In the
-reduce-scatter every replica sends shard ``j`` of its accumulated gradient to replica ``j``; the owner sums
-the ``D`` contributions *in replica order* (so the result does not depend on arrival order) and checks that
-the micro-batches they cover are each present exactly once. In the all-gather the owner sends its summed
-shard to every other replica. Every replica then holds bitwise the same summed gradient and applies the same
+The group of a synchronisation round is its list of *participants* (replica ids, ascending): the pipelines
+still intact when the step's micro-batches were all committed. Participant at position ``i`` owns shard ``i``
+of the stage's flat gradient (``shard_bounds(numel, len(participants))``). In the reduce-scatter every
+participant sends shard ``j`` of its accumulated gradient to participant ``j``; the owner sums the
+contributions *in participant order* (so the result does not depend on arrival order) and checks that the
+micro-batches they cover are each present exactly once. In the all-gather the owner sends its summed shard to
+every other participant. Every participant then holds bitwise the same summed gradient and applies the same
 AdamW step, so replicas never drift apart and any one of them can hand its state to a newcomer.
 
-Traffic per replica and phase: ``(D - 1)`` shards of ``G / D`` bytes — the communication pattern the
-scheduler's cost models assume. This class only holds what arrives (server threads put, the compute thread
+Traffic per replica and phase: ``(D - 1)`` shards of ``G / D`` bytes — the pattern the scheduler's cost
+models assume. Messages are keyed by a *tag* ``(step, round)``: a round that failed (a participant died) is
+simply abandoned and the next round starts clean. Every message states the participants it was computed
+for, so a shard can be checked against its expected size the moment it arrives, even before this replica has
+itself been told to synchronise. This class only holds what arrives (server threads put, the compute thread
 waits); sending is the worker's job.
 """
 
@@ -16,104 +21,151 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from peer.stage_compute import shard_bounds
 from protocol.errors import BadMessage
+
+Tag = tuple[int, int]  # (step, round)
 
 
 class ExchangeTimeoutError(TimeoutError):
-    """Not every replica's contribution arrived in time (a peer died or is partitioned)."""
+    """Not every participant's message arrived in time (a peer died or is partitioned)."""
+
+
+class ExchangeAbortedError(RuntimeError):
+    """The round was abandoned (a participant died and the coordinator started a new round)."""
 
 
 @dataclass
-class _StepSlots:
+class _Round:
+    participants: tuple[int, ...]
     contributions: dict[int, tuple[torch.Tensor, list[int]]] = field(default_factory=dict)
     reduced: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class GradientExchange:
-    """Mailbox for one stage replica's reduce-scatter and all-gather messages, keyed by step."""
+    """Mailbox for one stage replica's reduce-scatter and all-gather messages."""
 
-    def __init__(self, replica: int, n_replicas: int, bounds: list[tuple[int, int]]) -> None:
+    def __init__(self, replica: int, numel: int) -> None:
         self.replica = replica
-        self.n_replicas = n_replicas
-        self.bounds = bounds
+        self.numel = numel
         self._cond = threading.Condition()
-        self._steps: dict[int, _StepSlots] = {}
+        self._rounds: dict[Tag, _Round] = {}
+        self._aborted_through: Tag = (-1, -1)
 
-    def _slots(self, step: int) -> _StepSlots:
-        return self._steps.setdefault(step, _StepSlots())
+    def _round(self, tag: Tag, participants: Sequence[int]) -> _Round:
+        parts = tuple(participants)
+        if list(parts) != sorted(set(parts)) or not parts:
+            raise BadMessage("meta.participants", f"must be distinct ascending replica ids, got {list(parts)}")
+        if self.replica not in parts:
+            raise BadMessage("meta.participants", f"replica {self.replica} is not among {list(parts)}")
+        rnd = self._rounds.setdefault(tag, _Round(parts))
+        if rnd.participants != parts:
+            raise BadMessage(
+                "meta.participants",
+                f"round {tag} has participants {list(rnd.participants)}, message says {list(parts)}",
+            )
+        return rnd
 
-    def put_contribution(self, step: int, sender: int, shard: torch.Tensor, microbatches: list[int]) -> None:
-        """Replica ``sender``'s part of *my* shard (validated: size, sender, no second copy)."""
-        lo, hi = self.bounds[self.replica]
-        if not 0 <= sender < self.n_replicas:
-            raise BadMessage("key.replica", f"sender replica {sender} not in [0, {self.n_replicas})")
+    def _check_shard(self, rnd: _Round, owner: int, shard: torch.Tensor) -> None:
+        lo, hi = shard_bounds(self.numel, len(rnd.participants))[rnd.participants.index(owner)]
         if shard.dim() != 1 or shard.numel() != hi - lo or shard.dtype != torch.float32:
             raise BadMessage("tensors.grad", f"expected float32[{hi - lo}], got {shard.dtype}{list(shard.shape)}")
+
+    def shard_of(self, participants: Sequence[int], owner: int) -> tuple[int, int]:
+        """The ``[lo, hi)`` range of the flat gradient that participant ``owner`` reduces."""
+        return shard_bounds(self.numel, len(participants))[list(participants).index(owner)]
+
+    def put_contribution(
+        self, tag: Tag, participants: Sequence[int], sender: int, shard: torch.Tensor, microbatches: list[int]
+    ) -> None:
+        """Participant ``sender``'s part of *my* shard."""
         with self._cond:
-            slots = self._slots(step)
-            if sender in slots.contributions:
-                raise BadMessage("key.replica", f"replica {sender} already sent its shard for step {step}")
-            slots.contributions[sender] = (shard, list(microbatches))
+            rnd = self._round(tag, participants)
+            if sender not in rnd.participants:
+                raise BadMessage("key.replica", f"sender replica {sender} is not a participant")
+            self._check_shard(rnd, self.replica, shard)
+            if sender in rnd.contributions:
+                raise BadMessage("key.replica", f"replica {sender} already sent its shard for round {tag}")
+            rnd.contributions[sender] = (shard, list(microbatches))
             self._cond.notify_all()
 
-    def put_reduced(self, step: int, owner: int, shard: torch.Tensor) -> None:
-        """The summed shard ``owner`` is responsible for."""
-        if not 0 <= owner < self.n_replicas:
-            raise BadMessage("key.replica", f"owner replica {owner} not in [0, {self.n_replicas})")
-        lo, hi = self.bounds[owner]
-        if shard.dim() != 1 or shard.numel() != hi - lo or shard.dtype != torch.float32:
-            raise BadMessage("tensors.grad", f"expected float32[{hi - lo}], got {shard.dtype}{list(shard.shape)}")
+    def put_reduced(self, tag: Tag, participants: Sequence[int], owner: int, shard: torch.Tensor) -> None:
+        """The summed shard that participant ``owner`` is responsible for."""
         with self._cond:
-            self._slots(step).reduced[owner] = shard
+            rnd = self._round(tag, participants)
+            if owner not in rnd.participants:
+                raise BadMessage("key.replica", f"owner replica {owner} is not a participant")
+            self._check_shard(rnd, owner, shard)
+            rnd.reduced[owner] = shard
             self._cond.notify_all()
 
-    def _wait(self, ready: callable, timeout_s: float, what: str) -> None:  # type: ignore[valid-type]
+    def _wait(self, tag: Tag, ready: Callable[[], bool], timeout_s: float, what: Callable[[], str]) -> None:
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while not ready():
+                if tag <= self._aborted_through:
+                    raise ExchangeAbortedError(f"round {tag} was abandoned")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise ExchangeTimeoutError(what)
+                    raise ExchangeTimeoutError(what())
                 self._cond.wait(left)
 
-    def reduce(self, step: int, n_microbatches: int, timeout_s: float) -> torch.Tensor:
-        """Wait for all ``D`` contributions to my shard; return their sum (replica order).
+    def reduce(self, tag: Tag, participants: Sequence[int], n_microbatches: int, timeout_s: float) -> torch.Tensor:
+        """Wait for every participant's contribution to my shard; return their sum (participant order).
 
         Raises BadMessage when the union of the contributions' micro-batches is not exactly
         ``0..n_microbatches-1`` with each once: the exactly-once invariant, checked where the sum happens.
         """
-        slots = self._slots(step)
-        self._wait(lambda: len(slots.contributions) == self.n_replicas, timeout_s,
-                   f"step {step}: {len(slots.contributions)}/{self.n_replicas} gradient shards arrived")
+        with self._cond:
+            rnd = self._round(tag, participants)
+        n = len(rnd.participants)
+        self._wait(tag, lambda: len(rnd.contributions) == n,
+            timeout_s,
+            lambda: f"round {tag}: {len(rnd.contributions)}/{n} gradient shards arrived",
+        )
         seen: list[int] = []
-        total = None
-        for r in range(self.n_replicas):
-            shard, mbs = slots.contributions[r]
+        total: torch.Tensor | None = None
+        for r in rnd.participants:
+            shard, mbs = rnd.contributions[r]
             seen += mbs
             total = shard.clone() if total is None else total.add_(shard)
         if sorted(seen) != list(range(n_microbatches)):
-            raise BadMessage("microbatches", f"step {step}: contributions cover {sorted(seen)}, expected each "
-                             f"of 0..{n_microbatches - 1} exactly once")
+            raise BadMessage(
+                "microbatches",
+                f"round {tag}: contributions cover {sorted(seen)}, expected each "
+                f"of 0..{n_microbatches - 1} exactly once",
+            )
         assert total is not None
         return total
 
-    def gather(self, step: int, timeout_s: float) -> torch.Tensor:
-        """Wait for every owner's summed shard; return the whole summed gradient and forget the step."""
-        slots = self._slots(step)
-        self._wait(lambda: len(slots.reduced) == self.n_replicas, timeout_s,
-                   f"step {step}: {len(slots.reduced)}/{self.n_replicas} summed shards arrived")
-        full = torch.cat([slots.reduced[r] for r in range(self.n_replicas)])
+    def gather(self, tag: Tag, participants: Sequence[int], timeout_s: float) -> torch.Tensor:
+        """Wait for every owner's summed shard; return the whole summed gradient and forget the round."""
         with self._cond:
-            for s in [s for s in self._steps if s <= step]:
-                del self._steps[s]
+            rnd = self._round(tag, participants)
+        n = len(rnd.participants)
+        self._wait(tag, lambda: len(rnd.reduced) == n,
+            timeout_s,
+            lambda: f"round {tag}: {len(rnd.reduced)}/{n} summed shards arrived",
+        )
+        full = torch.cat([rnd.reduced[r] for r in rnd.participants])
+        self.forget_through(tag)
         return full
 
-    def forget_before(self, step: int) -> None:
-        """Drop mail of steps older than ``step`` (after a re-plan)."""
+    def abort_before(self, tag: Tag) -> None:
+        """Abandon every round before ``tag``: waiters raise ExchangeAbortedError, their mail is dropped."""
         with self._cond:
-            for s in [s for s in self._steps if s < step]:
-                del self._steps[s]
+            for t in [t for t in self._rounds if t < tag]:
+                del self._rounds[t]
+            self._aborted_through = max(self._aborted_through, (tag[0], tag[1] - 1))
+            self._cond.notify_all()
+
+    def forget_through(self, tag: Tag) -> None:
+        """Drop the mail of ``tag`` and every earlier round."""
+        with self._cond:
+            for t in [t for t in self._rounds if t <= tag]:
+                del self._rounds[t]
