@@ -83,9 +83,17 @@ def _from_bytes(data: bytes, dtype: torch.dtype, numel: int) -> torch.Tensor:
 
 
 def encode_tensor(
-    name: str, t: torch.Tensor, compression: str = "none", *, block_size: int = DEFAULT_BLOCK_SIZE
+    name: str,
+    t: torch.Tensor,
+    compression: str = "none",
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    out: pb.Tensor | None = None,
 ) -> pb.Tensor:
     """Serialise `t` (any device; it is copied to the CPU) into a Tensor message.
+
+    out: a message to fill in place, typically `envelope.tensors.add()`; this saves the copy of the whole
+    data that `envelope.tensors.append(encode_tensor(...))` makes (protobuf copies appended messages).
 
     Raises ValueError for an unsupported dtype, a compression that does not apply to it (only floating
     tensors compress), values that the chosen compression cannot represent, or a bad block size.
@@ -94,7 +102,11 @@ def encode_tensor(
         raise ValueError(f"{_label(name)}.dtype: {t.dtype} is not supported on the wire")
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression must be one of {sorted(COMPRESSIONS)}, got {compression!r}")
-    msg = pb.Tensor(name=name, dtype=DTYPE_NAMES[t.dtype], shape=list(t.shape))
+    msg = pb.Tensor() if out is None else out
+    msg.Clear()
+    msg.name = name
+    msg.dtype = DTYPE_NAMES[t.dtype]
+    msg.shape.extend(t.shape)
     if compression == "none":
         msg.data = _raw_bytes(t)
         return msg

@@ -183,3 +183,13 @@ def test_finite_values_whose_sum_overflows_are_accepted() -> None:
     assert torch.equal(decode_tensor(encode_tensor("big", x)), x)
     h = torch.full((100,), 60000.0, dtype=torch.float16)
     assert torch.equal(decode_tensor(encode_tensor("bigh", h)), h)
+
+
+def test_encode_in_place_into_an_envelope() -> None:
+    env = pb.Envelope()
+    t = torch.randn(4, 5)
+    msg = encode_tensor("a", t, "fp16", out=env.tensors.add())
+    assert msg is env.tensors[0]
+    encode_tensor("a", t, out=msg)  # refilling clears the previous encoding (compression, shape, ...)
+    assert msg.compression == pb.NONE and list(msg.shape) == [4, 5]
+    assert torch.equal(decode_tensor(env.tensors[0]), t)

@@ -1,0 +1,28 @@
+"""`python -m bench.transport --json` runs end to end (quick mode) and prints the JSON the issue specifies.
+
+Only the shape of the output is checked: the figures are benchmark results, not test assertions.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_transport_json_schema() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.transport", "--json", "--quick", "--links", "50@5"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = json.loads(result.stdout)
+    assert set(out) == {"unshaped_gbps", "shaped"}
+    assert out["unshaped_gbps"] > 0
+    assert len(out["shaped"]) == 1
+    row = out["shaped"][0]
+    assert set(row) == {"rate_mbps", "achieved_mbps", "latency_ms", "achieved_latency_ms"}
+    assert row["rate_mbps"] == 50 and row["latency_ms"] == 5
+    assert row["achieved_mbps"] > 0 and row["achieved_latency_ms"] > 0
