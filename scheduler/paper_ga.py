@@ -5,8 +5,8 @@ A candidate is a balanced partition of the devices into S data-parallel groups o
 groups and an open-loop TSP over them (:func:`layout.best_pipelines`). The search is a memetic algorithm:
 a population of random partitions; each offspring is made by a five-point crossover of two random parents
 (five devices take their group from the first parent, the rest from the second, then sizes are repaired), is
-improved by a local search on the partition driven by a cheap surrogate gain (how much closer, in hop cost,
-a device is to another group than to its own; balanced swaps only), and replaces the worst member if better.
+improved by a local search on the partition driven by the paper's cheap surrogate gain (mean hop cost to
+another group against the cheapest hop inside its own; balanced swaps only), and replaces the worst member if better.
 The budget is the paper's: population 100 plus 4,900 offspring = 5,000 candidates evaluated.
 """
 
@@ -64,23 +64,28 @@ def _crossover(p1: np.ndarray, p2: np.ndarray, points: int, n_st: int, n_rep: in
 
 def _local_search(pp: np.ndarray, labels: np.ndarray, n_st: int, swaps: int, rng: np.random.Generator
                   ) -> np.ndarray:
-    """Balanced swaps that lower the surrogate: each device's mean hop cost to its own group."""
+    """Balanced swaps driven by the paper's surrogate gain, which spreads close devices over the groups.
+
+    A device's score in its own group is its cheapest hop to another member; in another group, its mean hop
+    cost to that group's members. Moving a device where it is *far* from the members, away from a group where
+    it has a close neighbour, puts the devices of one fast region into different data-parallel groups, so that
+    consecutive groups can be matched along fast links (a pipeline inside a region).
+    """
     lab = labels.copy()
     sym = 0.5 * (pp + pp.T)
-
-    def affinity(lab: np.ndarray) -> np.ndarray:  # (N, S) mean cost from each device to each group
-        onehot = np.eye(n_st)[lab]
-        return sym @ onehot / np.maximum(onehot.sum(axis=0), 1)
-
+    n = len(lab)
     for _ in range(swaps):
-        aff = affinity(lab)
-        own = aff[np.arange(len(lab)), lab]
-        gain = own[:, None] - aff  # > 0: device prefers that group
+        onehot = np.eye(n_st)[lab]
+        mean_to = sym @ onehot / np.maximum(onehot.sum(axis=0), 1)
+        same = lab[:, None] == lab[None, :]
+        np.fill_diagonal(same, False)
+        own = np.where(same, sym, np.inf).min(axis=1)
+        own = np.where(np.isfinite(own), own, 0.0)
+        gain = mean_to - own[:, None]
+        gain[np.arange(n), lab] = -np.inf
         i, g = np.unravel_index(int(gain.argmax()), gain.shape)
-        if gain[i, g] <= 0:
-            break
         members = np.flatnonzero(lab == g)
-        back = own[members] - aff[members, lab[i]]
+        back = mean_to[members, lab[i]] - own[members]
         j = int(members[back.argmax()])
         if gain[i, g] + back.max() <= 0:
             break
