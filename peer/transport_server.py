@@ -269,13 +269,18 @@ class PeerServer:
         return port
 
     def stop(self, grace: float = 1.0) -> None:
-        """Stop accepting calls, give running ones `grace` seconds, then end them and free the threads."""
+        """Stop accepting calls, give running ones `grace` seconds, then cancel them and release the threads.
+
+        Bounded: a handler still running after that (stuck in its own code) is not waited for; its thread
+        ends when the handler returns.
+        """
         server, self._server = self._server, None
         if server is None:
             return
-        server.stop(grace).wait(timeout=grace + 5.0)
+        if not server.stop(grace).wait(timeout=grace + 5.0):
+            logger.warning("peer server on port %s: calls still running %.1f s after stop", self.port, grace + 5)
         if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
         logger.info("peer server on port %s stopped", self.port)
 
