@@ -24,6 +24,7 @@ its averaged gradient, so a death can never leave some stages updated and others
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import threading
@@ -105,6 +106,9 @@ class Coordinator:
         self._stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         self.on_death: Callable[[str, str], None] | None = None
+        # on_event(name, info): "lease", "commit", "reduce", "apply" as they happen; must not block (tests use
+        # it to kill a worker at a chosen moment, the daemon to publish progress)
+        self.on_event: Callable[[str, dict[str, Any]], None] | None = None
 
     @property
     def endpoint(self) -> str:
@@ -219,6 +223,7 @@ class Coordinator:
                 "participants": intact,
                 "assignment": {str(k): v for k, v in assignment.items()},
             }
+            self._emit("reduce", step=step, round=rnd, participants=intact)
             self._broadcast(members, "reduce", body, step)
             expected = set(members)
             restarted = self._wait(
@@ -233,6 +238,7 @@ class Coordinator:
             break
         with self._cond:
             state.phase = "apply"
+        self._emit("apply", step=step)
         self._broadcast(members, "apply", {"step": step}, step)
         self._wait(
             state,
@@ -335,6 +341,13 @@ class Coordinator:
 
         threading.Thread(target=send, daemon=True).start()
 
+    def _emit(self, name: str, **info: Any) -> None:
+        if self.on_event is not None:
+            try:
+                self.on_event(name, info)
+            except Exception:  # a broken observer must not break training
+                log.exception("on_event(%s) failed", name)
+
     def _broadcast(self, endpoints: Sequence[str], op: str, body: dict[str, Any], step: int) -> None:
         """Send a control message to every endpoint; a worker that does not answer is checked for death."""
         futures = {
@@ -404,7 +417,10 @@ class Coordinator:
         """A worker's stage state (params, AdamW moments, step) as a plain dict of tensors and numbers."""
         a = self.assignments[endpoint]
         env = self._client(endpoint).fetch(
-            pb.STAGE_STATE, make_key(self.spec.run_id, a.epoch, -1, stage=a.stage), timeout_s=timeout_s
+            pb.STAGE_STATE,
+            make_key(self.spec.run_id, a.epoch, -1, stage=a.stage),
+            meta={"layers": json.dumps(list(a.layers))},
+            timeout_s=timeout_s,
         )
         return state_from_envelope(env)
 
@@ -435,9 +451,12 @@ class Coordinator:
                 reply.meta["status"] = "wait" if mb is None else "lease"
                 if mb is not None:
                     reply.key.microbatch = mb
+                    self._emit("lease", step=key.step, microbatch=mb, pipeline=key.replica)
             elif op == "commit":
                 result = state.pool.commit(key.microbatch, key.replica)
                 reply.meta["status"] = result.value
+                self._emit("commit", step=key.step, microbatch=key.microbatch, pipeline=key.replica,
+                           result=result.value)
                 if result.value == "committed" and state.last_failure_at is not None and state.recovery_s is None:
                     state.recovery_s = time.monotonic() - state.last_failure_at
                 self._cond.notify_all()

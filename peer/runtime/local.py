@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from peer.runtime.coordinator import Coordinator, StepReport
+from peer.runtime.coordinator import Coordinator, ReplanNeededError, StepReport
+from peer.runtime.driver import DriverConfig, Pipelines, Planner, RunDriver, RunEvents, Stages
 from peer.runtime.spec import Assignment, RunSpec
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class RunResult:
 
     reports: list[StepReport]
     states: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
+    events: RunEvents = field(default_factory=RunEvents)
 
     @property
     def losses(self) -> list[float]:
@@ -65,12 +67,19 @@ class RunResult:
 
 
 class LocalWorkers:
-    """``n`` worker processes on loopback; ``endpoints[i]`` serves device ``i``."""
+    """Worker processes on loopback; ``endpoints[i]`` serves device ``i``. Devices can be added and killed."""
 
-    def __init__(self, n: int, log_dir: str | os.PathLike[str] | None = None, log_level: str = "WARNING") -> None:
+    def __init__(
+        self,
+        n: int,
+        log_dir: str | os.PathLike[str] | None = None,
+        log_level: str = "WARNING",
+        faults: dict[int, str] | None = None,
+    ) -> None:
         self.n = n
         self.log_dir = Path(log_dir) if log_dir else None
         self.log_level = log_level
+        self.faults = dict(faults or {})
         self.procs: list[subprocess.Popen[str]] = []
         self.endpoints: list[str] = []
         self._logs: list[IO[str]] = []
@@ -86,20 +95,52 @@ class LocalWorkers:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def start(self) -> None:
+    def _spawn(self, i: int) -> subprocess.Popen[str]:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        for i in range(self.n):
-            if self.log_dir:
-                self.log_dir.mkdir(parents=True, exist_ok=True)
-                stderr: IO[str] | int = open(self.log_dir / f"worker-{i}.log", "w")  # noqa: SIM115
-                self._logs.append(stderr)  # type: ignore[arg-type]
-            else:
-                stderr = subprocess.DEVNULL
-            cmd = [sys.executable, "-m", "peer.runtime.worker_main", "--host", loopback_host(i),
-                   "--peer-id", f"device-{i}", "--log-level", self.log_level]
-            self.procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env))
-        for i, proc in enumerate(self.procs):
-            self.endpoints.append(_read_ready(proc, i))
+        if self.log_dir:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            stderr: IO[str] | int = open(self.log_dir / f"worker-{i}.log", "w")  # noqa: SIM115
+            self._logs.append(stderr)  # type: ignore[arg-type]
+        else:
+            stderr = subprocess.DEVNULL
+        cmd = [
+            sys.executable,
+            "-m",
+            "peer.runtime.worker_main",
+            "--host",
+            loopback_host(i),
+            "--peer-id",
+            f"device-{i}",
+            "--log-level",
+            self.log_level,
+        ]
+        if i in self.faults:
+            cmd += ["--fault", self.faults[i]]
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+
+    def start(self) -> None:
+        self.procs = [self._spawn(i) for i in range(self.n)]
+        self.endpoints = [_read_ready(proc, i) for i, proc in enumerate(self.procs)]
+
+    def add(self) -> int:
+        """Start one more worker (a peer joining); return its device index."""
+        i = len(self.procs)
+        self.procs.append(self._spawn(i))
+        self.endpoints.append(_read_ready(self.procs[i], i))
+        self.n += 1
+        return i
+
+    def kill(self, device: int) -> None:
+        """SIGKILL a worker: no goodbye, no flushing — a peer whose machine vanished."""
+        proc = self.procs[device]
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+    def live(self) -> dict[int, str]:
+        return {
+            i: ep for i, (proc, ep) in enumerate(zip(self.procs, self.endpoints, strict=True)) if proc.poll() is None
+        }
 
     def close(self, timeout_s: float = 10.0) -> None:
         for proc in self.procs:
@@ -157,19 +198,138 @@ def build_assignments(
             shaped: dict[str, tuple[float, float]] = {}
             if links is not None and links.bandwidth_bps is not None and links.delay_s is not None:
                 for other in {d for p in pipelines for d in p} - {dev}:
-                    shaped[endpoints[other]] = (float(links.bandwidth_bps[dev][other]),
-                                                float(links.delay_s[dev][other]))
+                    shaped[endpoints[other]] = (
+                        float(links.bandwidth_bps[dev][other]),
+                        float(links.delay_s[dev][other]),
+                    )
             tflops = None if links is None or links.tflops is None else float(links.tflops[dev])
             a, b = stages[s]
             out[endpoints[dev]] = Assignment(
-                epoch=epoch, stage=s, replica=r, n_stages=n_stages, n_replicas=n_replicas, layers=(a, b),
-                group=group, coordinator=coordinator,
+                epoch=epoch,
+                stage=s,
+                replica=r,
+                n_stages=n_stages,
+                n_replicas=n_replicas,
+                layers=(a, b),
+                group=group,
+                coordinator=coordinator,
                 prev=endpoints[pipe[s - 1]] if s > 0 else None,
                 next=endpoints[pipe[s + 1]] if s < n_stages - 1 else None,
-                links=shaped, emulate_tflops=tflops,
+                links=shaped,
+                emulate_tflops=tflops,
                 forward_flops=forward_flops(a, b) if forward_flops else 0.0,
             ).validate()
     return out
+
+
+def chunk_planner(live: list[int], stages: Stages | None, n_layers: int, n_stages: int) -> tuple[Stages, Pipelines]:
+    """Fallback planner without a cost model: consecutive live devices form pipelines (rank order)."""
+    if stages is None:
+        stages = [(s * n_layers // n_stages, (s + 1) * n_layers // n_stages) for s in range(n_stages)]
+    n_st = len(stages)
+    n_rep = len(live) // n_st
+    if n_rep < 1:
+        raise ReplanNeededError(f"{len(live)} live device(s) cannot hold {n_st} stages")
+    return stages, [live[r * n_st : (r + 1) * n_st] for r in range(n_rep)]
+
+
+class LocalSwarm:
+    """A coordinator plus local worker processes, trained through the :class:`RunDriver`.
+
+    ``initial``: the first plan as ``(stages, pipelines)``; later re-plans (deaths, joins) use ``planner`` if
+    given, else consecutive live devices. Tests reach in to kill or add devices while it trains.
+    """
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        n_devices: int,
+        *,
+        links: LinkModel | None = None,
+        forward_flops: Callable[[int, int], float] | None = None,
+        log_dir: str | os.PathLike[str] | None = None,
+        faults: dict[int, str] | None = None,
+        heartbeat_s: float = 2.0,
+    ) -> None:
+        self.spec = spec
+        self.links = links
+        self.forward_flops = forward_flops
+        self.coordinator = Coordinator(spec, heartbeat_s=heartbeat_s)
+        self.workers = LocalWorkers(n_devices, log_dir=log_dir, faults=faults)
+        self.driver: RunDriver | None = None
+
+    def __enter__(self) -> LocalSwarm:
+        self.coordinator.start()
+        try:
+            self.workers.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        try:
+            self.coordinator.stop_workers()
+        finally:
+            self.coordinator.close()
+            self.workers.close()
+
+    def _assignments(self, stages: Stages, pipelines: Pipelines, epoch: int) -> dict[str, Assignment]:
+        return build_assignments(
+            self.spec,
+            stages,
+            pipelines,
+            self.workers.endpoints,
+            self.coordinator.endpoint,
+            epoch=epoch,
+            links=self.links,
+            forward_flops=self.forward_flops,
+        )
+
+    def train(
+        self,
+        initial: tuple[Stages, Pipelines],
+        steps: int,
+        *,
+        planner: Planner | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: int = 0,
+        on_step: Callable[[StepReport], None] | None = None,
+        step_timeout_s: float = 600.0,
+        collect_states: bool = True,
+    ) -> RunResult:
+        first_plan = [initial]
+        n_layers, n_stages = self.spec.model.n_layers, len(initial[0])
+
+        def plan(live: list[int], stages: Stages | None) -> tuple[Stages, Pipelines]:
+            if first_plan:
+                st, pipes = first_plan.pop()
+                if all(d in live for p in pipes for d in p):
+                    return list(st), [list(p) for p in pipes]
+                stages = list(st)
+            if planner is not None:
+                return planner(live, stages)
+            return chunk_planner(live, stages, n_layers, n_stages)
+
+        cfg = DriverConfig(
+            steps=steps,
+            checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
+            checkpoint_every=checkpoint_every,
+            step_timeout_s=step_timeout_s,
+        )
+        self.driver = RunDriver(
+            self.spec, self.coordinator, self.workers.live, plan, self._assignments, cfg, on_step=on_step
+        )
+        reports = self.driver.run()
+        result = RunResult(reports, events=self.driver.events)
+        if collect_states:
+            for ep, a in self.coordinator.assignments.items():
+                if ep not in self.coordinator.dead:
+                    result.states[(a.stage, a.replica)] = self.coordinator.fetch_state(ep)
+        return result
 
 
 def train_plan(
@@ -187,24 +347,11 @@ def train_plan(
 ) -> RunResult:
     """Start workers for every device of the plan, train ``steps`` steps, return losses, timings, states."""
     n_devices = 1 + max(d for p in pipelines for d in p)
-    coordinator = Coordinator(spec)
-    coordinator.start()
-    try:
-        with LocalWorkers(n_devices, log_dir=log_dir) as workers:
-            assignments = build_assignments(spec, stages, pipelines, workers.endpoints, coordinator.endpoint,
-                                            links=links, forward_flops=forward_flops)
-            coordinator.assign(assignments)
-            reports = []
-            for step in range(steps):
-                report = coordinator.run_step(step, timeout_s=step_timeout_s)
-                reports.append(report)
-                if on_step:
-                    on_step(report)
-            result = RunResult(reports)
-            if collect_states:
-                for ep, a in assignments.items():
-                    result.states[(a.stage, a.replica)] = coordinator.fetch_state(ep)
-            coordinator.stop_workers()
-            return result
-    finally:
-        coordinator.close()
+    with LocalSwarm(spec, n_devices, links=links, forward_flops=forward_flops, log_dir=log_dir) as swarm:
+        return swarm.train(
+            ([tuple(x) for x in stages], [list(p) for p in pipelines]),
+            steps,
+            on_step=on_step,
+            step_timeout_s=step_timeout_s,
+            collect_states=collect_states,
+        )

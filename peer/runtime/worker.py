@@ -84,6 +84,8 @@ class StageWorker:
         self._corpus: Corpus | None = None
         self._links: LinkTable | None = None
         self._clients: dict[str, PeerClient] = {}
+        # layers -> (compute, stage index): the current stage and the one held before the last assignment
+        self._holdings: dict[tuple[int, int], tuple[StageCompute, int]] = {}
 
         self._lock = threading.Lock()  # guards step, known micro-batches, in-flight count, clients
         self._state_lock = threading.Lock()  # compute state vs. a concurrent STAGE_STATE fetch
@@ -123,6 +125,8 @@ class StageWorker:
             "peer_id": self.peer_id,
             "stage": None if a is None else a.stage,
             "replica": None if a is None else a.replica,
+            "layers": None if a is None else list(a.layers),
+            "epoch": None if a is None else a.epoch,
             "step": self.step,
             "trained_steps": None if self.compute is None else self.compute.step,
             **self.stats,
@@ -186,6 +190,10 @@ class StageWorker:
                         f"{spec.corpus_fingerprint[:12]} (a different Python or data path)"
                     )
                 self._corpus = corpus
+            with self._lock:
+                previous = {} if self.compute is None or self.assignment is None else {
+                    self.assignment.layers: (self.compute, self.assignment.stage)}
+                self._holdings = {**previous, assignment.layers: (compute, assignment.stage)}
             self.compute = compute
             self.spec, self.assignment = spec, assignment
             self.exchange = GradientExchange(assignment.replica, compute.numel)
@@ -326,18 +334,22 @@ class StageWorker:
         self.exchange.put_reduced(tag, participants, env.key.replica, shard)
 
     def _on_fetch_state(self, request: pb.FetchRequest) -> pb.Envelope:
-        with self._state_lock:
-            if self.compute is None or self.spec is None or self.assignment is None:
-                raise Rejected("this peer holds no stage yet")
-            if request.key.stage != self.assignment.stage:
-                raise Rejected(f"this peer holds stage {self.assignment.stage}, not {request.key.stage}")
-            return state_envelope(
-                self.compute.state_dict(),
-                self.spec.run_id,
-                self.assignment.epoch,
-                self.assignment.stage,
-                self.assignment.replica,
-            )
+        """Serve the state of the stage with the requested layers: the current one or the one held just before.
+
+        Deliberately without the state lock: during a re-plan two peers may fetch from each other while each is
+        taking its new assignment (a swap of stages); serving the retained previous stage keeps that working.
+        """
+        try:
+            layers = tuple(int(x) for x in json.loads(request.meta.get("layers", "null")))
+        except (TypeError, ValueError):
+            raise BadMessage("meta.layers", "must be a JSON list [first_layer, last_layer]") from None
+        with self._lock:
+            held = self._holdings.get(layers)  # type: ignore[arg-type]
+            spec = self.spec
+        if held is None or spec is None:
+            raise Rejected(f"this peer holds no stage with layers {list(layers)}")
+        compute, stage = held
+        return state_envelope(compute.state_dict(), spec.run_id, request.key.epoch, stage)
 
     # --------------------------------------------------------------------------------------------- control
     def _on_control(self, env: pb.Envelope) -> None:

@@ -25,13 +25,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer-id", default="", help="name used in logs and message headers")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads; local swarms share cores (default: %(default)s)")
+    parser.add_argument("--fault", choices=["nan-grad"], default=None,
+                        help="testing aid: behave like a broken peer (nan-grad: send NaN gradients)")
     parser.add_argument("--log-level", default="WARNING", help="logging level (default: %(default)s)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s {args.peer_id or 'worker'} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
     parent = os.getppid()
-    worker = StageWorker(args.host, args.port, peer_id=args.peer_id)
+    worker = StageWorker(args.host, args.port, peer_id=args.peer_id, fault=args.fault)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.stopped.set())
     endpoint = worker.start()

@@ -1,0 +1,286 @@
+"""The leader's training loop: plan, assign, train, and re-plan whenever membership changes.
+
+What a re-plan keeps fixed, and why: the *layer split* of the stages is chosen once, by the first plan, and
+kept for the whole run. Then any live replica of stage ``s`` holds everything a newcomer to stage ``s`` needs
+(parameters and AdamW moments of exactly those layers), so a hand-over is one fetch. Re-plans only move
+devices between (stage, replica) slots and change the number of replicas.
+
+Where a tasklet's state comes from after a re-plan, in order of preference: the device already holds it at
+the run's trained step (``keep``); a live replica of the stage at that step (``fetch``); otherwise the stage
+is lost with every replica, and the whole run rolls back to the last checkpoint (every stage ``fetch``es its
+checkpoint from the coordinator), redoing the steps since — the log says how many.
+
+Checkpoints are written by the leader: every ``checkpoint_every`` steps (and on request, e.g. SIGTERM) it
+fetches each stage's state from one replica and writes ``DIR/step-NNNNNN/stage-S.pt`` atomically, plus
+``run.json``. ``resume`` starts a run from the latest one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from peer.runtime.coordinator import Coordinator, ReplanNeededError, StepFailedError, StepReport
+from peer.runtime.spec import Assignment, RunSpec
+
+log = logging.getLogger(__name__)
+
+Stages = list[tuple[int, int]]
+Pipelines = list[list[int]]
+# planner(live device ids, fixed stages or None) -> (stages, pipelines of device ids)
+Planner = Callable[[list[int], Stages | None], tuple[Stages, Pipelines]]
+# assignments_for(stages, pipelines, epoch) -> {endpoint: Assignment}
+AssignmentBuilder = Callable[[Stages, Pipelines, int], dict[str, Assignment]]
+
+
+@dataclass
+class DriverConfig:
+    steps: int
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int = 0  # 0: only on request
+    step_timeout_s: float = 600.0
+    max_replans: int = 50
+    replan_wait_s: float = 0.5
+
+
+@dataclass
+class RunEvents:
+    """What happened during a run, for logs, status and benchmarks."""
+
+    replans: list[dict[str, Any]] = field(default_factory=list)
+    rollbacks: list[dict[str, Any]] = field(default_factory=list)
+    checkpoints: list[int] = field(default_factory=list)
+
+
+class RunDriver:
+    """Runs ``cfg.steps`` steps of ``spec`` over whatever devices ``live_devices()`` reports."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        coordinator: Coordinator,
+        live_devices: Callable[[], dict[int, str]],
+        planner: Planner,
+        build_assignments: AssignmentBuilder,
+        cfg: DriverConfig,
+        on_step: Callable[[StepReport], None] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.coordinator = coordinator
+        self.live_devices = live_devices
+        self.planner = planner
+        self.build_assignments = build_assignments
+        self.cfg = cfg
+        self.on_step = on_step
+        self.events = RunEvents()
+        self.stages: Stages | None = None
+        self.pipelines: Pipelines = []
+        self.device_of: dict[str, int] = {}
+        self.trained = 0  # steps applied everywhere
+        self.epoch = 0
+        self.banned: set[str] = set()  # endpoints declared dead: never planned again
+        self.reports: list[StepReport] = []
+
+    # ------------------------------------------------------------------------------------------------ run
+    def run(self, resume: bool = False) -> list[StepReport]:
+        restore = self._latest_checkpoint() if resume else None
+        if restore is not None:
+            self._load_checkpoint_stages(restore)
+        self._replan(restore_step=restore)
+        replans = 0
+        while self.trained < self.cfg.steps:
+            if self._membership_changed():
+                self._replan()
+            try:
+                report = self.coordinator.run_step(self.trained, timeout_s=self.cfg.step_timeout_s)
+            except StepFailedError as exc:
+                replans += 1
+                if replans > self.cfg.max_replans:
+                    raise
+                log.warning("step %d did not finish (%s); re-planning", self.trained, exc)
+                self._ban_dead()
+                time.sleep(self.cfg.replan_wait_s)
+                self._replan(reason=str(exc), failed=isinstance(exc, ReplanNeededError))
+                continue
+            self.trained += 1
+            self.reports.append(report)
+            if self.on_step:
+                self.on_step(report)
+            if self.cfg.checkpoint_every and self.trained % self.cfg.checkpoint_every == 0:
+                self.checkpoint()
+        return self.reports
+
+    def _ban_dead(self) -> None:
+        self.banned |= set(self.coordinator.dead)
+
+    def _membership_changed(self) -> bool:
+        """A worker died at a step boundary, or a new device joined."""
+        live = {ep for ep in self.live_devices().values() if ep not in self.banned}
+        planned = set(self.coordinator.assignments)
+        if self.coordinator.dead:
+            self._ban_dead()
+            return True
+        return bool(live - planned - self.banned) and self._would_use_more(live)
+
+    def _would_use_more(self, live: set[str]) -> bool:
+        """A newcomer matters only if it lets the plan grow by a replica (else it stays a spare)."""
+        assert self.stages is not None
+        return len(live) // len(self.stages) > len(self.pipelines)
+
+    # --------------------------------------------------------------------------------------------- replan
+    def _replan(self, reason: str = "start", failed: bool = False, restore_step: int | None = None) -> None:
+        live = {d: ep for d, ep in self.live_devices().items() if ep not in self.banned}
+        stages, pipelines = self.planner(sorted(live), self.stages)
+        self.stages = stages
+        self.epoch += 1
+        assignments = self.build_assignments(stages, pipelines, self.epoch)
+        holders = self._holders(set(live.values()))
+        sources, rollback = self._sources(assignments, holders, restore_step)
+        if rollback is not None:
+            redone = self.trained - rollback
+            log.warning(
+                "every replica of a stage is gone; rolling back to the checkpoint of step %d, redoing %d step(s)",
+                rollback,
+                redone,
+            )
+            self.events.rollbacks.append({"from_step": self.trained, "to_step": rollback, "redone": redone})
+            self._load_checkpoint_stages(rollback)
+            self.trained = rollback
+            self.reports = [r for r in self.reports if r.step < rollback]
+            sources = {
+                ep: {"source": "fetch", "endpoint": self.coordinator.endpoint, "step": rollback} for ep in assignments
+            }
+        self.coordinator.dead.clear()
+        self.coordinator.assign(assignments, sources)
+        self.pipelines = pipelines
+        self.events.replans.append(
+            {
+                "epoch": self.epoch,
+                "reason": reason,
+                "step": self.trained,
+                "devices": sorted(live),
+                "pipelines": pipelines,
+                "at": time.time(),
+            }
+        )
+        log.info(
+            "plan epoch %d (%s): stages %s, pipelines %s, continuing at step %d",
+            self.epoch,
+            reason,
+            stages,
+            pipelines,
+            self.trained,
+        )
+
+    def _holders(self, live: set[str]) -> dict[int, list[str]]:
+        """Stage index -> live endpoints holding that stage at the trained step (asked, not assumed)."""
+        out: dict[int, list[str]] = {}
+        for ep in sorted(live & set(self.coordinator.assignments)):
+            try:
+                st = self.coordinator.worker_status(ep)
+            except Exception as exc:  # unreachable: not a holder
+                log.info("status of %s: %s", ep, exc)
+                continue
+            if st.get("trained_steps") == self.trained and st.get("layers") is not None and self.stages:
+                layers = tuple(st["layers"])
+                if layers in self.stages:
+                    out.setdefault(self.stages.index(layers), []).append(ep)
+        return out
+
+    def _sources(
+        self, assignments: dict[str, Assignment], holders: dict[int, list[str]], restore_step: int | None
+    ) -> tuple[dict[str, dict[str, Any]], int | None]:
+        """Where each assignee gets its state; the checkpoint step to roll back to when a stage is lost."""
+        if restore_step is not None:
+            return {
+                ep: {"source": "fetch", "endpoint": self.coordinator.endpoint, "step": restore_step}
+                for ep in assignments
+            }, None
+        if self.trained == 0 and not holders:
+            return {ep: {"source": "init", "step": 0} for ep in assignments}, None
+        sources: dict[str, dict[str, Any]] = {}
+        for ep, a in assignments.items():
+            have = holders.get(a.stage, [])
+            if ep in have:
+                sources[ep] = {"source": "keep", "step": self.trained}
+            elif have:
+                sources[ep] = {"source": "fetch", "endpoint": have[0], "step": self.trained}
+            elif self.trained == 0:
+                sources[ep] = {"source": "init", "step": 0}
+            else:
+                latest = self._latest_checkpoint()
+                if latest is None:
+                    raise StepFailedError(f"stage {a.stage} lost every replica and there is no checkpoint")
+                return {}, latest
+        return sources, None
+
+    # ---------------------------------------------------------------------------------------- checkpoints
+    def checkpoint(self) -> Path | None:
+        """Write every stage's state at the trained step (one replica each); return the folder."""
+        if self.cfg.checkpoint_dir is None or not self.stages:
+            return None
+        step_dir = self.cfg.checkpoint_dir / f"step-{self.trained:06d}"
+        tmp = self.cfg.checkpoint_dir / f".tmp-step-{self.trained:06d}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        saved = set()
+        for ep, a in sorted(self.coordinator.assignments.items(), key=lambda kv: kv[1].replica):
+            if a.stage in saved or ep in self.coordinator.dead:
+                continue
+            try:
+                state = self.coordinator.fetch_state(ep)
+            except Exception as exc:  # try another replica of the stage
+                log.warning("checkpoint: fetching stage %d from %s failed: %s", a.stage, ep, exc)
+                continue
+            if state["step"] != self.trained:
+                continue
+            torch.save(state, tmp / f"stage-{a.stage}.pt")
+            saved.add(a.stage)
+        if saved != set(range(len(self.stages))):
+            shutil.rmtree(tmp, ignore_errors=True)
+            log.warning("checkpoint of step %d incomplete (stages %s); skipped", self.trained, sorted(saved))
+            return None
+        (tmp / "run.json").write_text(
+            json.dumps({"run": self.spec.to_dict(), "stages": self.stages, "step": self.trained}, indent=1)
+        )
+        shutil.rmtree(step_dir, ignore_errors=True)
+        os.replace(tmp, step_dir)
+        (self.cfg.checkpoint_dir / "latest").write_text(step_dir.name + "\n")
+        self.events.checkpoints.append(self.trained)
+        log.info("checkpoint of step %d written to %s", self.trained, step_dir)
+        return step_dir
+
+    def _latest_checkpoint(self) -> int | None:
+        d = self.cfg.checkpoint_dir
+        if d is None or not (d / "latest").exists():
+            return None
+        name = (d / "latest").read_text().strip()
+        try:
+            return int(name.removeprefix("step-"))
+        except ValueError:
+            log.warning("checkpoint pointer %s is malformed: %r", d / "latest", name)
+            return None
+
+    def _load_checkpoint_stages(self, step: int) -> None:
+        """Read a checkpoint and let the coordinator serve it to the workers that will fetch it."""
+        assert self.cfg.checkpoint_dir is not None
+        step_dir = self.cfg.checkpoint_dir / f"step-{step:06d}"
+        meta = json.loads((step_dir / "run.json").read_text())
+        if meta["run"] != self.spec.to_dict():
+            raise StepFailedError(f"checkpoint {step_dir} belongs to a different run configuration")
+        stages = [tuple(x) for x in meta["stages"]]
+        if self.stages is not None and stages != self.stages:
+            raise StepFailedError(f"checkpoint {step_dir} has stages {stages}, the run has {self.stages}")
+        self.stages = stages  # type: ignore[assignment]
+        states = {s: torch.load(step_dir / f"stage-{s}.pt", weights_only=True) for s in range(len(stages))}
+        self.coordinator.serve_checkpoint(states)
+        self.trained = step
