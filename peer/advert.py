@@ -201,7 +201,7 @@ class LinkReport:
     src: str
     dst: str
     rtt_s: float
-    bandwidth_bps: float  # bytes per second
+    bandwidth_bps: float  # bits per second
     measured: bool
     at: float  # DHT time of the measurement
 

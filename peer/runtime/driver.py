@@ -73,6 +73,8 @@ class RunDriver:
         build_assignments: AssignmentBuilder,
         cfg: DriverConfig,
         on_step: Callable[[StepReport], None] | None = None,
+        epoch: int = 0,
+        on_replan: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.spec = spec
         self.coordinator = coordinator
@@ -86,16 +88,21 @@ class RunDriver:
         self.pipelines: Pipelines = []
         self.device_of: dict[str, int] = {}
         self.trained = 0  # steps applied everywhere
-        self.epoch = 0
+        self.epoch = epoch  # the last epoch used; the next plan takes epoch + 1 (a new leader starts higher)
+        self.on_replan = on_replan
         self.banned: set[str] = set()  # endpoints declared dead: never planned again
         self.reports: list[StepReport] = []
 
     # ------------------------------------------------------------------------------------------------ run
-    def run(self, resume: bool = False) -> list[StepReport]:
+    def run(self, resume: bool = False, takeover: tuple[int, Stages] | None = None) -> list[StepReport]:
+        """Train to ``cfg.steps``. ``resume``: start from the latest checkpoint. ``takeover=(trained, stages)``:
+        continue a run whose previous leader died, from the workers' own state."""
         restore = self._latest_checkpoint() if resume else None
         if restore is not None:
             self._load_checkpoint_stages(restore)
-        self._replan(restore_step=restore)
+        elif takeover is not None:
+            self.trained, self.stages = takeover[0], [(int(a), int(b)) for a, b in takeover[1]]
+        self._replan(reason="takeover" if takeover else "start", restore_step=restore)
         replans = 0
         while self.trained < self.cfg.steps:
             if self._membership_changed():
@@ -162,16 +169,18 @@ class RunDriver:
         self.coordinator.dead.clear()
         self.coordinator.assign(assignments, sources)
         self.pipelines = pipelines
-        self.events.replans.append(
-            {
-                "epoch": self.epoch,
-                "reason": reason,
-                "step": self.trained,
-                "devices": sorted(live),
-                "pipelines": pipelines,
-                "at": time.time(),
-            }
-        )
+        info = {
+            "epoch": self.epoch,
+            "reason": reason,
+            "step": self.trained,
+            "devices": sorted(live),
+            "stages": [list(s) for s in stages],
+            "pipelines": pipelines,
+            "at": time.time(),
+        }
+        self.events.replans.append(info)
+        if self.on_replan:
+            self.on_replan(info)
         log.info(
             "plan epoch %d (%s): stages %s, pipelines %s, continuing at step %d",
             self.epoch,
@@ -184,7 +193,7 @@ class RunDriver:
     def _holders(self, live: set[str]) -> dict[int, list[str]]:
         """Stage index -> live endpoints holding that stage at the trained step (asked, not assumed)."""
         out: dict[int, list[str]] = {}
-        for ep in sorted(live & set(self.coordinator.assignments)):
+        for ep in sorted(live):
             try:
                 st = self.coordinator.worker_status(ep)
             except Exception as exc:  # unreachable: not a holder

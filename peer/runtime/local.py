@@ -46,7 +46,7 @@ class LinkModel:
 
     bandwidth_bps: Sequence[Sequence[float]] | None = None
     delay_s: Sequence[Sequence[float]] | None = None
-    tflops: Sequence[float] | None = None
+    tflops: Sequence[float | None] | None = None
 
 
 @dataclass
@@ -202,7 +202,9 @@ def build_assignments(
                         float(links.bandwidth_bps[dev][other]),
                         float(links.delay_s[dev][other]),
                     )
-            tflops = None if links is None or links.tflops is None else float(links.tflops[dev])
+            tflops = (
+                None if links is None or links.tflops is None or links.tflops[dev] is None else float(links.tflops[dev])
+            )
             a, b = stages[s]
             out[endpoints[dev]] = Assignment(
                 epoch=epoch,

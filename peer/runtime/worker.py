@@ -61,12 +61,15 @@ WORKER_TRANSPORT = dict(max_concurrent_streams=48, thread_pool_size=64, max_infl
 class StageWorker:
     """Serves one tasklet. ``start()`` returns the endpoint; the coordinator assigns the stage over gRPC."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, peer_id: str = "", fault: str | None = None) -> None:
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, peer_id: str = "", fault: str | None = None, device: str = ""
+    ) -> None:
         if fault not in (None, "nan-grad"):
             raise ValueError(f"fault: unknown fault {fault!r} (known: nan-grad)")
         self.config = TransportConfig(host=host, port=port, **WORKER_TRANSPORT)
         self.peer_id = peer_id
         self.fault = fault
+        self.device = device  # this peer's --device; empty: what the assignment says
         self.server = PeerServer(self.config)
         self.server.register_push(pb.STAGE_ASSIGNMENT, self._on_assignment)
         self.server.register_push(pb.OTHER, self._on_control)
@@ -83,6 +86,7 @@ class StageWorker:
         self.exchange: GradientExchange | None = None
         self._corpus: Corpus | None = None
         self._links: LinkTable | None = None
+        self._links_table: dict[str, tuple[float, float]] = {}
         self._clients: dict[str, PeerClient] = {}
         # layers -> (compute, stage index): the current stage and the one held before the last assignment
         self._holdings: dict[tuple[int, int], tuple[StageCompute, int]] = {}
@@ -129,6 +133,7 @@ class StageWorker:
             "epoch": None if a is None else a.epoch,
             "step": self.step,
             "trained_steps": None if self.compute is None else self.compute.step,
+            "pending_apply": None if self._reduced is None else self._reduced[0],
             **self.stats,
         }
 
@@ -150,6 +155,11 @@ class StageWorker:
             if isinstance(exc, SpecError):
                 raise BadMessage("meta.body", str(exc)) from None
             raise BadMessage("meta.body", f"assignment needs 'run' and 'assignment' objects ({exc})") from None
+        if self.assignment is not None and assignment.epoch < self.assignment.epoch:
+            raise Rejected(
+                f"plan epoch {assignment.epoch} is older than this peer's epoch {self.assignment.epoch}; "
+                "a newer leader has taken over"
+            )
         with self._state_lock:
             same_stage = (
                 self.compute is not None
@@ -174,7 +184,7 @@ class StageWorker:
                         first_layer=assignment.layers[0],
                         last_layer=assignment.layers[1],
                         optim=spec.optim,
-                        device=assignment.device,
+                        device=self.device or assignment.device,
                         precision=spec.precision,
                     )
                 )
@@ -191,8 +201,11 @@ class StageWorker:
                     )
                 self._corpus = corpus
             with self._lock:
-                previous = {} if self.compute is None or self.assignment is None else {
-                    self.assignment.layers: (self.compute, self.assignment.stage)}
+                previous = (
+                    {}
+                    if self.compute is None or self.assignment is None
+                    else {self.assignment.layers: (self.compute, self.assignment.stage)}
+                )
                 self._holdings = {**previous, assignment.layers: (compute, assignment.stage)}
             self.compute = compute
             self.spec, self.assignment = spec, assignment
@@ -235,6 +248,18 @@ class StageWorker:
             compute.load_state_dict(state)
         except ValueError as exc:
             raise BadMessage("stage_state", str(exc)) from None
+
+    def set_links(self, links: dict[str, tuple[float, float]]) -> None:
+        """Shape traffic to these endpoints (rate bit/s, delay s) before any assignment, e.g. so that link
+        probes of an emulated swarm measure the emulated links. An assignment replaces the table."""
+        with self._lock:
+            if self._links_table == links:
+                return
+            self._links_table = dict(links)
+            self._links = LinkTable(lambda dest: self._links_table.get(dest))
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()
 
     def _client(self, endpoint: str) -> PeerClient:
         with self._lock:

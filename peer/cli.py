@@ -1,0 +1,352 @@
+"""The `peer` command: start or join a swarm, watch it, or run a whole local swarm.
+
+Errors a user can fix (a bad address, a port in use, a bad config, a wrong secret) end with one line
+``peer: error: ...`` and exit status 2; a run that fails after it started exits with 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+from peer.config import ConfigError, RunConfig, example_toml, reference_markdown
+
+DESCRIPTION = """\
+Tasklet peer: train a transformer language model together with other volunteers' GPUs.
+
+  peer start --config run.toml     be the first peer of a new swarm (prints the join line)
+  peer join --dht ADDR             give this machine's GPU (or CPU) to a running swarm
+  peer status --dht ADDR           show the swarm: peers, plan, step, loss, throughput
+  peer swarm --peers 4 --scenario worldwide_geo_distributed --steps 5
+                                   a whole swarm on this machine, on an emulated network
+  peer init run.toml               write a run.toml with every option and its default
+"""
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not in 0..65535")
+    return value
+
+
+def _add_peer_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("network")
+    g.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address the gRPC server listens on; 0.0.0.0 for all interfaces (default: %(default)s)",
+    )
+    g.add_argument("--port", type=_port, default=0, help="gRPC port; 0 picks a free one (default: %(default)s)")
+    g.add_argument("--dht-host", default="127.0.0.1", help="address the DHT node listens on (default: %(default)s)")
+    g.add_argument("--dht-port", type=_port, default=0, help="DHT port; 0 picks a free one (default: %(default)s)")
+    g.add_argument(
+        "--announce",
+        default=None,
+        metavar="HOST:PORT",
+        help="address other peers should use to reach this peer's gRPC server, when it differs from "
+        "--host:--port (NAT port forwarding, containers); default: --host:--port",
+    )
+    g = p.add_argument_group("identity and access")
+    g.add_argument(
+        "--identity",
+        default=None,
+        metavar="FILE",
+        help="private key file; created if missing, so a restarted peer keeps its id (default: a new key each run)",
+    )
+    g.add_argument("--secret", default=None, help="the swarm's join secret, if it has one (default: none)")
+    g = p.add_argument_group("device")
+    g.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="compute device; auto uses CUDA when available (default: %(default)s)",
+    )
+    g.add_argument(
+        "--emulate-tflops",
+        type=_positive_float,
+        default=None,
+        metavar="X",
+        help="declare X TFLOP/s instead of measuring, and stretch compute to it (local swarms; default: measure)",
+    )
+    g.add_argument(
+        "--emulate-device",
+        type=int,
+        default=None,
+        metavar="I",
+        help="in a run with an [emulation] scenario: emulate its I-th device's links and speed (default: none)",
+    )
+    g.add_argument(
+        "--measure-seconds",
+        type=_positive_float,
+        default=1.0,
+        help="time spent measuring the device's matmul speed (default: %(default)s)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging detail on stderr (default: %(default)s)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="peer", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser(
+        "start",
+        help="start a new swarm from a run.toml and print the join line",
+        description="Be the first peer: create the DHT, publish the run, train.",
+    )
+    p.add_argument("--config", required=True, metavar="FILE", help="the run.toml (see `peer init`)")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint in [swarm] checkpoint_dir (default: start fresh)",
+    )
+    _add_peer_options(p)
+
+    p = sub.add_parser(
+        "join", help="join a running swarm", description="Join a swarm and train with it until the run is done."
+    )
+    p.add_argument(
+        "--dht",
+        required=True,
+        nargs="+",
+        metavar="ADDR",
+        help="multiaddr(s) of any peer of the swarm, as printed by `peer start`",
+    )
+    p.add_argument("--run", default="tasklet", help="run name ([run] run_id) to join (default: %(default)s)")
+    _add_peer_options(p)
+
+    p = sub.add_parser(
+        "status",
+        help="show a swarm's peers, plan and progress",
+        description="Join the DHT as a read-only client and print the swarm.",
+    )
+    p.add_argument("--dht", required=True, nargs="+", metavar="ADDR", help="multiaddr(s) of any peer")
+    p.add_argument("--run", default="tasklet", help="run name (default: %(default)s)")
+    p.add_argument("--secret", default=None, help="the swarm's join secret, if it has one (default: none)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument(
+        "--watch",
+        type=_positive_float,
+        nargs="?",
+        const=2.0,
+        default=None,
+        metavar="SECONDS",
+        help="refresh every SECONDS until interrupted (default: print once; bare --watch: 2 s)",
+    )
+
+    p = sub.add_parser(
+        "swarm",
+        help="run a whole swarm on this machine on an emulated network",
+        description="Start N local peer processes emulating a scenario's devices and links, train, "
+        "and print what happened.",
+    )
+    p.add_argument("--peers", type=int, required=True, help="number of peer processes")
+    p.add_argument(
+        "--scenario",
+        required=True,
+        metavar="NAME|FILE[:NAME]",
+        help="network scenario: a bundled name (e.g. worldwide_geo_distributed) or a JSON file",
+    )
+    p.add_argument("--steps", type=int, default=5, help="training steps (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of weights and data order (default: %(default)s)")
+    p.add_argument(
+        "--save",
+        default=None,
+        metavar="DIR",
+        help="write every stage's final parameters and run.json here (default: a temporary folder)",
+    )
+    p.add_argument("--stages", type=int, default=0, help="pipeline stages; 0: the scheduler chooses (default: 0)")
+    p.add_argument(
+        "--bandwidth-scale",
+        type=_positive_float,
+        default=0.01,
+        help="multiplies the scenario's bandwidths so a CPU-sized model feels them (default: %(default)s)",
+    )
+    p.add_argument(
+        "--tflops", type=_positive_float, default=0.002, help="emulated TFLOP/s of each device (default: %(default)s)"
+    )
+    p.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=900.0,
+        help="stop the swarm after this many seconds (default: %(default)s)",
+    )
+    p.add_argument("--log-dir", default=None, help="peer logs go here (default: a temporary folder)")
+
+    p = sub.add_parser("init", help="write an example run.toml with every option and its default")
+    p.add_argument("path", nargs="?", default="run.toml", help="file to write (default: %(default)s)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing file")
+
+    sub.add_parser("config-reference", help="print the run.toml reference (Markdown)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = getattr(args, "log_level", "WARNING")
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("hivemind", "grpc"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(level)))
+    try:
+        return COMMANDS[args.command](args)
+    except (ConfigError, UserError) as exc:
+        print(f"peer: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+class UserError(RuntimeError):
+    """Something the user can fix; shown as one line."""
+
+
+def _options(args: argparse.Namespace):  # noqa: ANN202 - PeerOptions, imported lazily (torch, hivemind)
+    from peer.daemon import PeerOptions
+
+    return PeerOptions(
+        host=args.host,
+        port=args.port,
+        dht_host=args.dht_host,
+        dht_port=args.dht_port,
+        announce=args.announce,
+        identity=args.identity,
+        secret=args.secret,
+        run_id=getattr(args, "run", "tasklet"),
+        device=args.device,
+        emulate_tflops=args.emulate_tflops,
+        emulate_device=args.emulate_device,
+        resume=getattr(args, "resume", False),
+        measure_seconds=args.measure_seconds,
+    )
+
+
+def _run_daemon(args: argparse.Namespace, config: RunConfig | None, peers: list[str]) -> int:
+    from peer.daemon import DaemonError, PeerDaemon
+
+    if args.announce and ":" not in args.announce:
+        raise UserError(f"--announce {args.announce!r}: expected HOST:PORT")
+    opts = _options(args)
+    if config is not None and config.swarm.secret:
+        opts.secret = config.swarm.secret
+    daemon = PeerDaemon(opts, peers, config)
+    try:
+        daemon.start()
+    except DaemonError as exc:
+        raise UserError(str(exc)) from None
+    daemon.install_signal_handlers()
+    try:
+        if config is not None:
+            print(daemon.join_line(), flush=True)
+        status = daemon.run()
+    finally:
+        daemon.shutdown()
+    if daemon.exit_error:
+        print(f"peer: {daemon.exit_error}", file=sys.stderr)
+    return status
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    return _run_daemon(args, RunConfig.load(args.config), [])
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    return _run_daemon(args, None, list(args.dht))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from peer.dht_node import DHTStartError
+    from peer.status import StatusReader, format_status, status_json
+
+    try:
+        reader = StatusReader(list(args.dht), args.run, args.secret)
+    except DHTStartError as exc:
+        raise UserError(str(exc)) from None
+    with reader:
+        while True:
+            st = reader.read()
+            if not st.peers and not st.plan.get("epoch"):
+                raise UserError(f"no run named {args.run!r} is visible in this DHT (wrong --run or --secret?)")
+            print(status_json(st) if args.json else format_status(st), flush=True)
+            if args.watch is None:
+                return 0
+            time.sleep(args.watch)
+            if not args.json:
+                print()
+
+
+def cmd_swarm(args: argparse.Namespace) -> int:
+    from peer.swarm import SwarmOptions, run_swarm
+    from scheduler import PlanningError
+
+    if args.peers < 1:
+        raise UserError(f"--peers must be at least 1, got {args.peers}")
+    if args.steps < 1:
+        raise UserError(f"--steps must be at least 1, got {args.steps}")
+    opts = SwarmOptions(
+        peers=args.peers,
+        scenario=args.scenario,
+        steps=args.steps,
+        seed=args.seed,
+        save=args.save,
+        stages=args.stages,
+        bandwidth_scale=args.bandwidth_scale,
+        tflops=args.tflops,
+        timeout_s=args.timeout,
+        log_dir=args.log_dir,
+    )
+    try:
+        return run_swarm(opts)
+    except (PlanningError, ValueError) as exc:
+        raise UserError(str(exc)) from None
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    path = Path(args.path)
+    if path.exists() and not args.force:
+        raise UserError(f"{path} exists; use --force to overwrite it")
+    path.write_text(example_toml())
+    print(f"wrote {path}; edit [run] and [model], then: peer start --config {path}")
+    return 0
+
+
+def cmd_config_reference(args: argparse.Namespace) -> int:
+    print(reference_markdown())
+    return 0
+
+
+COMMANDS = {
+    "start": cmd_start,
+    "join": cmd_join,
+    "status": cmd_status,
+    "swarm": cmd_swarm,
+    "init": cmd_init,
+    "config-reference": cmd_config_reference,
+}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

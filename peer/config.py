@@ -1,0 +1,241 @@
+"""The run configuration file (``run.toml``) that ``peer start`` publishes to the swarm.
+
+Every field is declared once, here, with its default and a one-line explanation; the README's configuration
+reference is generated from these declarations (``peer config-reference``), so it cannot drift. Unknown keys
+and bad values are refused with the file, section and key named.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from peer.model import ModelConfig
+from peer.runtime.spec import COMPRESSIONS, PRECISIONS, RunSpec, SpecError
+from peer.stage_compute import OptimConfig
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or invalid; the message names the file, section and key."""
+
+
+def _f(default: Any, help: str) -> Any:  # noqa: A002 - "help" reads best in the declarations below
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class RunSection:
+    """[run] — what is trained and on which data."""
+
+    run_id: str = _f("tasklet", "name of the run; peers join it with `peer join --run` (DHT key namespace)")
+    steps: int = _f(20, "optimizer steps to train, then the swarm stops")
+    seed: int = _f(0, "seed of the initial weights and of the data order")
+    corpus: str = _f("stdlib", "training text: `stdlib` (this Python's standard library sources) or a path")
+    micro_batch: int = _f(4, "sequences per micro-batch")
+    n_microbatches: int = _f(8, "micro-batches per step (global batch = micro_batch x n_microbatches)")
+    precision: str = _f("fp32", f"compute precision, one of {', '.join(PRECISIONS)} (fp32 master weights)")
+    compression: str = _f("none", f"activations on the wire, one of {', '.join(COMPRESSIONS)}")
+
+
+@dataclass
+class ModelSection:
+    """[model] — the GPT-style decoder (byte-level, vocabulary 256)."""
+
+    n_layers: int = _f(4, "transformer blocks")
+    d_model: int = _f(64, "hidden size")
+    n_heads: int = _f(4, "attention heads (must divide d_model)")
+    seq_len: int = _f(64, "tokens per sequence")
+
+
+@dataclass
+class OptimSection:
+    """[optim] — AdamW."""
+
+    lr: float = _f(1e-3, "learning rate")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.95, "AdamW beta2")
+    eps: float = _f(1e-8, "AdamW epsilon")
+    weight_decay: float = _f(0.1, "decoupled weight decay (not applied to norms and biases)")
+
+
+@dataclass
+class SwarmSection:
+    """[swarm] — how the swarm forms and plans."""
+
+    min_peers: int = _f(2, "the leader waits for this many live peers before the first plan")
+    stages: int = _f(0, "pipeline stages; 0 lets the scheduler choose")
+    secret: str = _f("", "join secret; empty = open swarm (a peer with a wrong secret is refused)")
+    heartbeat_s: float = _f(2.0, "advert renewal period; a peer silent for 3 heartbeats is gone")
+    plan_time_limit_s: float = _f(5.0, "time limit of the scheduler's search at each plan")
+    checkpoint_dir: str = _f("", "where the leader writes checkpoints; empty = none")
+    checkpoint_every: int = _f(0, "checkpoint every N steps (0 = only on SIGTERM)")
+    save_dir: str = _f("", "when set, the leader writes the final parameters of every stage and run.json here")
+
+
+@dataclass
+class EmulationSection:
+    """[emulation] — for local swarms: emulate a scenario's links and devices on this machine."""
+
+    scenario: str = _f("", "scenario file[:name] or a name from the bundled scenarios; empty = no emulation")
+    devices: list[int] = _f(None, "scenario device of each emulated peer (peer i emulates devices[i])")
+    bandwidth_scale: float = _f(1.0, "multiplies every emulated link's bandwidth")
+    tflops: float = _f(0.002, "emulated TFLOP/s of a device the scenario gives no figure for")
+    tflops_scale: float = _f(1.0, "multiplies every emulated device's TFLOP/s")
+
+
+REQUIRED = (("run", "run_id"), ("run", "steps"))
+SECTIONS: dict[str, type] = {
+    "run": RunSection,
+    "model": ModelSection,
+    "optim": OptimSection,
+    "swarm": SwarmSection,
+    "emulation": EmulationSection,
+}
+
+
+@dataclass
+class RunConfig:
+    """The whole run.toml."""
+
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    swarm: SwarmSection = field(default_factory=SwarmSection)
+    emulation: EmulationSection = field(default_factory=EmulationSection)
+
+    # --------------------------------------------------------------------------------------- conversions
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {
+            name: {f.name: getattr(getattr(self, name), f.name) for f in fields(cls)} for name, cls in SECTIONS.items()
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "config") -> RunConfig:
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: expected a table of sections")
+        unknown = sorted(set(data) - set(SECTIONS))
+        if unknown:
+            raise ConfigError(f"{where}: unknown section [{unknown[0]}] (known: {', '.join(SECTIONS)})")
+        out = cls()
+        for name, section_cls in SECTIONS.items():
+            values = data.get(name, {})
+            if not isinstance(values, dict):
+                raise ConfigError(f"{where}: [{name}] must be a table")
+            setattr(out, name, _section(section_cls, values, f"{where}: [{name}]"))
+        out.validate(where)
+        return out
+
+    @classmethod
+    def load(cls, path: str | Path) -> RunConfig:
+        """Read a run.toml. ``[run] run_id`` and ``[run] steps`` must be given: a run is named and sized on
+        purpose, every other key has a default."""
+        p = Path(path)
+        try:
+            raw = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{p}: no such file") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{p}: cannot read ({exc})") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{p}: not valid TOML ({exc})") from None
+        for section, key in REQUIRED:
+            if key not in raw.get(section, {}):
+                raise ConfigError(f"{p}: [{section}] {key} is missing (required)")
+        return cls.from_dict(raw, str(p))
+
+    def spec(self, corpus_fingerprint: str = "") -> RunSpec:
+        """The runtime's view of this configuration."""
+        r, m, o = self.run, self.model, self.optim
+        return RunSpec(
+            run_id=r.run_id,
+            model=ModelConfig(
+                n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, seq_len=m.seq_len, seed=r.seed
+            ),
+            optim=OptimConfig(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay),
+            seed=r.seed,
+            micro_batch=r.micro_batch,
+            n_microbatches=r.n_microbatches,
+            corpus=None if r.corpus == "stdlib" else r.corpus,
+            corpus_fingerprint=corpus_fingerprint,
+            precision=r.precision,
+            compression=r.compression,
+        )
+
+    def validate(self, where: str = "config") -> None:
+        try:
+            self.spec().validate()
+        except (SpecError, ValueError) as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        if self.run.steps < 1:
+            raise ConfigError(f"{where}: [run] steps must be >= 1")
+        s = self.swarm
+        if s.min_peers < 1:
+            raise ConfigError(f"{where}: [swarm] min_peers must be >= 1")
+        if s.stages < 0 or s.stages > self.model.n_layers:
+            raise ConfigError(f"{where}: [swarm] stages must be 0 (auto) or 1..n_layers")
+        if not s.heartbeat_s > 0:
+            raise ConfigError(f"{where}: [swarm] heartbeat_s must be > 0")
+        e = self.emulation
+        for key in ("bandwidth_scale", "tflops", "tflops_scale"):
+            v = getattr(e, key)
+            if not (v > 0 and math.isfinite(v)):
+                raise ConfigError(f"{where}: [emulation] {key} must be a positive number")
+
+
+def _section(cls: type, values: dict[str, Any], where: str) -> Any:
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(known)})")
+    kwargs = {}
+    for name, value in values.items():
+        default = known[name].default
+        expected = type(default) if default is not None and default is not MISSING else None
+        if name == "devices":
+            if value is not None and not (isinstance(value, list) and all(isinstance(v, int) for v in value)):
+                raise ConfigError(f"{where}: {name} must be a list of integers")
+        elif expected is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        elif expected is not None and (
+            not isinstance(value, expected) or isinstance(value, bool) != (expected is bool)
+        ):
+            raise ConfigError(f"{where}: {name} must be {expected.__name__}, got {value!r}")
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def reference_markdown() -> str:
+    """The configuration reference: every section and key with its default and meaning."""
+    lines = ["| key | default | meaning |", "| --- | --- | --- |"]
+    for name, cls in SECTIONS.items():
+        for f in fields(cls):
+            default = f.default
+            shown = "(none)" if default is None else (f'"{default}"' if isinstance(default, str) else repr(default))
+            required = " (required)" if (name, f.name) in REQUIRED else ""
+            lines.append(f"| `[{name}] {f.name}` | `{shown}`{required} | {f.metadata['help']} |")
+    return "\n".join(lines)
+
+
+def example_toml() -> str:
+    """A complete run.toml with every default spelled out (what `peer init` writes)."""
+    out = []
+    for name, cls in SECTIONS.items():
+        out.append(f"[{name}]")
+        for f in fields(cls):
+            if f.default is None:
+                out.append(f"# {f.name} = []  # {f.metadata['help']}")
+                continue
+            value = (
+                f'"{f.default}"'
+                if isinstance(f.default, str)
+                else repr(f.default).lower()
+                if isinstance(f.default, bool)
+                else repr(f.default)
+            )
+            out.append(f"{f.name} = {value}  # {f.metadata['help']}")
+        out.append("")
+    return "\n".join(out)

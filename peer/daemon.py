@@ -1,0 +1,396 @@
+"""The peer daemon: what `peer start` and `peer join` run on a volunteer's machine.
+
+One process holds: a hivemind DHT node (membership, plans, progress), a stage worker (gRPC server: compute
+and data plane), a heartbeat that re-announces this peer's signed advert, a link prober, and a control loop
+that derives the leader from the live adverts. The peer the loop elects runs a
+:class:`~peer.leadership.LeaderRole` (coordinator + planner) next to its worker.
+
+Life cycle: start -> announce -> (lead or follow) -> the run reports "done" -> leave. SIGINT/SIGTERM leave
+gracefully: the leader writes a checkpoint if it has a checkpoint folder, then everyone stores a departure
+record so the others notice within a heartbeat instead of after the advert expires.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from hivemind.utils import get_dht_time
+
+from peer.advert import Advert, LinkReport
+from peer.config import ConfigError, RunConfig
+from peer.data import Corpus, CorpusError
+from peer.device import measure_device
+from peer.dht_node import DHTConfig, DHTStartError, start_dht, visible_maddrs
+from peer.identity import Identity
+from peer.leader import PlanBoard, elect_leader
+from peer.leadership import LeaderRole
+from peer.membership import Membership, SwarmSecretError, verify_swarm_secret
+from peer.planning import EmulatedNetwork
+from peer.runtime.coordinator import StepReport
+from peer.runtime.worker import StageWorker
+from peer.shaping import LinkShaper
+from peer.transport import PeerClient
+
+log = logging.getLogger(__name__)
+
+PROBE_BYTES = 256 * 1024
+PROBE_SAMPLE = 8  # peers probed per round; the rest are estimated (see peer.planning.build_cluster)
+RUN_WAIT_S = 15.0
+
+
+class DaemonError(RuntimeError):
+    """A one-line reason why the peer cannot start or go on (shown to the user without a traceback)."""
+
+
+@dataclass
+class PeerOptions:
+    """Command-line options of one peer (see `peer join --help`)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    dht_host: str = "127.0.0.1"
+    dht_port: int = 0
+    announce: str | None = None
+    identity: str | None = None
+    secret: str | None = None
+    run_id: str = "tasklet"
+    device: str = "auto"
+    emulate_tflops: float | None = None
+    emulate_device: int | None = None
+    resume: bool = False
+    measure_seconds: float = 1.0
+
+
+class PeerDaemon:
+    """One peer. ``config`` is given to the first peer (`peer start`); joiners read it from the DHT."""
+
+    def __init__(self, opts: PeerOptions, dht_peers: list[str], config: RunConfig | None = None) -> None:
+        self.opts = opts
+        self.dht_peers = dht_peers
+        self.config = config
+        self.identity = Identity.load_or_create(opts.identity)
+        self.dht: Any = None
+        self.worker: StageWorker | None = None
+        self.membership: Membership | None = None
+        self.plan_board: PlanBoard | None = None
+        self.network: EmulatedNetwork | None = None
+        self.role: LeaderRole | None = None
+        self.done = threading.Event()
+        self.stop_requested = threading.Event()
+        self._live: list[Advert] = []
+        self._live_lock = threading.Lock()
+        self._probed: dict[str, LinkReport] = {}
+        self._probe_lock = threading.Lock()
+        self._reply_shapers: dict[str, LinkShaper | None] = {}
+        self.steps: list[dict[str, Any]] = []
+        self.exit_error: str | None = None
+
+    # ------------------------------------------------------------------------------------------- start-up
+    def start(self) -> None:
+        """Join the swarm; raise DaemonError (one line) when that is impossible."""
+        o = self.opts
+        try:
+            self.dht = start_dht(
+                DHTConfig(
+                    initial_peers=tuple(self.dht_peers),
+                    host=o.dht_host,
+                    port=o.dht_port,
+                    announce_host=_host_of(o.announce),
+                ),
+                self.identity,
+            )
+        except DHTStartError as exc:
+            raise DaemonError(str(exc)) from None
+        try:
+            self._join_run()
+            self._start_worker()
+            self._announce()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _join_run(self) -> None:
+        o = self.opts
+        run_id = self.config.run.run_id if self.config else o.run_id
+        try:
+            existing = verify_swarm_secret(self.dht, run_id, o.secret or None)
+        except SwarmSecretError as exc:
+            raise DaemonError(str(exc)) from None
+        if self.config is not None:
+            if existing is not None:
+                raise DaemonError(
+                    f"a run named {run_id!r} already exists in this DHT; use `peer join` or another [run] run_id"
+                )
+            if (self.config.swarm.secret or None) != (o.secret or None):
+                o.secret = self.config.swarm.secret or o.secret
+        else:
+            deadline = time.monotonic() + RUN_WAIT_S
+            while existing is None and time.monotonic() < deadline:
+                time.sleep(0.5)
+                existing = verify_swarm_secret(self.dht, run_id, o.secret or None)
+            if existing is None:
+                raise DaemonError(
+                    f"no run named {run_id!r} is published in this DHT (is `peer start` running? "
+                    "use --run NAME for another run)"
+                )
+            try:
+                published_config = {k: v for k, v in existing.config.items() if k != "fingerprint"}
+                self.config = RunConfig.from_dict(published_config, where=f"run {run_id!r} from the DHT")
+            except ConfigError as exc:
+                raise DaemonError(str(exc)) from None
+        assert self.config is not None
+        try:
+            corpus = Corpus.load(self.config.spec().corpus)
+        except CorpusError as exc:
+            raise DaemonError(f"[run] corpus: {exc}") from None
+        published = (existing.config.get("fingerprint") if existing else None) or corpus.fingerprint
+        if corpus.fingerprint != published:
+            raise DaemonError(
+                f"this peer's training data differs from the run's (fingerprint {corpus.fingerprint[:12]}"
+                f" vs {published[:12]}): a different Python version or --corpus path"
+            )
+        self.spec = self.config.spec(corpus_fingerprint=published)
+        self.membership = Membership(
+            self.dht, run_id, self.identity, o.secret or None, heartbeat_s=self.config.swarm.heartbeat_s
+        )
+        self.plan_board = PlanBoard(self.dht, run_id, self.identity, o.secret or None)
+        record = {**self.config.to_dict(), "fingerprint": published}
+        if existing is None:
+            self.membership.publish_run(record)
+        else:
+            self.membership.adopt_run(existing)
+        if self.config.emulation.scenario:
+            try:
+                self.network = EmulatedNetwork(self.config.emulation)
+            except ValueError as exc:
+                raise DaemonError(f"[emulation] {exc}") from None
+
+    def _start_worker(self) -> None:
+        o = self.opts
+        self.worker = StageWorker(
+            o.host,
+            o.port,
+            peer_id=self.identity.peer_id,
+            device="cpu" if o.device == "auto" and o.emulate_tflops else o.device,
+        )
+        try:
+            self.endpoint = self.worker.start()
+        except OSError as exc:
+            raise DaemonError(f"cannot listen on {o.host}:{o.port}: {exc}") from None
+        self.worker.server.set_reply_shaper(self._reply_shaper)
+        if o.announce:
+            self.endpoint = o.announce
+
+    def _announce(self) -> None:
+        o = self.opts
+        tflops = o.emulate_tflops
+        extra: dict[str, Any] = {}
+        if self.network is not None and o.emulate_device is not None:
+            if not 0 <= o.emulate_device < len(self.network):
+                raise DaemonError(f"--emulate-device {o.emulate_device}: the run emulates {len(self.network)} devices")
+            tflops = tflops or self.network.tflops(o.emulate_device)
+            extra = {"emu": o.emulate_device, "region": self.network.region(o.emulate_device)}
+        device = measure_device("cpu" if tflops else o.device, emulate_tflops=tflops, seconds=o.measure_seconds)
+        self.advert = Advert(
+            peer_id=self.identity.peer_id,
+            endpoint=self.endpoint,
+            device=device,
+            started_at=get_dht_time(),
+            corpus=self.spec.corpus_fingerprint,
+            extra=extra,
+        )
+        assert self.membership is not None
+        self.membership.announce(self.advert)
+        log.info(
+            "peer %s announced: %s, %.4g TFLOP/s%s, gRPC at %s",
+            self.identity.peer_id,
+            device.name,
+            device.tflops,
+            " (emulated)" if device.emulated else "",
+            self.endpoint,
+        )
+
+    def join_line(self) -> str:
+        """The command others run to join this swarm."""
+        addrs = visible_maddrs(self.dht)
+        line = f"peer join --dht {addrs[0]}"
+        if self.spec.run_id != "tasklet":
+            line += f" --run {self.spec.run_id}"
+        if self.opts.secret:
+            line += " --secret <the swarm's secret>"
+        return line
+
+    # ------------------------------------------------------------------------------------------ main loop
+    def run(self) -> int:
+        """Follow or lead until the run is done or a signal arrives; return the exit status."""
+        prober = threading.Thread(target=self._probe_loop, name="prober", daemon=True)
+        prober.start()
+        assert self.config is not None
+        period = self.config.swarm.heartbeat_s / 2
+        while not self.done.is_set() and not self.stop_requested.is_set():
+            self._tick()
+            self.stop_requested.wait(period)
+        return 0 if self.exit_error is None else 1
+
+    def _tick(self) -> None:
+        assert self.membership is not None
+        entries = self.membership.live_peers()
+        with self._live_lock:
+            self._live = entries
+        self._update_links(entries)
+        leader = elect_leader(entries)
+        me = self.identity.peer_id
+        if leader == me and self.role is None:
+            log.info("this peer (%s) leads the swarm", me)
+            self.role = LeaderRole(self)
+            self.role.start()
+        elif leader != me and self.role is not None and not self.role.finished.is_set():
+            log.warning("leadership moved to %s; stepping down", leader)
+            self.role.stop()
+            self.role = None
+        if self.role is not None and self.role.finished.is_set():
+            if self.role.error is not None:
+                self.exit_error = f"leader failed: {self.role.error}"
+            self.done.set()
+            return
+        progress = self.latest_progress()
+        if progress and progress.get("state") == "done":
+            log.info("the run is done (step %s); leaving", progress.get("step"))
+            self.done.set()
+        self.plan_board.republish() if self.plan_board else None
+
+    def live_adverts(self) -> list[Advert]:
+        with self._live_lock:
+            return list(self._live)
+
+    # ----------------------------------------------------------------------------------------- emulation
+    def _peer_link(self, other: Advert) -> tuple[float, float] | None:
+        emu_me = self.advert.extra.get("emu")
+        emu_other = other.extra.get("emu")
+        if self.network is None or emu_me is None or emu_other is None:
+            return None
+        return self.network.link(int(emu_me), int(emu_other))
+
+    def _update_links(self, entries: list[Advert]) -> None:
+        """Emulated swarms shape this worker's traffic to each peer before any plan (so probes see it)."""
+        if self.network is None or self.worker is None or self.worker.assignment is not None:
+            return
+        table = {
+            a.endpoint: link
+            for a in entries
+            if a.peer_id != self.identity.peer_id and (link := self._peer_link(a)) is not None
+        }
+        self.worker.set_links(table)
+
+    def _reply_shaper(self, sender: str) -> LinkShaper | None:
+        """Shape replies (pings, fetched states) on the emulated link back to ``sender``."""
+        if sender not in self._reply_shapers:
+            other = next((a for a in self.live_adverts() if a.peer_id == sender), None)
+            link = None if other is None else self._peer_link(other)
+            if other is None:
+                return None
+            self._reply_shapers[sender] = None if link is None else LinkShaper(*link)
+        return self._reply_shapers[sender]
+
+    # ----------------------------------------------------------------------------------------- probing
+    def _probe_loop(self) -> None:
+        while not self.done.is_set() and not self.stop_requested.is_set():
+            self.probe_links_now()
+            self.stop_requested.wait(5 * (self.config.swarm.heartbeat_s if self.config else 2.0))
+
+    def probe_links_now(self) -> None:
+        """Measure RTT and bandwidth to up to PROBE_SAMPLE peers not measured yet; publish every report."""
+        if not self._probe_lock.acquire(blocking=False):
+            return
+        try:
+            others = [a for a in self.live_adverts() if a.peer_id != self.identity.peer_id and a.role == "worker"]
+            todo = [a for a in others if a.peer_id not in self._probed]
+            random.Random(self.identity.peer_id).shuffle(todo)
+            for a in todo[:PROBE_SAMPLE]:
+                link = self._peer_link(a)
+                shaper = LinkShaper(*link) if link else None
+                try:
+                    with PeerClient(a.endpoint, shaper=shaper, sender=self.identity.peer_id) as client:
+                        rtt = min(client.ping(timeout_s=10.0) for _ in range(3))
+                        bw = client.probe(PROBE_BYTES, timeout_s=60.0)
+                except Exception as exc:  # an unreachable peer is simply not measured
+                    log.info("probe of %s failed: %s", a.peer_id, exc)
+                    continue
+                self._probed[a.peer_id] = LinkReport(self.identity.peer_id, a.peer_id, rtt, bw, True, get_dht_time())
+            if self._probed and self.membership is not None:
+                live = {a.peer_id for a in others}
+                self.membership.report_links([r for pid, r in self._probed.items() if pid in live])
+        finally:
+            self._probe_lock.release()
+
+    # ----------------------------------------------------------------------------------------- progress
+    def publish_progress(self, payload: dict[str, Any]) -> None:
+        assert self.membership is not None
+        body = {**payload, "leader": self.identity.peer_id, "at": get_dht_time()}
+        self.membership.store.put("progress", body, get_dht_time() + 120.0)
+
+    def latest_progress(self) -> dict[str, Any] | None:
+        assert self.membership is not None
+        return read_progress(self.membership)
+
+    def record_step(self, report: StepReport, tokens_per_s: float) -> None:
+        self.steps.append(
+            {"step": report.step, "loss": report.loss, "seconds": report.seconds, "tokens_per_s": tokens_per_s}
+        )
+
+    # ----------------------------------------------------------------------------------------- shutdown
+    def install_signal_handlers(self) -> None:
+        def on_signal(signum: int, _frame: Any) -> None:
+            log.warning("received %s; leaving the swarm", signal.Signals(signum).name)
+            self.stop_requested.set()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
+
+    def shutdown(self) -> None:
+        """Leave gracefully: checkpoint (leader), departure record, stop serving, stop the DHT."""
+        if self.role is not None:
+            if self.stop_requested.is_set() and self.role.driver is not None:
+                try:
+                    self.role.driver.checkpoint()
+                except Exception as exc:  # leaving must not fail because a checkpoint did
+                    log.warning("checkpoint on exit failed: %s", exc)
+            self.role.stop()
+        if self.membership is not None:
+            try:
+                self.membership.leave()
+            except Exception as exc:  # the DHT may already be unreachable
+                log.info("leave: %s", exc)
+        if self.worker is not None:
+            self.worker.stop()
+        if self.dht is not None:
+            try:
+                self.dht.shutdown()
+            except Exception as exc:  # the child process may be gone already
+                log.info("DHT shutdown: %s", exc)
+
+
+def read_progress(membership: Membership) -> dict[str, Any] | None:
+    """The newest progress record (highest epoch, then step) of any leader."""
+    records = membership.store.get_all("progress") or []
+    best = None
+    for rec in records:
+        p = rec.payload
+        if not isinstance(p.get("epoch"), int) or not isinstance(p.get("step"), int):
+            continue
+        if best is None or (p["epoch"], p["step"]) > (best["epoch"], best["step"]):
+            best = dict(p)
+    return best
+
+
+def _host_of(announce: str | None) -> str | None:
+    if not announce:
+        return None
+    host, _, _ = announce.rpartition(":")
+    return host or None

@@ -1,0 +1,317 @@
+"""What the leader peer does on top of being a worker: plan, coordinate, publish plans and progress.
+
+Every peer derives the same leader from the live adverts (``peer.leader.elect_leader``); the one that finds
+itself elected starts a :class:`LeaderRole`. The role owns a coordinator (its own gRPC server) and a
+:class:`~peer.runtime.driver.RunDriver`, publishes each plan on the DHT's plan board under an epoch one above
+anything seen, and publishes progress (step, loss, tokens/s) for ``peer status``.
+
+Taking over from a dead leader: the workers still hold their stages. The new leader asks every live worker
+how many steps it has applied; if the old leader died while telling the workers to apply a step, the workers
+that had not applied it yet still hold its averaged gradient and are told to apply it now (the averaging is
+only ever started when every stage can apply it, so this finishes the step rather than guessing). The run
+then continues from there under a new, higher epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from peer.planning import ClusterView, build_cluster, make_planner
+from peer.runtime.coordinator import Coordinator, StepReport
+from peer.runtime.driver import DriverConfig, Pipelines, RunDriver, Stages
+from peer.runtime.emulation import workload_for
+from peer.runtime.local import LinkModel, build_assignments
+from peer.runtime.spec import Assignment
+from peer.runtime.wire import control
+from peer.transport import PeerClient
+
+if TYPE_CHECKING:
+    from peer.daemon import PeerDaemon
+
+log = logging.getLogger(__name__)
+
+PROGRESS_TTL_S = 120.0
+
+
+class LeaderRole:
+    """Runs in a thread of the leader's daemon until the run ends or leadership is lost."""
+
+    def __init__(self, daemon: PeerDaemon) -> None:
+        self.daemon = daemon
+        self.config = daemon.config
+        self.spec = daemon.spec
+        self.stop_event = threading.Event()
+        self.coordinator = Coordinator(self.spec, host=daemon.opts.host, heartbeat_s=self.config.swarm.heartbeat_s)
+        self.index: dict[str, int] = {}  # peer id -> device id (stable for the whole leadership)
+        self.peer_of: dict[int, str] = {}
+        self.driver: RunDriver | None = None
+        self.thread = threading.Thread(target=self._run, name="leader", daemon=True)
+        self.error: BaseException | None = None
+        self.finished = threading.Event()
+        self._tokens_per_step = self.spec.micro_batch * self.spec.n_microbatches * self.spec.model.seq_len
+
+    def start(self) -> None:
+        self.coordinator.start()
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.coordinator.close()
+
+    # ----------------------------------------------------------------------------------------- membership
+    def _workers(self) -> dict[str, Any]:
+        """Live worker adverts by peer id (the DHT's view, refreshed by the daemon)."""
+        return {a.peer_id: a for a in self.daemon.live_adverts() if a.role == "worker"}
+
+    def live_devices(self) -> dict[int, str]:
+        live = self._workers()
+        for pid in sorted(live):
+            if pid not in self.index:
+                self.index[pid] = len(self.index)
+                self.peer_of[self.index[pid]] = pid
+        return {self.index[pid]: a.endpoint for pid, a in live.items()}
+
+    def _view(self, devices: list[int]) -> ClusterView:
+        live = self._workers()
+        adverts = [live[self.peer_of[d]] for d in devices]
+        return build_cluster(adverts, self.daemon.membership.links())
+
+    def _assignments(self, stages: Stages, pipelines: Pipelines, epoch: int) -> dict[str, Assignment]:
+        live = self._workers()
+        n = len(self.index)
+        endpoints = [""] * n
+        tflops: list[float | None] = [None] * n
+        emu: list[int | None] = [None] * n
+        for pid, d in self.index.items():
+            if pid in live:
+                endpoints[d] = live[pid].endpoint
+                tflops[d] = live[pid].device.tflops if live[pid].device.emulated else None
+                emu[d] = live[pid].extra.get("emu")
+        links = None
+        net = self.daemon.network
+        if net is not None:
+            bw = [[float("inf")] * n for _ in range(n)]
+            delay = [[0.0] * n for _ in range(n)]
+            for i in range(n):
+                for j in range(n):
+                    if i != j and emu[i] is not None and emu[j] is not None:
+                        bw[i][j], delay[i][j] = net.link(emu[i], emu[j])  # type: ignore[arg-type]
+            links = LinkModel(bandwidth_bps=bw, delay_s=delay, tflops=tflops)
+        elif any(t is not None for t in tflops):
+            links = LinkModel(tflops=tflops)
+        workload = workload_for(self.spec, len(stages), len(pipelines))
+        return build_assignments(
+            self.spec,
+            stages,
+            pipelines,
+            endpoints,
+            self.coordinator.endpoint,
+            epoch=epoch,
+            links=links,
+            forward_flops=workload.stage_forward_flops,
+        )
+
+    # ------------------------------------------------------------------------------------------------ run
+    def _run(self) -> None:
+        try:
+            self._lead()
+        except BaseException as exc:  # reported by the daemon, which decides whether to exit
+            log.exception("leadership ended with an error")
+            self.error = exc
+        finally:
+            self.finished.set()
+
+    def _wait_for_peers(self) -> None:
+        need = self.config.swarm.min_peers
+        last = -1
+        while not self.stop_event.is_set():
+            have = len(self._workers())
+            if have >= need:
+                return
+            if have != last:
+                log.info("leader: %d of %d peers present; waiting for more", have, need)
+                last = have
+            self.stop_event.wait(self.config.swarm.heartbeat_s / 2)
+        raise InterruptedError("stopped while waiting for peers")
+
+    def _lead(self) -> None:
+        d = self.daemon
+        self._wait_for_peers()
+        d.probe_links_now()
+        board = d.plan_board
+        previous = board.latest()
+        takeover = self._takeover_point(previous.plan if previous else None) if previous else None
+        planner = make_planner(
+            self.spec,
+            self._view,
+            self.config.swarm.stages,
+            time_limit_s=self.config.swarm.plan_time_limit_s,
+            seed=self.spec.seed,
+        )
+        s = self.config.swarm
+        cfg = DriverConfig(
+            steps=self.config.run.steps,
+            checkpoint_dir=Path(s.checkpoint_dir) if s.checkpoint_dir else None,
+            checkpoint_every=s.checkpoint_every,
+        )
+        self.driver = RunDriver(
+            self.spec,
+            self.coordinator,
+            self.live_devices,
+            planner,
+            self._assignments,
+            cfg,
+            on_step=self._on_step,
+            epoch=board.next_epoch() - 1,
+            on_replan=self._on_replan,
+        )
+        if takeover is not None and takeover[0] >= self.config.run.steps:
+            log.info("the run already reached step %d", takeover[0])
+        else:
+            self.driver.run(resume=bool(d.opts.resume), takeover=takeover)
+        self._finish()
+
+    def _takeover_point(self, plan: dict[str, Any] | None) -> tuple[int, Stages] | None:
+        """(trained steps, stages) of a run whose previous leader is gone, finishing an interrupted apply."""
+        if not plan or "stages" not in plan:
+            return None
+        stages = [(int(a), int(b)) for a, b in plan["stages"]]
+        statuses = self._statuses()
+        trained = [st.get("trained_steps") for st in statuses.values() if st.get("trained_steps") is not None]
+        if not trained:
+            return None
+        top = max(trained)
+        pending = [
+            (ep, st)
+            for ep, st in statuses.items()
+            if st.get("trained_steps") == top - 1 and st.get("pending_apply") == top - 1
+        ]
+        for ep, st in pending:
+            log.info("takeover: %s still has step %d to apply; applying it", ep, top - 1)
+            with PeerClient(ep, sender="leader") as client:
+                client.push(
+                    control(
+                        "apply",
+                        self.spec.run_id,
+                        int(st["epoch"]),
+                        top - 1,
+                        {"step": top - 1},
+                        stage=int(st["stage"]),
+                        replica=int(st["replica"]),
+                    ),
+                    timeout_s=10.0,
+                )
+        deadline = time.monotonic() + 30.0
+        while pending and time.monotonic() < deadline:
+            statuses = self._statuses()
+            if all(statuses.get(ep, {}).get("trained_steps") == top for ep, _ in pending):
+                break
+            time.sleep(0.2)
+        log.info("takeover at step %d with stages %s", top, stages)
+        return top, stages
+
+    def _statuses(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for a in self._workers().values():
+            try:
+                with PeerClient(a.endpoint, sender="leader") as client:
+                    out[a.endpoint] = client.status(timeout_s=5.0)
+            except Exception as exc:  # a peer that does not answer holds nothing we can use
+                log.info("status of %s: %s", a.endpoint, exc)
+        return out
+
+    # -------------------------------------------------------------------------------------- publication
+    def _on_replan(self, info: dict[str, Any]) -> None:
+        plan = {
+            "stages": info["stages"],
+            "pipelines": [[self.peer_of[dv] for dv in p] for p in info["pipelines"]],
+            "step": info["step"],
+            "reason": info["reason"][:200],
+            "coordinator": self.coordinator.endpoint,
+        }
+        if not self.daemon.plan_board.publish(info["epoch"], self.daemon.identity.peer_id, plan):
+            log.warning("plan of epoch %d was not stored in the DHT", info["epoch"])
+        self.daemon.publish_progress({"epoch": info["epoch"], "step": info["step"], "state": "training"})
+
+    def _on_step(self, report: StepReport) -> None:
+        tokens_per_s = self._tokens_per_step / report.seconds if report.seconds > 0 else 0.0
+        log.info("step %d: loss %.4f, %.2f s, %.0f tokens/s", report.step, report.loss, report.seconds, tokens_per_s)
+        self.daemon.record_step(report, tokens_per_s)
+        assert self.driver is not None
+        self.daemon.publish_progress(
+            {
+                "epoch": self.driver.epoch,
+                "step": report.step + 1,
+                "loss": report.loss,
+                "step_s": report.seconds,
+                "tokens_per_s": tokens_per_s,
+                "state": "training",
+            }
+        )
+
+    def _finish(self) -> None:
+        d = self.daemon
+        save = self.config.swarm.save_dir
+        if save and self.driver is not None:
+            self.save(Path(save))
+        final = self.driver.reports[-1] if self.driver and self.driver.reports else None
+        d.publish_progress(
+            {
+                "epoch": self.driver.epoch if self.driver else 0,
+                "step": self.config.run.steps,
+                "loss": final.loss if final else None,
+                "state": "done",
+            }
+        )
+        log.info("run finished: %d steps", self.config.run.steps)
+
+    def save(self, folder: Path) -> None:
+        """Final parameters of every stage (torch state dicts by parameter name) and run.json."""
+        import json
+
+        from peer.model import build_stage
+
+        assert self.driver is not None and self.driver.stages is not None
+        folder.mkdir(parents=True, exist_ok=True)
+        saved: set[int] = set()
+        for ep, a in self.coordinator.assignments.items():
+            if a.stage in saved or ep in self.coordinator.dead:
+                continue
+            state = self.coordinator.fetch_state(ep)
+            names = [n for n, _ in build_stage(self.spec.model, a.layers[0], a.layers[1]).named_parameters()]
+            shapes = [p.shape for _, p in build_stage(self.spec.model, a.layers[0], a.layers[1]).named_parameters()]
+            flat, out, off = state["params"], {}, 0
+            for name, shape in zip(names, shapes, strict=True):
+                k = int(torch.Size(shape).numel())
+                out[name] = flat[off : off + k].view(shape).clone()
+                off += k
+            torch.save(out, folder / f"stage-{a.stage}.pt")
+            saved.add(a.stage)
+        live = self._workers()
+        peers = {
+            d: {
+                "peer_id": pid,
+                "emu": live[pid].extra.get("emu") if pid in live else None,
+                "region": live[pid].extra.get("region") if pid in live else None,
+            }
+            for pid, d in self.index.items()
+        }
+        run = {
+            "config": self.config.to_dict(),
+            "stages": self.driver.stages,
+            "peers": peers,
+            "plan": self.driver.events.replans[-1] if self.driver.events.replans else None,
+            "plans": self.driver.events.replans,
+            "rollbacks": self.driver.events.rollbacks,
+            "loss": [r.loss for r in self.driver.reports],
+            "step_s": [r.seconds for r in self.driver.reports],
+            "microbatches_per_pipeline": [r.microbatches_per_pipeline for r in self.driver.reports],
+        }
+        (folder / "run.json").write_text(json.dumps(run, indent=1, default=str))
+        log.info("saved %d stage(s) and run.json to %s", len(saved), folder)

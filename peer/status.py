@@ -1,0 +1,145 @@
+"""`peer status`: join the DHT as a client, read adverts, links, the plan and progress, and show the swarm.
+
+A client node takes no work and announces nothing; it only reads. Everything it shows comes from signed
+records (and, with a join secret, MAC-checked ones), so a status screen cannot be spoofed by a peer that
+is not part of the swarm.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from hivemind.utils import get_dht_time
+
+from peer.daemon import read_progress
+from peer.dht_node import DHTConfig, start_dht
+from peer.identity import Identity
+from peer.leader import PlanBoard
+from peer.membership import Membership
+
+
+@dataclass
+class SwarmStatus:
+    """What `peer status` shows; ``to_json()`` is the documented machine format."""
+
+    peers: list[dict[str, Any]]
+    plan: dict[str, Any]
+    progress: dict[str, Any]
+    links: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "peers": self.peers,
+            "plan": self.plan,
+            "step": self.progress.get("step"),
+            "loss": self.progress.get("loss"),
+            "tokens_per_s": self.progress.get("tokens_per_s"),
+            "state": self.progress.get("state"),
+            "links": self.links,
+        }
+
+
+class StatusReader:
+    """A read-only view of one run in a DHT."""
+
+    def __init__(self, dht_peers: list[str], run_id: str = "tasklet", secret: str | None = None) -> None:
+        self.identity = Identity.generate()
+        self.dht = start_dht(DHTConfig(initial_peers=tuple(dht_peers), client_mode=True), self.identity)
+        self.membership = Membership(self.dht, run_id, self.identity, secret)
+        self.board = PlanBoard(self.dht, run_id, None, secret)
+
+    def close(self) -> None:
+        self.dht.shutdown()
+
+    def __enter__(self) -> StatusReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def read(self) -> SwarmStatus:
+        now = get_dht_time()
+        entries = self.membership.live_entries()
+        latest = self.board.latest()
+        plan = latest.plan if latest else {}
+        where: dict[str, tuple[int, int]] = {}
+        for r, pipe in enumerate(plan.get("pipelines", [])):
+            for s, pid in enumerate(pipe):
+                where[pid] = (s, r)
+        peers = []
+        for e in entries:
+            a = e.advert
+            stage, replica = where.get(a.peer_id, (None, None))
+            peers.append(
+                {
+                    "peer_id": a.peer_id,
+                    "device": a.device.name,
+                    "tflops": a.device.tflops,
+                    "emulated": a.device.emulated,
+                    "memory_gb": round(a.device.memory_bytes / 1e9, 2),
+                    "stage": stage,
+                    "replica": replica,
+                    "last_seen_s": round(e.last_seen_s(now), 2),
+                    "endpoint": a.endpoint,
+                    "region": a.extra.get("region"),
+                }
+            )
+        links = self.membership.links()
+        bws = [r.bandwidth_bps for r in links if r.measured]
+        rtts = [r.rtt_s for r in links if r.measured]
+        link_summary = {
+            "measured": len(bws),
+            "pairs": len(entries) * max(0, len(entries) - 1),
+            "median_bandwidth_mbps": round(statistics.median(bws) / 1e6, 2) if bws else None,
+            "median_rtt_ms": round(statistics.median(rtts) * 1e3, 2) if rtts else None,
+        }
+        plan_out = {
+            "epoch": latest.epoch if latest else None,
+            "leader": latest.leader_id if latest else None,
+            "pipelines": plan.get("pipelines"),
+            "stages": plan.get("stages"),
+        }
+        return SwarmStatus(peers, plan_out, read_progress(self.membership) or {}, link_summary)
+
+
+def format_status(st: SwarmStatus) -> str:
+    """A readable screen: progress, plan, then one line per peer."""
+    p, plan = st.progress, st.plan
+    lines = []
+    loss = p.get("loss")
+    lines.append(
+        f"run: step {p.get('step', '-')}, loss {loss:.4f}"
+        if isinstance(loss, float)
+        else f"run: step {p.get('step', '-')}, loss -"
+    )
+    if p.get("tokens_per_s"):
+        lines[-1] += f", {p['tokens_per_s']:.0f} tokens/s, {p.get('step_s', 0):.2f} s/step"
+    lines[-1] += f" ({p.get('state', 'forming')})"
+    lines.append(
+        f"plan: epoch {plan.get('epoch')}, leader {str(plan.get('leader'))[:12]}, "
+        f"{len(plan.get('pipelines') or [])} pipeline(s) x {len(plan.get('stages') or [])} stage(s)"
+    )
+    lk = st.links
+    lines.append(
+        f"links: {lk['measured']}/{lk['pairs']} measured, median {lk['median_bandwidth_mbps']} Mbit/s, "
+        f"median RTT {lk['median_rtt_ms']} ms"
+    )
+    lines.append(f"{'peer':<14}{'device':<22}{'TFLOP/s':>9}  {'stage':>5} {'repl':>4}  {'seen':>6}  region")
+    for peer in st.peers:
+        tf = f"{peer['tflops']:.4g}" + ("*" if peer["emulated"] else "")
+        stage = "-" if peer["stage"] is None else str(peer["stage"])
+        rep = "-" if peer["replica"] is None else str(peer["replica"])
+        lines.append(
+            f"{peer['peer_id'][:12]:<14}{peer['device'][:21]:<22}{tf:>9}  {stage:>5} {rep:>4}  "
+            f"{peer['last_seen_s']:>5.1f}s  {peer['region'] or '-'}"
+        )
+    if any(peer["emulated"] for peer in st.peers):
+        lines.append("* emulated TFLOP/s")
+    return "\n".join(lines)
+
+
+def status_json(st: SwarmStatus) -> str:
+    return json.dumps(st.to_json(), indent=1)

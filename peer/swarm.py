@@ -1,0 +1,244 @@
+"""`peer swarm`: a whole swarm on this machine — N real peer processes on an emulated network.
+
+Peer 0 runs `peer start`, the others `peer join` with the join line it prints, exactly as volunteers would.
+Each peer emulates one device of a scenario (its links are shaped, its compute stretched to the declared
+TFLOP/s, see ``peer.planning.EmulatedNetwork``). The launcher watches the swarm through the DHT like `peer
+status` does, prints progress, waits for every peer to exit and summarises what happened from the leader's
+``run.json``. Every process it starts is ended before it returns.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from peer.config import RunConfig, example_toml
+from peer.status import StatusReader
+from scheduler import Cluster
+from scheduler.cli import load_scenario
+
+log = logging.getLogger(__name__)
+
+JOIN_LINE_TIMEOUT_S = 90.0
+
+
+@dataclass
+class SwarmOptions:
+    peers: int
+    scenario: str
+    steps: int = 5
+    seed: int = 0
+    save: str | None = None
+    stages: int = 0
+    bandwidth_scale: float = 0.01
+    tflops: float = 0.002
+    micro_batch: int = 4
+    n_microbatches: int = 8
+    n_layers: int = 4
+    d_model: int = 64
+    seq_len: int = 64
+    timeout_s: float = 900.0
+    log_dir: str | None = None
+    heartbeat_s: float = 1.0
+
+
+def spread_devices(cluster: Cluster, n: int) -> list[int]:
+    """``n`` devices of the scenario taken round-robin over its regions, so a small swarm spans the world."""
+    if n > cluster.n:
+        raise ValueError(f"--peers {n}: the scenario has only {cluster.n} devices")
+    by_region: dict[str, list[int]] = {}
+    for d, r in enumerate(cluster.regions):
+        by_region.setdefault(r, []).append(d)
+    queues = list(by_region.values())
+    out: list[int] = []
+    while len(out) < n:
+        for q in queues:
+            if q and len(out) < n:
+                out.append(q.pop(0))
+    return out
+
+
+def write_config(opts: SwarmOptions, folder: Path, devices: list[int], save_dir: Path) -> Path:
+    cfg = RunConfig()
+    cfg.run.run_id, cfg.run.steps, cfg.run.seed = "swarm", opts.steps, opts.seed
+    cfg.run.micro_batch, cfg.run.n_microbatches = opts.micro_batch, opts.n_microbatches
+    cfg.model.n_layers, cfg.model.d_model, cfg.model.seq_len = opts.n_layers, opts.d_model, opts.seq_len
+    cfg.swarm.min_peers, cfg.swarm.stages, cfg.swarm.heartbeat_s = opts.peers, opts.stages, opts.heartbeat_s
+    cfg.swarm.save_dir = str(save_dir)
+    cfg.emulation.scenario, cfg.emulation.devices = opts.scenario, devices
+    cfg.emulation.bandwidth_scale, cfg.emulation.tflops = opts.bandwidth_scale, opts.tflops
+    cfg.validate("peer swarm")
+    path = folder / "run.toml"
+    path.write_text(_toml(cfg))
+    return path
+
+
+def _toml(cfg: RunConfig) -> str:
+    lines = []
+    for section, values in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if value is None:
+                continue
+            lines.append(f"{key} = {json.dumps(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+class SwarmProcesses:
+    """The peer processes of a local swarm; ``close()`` ends every one of them."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen[str]] = []
+        self._logs: list[IO[str]] = []
+
+    def spawn(self, i: int, args: list[str]) -> subprocess.Popen[str]:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        log_file = open(self.log_dir / f"peer-{i}.log", "w")  # noqa: SIM115 - closed in close()
+        self._logs.append(log_file)
+        cmd = [sys.executable, "-m", "peer.cli", *args, "--host", f"127.0.0.{i + 2}", "--log-level", "INFO"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, text=True, env=env)
+        self.procs.append(proc)
+        return proc
+
+    def alive(self) -> int:
+        return sum(p.poll() is None for p in self.procs)
+
+    def close(self, grace_s: float = 20.0) -> None:
+        deadline = time.monotonic() + grace_s
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5)
+            if p.stdout:
+                p.stdout.close()
+        for f in self._logs:
+            f.close()
+
+
+def _read_line(proc: subprocess.Popen[str], timeout_s: float, want: str) -> str:
+    got: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith(want):
+                got.append(line.strip())
+                return
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if not got:
+        raise RuntimeError(
+            f"the first peer did not print its join line within {timeout_s:.0f} s (exit status {proc.poll()})"
+        )
+    return got[0]
+
+
+def run_swarm(opts: SwarmOptions, say: Callable[[str], None] = print) -> int:
+    """Start the swarm, follow it, summarise it; 0 when it trained every step."""
+    cluster = load_scenario(opts.scenario)
+    devices = spread_devices(cluster, opts.peers)
+    work = Path(tempfile.mkdtemp(prefix="tasklet-swarm-"))
+    save_dir = Path(opts.save) if opts.save else work / "result"
+    log_dir = Path(opts.log_dir) if opts.log_dir else work / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    config = write_config(opts, work, devices, save_dir)
+    regions = [cluster.regions[d] for d in devices]
+    say(
+        f"swarm: {opts.peers} peers emulating {cluster.name} devices {devices} (regions {', '.join(regions)}); "
+        f"bandwidth x{opts.bandwidth_scale:g}, {opts.tflops:g} TFLOP/s emulated per device"
+    )
+    say(f"logs in {log_dir}")
+    procs = SwarmProcesses(log_dir)
+    started = time.monotonic()
+    try:
+        first = procs.spawn(0, ["start", "--config", str(config), "--emulate-device", "0"])
+        join = _read_line(first, JOIN_LINE_TIMEOUT_S, "peer join --dht ")
+        say(f"first peer up; others run: {join}")
+        addr = join.split()[3]
+        for i in range(1, opts.peers):
+            procs.spawn(i, ["join", "--dht", addr, "--run", "swarm", "--emulate-device", str(i)])
+        _follow(addr, procs, opts, started, say)
+    finally:
+        procs.close()
+    return _summarise(save_dir, opts, cluster, devices, time.monotonic() - started, say)
+
+
+def _follow(addr: str, procs: SwarmProcesses, opts: SwarmOptions, started: float, say: Callable[[str], None]) -> None:
+    """Print progress as the leader publishes it, until every peer has exited or the timeout."""
+    last_step = None
+    deadline = started + opts.timeout_s
+    with StatusReader([addr], run_id="swarm") as reader:
+        while procs.alive() and time.monotonic() < deadline:
+            try:
+                st = reader.read()
+            except Exception as exc:  # the DHT may be shutting down as the run ends
+                log.info("status read: %s", exc)
+                time.sleep(1.0)
+                continue
+            step = st.progress.get("step")
+            if step is not None and step != last_step:
+                last_step = step
+                loss = st.progress.get("loss")
+                loss_s = f"loss {loss:.4f}" if isinstance(loss, float) else "loss -"
+                tps = st.progress.get("tokens_per_s")
+                extra = f", {st.progress.get('step_s', 0):.2f} s/step, {tps:.0f} tokens/s" if tps else ""
+                say(
+                    f"[{time.monotonic() - started:6.1f}s] plan epoch {st.plan.get('epoch')}: step {step}/"
+                    f"{opts.steps}, {loss_s}{extra} ({len(st.peers)} peers live)"
+                )
+            time.sleep(1.0)
+    if procs.alive():
+        say(f"timeout: the swarm did not finish within {opts.timeout_s:.0f} s; stopping it")
+
+
+def _summarise(
+    save_dir: Path, opts: SwarmOptions, cluster: Cluster, devices: list[int], wall_s: float, say: Callable[[str], None]
+) -> int:
+    run_file = save_dir / "run.json"
+    if not run_file.exists():
+        say(f"FAILED: no result in {save_dir} (see the peer logs)")
+        return 1
+    run: dict[str, Any] = json.loads(run_file.read_text())
+    losses, secs = run["loss"], run["step_s"]
+    plan = run.get("plan") or {}
+    say("")
+    say(f"plan (epoch {plan.get('epoch')}): stages (layer ranges) {plan.get('stages')}")
+    for r, pipe in enumerate(plan.get("pipelines", [])):
+        where = [str((run.get("peers", {}).get(str(d)) or {}).get("region", "?")) for d in pipe]
+        say(f"  pipeline {r}: devices {pipe} in {' -> '.join(where)}")
+    if len(run.get("plans", [])) > 1:
+        say(f"re-plans: {len(run['plans']) - 1}")
+    tokens = opts.micro_batch * opts.n_microbatches * opts.seq_len
+    steady = sorted(secs[1:]) or secs
+    median = steady[len(steady) // 2]
+    say(
+        f"trained {len(losses)} steps in {wall_s:.1f} s: loss {losses[0]:.4f} -> {losses[-1]:.4f}; median "
+        f"{median:.2f} s/step, {tokens / median:.0f} tokens/s"
+    )
+    say(f"parameters and run.json saved in {save_dir}")
+    return 0 if len(losses) == opts.steps else 1
+
+
+def example_config() -> str:
+    return example_toml()
