@@ -182,7 +182,7 @@ class PeerDaemon:
         try:
             self.endpoint = self.worker.start()
         except OSError as exc:
-            raise DaemonError(f"cannot listen on {o.host}:{o.port}: {exc}") from None
+            raise DaemonError(f"{exc}: the address is in use or not available (--host/--port)") from None
         self.worker.server.set_reply_shaper(self._reply_shaper)
         if o.announce:
             self.endpoint = o.announce

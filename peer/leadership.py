@@ -127,8 +127,10 @@ class LeaderRole:
         finally:
             self.finished.set()
 
-    def _wait_for_peers(self) -> None:
-        need = self.config.swarm.min_peers
+    def _wait_for_peers(self, taking_over: bool) -> None:
+        """Wait for [swarm] min_peers before the first plan; a leader taking over a running run goes on with
+        whoever is left (the run must not stall because it lost peers)."""
+        need = 1 if taking_over else self.config.swarm.min_peers
         last = -1
         while not self.stop_event.is_set():
             have = len(self._workers())
@@ -142,10 +144,10 @@ class LeaderRole:
 
     def _lead(self) -> None:
         d = self.daemon
-        self._wait_for_peers()
-        d.probe_links_now()
         board = d.plan_board
         previous = board.latest()
+        self._wait_for_peers(taking_over=previous is not None)
+        d.probe_links_now()
         takeover = self._takeover_point(previous.plan if previous else None) if previous else None
         planner = make_planner(
             self.spec,

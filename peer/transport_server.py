@@ -259,7 +259,10 @@ class PeerServer:
         self._executor = ThreadPoolExecutor(max_workers=self.config.thread_pool_size, thread_name_prefix="peer-rpc")
         server = grpc.server(self._executor, options=self.config.grpc_options)
         server.add_generic_rpc_handlers((_generic_handler(_Servicer(self)),))
-        port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        try:
+            port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        except RuntimeError:  # newer grpcio raises where older ones returned 0
+            port = 0
         if port == 0:
             self._executor.shutdown(wait=False)
             raise OSError(f"cannot listen on {self.config.host}:{self.config.port}")

@@ -4,9 +4,11 @@ For pipeline r with forward times f_s, backward b_s = 2 f_s and hop transfer tim
 (backward), one micro-batch makes a round trip from stage 0 back to stage 0 in
     L = sum_s (f_s + b_s) + sum_s (c_s + c'_s)
 and in steady state the pipeline completes one micro-batch per
-    T = max( max_s (f_s + b_s), max_s c_s, max_s c'_s )
+    T = max( max_s (f_s + b_s), max_s x_s, max_s x'_s )
 (every device does one forward and one backward per micro-batch on its single stream; every directed link
-carries one transfer per micro-batch, occupying it for the whole transfer time). With at most W = S
+carries one transfer per micro-batch, occupying it for its transmission time x = bits / bandwidth — the
+one-way delay is latency, not occupancy: the runtime's link shaper lets the next message start while the
+previous one is still in flight, as a real link does). With at most W = S
 micro-batches in flight, micro-batch k cannot finish before micro-batch k - W finished plus a round trip, so
 the completion times at stage 0 follow
     done_0 = L,   done_k = max(done_{k-1} + T, done_{k-W} + L).
@@ -16,8 +18,10 @@ becomes the window-bound ceil(m / W) L.
 Micro-batches are *pulled*: micro-batch k of pipeline r starts at k f_0 while the window fills, then when
 micro-batch k - W completes. Merging the start times of all pipelines and giving the M earliest starts the M
 micro-batches reproduces the pull (faster pipelines do more). Stage s of pipeline r finishes its last backward
-``sum_{s' < s} (b_s' + c'_s')`` before the pipeline's last completion; stage s then synchronises its gradient
-(``schedule.sync_times``), and the iteration ends when the last stage has: total = max_s (finish_s + sync_s).
+``sum_{s' < s} (b_s' + c'_s')`` before the pipeline's last completion. The runtime averages gradients only when
+the task pool is complete — every micro-batch committed at stage 0, which is the last backward of all — and
+every stage then synchronises at once (``schedule.sync_times``; a two-phase reduce-then-apply, so a death during
+averaging never leaves some stages updated): total = max_r finish_0 + max_s sync_s.
 Agreement with :mod:`scheduler.simulate` is checked by the tests (within 5 % on varied plans).
 """
 
@@ -39,7 +43,7 @@ def predict_timing(t: Timing) -> dict[str, Any]:
     rtt = op.sum(axis=1) + t.hop_fwd.sum(axis=1) + t.hop_bwd.sum(axis=1)
     period = op.max(axis=1)
     if n_st > 1:
-        period = np.maximum(period, np.maximum(t.hop_fwd.max(axis=1), t.hop_bwd.max(axis=1)))
+        period = np.maximum(period, np.maximum(t.xfer_fwd.max(axis=1), t.xfer_bwd.max(axis=1)))
     done = np.empty((n_rep, n_mb))
     start = np.empty((n_rep, n_mb))
     for k in range(n_mb):
@@ -60,7 +64,7 @@ def predict_timing(t: Timing) -> dict[str, Any]:
     active = counts > 0
     last = done[np.arange(n_rep), np.maximum(counts - 1, 0)]
     finish = np.where(active[:, None], last[:, None] - tail, 0.0).max(axis=0)
-    ends = finish + t.sync
+    ends = finish.max() + t.sync
     return {
         "total_s": float(ends.max()),
         "pipeline_s": float(finish.max()),

@@ -27,6 +27,8 @@ class Timing:
     bwd: np.ndarray  # (D, S) backward op time
     hop_fwd: np.ndarray  # (D, S-1) activation transfer stage s -> s+1: delay + bits / bw
     hop_bwd: np.ndarray  # (D, S-1) gradient transfer stage s+1 -> s
+    xfer_fwd: np.ndarray  # (D, S-1) time the transfer occupies its link: bits / bw (the delay overlaps)
+    xfer_bwd: np.ndarray  # (D, S-1)
     sync: np.ndarray  # (S,) reduce-scatter + all-gather of each stage's gradient
     n_microbatches: int
     window: int
@@ -45,8 +47,7 @@ def stage_flops(workload: Workload, stages: list[tuple[int, int]]) -> np.ndarray
     return np.array([workload.stage_forward_flops(a, b) for a, b in stages])
 
 
-def sync_times(cluster: Cluster, workload: Workload, stages: list[tuple[int, int]], m: np.ndarray
-               ) -> np.ndarray:
+def sync_times(cluster: Cluster, workload: Workload, stages: list[tuple[int, int]], m: np.ndarray) -> np.ndarray:
     """Per stage: 2 phases x max over ordered member pairs of (delay + 8 (P_s / D) / bw).
 
     Reduce-scatter then all-gather: in each phase every member sends a 1/D shard of the stage gradient to
@@ -72,8 +73,20 @@ def timing(cluster: Cluster, workload: Workload, plan: Plan, flops: np.ndarray |
     fwd = flops[None, :] / (cluster.tflops[m] * 1e12)
     act = workload.activation_bytes()
     a, b = m[:, :-1], m[:, 1:]
-    hop_fwd = cluster.delay_s[a, b] + 8.0 * act / cluster.bandwidth_bps[a, b]
-    hop_bwd = cluster.delay_s[b, a] + 8.0 * act / cluster.bandwidth_bps[b, a]
-    return Timing(m=m, fwd=fwd, bwd=BACKWARD_FACTOR * fwd, hop_fwd=hop_fwd, hop_bwd=hop_bwd,
-                  sync=sync_times(cluster, workload, plan.stages, m), n_microbatches=workload.n_microbatches,
-                  window=m.shape[1], activation_bytes=act)
+    xfer_fwd = 8.0 * act / cluster.bandwidth_bps[a, b]
+    xfer_bwd = 8.0 * act / cluster.bandwidth_bps[b, a]
+    hop_fwd = cluster.delay_s[a, b] + xfer_fwd
+    hop_bwd = cluster.delay_s[b, a] + xfer_bwd
+    return Timing(
+        m=m,
+        fwd=fwd,
+        bwd=BACKWARD_FACTOR * fwd,
+        hop_fwd=hop_fwd,
+        hop_bwd=hop_bwd,
+        xfer_fwd=xfer_fwd,
+        xfer_bwd=xfer_bwd,
+        sync=sync_times(cluster, workload, plan.stages, m),
+        n_microbatches=workload.n_microbatches,
+        window=m.shape[1],
+        activation_bytes=act,
+    )

@@ -7,10 +7,10 @@ Rules (the runtime's, see ``docs/scheduler.md``):
 2. Each device runs one op at a time; a ready backward goes before a ready forward; among ops of one kind, the
    lowest micro-batch id first.
 3. After an op, the activation (forward) or its gradient (backward) is sent to the next (previous) stage:
-   each directed link carries one transfer at a time, FIFO, and a transfer occupies it for delay + bits / bw;
-   sending never blocks the sender.
-4. When every micro-batch has finished backward at stage s, the stage's data-parallel group synchronises
-   (``schedule.sync_times``); the iteration ends when the last group has.
+   each directed link carries one transfer at a time, FIFO; a transfer occupies it for bits / bw and arrives
+   one-way delay after it left the link (delay is latency, not occupancy); sending never blocks the sender.
+4. When every micro-batch has finished backward at stage 0 (the task pool is complete), every stage's
+   data-parallel group synchronises (``schedule.sync_times``); the iteration ends when the last group has.
 """
 
 from __future__ import annotations
@@ -63,9 +63,9 @@ def simulate_timing(t: Timing, cluster: Cluster) -> SimResult:
     def send(now: float, r: int, s_from: int, s_to: int, mb: int, kind: int) -> None:
         i, j = int(m[r, s_from]), int(m[r, s_to])
         start = max(now, link_free.get((i, j), 0.0))
-        dur = cluster.delay_s[i, j] + 8.0 * t.activation_bytes / cluster.bandwidth_bps[i, j]
-        link_free[i, j] = start + dur
-        push(start + dur, arrive, (r, s_to, mb, kind))
+        xfer = 8.0 * t.activation_bytes / cluster.bandwidth_bps[i, j]
+        link_free[i, j] = start + xfer
+        push(start + xfer + cluster.delay_s[i, j], arrive, (r, s_to, mb, kind))
 
     def try_start(now: float, r: int, s: int) -> None:
         nonlocal next_mb
@@ -108,13 +108,15 @@ def simulate_timing(t: Timing, cluster: Cluster) -> SimResult:
         else:
             bwd_done[s] += 1
             if bwd_done[s] == n_mb:
-                stage_done[s] = now + float(t.sync[s])
+                stage_done[s] = now
             if s > 0:
                 send(now, r, s, s - 1, mb, BWD)
             else:
                 in_flight[r] -= 1  # the window slot is free again: try_start below may pull
         try_start(now, r, s)
-    return SimResult(total_s=max(stage_done), stage_done_s=stage_done, microbatches=counts, events=events,
+    pool_complete = stage_done[0]
+    return SimResult(total_s=pool_complete + float(np.max(t.sync)), stage_done_s=stage_done, microbatches=counts,
+                     events=events,
                      busy_s=busy_s)
 
 

@@ -86,7 +86,8 @@ def test_uniform_pipeline_matches_1f1b_formula() -> None:
     c = device_scenario([[0.0] * n for _ in range(n)], [[1e9] * n for _ in range(n)])
     f = 1e-3
     t = Timing(m=np.array([[0, 1, 2, 3]]), fwd=np.full((1, 4), f), bwd=np.full((1, 4), 2 * f),
-               hop_fwd=np.zeros((1, 3)), hop_bwd=np.zeros((1, 3)), sync=np.zeros(4), n_microbatches=12,
+               hop_fwd=np.zeros((1, 3)), hop_bwd=np.zeros((1, 3)), xfer_fwd=np.zeros((1, 3)),
+               xfer_bwd=np.zeros((1, 3)), sync=np.zeros(4), n_microbatches=12,
                window=4, activation_bytes=0.0)
     expected = (4 + 12 - 1) * 3 * f
     assert cost_full.predict_timing(t)["total_s"] == pytest.approx(expected)

@@ -117,7 +117,8 @@ class StageWorker:
         self.stopped.set()
         with self._inflight_cond:
             self._inflight_cond.notify_all()
-        self._compute_thread.join(timeout=5.0)
+        if self._compute_thread.is_alive():
+            self._compute_thread.join(timeout=5.0)
         self._control_pool.shutdown(wait=False, cancel_futures=True)
         for client in self._clients.values():
             client.close()

@@ -1,0 +1,95 @@
+"""Test helper: start `peer` processes on loopback and make sure every one of them ends."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO
+
+PEER = [sys.executable, "-m", "peer.cli"]
+
+
+def write_config(folder: Path, steps: int, *, secret: str = "", min_peers: int = 1, stages: int = 0,
+                 heartbeat_s: float = 1.0, tflops: float | None = None, extra: str = "") -> Path:
+    """A small run.toml: 4-layer GPT, 8 micro-batches of 2 sequences of 32 tokens."""
+    lines = ["[run]", 'run_id = "tasklet"', f"steps = {steps}", "micro_batch = 2", "n_microbatches = 8",
+             "[model]", "n_layers = 4", "d_model = 32", "seq_len = 32",
+             "[swarm]", f"min_peers = {min_peers}", f"stages = {stages}", f"heartbeat_s = {heartbeat_s}",
+             f"secret = {json.dumps(secret)}", "plan_time_limit_s = 1.0"]
+    path = folder / "run.toml"
+    path.write_text("\n".join(lines) + "\n" + extra)
+    return path
+
+
+class PeerProcs:
+    """Peer processes of one test; ``close()`` (or ``with``) kills whatever is still running."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.procs: list[subprocess.Popen[str]] = []
+        self.logs: list[IO[str]] = []
+
+    def __enter__(self) -> PeerProcs:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def spawn(self, args: list[str], name: str) -> subprocess.Popen[str]:
+        log = open(self.folder / f"{name}.log", "w")  # noqa: SIM115 - closed in close()
+        self.logs.append(log)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        proc = subprocess.Popen([*PEER, *args], stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+        self.procs.append(proc)
+        return proc
+
+    def start(self, config: Path, *extra: str, host: str = "127.0.0.2", timeout: float = 90.0) -> str:
+        """`peer start`; return the DHT address from its join line."""
+        proc = self.spawn(["start", "--config", str(config), "--host", host, "--emulate-tflops", "0.001",
+                           "--log-level", "INFO", *extra], "peer-0")
+        line = _readline(proc, timeout)
+        if not line.startswith("peer join --dht "):
+            raise RuntimeError(f"peer start printed {line!r}; see {self.folder / 'peer-0.log'}")
+        return line.split()[3]
+
+    def join(self, addr: str, i: int, *extra: str) -> subprocess.Popen[str]:
+        return self.spawn(["join", "--dht", addr, "--host", f"127.0.0.{i + 2}", "--emulate-tflops", "0.001",
+                           "--log-level", "INFO", *extra], f"peer-{i}")
+
+    def log_text(self, i: int) -> str:
+        return (self.folder / f"peer-{i}.log").read_text()
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5)
+            if p.stdout:
+                p.stdout.close()
+        for f in self.logs:
+            f.close()
+
+
+def _readline(proc: subprocess.Popen[str], timeout: float) -> str:
+    out: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        out.append(proc.stdout.readline())
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(timeout)
+    return out[0].strip() if out else ""

@@ -1,0 +1,99 @@
+"""The `peer` command as a user meets it: clear one-line errors for what a user can get wrong.
+
+Real processes (``python -m peer.cli``), a real hivemind DHT on loopback. Each error must come back within a
+bounded time as one line and a non-zero exit status, never a traceback.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.peer_procs import PeerProcs, write_config
+
+PEER = [sys.executable, "-m", "peer.cli"]
+
+
+def run_peer(args: list[str], timeout: float = 60.0) -> tuple[int, str, float]:
+    started = time.monotonic()
+    proc = subprocess.run([*PEER, *args], capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stderr.strip(), time.monotonic() - started
+
+
+def assert_one_line_error(rc: int, err: str, *needles: str) -> None:
+    assert rc != 0
+    last = err.splitlines()[-1] if err else ""
+    assert last.startswith("peer: error:"), err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    for needle in needles:
+        assert needle in last, last
+
+
+def test_bad_dht_address_fails_fast() -> None:
+    rc, err, took = run_peer(["join", "--dht", "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWNotARealPeerIdAtAll"])
+    assert_one_line_error(rc, err, "--dht")
+    assert took < 10 + 8, f"took {took:.1f} s (10 s budget plus interpreter start-up)"
+
+
+def test_unreachable_dht_peer_fails_fast() -> None:
+    rc, err, took = run_peer(["join", "--dht",
+                              "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWAQmExmkvhZx2rF1W9rhDe9CC4KUZ7jeQcieDvkVCAsSG"])
+    assert_one_line_error(rc, err, "DHT")
+    assert took < 10 + 8
+
+
+def test_missing_config_field(tmp_path: Path) -> None:
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('[run]\nrun_id = "x"\n')
+    rc, err, _ = run_peer(["start", "--config", str(cfg)])
+    assert_one_line_error(rc, err, "[run] steps is missing")
+
+
+def test_bad_config_value(tmp_path: Path) -> None:
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('[run]\nrun_id = "x"\nsteps = 3\n[model]\nn_heads = 5\n')
+    rc, err, _ = run_peer(["start", "--config", str(cfg)])
+    assert_one_line_error(rc, err, "n_heads")
+
+
+def test_port_in_use(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, steps=1)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        rc, err, _ = run_peer(["start", "--config", str(cfg), "--port", str(port)])
+    assert_one_line_error(rc, err, f"127.0.0.1:{port}")
+
+
+def test_wrong_join_secret_is_refused(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, steps=1000, secret="open-sesame", min_peers=2)
+    with PeerProcs(tmp_path) as procs:
+        addr = procs.start(cfg)
+        rc, err, took = run_peer(["join", "--dht", addr, "--secret", "wrong", "--host", "127.0.0.9"])
+        assert_one_line_error(rc, err, "secret")
+        rc, err, _ = run_peer(["join", "--dht", addr, "--host", "127.0.0.9"])
+        assert_one_line_error(rc, err, "secret")
+
+
+def test_help_explains_every_flag_with_its_default() -> None:
+    for command in ["start", "join", "status", "swarm", "init"]:
+        proc = subprocess.run([*PEER, command, "--help"], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0
+        assert "usage: peer " + command in proc.stdout
+    out = subprocess.run([*PEER, "join", "--help"], capture_output=True, text=True, timeout=60).stdout
+    for flag in ["--dht", "--host", "--port", "--announce", "--identity", "--secret", "--emulate-tflops"]:
+        assert flag in out
+    assert out.count("default") >= 8
+
+
+@pytest.mark.parametrize("args", [["swarm", "--peers", "0", "--scenario", "x"],
+                                  ["swarm", "--peers", "2", "--scenario", "no_such_scenario"]])
+def test_swarm_bad_arguments(args: list[str]) -> None:
+    rc, err, _ = run_peer(args)
+    assert_one_line_error(rc, err)

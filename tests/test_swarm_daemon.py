@@ -1,0 +1,68 @@
+"""A swarm of real `peer` processes forms over the hivemind DHT, trains, shows itself in `peer status`, and
+survives the death of its leader: a new leader takes over with a higher plan epoch and training goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from tests.peer_procs import PEER, PeerProcs, write_config
+
+N_PEERS = 4
+STEPS = 40
+
+
+def status(addr: str) -> dict:
+    proc = subprocess.run([*PEER, "status", "--dht", addr, "--json"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)
+
+
+def wait_for(predicate, timeout: float, what: str, addr: str) -> dict:
+    deadline = time.monotonic() + timeout
+    last: dict = {}
+    while time.monotonic() < deadline:
+        try:
+            last = status(addr)
+        except (AssertionError, json.JSONDecodeError, subprocess.TimeoutExpired):
+            time.sleep(1.0)
+            continue
+        if predicate(last):
+            return last
+        time.sleep(1.0)
+    raise AssertionError(f"timed out waiting for {what}; last status: {json.dumps(last)[:3000]}")
+
+
+def test_swarm_forms_trains_and_survives_leader_death(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, steps=STEPS, min_peers=N_PEERS, stages=2)
+    with PeerProcs(tmp_path) as procs:
+        addr = procs.start(cfg)
+        for i in range(1, N_PEERS):
+            procs.join(addr, i)
+        st = wait_for(lambda s: len(s["peers"]) == N_PEERS and (s["step"] or 0) >= 2
+                      and all(p["stage"] is not None for p in s["peers"]), 180, "4 peers training", addr)
+        assert {p["stage"] for p in st["peers"]} == {0, 1}
+        assert len(st["plan"]["pipelines"]) == 2 and all(len(p) == 2 for p in st["plan"]["pipelines"])
+        for key in ("peer_id", "device", "tflops", "stage", "replica", "last_seen_s"):
+            assert all(key in p for p in st["peers"])
+        assert isinstance(st["loss"], float)
+        leader, epoch = st["plan"]["leader"], st["plan"]["epoch"]
+        first = procs.procs[0]
+        killed_at_step = st["step"]
+        first.send_signal(signal.SIGKILL)  # the first peer is the oldest: the leader
+        t0 = time.monotonic()
+        st = wait_for(lambda s: (s["plan"]["epoch"] or 0) > epoch and s["plan"]["leader"] != leader, 60,
+                      "a new leader with a higher epoch", addr)
+        takeover_s = time.monotonic() - t0
+        assert takeover_s < 15 + 10, f"new plan after {takeover_s:.1f} s"
+        st = wait_for(lambda s: (s["step"] or 0) > killed_at_step + 2, 120, "training to go on", addr)
+        assert leader not in {p["peer_id"] for p in st["peers"]}
+        for proc in procs.procs[1:]:
+            assert proc.wait(timeout=300) == 0, "a surviving peer failed"
+        logs = "".join(procs.log_text(i) for i in range(1, N_PEERS))
+        assert "takeover at step" in logs
+        assert "run finished" in logs
