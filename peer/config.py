@@ -8,11 +8,10 @@ and bad values are refused with the file, section and key named.
 from __future__ import annotations
 
 import math
+import tomllib
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from peer.model import ModelConfig
 from peer.runtime.spec import COMPRESSIONS, PRECISIONS, RunSpec, SpecError
