@@ -36,11 +36,13 @@ def write_png(path: str | Path, reps: dict[str, RunSummary], runs: list[RunSumma
     bars.set_xticks(list(xs), [TITLES[n] for n in names])
     bars.set_ylabel("tokens / s")
     bars.set_title("throughput per plan")
-    bars.legend(loc="lower right", fontsize=8)
+    bars.set_ylim(0, 1.3 * max(measured + predicted))  # headroom for the legend above the bars
+    bars.legend(loc="upper right", fontsize=8)
 
-    for r in runs:
-        if r.name == "random" and r is not reps["random"]:
-            curves.plot(r.ended_at_s, r.losses, color=COLOURS[r.name], alpha=0.35, lw=1, marker=".")
+    others = [r for r in runs if r.name == "random" and r is not reps["random"]]
+    for i, r in enumerate(others):
+        curves.plot(r.ended_at_s, r.losses, color=COLOURS[r.name], alpha=0.35, lw=1, marker=".",
+                    label="other random seeds" if i == 0 else None)
     for n in names:
         r = reps[n]
         curves.plot(r.ended_at_s, r.losses, color=COLOURS[n], lw=2, marker="o", label=TITLES[n])

@@ -10,12 +10,11 @@ The figures, and why each is defined the way it is:
 * random placement is one plan family with several seeds; its entry is the run of the *median* seed (by
   measured step time), so its losses, phases and prediction are those of a real run rather than a blend.
 * speed-up = random / scheduled, measured and predicted; the target says the runtime realises the
-  scheduler's promise: ``measured_speedup >= predicted_speedup / 1.2``.
-* ``predicted_serial_sync_s``: the ``full`` model overlaps each stage's averaging with the later stages'
-  backward (``total = max_s finish_s + sync_s``), but the runtime starts averaging only once the task pool is
-  complete (the commit record must be final for exactly-once), so it spends ``pipeline_s + max_s sync_s``.
-  Reported beside the ``full`` prediction to show how much of any gap that accounts for; the targets use the
-  ``full`` prediction as the issue asks.
+  scheduler's promise "within 20 %": ``measured_speedup / predicted_speedup >= 0.8``, the same 20 % band as
+  the per-run measured/predicted target.
+* phases: the pipeline phase (step start to the last commit, when the coordinator starts the averaging) and
+  the averaging phase, measured and as the ``full`` model predicts them (``pipeline_s``, ``dp_s``). When a
+  total disagrees, they say which part of the model (pipeline schedule or gradient sync) is off.
 """
 
 from __future__ import annotations
@@ -40,7 +39,6 @@ class RunSummary:
     stages: list[tuple[int, int]]
     measured_step_s: float
     predicted_step_s: float
-    predicted_serial_sync_s: float
     tokens_per_s: float
     losses: list[float]
     step_s: list[float]
@@ -58,6 +56,7 @@ class RunSummary:
 
     def as_dict(self) -> dict[str, Any]:
         return {
+            "name": self.name,
             "label": self.label,
             "measured_step_s": self.measured_step_s,
             "predicted_step_s": self.predicted_step_s,
@@ -66,7 +65,6 @@ class RunSummary:
             "losses": self.losses,
             "step_s": self.step_s,
             "ended_at_s": self.ended_at_s,
-            "predicted_serial_sync_s": self.predicted_serial_sync_s,
             "phases": {"measured_pipeline_s": self.measured_pipeline_s, "measured_dp_s": self.measured_dp_s,
                        "predicted_pipeline_s": self.predicted_pipeline_s, "predicted_dp_s": self.predicted_dp_s},
             "overrun_ops": self.overrun_ops,
@@ -83,7 +81,6 @@ def summarise(candidate: Candidate, run: PlanRun, warmup_steps: int, tokens_per_
         name=candidate.name, label=candidate.label, pipelines=[list(p) for p in candidate.plan.pipelines],
         stages=[tuple(s) for s in candidate.plan.stages], measured_step_s=measured,
         predicted_step_s=candidate.predicted_step_s,
-        predicted_serial_sync_s=float(pred["pipeline_s"]) + max(float(x) for x in pred["sync_s"]),
         tokens_per_s=tokens_per_step / measured, losses=list(run.losses), step_s=list(run.step_seconds),
         ended_at_s=list(run.ended_at_s), measured_pipeline_s=phases.pipeline_s, measured_dp_s=phases.dp_s,
         predicted_pipeline_s=float(pred["pipeline_s"]), predicted_dp_s=float(pred["dp_s"]),
@@ -120,7 +117,7 @@ def targets(reps: dict[str, RunSummary], runs: list[RunSummary], loss_tolerance:
     loss_diff = max_loss_difference(runs)
     return {
         "speedup": {"predicted": predicted, "measured": measured, "measured_over_predicted": measured / predicted,
-                    "met": measured >= predicted / (1 + RATIO_TOLERANCE)},
+                    "met": measured / predicted >= 1 - RATIO_TOLERANCE},
         "measured_over_predicted": {"per_run": ratios,
                                     "met": all(abs(x - 1) <= RATIO_TOLERANCE for x in ratios.values())},
         "losses_agree": {"max_abs_diff": loss_diff, "tolerance": loss_tolerance, "met": loss_diff <= loss_tolerance},
@@ -133,14 +130,14 @@ def targets(reps: dict[str, RunSummary], runs: list[RunSummary], loss_tolerance:
 def table(runs: list[RunSummary], reps: dict[str, RunSummary]) -> str:
     """A Markdown table: one row per run, the representative of each family marked."""
     head = ("| plan | pipelines (device per stage) | measured s/step | predicted (full) | measured/predicted "
-            "| pred. serial sync | tokens/s | pipeline phase meas./pred. | averaging meas./pred. |")
-    rows = [head, "|" + " --- |" * 9]
+            "| tokens/s | pipeline phase meas./pred. | averaging meas./pred. |")
+    rows = [head, "|" + " --- |" * 8]
     chosen = {id(r) for r in reps.values()}
     for r in runs:
         mark = " (median)" if r.name == "random" and id(r) in chosen and sum(x.name == "random" for x in runs) > 1 \
             else ""
         rows.append(f"| {r.label}{mark} | {r.pipelines} | {r.measured_step_s:.2f} | {r.predicted_step_s:.2f} | "
-                    f"{r.ratio:.2f} | {r.predicted_serial_sync_s:.2f} | {r.tokens_per_s:.0f} | "
+                    f"{r.ratio:.2f} | {r.tokens_per_s:.0f} | "
                     f"{r.measured_pipeline_s:.2f} / {r.predicted_pipeline_s:.2f} | "
                     f"{r.measured_dp_s:.2f} / {r.predicted_dp_s:.2f} |")
     return "\n".join(rows)

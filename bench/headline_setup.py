@@ -21,7 +21,6 @@ Why the scales (both stated in every report, because every figure depends on the
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -145,9 +144,3 @@ def median_index(values: list[float]) -> int:
     order = sorted(range(len(values)), key=lambda i: values[i])
     return order[(len(values) - 1) // 2]
 
-
-def predicted_speedup(candidates: list[Candidate]) -> float:
-    """Median random prediction over the scheduled prediction."""
-    sched = next(c for c in candidates if c.name == "scheduled")
-    rand = statistics.median(c.predicted_step_s for c in candidates if c.name == "random")
-    return rand / sched.predicted_step_s

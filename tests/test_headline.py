@@ -54,7 +54,7 @@ def test_candidates_are_valid_placements_of_the_same_devices() -> None:
 
 def _summary(name: str, label: str, measured: float, predicted: float, losses: list[float]) -> RunSummary:
     return RunSummary(name=name, label=label, pipelines=[[0, 1], [2, 3]], stages=[(0, 2), (2, 4)],
-                      measured_step_s=measured, predicted_step_s=predicted, predicted_serial_sync_s=predicted,
+                      measured_step_s=measured, predicted_step_s=predicted,
                       tokens_per_s=2048 / measured, losses=losses, step_s=[measured] * len(losses),
                       ended_at_s=[measured * (i + 1) for i in range(len(losses))], measured_pipeline_s=measured,
                       measured_dp_s=0.1, predicted_pipeline_s=predicted, predicted_dp_s=0.1, overrun_ops=0,
