@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The project's main job, from a fresh clone: set up .venv, then train a 4-peer swarm on this machine over an
+# emulated world-wide network (Oregon, Virginia, Ohio, Tokyo) for 5 steps. Extra arguments go to `peer swarm`
+# (e.g. `bash scripts/demo.sh --steps 20 --save out/`); `.venv/bin/peer swarm --help` lists them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/peer swarm --peers 4 --scenario worldwide_geo_distributed --steps 5 "$@"
