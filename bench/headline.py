@@ -1,6 +1,7 @@
 """The headline, measured: a scheduled swarm against random placement on an emulated world-wide network.
 
 ``python -m bench.headline [--json] [--quick] [--steps N] [--random-seeds K] [--png PATH]``
+``python -m bench.headline --replot SAVED.json [--png PATH]`` redraws the figure and table of a saved result.
 
 Eight real worker processes (one per city of the paper's ``worldwide_geo_distributed`` scenario, see
 ``bench.headline_setup`` for the world and its scales) train the same small GPT, with the same seed, under
@@ -29,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from bench.headline_plot import write_png
-from bench.headline_report import RunSummary, representatives, summarise, table, targets
+from bench.headline_report import RunSummary, representatives, summarise, summary_from_dict, table, targets
 from bench.headline_run import PlanRun, run_plan
 from bench.headline_setup import Candidate, HeadlineConfig, HeadlineConfigError, prepare
 from peer.runtime.coordinator import StepReport
@@ -103,9 +104,29 @@ def run_headline(cfg: HeadlineConfig, png: Path | None = None, log_dir: str | No
         "seconds": time.monotonic() - started,
     }
     if png is not None:
-        subtitle = (f"{cfg.stages} stages x {cfg.replicas} replicas, one peer per city of {cfg.scenario}; "
-                    f"bandwidth x{cfg.bandwidth_scale:g}, TFLOP/s x{cfg.tflops_scale:g}, delays as measured")
-        out["png"] = str(write_png(png, reps, runs, cfg.tokens_per_step, subtitle))
+        out["png"] = str(write_png(png, reps, runs, cfg.tokens_per_step, _subtitle(out)))
+    return out
+
+
+def _subtitle(out: dict[str, Any]) -> str:
+    return (f"{out['stages']} stages x {out['replicas']} replicas, one peer per city of {out['scenario']}; "
+            f"bandwidth x{out['bandwidth_scale']:g}, TFLOP/s x{out['tflops_scale']:g}, delays as measured")
+
+
+def replot(saved: Path, png: Path | None) -> dict[str, Any]:
+    """Rebuild the table (and the figure, if ``png``) of a result saved with ``--json``."""
+    try:
+        out = json.loads(saved.read_text())
+        runs = [summary_from_dict(d) for d in out["runs"]]
+        tokens_per_step = int(out["tokens_per_step"])
+        _subtitle(out)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"--replot {saved}: {exc}") from None
+    reps = representatives(runs)
+    out["table"] = table(runs, reps)
+    out.pop("png", None)
+    if png is not None:
+        out["png"] = str(write_png(png, reps, runs, tokens_per_step, _subtitle(out)))
     return out
 
 
@@ -154,8 +175,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tflops-scale", type=float, help="multiply every device's TFLOP/s (default 1e-5)")
     parser.add_argument("--png", type=Path, help=f"write the figure here (default {DEFAULT_PNG}, none with --quick)")
     parser.add_argument("--log-dir", help="keep each worker's log in this folder")
+    parser.add_argument("--replot", type=Path, metavar="SAVED_JSON",
+                        help="run nothing: redraw the figure and table of a result saved with --json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
+    if args.replot is not None:
+        try:
+            out = replot(args.replot, args.png if args.png is not None else DEFAULT_PNG)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        print(json.dumps(out) if args.json else _human(out))
+        return 0
 
     cfg = HeadlineConfig()
     if args.quick:

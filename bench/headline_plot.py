@@ -31,8 +31,9 @@ def write_png(path: str | Path, reps: dict[str, RunSummary], runs: list[RunSumma
     bars.bar(xs, measured, color=[COLOURS[n] for n in names], label="measured")
     bars.scatter(xs, predicted, marker="_", s=900, color="black", linewidths=2, zorder=3,
                  label="predicted (full cost model)")
-    for x, m in zip(xs, measured, strict=True):
-        bars.annotate(f"{m:.0f}", (x, m), ha="center", va="bottom", fontsize=9)
+    for x, m in zip(xs, measured, strict=True):  # inside the bar, clear of the predicted mark
+        bars.annotate(f"{m:.0f}", (x, m / 2), ha="center", va="center", fontsize=10, color="white",
+                      fontweight="bold")
     bars.set_xticks(list(xs), [TITLES[n] for n in names])
     bars.set_ylabel("tokens / s")
     bars.set_title("throughput per plan")

@@ -73,6 +73,23 @@ class RunSummary:
         }
 
 
+def summary_from_dict(d: dict[str, Any]) -> RunSummary:
+    """Inverse of :meth:`RunSummary.as_dict` (to redraw a figure from a saved ``--json`` result)."""
+    try:
+        ph = d["phases"]
+        return RunSummary(
+            name=str(d["name"]), label=str(d["label"]), pipelines=[list(p) for p in d["plan"]["pipelines"]],
+            stages=[(int(a), int(b)) for a, b in d["plan"]["stages"]], measured_step_s=float(d["measured_step_s"]),
+            predicted_step_s=float(d["predicted_step_s"]), tokens_per_s=float(d["tokens_per_s"]),
+            losses=[float(x) for x in d["losses"]], step_s=[float(x) for x in d["step_s"]],
+            ended_at_s=[float(x) for x in d["ended_at_s"]], measured_pipeline_s=float(ph["measured_pipeline_s"]),
+            measured_dp_s=float(ph["measured_dp_s"]), predicted_pipeline_s=float(ph["predicted_pipeline_s"]),
+            predicted_dp_s=float(ph["predicted_dp_s"]), overrun_ops=int(d["overrun_ops"]),
+            compute_ops=int(d["compute_ops"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"runs[]: not a saved headline run ({type(exc).__name__}: {exc})") from None
+
+
 def summarise(candidate: Candidate, run: PlanRun, warmup_steps: int, tokens_per_step: int) -> RunSummary:
     measured = run.measured_step_s(warmup_steps)
     phases = run.measured_phases(warmup_steps)

@@ -8,6 +8,7 @@ through the bench's runner and reports phases, worker counters and losses, leavi
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import replace
@@ -154,3 +155,20 @@ def test_one_real_swarm_trains_through_the_runner_and_leaves_nothing_running() -
     assert len(run.workers) == 4 and run.overrun_ops >= 0
     # every micro-batch is forwarded and backpropagated once on every stage, every step
     assert run.compute_ops == 2 * cfg.n_microbatches * cfg.stages * cfg.steps
+
+
+def test_saved_result_redraws_the_same_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    runs = [_summary("scheduled", "scheduled", 2.0, 2.1, [5.0, 4.8]),
+            _summary("random", "random seed 0", 3.0, 3.2, [5.0, 4.8]),
+            _summary("rank_order", "rank order", 2.8, 2.9, [5.0, 4.8])]
+    saved = {"runs": [r.as_dict() for r in runs], "tokens_per_step": 2048, "stages": 2, "replicas": 2,
+             "scenario": "x", "bandwidth_scale": 0.01, "tflops_scale": 1e-5}
+    path = tmp_path / "saved.json"
+    path.write_text(json.dumps(saved))
+    out = headline.replot(path, tmp_path / "f.png")
+    assert out["table"] == table(runs, representatives(runs))
+    assert (tmp_path / "f.png").stat().st_size > 10_000
+    path.write_text(json.dumps({"runs": [{"label": "x"}]}))
+    assert headline.main(["--replot", str(path), "--png", str(tmp_path / "g.png")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: --replot") and "Traceback" not in err
