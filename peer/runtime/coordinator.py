@@ -106,8 +106,8 @@ class Coordinator:
         self._stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         self.on_death: Callable[[str, str], None] | None = None
-        # on_event(name, info): "lease", "commit", "reduce", "apply" as they happen; must not block (tests use
-        # it to kill a worker at a chosen moment, the daemon to publish progress)
+        # on_event(name, info): "lease", "commit", "reduce", "apply", "dead", "requeue" as they happen; must not
+        # block (tests use it to kill a worker at a chosen moment, benchmarks to time recovery)
         self.on_event: Callable[[str, dict[str, Any]], None] | None = None
 
     @property
@@ -174,6 +174,7 @@ class Coordinator:
             try:
                 f.result(timeout=timeout_s + 5)
             except TransportError as exc:
+                self._confirm_death(ep, f"did not take its assignment: {exc}")
                 raise ReplanNeededError(f"worker {ep} did not take its assignment: {exc}") from exc
 
     def serve_checkpoint(self, states: dict[int, dict[str, Any]]) -> None:
@@ -305,6 +306,7 @@ class Coordinator:
         broken = sorted({a.replica for ep, a in self.assignments.items() if ep in self.dead} - state.dropped)
         for r in broken:
             lost = state.pool.fail_pipeline(r)
+            self._emit("requeue", step=state.pool.step, pipeline=r, microbatches=lost)
             state.dropped.add(r)
             state.last_failure_at = time.monotonic()
             log.warning(
@@ -376,6 +378,7 @@ class Coordinator:
             self.dead.add(endpoint)
             self.dead_reasons[endpoint] = reason
             log.warning("worker %s declared dead: %s", endpoint, reason)
+            self._emit("dead", endpoint=endpoint, reason=reason)
             self._cond.notify_all()
         if self.on_death:
             self.on_death(endpoint, reason)

@@ -102,11 +102,11 @@ class RunDriver:
             self._load_checkpoint_stages(restore)
         elif takeover is not None:
             self.trained, self.stages = takeover[0], [(int(a), int(b)) for a, b in takeover[1]]
-        self._replan(reason="takeover" if takeover else "start", restore_step=restore)
+        self._replan_until_done(reason="takeover" if takeover else "start", restore_step=restore)
         replans = 0
         while self.trained < self.cfg.steps:
             if self._membership_changed():
-                self._replan()
+                self._replan_until_done(reason="membership changed")
             try:
                 report = self.coordinator.run_step(self.trained, timeout_s=self.cfg.step_timeout_s)
             except StepFailedError as exc:
@@ -116,7 +116,7 @@ class RunDriver:
                 log.warning("step %d did not finish (%s); re-planning", self.trained, exc)
                 self._ban_dead()
                 time.sleep(self.cfg.replan_wait_s)
-                self._replan(reason=str(exc), failed=isinstance(exc, ReplanNeededError))
+                self._replan_until_done(reason=str(exc))
                 continue
             self.trained += 1
             self.reports.append(report)
@@ -144,7 +144,20 @@ class RunDriver:
         return len(live) // len(self.stages) > len(self.pipelines)
 
     # --------------------------------------------------------------------------------------------- replan
-    def _replan(self, reason: str = "start", failed: bool = False, restore_step: int | None = None) -> None:
+    def _replan_until_done(self, reason: str, restore_step: int | None = None) -> None:
+        """Re-plan; when a worker fails to take its assignment (it died meanwhile), exclude it and try again."""
+        for attempt in range(self.cfg.max_replans):
+            try:
+                self._replan(reason=reason if attempt == 0 else f"{reason} (retry {attempt})",
+                             restore_step=restore_step)
+                return
+            except ReplanNeededError as exc:
+                log.warning("re-plan failed: %s", exc)
+                self._ban_dead()
+                time.sleep(self.cfg.replan_wait_s)
+        raise StepFailedError(f"could not form a plan after {self.cfg.max_replans} attempts")
+
+    def _replan(self, reason: str = "start", restore_step: int | None = None) -> None:
         live = {d: ep for d, ep in self.live_devices().items() if ep not in self.banned}
         stages, pipelines = self.planner(sorted(live), self.stages)
         self.stages = stages

@@ -83,6 +83,8 @@ class LocalWorkers:
         self.procs: list[subprocess.Popen[str]] = []
         self.endpoints: list[str] = []
         self._logs: list[IO[str]] = []
+        self._add_lock = threading.Lock()
+        self._spawn_lock = threading.Lock()
 
     def __enter__(self) -> LocalWorkers:
         try:
@@ -123,12 +125,21 @@ class LocalWorkers:
         self.endpoints = [_read_ready(proc, i) for i, proc in enumerate(self.procs)]
 
     def add(self) -> int:
-        """Start one more worker (a peer joining); return its device index."""
-        i = len(self.procs)
-        self.procs.append(self._spawn(i))
-        self.endpoints.append(_read_ready(self.procs[i], i))
-        self.n += 1
-        return i
+        """Start one more worker (a peer joining); return its device index. One add at a time."""
+        with self._spawn_lock:
+            i = len(self.procs)
+            proc = self._spawn(i)
+            try:
+                endpoint = _read_ready(proc, i)
+            except BaseException:
+                proc.kill()
+                proc.wait(timeout=5)
+                raise
+            with self._add_lock:  # live() must never see a process without its endpoint
+                self.procs.append(proc)
+                self.endpoints.append(endpoint)
+                self.n += 1
+            return i
 
     def kill(self, device: int) -> None:
         """SIGKILL a worker: no goodbye, no flushing — a peer whose machine vanished."""
@@ -138,9 +149,9 @@ class LocalWorkers:
             proc.wait(timeout=10)
 
     def live(self) -> dict[int, str]:
-        return {
-            i: ep for i, (proc, ep) in enumerate(zip(self.procs, self.endpoints, strict=True)) if proc.poll() is None
-        }
+        with self._add_lock:
+            pairs = list(zip(self.procs, self.endpoints, strict=True))
+        return {i: ep for i, (proc, ep) in enumerate(pairs) if proc.poll() is None}
 
     def close(self, timeout_s: float = 10.0) -> None:
         for proc in self.procs:
@@ -302,6 +313,7 @@ class LocalSwarm:
         on_step: Callable[[StepReport], None] | None = None,
         step_timeout_s: float = 600.0,
         collect_states: bool = True,
+        on_replan: Callable[[dict[str, Any]], None] | None = None,
     ) -> RunResult:
         first_plan = [initial]
         n_layers, n_stages = self.spec.model.n_layers, len(initial[0])
@@ -323,7 +335,14 @@ class LocalSwarm:
             step_timeout_s=step_timeout_s,
         )
         self.driver = RunDriver(
-            self.spec, self.coordinator, self.workers.live, plan, self._assignments, cfg, on_step=on_step
+            self.spec,
+            self.coordinator,
+            self.workers.live,
+            plan,
+            self._assignments,
+            cfg,
+            on_step=on_step,
+            on_replan=on_replan,
         )
         reports = self.driver.run()
         result = RunResult(reports, events=self.driver.events)
