@@ -54,6 +54,9 @@ class LeaderRole:
         self.thread = threading.Thread(target=self._run, name="leader", daemon=True)
         self.error: BaseException | None = None
         self.finished = threading.Event()
+        # step -> (loss, seconds) of the whole run, also the steps before a takeover (read from the progress
+        # record the previous leader published), so run.json and status keep the full curve
+        self.history: dict[int, tuple[float, float]] = {}
         self._tokens_per_step = self.spec.micro_batch * self.spec.n_microbatches * self.spec.model.seq_len
 
     def start(self) -> None:
@@ -149,6 +152,8 @@ class LeaderRole:
         self._wait_for_peers(taking_over=previous is not None)
         d.probe_links_now()
         takeover = self._takeover_point(previous.plan if previous else None) if previous else None
+        if takeover is not None:
+            self._adopt_history(takeover[0])
         planner = make_planner(
             self.spec,
             self._view,
@@ -230,6 +235,8 @@ class LeaderRole:
 
     # -------------------------------------------------------------------------------------- publication
     def _on_replan(self, info: dict[str, Any]) -> None:
+        for k in [k for k in self.history if k >= info["step"]]:
+            del self.history[k]  # a rollback redoes these steps
         plan = {
             "stages": info["stages"],
             "pipelines": [[self.peer_of[dv] for dv in p] for p in info["pipelines"]],
@@ -241,7 +248,21 @@ class LeaderRole:
             log.warning("plan of epoch %d was not stored in the DHT", info["epoch"])
         self.daemon.publish_progress({"epoch": info["epoch"], "step": info["step"], "state": "training"})
 
+    def _adopt_history(self, trained: int) -> None:
+        progress = self.daemon.latest_progress() or {}
+        hist = progress.get("history") or {}
+        first = hist.get("from", 0)
+        for k, (loss, secs) in enumerate(zip(hist.get("loss", []), hist.get("step_s", []), strict=False)):
+            if first + k < trained and isinstance(loss, (int, float)) and isinstance(secs, (int, float)):
+                self.history[first + k] = (float(loss), float(secs))
+
+    def _history_payload(self, limit: int = 2000) -> dict[str, Any]:
+        steps = sorted(self.history)[-limit:]
+        return {"from": steps[0] if steps else 0, "loss": [self.history[k][0] for k in steps],
+                "step_s": [round(self.history[k][1], 4) for k in steps]}
+
     def _on_step(self, report: StepReport) -> None:
+        self.history[report.step] = (report.loss, report.seconds)
         tokens_per_s = self._tokens_per_step / report.seconds if report.seconds > 0 else 0.0
         log.info("step %d: loss %.4f, %.2f s, %.0f tokens/s", report.step, report.loss, report.seconds, tokens_per_s)
         self.daemon.record_step(report, tokens_per_s)
@@ -254,6 +275,7 @@ class LeaderRole:
                 "step_s": report.seconds,
                 "tokens_per_s": tokens_per_s,
                 "state": "training",
+                "history": self._history_payload(),
             }
         )
 
@@ -311,8 +333,8 @@ class LeaderRole:
             "plan": self.driver.events.replans[-1] if self.driver.events.replans else None,
             "plans": self.driver.events.replans,
             "rollbacks": self.driver.events.rollbacks,
-            "loss": [r.loss for r in self.driver.reports],
-            "step_s": [r.seconds for r in self.driver.reports],
+            "loss": [self.history[k][0] for k in sorted(self.history)],
+            "step_s": [self.history[k][1] for k in sorted(self.history)],
             "microbatches_per_pipeline": [r.microbatches_per_pipeline for r in self.driver.reports],
         }
         (folder / "run.json").write_text(json.dumps(run, indent=1, default=str))
