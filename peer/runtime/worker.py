@@ -62,11 +62,18 @@ class StageWorker:
     """Serves one tasklet. ``start()`` returns the endpoint; the coordinator assigns the stage over gRPC."""
 
     def __init__(
-        self, host: str = "127.0.0.1", port: int = 0, peer_id: str = "", fault: str | None = None, device: str = ""
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        peer_id: str = "",
+        fault: str | None = None,
+        device: str = "",
+        max_envelope_bytes: int | None = None,
     ) -> None:
         if fault not in (None, "nan-grad"):
             raise ValueError(f"fault: unknown fault {fault!r} (known: nan-grad)")
-        self.config = TransportConfig(host=host, port=port, **WORKER_TRANSPORT)
+        limits = {} if max_envelope_bytes is None else {"max_envelope_bytes": max_envelope_bytes}
+        self.config = TransportConfig(host=host, port=port, **WORKER_TRANSPORT, **limits)
         self.peer_id = peer_id
         self.fault = fault
         self.device = device  # this peer's --device; empty: what the assignment says

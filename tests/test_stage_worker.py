@@ -1,0 +1,111 @@
+"""A running stage worker (real gRPC on loopback) refuses every kind of bad message with a gRPC status and a
+clear message, keeps serving, and its state is untouched; and it follows only the newest plan epoch."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from peer.model import ModelConfig
+from peer.runtime.coordinator import Coordinator
+from peer.runtime.spec import Assignment, RunSpec
+from peer.runtime.wire import control, envelope, make_key
+from peer.runtime.worker import StageWorker
+from peer.transport import PeerClient
+from protocol import PROTOCOL_VERSION
+from protocol import tasklet_pb2 as pb
+from protocol.errors import Refused
+
+SPEC = RunSpec(run_id="badinput", model=ModelConfig(n_layers=4, d_model=16, n_heads=2, seq_len=8), micro_batch=2,
+               n_microbatches=2)
+SHAPE = (SPEC.micro_batch, SPEC.model.seq_len, SPEC.model.d_model)
+LIMIT = 4 << 20
+
+
+def assignment(worker: StageWorker, coordinator: Coordinator, epoch: int) -> Assignment:
+    return Assignment(epoch=epoch, stage=1, replica=0, n_stages=2, n_replicas=1, layers=(2, 4),
+                      group=(worker.server.endpoint,), coordinator=coordinator.endpoint, prev="127.0.0.1:9")
+
+
+@pytest.fixture
+def stage() -> Iterator[tuple[StageWorker, Coordinator, PeerClient]]:
+    torch.set_num_threads(1)
+    coordinator = Coordinator(SPEC)
+    coordinator.start()
+    worker = StageWorker(max_envelope_bytes=LIMIT)
+    worker.start()
+    client = PeerClient(worker.server.endpoint, sender="upstream")
+    try:
+        coordinator.assign({worker.server.endpoint: assignment(worker, coordinator, epoch=3)})
+        client.push(control("start_step", SPEC.run_id, 3, 0, {"step": 0, "round": 0}), timeout_s=10)
+        yield worker, coordinator, client
+    finally:
+        client.close()
+        worker.stop()
+        coordinator.close()
+
+
+def activation(t: torch.Tensor, step: int = 0, mb: int = 0) -> pb.Envelope:
+    return envelope(pb.ACTIVATION, make_key(SPEC.run_id, 3, step, mb, 0, 0), {"hidden": t})
+
+
+def params(worker: StageWorker) -> torch.Tensor:
+    assert worker.compute is not None
+    return worker.compute.flat_params()
+
+
+def raw_size_mismatch() -> pb.Envelope:
+    env = activation(torch.zeros(SHAPE))
+    env.tensors[0].data = env.tensors[0].data[:-4]
+    return env
+
+
+def wrong_version() -> pb.Envelope:
+    env = activation(torch.zeros(SHAPE))
+    env.protocol_version = PROTOCOL_VERSION + 1
+    return env
+
+
+BAD = {
+    "wrong dtype": (lambda: activation(torch.zeros(SHAPE, dtype=torch.float64)), "INVALID_ARGUMENT", "dtype"),
+    "wrong shape": (lambda: activation(torch.zeros(2, 8, 8)), "INVALID_ARGUMENT", "shape"),
+    "size mismatch": (raw_size_mismatch, "INVALID_ARGUMENT", "bytes"),
+    "oversized": (lambda: activation(torch.zeros(LIMIT // 4 + 1024)), None, "bytes"),
+    "unknown step": (lambda: activation(torch.zeros(SHAPE), step=7), "FAILED_PRECONDITION", "step 7"),
+    "unknown micro-batch": (lambda: activation(torch.zeros(SHAPE), mb=99), "FAILED_PRECONDITION", "micro-batch 99"),
+    "wrong protocol version": (wrong_version, "INVALID_ARGUMENT", "version"),
+    "NaN": (lambda: activation(torch.full(SHAPE, float("nan"))), "INVALID_ARGUMENT", "NaN"),
+    "inf": (lambda: activation(torch.full(SHAPE, float("inf"))), "INVALID_ARGUMENT", "inf"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_message_refused_state_untouched(stage, case: str) -> None:
+    worker, _, client = stage
+    make, code, needle = BAD[case]
+    before = params(worker)
+    with pytest.raises(Refused) as err:
+        client.push(make(), timeout_s=20)
+    if code is not None:
+        assert err.value.code == code
+    assert needle.lower() in err.value.detail.lower(), err.value.detail
+    assert torch.equal(params(worker), before)
+    assert worker.stats["forward"] == 0
+    # still serving: a good activation is accepted and computed
+    client.push(activation(torch.randn(SHAPE)), timeout_s=20)
+    deadline = time.monotonic() + 20
+    while worker.stats["forward"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert worker.stats["forward"] == 1
+
+
+def test_older_epoch_assignment_is_refused(stage) -> None:
+    worker, coordinator, _ = stage
+    with pytest.raises(Exception, match="older than this peer's epoch 3"):
+        coordinator.assign({worker.server.endpoint: assignment(worker, coordinator, epoch=2)})
+    assert worker.assignment is not None and worker.assignment.epoch == 3
+    coordinator.assign({worker.server.endpoint: assignment(worker, coordinator, epoch=4)})
+    assert worker.assignment.epoch == 4
