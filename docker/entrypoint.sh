@@ -64,11 +64,11 @@ wait_for_join_file() {
   head -n 1 "$TASKLET_JOIN_FILE"
 }
 
-# Copy the peer's stdout through and save the address of its `peer join --dht ADDR ...` line.
+# Copy the peer's stdout through and save the address of its `peer join --dht ADDR ...` line. The file is
+# written (atomically) before the line is passed on, so whoever reads the line can rely on the file.
 publish_join_line() {
   local line addr
   while IFS= read -r line; do
-    printf '%s\n' "$line"
     case $line in
       "peer join --dht "*)
         addr=${line#peer join --dht }
@@ -76,6 +76,7 @@ publish_join_line() {
         printf '%s\n' "$addr" >"$TASKLET_JOIN_FILE.tmp" && mv -f "$TASKLET_JOIN_FILE.tmp" "$TASKLET_JOIN_FILE"
         ;;
     esac
+    printf '%s\n' "$line"
   done
 }
 
