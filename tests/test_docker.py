@@ -316,9 +316,14 @@ def test_install_script_and_entrypoint_start_a_swarm(newcomer: Clone, tmp_path: 
                           env=dict(env, VENV=str(newcomer.root / ".venv")), timeout=420)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "[install] done: torch 2.13.0" in proc.stderr
-    where = subprocess.run([str(newcomer.python), "-c", "import peer, scheduler; print(peer.__file__)"],
-                           cwd=tmp_path, capture_output=True, text=True, env=env, timeout=60)
-    assert "site-packages" in where.stdout, f"not installed as a package: {where.stdout}{where.stderr}"
+    probe = ("import peer; from scheduler.cluster import default_scenarios_path as d; "
+             "print(peer.__file__); print(d()); assert d().is_file()")
+    where = subprocess.run([str(newcomer.python), "-c", probe], cwd=tmp_path, capture_output=True, text=True,
+                           env=env, timeout=60)
+    assert where.returncode == 0, where.stderr[-2000:]
+    peer_file, scenarios = where.stdout.split()
+    assert "site-packages" in peer_file, f"not installed as a package: {peer_file}"
+    assert "site-packages" in scenarios, f"the bundled scenarios are not in the package: {scenarios}"
 
     # 2. two "containers" through the entry point, as compose runs them
     (tmp_path / "run.toml").write_text(SMALL_RUN)
