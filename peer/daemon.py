@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 PROBE_BYTES = 256 * 1024
 PROBE_SAMPLE = 8  # peers probed per round; the rest are estimated (see peer.planning.build_cluster)
 RUN_WAIT_S = 15.0
+LEADER_CONFIRM_TICKS = 3  # ticks are half a heartbeat apart
 
 
 class DaemonError(RuntimeError):
@@ -89,6 +90,9 @@ class PeerDaemon:
         self._probe_lock = threading.Lock()
         self._reply_shapers: dict[str, LinkShaper | None] = {}
         self.steps: list[dict[str, Any]] = []
+        self._candidate: str | None = None
+        self._streak = 0
+        self._announced_at = time.monotonic()
         self.exit_error: str | None = None
 
     # ------------------------------------------------------------------------------------------- start-up
@@ -111,6 +115,7 @@ class PeerDaemon:
             self._join_run()
             self._start_worker()
             self._announce()
+            log.info("others can join through this peer: %s", self.join_line())
         except BaseException:
             self.shutdown()
             raise
@@ -122,6 +127,7 @@ class PeerDaemon:
             existing = verify_swarm_secret(self.dht, run_id, o.secret or None)
         except SwarmSecretError as exc:
             raise DaemonError(str(exc)) from None
+        self.started_run = self.config is not None
         if self.config is not None:
             if existing is not None:
                 raise DaemonError(
@@ -156,6 +162,7 @@ class PeerDaemon:
                 f" vs {published[:12]}): a different Python version or --corpus path"
             )
         self.spec = self.config.spec(corpus_fingerprint=published)
+        self._corpus = corpus
         self.membership = Membership(
             self.dht, run_id, self.identity, o.secret or None, heartbeat_s=self.config.swarm.heartbeat_s
         )
@@ -184,6 +191,7 @@ class PeerDaemon:
         except OSError as exc:
             raise DaemonError(f"{exc}: the address is in use or not available (--host/--port)") from None
         self.worker.server.set_reply_shaper(self._reply_shaper)
+        self.worker.preload_corpus(self._corpus)
         if o.announce:
             self.endpoint = o.announce
 
@@ -207,6 +215,7 @@ class PeerDaemon:
         )
         assert self.membership is not None
         self.membership.announce(self.advert)
+        self._announced_at = time.monotonic()
         log.info(
             "peer %s announced: %s, %.4g TFLOP/s%s, gRPC at %s",
             self.identity.peer_id,
@@ -244,9 +253,11 @@ class PeerDaemon:
         with self._live_lock:
             self._live = entries
         self._update_links(entries)
-        leader = elect_leader(entries)
         me = self.identity.peer_id
-        if leader == me and self.role is None:
+        leader = self._confirmed_leader(entries)
+        if leader is None:
+            pass
+        elif leader == me and self.role is None and self._may_lead():
             log.info("this peer (%s) leads the swarm", me)
             self.role = LeaderRole(self)
             self.role.start()
@@ -254,6 +265,8 @@ class PeerDaemon:
             log.warning("leadership moved to %s; stepping down", leader)
             self.role.stop()
             self.role = None
+        if self.role is not None and not self.role.finished.is_set():
+            self.role.beat()
         if self.role is not None and self.role.finished.is_set():
             if self.role.error is not None:
                 self.exit_error = f"leader failed: {self.role.error}"
@@ -264,6 +277,37 @@ class PeerDaemon:
             log.info("the run is done (step %s); leaving", progress.get("step"))
             self.done.set()
         self.plan_board.republish() if self.plan_board else None
+
+    def _confirmed_leader(self, entries: list[Advert]) -> str | None:
+        """The elected leader once the same peer has been elected LEADER_CONFIRM_TICKS times in a row.
+
+        A DHT read under load can miss adverts; acting on one such read would make a follower believe it leads
+        (and start a rival plan) or the leader step down. Reads that miss our own advert are incomplete and
+        ignored outright; otherwise the election must be stable for a few ticks before roles change.
+        """
+        if not any(a.peer_id == self.identity.peer_id for a in entries):
+            return None
+        candidate = elect_leader(entries)
+        if candidate == self._candidate:
+            self._streak += 1
+        else:
+            self._candidate, self._streak = candidate, 1
+        return candidate if self._streak >= LEADER_CONFIRM_TICKS else None
+
+    def _may_lead(self) -> bool:
+        """Guards against a peer that simply cannot see the leader yet (a fresh DHT view misses adverts):
+        a joiner waits one advert lifetime after announcing itself, and nobody takes over while another
+        leader's progress record is still fresh (the leader renews it every tick)."""
+        assert self.config is not None and self.membership is not None
+        ttl = self.membership.ttl_s
+        if self.started_run is False and time.monotonic() - self._announced_at < ttl:
+            return False
+        progress = self.latest_progress()
+        if progress and progress.get("leader") != self.identity.peer_id and progress.get("state") != "done":
+            age = get_dht_time() - float(progress.get("at", 0.0))
+            if age < ttl:
+                return False
+        return True
 
     def live_adverts(self) -> list[Advert]:
         with self._live_lock:
@@ -302,7 +346,7 @@ class PeerDaemon:
     def _probe_loop(self) -> None:
         while not self.done.is_set() and not self.stop_requested.is_set():
             self.probe_links_now()
-            self.stop_requested.wait(5 * (self.config.swarm.heartbeat_s if self.config else 2.0))
+            self.stop_requested.wait(self.config.swarm.heartbeat_s if self.config else 2.0)
 
     def probe_links_now(self) -> None:
         """Measure RTT and bandwidth to up to PROBE_SAMPLE peers not measured yet; publish every report."""

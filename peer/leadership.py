@@ -57,6 +57,7 @@ class LeaderRole:
         # step -> (loss, seconds) of the whole run, also the steps before a takeover (read from the progress
         # record the previous leader published), so run.json and status keep the full curve
         self.history: dict[int, tuple[float, float]] = {}
+        self._last_progress: dict[str, Any] = {"epoch": 0, "step": 0, "state": "forming"}
         self._tokens_per_step = self.spec.micro_batch * self.spec.n_microbatches * self.spec.model.seq_len
 
     def start(self) -> None:
@@ -65,6 +66,8 @@ class LeaderRole:
 
     def stop(self) -> None:
         self.stop_event.set()
+        if self.driver is not None:
+            self.driver.stop_event.set()
         self.coordinator.close()
 
     # ----------------------------------------------------------------------------------------- membership
@@ -145,12 +148,24 @@ class LeaderRole:
             self.stop_event.wait(self.config.swarm.heartbeat_s / 2)
         raise InterruptedError("stopped while waiting for peers")
 
+    def _wait_for_link_reports(self) -> None:
+        """Give every peer a few heartbeats to publish its link measurements: the first plan is only as good as
+        the network it sees. Pairs still unmeasured after that are estimated (see peer.planning)."""
+        deadline = time.monotonic() + 3 * self.config.swarm.heartbeat_s
+        while time.monotonic() < deadline and not self.stop_event.is_set():
+            live = set(self._workers())
+            reporters = {r.src for r in self.daemon.membership.links()}
+            if live <= reporters | {self.daemon.identity.peer_id}:
+                return
+            self.stop_event.wait(self.config.swarm.heartbeat_s / 2)
+
     def _lead(self) -> None:
         d = self.daemon
         board = d.plan_board
         previous = board.latest()
         self._wait_for_peers(taking_over=previous is not None)
         d.probe_links_now()
+        self._wait_for_link_reports()
         takeover = self._takeover_point(previous.plan if previous else None) if previous else None
         if takeover is not None:
             self._adopt_history(takeover[0])
@@ -234,6 +249,15 @@ class LeaderRole:
         return out
 
     # -------------------------------------------------------------------------------------- publication
+    def _publish(self, payload: dict[str, Any]) -> None:
+        """Publish progress; every record carries the loss history, so a takeover at any moment keeps it."""
+        self._last_progress = {**payload, "history": self._history_payload()}
+        self.daemon.publish_progress(dict(self._last_progress))
+
+    def beat(self) -> None:
+        """Renew the progress record (called every tick): followers see a live leader even between steps."""
+        self.daemon.publish_progress(dict(self._last_progress))
+
     def _on_replan(self, info: dict[str, Any]) -> None:
         for k in [k for k in self.history if k >= info["step"]]:
             del self.history[k]  # a rollback redoes these steps
@@ -246,7 +270,7 @@ class LeaderRole:
         }
         if not self.daemon.plan_board.publish(info["epoch"], self.daemon.identity.peer_id, plan):
             log.warning("plan of epoch %d was not stored in the DHT", info["epoch"])
-        self.daemon.publish_progress({"epoch": info["epoch"], "step": info["step"], "state": "training"})
+        self._publish({"epoch": info["epoch"], "step": info["step"], "state": "training"})
 
     def _adopt_history(self, trained: int) -> None:
         progress = self.daemon.latest_progress() or {}
@@ -267,7 +291,7 @@ class LeaderRole:
         log.info("step %d: loss %.4f, %.2f s, %.0f tokens/s", report.step, report.loss, report.seconds, tokens_per_s)
         self.daemon.record_step(report, tokens_per_s)
         assert self.driver is not None
-        self.daemon.publish_progress(
+        self._publish(
             {
                 "epoch": self.driver.epoch,
                 "step": report.step + 1,
@@ -275,17 +299,15 @@ class LeaderRole:
                 "step_s": report.seconds,
                 "tokens_per_s": tokens_per_s,
                 "state": "training",
-                "history": self._history_payload(),
             }
         )
 
     def _finish(self) -> None:
-        d = self.daemon
         save = self.config.swarm.save_dir
         if save and self.driver is not None:
             self.save(Path(save))
         final = self.driver.reports[-1] if self.driver and self.driver.reports else None
-        d.publish_progress(
+        self._publish(
             {
                 "epoch": self.driver.epoch if self.driver else 0,
                 "step": self.config.run.steps,

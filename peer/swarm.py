@@ -9,9 +9,11 @@ status` does, prints progress, waits for every peer to exit and summarises what 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -108,7 +110,10 @@ class SwarmProcesses:
         log_file = open(self.log_dir / f"peer-{i}.log", "w")  # noqa: SIM115 - closed in close()
         self._logs.append(log_file)
         cmd = [sys.executable, "-m", "peer.cli", *args, "--host", f"127.0.0.{i + 2}", "--log-level", "INFO"]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, text=True, env=env)
+        # own process group, so that the peer's children (hivemind's DHT process, its libp2p daemon) can be
+        # ended with it whatever happens
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, text=True, env=env,
+                                start_new_session=True)
         self.procs.append(proc)
         return proc
 
@@ -128,6 +133,8 @@ class SwarmProcesses:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout=5)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)  # anything the peer left behind
             if p.stdout:
                 p.stdout.close()
         for f in self._logs:

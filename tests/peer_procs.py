@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -30,8 +31,9 @@ def write_config(folder: Path, steps: int, *, secret: str = "", min_peers: int =
 class PeerProcs:
     """Peer processes of one test; ``close()`` (or ``with``) kills whatever is still running."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, tflops: float = 0.001) -> None:
         self.folder = folder
+        self.tflops = str(tflops)
         self.procs: list[subprocess.Popen[str]] = []
         self.logs: list[IO[str]] = []
 
@@ -45,13 +47,15 @@ class PeerProcs:
         log = open(self.folder / f"{name}.log", "w")  # noqa: SIM115 - closed in close()
         self.logs.append(log)
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        proc = subprocess.Popen([*PEER, *args], stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+        # own process group: the peer's children (hivemind's DHT process, the libp2p daemon) die with it
+        proc = subprocess.Popen([*PEER, *args], stdout=subprocess.PIPE, stderr=log, text=True, env=env,
+                                start_new_session=True)
         self.procs.append(proc)
         return proc
 
     def start(self, config: Path, *extra: str, host: str = "127.0.0.2", timeout: float = 90.0) -> str:
         """`peer start`; return the DHT address from its join line."""
-        proc = self.spawn(["start", "--config", str(config), "--host", host, "--emulate-tflops", "0.001",
+        proc = self.spawn(["start", "--config", str(config), "--host", host, "--emulate-tflops", self.tflops,
                            "--log-level", "INFO", *extra], "peer-0")
         line = _readline(proc, timeout)
         if not line.startswith("peer join --dht "):
@@ -59,8 +63,20 @@ class PeerProcs:
         return line.split()[3]
 
     def join(self, addr: str, i: int, *extra: str) -> subprocess.Popen[str]:
-        return self.spawn(["join", "--dht", addr, "--host", f"127.0.0.{i + 2}", "--emulate-tflops", "0.001",
+        return self.spawn(["join", "--dht", addr, "--host", f"127.0.0.{i + 2}", "--emulate-tflops", self.tflops,
                            "--log-level", "INFO", *extra], f"peer-{i}")
+
+    def kill(self, i: int) -> None:
+        """SIGKILL peer ``i`` and everything it started: a machine that vanished."""
+        _kill_group(self.procs[i])
+        self.procs[i].wait(timeout=10)
+
+    def join_address(self, i: int) -> str:
+        """The DHT address peer ``i`` logged ("others can join through this peer: peer join --dht ADDR")."""
+        for line in self.log_text(i).splitlines():
+            if "others can join through this peer: peer join --dht " in line:
+                return line.split("--dht ")[1].split()[0]
+        raise RuntimeError(f"peer {i} logged no join address")
 
     def log_text(self, i: int) -> str:
         return (self.folder / f"peer-{i}.log").read_text()
@@ -76,10 +92,16 @@ class PeerProcs:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout=5)
+            _kill_group(p)  # whatever the peer left behind
             if p.stdout:
                 p.stdout.close()
         for f in self.logs:
             f.close()
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _readline(proc: subprocess.Popen[str], timeout: float) -> str:

@@ -21,8 +21,10 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,6 +94,11 @@ class RunDriver:
         self.on_replan = on_replan
         self.banned: set[str] = set()  # endpoints declared dead: never planned again
         self.reports: list[StepReport] = []
+        self.stop_event = threading.Event()  # set when this leader loses leadership: stop driving at once
+
+    def _check_stopped(self) -> None:
+        if self.stop_event.is_set():
+            raise InterruptedError("the driver was stopped (leadership lost)")
 
     # ------------------------------------------------------------------------------------------------ run
     def run(self, resume: bool = False, takeover: tuple[int, Stages] | None = None) -> list[StepReport]:
@@ -105,6 +112,7 @@ class RunDriver:
         self._replan_until_done(reason="takeover" if takeover else "start", restore_step=restore)
         replans = 0
         while self.trained < self.cfg.steps:
+            self._check_stopped()
             if self._membership_changed():
                 self._replan_until_done(reason="membership changed")
             try:
@@ -147,6 +155,7 @@ class RunDriver:
     def _replan_until_done(self, reason: str, restore_step: int | None = None) -> None:
         """Re-plan; when a worker fails to take its assignment (it died meanwhile), exclude it and try again."""
         for attempt in range(self.cfg.max_replans):
+            self._check_stopped()
             try:
                 self._replan(reason=reason if attempt == 0 else f"{reason} (retry {attempt})",
                              restore_step=restore_step)
@@ -163,7 +172,8 @@ class RunDriver:
         self.stages = stages
         self.epoch += 1
         assignments = self.build_assignments(stages, pipelines, self.epoch)
-        holders = self._holders(set(live.values()))
+        # at step 0 every stage starts from the seeded initialiser: nobody needs to be asked
+        holders = self._holders(set(live.values())) if self.trained > 0 or restore_step is not None else {}
         sources, rollback = self._sources(assignments, holders, restore_step)
         if rollback is not None:
             redone = self.trained - rollback
@@ -205,14 +215,19 @@ class RunDriver:
 
     def _holders(self, live: set[str]) -> dict[int, list[str]]:
         """Stage index -> live endpoints holding that stage at the trained step (asked, not assumed)."""
-        out: dict[int, list[str]] = {}
-        for ep in sorted(live):
+
+        def ask(ep: str) -> tuple[str, dict[str, Any] | None]:
             try:
-                st = self.coordinator.worker_status(ep)
+                return ep, self.coordinator.worker_status(ep)
             except Exception as exc:  # unreachable: not a holder
                 log.info("status of %s: %s", ep, exc)
-                continue
-            if st.get("trained_steps") == self.trained and st.get("layers") is not None and self.stages:
+                return ep, None
+
+        out: dict[int, list[str]] = {}
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            answers = list(pool.map(ask, sorted(live)))
+        for ep, st in answers:
+            if st and st.get("trained_steps") == self.trained and st.get("layers") is not None and self.stages:
                 layers = tuple(st["layers"])
                 if layers in self.stages:
                     out.setdefault(self.stages.index(layers), []).append(ep)

@@ -27,7 +27,7 @@ from peer.runtime.spec import Assignment, RunSpec
 
 log = logging.getLogger(__name__)
 
-READY_TIMEOUT_S = 60.0
+READY_TIMEOUT_S = 120.0
 
 
 def loopback_host(device: int) -> str:

@@ -118,6 +118,7 @@ class StageWorker:
     def start(self) -> str:
         self.server.start()
         self._compute_thread.start()
+        threading.Thread(target=_warm_up, name="warm-up", daemon=True).start()
         return self.server.endpoint
 
     def stop(self) -> None:
@@ -256,6 +257,10 @@ class StageWorker:
             compute.load_state_dict(state)
         except ValueError as exc:
             raise BadMessage("stage_state", str(exc)) from None
+
+    def preload_corpus(self, corpus: Corpus) -> None:
+        """Use an already loaded corpus (the daemon reads it at start-up to check its fingerprint)."""
+        self._corpus = corpus
 
     def set_links(self, links: dict[str, tuple[float, float]]) -> None:
         """Shape traffic to these endpoints (rate bit/s, delay s) before any assignment, e.g. so that link
@@ -665,6 +670,20 @@ class StageWorker:
         self.compute.apply_update(self._reduced[1], self.spec.n_microbatches)
         self._reduced = None
         self._report("synced", {"step": step, "trained_steps": self.compute.step})
+
+
+def _warm_up() -> None:
+    """Pay torch's one-time lazy initialisation (about a second: optimizer and autograd machinery) while the
+    peer waits for its first assignment, instead of inside it where every peer of a new plan pays it at once."""
+    try:
+        from peer.model import ModelConfig
+
+        tiny = StageCompute(StageComputeConfig(ModelConfig(n_layers=1, d_model=8, n_heads=1, seq_len=4), 0, 1))
+        loss, _ = tiny.forward_loss(0, torch.zeros(1, 4, dtype=torch.int64), torch.zeros(1, 4, dtype=torch.int64))
+        tiny.commit(0)
+        tiny.apply_update(tiny.accumulated_grad(), 1)
+    except Exception:  # a warm-up must never take the worker down
+        log.debug("warm-up failed", exc_info=True)
 
 
 def state_envelope(state: dict[str, Any], run_id: str, epoch: int, stage: int, replica: int = -1) -> pb.Envelope:
