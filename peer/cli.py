@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dht", required=True, nargs="+", metavar="ADDR", help="multiaddr(s) of any peer")
     p.add_argument("--run", default="tasklet", help="run name (default: %(default)s)")
     p.add_argument("--secret", default=None, help="the swarm's join secret, if it has one (default: none)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table (default: off)")
     p.add_argument(
         "--watch",
         type=_positive_float,
@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("init", help="write an example run.toml with every option and its default")
     p.add_argument("path", nargs="?", default="run.toml", help="file to write (default: %(default)s)")
-    p.add_argument("--force", action="store_true", help="overwrite an existing file")
+    p.add_argument("--force", action="store_true", help="overwrite an existing file (default: off)")
 
     sub.add_parser("config-reference", help="print the run.toml reference (Markdown)")
     return parser
@@ -249,6 +249,15 @@ def _run_daemon(args: argparse.Namespace, config: RunConfig | None, peers: list[
 
     if args.announce and ":" not in args.announce:
         raise UserError(f"--announce {args.announce!r}: expected HOST:PORT")
+    if args.announce and args.dht_port == 0:
+        raise UserError(
+            "--announce needs a fixed --dht-port too (others must be able to reach the DHT at a known port)"
+        )
+    if args.host in ("0.0.0.0", "::") and not args.announce:
+        raise UserError(
+            f"--host {args.host} listens on every interface but is no address others can dial: "
+            "add --announce HOST:PORT (this machine's public or LAN address)"
+        )
     opts = _options(args)
     if config is not None and config.swarm.secret:
         opts.secret = config.swarm.secret

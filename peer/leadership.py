@@ -127,6 +127,8 @@ class LeaderRole:
     def _run(self) -> None:
         try:
             self._lead()
+        except InterruptedError as exc:  # stopped on purpose (leadership lost, or the peer is leaving)
+            log.info("leadership ended: %s", exc)
         except BaseException as exc:  # reported by the daemon, which decides whether to exit
             log.exception("leadership ended with an error")
             self.error = exc

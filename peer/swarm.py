@@ -232,8 +232,11 @@ def _summarise(
     say("")
     say(f"plan (epoch {plan.get('epoch')}): stages (layer ranges) {plan.get('stages')}")
     for r, pipe in enumerate(plan.get("pipelines", [])):
-        where = [str((run.get("peers", {}).get(str(d)) or {}).get("region", "?")) for d in pipe]
-        say(f"  pipeline {r}: devices {pipe} in {' -> '.join(where)}")
+        peers = [run.get("peers", {}).get(str(d)) or {} for d in pipe]
+        emu = [p.get("emu") for p in peers]
+        scenario_ids = [devices[e] if isinstance(e, int) and e < len(devices) else "?" for e in emu]
+        where = [str(p.get("region", "?")) for p in peers]
+        say(f"  pipeline {r}: scenario devices {scenario_ids} in {' -> '.join(where)}")
     if len(run.get("plans", [])) > 1:
         say(f"re-plans: {len(run['plans']) - 1}")
     tokens = opts.micro_batch * opts.n_microbatches * opts.seq_len
