@@ -9,15 +9,12 @@ status` does, prints progress, waits for every peer to exit and summarises what 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +22,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from peer.config import RunConfig, example_toml
+from peer.procs import kill_group, read_line
 from peer.status import StatusReader
 from scheduler import Cluster
 from scheduler.cli import load_scenario
@@ -133,8 +131,7 @@ class SwarmProcesses:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout=5)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGKILL)  # anything the peer left behind
+            kill_group(p)  # anything the peer left behind
             if p.stdout:
                 p.stdout.close()
         for f in self._logs:
@@ -142,23 +139,11 @@ class SwarmProcesses:
 
 
 def _read_line(proc: subprocess.Popen[str], timeout_s: float, want: str) -> str:
-    got: list[str] = []
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith(want):
-                got.append(line.strip())
-                return
-
-    t = threading.Thread(target=read, daemon=True)
-    t.start()
-    t.join(timeout_s)
-    if not got:
-        raise RuntimeError(
-            f"the first peer did not print its join line within {timeout_s:.0f} s (exit status {proc.poll()})"
-        )
-    return got[0]
+    line = read_line(proc, timeout_s, want)
+    if not line:
+        raise RuntimeError(f"the first peer did not print its join line within {timeout_s:.0f} s "
+                           f"(exit status {proc.poll()})")
+    return line
 
 
 def run_swarm(opts: SwarmOptions, say: Callable[[str], None] = print) -> int:

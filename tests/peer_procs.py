@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import IO
+
+from peer.procs import kill_group, read_line
 
 PEER = [sys.executable, "-m", "peer.cli"]
 
@@ -57,7 +57,7 @@ class PeerProcs:
         """`peer start`; return the DHT address from its join line."""
         proc = self.spawn(["start", "--config", str(config), "--host", host, "--emulate-tflops", self.tflops,
                            "--log-level", "INFO", *extra], "peer-0")
-        line = _readline(proc, timeout)
+        line = read_line(proc, timeout)
         if not line.startswith("peer join --dht "):
             raise RuntimeError(f"peer start printed {line!r}; see {self.folder / 'peer-0.log'}")
         return line.split()[3]
@@ -68,7 +68,7 @@ class PeerProcs:
 
     def kill(self, i: int) -> None:
         """SIGKILL peer ``i`` and everything it started: a machine that vanished."""
-        _kill_group(self.procs[i])
+        kill_group(self.procs[i])
         self.procs[i].wait(timeout=10)
 
     def join_address(self, i: int) -> str:
@@ -92,26 +92,8 @@ class PeerProcs:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout=5)
-            _kill_group(p)  # whatever the peer left behind
+            kill_group(p)  # whatever the peer left behind
             if p.stdout:
                 p.stdout.close()
         for f in self.logs:
             f.close()
-
-
-def _kill_group(proc: subprocess.Popen[str]) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-
-
-def _readline(proc: subprocess.Popen[str], timeout: float) -> str:
-    out: list[str] = []
-
-    def read() -> None:
-        assert proc.stdout is not None
-        out.append(proc.stdout.readline())
-
-    t = threading.Thread(target=read, daemon=True)
-    t.start()
-    t.join(timeout)
-    return out[0].strip() if out else ""

@@ -27,7 +27,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +35,7 @@ from typing import Any
 import pytest
 import yaml
 
+from peer import procs
 from peer.cli import build_parser
 from peer.config import RunConfig
 from tests.newcomer import REPO, Clone, fresh_clone, newcomer_env, remove_clone
@@ -292,19 +292,7 @@ def free_port(*hosts: str) -> int:
 
 
 def read_line(proc: subprocess.Popen[str], prefix: str, timeout: float) -> str:
-    found: list[str] = []
-
-    def scan() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith(prefix):
-                found.append(line.strip())
-                return
-
-    t = threading.Thread(target=scan, daemon=True)
-    t.start()
-    t.join(timeout)
-    return found[0] if found else ""
+    return procs.read_line(proc, timeout, prefix)
 
 
 @pytest.mark.timeout(900)

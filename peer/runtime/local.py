@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from peer.procs import read_line
 from peer.runtime.coordinator import Coordinator, ReplanNeededError, StepReport
 from peer.runtime.driver import DriverConfig, Pipelines, Planner, RunDriver, RunEvents, Stages
 from peer.runtime.spec import Assignment, RunSpec
@@ -173,18 +174,9 @@ class LocalWorkers:
 
 def _read_ready(proc: subprocess.Popen[str], i: int) -> str:
     """Wait (bounded) for the worker's ``READY host:port`` line."""
-    line: list[str] = []
-
-    def read() -> None:
-        assert proc.stdout is not None
-        line.append(proc.stdout.readline())
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(READY_TIMEOUT_S)
-    text = line[0].strip() if line else ""
-    if not text.startswith("READY "):
-        raise RuntimeError(f"worker {i} did not start (exit status {proc.poll()}, said {text!r})")
+    text = read_line(proc, READY_TIMEOUT_S, "READY ")
+    if not text:
+        raise RuntimeError(f"worker {i} did not start within {READY_TIMEOUT_S:.0f} s (exit status {proc.poll()})")
     return text.split()[1]
 
 
