@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 
 
 def read_line(proc: subprocess.Popen[str], timeout_s: float, prefix: str = "") -> str:
@@ -39,3 +40,30 @@ def kill_group(proc: subprocess.Popen[str]) -> None:
     """SIGKILL the process group ``proc`` leads (started with ``start_new_session=True``); quiet if gone."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+def stop_all(procs: list[subprocess.Popen[str]], grace_s: float, *, ask_first: bool = True) -> None:
+    """End every process: SIGTERM (at once, or after ``grace_s`` for those that did not exit by themselves when
+    ``ask_first`` is False), wait up to ``grace_s`` for a graceful exit, then SIGKILL the process group, so
+    nothing a child started survives it."""
+    if ask_first:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            if ask_first:
+                p.kill()
+            else:
+                p.terminate()
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+            p.wait(timeout=5)
+        kill_group(p)
+        if p.stdout:
+            p.stdout.close()

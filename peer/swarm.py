@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from peer.config import RunConfig, example_toml
-from peer.procs import kill_group, read_line
+from peer.procs import read_line, stop_all
 from peer.status import StatusReader
 from scheduler import Cluster
 from scheduler.cli import load_scenario
@@ -119,21 +119,8 @@ class SwarmProcesses:
         return sum(p.poll() is None for p in self.procs)
 
     def close(self, grace_s: float = 20.0) -> None:
-        deadline = time.monotonic() + grace_s
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=5)
-            kill_group(p)  # anything the peer left behind
-            if p.stdout:
-                p.stdout.close()
+        """Peers leave by themselves when the run is done; give them ``grace_s``, then end them."""
+        stop_all(self.procs, grace_s, ask_first=False)
         for f in self._logs:
             f.close()
 

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import IO
 
-from peer.procs import kill_group, read_line
+from peer.procs import kill_group, read_line, stop_all
 
 PEER = [sys.executable, "-m", "peer.cli"]
 
@@ -82,18 +80,6 @@ class PeerProcs:
         return (self.folder / f"peer-{i}.log").read_text()
 
     def close(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=5)
-            kill_group(p)  # whatever the peer left behind
-            if p.stdout:
-                p.stdout.close()
+        stop_all(self.procs, 15.0)
         for f in self.logs:
             f.close()
