@@ -91,6 +91,8 @@ class PeerDaemon:
         self._reply_shapers: dict[str, LinkShaper | None] = {}
         self.steps: list[dict[str, Any]] = []
         self._candidate: str | None = None
+        self._reported: frozenset[str] = frozenset()
+        self._ticks = 0
         self._streak = 0
         self._announced_at = time.monotonic()
         self.exit_error: str | None = None
@@ -272,11 +274,14 @@ class PeerDaemon:
                 self.exit_error = f"leader failed: {self.role.error}"
             self.done.set()
             return
-        progress = self.latest_progress()
-        if progress and progress.get("state") == "done":
-            log.info("the run is done (step %s); leaving", progress.get("step"))
-            self.done.set()
-        self.plan_board.republish() if self.plan_board else None
+        self._ticks += 1
+        if self._ticks % 2 == 0:  # once a heartbeat is enough to notice the end of the run
+            progress = self.latest_progress()
+            if progress and progress.get("state") == "done":
+                log.info("the run is done (step %s); leaving", progress.get("step"))
+                self.done.set()
+        if self.role is not None and self._ticks % 20 == 0 and self.plan_board is not None:
+            self.plan_board.republish()  # the plan record lives plan_ttl_s (10 min); renew it well before
 
     def _confirmed_leader(self, entries: list[Advert]) -> str | None:
         """The elected leader once the same peer has been elected LEADER_CONFIRM_TICKS times in a row.
@@ -369,7 +374,11 @@ class PeerDaemon:
                 self._probed[a.peer_id] = LinkReport(self.identity.peer_id, a.peer_id, rtt, bw, True, get_dht_time())
             if self._probed and self.membership is not None:
                 live = {a.peer_id for a in others}
-                self.membership.report_links([r for pid, r in self._probed.items() if pid in live])
+                reports = [r for pid, r in self._probed.items() if pid in live]
+                key = frozenset(r.dst for r in reports)
+                if key != self._reported:  # unchanged reports are renewed by the membership heartbeat
+                    self.membership.report_links(reports)
+                    self._reported = key
         finally:
             self._probe_lock.release()
 
