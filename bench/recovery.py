@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from peer.data import Corpus
-from peer.model import ModelConfig, build_stage
+from peer.model import ModelConfig, unflatten_stage
 from peer.reference import train_reference
 from peer.runtime.local import LinkModel, LocalSwarm, RunResult
 from peer.runtime.spec import RunSpec
@@ -116,10 +116,7 @@ def max_rel_diff(result: RunResult, reference: dict[str, torch.Tensor]) -> float
             continue
         seen.add(stage)
         a, b = STAGES[stage]
-        offset = 0
-        for name, p in build_stage(SPEC.model, a, b).named_parameters():
-            got = state["params"][offset: offset + p.numel()].view(p.shape)
-            offset += p.numel()
+        for name, got in unflatten_stage(SPEC.model, a, b, state["params"]).items():
             ref = reference[name]
             worst = max(worst, float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12)))
     return worst

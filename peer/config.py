@@ -7,6 +7,7 @@ and bad values are refused with the file, section and key named.
 
 from __future__ import annotations
 
+import json
 import math
 import tomllib
 from dataclasses import MISSING, dataclass, field, fields
@@ -111,6 +112,15 @@ class RunConfig:
         return {
             name: {f.name: getattr(getattr(self, name), f.name) for f in fields(cls)} for name, cls in SECTIONS.items()
         }
+
+    def to_toml(self) -> str:
+        """This configuration as a run.toml (every key spelled out; JSON scalars and lists are valid TOML)."""
+        lines = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            lines += [f"{key} = {json.dumps(value)}" for key, value in values.items() if value is not None]
+            lines.append("")
+        return "\n".join(lines)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "config") -> RunConfig:

@@ -32,7 +32,6 @@ from peer.leader import PlanBoard, elect_leader
 from peer.leadership import LeaderRole
 from peer.membership import Membership, SwarmSecretError, verify_swarm_secret
 from peer.planning import EmulatedNetwork
-from peer.runtime.coordinator import StepReport
 from peer.runtime.worker import StageWorker
 from peer.shaping import LinkShaper
 from peer.transport import PeerClient
@@ -89,7 +88,6 @@ class PeerDaemon:
         self._probed: dict[str, LinkReport] = {}
         self._probe_lock = threading.Lock()
         self._reply_shapers: dict[str, LinkShaper | None] = {}
-        self.steps: list[dict[str, Any]] = []
         self._candidate: str | None = None
         self._reported: frozenset[str] = frozenset()
         self._ticks = 0
@@ -391,11 +389,6 @@ class PeerDaemon:
     def latest_progress(self) -> dict[str, Any] | None:
         assert self.membership is not None
         return read_progress(self.membership)
-
-    def record_step(self, report: StepReport, tokens_per_s: float) -> None:
-        self.steps.append(
-            {"step": report.step, "loss": report.loss, "seconds": report.seconds, "tokens_per_s": tokens_per_s}
-        )
 
     # ----------------------------------------------------------------------------------------- shutdown
     def install_signal_handlers(self) -> None:

@@ -14,6 +14,7 @@ then continues from there under a new, higher epoch.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from peer.model import unflatten_stage
 from peer.planning import ClusterView, build_cluster, make_planner
 from peer.runtime.coordinator import Coordinator, StepReport
 from peer.runtime.driver import DriverConfig, Pipelines, RunDriver, Stages
@@ -291,7 +293,6 @@ class LeaderRole:
         self.history[report.step] = (report.loss, report.seconds)
         tokens_per_s = self._tokens_per_step / report.seconds if report.seconds > 0 else 0.0
         log.info("step %d: loss %.4f, %.2f s, %.0f tokens/s", report.step, report.loss, report.seconds, tokens_per_s)
-        self.daemon.record_step(report, tokens_per_s)
         assert self.driver is not None
         self._publish(
             {
@@ -321,10 +322,6 @@ class LeaderRole:
 
     def save(self, folder: Path) -> None:
         """Final parameters of every stage (torch state dicts by parameter name) and run.json."""
-        import json
-
-        from peer.model import build_stage
-
         assert self.driver is not None and self.driver.stages is not None
         folder.mkdir(parents=True, exist_ok=True)
         saved: set[int] = set()
@@ -332,14 +329,8 @@ class LeaderRole:
             if a.stage in saved or ep in self.coordinator.dead:
                 continue
             state = self.coordinator.fetch_state(ep)
-            names = [n for n, _ in build_stage(self.spec.model, a.layers[0], a.layers[1]).named_parameters()]
-            shapes = [p.shape for _, p in build_stage(self.spec.model, a.layers[0], a.layers[1]).named_parameters()]
-            flat, out, off = state["params"], {}, 0
-            for name, shape in zip(names, shapes, strict=True):
-                k = int(torch.Size(shape).numel())
-                out[name] = flat[off : off + k].view(shape).clone()
-                off += k
-            torch.save(out, folder / f"stage-{a.stage}.pt")
+            named = unflatten_stage(self.spec.model, a.layers[0], a.layers[1], state["params"])
+            torch.save({name: t.clone() for name, t in named.items()}, folder / f"stage-{a.stage}.pt")
             saved.add(a.stage)
         live = self._workers()
         peers = {

@@ -249,6 +249,22 @@ def build_stage(cfg: ModelConfig, first_layer: int, last_layer: int) -> StageMod
     return StageModule(cfg, first_layer, last_layer)
 
 
+def unflatten_stage(cfg: ModelConfig, first_layer: int, last_layer: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A stage's parameters by (full-model) name from the flat vector the runtime moves around.
+
+    The flat layout is the stage module's ``named_parameters()`` order, the order ``StageCompute`` flattens in;
+    a vector of the wrong length is an error rather than a silent truncation.
+    """
+    out: dict[str, torch.Tensor] = {}
+    offset = 0
+    for name, p in build_stage(cfg, first_layer, last_layer).named_parameters():
+        out[name] = flat[offset : offset + p.numel()].view(p.shape)
+        offset += p.numel()
+    if offset != flat.numel():
+        raise ValueError(f"flat vector has {flat.numel()} values, stage [{first_layer}, {last_layer}) has {offset}")
+    return out
+
+
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over all ``B * T`` positions, computed in fp32.
 

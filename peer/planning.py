@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -169,7 +168,3 @@ def make_planner(
         return list(chosen), pipelines  # type: ignore[arg-type]
 
     return planner
-
-
-def median_or(values: list[float], default: float) -> float:
-    return statistics.median(values) if values else default

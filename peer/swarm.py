@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from peer.config import RunConfig, example_toml
+from peer.config import RunConfig
 from peer.procs import read_line, stop_all
 from peer.status import StatusReader
 from scheduler import Cluster
@@ -79,20 +79,8 @@ def write_config(opts: SwarmOptions, folder: Path, devices: list[int], save_dir:
     cfg.emulation.bandwidth_scale, cfg.emulation.tflops = opts.bandwidth_scale, opts.tflops
     cfg.validate("peer swarm")
     path = folder / "run.toml"
-    path.write_text(_toml(cfg))
+    path.write_text(cfg.to_toml())
     return path
-
-
-def _toml(cfg: RunConfig) -> str:
-    lines = []
-    for section, values in cfg.to_dict().items():
-        lines.append(f"[{section}]")
-        for key, value in values.items():
-            if value is None:
-                continue
-            lines.append(f"{key} = {json.dumps(value)}")
-        lines.append("")
-    return "\n".join(lines)
 
 
 class SwarmProcesses:
@@ -220,7 +208,3 @@ def _summarise(
     )
     say(f"parameters and run.json saved in {save_dir}")
     return 0 if len(losses) == opts.steps else 1
-
-
-def example_config() -> str:
-    return example_toml()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from peer.data import Corpus
-from peer.model import ModelConfig, build_stage
+from peer.model import ModelConfig, unflatten_stage
 from peer.reference import train_reference
 from peer.runtime.local import LinkModel, RunResult, train_plan
 from peer.runtime.spec import RunSpec
@@ -37,20 +37,15 @@ def check_equivalent(result: RunResult, reference: tuple[dict[str, torch.Tensor]
     ref_params, ref_losses = reference
     seen: set[str] = set()
     for s, (a, b) in enumerate(STAGES):
-        names = [n for n, _ in build_stage(SPEC.model, a, b).named_parameters()]
         replicas = [result.states[(s, r)] for r in range(len(PIPELINES))]
         for other in replicas[1:]:
             assert torch.equal(replicas[0]["params"], other["params"]), f"stage {s}: replicas differ"
         assert replicas[0]["step"] == STEPS
-        offset = 0
-        for name in names:
+        for name, value in unflatten_stage(SPEC.model, a, b, replicas[0]["params"]).items():
             ref = ref_params[name]
-            value = replicas[0]["params"][offset: offset + ref.numel()].view(ref.shape)
-            offset += ref.numel()
             err = float((value - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
             assert err < 1e-5, f"{name}: differs by {err:.2e} of the tensor's largest entry"
             seen.add(name)
-        assert offset == replicas[0]["params"].numel()
     assert seen == set(ref_params)
     assert len(result.losses) == STEPS
     for step, (got, want) in enumerate(zip(result.losses, ref_losses, strict=True)):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from peer.data import Corpus
-from peer.model import ModelConfig, build_stage
+from peer.model import ModelConfig, unflatten_stage
 from peer.reference import train_reference
 from peer.runtime.local import LinkModel, LocalSwarm, RunResult
 from peer.runtime.spec import RunSpec
@@ -54,10 +54,7 @@ def assert_matches_reference(result: RunResult, reference: tuple[dict[str, torch
         by_stage[stage] = state
     assert sorted(by_stage) == list(range(len(STAGES)))
     for s, (a, b) in enumerate(STAGES):
-        offset = 0
-        for name, p in build_stage(SPEC.model, a, b).named_parameters():
-            got = by_stage[s]["params"][offset: offset + p.numel()].view(p.shape)
-            offset += p.numel()
+        for name, got in unflatten_stage(SPEC.model, a, b, by_stage[s]["params"]).items():
             ref = ref_params[name]
             err = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
             assert err < 1e-5, f"{name}: {err:.2e} of the tensor's scale off the undisturbed run"

@@ -65,7 +65,6 @@ class StepReport:
     microbatches_per_pipeline: dict[int, int]
     requeued: int = 0
     dropped_pipelines: list[int] = field(default_factory=list)
-    first_commit_after_failure_s: float | None = None
 
 
 @dataclass
@@ -79,8 +78,6 @@ class _StepState:
     synced: set[str] = field(default_factory=set)
     dropped: set[int] = field(default_factory=set)
     errors: list[str] = field(default_factory=list)
-    last_failure_at: float | None = None
-    recovery_s: float | None = None
 
 
 class Coordinator:
@@ -260,7 +257,6 @@ class Coordinator:
             counts,
             state.pool.requeued,
             sorted(state.dropped),
-            state.recovery_s,
         )
         log.info(
             "step %d: loss %.4f in %.3f s (micro-batches per pipeline %s%s)",
@@ -308,7 +304,6 @@ class Coordinator:
             lost = state.pool.fail_pipeline(r)
             self._emit("requeue", step=state.pool.step, pipeline=r, microbatches=lost)
             state.dropped.add(r)
-            state.last_failure_at = time.monotonic()
             log.warning(
                 "step %d: pipeline %d lost a member; %d micro-batches go back to the pool",
                 state.pool.step,
@@ -460,8 +455,6 @@ class Coordinator:
                 reply.meta["status"] = result.value
                 self._emit("commit", step=key.step, microbatch=key.microbatch, pipeline=key.replica,
                            result=result.value)
-                if result.value == "committed" and state.last_failure_at is not None and state.recovery_s is None:
-                    state.recovery_s = time.monotonic() - state.last_failure_at
                 self._cond.notify_all()
             else:
                 raise BadMessage("meta.op", f"unknown pool operation {op!r}")

@@ -88,7 +88,6 @@ class RunDriver:
         self.events = RunEvents()
         self.stages: Stages | None = None
         self.pipelines: Pipelines = []
-        self.device_of: dict[str, int] = {}
         self.trained = 0  # steps applied everywhere
         self.epoch = epoch  # the last epoch used; the next plan takes epoch + 1 (a new leader starts higher)
         self.on_replan = on_replan

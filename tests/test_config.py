@@ -1,0 +1,29 @@
+"""run.toml: a configuration survives writing and reading back; bad keys and values name what is wrong."""
+
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+
+from peer.config import ConfigError, RunConfig
+
+
+def test_to_toml_round_trips() -> None:
+    cfg = RunConfig()
+    cfg.run.steps, cfg.model.d_model, cfg.optim.lr = 7, 32, 3e-4
+    cfg.emulation.scenario, cfg.emulation.devices = "worldwide_geo_distributed", [0, 8, 16]
+    back = RunConfig.from_dict(tomllib.loads(cfg.to_toml()))
+    assert back.to_dict() == cfg.to_dict()
+
+
+@pytest.mark.parametrize(("data", "needle"), [
+    ({"run": {"stepz": 3}}, "unknown key 'stepz'"),
+    ({"nonsense": {}}, "unknown section [nonsense]"),
+    ({"run": {"steps": "3"}}, "steps must be int"),
+    ({"emulation": {"devices": [0, "a"]}}, "devices must be a list of integers"),
+])
+def test_bad_values_name_the_key(data: dict, needle: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_dict(data)
+    assert needle in str(err.value)
