@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from peer.status import StatusReader
+from peer.swarm.status import StatusReader
 from tests.peer_procs import PeerProcs, write_config
 
 

@@ -34,12 +34,12 @@ from dataclasses import asdict, dataclass
 import hivemind
 from hivemind.utils import get_dht_time
 
-from peer.advert import Advert
-from peer.device import DeviceInfo
-from peer.dht_node import DHTConfig, start_dht, visible_maddrs
-from peer.identity import Identity
-from peer.leader import PlanBoard, elect_leader
-from peer.membership import Membership
+from peer.compute.device_probe import DeviceInfo
+from peer.swarm.adverts import Advert
+from peer.swarm.dht import DHTConfig, start_dht, visible_maddrs
+from peer.swarm.election import PlanBoard, elect_leader
+from peer.swarm.identity import Identity
+from peer.swarm.membership import Membership
 
 DEVICE = DeviceInfo("emulated", "cpu", 2**33, 10.0, False, True)
 POLL_S = 0.02  # propagation: one reader, poll fast for resolution

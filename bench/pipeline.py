@@ -19,9 +19,10 @@ import sys
 
 import numpy as np
 
-from peer.model import ModelConfig
-from peer.runtime.emulation import link_model, workload_for
-from peer.runtime.local import train_plan
+from peer.compute.model import ModelConfig
+from peer.emulation.local import train_plan
+from peer.emulation.network import link_model
+from peer.node.planning import workload_for
 from peer.runtime.spec import RunSpec
 from scheduler import Cluster, plan
 from scheduler.cost_full import predict

@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
-from peer.shaping import LinkShaper
-from peer.transport import PeerClient, PeerServer, TransportConfig
+from peer.net import PeerClient, PeerServer, TransportConfig
+from peer.net.shaping import LinkShaper
 from protocol import tasklet_pb2 as pb
 from protocol.codec import decode_tensor, encode_tensor
 
@@ -137,7 +137,7 @@ def shaped_link(endpoint: str, rate_mbps: float, latency_ms: float, cfg: BenchCo
         _stream(client, tensor, count, cfg.shaped_seconds * 10 + 30)
         arrivals = client.status(timeout_s=10)["arrivals"]
     # Steady-state rate at the receiver: the bytes that arrived after the first message, over the time they
-    # took (the link's latency falls out; messages leave the link in FIFO order, see peer.shaping).
+    # took (the link's latency falls out; messages leave the link in FIFO order, see peer.net.shaping).
     times = [a[0] for a in arrivals]
     after_first = sum(a[1] for a in arrivals[1:])
     achieved = 8 * after_first / (max(times) - min(times)) / 1e6

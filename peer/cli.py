@@ -225,7 +225,7 @@ class UserError(RuntimeError):
 
 
 def _options(args: argparse.Namespace):  # noqa: ANN202 - PeerOptions, imported lazily (torch, hivemind)
-    from peer.daemon import PeerOptions
+    from peer.node.daemon import PeerOptions
 
     return PeerOptions(
         host=args.host,
@@ -245,7 +245,7 @@ def _options(args: argparse.Namespace):  # noqa: ANN202 - PeerOptions, imported 
 
 
 def _run_daemon(args: argparse.Namespace, config: RunConfig | None, peers: list[str]) -> int:
-    from peer.daemon import DaemonError, PeerDaemon
+    from peer.node.daemon import DaemonError, PeerDaemon
 
     if args.announce and ":" not in args.announce:
         raise UserError(f"--announce {args.announce!r}: expected HOST:PORT")
@@ -287,8 +287,8 @@ def cmd_join(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from peer.dht_node import DHTStartError
-    from peer.status import StatusReader, format_status, status_json
+    from peer.swarm.dht import DHTStartError
+    from peer.swarm.status import StatusReader, format_status, status_json
 
     try:
         reader = StatusReader(list(args.dht), args.run, args.secret)
@@ -308,7 +308,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_swarm(args: argparse.Namespace) -> int:
-    from peer.swarm import SwarmOptions, run_swarm
+    from peer.emulation.local_swarm import SwarmOptions, run_swarm
     from scheduler import PlanningError
 
     if args.peers < 1:

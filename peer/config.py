@@ -14,9 +14,9 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from peer.model import ModelConfig
+from peer.compute.model import ModelConfig
+from peer.compute.stage import OptimConfig
 from peer.runtime.spec import COMPRESSIONS, PRECISIONS, RunSpec, SpecError
-from peer.stage_compute import OptimConfig
 
 
 class ConfigError(ValueError):

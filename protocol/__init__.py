@@ -7,6 +7,6 @@ protocol without pulling in the runtime.
 
 PROTOCOL_VERSION: int = 1
 """Bumped on any change to the wire format that an older peer would misread. Peers refuse messages of any
-other version (see peer.transport), so mixed-version swarms fail loudly instead of corrupting training."""
+other version (see peer.net), so mixed-version swarms fail loudly instead of corrupting training."""
 
 __all__ = ["PROTOCOL_VERSION"]

@@ -9,26 +9,12 @@ import argparse
 import json
 import sys
 from collections import Counter
-from pathlib import Path
 
 from .api import COST_MODELS, plan
-from .cluster import Cluster, default_scenarios_path
+from .cluster import Cluster, load_scenario
 from .errors import PlanningError
 from .plan import Plan
 from .workload import Workload
-
-
-def load_scenario(spec: str) -> Cluster:
-    """``FILE:NAME``, ``FILE`` (one scenario) or a bare ``NAME`` from the shared / packaged scenarios."""
-    path, _, name = spec.rpartition(":") if ":" in spec else (spec, "", "")
-    if not path:
-        path, name = spec, ""
-    p = Path(path)
-    if p.exists():
-        return Cluster.from_scenario(p, name or None)
-    if ":" not in spec and not p.suffix:
-        return Cluster.from_scenario(default_scenarios_path(), spec)
-    raise PlanningError("scenario", f"no such file: {path}")
 
 
 def _region_summary(cluster: Cluster, devices: list[int]) -> str:

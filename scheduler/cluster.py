@@ -199,3 +199,16 @@ def _vector(d: dict[str, Any], key: str, n: int, default: float) -> np.ndarray:
 
 def _shape(x: Any) -> str:
     return f"a list of {len(x)}" if isinstance(x, list) else type(x).__name__
+
+
+def load_scenario(spec: str) -> Cluster:
+    """``FILE:NAME``, ``FILE`` (one scenario) or a bare ``NAME`` from the shared / packaged scenarios."""
+    path, _, name = spec.rpartition(":") if ":" in spec else (spec, "", "")
+    if not path:
+        path, name = spec, ""
+    p = Path(path)
+    if p.exists():
+        return Cluster.from_scenario(p, name or None)
+    if ":" not in spec and not p.suffix:
+        return Cluster.from_scenario(default_scenarios_path(), spec)
+    raise PlanningError("scenario", f"no such file: {path}")

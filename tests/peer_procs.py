@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import IO
 
-from peer.procs import kill_group, read_line, stop_all
+from peer.emulation.procs import kill_group, read_line, stop_all
 
 PEER = [sys.executable, "-m", "peer.cli"]
 

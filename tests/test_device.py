@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from peer import device as device_mod
-from peer.device import MatmulTiming, _cuda_sizes, measure_device
+from peer.compute import device_probe as device_mod
+from peer.compute.device_probe import MatmulTiming, _cuda_sizes, measure_device
 
 
 def test_cpu_measurement_is_real():
@@ -106,7 +106,7 @@ def test_cuda_path_with_a_mocked_gpu(monkeypatch):
 
 def test_cli_prints_json():
     result = subprocess.run(
-        [sys.executable, "-m", "peer.device", "--json", "--device", "cpu", "--seconds", "0.2"],
+        [sys.executable, "-m", "peer.compute.device_probe", "--json", "--device", "cpu", "--seconds", "0.2"],
         capture_output=True, text=True, timeout=60, check=True,
     )
     info = json.loads(result.stdout)
@@ -115,7 +115,8 @@ def test_cli_prints_json():
 
 def test_cli_bad_device_is_one_line_error():
     result = subprocess.run(
-        [sys.executable, "-m", "peer.device", "--device", "tpu"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "peer.compute.device_probe", "--device", "tpu"],
+        capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 2
     assert result.stderr.strip().startswith("error: device must be") and "Traceback" not in result.stderr

@@ -35,9 +35,9 @@ from typing import Any
 import pytest
 import yaml
 
-from peer import procs
 from peer.cli import build_parser
 from peer.config import RunConfig
+from peer.emulation import procs
 from tests.newcomer import REPO, Clone, fresh_clone, newcomer_env, remove_clone
 
 DOCKER = REPO / "docker"

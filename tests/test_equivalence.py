@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peer.data import Corpus
-from peer.model import ModelConfig, unflatten_stage
-from peer.reference import train_reference
-from peer.runtime.local import LinkModel, RunResult, train_plan
+from peer.compute.data import Corpus
+from peer.compute.model import ModelConfig, unflatten_stage
+from peer.compute.reference import train_reference
+from peer.compute.stage import OptimConfig
+from peer.emulation.local import LinkModel, RunResult, train_plan
 from peer.runtime.spec import RunSpec
-from peer.stage_compute import OptimConfig
 
 STEPS = 10
 SPEC = RunSpec(run_id="equivalence", model=ModelConfig(n_layers=4, d_model=32, n_heads=4, seq_len=32, seed=5),

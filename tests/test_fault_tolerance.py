@@ -15,12 +15,12 @@ import threading
 import pytest
 import torch
 
-from peer.data import Corpus
-from peer.model import ModelConfig, unflatten_stage
-from peer.reference import train_reference
-from peer.runtime.local import LinkModel, LocalSwarm, RunResult
+from peer.compute.data import Corpus
+from peer.compute.model import ModelConfig, unflatten_stage
+from peer.compute.reference import train_reference
+from peer.compute.stage import OptimConfig
+from peer.emulation.local import LinkModel, LocalSwarm, RunResult
 from peer.runtime.spec import RunSpec
-from peer.stage_compute import OptimConfig
 
 STEPS = 5
 SPEC = RunSpec(run_id="faults", model=ModelConfig(n_layers=4, d_model=32, n_heads=4, seq_len=32, seed=2),

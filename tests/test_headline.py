@@ -17,12 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench import headline
-from bench.headline_plot import write_png
-from bench.headline_report import RunSummary, max_loss_difference, representatives, table, targets
-from bench.headline_run import run_plan
-from bench.headline_setup import ONE_PER_CITY, HeadlineConfig, HeadlineConfigError, build_cluster, prepare
-from peer.model import ModelConfig
+from bench.headline import cli as headline
+from bench.headline.plot import write_png
+from bench.headline.report import RunSummary, max_loss_difference, representatives, table, targets
+from bench.headline.run import run_plan
+from bench.headline.setup import ONE_PER_CITY, HeadlineConfig, HeadlineConfigError, build_cluster, prepare
+from peer.compute.model import ModelConfig
 from scheduler import Cluster
 from scheduler.cluster import default_scenarios_path
 

@@ -13,11 +13,11 @@ from collections.abc import Callable, Iterator
 import pytest
 from hivemind.utils import get_dht_time
 
-from peer.advert import Advert, LinkReport
-from peer.device import DeviceInfo
-from peer.dht_node import DHTConfig, start_dht, visible_maddrs
-from peer.identity import Identity
-from peer.membership import Membership, SwarmSecretError, verify_swarm_secret
+from peer.compute.device_probe import DeviceInfo
+from peer.swarm.adverts import Advert, LinkReport
+from peer.swarm.dht import DHTConfig, start_dht, visible_maddrs
+from peer.swarm.identity import Identity
+from peer.swarm.membership import Membership, SwarmSecretError, verify_swarm_secret
 
 HEARTBEAT_S = 0.5
 TTL_S = 1.5

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from peer.dht_node import DHTConfig, DHTStartError, start_dht, visible_maddrs
-from peer.identity import Identity
+from peer.swarm.dht import DHTConfig, DHTStartError, start_dht, visible_maddrs
+from peer.swarm.identity import Identity
 
 UNUSED_PEER = "12D3KooWJnQD5YpLDToANAY4CPf2P7TNWyPce4jCFXKo28fYWWGw"
 

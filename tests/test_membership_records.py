@@ -7,10 +7,10 @@ import stat
 
 import pytest
 
-from peer.advert import PROTOCOL_VERSION, Advert, LinkReport, check_endpoint
-from peer.device import DeviceInfo
-from peer.dht_records import MacStatus, RecordStore, canonical_json
-from peer.identity import Identity, peer_id_from_public_key, split_owner_subkey
+from peer.compute.device_probe import DeviceInfo
+from peer.swarm.adverts import PROTOCOL_VERSION, Advert, LinkReport, check_endpoint
+from peer.swarm.identity import Identity, peer_id_from_public_key, split_owner_subkey
+from peer.swarm.records import MacStatus, RecordStore, canonical_json
 
 DEVICE = DeviceInfo("RTX 4090", "cuda", 24 * 2**30, 82.5, True, False)
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peer import devices
-from peer.data import Corpus, microbatch
-from peer.devices import DeviceError, check_precision, resolve_device, resolve_dtype
-from peer.model import ModelConfig
-from peer.stage_compute import (
+from peer.compute import device_choice as devices
+from peer.compute.data import Corpus, microbatch
+from peer.compute.device_choice import DeviceError, check_precision, resolve_device, resolve_dtype
+from peer.compute.model import ModelConfig
+from peer.compute.stage import (
     GradientError,
     OptimConfig,
     StageCompute,

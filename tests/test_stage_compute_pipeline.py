@@ -3,7 +3,7 @@
 Four StageCompute objects stand in for the stage processes; activations and gradients are handed over by
 function calls. Replica ``r`` of ``R`` takes micro-batches ``r, r + R, ...``; the replicas of a stage sum
 their accumulated gradients in a fixed order (replica 0 first) and each applies the same update. The result
-must match :func:`peer.reference.train_reference` on the same batches: every parameter within 1e-5 relative,
+must match :func:`peer.compute.reference.train_reference` on the same batches: every parameter within 1e-5 relative,
 and the same loss curve. Only float summation order differs between the two.
 """
 
@@ -14,10 +14,10 @@ import math
 import pytest
 import torch
 
-from peer.data import Corpus, microbatch
-from peer.model import ModelConfig
-from peer.reference import train_reference
-from peer.stage_compute import OptimConfig, StageCompute, StageComputeConfig
+from peer.compute.data import Corpus, microbatch
+from peer.compute.model import ModelConfig
+from peer.compute.reference import train_reference
+from peer.compute.stage import OptimConfig, StageCompute, StageComputeConfig
 
 SEED = 7
 STEPS = 10

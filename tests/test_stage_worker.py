@@ -9,12 +9,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from peer.model import ModelConfig
+from peer.compute.model import ModelConfig
+from peer.net import PeerClient
 from peer.runtime.coordinator import Coordinator
 from peer.runtime.spec import Assignment, RunSpec
 from peer.runtime.wire import control, envelope, make_key
 from peer.runtime.worker import StageWorker
-from peer.transport import PeerClient
 from protocol import PROTOCOL_VERSION
 from protocol import tasklet_pb2 as pb
 from protocol.errors import Refused

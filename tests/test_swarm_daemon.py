@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from peer.compute.data import Corpus
+from peer.compute.reference import train_reference
 from peer.config import RunConfig
-from peer.data import Corpus
-from peer.reference import train_reference
 from tests.peer_procs import PEER, PeerProcs, write_config
 
 N_PEERS = 4

@@ -15,7 +15,7 @@ import grpc
 import pytest
 import torch
 
-from peer.transport import PeerClient, PeerServer, TransportConfig
+from peer.net import PeerClient, PeerServer, TransportConfig
 from protocol import PROTOCOL_VERSION
 from protocol import tasklet_pb2 as pb
 from protocol.chunking import encode_chunk, split_envelope

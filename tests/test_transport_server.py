@@ -11,8 +11,8 @@ import grpc
 import pytest
 import torch
 
-from peer.shaping import LinkShaper
-from peer.transport import PeerClient, PeerServer, TransportConfig
+from peer.net import PeerClient, PeerServer, TransportConfig
+from peer.net.shaping import LinkShaper
 from protocol import PROTOCOL_VERSION
 from protocol import tasklet_pb2 as pb
 from protocol.codec import decode_tensor, encode_tensor

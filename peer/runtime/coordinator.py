@@ -33,11 +33,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from peer.net import PeerClient, PeerServer, TransportConfig
 from peer.runtime.pool import TaskPool
 from peer.runtime.spec import Assignment, RunSpec
 from peer.runtime.wire import body_of, control, envelope, make_key
 from peer.runtime.worker import state_envelope, state_from_envelope
-from peer.transport import PeerClient, PeerServer, TransportConfig
 from protocol import tasklet_pb2 as pb
 from protocol.errors import BadMessage, Rejected, TransportError
 

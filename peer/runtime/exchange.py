@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from peer.stage_compute import shard_bounds
+from peer.compute.stage import shard_bounds
 from protocol.errors import BadMessage
 
 Tag = tuple[int, int]  # (step, round)

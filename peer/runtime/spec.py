@@ -10,8 +10,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from peer.model import ModelConfig
-from peer.stage_compute import OptimConfig
+from peer.compute.model import ModelConfig
+from peer.compute.stage import OptimConfig
 
 COMPRESSIONS = ("none", "fp16", "int8")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -37,7 +37,7 @@ class RunSpec:
     """Everything every peer of a run must agree on: model, optimizer, data, batch, numerics.
 
     The global batch of one step is ``n_microbatches x micro_batch`` sequences of ``model.seq_len`` tokens;
-    micro-batch ``m`` of step ``k`` is ``peer.data.microbatch(corpus, seed, k, m, ...)`` on whichever peer
+    micro-batch ``m`` of step ``k`` is ``peer.compute.data.microbatch(corpus, seed, k, m, ...)`` on whichever peer
     computes it.
     """
 

@@ -38,13 +38,13 @@ from typing import Any
 
 import torch
 
-from peer.data import Corpus, microbatch
+from peer.compute.data import Corpus, microbatch
+from peer.compute.stage import StageCompute, StageComputeConfig
+from peer.net import PeerClient, PeerServer, TransportConfig
+from peer.net.shaping import LinkTable
 from peer.runtime.exchange import ExchangeAbortedError, GradientExchange, Tag
 from peer.runtime.spec import Assignment, RunSpec, SpecError
 from peer.runtime.wire import body_of, control, envelope, make_key, tensor_named
-from peer.shaping import LinkTable
-from peer.stage_compute import StageCompute, StageComputeConfig
-from peer.transport import PeerClient, PeerServer, TransportConfig
 from protocol import tasklet_pb2 as pb
 from protocol.codec import decode_tensor
 from protocol.errors import BadMessage, Rejected, TransportError
@@ -676,7 +676,7 @@ def _warm_up() -> None:
     """Pay torch's one-time lazy initialisation (about a second: optimizer and autograd machinery) while the
     peer waits for its first assignment, instead of inside it where every peer of a new plan pays it at once."""
     try:
-        from peer.model import ModelConfig
+        from peer.compute.model import ModelConfig
 
         tiny = StageCompute(StageComputeConfig(ModelConfig(n_layers=1, d_model=8, n_heads=1, seq_len=4), 0, 1))
         loss, _ = tiny.forward_loss(0, torch.zeros(1, 4, dtype=torch.int64), torch.zeros(1, 4, dtype=torch.int64))

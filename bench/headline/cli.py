@@ -4,7 +4,7 @@
 ``python -m bench.headline --replot SAVED.json [--png PATH]`` redraws the figure and table of a saved result.
 
 Eight real worker processes (one per city of the paper's ``worldwide_geo_distributed`` scenario, see
-``bench.headline_setup`` for the world and its scales) train the same small GPT, with the same seed, under
+``bench.headline.setup`` for the world and its scales) train the same small GPT, with the same seed, under
 three placements of its 4 stages x 2 replicas: the scheduler's plan (``full`` cost model), random placement
 (median of K seeds) and rank order. Each run is real: gRPC between processes, link shaping per directed pair,
 emulated device speed, the task pool, gradient averaging. For each plan the bench reports the measured
@@ -29,10 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from bench.headline_plot import write_png
-from bench.headline_report import RunSummary, representatives, summarise, summary_from_dict, table, targets
-from bench.headline_run import PlanRun, run_plan
-from bench.headline_setup import Candidate, HeadlineConfig, HeadlineConfigError, prepare
+from bench.headline.plot import write_png
+from bench.headline.report import RunSummary, representatives, summarise, summary_from_dict, table, targets
+from bench.headline.run import PlanRun, run_plan
+from bench.headline.setup import Candidate, HeadlineConfig, HeadlineConfigError, prepare
 from peer.runtime.coordinator import StepReport
 from peer.runtime.spec import RunSpec
 from scheduler import Cluster, PlanningError, Workload

@@ -25,9 +25,9 @@ from typing import NamedTuple
 import hivemind
 from hivemind.utils import get_dht_time
 
-from peer.advert import Advert
-from peer.dht_records import RecordStore
-from peer.identity import Identity
+from peer.swarm.adverts import Advert
+from peer.swarm.identity import Identity
+from peer.swarm.records import RecordStore
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ currently set (peers of a local swarm use one thread each).
 ``emulate_tflops`` replaces the measurement by a declared figure, for local swarms where many peers share a
 few cores and a measurement would say nothing about the GPU being emulated; the result is marked so.
 
-Run ``python -m peer.device [--json]`` to see what this machine measures.
+Run ``python -m peer.compute.device_probe [--json]`` to see what this machine measures.
 """
 
 from __future__ import annotations
@@ -194,7 +194,8 @@ def measure_device(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m peer.device", description="Measure this device's speed.")
+    parser = argparse.ArgumentParser(prog="python -m peer.compute.device_probe",
+                                     description="Measure this device's speed.")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     parser.add_argument("--seconds", type=float, default=2.0, help="time budget for the matmul timing")
     parser.add_argument("--emulate-tflops", type=float, default=None, help="declare this figure instead")

@@ -12,7 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen before pyplot is imported
 
-from bench.headline_report import RunSummary  # noqa: E402
+from bench.headline.report import RunSummary  # noqa: E402
 
 COLOURS = {"scheduled": "#1b9e77", "random": "#d95f02", "rank_order": "#7570b3"}
 TITLES = {"scheduled": "scheduled", "random": "random (median seed)", "rank_order": "rank order"}

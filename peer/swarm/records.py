@@ -3,7 +3,7 @@
 Every record of a run lives under the key ``f"{run_id}:{name}"`` (``peers``, ``links``, ``plans``, ``run``)
 with a subkey ``owner_tag + suffix``: hivemind's ``RSASignatureValidator`` makes every DHT node require the
 owner's signature on it, so nobody can write under somebody else's subkey, and readers take the writer's peer
-id from the tag (see ``peer.identity``).
+id from the tag (see ``peer.swarm.identity``).
 
 A swarm may also have a join secret. The secret never travels; instead each record carries
 
@@ -31,7 +31,7 @@ from enum import Enum
 import hivemind
 from hivemind.utils import get_dht_time
 
-from peer.identity import Identity, split_owner_subkey
+from peer.swarm.identity import Identity, split_owner_subkey
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class RecordStore:
     """Reads and writes the records of one run for one identity.
 
     ``identity`` may be None for a read-only store. ``dht`` must have been started with
-    ``identity.signature_validator()`` among its record validators (``peer.dht_node.start_dht`` does
+    ``identity.signature_validator()`` among its record validators (``peer.swarm.dht.start_dht`` does
     that), otherwise other nodes refuse our records as unsigned.
     Every DHT call waits at most ``timeout_s``.
     """

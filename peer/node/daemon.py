@@ -3,7 +3,7 @@
 One process holds: a hivemind DHT node (membership, plans, progress), a stage worker (gRPC server: compute
 and data plane), a heartbeat that re-announces this peer's signed advert, a link prober, and a control loop
 that derives the leader from the live adverts. The peer the loop elects runs a
-:class:`~peer.leadership.LeaderRole` (coordinator + planner) next to its worker.
+:class:`~peer.node.leader_role.LeaderRole` (coordinator + planner) next to its worker.
 
 Life cycle: start -> announce -> (lead or follow) -> the run reports "done" -> leave. SIGINT/SIGTERM leave
 gracefully: the leader writes a checkpoint if it has a checkpoint folder, then everyone stores a departure
@@ -22,24 +22,24 @@ from typing import Any
 
 from hivemind.utils import get_dht_time
 
-from peer.advert import Advert, LinkReport
+from peer.compute.data import Corpus, CorpusError
+from peer.compute.device_probe import measure_device
 from peer.config import ConfigError, RunConfig
-from peer.data import Corpus, CorpusError
-from peer.device import measure_device
-from peer.dht_node import DHTConfig, DHTStartError, start_dht, visible_maddrs
-from peer.identity import Identity
-from peer.leader import PlanBoard, elect_leader
-from peer.leadership import LeaderRole
-from peer.membership import Membership, SwarmSecretError, verify_swarm_secret
-from peer.planning import EmulatedNetwork
+from peer.net import PeerClient
+from peer.net.shaping import LinkShaper
+from peer.node.leader_role import LeaderRole
+from peer.node.planning import EmulatedNetwork
 from peer.runtime.worker import StageWorker
-from peer.shaping import LinkShaper
-from peer.transport import PeerClient
+from peer.swarm.adverts import Advert, LinkReport
+from peer.swarm.dht import DHTConfig, DHTStartError, start_dht, visible_maddrs
+from peer.swarm.election import PlanBoard, elect_leader
+from peer.swarm.identity import Identity
+from peer.swarm.membership import Membership, SwarmSecretError, verify_swarm_secret
 
 log = logging.getLogger(__name__)
 
 PROBE_BYTES = 256 * 1024
-PROBE_SAMPLE = 8  # peers probed per round; the rest are estimated (see peer.planning.build_cluster)
+PROBE_SAMPLE = 8  # peers probed per round; the rest are estimated (see peer.node.planning.build_cluster)
 RUN_WAIT_S = 15.0
 LEADER_CONFIRM_TICKS = 3  # ticks are half a heartbeat apart
 

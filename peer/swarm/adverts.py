@@ -14,8 +14,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from peer.device import DEVICE_KINDS, DeviceInfo
-from peer.dht_records import canonical_json
+from peer.compute.device_probe import DEVICE_KINDS, DeviceInfo
+from peer.swarm.records import canonical_json
 
 try:
     from protocol import PROTOCOL_VERSION
@@ -150,7 +150,7 @@ class Advert:
     peer_id: str
     endpoint: str  # "host:port" of the peer's gRPC server
     device: DeviceInfo
-    started_at: float  # DHT time the peer started; the oldest live worker leads (peer.leader)
+    started_at: float  # DHT time the peer started; the oldest live worker leads (peer.swarm.election)
     protocol_version: int = PROTOCOL_VERSION
     role: str = "worker"  # "client" peers (``peer status``) read the swarm but take no work
     corpus: str = ""  # fingerprint of the training data the peer holds ("" = none / not needed)

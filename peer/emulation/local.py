@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from peer.procs import read_line
+from peer.emulation.procs import read_line
+from peer.runtime.assign import LinkModel, build_assignments
 from peer.runtime.coordinator import Coordinator, ReplanNeededError, StepReport
 from peer.runtime.driver import DriverConfig, Pipelines, Planner, RunDriver, RunEvents, Stages
 from peer.runtime.spec import Assignment, RunSpec
@@ -36,18 +37,6 @@ def loopback_host(device: int) -> str:
     if not 0 <= device < 250 * 250:
         raise ValueError(f"device index {device} out of range for loopback addresses")
     return f"127.0.{device // 250}.{device % 250 + 2}"
-
-
-@dataclass(frozen=True)
-class LinkModel:
-    """Emulated network and devices: per-pair bandwidth (bit/s) and one-way delay (s), per-device TFLOP/s.
-
-    ``bandwidth_bps[i][j]`` and ``delay_s[i][j]`` describe the directed link i -> j; ``None`` = unshaped.
-    """
-
-    bandwidth_bps: Sequence[Sequence[float]] | None = None
-    delay_s: Sequence[Sequence[float]] | None = None
-    tflops: Sequence[float | None] | None = None
 
 
 @dataclass
@@ -178,53 +167,6 @@ def _read_ready(proc: subprocess.Popen[str], i: int) -> str:
     if not text:
         raise RuntimeError(f"worker {i} did not start within {READY_TIMEOUT_S:.0f} s (exit status {proc.poll()})")
     return text.split()[1]
-
-
-def build_assignments(
-    spec: RunSpec,
-    stages: Sequence[tuple[int, int]],
-    pipelines: Sequence[Sequence[int]],
-    endpoints: Sequence[str],
-    coordinator: str,
-    epoch: int = 1,
-    links: LinkModel | None = None,
-    forward_flops: Callable[[int, int], float] | None = None,
-) -> dict[str, Assignment]:
-    """Turn a plan (``pipelines[r][s]`` = device) into one Assignment per device endpoint."""
-    n_stages, n_replicas = len(stages), len(pipelines)
-    out: dict[str, Assignment] = {}
-    for r, pipe in enumerate(pipelines):
-        if len(pipe) != n_stages:
-            raise ValueError(f"pipeline {r} has {len(pipe)} stages, the plan has {n_stages}")
-        for s, dev in enumerate(pipe):
-            group = tuple(endpoints[pipelines[q][s]] for q in range(n_replicas))
-            shaped: dict[str, tuple[float, float]] = {}
-            if links is not None and links.bandwidth_bps is not None and links.delay_s is not None:
-                for other in {d for p in pipelines for d in p} - {dev}:
-                    shaped[endpoints[other]] = (
-                        float(links.bandwidth_bps[dev][other]),
-                        float(links.delay_s[dev][other]),
-                    )
-            tflops = (
-                None if links is None or links.tflops is None or links.tflops[dev] is None else float(links.tflops[dev])
-            )
-            a, b = stages[s]
-            out[endpoints[dev]] = Assignment(
-                epoch=epoch,
-                stage=s,
-                replica=r,
-                n_stages=n_stages,
-                n_replicas=n_replicas,
-                layers=(a, b),
-                group=group,
-                coordinator=coordinator,
-                prev=endpoints[pipe[s - 1]] if s > 0 else None,
-                next=endpoints[pipe[s + 1]] if s < n_stages - 1 else None,
-                links=shaped,
-                emulate_tflops=tflops,
-                forward_flops=forward_flops(a, b) if forward_flops else 0.0,
-            ).validate()
-    return out
 
 
 def chunk_planner(live: list[int], stages: Stages | None, n_layers: int, n_stages: int) -> tuple[Stages, Pipelines]:

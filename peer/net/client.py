@@ -10,7 +10,7 @@ push blocks until one finishes, for at most its own timeout, then raises `Backpr
 produces faster than the link carries is thus slowed to the link's pace, with bounded memory.
 
 Link emulation: with a `LinkShaper`, everything this client sends is held back by the link's delay and paced
-by its rate (see peer.shaping); share one shaper between all clients that talk to the same destination.
+by its rate (see peer.net.shaping); share one shaper between all clients that talk to the same destination.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from typing import Any
 
 import grpc
 
-from peer.shaping import LinkShaper
-from peer.transport_config import TransportConfig
-from peer.transport_server import SERVICE, kind_value
+from peer.net.config import TransportConfig
+from peer.net.server import SERVICE, kind_value
+from peer.net.shaping import LinkShaper
 from protocol import PROTOCOL_VERSION
 from protocol import tasklet_pb2 as pb
 from protocol import tasklet_pb2_grpc as pb_grpc

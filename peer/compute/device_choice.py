@@ -1,6 +1,7 @@
 """``--device auto|cpu|cuda`` and ``--precision fp32|bf16|fp16``: resolution and validation.
 
-Only the *choice* of device and dtype lives here; measuring a device (TFLOP/s, memory) is ``peer/device.py``.
+Only the *choice* of device and dtype lives here; measuring a device (TFLOP/s, memory) is
+``peer/compute/device_probe.py``.
 
 Untested on this project's CI machines (CPU only): the CUDA branches (``cuda`` availability, bf16 support
 query). They use only public ``torch.cuda`` calls that exist since torch 1.10.

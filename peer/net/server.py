@@ -28,8 +28,8 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 
-from peer.shaping import LinkShaper
-from peer.transport_config import TransportConfig
+from peer.net.config import TransportConfig
+from peer.net.shaping import LinkShaper
 from protocol import PROTOCOL_VERSION
 from protocol import tasklet_pb2 as pb
 from protocol.chunking import (

@@ -1,6 +1,6 @@
 """What the leader peer does on top of being a worker: plan, coordinate, publish plans and progress.
 
-Every peer derives the same leader from the live adverts (``peer.leader.elect_leader``); the one that finds
+Every peer derives the same leader from the live adverts (``peer.swarm.election.elect_leader``); the one that finds
 itself elected starts a :class:`LeaderRole`. The role owns a coordinator (its own gRPC server) and a
 :class:`~peer.runtime.driver.RunDriver`, publishes each plan on the DHT's plan board under an epoch one above
 anything seen, and publishes progress (step, loss, tokens/s) for ``peer status``.
@@ -23,18 +23,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from peer.model import unflatten_stage
-from peer.planning import ClusterView, build_cluster, make_planner
+from peer.compute.model import unflatten_stage
+from peer.net import PeerClient
+from peer.node.planning import ClusterView, build_cluster, make_planner, workload_for
+from peer.runtime.assign import LinkModel, build_assignments
 from peer.runtime.coordinator import Coordinator, StepReport
 from peer.runtime.driver import DriverConfig, Pipelines, RunDriver, Stages
-from peer.runtime.emulation import workload_for
-from peer.runtime.local import LinkModel, build_assignments
 from peer.runtime.spec import Assignment
 from peer.runtime.wire import control
-from peer.transport import PeerClient
 
 if TYPE_CHECKING:
-    from peer.daemon import PeerDaemon
+    from peer.node.daemon import PeerDaemon
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +153,7 @@ class LeaderRole:
 
     def _wait_for_link_reports(self) -> None:
         """Give every peer a few heartbeats to publish its link measurements: the first plan is only as good as
-        the network it sees. Pairs still unmeasured after that are estimated (see peer.planning)."""
+        the network it sees. Pairs still unmeasured after that are estimated (see peer.node.planning)."""
         deadline = time.monotonic() + 3 * self.config.swarm.heartbeat_s
         while time.monotonic() < deadline and not self.stop_event.is_set():
             live = set(self._workers())

@@ -1,4 +1,4 @@
-"""Configuration shared by the transport's server and client (see peer.transport)."""
+"""Configuration shared by the transport's server and client (see peer.net)."""
 
 from __future__ import annotations
 

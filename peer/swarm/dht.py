@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import hivemind
 
-from peer.identity import Identity
+from peer.swarm.identity import Identity
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ gradients, and every stage divides its parameter gradients by it; a non-finite g
 
 **Devices.** Inputs are moved to the compute device; everything this class *returns* (activations, gradients,
 flat vectors) is a host (CPU) tensor, ready to serialise. Untested here (CPU-only CI): the CUDA path itself —
-it is the same code with ``device=cuda`` (no device-specific branches except in ``peer/devices.py``).
+it is the same code with ``device=cuda`` (no device-specific branches except in ``peer/compute/device_choice.py``).
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from peer.devices import check_precision, resolve_device
-from peer.model import ModelConfig, build_stage, is_weight_decayed, lm_loss
+from peer.compute.device_choice import check_precision, resolve_device
+from peer.compute.model import ModelConfig, build_stage, is_weight_decayed, lm_loss
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Train one plan on the local emulated swarm and record what the headline needs from it.
 
-The run goes through ``peer.runtime.local.LocalSwarm``, the object ``train_plan`` and ``peer swarm`` use (same
+The run goes through ``peer.emulation.local.LocalSwarm``, the object ``train_plan`` and ``peer swarm`` use (same
 workers, coordinator, driver: no runtime of its own here). The bench keeps the swarm open for three things
 ``train_plan`` does not return:
 
@@ -22,11 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from peer.emulation.local import LocalSwarm
+from peer.emulation.network import link_model
+from peer.net import PeerClient, TransportConfig
 from peer.runtime.coordinator import StepReport
-from peer.runtime.emulation import link_model
-from peer.runtime.local import LocalSwarm
 from peer.runtime.spec import RunSpec
-from peer.transport import PeerClient, TransportConfig
 from protocol.errors import TransportError
 from scheduler import Cluster, Plan, Workload
 

@@ -15,18 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from peer.runtime.local import LinkModel
-from peer.runtime.spec import RunSpec
-from scheduler import Cluster, Workload
-
-
-def workload_for(spec: RunSpec, stages: int | None = None, replicas: int | None = None) -> Workload:
-    """The scheduler's description of the run's model and batch (4-byte params, activations in fp32/bf16)."""
-    m = spec.model
-    act_bytes = 4 if spec.precision == "fp32" else 2
-    return Workload.gpt(n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, seq_len=m.seq_len,
-                        vocab=m.vocab_size, micro_batch=spec.micro_batch, n_microbatches=spec.n_microbatches,
-                        stages=stages, replicas=replicas, param_bytes=4, act_bytes=act_bytes)
+from peer.runtime.assign import LinkModel
+from scheduler import Cluster
 
 
 def scaled_cluster(cluster: Cluster, bandwidth_scale: float = 1.0, tflops_scale: float = 1.0) -> Cluster:

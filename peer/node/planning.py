@@ -18,19 +18,26 @@ from pathlib import Path
 
 import numpy as np
 
-from peer.advert import Advert, LinkReport
 from peer.config import EmulationSection
 from peer.runtime.driver import Pipelines, Planner, Stages
-from peer.runtime.emulation import workload_for
 from peer.runtime.spec import RunSpec
+from peer.swarm.adverts import Advert, LinkReport
 from scheduler import Cluster, PlanningError, Workload, plan
-from scheduler.cli import load_scenario
-from scheduler.cluster import default_scenarios_path
+from scheduler.cluster import default_scenarios_path, load_scenario
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BANDWIDTH_BPS = 100e6
 DEFAULT_DELAY_S = 0.02
+
+
+def workload_for(spec: RunSpec, stages: int | None = None, replicas: int | None = None) -> Workload:
+    """The scheduler's description of the run's model and batch (4-byte params, activations in fp32/bf16)."""
+    m = spec.model
+    act_bytes = 4 if spec.precision == "fp32" else 2
+    return Workload.gpt(n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, seq_len=m.seq_len,
+                        vocab=m.vocab_size, micro_batch=spec.micro_batch, n_microbatches=spec.n_microbatches,
+                        stages=stages, replicas=replicas, param_bytes=4, act_bytes=act_bytes)
 
 
 @dataclass

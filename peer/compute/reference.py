@@ -5,7 +5,7 @@ Deliberately the textbook loop — one ``nn.Module``, ``loss.backward()`` accumu
 loss, which parameters are decayed, the clip formula), never the machinery (flat buffers, pending/commit,
 master copies). A bug in that machinery then shows up as a difference.
 
-Each step uses micro-batches ``0..n_microbatches-1`` of :func:`peer.data.microbatch`, and its loss is the mean
+Each step uses micro-batches ``0..n_microbatches-1`` of :func:`peer.compute.data.microbatch`, and its loss is the mean
 of their losses, so the gradient is ``(1/n) sum_m dL_m/dθ`` — what the pipeline computes.
 """
 
@@ -16,9 +16,9 @@ import math
 
 import torch
 
-from peer.data import Corpus, microbatch
-from peer.model import ModelConfig, build_stage, is_weight_decayed, lm_loss
-from peer.stage_compute import OptimConfig, clip_coefficient
+from peer.compute.data import Corpus, microbatch
+from peer.compute.model import ModelConfig, build_stage, is_weight_decayed, lm_loss
+from peer.compute.stage import OptimConfig, clip_coefficient
 
 log = logging.getLogger(__name__)
 

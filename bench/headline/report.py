@@ -23,8 +23,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from bench.headline_run import PlanRun
-from bench.headline_setup import PLAN_NAMES, Candidate, median_index
+from bench.headline.run import PlanRun
+from bench.headline.setup import PLAN_NAMES, Candidate, median_index
 
 RATIO_TOLERANCE = 0.20
 

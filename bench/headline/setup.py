@@ -24,8 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from peer.model import ModelConfig
-from peer.runtime.emulation import scaled_cluster, workload_for
+from peer.compute.model import ModelConfig
+from peer.emulation.network import scaled_cluster
+from peer.node.planning import workload_for
 from peer.runtime.spec import RunSpec
 from scheduler import Cluster, Plan, Workload, plan
 from scheduler.baselines import random_plan, rank_order_plan

@@ -2,7 +2,7 @@
 
 Peer 0 runs `peer start`, the others `peer join` with the join line it prints, exactly as volunteers would.
 Each peer emulates one device of a scenario (its links are shaped, its compute stretched to the declared
-TFLOP/s, see ``peer.planning.EmulatedNetwork``). The launcher watches the swarm through the DHT like `peer
+TFLOP/s, see ``peer.node.planning.EmulatedNetwork``). The launcher watches the swarm through the DHT like `peer
 status` does, prints progress, waits for every peer to exit and summarises what happened from the leader's
 ``run.json``. Every process it starts is ended before it returns.
 """
@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import IO, Any
 
 from peer.config import RunConfig
-from peer.procs import read_line, stop_all
-from peer.status import StatusReader
+from peer.emulation.procs import read_line, stop_all
+from peer.swarm.status import StatusReader
 from scheduler import Cluster
-from scheduler.cli import load_scenario
+from scheduler.cluster import load_scenario
 
 log = logging.getLogger(__name__)
 

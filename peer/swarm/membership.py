@@ -8,7 +8,7 @@ keeps, per subkey, the value with the latest expiration, so the tombstone must e
 advert did; it does (``now + ttl_s`` > ``last heartbeat + ttl_s``), and readers that see it drop the peer at
 their next read instead of waiting for the expiry.
 
-Records (all under ``run_id``; see ``peer.dht_records`` for signatures and the join secret):
+Records (all under ``run_id``; see ``peer.swarm.records`` for signatures and the join secret):
 
 * ``peers``: one advert (or tombstone) per peer, ``{"advert": {...}, "at": heartbeat time}``.
 * ``links``: one list of link reports per reporting peer, renewed with the advert.
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import hivemind
 from hivemind.utils import get_dht_time
 
-from peer.advert import Advert, LinkReport
-from peer.dht_records import MacStatus, RecordStore
-from peer.identity import Identity
+from peer.swarm.adverts import Advert, LinkReport
+from peer.swarm.identity import Identity
+from peer.swarm.records import MacStatus, RecordStore
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class RunRecord:
 class Membership:
     """Announce this peer, keep it alive, and read who else is alive.
 
-    ``dht`` must sign with ``identity`` (``peer.dht_node.start_dht``). ``secret`` is the swarm's join
+    ``dht`` must sign with ``identity`` (``peer.swarm.dht.start_dht``). ``secret`` is the swarm's join
     secret or None. Every DHT call waits at most ``timeout_s``; a read that times out returns what the
     previous successful read returned, so one slow round does not make the whole swarm "disappear".
     """

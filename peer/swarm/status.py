@@ -14,11 +14,11 @@ from typing import Any
 
 from hivemind.utils import get_dht_time
 
-from peer.daemon import read_progress
-from peer.dht_node import DHTConfig, start_dht
-from peer.identity import Identity
-from peer.leader import PlanBoard
-from peer.membership import Membership
+from peer.node.daemon import read_progress
+from peer.swarm.dht import DHTConfig, start_dht
+from peer.swarm.election import PlanBoard
+from peer.swarm.identity import Identity
+from peer.swarm.membership import Membership
 
 
 @dataclass

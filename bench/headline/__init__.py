@@ -1,0 +1,1 @@
+"""The headline benchmark: scheduled vs random vs rank-order placement of real peers on an emulated network."""
