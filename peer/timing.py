@@ -1,0 +1,80 @@
+"""Every timing constant of the peer, in one place, so the relations between them can be checked by reading.
+
+Liveness on the DHT (peer.swarm.membership, peer.node.daemon)
+    A peer re-stores its signed advert every ``HEARTBEAT_S`` (the default of ``[swarm] heartbeat_s``) with a
+    lifetime of ``ADVERT_TTL_HEARTBEATS`` heartbeats: with 3, two heartbeats may be lost (a slow DHT round, a
+    GC pause) before others drop the peer, and a peer that dies silently is gone at most one advert lifetime
+    after its last heartbeat. Link reports live as long as adverts and are renewed by the same heartbeat.
+    The run record (the published run.toml) lives at least ``RUN_RECORD_MIN_TTL_S``.
+
+The daemon's control loop (peer.node.daemon)
+    It ticks ``TICKS_PER_HEARTBEAT`` times a heartbeat. A role change needs the same election result on
+    ``LEADER_CONFIRM_TICKS`` ticks in a row (1.5 heartbeats), less than one advert lifetime, so a dead
+    leader is replaced about as fast as its advert expires. A joiner waits one advert lifetime after
+    announcing itself before it may lead (by then it has seen every advert that is alive), and waits at most
+    ``JOINER_RUN_WAIT_S`` for the run record to appear.
+
+Progress and plan records (peer.swarm.progress, peer.swarm.plans)
+    The leader renews its progress record every tick. The takeover guard looks at the record's age, not its
+    expiry: nobody takes over while another leader's progress is younger than one advert lifetime. The
+    record itself lives ``PROGRESS_TTL_S`` (much longer) so that ``peer status`` and a new leader still read
+    the last step and the loss history after the leader died. A plan record lives ``PLAN_TTL_S``; the leader
+    renews it every ``PLAN_RENEW_TICKS`` ticks (10 heartbeats, 20 s at the default), far within.
+
+The coordinator's view of its workers (peer.runtime.coordinator)
+    It pings every assigned worker once a heartbeat with a deadline of ``PING_TIMEOUT_S`` (at most one
+    heartbeat, so pings never pile up) and declares a worker dead after ``PING_MISSES`` misses in a row:
+    a dead worker is noticed within about ``PING_MISSES * (HEARTBEAT_S + PING_TIMEOUT_S)`` (8 s at the
+    defaults), close to one advert lifetime. A failed push or fetch is confirmed by one ping first.
+
+Deadlines of calls (peer.runtime, peer.node)
+    Control messages wait ``CONTROL_TIMEOUT_S``; a broadcast waits that plus ``CONTROL_SLACK_S`` for the
+    last answer. Assignments wait ``ASSIGN_TIMEOUT_S`` (workers may fetch a state first). Activations wait
+    ``SEND_TIMEOUT_S`` and the gradient exchange (reduce / gather) ``REDUCE_WAIT_S``, both under the step
+    deadline ``STEP_TIMEOUT_S``, which is also the lease of a micro-batch in the coordinator's pool (the
+    pool's own default lease is ``LEASE_TIMEOUT_S``). A status query waits ``STATUS_TIMEOUT_S``; every DHT
+    get/put waits ``DHT_CALL_TIMEOUT_S``.
+"""
+
+from __future__ import annotations
+
+# -- liveness on the DHT ----------------------------------------------------------------------------------
+HEARTBEAT_S = 2.0  # advert renewal period, default of [swarm] heartbeat_s and of the coordinator's pings
+ADVERT_TTL_HEARTBEATS = 3  # advert (and link report) lifetime in heartbeats: two lost heartbeats tolerated
+RUN_RECORD_MIN_TTL_S = 60.0  # the run record lives max(advert lifetime, this) and is renewed by the heartbeat
+DHT_CALL_TIMEOUT_S = 5.0  # every DHT get/put of a record store
+DHT_STARTUP_TIMEOUT_S = 10.0  # the DHT node must answer within this at start-up
+
+# -- the daemon's control loop ---------------------------------------------------------------------------
+TICKS_PER_HEARTBEAT = 2  # the control loop ticks every heartbeat / 2
+LEADER_CONFIRM_TICKS = 3  # the same election result this many ticks in a row before roles change
+JOINER_RUN_WAIT_S = 15.0  # a joiner waits this long for the run record to appear in the DHT
+LINK_REPORT_WAIT_HEARTBEATS = 3  # the first plan waits this many heartbeats for every peer's link reports
+
+# -- progress and plan records ---------------------------------------------------------------------------
+PROGRESS_TTL_S = 120.0  # lifetime of a progress record (renewed every tick by the leader)
+PLAN_TTL_S = 600.0  # lifetime of a plan record
+PLAN_RENEW_TICKS = 20  # the leader renews its plan record every this many ticks (10 heartbeats)
+
+# -- link probes -----------------------------------------------------------------------------------------
+PROBE_PING_TIMEOUT_S = 10.0  # each of the RTT pings of a link probe
+PROBE_TIMEOUT_S = 60.0  # the bandwidth probe of a link
+
+# -- the coordinator -------------------------------------------------------------------------------------
+PING_TIMEOUT_S = 2.0  # deadline of a liveness ping (at most one heartbeat)
+PING_MISSES = 2  # missed pings in a row before a worker is declared dead
+STATUS_TIMEOUT_S = 5.0  # a worker's status query
+CONTROL_TIMEOUT_S = 30.0  # a control message (assign, reduce, apply, stop, lease, commit)
+CONTROL_SLACK_S = 5.0  # a broadcast waits CONTROL_TIMEOUT_S + this for the last answer
+ASSIGN_TIMEOUT_S = 180.0  # every worker accepts its assignment (it may fetch a state first)
+FETCH_STATE_TIMEOUT_S = 60.0  # the coordinator fetches a stage's state
+STEP_TIMEOUT_S = 600.0  # one optimizer step; also the lease of a micro-batch in the coordinator's pool
+LEASE_TIMEOUT_S = 60.0  # default lease of a micro-batch in a TaskPool built without one
+REPLAN_WAIT_S = 0.5  # pause before planning again after a failed step
+TAKEOVER_APPLY_TIMEOUT_S = 10.0  # a new leader tells a worker to apply the step its predecessor left
+TAKEOVER_WAIT_S = 30.0  # ... and waits this long for every such worker to have applied it
+
+# -- the worker ------------------------------------------------------------------------------------------
+SEND_TIMEOUT_S = 120.0  # pushing an activation or gradient to the next stage
+REDUCE_WAIT_S = 120.0  # the gradient exchange (reduce / gather) among the replicas of a stage
+WORKER_FETCH_STATE_TIMEOUT_S = 120.0  # a worker fetches its stage's state from a peer or the coordinator
