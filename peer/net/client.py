@@ -27,7 +27,8 @@ from typing import Any
 import grpc
 
 from peer.net.config import TransportConfig
-from peer.net.server import SERVICE, kind_value
+from peer.net.counters import TRAFFIC
+from peer.net.server import SERVICE, _kind_name, kind_value
 from peer.net.shaping import LinkShaper
 from protocol import PROTOCOL_VERSION
 from protocol import tasklet_pb2 as pb
@@ -143,6 +144,7 @@ class PeerClient:
         # Serialising happens when gRPC pulls the first chunk, on gRPC's sending thread, not the caller's.
         sent_at = time.monotonic()
         data = envelope.SerializeToString()
+        TRAFFIC.sent(_kind_name(envelope.kind), len(data))
         chunk_bytes = self._chunk_bytes()
         chunks = iter_chunk_wire(data, chunk_bytes)
         if self.shaper is None:
@@ -197,7 +199,9 @@ class PeerClient:
         except Exception:
             stream.cancel()
             raise
-        return asm.envelope()
+        reply = asm.envelope()
+        TRAFFIC.received(_kind_name(reply.kind), asm.total)
+        return reply
 
     # --- control calls ------------------------------------------------------------------------------------
     def ping(self, timeout_s: float | None = None) -> float:
@@ -247,6 +251,7 @@ class PeerClient:
         except grpc.RpcError as exc:
             raise map_rpc_error(exc, self.endpoint) from None
         elapsed = time.monotonic() - start
+        TRAFFIC.sent("PROBE", reply.bytes_received)
         check_version("probe_reply.protocol_version", reply.protocol_version)
         span_s = (reply.last_recv_ns - reply.first_recv_ns) / 1e9
         after_first = reply.bytes_received - reply.first_chunk_bytes

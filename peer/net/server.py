@@ -29,6 +29,7 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 
 from peer.net.config import TransportConfig
+from peer.net.counters import TRAFFIC
 from peer.net.shaping import LinkShaper
 from protocol import PROTOCOL_VERSION
 from protocol import tasklet_pb2 as pb
@@ -75,6 +76,8 @@ def _kind_name(kind: int) -> str:
 
 
 def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    if code is not grpc.StatusCode.CANCELLED:  # CANCELLED: the caller went away, nothing was refused
+        TRAFFIC.refused(code.name)
     context.abort(code, message)
     raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
@@ -301,6 +304,7 @@ class PeerServer:
         for raw in chunks:
             asm.add(decode_chunk(raw))
         envelope = asm.envelope()
+        TRAFFIC.received(_kind_name(envelope.kind), asm.total)
         handler = self._push_handlers.get(envelope.kind)
         if handler is None:
             raise Rejected(f"envelope.kind: this peer takes no {_kind_name(envelope.kind)} messages")
@@ -318,6 +322,7 @@ class PeerServer:
         envelope = handler(request)
         if envelope.protocol_version == 0:
             envelope.protocol_version = PROTOCOL_VERSION
+        TRAFFIC.sent(_kind_name(envelope.kind), envelope.ByteSize())
         with self._lock:
             self.stats["fetches"] += 1
         return envelope
@@ -338,6 +343,7 @@ class PeerServer:
                 reply.first_chunk_bytes = size
             reply.last_recv_ns = now
             reply.bytes_received += size
+        TRAFFIC.received("PROBE", reply.bytes_received)
         with self._lock:
             self.stats["probes"] += 1
         return reply
