@@ -37,9 +37,10 @@ from hivemind.utils import get_dht_time
 from peer.compute.device_probe import DeviceInfo
 from peer.swarm.adverts import Advert
 from peer.swarm.dht import DHTConfig, start_dht, visible_maddrs
-from peer.swarm.election import PlanBoard, elect_leader
+from peer.swarm.election import elect_leader
 from peer.swarm.identity import Identity
 from peer.swarm.membership import Membership
+from peer.swarm.plans import PlanBoard
 
 DEVICE = DeviceInfo("emulated", "cpu", 2**33, 10.0, False, True)
 POLL_S = 0.02  # propagation: one reader, poll fast for resolution

@@ -17,6 +17,7 @@ from typing import Any
 from peer.compute.model import ModelConfig
 from peer.compute.stage import OptimConfig
 from peer.runtime.spec import COMPRESSIONS, PRECISIONS, RunSpec, SpecError
+from peer.timing import ADVERT_TTL_HEARTBEATS, HEARTBEAT_S
 
 
 class ConfigError(ValueError):
@@ -69,7 +70,9 @@ class SwarmSection:
     min_peers: int = _f(2, "the leader waits for this many live peers before the first plan")
     stages: int = _f(0, "pipeline stages; 0 lets the scheduler choose")
     secret: str = _f("", "join secret; empty = open swarm (a peer with a wrong secret is refused)")
-    heartbeat_s: float = _f(2.0, "advert renewal period; a peer silent for 3 heartbeats is gone")
+    heartbeat_s: float = _f(
+        HEARTBEAT_S, f"advert renewal period; a peer silent for {ADVERT_TTL_HEARTBEATS} heartbeats is gone"
+    )
     plan_time_limit_s: float = _f(5.0, "time limit of the scheduler's search at each plan")
     checkpoint_dir: str = _f("", "where the leader writes checkpoints; empty = none")
     checkpoint_every: int = _f(0, "checkpoint every N steps (0 = only on SIGTERM)")

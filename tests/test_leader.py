@@ -12,9 +12,10 @@ from hivemind.utils import get_dht_time
 from peer.compute.device_probe import DeviceInfo
 from peer.swarm.adverts import Advert
 from peer.swarm.dht import DHTConfig, start_dht, visible_maddrs
-from peer.swarm.election import PlanBoard, PlanRecord, elect_leader
+from peer.swarm.election import elect_leader
 from peer.swarm.identity import Identity
 from peer.swarm.membership import Membership
+from peer.swarm.plans import PlanBoard, PlanRecord
 
 HEARTBEAT_S = 0.5
 TTL_S = 1.5
@@ -80,7 +81,7 @@ def swarm() -> Iterator[list[Peer]]:
         for index in range(1, 5):
             peers.append(Peer(bootstrap, run_id, base + index))
         for peer in peers:
-            peer.swarm.membership.announce(peer.swarm.adverts)
+            peer.membership.announce(peer.advert)
         yield peers
     finally:
         for peer in peers:
@@ -97,8 +98,8 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, poll_s: float = 0.
 
 
 def test_all_peers_elect_the_same_leader_and_follow_its_plan(swarm):
-    wait_for(lambda: all(len(peer.swarm.membership.live_peers()) == 5 for peer in swarm), timeout_s=10)
-    assert {peer.swarm.election() for peer in swarm} == {swarm[0].peer_id}
+    wait_for(lambda: all(len(peer.membership.live_peers()) == 5 for peer in swarm), timeout_s=10)
+    assert {peer.leader() for peer in swarm} == {swarm[0].peer_id}
     leader = swarm[0]
     epoch = leader.board.next_epoch()
     assert epoch == 1
@@ -111,7 +112,7 @@ def test_all_peers_elect_the_same_leader_and_follow_its_plan(swarm):
 
 
 def failover(swarm: list[Peer], kill: Callable[[Peer], None]) -> None:
-    wait_for(lambda: all(len(peer.swarm.membership.live_peers()) == 5 for peer in swarm), timeout_s=10)
+    wait_for(lambda: all(len(peer.membership.live_peers()) == 5 for peer in swarm), timeout_s=10)
     old = swarm[0]
     assert old.board.publish(old.board.next_epoch(), old.peer_id, {"by": "old"})
     old_epoch = old.board.highest_epoch
@@ -122,7 +123,7 @@ def failover(swarm: list[Peer], kill: Callable[[Peer], None]) -> None:
     # Every survivor runs the daemon's loop: derive the leader; if it is me, publish the next epoch.
     while time.monotonic() - start < FAILOVER_DEADLINE_S:
         for peer in survivors:
-            if peer.swarm.election() == peer.peer_id and peer.board.latest().leader_id != peer.peer_id:
+            if peer.leader() == peer.peer_id and peer.board.latest().leader_id != peer.peer_id:
                 peer.board.publish(peer.board.next_epoch(), peer.peer_id, {"by": peer.peer_id})
         latest = [peer.board.latest() for peer in survivors]
         if all(plan.leader_id == swarm[1].peer_id for plan in latest):
@@ -130,7 +131,7 @@ def failover(swarm: list[Peer], kill: Callable[[Peer], None]) -> None:
         time.sleep(0.1)
     took = time.monotonic() - start
     assert took < FAILOVER_DEADLINE_S, "no new plan from a new leader within 15 s"
-    assert {peer.swarm.election() for peer in survivors} == {swarm[1].peer_id}
+    assert {peer.leader() for peer in survivors} == {swarm[1].peer_id}
     assert all(peer.board.latest().epoch == old_epoch + 1 for peer in survivors)
 
 

@@ -27,21 +27,30 @@ from peer.compute.device_probe import measure_device
 from peer.config import ConfigError, RunConfig
 from peer.net import PeerClient
 from peer.net.shaping import LinkShaper
-from peer.node.leader_role import LeaderRole
+from peer.node.leader_role import LeaderContext, LeaderRole
 from peer.node.planning import EmulatedNetwork
 from peer.runtime.worker import StageWorker
 from peer.swarm.adverts import Advert, LinkReport
 from peer.swarm.dht import DHTConfig, DHTStartError, start_dht, visible_maddrs
-from peer.swarm.election import PlanBoard, elect_leader
+from peer.swarm.election import elect_leader
 from peer.swarm.identity import Identity
 from peer.swarm.membership import Membership, SwarmSecretError, verify_swarm_secret
+from peer.swarm.plans import PlanBoard
+from peer.swarm.progress import ProgressBoard
+from peer.timing import (
+    HEARTBEAT_S,
+    JOINER_RUN_WAIT_S,
+    LEADER_CONFIRM_TICKS,
+    PLAN_RENEW_TICKS,
+    PROBE_PING_TIMEOUT_S,
+    PROBE_TIMEOUT_S,
+    TICKS_PER_HEARTBEAT,
+)
 
 log = logging.getLogger(__name__)
 
 PROBE_BYTES = 256 * 1024
 PROBE_SAMPLE = 8  # peers probed per round; the rest are estimated (see peer.node.planning.build_cluster)
-RUN_WAIT_S = 15.0
-LEADER_CONFIRM_TICKS = 3  # ticks are half a heartbeat apart
 
 
 class DaemonError(RuntimeError):
@@ -79,6 +88,7 @@ class PeerDaemon:
         self.worker: StageWorker | None = None
         self.membership: Membership | None = None
         self.plan_board: PlanBoard | None = None
+        self.progress: ProgressBoard | None = None
         self.network: EmulatedNetwork | None = None
         self.role: LeaderRole | None = None
         self.done = threading.Event()
@@ -136,7 +146,7 @@ class PeerDaemon:
             if (self.config.swarm.secret or None) != (o.secret or None):
                 o.secret = self.config.swarm.secret or o.secret
         else:
-            deadline = time.monotonic() + RUN_WAIT_S
+            deadline = time.monotonic() + JOINER_RUN_WAIT_S
             while existing is None and time.monotonic() < deadline:
                 time.sleep(0.5)
                 existing = verify_swarm_secret(self.dht, run_id, o.secret or None)
@@ -167,6 +177,7 @@ class PeerDaemon:
             self.dht, run_id, self.identity, o.secret or None, heartbeat_s=self.config.swarm.heartbeat_s
         )
         self.plan_board = PlanBoard(self.dht, run_id, self.identity, o.secret or None)
+        self.progress = ProgressBoard(self.dht, run_id, self.identity, o.secret or None)
         record = {**self.config.to_dict(), "fingerprint": published}
         if existing is None:
             self.membership.publish_run(record)
@@ -241,7 +252,7 @@ class PeerDaemon:
         prober = threading.Thread(target=self._probe_loop, name="prober", daemon=True)
         prober.start()
         assert self.config is not None
-        period = self.config.swarm.heartbeat_s / 2
+        period = self.config.swarm.heartbeat_s / TICKS_PER_HEARTBEAT
         while not self.done.is_set() and not self.stop_requested.is_set():
             self._tick()
             self.stop_requested.wait(period)
@@ -255,13 +266,11 @@ class PeerDaemon:
         self._update_links(entries)
         me = self.identity.peer_id
         leader = self._confirmed_leader(entries)
-        if leader is None:
-            pass
-        elif leader == me and self.role is None and self._may_lead():
+        if leader == me and self.role is None and self._may_lead():
             log.info("this peer (%s) leads the swarm", me)
-            self.role = LeaderRole(self)
+            self.role = LeaderRole(self._leader_context())
             self.role.start()
-        elif leader != me and self.role is not None and not self.role.finished.is_set():
+        elif leader not in (None, me) and self.role is not None and not self.role.finished.is_set():
             log.warning("leadership moved to %s; stepping down", leader)
             self.role.stop()
             self.role = None
@@ -273,13 +282,31 @@ class PeerDaemon:
             self.done.set()
             return
         self._ticks += 1
-        if self._ticks % 2 == 0:  # once a heartbeat is enough to notice the end of the run
+        if self._ticks % TICKS_PER_HEARTBEAT == 0:  # once a heartbeat is enough to notice the end of the run
             progress = self.latest_progress()
             if progress and progress.get("state") == "done":
                 log.info("the run is done (step %s); leaving", progress.get("step"))
                 self.done.set()
-        if self.role is not None and self._ticks % 20 == 0 and self.plan_board is not None:
-            self.plan_board.republish()  # the plan record lives plan_ttl_s (10 min); renew it well before
+        if self.role is not None and self._ticks % PLAN_RENEW_TICKS == 0 and self.plan_board is not None:
+            self.plan_board.republish()  # the plan record lives PLAN_TTL_S; renew it well before (peer.timing)
+
+    def _leader_context(self) -> LeaderContext:
+        """What the leader role may use of this daemon, and nothing more."""
+        assert self.config is not None and self.membership is not None
+        assert self.plan_board is not None and self.progress is not None
+        return LeaderContext(
+            peer_id=self.identity.peer_id,
+            config=self.config,
+            spec=self.spec,
+            coordinator_host=self.opts.host,  # the worker's listen address, not --announce (unchanged on purpose)
+            resume=bool(self.opts.resume),
+            plan_board=self.plan_board,
+            progress=self.progress,
+            network=self.network,
+            live_adverts=self.live_adverts,
+            links=self.membership.links,
+            probe_links_now=self.probe_links_now,
+        )
 
     def _confirmed_leader(self, entries: list[Advert]) -> str | None:
         """The elected leader once the same peer has been elected LEADER_CONFIRM_TICKS times in a row.
@@ -349,7 +376,7 @@ class PeerDaemon:
     def _probe_loop(self) -> None:
         while not self.done.is_set() and not self.stop_requested.is_set():
             self.probe_links_now()
-            self.stop_requested.wait(self.config.swarm.heartbeat_s if self.config else 2.0)
+            self.stop_requested.wait(self.config.swarm.heartbeat_s if self.config else HEARTBEAT_S)
 
     def probe_links_now(self) -> None:
         """Measure RTT and bandwidth to up to PROBE_SAMPLE peers not measured yet; publish every report."""
@@ -364,8 +391,8 @@ class PeerDaemon:
                 shaper = LinkShaper(*link) if link else None
                 try:
                     with PeerClient(a.endpoint, shaper=shaper, sender=self.identity.peer_id) as client:
-                        rtt = min(client.ping(timeout_s=10.0) for _ in range(3))
-                        bw = client.probe(PROBE_BYTES, timeout_s=60.0)
+                        rtt = min(client.ping(timeout_s=PROBE_PING_TIMEOUT_S) for _ in range(3))
+                        bw = client.probe(PROBE_BYTES, timeout_s=PROBE_TIMEOUT_S)
                 except Exception as exc:  # an unreachable peer is simply not measured
                     log.info("probe of %s failed: %s", a.peer_id, exc)
                     continue
@@ -380,15 +407,9 @@ class PeerDaemon:
         finally:
             self._probe_lock.release()
 
-    # ----------------------------------------------------------------------------------------- progress
-    def publish_progress(self, payload: dict[str, Any]) -> None:
-        assert self.membership is not None
-        body = {**payload, "leader": self.identity.peer_id, "at": get_dht_time()}
-        self.membership.store.put("progress", body, get_dht_time() + 120.0)
-
     def latest_progress(self) -> dict[str, Any] | None:
-        assert self.membership is not None
-        return read_progress(self.membership)
+        assert self.progress is not None
+        return self.progress.read()
 
     # ----------------------------------------------------------------------------------------- shutdown
     def install_signal_handlers(self) -> None:
@@ -420,19 +441,6 @@ class PeerDaemon:
                 self.dht.shutdown()
             except Exception as exc:  # the child process may be gone already
                 log.info("DHT shutdown: %s", exc)
-
-
-def read_progress(membership: Membership) -> dict[str, Any] | None:
-    """The newest progress record (highest epoch, then step) of any leader."""
-    records = membership.store.get_all("progress") or []
-    best = None
-    for rec in records:
-        p = rec.payload
-        if not isinstance(p.get("epoch"), int) or not isinstance(p.get("step"), int):
-            continue
-        if best is None or (p["epoch"], p["step"]) > (best["epoch"], best["step"]):
-            best = dict(p)
-    return best
 
 
 def _host_of(announce: str | None) -> str | None:

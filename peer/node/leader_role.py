@@ -18,37 +18,60 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from peer.compute.model import unflatten_stage
+from peer.config import RunConfig
 from peer.net import PeerClient
-from peer.node.planning import ClusterView, build_cluster, make_planner, workload_for
+from peer.node.planning import ClusterView, EmulatedNetwork, build_cluster, make_planner, workload_for
 from peer.runtime.assign import LinkModel, build_assignments
 from peer.runtime.coordinator import Coordinator, StepReport
 from peer.runtime.driver import DriverConfig, Pipelines, RunDriver, Stages
-from peer.runtime.spec import Assignment
+from peer.runtime.spec import Assignment, RunSpec
 from peer.runtime.wire import control
-
-if TYPE_CHECKING:
-    from peer.node.daemon import PeerDaemon
+from peer.swarm.adverts import Advert, LinkReport
+from peer.swarm.plans import PlanBoard
+from peer.swarm.progress import ProgressBoard
+from peer.timing import LINK_REPORT_WAIT_HEARTBEATS, STATUS_TIMEOUT_S, TICKS_PER_HEARTBEAT
 
 log = logging.getLogger(__name__)
 
-PROGRESS_TTL_S = 120.0
+
+@dataclass(frozen=True)
+class LeaderContext:
+    """Exactly what the leader role uses of its daemon; the daemon builds it (see ``PeerDaemon._leader_context``).
+
+    coordinator_host: the address the coordinator's gRPC server listens on. Today the daemon passes its
+    worker's ``--host``, not the announced address (``--announce``); it is a field so that choice is visible.
+    """
+
+    peer_id: str
+    config: RunConfig
+    spec: RunSpec
+    coordinator_host: str
+    resume: bool
+    plan_board: PlanBoard
+    progress: ProgressBoard
+    network: EmulatedNetwork | None
+    live_adverts: Callable[[], list[Advert]]  # the daemon's current view of the live adverts
+    links: Callable[[], list[LinkReport]]  # the link reports in the DHT
+    probe_links_now: Callable[[], None]  # measure links to peers not measured yet, publish the reports
 
 
 class LeaderRole:
     """Runs in a thread of the leader's daemon until the run ends or leadership is lost."""
 
-    def __init__(self, daemon: PeerDaemon) -> None:
-        self.daemon = daemon
-        self.config = daemon.config
-        self.spec = daemon.spec
+    def __init__(self, ctx: LeaderContext) -> None:
+        self.ctx = ctx
+        self.config = ctx.config
+        self.spec = ctx.spec
         self.stop_event = threading.Event()
-        self.coordinator = Coordinator(self.spec, host=daemon.opts.host, heartbeat_s=self.config.swarm.heartbeat_s)
+        self.coordinator = Coordinator(self.spec, host=ctx.coordinator_host, heartbeat_s=self.config.swarm.heartbeat_s)
         self.index: dict[str, int] = {}  # peer id -> device id (stable for the whole leadership)
         self.peer_of: dict[int, str] = {}
         self.driver: RunDriver | None = None
@@ -74,7 +97,7 @@ class LeaderRole:
     # ----------------------------------------------------------------------------------------- membership
     def _workers(self) -> dict[str, Any]:
         """Live worker adverts by peer id (the DHT's view, refreshed by the daemon)."""
-        return {a.peer_id: a for a in self.daemon.live_adverts() if a.role == "worker"}
+        return {a.peer_id: a for a in self.ctx.live_adverts() if a.role == "worker"}
 
     def live_devices(self) -> dict[int, str]:
         live = self._workers()
@@ -87,7 +110,7 @@ class LeaderRole:
     def _view(self, devices: list[int]) -> ClusterView:
         live = self._workers()
         adverts = [live[self.peer_of[d]] for d in devices]
-        return build_cluster(adverts, self.daemon.membership.links())
+        return build_cluster(adverts, self.ctx.links())
 
     def _assignments(self, stages: Stages, pipelines: Pipelines, epoch: int) -> dict[str, Assignment]:
         live = self._workers()
@@ -101,7 +124,7 @@ class LeaderRole:
                 tflops[d] = live[pid].device.tflops if live[pid].device.emulated else None
                 emu[d] = live[pid].extra.get("emu")
         links = None
-        net = self.daemon.network
+        net = self.ctx.network
         if net is not None:
             bw = [[float("inf")] * n for _ in range(n)]
             delay = [[0.0] * n for _ in range(n)]
@@ -148,26 +171,25 @@ class LeaderRole:
             if have != last:
                 log.info("leader: %d of %d peers present; waiting for more", have, need)
                 last = have
-            self.stop_event.wait(self.config.swarm.heartbeat_s / 2)
+            self.stop_event.wait(self.config.swarm.heartbeat_s / TICKS_PER_HEARTBEAT)
         raise InterruptedError("stopped while waiting for peers")
 
     def _wait_for_link_reports(self) -> None:
         """Give every peer a few heartbeats to publish its link measurements: the first plan is only as good as
         the network it sees. Pairs still unmeasured after that are estimated (see peer.node.planning)."""
-        deadline = time.monotonic() + 3 * self.config.swarm.heartbeat_s
+        deadline = time.monotonic() + LINK_REPORT_WAIT_HEARTBEATS * self.config.swarm.heartbeat_s
         while time.monotonic() < deadline and not self.stop_event.is_set():
             live = set(self._workers())
-            reporters = {r.src for r in self.daemon.membership.links()}
-            if live <= reporters | {self.daemon.identity.peer_id}:
+            reporters = {r.src for r in self.ctx.links()}
+            if live <= reporters | {self.ctx.peer_id}:
                 return
-            self.stop_event.wait(self.config.swarm.heartbeat_s / 2)
+            self.stop_event.wait(self.config.swarm.heartbeat_s / TICKS_PER_HEARTBEAT)
 
     def _lead(self) -> None:
-        d = self.daemon
-        board = d.plan_board
+        board = self.ctx.plan_board
         previous = board.latest()
         self._wait_for_peers(taking_over=previous is not None)
-        d.probe_links_now()
+        self.ctx.probe_links_now()
         self._wait_for_link_reports()
         takeover = self._takeover_point(previous.plan if previous else None) if previous else None
         if takeover is not None:
@@ -199,7 +221,7 @@ class LeaderRole:
         if takeover is not None and takeover[0] >= self.config.run.steps:
             log.info("the run already reached step %d", takeover[0])
         else:
-            self.driver.run(resume=bool(d.opts.resume), takeover=takeover)
+            self.driver.run(resume=self.ctx.resume, takeover=takeover)
         self._finish()
 
     def _takeover_point(self, plan: dict[str, Any] | None) -> tuple[int, Stages] | None:
@@ -246,7 +268,7 @@ class LeaderRole:
         for a in self._workers().values():
             try:
                 with PeerClient(a.endpoint, sender="leader") as client:
-                    out[a.endpoint] = client.status(timeout_s=5.0)
+                    out[a.endpoint] = client.status(timeout_s=STATUS_TIMEOUT_S)
             except Exception as exc:  # a peer that does not answer holds nothing we can use
                 log.info("status of %s: %s", a.endpoint, exc)
         return out
@@ -255,11 +277,11 @@ class LeaderRole:
     def _publish(self, payload: dict[str, Any]) -> None:
         """Publish progress; every record carries the loss history, so a takeover at any moment keeps it."""
         self._last_progress = {**payload, "history": self._history_payload()}
-        self.daemon.publish_progress(dict(self._last_progress))
+        self.ctx.progress.publish(dict(self._last_progress))
 
     def beat(self) -> None:
         """Renew the progress record (called every tick): followers see a live leader even between steps."""
-        self.daemon.publish_progress(dict(self._last_progress))
+        self.ctx.progress.publish(dict(self._last_progress))
 
     def _on_replan(self, info: dict[str, Any]) -> None:
         for k in [k for k in self.history if k >= info["step"]]:
@@ -271,12 +293,12 @@ class LeaderRole:
             "reason": info["reason"][:200],
             "coordinator": self.coordinator.endpoint,
         }
-        if not self.daemon.plan_board.publish(info["epoch"], self.daemon.identity.peer_id, plan):
+        if not self.ctx.plan_board.publish(info["epoch"], self.ctx.peer_id, plan):
             log.warning("plan of epoch %d was not stored in the DHT", info["epoch"])
         self._publish({"epoch": info["epoch"], "step": info["step"], "state": "training"})
 
     def _adopt_history(self, trained: int) -> None:
-        progress = self.daemon.latest_progress() or {}
+        progress = self.ctx.progress.read() or {}
         hist = progress.get("history") or {}
         first = hist.get("from", 0)
         for k, (loss, secs) in enumerate(zip(hist.get("loss", []), hist.get("step_s", []), strict=False)):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import hivemind
 
 from peer.swarm.identity import Identity
+from peer.timing import DHT_STARTUP_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ class DHTConfig:
     port: int = 0
     announce_host: str | None = None
     client_mode: bool = False
-    startup_timeout_s: float = 10.0
+    startup_timeout_s: float = DHT_STARTUP_TIMEOUT_S
 
     def host_maddrs(self) -> list[str]:
         return [_tcp_maddr("host", self.host, self.port)]

@@ -27,6 +27,7 @@ from hivemind.utils import get_dht_time
 from peer.swarm.adverts import Advert, LinkReport
 from peer.swarm.identity import Identity
 from peer.swarm.records import MacStatus, RecordStore
+from peer.timing import ADVERT_TTL_HEARTBEATS, DHT_CALL_TIMEOUT_S, HEARTBEAT_S, RUN_RECORD_MIN_TTL_S
 
 logger = logging.getLogger(__name__)
 
@@ -72,13 +73,13 @@ class Membership:
         run_id: str,
         identity: Identity,
         secret: str | None = None,
-        heartbeat_s: float = 2.0,
+        heartbeat_s: float = HEARTBEAT_S,
         ttl_s: float | None = None,
-        timeout_s: float = 5.0,
+        timeout_s: float = DHT_CALL_TIMEOUT_S,
     ):
         if heartbeat_s <= 0:
             raise ValueError(f"heartbeat_s must be positive, got {heartbeat_s}")
-        self.ttl_s = 3.0 * heartbeat_s if ttl_s is None else ttl_s
+        self.ttl_s = ADVERT_TTL_HEARTBEATS * heartbeat_s if ttl_s is None else ttl_s
         if self.ttl_s <= heartbeat_s:
             raise ValueError(f"ttl_s ({self.ttl_s}) must exceed heartbeat_s ({heartbeat_s})")
         self.identity, self.run_id, self.heartbeat_s = identity, run_id, heartbeat_s
@@ -205,7 +206,7 @@ class Membership:
 
     def _store_run(self, record: RunRecord) -> bool:
         payload = {"config": record.config, "created_at": record.created_at}
-        return self.store.put("run", payload, get_dht_time() + max(self.ttl_s, 60.0))
+        return self.store.put("run", payload, get_dht_time() + max(self.ttl_s, RUN_RECORD_MIN_TTL_S))
 
     # ---- reading --------------------------------------------------------------------------------------
 
@@ -291,7 +292,7 @@ def _earliest_run(records: list) -> RunRecord | None:
 
 
 def verify_swarm_secret(
-    dht: hivemind.DHT, run_id: str, secret: str | None, timeout_s: float = 5.0
+    dht: hivemind.DHT, run_id: str, secret: str | None, timeout_s: float = DHT_CALL_TIMEOUT_S
 ) -> RunRecord | None:
     """Check our join secret against the published run before announcing anything.
 

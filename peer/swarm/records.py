@@ -32,6 +32,7 @@ import hivemind
 from hivemind.utils import get_dht_time
 
 from peer.swarm.identity import Identity, split_owner_subkey
+from peer.timing import DHT_CALL_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class RecordStore:
         run_id: str,
         identity: Identity | None,
         secret: str | None,
-        timeout_s: float = 5.0,
+        timeout_s: float = DHT_CALL_TIMEOUT_S,
     ):
         if not run_id or not isinstance(run_id, str) or len(run_id) > 128:
             raise ValueError(f"run_id must be a non-empty string of at most 128 characters, got {run_id!r}")

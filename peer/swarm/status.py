@@ -14,11 +14,11 @@ from typing import Any
 
 from hivemind.utils import get_dht_time
 
-from peer.node.daemon import read_progress
 from peer.swarm.dht import DHTConfig, start_dht
-from peer.swarm.election import PlanBoard
 from peer.swarm.identity import Identity
 from peer.swarm.membership import Membership
+from peer.swarm.plans import PlanBoard
+from peer.swarm.progress import ProgressBoard
 
 
 @dataclass
@@ -50,6 +50,7 @@ class StatusReader:
         self.dht = start_dht(DHTConfig(initial_peers=tuple(dht_peers), client_mode=True), self.identity)
         self.membership = Membership(self.dht, run_id, self.identity, secret)
         self.board = PlanBoard(self.dht, run_id, None, secret)
+        self.progress = ProgressBoard(self.dht, run_id, None, secret)
 
     def close(self) -> None:
         self.dht.shutdown()
@@ -102,7 +103,7 @@ class StatusReader:
             "pipelines": plan.get("pipelines"),
             "stages": plan.get("stages"),
         }
-        return SwarmStatus(peers, plan_out, read_progress(self.membership) or {}, link_summary)
+        return SwarmStatus(peers, plan_out, self.progress.read() or {}, link_summary)
 
 
 def format_status(st: SwarmStatus) -> str:
