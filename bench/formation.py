@@ -23,18 +23,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from peer.emulation.procs import PeerProcesses, write_small_config
 from peer.swarm.status import StatusReader
-from tests.peer_procs import PeerProcs, write_config
 
 
 def form(n: int, timeout_s: float, say: Any, keep_logs: bool = False) -> dict[str, Any]:
     folder = Path(tempfile.mkdtemp(prefix=f"tasklet-formation-{n}-"))
-    cfg = write_config(folder, steps=1, min_peers=n, stages=2, heartbeat_s=2.0)
+    cfg = write_small_config(folder, steps=1, min_peers=n, stages=2, heartbeat_s=2.0)
     out: dict[str, Any] = {"peers": n, "all_adverts_s": None, "first_plan_s": None, "first_step_s": None}
     try:
-        with PeerProcs(folder) as procs:
+        with PeerProcesses(folder, emulate_tflops=0.001) as procs:
             t0 = time.monotonic()
-            addr = procs.start(cfg, timeout=timeout_s)
+            addr = procs.start(cfg, timeout_s=timeout_s)
             out["first_peer_s"] = time.monotonic() - t0
             for i in range(1, n):
                 procs.join(addr, i)

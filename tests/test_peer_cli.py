@@ -8,20 +8,17 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.peer_procs import PeerProcs, write_config
-
-PEER = [sys.executable, "-m", "peer.cli"]
+from peer.emulation.procs import PEER_COMMAND, PeerProcesses, write_small_config
 
 
 def run_peer(args: list[str], timeout: float = 60.0) -> tuple[int, str, float]:
     started = time.monotonic()
-    proc = subprocess.run([*PEER, *args], capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([*PEER_COMMAND, *args], capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stderr.strip(), time.monotonic() - started
 
 
@@ -62,7 +59,7 @@ def test_bad_config_value(tmp_path: Path) -> None:
 
 
 def test_port_in_use(tmp_path: Path) -> None:
-    cfg = write_config(tmp_path, steps=1)
+    cfg = write_small_config(tmp_path, steps=1)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -72,8 +69,8 @@ def test_port_in_use(tmp_path: Path) -> None:
 
 
 def test_wrong_join_secret_is_refused(tmp_path: Path) -> None:
-    cfg = write_config(tmp_path, steps=1000, secret="open-sesame", min_peers=2)
-    with PeerProcs(tmp_path) as procs:
+    cfg = write_small_config(tmp_path, steps=1000, secret="open-sesame", min_peers=2)
+    with PeerProcesses(tmp_path, emulate_tflops=0.001) as procs:
         addr = procs.start(cfg)
         rc, err, took = run_peer(["join", "--dht", addr, "--secret", "wrong", "--host", "127.0.0.9"])
         assert_one_line_error(rc, err, "secret")
@@ -83,10 +80,10 @@ def test_wrong_join_secret_is_refused(tmp_path: Path) -> None:
 
 def test_help_explains_every_flag_with_its_default() -> None:
     for command in ["start", "join", "status", "swarm", "init"]:
-        proc = subprocess.run([*PEER, command, "--help"], capture_output=True, text=True, timeout=60)
+        proc = subprocess.run([*PEER_COMMAND, command, "--help"], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0
         assert "usage: peer " + command in proc.stdout
-    out = subprocess.run([*PEER, "join", "--help"], capture_output=True, text=True, timeout=60).stdout
+    out = subprocess.run([*PEER_COMMAND, "join", "--help"], capture_output=True, text=True, timeout=60).stdout
     for flag in ["--dht", "--host", "--port", "--announce", "--identity", "--secret", "--emulate-tflops"]:
         assert flag in out
     assert out.count("default") >= 8

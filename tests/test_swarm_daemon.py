@@ -17,14 +17,15 @@ import torch
 from peer.compute.data import Corpus
 from peer.compute.reference import train_reference
 from peer.config import RunConfig
-from tests.peer_procs import PEER, PeerProcs, write_config
+from peer.emulation.procs import PEER_COMMAND, PeerProcesses, write_small_config
 
 N_PEERS = 4
 STEPS = 30
 
 
 def status(addr: str) -> dict:
-    proc = subprocess.run([*PEER, "status", "--dht", addr, "--json"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([*PEER_COMMAND, "status", "--dht", addr, "--json"], capture_output=True, text=True,
+                          timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout)
 
@@ -47,8 +48,8 @@ def wait_for(predicate, timeout: float, what: str, addr: str) -> dict:
 def test_swarm_forms_trains_and_survives_leader_death(tmp_path: Path) -> None:
     save = tmp_path / "result"
     extra = f"save_dir = {json.dumps(str(save))}\n"
-    cfg = write_config(tmp_path, steps=STEPS, min_peers=N_PEERS, stages=2, extra=extra)
-    with PeerProcs(tmp_path, tflops=0.0001) as procs:  # ~1 s steps: time to watch a takeover
+    cfg = write_small_config(tmp_path, steps=STEPS, min_peers=N_PEERS, stages=2, extra=extra)
+    with PeerProcesses(tmp_path, emulate_tflops=0.0001) as procs:  # ~1 s steps: time to watch a takeover
         addr = procs.start(cfg)
         for i in range(1, N_PEERS):
             procs.join(addr, i)

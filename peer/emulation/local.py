@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from peer.emulation.procs import read_line
+from peer.emulation.procs import launch, read_line
 from peer.runtime.assign import LinkModel, build_assignments
 from peer.runtime.coordinator import Coordinator, ReplanNeededError, StepReport
 from peer.runtime.driver import DriverConfig, Pipelines, Planner, RunDriver, RunEvents, Stages
@@ -88,17 +88,12 @@ class LocalWorkers:
         self.close()
 
     def _spawn(self, i: int) -> subprocess.Popen[str]:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         if self.log_dir:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            stderr: IO[str] | int = open(self.log_dir / f"worker-{i}.log", "w")  # noqa: SIM115
-            self._logs.append(stderr)  # type: ignore[arg-type]
-        else:
-            stderr = subprocess.DEVNULL
         cmd = [
             sys.executable,
             "-m",
-            "peer.runtime.worker_main",
+            "peer.emulation.worker_main",
             "--host",
             loopback_host(i),
             "--peer-id",
@@ -108,7 +103,11 @@ class LocalWorkers:
         ]
         if i in self.faults:
             cmd += ["--fault", self.faults[i]]
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+        # not in a group of their own: a worker starts no children, and exits by itself when its parent dies
+        proc, log = launch(cmd, self.log_dir / f"worker-{i}.log" if self.log_dir else None, own_group=False)
+        if log is not None:
+            self._logs.append(log)
+        return proc
 
     def start(self) -> None:
         self.procs = [self._spawn(i) for i in range(self.n)]

@@ -11,25 +11,22 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from peer.config import RunConfig
-from peer.emulation.procs import read_line, stop_all
+from peer.emulation.procs import PeerProcesses
 from peer.swarm.status import StatusReader
 from scheduler import Cluster
 from scheduler.cluster import load_scenario
 
 log = logging.getLogger(__name__)
 
-JOIN_LINE_TIMEOUT_S = 90.0
+LEAVE_GRACE_S = 20.0  # peers leave by themselves when the run is done; after this they are ended
 
 
 @dataclass
@@ -83,44 +80,6 @@ def write_config(opts: SwarmOptions, folder: Path, devices: list[int], save_dir:
     return path
 
 
-class SwarmProcesses:
-    """The peer processes of a local swarm; ``close()`` ends every one of them."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.procs: list[subprocess.Popen[str]] = []
-        self._logs: list[IO[str]] = []
-
-    def spawn(self, i: int, args: list[str]) -> subprocess.Popen[str]:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        log_file = open(self.log_dir / f"peer-{i}.log", "w")  # noqa: SIM115 - closed in close()
-        self._logs.append(log_file)
-        cmd = [sys.executable, "-m", "peer.cli", *args, "--host", f"127.0.0.{i + 2}", "--log-level", "INFO"]
-        # own process group, so that the peer's children (hivemind's DHT process, its libp2p daemon) can be
-        # ended with it whatever happens
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, text=True, env=env,
-                                start_new_session=True)
-        self.procs.append(proc)
-        return proc
-
-    def alive(self) -> int:
-        return sum(p.poll() is None for p in self.procs)
-
-    def close(self, grace_s: float = 20.0) -> None:
-        """Peers leave by themselves when the run is done; give them ``grace_s``, then end them."""
-        stop_all(self.procs, grace_s, ask_first=False)
-        for f in self._logs:
-            f.close()
-
-
-def _read_line(proc: subprocess.Popen[str], timeout_s: float, want: str) -> str:
-    line = read_line(proc, timeout_s, want)
-    if not line:
-        raise RuntimeError(f"the first peer did not print its join line within {timeout_s:.0f} s "
-                           f"(exit status {proc.poll()})")
-    return line
-
-
 def run_swarm(opts: SwarmOptions, say: Callable[[str], None] = print) -> int:
     """Start the swarm, follow it, summarise it; 0 when it trained every step."""
     cluster = load_scenario(opts.scenario)
@@ -136,22 +95,20 @@ def run_swarm(opts: SwarmOptions, say: Callable[[str], None] = print) -> int:
         f"bandwidth x{opts.bandwidth_scale:g}, {opts.tflops:g} TFLOP/s emulated per device"
     )
     say(f"logs in {log_dir}")
-    procs = SwarmProcesses(log_dir)
+    procs = PeerProcesses(log_dir)
     started = time.monotonic()
     try:
-        first = procs.spawn(0, ["start", "--config", str(config), "--emulate-device", "0"])
-        join = _read_line(first, JOIN_LINE_TIMEOUT_S, "peer join --dht ")
-        say(f"first peer up; others run: {join}")
-        addr = join.split()[3]
+        addr = procs.start(config, "--emulate-device", "0")
+        say(f"first peer up; others run: {procs.join_line}")
         for i in range(1, opts.peers):
-            procs.spawn(i, ["join", "--dht", addr, "--run", "swarm", "--emulate-device", str(i)])
+            procs.join(addr, i, "--run", "swarm", "--emulate-device", str(i))
         _follow(addr, procs, opts, started, say)
     finally:
-        procs.close()
+        procs.close(LEAVE_GRACE_S, ask_first=False)
     return _summarise(save_dir, opts, cluster, devices, time.monotonic() - started, say)
 
 
-def _follow(addr: str, procs: SwarmProcesses, opts: SwarmOptions, started: float, say: Callable[[str], None]) -> None:
+def _follow(addr: str, procs: PeerProcesses, opts: SwarmOptions, started: float, say: Callable[[str], None]) -> None:
     """Print progress as the leader publishes it, until every peer has exited or the timeout."""
     last_step = None
     deadline = started + opts.timeout_s
