@@ -11,6 +11,14 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating virtualenv $VENV" >&2
   "$PY" -m venv "$VENV"
 fi
+# The multi-host test bed (tests/netbed.py) needs `ip` and `nft`; as root on Debian, install them when missing.
+# Quiet and tolerant: when apt fails, those tests skip with the reason. SKIP_APT=1 leaves the system alone.
+if [ "$(id -u)" -eq 0 ] && [ -z "${SKIP_APT:-}" ] && command -v apt-get >/dev/null \
+   && ! { command -v nft && command -v ip && command -v tc; } >/dev/null 2>&1; then
+  echo "[setup] installing nftables and iproute2 for the network-namespace tests" >&2
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables iproute2; } >/dev/null 2>&1 \
+    || echo "[setup] apt-get could not install nftables/iproute2; the network-namespace tests will skip" >&2
+fi
 pip_q() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v '^WARNING: Location' || true; }
 if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
   echo "[setup] installing $TORCH_SPEC" >&2
