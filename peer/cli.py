@@ -308,7 +308,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_swarm(args: argparse.Namespace) -> int:
-    from peer.emulation.local_swarm import SwarmOptions, run_swarm
+    from peer.emulation.daemon_swarm import SwarmOptions, run_swarm
     from scheduler import PlanningError
 
     if args.peers < 1:

@@ -102,7 +102,9 @@ SECTIONS: dict[str, type] = {
 
 @dataclass
 class RunConfig:
-    """The whole run.toml."""
+    """The whole run.toml: what a person writes and ``peer start`` publishes, swarm and emulation settings
+    included. The runtime never sees it; :meth:`spec` derives the :class:`~peer.runtime.spec.RunSpec`, the part
+    every worker must agree on to compute the same step (model, optimizer, data, batch, numerics)."""
 
     run: RunSection = field(default_factory=RunSection)
     model: ModelSection = field(default_factory=ModelSection)

@@ -1,8 +1,9 @@
-"""Run a plan on this machine: one worker process per device, each on its own loopback address.
+"""Run a plan on this machine: bare worker processes driven by a coordinator in this process (no DHT, no daemons).
 
-Used by tests, benchmarks and ``peer swarm``. Device ``i`` of the plan is a worker process listening on
-``127.0.0.{i+2}``; with a ``LinkModel`` every worker shapes what it sends to device ``j`` to the scenario's
-bandwidth and one-way delay, and stretches its compute to the device's declared TFLOP/s.
+Used by tests and benchmarks (``peer swarm``, a swarm of whole daemons, is ``peer.emulation.daemon_swarm``).
+Device ``i`` of the plan is a worker process listening on ``127.0.0.{i+2}``; with a ``LinkModel`` every worker
+shapes what it sends to device ``j`` to the scenario's bandwidth and one-way delay, and stretches its compute to
+the device's declared TFLOP/s.
 
 Every process started here is ended by :meth:`LocalWorkers.close` (also on errors, via ``with``), and each
 worker exits by itself when its parent dies.

@@ -5,8 +5,9 @@ stderr in a log file, reading its announcement line without hanging forever when
 silent, and ending the child *with everything it started* — a peer's hivemind DHT runs in a process of its
 own and would outlive a SIGKILLed peer otherwise, so the whole group is killed.
 
-:class:`PeerProcesses` runs `peer start` / `peer join` processes on loopback addresses (127.0.0.2, ...);
-``peer.emulation.local`` starts bare workers with :func:`launch` and :func:`read_line`.
+:class:`PeerProcesses` runs `peer start` / `peer join` processes on loopback addresses (127.0.0.2, ...) for
+``peer swarm`` (``peer.emulation.daemon_swarm``), tests and benchmarks; ``peer.emulation.local`` starts bare
+workers with :func:`launch` and :func:`read_line`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""`peer swarm`: a whole swarm on this machine — N real peer processes on an emulated network.
+"""`peer swarm`: a whole swarm on this machine — N real peer daemons on an emulated network.
+
+Unlike ``peer.emulation.local`` (bare workers driven by a coordinator in the caller's process), everything here
+goes through the daemons as on volunteers' machines: DHT, adverts, election, leader role.
 
 Peer 0 runs `peer start`, the others `peer join` with the join line it prints, exactly as volunteers would.
 Each peer emulates one device of a scenario (its links are shaped, its compute stretched to the declared
