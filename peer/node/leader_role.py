@@ -37,7 +37,13 @@ from peer.runtime.wire import control
 from peer.swarm.adverts import Advert, LinkReport
 from peer.swarm.plans import PlanBoard
 from peer.swarm.progress import ProgressBoard
-from peer.timing import LINK_REPORT_WAIT_HEARTBEATS, STATUS_TIMEOUT_S, TICKS_PER_HEARTBEAT
+from peer.timing import (
+    LINK_REPORT_WAIT_HEARTBEATS,
+    STATUS_TIMEOUT_S,
+    TAKEOVER_APPLY_TIMEOUT_S,
+    TAKEOVER_WAIT_S,
+    TICKS_PER_HEARTBEAT,
+)
 
 log = logging.getLogger(__name__)
 
@@ -252,9 +258,9 @@ class LeaderRole:
                         stage=int(st["stage"]),
                         replica=int(st["replica"]),
                     ),
-                    timeout_s=10.0,
+                    timeout_s=TAKEOVER_APPLY_TIMEOUT_S,
                 )
-        deadline = time.monotonic() + 30.0
+        deadline = time.monotonic() + TAKEOVER_WAIT_S
         while pending and time.monotonic() < deadline:
             statuses = self._statuses()
             if all(statuses.get(ep, {}).get("trained_steps") == top for ep, _ in pending):
