@@ -1,4 +1,4 @@
-"""StageCompute: exactly-once commits, discard, bad input, state hand-over, reduced precision, devices."""
+"""StageCompute: an exactly-once gradient sum, bad input, state hand-over, reduced precision, devices."""
 
 from __future__ import annotations
 
@@ -48,40 +48,35 @@ def run_mb(s0: StageCompute, s1: StageCompute, corpus: Corpus, step: int, mb: in
     return loss
 
 
-def test_duplicate_commit_is_ignored(corpus: Corpus) -> None:
+def test_duplicate_microbatch_is_accumulated_once(corpus: Corpus) -> None:
     s0, s1 = make(0, 2), make(2, 4)
     run_mb(s0, s1, corpus, 0, 0)
-    assert s0.pending() == {0}
-    assert s0.commit(0) and s1.commit(0)
+    assert s0.accumulated() == {0} and s1.accumulated() == {0}
     once = s0.accumulated_grad()
     assert float(once.abs().sum()) > 0
     run_mb(s0, s1, corpus, 0, 0)  # the same micro-batch re-done (its lease was thought lost)
-    assert not s0.commit(0) and not s1.commit(0)
     assert torch.equal(s0.accumulated_grad(), once), "a duplicate must not change the sum"
-    assert s0.committed() == {0} and s0.pending() == set()
+    assert s0.accumulated() == {0}
     run_mb(s0, s1, corpus, 0, 1)
-    assert s0.commit(1)
-    assert s0.committed() == {0, 1}
+    assert s0.accumulated() == {0, 1}
     assert not torch.equal(s0.accumulated_grad(), once)
 
 
-def test_discard_drops_stash_and_pending_but_not_committed(corpus: Corpus) -> None:
+def test_backward_needs_its_forward_and_reset_forgets_the_step(corpus: Corpus) -> None:
     s0, s1 = make(0, 2), make(2, 4)
-    x, _ = batch(corpus, 0, 3)
-    s0.forward(3, x)
-    assert s0.discard(3)
     with pytest.raises(UnknownMicrobatchError, match="3"):
         s0.backward(3, torch.zeros(MB, SEQ, 32))
     run_mb(s0, s1, corpus, 0, 4)
-    assert s0.discard(4) and s0.pending() == set()
-    with pytest.raises(UnknownMicrobatchError, match="4"):
-        s0.commit(4)
-    run_mb(s0, s1, corpus, 0, 5)
-    s0.commit(5)
-    committed = s0.accumulated_grad()
-    assert not s0.discard(5), "nothing left to drop once committed"
-    assert torch.equal(s0.accumulated_grad(), committed)
-    assert not s0.discard(99)
+    summed = s0.accumulated_grad()
+    with pytest.raises(UnknownMicrobatchError, match="4"):  # its stash was used up by the first backward
+        s0.backward(4, torch.zeros(MB, SEQ, 32))
+    assert torch.equal(s0.accumulated_grad(), summed)
+    x, _ = batch(corpus, 0, 5)
+    s0.forward(5, x)
+    s0.reset_step()  # the pipeline was dropped from the step
+    assert s0.accumulated() == set() and float(s0.accumulated_grad().abs().sum()) == 0
+    with pytest.raises(UnknownMicrobatchError, match="5"):
+        s0.backward(5, torch.zeros(MB, SEQ, 32))
 
 
 def test_interleaved_micro_batches_give_the_same_gradients(corpus: Corpus) -> None:
@@ -97,17 +92,12 @@ def test_interleaved_micro_batches_give_the_same_gradients(corpus: Corpus) -> No
     il0.backward(1, g1)
     il0.backward(0, g0)
     for a, b in ((seq0, il0), (seq1, il1)):
-        for mb in (0, 1):
-            a.commit(mb)
-            b.commit(mb)
-    for a, b in ((seq0, il0), (seq1, il1)):
         assert torch.equal(a.accumulated_grad(), b.accumulated_grad())
 
 
 def test_bad_gradients_are_refused_and_state_is_untouched(corpus: Corpus) -> None:
     s0, s1 = make(0, 2), make(2, 4)
     run_mb(s0, s1, corpus, 0, 0)
-    s1.commit(0)
     before = s1.flat_params()
     acc = s1.accumulated_grad()
     good = acc.clone()
@@ -121,7 +111,7 @@ def test_bad_gradients_are_refused_and_state_is_untouched(corpus: Corpus) -> Non
     with pytest.raises(GradientError, match="n_microbatches"):
         s1.apply_update(good, 0)
     assert torch.equal(s1.flat_params(), before) and s1.step == 0
-    assert torch.equal(s1.accumulated_grad(), acc) and s1.committed() == {0}
+    assert torch.equal(s1.accumulated_grad(), acc) and s1.accumulated() == {0}
     # wrong-shaped activation gradient: refused, and the stash survives for a correct retry
     x, _ = batch(corpus, 0, 1)
     s0.forward(1, x)
@@ -139,24 +129,22 @@ def test_update_clears_the_step_and_replicas_stay_identical(corpus: Corpus) -> N
     for rep, mb in ((a, 0), (b, 1)):
         x, y = batch(corpus, 0, mb)
         rep.forward_loss(mb, x, y)
-        rep.commit(mb)
     summed = a.accumulated_grad() + b.accumulated_grad()
     before = a.flat_params()
     for rep in (a, b):
         rep.apply_update(summed, 2)
-        assert rep.step == 1 and rep.committed() == set() and float(rep.accumulated_grad().abs().sum()) == 0
+        assert rep.step == 1 and rep.accumulated() == set() and float(rep.accumulated_grad().abs().sum()) == 0
     assert torch.equal(a.flat_params(), b.flat_params())
     assert not torch.equal(a.flat_params(), before)
-    # a micro-batch id committed last step may be committed again in the new step
+    # a micro-batch id accumulated last step is accumulated again in the new step
     x, y = batch(corpus, 1, 0)
     a.forward_loss(0, x, y)
-    assert a.commit(0)
+    assert a.accumulated() == {0} and float(a.accumulated_grad().abs().sum()) > 0
 
 
 def test_grad_clip_needs_the_global_norm_on_a_partial_stage(corpus: Corpus) -> None:
     s0, s1 = make(0, 2, optim=OptimConfig(grad_clip=1.0)), make(2, 4, optim=OptimConfig(grad_clip=1.0))
     run_mb(s0, s1, corpus, 0, 0)
-    s0.commit(0)
     with pytest.raises(GradientError, match="global_grad_norm"):
         s0.apply_update(s0.accumulated_grad(), 1)
     s0.apply_update(s0.accumulated_grad(), 1, global_grad_norm=2.0)
@@ -168,7 +156,6 @@ def train_steps(stage: StageCompute, corpus: Corpus, steps: range) -> list[float
     for step in steps:
         x, y = batch(corpus, step, 0)
         losses.append(stage.forward_loss(0, x, y)[0])
-        stage.commit(0)
         stage.apply_update(stage.accumulated_grad(), 1)
     return losses
 
@@ -212,8 +199,6 @@ def test_reduced_precision_keeps_an_fp32_master(corpus: Corpus, precision: str) 
     loss_ref = run_mb(ref0, ref1, corpus, 0, 0)
     assert loss_low == pytest.approx(loss_ref, rel=2e-2)
     for low, ref in ((low0, ref0), (low1, ref1)):
-        low.commit(0)
-        ref.commit(0)
         g_low, g_ref = low.accumulated_grad(), ref.accumulated_grad()
         assert g_low.dtype == torch.float32
         # the loss scale (1024 for fp16) was divided back out: same gradient up to half-precision error
@@ -279,7 +264,6 @@ def test_update_uses_the_mean_of_the_micro_batch_gradients(corpus: Corpus) -> No
     for mb in range(3):
         x, y = batch(corpus, 0, mb)
         stage.forward_loss(mb, x, y)
-        stage.commit(mb)
     summed = stage.accumulated_grad()
     stage.apply_update(summed, 3)
     state = stage.state_dict()

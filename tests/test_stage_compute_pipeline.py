@@ -58,7 +58,7 @@ def train_pipeline(
                     grad = stages[s][r].backward(mb, grad)
                 assert grad is None  # the first stage has no input gradient
                 for s in range(len(splits)):
-                    assert stages[s][r].commit(mb)
+                    assert mb in stages[s][r].accumulated()
         summed = []
         for replicas in stages:
             total = replicas[0].accumulated_grad()

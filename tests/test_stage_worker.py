@@ -11,9 +11,10 @@ import torch
 
 from peer.compute.model import ModelConfig
 from peer.net import PeerClient
+from peer.runtime.control import StartStep, encode
 from peer.runtime.coordinator import Coordinator
 from peer.runtime.spec import Assignment, RunSpec
-from peer.runtime.wire import control, envelope, make_key
+from peer.runtime.wire import envelope, make_key
 from peer.runtime.worker import StageWorker
 from protocol import PROTOCOL_VERSION
 from protocol import tasklet_pb2 as pb
@@ -40,7 +41,7 @@ def stage() -> Iterator[tuple[StageWorker, Coordinator, PeerClient]]:
     client = PeerClient(worker.server.endpoint, sender="upstream")
     try:
         coordinator.assign({worker.server.endpoint: assignment(worker, coordinator, epoch=3)})
-        client.push(control("start_step", SPEC.run_id, 3, 0, {"step": 0, "round": 0}), timeout_s=10)
+        client.push(encode(StartStep(0, 0), SPEC.run_id, 3, 0), timeout_s=10)
         yield worker, coordinator, client
     finally:
         client.close()

@@ -7,9 +7,9 @@ Why these choices:
   the daemon already has, so a swarm can train without anyone downloading a data set. Peers on different
   Python versions have different standard libraries, so the corpus exposes a :attr:`Corpus.fingerprint`
   (sha256 of its bytes) that the daemon compares before admitting a peer.
-* **A micro-batch is a pure function of (seed, step, micro-batch id)** (see DESIGN.md): whoever re-does a task
-  after a peer died reads exactly the same tokens. Offsets are derived from sha256 rather than from a PRNG, so
-  they do not depend on the version of numpy or torch installed on a peer.
+* **A micro-batch is a pure function of (seed, step, micro-batch id)** (docs/architecture.md, "Invariants"):
+  whoever re-does a task after a peer died reads exactly the same tokens. Offsets are derived from sha256
+  rather than from a PRNG, so they do not depend on the version of numpy or torch installed on a peer.
 """
 
 from __future__ import annotations

@@ -198,10 +198,6 @@ class StageModule(nn.Module):
     def is_last(self) -> bool:
         return self.last_layer == self.cfg.n_layers
 
-    def input_shape(self, batch: int, seq: int) -> tuple[int, ...]:
-        """Shape this stage expects as input (token ids on the first stage, hidden states elsewhere)."""
-        return (batch, seq) if self.is_first else (batch, seq, self.cfg.d_model)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
             if x.dim() != 2 or x.dtype != torch.int64:

@@ -2,8 +2,8 @@
 
 Deliberately the textbook loop — one ``nn.Module``, ``loss.backward()`` accumulating into ``.grad``,
 ``torch.optim.AdamW`` — sharing with the stage runtime only what defines the *problem* (model, data order,
-loss, which parameters are decayed, the clip formula), never the machinery (flat buffers, pending/commit,
-master copies). A bug in that machinery then shows up as a difference.
+loss, which parameters are decayed, the clip formula), never the machinery (flat buffers, the exactly-once
+sum, master copies). A bug in that machinery then shows up as a difference.
 
 Each step uses micro-batches ``0..n_microbatches-1`` of :func:`peer.compute.data.microbatch`, and its loss is the mean
 of their losses, so the gradient is ``(1/n) sum_m dL_m/dθ`` — what the pipeline computes.

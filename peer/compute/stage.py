@@ -1,4 +1,4 @@
-"""One stage replica's compute state: forward/backward per micro-batch, exactly-once gradient commits, AdamW.
+"""One stage replica's compute state: forward/backward per micro-batch, an exactly-once gradient sum, AdamW.
 
 The runtime drives a :class:`StageCompute` from a single compute thread (it is not thread-safe). The protocol
 of one training step, for one stage replica:
@@ -7,11 +7,13 @@ of one training step, for one stage replica:
    input and output are stashed for the backward pass. On the last stage ``forward_loss(mb, x, targets)`` does
    forward, loss and backward in one call.
 2. ``backward(mb, grad_out)``: the gradient w.r.t. the input goes back to the previous stage; the gradient
-   w.r.t. this stage's parameters goes to a **pending** buffer keyed by ``mb``.
-3. ``commit(mb)`` once the task pool confirms the micro-batch: pending -> the step's accumulated sum. A second
-   commit of the same ``mb`` (a task re-done after a presumed failure) returns ``False`` and changes nothing,
-   which is how the *exactly once* invariant of DESIGN.md is kept locally. ``discard(mb)`` drops the state of
-   a micro-batch whose lease failed.
+   w.r.t. this stage's parameters is added to the step's accumulated sum at once (memory: one gradient,
+   whatever the number of micro-batches). A micro-batch already in the sum (a task re-done after a presumed
+   failure) is not added again, which is how the *exactly once* invariant (docs/architecture.md,
+   "Invariants") is kept locally; ``accumulated()`` lists the micro-batches in the sum, which the runtime
+   checks against the task pool's commit record before averaging.
+3. A pipeline dropped from a step (a member died) calls ``reset_step()``: its micro-batches are redone
+   elsewhere, so nothing it accumulated may reach the update.
 4. The replicas of the stage sum their ``accumulated_grad()`` (all-reduce / parameter server, outside this
    class) and every replica calls ``apply_update(summed, n_microbatches)``.
 
@@ -59,7 +61,7 @@ class StageConfigError(ValueError):
 
 
 class UnknownMicrobatchError(LookupError):
-    """A call names a micro-batch this stage holds no state for (never forwarded, or already discarded)."""
+    """A call names a micro-batch this stage holds no state for (never forwarded, or already backwarded)."""
 
 
 class GradientError(ValueError):
@@ -193,8 +195,7 @@ class StageCompute:
 
         self.step = 0
         self._stash: dict[int, _Stash] = {}
-        self._pending: dict[int, torch.Tensor] = {}
-        self._committed: set[int] = set()
+        self._accumulated: set[int] = set()  # micro-batches whose gradient is in _accum
         self._accum = torch.zeros_like(self._master)
 
     # ----------------------------------------------------------------------------------------- layout helpers
@@ -261,7 +262,7 @@ class StageCompute:
         """Last stage: forward, mean cross-entropy and backward at once.
 
         Returns ``(loss, grad_input)``: the unscaled loss value, and the gradient w.r.t. this stage's input
-        (``None`` when this stage is also the first). The parameter gradient goes to ``mb``'s pending buffer.
+        (``None`` when this stage is also the first). The parameter gradient is added to the step's sum.
         """
         if not self.is_last:
             raise RuntimeError(f"forward_loss on stage {self.cfg.first_layer}-{self.cfg.last_layer}, "
@@ -279,7 +280,7 @@ class StageCompute:
         """Backward of micro-batch ``mb`` given the gradient w.r.t. its output; return the input gradient.
 
         ``None`` on the first stage (its input is token ids). Raises :class:`UnknownMicrobatchError` if ``mb``
-        was never forwarded here (or was discarded), ``ValueError`` if ``grad_out`` has the wrong shape.
+        was never forwarded here (or was already backwarded), ``ValueError`` if ``grad_out`` has the wrong shape.
         """
         stash = self._stash.get(mb)
         if stash is None:
@@ -297,9 +298,11 @@ class StageCompute:
                        grad: torch.Tensor | None) -> torch.Tensor | None:
         inputs = list(self._compute_params) + ([] if self.is_first else [stash.inp])
         grads = torch.autograd.grad(root, inputs, grad_outputs=grad, allow_unused=True)
-        if mb in self._pending:
-            log.info("micro-batch %d: replacing an uncommitted pending gradient", mb)
-        self._pending[mb] = self._flatten_grads(grads[: len(self._compute_params)])
+        if mb in self._accumulated:
+            log.info("micro-batch %d already accumulated this step; duplicate ignored", mb)
+        else:
+            self._accum += self._flatten_grads(grads[: len(self._compute_params)])
+            self._accumulated.add(mb)
         if self.is_first:
             return None
         grad_input = grads[-1]
@@ -308,36 +311,12 @@ class StageCompute:
         return grad_input.detach().cpu()
 
     # ------------------------------------------------------------------------------- exactly-once bookkeeping
-    def commit(self, mb: int) -> bool:
-        """Add ``mb``'s pending gradient to the step's sum; ``False`` (and no change) for a duplicate."""
-        if mb in self._committed:
-            self._pending.pop(mb, None)
-            log.info("micro-batch %d already committed this step; duplicate ignored", mb)
-            return False
-        pending = self._pending.pop(mb, None)
-        if pending is None:
-            raise UnknownMicrobatchError(f"commit of micro-batch {mb}, which has no pending gradient")
-        self._accum += pending
-        self._committed.add(mb)
-        return True
-
-    def discard(self, mb: int) -> bool:
-        """Drop the stash and pending gradient of ``mb`` (its lease failed). A committed gradient stays.
-
-        Returns whether there was anything to drop.
-        """
-        had_stash = self._stash.pop(mb, None) is not None
-        had_pending = self._pending.pop(mb, None) is not None
-        return had_stash or had_pending
-
-    def committed(self) -> set[int]:
-        return set(self._committed)
-
-    def pending(self) -> set[int]:
-        return set(self._pending)
+    def accumulated(self) -> set[int]:
+        """The micro-batches whose gradient is in the step's sum."""
+        return set(self._accumulated)
 
     def accumulated_grad(self) -> torch.Tensor:
-        """The step's committed gradient sum, flat fp32 on the host (a copy)."""
+        """The step's accumulated gradient sum, flat fp32 on the host (a copy)."""
         return self._accum.detach().cpu().clone()
 
     # ------------------------------------------------------------------------------------- optimizer step
@@ -389,7 +368,7 @@ class StageCompute:
         self.step += 1
 
     def reset_step(self) -> None:
-        """Forget everything of the current step (stashes, pending and committed gradients).
+        """Forget everything of the current step (stashes and the accumulated gradient).
 
         The runtime calls this when its pipeline is dropped from a step (a member died): its micro-batches are
         redone elsewhere, so nothing it accumulated may reach the update.
@@ -398,8 +377,7 @@ class StageCompute:
 
     def _clear_step_state(self) -> None:
         self._accum.zero_()
-        self._committed.clear()
-        self._pending.clear()
+        self._accumulated.clear()
         self._stash.clear()
 
     # ------------------------------------------------------------------------------------ parameters / state
@@ -441,7 +419,7 @@ class StageCompute:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Replace parameters, optimizer state and step; validate everything first (state untouched on error).
 
-        Clears the current step's pending/committed gradients: they were computed with the old parameters.
+        Clears the current step's accumulated gradient: it was computed with the old parameters.
         """
         if state.get("format") != STATE_FORMAT:
             raise StageConfigError(f"stage state format {state.get('format')!r} is not {STATE_FORMAT}")

@@ -201,7 +201,7 @@ class LocalSwarm:
         self.spec = spec
         self.links = links
         self.forward_flops = forward_flops
-        self.coordinator = Coordinator(spec, heartbeat_s=heartbeat_s)
+        self.coordinator = Coordinator(spec, liveness_interval_s=heartbeat_s)
         self.workers = LocalWorkers(n_devices, log_dir=log_dir, faults=faults)
         self.driver: RunDriver | None = None
 
@@ -281,9 +281,7 @@ class LocalSwarm:
         reports = self.driver.run()
         result = RunResult(reports, events=self.driver.events)
         if collect_states:
-            for ep, a in self.coordinator.assignments.items():
-                if ep not in self.coordinator.dead:
-                    result.states[(a.stage, a.replica)] = self.coordinator.fetch_state(ep)
+            result.states = self.coordinator.live_states(every_replica=True)
         return result
 
 

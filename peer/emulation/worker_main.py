@@ -1,8 +1,9 @@
-"""Process entry of a local stage worker: ``python -m peer.runtime.worker_main --host 127.0.0.2``.
+"""Process entry of a local stage worker: ``python -m peer.emulation.worker_main --host 127.0.0.2``.
 
 Prints ``READY <host:port>`` on stdout once serving, then runs until the coordinator sends ``stop``, a
 SIGTERM/SIGINT arrives, or the parent process dies — so a crashed test or launcher never leaves workers
-behind.
+behind. It lives in the emulation package because ``--fault`` starts a deliberately broken worker
+(``peer.emulation.faults``); a real peer runs its worker inside ``peer start`` / ``peer join``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 
 import torch
 
-from peer.runtime.worker import StageWorker
+from peer.emulation.faults import FAULTS, worker_class
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer-id", default="", help="name used in logs and message headers")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads; local swarms share cores (default: %(default)s)")
-    parser.add_argument("--fault", choices=["nan-grad"], default=None,
+    parser.add_argument("--fault", choices=sorted(FAULTS), default=None,
                         help="testing aid: behave like a broken peer (nan-grad: send NaN gradients)")
     parser.add_argument("--log-level", default="WARNING", help="logging level (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s {args.peer_id or 'worker'} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
     parent = os.getppid()
-    worker = StageWorker(args.host, args.port, peer_id=args.peer_id, fault=args.fault)
+    worker = worker_class(args.fault)(args.host, args.port, peer_id=args.peer_id)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.stopped.set())
     endpoint = worker.start()

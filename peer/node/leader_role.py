@@ -30,10 +30,10 @@ from peer.config import RunConfig
 from peer.net import PeerClient
 from peer.node.planning import ClusterView, EmulatedNetwork, build_cluster, make_planner, workload_for
 from peer.runtime.assign import LinkModel, build_assignments
+from peer.runtime.control import Apply, encode
 from peer.runtime.coordinator import Coordinator, StepReport
 from peer.runtime.driver import DriverConfig, Pipelines, RunDriver, Stages
 from peer.runtime.spec import Assignment, RunSpec
-from peer.runtime.wire import control
 from peer.swarm.adverts import Advert, LinkReport
 from peer.swarm.plans import PlanBoard
 from peer.swarm.progress import ProgressBoard
@@ -77,7 +77,9 @@ class LeaderRole:
         self.config = ctx.config
         self.spec = ctx.spec
         self.stop_event = threading.Event()
-        self.coordinator = Coordinator(self.spec, host=ctx.coordinator_host, heartbeat_s=self.config.swarm.heartbeat_s)
+        self.coordinator = Coordinator(
+            self.spec, host=ctx.coordinator_host, liveness_interval_s=self.config.swarm.heartbeat_s
+        )
         self.index: dict[str, int] = {}  # peer id -> device id (stable for the whole leadership)
         self.peer_of: dict[int, str] = {}
         self.driver: RunDriver | None = None
@@ -249,12 +251,11 @@ class LeaderRole:
             log.info("takeover: %s still has step %d to apply; applying it", ep, top - 1)
             with PeerClient(ep, sender="leader") as client:
                 client.push(
-                    control(
-                        "apply",
+                    encode(
+                        Apply(top - 1),
                         self.spec.run_id,
                         int(st["epoch"]),
                         top - 1,
-                        {"step": top - 1},
                         stage=int(st["stage"]),
                         replica=int(st["replica"]),
                     ),
@@ -352,13 +353,11 @@ class LeaderRole:
         assert self.driver is not None and self.driver.stages is not None
         folder.mkdir(parents=True, exist_ok=True)
         saved: set[int] = set()
-        for ep, a in self.coordinator.assignments.items():
-            if a.stage in saved or ep in self.coordinator.dead:
-                continue
-            state = self.coordinator.fetch_state(ep)
-            named = unflatten_stage(self.spec.model, a.layers[0], a.layers[1], state["params"])
-            torch.save({name: t.clone() for name, t in named.items()}, folder / f"stage-{a.stage}.pt")
-            saved.add(a.stage)
+        for (stage, _), state in self.coordinator.live_states().items():
+            first, last = state["layers"]
+            named = unflatten_stage(self.spec.model, first, last, state["params"])
+            torch.save({name: t.clone() for name, t in named.items()}, folder / f"stage-{stage}.pt")
+            saved.add(stage)
         live = self._workers()
         peers = {
             d: {

@@ -4,47 +4,66 @@ It is the only place with global knowledge of a step, and deliberately holds lit
 activations. Its messages are small (leases, commits, one loss per micro-batch), so it does not need a fast
 link; in a local swarm it runs unshaped in the launching process.
 
-A step, as the coordinator sees it:
+A step, as the coordinator sees it (its :class:`StepPhase` in brackets; docs/architecture.md, "One step"):
 
-1. ``start_step`` to every worker that is not a first stage (they must know the step before activations of
-   it arrive), then to the first stages, which start pulling micro-batches from the pool.
+1. [compute] ``start_step`` to every worker that is not a first stage (they must know the step before
+   activations of it arrive), then to the first stages, which start pulling micro-batches from the pool.
 2. Leases and commits arrive as Fetch calls of Kind COMMIT; losses as reports.
-3. When the pool is complete, ``reduce`` (with the commit record and the intact pipelines) goes to every
-   worker of an intact pipeline; each averages with its group and reports ``reduced``.
-4. When every one has, ``apply``; each steps AdamW and reports ``synced``. The step ends when all have.
+3. [reduce] When the pool is complete, ``reduce`` (with the commit record and the intact pipelines) goes to
+   every worker of an intact pipeline; each averages with its group and reports ``reduced``.
+4. [apply] When every one has, ``apply``; each steps AdamW and reports ``synced``. The step ends when all have.
 
-Deaths. A worker is declared dead when a heartbeat ping fails twice, when a neighbour reports a failed send
-and a ping confirms it, or when a receiver reports it sent malformed data (NaN, wrong shape). Its pipeline is
-dropped from the step: the pool requeues every micro-batch that pipeline leased or committed, the pipeline's
-survivors discard their work, and the intact pipelines redo it — if the averaging had started, it is restarted
-with the remaining participants (a new round). Only when no pipeline is intact does the step fail
-(:class:`ReplanNeededError`): the driver re-plans and redoes it. ``apply`` is only sent once every stage has
-its averaged gradient, so a death can never leave some stages updated and others not.
+Deaths. A worker is declared dead when two liveness checks in a row (a Ping every ``liveness_interval_s``)
+fail, when a neighbour reports a failed send and a ping confirms it, or when a receiver reports it sent
+malformed data (NaN, wrong shape). Its pipeline is dropped from the step: the pool requeues every micro-batch
+that pipeline leased or committed, the pipeline's survivors discard their work, and the intact pipelines redo
+it — if the averaging had started, it is restarted with the remaining participants (a new round). Only when
+no pipeline is intact does the step fail (:class:`ReplanNeededError`): the driver re-plans and redoes it.
+``apply`` is only sent once every stage has its averaged gradient, so a death can never leave some stages
+updated and others not.
+
+Threads and locks. ``_cond`` (a condition) guards the step state, the assignments, the epoch and the dead set;
+the step loop waits on it. Observers (``on_event``, ``on_death``) are never called while it is held: events are
+collected under the lock and emitted after. Background work (drop notices, restarts, judging an error,
+confirming a reported death) runs on one executor, shut down by :meth:`close`.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from peer.net import PeerClient, PeerServer, TransportConfig
+from peer.runtime import control as ctl
 from peer.runtime.pool import TaskPool
 from peer.runtime.spec import Assignment, RunSpec
-from peer.runtime.wire import body_of, control, envelope, make_key
+from peer.runtime.wire import make_key
 from peer.runtime.worker import state_envelope, state_from_envelope
+from peer.timing import (
+    ASSIGN_TIMEOUT_S,
+    CONTROL_SLACK_S,
+    CONTROL_TIMEOUT_S,
+    FETCH_STATE_TIMEOUT_S,
+    HEARTBEAT_S,
+    PING_MISSES,
+    PING_TIMEOUT_S,
+    STATUS_TIMEOUT_S,
+    STEP_TIMEOUT_S,
+)
 from protocol import tasklet_pb2 as pb
-from protocol.errors import BadMessage, Rejected, TransportError
+from protocol.errors import Rejected, TransportError
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_S = 2.0
-PING_TIMEOUT_S = 2.0
+Event = tuple[str, dict[str, Any]]  # (name, info) for on_event
 
 
 class StepFailedError(RuntimeError):
@@ -53,6 +72,14 @@ class StepFailedError(RuntimeError):
 
 class ReplanNeededError(StepFailedError):
     """No pipeline of the plan is intact any more (or a worker is gone at a step boundary): re-plan."""
+
+
+class StepPhase(enum.Enum):
+    """Where a step is: computing micro-batches, averaging gradients, or applying them."""
+
+    COMPUTE = "compute"
+    REDUCE = "reduce"
+    APPLY = "apply"
 
 
 @dataclass
@@ -69,9 +96,11 @@ class StepReport:
 
 @dataclass
 class _StepState:
+    """The running step; every field is guarded by the coordinator's ``_cond``."""
+
     pool: TaskPool
     round: int = 0
-    phase: str = "compute"  # compute -> reduce -> apply
+    phase: StepPhase = StepPhase.COMPUTE
     feeders_done: bool = False  # some feeder was told "done" (the pool was complete)
     losses: dict[tuple[int, int], float] = field(default_factory=dict)
     reduced: set[str] = field(default_factory=set)
@@ -83,42 +112,65 @@ class _StepState:
 class Coordinator:
     """Drives a run over workers that have been given their assignments with :meth:`assign`."""
 
-    def __init__(self, spec: RunSpec, host: str = "127.0.0.1", port: int = 0, heartbeat_s: float = HEARTBEAT_S) -> None:
+    def __init__(
+        self, spec: RunSpec, host: str = "127.0.0.1", port: int = 0, liveness_interval_s: float = HEARTBEAT_S
+    ) -> None:
         self.spec = spec.validate()
-        self.heartbeat_s = heartbeat_s
+        self.liveness_interval_s = liveness_interval_s
         self.config = TransportConfig(host=host, port=port, max_concurrent_streams=48, thread_pool_size=64)
         self.server = PeerServer(self.config)
         self.server.register_fetch(pb.COMMIT, self._on_pool_request)
         self.server.register_fetch(pb.STAGE_STATE, self._on_state_request)
         self.server.register_push(pb.OTHER, self._on_report)
         self._cond = threading.Condition()
-        self._state: _StepState | None = None
-        self.assignments: dict[str, Assignment] = {}
-        self.dead: set[str] = set()
-        self.dead_reasons: dict[str, str] = {}
-        self.epoch = 0
-        self._clients: dict[str, PeerClient] = {}
+        self._state: _StepState | None = None  # _cond
+        self.assignments: dict[str, Assignment] = {}  # _cond; replaced whole by assign(), so a read sees one plan
+        self._dead: set[str] = set()  # _cond
+        self.dead_reasons: dict[str, str] = {}  # _cond
+        self.epoch = 0  # _cond
+        self._clients: dict[str, PeerClient] = {}  # _clients_lock
         self._clients_lock = threading.Lock()
-        self._checkpoint_states: dict[int, dict[str, Any]] = {}  # stage -> state served to restoring workers
+        self._checkpoint_states: dict[int, dict[str, Any]] = {}  # stage -> state; replaced whole
         self._stop = threading.Event()
-        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        self._liveness = threading.Thread(target=self._liveness_loop, name="liveness", daemon=True)
+        self._background = ThreadPoolExecutor(max_workers=8, thread_name_prefix="coordinator")
         self.on_death: Callable[[str, str], None] | None = None
-        # on_event(name, info): "lease", "commit", "reduce", "apply", "dead", "requeue" as they happen; must not
-        # block (tests use it to kill a worker at a chosen moment, benchmarks to time recovery)
+        # on_event(name, info): "lease", "commit", "reduce", "apply", "dead", "requeue" as they happen; called
+        # without the coordinator's lock, must not block for long (tests use it to kill a worker at a chosen
+        # moment, benchmarks to time recovery)
         self.on_event: Callable[[str, dict[str, Any]], None] | None = None
+        self._pool_handlers: dict[ctl.Op, Callable[[_StepState, pb.Key, pb.Envelope], list[Event]]] = {
+            ctl.Op.LEASE: self._on_lease,
+            ctl.Op.COMMIT: self._on_commit,
+        }
+        # step reports: called with _cond held, on the running step
+        self._step_reports: dict[ctl.Op, Callable[[_StepState, pb.Key, str | None, Any], None]] = {
+            ctl.Op.LOSS: self._on_loss,
+            ctl.Op.REDUCED: self._on_reduced,
+            ctl.Op.SYNCED: self._on_synced,
+            ctl.Op.ERROR: self._on_error,
+        }
 
     @property
     def endpoint(self) -> str:
         return self.server.endpoint
 
+    @property
+    def dead(self) -> frozenset[str]:
+        """Workers of the current plan declared dead (a snapshot)."""
+        with self._cond:
+            return frozenset(self._dead)
+
     def start(self) -> str:
         self.server.start()
-        self._heartbeat.start()
+        self._liveness.start()
         return self.server.endpoint
 
     def close(self) -> None:
         self._stop.set()
-        self._heartbeat.join(timeout=5.0)
+        if self._liveness.is_alive():
+            self._liveness.join(timeout=5.0)
+        self._background.shutdown(wait=False, cancel_futures=True)
         with self._clients_lock:
             for client in self._clients.values():
                 client.close()
@@ -131,17 +183,34 @@ class Coordinator:
                 self._clients[endpoint] = PeerClient(endpoint, self.config, sender="coordinator")
             return self._clients[endpoint]
 
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn`` in the background; after close() it is dropped (nothing is waiting for it)."""
+        try:
+            self._background.submit(fn, *args)
+        except RuntimeError:  # the executor is shut down
+            log.debug("coordinator closed; %s not run", getattr(fn, "__name__", fn))
+
+    def _emit(self, events: Sequence[Event]) -> None:
+        """Call the observer for each event; never with ``_cond`` held."""
+        if self.on_event is None:
+            return
+        for name, info in events:
+            try:
+                self.on_event(name, info)
+            except Exception:  # a broken observer must not break training
+                log.exception("on_event(%s) failed", name)
+
     # ---------------------------------------------------------------------------------------------- assign
     def assign(
         self,
         assignments: dict[str, Assignment],
-        sources: dict[str, dict[str, Any]] | None = None,
-        timeout_s: float = 180.0,
+        sources: dict[str, ctl.StateSource] | None = None,
+        timeout_s: float = ASSIGN_TIMEOUT_S,
     ) -> None:
         """Send every worker (by endpoint) its assignment and state source; wait until all accepted.
 
-        ``sources[endpoint]`` is ``{"source": "init"|"keep"|"fetch", "endpoint": ..., "step": k}``; default
-        ``init`` at step 0. A worker that refuses or cannot be reached raises (the caller re-plans).
+        A new plan starts with no dead workers (the driver left the dead ones out of it). ``sources[endpoint]``
+        defaults to ``init`` at step 0. A worker that refuses or cannot be reached raises (the caller re-plans).
         """
         epochs = {a.epoch for a in assignments.values()}
         if len(epochs) != 1:
@@ -150,26 +219,18 @@ class Coordinator:
             self.epoch = epochs.pop()
             self._state = None
             self.assignments = dict(assignments)
-        run = self.spec.to_dict()
+            self._dead.clear()
+            self.dead_reasons.clear()
         sources = sources or {}
         futures = {
             ep: self._client(ep).push_async(
-                envelope(
-                    pb.STAGE_ASSIGNMENT,
-                    make_key(self.spec.run_id, a.epoch, -1),
-                    body={
-                        "run": run,
-                        "assignment": a.to_dict(),
-                        "state": sources.get(ep, {"source": "init", "step": 0}),
-                    },
-                ),
-                timeout_s,
+                ctl.StageAssignment(self.spec, a, sources.get(ep, ctl.StateSource.init())).to_envelope(), timeout_s
             )
             for ep, a in assignments.items()
         }
         for ep, f in futures.items():
             try:
-                f.result(timeout=timeout_s + 5)
+                f.result(timeout=timeout_s + CONTROL_SLACK_S)
             except TransportError as exc:
                 self._confirm_death(ep, f"did not take its assignment: {exc}")
                 raise ReplanNeededError(f"worker {ep} did not take its assignment: {exc}") from exc
@@ -180,49 +241,45 @@ class Coordinator:
 
     # ------------------------------------------------------------------------------------------ step loop
     def _intact(self, state: _StepState) -> list[int]:
-        """Pipelines whose every member is alive and that were not dropped from this step."""
+        """Pipelines whose every member is alive and that were not dropped from this step (``_cond`` held)."""
         n_rep = max((a.n_replicas for a in self.assignments.values()), default=0)
-        broken = {a.replica for ep, a in self.assignments.items() if ep in self.dead} | state.dropped
+        broken = {a.replica for ep, a in self.assignments.items() if ep in self._dead} | state.dropped
         return [r for r in range(n_rep) if r not in broken]
 
     def _members(self, pipelines: Sequence[int], first: bool | None = None) -> list[str]:
-        return [
-            ep
-            for ep, a in self.assignments.items()
-            if a.replica in pipelines and ep not in self.dead and (first is None or a.is_first == first)
-        ]
-
-    def run_step(self, step: int, timeout_s: float = 600.0) -> StepReport:
-        """Run one step to the end (all intact pipelines' stages updated) and report it."""
-        if not self.assignments:
-            raise RuntimeError("assign() the workers first")
-        if self.dead:
-            raise ReplanNeededError(f"step {step}: workers died since the plan was made: {sorted(self.dead)}")
-        state = _StepState(pool=TaskPool(step, self.spec.n_microbatches, lease_timeout_s=timeout_s))
+        """Live workers of ``pipelines`` (only first stages, or only the others, when ``first`` is set)."""
         with self._cond:
+            return [
+                ep
+                for ep, a in self.assignments.items()
+                if a.replica in pipelines and ep not in self._dead and (first is None or a.is_first == first)
+            ]
+
+    def run_step(self, step: int, timeout_s: float = STEP_TIMEOUT_S) -> StepReport:
+        """Run one step to the end (all intact pipelines' stages updated) and report it."""
+        with self._cond:
+            if not self.assignments:
+                raise RuntimeError("assign() the workers first")
+            if self._dead:
+                raise ReplanNeededError(f"step {step}: workers died since the plan was made: {sorted(self._dead)}")
+            state = _StepState(pool=TaskPool(step, self.spec.n_microbatches, lease_timeout_s=timeout_s))
             self._state = state
             intact = self._intact(state)
         started = time.monotonic()
         deadline = started + timeout_s
-        self._broadcast(self._members(intact, first=False), "start_step", {"step": step, "round": 0}, step)
-        self._broadcast(self._members(intact, first=True), "start_step", {"step": step, "round": 0, "feed": True}, step)
+        self._broadcast(self._members(intact, first=False), ctl.StartStep(step, 0), step)
+        self._broadcast(self._members(intact, first=True), ctl.StartStep(step, 0, feed=True), step)
         while True:
             self._wait(state, lambda: state.pool.complete(), deadline, f"step {step}: micro-batches")
             with self._cond:
                 if not state.pool.complete():
                     continue
-                state.phase, state.round, state.reduced = "reduce", state.round + 1, set()
+                state.phase, state.round, state.reduced = StepPhase.REDUCE, state.round + 1, set()
                 intact, rnd = self._intact(state), state.round
                 assignment = state.pool.assignment()
             members = self._members(intact)
-            body = {
-                "step": step,
-                "round": rnd,
-                "participants": intact,
-                "assignment": {str(k): v for k, v in assignment.items()},
-            }
-            self._emit("reduce", step=step, round=rnd, participants=intact)
-            self._broadcast(members, "reduce", body, step)
+            self._emit([("reduce", {"step": step, "round": rnd, "participants": intact})])
+            self._broadcast(members, ctl.Reduce(step, rnd, tuple(intact), assignment), step)
             expected = set(members)
             restarted = self._wait(
                 state,
@@ -231,16 +288,15 @@ class Coordinator:
                 f"step {step}: gradient averaging",
                 watch_round=rnd,
             )
-            if restarted:
-                continue
-            break
+            if not restarted:
+                break
         with self._cond:
-            state.phase = "apply"
-        self._emit("apply", step=step)
-        self._broadcast(members, "apply", {"step": step}, step)
+            state.phase = StepPhase.APPLY
+        self._emit([("apply", {"step": step})])
+        self._broadcast(members, ctl.Apply(step), step)
         self._wait(
             state,
-            lambda: state.synced >= {m for m in members if m not in self.dead},
+            lambda: state.synced >= {m for m in members if m not in self._dead},
             deadline,
             f"step {step}: optimizer step",
             allow_failures=True,
@@ -250,14 +306,8 @@ class Coordinator:
         counts: dict[int, int] = {}
         for p in assignment.values():
             counts[p] = counts.get(p, 0) + 1
-        report = StepReport(
-            step,
-            sum(losses) / len(losses),
-            seconds,
-            counts,
-            state.pool.requeued,
-            sorted(state.dropped),
-        )
+        report = StepReport(step, sum(losses) / len(losses), seconds, counts, state.pool.requeued,
+                            sorted(state.dropped))
         log.info(
             "step %d: loss %.4f in %.3f s (micro-batches per pipeline %s%s)",
             step,
@@ -278,31 +328,37 @@ class Coordinator:
         allow_failures: bool = False,
     ) -> bool:
         """Wait for ``ready``; handle deaths on the way. True when a death sent the step back to computing."""
-        with self._cond:
-            while not ready():
+        while True:
+            events: list[Event] = []
+            restarted = False
+            with self._cond:
+                if ready():
+                    return False
                 if state.errors:
                     raise StepFailedError(f"{what}: {state.errors[0]}")
-                if not allow_failures and self._drop_broken(state):
+                if not allow_failures and self._drop_broken(state, events):
                     if not self._intact(state):
-                        raise ReplanNeededError(f"{what}: no intact pipeline left (dead: {sorted(self.dead)})")
+                        raise ReplanNeededError(f"{what}: no intact pipeline left (dead: {sorted(self._dead)})")
                     if state.feeders_done:
                         # the feeders had stopped (pool complete): start them again, and abort any averaging
-                        state.phase, state.feeders_done = "compute", False
+                        state.phase, state.feeders_done = StepPhase.COMPUTE, False
                         self._refeed(state)
-                        if watch_round is not None:
-                            return True
+                        restarted = watch_round is not None
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise StepFailedError(f"{what}: timed out")
-                self._cond.wait(min(left, 0.2))
-            return False
+                if not events and not restarted:
+                    self._cond.wait(min(left, 0.2))
+            self._emit(events)
+            if restarted:
+                return True
 
-    def _drop_broken(self, state: _StepState) -> list[int]:
-        """Drop pipelines with a dead member from the step (called with the lock held); return them."""
-        broken = sorted({a.replica for ep, a in self.assignments.items() if ep in self.dead} - state.dropped)
+    def _drop_broken(self, state: _StepState, events: list[Event]) -> list[int]:
+        """Drop pipelines with a dead member from the step (``_cond`` held); return them."""
+        broken = sorted({a.replica for ep, a in self.assignments.items() if ep in self._dead} - state.dropped)
         for r in broken:
             lost = state.pool.fail_pipeline(r)
-            self._emit("requeue", step=state.pool.step, pipeline=r, microbatches=lost)
+            events.append(("requeue", {"step": state.pool.step, "pipeline": r, "microbatches": lost}))
             state.dropped.add(r)
             log.warning(
                 "step %d: pipeline %d lost a member; %d micro-batches go back to the pool",
@@ -310,17 +366,13 @@ class Coordinator:
                 r,
                 len(lost),
             )
-            survivors = self._members([r])
+            survivors = [ep for ep, a in self.assignments.items() if a.replica == r and ep not in self._dead]
             if survivors:
-                threading.Thread(
-                    target=self._broadcast_quietly,
-                    args=(survivors, "drop_step", {"step": state.pool.step}, state.pool.step),
-                    daemon=True,
-                ).start()
+                self._submit(self._broadcast_quietly, survivors, ctl.DropStep(state.pool.step), state.pool.step)
         return broken
 
     def _refeed(self, state: _StepState) -> None:
-        """A new round for the intact pipelines: abort their averaging, restart their feeders.
+        """A new round for the intact pipelines: abort their averaging, restart their feeders (``_cond`` held).
 
         Called only when no micro-batch is in flight (the pool had been complete), so resetting the feeders'
         in-flight counts is safe. Non-first stages are told first, as at the start of a step.
@@ -329,52 +381,43 @@ class Coordinator:
         intact, step, rnd = self._intact(state), state.pool.step, state.round
 
         def send() -> None:
-            self._broadcast_quietly(
-                self._members(intact, first=False), "start_step", {"step": step, "round": rnd}, step
-            )
-            self._broadcast_quietly(
-                self._members(intact, first=True), "start_step", {"step": step, "round": rnd, "feed": True}, step
-            )
+            self._broadcast_quietly(self._members(intact, first=False), ctl.StartStep(step, rnd), step)
+            self._broadcast_quietly(self._members(intact, first=True), ctl.StartStep(step, rnd, feed=True), step)
 
-        threading.Thread(target=send, daemon=True).start()
+        self._submit(send)
 
-    def _emit(self, name: str, **info: Any) -> None:
-        if self.on_event is not None:
-            try:
-                self.on_event(name, info)
-            except Exception:  # a broken observer must not break training
-                log.exception("on_event(%s) failed", name)
-
-    def _broadcast(self, endpoints: Sequence[str], op: str, body: dict[str, Any], step: int) -> None:
+    def _broadcast(self, endpoints: Sequence[str], msg: ctl.Message, step: int) -> None:
         """Send a control message to every endpoint; a worker that does not answer is checked for death."""
+        with self._cond:
+            epoch = self.epoch
         futures = {
-            ep: self._client(ep).push_async(control(op, self.spec.run_id, self.epoch, step, body), 30.0)
+            ep: self._client(ep).push_async(ctl.encode(msg, self.spec.run_id, epoch, step), CONTROL_TIMEOUT_S)
             for ep in endpoints
         }
         for ep, f in futures.items():
             try:
-                f.result(timeout=35.0)
+                f.result(timeout=CONTROL_TIMEOUT_S + CONTROL_SLACK_S)
             except TransportError as exc:
-                log.warning("%s to %s failed: %s", op, ep, exc)
-                self._confirm_death(ep, f"{op} failed: {exc}")
+                log.warning("%s to %s failed: %s", msg.op.value, ep, exc)
+                self._confirm_death(ep, f"{msg.op.value} failed: {exc}")
 
-    def _broadcast_quietly(self, endpoints: Sequence[str], op: str, body: dict[str, Any], step: int) -> None:
+    def _broadcast_quietly(self, endpoints: Sequence[str], msg: ctl.Message, step: int) -> None:
         try:
-            self._broadcast(endpoints, op, body, step)
+            self._broadcast(endpoints, msg, step)
         except Exception as exc:  # background notice; the step loop notices real failures itself
-            log.info("%s broadcast: %s", op, exc)
+            log.info("%s broadcast: %s", msg.op.value, exc)
 
     # ------------------------------------------------------------------------------------------ liveness
     def declare_dead(self, endpoint: str, reason: str) -> None:
         """Exclude a worker for the rest of this plan (its pipeline is dropped from the running step)."""
         with self._cond:
-            if endpoint in self.dead or endpoint not in self.assignments:
+            if endpoint in self._dead or endpoint not in self.assignments:
                 return
-            self.dead.add(endpoint)
+            self._dead.add(endpoint)
             self.dead_reasons[endpoint] = reason
             log.warning("worker %s declared dead: %s", endpoint, reason)
-            self._emit("dead", endpoint=endpoint, reason=reason)
             self._cond.notify_all()
+        self._emit([("dead", {"endpoint": endpoint, "reason": reason})])
         if self.on_death:
             self.on_death(endpoint, reason)
 
@@ -386,32 +429,38 @@ class Coordinator:
             return False
 
     def _confirm_death(self, endpoint: str, reason: str) -> None:
-        if endpoint in self.assignments and endpoint not in self.dead and not self._alive(endpoint):
+        """Declare ``endpoint`` dead if it is a live worker of the plan and does not answer a ping."""
+        with self._cond:
+            candidate = endpoint in self.assignments and endpoint not in self._dead
+        if candidate and not self._alive(endpoint):
             self.declare_dead(endpoint, reason)
 
-    def _heartbeat_loop(self) -> None:
+    def _liveness_loop(self) -> None:
+        """Ping every live worker each ``liveness_interval_s``; ``PING_MISSES`` misses in a row: dead."""
         misses: dict[str, int] = {}
-        while not self._stop.wait(self.heartbeat_s):
-            for ep in [ep for ep in list(self.assignments) if ep not in self.dead]:
+        while not self._stop.wait(self.liveness_interval_s):
+            with self._cond:
+                workers = [ep for ep in self.assignments if ep not in self._dead]
+            for ep in workers:
                 if self._alive(ep):
                     misses[ep] = 0
                     continue
                 misses[ep] = misses.get(ep, 0) + 1
-                if misses[ep] >= 2:
-                    self.declare_dead(ep, f"missed {misses[ep]} heartbeats")
+                if misses[ep] >= PING_MISSES:
+                    self.declare_dead(ep, f"missed {misses[ep]} liveness checks")
 
     # ------------------------------------------------------------------------------------------- queries
     def stop_workers(self) -> None:
         """Ask every live worker to exit (best effort)."""
-        for ep in self.assignments:
-            if ep in self.dead:
-                continue
+        with self._cond:
+            workers, epoch = [ep for ep in self.assignments if ep not in self._dead], self.epoch
+        for ep in workers:
             try:
-                self._client(ep).push(control("stop", self.spec.run_id, self.epoch), timeout_s=5.0)
+                self._client(ep).push(ctl.encode(ctl.Stop(), self.spec.run_id, epoch), timeout_s=STATUS_TIMEOUT_S)
             except Exception as exc:  # a worker that is already gone is fine
                 log.info("stop %s: %s", ep, exc)
 
-    def fetch_state(self, endpoint: str, timeout_s: float = 60.0) -> dict[str, Any]:
+    def fetch_state(self, endpoint: str, timeout_s: float = FETCH_STATE_TIMEOUT_S) -> dict[str, Any]:
         """A worker's stage state (params, AdamW moments, step) as a plain dict of tensors and numbers."""
         a = self.assignments[endpoint]
         env = self._client(endpoint).fetch(
@@ -422,12 +471,43 @@ class Coordinator:
         )
         return state_from_envelope(env)
 
-    def worker_status(self, endpoint: str, timeout_s: float = 5.0) -> dict[str, Any]:
+    def live_states(
+        self, *, every_replica: bool = False, at_step: int | None = None
+    ) -> dict[tuple[int, int], dict[str, Any]]:
+        """States of the live workers by (stage, replica): one per stage (the lowest replica that answers, at
+        ``at_step`` when given), or with ``every_replica`` every live worker's (a failed fetch then raises).
+
+        The one way checkpoints, the leader's final save and local runs read the trained stages.
+        """
+        with self._cond:
+            workers = sorted(
+                ((a.stage, a.replica, ep) for ep, a in self.assignments.items() if ep not in self._dead)
+            )
+        out: dict[tuple[int, int], dict[str, Any]] = {}
+        done: set[int] = set()
+        for stage, replica, ep in workers:
+            if stage in done and not every_replica:
+                continue
+            try:
+                state = self.fetch_state(ep)
+            except Exception as exc:
+                if every_replica:
+                    raise
+                log.warning("fetching stage %d from %s failed (%s); trying another replica", stage, ep, exc)
+                continue
+            if at_step is not None and state["step"] != at_step:
+                log.info("%s holds stage %d at step %d, not %d", ep, stage, state["step"], at_step)
+                continue
+            out[(stage, replica)] = state
+            done.add(stage)
+        return out
+
+    def worker_status(self, endpoint: str, timeout_s: float = STATUS_TIMEOUT_S) -> dict[str, Any]:
         return self._client(endpoint).status(timeout_s=timeout_s)
 
     # ------------------------------------------------------------------------------------------- handlers
     def _on_pool_request(self, request: pb.FetchRequest) -> pb.Envelope:
-        op = request.meta.get("op")
+        op = ctl.op_of(request, ctl.POOL_OPS)
         key = request.key
         reply = pb.Envelope(kind=pb.COMMIT, key=key)
         with self._cond:
@@ -438,27 +518,31 @@ class Coordinator:
                 or key.run_id != self.spec.run_id
                 or key.epoch != self.epoch
             ):
-                reply.meta["status"] = "wait"
+                reply.meta["status"] = ctl.PoolStatus.WAIT.value
                 return reply
-            if op == "lease":
-                if state.pool.complete():
-                    reply.meta["status"] = "done"
-                    state.feeders_done = True
-                    return reply
-                mb = state.pool.lease(key.replica)
-                reply.meta["status"] = "wait" if mb is None else "lease"
-                if mb is not None:
-                    reply.key.microbatch = mb
-                    self._emit("lease", step=key.step, microbatch=mb, pipeline=key.replica)
-            elif op == "commit":
-                result = state.pool.commit(key.microbatch, key.replica)
-                reply.meta["status"] = result.value
-                self._emit("commit", step=key.step, microbatch=key.microbatch, pipeline=key.replica,
-                           result=result.value)
-                self._cond.notify_all()
-            else:
-                raise BadMessage("meta.op", f"unknown pool operation {op!r}")
+            events = self._pool_handlers[op](state, key, reply)
+        self._emit(events)
         return reply
+
+    def _on_lease(self, state: _StepState, key: pb.Key, reply: pb.Envelope) -> list[Event]:
+        if state.pool.complete():
+            reply.meta["status"] = ctl.PoolStatus.DONE.value
+            state.feeders_done = True
+            return []
+        mb = state.pool.lease(key.replica)
+        if mb is None:
+            reply.meta["status"] = ctl.PoolStatus.WAIT.value
+            return []
+        reply.meta["status"] = ctl.PoolStatus.LEASE.value
+        reply.key.microbatch = mb
+        return [("lease", {"step": key.step, "microbatch": mb, "pipeline": key.replica})]
+
+    def _on_commit(self, state: _StepState, key: pb.Key, reply: pb.Envelope) -> list[Event]:
+        result = state.pool.commit(key.microbatch, key.replica)
+        reply.meta["status"] = result.value  # CommitResult values are PoolStatus values
+        self._cond.notify_all()
+        info = {"step": key.step, "microbatch": key.microbatch, "pipeline": key.replica, "result": result.value}
+        return [("commit", info)]
 
     def _on_state_request(self, request: pb.FetchRequest) -> pb.Envelope:
         state = self._checkpoint_states.get(request.key.stage)
@@ -467,56 +551,61 @@ class Coordinator:
         return state_envelope(state, self.spec.run_id, self.epoch, request.key.stage)
 
     def _endpoint_of(self, stage: int, replica: int) -> str | None:
-        for ep, a in self.assignments.items():
-            if a.stage == stage and a.replica == replica:
-                return ep
+        with self._cond:
+            for ep, a in self.assignments.items():
+                if a.stage == stage and a.replica == replica:
+                    return ep
         return None
 
     def _on_report(self, env: pb.Envelope) -> None:
-        op = env.meta.get("op")
-        body = body_of(env)
-        if env.key.epoch != self.epoch:
-            raise Rejected(f"report of epoch {env.key.epoch}, the plan is at epoch {self.epoch}")
+        msg = ctl.decode(env, ctl.REPORTS)
+        with self._cond:
+            epoch = self.epoch
+        if env.key.epoch != epoch:
+            raise Rejected(f"report of epoch {env.key.epoch}, the plan is at epoch {epoch}")
         sender = self._endpoint_of(env.key.stage, env.key.replica)
-        if op == "peer_error":
-            target = str(body.get("endpoint", ""))
-            threading.Thread(target=self._confirm_death, args=(target, f"reported by {sender}"), daemon=True).start()
+        if isinstance(msg, ctl.PeerError):
+            self._submit(self._confirm_death, msg.endpoint, f"reported by {sender}")
             return
-        if op == "bad_peer":
-            culprit = self._endpoint_of(int(body.get("stage", -1)), int(body.get("replica", -1)))
+        if isinstance(msg, ctl.BadPeer):
+            culprit = self._endpoint_of(msg.stage, msg.replica)
             if culprit is not None:
-                self.declare_dead(culprit, f"sent malformed data to {sender}: {body.get('error')}")
+                self.declare_dead(culprit, f"sent malformed data to {sender}: {msg.error}")
             return
         with self._cond:
             state = self._state
             if state is None or env.key.step != state.pool.step:
                 raise Rejected(f"report for step {env.key.step}, which is not running")
-            if op == "loss":
-                state.losses[(int(body["microbatch"]), env.key.replica)] = float(body["loss"])
-            elif op == "reduced":
-                if int(body.get("round", -1)) == state.round and sender is not None:
-                    state.reduced.add(sender)
-            elif op == "synced":
-                if sender is not None:
-                    state.synced.add(sender)
-            elif op == "error":
-                if env.key.replica in state.dropped or sender in self.dead:
-                    log.info("ignoring an error from dropped pipeline %d: %s", env.key.replica, body)
-                else:
-                    log.error("worker stage %d replica %d: %s", env.key.stage, env.key.replica, body)
-                    threading.Thread(target=self._judge_error, args=(sender, body), daemon=True).start()
-            else:
-                raise BadMessage("meta.op", f"unknown report {op!r}")
+            self._step_reports[msg.op](state, env.key, sender, msg)
             self._cond.notify_all()
 
-    def _judge_error(self, sender: str | None, body: dict[str, Any]) -> None:
+    def _on_loss(self, state: _StepState, key: pb.Key, sender: str | None, msg: ctl.Loss) -> None:
+        state.losses[(msg.microbatch, key.replica)] = msg.loss
+
+    def _on_reduced(self, state: _StepState, key: pb.Key, sender: str | None, msg: ctl.Reduced) -> None:
+        if msg.round == state.round and sender is not None:
+            state.reduced.add(sender)
+
+    def _on_synced(self, state: _StepState, key: pb.Key, sender: str | None, msg: ctl.Synced) -> None:
+        if sender is not None:
+            state.synced.add(sender)
+
+    def _on_error(self, state: _StepState, key: pb.Key, sender: str | None, msg: ctl.TaskError) -> None:
+        if key.replica in state.dropped or sender in self._dead:
+            log.info("ignoring an error from dropped pipeline %d: %s", key.replica, msg)
+            return
+        log.error("worker stage %d replica %d: %s", key.stage, key.replica, msg)
+        self._submit(self._judge_error, sender, msg)
+
+    def _judge_error(self, sender: str | None, msg: ctl.TaskError) -> None:
         """A worker's task failed. If the step can still finish it will (a missing message shows up as a
-        death elsewhere); an error during averaging or apply with everyone alive is fatal for the step."""
-        time.sleep(self.heartbeat_s)
+        death elsewhere); an error during averaging or apply with everyone alive is fatal for the step.
+        Waits one liveness interval first, so that a sender that is dying is noticed as dead instead."""
+        time.sleep(self.liveness_interval_s)
         with self._cond:
             state = self._state
-            if state is None or sender in self.dead:
+            if state is None or sender in self._dead:
                 return
-            if body.get("what") in ("reduce", "apply") and state.phase != "compute":
-                state.errors.append(f"{sender}: {body.get('error')}")
+            if msg.what in ("reduce", "apply") and state.phase is not StepPhase.COMPUTE:
+                state.errors.append(f"{sender}: {msg.error}")
                 self._cond.notify_all()

@@ -31,8 +31,10 @@ from typing import Any
 
 import torch
 
+from peer.runtime.control import StateSource
 from peer.runtime.coordinator import Coordinator, ReplanNeededError, StepFailedError, StepReport
 from peer.runtime.spec import Assignment, RunSpec
+from peer.timing import REPLAN_WAIT_S, STEP_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +51,9 @@ class DriverConfig:
     steps: int
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 0  # 0: only on request
-    step_timeout_s: float = 600.0
+    step_timeout_s: float = STEP_TIMEOUT_S
     max_replans: int = 50
-    replan_wait_s: float = 0.5
+    replan_wait_s: float = REPLAN_WAIT_S
 
 
 @dataclass
@@ -185,11 +187,8 @@ class RunDriver:
             self._load_checkpoint_stages(rollback)
             self.trained = rollback
             self.reports = [r for r in self.reports if r.step < rollback]
-            sources = {
-                ep: {"source": "fetch", "endpoint": self.coordinator.endpoint, "step": rollback} for ep in assignments
-            }
-        self.coordinator.dead.clear()
-        self.coordinator.assign(assignments, sources)
+            sources = {ep: StateSource.fetch(self.coordinator.endpoint, rollback) for ep in assignments}
+        self.coordinator.assign(assignments, sources)  # a new plan: the coordinator forgets the dead
         self.pipelines = pipelines
         info = {
             "epoch": self.epoch,
@@ -234,24 +233,21 @@ class RunDriver:
 
     def _sources(
         self, assignments: dict[str, Assignment], holders: dict[int, list[str]], restore_step: int | None
-    ) -> tuple[dict[str, dict[str, Any]], int | None]:
+    ) -> tuple[dict[str, StateSource], int | None]:
         """Where each assignee gets its state; the checkpoint step to roll back to when a stage is lost."""
         if restore_step is not None:
-            return {
-                ep: {"source": "fetch", "endpoint": self.coordinator.endpoint, "step": restore_step}
-                for ep in assignments
-            }, None
+            return {ep: StateSource.fetch(self.coordinator.endpoint, restore_step) for ep in assignments}, None
         if self.trained == 0 and not holders:
-            return {ep: {"source": "init", "step": 0} for ep in assignments}, None
-        sources: dict[str, dict[str, Any]] = {}
+            return {ep: StateSource.init() for ep in assignments}, None
+        sources: dict[str, StateSource] = {}
         for ep, a in assignments.items():
             have = holders.get(a.stage, [])
             if ep in have:
-                sources[ep] = {"source": "keep", "step": self.trained}
+                sources[ep] = StateSource.keep(self.trained)
             elif have:
-                sources[ep] = {"source": "fetch", "endpoint": have[0], "step": self.trained}
+                sources[ep] = StateSource.fetch(have[0], self.trained)
             elif self.trained == 0:
-                sources[ep] = {"source": "init", "step": 0}
+                sources[ep] = StateSource.init()
             else:
                 latest = self._latest_checkpoint()
                 if latest is None:
@@ -268,19 +264,10 @@ class RunDriver:
         tmp = self.cfg.checkpoint_dir / f".tmp-step-{self.trained:06d}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        saved = set()
-        for ep, a in sorted(self.coordinator.assignments.items(), key=lambda kv: kv[1].replica):
-            if a.stage in saved or ep in self.coordinator.dead:
-                continue
-            try:
-                state = self.coordinator.fetch_state(ep)
-            except Exception as exc:  # try another replica of the stage
-                log.warning("checkpoint: fetching stage %d from %s failed: %s", a.stage, ep, exc)
-                continue
-            if state["step"] != self.trained:
-                continue
-            torch.save(state, tmp / f"stage-{a.stage}.pt")
-            saved.add(a.stage)
+        states = self.coordinator.live_states(at_step=self.trained)
+        for (stage, _), state in states.items():
+            torch.save(state, tmp / f"stage-{stage}.pt")
+        saved = {stage for stage, _ in states}
         if saved != set(range(len(self.stages))):
             shutil.rmtree(tmp, ignore_errors=True)
             log.warning("checkpoint of step %d incomplete (stages %s); skipped", self.trained, sorted(saved))

@@ -1,9 +1,8 @@
-"""Building and reading the runtime's envelopes: one place for keys, JSON meta and control operations.
+"""Building and reading the runtime's envelopes: keys, tensors and the JSON body in ``meta["body"]``.
 
 Data messages use the transport's Kinds (ACTIVATION, ACTIVATION_GRAD, GRAD_SHARD, PARAM_SHARD, STAGE_STATE).
-Control messages (coordinator <-> workers) are Kind OTHER with ``meta["op"]`` naming the operation and
-``meta["body"]`` holding its JSON arguments; FETCH of Kind COMMIT is the request/reply channel to the task
-pool (``op`` = "lease" or "commit").
+Control messages (coordinator <-> workers, and the task pool's lease/commit requests) are built and checked
+by :mod:`peer.runtime.control` on top of these helpers.
 """
 
 from __future__ import annotations
@@ -40,11 +39,6 @@ def envelope(kind: int, key: pb.Key, tensors: Mapping[str, torch.Tensor] | None 
     if body is not None:
         env.meta["body"] = json.dumps(body)
     return env
-
-
-def control(op: str, run_id: str, epoch: int, step: int = -1, body: Any = None, **key: int) -> pb.Envelope:
-    """A control message (Kind OTHER)."""
-    return envelope(pb.OTHER, make_key(run_id, epoch, step, **key), op=op, body=body)
 
 
 def body_of(env: pb.Envelope | pb.FetchRequest) -> Any:

@@ -13,27 +13,40 @@ Threads, and why there are this many:
 * Sends are asynchronous (``push_async``) through per-destination link shapers, so a slow link never stalls
   compute; coordinator calls go through a small executor for the same reason.
 
+State, and what guards it. The current assignment — run spec, assignment, compute state, gradient exchange,
+link shapers, corpus — is one immutable :class:`Tasklet` snapshot, replaced by a single reference assignment
+(under both locks below). Every handler and task reads it once and works on that snapshot only, so nobody sees
+a new assignment with the old compute; a queued task of an older snapshot is dropped, never run on the new one.
+Everything else that several threads share names its guard where it is declared:
+
+* ``_state_lock`` serialises whatever changes the compute state: the compute thread's tasks and taking an
+  assignment (which may build or load a stage). Taken before ``_lock`` when both are needed.
+* ``_lock`` guards the step's bookkeeping (step, round, dropped, known micro-batches, in-flight count, the
+  reduced gradient awaiting ``apply``), the client cache, the pre-assignment link table and the stages held
+  for hand-over; ``_inflight_cond`` is a condition on it.
+
 A step: the coordinator sends ``start_step``; micro-batches flow; each stage adds a micro-batch's gradient to
 its accumulator right after its backward (memory: one gradient); when the pool is complete the coordinator
 sends ``reduce`` with the commit record and the participating pipelines; the worker checks its accumulator
 holds exactly its pipeline's micro-batches, averages with the participants (``exchange.py``), keeps the summed
 gradient and reports ``reduced``. Only when *every* stage has reduced does the coordinator send ``apply``: so
 a death during the averaging never leaves some stages updated and others not. ``drop_step`` (its pipeline lost
-a member) throws the step's work away; its micro-batches are redone by other pipelines.
-
-Faults for tests: ``fault="nan-grad"`` makes this worker send NaN activation gradients and gradient shards,
-the behaviour of a broken or malicious peer that the receivers must refuse and report.
+a member) throws the step's work away; its micro-batches are redone by other pipelines. The control messages
+are the typed ones of :mod:`peer.runtime.control`; docs/architecture.md ("One step") walks through a step.
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
 import json
 import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,20 +55,52 @@ from peer.compute.data import Corpus, microbatch
 from peer.compute.stage import StageCompute, StageComputeConfig
 from peer.net import PeerClient, PeerServer, TransportConfig
 from peer.net.shaping import LinkTable
+from peer.runtime import control as ctl
 from peer.runtime.exchange import ExchangeAbortedError, GradientExchange, Tag
-from peer.runtime.spec import Assignment, RunSpec, SpecError
-from peer.runtime.wire import body_of, control, envelope, make_key, tensor_named
+from peer.runtime.spec import Assignment, RunSpec
+from peer.runtime.wire import body_of, envelope, make_key, tensor_named
+from peer.timing import CONTROL_TIMEOUT_S, REDUCE_WAIT_S, SEND_TIMEOUT_S, WORKER_FETCH_STATE_TIMEOUT_S
 from protocol import tasklet_pb2 as pb
 from protocol.codec import decode_tensor
 from protocol.errors import BadMessage, Rejected, TransportError
 
 log = logging.getLogger(__name__)
 
-SYNC_TIMEOUT_S = 120.0
-SEND_TIMEOUT_S = 120.0
-CONTROL_TIMEOUT_S = 30.0
-FETCH_STATE_TIMEOUT_S = 120.0
 WORKER_TRANSPORT = dict(max_concurrent_streams=48, thread_pool_size=64, max_inflight_pushes=32)
+
+
+@dataclass(frozen=True)
+class Tasklet:
+    """The current assignment as one immutable snapshot (see the module docstring)."""
+
+    spec: RunSpec
+    assignment: Assignment
+    compute: StageCompute
+    exchange: GradientExchange
+    links: LinkTable
+    corpus: Corpus | None
+
+    def key(self, step: int, mb: int = -1) -> pb.Key:
+        a = self.assignment
+        return make_key(self.spec.run_id, a.epoch, step, mb, a.stage, a.replica)
+
+
+class TaskKind(enum.Enum):
+    """What the compute thread can be asked to do."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    DROP = "drop"
+    REDUCE = "reduce"
+    APPLY = "apply"
+
+
+@dataclass(frozen=True)
+class _Task:
+    kind: TaskKind
+    tasklet: Tasklet  # the snapshot the task was queued under; dropped if another one is current
+    step: int
+    args: tuple[Any, ...] = ()
 
 
 class StageWorker:
@@ -66,16 +111,12 @@ class StageWorker:
         host: str = "127.0.0.1",
         port: int = 0,
         peer_id: str = "",
-        fault: str | None = None,
         device: str = "",
         max_envelope_bytes: int | None = None,
     ) -> None:
-        if fault not in (None, "nan-grad"):
-            raise ValueError(f"fault: unknown fault {fault!r} (known: nan-grad)")
         limits = {} if max_envelope_bytes is None else {"max_envelope_bytes": max_envelope_bytes}
         self.config = TransportConfig(host=host, port=port, **WORKER_TRANSPORT, **limits)
         self.peer_id = peer_id
-        self.fault = fault
         self.device = device  # this peer's --device; empty: what the assignment says
         self.server = PeerServer(self.config)
         self.server.register_push(pb.STAGE_ASSIGNMENT, self._on_assignment)
@@ -87,32 +128,44 @@ class StageWorker:
         self.server.register_fetch(pb.STAGE_STATE, self._on_fetch_state)
         self.server.set_status_provider(self.status)
 
-        self.spec: RunSpec | None = None
-        self.assignment: Assignment | None = None
-        self.compute: StageCompute | None = None
-        self.exchange: GradientExchange | None = None
-        self._corpus: Corpus | None = None
-        self._links: LinkTable | None = None
-        self._links_table: dict[str, tuple[float, float]] = {}
-        self._clients: dict[str, PeerClient] = {}
-        # layers -> (compute, stage index): the current stage and the one held before the last assignment
-        self._holdings: dict[tuple[int, int], tuple[StageCompute, int]] = {}
-
-        self._lock = threading.Lock()  # guards step, known micro-batches, in-flight count, clients
-        self._state_lock = threading.Lock()  # compute state vs. a concurrent STAGE_STATE fetch
+        self._state_lock = threading.Lock()  # compute tasks vs. taking an assignment (see the module docstring)
+        self._lock = threading.Lock()  # step bookkeeping, clients, link table, holdings
         self._inflight_cond = threading.Condition(self._lock)
-        self.step = -1
-        self.round = 0
-        self._dropped = False  # this pipeline was dropped from the current step
-        self._reduced: tuple[int, torch.Tensor] | None = None  # (step, summed gradient) awaiting "apply"
-        self._known: set[int] = set()
-        self._inflight = 0
-        self._tasks: queue.PriorityQueue[tuple[int, int, tuple[Any, ...]]] = queue.PriorityQueue()
+
+        self._tasklet: Tasklet | None = None  # written under _state_lock and _lock; read once per handler
+        self._corpus: Corpus | None = None  # _state_lock
+        self._links_table: dict[str, tuple[float, float]] = {}  # _lock: shaping before any assignment
+        self._links = LinkTable(lambda dest: None)  # _lock
+        self._clients: dict[str, PeerClient] = {}  # _lock
+        # _lock. layers -> (compute, stage index): the current stage and the one held before the last assignment
+        self._holdings: dict[tuple[int, int], tuple[StageCompute, int]] = {}
+        self.step = -1  # _lock
+        self.round = 0  # _lock
+        self._dropped = False  # _lock: this pipeline was dropped from the current step
+        self._reduced: tuple[int, torch.Tensor] | None = None  # _lock: (step, summed gradient) awaiting "apply"
+        self._known: set[int] = set()  # _lock: micro-batches forwarded here this step
+        self._inflight = 0  # _lock: micro-batches leased by the feeder and not yet committed
+
+        self._tasks: queue.PriorityQueue[tuple[int, int, _Task]] = queue.PriorityQueue()  # thread-safe
         self._seq = itertools.count()
         self._control_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="worker-control")
         self.stopped = threading.Event()
         self._compute_thread = threading.Thread(target=self._compute_loop, name="compute", daemon=True)
-        self.stats = {"forward": 0, "backward": 0, "busy_s": 0.0, "overrun_ops": 0}
+        self.stats = {"forward": 0, "backward": 0, "busy_s": 0.0, "overrun_ops": 0}  # written by compute only
+
+        self._control_handlers: dict[ctl.Op, Callable[[Tasklet, Any], None]] = {
+            ctl.Op.START_STEP: self._on_start_step,
+            ctl.Op.DROP_STEP: lambda t, m: self._put(0, _Task(TaskKind.DROP, t, m.step)),
+            ctl.Op.REDUCE: lambda t, m: self._put(0, _Task(TaskKind.REDUCE, t, m.step, (m,))),
+            ctl.Op.APPLY: lambda t, m: self._put(0, _Task(TaskKind.APPLY, t, m.step)),
+        }
+        self._task_handlers: dict[TaskKind, Callable[..., None]] = {
+            TaskKind.FORWARD: self._do_forward,
+            TaskKind.BACKWARD: self._do_backward,
+            TaskKind.DROP: self._do_drop,
+            TaskKind.REDUCE: self._do_reduce,
+            TaskKind.APPLY: self._do_apply,
+        }
 
     # ------------------------------------------------------------------------------------------- lifecycle
     def start(self) -> str:
@@ -128,63 +181,76 @@ class StageWorker:
         if self._compute_thread.is_alive():
             self._compute_thread.join(timeout=5.0)
         self._control_pool.shutdown(wait=False, cancel_futures=True)
-        for client in self._clients.values():
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
             client.close()
         self.server.stop(grace=0.5)
 
+    # The current snapshot's parts, for callers outside the worker's threads (status, daemon, tests).
+    @property
+    def spec(self) -> RunSpec | None:
+        t = self._tasklet
+        return None if t is None else t.spec
+
+    @property
+    def assignment(self) -> Assignment | None:
+        t = self._tasklet
+        return None if t is None else t.assignment
+
+    @property
+    def compute(self) -> StageCompute | None:
+        t = self._tasklet
+        return None if t is None else t.compute
+
+    @property
+    def exchange(self) -> GradientExchange | None:
+        t = self._tasklet
+        return None if t is None else t.exchange
+
     def status(self) -> dict[str, Any]:
-        a = self.assignment
+        with self._lock:
+            t, step, reduced = self._tasklet, self.step, self._reduced
+        a = None if t is None else t.assignment
         return {
             "peer_id": self.peer_id,
             "stage": None if a is None else a.stage,
             "replica": None if a is None else a.replica,
             "layers": None if a is None else list(a.layers),
             "epoch": None if a is None else a.epoch,
-            "step": self.step,
-            "trained_steps": None if self.compute is None else self.compute.step,
-            "pending_apply": None if self._reduced is None else self._reduced[0],
+            "step": step,
+            "trained_steps": None if t is None else t.compute.step,  # an int, read without the state lock
+            "pending_apply": None if reduced is None else reduced[0],
             **self.stats,
         }
 
     # ------------------------------------------------------------------------------------------ assignment
     def _on_assignment(self, env: pb.Envelope) -> None:
-        """Take a (new) tasklet. ``state`` says where its parameters come from:
+        """Take a (new) tasklet. Its state source says where its parameters come from:
 
         ``keep`` (this peer already holds the stage at the run's trained step), ``init`` (step 0: the seeded
         initialiser, identical everywhere), or ``fetch`` from ``endpoint`` (a live replica of the stage, or the
         coordinator serving a checkpoint) — checked to be at the expected step before it is accepted.
         """
-        body = body_of(env)
-        try:
-            spec = RunSpec.from_dict(body["run"])
-            assignment = Assignment.from_dict(body["assignment"])
-            source = body.get("state", {"source": "init", "step": 0})
-            want_step = int(source.get("step", 0))
-        except (KeyError, TypeError, AttributeError, ValueError) as exc:
-            if isinstance(exc, SpecError):
-                raise BadMessage("meta.body", str(exc)) from None
-            raise BadMessage("meta.body", f"assignment needs 'run' and 'assignment' objects ({exc})") from None
-        if self.assignment is not None and assignment.epoch < self.assignment.epoch:
+        msg = ctl.StageAssignment.from_envelope(env)
+        spec, assignment, source = msg.run, msg.assignment, msg.source
+        old = self._tasklet
+        if old is not None and assignment.epoch < old.assignment.epoch:
             raise Rejected(
-                f"plan epoch {assignment.epoch} is older than this peer's epoch {self.assignment.epoch}; "
+                f"plan epoch {assignment.epoch} is older than this peer's epoch {old.assignment.epoch}; "
                 "a newer leader has taken over"
             )
         with self._state_lock:
-            same_stage = (
-                self.compute is not None
-                and self.spec == spec
-                and self.assignment is not None
-                and self.assignment.layers == assignment.layers
-            )
-            kind = source.get("source", "init")
-            if kind == "keep":
-                if not same_stage or self.compute is None or self.compute.step != want_step:
+            old = self._tasklet
+            if source.kind is ctl.SourceKind.KEEP:
+                same_stage = old is not None and old.spec == spec and old.assignment.layers == assignment.layers
+                if old is None or not same_stage or old.compute.step != source.step:
                     raise Rejected(
-                        f"cannot keep stage {assignment.layers} at step {want_step}: this peer holds "
-                        f"{None if self.assignment is None else self.assignment.layers} at step "
-                        f"{None if self.compute is None else self.compute.step}"
+                        f"cannot keep stage {assignment.layers} at step {source.step}: this peer holds "
+                        f"{None if old is None else old.assignment.layers} at step "
+                        f"{None if old is None else old.compute.step}"
                     )
-                compute = self.compute
+                compute = old.compute
                 compute.reset_step()
             else:
                 compute = StageCompute(
@@ -197,10 +263,9 @@ class StageWorker:
                         precision=spec.precision,
                     )
                 )
-                if kind == "fetch":
-                    self._load_from(compute, str(source["endpoint"]), spec, assignment, want_step)
-                elif kind != "init" or want_step != 0:
-                    raise BadMessage("meta.body", f"state source {kind!r} at step {want_step} is not valid")
+                if source.kind is ctl.SourceKind.FETCH:
+                    assert source.endpoint is not None
+                    self._load_from(compute, source.endpoint, spec, assignment, source.step)
             if (assignment.is_first or assignment.is_last) and self._corpus is None:
                 corpus = Corpus.load(spec.corpus)
                 if spec.corpus_fingerprint and corpus.fingerprint != spec.corpus_fingerprint:
@@ -209,24 +274,24 @@ class StageWorker:
                         f"{spec.corpus_fingerprint[:12]} (a different Python or data path)"
                     )
                 self._corpus = corpus
-            with self._lock:
-                previous = (
-                    {}
-                    if self.compute is None or self.assignment is None
-                    else {self.assignment.layers: (self.compute, self.assignment.stage)}
-                )
-                self._holdings = {**previous, assignment.layers: (compute, assignment.stage)}
-            self.compute = compute
-            self.spec, self.assignment = spec, assignment
-            self.exchange = GradientExchange(assignment.replica, compute.numel)
             links = dict(assignment.links)
-            self._links = LinkTable(lambda dest: links.get(dest))
+            tasklet = Tasklet(
+                spec=spec,
+                assignment=assignment,
+                compute=compute,
+                exchange=GradientExchange(assignment.replica, compute.numel),
+                links=LinkTable(lambda dest: links.get(dest)),
+                corpus=self._corpus,
+            )
             with self._lock:
+                previous = {} if old is None else {old.assignment.layers: (old.compute, old.assignment.stage)}
+                self._holdings = {**previous, assignment.layers: (compute, assignment.stage)}
+                self._tasklet = tasklet
                 self.step, self.round, self._dropped, self._reduced = -1, 0, False, None
                 self._known = set()
-                for client in self._clients.values():
-                    client.close()
-                self._clients.clear()
+                clients, self._clients = list(self._clients.values()), {}
+            for client in clients:
+                client.close()
         log.info(
             "assigned stage %d (layers %s) of pipeline %d, epoch %d, state %s",
             assignment.stage,
@@ -244,7 +309,7 @@ class StageWorker:
                 pb.STAGE_STATE,
                 make_key(spec.run_id, a.epoch, step, stage=a.stage),
                 meta={"layers": json.dumps(list(a.layers))},
-                timeout_s=FETCH_STATE_TIMEOUT_S,
+                timeout_s=WORKER_FETCH_STATE_TIMEOUT_S,
             )
         except TransportError as exc:
             raise Rejected(f"could not fetch stage {a.layers} from {endpoint}: {exc}") from None
@@ -260,116 +325,120 @@ class StageWorker:
 
     def preload_corpus(self, corpus: Corpus) -> None:
         """Use an already loaded corpus (the daemon reads it at start-up to check its fingerprint)."""
-        self._corpus = corpus
+        with self._state_lock:
+            self._corpus = corpus
 
     def set_links(self, links: dict[str, tuple[float, float]]) -> None:
         """Shape traffic to these endpoints (rate bit/s, delay s) before any assignment, e.g. so that link
-        probes of an emulated swarm measure the emulated links. An assignment replaces the table."""
+        probes of an emulated swarm measure the emulated links. Once assigned, the assignment's links apply."""
         with self._lock:
             if self._links_table == links:
                 return
-            self._links_table = dict(links)
-            self._links = LinkTable(lambda dest: self._links_table.get(dest))
-            for client in self._clients.values():
-                client.close()
-            self._clients.clear()
+            table = dict(links)
+            self._links_table = table
+            self._links = LinkTable(lambda dest: table.get(dest))
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            client.close()
 
     def _client(self, endpoint: str) -> PeerClient:
         with self._lock:
             client = self._clients.get(endpoint)
             if client is None:
-                shaper = None if self._links is None else self._links.get(endpoint)
-                client = PeerClient(endpoint, self.config, shaper=shaper, sender=self.peer_id)
+                links = self._links if self._tasklet is None else self._tasklet.links
+                client = PeerClient(endpoint, self.config, shaper=links.get(endpoint), sender=self.peer_id)
                 self._clients[endpoint] = client
             return client
 
     # ------------------------------------------------------------------------------------------- validation
-    def _check_key(self, key: pb.Key) -> None:
-        """Refuse work for another run, plan, step or pipeline (Rejected -> FAILED_PRECONDITION)."""
-        if self.spec is None or self.assignment is None:
+    def _current(self) -> Tasklet:
+        t = self._tasklet
+        if t is None:
             raise Rejected("this peer has no stage assignment yet")
-        if key.run_id != self.spec.run_id:
-            raise Rejected(f"run {key.run_id!r} is not this peer's run {self.spec.run_id!r}")
-        if key.epoch != self.assignment.epoch:
-            raise Rejected(f"plan epoch {key.epoch} is not this peer's epoch {self.assignment.epoch}")
-        if key.step != self.step:
-            raise Rejected(f"step {key.step} is not the current step {self.step}")
-        if self._dropped:
-            raise Rejected(f"pipeline {self.assignment.replica} was dropped from step {self.step}")
-        if key.replica != self.assignment.replica:
-            raise Rejected(f"pipeline {key.replica} is not this peer's pipeline {self.assignment.replica}")
-        if not 0 <= key.microbatch < self.spec.n_microbatches:
-            raise Rejected(f"micro-batch {key.microbatch} is not in [0, {self.spec.n_microbatches})")
+        return t
 
-    def _decode(self, env: pb.Envelope, name: str, **expect: Any) -> torch.Tensor:
+    def _check_key(self, t: Tasklet, key: pb.Key) -> None:
+        """Refuse work for another run, plan, step or pipeline (Rejected -> FAILED_PRECONDITION)."""
+        spec, a = t.spec, t.assignment
+        if key.run_id != spec.run_id:
+            raise Rejected(f"run {key.run_id!r} is not this peer's run {spec.run_id!r}")
+        if key.epoch != a.epoch:
+            raise Rejected(f"plan epoch {key.epoch} is not this peer's epoch {a.epoch}")
+        with self._lock:
+            step, dropped, current = self.step, self._dropped, self._tasklet is t
+        if not current:
+            raise Rejected("this peer took a new assignment meanwhile")
+        if key.step != step:
+            raise Rejected(f"step {key.step} is not the current step {step}")
+        if dropped:
+            raise Rejected(f"pipeline {a.replica} was dropped from step {step}")
+        if key.replica != a.replica:
+            raise Rejected(f"pipeline {key.replica} is not this peer's pipeline {a.replica}")
+        if not 0 <= key.microbatch < spec.n_microbatches:
+            raise Rejected(f"micro-batch {key.microbatch} is not in [0, {spec.n_microbatches})")
+
+    def _decode(self, t: Tasklet, env: pb.Envelope, name: str, **expect: Any) -> torch.Tensor:
         """Decode a tensor; a malformed one (NaN, wrong shape, ...) is refused AND its sender reported."""
         try:
             return decode_tensor(tensor_named(env, name), **expect)
         except BadMessage as exc:
-            if self.assignment is not None:
-                self._report(
-                    "bad_peer",
-                    {"stage": env.key.stage, "replica": env.key.replica, "sender": env.sender, "error": str(exc)[:300]},
-                )
+            self._report(t, ctl.BadPeer(env.key.stage, env.key.replica, env.sender, str(exc)[:300]))
             raise
 
-    def _hidden(self, env: pb.Envelope, name: str) -> torch.Tensor:
-        assert self.spec is not None and self.compute is not None
-        m = self.spec.model
-        return self._decode(
-            env, name, expect_shape=(self.spec.micro_batch, m.seq_len, m.d_model), expect_dtype=self.compute.dtype
-        )
+    def _hidden(self, t: Tasklet, env: pb.Envelope, name: str) -> torch.Tensor:
+        m = t.spec.model
+        shape = (t.spec.micro_batch, m.seq_len, m.d_model)
+        return self._decode(t, env, name, expect_shape=shape, expect_dtype=t.compute.dtype)
 
     # ---------------------------------------------------------------------------------------- data handlers
     def _on_activation(self, env: pb.Envelope) -> None:
-        self._check_key(env.key)
-        assert self.assignment is not None
-        if self.assignment.is_first:
+        t = self._current()
+        self._check_key(t, env.key)
+        if t.assignment.is_first:
             raise Rejected("the first stage takes no activations")
-        x = self._hidden(env, "hidden")
+        x = self._hidden(t, env, "hidden")
         with self._lock:
             if env.key.microbatch in self._known:
                 raise Rejected(f"micro-batch {env.key.microbatch} was already forwarded here this step")
             self._known.add(env.key.microbatch)
-        self._put(1, ("forward", env.key.step, env.key.microbatch, x))
+        self._put(1, _Task(TaskKind.FORWARD, t, env.key.step, (env.key.microbatch, x)))
 
     def _on_activation_grad(self, env: pb.Envelope) -> None:
-        self._check_key(env.key)
-        assert self.assignment is not None
-        if self.assignment.is_last:
+        t = self._current()
+        self._check_key(t, env.key)
+        if t.assignment.is_last:
             raise Rejected("the last stage takes no activation gradients")
         with self._lock:
             if env.key.microbatch not in self._known:
                 raise Rejected(f"micro-batch {env.key.microbatch} was never forwarded here this step")
-        g = self._hidden(env, "grad")
-        self._put(0, ("backward", env.key.step, env.key.microbatch, g))
+        g = self._hidden(t, env, "grad")
+        self._put(0, _Task(TaskKind.BACKWARD, t, env.key.step, (env.key.microbatch, g)))
 
-    def _shard_message(self, env: pb.Envelope) -> tuple[Tag, list[int], torch.Tensor]:
+    def _shard_message(self, env: pb.Envelope) -> tuple[Tasklet, Tag, list[int], torch.Tensor]:
         key = env.key
-        if self.spec is None or self.assignment is None or self.exchange is None:
-            raise Rejected("this peer has no stage assignment yet")
-        if key.run_id != self.spec.run_id or key.epoch != self.assignment.epoch:
+        t = self._current()
+        if key.run_id != t.spec.run_id or key.epoch != t.assignment.epoch:
             raise Rejected(f"run/epoch {key.run_id!r}/{key.epoch} is not this peer's")
-        if key.stage != self.assignment.stage:
-            raise Rejected(f"stage {key.stage} is not this peer's stage {self.assignment.stage}")
-        if key.step != self.step:
-            raise Rejected(f"step {key.step} is not the current step {self.step}")
+        if key.stage != t.assignment.stage:
+            raise Rejected(f"stage {key.stage} is not this peer's stage {t.assignment.stage}")
+        with self._lock:
+            step = self.step
+        if key.step != step:
+            raise Rejected(f"step {key.step} is not the current step {step}")
         try:
             participants = [int(x) for x in json.loads(env.meta.get("participants", "[]"))]
             rnd = int(env.meta.get("round", ""))
         except (ValueError, TypeError):
             raise BadMessage("meta", "round and participants must be an integer and a JSON list") from None
-        return (key.step, rnd), participants, self._decode(env, "grad", expect_dtype=torch.float32)
+        return t, (key.step, rnd), participants, self._decode(t, env, "grad", expect_dtype=torch.float32)
 
     def _on_grad_shard(self, env: pb.Envelope) -> None:
-        tag, participants, shard = self._shard_message(env)
-        assert self.exchange is not None
-        self.exchange.put_contribution(tag, participants, env.key.replica, shard, list(env.microbatches))
+        t, tag, participants, shard = self._shard_message(env)
+        t.exchange.put_contribution(tag, participants, env.key.replica, shard, list(env.microbatches))
 
     def _on_param_shard(self, env: pb.Envelope) -> None:
-        tag, participants, shard = self._shard_message(env)
-        assert self.exchange is not None
-        self.exchange.put_reduced(tag, participants, env.key.replica, shard)
+        t, tag, participants, shard = self._shard_message(env)
+        t.exchange.put_reduced(tag, participants, env.key.replica, shard)
 
     def _on_fetch_state(self, request: pb.FetchRequest) -> pb.Envelope:
         """Serve the state of the stage with the requested layers: the current one or the one held just before.
@@ -383,123 +452,100 @@ class StageWorker:
             raise BadMessage("meta.layers", "must be a JSON list [first_layer, last_layer]") from None
         with self._lock:
             held = self._holdings.get(layers)  # type: ignore[arg-type]
-            spec = self.spec
-        if held is None or spec is None:
+            t = self._tasklet
+        if held is None or t is None:
             raise Rejected(f"this peer holds no stage with layers {list(layers)}")
         compute, stage = held
-        return state_envelope(compute.state_dict(), spec.run_id, request.key.epoch, stage)
+        return state_envelope(compute.state_dict(), t.spec.run_id, request.key.epoch, stage)
 
     # --------------------------------------------------------------------------------------------- control
     def _on_control(self, env: pb.Envelope) -> None:
-        op = env.meta.get("op", "")
-        body = body_of(env)
-        if op == "stop":
+        msg = ctl.decode(env, ctl.TO_WORKER)
+        if isinstance(msg, ctl.Stop):
             self.stopped.set()
             return
-        if self.spec is None or self.assignment is None:
-            raise Rejected("this peer has no stage assignment yet")
-        if env.key.epoch != self.assignment.epoch:
-            raise Rejected(f"plan epoch {env.key.epoch} is not this peer's epoch {self.assignment.epoch}")
-        try:
-            step = int(body["step"])
-            if op == "start_step":
-                self._start_step(step, int(body.get("round", 0)), bool(body.get("feed", False)))
-            elif op == "drop_step":
-                self._put(0, ("drop", step))
-            elif op == "reduce":
-                assignment = {int(mb): int(p) for mb, p in body["assignment"].items()}
-                participants = [int(x) for x in body["participants"]]
-                self._put(0, ("reduce", step, int(body["round"]), assignment, participants))
-            elif op == "apply":
-                self._put(0, ("apply", step))
-            else:
-                raise BadMessage("meta.op", f"unknown control operation {op!r}")
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            if isinstance(exc, BadMessage):
-                raise
-            raise BadMessage("meta.body", f"malformed {op} ({exc!r})") from None
+        t = self._current()
+        if env.key.epoch != t.assignment.epoch:
+            raise Rejected(f"plan epoch {env.key.epoch} is not this peer's epoch {t.assignment.epoch}")
+        self._control_handlers[msg.op](t, msg)
 
-    def _start_step(self, step: int, rnd: int, feed: bool) -> None:
-        assert self.assignment is not None
-        if feed and not self.assignment.is_first:
+    def _on_start_step(self, t: Tasklet, msg: ctl.StartStep) -> None:
+        step, rnd = msg.step, msg.round
+        if msg.feed and not t.assignment.is_first:
             raise Rejected("only a first stage feeds micro-batches")
         with self._lock:
+            if self._tasklet is not t:
+                raise Rejected("this peer took a new assignment meanwhile")
             if step < self.step:
                 raise Rejected(f"step {step} is before the current step {self.step}")
             if step > self.step:
-                if self._reduced is not None or (self.compute is not None and self.compute.step != step):
-                    raise Rejected(
-                        f"cannot start step {step}: this stage has trained "
-                        f"{None if self.compute is None else self.compute.step} steps"
-                    )
+                if self._reduced is not None or t.compute.step != step:
+                    raise Rejected(f"cannot start step {step}: this stage has trained {t.compute.step} steps")
                 self.step, self._dropped, self._known = step, False, set()
             if self._dropped:
-                raise Rejected(f"pipeline {self.assignment.replica} was dropped from step {step}")
+                raise Rejected(f"pipeline {t.assignment.replica} was dropped from step {step}")
             self.round = rnd
             self._inflight = 0
-        if self.exchange is not None:
-            self.exchange.abort_before((step, rnd))
-        if feed:
-            threading.Thread(target=self._feed, args=(step, rnd), name=f"feeder-{step}.{rnd}", daemon=True).start()
+        t.exchange.abort_before((step, rnd))
+        if msg.feed:
+            threading.Thread(
+                target=self._feed, args=(t, step, rnd), name=f"feeder-{step}.{rnd}", daemon=True
+            ).start()
 
-    def _put(self, priority: int, task: tuple[Any, ...]) -> None:
+    def _put(self, priority: int, task: _Task) -> None:
         self._tasks.put((priority, next(self._seq), task))
 
-    def _coordinator(self) -> PeerClient:
-        assert self.assignment is not None
-        return self._client(self.assignment.coordinator)
-
-    def _report(self, op: str, body: dict[str, Any]) -> Future[None]:
+    def _report(self, t: Tasklet, msg: ctl.Message) -> Future[None]:
         """Send a report to the coordinator without blocking the caller."""
-        assert self.spec is not None and self.assignment is not None
-        env = control(
-            op,
-            self.spec.run_id,
-            self.assignment.epoch,
-            self.step,
-            body,
-            stage=self.assignment.stage,
-            replica=self.assignment.replica,
-        )
-        return self._control_pool.submit(self._coordinator().push, env, CONTROL_TIMEOUT_S)
+        step = getattr(msg, "step", None)
+        if step is None:
+            with self._lock:
+                step = self.step
+        a = t.assignment
+        env = ctl.encode(msg, t.spec.run_id, a.epoch, step, stage=a.stage, replica=a.replica)
+        return self._control_pool.submit(self._client(a.coordinator).push, env, CONTROL_TIMEOUT_S)
 
     # ---------------------------------------------------------------------------------------------- feeder
-    def _feed(self, step: int, rnd: int) -> None:
+    def _feed(self, t: Tasklet, step: int, rnd: int) -> None:
         """Lease micro-batches for this pipeline while fewer than n_stages are in flight."""
-        assert self.spec is not None and self.assignment is not None and self._corpus is not None
-        spec, a = self.spec, self.assignment
+        spec, a, corpus = t.spec, t.assignment, t.corpus
+        assert corpus is not None
         window = a.n_stages
         key = make_key(spec.run_id, a.epoch, step, stage=0, replica=a.replica)
+        meta = ctl.pool_request_meta(ctl.Op.LEASE)
 
-        def current() -> bool:
-            return self.step == step and self.round == rnd and not self._dropped and not self.stopped.is_set()
+        def current() -> bool:  # call with _lock held
+            return (
+                self._tasklet is t and self.step == step and self.round == rnd and not self._dropped
+                and not self.stopped.is_set()
+            )
 
-        while current():
+        while True:
             with self._inflight_cond:
-                while self._inflight >= window and current():
+                while current() and self._inflight >= window:
                     self._inflight_cond.wait(0.5)
                 if not current():
                     return
             try:
-                reply = self._coordinator().fetch(pb.COMMIT, key, meta={"op": "lease"}, timeout_s=CONTROL_TIMEOUT_S)
+                reply = self._client(a.coordinator).fetch(pb.COMMIT, key, meta=meta, timeout_s=CONTROL_TIMEOUT_S)
             except TransportError as exc:
                 log.warning("lease request for step %d failed: %s", step, exc)
                 time.sleep(0.5)
                 continue
-            status = reply.meta.get("status")
-            if status == "done":
+            status = ctl.pool_status(reply)
+            if status is ctl.PoolStatus.DONE:
                 return
-            if status != "lease":
+            if status is not ctl.PoolStatus.LEASE:
                 time.sleep(0.02)
                 continue
             mb = reply.key.microbatch
-            tokens, _ = microbatch(self._corpus, spec.seed, step, mb, spec.micro_batch, spec.model.seq_len)
+            tokens, _ = microbatch(corpus, spec.seed, step, mb, spec.micro_batch, spec.model.seq_len)
             with self._lock:
                 if not current():
                     return
                 self._known.add(mb)
                 self._inflight += 1
-            self._put(1, ("forward", step, mb, tokens))
+            self._put(1, _Task(TaskKind.FORWARD, t, step, (mb, tokens)))
 
     # ------------------------------------------------------------------------------------- compute thread
     def _compute_loop(self) -> None:
@@ -509,102 +555,89 @@ class StageWorker:
             except queue.Empty:
                 continue
             try:
-                if task[1] != self.step or (self._dropped and task[0] in ("forward", "backward")):
-                    log.info("dropping %s of step %d (current step %d)", task[0], task[1], self.step)
-                    continue
                 with self._state_lock:
-                    getattr(self, f"_do_{task[0]}")(*task[1:])
+                    with self._lock:
+                        stale = (
+                            task.tasklet is not self._tasklet
+                            or task.step != self.step
+                            or (self._dropped and task.kind in (TaskKind.FORWARD, TaskKind.BACKWARD))
+                        )
+                        current_step = self.step
+                    if stale:
+                        log.info("dropping %s of step %d (current step %d)", task.kind.value, task.step,
+                                 current_step)
+                        continue
+                    self._task_handlers[task.kind](task.tasklet, task.step, *task.args)
             except ExchangeAbortedError as exc:
-                log.info("%s of step %d abandoned: %s", task[0], task[1], exc)
+                log.info("%s of step %d abandoned: %s", task.kind.value, task.step, exc)
             except Exception as exc:  # one bad task must not kill the worker; the coordinator decides
-                log.exception("%s of step %d failed", task[0], task[1])
-                if self.assignment is not None:
-                    self._report("error", {"what": task[0], "step": task[1], "error": str(exc)[:500]})
+                log.exception("%s of step %d failed", task.kind.value, task.step)
+                self._report(task.tasklet, ctl.TaskError(task.kind.value, task.step, str(exc)[:500]))
 
-    def _emulate(self, started: float, forward_units: float) -> None:
+    def _emulate(self, t: Tasklet, started: float, forward_units: float) -> None:
         """Stretch an op to the emulated device's time: forward_units x forward_flops / TFLOP/s."""
-        assert self.assignment is not None
         elapsed = time.monotonic() - started
-        tflops = self.assignment.emulate_tflops
+        tflops = t.assignment.emulate_tflops
         if tflops:
-            target = forward_units * self.assignment.forward_flops / (tflops * 1e12)
+            target = forward_units * t.assignment.forward_flops / (tflops * 1e12)
             if target > elapsed:
                 time.sleep(target - elapsed)
             else:
                 self.stats["overrun_ops"] += 1
         self.stats["busy_s"] += time.monotonic() - started
 
-    def _send(self, endpoint: str, env: pb.Envelope) -> None:
+    def _send(self, t: Tasklet, endpoint: str, env: pb.Envelope) -> None:
+        """Push ``env`` asynchronously; a failure is reported to the coordinator, which checks the receiver."""
+
         def done(fut: Future[None]) -> None:
             exc = fut.exception()
             if exc is not None and not self.stopped.is_set():
                 log.warning("send to %s failed: %s", endpoint, exc)
-                self._report("peer_error", {"endpoint": endpoint, "error": str(exc)[:500]})
+                self._report(t, ctl.PeerError(endpoint, str(exc)[:500]))
 
         self._client(endpoint).push_async(env, SEND_TIMEOUT_S).add_done_callback(done)
 
-    def _key(self, step: int, mb: int) -> pb.Key:
-        assert self.spec is not None and self.assignment is not None
-        return make_key(
-            self.spec.run_id, self.assignment.epoch, step, mb, self.assignment.stage, self.assignment.replica
-        )
-
-    def _outgoing_grad(self, t: torch.Tensor) -> torch.Tensor:
-        return torch.full_like(t, float("nan")) if self.fault == "nan-grad" else t
-
-    def _do_forward(self, step: int, mb: int, x: torch.Tensor) -> None:
-        assert self.spec is not None and self.assignment is not None and self.compute is not None
-        spec, a, compute = self.spec, self.assignment, self.compute
+    def _do_forward(self, t: Tasklet, step: int, mb: int, x: torch.Tensor) -> None:
+        spec, a, compute = t.spec, t.assignment, t.compute
         started = time.monotonic()
         self.stats["forward"] += 1
         if not a.is_last:
             out = compute.forward(mb, x)
-            self._emulate(started, 1.0)
+            self._emulate(t, started, 1.0)
             assert a.next is not None
-            self._send(
-                a.next, envelope(pb.ACTIVATION, self._key(step, mb), {"hidden": out}, compression=spec.compression)
-            )
+            self._send(t, a.next, envelope(pb.ACTIVATION, t.key(step, mb), {"hidden": out},
+                                           compression=spec.compression))
             return
-        assert self._corpus is not None
-        _, targets = microbatch(self._corpus, spec.seed, step, mb, spec.micro_batch, spec.model.seq_len)
+        assert t.corpus is not None
+        _, targets = microbatch(t.corpus, spec.seed, step, mb, spec.micro_batch, spec.model.seq_len)
         loss, grad_in = compute.forward_loss(mb, x, targets)
-        compute.commit(mb)
-        self._emulate(started, 3.0)
+        self._emulate(t, started, 3.0)
         self.stats["backward"] += 1
-        self._report("loss", {"step": step, "microbatch": mb, "loss": loss})
-        self._after_backward(step, mb, grad_in)
+        self._report(t, ctl.Loss(step, mb, loss))
+        self._after_backward(t, step, mb, grad_in)
 
-    def _do_backward(self, step: int, mb: int, grad_out: torch.Tensor) -> None:
-        assert self.compute is not None
+    def _do_backward(self, t: Tasklet, step: int, mb: int, grad_out: torch.Tensor) -> None:
         started = time.monotonic()
-        grad_in = self.compute.backward(mb, grad_out)
-        self.compute.commit(mb)
-        self._emulate(started, 2.0)
+        grad_in = t.compute.backward(mb, grad_out)
+        self._emulate(t, started, 2.0)
         self.stats["backward"] += 1
-        self._after_backward(step, mb, grad_in)
+        self._after_backward(t, step, mb, grad_in)
 
-    def _after_backward(self, step: int, mb: int, grad_in: torch.Tensor | None) -> None:
-        assert self.spec is not None and self.assignment is not None
-        if not self.assignment.is_first:
-            assert grad_in is not None and self.assignment.prev is not None
-            self._send(
-                self.assignment.prev,
-                envelope(
-                    pb.ACTIVATION_GRAD,
-                    self._key(step, mb),
-                    {"grad": self._outgoing_grad(grad_in)},
-                    compression=self.spec.compression,
-                ),
-            )
+    def _after_backward(self, t: Tasklet, step: int, mb: int, grad_in: torch.Tensor | None) -> None:
+        a = t.assignment
+        if not a.is_first:
+            assert grad_in is not None and a.prev is not None
+            env = envelope(pb.ACTIVATION_GRAD, t.key(step, mb), {"grad": grad_in}, compression=t.spec.compression)
+            self._send(t, a.prev, env)
             return
-        self._control_pool.submit(self._commit_to_pool, step, mb)
+        self._control_pool.submit(self._commit_to_pool, t, step, mb)
 
-    def _commit_to_pool(self, step: int, mb: int) -> None:
+    def _commit_to_pool(self, t: Tasklet, step: int, mb: int) -> None:
         try:
-            reply = self._coordinator().fetch(
-                pb.COMMIT, self._key(step, mb), meta={"op": "commit"}, timeout_s=CONTROL_TIMEOUT_S
+            reply = self._client(t.assignment.coordinator).fetch(
+                pb.COMMIT, t.key(step, mb), meta=ctl.pool_request_meta(ctl.Op.COMMIT), timeout_s=CONTROL_TIMEOUT_S
             )
-            if reply.meta.get("status") != "committed":
+            if ctl.pool_status(reply) is not ctl.PoolStatus.COMMITTED:
                 log.warning("micro-batch %d of step %d: pool answered %s", mb, step, reply.meta.get("status"))
         except TransportError as exc:
             log.warning("commit of micro-batch %d of step %d failed: %s", mb, step, exc)
@@ -613,23 +646,20 @@ class StageWorker:
                 self._inflight -= 1
                 self._inflight_cond.notify_all()
 
-    def _do_drop(self, step: int) -> None:
+    def _do_drop(self, t: Tasklet, step: int) -> None:
         """This pipeline lost a member: forget the step's work; other pipelines redo its micro-batches."""
-        assert self.compute is not None
-        with self._lock:
-            self._dropped, self._known = True, set()
         with self._inflight_cond:
+            self._dropped, self._known = True, set()
             self._inflight_cond.notify_all()
-        self.compute.reset_step()
+        t.compute.reset_step()
         log.info("pipeline dropped from step %d; its work is discarded", step)
 
-    def _do_reduce(self, step: int, rnd: int, assignment: dict[int, int], participants: list[int]) -> None:
+    def _do_reduce(self, t: Tasklet, step: int, msg: ctl.Reduce) -> None:
         """Check exactly-once locally, then reduce-scatter + all-gather with the participants; keep the sum."""
-        assert self.spec is not None and self.assignment is not None
-        assert self.compute is not None and self.exchange is not None
-        a, compute, exchange = self.assignment, self.compute, self.exchange
-        mine = sorted(compute.committed())
-        expected = sorted(mb for mb, p in assignment.items() if p == a.replica)
+        a, compute, exchange = t.assignment, t.compute, t.exchange
+        rnd, participants = msg.round, list(msg.participants)
+        mine = sorted(compute.accumulated())
+        expected = sorted(mb for mb, p in msg.assignment.items() if p == a.replica)
         if mine != expected:
             raise RuntimeError(
                 f"step {step}: accumulator holds micro-batches {mine}, the pool committed "
@@ -643,33 +673,36 @@ class StageWorker:
             if r == a.replica:
                 exchange.put_contribution(tag, participants, r, flat[lo:hi].clone(), mine)
             else:
-                env = envelope(
-                    pb.GRAD_SHARD, self._key(step, -1), {"grad": self._outgoing_grad(flat[lo:hi])}, microbatches=mine
-                )
+                env = envelope(pb.GRAD_SHARD, t.key(step), {"grad": flat[lo:hi]}, microbatches=mine)
                 env.meta.update(meta)
-                self._send(a.group[r], env)
-        reduced = exchange.reduce(tag, participants, self.spec.n_microbatches, SYNC_TIMEOUT_S)
+                self._send(t, a.group[r], env)
+        reduced = exchange.reduce(tag, participants, t.spec.n_microbatches, REDUCE_WAIT_S)
         for r in participants:
             if r == a.replica:
                 exchange.put_reduced(tag, participants, r, reduced)
             else:
-                env = envelope(pb.PARAM_SHARD, self._key(step, -1), {"grad": reduced})
+                env = envelope(pb.PARAM_SHARD, t.key(step), {"grad": reduced})
                 env.meta.update(meta)
-                self._send(a.group[r], env)
-        self._reduced = (step, exchange.gather(tag, participants, SYNC_TIMEOUT_S))
-        self._report("reduced", {"step": step, "round": rnd})
+                self._send(t, a.group[r], env)
+        summed = exchange.gather(tag, participants, REDUCE_WAIT_S)
+        with self._lock:
+            self._reduced = (step, summed)
+        self._report(t, ctl.Reduced(step, rnd))
 
-    def _do_apply(self, step: int) -> None:
+    def _do_apply(self, t: Tasklet, step: int) -> None:
         """Apply the reduced gradient of ``step`` (idempotent: a repeated apply only re-reports)."""
-        assert self.spec is not None and self.compute is not None
-        if self.compute.step == step + 1 and self._reduced is None:
-            self._report("synced", {"step": step, "trained_steps": self.compute.step})
+        compute = t.compute
+        with self._lock:
+            reduced = self._reduced
+        if compute.step == step + 1 and reduced is None:
+            self._report(t, ctl.Synced(step, compute.step))
             return
-        if self._reduced is None or self._reduced[0] != step:
+        if reduced is None or reduced[0] != step:
             raise RuntimeError(f"apply of step {step}, but no reduced gradient of that step is held")
-        self.compute.apply_update(self._reduced[1], self.spec.n_microbatches)
-        self._reduced = None
-        self._report("synced", {"step": step, "trained_steps": self.compute.step})
+        compute.apply_update(reduced[1], t.spec.n_microbatches)
+        with self._lock:
+            self._reduced = None
+        self._report(t, ctl.Synced(step, compute.step))
 
 
 def _warm_up() -> None:
@@ -679,8 +712,7 @@ def _warm_up() -> None:
         from peer.compute.model import ModelConfig
 
         tiny = StageCompute(StageComputeConfig(ModelConfig(n_layers=1, d_model=8, n_heads=1, seq_len=4), 0, 1))
-        loss, _ = tiny.forward_loss(0, torch.zeros(1, 4, dtype=torch.int64), torch.zeros(1, 4, dtype=torch.int64))
-        tiny.commit(0)
+        tiny.forward_loss(0, torch.zeros(1, 4, dtype=torch.int64), torch.zeros(1, 4, dtype=torch.int64))
         tiny.apply_update(tiny.accumulated_grad(), 1)
     except Exception:  # a warm-up must never take the worker down
         log.debug("warm-up failed", exc_info=True)

@@ -1,0 +1,41 @@
+"""Faulty workers for tests and emulated swarms: a peer that is broken or malicious on purpose.
+
+The production :class:`~peer.runtime.worker.StageWorker` knows nothing of faults; a fault is a subclass that
+tampers with what the worker sends (its one outgoing seam, ``_send``), so the receivers' checks are exercised
+exactly as a real broken peer would exercise them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from peer.runtime.worker import StageWorker, Tasklet
+from protocol import tasklet_pb2 as pb
+from protocol.codec import COMPRESSIONS, decode_tensor, encode_tensor
+
+
+class NanGradWorker(StageWorker):
+    """Sends NaN activation gradients and gradient shards: the receivers must refuse them and report it."""
+
+    def _send(self, t: Tasklet, endpoint: str, env: pb.Envelope) -> None:
+        if env.kind in (pb.ACTIVATION_GRAD, pb.GRAD_SHARD):
+            names = {code: name for name, code in COMPRESSIONS.items()}
+            tampered = []
+            for msg in env.tensors:
+                good = decode_tensor(msg)
+                tampered.append(encode_tensor(msg.name, torch.full_like(good, float("nan")), names[msg.compression]))
+            del env.tensors[:]
+            env.tensors.extend(tampered)
+        super()._send(t, endpoint, env)
+
+
+FAULTS: dict[str, type[StageWorker]] = {"nan-grad": NanGradWorker}
+
+
+def worker_class(fault: str | None) -> type[StageWorker]:
+    """The worker class that behaves like ``fault`` (None: a healthy worker)."""
+    if fault is None:
+        return StageWorker
+    if fault not in FAULTS:
+        raise ValueError(f"fault: unknown fault {fault!r} (known: {', '.join(sorted(FAULTS))})")
+    return FAULTS[fault]
