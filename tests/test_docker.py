@@ -18,7 +18,6 @@ No Docker engine runs here, so each part of an image is checked where it can be:
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import json
 import os
@@ -319,19 +318,19 @@ def test_install_script_and_entrypoint_start_a_swarm(newcomer: Clone, tmp_path: 
     port, dht_port = free_port(*hosts), free_port(*hosts)
     join_file = tmp_path / "swarm" / "join"
     path = os.pathsep.join([str(newcomer.root / ".venv" / "bin"), env["PATH"]])
-    procs: list[subprocess.Popen[str]] = []
+    children: list[subprocess.Popen[str]] = []
     logs = []
 
     def container(i: int, *args: str) -> subprocess.Popen[str]:
         c_env = dict(env, PATH=path, TASKLET_LISTEN_HOST=hosts[i], TASKLET_ANNOUNCE_HOST=hosts[i],
                      TASKLET_PORT=str(port), TASKLET_DHT_PORT=str(dht_port), TASKLET_JOIN_FILE=str(join_file),
                      TASKLET_IDENTITY=str(tmp_path / f"identity-{i}" / "peer.key"), TASKLET_JOIN_WAIT_S="120")
-        log = open(tmp_path / f"peer-{i}.log", "w")  # noqa: SIM115 - closed in finally
-        logs.append(log)
         # its own process group, like a container: cleanup can end the peer even if only bash got a signal
-        p = subprocess.Popen(["bash", str(newcomer.root / "docker" / "entrypoint.sh"), *args], cwd=tmp_path,
-                             env=c_env, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
-        procs.append(p)
+        p, log = procs.launch(["bash", str(newcomer.root / "docker" / "entrypoint.sh"), *args],
+                              tmp_path / f"peer-{i}.log", env=c_env, cwd=tmp_path)
+        assert log is not None
+        logs.append(log)
+        children.append(p)
         return p
 
     try:
@@ -369,9 +368,8 @@ def test_install_script_and_entrypoint_start_a_swarm(newcomer: Clone, tmp_path: 
             assert rc == 0, f"peer {i} exited {rc}:\n{(tmp_path / f'peer-{i}.log').read_text()[-3000:]}"
         assert not join_file.exists(), "the first peer's entry point removes its join file when it ends"
     finally:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)  # the entry point and whatever it started
+        for p in children:
+            procs.kill_group(p)  # the entry point and whatever it started
             p.wait(timeout=10)
             if p.stdout:
                 p.stdout.close()
