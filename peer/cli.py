@@ -20,6 +20,8 @@ Tasklet peer: train a transformer language model together with other volunteers'
   peer start --config run.toml     be the first peer of a new swarm (prints the join line)
   peer join --dht ADDR             give this machine's GPU (or CPU) to a running swarm
   peer status --dht ADDR           show the swarm: peers, plan, step, loss, throughput
+  peer dashboard --dht ADDR --port 8080
+                                   the same in a browser: peers, plan, links, loss, events
   peer swarm --peers 4 --scenario worldwide_geo_distributed --steps 5
                                    a whole swarm on this machine, on an emulated network
   peer init run.toml               write a run.toml with every option and its default
@@ -98,6 +100,21 @@ def _add_peer_options(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="time spent measuring the device's matmul speed (default: %(default)s)",
     )
+    g = p.add_argument_group("monitoring")
+    g.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics on --host; 0 picks a free port (default: off)",
+    )
+    g.add_argument(
+        "--dashboard-port",
+        type=_port,
+        default=None,
+        metavar="PORT",
+        help="serve the swarm dashboard (as `peer dashboard`) on --host at this port (default: off)",
+    )
     p.add_argument(
         "--log-level",
         default="INFO",
@@ -155,6 +172,29 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="SECONDS",
         help="refresh every SECONDS until interrupted (default: print once; bare --watch: 2 s)",
+    )
+
+    p = sub.add_parser(
+        "dashboard",
+        help="serve a web page showing a swarm live (peers, plan, links, loss, events)",
+        description="Join the DHT as a read-only client (like `peer status`) and serve the swarm as a web page "
+        "at / and as JSON at /api/swarm. The page needs no internet access.",
+    )
+    p.add_argument("--dht", required=True, nargs="+", metavar="ADDR", help="multiaddr(s) of any peer")
+    p.add_argument("--port", type=_port, default=8080, help="HTTP port; 0 picks a free one (default: %(default)s)")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to serve on; 0.0.0.0 for every interface (default: %(default)s)"
+    )
+    p.add_argument("--run", default="tasklet", help="run name (default: %(default)s)")
+    p.add_argument("--secret", default=None, help="the swarm's join secret, if it has one (default: none)")
+    p.add_argument(
+        "--interval", type=_positive_float, default=2.0, help="seconds between reads of the DHT (default: %(default)s)"
+    )
+    p.add_argument(
+        "--log-level",
+        default="WARNING",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging detail on stderr (default: %(default)s)",
     )
 
     p = sub.add_parser(
@@ -241,6 +281,9 @@ def _options(args: argparse.Namespace):  # noqa: ANN202 - PeerOptions, imported 
         emulate_device=args.emulate_device,
         resume=getattr(args, "resume", False),
         measure_seconds=args.measure_seconds,
+        metrics_port=args.metrics_port,
+        dashboard_port=args.dashboard_port,
+        progress=True,
     )
 
 
@@ -307,6 +350,23 @@ def cmd_status(args: argparse.Namespace) -> int:
                 print()
 
 
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from peer.observe.dashboard import serve_dashboard
+    from peer.swarm.dht import DHTStartError
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        serve_dashboard(list(args.dht), args.run, args.secret, args.host, args.port, interval_s=args.interval,
+                        stop=stop, say=lambda line: print(line, flush=True))
+    except (DHTStartError, OSError) as exc:
+        raise UserError(str(exc)) from None
+    return 0
+
+
 def cmd_swarm(args: argparse.Namespace) -> int:
     from peer.emulation.daemon_swarm import SwarmOptions, run_swarm
     from scheduler import PlanningError
@@ -351,6 +411,7 @@ COMMANDS = {
     "start": cmd_start,
     "join": cmd_join,
     "status": cmd_status,
+    "dashboard": cmd_dashboard,
     "swarm": cmd_swarm,
     "init": cmd_init,
     "config-reference": cmd_config_reference,

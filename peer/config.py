@@ -90,6 +90,14 @@ class EmulationSection:
     tflops_scale: float = _f(1.0, "multiplies every emulated device's TFLOP/s")
 
 
+@dataclass
+class LogSection:
+    """[log] — where the leader writes training scalars (loss, tokens/s, s/step, plan epoch)."""
+
+    tensorboard_dir: str = _f("", "the leader writes TensorBoard event files here (on its own machine); empty = off")
+    wandb_project: str = _f("", "also log to this Weights & Biases project when `wandb` is installed; empty = off")
+
+
 REQUIRED = (("run", "run_id"), ("run", "steps"))
 SECTIONS: dict[str, type] = {
     "run": RunSection,
@@ -97,6 +105,7 @@ SECTIONS: dict[str, type] = {
     "optim": OptimSection,
     "swarm": SwarmSection,
     "emulation": EmulationSection,
+    "log": LogSection,
 }
 
 
@@ -111,6 +120,7 @@ class RunConfig:
     optim: OptimSection = field(default_factory=OptimSection)
     swarm: SwarmSection = field(default_factory=SwarmSection)
     emulation: EmulationSection = field(default_factory=EmulationSection)
+    log: LogSection = field(default_factory=LogSection)
 
     # --------------------------------------------------------------------------------------- conversions
     def to_dict(self) -> dict[str, dict[str, Any]]:

@@ -29,6 +29,8 @@ from peer.net import PeerClient
 from peer.net.shaping import LinkShaper
 from peer.node.leader_role import LeaderContext, LeaderRole
 from peer.node.planning import EmulatedNetwork
+from peer.observe.node import NodeObserver, ObserveError, ObserveOptions
+from peer.observe.snapshot import SwarmSource
 from peer.runtime.worker import StageWorker
 from peer.swarm.adverts import Advert, LinkReport
 from peer.swarm.dht import DHTConfig, DHTStartError, start_dht, visible_maddrs
@@ -74,6 +76,9 @@ class PeerOptions:
     emulate_device: int | None = None
     resume: bool = False
     measure_seconds: float = 1.0
+    metrics_port: int | None = None  # serve /metrics here (0: a free port); None: off
+    dashboard_port: int | None = None  # serve the swarm dashboard here; None: off
+    progress: bool = False  # live progress on stderr (a bar on a terminal, plain lines elsewhere)
 
 
 class PeerDaemon:
@@ -91,6 +96,7 @@ class PeerDaemon:
         self.progress: ProgressBoard | None = None
         self.network: EmulatedNetwork | None = None
         self.role: LeaderRole | None = None
+        self.observer: NodeObserver | None = None
         self.done = threading.Event()
         self.stop_requested = threading.Event()
         self._live: list[Advert] = []
@@ -125,6 +131,7 @@ class PeerDaemon:
             self._join_run()
             self._start_worker()
             self._announce()
+            self._start_observer()
             log.info("others can join through this peer: %s", self.join_line())
         except BaseException:
             self.shutdown()
@@ -236,6 +243,28 @@ class PeerDaemon:
             self.endpoint,
         )
 
+    def _start_observer(self) -> None:
+        """/metrics, the optional dashboard (read-only boards of its own) and terminal progress."""
+        o = self.opts
+        assert self.config is not None and self.membership is not None and self.worker is not None
+        run_id, secret = self.spec.run_id, o.secret or None
+        source = SwarmSource(
+            self.membership.live_entries,
+            self.membership.links,
+            PlanBoard(self.dht, run_id, None, secret).latest,
+            ProgressBoard(self.dht, run_id, None, secret).read,
+            self.membership.get_run,
+        )
+        opts = ObserveOptions(o.host, o.metrics_port, o.dashboard_port, o.progress, self.config.run.steps,
+                              max(2.0, self.config.swarm.heartbeat_s))
+        try:
+            self.observer = NodeObserver(opts, run_id, source, self.worker.status)
+        except ObserveError as exc:
+            raise DaemonError(str(exc)) from None
+        for what, url in (("metrics", self.observer.metrics_url), ("dashboard", self.observer.dashboard_url)):
+            if url:
+                log.info("%s at %s", what, url)
+
     def join_line(self) -> str:
         """The command others run to join this swarm."""
         addrs = visible_maddrs(self.dht)
@@ -284,6 +313,8 @@ class PeerDaemon:
         self._ticks += 1
         if self._ticks % TICKS_PER_HEARTBEAT == 0:  # once a heartbeat is enough to notice the end of the run
             progress = self.latest_progress()
+            if self.observer is not None:
+                self.observer.on_progress(progress, peers_live=len(entries), is_leader=self.role is not None)
             if progress and progress.get("state") == "done":
                 log.info("the run is done (step %s); leaving", progress.get("step"))
                 self.done.set()
@@ -422,6 +453,8 @@ class PeerDaemon:
 
     def shutdown(self) -> None:
         """Leave gracefully: checkpoint (leader), departure record, stop serving, stop the DHT."""
+        if self.observer is not None:
+            self.observer.close()
         if self.role is not None:
             if self.stop_requested.is_set() and self.role.driver is not None:
                 try:

@@ -29,6 +29,7 @@ from peer.compute.model import unflatten_stage
 from peer.config import RunConfig
 from peer.net import PeerClient
 from peer.node.planning import ClusterView, EmulatedNetwork, build_cluster, make_planner, workload_for
+from peer.observe.scalars import ScalarWriter
 from peer.runtime.assign import LinkModel, build_assignments
 from peer.runtime.control import Apply, encode
 from peer.runtime.coordinator import Coordinator, StepReport
@@ -91,6 +92,8 @@ class LeaderRole:
         self.history: dict[int, tuple[float, float]] = {}
         self._last_progress: dict[str, Any] = {"epoch": 0, "step": 0, "state": "forming"}
         self._tokens_per_step = self.spec.micro_batch * self.spec.n_microbatches * self.spec.model.seq_len
+        logs = self.config.log  # TensorBoard / W&B scalars of each step (peer.observe.scalars)
+        self.scalars = ScalarWriter(logs.tensorboard_dir, logs.wandb_project, self.spec.run_id, self.config.to_dict())
 
     def start(self) -> None:
         self.coordinator.start()
@@ -165,6 +168,7 @@ class LeaderRole:
             log.exception("leadership ended with an error")
             self.error = exc
         finally:
+            self.scalars.close()
             self.finished.set()
 
     def _wait_for_peers(self, taking_over: bool) -> None:
@@ -322,6 +326,9 @@ class LeaderRole:
         tokens_per_s = self._tokens_per_step / report.seconds if report.seconds > 0 else 0.0
         log.info("step %d: loss %.4f, %.2f s, %.0f tokens/s", report.step, report.loss, report.seconds, tokens_per_s)
         assert self.driver is not None
+        self.scalars.add(report.step, {"train/loss": report.loss, "train/tokens_per_s": tokens_per_s,
+                                       "train/step_s": report.seconds, "swarm/plan_epoch": self.driver.epoch,
+                                       "swarm/peers": len(self._workers())})
         self._publish(
             {
                 "epoch": self.driver.epoch,
