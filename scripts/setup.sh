@@ -19,6 +19,14 @@ if [ "$(id -u)" -eq 0 ] && [ -z "${SKIP_APT:-}" ] && command -v apt-get >/dev/nu
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables iproute2; } >/dev/null 2>&1 \
     || echo "[setup] apt-get could not install nftables/iproute2; the network-namespace tests will skip" >&2
 fi
+# The dashboard test renders the page in headless Chromium; as root on Debian, install it when missing
+# (tolerant like the above: without it that test skips with the reason).
+if [ "$(id -u)" -eq 0 ] && [ -z "${SKIP_APT:-}" ] && command -v apt-get >/dev/null \
+   && ! command -v chromium >/dev/null 2>&1; then
+  echo "[setup] installing chromium for the dashboard test" >&2
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null 2>&1 \
+    || echo "[setup] apt-get could not install chromium; the dashboard's browser test will skip" >&2
+fi
 pip_q() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v '^WARNING: Location' || true; }
 if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
   echo "[setup] installing $TORCH_SPEC" >&2

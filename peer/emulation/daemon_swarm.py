@@ -23,6 +23,7 @@ from typing import Any
 
 from peer.config import RunConfig
 from peer.emulation.procs import PeerProcesses
+from peer.observe.progress import ProgressDisplay
 from peer.swarm.status import StatusReader
 from scheduler import Cluster
 from scheduler.cluster import load_scenario
@@ -113,9 +114,11 @@ def run_swarm(opts: SwarmOptions, say: Callable[[str], None] = print) -> int:
 
 def _follow(addr: str, procs: PeerProcesses, opts: SwarmOptions, started: float, say: Callable[[str], None]) -> None:
     """Print progress as the leader publishes it, until every peer has exited or the timeout."""
-    last_step = None
     deadline = started + opts.timeout_s
-    with StatusReader([addr], run_id="swarm") as reader:
+    with (
+        StatusReader([addr], run_id="swarm") as reader,
+        ProgressDisplay(opts.steps, plain=say, started=started) as display,  # a bar on a terminal, else lines
+    ):
         while procs.alive() and time.monotonic() < deadline:
             try:
                 st = reader.read()
@@ -123,17 +126,9 @@ def _follow(addr: str, procs: PeerProcesses, opts: SwarmOptions, started: float,
                 log.info("status read: %s", exc)
                 time.sleep(1.0)
                 continue
-            step = st.progress.get("step")
-            if step is not None and step != last_step:
-                last_step = step
-                loss = st.progress.get("loss")
-                loss_s = f"loss {loss:.4f}" if isinstance(loss, float) else "loss -"
-                tps = st.progress.get("tokens_per_s")
-                extra = f", {st.progress.get('step_s', 0):.2f} s/step, {tps:.0f} tokens/s" if tps else ""
-                say(
-                    f"[{time.monotonic() - started:6.1f}s] plan epoch {st.plan.get('epoch')}: step {step}/"
-                    f"{opts.steps}, {loss_s}{extra} ({len(st.peers)} peers live)"
-                )
+            p = st.progress
+            display.update(p.get("step"), loss=p.get("loss"), step_s=p.get("step_s"),
+                           tokens_per_s=p.get("tokens_per_s"), epoch=st.plan.get("epoch"), peers=len(st.peers))
             time.sleep(1.0)
     if procs.alive():
         say(f"timeout: the swarm did not finish within {opts.timeout_s:.0f} s; stopping it")

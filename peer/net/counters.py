@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-MAX_LABELS = 64  # more distinct kinds or reasons than the protocol has: fold the rest into "OTHER"
+MAX_LABELS = 64  # more distinct kinds or reasons than the protocol has: fold the rest into "UNLISTED"
 
 
 @dataclass
@@ -35,7 +35,7 @@ class TrafficCounters:
     @staticmethod
     def _add(table: dict[str, int], label: str, n: int) -> None:
         if label not in table and len(table) >= MAX_LABELS:
-            label = "OTHER"
+            label = "UNLISTED"
         table[label] = table.get(label, 0) + n
 
     def sent(self, kind: str, n_bytes: int) -> None:

@@ -37,10 +37,11 @@ class ProgressDisplay:
         stream: IO[str] | None = None,
         plain: Callable[[str], None] | None = None,
         fancy: bool | None = None,
+        started: float | None = None,
     ) -> None:
         self.stream = stream if stream is not None else sys.stdout
         self.total = total_steps
-        self.started = time.monotonic()
+        self.started = time.monotonic() if started is None else started  # time.monotonic() the clock starts at
         self._plain = plain or (lambda line: print(line, file=self.stream, flush=True))
         self._last_step: int | None = None
         self._progress: Any = None
@@ -52,6 +53,7 @@ class ProgressDisplay:
 
     def _start_rich(self) -> None:
         from rich.console import Console
+        from rich.file_proxy import FileProxy
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         console = Console(file=self.stream)
@@ -68,11 +70,17 @@ class ProgressDisplay:
         self._task = self._progress.add_task("train", total=self.total, info="waiting for the first plan")
         self._progress.start()
         # logging's handlers hold the real stream; route them through rich's proxy so lines land above the bar
-        proxy = sys.stderr if self.stream is sys.stderr else sys.stdout
+        proxy = FileProxy(console, self.stream)
         for handler in logging.getLogger().handlers:
             if isinstance(handler, logging.StreamHandler) and handler.stream is self.stream:
                 self._handlers.append((handler, handler.stream))
                 handler.setStream(proxy)
+
+    def __enter__(self) -> ProgressDisplay:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def fancy(self) -> bool:
