@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import numpy as np
 
 from . import cost_dtfm, cost_full
+from .bound import gap, lower_bound
 from .cluster import Cluster
 from .cost_dtfm import DtfmPairs
 from .errors import PlanningError
+from .layers import SplitCost, fits_memory, fixed_split_cost
+from .memetic import MemeticConfig, run_memetic
 from .plan import Plan, even_stages
 from .schedule import stage_flops, timing
 from .search import CallableObjective, DtfmObjective, SearchConfig, SearchResult, run_search
@@ -22,13 +26,23 @@ log = logging.getLogger(__name__)
 COST_MODELS = ("dtfm", "full")
 
 
-def memory_violations(cluster: Cluster, workload: Workload, stages: list[tuple[int, int]]) -> np.ndarray:
+def memory_violations(cluster: Cluster, workload: Workload, stages: list[tuple[int, int]], strict: bool = True
+                      ) -> np.ndarray:
     """(N, S) True where device n cannot hold stage s (weights, grads, AdamW, S - s stashed micro-batches).
+
+    ``strict``: a stage no device can hold is an error; without it (uneven splits may still fit) only a model
+    whose smallest possible stage fits no device is.
     """
     n_st = len(stages)
     need = np.array([workload.stage_memory_bytes(a, b, in_flight=n_st - s)
                      for s, (a, b) in enumerate(stages)])
     bad = need[None, :] > cluster.memory_bytes[:, None]
+    if not strict:
+        one = min(workload.stage_memory_bytes(a, a + 1, in_flight=1) for a in range(workload.n_layers))
+        if one > cluster.memory_bytes.max():
+            raise PlanningError("memory_gb", f"no single layer fits: it needs {one / 1e9:.2f} GB, the largest "
+                                f"device has {cluster.memory_bytes.max() / 1e9:.2f} GB")
+        return bad
     for s, (a, b) in enumerate(stages):
         if bad[:, s].all():
             raise PlanningError("memory_gb", f"stage {s} (layers {a}-{b - 1}) needs {need[s] / 1e9:.2f} "
@@ -56,40 +70,6 @@ def _objective(cluster: Cluster, workload: Workload, stages: list[tuple[int, int
         return cost_full.predict_timing(timing(cluster, workload, p, flops))["total_s"]
 
     return CallableObjective(f, n_st, n_rep, mem_bad), link
-
-
-def balance_layers(cluster: Cluster, workload: Workload, m: np.ndarray) -> list[tuple[int, int]]:
-    """Contiguous layer split minimising max_s (FLOPs of stage s) / (sum of TFLOP/s of its group).
-
-    Pipelines pull micro-batches, so a stage's throughput is that of its whole data-parallel group; giving
-    more layers to stages on faster devices evens the per-stage time. Memory limits are respected (a range a
-    stage's weakest device cannot hold is not allowed). Linear-partition dynamic programme, O(S L^2).
-    """
-    n_st, n_lay = m.shape[1], workload.n_layers
-    speed = cluster.tflops[m].sum(axis=0)
-    cap = cluster.memory_bytes[m].min(axis=0)
-    inf = float("inf")
-    best = np.full((n_st + 1, n_lay + 1), inf)
-    arg = np.zeros((n_st + 1, n_lay + 1), dtype=int)
-    best[0, 0] = 0.0
-    for s in range(1, n_st + 1):
-        for b in range(s, n_lay - (n_st - s) + 1):
-            for a in range(s - 1, b):
-                if not np.isfinite(best[s - 1, a]):
-                    continue
-                if workload.stage_memory_bytes(a, b, n_st - (s - 1)) > cap[s - 1]:
-                    continue
-                v = max(best[s - 1, a], workload.stage_forward_flops(a, b) / speed[s - 1])
-                if v < best[s, b]:
-                    best[s, b], arg[s, b] = v, a
-    if not np.isfinite(best[n_st, n_lay]):
-        return even_stages(n_lay, n_st)
-    out, b = [], n_lay
-    for s in range(n_st, 0, -1):
-        a = int(arg[s, b])
-        out.append((a, b))
-        b = a
-    return out[::-1]
 
 
 def choose_split(cluster: Cluster, workload: Workload, cost_model: str) -> tuple[int, int]:
@@ -121,11 +101,93 @@ def choose_split(cluster: Cluster, workload: Workload, cost_model: str) -> tuple
     return best
 
 
+ALGORITHMS = ("memetic", "ils")
+
+
+def _memetic_config(cfg: MemeticConfig | None, seed: int, time_limit_s: float | None, cost_model: str
+                    ) -> MemeticConfig:
+    base = cfg or MemeticConfig()
+    out = MemeticConfig(**{**base.__dict__, "seed": seed,
+                           "time_limit_s": time_limit_s if time_limit_s is not None else base.time_limit_s})
+    if cost_model == "full" and cfg is None:  # every evaluation is a full prediction: a smaller budget
+        out.max_evaluations, out.population = min(out.max_evaluations, 6000), min(out.population, 4)
+    return out
+
+
+def search_layout(cluster: Cluster, workload: Workload, cost_model: str, seed: int, time_limit_s: float | None,
+                  config: SearchConfig | MemeticConfig | None, algorithm: str,
+                  stages: list[tuple[int, int]] | None, slot_cost: np.ndarray | None = None,
+                  extra_starts: list[tuple[str, np.ndarray]] | None = None
+                  ) -> tuple[np.ndarray, list[tuple[int, int]], SearchResult, float, SplitCost | None]:
+    """The search proper for a workload with S and D set: (matrix, layer split, result, bound, split model).
+
+    ``stages`` fixes the layer split; otherwise the ``full`` model chooses a split per layout (uneven) and the
+    ``dtfm`` model keeps the even one (its G is the model spread evenly).
+    """
+    n_st, n_rep = workload.stages, workload.replicas
+    assert n_st is not None and n_rep is not None
+    uneven = stages is None and cost_model == "full"
+    layer_split = stages or even_stages(workload.n_layers, n_st)
+    mem_bad = memory_violations(cluster, workload, layer_split, strict=not uneven)
+    split: SplitCost | None = None
+    if cost_model == "dtfm":
+        pairs = DtfmPairs.build(cluster, workload, n_st, n_rep)
+        obj: DtfmObjective | CallableObjective = DtfmObjective(pairs, n_st, n_rep, mem_bad if mem_bad.any() else None,
+                                                               slot_cost)
+        link, group_cost = pairs.pp, pairs.dp
+    else:
+        link = cluster.transfer_s(workload.activation_bytes())
+        group_cost = link + link.T
+        if uneven:
+            split = SplitCost(cluster, workload, n_st)
+            obj = CallableObjective(split, n_st, n_rep, None, slot_cost)
+        else:
+            obj = CallableObjective(fixed_split_cost(cluster, workload, layer_split), n_st, n_rep,
+                                    mem_bad if mem_bad.any() else None, slot_cost)
+    bound = lower_bound(cluster, workload, n_st, n_rep, cost_model,
+                        pairs if cost_model == "dtfm" else None)
+    starts = list(extra_starts or []) + seeds(link, n_st, n_rep)
+    if algorithm == "ils":
+        cfg = config if isinstance(config, SearchConfig) else SearchConfig()
+        cfg = SearchConfig(**{**cfg.__dict__, "seed": seed,
+                              "time_limit_s": time_limit_s if time_limit_s is not None else cfg.time_limit_s})
+        if cost_model == "full" and config is None:
+            cfg.max_evaluations = min(cfg.max_evaluations, 4000)
+        res = run_search(obj, starts, cluster.n, cfg)
+    else:
+        mcfg = _memetic_config(config if isinstance(config, MemeticConfig) else None, seed, time_limit_s,
+                               cost_model)
+        # the bound stops the search only when the objective is the bare cost it bounds
+        res = run_memetic(obj, starts, cluster.n, mcfg, group_cost, link,
+                          bound if slot_cost is None else 0.0)
+    m = res.matrix
+    if uneven:
+        assert split is not None
+        layer_split = split.best(m)[1]
+    return m, layer_split, res, bound, split
+
+
 def plan(cluster: Cluster, workload: Workload, cost_model: str = "full", seed: int = 0,
-         time_limit_s: float | None = None, config: SearchConfig | None = None) -> Plan:
-    """Place every (replica, stage) tasklet on a device; see ``docs/scheduler.md``."""
+         time_limit_s: float | None = None, config: SearchConfig | MemeticConfig | None = None,
+         algorithm: str | None = None, stages: list[tuple[int, int]] | None = None) -> Plan:
+    """Place every (replica, stage) tasklet on a device; see ``docs/scheduler.md``.
+
+    ``algorithm``: ``"memetic"`` (default) or ``"ils"`` (the previous iterated local search; also chosen when
+    ``config`` is a :class:`SearchConfig`). ``stages`` fixes the layer ranges (a run keeps its split after the
+    first plan); otherwise the ``full`` model picks an uneven split per layout inside the search.
+    """
     if cost_model not in COST_MODELS:
         raise PlanningError("cost_model", f"must be one of {', '.join(COST_MODELS)}, got {cost_model!r}")
+    if algorithm is None:
+        algorithm = "ils" if isinstance(config, SearchConfig) else "memetic"
+    if algorithm not in ALGORITHMS:
+        raise PlanningError("algorithm", f"must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+    if stages is not None:
+        stages = [(int(a), int(b)) for a, b in stages]
+        Plan(stages, [list(range(len(stages)))]).validate(1 << 30, workload.n_layers)
+        if workload.stages not in (None, len(stages)):
+            raise PlanningError("stages", f"{len(stages)} layer ranges for a workload of {workload.stages} stages")
+        workload = workload.with_split(len(stages), workload.replicas or max(1, cluster.n // len(stages)))
     if workload.stages is None or workload.replicas is None:
         n_st, n_rep = choose_split(cluster, workload, cost_model)
         workload = workload.with_split(n_st, n_rep)
@@ -133,34 +195,22 @@ def plan(cluster: Cluster, workload: Workload, cost_model: str = "full", seed: i
     assert n_st is not None and n_rep is not None
     if n_st * n_rep > cluster.n:
         raise PlanningError("replicas", f"{n_st} stages x {n_rep} replicas need {n_st * n_rep} devices, the "
-                            f"scenario has "
-                            f"{cluster.n}")
-    stages = even_stages(workload.n_layers, n_st)
-    mem_bad = memory_violations(cluster, workload, stages)
-    cfg = config or SearchConfig()
-    cfg = SearchConfig(**{**cfg.__dict__, "seed": seed,
-                          "time_limit_s": time_limit_s if time_limit_s is not None else cfg.time_limit_s})
-    if cost_model == "full" and config is None:
-        cfg.max_evaluations = min(cfg.max_evaluations, 4000)
-    obj, link = _objective(cluster, workload, stages, n_st, n_rep, cost_model,
-                           mem_bad if mem_bad.any() else None)
-    res: SearchResult = run_search(obj, seeds(link, n_st, n_rep), cluster.n, cfg)
-    m = res.matrix
-    if mem_bad[m, np.arange(n_st)[None, :]].any():
+                            f"scenario has {cluster.n}")
+    cpu0 = time.process_time()
+    m, layer_split, res, bound, _ = search_layout(cluster, workload, cost_model, seed, time_limit_s, config,
+                                                  algorithm, stages)
+    cpu = time.process_time() - cpu0
+    if not fits_memory(cluster, workload, layer_split, m):
         raise PlanningError("memory_gb", "no placement puts every stage on a device that can hold it")
-    if cost_model == "full" and (np.ptp(cluster.tflops) > 0 or np.ptp(cluster.memory_bytes) > 0):
-        balanced = balance_layers(cluster, workload, m)
-        if balanced != stages:
-            old = cost_full.predict(cluster, workload, Plan(stages, m.tolist()))["total_s"]
-            new = cost_full.predict(cluster, workload, Plan(balanced, m.tolist()))["total_s"]
-            if new < old:
-                stages = balanced
-    out = Plan(stages=stages, pipelines=m.tolist())
+    out = Plan(stages=layer_split, pipelines=m.tolist())
     out.validate(cluster.n, workload.n_layers)
     out.predicted = predict(cluster, workload, out, cost_model)
-    out.search = {"algorithm": "tasklet-ils",
-                  "seconds": round(res.seconds, 4), "evaluations": res.evaluations, "seed": seed,
-                  "start": res.start, "stages": n_st, "replicas": n_rep,
-                  "idle_devices": [int(x) for x in res.spares]}
+    total = float(out.predicted["total_s"])
+    out.search = {"algorithm": "tasklet-memetic" if algorithm == "memetic" else "tasklet-ils",
+                  "seconds": round(res.seconds, 4), "cpu_seconds": round(cpu, 4),
+                  "evaluations": res.evaluations, "seed": seed, "start": res.start, "stages": n_st,
+                  "replicas": n_rep, "idle_devices": [int(x) for x in res.spares],
+                  "lower_bound": round(bound, 6), "gap": round(gap(total, bound), 6)}
+    if hasattr(res, "generations"):
+        out.search["generations"] = res.generations
     return out
-

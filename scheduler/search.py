@@ -47,6 +47,7 @@ class SearchConfig:
     kick_swaps: int = 3
     restart_every: int = 4  # kicks between restarts from a fresh seed
     critical_prob: float = 0.7
+    cpu_clock: bool = False  # time_limit_s counts this process's CPU seconds instead of wall seconds
 
 
 @dataclass
@@ -75,85 +76,122 @@ def _power_mean(rows: np.ndarray) -> np.ndarray:
 
 
 class DtfmObjective:
-    """Incremental ``dtfm`` cost (+ memory penalty) of the flat layout ``x``; soft = mean-of-terms cost."""
+    """Incremental ``dtfm`` cost (+ per-slot penalties) of the flat layout ``x``; soft = power-mean cost.
 
-    def __init__(self, pairs: DtfmPairs, stages: int, replicas: int, mem_bad: np.ndarray | None = None
-                 ) -> None:
+    ``slot_cost[d, s]`` is added for every tasklet of stage ``s`` on device ``d``: the memory penalty where ``d``
+    cannot hold ``s``, and in a re-plan the time to bring stage ``s``'s state to ``d``. A swap changes at most
+    one member of two groups and four hop entries, so a trial updates O(D) numbers: a group's row sums by the
+    difference of the leaving and arriving device's entries, and each changed row's max and sum of 4th powers
+    (the soft cost is ``(mean x^4)^(1/4)`` of the DP entries plus twice that of every hop row).
+    """
+
+    def __init__(self, pairs: DtfmPairs, stages: int, replicas: int, mem_bad: np.ndarray | None = None,
+                 slot_cost: np.ndarray | None = None) -> None:
         self.pairs, self.n_st, self.n_rep = pairs, stages, replicas
         self.n_slots = stages * replicas
         self.mem_bad = mem_bad  # (N, S) True where device cannot hold stage
+        cost = None if mem_bad is None else mem_bad.astype(float) * MEMORY_PENALTY
+        if slot_cost is not None:
+            cost = slot_cost if cost is None else cost + slot_cost
+        self.slot_cost = cost
 
     def reset(self, x: np.ndarray) -> None:
-        self.x = x.copy()
+        self.x = np.asarray(x, dtype=int).copy()
         m = self.x[: self.n_slots].reshape(self.n_rep, self.n_st)
         self.dps = dp_rows(self.pairs, m)
         self.hop = hop_rows(self.pairs, m) if self.n_st > 1 else np.zeros((0, self.n_rep))
+        self.dmax, self.d4 = self.dps.max(axis=1), (self.dps ** SOFT_POWER).sum(axis=1)
+        self.hmax = self.hop.max(axis=1) if self.n_st > 1 else np.zeros(0)
+        self.h4 = (self.hop ** SOFT_POWER).sum(axis=1)
         self.pen = self._penalty(m)
-        self.total, self.soft = self._score(self.dps, self.hop, self.pen)
+        self.total, self.soft = self._score(self.dmax, self.d4, self.hmax, self.h4, self.pen)
 
     def _penalty(self, m: np.ndarray) -> float:
-        if self.mem_bad is None:
+        if self.slot_cost is None:
             return 0.0
-        return float(self.mem_bad[m, np.arange(self.n_st)[None, :]].sum()) * MEMORY_PENALTY
+        return float(self.slot_cost[m, np.arange(self.n_st)[None, :]].sum())
 
-    def _score(self, dps: np.ndarray, hop: np.ndarray, pen: float) -> tuple[float, float]:
-        dp = float(dps.max()) if self.n_rep > 1 else 0.0
-        pp = float(hop.max(axis=1).sum()) if self.n_st > 1 else 0.0
-        soft = (_power_mean(dps.reshape(1, -1)).sum() if self.n_rep > 1 else 0.0) + 2.0 * (
-            _power_mean(hop).sum() if self.n_st > 1 else 0.0)
-        return dp + 2.0 * pp + pen, float(soft)
+    def _score(self, dmax: np.ndarray, d4: np.ndarray, hmax: np.ndarray, h4: np.ndarray, pen: float
+               ) -> tuple[float, float]:
+        if self.n_rep > 1:
+            dp, soft = float(dmax.max()), float((d4.sum() / self.n_slots) ** (1.0 / SOFT_POWER))
+        else:
+            dp, soft = 0.0, 0.0
+        if self.n_st > 1:
+            pp = float(hmax.sum())
+            soft += 2.0 * float(((h4 / self.n_rep) ** (1.0 / SOFT_POWER)).sum())
+        else:
+            pp = 0.0
+        return dp + 2.0 * pp + pen, soft
 
     def trial(self, p: int, q: int) -> tuple[float, float]:
-        x2 = self.x.copy()
-        x2[p], x2[q] = x2[q], x2[p]
-        m2 = x2[: self.n_slots].reshape(self.n_rep, self.n_st)
-        n_st = self.n_st
-        st, hops = set(), set()
-        for pos in (p, q):
-            if pos < self.n_slots:
-                s = pos % n_st
-                st.add(s)
-                if s > 0:
-                    hops.add(s - 1)
-                if s < n_st - 1:
-                    hops.add(s)
-        if p < self.n_slots and q < self.n_slots and p % n_st == q % n_st:
-            st.clear()  # same group, only the matching changed
-        dps, hop = self.dps, self.hop
-        if st:
-            dps = dps.copy()
-            dp = self.pairs.dp
-            for s in st:
-                g = m2[:, s]
-                dps[s] = dp[g[:, None], g[None, :]].sum(axis=1)
-        if hops:
-            hop = hop.copy()
-            pp = self.pairs.pp
-            for h in hops:
-                hop[h] = pp[m2[:, h], m2[:, h + 1]]
-        pen = self._penalty(m2) if self.mem_bad is not None else 0.0
-        self._pending = (x2, dps, hop, pen)
-        return self._score(dps, hop, pen)
+        x, n_st, ns = self.x, self.n_st, self.n_slots
+        dev_p, dev_q = int(x[q]), int(x[p])  # devices at p and q after the swap
+
+        def at(pos: int) -> int:
+            return dev_p if pos == p else dev_q if pos == q else int(x[pos])
+
+        dp, pp = self.pairs.dp, self.pairs.pp
+        d_rows: dict[int, np.ndarray] = {}
+        h_rows: dict[int, np.ndarray] = {}
+        same_group = p < ns and q < ns and p % n_st == q % n_st
+        if same_group and self.n_rep > 1:  # same members, only their pipelines (row positions) swap
+            row = self.dps[p % n_st].copy()
+            row[p // n_st], row[q // n_st] = row[q // n_st], row[p // n_st]
+            d_rows[p % n_st] = row
+        pen = self.pen
+        for pos, old, new in ((p, dev_q, dev_p), (q, dev_p, dev_q)):
+            if pos >= ns:
+                continue
+            s, r = pos % n_st, pos // n_st
+            if self.slot_cost is not None:
+                pen += self.slot_cost[new, s] - self.slot_cost[old, s]
+            if not same_group and self.n_rep > 1:
+                g = x[s:ns:n_st].copy()
+                g[r] = new
+                row = self.dps[s] - dp[g, old] + dp[g, new]
+                row[r] = dp[new, g].sum()
+                d_rows[s] = row
+            for h in (s - 1, s):
+                if 0 <= h < n_st - 1:
+                    row = h_rows.get(h)
+                    if row is None:
+                        row = h_rows[h] = self.hop[h].copy()
+                    row[r] = pp[at(r * n_st + h), at(r * n_st + h + 1)]
+        dmax, d4, hmax, h4 = self.dmax, self.d4, self.hmax, self.h4
+        if d_rows:
+            dmax, d4 = dmax.copy(), d4.copy()
+            for s, row in d_rows.items():
+                dmax[s], d4[s] = row.max(), (row ** SOFT_POWER).sum()
+        if h_rows:
+            hmax, h4 = hmax.copy(), h4.copy()
+            for h, row in h_rows.items():
+                hmax[h], h4[h] = row.max(), (row ** SOFT_POWER).sum()
+        self._pending = (p, q, d_rows, h_rows, dmax, d4, hmax, h4, pen)
+        return self._score(dmax, d4, hmax, h4, pen)
 
     def commit(self) -> None:
-        self.x, self.dps, self.hop, self.pen = self._pending
-        self.total, self.soft = self._score(self.dps, self.hop, self.pen)
+        p, q, d_rows, h_rows, self.dmax, self.d4, self.hmax, self.h4, self.pen = self._pending
+        self.x[p], self.x[q] = self.x[q], self.x[p]
+        for s, row in d_rows.items():
+            self.dps[s] = row
+        for h, row in h_rows.items():
+            self.hop[h] = row
+        self.total, self.soft = self._score(self.dmax, self.d4, self.hmax, self.h4, self.pen)
 
     def critical(self, rng: np.random.Generator) -> int:
         """A position whose device attains a max term (ties broken at random)."""
         n_st, n_rep = self.n_st, self.n_rep
         if n_st > 1 and (n_rep == 1 or rng.random() < 0.5):
-            hmax = self.hop.max(axis=1)
             h = int(rng.integers(n_st - 1))
-            rs = np.flatnonzero(self.hop[h] >= hmax[h] - EPS)
-            r = int(rng.choice(rs))
+            rs = np.flatnonzero(self.hop[h] >= self.hmax[h] - EPS)
+            r = int(rs[rng.integers(len(rs))])
             return r * n_st + h + int(rng.integers(2))
         if n_rep > 1:
-            dmax = self.dps.max(axis=1)
-            ss = np.flatnonzero(dmax >= dmax.max() - EPS)
-            s = int(rng.choice(ss))
-            rs = np.flatnonzero(self.dps[s] >= dmax[s] - EPS)
-            return int(rng.choice(rs)) * n_st + s
+            ss = np.flatnonzero(self.dmax >= self.dmax.max() - EPS)
+            s = int(ss[rng.integers(len(ss))])
+            rs = np.flatnonzero(self.dps[s] >= self.dmax[s] - EPS)
+            return int(rs[rng.integers(len(rs))]) * n_st + s
         return int(rng.integers(self.n_slots))
 
     def polish(self) -> None:
@@ -171,18 +209,25 @@ class DtfmObjective:
 
 
 class CallableObjective:
-    """Any cost ``f(matrix) -> float`` (the ``full`` model), re-evaluated from scratch on every trial."""
+    """Any cost ``f(matrix) -> float`` (the ``full`` model), re-evaluated from scratch on every trial.
+
+    ``slot_cost[d, s]`` is added per tasklet as in :class:`DtfmObjective` (memory penalty, moves).
+    """
 
     def __init__(self, f: Callable[[np.ndarray], float], stages: int, replicas: int,
-                 mem_bad: np.ndarray | None = None) -> None:
+                 mem_bad: np.ndarray | None = None, slot_cost: np.ndarray | None = None) -> None:
         self.f, self.n_st, self.n_rep, self.n_slots = f, stages, replicas, stages * replicas
         self.mem_bad = mem_bad
+        cost = None if mem_bad is None else mem_bad.astype(float) * MEMORY_PENALTY
+        if slot_cost is not None:
+            cost = slot_cost if cost is None else cost + slot_cost
+        self.slot_cost = cost
 
     def _eval(self, x: np.ndarray) -> float:
         m = x[: self.n_slots].reshape(self.n_rep, self.n_st)
         pen = 0.0
-        if self.mem_bad is not None:
-            pen = float(self.mem_bad[m, np.arange(self.n_st)[None, :]].sum()) * MEMORY_PENALTY
+        if self.slot_cost is not None:
+            pen = float(self.slot_cost[m, np.arange(self.n_st)[None, :]].sum())
         return self.f(m) + pen
 
     def reset(self, x: np.ndarray) -> None:
@@ -192,12 +237,11 @@ class CallableObjective:
     def trial(self, p: int, q: int) -> tuple[float, float]:
         x2 = self.x.copy()
         x2[p], x2[q] = x2[q], x2[p]
-        self._pending = x2
-        return self._eval(x2), 0.0
+        self._pending = (x2, self._eval(x2))
+        return self._pending[1], 0.0
 
     def commit(self) -> None:
-        self.x = self._pending
-        self.total = self._eval(self.x)
+        self.x, self.total = self._pending
 
     def critical(self, rng: np.random.Generator) -> int:
         return int(rng.integers(self.n_slots))
@@ -209,7 +253,8 @@ class CallableObjective:
 Objective = DtfmObjective | CallableObjective
 
 
-def _better(a: tuple[float, float], b: tuple[float, float]) -> bool:
+def better(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """Lexicographic (cost, soft cost) comparison with a relative tolerance."""
     return a[0] < b[0] - EPS * max(1.0, abs(b[0])) or (a[0] <= b[0] + EPS * max(1.0, abs(b[0]))
                                                         and a[1] < b[1] - EPS * max(1.0, abs(b[1])))
 
@@ -218,7 +263,8 @@ def run_search(obj: Objective, starts: list[tuple[str, np.ndarray]], n_devices: 
                ) -> SearchResult:
     """Iterated local search over the flat layout; ``starts`` are (name, plan matrix) seeds."""
     rng = np.random.default_rng(cfg.seed)
-    t0 = time.perf_counter()
+    clock = time.process_time if cfg.cpu_clock else time.perf_counter
+    t0 = clock()
     deadline = None if cfg.time_limit_s is None else t0 + cfg.time_limit_s
     n_st, n_rep, n_slots = obj.n_st, obj.n_rep, obj.n_slots
     n_pos = n_devices
@@ -243,17 +289,17 @@ def run_search(obj: Objective, starts: list[tuple[str, np.ndarray]], n_devices: 
     stall_limit = max(50, int(cfg.stall_per_position * n_pos))
     stall, kicks, next_start = 0, 0, 1
     while evals < cfg.max_evaluations:
-        if deadline is not None and (evals & 63) == 0 and time.perf_counter() > deadline:
+        if deadline is not None and (evals & 63) == 0 and clock() > deadline:
             break
         p = obj.critical(rng) if rng.random() < cfg.critical_prob else int(rng.integers(n_slots))
         q = int(rng.integers(n_pos - 1))
         q += q >= p
         evals += 1
         cand = obj.trial(p, q)
-        if _better(cand, (obj.total, obj.soft)):
+        if better(cand, (obj.total, obj.soft)):
             obj.commit()
             stall = 0
-            if _better((obj.total, obj.soft), best_key):
+            if better((obj.total, obj.soft), best_key):
                 best_key, best_x = (obj.total, obj.soft), obj.x.copy()
                 trace.append((evals, obj.total))
             continue
@@ -262,7 +308,7 @@ def run_search(obj: Objective, starts: list[tuple[str, np.ndarray]], n_devices: 
             continue
         # Local optimum: make the pipeline through these groups optimal, then kick or restart.
         obj.polish()
-        if _better((obj.total, obj.soft), best_key):
+        if better((obj.total, obj.soft), best_key):
             best_key, best_x = (obj.total, obj.soft), obj.x.copy()
             trace.append((evals, obj.total))
         kicks += 1
@@ -282,10 +328,10 @@ def run_search(obj: Objective, starts: list[tuple[str, np.ndarray]], n_devices: 
         obj.reset(x)
     obj.reset(best_x)
     obj.polish()
-    if _better((obj.total, obj.soft), best_key):
+    if better((obj.total, obj.soft), best_key):
         best_x = obj.x.copy()
     obj.reset(best_x)
-    secs = time.perf_counter() - t0
+    secs = clock() - t0
     log.info("search: %d evaluations in %.2fs, best %.4f (start %s)", evals, secs, obj.total, best_name)
     return SearchResult(matrix=best_x[:n_slots].reshape(n_rep, n_st).copy(), spares=best_x[n_slots:].copy(),
                         total=obj.total, evaluations=evals, seconds=secs, start=best_name, trace=trace)

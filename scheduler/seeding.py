@@ -101,3 +101,27 @@ def seeds(link_cost: np.ndarray, stages: int, replicas: int) -> list[tuple[str, 
                     best_pipelines(link_cost, [pm[:, s] for s in range(stages)])[1]))
         out.extend(aligned_seeds(link_cost, stages, replicas))
     return out
+
+
+def sorted_seeds(pp: np.ndarray, dp: np.ndarray, stages: int, replicas: int) -> list[tuple[str, np.ndarray]]:
+    """Stage groups cut from the devices sorted by how slow their links are (the memetic search's extra seeds).
+
+    A hop costs as much as its slowest pipeline, so slow devices are best concentrated on a few hops rather
+    than spread over all of them; the clustering order does not do that when slow devices sit in many small
+    clusters (home connections). Two orders: median hop cost to the others, and the D - 1 cheapest partners'
+    data-parallel cost (how well a device can sit in a group).
+    """
+    n = pp.shape[0]
+    if stages * replicas > n or n < 2:
+        return []
+    off = ~np.eye(n, dtype=bool)
+    sym = 0.5 * (pp + pp.T)
+    slow = np.median(np.where(off, sym, np.nan), axis=1)
+    d = np.where(off, dp, np.inf)
+    k = max(1, min(replicas - 1, n - 1))
+    group = np.partition(d, k - 1, axis=1)[:, :k].sum(axis=1)
+    out = []
+    for name, key in (("sorted-by-link", slow), ("sorted-by-group", group)):
+        order = np.lexsort((np.arange(n), key))  # ties by id: only exact ties depend on the id order
+        out.append((name, stage_major(order, stages, replicas, pp)))
+    return out
