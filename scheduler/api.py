@@ -211,6 +211,6 @@ def plan(cluster: Cluster, workload: Workload, cost_model: str = "full", seed: i
                   "evaluations": res.evaluations, "seed": seed, "start": res.start, "stages": n_st,
                   "replicas": n_rep, "idle_devices": [int(x) for x in res.spares],
                   "lower_bound": round(bound, 6), "gap": round(gap(total, bound), 6)}
-    if hasattr(res, "generations"):
+    if algorithm == "memetic":
         out.search["generations"] = res.generations
     return out

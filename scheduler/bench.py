@@ -1,24 +1,31 @@
-"""``python -m scheduler bench``: random / rank order / the paper's search / ours on the paper's scenarios.
+"""``python -m scheduler bench``: random / rank order / the paper's search / our ILS / our memetic search.
 
 Device ids are shuffled before planning (seed-dependent), so no planner profits from devices being listed
 region by region; costs do not depend on ids, so nothing needs mapping back. Every cost is the ``dtfm`` model
-with the paper's GPT3-XL workload (8 stages x 8 replicas). Timings are wall seconds of this process.
+with the paper's GPT3-XL workload (8 stages x 8 replicas; 8 x 128 on the 1,024-device scenario). Search
+budgets and times are CPU seconds of this process (one core), so that other work on the machine changes how
+long a run takes but not what it finds; wall seconds and the load average are reported beside them.
+The lower bound (``bound.py``) is printed with the gap of the memetic search's worst seed.
+A last table re-plans a heterogeneous 64-device run after one departure (``replan.py``, ``full`` model).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
 import numpy as np
 
+from .bound import dtfm_lower_bound, gap
 from .cluster import Cluster, default_scenarios_path
 from .cost_dtfm import DtfmPairs, evaluate
+from .memetic import MemeticConfig, run_memetic
 from .paper_ga import PaperGAConfig, paper_ga
 from .search import DtfmObjective, SearchConfig, run_search
 from .seeding import seeds
-from .synthetic import geo_scenario
+from .synthetic import geo_scenario, hetero_scenario
 from .workload import Workload
 
 log = logging.getLogger(__name__)
@@ -28,91 +35,157 @@ PAPER_SCENARIOS = ("datacenter_on_demand", "datacenter_spot", "multi_universitie
 # Best cost the paper's own code reached (shared/scenarios/README.md).
 PAPER_REFERENCE = {"datacenter_on_demand": 3.4398, "datacenter_spot": 49.5039, "multi_universities": 16.0868,
                    "regional_geo_distributed": 34.8020, "worldwide_geo_distributed": 49.2184}
+SYNTHETIC_64 = ("hetero64_0", "hetero64_1", "hetero64_2", "geo64_0")
 
 
-def ours(pairs: DtfmPairs, n: int, n_st: int, n_rep: int, seed: int, max_evaluations: int = 40_000,
-         time_limit_s: float | None = 10.0) -> tuple[float, float, int]:
-    t0 = time.perf_counter()
-    obj = DtfmObjective(pairs, n_st, n_rep)
-    res = run_search(obj, seeds(pairs.pp, n_st, n_rep), n,
-                     SearchConfig(seed=seed, max_evaluations=max_evaluations, time_limit_s=time_limit_s))
-    return evaluate(pairs, res.matrix)[0], time.perf_counter() - t0, res.evaluations
+def synthetic(name: str) -> Cluster:
+    """``hetero64_<seed>`` / ``geo64_<seed>`` / ``geo1024_<seed>``: the synthetic scenarios of the bench."""
+    kind, _, seed = name.partition("_")
+    n = int(kind.lstrip("heterogeo"))
+    make = hetero_scenario if kind.startswith("hetero") else geo_scenario
+    c = Cluster.from_dict(make(n, seed=int(seed)))
+    c.name = name
+    return c
 
 
-def bench_scenario(cluster: Cluster, workload: Workload, n_seeds: int, ga_budget: int,
-                   ours_evals: int) -> dict[str, Any]:
+def ils(pairs: DtfmPairs, n: int, n_st: int, n_rep: int, seed: int, cpu_s: float,
+        max_evaluations: int = 10**9) -> dict[str, float]:
+    """Today's iterated local search (``search.py``) for ``cpu_s`` CPU seconds."""
+    w0, c0 = time.perf_counter(), time.process_time()
+    res = run_search(DtfmObjective(pairs, n_st, n_rep), seeds(pairs.pp, n_st, n_rep), n,
+                     SearchConfig(seed=seed, max_evaluations=max_evaluations, time_limit_s=cpu_s, cpu_clock=True))
+    return {"cost": evaluate(pairs, res.matrix)[0], "cpu_s": time.process_time() - c0,
+            "wall_s": time.perf_counter() - w0, "evaluations": res.evaluations}
+
+
+def memetic(pairs: DtfmPairs, n: int, n_st: int, n_rep: int, seed: int, cpu_s: float,
+            generations: int = 10**6) -> dict[str, float]:
+    """The memetic search for at most ``cpu_s`` CPU seconds, stopped early if it reaches the bound."""
+    w0, c0 = time.perf_counter(), time.process_time()
+    bound = dtfm_lower_bound(pairs, n_st, n_rep)
+    cfg = MemeticConfig(seed=seed, time_limit_s=cpu_s, cpu_clock=True, generations=generations, stop_after=0)
+    res = run_memetic(DtfmObjective(pairs, n_st, n_rep), seeds(pairs.pp, n_st, n_rep), n, cfg, pairs.dp,
+                      pairs.pp, bound)
+    return {"cost": evaluate(pairs, res.matrix)[0], "cpu_s": time.process_time() - c0,
+            "wall_s": time.perf_counter() - w0, "evaluations": res.evaluations, "bound": bound,
+            "generations": res.generations, "found_cpu_s": res.found_s}
+
+
+def bench_scenario(cluster: Cluster, workload: Workload, n_seeds: int, ga_budget: int, ils_s: float,
+                   memetic_s: float, ga_time_s: float | None = None) -> dict[str, Any]:
     n_st, n_rep = workload.stages or 8, workload.replicas or 8
-    row: dict[str, Any] = {"scenario": cluster.name, "devices": cluster.n}
+    row: dict[str, Any] = {"scenario": cluster.name, "devices": cluster.n, "load_before": os.getloadavg()[0]}
     base = DtfmPairs.build(cluster, workload, n_st, n_rep)
     rng = np.random.default_rng(12345)
-    t0 = time.perf_counter()
+    n_rand = 100 if cluster.n <= 256 else 20
     rand = [evaluate(base, rng.permutation(cluster.n)[: n_st * n_rep].reshape(n_rep, n_st))[0]
-            for _ in range(100)]
+            for _ in range(n_rand)]
     row["random_mean"] = float(np.mean(rand))
-    row["random_s"] = (time.perf_counter() - t0) / 100
-    our_costs, our_secs, rank_costs, ga_costs, ga_secs = [], [], [], [], []
+    il, me, rank, ga = [], [], [], []
     for seed in range(n_seeds):
         perm = np.random.default_rng(1000 + seed).permutation(cluster.n)
         pairs = DtfmPairs.build(cluster.subset(perm), workload, n_st, n_rep)
-        rank_costs.append(evaluate(pairs, np.arange(n_st * n_rep).reshape(n_rep, n_st))[0])
-        c, s, _ = ours(pairs, cluster.n, n_st, n_rep, seed, max_evaluations=ours_evals)
-        our_costs.append(c)
-        our_secs.append(s)
+        rank.append(evaluate(pairs, np.arange(n_st * n_rep).reshape(n_rep, n_st))[0])
+        il.append(ils(pairs, cluster.n, n_st, n_rep, seed, ils_s))
+        me.append(memetic(pairs, cluster.n, n_st, n_rep, seed, memetic_s))
         if seed == 0:  # the paper's search is slow: one run per scenario
-            r = paper_ga(pairs, cluster.n, n_st, n_rep, PaperGAConfig(offspring=ga_budget - 100, seed=seed))
-            ga_costs.append(r.total)
-            ga_secs.append(r.seconds)
-        log.info("%s seed %d: ours %.4f in %.2fs", cluster.name, seed, c, s)
-    row.update(rank_order=float(np.mean(rank_costs)), paper_ga=float(np.min(ga_costs)),
-               paper_ga_s=float(np.max(ga_secs)), ours_best=float(np.min(our_costs)),
-               ours_worst=float(np.max(our_costs)), ours_s=float(np.max(our_secs)), seeds=n_seeds)
+            c0 = time.process_time()
+            r = paper_ga(pairs, cluster.n, n_st, n_rep,
+                         PaperGAConfig(offspring=ga_budget - 100, seed=seed, time_limit_s=ga_time_s))
+            ga.append({"cost": r.total, "cpu_s": time.process_time() - c0, "evaluations": r.evaluations})
+        log.info("%s seed %d: ils %.4f, memetic %.4f", cluster.name, seed, il[-1]["cost"], me[-1]["cost"])
+    bound = me[0]["bound"]
+    worst = max(x["cost"] for x in me)
+    row.update(
+        rank_order=float(np.mean(rank)), paper_ga=ga[0]["cost"], paper_ga_s=ga[0]["cpu_s"],
+        paper_ga_evaluations=ga[0]["evaluations"],
+        ils_best=min(x["cost"] for x in il), ils_worst=max(x["cost"] for x in il),
+        ils_mean=float(np.mean([x["cost"] for x in il])), ils_s=max(x["cpu_s"] for x in il),
+        memetic_best=min(x["cost"] for x in me), memetic_worst=worst,
+        memetic_s=max(x["cpu_s"] for x in me), memetic_wall_s=max(x["wall_s"] for x in me),
+        memetic_found_s=max(x["found_cpu_s"] for x in me), lower_bound=bound, gap=gap(worst, bound),
+        seeds=n_seeds, load_after=os.getloadavg()[0])
+    row["memetic_le_ils"] = bool(worst <= row["ils_best"] + 1e-6)
     ref = PAPER_REFERENCE.get(cluster.name)
     row["paper_reference"] = ref
-    row["ours_le_reference"] = None if ref is None else bool(row["ours_worst"] <= ref + 5e-5)
+    row["memetic_le_reference"] = None if ref is None else bool(worst <= ref + 5e-5)
     return row
 
 
-def bench_large(time_limit_s: float, seed: int = 0) -> dict[str, Any]:
-    """Synthetic 1,024 devices, 8 stages x 128 replicas: ours vs the paper's GA given the same wall time."""
-    cluster = Cluster.from_dict(geo_scenario(1024, seed=seed))
-    cluster.name = "synthetic_1024"
-    w = Workload.preset("gpt3-xl-dtfm").with_split(8, 128)
-    perm = np.random.default_rng(1000 + seed).permutation(cluster.n)
-    pairs = DtfmPairs.build(cluster.subset(perm), w, 8, 128)
-    rng = np.random.default_rng(12345)
-    rand = [evaluate(pairs, rng.permutation(1024).reshape(128, 8))[0] for _ in range(20)]
-    c, s, evals = ours(pairs, cluster.n, 8, 128, seed, max_evaluations=10**9, time_limit_s=time_limit_s)
-    ga = paper_ga(pairs, cluster.n, 8, 128, PaperGAConfig(seed=seed, time_limit_s=s))
-    return {"scenario": "synthetic_1024", "devices": 1024, "random_mean": float(np.mean(rand)),
-            "random_s": None, "rank_order": evaluate(pairs, np.arange(1024).reshape(128, 8))[0],
-            "paper_ga": ga.total, "paper_ga_s": ga.seconds, "paper_ga_evaluations": ga.evaluations,
-            "ours_best": c, "ours_worst": c, "ours_s": s, "ours_evaluations": evals, "seeds": 1,
-            "paper_reference": None, "ours_le_reference": None}
+def bench_replan(name: str = "hetero64_0", departures: int = 3, cpu_s: float = 3.0) -> list[dict[str, Any]]:
+    """Plan 8 x 7 on 64 heterogeneous devices (``full`` model), then re-plan after each of a few departures."""
+    from .api import plan
+    from .plan import Plan
+    from .replan import objective_of, replan
 
-
-def run_bench(quick: bool = False, seeds: int = 3, scenarios_path: str | None = None, large: bool = True
-              ) -> list[dict[str, Any]]:
-    path = scenarios_path or default_scenarios_path()
-    w = Workload.preset("gpt3-xl-dtfm")
+    cluster = synthetic(name)
+    w = Workload.preset("gpt3-xl-dtfm").with_split(8, 7)
+    first = plan(cluster, w, cost_model="full", seed=0, time_limit_s=cpu_s)
     rows = []
-    for name in PAPER_SCENARIOS:
-        cluster = Cluster.from_scenario(path, name)
-        rows.append(bench_scenario(cluster, w, n_seeds=seeds, ga_budget=500 if quick else 5000,
-                                   ours_evals=20_000 if quick else 40_000))
-    if large:
-        rows.append(bench_large(time_limit_s=10.0 if quick else 40.0))
+    used = [d for row in first.pipelines for d in row]
+    for k in range(departures):
+        gone = used[int(np.random.default_rng(k).integers(len(used)))]
+        live = [d for d in range(cluster.n) if d != gone]
+        index = {d: i for i, d in enumerate(live)}
+        sub = cluster.subset(live)
+        current = Plan(first.stages, [[index.get(d, -1) for d in row] for row in first.pipelines])
+        c0 = time.process_time()
+        new = replan(sub, w, current, cost_model="full", seed=0, time_limit_s=cpu_s)
+        secs = time.process_time() - c0
+        scratch = plan(sub, w, cost_model="full", seed=0, time_limit_s=cpu_s, stages=first.stages)
+        mv = new.predicted["moves"]
+        rows.append({"scenario": name, "departed": int(gone), "cost_before": first.predicted["total_s"],
+                     "cost_after": new.predicted["total_s"], "moved_tasklets": mv["moved_tasklets"],
+                     "transfer_s": mv["transfer_s"], "transfer_parallel_s": mv["transfer_parallel_s"],
+                     "objective_s": new.predicted["objective_s"], "replan_cpu_s": secs,
+                     "scratch_cost": scratch.predicted["total_s"],
+                     "scratch_objective_s": objective_of(sub, w, current, scratch, "full")})
     return rows
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
-    def f(x: Any, nd: int = 4) -> str:
-        return "-" if x is None else f"{x:.{nd}f}" if isinstance(x, float) else str(x)
+def run_bench(quick: bool = False, seeds: int = 3, scenarios_path: str | None = None, large: bool = True,
+              synthetic_64: bool = True) -> dict[str, Any]:
+    path = scenarios_path or default_scenarios_path()
+    w = Workload.preset("gpt3-xl-dtfm")
+    ils_s, mem_s = (2.0, 1.0) if quick else (6.0, 2.0)
+    rows = []
+    clusters = [Cluster.from_scenario(path, name) for name in PAPER_SCENARIOS]
+    if synthetic_64:
+        clusters += [synthetic(name) for name in SYNTHETIC_64]
+    for cluster in clusters:
+        rows.append(bench_scenario(cluster, w, n_seeds=seeds, ga_budget=500 if quick else 5000, ils_s=ils_s,
+                                   memetic_s=mem_s))
+    if large:
+        big = synthetic("geo1024_0")
+        rows.append(bench_scenario(big, w.with_split(8, 128), n_seeds=1, ga_budget=10**6,
+                                   ils_s=10.0 if quick else 40.0, memetic_s=5.0 if quick else 10.0,
+                                   ga_time_s=10.0))
+    return {"scenarios": rows, "replan": bench_replan(cpu_s=1.5 if quick else 3.0, departures=2 if quick else 3)}
 
-    head = ("| scenario | random (mean of 100) | rank order | paper's search: cost (s) | ours: best / worst "
-            "over seeds (max s) | paper's code reached |")
-    lines = [head, "| --- | --- | --- | --- | --- | --- |"]
+
+def _f(x: Any, nd: int = 4) -> str:
+    return "-" if x is None else f"{x:.{nd}f}" if isinstance(x, float) else str(x)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    rows = result["scenarios"] if isinstance(result, dict) else result
+    head = ("| scenario | random (mean) | rank order | paper's search: cost (cpu s) | ILS: best / worst (cpu s) | "
+            "memetic: best / worst (cpu s; best found by) | lower bound | gap | paper's code reached |")
+    lines = [head, "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r['scenario']} | {f(r['random_mean'], 2)} | {f(r['rank_order'])} | "
-                     f"{f(r['paper_ga'])} ({f(r['paper_ga_s'], 1)}) | {f(r['ours_best'])} / "
-                     f"{f(r['ours_worst'])} ({f(r['ours_s'], 1)}) | {f(r['paper_reference'])} |")
+        lines.append(f"| {r['scenario']} | {_f(r['random_mean'], 2)} | {_f(r['rank_order'])} | "
+                     f"{_f(r['paper_ga'])} ({_f(r['paper_ga_s'], 1)}) | {_f(r['ils_best'])} / "
+                     f"{_f(r['ils_worst'])} ({_f(r['ils_s'], 1)}) | {_f(r['memetic_best'])} / "
+                     f"{_f(r['memetic_worst'])} ({_f(r['memetic_s'], 1)}; {_f(r['memetic_found_s'], 2)}) | "
+                     f"{_f(r['lower_bound'])} | {100 * r['gap']:.1f} % | {_f(r['paper_reference'])} |")
+    rp = result.get("replan", []) if isinstance(result, dict) else []
+    if rp:
+        lines += ["", "| re-plan after a departure | cost before | cost after | moved tasklets | transfer s (sum / "
+                  "slowest) | objective | from scratch: cost / objective | cpu s |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in rp:
+            lines.append(f"| {r['scenario']} device {r['departed']} | {_f(r['cost_before'])} | "
+                         f"{_f(r['cost_after'])} | {r['moved_tasklets']} | {_f(r['transfer_s'], 2)} / "
+                         f"{_f(r['transfer_parallel_s'], 2)} | {_f(r['objective_s'])} | "
+                         f"{_f(r['scratch_cost'])} / {_f(r['scratch_objective_s'])} | {_f(r['replan_cpu_s'], 1)} |")
     return "\n".join(lines)

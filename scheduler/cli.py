@@ -10,7 +10,7 @@ import json
 import sys
 from collections import Counter
 
-from .api import COST_MODELS, plan
+from .api import ALGORITHMS, COST_MODELS, plan
 from .cluster import Cluster, load_scenario
 from .errors import PlanningError
 from .plan import Plan
@@ -35,7 +35,9 @@ def format_plan(cluster: Cluster, p: Plan) -> str:
     lines.append(f"predicted ({pr.get('cost_model')}): {parts}")
     sr = p.search
     lines.append(f"search: {sr.get('algorithm')}; {sr.get('evaluations')} evaluations in "
-                 f"{sr.get('seconds')} s, seed {sr.get('seed')}")
+                 f"{sr.get('seconds')} s ({sr.get('cpu_seconds')} s CPU), seed {sr.get('seed')}")
+    if "lower_bound" in sr:
+        lines.append(f"lower bound {sr['lower_bound']:.4f} s: gap {100 * sr['gap']:.1f} %")
     return "\n".join(lines)
 
 
@@ -46,7 +48,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         workload = workload.with_split(args.stages or workload.stages, args.replicas or workload.replicas)
     if args.time_limit is not None and not args.time_limit > 0:
         raise PlanningError("time-limit", "must be > 0 seconds")
-    p = plan(cluster, workload, cost_model=args.cost_model, seed=args.seed, time_limit_s=args.time_limit)
+    p = plan(cluster, workload, cost_model=args.cost_model, seed=args.seed, time_limit_s=args.time_limit,
+             algorithm=args.algorithm)
     print(json.dumps(p.to_dict()) if args.json else format_plan(cluster, p))
     return 0
 
@@ -54,9 +57,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import format_table, run_bench
 
-    rows = run_bench(quick=args.quick, seeds=args.seeds, scenarios_path=args.scenarios,
-                     large=not args.no_large)
-    print(json.dumps(rows, indent=1) if args.json else format_table(rows))
+    result = run_bench(quick=args.quick, seeds=args.seeds, scenarios_path=args.scenarios,
+                       large=not args.no_large, synthetic_64=not args.no_synthetic)
+    print(json.dumps(result, indent=1) if args.json else format_table(result))
     return 0
 
 
@@ -70,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--replicas", type=int)
     pp.add_argument("--cost-model", choices=COST_MODELS, default="full")
     pp.add_argument("--seed", type=int, default=0)
-    pp.add_argument("--time-limit", type=float, help="cap on search seconds (default: evaluation budget)")
+    pp.add_argument("--algorithm", choices=ALGORITHMS, default="memetic",
+                    help="memetic (default) or ils (the previous iterated local search)")
+    pp.add_argument("--time-limit", type=float, help="cap on search seconds (default: generation budget)")
     pp.add_argument("--json", action="store_true")
     pp.set_defaults(func=cmd_plan)
     bp = sub.add_parser("bench", help="baselines vs the paper's search vs ours on the paper's scenarios")
@@ -78,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--seeds", type=int, default=3, help="seeds (device shuffles) per scenario")
     bp.add_argument("--scenarios", default=None, help="scenarios file (default: shared / packaged)")
     bp.add_argument("--no-large", action="store_true", help="skip the synthetic 1,024-device scenario")
+    bp.add_argument("--no-synthetic", action="store_true", help="skip the synthetic 64-device scenarios")
     bp.add_argument("--json", action="store_true")
     bp.set_defaults(func=cmd_bench)
     return ap

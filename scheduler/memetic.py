@@ -79,6 +79,7 @@ class Memetic:
         self.min_dist = max(2, int(cfg.min_distance_frac * self.n_slots))
         self.best_key: tuple[float, float] = (float("inf"), float("inf"))
         self.best_x: np.ndarray | None = None
+        self.found_s = 0.0
         self.trace: list[tuple[int, float]] = []
         self.clock = time.process_time if cfg.cpu_clock else time.perf_counter
         self.t0 = self.clock()
@@ -102,6 +103,7 @@ class Memetic:
         if self.best_x is None or better(key, self.best_key):
             self.best_key, self.best_x = key, self.obj.x.copy()
             self.trace.append((self.evals, key[0]))
+            self.found_s = time.process_time() - self.cpu0
 
     # ------------------------------------------------------------ local search
     def descend(self, x: np.ndarray) -> None:
@@ -322,8 +324,8 @@ class Memetic:
         x = self.best_x
         res = SearchResult(matrix=x[: self.n_slots].reshape(self.n_rep, self.n_st).copy(),
                            spares=x[self.n_slots:].copy(), total=self.obj.total, evaluations=self.evals,
-                           seconds=secs, start=start_name, trace=self.trace)
-        res.generations = gen  # type: ignore[attr-defined]
+                           seconds=secs, start=start_name, trace=self.trace, generations=gen,
+                           found_s=self.found_s)
         return res
 
     def _parents(self, pop: list[tuple[tuple[float, float], np.ndarray]]) -> tuple[int, int]:

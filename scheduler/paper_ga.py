@@ -7,7 +7,9 @@ a population of random partitions; each offspring is made by a five-point crosso
 (five devices take their group from the first parent, the rest from the second, then sizes are repaired), is
 improved by a local search on the partition driven by the paper's cheap surrogate gain (mean hop cost to
 another group against the cheapest hop inside its own; balanced swaps only), and replaces the worst member if better.
-The budget is the paper's: population 100 plus 4,900 offspring = 5,000 candidates evaluated.
+The budget is the paper's: population 100 plus 4,900 offspring = 5,000 candidates evaluated. Memory (not in
+the paper): a candidate whose pipelines put a stage on a device that cannot hold it pays a large penalty per
+such tasklet, so the search ends on a layout that fits whenever it finds one.
 """
 
 from __future__ import annotations
@@ -39,11 +41,16 @@ class PaperGAResult:
     seconds: float
 
 
-def _fitness(pairs: DtfmPairs, labels: np.ndarray, n_st: int, n_rep: int) -> tuple[float, np.ndarray]:
+MEMORY_PENALTY = 1e6
+
+
+def _fitness(pairs: DtfmPairs, labels: np.ndarray, n_st: int, n_rep: int, bad: np.ndarray | None = None
+             ) -> tuple[float, np.ndarray]:
     groups = [np.flatnonzero(labels == g) for g in range(n_st)]
     dp = max(float(pairs.dp[np.ix_(g, g)].sum(axis=1).max()) for g in groups) if n_rep > 1 else 0.0
     pp, m = best_pipelines(pairs.pp, groups)
-    return dp + 2.0 * pp, m
+    pen = 0.0 if bad is None else MEMORY_PENALTY * float(bad[m, np.arange(n_st)[None, :]].sum())
+    return dp + 2.0 * pp + pen, m
 
 
 def _crossover(p1: np.ndarray, p2: np.ndarray, points: int, n_st: int, n_rep: int,
@@ -93,17 +100,26 @@ def _local_search(pp: np.ndarray, labels: np.ndarray, n_st: int, swaps: int, rng
     return lab
 
 
-def paper_ga(pairs: DtfmPairs, n_devices: int, n_st: int, n_rep: int, cfg: PaperGAConfig) -> PaperGAResult:
-    """Run the memetic search; the devices used are the first S x D of a random order (N may exceed S x D)."""
+def paper_ga(pairs: DtfmPairs, n_devices: int, n_st: int, n_rep: int, cfg: PaperGAConfig,
+             mem_bad: np.ndarray | None = None) -> PaperGAResult:
+    """Run the memetic search; the devices used are the first S x D of a random order (N may exceed S x D).
+
+    ``mem_bad`` (N, S): True where a device cannot hold a stage; devices that can hold some stage are
+    preferred when N > S x D.
+    """
     rng = np.random.default_rng(cfg.seed)
     t0 = time.perf_counter()
-    used = rng.permutation(n_devices)[: n_st * n_rep]
+    perm = rng.permutation(n_devices)
+    if mem_bad is not None:  # stable: devices that fit more stages first, random order among equals
+        perm = perm[np.argsort(mem_bad[perm].sum(axis=1), kind="stable")]
+    used = perm[: n_st * n_rep]
     sub = DtfmPairs(dp=pairs.dp[np.ix_(used, used)], pp=pairs.pp[np.ix_(used, used)])
+    bad = None if mem_bad is None or not mem_bad.any() else mem_bad[used]
     k = n_st * n_rep
     pop, fit, mats = [], [], []
     for _ in range(cfg.population):
         lab = np.repeat(np.arange(n_st), n_rep)[rng.permutation(k)]
-        f, m = _fitness(sub, lab, n_st, n_rep)
+        f, m = _fitness(sub, lab, n_st, n_rep, bad)
         pop.append(lab)
         fit.append(f)
         mats.append(m)
@@ -114,7 +130,7 @@ def paper_ga(pairs: DtfmPairs, n_devices: int, n_st: int, n_rep: int, cfg: Paper
         a, b = rng.integers(len(pop), size=2)
         child = _crossover(pop[a], pop[b], cfg.crossover_points, n_st, n_rep, rng)
         child = _local_search(sub.pp, child, n_st, cfg.local_search_swaps, rng)
-        f, m = _fitness(sub, child, n_st, n_rep)
+        f, m = _fitness(sub, child, n_st, n_rep, bad)
         evals += 1
         worst = int(np.argmax(fit))
         if f < fit[worst]:

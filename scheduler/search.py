@@ -59,6 +59,8 @@ class SearchResult:
     seconds: float
     start: str
     trace: list[tuple[int, float]] = field(default_factory=list)
+    generations: int = 0  # memetic search only
+    found_s: float = 0.0  # CPU seconds into the search when the best layout was found (memetic search only)
 
 
 SOFT_POWER = 4.0
