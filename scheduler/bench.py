@@ -41,7 +41,7 @@ SYNTHETIC_64 = ("hetero64_0", "hetero64_1", "hetero64_2", "geo64_0")
 def synthetic(name: str) -> Cluster:
     """``hetero64_<seed>`` / ``geo64_<seed>`` / ``geo1024_<seed>``: the synthetic scenarios of the bench."""
     kind, _, seed = name.partition("_")
-    n = int(kind.lstrip("heterogeo"))
+    n = int(kind.removeprefix("hetero").removeprefix("geo"))
     make = hetero_scenario if kind.startswith("hetero") else geo_scenario
     c = Cluster.from_dict(make(n, seed=int(seed)))
     c.name = name
