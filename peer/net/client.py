@@ -28,11 +28,11 @@ import grpc
 
 from peer.net.config import TransportConfig
 from peer.net.counters import TRAFFIC
-from peer.net.server import SERVICE, _kind_name, kind_value
+from peer.net.endpoint import dial_plan
+from peer.net.server import _kind_name, kind_value, service_name
 from peer.net.shaping import LinkShaper
 from protocol import PROTOCOL_VERSION
 from protocol import tasklet_pb2 as pb
-from protocol import tasklet_pb2_grpc as pb_grpc
 from protocol.chunking import Reassembler, check_version, chunk_payload_sizes, decode_chunk, iter_chunk_wire
 from protocol.errors import Backpressure, PeerUnreachable, Refused, TransportError
 
@@ -60,7 +60,10 @@ class PeerClient:
     """Calls one remote PeerServer at `endpoint` ("host:port").
 
     sender: this process's peer id, stamped on Envelopes that have none and sent with Fetch/Ping/Probe so
-    the server can shape its replies back to us. shaper: emulation of the link to `endpoint`, or None.
+    the server can shape its replies back to us (a TLS server replaces it with the authenticated caller).
+    shaper: emulation of the link to `endpoint`, or None. expect_peer: the peer id that must answer at
+    `endpoint` (its trusted certificate is pinned); default: the peer a relayed endpoint names, else any
+    trusted peer.
     """
 
     def __init__(
@@ -70,23 +73,63 @@ class PeerClient:
         *,
         shaper: LinkShaper | None = None,
         sender: str = "",
+        expect_peer: str = "",
     ) -> None:
         self.endpoint = endpoint
         self.config = config or TransportConfig()
         self.shaper = shaper
         self.sender = sender
-        self._channel = grpc.insecure_channel(endpoint, options=self.config.grpc_options)
-        self._stub = pb_grpc.PeerStub(self._channel)
+        # A relayed endpoint ("PEERID@RELAY:PORT") is reached through the relay's HTTP CONNECT tunnel; a route
+        # ("HOST:PORT/coordinator") selects a server mounted on the peer's port (see peer.net.endpoint).
+        target, route, proxy, self.path = dial_plan(endpoint)
+        options: list[tuple[str, Any]] = list(self.config.grpc_options)
+        if proxy is not None:
+            options += [("grpc.http_proxy", f"http://{proxy}"), ("grpc.enable_http_proxy", 1)]
+        self._channel = self._open_channel(target, options, expect_peer or self._relayed_peer(endpoint))
+        service = service_name(route)
         # Push and Fetch move serialized Chunks as raw bytes (see protocol.chunking.encode_chunk).
         self._push = self._channel.stream_unary(
-            f"/{SERVICE}/Push", request_serializer=None, response_deserializer=pb.Ack.FromString
+            f"/{service}/Push", request_serializer=None, response_deserializer=pb.Ack.FromString
         )
         self._fetch = self._channel.unary_stream(
-            f"/{SERVICE}/Fetch",
+            f"/{service}/Fetch",
             request_serializer=pb.FetchRequest.SerializeToString,
             response_deserializer=None,
         )
+        self._ping = self._channel.unary_unary(
+            f"/{service}/Ping",
+            request_serializer=pb.PingRequest.SerializeToString,
+            response_deserializer=pb.PingReply.FromString,
+        )
+        self._probe = self._channel.stream_unary(
+            f"/{service}/Probe",
+            request_serializer=pb.ProbeChunk.SerializeToString,
+            response_deserializer=pb.ProbeReply.FromString,
+        )
+        self._status = self._channel.unary_unary(
+            f"/{service}/Status",
+            request_serializer=pb.StatusRequest.SerializeToString,
+            response_deserializer=pb.StatusReply.FromString,
+        )
         self._inflight = threading.BoundedSemaphore(self.config.max_inflight_pushes)
+
+    def _open_channel(self, target: str, options: list[tuple[str, Any]], expect_peer: str) -> grpc.Channel:
+        """Mutual TLS (see peer.net.tls): our certificate; the server must present ``expect_peer``'s when that
+        peer's certificate is trusted here, else any trusted peer's. The name checked is the fixed peer name,
+        so the dialled address (direct, reversed or relayed) does not matter."""
+        tls = self.config.tls
+        if tls is None:
+            return grpc.insecure_channel(target, options=options)
+        pinned = tls.trust.certificate(expect_peer) if expect_peer else None
+        if expect_peer and pinned is None:
+            logger.info("no trusted certificate for peer %s at %s; accepting any trusted peer", expect_peer, target)
+        return grpc.secure_channel(target, tls.channel_credentials(pinned), options=[*options, *tls.channel_options()])
+
+    @staticmethod
+    def _relayed_peer(endpoint: str) -> str:
+        """The peer id a relayed endpoint ("PEERID@RELAY:PORT") names, else ""."""
+        base = endpoint.partition("/")[0]
+        return base.partition("@")[0] if "@" in base else ""
 
     def _timeout(self, timeout_s: float | None) -> float:
         return self.config.default_timeout_s if timeout_s is None else timeout_s
@@ -213,7 +256,7 @@ class PeerClient:
             self.shaper.wait_delay(start)
         request = pb.PingRequest(protocol_version=PROTOCOL_VERSION, sender=self.sender, sent_ns=time.monotonic_ns())
         try:
-            reply = self._stub.Ping(request, timeout=max(1e-3, timeout - (time.monotonic() - start)))
+            reply = self._ping(request, timeout=max(1e-3, timeout - (time.monotonic() - start)))
         except grpc.RpcError as exc:
             raise map_rpc_error(exc, self.endpoint) from None
         check_version("ping_reply.protocol_version", reply.protocol_version)
@@ -247,7 +290,7 @@ class PeerClient:
         if self.shaper is not None:
             stream = self.shaper.shape(stream, lambda c: len(c.payload), sent_at=start)
         try:
-            reply = self._stub.Probe(stream, timeout=timeout)
+            reply = self._probe(stream, timeout=timeout)
         except grpc.RpcError as exc:
             raise map_rpc_error(exc, self.endpoint) from None
         elapsed = time.monotonic() - start
@@ -263,7 +306,7 @@ class PeerClient:
         """The peer's status as filled by its daemon (plus the transport's counters)."""
         request = pb.StatusRequest(protocol_version=PROTOCOL_VERSION)
         try:
-            reply = self._stub.Status(request, timeout=self._timeout(timeout_s))
+            reply = self._status(request, timeout=self._timeout(timeout_s))
         except grpc.RpcError as exc:
             raise map_rpc_error(exc, self.endpoint) from None
         check_version("status_reply.protocol_version", reply.protocol_version)

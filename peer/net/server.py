@@ -38,6 +38,7 @@ from protocol.chunking import (
     check_version,
     chunk_payload_sizes,
     decode_chunk,
+    envelope_kind_prefix,
     iter_chunk_wire,
     split_envelope,
 )
@@ -49,6 +50,7 @@ PushHandler = Callable[[pb.Envelope], None]
 FetchHandler = Callable[[pb.FetchRequest], pb.Envelope]
 StatusProvider = Callable[[], dict[str, Any]]
 ReplyShaperLookup = Callable[[str], LinkShaper | None]
+PushLimit = Callable[[int], int]
 R = TypeVar("R")
 # A deadline further away than this (a day) counts as none: every peer call must be bounded.
 MAX_DEADLINE_S = 86_400.0
@@ -111,31 +113,65 @@ class _Servicer:
     def __init__(self, owner: PeerServer) -> None:
         self._owner = owner
 
-    def _require_deadline(self, context: grpc.ServicerContext, what: str) -> None:
+    def _require_deadline(self, context: grpc.ServicerContext, what: str) -> str:
+        """Refuse a call without a deadline or with one beyond max_deadline_s; return the caller's peer id."""
         # gRPC reports a call without deadline as one due in the far future (or None in some versions).
         remaining = context.time_remaining()
         if remaining is None or remaining > MAX_DEADLINE_S:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{what}: calls without a deadline are refused")
-
-    def _stream_slot(self, context: grpc.ServicerContext, what: str) -> None:
-        if not self._owner._streams.acquire(blocking=False):
+        limit = self._owner.config.max_deadline_s
+        if remaining > limit + 1.0:
             _abort(
                 context,
-                grpc.StatusCode.UNAVAILABLE,
-                f"{what}: busy, {self._owner.config.max_concurrent_streams} streams already in progress",
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{what}: a deadline of {remaining:.0f} s exceeds this peer's limit of {limit:.0f} s",
             )
+        return self._caller(context, what)
+
+    def _caller(self, context: grpc.ServicerContext, what: str) -> str:
+        """The authenticated peer id of the caller (mutual TLS), checked on every call: a peer that left the
+        trust set is refused on a connection it opened before. Plaintext servers (benchmarks) return ""."""
+        tls = self._owner.config.tls
+        if tls is None:
+            return ""
+        caller = tls.caller(context)
+        if caller is None:
+            _abort(
+                context,
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{what}: the caller's certificate is not trusted here (no live advert or assignment names it)",
+            )
+        return caller
+
+    def _stream_slot(self, context: grpc.ServicerContext, what: str, caller: str = "") -> None:
+        """Take a stream slot, and one of the caller's own quota (release with ``_owner._release``)."""
+        owner = self._owner
+        with owner._lock:
+            held = owner._per_peer.get(caller, 0)
+            quota = owner.config.streams_per_peer
+            if caller and held >= quota:
+                refused = f"{what}: {held} streams of this peer already in progress (its quota is {quota})"
+            elif not owner._streams.acquire(blocking=False):
+                refused = f"{what}: busy, {owner.config.max_concurrent_streams} streams already in progress"
+            else:
+                owner._per_peer[caller] = held + 1
+                return
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED if "quota" in refused else grpc.StatusCode.UNAVAILABLE
+        _abort(context, code, refused)
 
     def Push(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> pb.Ack:  # noqa: N802
-        self._require_deadline(context, "Push")
-        self._stream_slot(context, "Push")
+        caller = self._require_deadline(context, "Push")
+        self._stream_slot(context, "Push", caller)
         try:
-            return _guarded(context, "Push", lambda: self._owner._deliver(request_iterator))
+            return _guarded(context, "Push", lambda: self._owner._deliver(request_iterator, caller))
         finally:
-            self._owner._streams.release()
+            self._owner._release(caller)
 
     def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[bytes]:  # noqa: N802
-        self._require_deadline(context, "Fetch")
-        self._stream_slot(context, "Fetch")
+        caller = self._require_deadline(context, "Fetch")
+        if self._owner.config.tls is not None:
+            request.sender = caller  # the authenticated caller, never what the request claims
+        self._stream_slot(context, "Fetch", caller)
         try:
             envelope = _guarded(context, "Fetch", lambda: self._owner._fetch(request))
             shaper = self._owner._reply_shaper(request.sender)
@@ -149,10 +185,12 @@ class _Servicer:
                 chunks = iter_chunk_wire(data, chunk_bytes)
                 yield from shaper.shape(chunks, lambda _: next(sizes), total_bytes=len(data))
         finally:
-            self._owner._streams.release()
+            self._owner._release(caller)
 
     def Ping(self, request: pb.PingRequest, context: grpc.ServicerContext) -> pb.PingReply:  # noqa: N802
-        self._require_deadline(context, "Ping")
+        caller = self._require_deadline(context, "Ping")
+        if self._owner.config.tls is not None:
+            request.sender = caller
         _guarded(context, "Ping", lambda: check_version("ping.protocol_version", request.protocol_version))
         shaper = self._owner._reply_shaper(request.sender)
         if shaper is not None:
@@ -162,12 +200,12 @@ class _Servicer:
     def Probe(  # noqa: N802
         self, request_iterator: Iterator[pb.ProbeChunk], context: grpc.ServicerContext
     ) -> pb.ProbeReply:
-        self._require_deadline(context, "Probe")
-        self._stream_slot(context, "Probe")
+        caller = self._require_deadline(context, "Probe")
+        self._stream_slot(context, "Probe", caller)
         try:
             return _guarded(context, "Probe", lambda: self._owner._probe(request_iterator))
         finally:
-            self._owner._streams.release()
+            self._owner._release(caller)
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:  # noqa: N802
         self._require_deadline(context, "Status")
@@ -175,34 +213,55 @@ class _Servicer:
         return pb.StatusReply(protocol_version=PROTOCOL_VERSION, json=_guarded(context, "Status", self._owner._status))
 
 
-def _generic_handler(servicer: _Servicer) -> grpc.GenericRpcHandler:
+def _method_handlers(servicer: _Servicer) -> dict[str, grpc.RpcMethodHandler]:
     """Method table of service Peer. A None (de)serializer passes raw bytes through."""
-    return grpc.method_handlers_generic_handler(
-        SERVICE,
-        {
-            "Push": grpc.stream_unary_rpc_method_handler(
-                servicer.Push, request_deserializer=None, response_serializer=pb.Ack.SerializeToString
-            ),
-            "Fetch": grpc.unary_stream_rpc_method_handler(
-                servicer.Fetch, request_deserializer=pb.FetchRequest.FromString, response_serializer=None
-            ),
-            "Ping": grpc.unary_unary_rpc_method_handler(
-                servicer.Ping,
-                request_deserializer=pb.PingRequest.FromString,
-                response_serializer=pb.PingReply.SerializeToString,
-            ),
-            "Probe": grpc.stream_unary_rpc_method_handler(
-                servicer.Probe,
-                request_deserializer=pb.ProbeChunk.FromString,
-                response_serializer=pb.ProbeReply.SerializeToString,
-            ),
-            "Status": grpc.unary_unary_rpc_method_handler(
-                servicer.Status,
-                request_deserializer=pb.StatusRequest.FromString,
-                response_serializer=pb.StatusReply.SerializeToString,
-            ),
-        },
-    )
+    return {
+        "Push": grpc.stream_unary_rpc_method_handler(
+            servicer.Push, request_deserializer=None, response_serializer=pb.Ack.SerializeToString
+        ),
+        "Fetch": grpc.unary_stream_rpc_method_handler(
+            servicer.Fetch, request_deserializer=pb.FetchRequest.FromString, response_serializer=None
+        ),
+        "Ping": grpc.unary_unary_rpc_method_handler(
+            servicer.Ping,
+            request_deserializer=pb.PingRequest.FromString,
+            response_serializer=pb.PingReply.SerializeToString,
+        ),
+        "Probe": grpc.stream_unary_rpc_method_handler(
+            servicer.Probe,
+            request_deserializer=pb.ProbeChunk.FromString,
+            response_serializer=pb.ProbeReply.SerializeToString,
+        ),
+        "Status": grpc.unary_unary_rpc_method_handler(
+            servicer.Status,
+            request_deserializer=pb.StatusRequest.FromString,
+            response_serializer=pb.StatusReply.SerializeToString,
+        ),
+    }
+
+
+def service_name(route: str = "") -> str:
+    """The gRPC service path of a route: the peer's own service, or a server mounted under ``route``."""
+    return f"{SERVICE}.{route}" if route else SERVICE
+
+
+class _Router(grpc.GenericRpcHandler):
+    """Dispatches "/tasklet.Peer/<Method>" to the host server and "/tasklet.Peer.<route>/<Method>" to a server
+    mounted on it (the coordinator on the leader's worker server), so one port serves both. Routes are looked
+    up per call, so a server can be mounted after the host started."""
+
+    def __init__(self, owner: PeerServer) -> None:
+        self._owner = owner
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        path = handler_call_details.method or ""
+        service, _, method = path.lstrip("/").partition("/")
+        if service == SERVICE:
+            return self._owner._handlers.get(method)
+        if not service.startswith(SERVICE + "."):
+            return None
+        mounted = self._owner._mounts.get(service[len(SERVICE) + 1 :])
+        return None if mounted is None else mounted._handlers.get(method)
 
 
 class PeerServer:
@@ -223,6 +282,13 @@ class PeerServer:
         self._executor: ThreadPoolExecutor | None = None
         self.port: int | None = None
         self.stats = {"pushes": 0, "push_bytes": 0, "fetches": 0, "probes": 0}
+        self._per_peer: dict[str, int] = {}  # _lock: stream slots held per authenticated caller
+        self._push_limit: PushLimit | None = None
+        self._handlers = _method_handlers(_Servicer(self))
+        self._mounts: dict[str, PeerServer] = {}  # route -> server whose calls this one's port carries
+        self._reserved_threads = 0
+        self.route = ""  # set when this server is mounted on another one
+        self._host: PeerServer | None = None
 
     # --- registration -------------------------------------------------------------------------------------
     def register_push(self, kind: int | str, handler: PushHandler) -> None:
@@ -248,9 +314,51 @@ class PeerServer:
         """
         self._reply_shapers = lookup
 
+    # --- mounting -----------------------------------------------------------------------------------------
+    def reserve_threads(self, n: int) -> None:
+        """Add ``n`` threads to the pool (before ``start``) for the calls of servers mounted later."""
+        if self._server is not None:
+            raise RuntimeError("reserve threads before start()")
+        self._reserved_threads += max(0, n)
+
+    def mount(self, route: str, other: PeerServer) -> None:
+        """Serve ``other``'s calls on this server's port under ``route`` (its own limits and handlers apply;
+        its calls run on this server's threads). ``other`` is never started itself; its endpoint is this
+        server's with "/route" appended."""
+        if not route or not route.isidentifier():
+            raise ValueError(f"route must be an identifier, got {route!r}")
+        if other._server is not None:
+            raise RuntimeError("a started server cannot be mounted")
+        other.route, other._host = route, self
+        with self._lock:
+            self._mounts[route] = other
+
+    def unmount(self, route: str) -> None:
+        with self._lock:
+            other = self._mounts.pop(route, None)
+        if other is not None:
+            other._host = None
+
+    def set_push_limit(self, limit: PushLimit) -> None:
+        """limit(kind) -> the largest Envelope of that Kind this peer accepts now (capped by max_envelope_bytes);
+        checked on the first chunk, before anything is buffered. E.g. a worker derives an activation's bound
+        from its run's model (see peer.runtime.bounds)."""
+        self._push_limit = limit
+
+    def _release(self, caller: str) -> None:
+        with self._lock:
+            left = self._per_peer.get(caller, 0) - 1
+            if left > 0:
+                self._per_peer[caller] = left
+            else:
+                self._per_peer.pop(caller, None)
+        self._streams.release()
+
     # --- lifecycle ----------------------------------------------------------------------------------------
     @property
     def endpoint(self) -> str:
+        if self._host is not None:
+            return f"{self._host.endpoint}/{self.route}"
         if self.port is None:
             raise RuntimeError("the server is not started")
         return f"{self.config.host}:{self.port}"
@@ -259,11 +367,18 @@ class PeerServer:
         """Bind and start serving; return the port (the OS picks one when config.port is 0)."""
         if self._server is not None:
             raise RuntimeError("the server is already started")
-        self._executor = ThreadPoolExecutor(max_workers=self.config.thread_pool_size, thread_name_prefix="peer-rpc")
+        if self._host is not None:
+            raise RuntimeError(f"this server is mounted on {self._host.endpoint}; it is not started itself")
+        threads = self.config.thread_pool_size + self._reserved_threads
+        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="peer-rpc")
         server = grpc.server(self._executor, options=self.config.grpc_options)
-        server.add_generic_rpc_handlers((_generic_handler(_Servicer(self)),))
+        server.add_generic_rpc_handlers((_Router(self),))
+        address = f"{self.config.host}:{self.config.port}"
         try:
-            port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+            if self.config.tls is None:
+                port = server.add_insecure_port(address)
+            else:
+                port = server.add_secure_port(address, self.config.tls.server_credentials())
         except RuntimeError:  # newer grpcio raises where older ones returned 0
             port = 0
         if port == 0:
@@ -280,6 +395,9 @@ class PeerServer:
         Bounded: a handler still running after that (stuck in its own code) is not waited for; its thread
         ends when the handler returns.
         """
+        if self._host is not None:
+            self._host.unmount(self.route)
+            return
         server, self._server = self._server, None
         if server is None:
             return
@@ -299,11 +417,27 @@ class PeerServer:
         self.stop()
 
     # --- call bodies (run on server threads) --------------------------------------------------------------
-    def _deliver(self, chunks: Iterator[bytes]) -> pb.Ack:
-        asm = Reassembler(self.config.max_envelope_bytes)
+    def _deliver(self, chunks: Iterator[bytes], caller: str = "") -> pb.Ack:
+        asm: Reassembler | None = None
+        announced = pb.KIND_UNSPECIFIED
         for raw in chunks:
-            asm.add(decode_chunk(raw))
+            chunk = decode_chunk(raw)
+            if asm is None:
+                announced = envelope_kind_prefix(chunk.payload)
+                limit = self.config.max_envelope_bytes
+                if self._push_limit is not None:
+                    limit = min(limit, self._push_limit(announced))
+                if limit <= 0:
+                    raise Rejected(f"envelope.kind: this peer takes no {_kind_name(announced)} messages now")
+                asm = Reassembler(limit, what=f"{_kind_name(announced)} message")
+            asm.add(chunk)
+        if asm is None:
+            raise BadMessage("chunk", "the stream carried no chunk")
         envelope = asm.envelope()
+        if envelope.kind != announced:
+            raise BadMessage("envelope.kind", "the kind must be the envelope's first field after the version")
+        if self.config.tls is not None:
+            envelope.sender = caller  # the authenticated caller, never what the envelope claims
         TRAFFIC.received(_kind_name(envelope.kind), asm.total)
         handler = self._push_handlers.get(envelope.kind)
         if handler is None:

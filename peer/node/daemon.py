@@ -52,6 +52,7 @@ from peer.timing import (
 log = logging.getLogger(__name__)
 
 PROBE_BYTES = 256 * 1024
+COORDINATOR_THREADS = 64  # extra worker-server threads for a coordinator mounted on it
 PROBE_SAMPLE = 8  # peers probed per round; the rest are estimated (see peer.node.planning.build_cluster)
 
 
@@ -204,6 +205,7 @@ class PeerDaemon:
             peer_id=self.identity.peer_id,
             device="cpu" if o.device == "auto" and o.emulate_tflops else o.device,
         )
+        self.worker.server.reserve_threads(COORDINATOR_THREADS)  # in case this peer leads (coordinator mounted)
         try:
             self.endpoint = self.worker.start()
         except OSError as exc:
@@ -323,13 +325,14 @@ class PeerDaemon:
 
     def _leader_context(self) -> LeaderContext:
         """What the leader role may use of this daemon, and nothing more."""
-        assert self.config is not None and self.membership is not None
+        assert self.config is not None and self.membership is not None and self.worker is not None
         assert self.plan_board is not None and self.progress is not None
         return LeaderContext(
             peer_id=self.identity.peer_id,
             config=self.config,
             spec=self.spec,
-            coordinator_host=self.opts.host,  # the worker's listen address, not --announce (unchanged on purpose)
+            worker_server=self.worker.server,  # the coordinator shares the worker's (announced) port
+            worker_endpoint=self.endpoint,
             resume=bool(self.opts.resume),
             plan_board=self.plan_board,
             progress=self.progress,

@@ -27,7 +27,7 @@ import torch
 
 from peer.compute.model import unflatten_stage
 from peer.config import RunConfig
-from peer.net import PeerClient
+from peer.net import PeerClient, PeerServer
 from peer.node.planning import ClusterView, EmulatedNetwork, build_cluster, make_planner, workload_for
 from peer.observe.scalars import ScalarWriter
 from peer.runtime.assign import LinkModel, build_assignments
@@ -53,14 +53,15 @@ log = logging.getLogger(__name__)
 class LeaderContext:
     """Exactly what the leader role uses of its daemon; the daemon builds it (see ``PeerDaemon._leader_context``).
 
-    coordinator_host: the address the coordinator's gRPC server listens on. Today the daemon passes its
-    worker's ``--host``, not the announced address (``--announce``); it is a field so that choice is visible.
+    worker_server: the daemon's worker gRPC server; the coordinator is served on its port (one reachable port
+    per peer). worker_endpoint: that server's announced endpoint (what the others dial).
     """
 
     peer_id: str
     config: RunConfig
     spec: RunSpec
-    coordinator_host: str
+    worker_server: PeerServer
+    worker_endpoint: str
     resume: bool
     plan_board: PlanBoard
     progress: ProgressBoard
@@ -79,7 +80,10 @@ class LeaderRole:
         self.spec = ctx.spec
         self.stop_event = threading.Event()
         self.coordinator = Coordinator(
-            self.spec, host=ctx.coordinator_host, liveness_interval_s=self.config.swarm.heartbeat_s
+            self.spec,
+            liveness_interval_s=self.config.swarm.heartbeat_s,
+            host_server=ctx.worker_server,
+            public_endpoint=ctx.worker_endpoint,
         )
         self.index: dict[str, int] = {}  # peer id -> device id (stable for the whole leadership)
         self.peer_of: dict[int, str] = {}

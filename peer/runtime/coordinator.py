@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from peer.net import PeerClient, PeerServer, TransportConfig
+from peer.net.endpoint import with_route
 from peer.runtime import control as ctl
 from peer.runtime.pool import TaskPool
 from peer.runtime.spec import Assignment, RunSpec
@@ -64,6 +65,7 @@ from protocol.errors import Rejected, TransportError
 log = logging.getLogger(__name__)
 
 Event = tuple[str, dict[str, Any]]  # (name, info) for on_event
+COORDINATOR_ROUTE = "coordinator"  # a daemon's coordinator is served on its worker's port under this route
 
 
 class StepFailedError(RuntimeError):
@@ -113,12 +115,24 @@ class Coordinator:
     """Drives a run over workers that have been given their assignments with :meth:`assign`."""
 
     def __init__(
-        self, spec: RunSpec, host: str = "127.0.0.1", port: int = 0, liveness_interval_s: float = HEARTBEAT_S
+        self,
+        spec: RunSpec,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        liveness_interval_s: float = HEARTBEAT_S,
+        *,
+        host_server: PeerServer | None = None,
+        public_endpoint: str | None = None,
     ) -> None:
+        """``host_server``: serve on that (started) server's port under the route "coordinator" instead of a
+        port of our own (a peer daemon's worker server: one port per peer); ``public_endpoint``: that server's
+        announced endpoint, which workers dial (the listen address may be 0.0.0.0)."""
         self.spec = spec.validate()
         self.liveness_interval_s = liveness_interval_s
         self.config = TransportConfig(host=host, port=port, max_concurrent_streams=48, thread_pool_size=64)
         self.server = PeerServer(self.config)
+        self._host_server = host_server
+        self._public_endpoint = public_endpoint
         self.server.register_fetch(pb.COMMIT, self._on_pool_request)
         self.server.register_fetch(pb.STAGE_STATE, self._on_state_request)
         self.server.register_push(pb.OTHER, self._on_report)
@@ -153,6 +167,8 @@ class Coordinator:
 
     @property
     def endpoint(self) -> str:
+        if self._public_endpoint is not None:
+            return with_route(self._public_endpoint, COORDINATOR_ROUTE)
         return self.server.endpoint
 
     @property
@@ -162,9 +178,12 @@ class Coordinator:
             return frozenset(self._dead)
 
     def start(self) -> str:
-        self.server.start()
+        if self._host_server is not None:
+            self._host_server.mount(COORDINATOR_ROUTE, self.server)
+        else:
+            self.server.start()
         self._liveness.start()
-        return self.server.endpoint
+        return self.endpoint
 
     def close(self) -> None:
         self._stop.set()

@@ -23,6 +23,7 @@ except ImportError:  # the protocol package may not define it yet
     PROTOCOL_VERSION = 1
 
 ROLES = ("worker", "client")
+LINK_PATHS = ("direct", "reversed", "relayed", "punched")
 MAX_EXTRA_BYTES = 4096
 MAX_MEMORY_BYTES = 2**50  # 1 PiB: more than any single device
 MAX_TFLOPS = 1e5  # 100 PFLOP/s: more than any single device
@@ -91,9 +92,15 @@ def check_peer_id(value: object, name: str = "peer_id") -> str:
     return value
 
 
-def check_endpoint(value: object, name: str = "endpoint") -> str:
-    """``host:port`` with an IP address or DNS name; IPv6 in brackets (``[::1]:5000``)."""
+def check_endpoint(value: object, name: str = "endpoint", relayed: bool = False) -> str:
+    """``host:port`` with an IP address or DNS name; IPv6 in brackets (``[::1]:5000``). With ``relayed``, also
+    ``PEERID@host:port``: a peer behind NAT reached through the relay at host:port (see peer.net.endpoint)."""
     value = _str(value, name, 300, 3)
+    if relayed and "@" in value:
+        peer, _, rest = value.partition("@")
+        check_peer_id(peer, f"{name} peer")
+        check_endpoint(rest, name)
+        return value
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
         raise ValueError(f"{name}: {value!r} is not host:port with a port in 1..65535")
@@ -155,12 +162,18 @@ class Advert:
     role: str = "worker"  # "client" peers (``peer status``) read the swarm but take no work
     corpus: str = ""  # fingerprint of the training data the peer holds ("" = none / not needed)
     extra: dict = field(default_factory=dict)
+    reachable: bool = True  # others can dial ``endpoint`` directly; False: it is "PEERID@RELAY:PORT"
+    relay: str = ""  # "host:port" of the relay service this peer offers to peers behind NAT ("" = none)
 
     def __post_init__(self) -> None:
         Advert.from_record(self.to_record())  # the same checks for adverts we make as for those we read
 
     def to_record(self) -> dict:
+        optional = {"reachable": self.reachable} if not self.reachable else {}
+        if self.relay:
+            optional["relay"] = self.relay
         return {
+            **optional,
             "peer_id": self.peer_id,
             "endpoint": self.endpoint,
             "device": self.device.to_dict(),
@@ -177,18 +190,23 @@ class Advert:
             record,
             "advert",
             {"peer_id", "endpoint", "device", "started_at", "protocol_version", "role", "corpus", "extra"},
+            {"reachable", "relay"},
         )
         advert = object.__new__(cls)  # bypass __post_init__: the checks are right here
         values = {
             "peer_id": check_peer_id(record["peer_id"], "advert.peer_id"),
-            "endpoint": check_endpoint(record["endpoint"], "advert.endpoint"),
+            "endpoint": check_endpoint(record["endpoint"], "advert.endpoint", relayed=True),
             "device": device_from_record(record["device"], "advert.device"),
             "started_at": _float(record["started_at"], "advert.started_at", 0.0, 1e11),
             "protocol_version": _int(record["protocol_version"], "advert.protocol_version", 1, 2**31 - 1),
             "role": _choice(record["role"], "advert.role", ROLES),
             "corpus": _str(record["corpus"], "advert.corpus", 128),
             "extra": check_extra(record["extra"], "advert.extra"),
+            "reachable": _bool(record.get("reachable", True), "advert.reachable"),
+            "relay": check_endpoint(record["relay"], "advert.relay") if "relay" in record else "",
         }
+        if values["reachable"] == ("@" in values["endpoint"]):
+            raise ValueError("advert.reachable: a peer is reachable exactly when its endpoint is not relayed")
         for name, value in values.items():
             object.__setattr__(advert, name, value)
         return advert
@@ -204,12 +222,14 @@ class LinkReport:
     bandwidth_bps: float  # bits per second
     measured: bool
     at: float  # DHT time of the measurement
+    path: str = "direct"  # how src reached dst: direct, reversed (dst dialled back), relayed, punched
 
     def __post_init__(self) -> None:
         LinkReport.from_record(self.to_record())
 
     def to_record(self) -> dict:
         return {
+            **({"path": self.path} if self.path != "direct" else {}),
             "src": self.src,
             "dst": self.dst,
             "rtt_s": self.rtt_s,
@@ -220,7 +240,7 @@ class LinkReport:
 
     @classmethod
     def from_record(cls, record: object) -> LinkReport:
-        record = _fields(record, "link", {"src", "dst", "rtt_s", "bandwidth_bps", "measured", "at"})
+        record = _fields(record, "link", {"src", "dst", "rtt_s", "bandwidth_bps", "measured", "at"}, {"path"})
         report = object.__new__(cls)
         values = {
             "src": check_peer_id(record["src"], "link.src"),
@@ -229,6 +249,7 @@ class LinkReport:
             "bandwidth_bps": _float(record["bandwidth_bps"], "link.bandwidth_bps", 0.0, MAX_BANDWIDTH_BPS),
             "measured": _bool(record["measured"], "link.measured"),
             "at": _float(record["at"], "link.at", 0.0, 1e11),
+            "path": _choice(record.get("path", "direct"), "link.path", LINK_PATHS),
         }
         if values["src"] == values["dst"]:
             raise ValueError("link.dst: a link must join two different peers")
