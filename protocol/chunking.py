@@ -3,8 +3,9 @@
 Why chunks: gRPC refuses single messages above a configured size (4 MiB by default), and one activation or
 stage-state message can be hundreds of MiB. Streaming pieces of at most `chunk_bytes` keeps every gRPC
 message small and lets the receiver refuse an oversized or malformed stream early: the first chunk announces
-the total size, so a message above the receiver's limit is refused before any of it is buffered, and the
-buffer, once allocated, never grows.
+the total size, so a message above the receiver's limit is refused before any of it is buffered. The buffer
+grows with the bytes that actually arrive, never with what the first chunk announces: a sender that announces
+a large message and stalls makes the receiver hold only what it sent.
 """
 
 from __future__ import annotations
@@ -158,8 +159,9 @@ class Reassembler:
     Envelope of our protocol version.
     """
 
-    def __init__(self, max_total_bytes: int) -> None:
+    def __init__(self, max_total_bytes: int, what: str = "") -> None:
         self.max_total_bytes = max_total_bytes
+        self.what = what
         self._buf: bytearray | None = None
         self._total = 0
         self._received = 0
@@ -182,10 +184,11 @@ class Reassembler:
             if chunk.total_bytes > self.max_total_bytes:
                 raise BadMessage(
                     "chunk.total_bytes",
-                    f"message of {chunk.total_bytes} bytes exceeds this peer's limit of {self.max_total_bytes}",
+                    f"message of {chunk.total_bytes} bytes exceeds this peer's limit of {self.max_total_bytes}"
+                    + (f" for {self.what}" if self.what else ""),
                 )
             self._total = chunk.total_bytes
-            self._buf = bytearray(self._total)
+            self._buf = bytearray()  # grows with what arrives (see the module docstring)
         elif chunk.total_bytes != self._total:
             raise BadMessage("chunk.total_bytes", f"changed from {self._total} to {chunk.total_bytes} mid-stream")
         elif not payload:
@@ -193,7 +196,7 @@ class Reassembler:
         end = self._received + len(payload)
         if end > self._total:
             raise BadMessage("chunk.payload", f"stream carries more than the announced {self._total} bytes")
-        self._buf[self._received : end] = payload
+        self._buf += payload
         self._received = end
         self._next_seq += 1
 
@@ -209,6 +212,36 @@ class Reassembler:
             raise BadMessage("envelope", f"payload is not a valid Envelope ({exc})") from None
         check_version("envelope.protocol_version", env.protocol_version)
         return env
+
+
+def envelope_kind_prefix(payload: bytes | memoryview) -> int:
+    """The Kind of a serialized Envelope from its first bytes (our encoder writes fields in number order:
+    protocol_version, then kind), so a receiver can pick the Kind's size limit from the first chunk. Returns
+    KIND_UNSPECIFIED when the prefix does not start that way; the receiver checks the parsed kind matches."""
+    data = bytes(payload[:16])
+    pos = 0
+
+    def varint() -> int | None:
+        nonlocal pos
+        value, shift = 0, 0
+        while pos < len(data) and shift < 35:
+            byte = data[pos]
+            pos += 1
+            value |= (byte & 0x7F) << shift
+            if not byte & 0x80:
+                return value
+            shift += 7
+        return None
+
+    if pos < len(data) and data[pos] == 0x08:  # field 1 (protocol_version), varint
+        pos += 1
+        if varint() is None:
+            return pb.KIND_UNSPECIFIED
+    if pos < len(data) and data[pos] == 0x10:  # field 2 (kind), varint
+        pos += 1
+        kind = varint()
+        return pb.KIND_UNSPECIFIED if kind is None else kind
+    return pb.KIND_UNSPECIFIED
 
 
 def join_chunks(chunks: Iterable[ChunkLike], max_total_bytes: int) -> pb.Envelope:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from peer.net.tls import TlsContext, process_tls
 
 MIB = 1 << 20
+# The longest deadline a peer's server accepts: above every call timeout of peer.timing (a step's 600 s).
+MAX_CALL_S = 600.0
 # Room for a Chunk's own fields and gRPC framing around a payload of chunk_bytes.
 CHUNK_OVERHEAD_BYTES = 1024
 
@@ -24,6 +28,13 @@ class TransportConfig:
         Status) always find a thread while every stream slot is taken.
     max_inflight_pushes: client-side backpressure; a push blocks while this many are unfinished.
     default_timeout_s: the deadline of a call whose caller gives none (there is never a call without one).
+    max_streams_per_peer: streaming calls one authenticated peer may have in progress at once (the rest of
+        the slots stay free for the others); more are refused with RESOURCE_EXHAUSTED.
+    max_deadline_s: calls asking for a longer deadline are refused: no caller can pin a stream slot and its
+        buffer for longer than this.
+    tls: this peer's key, certificate and trust store (peer.net.tls); mutual TLS on every connection, each
+        call's caller authenticated by its certificate. The default is the process's own ephemeral identity
+        (peer.net.tls.process_tls). None: plaintext and unauthenticated, only for benchmark baselines.
     """
 
     host: str = "127.0.0.1"
@@ -35,6 +46,9 @@ class TransportConfig:
     thread_pool_size: int = 12
     max_inflight_pushes: int = 4
     default_timeout_s: float = 30.0
+    max_streams_per_peer: int | None = None  # None: max_concurrent_streams
+    max_deadline_s: float = MAX_CALL_S
+    tls: TlsContext | None = field(default_factory=process_tls)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -59,6 +73,14 @@ class TransportConfig:
             raise ValueError(f"max_inflight_pushes must be >= 1, got {self.max_inflight_pushes}")
         if not self.default_timeout_s > 0:
             raise ValueError(f"default_timeout_s must be positive, got {self.default_timeout_s}")
+        if self.max_streams_per_peer is not None and self.max_streams_per_peer < 1:
+            raise ValueError(f"max_streams_per_peer must be >= 1, got {self.max_streams_per_peer}")
+        if not self.max_deadline_s > 0:
+            raise ValueError(f"max_deadline_s must be positive, got {self.max_deadline_s}")
+
+    @property
+    def streams_per_peer(self) -> int:
+        return self.max_concurrent_streams if self.max_streams_per_peer is None else self.max_streams_per_peer
 
     @property
     def grpc_options(self) -> list[tuple[str, int]]:

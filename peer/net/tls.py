@@ -1,0 +1,281 @@
+"""Mutual TLS for the data plane: certificates bound to peer identities, and the set of peers we accept.
+
+Why this shape:
+
+* A peer's certificate is self-signed with its identity key (peer.swarm.identity: an RSA key whose hash is the
+  peer id). The peer id of a certificate is therefore computed from the certificate's own public key — nothing
+  a certificate says about itself (names, serials) is trusted. TLS proves the other side holds that key.
+* Every certificate names the same fixed server name (``SERVER_NAME``) and clients verify against it, so
+  verification does not depend on the dialled address: it works through NAT, a relay or an HTTP CONNECT proxy,
+  which see ciphertext only.
+* Trust is a :class:`TrustStore`: the certificates of the peers this one accepts (peers with a live, verified
+  advert in a swarm; the peers a coordinator's assignment names in a local run), replaceable at any time. The
+  server re-reads it on every new handshake (``grpc.dynamic_ssl_server_credentials``), and the server checks on
+  *every call* that the caller is still trusted, so a peer dropped from the set is refused on an open
+  connection too. A client pins the certificate it expects at an endpoint when it knows it, else the whole set.
+* A :class:`TlsContext` is one peer's key, certificate and trust store; ``TransportConfig.tls`` carries it.
+  :func:`process_tls` is the default: an ephemeral identity per process that trusts itself, so that in-process
+  servers and clients (tests, tools) talk over TLS without any set-up, while another process is refused.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import hashlib
+import logging
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import grpc
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from peer.swarm.identity import Identity, peer_id_from_public_key
+
+logger = logging.getLogger(__name__)
+
+SERVER_NAME = "tasklet-peer"  # the one DNS name every peer certificate carries; clients check exactly this
+MAX_CERT_PEM_BYTES = 4096  # an RSA-2048 certificate is about 1.1 KB; anything much larger is not ours
+_VALID_FROM = datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC)
+_VALID_UNTIL = datetime.datetime(2100, 1, 1, tzinfo=datetime.UTC)
+
+
+class CertificateError(ValueError):
+    """A certificate that cannot be a peer's (unparsable, not RSA, too large)."""
+
+
+def make_certificate(identity: Identity) -> bytes:
+    """A self-signed certificate (PEM) for the identity's key; its peer id is the hash of that key.
+
+    Deterministic for a given key (fixed validity, serial from the peer id, PKCS#1 v1.5 signature), so a peer
+    that restarts with its --identity file presents the same certificate and fingerprint.
+    """
+    key = identity.private_key._private_key  # hivemind's RSAPrivateKey wraps a cryptography key
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, identity.peer_id)])
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(int(identity.peer_id, 16) or 1)
+        .not_valid_before(_VALID_FROM)
+        .not_valid_after(_VALID_UNTIL)
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(SERVER_NAME)]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
+        .sign(key, hashes.SHA256())
+    )
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def _load(pem: bytes | str) -> x509.Certificate:
+    data = pem.encode() if isinstance(pem, str) else bytes(pem)
+    if len(data) > MAX_CERT_PEM_BYTES:
+        raise CertificateError(f"certificate of {len(data)} bytes exceeds {MAX_CERT_PEM_BYTES}")
+    try:
+        return x509.load_pem_x509_certificate(data)
+    except ValueError as exc:
+        raise CertificateError(f"not a PEM certificate ({exc})") from None
+
+
+def fingerprint(pem: bytes | str) -> str:
+    """SHA-256 of the certificate's DER encoding, hex: what a signed advert names."""
+    return hashlib.sha256(_load(pem).public_bytes(serialization.Encoding.DER)).hexdigest()
+
+
+def peer_id_of_certificate(pem: bytes | str) -> str:
+    """The peer id the certificate's public key stands for (the same hash as peer.swarm.identity's)."""
+    public = _load(pem).public_key()
+    if not isinstance(public, rsa.RSAPublicKey):
+        raise CertificateError(f"certificate holds a {type(public).__name__}, peers use RSA keys")
+    ssh = public.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    return peer_id_from_public_key(ssh)
+
+
+def pem_to_text(pem: bytes) -> str:
+    """Compact one-line form of a certificate (base64 DER) for adverts, assignments and command lines."""
+    return base64.b64encode(_load(pem).public_bytes(serialization.Encoding.DER)).decode()
+
+
+def pem_from_text(text: str) -> bytes:
+    """Inverse of :func:`pem_to_text`; also accepts PEM text as is."""
+    if text.startswith("-----BEGIN"):
+        _load(text)
+        return text.encode()
+    try:
+        der = base64.b64decode(text, validate=True)
+    except ValueError as exc:
+        raise CertificateError(f"not base64 ({exc})") from None
+    if len(der) > MAX_CERT_PEM_BYTES:
+        raise CertificateError(f"certificate of {len(der)} bytes exceeds {MAX_CERT_PEM_BYTES}")
+    try:
+        cert = x509.load_der_x509_certificate(der)
+    except ValueError as exc:
+        raise CertificateError(f"not a DER certificate ({exc})") from None
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+class TrustStore:
+    """The certificates of the peers this peer accepts, by peer id, in named groups that are replaced whole.
+
+    Groups let independent sources keep their own part: ``"swarm"`` (live, verified adverts, replaced on each
+    membership refresh), ``"assignment"`` (the peers the current assignment names), ``"bootstrap"`` (a
+    coordinator named at start-up). A peer is trusted while any group names it. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._groups: dict[str, dict[str, bytes]] = {}  # group -> peer id -> PEM
+        self._by_pem: dict[bytes, str] = {}  # PEM -> peer id, of every trusted certificate
+        self.version = 0  # bumped on every change; the server re-reads the bundle when it moves
+
+    def set_group(self, group: str, certificates: Iterable[bytes | str]) -> dict[str, bytes]:
+        """Replace a group with these certificates (invalid ones are logged and left out); return them by id."""
+        entries: dict[str, bytes] = {}
+        for cert in certificates:
+            pem = cert.encode() if isinstance(cert, str) else bytes(cert)
+            try:
+                entries[peer_id_of_certificate(pem)] = _load(pem).public_bytes(serialization.Encoding.PEM)
+            except CertificateError as exc:
+                logger.warning("trust group %s: certificate left out: %s", group, exc)
+        with self._lock:
+            if self._groups.get(group) == entries:
+                return entries
+            self._groups[group] = entries
+            self._by_pem = {pem: pid for g in self._groups.values() for pid, pem in g.items()}
+            self.version += 1
+        return entries
+
+    def add(self, group: str, certificates: Iterable[bytes | str]) -> None:
+        """Add certificates to a group (keeping what it holds)."""
+        with self._lock:
+            current = list(self._groups.get(group, {}).values())
+        self.set_group(group, [*current, *certificates])
+
+    def peer_of(self, pem: bytes) -> str | None:
+        """The peer id of a trusted certificate (exactly as presented), or None."""
+        pid = self._by_pem.get(pem)
+        if pid is None:  # gRPC may hand the PEM back with other line endings or without a final newline
+            try:
+                pid = self._by_pem.get(_load(pem).public_bytes(serialization.Encoding.PEM))
+            except CertificateError:
+                return None
+        return pid
+
+    def certificate(self, peer_id: str) -> bytes | None:
+        with self._lock:
+            for g in self._groups.values():
+                if peer_id in g:
+                    return g[peer_id]
+        return None
+
+    def peers(self) -> set[str]:
+        with self._lock:
+            return {pid for g in self._groups.values() for pid in g}
+
+    def bundle(self) -> bytes:
+        """Every trusted certificate, concatenated (the root set of a TLS context)."""
+        with self._lock:
+            return b"".join(sorted(set(self._by_pem)))
+
+
+@dataclass(eq=False)
+class TlsContext:
+    """One peer's key, certificate and trust store: builds gRPC server and channel credentials."""
+
+    identity: Identity
+    trust: TrustStore = field(default_factory=TrustStore)
+
+    def __post_init__(self) -> None:
+        self.certificate: bytes = make_certificate(self.identity)
+        self.private_key_pem: bytes = self.identity.private_key._private_key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+        self.fingerprint = fingerprint(self.certificate)
+        self.certificate_text = pem_to_text(self.certificate)
+        self.trust.add("self", [self.certificate])  # a peer always accepts itself (its in-process clients)
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id
+
+    @classmethod
+    def generate(cls) -> TlsContext:
+        return cls(Identity.generate())
+
+    def trust_only(self, certificates: Iterable[bytes | str], group: str = "bootstrap") -> TlsContext:
+        """Add certificates to the trust store (returns self, for chaining)."""
+        self.trust.add(group, certificates)
+        return self
+
+    # --- server -------------------------------------------------------------------------------------------
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """Mutual TLS that re-reads the trust store on each new handshake (peers that join later are accepted)."""
+        seen = [self.trust.version]
+
+        def config() -> grpc.ServerCertificateConfiguration:
+            return grpc.ssl_server_certificate_configuration(
+                [(self.private_key_pem, self.certificate)], root_certificates=self.trust.bundle()
+            )
+
+        def fetch() -> grpc.ServerCertificateConfiguration | None:
+            if self.trust.version == seen[0]:
+                return None
+            seen[0] = self.trust.version
+            return config()
+
+        return grpc.dynamic_ssl_server_credentials(config(), fetch, require_client_authentication=True)
+
+    def caller(self, context: grpc.ServicerContext) -> str | None:
+        """The peer id of the caller of a call, if its certificate is trusted now; None otherwise."""
+        certs = context.auth_context().get("x509_pem_cert")
+        if not certs:
+            return None
+        return self.trust.peer_of(certs[0])
+
+    # --- client -------------------------------------------------------------------------------------------
+    def channel_credentials(self, server_certificate: bytes | None = None) -> grpc.ChannelCredentials:
+        """Present our certificate; accept only ``server_certificate`` if given, else any trusted peer."""
+        roots = server_certificate if server_certificate else self.trust.bundle()
+        return grpc.ssl_channel_credentials(
+            root_certificates=roots, private_key=self.private_key_pem, certificate_chain=self.certificate
+        )
+
+    def channel(self, target: str, options: Iterable[tuple[str, object]] = ()) -> grpc.Channel:
+        """A mutual-TLS channel to any trusted peer at ``target`` (for tools and tests that speak raw gRPC)."""
+        return grpc.secure_channel(target, self.channel_credentials(), options=[*options, *self.channel_options()])
+
+    @staticmethod
+    def channel_options() -> list[tuple[str, str]]:
+        """Verify the server against the fixed peer name, whatever address (or relay) was dialled."""
+        return [("grpc.ssl_target_name_override", SERVER_NAME), ("grpc.default_authority", SERVER_NAME)]
+
+
+_PROCESS_TLS: TlsContext | None = None
+_PROCESS_LOCK = threading.Lock()
+
+
+def process_tls() -> TlsContext:
+    """This process's default TLS context: an ephemeral identity trusting itself (see the module docstring)."""
+    global _PROCESS_TLS
+    with _PROCESS_LOCK:
+        if _PROCESS_TLS is None:
+            _PROCESS_TLS = TlsContext.generate()
+        return _PROCESS_TLS
+
+
+def peer_ids(certificates: Mapping[str, str]) -> dict[str, str]:
+    """endpoint -> peer id for a map endpoint -> certificate text (as assignments carry); bad ones left out."""
+    out: dict[str, str] = {}
+    for endpoint, text in certificates.items():
+        try:
+            out[endpoint] = peer_id_of_certificate(pem_from_text(text))
+        except CertificateError as exc:
+            logger.warning("certificate for %s ignored: %s", endpoint, exc)
+    return out
