@@ -36,7 +36,7 @@ from peer.runtime.coordinator import Coordinator, StepReport
 from peer.runtime.driver import DriverConfig, Pipelines, RunDriver, Stages
 from peer.runtime.spec import Assignment, RunSpec
 from peer.swarm.adverts import Advert, LinkReport
-from peer.swarm.plans import PlanBoard
+from peer.swarm.plans import PlanBoard, has_quorum
 from peer.swarm.progress import ProgressBoard
 from peer.timing import (
     LINK_REPORT_WAIT_HEARTBEATS,
@@ -97,7 +97,7 @@ class LeaderRole:
         self._last_progress: dict[str, Any] = {"epoch": 0, "step": 0, "state": "forming"}
         self._tokens_per_step = self.spec.micro_batch * self.spec.n_microbatches * self.spec.model.seq_len
         logs = self.config.log  # TensorBoard / W&B scalars of each step (peer.observe.scalars)
-        self.scalars = ScalarWriter(logs.tensorboard_dir, logs.wandb_project, self.spec.run_id, self.config.to_dict())
+        self.scalars = ScalarWriter(logs.tensorboard_dir, logs.wandb_project, self.spec.run_id, self.config.public_dict())
 
     def start(self) -> None:
         self.coordinator.start()
@@ -151,6 +151,7 @@ class LeaderRole:
         elif any(t is not None for t in tflops):
             links = LinkModel(tflops=tflops)
         workload = workload_for(self.spec, len(stages), len(pipelines))
+        self._wait_for_quorum()  # never send a plan that a majority of the previous plan's members does not back
         return build_assignments(
             self.spec,
             stages,
@@ -160,6 +161,7 @@ class LeaderRole:
             epoch=epoch,
             links=links,
             forward_flops=workload.stage_forward_flops,
+            leader=self.ctx.peer_id,
         )
 
     # ------------------------------------------------------------------------------------------------ run
@@ -190,6 +192,28 @@ class LeaderRole:
             self.stop_event.wait(self.config.swarm.heartbeat_s / TICKS_PER_HEARTBEAT)
         raise InterruptedError("stopped while waiting for peers")
 
+    def _wait_for_quorum(self) -> None:
+        """Pause until a quorum of the previous plan's members is live here (``peer.swarm.plans.has_quorum``).
+
+        On the minority side of a partition that never happens: its leader waits (its workers keep their state
+        and train nothing) until the partition heals and the majority's leader, elected again, takes them back.
+        """
+        paused = False
+        while not self.stop_event.is_set():
+            previous, live = self.ctx.plan_board.latest(), set(self._workers())
+            if has_quorum(previous, live):
+                if paused:
+                    log.info("leader: a quorum of plan %d's members is back; resuming", previous.epoch if previous else 0)
+                return
+            if not paused:
+                assert previous is not None
+                members = set(previous.members) | {previous.leader_id}
+                log.warning("leader: paused, only %d of the %d members of plan %d are reachable (a majority is needed)",
+                            len(members & live), len(members), previous.epoch)
+                paused = True
+            self.stop_event.wait(self.config.swarm.heartbeat_s / TICKS_PER_HEARTBEAT)
+        raise InterruptedError("stopped while waiting for a quorum")
+
     def _wait_for_link_reports(self) -> None:
         """Give every peer a few heartbeats to publish its link measurements: the first plan is only as good as
         the network it sees. Pairs still unmeasured after that are estimated (see peer.node.planning)."""
@@ -205,6 +229,7 @@ class LeaderRole:
         board = self.ctx.plan_board
         previous = board.latest()
         self._wait_for_peers(taking_over=previous is not None)
+        self._wait_for_quorum()
         self.ctx.probe_links_now()
         self._wait_for_link_reports()
         takeover = self._takeover_point(previous.plan if previous else None) if previous else None
@@ -308,12 +333,17 @@ class LeaderRole:
             "reason": info["reason"][:200],
             "coordinator": self.coordinator.endpoint,
         }
-        if not self.ctx.plan_board.publish(info["epoch"], self.ctx.peer_id, plan):
+        try:
+            stored = self.ctx.plan_board.publish(info["epoch"], self.ctx.peer_id, plan, members=sorted(self._workers()))
+        except ValueError as exc:  # a newer plan was accepted meanwhile, or the quorum was lost: stop leading
+            raise InterruptedError(f"plan of epoch {info['epoch']} not published: {exc}") from None
+        if not stored:
             log.warning("plan of epoch %d was not stored in the DHT", info["epoch"])
         self._publish({"epoch": info["epoch"], "step": info["step"], "state": "training"})
 
     def _adopt_history(self, trained: int) -> None:
-        progress = self.ctx.progress.read() or {}
+        previous = self.ctx.plan_board.latest()
+        progress = self.ctx.progress.read(previous.leader_id if previous else None) or {}
         hist = progress.get("history") or {}
         first = hist.get("from", 0)
         for k, (loss, secs) in enumerate(zip(hist.get("loss", []), hist.get("step_s", []), strict=False)):
@@ -379,7 +409,7 @@ class LeaderRole:
             for pid, d in self.index.items()
         }
         run = {
-            "config": self.config.to_dict(),
+            "config": self.config.public_dict(),
             "stages": self.driver.stages,
             "peers": peers,
             "plan": self.driver.events.replans[-1] if self.driver.events.replans else None,

@@ -34,8 +34,10 @@ def build_assignments(
     epoch: int = 1,
     links: LinkModel | None = None,
     forward_flops: Callable[[int, int], float] | None = None,
+    leader: str = "",
 ) -> dict[str, Assignment]:
-    """Turn a plan (``pipelines[r][s]`` = device) into one Assignment per device endpoint."""
+    """Turn a plan (``pipelines[r][s]`` = device) into one Assignment per device endpoint (``leader``: the
+    peer id of the leader making the plan, by which workers order plans of equal epochs)."""
     n_stages, n_replicas = len(stages), len(pipelines)
     out: dict[str, Assignment] = {}
     for r, pipe in enumerate(pipelines):
@@ -68,5 +70,6 @@ def build_assignments(
                 links=shaped,
                 emulate_tflops=tflops,
                 forward_flops=forward_flops(a, b) if forward_flops else 0.0,
+                leader=leader,
             ).validate()
     return out

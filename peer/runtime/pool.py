@@ -34,6 +34,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from peer.timing import LEASE_TIMEOUT_S
+
 
 class CommitResult(enum.Enum):
     """What happened to a commit request."""
@@ -59,7 +61,7 @@ class TaskPool:
         self,
         step: int,
         n_microbatches: int,
-        lease_timeout_s: float = 60.0,
+        lease_timeout_s: float = LEASE_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if n_microbatches <= 0:
@@ -118,10 +120,6 @@ class TaskPool:
             self.fail_pipeline(pipeline)
         return late
 
-    def failed(self) -> set[int]:
-        """Pipelines failed in this step."""
-        return set(self._failed)
-
     # -- queries -----------------------------------------------------------------------------------------
     def complete(self) -> bool:
         """True when every micro-batch of the step is committed: gradients may be synchronised."""
@@ -130,11 +128,3 @@ class TaskPool:
     def assignment(self) -> dict[int, int]:
         """Committed micro-batch -> the pipeline whose contribution counts."""
         return dict(self._committed)
-
-    def microbatches_of(self, pipeline: int) -> list[int]:
-        """The committed micro-batches a replica in ``pipeline`` must hold in its accumulator."""
-        return sorted(mb for mb, owner in self._committed.items() if owner == pipeline)
-
-    def in_flight(self, pipeline: int) -> int:
-        """How many micro-batches ``pipeline`` holds leased and not yet committed."""
-        return sum(1 for lease in self._leases.values() if lease.pipeline == pipeline)

@@ -123,8 +123,11 @@ class Assignment:
     emulate_tflops: float | None = None
     forward_flops: float = 0.0
     device: str = "cpu"
+    leader: str = ""  # peer id of the leader whose plan this is: workers order plans by (epoch, leader)
 
     def validate(self) -> Assignment:
+        if len(self.leader) > 64:
+            raise SpecError("assignment.leader: a peer id of at most 64 characters")
         if not 0 <= self.stage < self.n_stages:
             raise SpecError(f"assignment.stage: {self.stage} not in [0, {self.n_stages})")
         if not 0 <= self.replica < self.n_replicas:
@@ -181,6 +184,7 @@ class Assignment:
                 emulate_tflops=None if tflops is None else float(tflops),
                 forward_flops=float(d.get("forward_flops", 0.0)),
                 device=str(d.get("device", "cpu")),
+                leader=str(d.get("leader", "")),
             )
         except (IndexError, TypeError, ValueError) as exc:
             if isinstance(exc, SpecError):

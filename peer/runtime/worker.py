@@ -235,13 +235,17 @@ class StageWorker:
         msg = ctl.StageAssignment.from_envelope(env)
         spec, assignment, source = msg.run, msg.assignment, msg.source
         old = self._tasklet
-        if old is not None and assignment.epoch < old.assignment.epoch:
+        if old is not None and _plan_order(assignment) <= _plan_order(old.assignment):
+            # fencing: plans are ordered by (epoch, leader id); two leaders can never both drive this peer
             raise Rejected(
-                f"plan epoch {assignment.epoch} is older than this peer's epoch {old.assignment.epoch}; "
+                f"plan epoch {assignment.epoch} of leader {assignment.leader!r} is not newer: older than this "
+                f"peer's epoch {old.assignment.epoch} of leader {old.assignment.leader!r} or equal to it; "
                 "a newer leader has taken over"
             )
         with self._state_lock:
             old = self._tasklet
+            if old is not None and _plan_order(assignment) <= _plan_order(old.assignment):
+                raise Rejected(f"plan epoch {assignment.epoch} of {assignment.leader!r} lost a race to a newer plan")
             if source.kind is ctl.SourceKind.KEEP:
                 same_stage = old is not None and old.spec == spec and old.assignment.layers == assignment.layers
                 if old is None or not same_stage or old.compute.step != source.step:
@@ -716,6 +720,11 @@ def _warm_up() -> None:
         tiny.apply_update(tiny.accumulated_grad(), 1)
     except Exception:  # a warm-up must never take the worker down
         log.debug("warm-up failed", exc_info=True)
+
+
+def _plan_order(assignment: Assignment) -> tuple[int, str]:
+    """Plans are ordered by (epoch, leader id), as on the plan board (peer.swarm.plans)."""
+    return assignment.epoch, assignment.leader
 
 
 def state_envelope(state: dict[str, Any], run_id: str, epoch: int, stage: int, replica: int = -1) -> pb.Envelope:
