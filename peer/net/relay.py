@@ -1,0 +1,550 @@
+"""A relay of our own for peers nobody can dial (behind NAT): connection reversal and relayed TCP.
+
+Why not libp2p: hivemind's p2pd relays reset bulk streams and never hole-punched in our test bed (see the
+README, "Peers behind NAT"). This relay carries the *unchanged* gRPC bytes of our data plane, so every
+deadline, size limit and validation of peer.net stays, and end-to-end TLS stays end to end (the relay sees
+only what the two peers send).
+
+Roles (all TCP, one optional port on a public peer, ``--relay-port``):
+
+* A peer behind NAT (:class:`RelayAgent`) keeps an outbound *control connection* to one or more relays and
+  registers under its peer id: the relay sends a fresh nonce, the agent answers with its public key and a
+  signature of the nonce by its identity key (peer.swarm.identity); the relay checks that the key hashes to
+  the claimed peer id and that the signature verifies. A later registration of the same id (a restart)
+  replaces the earlier one; nobody without the key can take it over.
+* A client (any peer's gRPC channel, see peer.net.endpoint) connects to the relay and sends ``CONNECT
+  <peer id>.tasklet:1 HTTP/1.1`` (gRPC's built-in HTTP proxy support). The relay tells the registered peer
+  ``DIAL <token>`` over its control connection; the peer opens a new connection to the relay, sends ``ACCEPT
+  <token>``, and splices it onto its own gRPC server; the relay answers the client ``200`` and splices the
+  two connections. When the client *is* the relay (a public peer reaching a NAT'd one registered with it),
+  the path is reversed: the NAT'd peer dialled the client directly.
+* ``CHECK <port>``: the relay tries to open a TCP connection to the asker's own address (as the relay sees
+  it) at that port and answers ``OPEN <ip>`` or ``CLOSED <ip>``: how a peer learns whether others can dial it
+  (only the asker's own address, so the relay cannot be used to scan third parties).
+
+Bounds on what a stranger can make a relay hold: header lines and their count, the time to send them,
+unauthenticated connections at once, registrations, dials waiting for their dial-back, spliced connections
+per registered peer and in all, and an idle timeout on every spliced connection.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import logging
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hivemind.utils.crypto import RSAPublicKey
+
+from peer.net.endpoint import RELAY_AUTHORITY_SUFFIX
+from peer.swarm.identity import Identity, peer_id_from_public_key
+
+log = logging.getLogger(__name__)
+
+MAGIC = "TASKLET-RELAY/1"
+SIGN_PREFIX = b"tasklet-relay-register:"
+SPLICE_BUFFER = 256 * 1024
+
+
+@dataclass(frozen=True)
+class RelayLimits:
+    """Everything a relay holds for strangers is bounded by these (see the module docstring)."""
+
+    max_line_bytes: int = 1024
+    max_header_lines: int = 16
+    handshake_timeout_s: float = 10.0  # to send the first lines / answer the nonce
+    max_pending_handshakes: int = 64  # connections that have not said what they want yet
+    max_registrations: int = 256
+    max_waiting_dials: int = 16  # per registered peer: clients waiting for its dial-back
+    dial_back_timeout_s: float = 10.0
+    max_splices_per_peer: int = 64
+    max_splices: int = 1024
+    idle_timeout_s: float = 600.0  # a spliced connection with no byte either way for this long is closed
+    ping_interval_s: float = 15.0  # keepalive on control connections; a dead one ends the registration
+    check_timeout_s: float = 3.0
+
+
+class RelayProtocolError(ValueError):
+    """The other side broke the relay protocol (the connection is closed)."""
+
+
+def _read_line(sock: socket.socket, limit: int) -> str:
+    """One line without its end, read byte-wise so nothing after it is consumed; bounded by ``limit``."""
+    out = bytearray()
+    while True:
+        b = sock.recv(1)
+        if not b:
+            raise RelayProtocolError("connection closed")
+        if b == b"\n":
+            return out.decode("ascii", errors="replace").rstrip("\r")
+        out += b
+        if len(out) > limit:
+            raise RelayProtocolError(f"line longer than {limit} bytes")
+
+
+def _send_line(sock: socket.socket, text: str) -> None:
+    sock.sendall(text.encode("ascii") + b"\n")
+
+
+def _nodelay(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def splice(a: socket.socket, b: socket.socket, idle_timeout_s: float, on_close: Callable[[], None] | None = None,
+           name: str = "splice") -> None:
+    """Copy bytes both ways between two connected sockets in two threads; close both when either side ends or
+    nothing moved for ``idle_timeout_s``; then call ``on_close``."""
+    _nodelay(a)
+    _nodelay(b)
+    last = [time.monotonic()]
+    done = threading.Event()
+    remaining = [2]
+    lock = threading.Lock()
+
+    def pump(src: socket.socket, dst: socket.socket) -> None:
+        src.settimeout(min(30.0, idle_timeout_s))
+        try:
+            while not done.is_set():
+                try:
+                    data = src.recv(SPLICE_BUFFER)
+                except TimeoutError:
+                    if time.monotonic() - last[0] > idle_timeout_s:
+                        break
+                    continue
+                if not data:
+                    break
+                last[0] = time.monotonic()
+                dst.sendall(data)
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            done.set()
+        finally:
+            with lock:
+                remaining[0] -= 1
+                last_one = remaining[0] == 0
+            if last_one or done.is_set():
+                done.set()
+                for s in (a, b):
+                    with contextlib.suppress(OSError):
+                        s.close()
+                if last_one and on_close is not None:
+                    on_close()
+
+    threading.Thread(target=pump, args=(a, b), name=f"{name}-ab", daemon=True).start()
+    threading.Thread(target=pump, args=(b, a), name=f"{name}-ba", daemon=True).start()
+
+
+@dataclass
+class _Registration:
+    peer_id: str
+    control: socket.socket
+    send_lock: threading.Lock
+    splices: int = 0
+    waiting: int = 0
+    alive: bool = True
+
+
+class RelayServer:
+    """The relay service of a public peer (see the module docstring); ``start()`` then ``close()``."""
+
+    def __init__(self, host: str, port: int, limits: RelayLimits | None = None) -> None:
+        self.host, self.port = host, port
+        self.limits = limits or RelayLimits()
+        self._lock = threading.Lock()
+        self._registrations: dict[str, _Registration] = {}  # _lock
+        self._pending: dict[str, tuple[str, threading.Event, list[socket.socket]]] = {}  # _lock: token -> dial
+        self._handshakes = threading.BoundedSemaphore(self.limits.max_pending_handshakes)
+        self._splices = 0  # _lock
+        self._sock: socket.socket | None = None
+        self._stop = threading.Event()
+        self.stats = {"connects": 0, "refused": 0, "registrations": 0, "checks": 0}
+
+    # ---- lifecycle --------------------------------------------------------------------------------------
+    def start(self) -> int:
+        sock = socket.create_server((self.host, self.port), reuse_port=False, backlog=128)
+        self._sock = sock
+        self.port = sock.getsockname()[1]
+        threading.Thread(target=self._accept_loop, name="relay-accept", daemon=True).start()
+        threading.Thread(target=self._ping_loop, name="relay-ping", daemon=True).start()
+        log.info("relay listening on %s:%d", self.host, self.port)
+        return self.port
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+        with self._lock:
+            regs = list(self._registrations.values())
+            self._registrations.clear()
+        for reg in regs:
+            with contextlib.suppress(OSError):
+                reg.control.close()
+
+    @property
+    def local_address(self) -> str:
+        """Where a client in this process reaches the relay."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else ("::1" if self.host == "::" else self.host)
+        return f"{host}:{self.port}"
+
+    def registered(self, peer_id: str) -> bool:
+        with self._lock:
+            reg = self._registrations.get(peer_id)
+            return reg is not None and reg.alive
+
+    def lookup(self, peer_id: str) -> str | None:
+        """The local address of this relay if ``peer_id`` is registered here (peer.net.endpoint hook)."""
+        return self.local_address if self.registered(peer_id) else None
+
+    # ---- connections ------------------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        assert self._sock is not None
+        while not self._stop.is_set():
+            try:
+                conn, addr = self._sock.accept()
+            except OSError:
+                return
+            if not self._handshakes.acquire(blocking=False):
+                self.stats["refused"] += 1
+                with contextlib.suppress(OSError):
+                    conn.close()
+                continue
+            threading.Thread(target=self._handle, args=(conn, addr), name="relay-conn", daemon=True).start()
+
+    def _handle(self, conn: socket.socket, addr: tuple) -> None:
+        """Read what the connection wants (bounded in size and time) and hand it to the right role."""
+        keep = False
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._handshakes.release()
+
+        try:
+            conn.settimeout(self.limits.handshake_timeout_s)
+            first = _read_line(conn, self.limits.max_line_bytes)
+            if first.startswith("CONNECT "):
+                keep = self._on_connect(conn, first, release)
+            elif first.startswith(MAGIC + " "):
+                keep = self._on_command(conn, addr, first[len(MAGIC) + 1 :], release)
+            else:
+                raise RelayProtocolError(f"unknown request {first[:40]!r}")
+        except (OSError, RelayProtocolError, ValueError) as exc:
+            log.debug("relay: connection from %s ended: %s", addr[0], exc)
+        finally:
+            release()
+            if not keep:
+                with contextlib.suppress(OSError):
+                    conn.close()
+
+    def _on_command(self, conn: socket.socket, addr: tuple, command: str, release: Callable[[], None]) -> bool:
+        verb, _, arg = command.partition(" ")
+        if verb == "REGISTER":
+            return self._on_register(conn, arg, release)
+        if verb == "ACCEPT":
+            return self._on_accept(conn, arg)
+        if verb == "CHECK":
+            self._on_check(conn, addr[0], arg)
+            return False
+        raise RelayProtocolError(f"unknown command {verb[:20]!r}")
+
+    def _on_check(self, conn: socket.socket, ip: str, arg: str) -> None:
+        if not arg.isdigit() or not 0 < int(arg) <= 65535:
+            raise RelayProtocolError("CHECK needs a port")
+        self.stats["checks"] += 1
+        try:
+            with socket.create_connection((ip, int(arg)), timeout=self.limits.check_timeout_s):
+                pass
+            _send_line(conn, f"OPEN {ip}")
+        except OSError:
+            _send_line(conn, f"CLOSED {ip}")
+
+    def _on_register(self, conn: socket.socket, arg: str, release: Callable[[], None]) -> bool:
+        peer_id = arg.strip()
+        nonce = secrets.token_hex(16)
+        _send_line(conn, f"NONCE {nonce}")
+        key_line = _read_line(conn, 4 * self.limits.max_line_bytes)
+        sig_line = _read_line(conn, 4 * self.limits.max_line_bytes)
+        if not key_line.startswith("KEY ") or not sig_line.startswith("SIG "):
+            raise RelayProtocolError("expected KEY and SIG lines")
+        public_key = base64.b64decode(key_line[4:], validate=True)
+        signature = base64.b64decode(sig_line[4:], validate=True)
+        if peer_id_from_public_key(public_key) != peer_id:
+            _send_line(conn, "DENIED the key is not this peer id's")
+            return False
+        try:
+            valid = RSAPublicKey.from_bytes(public_key).verify(SIGN_PREFIX + nonce.encode(), signature)
+        except Exception:  # a malformed key
+            valid = False
+        if not valid:
+            _send_line(conn, "DENIED bad signature")
+            return False
+        with self._lock:
+            old = self._registrations.get(peer_id)
+            if old is None and len(self._registrations) >= self.limits.max_registrations:
+                full = True
+            else:
+                full = False
+                reg = _Registration(peer_id, conn, threading.Lock())
+                if old is not None:
+                    reg.splices = old.splices
+                    old.alive = False
+                self._registrations[peer_id] = reg
+        if full:
+            _send_line(conn, "DENIED relay full")
+            return False
+        if old is not None:
+            with contextlib.suppress(OSError):
+                old.control.close()
+        self.stats["registrations"] += 1
+        conn.settimeout(None)
+        _send_line(conn, "OK")
+        release()
+        log.info("relay: peer %s registered", peer_id)
+        threading.Thread(target=self._watch_control, args=(reg,), name="relay-control", daemon=True).start()
+        return True
+
+    def _watch_control(self, reg: _Registration) -> None:
+        """Read the control connection until it ends (PONGs only); then drop the registration."""
+        try:
+            reg.control.settimeout(3 * self.limits.ping_interval_s)
+            while True:
+                line = _read_line(reg.control, self.limits.max_line_bytes)
+                if line != "PONG":
+                    raise RelayProtocolError(f"unexpected {line[:20]!r} on a control connection")
+        except (OSError, RelayProtocolError):
+            pass
+        finally:
+            with self._lock:
+                if self._registrations.get(reg.peer_id) is reg:
+                    del self._registrations[reg.peer_id]
+                reg.alive = False
+            with contextlib.suppress(OSError):
+                reg.control.close()
+            log.info("relay: peer %s unregistered", reg.peer_id)
+
+    def _ping_loop(self) -> None:
+        while not self._stop.wait(self.limits.ping_interval_s):
+            with self._lock:
+                regs = list(self._registrations.values())
+            for reg in regs:
+                self._send_control(reg, "PING")
+
+    @staticmethod
+    def _send_control(reg: _Registration, line: str) -> bool:
+        try:
+            with reg.send_lock:
+                _send_line(reg.control, line)
+            return True
+        except OSError:
+            return False
+
+    def _on_connect(self, conn: socket.socket, first: str, release: Callable[[], None]) -> bool:
+        """An HTTP CONNECT from a client: have the target peer dial back, then splice."""
+        parts = first.split()
+        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+            raise RelayProtocolError("malformed CONNECT line")
+        for _ in range(self.limits.max_header_lines):  # the rest of the request head, ignored
+            if _read_line(conn, self.limits.max_line_bytes) == "":
+                break
+        else:
+            raise RelayProtocolError("too many header lines")
+        self.stats["connects"] += 1
+        authority = parts[1]
+        peer_id = authority[: -len(RELAY_AUTHORITY_SUFFIX)] if authority.endswith(RELAY_AUTHORITY_SUFFIX) else ""
+        token = secrets.token_hex(16)
+        arrived = threading.Event()
+        box: list[socket.socket] = []
+        with self._lock:
+            reg = self._registrations.get(peer_id)
+            error = ""
+            if reg is None or not reg.alive:
+                error = "404 Not Found"
+            elif reg.waiting >= self.limits.max_waiting_dials or reg.splices >= self.limits.max_splices_per_peer \
+                    or self._splices >= self.limits.max_splices:
+                error = "503 Service Unavailable"
+            else:
+                reg.waiting += 1
+                self._pending[token] = (peer_id, arrived, box)
+        if error:
+            self.stats["refused"] += 1
+            conn.sendall(f"HTTP/1.1 {error}\r\n\r\n".encode())
+            return False
+        release()
+        try:
+            if not self._send_control(reg, f"DIAL {token}") or not arrived.wait(self.limits.dial_back_timeout_s):
+                conn.sendall(b"HTTP/1.1 504 Gateway Timeout\r\n\r\n")
+                return False
+        finally:
+            with self._lock:
+                reg.waiting -= 1
+                self._pending.pop(token, None)
+        back = box[0]
+        with self._lock:
+            reg.splices += 1
+            self._splices += 1
+        try:
+            conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        except OSError:
+            back.close()
+            self._splice_closed(reg)
+            return False
+        conn.settimeout(None)
+        back.settimeout(None)
+        splice(conn, back, self.limits.idle_timeout_s, lambda: self._splice_closed(reg), name="relay")
+        return True
+
+    def _splice_closed(self, reg: _Registration) -> None:
+        with self._lock:
+            reg.splices -= 1
+            self._splices -= 1
+
+    def _on_accept(self, conn: socket.socket, token: str) -> bool:
+        """A registered peer's dial-back for ``token`` (an unguessable one-time secret sent only to it)."""
+        with self._lock:
+            pending = self._pending.pop(token.strip(), None)
+        if pending is None:
+            raise RelayProtocolError("unknown or expired token")
+        _, arrived, box = pending
+        box.append(conn)
+        arrived.set()
+        return True
+
+
+class RelayAgent:
+    """The NAT'd side: registers with relays and answers their DIALs by splicing onto ``local_target``."""
+
+    def __init__(self, identity: Identity, relays: list[str], local_target: str,
+                 max_splices: int = 64, idle_timeout_s: float = RelayLimits.idle_timeout_s) -> None:
+        self.identity = identity
+        self.relays = list(relays)
+        self.local_target = local_target
+        self.max_splices = max_splices
+        self.idle_timeout_s = idle_timeout_s
+        self._lock = threading.Lock()
+        self._registered: dict[str, bool] = dict.fromkeys(self.relays, False)  # _lock
+        self._splices = 0  # _lock
+        self._stop = threading.Event()
+        self._socks: dict[str, socket.socket] = {}
+        self.stats = {"dials": 0, "refused": 0}
+
+    def start(self) -> None:
+        for relay in self.relays:
+            threading.Thread(target=self._keep, args=(relay,), name=f"relay-agent-{relay}", daemon=True).start()
+
+    def close(self) -> None:
+        self._stop.set()
+        for sock in list(self._socks.values()):
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def registered(self) -> list[str]:
+        with self._lock:
+            return [r for r in self.relays if self._registered.get(r)]
+
+    def wait_registered(self, timeout_s: float) -> list[str]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not self._stop.is_set():
+            got = self.registered()
+            if got:
+                return got
+            time.sleep(0.05)
+        return self.registered()
+
+    def _keep(self, relay: str) -> None:
+        """Hold a registration with ``relay``; reconnect with back-off when it drops."""
+        backoff = 0.5
+        while not self._stop.is_set():
+            try:
+                self._session(relay)
+                backoff = 0.5
+            except (OSError, RelayProtocolError, ValueError) as exc:
+                log.info("relay %s: %s", relay, exc)
+            with self._lock:
+                self._registered[relay] = False
+            self._stop.wait(backoff)
+            backoff = min(backoff * 2, 10.0)
+
+    def _session(self, relay: str) -> None:
+        host, _, port = relay.rpartition(":")
+        sock = socket.create_connection((host, int(port)), timeout=10)
+        self._socks[relay] = sock
+        try:
+            _send_line(sock, f"{MAGIC} REGISTER {self.identity.peer_id}")
+            line = _read_line(sock, 1024)
+            if not line.startswith("NONCE "):
+                raise RelayProtocolError(f"relay answered {line[:40]!r}")
+            nonce = line[6:].strip()
+            signature = self.identity.private_key.sign(SIGN_PREFIX + nonce.encode())
+            _send_line(sock, "KEY " + base64.b64encode(self.identity.public_key).decode())
+            _send_line(sock, "SIG " + base64.b64encode(signature).decode())
+            answer = _read_line(sock, 1024)
+            if answer != "OK":
+                raise RelayProtocolError(f"registration refused: {answer[:80]}")
+            with self._lock:
+                self._registered[relay] = True
+            log.info("registered with relay %s", relay)
+            sock.settimeout(3 * RelayLimits.ping_interval_s)
+            while not self._stop.is_set():
+                line = _read_line(sock, 1024)
+                if line == "PING":
+                    _send_line(sock, "PONG")
+                elif line.startswith("DIAL "):
+                    threading.Thread(target=self._dial_back, args=(relay, line[5:].strip()),
+                                     name="relay-dial", daemon=True).start()
+                else:
+                    raise RelayProtocolError(f"unexpected {line[:20]!r} from the relay")
+        finally:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def _dial_back(self, relay: str, token: str) -> None:
+        with self._lock:
+            if self._splices >= self.max_splices or not token.isalnum() or len(token) > 64:
+                self.stats["refused"] += 1
+                return
+            self._splices += 1
+        self.stats["dials"] += 1
+        back = local = None
+        try:
+            host, _, port = relay.rpartition(":")
+            back = socket.create_connection((host, int(port)), timeout=10)
+            lhost, _, lport = self.local_target.rpartition(":")
+            local = socket.create_connection((lhost, int(lport)), timeout=10)
+            _send_line(back, f"{MAGIC} ACCEPT {token}")
+            back.settimeout(None)
+            local.settimeout(None)
+        except OSError as exc:
+            log.info("dial-back to relay %s failed: %s", relay, exc)
+            for s in (back, local):
+                if s is not None:
+                    s.close()
+            self._closed()
+            return
+        splice(back, local, self.idle_timeout_s, self._closed, name="relayed")
+
+    def _closed(self) -> None:
+        with self._lock:
+            self._splices -= 1
+
+
+def check_reachable(relay: str, port: int, timeout_s: float = 10.0) -> tuple[bool, str]:
+    """Ask ``relay`` to dial this machine's address (as the relay sees it) at ``port``: (open?, that address)."""
+    host, _, rport = relay.rpartition(":")
+    with socket.create_connection((host, int(rport)), timeout=timeout_s) as sock:
+        sock.settimeout(timeout_s)
+        _send_line(sock, f"{MAGIC} CHECK {port}")
+        answer = _read_line(sock, 256)
+    verdict, _, ip = answer.partition(" ")
+    if verdict not in ("OPEN", "CLOSED"):
+        raise RelayProtocolError(f"relay answered {answer[:40]!r}")
+    return verdict == "OPEN", ip.strip()

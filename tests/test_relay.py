@@ -1,0 +1,170 @@
+"""The relay of peer.net.relay on loopback: a peer nobody dials is reached through a relay with the same gRPC
+calls (push, fetch, ping) and the same refusals; registration needs the peer's key; strangers are bounded."""
+
+from __future__ import annotations
+
+import base64
+import socket
+import time
+
+import pytest
+
+from peer.net import PeerClient, PeerServer, TransportConfig
+from peer.net.endpoint import (
+    PATH_DIRECT,
+    PATH_RELAYED,
+    PATH_REVERSED,
+    EndpointError,
+    parse_endpoint,
+    set_local_relay,
+    with_route,
+)
+from peer.net.relay import MAGIC, RelayAgent, RelayLimits, RelayServer, check_reachable
+from peer.swarm.identity import Identity
+from protocol import tasklet_pb2 as pb
+from protocol.errors import BadMessage, PeerUnreachable, Refused
+
+
+@pytest.fixture(name="relay")
+def relay_fixture():
+    relay = RelayServer("127.0.0.1", 0, RelayLimits(handshake_timeout_s=2.0, dial_back_timeout_s=2.0))
+    relay.start()
+    yield relay
+    relay.close()
+
+
+@pytest.fixture(name="nated")
+def nated_fixture():
+    """A peer's gRPC server that only a relay agent reaches (loopback stands in for the NAT'd host)."""
+    received: list[pb.Envelope] = []
+    server = PeerServer(TransportConfig())
+
+    def on_push(env: pb.Envelope) -> None:
+        if env.meta.get("bad"):
+            raise BadMessage("envelope.meta", "refused on purpose")
+        received.append(env)
+
+    server.register_push(pb.OTHER, on_push)
+    server.register_fetch(pb.STAGE_STATE, lambda req: pb.Envelope(kind=pb.STAGE_STATE, meta={"n": "7"}))
+    server.start()
+    yield server, received
+    server.stop()
+
+
+def _register(relay: RelayServer, server: PeerServer, identity: Identity) -> RelayAgent:
+    agent = RelayAgent(identity, [relay.local_address], f"127.0.0.1:{server.port}")
+    agent.start()
+    assert agent.wait_registered(10), "the agent did not register"
+    return agent
+
+
+def test_endpoint_grammar() -> None:
+    assert parse_endpoint("10.0.0.1:31400").relayed is False
+    ep = parse_endpoint("0123456789abcdef0123@10.0.0.2:31402/coordinator")
+    assert (ep.peer, ep.address, ep.route) == ("0123456789abcdef0123", "10.0.0.2:31402", "coordinator")
+    assert with_route("10.0.0.1:31400", "coordinator") == "10.0.0.1:31400/coordinator"
+    for bad in ("10.0.0.1", "x@10.0.0.1:5", "10.0.0.1:0", "10.0.0.1:5/no-route!", ""):
+        with pytest.raises(EndpointError):
+            parse_endpoint(bad)
+
+
+def test_relayed_calls_behave_like_direct_ones(relay: RelayServer, nated) -> None:
+    server, received = nated
+    identity = Identity.generate()
+    agent = _register(relay, server, identity)
+    try:
+        endpoint = f"{identity.peer_id}@{relay.local_address}"
+        with PeerClient(endpoint) as client:
+            assert client.path == PATH_RELAYED
+            assert client.ping(timeout_s=5) > 0
+            client.push(pb.Envelope(kind=pb.OTHER, meta={"x": "y" * 3_000_000}), timeout_s=20)
+            assert len(received) == 1 and len(received[0].meta["x"]) == 3_000_000
+            with pytest.raises(Refused, match="refused on purpose"):  # the server's validation is untouched
+                client.push(pb.Envelope(kind=pb.OTHER, meta={"bad": "1"}), timeout_s=5)
+            assert client.fetch(pb.STAGE_STATE, timeout_s=5).meta["n"] == "7"
+            assert client.probe(1 << 20, timeout_s=10) > 0
+        assert agent.stats["dials"] >= 1
+    finally:
+        agent.close()
+
+
+def test_a_relay_in_this_process_makes_the_path_reversed(relay: RelayServer, nated) -> None:
+    server, _ = nated
+    identity = Identity.generate()
+    agent = _register(relay, server, identity)
+    set_local_relay(relay.lookup)
+    try:
+        with PeerClient(f"{identity.peer_id}@203.0.113.9:31402") as client:  # a relay we cannot reach
+            assert client.path == PATH_REVERSED
+            client.ping(timeout_s=5)
+        with PeerClient(f"127.0.0.1:{server.port}") as client:
+            assert client.path == PATH_DIRECT
+    finally:
+        set_local_relay(None)
+        agent.close()
+
+
+def test_unknown_peer_is_unreachable_quickly(relay: RelayServer) -> None:
+    with PeerClient(f"{'ab' * 10}@{relay.local_address}") as client, pytest.raises(PeerUnreachable):
+        client.ping(timeout_s=3)
+
+
+def test_registration_needs_the_peer_ids_key(relay: RelayServer, nated) -> None:
+    server, _ = nated
+    victim, thief = Identity.generate(), Identity.generate()
+    agent = _register(relay, server, victim)
+    try:
+        def attempt(peer_id: str, key: bytes, sign_with: Identity) -> str:
+            with socket.create_connection(("127.0.0.1", relay.port), timeout=5) as s:
+                f = s.makefile("rwb")
+                f.write(f"{MAGIC} REGISTER {peer_id}\n".encode())
+                f.flush()
+                nonce = f.readline().decode().split()[1]
+                sig = sign_with.private_key.sign(b"tasklet-relay-register:" + nonce.encode())
+                f.write(b"KEY " + base64.b64encode(key) + b"\nSIG " + base64.b64encode(sig) + b"\n")
+                f.flush()
+                return f.readline().decode().strip()
+
+        assert attempt(victim.peer_id, thief.public_key, thief).startswith("DENIED")  # key of another id
+        assert attempt(victim.peer_id, victim.public_key, thief).startswith("DENIED")  # signature by another key
+        assert relay.registered(victim.peer_id)
+        assert attempt(thief.peer_id, thief.public_key, thief) == "OK"  # its own id is fine
+    finally:
+        agent.close()
+
+
+def _closed_by_peer(s: socket.socket) -> bool:
+    s.settimeout(2)
+    try:
+        return s.recv(100) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_strangers_are_bounded(nated) -> None:
+    limits = RelayLimits(handshake_timeout_s=0.5, max_pending_handshakes=2, max_line_bytes=64)
+    relay = RelayServer("127.0.0.1", 0, limits)
+    relay.start()
+    try:
+        idle = [socket.create_connection(("127.0.0.1", relay.port)) for _ in range(2)]
+        time.sleep(0.2)
+        extra = socket.create_connection(("127.0.0.1", relay.port))
+        assert _closed_by_peer(extra), "a third silent connection was held"
+        time.sleep(0.8)  # the silent ones are dropped after the handshake timeout
+        assert all(_closed_by_peer(s) for s in idle)
+        with socket.create_connection(("127.0.0.1", relay.port), timeout=2) as s:
+            s.sendall(b"X" * 200 + b"\n")  # over the line limit
+            assert _closed_by_peer(s)
+        for s in [*idle, extra]:
+            s.close()
+    finally:
+        relay.close()
+
+
+def test_check_tells_whether_a_port_is_open(relay: RelayServer, nated) -> None:
+    server, _ = nated
+    assert check_reachable(relay.local_address, server.port) == (True, "127.0.0.1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    assert check_reachable(relay.local_address, free) == (False, "127.0.0.1")
