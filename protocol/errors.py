@@ -30,6 +30,14 @@ class Rejected(Exception):  # noqa: N818 - names fixed by the API contract
     epoch, duplicate commit, ...)."""
 
 
+class Forbidden(Exception):  # noqa: N818 - named like its siblings
+    """The authenticated caller may not do this (wrong role in the current plan): PERMISSION_DENIED."""
+
+
+class Unauthenticated(Exception):  # noqa: N818 - named like its siblings
+    """The caller's identity is not (or no longer) trusted here: UNAUTHENTICATED."""
+
+
 class Unavailable(Exception):  # noqa: N818 - names fixed by the API contract
     """The receiver cannot accept the message right now (not ready yet, shutting down); retrying may work."""
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from peer.net import PeerClient, PeerServer, TransportConfig
+from peer.net.tls import process_tls
 from protocol import PROTOCOL_VERSION
 from protocol import tasklet_pb2 as pb
 from protocol.chunking import encode_chunk, split_envelope
@@ -220,7 +221,7 @@ def test_bad_envelope_is_refused_and_stage_keeps_serving(
 
 def _raw_push(endpoint: str, chunks: list[bytes]) -> grpc.RpcError:
     """Push hand-made chunk bytes (bypassing PeerClient's own framing); return the error it ends with."""
-    with grpc.insecure_channel(endpoint, options=[("grpc.max_send_message_length", 4 << 20)]) as channel:
+    with process_tls().channel(endpoint, options=[("grpc.max_send_message_length", 4 << 20)]) as channel:
         push = channel.stream_unary(
             "/tasklet.v1.Peer/Push", request_serializer=None, response_deserializer=pb.Ack.FromString
         )
@@ -287,7 +288,7 @@ def test_wrong_version_on_control_calls_is_refused(
     stage_server: tuple[Stage, PeerServer, PeerClient],
 ) -> None:
     _, server, client = stage_server
-    with grpc.insecure_channel(server.endpoint) as channel:
+    with process_tls().channel(server.endpoint) as channel:
         ping = channel.unary_unary(
             "/tasklet.v1.Peer/Ping",
             request_serializer=pb.PingRequest.SerializeToString,

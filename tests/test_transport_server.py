@@ -13,6 +13,7 @@ import torch
 
 from peer.net import PeerClient, PeerServer, TransportConfig
 from peer.net.shaping import LinkShaper
+from peer.net.tls import process_tls
 from protocol import PROTOCOL_VERSION
 from protocol import tasklet_pb2 as pb
 from protocol.codec import decode_tensor, encode_tensor
@@ -67,7 +68,8 @@ def test_push_large_tensor_streams_past_grpc_message_limit(server: PeerServer, c
     client.push(_activation(t, step=5), timeout_s=30)
     assert len(inbox.got) == 1
     env = inbox.got[0]
-    assert env.protocol_version == PROTOCOL_VERSION and env.sender == "tester" and env.key.step == 5
+    # the sender is the caller's authenticated identity (its TLS certificate), not what the client wrote
+    assert env.protocol_version == PROTOCOL_VERSION and env.sender == process_tls().peer_id and env.key.step == 5
     assert torch.equal(decode_tensor(env.tensors[0], expect_shape=(3, 1 << 20)), t)
     assert server.stats["pushes"] == 1 and server.stats["push_bytes"] > 12 << 20
 
@@ -95,7 +97,7 @@ def test_fetch_stage_state(server: PeerServer, client: PeerClient) -> None:
     server.register_fetch("STAGE_STATE", stage_state)
     key = pb.Key(run_id="r", stage=1)
     env = client.fetch("STAGE_STATE", key, meta={"why": "join"}, timeout_s=30)
-    assert env.key.stage == 1 and env.meta["optimizer_step"] == "7" and env.meta["asked_by"] == "tester"
+    assert env.key.stage == 1 and env.meta["optimizer_step"] == "7" and env.meta["asked_by"] == process_tls().peer_id
     assert torch.equal(decode_tensor(env.tensors[0]), params)
     with pytest.raises(Refused) as info:
         client.fetch("GRAD_SHARD", key, timeout_s=5)
@@ -155,7 +157,7 @@ def test_unreachable_peer_and_deadline() -> None:
 
 
 def test_calls_without_deadline_are_refused(server: PeerServer) -> None:
-    with grpc.insecure_channel(server.endpoint) as channel:
+    with process_tls().channel(server.endpoint) as channel:
         ping = channel.unary_unary(
             "/tasklet.v1.Peer/Ping",
             request_serializer=pb.PingRequest.SerializeToString,
@@ -217,7 +219,7 @@ def test_shaped_link_delays_push_and_both_ping_directions(server: PeerServer) ->
     inbox = Inbox()
     server.register_push("ACTIVATION", inbox)
     back = LinkShaper(50e6, 0.03)
-    server.set_reply_shaper(lambda sender: back if sender == "shaped" else None)
+    server.set_reply_shaper(lambda sender: back if sender == process_tls().peer_id else None)
     link = LinkShaper(50e6, 0.02)
     with PeerClient(server.endpoint, CONFIG, shaper=link, sender="shaped") as cli:
         t = torch.randn(100_000)

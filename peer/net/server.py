@@ -9,7 +9,15 @@ and may raise:
 
 * protocol.errors.BadMessage  -> INVALID_ARGUMENT with the handler's message,
 * protocol.errors.Rejected    -> FAILED_PRECONDITION (e.g. unknown step or micro-batch),
-* protocol.errors.Unavailable -> UNAVAILABLE (try later).
+* protocol.errors.Unavailable -> UNAVAILABLE (try later),
+* protocol.errors.Forbidden   -> PERMISSION_DENIED (the authenticated caller has the wrong role),
+* protocol.errors.Unauthenticated -> UNAUTHENTICATED.
+
+Every call is authenticated first (mutual TLS, see peer.net.tls): the caller's certificate must be trusted
+now, and the caller's peer id replaces the self-declared ``Envelope.sender`` / ``FetchRequest.sender`` that
+handlers see. A call must carry a deadline of at most ``max_deadline_s``; a caller holds at most
+``max_streams_per_peer`` stream slots; a push is refused from its first chunk when it announces more than the
+limit of its Kind (``set_push_limit``), and its buffer grows only with the bytes that arrive.
 
 Any other exception is logged with its traceback and answered with INTERNAL; in every case the server keeps
 serving. Handlers run on the server's worker threads (up to `max_concurrent_streams` at once), so they must
@@ -42,7 +50,7 @@ from protocol.chunking import (
     iter_chunk_wire,
     split_envelope,
 )
-from protocol.errors import BadMessage, Rejected, Unavailable
+from protocol.errors import BadMessage, Forbidden, Rejected, Unauthenticated, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +67,8 @@ _ERROR_CODES: list[tuple[type[Exception], grpc.StatusCode]] = [
     (BadMessage, grpc.StatusCode.INVALID_ARGUMENT),
     (Rejected, grpc.StatusCode.FAILED_PRECONDITION),
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (Forbidden, grpc.StatusCode.PERMISSION_DENIED),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
 ]
 
 
@@ -146,18 +156,23 @@ class _Servicer:
     def _stream_slot(self, context: grpc.ServicerContext, what: str, caller: str = "") -> None:
         """Take a stream slot, and one of the caller's own quota (release with ``_owner._release``)."""
         owner = self._owner
+        if not owner._streams.acquire(blocking=False):
+            _abort(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                f"{what}: busy, {owner.config.max_concurrent_streams} streams already in progress",
+            )
         with owner._lock:
             held = owner._per_peer.get(caller, 0)
-            quota = owner.config.streams_per_peer
-            if caller and held >= quota:
-                refused = f"{what}: {held} streams of this peer already in progress (its quota is {quota})"
-            elif not owner._streams.acquire(blocking=False):
-                refused = f"{what}: busy, {owner.config.max_concurrent_streams} streams already in progress"
-            else:
+            if held < owner.config.streams_per_peer:
                 owner._per_peer[caller] = held + 1
                 return
-        code = grpc.StatusCode.RESOURCE_EXHAUSTED if "quota" in refused else grpc.StatusCode.UNAVAILABLE
-        _abort(context, code, refused)
+        owner._streams.release()
+        _abort(
+            context,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"{what}: {held} streams of this peer already in progress (its quota is {owner.config.streams_per_peer})",
+        )
 
     def Push(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> pb.Ack:  # noqa: N802
         caller = self._require_deadline(context, "Push")
@@ -429,7 +444,7 @@ class PeerServer:
                     limit = min(limit, self._push_limit(announced))
                 if limit <= 0:
                     raise Rejected(f"envelope.kind: this peer takes no {_kind_name(announced)} messages now")
-                asm = Reassembler(limit, what=f"{_kind_name(announced)} message")
+                asm = Reassembler(limit, what=_kind_name(announced))
             asm.add(chunk)
         if asm is None:
             raise BadMessage("chunk", "the stream carried no chunk")
