@@ -1,0 +1,258 @@
+"""The coordinator on its own, over real gRPC on loopback, against scripted workers.
+
+A scripted worker does no compute: it is a real gRPC server that answers the coordinator's control messages
+the way a one-stage pipeline would (lease, report a loss, commit; ``reduced``; ``synced``), records what it
+was told, and can misbehave on cue (commit twice, die holding a lease, fail its averaging). That isolates the
+coordinator's own rules — exactly-once commits, requeueing a dead pipeline's work, apply only after every
+stage reduced, strict decoding of reports — from the stage workers' compute.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from peer.compute.model import ModelConfig
+from peer.net import PeerClient, PeerServer, TransportConfig
+from peer.runtime import control as ctl
+from peer.runtime.assign import build_assignments
+from peer.runtime.coordinator import Coordinator, StepFailedError
+from peer.runtime.spec import RunSpec
+from peer.runtime.wire import make_key
+from protocol import tasklet_pb2 as pb
+from protocol.errors import Refused, TransportError
+
+SPEC = RunSpec(run_id="coord", model=ModelConfig(n_layers=2, d_model=16, n_heads=2, seq_len=8), micro_batch=2,
+               n_microbatches=6)
+EPOCH = 1
+
+@dataclass
+class Script:
+    """How a scripted worker behaves."""
+
+    commit_twice: bool = False
+    die_after_leases: int | None = None  # stop serving while holding this many-th lease, uncommitted
+    fail_reduce: bool = False  # answer "reduce" with a task error instead of "reduced"
+    wait_before_leasing: threading.Event | None = None
+    leased_first: threading.Event = field(default_factory=threading.Event)
+
+class ScriptedWorker:
+    def __init__(self, script: Script | None = None) -> None:
+        self.script = script or Script()
+        self.server = PeerServer(TransportConfig(host="127.0.0.1"))
+        self.server.register_push(pb.STAGE_ASSIGNMENT, self._on_assignment)
+        self.server.register_push(pb.OTHER, self._on_control)
+        self.received: list[tuple[float, ctl.Message]] = []
+        self.commit_replies: list[str] = []
+        self.reduced_at: float | None = None
+        self.assignment: ctl.StageAssignment | None = None
+        self.client: PeerClient | None = None
+        self.dead = False
+
+    def start(self) -> str:
+        self.server.start()
+        return self.server.endpoint
+
+    def stop(self) -> None:
+        if self.client is not None:
+            self.client.close()
+        self.server.stop(grace=0.1)
+
+    def ops(self) -> list[ctl.Op]:
+        return [m.op for _, m in self.received]
+
+    def _on_assignment(self, env: pb.Envelope) -> None:
+        self.assignment = ctl.StageAssignment.from_envelope(env)
+        self.client = PeerClient(self.assignment.assignment.coordinator, sender="scripted")
+
+    def _report(self, msg: ctl.Message, step: int) -> None:
+        assert self.assignment is not None and self.client is not None
+        a = self.assignment.assignment
+        self.client.push(ctl.encode(msg, SPEC.run_id, a.epoch, step, stage=a.stage, replica=a.replica), timeout_s=10)
+
+    def _on_control(self, env: pb.Envelope) -> None:
+        msg = ctl.decode(env, ctl.TO_WORKER)
+        self.received.append((time.monotonic(), msg))
+        if isinstance(msg, ctl.StartStep) and msg.feed:
+            threading.Thread(target=self._feed, args=(msg.step,), daemon=True).start()
+        elif isinstance(msg, ctl.Reduce):
+            if self.script.fail_reduce:
+                reply: ctl.Message = ctl.TaskError("reduce", msg.step, "boom: averaging failed")
+            else:
+                reply, self.reduced_at = ctl.Reduced(msg.step, msg.round), time.monotonic()
+            threading.Thread(target=self._report, args=(reply, msg.step), daemon=True).start()
+        elif isinstance(msg, ctl.Apply):
+            threading.Thread(target=self._report, args=(ctl.Synced(msg.step, msg.step + 1), msg.step),
+                             daemon=True).start()
+
+    def _feed(self, step: int) -> None:
+        assert self.assignment is not None and self.client is not None
+        if self.script.wait_before_leasing is not None:
+            self.script.wait_before_leasing.wait(10)
+        replica = self.assignment.assignment.replica
+        key = make_key(SPEC.run_id, EPOCH, step, stage=0, replica=replica)
+        leases = 0
+        while True:
+            reply = self.client.fetch(pb.COMMIT, key, meta=ctl.pool_request_meta(ctl.Op.LEASE), timeout_s=10)
+            status = ctl.pool_status(reply)
+            if status is ctl.PoolStatus.DONE:
+                return
+            if status is not ctl.PoolStatus.LEASE:
+                time.sleep(0.01)
+                continue
+            mb, leases = reply.key.microbatch, leases + 1
+            self.script.leased_first.set()
+            if self.script.die_after_leases == leases:
+                self.dead = True
+                self.server.stop(grace=0)  # gone, holding an uncommitted lease
+                return
+            self._report(ctl.Loss(step, mb, float(mb)), step)
+            for _ in range(2 if self.script.commit_twice else 1):
+                commit = make_key(SPEC.run_id, EPOCH, step, mb, 0, replica)
+                answer = self.client.fetch(pb.COMMIT, commit, meta=ctl.pool_request_meta(ctl.Op.COMMIT),
+                                           timeout_s=10)
+                self.commit_replies.append(answer.meta["status"])
+
+@pytest.fixture
+def swarm(request) -> Iterator[tuple[Coordinator, list[ScriptedWorker]]]:
+    """A coordinator (liveness checks every 0.2 s) and two one-stage pipelines of scripted workers."""
+    scripts: list[Script] = getattr(request, "param", [Script(), Script()])
+    coordinator = Coordinator(SPEC, liveness_interval_s=0.2)
+    coordinator.start()
+    workers = [ScriptedWorker(s) for s in scripts]
+    try:
+        endpoints = [w.start() for w in workers]
+        pipelines = [[d] for d in range(len(workers))]
+        coordinator.assign(build_assignments(SPEC, [(0, 2)], pipelines, endpoints, coordinator.endpoint, EPOCH))
+        yield coordinator, workers
+    finally:
+        coordinator.close()
+        for w in workers:
+            w.stop()
+
+def observe(coordinator: Coordinator) -> list[tuple[str, dict, bool]]:
+    """Record every event, and whether the coordinator's lock was free while its observer ran."""
+    seen: list[tuple[str, dict, bool]] = []
+
+    def lock_is_free() -> bool:
+        got: list[bool] = []
+
+        def probe() -> None:  # another thread: an RLock held by the observer's own thread would let it in
+            if coordinator._cond.acquire(timeout=2.0):
+                coordinator._cond.release()
+                got.append(True)
+            else:
+                got.append(False)
+
+        thread = threading.Thread(target=probe)
+        thread.start()
+        thread.join()
+        return got[0]
+
+    coordinator.on_event = lambda name, info: seen.append((name, info, lock_is_free()))
+    return seen
+
+def test_step_commits_each_microbatch_once_and_applies_after_every_stage_reduced(swarm) -> None:
+    coordinator, workers = swarm
+    events = observe(coordinator)
+    report = coordinator.run_step(0, timeout_s=30)
+    assert sum(report.microbatches_per_pipeline.values()) == SPEC.n_microbatches
+    assert report.loss == pytest.approx(sum(range(SPEC.n_microbatches)) / SPEC.n_microbatches)
+    assert report.requeued == 0 and report.dropped_pipelines == []
+    committed = sorted(i["microbatch"] for n, i, _ in events if n == "commit" and i["result"] == "committed")
+    assert committed == list(range(SPEC.n_microbatches)), "every micro-batch committed exactly once"
+    assert all(free for _, _, free in events), "an observer was called with the coordinator's lock held"
+    reduces = []
+    for w in workers:
+        assert w.ops() == [ctl.Op.START_STEP, ctl.Op.REDUCE, ctl.Op.APPLY]
+        reduce = next(m for _, m in w.received if isinstance(m, ctl.Reduce))
+        reduces.append(reduce)
+        assert reduce.participants == (0, 1)
+        assert sorted(reduce.assignment) == list(range(SPEC.n_microbatches))
+        assert sum(1 for p in reduce.assignment.values() if p == w.assignment.assignment.replica) == \
+            report.microbatches_per_pipeline.get(w.assignment.assignment.replica, 0)
+    assert reduces[0] == reduces[1], "both stages got the same commit record"
+    last_reduced = max(w.reduced_at for w in workers if w.reduced_at is not None)
+    applied = [t for w in workers for t, m in w.received if isinstance(m, ctl.Apply)]
+    assert min(applied) > last_reduced, "apply went out before every stage had reduced"
+
+@pytest.mark.parametrize("swarm", [[Script(commit_twice=True), Script(commit_twice=True)]], indirect=True)
+def test_duplicate_commit_is_answered_as_such_and_not_counted(swarm) -> None:
+    coordinator, workers = swarm
+    report = coordinator.run_step(0, timeout_s=30)
+    replies = [r for w in workers for r in w.commit_replies]
+    assert replies.count("committed") == SPEC.n_microbatches
+    assert replies.count("duplicate") == SPEC.n_microbatches
+    assert sum(report.microbatches_per_pipeline.values()) == SPEC.n_microbatches
+
+_first_lease = threading.Event()
+
+@pytest.mark.parametrize(
+    "swarm",
+    [[Script(wait_before_leasing=_first_lease), Script(die_after_leases=1, leased_first=_first_lease)]],
+    indirect=True,
+)
+def test_dead_pipeline_work_is_requeued_and_the_step_finishes_without_it(swarm) -> None:
+    coordinator, workers = swarm
+    events = observe(coordinator)
+    report = coordinator.run_step(0, timeout_s=30)
+    assert workers[1].dead
+    assert report.dropped_pipelines == [1]
+    assert report.requeued >= 1
+    assert report.microbatches_per_pipeline == {0: SPEC.n_microbatches}, "the survivor redid the lost work"
+    names = [n for n, _, _ in events]
+    assert "dead" in names and "requeue" in names
+    assert names.index("dead") < names.index("requeue") < names.index("reduce")
+    requeued = next(i for n, i, _ in events if n == "requeue")
+    assert requeued["pipeline"] == 1 and requeued["microbatches"]
+    assert all(free for _, _, free in events)
+    reduce = next(m for _, m in workers[0].received if isinstance(m, ctl.Reduce))
+    assert reduce.participants == (0,)
+    assert coordinator.dead == {workers[1].server.endpoint}
+    assert "liveness" in coordinator.dead_reasons[workers[1].server.endpoint]
+
+@pytest.mark.parametrize("swarm", [[Script(), Script(fail_reduce=True)]], indirect=True)
+def test_error_while_averaging_fails_the_step(swarm) -> None:
+    coordinator, _ = swarm
+    with pytest.raises(StepFailedError, match="boom"):
+        coordinator.run_step(0, timeout_s=30)
+
+def _report(op: str, body: str, epoch: int = EPOCH) -> pb.Envelope:
+    env = pb.Envelope(kind=pb.OTHER, key=make_key(SPEC.run_id, epoch, 0, stage=0, replica=0))
+    env.meta["op"] = op
+    env.meta["body"] = body
+    return env
+
+BAD_REPORTS = {
+    "unknown op": (_report("explode", "{}"), "INVALID_ARGUMENT", "meta.op"),
+    "a worker's op": (_report("start_step", '{"step": 0}'), "INVALID_ARGUMENT", "meta.op"),
+    "body not JSON": (_report("loss", "{"), "INVALID_ARGUMENT", "meta.body"),
+    "body not an object": (_report("loss", "[1, 2]"), "INVALID_ARGUMENT", "meta.body"),
+    "field of the wrong type": (_report("reduced", '{"step": 0, "round": "x"}'), "INVALID_ARGUMENT",
+                                "meta.body.round"),
+    "missing field": (_report("loss", '{"step": 0, "microbatch": 1}'), "INVALID_ARGUMENT", "meta.body.loss"),
+    "boolean for an integer": (_report("synced", '{"step": true, "trained_steps": 1}'), "INVALID_ARGUMENT",
+                               "meta.body.step"),
+    "stale epoch": (_report("loss", '{"step": 0, "microbatch": 1, "loss": 1.0}', epoch=0), "FAILED_PRECONDITION",
+                    "epoch 0"),
+}
+
+@pytest.mark.parametrize("case", list(BAD_REPORTS))
+def test_malformed_report_is_refused_naming_the_field_and_changes_nothing(swarm, case: str) -> None:
+    coordinator, _ = swarm
+    env, code, needle = BAD_REPORTS[case]
+    with PeerClient(coordinator.endpoint, sender="hostile") as client:
+        with pytest.raises(Refused) as err:
+            client.push(env, timeout_s=10)
+        assert err.value.code == code
+        assert needle in err.value.detail, err.value.detail
+        # a task pool request with an unknown operation is refused the same way
+        with pytest.raises(TransportError, match="meta.op"):
+            client.fetch(pb.COMMIT, make_key(SPEC.run_id, EPOCH, 0), meta={"op": "steal"}, timeout_s=10)
+    assert coordinator.dead == frozenset()
+    report = coordinator.run_step(0, timeout_s=30)  # the coordinator still works
+    assert sum(report.microbatches_per_pipeline.values()) == SPEC.n_microbatches
