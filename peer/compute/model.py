@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional alias
@@ -83,6 +84,14 @@ class ModelConfig:
         if unknown:
             raise ModelConfigError(f"unknown model config field(s): {', '.join(unknown)}")
         return cls(**data).validate()  # type: ignore[arg-type]
+
+    def build_stage(self, first_layer: int, last_layer: int) -> StageModule:
+        """The stage module of layers ``[first_layer, last_layer)`` (the interface HF model specs share)."""
+        return build_stage(self, first_layer, last_layer)
+
+    def stage_shapes(self, first_layer: int, last_layer: int) -> list[tuple[str, torch.Size]]:
+        """Parameter names and shapes of a stage, in the flat order the runtime uses."""
+        return [(n, p.shape) for n, p in build_stage(self, first_layer, last_layer).named_parameters()]
 
     def params_per_layer(self) -> int:
         """Parameters of one block: 2 LayerNorms (gain + bias), qkv, attention projection, 2-layer MLP."""
@@ -245,17 +254,19 @@ def build_stage(cfg: ModelConfig, first_layer: int, last_layer: int) -> StageMod
     return StageModule(cfg, first_layer, last_layer)
 
 
-def unflatten_stage(cfg: ModelConfig, first_layer: int, last_layer: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+def unflatten_stage(cfg: Any, first_layer: int, last_layer: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
     """A stage's parameters by (full-model) name from the flat vector the runtime moves around.
 
     The flat layout is the stage module's ``named_parameters()`` order, the order ``StageCompute`` flattens in;
-    a vector of the wrong length is an error rather than a silent truncation.
+    a vector of the wrong length is an error rather than a silent truncation. ``cfg`` is a ``ModelConfig`` or
+    any model spec with ``stage_shapes`` (a Hugging Face one).
     """
     out: dict[str, torch.Tensor] = {}
     offset = 0
-    for name, p in build_stage(cfg, first_layer, last_layer).named_parameters():
-        out[name] = flat[offset : offset + p.numel()].view(p.shape)
-        offset += p.numel()
+    for name, shape in cfg.stage_shapes(first_layer, last_layer):
+        numel = math.prod(shape)
+        out[name] = flat[offset : offset + numel].view(shape)
+        offset += numel
     if offset != flat.numel():
         raise ValueError(f"flat vector has {flat.numel()} values, stage [{first_layer}, {last_layer}) has {offset}")
     return out

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -24,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 def train_reference(
-    model_cfg: ModelConfig,
+    model_cfg: ModelConfig | Any,
     optim_cfg: OptimConfig,
     corpus: Corpus,
     seed: int,
@@ -35,13 +37,15 @@ def train_reference(
     """Train the full model for ``steps`` steps on the CPU in fp32; return ``(state_dict, per_step_losses)``.
 
     The state dict's names are the full model's (``blocks.3.fc.weight``), i.e. the same names a stage uses.
+    For a Hugging Face model spec the model is transformers' own ``AutoModelForCausalLM`` (not the stage module),
+    started from the same weights, so the comparison also checks the stage split against the library.
     """
     model_cfg.validate()
     optim_cfg.validate()
     if steps < 0 or n_microbatches < 1 or micro_batch < 1:
         raise ValueError(f"need steps >= 0, n_microbatches >= 1, micro_batch >= 1; got {steps}, "
                          f"{n_microbatches}, {micro_batch}")
-    model = build_stage(model_cfg, 0, model_cfg.n_layers)
+    model, forward = _full_model(model_cfg)
     named = list(model.named_parameters())
     groups = [
         {"params": [p for n, p in named if is_weight_decayed(n, p)], "weight_decay": optim_cfg.weight_decay},
@@ -55,7 +59,7 @@ def train_reference(
         step_loss = 0.0
         for mb in range(n_microbatches):
             inputs, targets = microbatch(corpus, seed, step, mb, micro_batch, model_cfg.seq_len)
-            loss = lm_loss(model(inputs), targets)
+            loss = lm_loss(forward(inputs), targets)
             (loss / n_microbatches).backward()
             step_loss += float(loss.detach())
         if optim_cfg.grad_clip is not None:
@@ -68,4 +72,16 @@ def train_reference(
         optimizer.step()
         losses.append(step_loss / n_microbatches)
         log.debug("reference step %d loss %.6f", step, losses[-1])
-    return {n: p.detach().clone() for n, p in model.state_dict().items()}, losses
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, losses
+
+
+def _full_model(model_cfg: ModelConfig | Any) -> tuple[torch.nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
+    """The whole model and its ids -> logits function."""
+    if isinstance(model_cfg, ModelConfig):
+        model = build_stage(model_cfg, 0, model_cfg.n_layers)
+        return model, model
+    from peer.compute.hf.stage import full_model
+
+    hf_model = full_model(model_cfg)
+    hf_model.train()
+    return hf_model, lambda ids: hf_model(input_ids=ids).logits

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from peer.compute.device_choice import check_precision, resolve_device
-from peer.compute.model import ModelConfig, build_stage, is_weight_decayed, lm_loss
+from peer.compute.model import ModelConfig, is_weight_decayed, lm_loss
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +94,10 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class StageComputeConfig:
-    """What one stage replica computes: layers ``[first_layer, last_layer)`` of ``model``."""
+    """What one stage replica computes: layers ``[first_layer, last_layer)`` of ``model`` (the byte GPT's
+    ``ModelConfig`` or a Hugging Face ``HFModelSpec``: anything with ``build_stage``, ``n_layers``, ``to_dict``)."""
 
-    model: ModelConfig
+    model: ModelConfig | Any
     first_layer: int
     last_layer: int
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -158,7 +159,7 @@ class StageCompute:
         self.device = resolve_device(cfg.device)
         self.dtype = check_precision(cfg.precision, self.device)
         self.loss_scale = cfg.resolved_loss_scale()
-        module = build_stage(cfg.model, cfg.first_layer, cfg.last_layer)  # fp32 on the CPU, seeded
+        module = cfg.model.build_stage(cfg.first_layer, cfg.last_layer)  # fp32 on the CPU, seeded or loaded
 
         named = list(module.named_parameters())
         self.names = [n for n, _ in named]

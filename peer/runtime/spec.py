@@ -10,6 +10,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from peer.compute.hf.spec import HFModelSpec
 from peer.compute.model import ModelConfig
 from peer.compute.stage import OptimConfig
 
@@ -42,13 +43,15 @@ class RunSpec:
     """
 
     run_id: str = "tasklet"
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig | HFModelSpec = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     seed: int = 0
     micro_batch: int = 4
     n_microbatches: int = 8
     corpus: str | None = None  # None: the Python standard library's sources
     corpus_fingerprint: str = ""
+    tokenizer: str | None = None  # a local tokenizer folder (AutoTokenizer); None: byte-level
+    text_field: str = "text"  # the field of JSONL records / Parquet rows that holds the text
     precision: str = "fp32"
     compression: str = "none"  # of activations and activation gradients on the wire
 
@@ -78,24 +81,34 @@ class RunSpec:
         if not isinstance(d, dict):
             raise SpecError("run: expected a JSON object")
         model = _need(d, "model", dict, "run")
+        tokenizer = d.get("tokenizer")
+        if tokenizer is not None and not isinstance(tokenizer, str):
+            raise SpecError("run.tokenizer: expected a folder path or null")
+        text_field = d.get("text_field", "text")
+        if not isinstance(text_field, str) or not text_field:
+            raise SpecError("run.text_field: expected a non-empty string")
         optim = dict(_need(d, "optim", dict, "run"))
         if "betas" in optim:
             optim["betas"] = tuple(optim["betas"])
         try:
             spec = cls(
                 run_id=_need(d, "run_id", str, "run"),
-                model=ModelConfig(**model),
+                model=HFModelSpec.from_dict(model) if model.get("kind") == "hf" else ModelConfig(**model),
                 optim=OptimConfig(**optim),
                 seed=_need(d, "seed", int, "run"),
                 micro_batch=_need(d, "micro_batch", int, "run"),
                 n_microbatches=_need(d, "n_microbatches", int, "run"),
                 corpus=d.get("corpus"),
                 corpus_fingerprint=d.get("corpus_fingerprint", ""),
+                tokenizer=tokenizer,
+                text_field=text_field,
                 precision=d.get("precision", "fp32"),
                 compression=d.get("compression", "none"),
             )
         except TypeError as exc:  # an unknown key inside model/optim
             raise SpecError(f"run: {exc}") from None
+        except ValueError as exc:  # a bad HF model spec
+            raise SpecError(f"run.{exc}") from None
         return spec.validate()
 
 
