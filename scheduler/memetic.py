@@ -291,7 +291,9 @@ class Memetic:
             key, bx = self.improve(x)
             names[len(pop)] = name
             self._insert(pop, key, bx)
-        while len(pop) < cfg.population and not self.done():
+        tries = 0
+        while len(pop) < cfg.population and not self.done() and tries < 3 * cfg.population:
+            tries += 1  # small instances may have fewer distinct local optima than the population's size
             base = pop[int(rng.integers(len(pop)))][1]
             self._insert(pop, *self.improve(self.kick(base, max(cfg.kick_swaps, self.n_slots // 8))))
         gen, since_best, best_at, idle = 0, 0, self.best_key, 0
@@ -313,7 +315,9 @@ class Memetic:
                 pop.sort(key=lambda t: t[0])
                 keep = pop[: max(1, len(pop) // 2)]
                 pop[:] = keep
-                while len(pop) < cfg.population and not self.done():
+                tries = 0
+                while len(pop) < cfg.population and not self.done() and tries < 3 * cfg.population:
+                    tries += 1
                     y = self.kick(keep[0][1], max(cfg.kick_swaps, self.n_slots // 4))
                     self._insert(pop, *self.improve(y))
         assert self.best_x is not None
