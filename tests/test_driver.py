@@ -1,0 +1,134 @@
+"""The run driver on its own: real stage workers and a real coordinator in this process (gRPC on loopback),
+a fake planner that records what it was asked, and a membership list the test controls.
+
+What is checked is the driver's part: re-planning after a death with the dead worker banned and the
+survivors keeping or handing over their state, checkpoints written and a run resumed from one bit-exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from peer.compute.model import ModelConfig
+from peer.runtime.assign import build_assignments
+from peer.runtime.coordinator import Coordinator, StepReport
+from peer.runtime.driver import DriverConfig, Pipelines, RunDriver, Stages
+from peer.runtime.spec import Assignment, RunSpec
+from peer.runtime.worker import StageWorker
+
+SPEC = RunSpec(run_id="driver", model=ModelConfig(n_layers=2, d_model=16, n_heads=2, seq_len=8), micro_batch=2,
+               n_microbatches=4)
+WHOLE_MODEL: Stages = [(0, 2)]
+
+
+class FakePlanner:
+    """One one-stage pipeline per live device; records every call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[int], Stages | None]] = []
+
+    def __call__(self, live: list[int], stages: Stages | None) -> tuple[Stages, Pipelines]:
+        self.calls.append((list(live), None if stages is None else list(stages)))
+        return list(stages or WHOLE_MODEL), [[d] for d in live]
+
+
+@pytest.fixture
+def workers() -> Iterator[list[StageWorker]]:
+    torch.set_num_threads(1)
+    started = [StageWorker(peer_id=f"w{i}") for i in range(3)]
+    try:
+        for w in started:
+            w.start()
+        yield started
+    finally:
+        for w in started:
+            w.stop()
+
+
+def make_driver(
+    workers: list[StageWorker],
+    planner: FakePlanner,
+    cfg: DriverConfig,
+    on_step: Callable[[StepReport], None] | None = None,
+    live: dict[int, str] | None = None,
+) -> tuple[RunDriver, Coordinator]:
+    """A driver over ``workers`` (device i = workers[i]); ``live``: the membership it sees (default: all)."""
+    # liveness checks far apart: a death is noticed by the failed start_step of the next step, deterministically
+    coordinator = Coordinator(SPEC, liveness_interval_s=60.0)
+    coordinator.start()
+    endpoints = [w.server.endpoint for w in workers]
+
+    def assignments(stages: Stages, pipelines: Pipelines, epoch: int) -> dict[str, Assignment]:
+        return build_assignments(SPEC, stages, pipelines, endpoints, coordinator.endpoint, epoch)
+
+    members = dict(enumerate(endpoints)) if live is None else live
+    driver = RunDriver(SPEC, coordinator, lambda: dict(members), planner, assignments, cfg, on_step=on_step)
+    return driver, coordinator
+
+
+def test_death_is_replanned_without_the_dead_worker_and_state_is_handed_over(workers) -> None:
+    planner = FakePlanner()
+    # devices 0 and 1 to begin with; 1 dies after step 1 (its advert stays: the membership still lists it);
+    # device 2 joins after step 2
+    live = {0: workers[0].server.endpoint, 1: workers[1].server.endpoint}
+
+    def churn(report: StepReport) -> None:
+        if report.step == 1:
+            workers[1].stop()
+        if report.step == 2:
+            live[2] = workers[2].server.endpoint
+
+    driver, coordinator = make_driver(workers, planner, DriverConfig(steps=4, step_timeout_s=60), churn, live)
+    try:
+        reports = driver.run()
+        states = coordinator.live_states(every_replica=True)
+    finally:
+        coordinator.close()
+    dead = workers[1].server.endpoint
+    assert [r.step for r in reports] == [0, 1, 2, 3]
+    assert reports[2].dropped_pipelines == [1], "the step during which it died went on without its pipeline"
+    assert reports[2].microbatches_per_pipeline == {0: SPEC.n_microbatches}
+    assert planner.calls == [([0, 1], None), ([0, 2], WHOLE_MODEL)], "re-planned once, dead device left out"
+    assert driver.banned == {dead}
+    assert [p["reason"] for p in driver.events.replans] == ["start", "membership changed"]
+    assert driver.events.replans[1]["step"] == 3 and driver.events.replans[1]["pipelines"] == [[0], [2]]
+    # the newcomer fetched the survivor's state and both trained on in lockstep
+    assert sorted(states) == [(0, 0), (0, 1)]
+    a, b = states[(0, 0)], states[(0, 1)]
+    assert a["step"] == b["step"] == 4
+    for name in ("params", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(a[name], b[name]), f"{name}: the replicas drifted apart"
+
+
+def test_checkpoint_then_resume_matches_an_uninterrupted_run(workers, tmp_path) -> None:
+    planner = FakePlanner()
+    # uninterrupted: 3 steps on worker 0
+    driver, coordinator = make_driver(workers[:1], planner, DriverConfig(steps=3))
+    try:
+        driver.run()
+        straight = coordinator.live_states()[(0, 0)]
+    finally:
+        coordinator.close()
+    # interrupted: 2 steps on worker 1 with a checkpoint every 2, then a new leader resumes on worker 2
+    driver, coordinator = make_driver(workers[1:2], planner,
+                                      DriverConfig(steps=2, checkpoint_dir=tmp_path, checkpoint_every=2))
+    try:
+        driver.run()
+    finally:
+        coordinator.close()
+    assert driver.events.checkpoints == [2]
+    assert (tmp_path / "latest").read_text().strip() == "step-000002"
+    assert (tmp_path / "step-000002" / "stage-0.pt").exists() and (tmp_path / "step-000002" / "run.json").exists()
+    driver, coordinator = make_driver(workers[2:], planner, DriverConfig(steps=3, checkpoint_dir=tmp_path))
+    try:
+        reports = driver.run(resume=True)
+        resumed = coordinator.live_states()[(0, 0)]
+    finally:
+        coordinator.close()
+    assert [r.step for r in reports] == [2], "the resumed run redoes nothing before its checkpoint"
+    assert resumed["step"] == straight["step"] == 3
+    for name in ("params", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(resumed[name], straight[name]), f"{name} differs from the uninterrupted run"
