@@ -23,7 +23,7 @@ no pipeline is intact does the step fail (:class:`ReplanNeededError`): the drive
 updated and others not.
 
 Threads and locks. ``_cond`` (a condition) guards the step state, the assignments, the epoch and the dead set;
-the step loop waits on it. Observers (``on_event``, ``on_death``) are never called while it is held: events are
+the step loop waits on it. The observer (``on_event``) is never called while it is held: events are
 collected under the lock and emitted after. Background work (drop notices, restarts, judging an error,
 confirming a reported death) runs on one executor, shut down by :meth:`close`.
 """
@@ -43,6 +43,7 @@ from typing import Any
 
 from peer.net import PeerClient, PeerServer, TransportConfig
 from peer.net.endpoint import with_route
+from peer.net.tls import TlsContext, peer_ids, process_tls
 from peer.runtime import control as ctl
 from peer.runtime.pool import TaskPool
 from peer.runtime.spec import Assignment, RunSpec
@@ -60,7 +61,7 @@ from peer.timing import (
     STEP_TIMEOUT_S,
 )
 from protocol import tasklet_pb2 as pb
-from protocol.errors import Rejected, TransportError
+from protocol.errors import Forbidden, Rejected, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -123,13 +124,19 @@ class Coordinator:
         *,
         host_server: PeerServer | None = None,
         public_endpoint: str | None = None,
+        tls: TlsContext | None = None,
     ) -> None:
         """``host_server``: serve on that (started) server's port under the route "coordinator" instead of a
         port of our own (a peer daemon's worker server: one port per peer); ``public_endpoint``: that server's
-        announced endpoint, which workers dial (the listen address may be 0.0.0.0)."""
+        announced endpoint, which workers dial (the listen address may be 0.0.0.0). ``tls``: this peer's
+        identity and trust (default: the host server's, else the process's own)."""
         self.spec = spec.validate()
         self.liveness_interval_s = liveness_interval_s
-        self.config = TransportConfig(host=host, port=port, max_concurrent_streams=48, thread_pool_size=64)
+        host_tls = None if host_server is None else host_server.config.tls
+        self.tls = tls or host_tls or process_tls()
+        self.config = TransportConfig(
+            host=host, port=port, max_concurrent_streams=48, thread_pool_size=64, max_streams_per_peer=16, tls=self.tls
+        )
         self.server = PeerServer(self.config)
         self._host_server = host_server
         self._public_endpoint = public_endpoint
@@ -139,6 +146,7 @@ class Coordinator:
         self._cond = threading.Condition()
         self._state: _StepState | None = None  # _cond
         self.assignments: dict[str, Assignment] = {}  # _cond; replaced whole by assign(), so a read sees one plan
+        self._peer_ids: dict[str, str] = {}  # worker endpoint -> peer id (its certificate's); replaced with assignments
         self._dead: set[str] = set()  # _cond
         self.dead_reasons: dict[str, str] = {}  # _cond
         self.epoch = 0  # _cond
@@ -148,7 +156,6 @@ class Coordinator:
         self._stop = threading.Event()
         self._liveness = threading.Thread(target=self._liveness_loop, name="liveness", daemon=True)
         self._background = ThreadPoolExecutor(max_workers=8, thread_name_prefix="coordinator")
-        self.on_death: Callable[[str, str], None] | None = None
         # on_event(name, info): "lease", "commit", "reduce", "apply", "dead", "requeue" as they happen; called
         # without the coordinator's lock, must not block for long (tests use it to kill a worker at a chosen
         # moment, benchmarks to time recovery)
@@ -197,10 +204,16 @@ class Coordinator:
         self.server.stop(grace=0.5)
 
     def _client(self, endpoint: str) -> PeerClient:
+        """A client to a worker, pinned to the certificate its assignment names (a new one if that changed)."""
+        expect = self._peer_ids.get(endpoint, "")
         with self._clients_lock:
-            if endpoint not in self._clients:
-                self._clients[endpoint] = PeerClient(endpoint, self.config, sender="coordinator")
-            return self._clients[endpoint]
+            client = self._clients.get(endpoint)
+            if client is None or client.expect_peer != expect:
+                if client is not None:
+                    client.close()
+                client = PeerClient(endpoint, self.config, sender="coordinator", expect_peer=expect)
+                self._clients[endpoint] = client
+            return client
 
     def _submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn`` in the background; after close() it is dropped (nothing is waiting for it)."""
@@ -234,10 +247,13 @@ class Coordinator:
         epochs = {a.epoch for a in assignments.values()}
         if len(epochs) != 1:
             raise ValueError(f"assignments carry several epochs {sorted(epochs)}")
+        certificates = {ep: a.peers[ep] for ep, a in assignments.items() if ep in a.peers}
+        self.tls.trust.set_group(f"plan:{id(self)}", certificates.values())
         with self._cond:
             self.epoch = epochs.pop()
             self._state = None
             self.assignments = dict(assignments)
+            self._peer_ids = peer_ids(certificates)
             self._dead.clear()
             self.dead_reasons.clear()
         sources = sources or {}
@@ -437,8 +453,6 @@ class Coordinator:
             log.warning("worker %s declared dead: %s", endpoint, reason)
             self._cond.notify_all()
         self._emit([("dead", {"endpoint": endpoint, "reason": reason})])
-        if self.on_death:
-            self.on_death(endpoint, reason)
 
     def _alive(self, endpoint: str) -> bool:
         try:
@@ -475,6 +489,7 @@ class Coordinator:
             workers, epoch = [ep for ep in self.assignments if ep not in self._dead], self.epoch
         for ep in workers:
             try:
+                # as short as a status query: a worker that does not answer at once is gone or going
                 self._client(ep).push(ctl.encode(ctl.Stop(), self.spec.run_id, epoch), timeout_s=STATUS_TIMEOUT_S)
             except Exception as exc:  # a worker that is already gone is fine
                 log.info("stop %s: %s", ep, exc)
@@ -528,6 +543,7 @@ class Coordinator:
     def _on_pool_request(self, request: pb.FetchRequest) -> pb.Envelope:
         op = ctl.op_of(request, ctl.POOL_OPS)
         key = request.key
+        self._require_member(request.sender, key.stage, key.replica, f"a {op.value}")
         reply = pb.Envelope(kind=pb.COMMIT, key=key)
         with self._cond:
             state = self._state
@@ -564,10 +580,31 @@ class Coordinator:
         return [("commit", info)]
 
     def _on_state_request(self, request: pb.FetchRequest) -> pb.Envelope:
+        with self._cond:
+            holders = [ep for ep, a in self.assignments.items() if a.stage == request.key.stage]
+        if not any(self._peer_of(ep) == request.sender for ep in holders) and request.sender != self.tls.peer_id:
+            raise Forbidden(
+                f"a checkpoint of stage {request.key.stage} is served only to a peer the plan gives that stage; "
+                f"peer {request.sender} is not"
+            )
         state = self._checkpoint_states.get(request.key.stage)
         if state is None:
             raise Rejected(f"the coordinator serves no checkpoint of stage {request.key.stage}")
         return state_envelope(state, self.spec.run_id, self.epoch, request.key.stage)
+
+    def _peer_of(self, endpoint: str | None) -> str | None:
+        """The peer id of a worker of the plan (this process's own when its assignment carried no certificate)."""
+        return None if endpoint is None else self._peer_ids.get(endpoint, self.tls.peer_id)
+
+    def _require_member(self, caller: str, stage: int, replica: int, what: str) -> str:
+        """The endpoint of (stage, replica) in the plan, if ``caller`` is the peer there; else Forbidden."""
+        endpoint = self._endpoint_of(stage, replica)
+        if endpoint is None or self._peer_of(endpoint) != caller:
+            raise Forbidden(
+                f"{what} for stage {stage} of pipeline {replica} is taken only from the worker the plan puts "
+                f"there; peer {caller} is not"
+            )
+        return endpoint
 
     def _endpoint_of(self, stage: int, replica: int) -> str | None:
         with self._cond:
@@ -582,13 +619,18 @@ class Coordinator:
             epoch = self.epoch
         if env.key.epoch != epoch:
             raise Rejected(f"report of epoch {env.key.epoch}, the plan is at epoch {epoch}")
-        sender = self._endpoint_of(env.key.stage, env.key.replica)
+        sender = self._require_member(env.sender, env.key.stage, env.key.replica, f"a {msg.op.value} report")
         if isinstance(msg, ctl.PeerError):
             self._submit(self._confirm_death, msg.endpoint, f"reported by {sender}")
             return
         if isinstance(msg, ctl.BadPeer):
             culprit = self._endpoint_of(msg.stage, msg.replica)
-            if culprit is not None:
+            with self._cond:
+                mine = self.assignments.get(sender)
+            # only a peer that receives data from the culprit can have seen it misbehave
+            if culprit is not None and mine is not None and culprit not in (mine.prev, mine.next, *mine.group):
+                raise Forbidden(f"stage {msg.stage} of pipeline {msg.replica} sends nothing to {sender}")
+            if culprit is not None and culprit != sender:
                 self.declare_dead(culprit, f"sent malformed data to {sender}: {msg.error}")
             return
         with self._cond:
