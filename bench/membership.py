@@ -158,7 +158,7 @@ def formation(count: int, heartbeat_s: float = 2.0, timeout_s: float = 180.0) ->
             waits = list(pool.map(sees_all, members))
             all_see_all = time.perf_counter() - begin if max(waits) < math.inf else math.inf
             median_node = announced + statistics.median(waits)
-            leader = elect_leader(members[0].live_peers())
+            leader = elect_leader(members[0].live_entries())
             index = [i.peer_id for i in swarm.identities].index(leader)
             boards = [PlanBoard(dht, run_id, None) for dht in swarm.dhts]
             writer = PlanBoard(swarm.dhts[index], run_id, swarm.identities[index])

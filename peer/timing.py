@@ -27,6 +27,16 @@ The coordinator's view of its workers (peer.runtime.coordinator)
     a dead worker is noticed within about ``PING_MISSES * (HEARTBEAT_S + PING_TIMEOUT_S)`` (8 s at the
     defaults), close to one advert lifetime. A failed push or fetch is confirmed by one ping first.
 
+Clocks (every record's ``at`` and expiry; :func:`now`)
+    Expiry in the DHT is wall-clock time, so peers' clocks must agree. At join a peer compares its clock with
+    the heartbeat times in the signed adverts of the live peers (``peer.swarm.membership.check_clock``) and
+    refuses to join when the median difference is more than ``MAX_CLOCK_SKEW_S`` (an advert may be up to a
+    heartbeat old, which the check allows for). Every lifetime is long compared with that bound: an advert
+    lives ``ADVERT_TTL_HEARTBEATS * HEARTBEAT_S`` = 6 s, so a clock 1 s off still leaves it two heartbeats;
+    plans and progress live minutes. The leader is chosen without any clock (``peer.swarm.election``), so
+    a skew within the bound cannot reorder the election. ``TASKLET_CLOCK_OFFSET_S`` is a test hook: it shifts
+    this peer's clock (read once, by :func:`now` only) to emulate a skewed machine.
+
 Deadlines of calls (peer.runtime, peer.node)
     Control messages wait ``CONTROL_TIMEOUT_S``; a broadcast waits that plus ``CONTROL_SLACK_S`` for the
     last answer. Assignments wait ``ASSIGN_TIMEOUT_S`` (workers may fetch a state first). Activations wait
@@ -38,12 +48,34 @@ Deadlines of calls (peer.runtime, peer.node)
 
 from __future__ import annotations
 
+import os
+import time
+
+
+def _clock_offset_s() -> float:
+    """The test hook ``TASKLET_CLOCK_OFFSET_S`` (seconds added to this peer's clock; default 0)."""
+    raw = os.environ.get("TASKLET_CLOCK_OFFSET_S", "").strip()
+    try:
+        return float(raw) if raw else 0.0
+    except ValueError:
+        raise SystemExit(f"TASKLET_CLOCK_OFFSET_S must be a number of seconds, got {raw!r}") from None
+
+
+_CLOCK_OFFSET_S = _clock_offset_s()
+
+
+def now() -> float:
+    """This peer's wall-clock (DHT) time: what every record's ``at`` and expiry is computed from."""
+    return time.time() + _CLOCK_OFFSET_S
+
+
 # -- liveness on the DHT ----------------------------------------------------------------------------------
 HEARTBEAT_S = 2.0  # advert renewal period, default of [swarm] heartbeat_s and of the coordinator's pings
 ADVERT_TTL_HEARTBEATS = 3  # advert (and link report) lifetime in heartbeats: two lost heartbeats tolerated
 RUN_RECORD_MIN_TTL_S = 60.0  # the run record lives max(advert lifetime, this) and is renewed by the heartbeat
 DHT_CALL_TIMEOUT_S = 5.0  # every DHT get/put of a record store
 DHT_STARTUP_TIMEOUT_S = 10.0  # the DHT node must answer within this at start-up
+MAX_CLOCK_SKEW_S = 1.0  # a joiner whose clock differs from the swarm's by more than this is refused
 
 # -- the daemon's control loop ---------------------------------------------------------------------------
 TICKS_PER_HEARTBEAT = 2  # the control loop ticks every heartbeat / 2

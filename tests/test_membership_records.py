@@ -122,20 +122,28 @@ def test_peer_id_comes_from_the_owner_tag():
     assert split_owner_subkey("a string") is None
 
 
-def test_mac_binds_secret_key_name_and_payload():
+def test_mac_binds_secret_key_name_writer_expiry_and_payload():
     identity = Identity.generate()
     store = RecordStore(None, "run", identity, "secret")  # type: ignore[arg-type]  # no DHT calls here
     payload = {"b": 1, "a": [1.5, None, True]}
-    mac = store.mac("peers", b"", payload)
-    assert store._check_mac("peers", b"", {"a": [1.5, None, True], "b": 1}, mac) is MacStatus.OK
-    assert store._check_mac("links", b"", payload, mac) is MacStatus.BAD
-    assert store._check_mac("peers", b"", {**payload, "b": 2}, mac) is MacStatus.BAD
-    assert store._check_mac("peers", b"", payload, None) is MacStatus.MISSING
+    me, other_peer, expiry = identity.peer_id, "0123456789abcdef0123", 1234.5
+    mac = store.mac("peers", me, b"", expiry, payload)
+    check = store._check_mac
+    assert check("peers", me, b"", expiry, {"a": [1.5, None, True], "b": 1}, mac) is MacStatus.OK
+    assert check("links", me, b"", expiry, payload, mac) is MacStatus.BAD  # another key
+    assert check("peers", other_peer, b"", expiry, payload, mac) is MacStatus.BAD  # replayed by another writer
+    assert check("peers", me, b"", expiry + 60, payload, mac) is MacStatus.BAD  # replayed with a new expiry
+    assert check("peers", me, b"|x", expiry, payload, mac) is MacStatus.BAD  # another suffix
+    assert check("peers", me, b"", expiry, {**payload, "b": 2}, mac) is MacStatus.BAD
+    assert check("peers", me, b"", expiry, payload, None) is MacStatus.MISSING
     other = RecordStore(None, "run", identity, "another")  # type: ignore[arg-type]
-    assert other._check_mac("peers", b"", payload, mac) is MacStatus.BAD
+    assert other._check_mac("peers", me, b"", expiry, payload, mac) is MacStatus.BAD
+    other_run = RecordStore(None, "run2", identity, "secret")  # type: ignore[arg-type]
+    assert other_run._check_mac("peers", me, b"", expiry, payload, mac) is MacStatus.BAD
     open_store = RecordStore(None, "run", identity, None)  # type: ignore[arg-type]
-    assert open_store._check_mac("peers", b"", payload, mac) is MacStatus.BAD
-    assert open_store._check_mac("peers", b"", payload, None) is MacStatus.OK
+    assert open_store._check_mac("peers", me, b"", expiry, payload, mac) is MacStatus.BAD
+    assert open_store._check_mac("peers", me, b"", expiry, payload, None) is MacStatus.OK
+    assert "secret" not in repr(store) and "secret" not in repr(vars(store))  # only a derived key is kept
 
 
 def test_canonical_json_refuses_non_json():

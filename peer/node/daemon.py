@@ -20,8 +20,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from hivemind.utils import get_dht_time
-
 from peer.compute.data import Corpus, CorpusError
 from peer.compute.device_probe import measure_device
 from peer.config import ConfigError, RunConfig
@@ -36,8 +34,8 @@ from peer.swarm.adverts import Advert, LinkReport
 from peer.swarm.dht import DHTConfig, DHTStartError, start_dht, visible_maddrs
 from peer.swarm.election import elect_leader
 from peer.swarm.identity import Identity
-from peer.swarm.membership import Membership, SwarmSecretError, verify_swarm_secret
-from peer.swarm.plans import PlanBoard
+from peer.swarm.membership import ClockSkewError, Membership, PeerEntry, SwarmSecretError, verify_swarm_secret
+from peer.swarm.plans import PlanBoard, PlanRecord
 from peer.swarm.progress import ProgressBoard
 from peer.timing import (
     HEARTBEAT_S,
@@ -47,6 +45,7 @@ from peer.timing import (
     PROBE_PING_TIMEOUT_S,
     PROBE_TIMEOUT_S,
     TICKS_PER_HEARTBEAT,
+    now,
 )
 
 log = logging.getLogger(__name__)
@@ -184,9 +183,14 @@ class PeerDaemon:
         self.membership = Membership(
             self.dht, run_id, self.identity, o.secret or None, heartbeat_s=self.config.swarm.heartbeat_s
         )
-        self.plan_board = PlanBoard(self.dht, run_id, self.identity, o.secret or None)
+        if existing is not None:
+            try:
+                self.membership.check_clock()
+            except ClockSkewError as exc:
+                raise DaemonError(str(exc)) from None
+        self.plan_board = PlanBoard(self.dht, run_id, self.identity, o.secret or None, elector=self.elected)
         self.progress = ProgressBoard(self.dht, run_id, self.identity, o.secret or None)
-        record = {**self.config.to_dict(), "fingerprint": published}
+        record = {**self.config.public_dict(), "fingerprint": published}
         if existing is None:
             self.membership.publish_run(record)
         else:
@@ -229,7 +233,7 @@ class PeerDaemon:
             peer_id=self.identity.peer_id,
             endpoint=self.endpoint,
             device=device,
-            started_at=get_dht_time(),
+            started_at=now(),
             corpus=self.spec.corpus_fingerprint,
             extra=extra,
         )
@@ -250,11 +254,14 @@ class PeerDaemon:
         o = self.opts
         assert self.config is not None and self.membership is not None and self.worker is not None
         run_id, secret = self.spec.run_id, o.secret or None
+        plans, progress = PlanBoard(self.dht, run_id, None, secret, elector=self.elected), ProgressBoard(
+            self.dht, run_id, None, secret
+        )
         source = SwarmSource(
             self.membership.live_entries,
             self.membership.links,
-            PlanBoard(self.dht, run_id, None, secret).latest,
-            ProgressBoard(self.dht, run_id, None, secret).read,
+            plans.latest,
+            lambda: progress.read(_progress_leader(plans.latest(), self.elected())),
             self.membership.get_run,
         )
         opts = ObserveOptions(o.host, o.metrics_port, o.dashboard_port, o.progress, self.config.run.steps,
@@ -291,12 +298,13 @@ class PeerDaemon:
 
     def _tick(self) -> None:
         assert self.membership is not None
-        entries = self.membership.live_peers()
+        seen = self.membership.live_entries()
+        entries = [entry.advert for entry in seen]
         with self._live_lock:
             self._live = entries
         self._update_links(entries)
         me = self.identity.peer_id
-        leader = self._confirmed_leader(entries)
+        leader = self._confirmed_leader(seen)
         if leader == me and self.role is None and self._may_lead():
             log.info("this peer (%s) leads the swarm", me)
             self.role = LeaderRole(self._leader_context())
@@ -342,14 +350,18 @@ class PeerDaemon:
             probe_links_now=self.probe_links_now,
         )
 
-    def _confirmed_leader(self, entries: list[Advert]) -> str | None:
+    def elected(self) -> str | None:
+        """The leader this peer elects now (not yet confirmed): the only peer whose plans it accepts."""
+        return self._candidate
+
+    def _confirmed_leader(self, entries: list[PeerEntry]) -> str | None:
         """The elected leader once the same peer has been elected LEADER_CONFIRM_TICKS times in a row.
 
         A DHT read under load can miss adverts; acting on one such read would make a follower believe it leads
         (and start a rival plan) or the leader step down. Reads that miss our own advert are incomplete and
         ignored outright; otherwise the election must be stable for a few ticks before roles change.
         """
-        if not any(a.peer_id == self.identity.peer_id for a in entries):
+        if not any(e.advert.peer_id == self.identity.peer_id for e in entries):
             return None
         candidate = elect_leader(entries)
         if candidate == self._candidate:
@@ -368,7 +380,7 @@ class PeerDaemon:
             return False
         progress = self.latest_progress()
         if progress and progress.get("leader") != self.identity.peer_id and progress.get("state") != "done":
-            age = get_dht_time() - float(progress.get("at", 0.0))
+            age = now() - float(progress.get("at", 0.0))
             if age < ttl:
                 return False
         return True
@@ -430,7 +442,7 @@ class PeerDaemon:
                 except Exception as exc:  # an unreachable peer is simply not measured
                     log.info("probe of %s failed: %s", a.peer_id, exc)
                     continue
-                self._probed[a.peer_id] = LinkReport(self.identity.peer_id, a.peer_id, rtt, bw, True, get_dht_time())
+                self._probed[a.peer_id] = LinkReport(self.identity.peer_id, a.peer_id, rtt, bw, True, now())
             if self._probed and self.membership is not None:
                 live = {a.peer_id for a in others}
                 reports = [r for pid, r in self._probed.items() if pid in live]
@@ -442,8 +454,9 @@ class PeerDaemon:
             self._probe_lock.release()
 
     def latest_progress(self) -> dict[str, Any] | None:
-        assert self.progress is not None
-        return self.progress.read()
+        """Progress of the leader of the plan this peer follows (before any plan: of the elected leader)."""
+        assert self.progress is not None and self.plan_board is not None
+        return self.progress.read(_progress_leader(self.plan_board.latest(), self.elected()))
 
     # ----------------------------------------------------------------------------------------- shutdown
     def install_signal_handlers(self) -> None:
@@ -477,6 +490,11 @@ class PeerDaemon:
                 self.dht.shutdown()
             except Exception as exc:  # the child process may be gone already
                 log.info("DHT shutdown: %s", exc)
+
+
+def _progress_leader(plan: PlanRecord | None, elected: str | None) -> str | None:
+    """Whose progress counts: the leader of the plan followed, or before any plan the elected leader."""
+    return plan.leader_id if plan is not None else elected
 
 
 def _host_of(announce: str | None) -> str | None:

@@ -97,7 +97,9 @@ class LeaderRole:
         self._last_progress: dict[str, Any] = {"epoch": 0, "step": 0, "state": "forming"}
         self._tokens_per_step = self.spec.micro_batch * self.spec.n_microbatches * self.spec.model.seq_len
         logs = self.config.log  # TensorBoard / W&B scalars of each step (peer.observe.scalars)
-        self.scalars = ScalarWriter(logs.tensorboard_dir, logs.wandb_project, self.spec.run_id, self.config.public_dict())
+        self.scalars = ScalarWriter(
+            logs.tensorboard_dir, logs.wandb_project, self.spec.run_id, self.config.public_dict()
+        )
 
     def start(self) -> None:
         self.coordinator.start()
@@ -203,7 +205,7 @@ class LeaderRole:
             previous, live = self.ctx.plan_board.latest(), set(self._workers())
             if has_quorum(previous, live):
                 if paused:
-                    log.info("leader: a quorum of plan %d's members is back; resuming", previous.epoch if previous else 0)
+                    log.info("leader: a quorum of the previous plan's members is back; resuming")
                 return
             if not paused:
                 assert previous is not None

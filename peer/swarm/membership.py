@@ -10,44 +10,65 @@ their next read instead of waiting for the expiry.
 
 Records (all under ``run_id``; see ``peer.swarm.records`` for signatures and the join secret):
 
-* ``peers``: one advert (or tombstone) per peer, ``{"advert": {...}, "at": heartbeat time}``.
+* ``peers``: one advert (or tombstone) per peer, ``{"advert": {...}, "at": heartbeat time, "found": [...]}``.
+  ``found`` is the peers this one saw alive when it joined, fixed for its lifetime: the others' testimony
+  of who is older, from which the leader is elected (``peer.swarm.election``) instead of from a start time
+  a peer reports about itself.
 * ``links``: one list of link reports per reporting peer, renewed with the advert.
 * ``run``: the run's configuration, published by the first peer (and adopted by others so it outlives it).
+  It never holds the join secret (:meth:`Membership.publish_run` refuses a config that does).
+
+At join a peer also compares its clock with the heartbeat times of the live peers (:func:`check_clock`):
+expiry is wall-clock time, so a skewed clock would make its records expire early or late.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 from dataclasses import dataclass
 
 import hivemind
-from hivemind.utils import get_dht_time
 
-from peer.swarm.adverts import Advert, LinkReport
+from peer.swarm.adverts import Advert, LinkReport, check_peer_id
 from peer.swarm.identity import Identity
 from peer.swarm.records import MacStatus, RecordStore
-from peer.timing import ADVERT_TTL_HEARTBEATS, DHT_CALL_TIMEOUT_S, HEARTBEAT_S, RUN_RECORD_MIN_TTL_S
+from peer.timing import (
+    ADVERT_TTL_HEARTBEATS,
+    DHT_CALL_TIMEOUT_S,
+    HEARTBEAT_S,
+    MAX_CLOCK_SKEW_S,
+    RUN_RECORD_MIN_TTL_S,
+    now,
+)
 
 logger = logging.getLogger(__name__)
 
 MAX_LINK_REPORTS = 1024
+MAX_FOUND = 256  # peers named in one ``found`` testimony
 
 
 class SwarmSecretError(RuntimeError):
     """This peer's join secret does not match the run's; the message is one line meant for the user."""
 
 
+class ClockSkewError(RuntimeError):
+    """This peer's clock is too far from the swarm's; the message is one line meant for the user."""
+
+
 @dataclass(frozen=True)
 class PeerEntry:
-    """A live peer as read from the DHT: its advert, its last heartbeat and when its advert expires."""
+    """A live peer as read from the DHT: its advert, its last heartbeat, when its advert expires, and the
+    peers it found alive when it joined."""
 
     advert: Advert
     heartbeat_at: float
     expires_at: float
+    found: frozenset[str] = frozenset()
 
-    def last_seen_s(self, now: float | None = None) -> float:
-        return max(0.0, (get_dht_time() if now is None else now) - self.heartbeat_at)
+    def last_seen_s(self, at: float | None = None) -> float:
+        return max(0.0, (now() if at is None else at) - self.heartbeat_at)
 
 
 @dataclass(frozen=True)
@@ -93,6 +114,7 @@ class Membership:
         self._thread: threading.Thread | None = None
         self._last_entries: list[PeerEntry] = []
         self._last_links: list[LinkReport] = []
+        self._found: list[str] | None = None  # who was alive when we joined (read once, at the first announce)
 
     @property
     def peer_id(self) -> str:
@@ -107,6 +129,10 @@ class Membership:
         """
         if advert.peer_id != self.peer_id:
             raise ValueError(f"advert.peer_id {advert.peer_id!r} is not this identity's {self.peer_id!r}")
+        if self._found is None:
+            self._found = sorted(
+                entry.advert.peer_id for entry in self.live_entries() if entry.advert.peer_id != self.peer_id
+            )[:MAX_FOUND]
         with self._lock:
             self._advert = advert
         self._stop.clear()
@@ -122,9 +148,10 @@ class Membership:
             advert = self._advert
         if advert is None:
             return False
-        now = get_dht_time()
-        expires_at = max(now + self.ttl_s, self._last_expiry + 1e-3)
-        stored = self.store.put("peers", {"advert": advert.to_record(), "at": now}, expires_at)
+        at = now()
+        expires_at = max(at + self.ttl_s, self._last_expiry + 1e-3)
+        payload = {"advert": advert.to_record(), "at": at, "found": list(self._found or [])}
+        stored = self.store.put("peers", payload, expires_at)
         if stored:
             self._last_expiry = expires_at
         else:
@@ -160,9 +187,9 @@ class Membership:
         with self._lock:
             had_advert, self._advert = self._advert is not None, None
         if had_advert:
-            now = get_dht_time()
-            expires_at = max(now + self.ttl_s, self._last_expiry + 1e-3)
-            if self.store.put("peers", {"left": True, "at": now}, expires_at):
+            at = now()
+            expires_at = max(at + self.ttl_s, self._last_expiry + 1e-3)
+            if self.store.put("peers", {"left": True, "at": at}, expires_at):
                 self._last_expiry = expires_at
             else:
                 logger.warning("departure of %s was not stored; it will expire within %.1f s",
@@ -180,9 +207,9 @@ class Membership:
         return self._store_links(reports)
 
     def _store_links(self, reports: list[LinkReport]) -> bool:
-        now = get_dht_time()
-        payload = {"links": [report.to_record() for report in reports], "at": now}
-        return self.store.put("links", payload, now + self.ttl_s)
+        at = now()
+        payload = {"links": [report.to_record() for report in reports], "at": at}
+        return self.store.put("links", payload, at + self.ttl_s)
 
     def publish_run(self, run_config: dict, created_at: float | None = None) -> RunRecord:
         """Publish the run configuration (first peer) and keep it alive with our heartbeat.
@@ -192,7 +219,10 @@ class Membership:
         """
         if not isinstance(run_config, dict):
             raise ValueError(f"run config must be a dict, got {type(run_config).__name__}")
-        created_at = get_dht_time() if created_at is None else float(created_at)
+        swarm = run_config.get("swarm")
+        if isinstance(swarm, dict) and swarm.get("secret"):
+            raise ValueError("the run record must not hold the join secret (publish RunConfig.public_dict())")
+        created_at = now() if created_at is None else float(created_at)
         record = RunRecord(dict(run_config), created_at, self.peer_id)
         with self._lock:
             self._run = record
@@ -206,7 +236,7 @@ class Membership:
 
     def _store_run(self, record: RunRecord) -> bool:
         payload = {"config": record.config, "created_at": record.created_at}
-        return self.store.put("run", payload, get_dht_time() + max(self.ttl_s, RUN_RECORD_MIN_TTL_S))
+        return self.store.put("run", payload, now() + max(self.ttl_s, RUN_RECORD_MIN_TTL_S))
 
     # ---- reading --------------------------------------------------------------------------------------
 
@@ -221,19 +251,20 @@ class Membership:
             if payload.get("left") is True:
                 continue
             try:
-                if set(payload) != {"advert", "at"}:
-                    raise ValueError("peers record must hold exactly advert and at")
+                if set(payload) != {"advert", "at", "found"}:
+                    raise ValueError("peers record must hold exactly advert, at and found")
                 advert = Advert.from_record(payload["advert"])
                 heartbeat_at = payload["at"]
                 if isinstance(heartbeat_at, bool) or not isinstance(heartbeat_at, (int, float)):
                     raise ValueError("at: expected a number")
+                found = _check_found(payload["found"], record.owner)
             except ValueError as error:
                 logger.warning("ignoring the advert of %s: %s", record.owner, error)
                 continue
             if advert.peer_id != record.owner:
                 logger.warning("ignoring an advert for %s signed by %s", advert.peer_id, record.owner)
                 continue
-            entries.append(PeerEntry(advert, float(heartbeat_at), record.expires_at))
+            entries.append(PeerEntry(advert, float(heartbeat_at), record.expires_at, found))
         entries.sort(key=lambda entry: entry.advert.peer_id)
         self._last_entries = entries
         return list(entries)
@@ -266,6 +297,39 @@ class Membership:
         self._last_links = reports
         return list(reports)
 
+    def check_clock(self, max_skew_s: float = MAX_CLOCK_SKEW_S) -> float | None:
+        """Compare our clock with the live peers' heartbeat times; :class:`ClockSkewError` beyond ``max_skew_s``.
+
+        Returns the median of (their heartbeat time - our clock), None when nobody else is there. A heartbeat
+        time is at most one heartbeat old when read, so the synchronised range is [-heartbeat_s, 0]; records
+        that look expired by our clock count too (an early clock would otherwise see none).
+        """
+        records = self.store.read("peers", include_expired=True)
+        at = now()
+        offsets = [
+            float(record.payload["at"]) - at
+            for record in records or []
+            if record.owner != self.peer_id
+            and isinstance(record.payload.get("at"), (int, float))
+            and not isinstance(record.payload.get("at"), bool)
+            and "advert" in record.payload
+        ]
+        if not offsets:
+            return None
+        offset = statistics.median(offsets)
+        if offset > max_skew_s:
+            raise ClockSkewError(
+                f"this machine's clock is {offset:.1f} s behind the swarm's ({len(offsets)} peers; at most "
+                f"{max_skew_s:g} s allowed): synchronise it (e.g. enable NTP) and join again"
+            )
+        if offset < -(max_skew_s + self.heartbeat_s):
+            raise ClockSkewError(
+                f"this machine's clock is {-offset - self.heartbeat_s:.1f} s or more ahead of the swarm's "
+                f"({len(offsets)} peers; at most {max_skew_s:g} s allowed): synchronise it (e.g. enable NTP) "
+                "and join again"
+            )
+        return offset
+
     def get_run_record(self) -> RunRecord | None:
         """The earliest valid publication of the run, or None when nobody (with our secret) published it."""
         records = self.store.get_all("run")
@@ -274,6 +338,15 @@ class Membership:
     def get_run(self) -> dict | None:
         record = self.get_run_record()
         return None if record is None else record.config
+
+
+def _check_found(value: object, owner: str) -> frozenset[str]:
+    if not isinstance(value, list) or len(value) > MAX_FOUND:
+        raise ValueError(f"found: expected a list of at most {MAX_FOUND} peer ids")
+    found = frozenset(check_peer_id(item, "found[]") for item in value)
+    if owner in found:
+        raise ValueError("found: a peer cannot testify that it found itself")
+    return found
 
 
 def _earliest_run(records: list) -> RunRecord | None:

@@ -1,44 +1,85 @@
-"""The plan board: plans whose epochs only grow, signed by the leader that made them.
+"""The plan board: plans ordered by (epoch, leader id), signed by the leader that made them.
 
 A leader publishes each plan under ``f"{run_id}:plans"`` with the subkey ``owner_tag + epoch``, signed by the
-leader, so nobody can forge or overwrite another leader's plan. Everyone follows the plan with the highest
-epoch, ties by smallest leader id. A new leader publishes ``highest epoch seen + 1``. If two peers briefly
-both believe they lead (``peer.swarm.election``) and publish epochs 3 and 4, every reader ends on 4, and the
-loser sees 4 at its next read and stops publishing (its ``publish`` of anything older raises). A board
-remembers the highest epoch it has seen, so epochs never go back even after old plans expire from the DHT;
+leader, so nobody can forge or overwrite another leader's plan. Plans are ordered by ``(epoch, leader id)``
+(the same order the workers use to refuse an older leader's assignment, ``peer.runtime.worker``): at equal
+epochs the larger leader id wins, so every reader settles on the same plan.
+
+What a reader accepts (:meth:`PlanBoard.latest`):
+
+* only a well-formed plan whose ``leader`` is its signer, with ``1 <= epoch <= MAX_EPOCH``;
+* only from the leader the reader elects now (``elector``, see ``peer.swarm.election``): a plan from any
+  other peer, however high its epoch, is a forged leader claim and is ignored;
+* only a plan newer than the one it follows, and at most ``MAX_EPOCH_STEP`` epochs above it: epochs grow by
+  bounded steps, so a plan of epoch 2**62 cannot push the swarm to where no leader can follow;
+* only a plan that a quorum of the previous plan's members still backs (:func:`has_quorum`: more than half
+  of them are among the new plan's members, or exactly half including the previous leader). A leader checks
+  that before it publishes (``peer.node.leader_role``), so the minority side of a partition pauses instead
+  of training on its own. With two members, losing the leader pauses the survivor, losing the other peer
+  does not; with four, a 2 + 2 split keeps the side of the previous leader.
+
+A board remembers the plan it follows, so epochs never go back even after old plans expire from the DHT;
 the leader renews its current plan with :meth:`PlanBoard.republish` well within ``plan_ttl_s``
-(``peer.timing.PLAN_TTL_S`` and ``PLAN_RENEW_TICKS``).
+(``peer.timing.PLAN_TTL_S`` and ``PLAN_RENEW_TICKS``). A fresh board (``peer status``, a joiner) takes the
+elected leader's newest plan as it is.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import hivemind
-from hivemind.utils import get_dht_time
 
+from peer.swarm.adverts import check_peer_id
 from peer.swarm.identity import Identity
 from peer.swarm.records import RecordStore
-from peer.timing import DHT_CALL_TIMEOUT_S, PLAN_TTL_S
+from peer.timing import DHT_CALL_TIMEOUT_S, PLAN_TTL_S, now
 
 logger = logging.getLogger(__name__)
 
-MAX_EPOCH = 2**62
-_SUFFIX_RE = re.compile(rb"^\|epoch=(\d{1,19})$")
+MAX_EPOCH = 2**31 - 1
+MAX_EPOCH_STEP = 64  # a plan is at most this many epochs above the one its readers follow
+MAX_MEMBERS = 4096
+_SUFFIX_RE = re.compile(rb"^\|epoch=(\d{1,10})$")
+_FIELDS = {"epoch", "leader", "plan", "members", "at"}
+
+
+class NoQuorumError(ValueError):
+    """A plan that a quorum of the previous plan's members does not back (see :func:`has_quorum`)."""
 
 
 class PlanRecord(NamedTuple):
-    """A published plan; unpacks as ``epoch, leader_id, plan``."""
+    """A published plan; unpacks as ``epoch, leader_id, plan, members`` (the live workers it counted)."""
 
     epoch: int
     leader_id: str
     plan: dict
+    members: tuple[str, ...] = ()
+
+    @property
+    def order(self) -> tuple[int, str]:
+        return self.epoch, self.leader_id
+
+
+def has_quorum(previous: PlanRecord | None, present: Iterable[str]) -> bool:
+    """Whether ``present`` peers may move on from ``previous``: more than half of its members (the leader
+    included), or exactly half when the previous leader is among them. True when there was no plan yet."""
+    if previous is None:
+        return True
+    members = set(previous.members) | {previous.leader_id}
+    here = members & set(present)
+    return 2 * len(here) > len(members) or (2 * len(here) == len(members) and previous.leader_id in here)
 
 
 class PlanBoard:
-    """Publish plans (as leader) and follow the highest epoch (as everyone)."""
+    """Publish plans (as leader) and follow the newest accepted one (as everyone).
+
+    ``elector`` returns the leader this peer elects now; plans from anyone else are ignored. None accepts any
+    signer (benchmarks and tests that have one writer only).
+    """
 
     def __init__(
         self,
@@ -48,17 +89,23 @@ class PlanBoard:
         secret: str | None = None,
         plan_ttl_s: float = PLAN_TTL_S,
         timeout_s: float = DHT_CALL_TIMEOUT_S,
+        elector: Callable[[], str | None] | None = None,
     ):
         if plan_ttl_s <= 0:
             raise ValueError(f"plan_ttl_s must be positive, got {plan_ttl_s}")
         self.store = RecordStore(dht, run_id, identity, secret, timeout_s)
         self.plan_ttl_s = plan_ttl_s
-        self.highest_epoch = 0  # highest epoch ever seen or published here; never decreases
-        self._latest: PlanRecord | None = None
+        self.elector = elector
+        self._latest: PlanRecord | None = None  # the plan this board follows; only ever replaced by a newer one
         self._published: PlanRecord | None = None
 
-    def publish(self, epoch: int, leader_id: str, plan: dict) -> bool:
-        """Publish ``plan`` at ``epoch`` signed by us; ValueError for an epoch older than one already seen."""
+    @property
+    def highest_epoch(self) -> int:
+        """The epoch of the plan this board follows (0 before any); never decreases."""
+        return 0 if self._latest is None else self._latest.epoch
+
+    def publish(self, epoch: int, leader_id: str, plan: dict, members: Iterable[str] = ()) -> bool:
+        """Publish ``plan`` at ``epoch`` signed by us; ValueError unless it is newer than the plan we follow."""
         identity = self.store.identity
         if identity is None:
             raise ValueError("a read-only plan board cannot publish")
@@ -66,68 +113,90 @@ class PlanBoard:
             raise ValueError(f"leader_id {leader_id!r} is not this peer {identity.peer_id!r}")
         if isinstance(epoch, bool) or not isinstance(epoch, int) or not 1 <= epoch <= MAX_EPOCH:
             raise ValueError(f"epoch must be an integer in 1..{MAX_EPOCH}, got {epoch!r}")
-        if epoch < self.highest_epoch:
-            raise ValueError(f"epoch {epoch} is older than the highest epoch seen, {self.highest_epoch}")
+        if self._latest is not None and (epoch, leader_id) <= self._latest.order:
+            seen = self._latest
+            raise ValueError(f"epoch {epoch} is older than the highest epoch seen, {seen.epoch} (by {seen.leader_id})")
+        if self._latest is not None and epoch > self._latest.epoch + MAX_EPOCH_STEP:
+            raise ValueError(f"epoch {epoch} is more than {MAX_EPOCH_STEP} above the followed {self.highest_epoch}")
         if not isinstance(plan, dict):
             raise ValueError(f"plan must be a dict, got {type(plan).__name__}")
-        record = PlanRecord(epoch, leader_id, plan)
+        record = PlanRecord(epoch, leader_id, plan, tuple(sorted(set(members) | {leader_id})))
+        if not has_quorum(self._latest, record.members):
+            raise NoQuorumError(f"plan epoch {epoch} lacks a quorum of plan {self.highest_epoch}'s members")
         stored = self._store(record)
         if stored:
             self._published = record
-            self._see(record)
+            self._latest = record
         return stored
 
     def republish(self) -> bool:
-        """Renew our last plan's expiry, unless a higher epoch has replaced it (then False)."""
-        if self._published is None or self._published.epoch < self.highest_epoch:
+        """Renew our last plan's expiry, unless a newer plan has replaced it (then False)."""
+        if self._published is None or self._published != self._latest:
             return False
         return self._store(self._published)
 
     def _store(self, record: PlanRecord) -> bool:
-        now = get_dht_time()
-        payload = {"epoch": record.epoch, "leader": record.leader_id, "plan": record.plan, "at": now}
+        at = now()
+        payload = {"epoch": record.epoch, "leader": record.leader_id, "plan": record.plan,
+                   "members": list(record.members), "at": at}
         suffix = b"|epoch=%d" % record.epoch
-        return self.store.put("plans", payload, now + self.plan_ttl_s, suffix=suffix)
-
-    def _see(self, record: PlanRecord) -> None:
-        latest = self._latest
-        if (
-            latest is None
-            or record.epoch > latest.epoch
-            or (record.epoch == latest.epoch and record.leader_id < latest.leader_id)
-        ):
-            self._latest = record
-        self.highest_epoch = max(self.highest_epoch, record.epoch)
+        return self.store.put("plans", payload, at + self.plan_ttl_s, suffix=suffix)
 
     def plans(self) -> list[PlanRecord]:
-        """Every valid plan in the DHT, highest epoch first; ``[]`` also when the DHT timed out."""
-        records = self.store.get_all("plans") or []
+        """Every well-formed plan in the DHT, newest first (whoever signed it); ``[]`` also when the DHT timed out."""
         plans = []
-        for record in records:
-            match = _SUFFIX_RE.match(record.suffix)
-            payload = record.payload
-            if match is None or set(payload) != {"epoch", "leader", "plan", "at"}:
-                logger.warning("ignoring a malformed plan record from %s", record.owner)
-                continue
-            epoch = payload["epoch"]
-            if isinstance(epoch, bool) or epoch != int(match.group(1)) or not 1 <= epoch <= MAX_EPOCH:
-                logger.warning("ignoring a plan from %s whose epoch does not match its key", record.owner)
-                continue
-            if payload["leader"] != record.owner or not isinstance(payload["plan"], dict):
-                logger.warning("ignoring a plan from %s: wrong leader or no plan", record.owner)
-                continue
-            plans.append(PlanRecord(epoch, record.owner, payload["plan"]))
-        plans.sort(key=lambda plan: (-plan.epoch, plan.leader_id))
+        for record in self.store.get_all("plans") or []:
+            try:
+                plans.append(_parse_plan(record.owner, record.suffix, record.payload))
+            except ValueError as error:
+                logger.warning("ignoring a plan record from %s: %s", record.owner, error)
+        plans.sort(key=lambda plan: plan.order, reverse=True)
         return plans
 
     def latest(self) -> PlanRecord | None:
-        """The plan with the highest epoch seen so far (in the DHT now, or earlier by this board)."""
-        for record in self.plans()[:1]:
-            self._see(record)
+        """The newest plan this board accepts (see the module docstring), or the one it followed before."""
+        leader = self.elector() if self.elector is not None else None
+        for record in self.plans():
+            if self._accepts(record, leader):
+                self._latest = record
+                break
         return self._latest
 
+    def _accepts(self, record: PlanRecord, leader: str | None) -> bool:
+        current = self._latest
+        if current is not None and record.order <= current.order:
+            return False
+        if self.elector is not None and record.leader_id != leader:
+            logger.debug("ignoring plan %s from %s: not the elected leader %s", record.order, record.leader_id, leader)
+            return False
+        if current is not None and record.epoch > current.epoch + MAX_EPOCH_STEP:
+            logger.warning("ignoring plan epoch %d from %s: more than %d above epoch %d", record.epoch,
+                           record.leader_id, MAX_EPOCH_STEP, current.epoch)
+            return False
+        if not has_quorum(current, record.members):
+            logger.warning("ignoring plan epoch %d from %s: it lacks a quorum of plan %d's members", record.epoch,
+                           record.leader_id, current.epoch)
+            return False
+        return True
+
     def next_epoch(self) -> int:
-        """The epoch a new leader should publish: one above anything seen."""
+        """The epoch a new leader should publish: one above the plan followed."""
         self.latest()
         return self.highest_epoch + 1
 
+
+def _parse_plan(owner: str, suffix: bytes, payload: dict) -> PlanRecord:
+    match = _SUFFIX_RE.match(suffix)
+    if match is None or set(payload) != _FIELDS:
+        raise ValueError("malformed plan record")
+    epoch = payload["epoch"]
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch != int(match.group(1)):
+        raise ValueError("its epoch does not match its key")
+    if not 1 <= epoch <= MAX_EPOCH:
+        raise ValueError(f"epoch {epoch} out of 1..{MAX_EPOCH}")
+    if payload["leader"] != owner or not isinstance(payload["plan"], dict):
+        raise ValueError("wrong leader or no plan")
+    members = payload["members"]
+    if not isinstance(members, list) or len(members) > MAX_MEMBERS:
+        raise ValueError(f"members: expected a list of at most {MAX_MEMBERS} peer ids")
+    return PlanRecord(epoch, owner, payload["plan"], tuple(check_peer_id(m, "members[]") for m in members))

@@ -5,7 +5,13 @@ every control-loop tick and at every step. Each record says which leader wrote i
 time), so a peer can tell a live leader from a dead one by the record's age (the takeover guard in
 ``peer.node.daemon``); the record lives ``PROGRESS_TTL_S`` (much longer than that guard, see
 ``peer.timing``) so a new leader and `peer status` still read the last step and the loss history after the
-leader died. Readers take the newest record of any leader: highest plan epoch, then highest step.
+leader died.
+
+Readers accept progress only from the leader of the plan they follow (``peer.swarm.plans``), or, before the
+first plan, from the leader they elect: a "done" written by any other peer is a forgery and ends nothing.
+Like every record, progress is sealed to its writer and expiry (``peer.swarm.records``), so a copy of an old
+record cannot be replayed under another peer's name or with a new lifetime. Among the accepted leader's
+records the newest wins: highest plan epoch, then highest step.
 """
 
 from __future__ import annotations
@@ -13,11 +19,10 @@ from __future__ import annotations
 from typing import Any
 
 import hivemind
-from hivemind.utils import get_dht_time
 
 from peer.swarm.identity import Identity
 from peer.swarm.records import RecordStore
-from peer.timing import DHT_CALL_TIMEOUT_S, PROGRESS_TTL_S
+from peer.timing import DHT_CALL_TIMEOUT_S, PROGRESS_TTL_S, now
 
 
 class ProgressBoard:
@@ -42,16 +47,23 @@ class ProgressBoard:
         identity = self.store.identity
         if identity is None:
             raise ValueError("a read-only progress board cannot publish")
-        now = get_dht_time()
-        body = {**payload, "leader": identity.peer_id, "at": now}
-        return self.store.put("progress", body, now + self.ttl_s)
+        at = now()
+        body = {**payload, "leader": identity.peer_id, "at": at}
+        return self.store.put("progress", body, at + self.ttl_s)
 
-    def read(self) -> dict[str, Any] | None:
-        """The newest progress record (highest epoch, then step) of any leader; None when there is none."""
+    def read(self, leader: str | None) -> dict[str, Any] | None:
+        """The newest progress record (highest epoch, then step) written by ``leader``; None when there is none
+        (or when ``leader`` is None: nobody is accepted)."""
+        if leader is None:
+            return None
         best: dict[str, Any] | None = None
         for record in self.store.get_all("progress") or []:
             p = record.payload
+            if record.owner != leader or p.get("leader") != leader:
+                continue
             if not isinstance(p.get("epoch"), int) or not isinstance(p.get("step"), int):
+                continue
+            if isinstance(p.get("at"), bool) or not isinstance(p.get("at"), (int, float)):
                 continue
             if best is None or (p["epoch"], p["step"]) > (best["epoch"], best["step"]):
                 best = dict(p)

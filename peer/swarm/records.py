@@ -1,21 +1,31 @@
 """Owner-signed, secret-sealed records of one run in the hivemind DHT.
 
-Every record of a run lives under the key ``f"{run_id}:{name}"`` (``peers``, ``links``, ``plans``, ``run``)
-with a subkey ``owner_tag + suffix``: hivemind's ``RSASignatureValidator`` makes every DHT node require the
-owner's signature on it, so nobody can write under somebody else's subkey, and readers take the writer's peer
-id from the tag (see ``peer.swarm.identity``).
+Every record of a run lives under the key ``f"{run_id}:{name}"`` (``peers``, ``links``, ``plans``, ``run``,
+``progress``) with a subkey ``owner_tag + suffix``: hivemind's ``RSASignatureValidator`` makes every DHT node
+require the owner's signature over (key, subkey, value, expiry), so nobody can write under somebody else's
+subkey or give an old record a new expiry, and readers take the writer's peer id from the tag (see
+``peer.swarm.identity``).
 
-A swarm may also have a join secret. The secret never travels; instead each record carries
+A swarm may also have a join secret. The secret itself never travels and is never stored: not in a record,
+not in a log line. Each peer derives a record key from it,
 
-    mac = HMAC-SHA256(secret, run_id | key name | subkey suffix | canonical JSON of the payload)
+    record_key = HMAC-SHA256(secret, "tasklet record key" | run_id)
 
-and readers drop every record whose MAC does not verify, so a peer without the secret is simply not seen
-(and sees nobody). Binding the key name and suffix stops a valid record from being replayed under another
-key. Canonical JSON (sorted keys, no spaces, finite floats) is the same bytes on every peer because the
-payload went through msgpack and back, which preserves str/int/float/bool/None/list/dict exactly.
+and every record carries
+
+    mac = HMAC-SHA256(record_key, run_id | key name | writer peer id | subkey suffix | expiry | canonical JSON)
+
+so writing any record proves knowledge of the secret without revealing it, and readers drop every record
+whose MAC does not verify: a peer without the secret is simply not seen (and sees nobody). The MAC binds
+the writer and the expiry, so a sealed record copied out of the DHT cannot be re-stored under another
+peer's subkey, another key or a fresh expiry (a replay); binding the key name and suffix stops it from
+being moved to another key. Canonical JSON (sorted keys, no spaces, finite floats) is the same bytes on
+every peer because the payload went through msgpack and back, which preserves str/int/float/bool/None/
+list/dict exactly (and the expiry is the same float64 on every node).
 
 Reading never trusts the network: a record that is not a well-formed envelope, whose MAC is wrong or
-missing, or that is too large is skipped with a log line; the caller's own schema check comes after.
+missing, or that is too large is skipped with a log line; the payload of a record whose MAC fails is never
+returned. The caller's own schema check comes after.
 """
 
 from __future__ import annotations
@@ -29,10 +39,9 @@ from dataclasses import dataclass
 from enum import Enum
 
 import hivemind
-from hivemind.utils import get_dht_time
 
 from peer.swarm.identity import Identity, split_owner_subkey
-from peer.timing import DHT_CALL_TIMEOUT_S
+from peer.timing import DHT_CALL_TIMEOUT_S, now
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +57,10 @@ class MacStatus(Enum):
 
 @dataclass(frozen=True)
 class SignedRecord:
-    """One record as read: the writer's peer id (from its signed owner tag) and the payload."""
+    """One record as read: the writer's peer id (from its signed owner tag) and the payload.
+
+    ``payload`` is ``{}`` unless ``mac_status`` is OK: what fails the MAC is never handed on.
+    """
 
     owner: str
     suffix: bytes
@@ -63,6 +75,11 @@ def canonical_json(payload: object) -> bytes:
         return json.dumps(payload, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
     except (TypeError, ValueError) as error:
         raise ValueError(f"payload is not plain JSON data: {error}") from error
+
+
+def record_key(secret: str, run_id: str) -> bytes:
+    """The key that seals this run's records, derived from the join secret (which itself is never sent)."""
+    return hmac.new(secret.encode(), b"tasklet record key\x00" + run_id.encode(), hashlib.sha256).digest()
 
 
 class RecordStore:
@@ -87,17 +104,21 @@ class RecordStore:
         if secret is not None and not secret:
             raise ValueError("secret must be a non-empty string or None")
         self.dht, self.run_id, self.identity, self.timeout_s = dht, run_id, identity, timeout_s
-        self._secret = secret.encode() if secret is not None else None
+        self._record_key = None if secret is None else record_key(secret, run_id)
+
+    def __repr__(self) -> str:  # never shows the record key
+        return f"RecordStore(run_id={self.run_id!r}, sealed={self._record_key is not None})"
 
     def key(self, name: str) -> str:
         return f"{self.run_id}:{name}"
 
-    def mac(self, name: str, suffix: bytes, payload: dict, secret: bytes | None = None) -> str | None:
-        secret = self._secret if secret is None else secret
-        if secret is None:
+    def mac(self, name: str, writer: str, suffix: bytes, expires_at: float, payload: dict) -> str | None:
+        """The record's MAC (None in an open swarm): binds run, key name, writer, suffix, expiry and payload."""
+        if self._record_key is None:
             return None
-        message = b"\x00".join([self.run_id.encode(), name.encode(), suffix, canonical_json(payload)])
-        return hmac.new(secret, message, hashlib.sha256).hexdigest()
+        parts = [self.run_id.encode(), name.encode(), writer.encode(), suffix, repr(float(expires_at)).encode()]
+        message = b"\x00".join([b"tasklet record v2", *parts, canonical_json(payload)])
+        return hmac.new(self._record_key, message, hashlib.sha256).hexdigest()
 
     def put(self, name: str, payload: dict, expires_at: float, suffix: bytes = b"") -> bool:
         """Store ``payload`` under our own subkey; False when the DHT refused or did not answer in time.
@@ -110,7 +131,8 @@ class RecordStore:
         encoded = canonical_json(payload)  # raises before anything is sent
         if len(encoded) > MAX_PAYLOAD_BYTES:
             raise ValueError(f"{name} record is {len(encoded)} bytes, more than {MAX_PAYLOAD_BYTES}")
-        envelope = {"p": payload, "mac": self.mac(name, suffix, payload)}
+        expires_at = float(expires_at)
+        envelope = {"p": payload, "mac": self.mac(name, self.identity.peer_id, suffix, expires_at, payload)}
         future = self.dht.store(
             self.key(name), envelope, expires_at, subkey=self.identity.owner_tag + suffix, return_future=True
         )
@@ -124,8 +146,10 @@ class RecordStore:
             logger.warning("storing %s failed: %s: %s", self.key(name), type(error).__name__, error)
             return False
 
-    def read(self, name: str) -> list[SignedRecord] | None:
-        """Every well-formed, unexpired record under ``name``, whatever its MAC; None if the DHT timed out."""
+    def read(self, name: str, include_expired: bool = False) -> list[SignedRecord] | None:
+        """Every well-formed, unexpired record under ``name`` with its MAC status (the payload only where the
+        MAC verifies); None if the DHT timed out. ``include_expired`` keeps records that are expired by our own
+        clock but still held by the DHT (the clock check at join compares clocks with them)."""
         future = self.dht.get(self.key(name), latest=True, return_future=True)
         try:
             found = future.result(timeout=self.timeout_s)
@@ -141,25 +165,25 @@ class RecordStore:
         if not isinstance(found.value, dict):
             logger.warning("%s holds a plain value, not per-peer records; ignored", self.key(name))
             return []
-        now = get_dht_time()
-        return list(self._parse(name, found.value, now))
+        return list(self._parse(name, found.value, float("-inf") if include_expired else now()))
 
-    def _parse(self, name: str, entries: dict, now: float) -> Iterator[SignedRecord]:
+    def _parse(self, name: str, entries: dict, at: float) -> Iterator[SignedRecord]:
         for subkey, item in entries.items():
             owner = split_owner_subkey(subkey)
             if owner is None:
                 logger.debug("%s: skipping a record without an owner tag", self.key(name))
                 continue
             peer_id, suffix = owner
-            if item.expiration_time < now:
+            expires_at = float(item.expiration_time)
+            if expires_at < at:
                 continue
             try:
                 payload, mac = self._open_envelope(item.value)
-                status = self._check_mac(name, suffix, payload, mac)
+                status = self._check_mac(name, peer_id, suffix, expires_at, payload, mac)
             except ValueError as error:
                 logger.warning("%s: ignoring a malformed record from %s: %s", self.key(name), peer_id, error)
                 continue
-            yield SignedRecord(peer_id, suffix, payload, float(item.expiration_time), status)
+            yield SignedRecord(peer_id, suffix, payload if status is MacStatus.OK else {}, expires_at, status)
 
     @staticmethod
     def _open_envelope(value: object) -> tuple[dict, str | None]:
@@ -174,12 +198,14 @@ class RecordStore:
             raise ValueError(f"payload larger than {MAX_PAYLOAD_BYTES} bytes")
         return payload, mac
 
-    def _check_mac(self, name: str, suffix: bytes, payload: dict, mac: str | None) -> MacStatus:
-        if self._secret is None:
+    def _check_mac(
+        self, name: str, writer: str, suffix: bytes, expires_at: float, payload: dict, mac: str | None
+    ) -> MacStatus:
+        if self._record_key is None:
             return MacStatus.OK if mac is None else MacStatus.BAD
         if mac is None:
             return MacStatus.MISSING
-        expected = self.mac(name, suffix, payload)
+        expected = self.mac(name, writer, suffix, expires_at, payload)
         return MacStatus.OK if hmac.compare_digest(expected or "", mac) else MacStatus.BAD
 
     def get_all(self, name: str) -> list[SignedRecord] | None:

@@ -2,7 +2,9 @@
 
 A client node takes no work and announces nothing; it only reads. Everything it shows comes from signed
 records (and, with a join secret, MAC-checked ones), so a status screen cannot be spoofed by a peer that
-is not part of the swarm.
+is not part of the swarm; like a peer, it elects the leader from the live records and shows only that
+leader's plan and progress (``peer.swarm.plans``, ``peer.swarm.progress``). Nothing it shows holds the
+join secret: the run record never carries it.
 """
 
 from __future__ import annotations
@@ -12,13 +14,13 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from hivemind.utils import get_dht_time
-
 from peer.swarm.dht import DHTConfig, start_dht
+from peer.swarm.election import elect_leader
 from peer.swarm.identity import Identity
 from peer.swarm.membership import Membership
-from peer.swarm.plans import PlanBoard
+from peer.swarm.plans import PlanBoard, PlanRecord
 from peer.swarm.progress import ProgressBoard
+from peer.timing import now
 
 
 @dataclass
@@ -49,8 +51,20 @@ class StatusReader:
         self.identity = Identity.generate()
         self.dht = start_dht(DHTConfig(initial_peers=tuple(dht_peers), client_mode=True), self.identity)
         self.membership = Membership(self.dht, run_id, self.identity, secret)
-        self.board = PlanBoard(self.dht, run_id, None, secret)
+        self.board = PlanBoard(self.dht, run_id, None, secret, elector=self.elected)
         self.progress = ProgressBoard(self.dht, run_id, None, secret)
+
+    def elected(self) -> str | None:
+        """The leader as elected from the live records now."""
+        return elect_leader(self.membership.live_entries())
+
+    def latest_plan(self) -> PlanRecord | None:
+        return self.board.latest()
+
+    def read_progress(self) -> dict[str, Any] | None:
+        """Progress of the leader of the plan followed (before any plan: of the elected leader)."""
+        plan = self.board.latest()
+        return self.progress.read(plan.leader_id if plan is not None else self.elected())
 
     def close(self) -> None:
         self.dht.shutdown()
@@ -62,7 +76,7 @@ class StatusReader:
         self.close()
 
     def read(self) -> SwarmStatus:
-        now = get_dht_time()
+        at = now()
         entries = self.membership.live_entries()
         latest = self.board.latest()
         plan = latest.plan if latest else {}
@@ -83,7 +97,7 @@ class StatusReader:
                     "memory_gb": round(a.device.memory_bytes / 1e9, 2),
                     "stage": stage,
                     "replica": replica,
-                    "last_seen_s": round(e.last_seen_s(now), 2),
+                    "last_seen_s": round(e.last_seen_s(at), 2),
                     "endpoint": a.endpoint,
                     "region": a.extra.get("region"),
                 }
@@ -103,7 +117,7 @@ class StatusReader:
             "pipelines": plan.get("pipelines"),
             "stages": plan.get("stages"),
         }
-        return SwarmStatus(peers, plan_out, self.progress.read() or {}, link_summary)
+        return SwarmStatus(peers, plan_out, self.read_progress() or {}, link_summary)
 
 
 def format_status(st: SwarmStatus) -> str:
