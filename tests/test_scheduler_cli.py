@@ -32,6 +32,10 @@ def test_plan_json_with_file_and_name() -> None:
     assert m.shape == (8, 8) and len(set(m.ravel().tolist())) == 64
     assert out["predicted"]["total_s"] <= 49.2184 + 1e-4  # the paper's own search reached 49.2184
     assert out["search"]["seed"] == 0 and len(out["stages"]) == 8
+    assert out["search"]["seconds"] > 0 and out["search"]["algorithm"] == "tasklet-memetic"
+    assert 0 < out["search"]["lower_bound"] <= out["predicted"]["total_s"]
+    assert out["search"]["gap"] == pytest.approx(1 - out["search"]["lower_bound"] / out["predicted"]["total_s"],
+                                                 abs=1e-5)
 
 
 def test_plan_single_scenario_file_and_table(tmp_path: Path) -> None:
@@ -89,7 +93,17 @@ def test_bad_workload_file(tmp_path: Path) -> None:
 
 def test_bench_smoke() -> None:
     cluster = Cluster.from_scenario(PACKAGED_SCENARIOS, "datacenter_spot")
-    row = bench_scenario(cluster, Workload.preset("gpt3-xl-dtfm"), n_seeds=1, ga_budget=110, ours_evals=3000)
-    assert row["ours_worst"] < row["paper_reference"] * 0.7  # layouts 36 % cheaper exist; we must find one
-    assert row["paper_ga"] >= row["ours_best"]
-    assert "datacenter_spot" in format_table([row])
+    row = bench_scenario(cluster, Workload.preset("gpt3-xl-dtfm"), n_seeds=1, ga_budget=110, ils_s=0.5,
+                         memetic_s=1.0)
+    assert row["memetic_worst"] < row["paper_reference"] * 0.7  # layouts 36 % cheaper exist; we must find one
+    assert row["paper_ga"] >= row["memetic_best"]
+    assert 0 < row["lower_bound"] <= row["memetic_best"] and 0 <= row["gap"] < 1
+    assert row["memetic_s"] <= 1.5  # CPU seconds: the budget, checked every few hundred swaps
+    assert "datacenter_spot" in format_table({"scenarios": [row], "replan": []})
+
+
+def test_plan_with_ils_by_name() -> None:
+    r = run_cli("plan", "--scenario", "datacenter_spot", "--cost-model", "dtfm", "--algorithm", "ils",
+                "--time-limit", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["search"]["algorithm"] == "tasklet-ils"
