@@ -142,6 +142,12 @@ class RunConfig:
         data["swarm"] = {key: value for key, value in data["swarm"].items() if key != "secret"}
         return data
 
+    def public_dict(self) -> dict[str, dict[str, Any]]:
+        """:meth:`to_dict` without the join secret: what may be published (DHT run record, run.json, scalars)."""
+        data = self.to_dict()
+        data["swarm"] = {key: value for key, value in data["swarm"].items() if key != "secret"}
+        return data
+
     def to_toml(self) -> str:
         """This configuration as a run.toml (every key spelled out; JSON scalars and lists are valid TOML)."""
         lines = []
