@@ -20,8 +20,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from peer.compute.data import Corpus, CorpusError
+from peer.compute.data import CorpusError
 from peer.compute.device_probe import measure_device
+from peer.compute.textdata import load_corpus
 from peer.config import ConfigError, RunConfig
 from peer.net import PeerClient
 from peer.net.shaping import LinkShaper
@@ -163,15 +164,26 @@ class PeerDaemon:
                     "use --run NAME for another run)"
                 )
             try:
-                published_config = {k: v for k, v in existing.config.items() if k != "fingerprint"}
+                published_config = {k: v for k, v in existing.config.items()
+                                    if k not in ("fingerprint", "model_fingerprint")}
                 self.config = RunConfig.from_dict(published_config, where=f"run {run_id!r} from the DHT")
             except ConfigError as exc:
                 raise DaemonError(str(exc)) from None
         assert self.config is not None
+        own = self.config.spec()
         try:
-            corpus = Corpus.load(self.config.spec().corpus)
+            corpus = load_corpus(own.corpus, own.tokenizer, own.text_field, own.model)
         except CorpusError as exc:
             raise DaemonError(f"[run] corpus: {exc}") from None
+        except ValueError as exc:  # a tokenizer that cannot be read or does not fit the model (names its file)
+            raise DaemonError(f"[run] tokenizer: {exc}") from None
+        model_fingerprint = getattr(own.model, "fingerprint", "")
+        published_model = (existing.config.get("model_fingerprint") if existing else None) or model_fingerprint
+        if model_fingerprint != published_model:
+            raise DaemonError(
+                f"this peer's model files differ from the run's (fingerprint {model_fingerprint[:12]} vs "
+                f"{published_model[:12]}): a different config.json or checkpoint at {own.model.source}"
+            )
         published = (existing.config.get("fingerprint") if existing else None) or corpus.fingerprint
         if corpus.fingerprint != published:
             raise DaemonError(
@@ -190,7 +202,7 @@ class PeerDaemon:
                 raise DaemonError(str(exc)) from None
         self.plan_board = PlanBoard(self.dht, run_id, self.identity, o.secret or None, elector=self.elected)
         self.progress = ProgressBoard(self.dht, run_id, self.identity, o.secret or None)
-        record = {**self.config.public_dict(), "fingerprint": published}
+        record = {**self.config.public_dict(), "fingerprint": published, "model_fingerprint": published_model}
         if existing is None:
             self.membership.publish_run(record)
         else:

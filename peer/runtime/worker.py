@@ -52,7 +52,9 @@ from typing import Any
 import torch
 
 from peer.compute.data import Corpus, microbatch
+from peer.compute.hf import ModelSourceError
 from peer.compute.stage import StageCompute, StageComputeConfig
+from peer.compute.textdata import load_corpus
 from peer.net import PeerClient, PeerServer, TransportConfig
 from peer.net.shaping import LinkTable
 from peer.runtime import control as ctl
@@ -257,21 +259,27 @@ class StageWorker:
                 compute = old.compute
                 compute.reset_step()
             else:
-                compute = StageCompute(
-                    StageComputeConfig(
-                        model=spec.model,
-                        first_layer=assignment.layers[0],
-                        last_layer=assignment.layers[1],
-                        optim=spec.optim,
-                        device=self.device or assignment.device,
-                        precision=spec.precision,
+                try:
+                    compute = StageCompute(
+                        StageComputeConfig(
+                            model=spec.model,
+                            first_layer=assignment.layers[0],
+                            last_layer=assignment.layers[1],
+                            optim=spec.optim,
+                            device=self.device or assignment.device,
+                            precision=spec.precision,
+                        )
                     )
-                )
+                except ModelSourceError as exc:  # e.g. this peer's checkpoint files differ from the run's
+                    raise Rejected(f"cannot build stage {assignment.layers}: {exc}") from None
                 if source.kind is ctl.SourceKind.FETCH:
                     assert source.endpoint is not None
                     self._load_from(compute, source.endpoint, spec, assignment, source.step)
             if (assignment.is_first or assignment.is_last) and self._corpus is None:
-                corpus = Corpus.load(spec.corpus)
+                try:
+                    corpus = load_corpus(spec.corpus, spec.tokenizer, spec.text_field, spec.model)
+                except ValueError as exc:  # missing data or tokenizer files on this peer
+                    raise Rejected(f"cannot load the run's data: {exc}") from None
                 if spec.corpus_fingerprint and corpus.fingerprint != spec.corpus_fingerprint:
                     raise Rejected(
                         f"corpus fingerprint {corpus.fingerprint[:12]} differs from the run's "

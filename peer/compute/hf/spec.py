@@ -14,6 +14,7 @@ is the same at step 0, and the exported config says ``tie_word_embeddings: false
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -118,15 +119,6 @@ class HFModelSpec:
         module = HFStageModule(self, first_layer, last_layer, materialise=False)
         return [(n, p.shape) for n, p in module.named_parameters()]
 
-    def check_local_files(self) -> None:
-        """Raise when this peer's checkpoint folder differs from the run's (a peer checks before joining)."""
-        if self.checkpoint is None:
-            return
-        mine = model_fingerprint(self.config, Checkpoint(self.checkpoint))
-        if self.fingerprint and mine != self.fingerprint:
-            raise ModelSourceError(f"{self.checkpoint}: fingerprint {mine[:12]} of this peer's checkpoint differs "
-                                   f"from the run's {self.fingerprint[:12]}")
-
 
 def model_fingerprint(config: dict[str, Any], checkpoint: Checkpoint | None) -> str:
     h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
@@ -177,6 +169,12 @@ def family_architecture(fam: Family) -> str:
     from peer.compute.hf.families import ARCHITECTURES
 
     return ARCHITECTURES[fam.name]
+
+
+@functools.lru_cache(maxsize=16)
+def resolve_model_cached(source: str, seq_len: int, seed: int = 0) -> HFModelSpec:
+    """:func:`resolve_model`, once per process for the same arguments (a run config derives its spec often)."""
+    return resolve_model(source, seq_len, seed)
 
 
 def resolve_model(source: str, seq_len: int, seed: int = 0) -> HFModelSpec:

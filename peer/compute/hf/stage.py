@@ -109,6 +109,12 @@ class HFStageModule(nn.Module):
                 param.copy_(values)
 
     def _load(self, ckpt: Checkpoint) -> None:
+        from peer.compute.hf.spec import model_fingerprint
+
+        mine = model_fingerprint(self.spec.config, ckpt)
+        if self.spec.fingerprint and mine != self.spec.fingerprint:
+            raise ModelSourceError(f"{ckpt.folder}: this peer's checkpoint (fingerprint {mine[:12]}) differs from "
+                                   f"the run's ({self.spec.fingerprint[:12]})")
         wanted: dict[str, str] = {}
         for name, _ in self.named_parameters():
             found = ckpt.resolve(self._source_name(name), self.family.base) or ckpt.resolve(name, self.family.base)
