@@ -86,6 +86,8 @@ class LeaderRole:
             public_endpoint=ctx.worker_endpoint,
         )
         self.index: dict[str, int] = {}  # peer id -> device id (stable for the whole leadership)
+        self._last_live: set[str] = set()  # live workers at the previous look
+        self._ever_live: set[str] = set()
         self.peer_of: dict[int, str] = {}
         self.driver: RunDriver | None = None
         self.thread = threading.Thread(target=self._run, name="leader", daemon=True)
@@ -122,7 +124,20 @@ class LeaderRole:
             if pid not in self.index:
                 self.index[pid] = len(self.index)
                 self.peer_of[self.index[pid]] = pid
+        self._forgive_returning(live)
         return {self.index[pid]: a.endpoint for pid, a in live.items()}
+
+    def _forgive_returning(self, live: dict[str, Advert]) -> None:
+        """A peer whose advert vanished and came back (a healed partition, a restart) may be planned again,
+        even if the driver banned its endpoint as dead while it was away."""
+        returning = set(live) - self._last_live
+        self._last_live = set(live)
+        if self.driver is not None:
+            for pid in returning & set(self._ever_live):
+                if live[pid].endpoint in self.driver.banned:
+                    log.info("leader: %s is back; it may be planned again", pid)
+                    self.driver.banned.discard(live[pid].endpoint)
+        self._ever_live |= set(live)
 
     def _view(self, devices: list[int]) -> ClusterView:
         live = self._workers()
