@@ -25,6 +25,11 @@ Tasklet peer: train a transformer language model together with other volunteers'
   peer swarm --peers 4 --scenario worldwide_geo_distributed --steps 5
                                    a whole swarm on this machine, on an emulated network
   peer init run.toml               write a run.toml with every option and its default
+  peer swarm ... --model tiny-llama --tokenizer DIR --data FILE.jsonl
+                                   train a Hugging Face model (preset, config.json or folder)
+  peer export RESULT_DIR OUT_DIR   write a trained run as a Hugging Face folder (from_pretrained loads it)
+  peer generate --model DIR --prompt TEXT
+                                   sample text from an exported model
 """
 
 
@@ -235,6 +240,36 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop the swarm after this many seconds (default: %(default)s)",
     )
     p.add_argument("--log-dir", default=None, help="peer logs go here (default: a temporary folder)")
+    p.add_argument("--model", default="", metavar="DIR|CONFIG|PRESET",
+                   help="a Hugging Face model: a folder (config.json + safetensors), a config.json, or a preset "
+                   "(tiny-llama, tiny-gpt2, llama-3.2-1b, llama-3-8b, gpt3-xl) (default: the byte-level GPT)")
+    p.add_argument("--tokenizer", default="", metavar="DIR",
+                   help="a local tokenizer folder (AutoTokenizer) (default: byte-level)")
+    p.add_argument("--data", default="stdlib", metavar="PATH",
+                   help="training text: a text, JSONL or Parquet file or a folder (default: the standard library)")
+    p.add_argument("--text-field", default="text", metavar="NAME",
+                   help="field of JSONL records / Parquet rows holding the text (default: %(default)s)")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default: %(default)s)")
+
+    p = sub.add_parser(
+        "export",
+        help="write a trained run as a Hugging Face model folder",
+        description="Merge the stages of a result folder (`peer swarm --save`, [swarm] save_dir) into config.json, "
+        "model.safetensors and the tokenizer's files, loadable with AutoModelForCausalLM.from_pretrained.",
+    )
+    p.add_argument("result_dir", help="the run's result folder (run.json + stage-*.pt)")
+    p.add_argument("out_dir", help="the Hugging Face folder to write")
+
+    p = sub.add_parser(
+        "generate",
+        help="sample text from a Hugging Face model folder",
+        description="Load a local model folder (e.g. written by `peer export`) and print a sampled continuation.",
+    )
+    p.add_argument("--model", required=True, metavar="DIR", help="a local Hugging Face model folder")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=40, help="tokens to sample (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    p.add_argument("--temperature", type=_positive_float, default=1.0, help="sampling temperature (default: 1.0)")
 
     p = sub.add_parser("init", help="write an example run.toml with every option and its default")
     p.add_argument("path", nargs="?", default="run.toml", help="file to write (default: %(default)s)")
@@ -386,11 +421,39 @@ def cmd_swarm(args: argparse.Namespace) -> int:
         tflops=args.tflops,
         timeout_s=args.timeout,
         log_dir=args.log_dir,
+        model=args.model,
+        tokenizer=args.tokenizer,
+        data=args.data,
+        text_field=args.text_field,
+        seq_len=args.seq_len,
     )
     try:
         return run_swarm(opts)
     except (PlanningError, ValueError) as exc:
         raise UserError(str(exc)) from None
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from peer.compute.hf.export import export
+
+    try:
+        out = export(args.result_dir, args.out_dir)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    print(f"wrote {out}; load it with AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from peer.compute.hf.export import generate
+
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    try:
+        print(generate(args.model, args.prompt, args.max_new_tokens, args.seed, args.temperature))
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    return 0
 
 
 def cmd_init(args: argparse.Namespace) -> int:
@@ -413,6 +476,8 @@ COMMANDS = {
     "status": cmd_status,
     "dashboard": cmd_dashboard,
     "swarm": cmd_swarm,
+    "export": cmd_export,
+    "generate": cmd_generate,
     "init": cmd_init,
     "config-reference": cmd_config_reference,
 }

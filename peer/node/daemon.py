@@ -28,6 +28,7 @@ from peer.net import PeerClient
 from peer.net.shaping import LinkShaper
 from peer.node.leader_role import LeaderContext, LeaderRole
 from peer.node.planning import EmulatedNetwork
+from peer.node.reachability import Reach, ReachabilityError, establish, refuse_undialable
 from peer.observe.node import NodeObserver, ObserveError, ObserveOptions
 from peer.observe.snapshot import SwarmSource
 from peer.runtime.worker import StageWorker
@@ -80,6 +81,7 @@ class PeerOptions:
     metrics_port: int | None = None  # serve /metrics here (0: a free port); None: off
     dashboard_port: int | None = None  # serve the swarm dashboard here; None: off
     progress: bool = False  # live progress on stderr (a bar on a terminal, plain lines elsewhere)
+    relay_port: int | None = None  # serve a relay for peers behind NAT on this port of --host; None: off
 
 
 class PeerDaemon:
@@ -111,11 +113,16 @@ class PeerDaemon:
         self._streak = 0
         self._announced_at = time.monotonic()
         self.exit_error: str | None = None
+        self.reach: Reach | None = None
 
     # ------------------------------------------------------------------------------------------- start-up
     def start(self) -> None:
         """Join the swarm; raise DaemonError (one line) when that is impossible."""
         o = self.opts
+        try:
+            refuse_undialable(o.host, o.announce, self.dht_peers, self.config is not None, o.relay_port)
+        except ReachabilityError as exc:
+            raise DaemonError(str(exc)) from None
         try:
             self.dht = start_dht(
                 DHTConfig(
@@ -131,6 +138,7 @@ class PeerDaemon:
         try:
             self._join_run()
             self._start_worker()
+            self._establish_reach()
             self._announce()
             self._start_observer()
             log.info("others can join through this peer: %s", self.join_line())
@@ -231,6 +239,22 @@ class PeerDaemon:
         if o.announce:
             self.endpoint = o.announce
 
+    def _establish_reach(self) -> None:
+        """Direct, or through a relay when nobody can dial this peer (peer.node.reachability)."""
+        o = self.opts
+        assert self.worker is not None and self.membership is not None and self.worker.server.port is not None
+        me, membership = self.identity.peer_id, self.membership
+
+        def relays() -> list[str]:
+            return [a.relay for a in membership.live_peers() if a.relay and a.peer_id != me]
+
+        try:
+            self.reach = establish(self.identity, o.host, self.worker.server.port, o.announce, o.relay_port, relays,
+                                   is_first=self.started_run)
+        except ReachabilityError as exc:
+            raise DaemonError(str(exc)) from None
+        self.endpoint = self.reach.endpoint
+
     def _announce(self) -> None:
         o = self.opts
         tflops = o.emulate_tflops
@@ -248,6 +272,8 @@ class PeerDaemon:
             started_at=now(),
             corpus=self.spec.corpus_fingerprint,
             extra=extra,
+            reachable=self.reach.reachable,
+            relay=self.reach.relay_address,
         )
         assert self.membership is not None
         self.membership.announce(self.advert)
@@ -449,12 +475,14 @@ class PeerDaemon:
                 shaper = LinkShaper(*link) if link else None
                 try:
                     with PeerClient(a.endpoint, shaper=shaper, sender=self.identity.peer_id) as client:
+                        path = client.path  # direct, reversed or relayed (peer.net.endpoint)
                         rtt = min(client.ping(timeout_s=PROBE_PING_TIMEOUT_S) for _ in range(3))
                         bw = client.probe(PROBE_BYTES, timeout_s=PROBE_TIMEOUT_S)
+                    log.info("link to %s (%s): %.1f Mbit/s, RTT %.2f ms", a.peer_id, path, bw / 1e6, rtt * 1e3)
                 except Exception as exc:  # an unreachable peer is simply not measured
                     log.info("probe of %s failed: %s", a.peer_id, exc)
                     continue
-                self._probed[a.peer_id] = LinkReport(self.identity.peer_id, a.peer_id, rtt, bw, True, now())
+                self._probed[a.peer_id] = LinkReport(self.identity.peer_id, a.peer_id, rtt, bw, True, now(), path)
             if self._probed and self.membership is not None:
                 live = {a.peer_id for a in others}
                 reports = [r for pid, r in self._probed.items() if pid in live]
@@ -497,6 +525,8 @@ class PeerDaemon:
                 log.info("leave: %s", exc)
         if self.worker is not None:
             self.worker.stop()
+        if self.reach is not None:
+            self.reach.close()
         if self.dht is not None:
             try:
                 self.dht.shutdown()

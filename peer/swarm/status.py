@@ -84,6 +84,11 @@ class StatusReader:
         for r, pipe in enumerate(plan.get("pipelines", [])):
             for s, pid in enumerate(pipe):
                 where[pid] = (s, r)
+        links = self.membership.links()
+        inbound: dict[str, set[str]] = {}  # peer id -> how the others' probes reached it
+        for r in links:
+            if r.measured:
+                inbound.setdefault(r.dst, set()).add(r.path)
         peers = []
         for e in entries:
             a = e.advert
@@ -100,9 +105,11 @@ class StatusReader:
                     "last_seen_s": round(e.last_seen_s(at), 2),
                     "endpoint": a.endpoint,
                     "region": a.extra.get("region"),
+                    "reachable": a.reachable,
+                    "relay": a.relay or None,
+                    "paths": sorted(inbound.get(a.peer_id, ())),
                 }
             )
-        links = self.membership.links()
         bws = [r.bandwidth_bps for r in links if r.measured]
         rtts = [r.rtt_s for r in links if r.measured]
         link_summary = {
@@ -110,6 +117,7 @@ class StatusReader:
             "pairs": len(entries) * max(0, len(entries) - 1),
             "median_bandwidth_mbps": round(statistics.median(bws) / 1e6, 2) if bws else None,
             "median_rtt_ms": round(statistics.median(rtts) * 1e3, 2) if rtts else None,
+            "by_path": _by_path(links),
         }
         plan_out = {
             "epoch": latest.epoch if latest else None,
@@ -118,6 +126,19 @@ class StatusReader:
             "stages": plan.get("stages"),
         }
         return SwarmStatus(peers, plan_out, self.read_progress() or {}, link_summary)
+
+
+def _by_path(links: list) -> dict[str, dict[str, Any]]:
+    """Measured links grouped by path kind (direct, reversed, relayed, punched): count, median Mbit/s and RTT."""
+    out: dict[str, dict[str, Any]] = {}
+    for kind in sorted({r.path for r in links if r.measured}):
+        group = [r for r in links if r.measured and r.path == kind]
+        out[kind] = {
+            "links": len(group),
+            "median_bandwidth_mbps": round(statistics.median(r.bandwidth_bps for r in group) / 1e6, 2),
+            "median_rtt_ms": round(statistics.median(r.rtt_s for r in group) * 1e3, 2),
+        }
+    return out
 
 
 def format_status(st: SwarmStatus) -> str:
@@ -142,18 +163,30 @@ def format_status(st: SwarmStatus) -> str:
         f"links: {lk['measured']}/{lk['pairs']} measured, median {lk['median_bandwidth_mbps']} Mbit/s, "
         f"median RTT {lk['median_rtt_ms']} ms"
     )
-    lines.append(f"{'peer':<14}{'device':<22}{'TFLOP/s':>9}  {'stage':>5} {'repl':>4}  {'seen':>6}  region")
+    if len(lk.get("by_path") or {}) > 1 or set(lk.get("by_path") or {}) - {"direct"}:
+        lines.append("paths: " + ", ".join(
+            f"{kind} {v['links']} ({v['median_bandwidth_mbps']} Mbit/s, {v['median_rtt_ms']} ms)"
+            for kind, v in lk["by_path"].items()))
+    lines.append(f"{'peer':<14}{'device':<22}{'TFLOP/s':>9}  {'stage':>5} {'repl':>4}  {'seen':>6}  "
+                 f"{'reached':<17}region")
     for peer in st.peers:
         tf = f"{peer['tflops']:.4g}" + ("*" if peer["emulated"] else "")
         stage = "-" if peer["stage"] is None else str(peer["stage"])
         rep = "-" if peer["replica"] is None else str(peer["replica"])
         lines.append(
             f"{peer['peer_id'][:12]:<14}{peer['device'][:21]:<22}{tf:>9}  {stage:>5} {rep:>4}  "
-            f"{peer['last_seen_s']:>5.1f}s  {peer['region'] or '-'}"
+            f"{peer['last_seen_s']:>5.1f}s  {_reached(peer):<17}{peer['region'] or '-'}"
         )
     if any(peer["emulated"] for peer in st.peers):
         lines.append("* emulated TFLOP/s")
     return "\n".join(lines)
+
+
+def _reached(peer: dict[str, Any]) -> str:
+    """How the others reach a peer: its measured paths (direct / reversed / relayed), '-' before any probe;
+    a peer behind NAT is marked 'nat:'."""
+    paths = "/".join(peer.get("paths") or []) or "-"
+    return paths if peer.get("reachable", True) else f"nat:{paths}"
 
 
 def status_json(st: SwarmStatus) -> str:

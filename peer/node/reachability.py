@@ -1,0 +1,163 @@
+"""How others reach this peer's gRPC port: directly, or through a relay when nobody can dial it (NAT).
+
+The daemon calls :func:`refuse_undialable` before it starts anything (a peer must never publish an address
+nobody can dial: 0.0.0.0, or loopback in a swarm whose DHT is remote) and :func:`establish` once it has
+joined the DHT and started its worker:
+
+1. A peer with ``--relay-port`` runs a :class:`~peer.net.relay.RelayServer` for peers behind NAT, and any
+   client in this process reaches a peer registered there through it (connection reversal).
+2. A joiner asks a relay of the swarm to dial its announced port back (``CHECK``, peer.net.relay). Open:
+   it is reachable and publishes ``--announce`` (or, without one, the address the relay saw). Closed: it
+   registers with up to :data:`MAX_RELAYS` relays and publishes ``PEERID@RELAY:PORT`` (peer.net.endpoint).
+   With no relay in the swarm nothing can be checked, and the announced address is published as before.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from peer.net.endpoint import set_local_relay
+from peer.net.relay import RelayAgent, RelayServer, check_reachable
+from peer.swarm.identity import Identity
+
+log = logging.getLogger(__name__)
+
+MAX_RELAYS = 3  # relays a NAT'd peer registers with (its advert names the first that accepted it)
+RELAY_WAIT_S = 10.0  # how long a joiner looks for a relay advert / waits for a registration
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
+class ReachabilityError(RuntimeError):
+    """This peer cannot be reached by the others; the message is one line for the user."""
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _maddr_hosts(maddrs: list[str]) -> list[str]:
+    """The IP addresses inside ``/ip4/HOST/tcp/...`` multiaddrs."""
+    hosts = []
+    for maddr in maddrs:
+        parts = maddr.split("/")
+        if len(parts) > 2 and parts[1] in ("ip4", "ip6"):
+            hosts.append(parts[2])
+    return hosts
+
+
+def refuse_undialable(host: str, announce: str | None, dht_peers: list[str], is_first: bool,
+                      relay_port: int | None) -> None:
+    """Raise ReachabilityError when this peer would publish an address that nobody can dial."""
+    if announce:
+        ahost = announce.rpartition(":")[0].strip("[]")
+        if ahost in WILDCARDS:
+            raise ReachabilityError(f"--announce {announce}: {ahost or 'an empty host'} is no address others can"
+                                    " dial; announce this machine's public or LAN address")
+    published = announce.rpartition(":")[0] if announce else host
+    remote = [h for h in _maddr_hosts(dht_peers) if not _is_loopback(h)]
+    if _is_loopback(published) and remote:
+        raise ReachabilityError(
+            f"this peer would publish the loopback address {published}, but the swarm's DHT at {remote[0]} is on "
+            "another machine: listen with --host 0.0.0.0 (and --announce HOST:PORT if you know your address)")
+    if host in WILDCARDS and not announce and (is_first or relay_port is not None):
+        what = "--relay-port" if relay_port is not None else "the first peer"
+        raise ReachabilityError(f"--host {host} without --announce: {what} must announce an address others can "
+                                "dial (add --announce PUBLIC_IP:PORT)")
+
+
+@dataclass
+class Reach:
+    """What the daemon publishes about reaching this peer, and the relay parts it runs."""
+
+    endpoint: str
+    reachable: bool = True
+    relay_address: str = ""  # the relay service this peer offers ("" = none)
+    server: RelayServer | None = None
+    agent: RelayAgent | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def close(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
+        if self.server is not None:
+            set_local_relay(None)
+            self.server.close()
+
+
+def start_relay_service(host: str, relay_port: int, announce_host: str) -> tuple[RelayServer, str]:
+    """Run the relay service on ``host:relay_port``; (the server, the address others reach it at)."""
+    server = RelayServer(host, relay_port)
+    try:
+        port = server.start()
+    except OSError as exc:
+        raise ReachabilityError(f"--relay-port {relay_port}: cannot listen ({exc.strerror or exc})") from None
+    set_local_relay(server.lookup)
+    return server, f"{announce_host}:{port}"
+
+
+def establish(identity: Identity, host: str, port: int, announce: str | None, relay_port: int | None,
+              relays: Callable[[], list[str]], is_first: bool) -> Reach:
+    """Decide how this peer is reached (see the module docstring); ``relays()`` lists the swarm's relays."""
+    announced_host = announce.rpartition(":")[0] if announce else ("" if host in WILDCARDS else host)
+    endpoint = announce or (f"{host}:{port}" if announced_host else "")
+    reach = Reach(endpoint)
+    if relay_port is not None:
+        reach.server, reach.relay_address = start_relay_service(host, relay_port, announced_host)
+    if is_first or reach.server is not None:
+        return reach  # nobody to ask yet / a relay must be reachable itself (checked by whoever uses it)
+    found = _wait_for_relays(relays, RELAY_WAIT_S if not endpoint else 3.0)
+    if not found:
+        if not endpoint:
+            raise ReachabilityError(
+                "--host 0.0.0.0 without --announce needs a relay in the swarm to learn this peer's address, and "
+                "no peer offers one (--relay-port); add --announce PUBLIC_IP:PORT")
+        log.info("no relay in the swarm: publishing %s unchecked", endpoint)
+        return reach
+    check_port = int(announce.rpartition(":")[2]) if announce else port
+    try:
+        is_open, seen_ip = check_reachable(found[0], check_port)
+    except (OSError, ValueError) as exc:
+        log.warning("reachability check through relay %s failed (%s); publishing %s", found[0], exc, endpoint)
+        if not endpoint:
+            raise ReachabilityError(f"cannot reach relay {found[0]} to learn this peer's address: {exc}") from None
+        return reach
+    if is_open and (not announced_host or announced_host == seen_ip):
+        reach.endpoint = endpoint or f"{seen_ip}:{port}"
+        log.info("reachability: relay %s dialled %s:%d back; publishing %s", found[0], seen_ip, check_port,
+                 reach.endpoint)
+        return reach
+    if announced_host and announced_host != seen_ip:
+        log.info("reachability: the relay sees this peer as %s, not the announced %s; trusting --announce",
+                 seen_ip, announced_host)
+        return reach
+    local_target = f"127.0.0.1:{port}" if host in WILDCARDS else f"{host}:{port}"
+    agent = RelayAgent(identity, found[:MAX_RELAYS], local_target)
+    agent.start()
+    registered = agent.wait_registered(RELAY_WAIT_S)
+    if not registered:
+        agent.close()
+        raise ReachabilityError(f"nobody can dial this peer at {seen_ip}:{check_port} and no relay accepted it "
+                                f"({', '.join(found[:MAX_RELAYS])})")
+    reach.agent, reach.reachable = agent, False
+    reach.endpoint = f"{identity.peer_id}@{registered[0]}"
+    log.info("reachability: nobody can dial %s:%d (behind NAT?); reached through relay %s", seen_ip, check_port,
+             registered[0])
+    return reach
+
+
+def _wait_for_relays(relays: Callable[[], list[str]], timeout_s: float) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = relays()
+        if found or time.monotonic() >= deadline:
+            random.shuffle(found)  # spread NAT'd peers over the relays
+            return found
+        time.sleep(0.5)
