@@ -51,6 +51,10 @@ class SwarmOptions:
     timeout_s: float = 900.0
     log_dir: str | None = None
     heartbeat_s: float = 1.0
+    model: str = ""  # a Hugging Face model (preset, config.json, folder); "": the byte GPT
+    tokenizer: str = ""
+    data: str = "stdlib"
+    text_field: str = "text"
 
 
 def spread_devices(cluster: Cluster, n: int) -> list[int]:
@@ -69,11 +73,19 @@ def spread_devices(cluster: Cluster, n: int) -> list[int]:
     return out
 
 
+def _absolute(value: str) -> str:
+    """A path that exists, made absolute; anything else (a preset name, "stdlib", "") unchanged."""
+    return str(Path(value).resolve()) if value and Path(value).exists() else value
+
+
 def write_config(opts: SwarmOptions, folder: Path, devices: list[int], save_dir: Path) -> Path:
     cfg = RunConfig()
     cfg.run.run_id, cfg.run.steps, cfg.run.seed = "swarm", opts.steps, opts.seed
     cfg.run.micro_batch, cfg.run.n_microbatches = opts.micro_batch, opts.n_microbatches
     cfg.model.n_layers, cfg.model.d_model, cfg.model.seq_len = opts.n_layers, opts.d_model, opts.seq_len
+    cfg.model.config = _absolute(opts.model)  # peers run in other folders: paths must not be relative
+    cfg.run.tokenizer, cfg.run.corpus = _absolute(opts.tokenizer), _absolute(opts.data)
+    cfg.run.text_field = opts.text_field
     cfg.swarm.min_peers, cfg.swarm.stages, cfg.swarm.heartbeat_s = opts.peers, opts.stages, opts.heartbeat_s
     cfg.swarm.save_dir = str(save_dir)
     cfg.emulation.scenario, cfg.emulation.devices = opts.scenario, devices

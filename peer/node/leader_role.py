@@ -427,6 +427,7 @@ class LeaderRole:
         }
         run = {
             "config": self.config.public_dict(),
+            "spec": self.spec.to_dict(),  # the resolved model (config dict), what `peer export` reads
             "stages": self.driver.stages,
             "peers": peers,
             "plan": self.driver.events.replans[-1] if self.driver.events.replans else None,
