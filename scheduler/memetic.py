@@ -32,7 +32,7 @@ from scipy.optimize import linear_sum_assignment
 from .layout import best_pipelines
 from .search import EPS, DtfmObjective, Objective, SearchResult, better
 from .seeding import sorted_seeds
-from .sweep import trial_all
+from .sweep import trial_some
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +48,11 @@ class MemeticConfig:
     generations: int = 60
     stop_after: int = 25  # generations without a new best that end the search (0: never)
     max_evaluations: int = 5_000_000
-    population: int = 6
+    population: int = 6  # halved above 256 slots, where a local search costs seconds
     stall_per_position: float = 1.5  # non-improving swaps (x devices) that end a swap local search
     sweep_stall_frac: float = 0.25  # non-improving sweeps (x slots) that end a sweep local search (dtfm)
+    sweep_stall_max: int = 32  # ... but at most this many: large scenarios gain more from kicks than from waiting
+    sweep_candidates: int = 128  # partners tried per sweep: all when N - 1 is at most this, else a random sample
     child_kicks: int = 1  # kicked re-descents of each child (iterated local search inside the improvement)
     kick_swaps: int = 3
     restart_after: int = 12  # generations without a new best before the worse half is re-seeded
@@ -77,6 +79,7 @@ class Memetic:
         self.evals = 0
         self.stall_limit = max(40, int(cfg.stall_per_position * n_devices))
         self.min_dist = max(2, int(cfg.min_distance_frac * self.n_slots))
+        self.size = cfg.population if self.n_slots <= 256 else max(2, cfg.population // 2)
         self.best_key: tuple[float, float] = (float("inf"), float("inf"))
         self.best_x: np.ndarray | None = None
         self.found_s = 0.0
@@ -121,15 +124,21 @@ class Memetic:
         assert isinstance(obj, DtfmObjective)
         obj.reset(x)
         stall = 0
-        limit = max(8, int(self.cfg.sweep_stall_frac * self.n_slots))
+        limit = max(8, min(self.cfg.sweep_stall_max, int(self.cfg.sweep_stall_frac * self.n_slots)))
         while stall < limit and not self.done():
             p = obj.critical(rng) if rng.random() < 0.7 else int(rng.integers(self.n_slots))
-            totals, softs = trial_all(obj, p)
-            self.evals += self.n - 1
+            if self.n - 1 > self.cfg.sweep_candidates:
+                cand = rng.choice(self.n - 1, size=self.cfg.sweep_candidates, replace=False)
+                cand += cand >= p
+            else:
+                cand = np.delete(np.arange(self.n), p)
+            totals, softs = trial_some(obj, p, cand)
+            self.evals += len(cand)
             lo = totals.min()
             tied = np.flatnonzero(totals <= lo + EPS * max(1.0, abs(lo)))
-            q = int(tied[np.argmin(softs[tied])])
-            if better((float(totals[q]), float(softs[q])), (obj.total, obj.soft)):
+            i = int(tied[np.argmin(softs[tied])])
+            q = int(cand[i])
+            if better((float(totals[i]), float(softs[i])), (obj.total, obj.soft)):
                 obj.trial(p, q)
                 obj.commit()
                 stall = 0
@@ -285,14 +294,14 @@ class Memetic:
             scored.append(((self.obj.total, self.obj.soft), name, x))
         scored.sort(key=lambda t: t[0])
         start_name = scored[0][1]
-        for _, name, x in scored[: cfg.population]:
+        for _, name, x in scored[: self.size]:
             if self.done() and pop:
                 break
             key, bx = self.improve(x)
             names[len(pop)] = name
             self._insert(pop, key, bx)
         tries = 0
-        while len(pop) < cfg.population and not self.done() and tries < 3 * cfg.population:
+        while len(pop) < self.size and not self.done() and tries < 3 * self.size:
             tries += 1  # small instances may have fewer distinct local optima than the population's size
             base = pop[int(rng.integers(len(pop)))][1]
             self._insert(pop, *self.improve(self.kick(base, max(cfg.kick_swaps, self.n_slots // 8))))
@@ -316,7 +325,7 @@ class Memetic:
                 keep = pop[: max(1, len(pop) // 2)]
                 pop[:] = keep
                 tries = 0
-                while len(pop) < cfg.population and not self.done() and tries < 3 * cfg.population:
+                while len(pop) < self.size and not self.done() and tries < 3 * self.size:
                     tries += 1
                     y = self.kick(keep[0][1], max(cfg.kick_swaps, self.n_slots // 4))
                     self._insert(pop, *self.improve(y))
@@ -352,7 +361,7 @@ class Memetic:
                 if better(key, kk):
                     pop[k] = (key, x)
                 return
-        if len(pop) < self.cfg.population:
+        if len(pop) < self.size:
             pop.append((key, x))
             return
         worst = max(range(len(pop)), key=lambda k: pop[k][0])

@@ -2,12 +2,13 @@
 
 The memetic search's local step moves one device at a time to its best partner. Evaluating the N - 1 swaps of
 a slot one by one costs N - 1 rounds of Python overhead; here they are a few dozen numpy operations on
-(D x N) and (S x N) arrays, about ten times cheaper per swap, with exactly the values of
+(D x K) and (S x K) arrays for K candidates (all N - 1, or a random sample on large scenarios), about ten
+times cheaper per swap, with exactly the values of
 :meth:`search.DtfmObjective.trial` (tested):
 
 * the group of ``p`` (stage s, pipeline r) swaps its device a for the candidate's device b: every member's row
   sum changes by ``dp[i, b] - dp[i, a]`` and the newcomer's row is its sum to the rest;
-* a candidate in another group s' (pipeline r') receives a the same way, one (D x D) table per group;
+* a candidate in another group s' (pipeline r') receives a the same way, one row of D per candidate;
 * every hop's new max is the max of its unchanged entries (top three kept, since at most two rows of a hop
   change) and its changed entries; the soft cost follows from the 4th-power sums.
 """
@@ -33,14 +34,24 @@ def _max_excluding(vals: np.ndarray, idx: np.ndarray, ex1: np.ndarray, ex2: np.n
 
 def trial_all(obj: DtfmObjective, p: int) -> tuple[np.ndarray, np.ndarray]:
     """(total, soft) of swapping slot ``p`` with each position 0..N-1 (``p`` itself: +inf)."""
+    n = len(obj.x)
+    cand = np.delete(np.arange(n), p)
+    t, sft = trial_some(obj, p, cand)
+    total, soft = np.full(n, np.inf), np.full(n, np.inf)
+    total[cand], soft[cand] = t, sft
+    return total, soft
+
+
+def trial_some(obj: DtfmObjective, p: int, cand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(total, soft) of swapping slot ``p`` with each position of ``cand`` (which must not hold ``p``)."""
     x, n_st, n_rep, ns = obj.x, obj.n_st, obj.n_rep, obj.n_slots
-    n = len(x)
+    k = len(cand)
     dp, pp = obj.pairs.dp, obj.pairs.pp
     s, r = p % n_st, p // n_st
     a = int(x[p])
     m = x[:ns].reshape(n_rep, n_st)
-    qpos = np.arange(n)
-    b = x
+    qpos = np.asarray(cand, dtype=int)
+    b = x[qpos]
     is_slot = qpos < ns
     qs = np.where(is_slot, qpos % n_st, -1)
     qr = np.where(is_slot, qpos // n_st, 0)
@@ -52,37 +63,33 @@ def trial_all(obj: DtfmObjective, p: int) -> tuple[np.ndarray, np.ndarray]:
     # ---------------------------------------------------------------- DP term
     if n_rep > 1:
         g = m[:, s]
-        new_s = (obj.dps[s] - dp[g, a])[:, None] + dp[np.ix_(g, b)]
+        new_s = (obj.dps[s] - dp[g, a])[:, None] + dp[np.ix_(g, b)]  # (D, K): p's group with b for a
         new_s[r, :] = dp[np.ix_(b, g)].sum(axis=1) - dp[b, a]
         max_s = new_s.max(axis=0)
         four_s = (new_s ** SOFT_POWER).sum(axis=0)
-        groups = m.T  # (S, D)
-        dpa = dp[groups, a]  # (S, D)
-        tab = obj.dps[:, :, None] - dp[groups[:, :, None], groups[:, None, :]] + dpa[:, :, None]
-        diag = np.arange(n_rep)
-        arow = dp[a, groups]  # a's entries to each member (dp need not be symmetric)
-        tab[:, diag, diag] = arow.sum(axis=1)[:, None] - arow
-        max_o = np.full(n, -np.inf)
-        four_o = np.zeros(n)
-        max_o[:ns] = tab.max(axis=1).T.reshape(-1)  # position r' * S + t
-        four_o[:ns] = ((tab ** SOFT_POWER).sum(axis=1) - obj.d4[:, None]).T.reshape(-1)
+        # a candidate's own group t receives a for b: (K, D)
+        gq = m.T[qs0]  # members of each candidate's group
+        new_o = obj.dps[qs0] - dp[gq, b[:, None]] + dp[gq, a]
+        new_o[np.arange(k), qr] = dp[a, gq].sum(axis=1) - dp[a, b]
+        max_o = np.where(other, new_o.max(axis=1), -np.inf)
+        four_o = np.where(other, (new_o ** SOFT_POWER).sum(axis=1) - obj.d4[qs0], 0.0)
         top = np.argsort(-obj.dmax)[:3]
         rest = _max_excluding(obj.dmax[top][None, :], top[None, :], np.array([[s]]),
                               np.where(other, qs, -1)[None, :])[0]
-        dp_new = np.maximum(np.maximum(max_s, np.where(other, max_o, -np.inf)), rest)
-        d4_new = obj.d4.sum() - obj.d4[s] + four_s + np.where(other, four_o, 0.0)
+        dp_new = np.maximum(np.maximum(max_s, max_o), rest)
+        d4_new = obj.d4.sum() - obj.d4[s] + four_s + four_o
         dp_new = np.where(same, obj.dmax.max(), dp_new)
         d4_new = np.where(same, obj.d4.sum(), d4_new)
         soft_dp = (np.maximum(d4_new, 0.0) / ns) ** p4
     else:
-        dp_new, soft_dp = np.zeros(n), np.zeros(n)
+        dp_new, soft_dp = np.zeros(k), np.zeros(k)
 
     # ---------------------------------------------------------------- PP term
-    pp_new, soft_pp = np.zeros(n), np.zeros(n)
+    pp_new, soft_pp = np.zeros(k), np.zeros(k)
     if n_st > 1:
         hops = np.arange(n_st - 1)[:, None]
-        new_vals = np.full((n_st - 1, n), -np.inf)
-        four = np.repeat(obj.h4[:, None], n, axis=1)
+        new_vals = np.full((n_st - 1, k), -np.inf)
+        four = np.repeat(obj.h4[:, None], k, axis=1)
         # p side: row r, hops s-1 (left neighbour -> b) and s (b -> right neighbour); a neighbour that is q
         # itself becomes a.
         if s > 0:
@@ -114,13 +121,10 @@ def trial_all(obj: DtfmObjective, p: int) -> tuple[np.ndarray, np.ndarray]:
         soft_pp = ((np.maximum(four, 0.0) / n_rep) ** p4).sum(axis=0)
 
     # ------------------------------------------------------------- penalties
-    pen = np.full(n, obj.pen)
+    pen = np.full(k, obj.pen)
     if obj.slot_cost is not None:
         sc = obj.slot_cost
         pen += sc[b, s] - sc[a, s]
         pen += np.where(is_slot, sc[a, qs0] - sc[b, qs0], 0.0)
 
-    total = dp_new + 2.0 * pp_new + pen
-    soft = soft_dp + 2.0 * soft_pp
-    total[p], soft[p] = np.inf, np.inf
-    return total, soft
+    return dp_new + 2.0 * pp_new + pen, soft_dp + 2.0 * soft_pp
