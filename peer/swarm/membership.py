@@ -84,8 +84,10 @@ class Membership:
     """Announce this peer, keep it alive, and read who else is alive.
 
     ``dht`` must sign with ``identity`` (``peer.swarm.dht.start_dht``). ``secret`` is the swarm's join
-    secret or None. Every DHT call waits at most ``timeout_s``; a read that times out returns what the
-    previous successful read returned, so one slow round does not make the whole swarm "disappear".
+    secret or None. Every DHT call waits at most ``timeout_s``; a read that times out, or that misses our own
+    live advert (so it is incomplete), returns what the previous complete read returned minus what has expired
+    since, so one slow round does not make the whole swarm "disappear" and a partitioned-away peer still
+    disappears after its advert's lifetime.
     """
 
     def __init__(
@@ -243,8 +245,9 @@ class Membership:
     def live_entries(self) -> list[PeerEntry]:
         """Live peers with heartbeat times, sorted by peer id (expired, departed and malformed dropped)."""
         records = self.store.get_all("peers")
+        at = now()
         if records is None:
-            return list(self._last_entries)
+            return self._unexpired(at)
         entries = []
         for record in records:
             payload = record.payload
@@ -266,8 +269,20 @@ class Membership:
                 continue
             entries.append(PeerEntry(advert, float(heartbeat_at), record.expires_at, found))
         entries.sort(key=lambda entry: entry.advert.peer_id)
+        with self._lock:
+            announced = self._advert is not None
+        if announced and self._last_expiry > at and not any(e.advert.peer_id == self.peer_id for e in entries):
+            # our own advert is stored and alive, so a read without it is incomplete (a DHT whose other nodes
+            # do not answer, e.g. under a partition): keep the previous view, minus what has expired since
+            logger.info("incomplete read of %s (our own advert is missing); keeping the previous view",
+                        self.store.key("peers"))
+            return self._unexpired(at)
         self._last_entries = entries
         return list(entries)
+
+    def _unexpired(self, at: float) -> list[PeerEntry]:
+        self._last_entries = [entry for entry in self._last_entries if entry.expires_at >= at]
+        return list(self._last_entries)
 
     def live_peers(self) -> list[Advert]:
         """Adverts of the live peers, sorted by peer id."""
