@@ -210,7 +210,7 @@ def plan(cluster: Cluster, workload: Workload, cost_model: str = "full", seed: i
                   "seconds": round(res.seconds, 4), "cpu_seconds": round(cpu, 4),
                   "evaluations": res.evaluations, "seed": seed, "start": res.start, "stages": n_st,
                   "replicas": n_rep, "idle_devices": [int(x) for x in res.spares],
-                  "lower_bound": round(bound, 6), "gap": round(gap(total, bound), 6)}
+                  "lower_bound": float(f"{bound:.6g}"), "gap": round(gap(total, bound), 6)}
     if algorithm == "memetic":
         out.search["generations"] = res.generations
     return out

@@ -111,7 +111,10 @@ class Memetic:
     # ------------------------------------------------------------ local search
     def descend(self, x: np.ndarray) -> None:
         """Local search to a local optimum, then exact re-piping; the result is left in ``obj``."""
-        if isinstance(self.obj, DtfmObjective):
+        if self.n < 2:  # one device: nothing to swap
+            self.obj.reset(x)
+            self.evals += 1
+        elif isinstance(self.obj, DtfmObjective):
             self._descend_sweeps(x)
         else:
             self._descend_swaps(x)
@@ -178,6 +181,8 @@ class Memetic:
 
     def kick(self, x: np.ndarray, swaps: int) -> np.ndarray:
         y = x.copy()
+        if self.n < 2:
+            return y
         for _ in range(swaps):
             a = int(self.rng.integers(self.n_slots))
             b = int(self.rng.integers(self.n - 1))

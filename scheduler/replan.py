@@ -139,7 +139,7 @@ def replan(cluster: Cluster, workload: Workload, current: Plan, cost_model: str 
     out.search = {"algorithm": f"tasklet-{algorithm}-replan", "seconds": round(res.seconds, 4),
                   "cpu_seconds": round(time.process_time() - cpu0, 4), "evaluations": res.evaluations,
                   "seed": seed, "start": res.start, "stages": n_st, "replicas": n_rep,
-                  "idle_devices": [int(x) for x in res.spares], "lower_bound": round(bound, 6),
+                  "idle_devices": [int(x) for x in res.spares], "lower_bound": float(f"{bound:.6g}"),
                   "gap": round(gap(total, bound), 6)}
     return out
 
