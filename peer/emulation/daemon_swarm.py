@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from peer.compute.textdata import load_corpus
 from peer.config import RunConfig
 from peer.emulation.procs import PeerProcesses
+from peer.node.planning import check_model_fits
 from peer.observe.progress import ProgressDisplay
 from peer.swarm.status import StatusReader
 from scheduler import Cluster
@@ -105,6 +107,9 @@ def run_swarm(opts: SwarmOptions, say: Callable[[str], None] = print) -> int:
     log_dir = Path(opts.log_dir) if opts.log_dir else work / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     config = write_config(opts, work, devices, save_dir)
+    spec = RunConfig.load(config).spec()  # bad model, tokenizer or data files: one line, before any peer starts
+    check_model_fits(spec, [float(cluster.memory_bytes[d]) for d in devices])
+    load_corpus(spec.corpus, spec.tokenizer, spec.text_field, spec.model)  # also tokenizes once into the cache
     regions = [cluster.regions[d] for d in devices]
     say(
         f"swarm: {opts.peers} peers emulating {cluster.name} devices {devices} (regions {', '.join(regions)}); "

@@ -18,12 +18,14 @@ from pathlib import Path
 
 import numpy as np
 
+from peer.compute.hf import HFModelSpec
 from peer.config import EmulationSection
 from peer.runtime.driver import Pipelines, Planner, Stages
 from peer.runtime.spec import RunSpec
 from peer.swarm.adverts import Advert, LinkReport
 from scheduler import Cluster, PlanningError, Workload, plan
 from scheduler.cluster import default_scenarios_path, load_scenario
+from scheduler.model_workload import from_hf_config
 
 log = logging.getLogger(__name__)
 
@@ -32,12 +34,31 @@ DEFAULT_DELAY_S = 0.02
 
 
 def workload_for(spec: RunSpec, stages: int | None = None, replicas: int | None = None) -> Workload:
-    """The scheduler's description of the run's model and batch (4-byte params, activations in fp32/bf16)."""
+    """The scheduler's description of the run's model and batch (4-byte params, activations in fp32/bf16);
+    a Hugging Face model's figures come from its config (``scheduler.model_workload``)."""
     m = spec.model
+    if isinstance(m, HFModelSpec):
+        return from_hf_config(m.config, m.seq_len, spec.micro_batch, spec.n_microbatches, spec.precision,
+                              stages, replicas, name=m.source)
     act_bytes = 4 if spec.precision == "fp32" else 2
     return Workload.gpt(n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, seq_len=m.seq_len,
                         vocab=m.vocab_size, micro_batch=spec.micro_batch, n_microbatches=spec.n_microbatches,
                         stages=stages, replicas=replicas, param_bytes=4, act_bytes=act_bytes)
+
+
+def check_model_fits(spec: RunSpec, memory_bytes: list[float]) -> None:
+    """Refuse, before anything trains, a model whose smallest possible first or last stage (one layer, with the
+    embeddings or the head, one micro-batch in flight) fits none of the devices."""
+    if not memory_bytes:
+        return
+    w, largest = workload_for(spec), max(memory_bytes)
+    n = w.n_layers
+    for what, (a, b) in (("layer 0 with the embeddings", (0, 1)), (f"layer {n - 1} with the head", (n - 1, n))):
+        need = w.stage_memory_bytes(a, b, in_flight=1)
+        if need > largest:
+            source = getattr(spec.model, "source", "") or "[model]"
+            raise PlanningError("memory_gb", f"{source}: the smallest stage ({what}) needs {need / 1e9:.2f} GB at "
+                                f"{spec.precision}, the largest device has {largest / 1e9:.2f} GB")
 
 
 @dataclass

@@ -116,3 +116,11 @@ class Checkpoint:
                 raise ModelSourceError(f"{path}: cannot read tensors ({exc})") from None
         log.info("checkpoint %s: read %d tensor(s) from %d file(s)", self.folder, len(out), len(by_file))
         return out
+
+
+def model_fingerprint(config: dict, checkpoint: Checkpoint | None) -> str:
+    """sha256 of the model config (sorted JSON) and, when there is one, of the checkpoint's index."""
+    h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    if checkpoint is not None:
+        h.update(checkpoint.fingerprint().encode())
+    return h.hexdigest()

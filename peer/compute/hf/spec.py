@@ -15,7 +15,6 @@ is the same at step 0, and the exported config says ``tie_word_embeddings: false
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -23,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from peer.compute.hf.checkpoint import Checkpoint, has_weights
+from peer.compute.hf.checkpoint import Checkpoint, has_weights, model_fingerprint
 from peer.compute.hf.families import Family, ModelSourceError, family_of, shape_value
 from peer.compute.hf.presets import PRESETS
 
@@ -118,13 +117,6 @@ class HFModelSpec:
 
         module = HFStageModule(self, first_layer, last_layer, materialise=False)
         return [(n, p.shape) for n, p in module.named_parameters()]
-
-
-def model_fingerprint(config: dict[str, Any], checkpoint: Checkpoint | None) -> str:
-    h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
-    if checkpoint is not None:
-        h.update(checkpoint.fingerprint().encode())
-    return h.hexdigest()
 
 
 def _read_config(path: Path) -> dict[str, Any]:

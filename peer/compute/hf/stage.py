@@ -16,17 +16,14 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from peer.compute.hf.checkpoint import Checkpoint
+from peer.compute.hf.checkpoint import Checkpoint, model_fingerprint
 from peer.compute.hf.families import ModelSourceError
 from peer.compute.model import component_seed
-
-if TYPE_CHECKING:
-    from peer.compute.hf.spec import HFModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +32,8 @@ class HFStageModule(nn.Module):
     """Layers ``[first_layer, last_layer)`` of a transformers model; ``forward`` like the byte GPT's stage:
     int64 ids ``[B, T]`` in on the first stage, hidden states ``[B, T, d]`` elsewhere; logits out of the last."""
 
-    def __init__(self, spec: HFModelSpec, first_layer: int, last_layer: int, materialise: bool = True) -> None:
+    def __init__(self, spec: Any, first_layer: int, last_layer: int, materialise: bool = True) -> None:
+        # spec: a peer.compute.hf.spec.HFModelSpec (not imported here: spec.py builds stages, one direction)
         super().__init__()
         from transformers import AutoModelForCausalLM
 
@@ -109,8 +107,6 @@ class HFStageModule(nn.Module):
                 param.copy_(values)
 
     def _load(self, ckpt: Checkpoint) -> None:
-        from peer.compute.hf.spec import model_fingerprint
-
         mine = model_fingerprint(self.spec.config, ckpt)
         if self.spec.fingerprint and mine != self.spec.fingerprint:
             raise ModelSourceError(f"{ckpt.folder}: this peer's checkpoint (fingerprint {mine[:12]}) differs from "
@@ -177,7 +173,7 @@ class HFStageModule(nn.Module):
         return h
 
 
-def full_model(spec: HFModelSpec) -> nn.Module:
+def full_model(spec: Any) -> nn.Module:
     """The whole transformers model with the weights a one-stage split of ``spec`` starts from (the reference)."""
     from transformers import AutoModelForCausalLM
 
