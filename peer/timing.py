@@ -76,6 +76,7 @@ RUN_RECORD_MIN_TTL_S = 60.0  # the run record lives max(advert lifetime, this) a
 DHT_CALL_TIMEOUT_S = 5.0  # every DHT get/put of a record store
 DHT_STARTUP_TIMEOUT_S = 10.0  # the DHT node must answer within this at start-up
 MAX_CLOCK_SKEW_S = 1.0  # a joiner whose clock differs from the swarm's by more than this is refused
+DHT_RECONNECT_HEARTBEATS = 5  # re-ping the DHT nodes a peer joined through (heals a partitioned DHT)
 
 # -- the daemon's control loop ---------------------------------------------------------------------------
 TICKS_PER_HEARTBEAT = 2  # the control loop ticks every heartbeat / 2

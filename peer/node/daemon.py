@@ -33,13 +33,14 @@ from peer.observe.node import NodeObserver, ObserveError, ObserveOptions
 from peer.observe.snapshot import SwarmSource
 from peer.runtime.worker import StageWorker
 from peer.swarm.adverts import Advert, LinkReport
-from peer.swarm.dht import DHTConfig, DHTStartError, start_dht, visible_maddrs
+from peer.swarm.dht import DHTConfig, DHTStartError, reconnect, start_dht, visible_maddrs
 from peer.swarm.election import elect_leader
 from peer.swarm.identity import Identity
 from peer.swarm.membership import ClockSkewError, Membership, PeerEntry, SwarmSecretError, verify_swarm_secret
 from peer.swarm.plans import PlanBoard, PlanRecord
 from peer.swarm.progress import ProgressBoard
 from peer.timing import (
+    DHT_RECONNECT_HEARTBEATS,
     HEARTBEAT_S,
     JOINER_RUN_WAIT_S,
     LEADER_CONFIRM_TICKS,
@@ -359,6 +360,8 @@ class PeerDaemon:
             self.done.set()
             return
         self._ticks += 1
+        if self.dht_peers and self._ticks % (TICKS_PER_HEARTBEAT * DHT_RECONNECT_HEARTBEATS) == 0:
+            reconnect(self.dht, self.dht_peers)  # a partitioned DHT merges again once the network heals
         if self._ticks % TICKS_PER_HEARTBEAT == 0:  # once a heartbeat is enough to notice the end of the run
             progress = self.latest_progress()
             if self.observer is not None:

@@ -8,12 +8,16 @@ daemon's message into a :class:`DHTStartError` that says what to fix.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import hivemind
+from hivemind.p2p import PeerID
+from hivemind.utils.multiaddr import Multiaddr
 
 from peer.swarm.identity import Identity
 from peer.timing import DHT_STARTUP_TIMEOUT_S
@@ -118,3 +122,34 @@ def _stop(dht: hivemind.DHT) -> None:
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:
     """The multiaddrs other peers can pass to ``--dht`` to join through this node."""
     return [str(maddr) for maddr in dht.get_visible_maddrs()]
+
+
+def reconnect(dht: hivemind.DHT, maddrs: Sequence[str]) -> None:
+    """Dial and ping these DHT nodes again, in the background, without waiting.
+
+    A node drops peers that stopped answering from its routing table; after a network partition heals
+    neither side would look for the other again. Re-pinging the nodes a peer bootstrapped from (the daemon
+    does it every ``peer.timing.DHT_RECONNECT_HEARTBEATS``) puts them back into each other's routing table,
+    and the DHT merges. A node that answers already costs one ping.
+    """
+    targets = []
+    for maddr in maddrs:
+        try:
+            address = Multiaddr(maddr)
+            targets.append((PeerID.from_base58(address["p2p"]), address))
+        except Exception:  # a bad address was refused at start-up already; nothing to re-dial
+            continue
+    if not targets:
+        return
+
+    async def ping_all(_dht: hivemind.DHT, node: hivemind.DHTNode) -> None:
+        async def ping(peer_id: PeerID, address: Multiaddr) -> None:
+            try:
+                await node.p2p._client.connect(peer_id, [address])  # hivemind has no public "dial again"
+            except Exception:
+                logger.debug("re-dialling %s failed", address, exc_info=True)
+            await node.protocol.call_ping(peer_id, validate=False, strict=False)
+
+        await asyncio.gather(*(ping(peer_id, address) for peer_id, address in targets))
+
+    dht.run_coroutine(ping_all, return_future=True)
