@@ -87,8 +87,14 @@ def set_local_relay(lookup: Callable[[str], str | None] | None) -> None:
 
 
 def dial_plan(endpoint: str) -> tuple[str, str, str | None, str]:
-    """(gRPC target, service route, HTTP proxy address or None, path kind) for a client of ``endpoint``."""
-    ep = parse_endpoint(endpoint)
+    """(gRPC target, service route, HTTP proxy address or None, path kind) for a client of ``endpoint``.
+
+    A string that is no endpoint is handed to gRPC as it is: its calls then fail as unreachable, like any
+    address nobody answers at (callers probe endpoints of peers that may have left)."""
+    try:
+        ep = parse_endpoint(endpoint)
+    except EndpointError:
+        return endpoint, "", None, PATH_DIRECT
     if not ep.relayed:
         return ep.address, ep.route, None, PATH_DIRECT
     lookup = _local_relay

@@ -6,10 +6,12 @@ joined the DHT and started its worker:
 
 1. A peer with ``--relay-port`` runs a :class:`~peer.net.relay.RelayServer` for peers behind NAT, and any
    client in this process reaches a peer registered there through it (connection reversal).
-2. A joiner asks a relay of the swarm to dial its announced port back (``CHECK``, peer.net.relay). Open:
-   it is reachable and publishes ``--announce`` (or, without one, the address the relay saw). Closed: it
-   registers with up to :data:`MAX_RELAYS` relays and publishes ``PEERID@RELAY:PORT`` (peer.net.endpoint).
-   With no relay in the swarm nothing can be checked, and the announced address is published as before.
+2. A joiner asks a relay of the swarm to dial its announced port back at the address the relay sees it
+   come from (``CHECK``, peer.net.relay). Open: it is reachable and publishes that address (``--announce``
+   when it names the same host; otherwise the announced host was a container's or a LAN address that
+   others do not see, and the seen one is published). Closed: it registers with up to :data:`MAX_RELAYS`
+   relays and publishes ``PEERID@RELAY:PORT`` (peer.net.endpoint). With no relay in the swarm nothing can
+   be checked, and the announced address is published as before.
 """
 
 from __future__ import annotations
@@ -129,14 +131,13 @@ def establish(identity: Identity, host: str, port: int, announce: str | None, re
         if not endpoint:
             raise ReachabilityError(f"cannot reach relay {found[0]} to learn this peer's address: {exc}") from None
         return reach
-    if is_open and (not announced_host or announced_host == seen_ip):
-        reach.endpoint = endpoint or f"{seen_ip}:{port}"
+    if is_open:
+        reach.endpoint = endpoint if announced_host == seen_ip else f"{seen_ip}:{check_port}"
+        if endpoint and reach.endpoint != endpoint:
+            log.warning("reachability: others see this peer as %s, not the announced %s (a container's or LAN "
+                        "address?); publishing %s", seen_ip, announced_host, reach.endpoint)
         log.info("reachability: relay %s dialled %s:%d back; publishing %s", found[0], seen_ip, check_port,
                  reach.endpoint)
-        return reach
-    if announced_host and announced_host != seen_ip:
-        log.info("reachability: the relay sees this peer as %s, not the announced %s; trusting --announce",
-                 seen_ip, announced_host)
         return reach
     local_target = f"127.0.0.1:{port}" if host in WILDCARDS else f"{host}:{port}"
     agent = RelayAgent(identity, found[:MAX_RELAYS], local_target)
