@@ -14,6 +14,7 @@ import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import hivemind
 from hivemind.p2p import PeerID
@@ -132,24 +133,23 @@ def reconnect(dht: hivemind.DHT, maddrs: Sequence[str]) -> None:
     does it every ``peer.timing.DHT_RECONNECT_HEARTBEATS``) puts them back into each other's routing table,
     and the DHT merges. A node that answers already costs one ping.
     """
-    targets = []
-    for maddr in maddrs:
+    if maddrs:
+        dht.run_coroutine(partial(_ping_all, maddrs=tuple(maddrs)), return_future=True)
+
+
+async def _ping_all(_dht: hivemind.DHT, node: hivemind.DHTNode, maddrs: tuple[str, ...]) -> None:
+    """Runs inside the DHT's process (so it must be a module-level function: it is pickled there)."""
+
+    async def ping(maddr: str) -> None:
         try:
             address = Multiaddr(maddr)
-            targets.append((PeerID.from_base58(address["p2p"]), address))
+            peer_id = PeerID.from_base58(address["p2p"])
         except Exception:  # a bad address was refused at start-up already; nothing to re-dial
-            continue
-    if not targets:
-        return
+            return
+        try:
+            await node.p2p._client.connect(peer_id, [address])  # hivemind has no public "dial again"
+        except Exception:
+            logger.debug("re-dialling %s failed", maddr, exc_info=True)
+        await node.protocol.call_ping(peer_id, validate=False, strict=False)
 
-    async def ping_all(_dht: hivemind.DHT, node: hivemind.DHTNode) -> None:
-        async def ping(peer_id: PeerID, address: Multiaddr) -> None:
-            try:
-                await node.p2p._client.connect(peer_id, [address])  # hivemind has no public "dial again"
-            except Exception:
-                logger.debug("re-dialling %s failed", address, exc_info=True)
-            await node.protocol.call_ping(peer_id, validate=False, strict=False)
-
-        await asyncio.gather(*(ping(peer_id, address) for peer_id, address in targets))
-
-    dht.run_coroutine(ping_all, return_future=True)
+    await asyncio.gather(*(ping(maddr) for maddr in maddrs))
