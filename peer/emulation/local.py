@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from peer.emulation.procs import launch, read_line
+from peer.net.tls import TlsContext
 from peer.runtime.assign import LinkModel, build_assignments
 from peer.runtime.coordinator import Coordinator, ReplanNeededError, StepReport
 from peer.runtime.driver import DriverConfig, Pipelines, Planner, RunDriver, RunEvents, Stages
@@ -66,8 +67,11 @@ class LocalWorkers:
         log_dir: str | os.PathLike[str] | None = None,
         log_level: str = "WARNING",
         faults: dict[int, str] | None = None,
+        coordinator_cert: str = "",
     ) -> None:
         self.n = n
+        self.coordinator_cert = coordinator_cert  # the one peer that may assign the workers (one-line form)
+        self.certificates: dict[str, str] = {}  # endpoint -> certificate (one-line form) of each worker
         self.log_dir = Path(log_dir) if log_dir else None
         self.log_level = log_level
         self.faults = dict(faults or {})
@@ -104,6 +108,8 @@ class LocalWorkers:
         ]
         if i in self.faults:
             cmd += ["--fault", self.faults[i]]
+        if self.coordinator_cert:
+            cmd += ["--coordinator-cert", self.coordinator_cert]
         # not in a group of their own: a worker starts no children, and exits by itself when its parent dies
         proc, log = launch(cmd, self.log_dir / f"worker-{i}.log" if self.log_dir else None, own_group=False)
         if log is not None:
@@ -112,7 +118,9 @@ class LocalWorkers:
 
     def start(self) -> None:
         self.procs = [self._spawn(i) for i in range(self.n)]
-        self.endpoints = [_read_ready(proc, i) for i, proc in enumerate(self.procs)]
+        ready = [_read_ready(proc, i) for i, proc in enumerate(self.procs)]
+        self.endpoints = [ep for ep, _ in ready]
+        self.certificates = dict(ready)
 
     def add(self) -> int:
         """Start one more worker (a peer joining); return its device index. One add at a time."""
@@ -120,7 +128,7 @@ class LocalWorkers:
             i = len(self.procs)
             proc = self._spawn(i)
             try:
-                endpoint = _read_ready(proc, i)
+                endpoint, certificate = _read_ready(proc, i)
             except BaseException:
                 proc.kill()
                 proc.wait(timeout=5)
@@ -128,6 +136,7 @@ class LocalWorkers:
             with self._add_lock:  # live() must never see a process without its endpoint
                 self.procs.append(proc)
                 self.endpoints.append(endpoint)
+                self.certificates[endpoint] = certificate
                 self.n += 1
             return i
 
@@ -161,12 +170,13 @@ class LocalWorkers:
         self.procs, self._logs = [], []
 
 
-def _read_ready(proc: subprocess.Popen[str], i: int) -> str:
-    """Wait (bounded) for the worker's ``READY host:port`` line."""
+def _read_ready(proc: subprocess.Popen[str], i: int) -> tuple[str, str]:
+    """Wait (bounded) for the worker's ``READY host:port certificate`` line."""
     text = read_line(proc, READY_TIMEOUT_S, "READY ")
-    if not text:
+    if not text or len(text.split()) != 3:
         raise RuntimeError(f"worker {i} did not start within {READY_TIMEOUT_S:.0f} s (exit status {proc.poll()})")
-    return text.split()[1]
+    _, endpoint, certificate = text.split()
+    return endpoint, certificate
 
 
 def chunk_planner(live: list[int], stages: Stages | None, n_layers: int, n_stages: int) -> tuple[Stages, Pipelines]:
@@ -201,8 +211,9 @@ class LocalSwarm:
         self.spec = spec
         self.links = links
         self.forward_flops = forward_flops
-        self.coordinator = Coordinator(spec, liveness_interval_s=heartbeat_s)
-        self.workers = LocalWorkers(n_devices, log_dir=log_dir, faults=faults)
+        self.coordinator = Coordinator(spec, liveness_interval_s=heartbeat_s, tls=TlsContext.generate())
+        coordinator_cert = self.coordinator.tls.certificate_text
+        self.workers = LocalWorkers(n_devices, log_dir=log_dir, faults=faults, coordinator_cert=coordinator_cert)
         self.driver: RunDriver | None = None
 
     def __enter__(self) -> LocalSwarm:
@@ -234,6 +245,10 @@ class LocalSwarm:
             epoch=epoch,
             links=self.links,
             forward_flops=self.forward_flops,
+            certificates={
+                **self.workers.certificates,
+                self.coordinator.endpoint: self.coordinator.tls.certificate_text,
+            },
         )
 
     def train(

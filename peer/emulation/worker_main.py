@@ -1,6 +1,8 @@
 """Process entry of a local stage worker: ``python -m peer.emulation.worker_main --host 127.0.0.2``.
 
-Prints ``READY <host:port>`` on stdout once serving, then runs until the coordinator sends ``stop``, a
+Prints ``READY <host:port> <certificate>`` on stdout once serving (the certificate of its ephemeral identity, in
+peer.net.tls's one-line form; the launcher passes it on to the coordinator and into assignments), then runs
+until the coordinator sends ``stop``, a
 SIGTERM/SIGINT arrives, or the parent process dies — so a crashed test or launcher never leaves workers
 behind. It lives in the emulation package because ``--fault`` starts a deliberately broken worker
 (``peer.emulation.faults``); a real peer runs its worker inside ``peer start`` / ``peer join``.
@@ -17,6 +19,7 @@ import sys
 import torch
 
 from peer.emulation.faults import FAULTS, worker_class
+from peer.net.tls import TlsContext, peer_id_of_certificate, pem_from_text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,16 +32,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fault", choices=sorted(FAULTS), default=None,
                         help="testing aid: behave like a broken peer (nan-grad: send NaN gradients)")
     parser.add_argument("--log-level", default="WARNING", help="logging level (default: %(default)s)")
+    parser.add_argument("--coordinator-cert", default="",
+                        help="certificate (one-line form) of the coordinator that may assign this worker")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s {args.peer_id or 'worker'} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
     parent = os.getppid()
-    worker = worker_class(args.fault)(args.host, args.port, peer_id=args.peer_id)
+    tls = TlsContext.generate()
+    controllers: tuple[str, ...] = ()
+    if args.coordinator_cert:
+        coordinator = pem_from_text(args.coordinator_cert)
+        tls.trust_only([coordinator])
+        controllers = (peer_id_of_certificate(coordinator),)
+    worker = worker_class(args.fault)(args.host, args.port, peer_id=args.peer_id, tls=tls, controllers=controllers)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.stopped.set())
     endpoint = worker.start()
-    print(f"READY {endpoint}", flush=True)
+    print(f"READY {endpoint} {tls.certificate_text}", flush=True)
     try:
         while not worker.stopped.wait(0.5):
             if os.getppid() != parent:

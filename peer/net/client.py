@@ -85,6 +85,7 @@ class PeerClient:
         options: list[tuple[str, Any]] = list(self.config.grpc_options)
         if proxy is not None:
             options += [("grpc.http_proxy", f"http://{proxy}"), ("grpc.enable_http_proxy", 1)]
+        self.expect_peer = expect_peer
         self._channel = self._open_channel(target, options, expect_peer or self._relayed_peer(endpoint))
         service = service_name(route)
         # Push and Fetch move serialized Chunks as raw bytes (see protocol.chunking.encode_chunk).
@@ -114,15 +115,17 @@ class PeerClient:
         self._inflight = threading.BoundedSemaphore(self.config.max_inflight_pushes)
 
     def _open_channel(self, target: str, options: list[tuple[str, Any]], expect_peer: str) -> grpc.Channel:
-        """Mutual TLS (see peer.net.tls): our certificate; the server must present ``expect_peer``'s when that
-        peer's certificate is trusted here, else any trusted peer's. The name checked is the fixed peer name,
-        so the dialled address (direct, reversed or relayed) does not matter."""
+        """Mutual TLS (see peer.net.tls): our certificate; the server must present ``expect_peer``'s (or any
+        trusted peer's when none is expected). An expected peer whose certificate is not trusted here fails
+        closed: nobody else can answer for it. The name checked is the fixed peer name, so the dialled address
+        (direct, reversed or relayed) does not matter."""
         tls = self.config.tls
         if tls is None:
             return grpc.insecure_channel(target, options=options)
         pinned = tls.trust.certificate(expect_peer) if expect_peer else None
         if expect_peer and pinned is None:
-            logger.info("no trusted certificate for peer %s at %s; accepting any trusted peer", expect_peer, target)
+            logger.warning("no trusted certificate for peer %s (at %s): calls to it will fail", expect_peer, target)
+            pinned = tls.certificate  # only this peer itself could pass: fail closed
         return grpc.secure_channel(target, tls.channel_credentials(pinned), options=[*options, *tls.channel_options()])
 
     @staticmethod

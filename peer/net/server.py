@@ -58,7 +58,7 @@ PushHandler = Callable[[pb.Envelope], None]
 FetchHandler = Callable[[pb.FetchRequest], pb.Envelope]
 StatusProvider = Callable[[], dict[str, Any]]
 ReplyShaperLookup = Callable[[str], LinkShaper | None]
-PushLimit = Callable[[int], int]
+PushAdmission = Callable[[int, str], int]
 R = TypeVar("R")
 # A deadline further away than this (a day) counts as none: every peer call must be bounded.
 MAX_DEADLINE_S = 86_400.0
@@ -298,7 +298,7 @@ class PeerServer:
         self.port: int | None = None
         self.stats = {"pushes": 0, "push_bytes": 0, "fetches": 0, "probes": 0}
         self._per_peer: dict[str, int] = {}  # _lock: stream slots held per authenticated caller
-        self._push_limit: PushLimit | None = None
+        self._push_admission: PushAdmission | None = None
         self._handlers = _method_handlers(_Servicer(self))
         self._mounts: dict[str, PeerServer] = {}  # route -> server whose calls this one's port carries
         self._reserved_threads = 0
@@ -354,11 +354,12 @@ class PeerServer:
         if other is not None:
             other._host = None
 
-    def set_push_limit(self, limit: PushLimit) -> None:
-        """limit(kind) -> the largest Envelope of that Kind this peer accepts now (capped by max_envelope_bytes);
-        checked on the first chunk, before anything is buffered. E.g. a worker derives an activation's bound
-        from its run's model (see peer.runtime.bounds)."""
-        self._push_limit = limit
+    def set_push_admission(self, admit: PushAdmission) -> None:
+        """admit(kind, caller peer id) -> the largest Envelope of that Kind this caller may push now (capped by
+        max_envelope_bytes), or raise Forbidden when the caller has no role for it. Asked on the first chunk,
+        before anything is buffered: a peer without a role makes this one hold nothing. E.g. a worker derives an
+        activation's bound from its run's model and admits it only from its upstream neighbour."""
+        self._push_admission = admit
 
     def _release(self, caller: str) -> None:
         with self._lock:
@@ -440,8 +441,8 @@ class PeerServer:
             if asm is None:
                 announced = envelope_kind_prefix(chunk.payload)
                 limit = self.config.max_envelope_bytes
-                if self._push_limit is not None:
-                    limit = min(limit, self._push_limit(announced))
+                if self._push_admission is not None:
+                    limit = min(limit, self._push_admission(announced, caller))
                 if limit <= 0:
                     raise Rejected(f"envelope.kind: this peer takes no {_kind_name(announced)} messages now")
                 asm = Reassembler(limit, what=_kind_name(announced))

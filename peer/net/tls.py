@@ -136,11 +136,12 @@ class TrustStore:
         self.version = 0  # bumped on every change; the server re-reads the bundle when it moves
 
     def set_group(self, group: str, certificates: Iterable[bytes | str]) -> dict[str, bytes]:
-        """Replace a group with these certificates (invalid ones are logged and left out); return them by id."""
+        """Replace a group with these certificates (PEM, or one-line text; invalid ones are logged and left out);
+        return them by peer id."""
         entries: dict[str, bytes] = {}
         for cert in certificates:
-            pem = cert.encode() if isinstance(cert, str) else bytes(cert)
             try:
+                pem = pem_from_text(cert) if isinstance(cert, str) else bytes(cert)  # PEM or the one-line form
                 entries[peer_id_of_certificate(pem)] = _load(pem).public_bytes(serialization.Encoding.PEM)
             except CertificateError as exc:
                 logger.warning("trust group %s: certificate left out: %s", group, exc)

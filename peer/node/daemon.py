@@ -24,8 +24,9 @@ from peer.compute.data import CorpusError
 from peer.compute.device_probe import measure_device
 from peer.compute.textdata import load_corpus
 from peer.config import ConfigError, RunConfig
-from peer.net import PeerClient
+from peer.net import PeerClient, TransportConfig
 from peer.net.shaping import LinkShaper
+from peer.net.tls import TlsContext
 from peer.node.leader_role import LeaderContext, LeaderRole
 from peer.node.planning import EmulatedNetwork
 from peer.node.reachability import Reach, ReachabilityError, establish, refuse_undialable
@@ -93,6 +94,8 @@ class PeerDaemon:
         self.dht_peers = dht_peers
         self.config = config
         self.identity = Identity.load_or_create(opts.identity)
+        # mutual TLS with a certificate of the identity key; trust = peers with a live, verified advert
+        self.tls = TlsContext(self.identity)
         self.dht: Any = None
         self.worker: StageWorker | None = None
         self.membership: Membership | None = None
@@ -229,7 +232,9 @@ class PeerDaemon:
             o.port,
             peer_id=self.identity.peer_id,
             device="cpu" if o.device == "auto" and o.emulate_tflops else o.device,
+            tls=self.tls,
         )
+        self.worker.may_assign = self._may_assign
         self.worker.server.reserve_threads(COORDINATOR_THREADS)  # in case this peer leads (coordinator mounted)
         try:
             self.endpoint = self.worker.start()
@@ -275,6 +280,7 @@ class PeerDaemon:
             extra=extra,
             reachable=self.reach.reachable,
             relay=self.reach.relay_address,
+            cert=self.tls.certificate_text,
         )
         assert self.membership is not None
         self.membership.announce(self.advert)
@@ -341,6 +347,7 @@ class PeerDaemon:
         entries = [entry.advert for entry in seen]
         with self._live_lock:
             self._live = entries
+        self.tls.trust.set_group("swarm", [a.cert for a in entries if a.cert])  # adverts checked their certs
         self._update_links(entries)
         me = self.identity.peer_id
         leader = self._confirmed_leader(seen)
@@ -390,6 +397,13 @@ class PeerDaemon:
             links=self.membership.links,
             probe_links_now=self.probe_links_now,
         )
+
+    def _may_assign(self, caller: str) -> bool:
+        """Assignments come from the leader this peer elects (any live member until it has elected one)."""
+        elected = self.elected()
+        if elected is not None:
+            return caller == elected
+        return any(a.peer_id == caller for a in self.live_adverts())
 
     def elected(self) -> str | None:
         """The leader this peer elects now (not yet confirmed): the only peer whose plans it accepts."""
@@ -477,7 +491,8 @@ class PeerDaemon:
                 link = self._peer_link(a)
                 shaper = LinkShaper(*link) if link else None
                 try:
-                    with PeerClient(a.endpoint, shaper=shaper, sender=self.identity.peer_id) as client:
+                    with PeerClient(a.endpoint, TransportConfig(tls=self.tls), shaper=shaper,
+                                    sender=self.identity.peer_id, expect_peer=a.peer_id) as client:
                         path = client.path  # direct, reversed or relayed (peer.net.endpoint)
                         rtt = min(client.ping(timeout_s=PROBE_PING_TIMEOUT_S) for _ in range(3))
                         bw = client.probe(PROBE_BYTES, timeout_s=PROBE_TIMEOUT_S)

@@ -27,7 +27,7 @@ import torch
 
 from peer.compute.model import unflatten_stage
 from peer.config import RunConfig
-from peer.net import PeerClient, PeerServer
+from peer.net import PeerClient, PeerServer, TransportConfig
 from peer.node.planning import ClusterView, EmulatedNetwork, build_cluster, make_planner, workload_for
 from peer.observe.scalars import ScalarWriter
 from peer.runtime.assign import LinkModel, build_assignments
@@ -179,6 +179,10 @@ class LeaderRole:
             links=links,
             forward_flops=workload.stage_forward_flops,
             leader=self.ctx.peer_id,
+            certificates={
+                **{a.endpoint: a.cert for pid, a in live.items() if pid in self.index and a.cert},
+                self.coordinator.endpoint: self.coordinator.tls.certificate_text,
+            },
         )
 
     # ------------------------------------------------------------------------------------------------ run
@@ -299,7 +303,7 @@ class LeaderRole:
         ]
         for ep, st in pending:
             log.info("takeover: %s still has step %d to apply; applying it", ep, top - 1)
-            with PeerClient(ep, sender="leader") as client:
+            with PeerClient(ep, TransportConfig(tls=self.coordinator.tls), sender="leader") as client:
                 client.push(
                     encode(
                         Apply(top - 1),
@@ -324,7 +328,8 @@ class LeaderRole:
         out = {}
         for a in self._workers().values():
             try:
-                with PeerClient(a.endpoint, sender="leader") as client:
+                with PeerClient(a.endpoint, TransportConfig(tls=self.coordinator.tls), sender="leader",
+                                expect_peer=a.peer_id) as client:
                     out[a.endpoint] = client.status(timeout_s=STATUS_TIMEOUT_S)
             except Exception as exc:  # a peer that does not answer holds nothing we can use
                 log.info("status of %s: %s", a.endpoint, exc)

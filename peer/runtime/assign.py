@@ -7,7 +7,7 @@ the emulated link and device figures a worker applies to itself when the run emu
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from peer.runtime.spec import Assignment, RunSpec
@@ -35,11 +35,19 @@ def build_assignments(
     links: LinkModel | None = None,
     forward_flops: Callable[[int, int], float] | None = None,
     leader: str = "",
+    certificates: Mapping[str, str] | None = None,
 ) -> dict[str, Assignment]:
     """Turn a plan (``pipelines[r][s]`` = device) into one Assignment per device endpoint (``leader``: the
-    peer id of the leader making the plan, by which workers order plans of equal epochs)."""
+    peer id of the leader making the plan, by which workers order plans of equal epochs).
+
+    ``certificates`` (endpoint -> certificate text, see peer.net.tls.pem_to_text) of the workers and the
+    coordinator go into every assignment with the plan's layout, so each worker knows who may send it what
+    (Assignment.peers and .plan).
+    """
     n_stages, n_replicas = len(stages), len(pipelines)
     out: dict[str, Assignment] = {}
+    plan = {endpoints[dev]: (int(stages[s][0]), int(stages[s][1])) for pipe in pipelines for s, dev in enumerate(pipe)}
+    peers = {ep: certificates[ep] for ep in [*plan, coordinator] if certificates and ep in certificates}
     for r, pipe in enumerate(pipelines):
         if len(pipe) != n_stages:
             raise ValueError(f"pipeline {r} has {len(pipe)} stages, the plan has {n_stages}")
@@ -71,5 +79,7 @@ def build_assignments(
                 emulate_tflops=tflops,
                 forward_flops=forward_flops(a, b) if forward_flops else 0.0,
                 leader=leader,
+                peers=peers,
+                plan=plan,
             ).validate()
     return out

@@ -45,6 +45,7 @@ from peer.net import PeerClient, PeerServer, TransportConfig
 from peer.net.endpoint import with_route
 from peer.net.tls import TlsContext, peer_ids, process_tls
 from peer.runtime import control as ctl
+from peer.runtime.bounds import CONTROL_BYTES
 from peer.runtime.pool import TaskPool
 from peer.runtime.spec import Assignment, RunSpec
 from peer.runtime.wire import make_key
@@ -143,6 +144,7 @@ class Coordinator:
         self.server.register_fetch(pb.COMMIT, self._on_pool_request)
         self.server.register_fetch(pb.STAGE_STATE, self._on_state_request)
         self.server.register_push(pb.OTHER, self._on_report)
+        self.server.set_push_admission(self._admit_push)
         self._cond = threading.Condition()
         self._state: _StepState | None = None  # _cond
         self.assignments: dict[str, Assignment] = {}  # _cond; replaced whole by assign(), so a read sees one plan
@@ -591,6 +593,12 @@ class Coordinator:
         if state is None:
             raise Rejected(f"the coordinator serves no checkpoint of stage {request.key.stage}")
         return state_envelope(state, self.spec.run_id, self.epoch, request.key.stage)
+
+    def _admit_push(self, kind: int, caller: str) -> int:
+        """Only workers of the plan push to the coordinator (reports), and only small messages."""
+        if caller != self.tls.peer_id and caller not in self._peer_ids.values():
+            raise Forbidden(f"the coordinator takes reports only from workers of its plan; peer {caller} is not one")
+        return CONTROL_BYTES if kind == pb.OTHER else 0
 
     def _peer_of(self, endpoint: str | None) -> str | None:
         """The peer id of a worker of the plan (this process's own when its assignment carried no certificate)."""

@@ -15,10 +15,17 @@ simply abandoned and the next round starts clean. Every message states the parti
 for, so a shard can be checked against its expected size the moment it arrives, even before this replica has
 itself been told to synchronise. This class only holds what arrives (server threads put, the compute thread
 waits); sending is the worker's job.
+
+Plausible but wrong gradients: before summing, the owner compares each contribution's norm per micro-batch
+with the median of the other participants' (``outlier_factor``, k). One more than k times that median is
+refused (:class:`OutlierContributionError`, the worker reports its sender to the coordinator, which excludes
+it and restarts the round). This stops a member from blowing up the model with a huge gradient; it does not
+stop a small, plausible poisoning (see the README's trust section).
 """
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +47,18 @@ class ExchangeAbortedError(RuntimeError):
     """The round was abandoned (a participant died and the coordinator started a new round)."""
 
 
+class OutlierContributionError(ExchangeAbortedError):
+    """Contributions whose norm per micro-batch exceeds k x the median of the others' (``replicas``)."""
+
+    def __init__(self, tag: Tag, replicas: list[int], norms: dict[int, float], factor: float) -> None:
+        self.replicas = replicas
+        shown = ", ".join(f"{r}: {v:.3g}" for r, v in sorted(norms.items()))
+        super().__init__(
+            f"round {tag}: gradient of replica(s) {replicas} exceeds {factor:g} x the median norm per "
+            f"micro-batch of the others (norms {shown})"
+        )
+
+
 @dataclass
 class _Round:
     participants: tuple[int, ...]
@@ -50,9 +69,10 @@ class _Round:
 class GradientExchange:
     """Mailbox for one stage replica's reduce-scatter and all-gather messages."""
 
-    def __init__(self, replica: int, numel: int) -> None:
+    def __init__(self, replica: int, numel: int, outlier_factor: float = 10.0) -> None:
         self.replica = replica
         self.numel = numel
+        self.outlier_factor = outlier_factor  # 0: no check
         self._cond = threading.Condition()
         self._rounds: dict[Tag, _Round] = {}
         self._aborted_through: Tag = (-1, -1)
@@ -128,6 +148,7 @@ class GradientExchange:
             timeout_s,
             lambda: f"round {tag}: {len(rnd.contributions)}/{n} gradient shards arrived",
         )
+        self._check_outliers(tag, rnd)
         seen: list[int] = []
         total: torch.Tensor | None = None
         for r in rnd.participants:
@@ -142,6 +163,19 @@ class GradientExchange:
             )
         assert total is not None
         return total
+
+    def _check_outliers(self, tag: Tag, rnd: _Round) -> None:
+        k = self.outlier_factor
+        if not k or len(rnd.contributions) < 2:
+            return
+        norms = {r: float(shard.norm()) / max(1, len(mbs)) for r, (shard, mbs) in rnd.contributions.items()}
+        bad = []
+        for r, norm in norms.items():
+            median = statistics.median(v for q, v in norms.items() if q != r)
+            if median > 0 and norm > k * median:
+                bad.append(r)
+        if bad:
+            raise OutlierContributionError(tag, sorted(bad), norms, k)
 
     def gather(self, tag: Tag, participants: Sequence[int], timeout_s: float) -> torch.Tensor:
         """Wait for every owner's summed shard; return the whole summed gradient and forget the round."""

@@ -54,6 +54,9 @@ class RunSpec:
     text_field: str = "text"  # the field of JSONL records / Parquet rows that holds the text
     precision: str = "fp32"
     compression: str = "none"  # of activations and activation gradients on the wire
+    # a replica's gradient more than this many times the median of its group's (per micro-batch) is refused
+    # and its sender excluded (peer.runtime.exchange); 0 disables the check
+    grad_outlier_factor: float = 10.0
 
     def validate(self) -> RunSpec:
         self.model.validate()
@@ -69,6 +72,8 @@ class RunSpec:
             raise SpecError(f"run.precision: must be one of {PRECISIONS}, got {self.precision!r}")
         if self.compression not in COMPRESSIONS:
             raise SpecError(f"run.compression: must be one of {COMPRESSIONS}, got {self.compression!r}")
+        if not (self.grad_outlier_factor == 0 or self.grad_outlier_factor > 1):
+            raise SpecError(f"run.grad_outlier_factor: must be 0 (off) or above 1, got {self.grad_outlier_factor}")
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -104,6 +109,7 @@ class RunSpec:
                 text_field=text_field,
                 precision=d.get("precision", "fp32"),
                 compression=d.get("compression", "none"),
+                grad_outlier_factor=float(d.get("grad_outlier_factor", 10.0)),
             )
         except TypeError as exc:  # an unknown key inside model/optim
             raise SpecError(f"run: {exc}") from None
@@ -120,6 +126,13 @@ class Assignment:
     this stage (this peer included). ``links`` maps a destination endpoint to ``[rate_bps, delay_s]`` of the
     emulated link towards it (absent: unshaped). ``emulate_tflops``: when set, every forward takes exactly
     ``forward_flops / (emulate_tflops * 1e12)`` seconds (backward twice that) — an emulated GPU.
+
+    Who is who, for mutual TLS and authorization (peer.net.tls): ``peers`` maps endpoints of the plan (every
+    worker and the coordinator) to their certificates (base64 DER; the peer id is the hash of the certificate's
+    key), and ``plan`` maps every worker endpoint of the plan to the layers it holds. A worker accepts
+    activations only from ``prev``'s peer, activation gradients only from ``next``'s, shards only from
+    ``group``'s, control only from ``coordinator``'s, and serves a stage's state only to a peer that ``plan``
+    gives those layers (or the coordinator). An endpoint without a certificate can only be this process itself.
     """
 
     epoch: int
@@ -136,6 +149,8 @@ class Assignment:
     emulate_tflops: float | None = None
     forward_flops: float = 0.0
     device: str = "cpu"
+    peers: dict[str, str] = field(default_factory=dict)
+    plan: dict[str, tuple[int, int]] = field(default_factory=dict)
     leader: str = ""  # peer id of the leader whose plan this is: workers order plans by (epoch, leader)
 
     def validate(self) -> Assignment:
@@ -172,6 +187,7 @@ class Assignment:
         d["layers"] = list(self.layers)
         d["group"] = list(self.group)
         d["links"] = {k: list(v) for k, v in self.links.items()}
+        d["plan"] = {k: list(v) for k, v in self.plan.items()}
         return d
 
     @classmethod
@@ -197,6 +213,8 @@ class Assignment:
                 emulate_tflops=None if tflops is None else float(tflops),
                 forward_flops=float(d.get("forward_flops", 0.0)),
                 device=str(d.get("device", "cpu")),
+                peers={str(k): str(v) for k, v in d.get("peers", {}).items()},
+                plan={str(k): (int(v[0]), int(v[1])) for k, v in d.get("plan", {}).items()},
                 leader=str(d.get("leader", "")),
             )
         except (IndexError, TypeError, ValueError) as exc:

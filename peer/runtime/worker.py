@@ -57,18 +57,26 @@ from peer.compute.stage import StageCompute, StageComputeConfig
 from peer.compute.textdata import load_corpus
 from peer.net import PeerClient, PeerServer, TransportConfig
 from peer.net.shaping import LinkTable
+from peer.net.tls import TlsContext, process_tls
 from peer.runtime import control as ctl
-from peer.runtime.exchange import ExchangeAbortedError, GradientExchange, Tag
+from peer.runtime.bounds import push_limits
+from peer.runtime.exchange import ExchangeAbortedError, GradientExchange, OutlierContributionError, Tag
+from peer.runtime.roles import Roles
 from peer.runtime.spec import Assignment, RunSpec
 from peer.runtime.wire import body_of, envelope, make_key, tensor_named
 from peer.timing import CONTROL_TIMEOUT_S, REDUCE_WAIT_S, SEND_TIMEOUT_S, WORKER_FETCH_STATE_TIMEOUT_S
 from protocol import tasklet_pb2 as pb
 from protocol.codec import decode_tensor
-from protocol.errors import BadMessage, Rejected, TransportError
+from protocol.errors import BadMessage, Forbidden, Rejected, TransportError
 
 log = logging.getLogger(__name__)
 
-WORKER_TRANSPORT = dict(max_concurrent_streams=48, thread_pool_size=64, max_inflight_pushes=32)
+# A peer may hold 32 of the 48 stream slots (an upstream neighbour pushes up to max_inflight_pushes at once),
+# so no single peer can take all of them.
+WORKER_TRANSPORT = dict(max_concurrent_streams=48, thread_pool_size=64, max_inflight_pushes=32, max_streams_per_peer=32)
+# A state fetch refused or unreachable is retried this long: during a re-plan the source may take its own new
+# assignment (which trusts and authorizes us) a moment after ours arrives.
+FETCH_STATE_RETRY_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -81,6 +89,7 @@ class Tasklet:
     exchange: GradientExchange
     links: LinkTable
     corpus: Corpus | None
+    roles: Roles
 
     def key(self, step: int, mb: int = -1) -> pb.Key:
         a = self.assignment
@@ -115,9 +124,18 @@ class StageWorker:
         peer_id: str = "",
         device: str = "",
         max_envelope_bytes: int | None = None,
+        tls: TlsContext | None = None,
+        controllers: tuple[str, ...] = (),
     ) -> None:
         limits = {} if max_envelope_bytes is None else {"max_envelope_bytes": max_envelope_bytes}
-        self.config = TransportConfig(host=host, port=port, **WORKER_TRANSPORT, **limits)
+        self.tls = tls or process_tls()
+        self.config = TransportConfig(host=host, port=port, **WORKER_TRANSPORT, **limits, tls=self.tls)
+        # Peers that may give this worker an assignment (and stop it) besides the current plan's coordinator:
+        # the coordinator it was started for (local runs), or whatever may_assign accepts (the daemon: the
+        # elected leader). This process itself always may.
+        self.controllers = frozenset(controllers)
+        self.may_assign: Callable[[str], bool] | None = None
+        self._trust_group = f"assignment:{id(self)}"
         self.peer_id = peer_id
         self.device = device  # this peer's --device; empty: what the assignment says
         self.server = PeerServer(self.config)
@@ -129,6 +147,7 @@ class StageWorker:
         self.server.register_push(pb.PARAM_SHARD, self._on_param_shard)
         self.server.register_fetch(pb.STAGE_STATE, self._on_fetch_state)
         self.server.set_status_provider(self.status)
+        self.server.set_push_admission(self._admit_push)
 
         self._state_lock = threading.Lock()  # compute tasks vs. taking an assignment (see the module docstring)
         self._lock = threading.Lock()  # step bookkeeping, clients, link table, holdings
@@ -146,6 +165,7 @@ class StageWorker:
         self._dropped = False  # _lock: this pipeline was dropped from the current step
         self._reduced: tuple[int, torch.Tensor] | None = None  # _lock: (step, summed gradient) awaiting "apply"
         self._known: set[int] = set()  # _lock: micro-batches forwarded here this step
+        self._grads_seen: set[int] = set()  # _lock: micro-batches whose activation gradient arrived this step
         self._inflight = 0  # _lock: micro-batches leased by the feeder and not yet committed
 
         self._tasks: queue.PriorityQueue[tuple[int, int, _Task]] = queue.PriorityQueue()  # thread-safe
@@ -234,6 +254,7 @@ class StageWorker:
         initialiser, identical everywhere), or ``fetch`` from ``endpoint`` (a live replica of the stage, or the
         coordinator serving a checkpoint) — checked to be at the expected step before it is accepted.
         """
+        self._require_controller(env.sender, "a stage assignment")
         msg = ctl.StageAssignment.from_envelope(env)
         spec, assignment, source = msg.run, msg.assignment, msg.source
         old = self._tasklet
@@ -287,20 +308,23 @@ class StageWorker:
                     )
                 self._corpus = corpus
             links = dict(assignment.links)
+            roles = Roles.of(assignment, self.tls)
             tasklet = Tasklet(
                 spec=spec,
                 assignment=assignment,
                 compute=compute,
-                exchange=GradientExchange(assignment.replica, compute.numel),
+                exchange=GradientExchange(assignment.replica, compute.numel, spec.grad_outlier_factor),
                 links=LinkTable(lambda dest: links.get(dest)),
                 corpus=self._corpus,
+                roles=roles,
             )
+            self.tls.trust.set_group(self._trust_group, assignment.peers.values())
             with self._lock:
                 previous = {} if old is None else {old.assignment.layers: (old.compute, old.assignment.stage)}
                 self._holdings = {**previous, assignment.layers: (compute, assignment.stage)}
                 self._tasklet = tasklet
                 self.step, self.round, self._dropped, self._reduced = -1, 0, False, None
-                self._known = set()
+                self._known, self._grads_seen = set(), set()
                 clients, self._clients = list(self._clients.values()), {}
             for client in clients:
                 client.close()
@@ -315,18 +339,26 @@ class StageWorker:
 
     def _load_from(self, compute: StageCompute, endpoint: str, spec: RunSpec, a: Assignment, step: int) -> None:
         """Fetch a stage's state from a live replica (or a checkpoint server) and load it."""
-        client = PeerClient(endpoint, self.config, sender=self.peer_id)
-        try:
-            env = client.fetch(
-                pb.STAGE_STATE,
-                make_key(spec.run_id, a.epoch, step, stage=a.stage),
-                meta={"layers": json.dumps(list(a.layers))},
-                timeout_s=WORKER_FETCH_STATE_TIMEOUT_S,
-            )
-        except TransportError as exc:
-            raise Rejected(f"could not fetch stage {a.layers} from {endpoint}: {exc}") from None
-        finally:
-            client.close()
+        roles = Roles.of(a, self.tls)
+        self.tls.trust.add(self._trust_group, a.peers.values())  # the source must be trusted to be dialled
+        deadline = time.monotonic() + FETCH_STATE_RETRY_S
+        while True:
+            client = PeerClient(endpoint, self.config, sender=self.peer_id, expect_peer=roles.ids.get(endpoint, ""))
+            try:
+                env = client.fetch(
+                    pb.STAGE_STATE,
+                    make_key(spec.run_id, a.epoch, step, stage=a.stage),
+                    meta={"layers": json.dumps(list(a.layers))},
+                    timeout_s=WORKER_FETCH_STATE_TIMEOUT_S,
+                )
+                break
+            except TransportError as exc:
+                if time.monotonic() > deadline or self.stopped.is_set():
+                    raise Rejected(f"could not fetch stage {a.layers} from {endpoint}: {exc}") from None
+                log.info("fetching stage %s from %s: %s; retrying", a.layers, endpoint, exc)
+                time.sleep(0.5)
+            finally:
+                client.close()
         state = state_from_envelope(env)
         if state["step"] != step:
             raise Rejected(f"{endpoint} holds stage {a.layers} at step {state['step']}, expected step {step}")
@@ -357,12 +389,43 @@ class StageWorker:
         with self._lock:
             client = self._clients.get(endpoint)
             if client is None:
-                links = self._links if self._tasklet is None else self._tasklet.links
-                client = PeerClient(endpoint, self.config, shaper=links.get(endpoint), sender=self.peer_id)
+                t = self._tasklet
+                links = self._links if t is None else t.links
+                expect = "" if t is None else t.roles.ids.get(endpoint, "")
+                client = PeerClient(
+                    endpoint, self.config, shaper=links.get(endpoint), sender=self.peer_id, expect_peer=expect
+                )
                 self._clients[endpoint] = client
             return client
 
     # ------------------------------------------------------------------------------------------- validation
+    def _require_controller(self, caller: str, what: str) -> None:
+        """Assignments (and a stop) come from the current plan's coordinator, a controller named at start-up,
+        whatever ``may_assign`` accepts (the daemon: the elected leader), or this process itself."""
+        t = self._tasklet
+        if caller == self.tls.peer_id or caller in self.controllers:
+            return
+        if t is not None and caller == t.roles.peer(t.assignment.coordinator):
+            return
+        if self.may_assign is not None and self.may_assign(caller):
+            return
+        raise Forbidden(f"{what} is taken only from the coordinator of the current plan; peer {caller} is not")
+
+    def _admit_push(self, kind: int, caller: str) -> int:
+        """Before a push is buffered: the caller must have a role for its Kind; the size bound of the Kind."""
+        t = self._tasklet
+        if kind in (pb.STAGE_ASSIGNMENT, pb.OTHER):
+            self._require_controller(caller, f"a {pb.Kind.Name(kind)} message")
+        elif t is not None:
+            a, what = t.assignment, f"a {pb.Kind.Name(kind) if kind in pb.Kind.values() else kind} message"
+            senders = {pb.ACTIVATION: ([a.prev], "the upstream neighbour"),
+                       pb.ACTIVATION_GRAD: ([a.next], "the downstream neighbour"),
+                       pb.GRAD_SHARD: (list(a.group), "this stage's group"),
+                       pb.PARAM_SHARD: (list(a.group), "this stage's group")}.get(kind)
+            if senders is not None:
+                t.roles.require(caller, senders[0], senders[1], what)
+        return push_limits(None if t is None else t.spec, 0 if t is None else t.compute.numel).get(kind, 0)
+
     def _current(self) -> Tasklet:
         t = self._tasklet
         if t is None:
@@ -405,6 +468,7 @@ class StageWorker:
     # ---------------------------------------------------------------------------------------- data handlers
     def _on_activation(self, env: pb.Envelope) -> None:
         t = self._current()
+        t.roles.require(env.sender, [t.assignment.prev], "the upstream neighbour of this stage", "an activation")
         self._check_key(t, env.key)
         if t.assignment.is_first:
             raise Rejected("the first stage takes no activations")
@@ -417,13 +481,18 @@ class StageWorker:
 
     def _on_activation_grad(self, env: pb.Envelope) -> None:
         t = self._current()
+        t.roles.require(env.sender, [t.assignment.next], "the downstream neighbour of this stage",
+                        "an activation gradient")
         self._check_key(t, env.key)
         if t.assignment.is_last:
             raise Rejected("the last stage takes no activation gradients")
+        g = self._hidden(t, env, "grad")
         with self._lock:
             if env.key.microbatch not in self._known:
                 raise Rejected(f"micro-batch {env.key.microbatch} was never forwarded here this step")
-        g = self._hidden(t, env, "grad")
+            if env.key.microbatch in self._grads_seen:
+                raise Rejected(f"the gradient of micro-batch {env.key.microbatch} already arrived this step")
+            self._grads_seen.add(env.key.microbatch)
         self._put(0, _Task(TaskKind.BACKWARD, t, env.key.step, (env.key.microbatch, g)))
 
     def _shard_message(self, env: pb.Envelope) -> tuple[Tasklet, Tag, list[int], torch.Tensor]:
@@ -431,10 +500,15 @@ class StageWorker:
         t = self._current()
         if key.run_id != t.spec.run_id or key.epoch != t.assignment.epoch:
             raise Rejected(f"run/epoch {key.run_id!r}/{key.epoch} is not this peer's")
+        group = t.assignment.group
+        if not 0 <= key.replica < len(group):
+            raise BadMessage("key.replica", f"replica {key.replica} is not in [0, {len(group)})")
+        t.roles.require(env.sender, [group[key.replica]], f"replica {key.replica} of this stage's group",
+                        "a gradient or parameter shard")
         if key.stage != t.assignment.stage:
             raise Rejected(f"stage {key.stage} is not this peer's stage {t.assignment.stage}")
         with self._lock:
-            step = self.step
+            step, current_round = self.step, self.round
         if key.step != step:
             raise Rejected(f"step {key.step} is not the current step {step}")
         try:
@@ -442,6 +516,9 @@ class StageWorker:
             rnd = int(env.meta.get("round", ""))
         except (ValueError, TypeError):
             raise BadMessage("meta", "round and participants must be an integer and a JSON list") from None
+        if not current_round <= rnd <= current_round + 2:
+            # bounded mailbox: only the rounds that can follow the one this peer was told about are kept
+            raise Rejected(f"round {rnd} is not within 2 of the current round {current_round}")
         return t, (key.step, rnd), participants, self._decode(t, env, "grad", expect_dtype=torch.float32)
 
     def _on_grad_shard(self, env: pb.Envelope) -> None:
@@ -467,6 +544,9 @@ class StageWorker:
             t = self._tasklet
         if held is None or t is None:
             raise Rejected(f"this peer holds no stage with layers {list(layers)}")
+        if len(layers) != 2:
+            raise BadMessage("meta.layers", "must be a JSON list [first_layer, last_layer]")
+        t.roles.require_holder(request.sender, layers, t.assignment.coordinator, "a stage state fetch")  # type: ignore[arg-type]
         compute, stage = held
         return state_envelope(compute.state_dict(), t.spec.run_id, request.key.epoch, stage)
 
@@ -474,8 +554,10 @@ class StageWorker:
     def _on_control(self, env: pb.Envelope) -> None:
         msg = ctl.decode(env, ctl.TO_WORKER)
         if isinstance(msg, ctl.Stop):
+            self._require_controller(env.sender, "a stop")
             self.stopped.set()
             return
+        self._require_controller(env.sender, f"control message {msg.op.value!r}")
         t = self._current()
         if env.key.epoch != t.assignment.epoch:
             raise Rejected(f"plan epoch {env.key.epoch} is not this peer's epoch {t.assignment.epoch}")
@@ -493,7 +575,7 @@ class StageWorker:
             if step > self.step:
                 if self._reduced is not None or t.compute.step != step:
                     raise Rejected(f"cannot start step {step}: this stage has trained {t.compute.step} steps")
-                self.step, self._dropped, self._known = step, False, set()
+                self.step, self._dropped, self._known, self._grads_seen = step, False, set(), set()
             if self._dropped:
                 raise Rejected(f"pipeline {t.assignment.replica} was dropped from step {step}")
             self.round = rnd
@@ -661,7 +743,7 @@ class StageWorker:
     def _do_drop(self, t: Tasklet, step: int) -> None:
         """This pipeline lost a member: forget the step's work; other pipelines redo its micro-batches."""
         with self._inflight_cond:
-            self._dropped, self._known = True, set()
+            self._dropped, self._known, self._grads_seen = True, set(), set()
             self._inflight_cond.notify_all()
         t.compute.reset_step()
         log.info("pipeline dropped from step %d; its work is discarded", step)
@@ -688,7 +770,14 @@ class StageWorker:
                 env = envelope(pb.GRAD_SHARD, t.key(step), {"grad": flat[lo:hi]}, microbatches=mine)
                 env.meta.update(meta)
                 self._send(t, a.group[r], env)
-        reduced = exchange.reduce(tag, participants, t.spec.n_microbatches, REDUCE_WAIT_S)
+        try:
+            reduced = exchange.reduce(tag, participants, t.spec.n_microbatches, REDUCE_WAIT_S)
+        except OutlierContributionError as exc:
+            log.warning("step %d: %s", step, exc)
+            for r in exc.replicas:
+                culprit = t.roles.peer(a.group[r]) or ""
+                self._report(t, ctl.BadPeer(a.stage, r, culprit, str(exc)[:300]))
+            raise
         for r in participants:
             if r == a.replica:
                 exchange.put_reduced(tag, participants, r, reduced)

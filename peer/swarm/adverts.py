@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, field
 
 from peer.compute.device_probe import DEVICE_KINDS, DeviceInfo
+from peer.net.tls import CertificateError, peer_id_of_certificate, pem_from_text
 from peer.swarm.records import canonical_json
 
 try:
@@ -150,6 +151,21 @@ def check_extra(value: object, name: str = "extra") -> dict:
 # ---- records ---------------------------------------------------------------------------------------------
 
 
+def _certificate(value: object, peer_id: object) -> str:
+    """An advert's certificate: one whose key hashes to the advert's peer id (else it is not the signer's)."""
+    if value == "":
+        return ""
+    if not isinstance(value, str) or len(value) > 4096:
+        raise ValueError("advert.cert: a certificate in one-line form of at most 4096 characters")
+    try:
+        owner = peer_id_of_certificate(pem_from_text(value))
+    except CertificateError as exc:
+        raise ValueError(f"advert.cert: {exc}") from None
+    if owner != peer_id:
+        raise ValueError(f"advert.cert: the certificate's key is peer {owner}'s, not the advert's {peer_id}")
+    return value
+
+
 @dataclass(frozen=True)
 class Advert:
     """A live peer: who it is, where to reach its gRPC server, what it computes with."""
@@ -164,6 +180,9 @@ class Advert:
     extra: dict = field(default_factory=dict)
     reachable: bool = True  # others can dial ``endpoint`` directly; False: it is "PEERID@RELAY:PORT"
     relay: str = ""  # "host:port" of the relay service this peer offers to peers behind NAT ("" = none)
+    # the peer's TLS certificate (peer.net.tls one-line form): its key must be the advert signer's, so the
+    # certificate is bound to the peer id; others accept this peer's gRPC connections while the advert lives
+    cert: str = ""
 
     def __post_init__(self) -> None:
         Advert.from_record(self.to_record())  # the same checks for adverts we make as for those we read
@@ -172,6 +191,8 @@ class Advert:
         optional = {"reachable": self.reachable} if not self.reachable else {}
         if self.relay:
             optional["relay"] = self.relay
+        if self.cert:
+            optional["cert"] = self.cert
         return {
             **optional,
             "peer_id": self.peer_id,
@@ -190,7 +211,7 @@ class Advert:
             record,
             "advert",
             {"peer_id", "endpoint", "device", "started_at", "protocol_version", "role", "corpus", "extra"},
-            {"reachable", "relay"},
+            {"reachable", "relay", "cert"},
         )
         advert = object.__new__(cls)  # bypass __post_init__: the checks are right here
         values = {
@@ -204,6 +225,7 @@ class Advert:
             "extra": check_extra(record["extra"], "advert.extra"),
             "reachable": _bool(record.get("reachable", True), "advert.reachable"),
             "relay": check_endpoint(record["relay"], "advert.relay") if "relay" in record else "",
+            "cert": _certificate(record.get("cert", ""), record["peer_id"]),
         }
         if values["reachable"] == ("@" in values["endpoint"]):
             raise ValueError("advert.reachable: a peer is reachable exactly when its endpoint is not relayed")

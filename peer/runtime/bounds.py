@@ -1,0 +1,43 @@
+"""The largest message of each Kind a worker accepts, derived from its run: what anyone can make it buffer.
+
+A push is refused from its first chunk when it announces more than its Kind's bound here (peer.net.server
+checks, before buffering), and buffers grow only with the bytes that arrive. The bounds are tight multiples
+of the real sizes: an activation is at most ``micro_batch x seq_len x d_model x 4`` bytes (float32, the
+widest dtype on the wire), a gradient or parameter shard at most the stage's parameter count x 4.
+"""
+
+from __future__ import annotations
+
+from peer.runtime.spec import RunSpec
+from protocol import tasklet_pb2 as pb
+
+# Room for an Envelope's key, names, shapes, meta and JSON bodies on top of its tensor bytes.
+ENVELOPE_SLACK_BYTES = 64 * 1024
+ASSIGNMENT_BYTES = 1 << 20  # a STAGE_ASSIGNMENT: the run spec and plan as JSON, certificates of the plan's peers
+CONTROL_BYTES = 64 * 1024  # an OTHER (control) message: a few numbers; a reduce names the commit record
+
+
+def push_limits(spec: RunSpec | None, stage_numel: int) -> dict[int, int]:
+    """Kind -> the largest Envelope (bytes) accepted. Before any assignment only control messages are."""
+    limits = {pb.STAGE_ASSIGNMENT: ASSIGNMENT_BYTES, pb.OTHER: CONTROL_BYTES + 16 * _mb_bytes(spec)}
+    if spec is None:
+        return limits
+    hidden = spec.micro_batch * spec.model.seq_len * spec.model.d_model * 4
+    shard = stage_numel * 4
+    limits[pb.ACTIVATION] = hidden + ENVELOPE_SLACK_BYTES
+    limits[pb.ACTIVATION_GRAD] = hidden + ENVELOPE_SLACK_BYTES
+    limits[pb.GRAD_SHARD] = shard + ENVELOPE_SLACK_BYTES + 16 * spec.n_microbatches
+    limits[pb.PARAM_SHARD] = shard + ENVELOPE_SLACK_BYTES
+    return limits
+
+
+def _mb_bytes(spec: RunSpec | None) -> int:
+    """A reduce carries the commit record: one entry per micro-batch."""
+    return 0 if spec is None else spec.n_microbatches
+
+
+def held_bound(limits: dict[int, int], max_streams: int, queued: int) -> int:
+    """What peers with a role can make a worker hold at most, in bytes: every stream slot filled with the
+    largest message, plus ``queued`` accepted activations waiting for compute (decoded, float32)."""
+    largest = max(limits.values())
+    return max_streams * largest + queued * max(limits.get(pb.ACTIVATION, 0), limits.get(pb.ACTIVATION_GRAD, 0))

@@ -1,0 +1,244 @@
+"""Trust on the data plane (issue #12): identity-bound certificates, mutual TLS, authorization by role.
+
+In-process, with real gRPC over loopback TCP and a distinct identity (key, certificate) for every party: a
+coordinator, four workers of a 2-stage x 2-pipeline plan, a stranger nobody trusts. A worker with a valid key
+but the wrong role is refused with PERMISSION_DENIED and changes nothing; a stranger never gets past the TLS
+handshake; a peer dropped from the trust set is refused on the connection it already holds; and the plan still
+trains a step afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+
+from peer.compute.model import ModelConfig
+from peer.net import PeerClient, PeerServer, TransportConfig
+from peer.net.tls import (
+    TlsContext,
+    fingerprint,
+    make_certificate,
+    peer_id_of_certificate,
+    pem_from_text,
+    pem_to_text,
+)
+from peer.runtime import control as ctl
+from peer.runtime.assign import build_assignments
+from peer.runtime.coordinator import Coordinator
+from peer.runtime.spec import RunSpec
+from peer.runtime.wire import envelope, make_key
+from peer.runtime.worker import StageWorker
+from peer.swarm.adverts import Advert
+from peer.swarm.identity import Identity
+from protocol import tasklet_pb2 as pb
+from protocol.errors import PeerUnreachable, Refused, TransportError
+
+SPEC = RunSpec(run_id="trust", model=ModelConfig(n_layers=2, d_model=16, n_heads=2, seq_len=8),
+               micro_batch=2, n_microbatches=4)
+SHAPE = (SPEC.micro_batch, SPEC.model.seq_len, SPEC.model.d_model)
+EPOCH = 1
+
+
+# ---------------------------------------------------------------------------------------------- certificates
+@pytest.mark.unit
+def test_certificate_is_bound_to_the_identity_key() -> None:
+    identity = Identity.generate()
+    cert = make_certificate(identity)
+    assert peer_id_of_certificate(cert) == identity.peer_id
+    assert make_certificate(identity) == cert  # deterministic: a restarted peer keeps its fingerprint
+    assert pem_from_text(pem_to_text(cert)) == cert
+    assert len(fingerprint(cert)) == 64
+    assert peer_id_of_certificate(make_certificate(Identity.generate())) != identity.peer_id
+
+
+@pytest.mark.unit
+def test_advert_refuses_a_certificate_of_another_key() -> None:
+    from peer.compute.device_probe import DeviceInfo
+
+    me, other = Identity.generate(), Identity.generate()
+    device = DeviceInfo("cpu", "cpu", 1 << 30, 1.0, measured=True, emulated=False)
+    ok = Advert(me.peer_id, "127.0.0.1:5000", device, 1.0, cert=pem_to_text(make_certificate(me)))
+    assert Advert.from_record(ok.to_record()).cert == ok.cert
+    with pytest.raises(ValueError, match="advert.cert"):
+        Advert(me.peer_id, "127.0.0.1:5000", device, 1.0, cert=pem_to_text(make_certificate(other)))
+
+
+# ---------------------------------------------------------------------------------------------- transport
+@pytest.fixture
+def echo() -> Iterator[tuple[PeerServer, TlsContext, list[pb.Envelope]]]:
+    server_tls = TlsContext.generate()
+    server = PeerServer(TransportConfig(tls=server_tls))
+    got: list[pb.Envelope] = []
+    server.register_push(pb.OTHER, got.append)
+    server.start()
+    try:
+        yield server, server_tls, got
+    finally:
+        server.stop(grace=0)
+
+
+def _client(server: PeerServer, tls: TlsContext | None, expect: str = "") -> PeerClient:
+    return PeerClient(server.endpoint, TransportConfig(tls=tls), sender="forged-name", expect_peer=expect)
+
+
+def test_mutual_tls_authenticates_the_caller_and_refuses_strangers(echo) -> None:
+    server, server_tls, got = echo
+    member, stranger = TlsContext.generate(), TlsContext.generate()
+    server_tls.trust_only([member.certificate], group="swarm")  # joins after the server started
+    member.trust_only([server_tls.certificate])
+    with _client(server, member, expect=server_tls.peer_id) as client:
+        client.push(pb.Envelope(kind=pb.OTHER, sender="coordinator"), timeout_s=5)
+    assert [e.sender for e in got] == [member.peer_id]  # the certificate's peer id, never the claimed sender
+
+    stranger.trust_only([server_tls.certificate])
+    with _client(server, stranger) as client, pytest.raises(PeerUnreachable):
+        client.push(pb.Envelope(kind=pb.OTHER), timeout_s=5)  # refused in the TLS handshake
+    with _client(server, None) as client, pytest.raises(PeerUnreachable):
+        client.ping(timeout_s=5)  # plaintext never reaches a handler
+    member.trust_only([stranger.certificate], group="other")
+    with _client(server, member, expect=stranger.peer_id) as client, pytest.raises(PeerUnreachable):
+        client.ping(timeout_s=5)  # pinned to another peer's certificate: the server is not that peer
+    with _client(server, member, expect="0" * 20) as client, pytest.raises(PeerUnreachable):
+        client.ping(timeout_s=5)  # an expected peer nobody trusts: fails closed
+    assert len(got) == 1
+
+
+def test_a_peer_dropped_from_the_trust_set_is_refused_on_its_open_connection(echo) -> None:
+    server, server_tls, got = echo
+    member = TlsContext.generate().trust_only([server_tls.certificate])
+    server_tls.trust.set_group("swarm", [member.certificate])
+    with _client(server, member) as client:
+        client.ping(timeout_s=5)
+        server_tls.trust.set_group("swarm", [])  # its advert expired
+        with pytest.raises(Refused) as info:
+            client.push(pb.Envelope(kind=pb.OTHER), timeout_s=5)
+    assert info.value.code == "UNAUTHENTICATED" and "not trusted" in info.value.detail
+    assert got == []
+
+
+# ---------------------------------------------------------------------------------------------- roles
+class Plan:
+    """A coordinator and four workers (pipelines [[w0, w1], [w2, w3]]), each with its own identity."""
+
+    def __init__(self) -> None:
+        torch.set_num_threads(1)
+        self.coordinator = Coordinator(SPEC, tls=TlsContext.generate(), liveness_interval_s=0.5)
+        self.coordinator.start()
+        ctls = self.coordinator.tls
+        self.workers = []
+        for _ in range(4):
+            tls = TlsContext.generate().trust_only([ctls.certificate])
+            worker = StageWorker(tls=tls, controllers=(ctls.peer_id,))
+            worker.start()
+            self.workers.append(worker)
+        endpoints = [w.server.endpoint for w in self.workers]
+        certs = {w.server.endpoint: w.tls.certificate_text for w in self.workers}
+        certs[self.coordinator.endpoint] = ctls.certificate_text
+        self.assignments = build_assignments(
+            SPEC, [(0, 1), (1, 2)], [[0, 1], [2, 3]], endpoints, self.coordinator.endpoint, epoch=EPOCH,
+            certificates=certs,
+        )
+        self.coordinator.assign(self.assignments)
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.stop()
+        self.coordinator.close()
+
+    def client(self, target: StageWorker | Coordinator, as_worker: int) -> PeerClient:
+        """A client to ``target`` speaking with worker ``as_worker``'s key (a member, maybe in the wrong role)."""
+        endpoint = target.server.endpoint if isinstance(target, StageWorker) else target.endpoint
+        return PeerClient(endpoint, TransportConfig(tls=self.workers[as_worker].tls))
+
+
+@pytest.fixture
+def plan() -> Iterator[Plan]:
+    p = Plan()
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def _denied(call) -> Refused:
+    with pytest.raises(Refused) as info:
+        call()
+    assert info.value.code == "PERMISSION_DENIED", info.value
+    return info.value
+
+
+def test_members_in_the_wrong_role_are_refused_and_change_nothing(plan: Plan) -> None:
+    w0, w1, w2, _ = plan.workers
+    params0 = w0.compute.flat_params().clone()
+    before = w0.assignment
+    hostile = 3  # worker 3: stage 1 of pipeline 1, a member with a valid key
+    with plan.client(w0, hostile) as c:
+        takeover = plan.assignments[w0.server.endpoint]
+        takeover = type(takeover)(**{**takeover.__dict__, "epoch": 2**62})
+        msg = _denied(lambda: c.push(ctl.StageAssignment(SPEC, takeover, ctl.StateSource.init()).to_envelope(),
+                                     timeout_s=10))
+        assert "coordinator" in msg.detail
+        _denied(lambda: c.push(ctl.encode(ctl.Stop(), SPEC.run_id, EPOCH), timeout_s=10))
+        _denied(lambda: c.push(ctl.encode(ctl.StartStep(0, 0), SPEC.run_id, EPOCH, 0), timeout_s=10))
+        shard = envelope(pb.GRAD_SHARD, make_key(SPEC.run_id, EPOCH, 0, stage=0, replica=1),
+                         {"grad": torch.zeros(w0.compute.numel // 2)})
+        shard.meta.update({"round": "0", "participants": json.dumps([0, 1])})
+        msg = _denied(lambda: c.push(shard, timeout_s=10))  # stage 0's group is workers 0 and 2
+        _denied(lambda: c.fetch(pb.STAGE_STATE, make_key(SPEC.run_id, EPOCH, -1, stage=0),
+                                meta={"layers": json.dumps([0, 1])}, timeout_s=10))
+    with plan.client(w1, hostile) as c:  # worker 1 takes activations only from worker 0
+        act = envelope(pb.ACTIVATION, make_key(SPEC.run_id, EPOCH, 0, 0, 0, 0), {"hidden": torch.zeros(SHAPE)})
+        msg = _denied(lambda: c.push(act, timeout_s=10))
+        assert "upstream" in msg.detail
+    with plan.client(w2, 1) as c:  # worker 1 is stage 1: not in stage 0's group, no activation gradient to w2
+        grad = envelope(pb.ACTIVATION_GRAD, make_key(SPEC.run_id, EPOCH, 0, 0, 1, 1), {"grad": torch.zeros(SHAPE)})
+        _denied(lambda: c.push(grad, timeout_s=10))
+    with plan.client(plan.coordinator, hostile) as c:
+        # report worker 0 as a bad peer while claiming to be worker 1 (stage 1 of pipeline 0)
+        bad = ctl.encode(ctl.BadPeer(0, 0, "", "forged"), SPEC.run_id, EPOCH, 0, stage=1, replica=0)
+        _denied(lambda: c.push(bad, timeout_s=10))
+        _denied(lambda: c.fetch(pb.COMMIT, make_key(SPEC.run_id, EPOCH, 0, stage=0, replica=0),
+                                meta=ctl.pool_request_meta(ctl.Op.LEASE), timeout_s=10))
+    assert w0.assignment == before and not w0.stopped.is_set() and plan.coordinator.dead == frozenset()
+    assert torch.equal(w0.compute.flat_params(), params0)
+    report = plan.coordinator.run_step(0, timeout_s=120)  # training goes on
+    assert report.loss == report.loss and set(report.microbatches_per_pipeline) == {0, 1}
+    assert plan.coordinator.live_states()  # the coordinator, in its role, may read stage states
+
+
+def test_a_stranger_is_refused_every_message_kind(plan: Plan) -> None:
+    stranger = TlsContext.generate()
+    stranger.trust_only([w.tls.certificate for w in plan.workers] + [plan.coordinator.tls.certificate])
+    targets = [w.server.endpoint for w in plan.workers] + [plan.coordinator.endpoint]
+    for endpoint in targets:
+        for tls in (stranger, None):
+            with PeerClient(endpoint, TransportConfig(tls=tls), sender="coordinator") as c:
+                for kind in pb.Kind.values():
+                    with pytest.raises(TransportError):
+                        c.push(pb.Envelope(kind=kind, key=make_key(SPEC.run_id, EPOCH, 0)), timeout_s=5)
+                    with pytest.raises(TransportError):
+                        c.fetch(kind, make_key(SPEC.run_id, EPOCH, 0), timeout_s=5)
+                for call in (c.ping, c.status, lambda timeout_s: c.probe(1024, timeout_s=timeout_s)):
+                    with pytest.raises(TransportError):
+                        call(timeout_s=5)
+    assert all(not w.stopped.is_set() and w.assignment.epoch == EPOCH for w in plan.workers)
+    report = plan.coordinator.run_step(0, timeout_s=120)
+    assert report.loss == report.loss
+
+
+def test_raw_grpc_from_a_trusted_channel_still_needs_a_role(plan: Plan) -> None:
+    """Even bypassing PeerClient, the sender field is ignored: the certificate decides."""
+    w0 = plan.workers[0]
+    tls = plan.workers[3].tls
+    with tls.channel(w0.server.endpoint) as channel:
+        ping = channel.unary_unary("/tasklet.v1.Peer/Ping", request_serializer=pb.PingRequest.SerializeToString,
+                                   response_deserializer=pb.PingReply.FromString)
+        reply = ping(pb.PingRequest(protocol_version=1, sender="coordinator"), timeout=5)
+        assert reply.protocol_version == 1
+        with pytest.raises(grpc.RpcError) as info:
+            ping(pb.PingRequest(protocol_version=1), timeout=10_000)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "limit" in info.value.details()
