@@ -49,7 +49,10 @@ class StatusReader:
 
     def __init__(self, dht_peers: list[str], run_id: str = "tasklet", secret: str | None = None) -> None:
         self.identity = Identity.generate()
-        self.dht = start_dht(DHTConfig(initial_peers=tuple(dht_peers), client_mode=True), self.identity)
+        # Listen on every interface: libp2p dials out from its listen address, so a client bound to loopback
+        # could not reach a swarm on another machine.
+        config = DHTConfig(initial_peers=tuple(dht_peers), host="0.0.0.0", client_mode=True)
+        self.dht = start_dht(config, self.identity)
         self.membership = Membership(self.dht, run_id, self.identity, secret)
         self.board = PlanBoard(self.dht, run_id, None, secret, elector=self.elected)
         self.progress = ProgressBoard(self.dht, run_id, None, secret)
