@@ -242,3 +242,64 @@ def test_raw_grpc_from_a_trusted_channel_still_needs_a_role(plan: Plan) -> None:
         with pytest.raises(grpc.RpcError) as info:
             ping(pb.PingRequest(protocol_version=1), timeout=10_000)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "limit" in info.value.details()
+
+
+# ------------------------------------------------------------------------------------- wrong gradients
+class Replicas:
+    """One stage, three pipelines, in-process; worker ``faulty`` (if any) is a HugeGradWorker."""
+
+    def __init__(self, faulty: int | None = None) -> None:
+        from peer.emulation.faults import HugeGradWorker
+
+        torch.set_num_threads(1)
+        self.events: list[tuple[str, dict]] = []
+        self.coordinator = Coordinator(SPEC, tls=TlsContext.generate(), liveness_interval_s=0.5)
+        self.coordinator.on_event = lambda name, info: self.events.append((name, info))
+        self.coordinator.start()
+        ctls = self.coordinator.tls
+        self.workers = []
+        for i in range(3):
+            cls = HugeGradWorker if i == faulty else StageWorker
+            worker = cls(tls=TlsContext.generate().trust_only([ctls.certificate]), controllers=(ctls.peer_id,))
+            worker.start()
+            self.workers.append(worker)
+        certs = {w.server.endpoint: w.tls.certificate_text for w in self.workers}
+        certs[self.coordinator.endpoint] = ctls.certificate_text
+        endpoints = [w.server.endpoint for w in self.workers]
+        self.coordinator.assign(build_assignments(SPEC, [(0, 2)], [[0], [1], [2]], endpoints,
+                                                  self.coordinator.endpoint, epoch=EPOCH, certificates=certs))
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.stop()
+        self.coordinator.close()
+
+
+def test_a_replica_whose_parameters_differ_reloads_them_from_the_majority() -> None:
+    r = Replicas()
+    try:
+        r.coordinator.run_step(0, timeout_s=120)
+        victim = r.workers[2]
+        state = victim.compute.state_dict()
+        state["params"] = state["params"] + 1e-3  # a silently wrong apply
+        victim.compute.load_state_dict(state)
+        r.coordinator.run_step(1, timeout_s=120)
+        resyncs = [info for name, info in r.events if name == "resync"]
+        assert resyncs == [{"step": 1, "endpoints": [victim.server.endpoint]}]
+        reference = r.workers[0].compute.flat_params()
+        assert all(torch.equal(w.compute.flat_params(), reference) for w in r.workers)
+        assert r.coordinator.dead == frozenset()
+    finally:
+        r.close()
+
+
+def test_a_gradient_far_above_the_groups_median_is_refused_and_its_sender_excluded() -> None:
+    r = Replicas(faulty=1)
+    try:
+        report = r.coordinator.run_step(0, timeout_s=120)
+        bad = r.workers[1].server.endpoint
+        assert bad in r.coordinator.dead and "median" in r.coordinator.dead_reasons[bad]
+        assert report.dropped_pipelines == [1] and report.loss == report.loss
+        assert torch.equal(r.workers[0].compute.flat_params(), r.workers[2].compute.flat_params())
+    finally:
+        r.close()

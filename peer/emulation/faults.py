@@ -29,7 +29,20 @@ class NanGradWorker(StageWorker):
         super()._send(t, endpoint, env)
 
 
-FAULTS: dict[str, type[StageWorker]] = {"nan-grad": NanGradWorker}
+class HugeGradWorker(StageWorker):
+    """Sends finite but 1000x too large gradient shards (plausible in form, wrong in size): the owners of the
+    shards must refuse them as outliers of the replica group and report the sender."""
+
+    def _send(self, t: Tasklet, endpoint: str, env: pb.Envelope) -> None:
+        if env.kind == pb.GRAD_SHARD:
+            names = {code: name for name, code in COMPRESSIONS.items()}
+            tampered = [encode_tensor(m.name, decode_tensor(m) * 1000.0, names[m.compression]) for m in env.tensors]
+            del env.tensors[:]
+            env.tensors.extend(tampered)
+        super()._send(t, endpoint, env)
+
+
+FAULTS: dict[str, type[StageWorker]] = {"nan-grad": NanGradWorker, "huge-grad": HugeGradWorker}
 
 
 def worker_class(fault: str | None) -> type[StageWorker]:

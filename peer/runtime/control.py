@@ -36,6 +36,7 @@ class Op(enum.Enum):
     DROP_STEP = "drop_step"
     REDUCE = "reduce"
     APPLY = "apply"
+    RESYNC = "resync"
     # worker -> coordinator reports (Push, Kind OTHER)
     LOSS = "loss"
     REDUCED = "reduced"
@@ -219,15 +220,32 @@ class Reduced(Message):
 
 @dataclass(frozen=True)
 class Synced(Message):
-    """This worker applied ``step``; it has now trained ``trained_steps`` steps."""
+    """This worker applied ``step``; it has now trained ``trained_steps`` steps and its parameters hash to
+    ``params_hash`` (replicas of a stage must agree; see Coordinator's majority check)."""
 
     op: ClassVar[Op] = Op.SYNCED
     step: int
     trained_steps: int
+    params_hash: str = ""
 
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> Synced:
-        return cls(_int(body, "step"), _int(body, "trained_steps"))
+        return cls(_int(body, "step"), _int(body, "trained_steps"), _str(body, "params_hash", "", limit=64))
+
+
+@dataclass(frozen=True)
+class Resync(Message):
+    """This replica's parameters after ``step`` differ from its group's majority: load the stage's state from
+    ``source`` (a replica in the majority), which must be at ``trained_steps``."""
+
+    op: ClassVar[Op] = Op.RESYNC
+    step: int
+    trained_steps: int
+    source: str
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> Resync:
+        return cls(_int(body, "step"), _int(body, "trained_steps"), _str(body, "source", limit=300))
 
 
 @dataclass(frozen=True)
@@ -274,9 +292,10 @@ class BadPeer(Message):
 
 
 MESSAGES: dict[Op, type[Message]] = {
-    m.op: m for m in (Stop, StartStep, DropStep, Reduce, Apply, Loss, Reduced, Synced, TaskError, PeerError, BadPeer)
+    m.op: m
+    for m in (Stop, StartStep, DropStep, Reduce, Apply, Resync, Loss, Reduced, Synced, TaskError, PeerError, BadPeer)
 }
-TO_WORKER = frozenset({Op.STOP, Op.START_STEP, Op.DROP_STEP, Op.REDUCE, Op.APPLY})
+TO_WORKER = frozenset({Op.STOP, Op.START_STEP, Op.DROP_STEP, Op.REDUCE, Op.APPLY, Op.RESYNC})
 REPORTS = frozenset({Op.LOSS, Op.REDUCED, Op.SYNCED, Op.ERROR, Op.PEER_ERROR, Op.BAD_PEER})
 POOL_OPS = frozenset({Op.LEASE, Op.COMMIT})
 

@@ -109,6 +109,7 @@ class _StepState:
     losses: dict[tuple[int, int], float] = field(default_factory=dict)
     reduced: set[str] = field(default_factory=set)
     synced: set[str] = field(default_factory=set)
+    hashes: dict[str, tuple[int, str]] = field(default_factory=dict)  # endpoint -> (trained steps, params hash)
     dropped: set[int] = field(default_factory=set)
     errors: list[str] = field(default_factory=list)
 
@@ -338,6 +339,7 @@ class Coordinator:
             f"step {step}: optimizer step",
             allow_failures=True,
         )
+        self._check_replicas(state, step, [m for m in members if m not in self.dead], deadline)
         seconds = time.monotonic() - started
         losses = [state.losses.get((mb, p), math.nan) for mb, p in sorted(assignment.items())]
         counts: dict[int, int] = {}
@@ -658,6 +660,55 @@ class Coordinator:
     def _on_synced(self, state: _StepState, key: pb.Key, sender: str | None, msg: ctl.Synced) -> None:
         if sender is not None:
             state.synced.add(sender)
+            if msg.params_hash:
+                state.hashes[sender] = (msg.trained_steps, msg.params_hash)
+
+    def _check_replicas(self, state: _StepState, step: int, members: list[str], deadline: float) -> None:
+        """After an apply, the replicas of each stage must hold bitwise the same parameters. A replica whose
+        hash differs from its group's strict majority reloads the stage from a replica in the majority; one
+        that still differs afterwards is excluded. Without a strict majority (two replicas disagreeing) the
+        coordinator cannot tell who is right: it logs the divergence and goes on."""
+        with self._cond:
+            hashes = {ep: state.hashes.get(ep) for ep in members}
+            stages = {ep: self.assignments[ep].stage for ep in members if ep in self.assignments}
+        resyncs: dict[str, tuple[int, str]] = {}
+        for stage in sorted(set(stages.values())):
+            group = [ep for ep, s in stages.items() if s == stage and hashes.get(ep) is not None]
+            votes: dict[tuple[int, str], list[str]] = {}
+            for ep in group:
+                votes.setdefault(hashes[ep], []).append(ep)  # type: ignore[arg-type]
+            if len(votes) < 2:
+                continue
+            winner, holders = max(votes.items(), key=lambda kv: len(kv[1]))
+            if 2 * len(holders) <= len(group):
+                log.error("step %d: replicas of stage %d disagree with no majority: %s", step, stage, votes)
+                self._emit([("divergent", {"step": step, "stage": stage})])
+                continue
+            for ep in group:
+                if hashes[ep] != winner:
+                    log.warning("step %d: %s's stage %d parameters differ from the majority's; resyncing from %s",
+                                step, ep, stage, holders[0])
+                    resyncs[ep] = (winner[0], holders[0])
+        if not resyncs:
+            return
+        with self._cond:
+            for ep in resyncs:
+                state.hashes.pop(ep, None)
+            epoch = self.epoch
+        self._emit([("resync", {"step": step, "endpoints": sorted(resyncs)})])
+        for ep, (trained, source) in resyncs.items():
+            try:
+                env = ctl.encode(ctl.Resync(step, trained, source), self.spec.run_id, epoch, step)
+                self._client(ep).push(env, timeout_s=CONTROL_TIMEOUT_S)
+            except TransportError as exc:
+                self._confirm_death(ep, f"resync failed: {exc}")
+        for ep, (_, source) in resyncs.items():
+            good = hashes[source]
+            with self._cond:
+                ok = self._cond.wait_for(lambda ep=ep, good=good: state.hashes.get(ep) == good or ep in self._dead,
+                                         timeout=max(0.0, deadline - time.monotonic()))
+            if not ok or ep in self.dead:
+                self.declare_dead(ep, f"stage parameters still differ from the group's majority after step {step}")
 
     def _on_error(self, state: _StepState, key: pb.Key, sender: str | None, msg: ctl.TaskError) -> None:
         if key.replica in state.dropped or sender in self._dead:

@@ -38,6 +38,7 @@ are the typed ones of :mod:`peer.runtime.control`; docs/architecture.md ("One st
 from __future__ import annotations
 
 import enum
+import hashlib
 import itertools
 import json
 import logging
@@ -104,6 +105,7 @@ class TaskKind(enum.Enum):
     DROP = "drop"
     REDUCE = "reduce"
     APPLY = "apply"
+    RESYNC = "resync"
 
 
 @dataclass(frozen=True)
@@ -180,6 +182,7 @@ class StageWorker:
             ctl.Op.DROP_STEP: lambda t, m: self._put(0, _Task(TaskKind.DROP, t, m.step)),
             ctl.Op.REDUCE: lambda t, m: self._put(0, _Task(TaskKind.REDUCE, t, m.step, (m,))),
             ctl.Op.APPLY: lambda t, m: self._put(0, _Task(TaskKind.APPLY, t, m.step)),
+            ctl.Op.RESYNC: lambda t, m: self._put(0, _Task(TaskKind.RESYNC, t, m.step, (m,))),
         }
         self._task_handlers: dict[TaskKind, Callable[..., None]] = {
             TaskKind.FORWARD: self._do_forward,
@@ -187,6 +190,7 @@ class StageWorker:
             TaskKind.DROP: self._do_drop,
             TaskKind.REDUCE: self._do_reduce,
             TaskKind.APPLY: self._do_apply,
+            TaskKind.RESYNC: self._do_resync,
         }
 
     # ------------------------------------------------------------------------------------------- lifecycle
@@ -796,14 +800,31 @@ class StageWorker:
         with self._lock:
             reduced = self._reduced
         if compute.step == step + 1 and reduced is None:
-            self._report(t, ctl.Synced(step, compute.step))
+            self._report(t, ctl.Synced(step, compute.step, params_hash(compute)))
             return
         if reduced is None or reduced[0] != step:
             raise RuntimeError(f"apply of step {step}, but no reduced gradient of that step is held")
         compute.apply_update(reduced[1], t.spec.n_microbatches)
         with self._lock:
             self._reduced = None
-        self._report(t, ctl.Synced(step, compute.step))
+        self._report(t, ctl.Synced(step, compute.step, params_hash(compute)))
+
+    def _do_resync(self, t: Tasklet, step: int, msg: ctl.Resync) -> None:
+        """Our parameters differ from the group's majority: load the stage from a replica in the majority."""
+        a, compute = t.assignment, t.compute
+        if msg.source not in a.group or msg.source == self.server.endpoint:
+            raise Rejected(f"resync source {msg.source} is not another replica of this stage")
+        if compute.step != msg.trained_steps:
+            raise Rejected(f"resync to step {msg.trained_steps}, this stage has trained {compute.step} steps")
+        self._load_from(compute, msg.source, t.spec, a, msg.trained_steps)
+        log.warning("step %d: parameters differed from the group's majority; reloaded from %s", step, msg.source)
+        self._report(t, ctl.Synced(step, compute.step, params_hash(compute)))
+
+
+def params_hash(compute: StageCompute) -> str:
+    """A short hash of a stage's parameters: replicas that applied the same steps agree bitwise."""
+    data = compute.flat_params().detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()[:32]
 
 
 def _warm_up() -> None:
