@@ -1,7 +1,8 @@
 """Transport benchmark: stream throughput of large tensors on loopback, unshaped and through emulated links.
 
     python -m bench.transport            # a table
-    python -m bench.transport --json     # {"unshaped_gbps": X, "shaped": [{"rate_mbps": R, "achieved_mbps": Y,
+    python -m bench.transport --json     # {"unshaped_gbps": X, "plaintext_gbps": P, "tls_cost_pct": C,
+                                         #  "shaped": [{"rate_mbps": R, "achieved_mbps": Y,
                                          #   "latency_ms": L, "achieved_latency_ms": M}, ...]}
 
 What is measured, and why it is honest:
@@ -11,6 +12,10 @@ What is measured, and why it is honest:
   receiver reassembles, checks and decodes (dtype, shape, size, NaN/inf), i.e. tensor in to tensor out.
 * Unshaped throughput: tensor bytes / wall time of a stream of pushes with up to `max_inflight_pushes` in
   flight, from the first encode to the last acknowledgement; the median of several trials.
+* Encryption: every figure is over mutual TLS (the default everywhere; each process has its own identity and
+  trusts the other's certificate). The receiver also serves a plaintext port (TransportConfig(tls=None), a
+  baseline only); the unshaped stream runs against both in the same run, trials interleaved, and
+  ``tls_cost_pct`` is 100 x (1 - TLS / plaintext). Target (issue #12): at most 15%.
 * Shaped rate: the receiver timestamps the arrival of each message; the achieved rate is the tensor bytes of
   all messages but the first divided by the time between the first and the last arrival, which is the
   link's throughput in steady state, free of its latency.
@@ -40,10 +45,13 @@ import torch
 
 from peer.net import PeerClient, PeerServer, TransportConfig
 from peer.net.shaping import LinkShaper
+from peer.net.tls import process_tls
 from protocol import tasklet_pb2 as pb
 from protocol.codec import decode_tensor, encode_tensor
 
-CONFIG = TransportConfig(max_message_bytes=8 << 20, chunk_bytes=4 << 20, max_envelope_bytes=256 << 20)
+LIMITS = dict(max_message_bytes=8 << 20, chunk_bytes=4 << 20, max_envelope_bytes=256 << 20)
+CONFIG = TransportConfig(**LIMITS)  # this process's TLS identity (peer.net.tls.process_tls)
+PLAINTEXT = TransportConfig(**LIMITS, tls=None)
 DEFAULT_LINKS = ((10.0, 40.0), (100.0, 10.0), (1000.0, 2.0))  # (Mbit/s, one-way ms)
 
 
@@ -71,14 +79,18 @@ def _receiver(conn: Connection) -> None:
         arrivals.clear()
         return {"arrivals": log}
 
-    server = PeerServer(CONFIG)
-    server.register_push("ACTIVATION", on_push)
-    server.set_status_provider(status)
-    conn.send(server.start())
+    tls = process_tls()
+    server, plain = PeerServer(CONFIG), PeerServer(PLAINTEXT)
+    for srv in (server, plain):
+        srv.register_push("ACTIVATION", on_push)
+        srv.set_status_provider(status)
+    conn.send((server.start(), plain.start(), tls.certificate_text))
     try:
+        tls.trust_only([conn.recv()])  # the sender's certificate: the one peer this receiver accepts
         conn.poll(3600)  # until the parent says stop (or goes away)
     finally:
         server.stop(grace=1.0)
+        plain.stop(grace=1.0)
 
 
 def _envelope(t: torch.Tensor) -> pb.Envelope:
@@ -97,14 +109,23 @@ def _stream(client: PeerClient, tensor: torch.Tensor, count: int, timeout_s: flo
     return time.monotonic() - start
 
 
-def unshaped_gbps(endpoint: str, cfg: BenchConfig) -> float:
+def unshaped_gbps(endpoints: dict[str, tuple[str, TransportConfig]], cfg: BenchConfig) -> dict[str, float]:
+    """Median throughput per path (name -> endpoint, config), trials interleaved so load hits all alike."""
     tensor = torch.randn(cfg.tensor_mib << 20 >> 2)
     count = max(2, cfg.unshaped_mib // cfg.tensor_mib)
-    with PeerClient(endpoint, CONFIG) as client:
-        client.push(_envelope(tensor), 60)  # warm up the connection and both processes' allocators
-        rates = [8 * count * tensor.numel() * 4 / _stream(client, tensor, count, 120) / 1e9 for _ in range(cfg.trials)]
-        client.status(timeout_s=10)  # drop the arrival log
-    return statistics.median(rates)
+    clients = {name: PeerClient(ep, config) for name, (ep, config) in endpoints.items()}
+    rates: dict[str, list[float]] = {name: [] for name in clients}
+    try:
+        for client in clients.values():
+            client.push(_envelope(tensor), 60)  # warm up the connection and both processes' allocators
+        for _ in range(cfg.trials):
+            for name, client in clients.items():
+                rates[name].append(8 * count * tensor.numel() * 4 / _stream(client, tensor, count, 120) / 1e9)
+        next(iter(clients.values())).status(timeout_s=10)  # drop the arrival log
+    finally:
+        for client in clients.values():
+            client.close()
+    return {name: statistics.median(r) for name, r in rates.items()}
 
 
 def _small_push_latencies(client: PeerClient, samples: int, gap_s: float) -> list[float]:
@@ -160,8 +181,18 @@ def run(cfg: BenchConfig) -> tuple[dict[str, Any], list[float]]:
     try:
         if not parent.poll(60):
             raise RuntimeError("the receiver process did not start within 60 s")
-        endpoint = f"{CONFIG.host}:{parent.recv()}"
-        result: dict[str, Any] = {"unshaped_gbps": round(unshaped_gbps(endpoint, cfg), 3), "shaped": []}
+        tls_port, plain_port, receiver_cert = parent.recv()
+        process_tls().trust_only([receiver_cert])
+        parent.send(process_tls().certificate_text)
+        endpoint = f"{CONFIG.host}:{tls_port}"
+        paths = {"tls": (endpoint, CONFIG), "plaintext": (f"{CONFIG.host}:{plain_port}", PLAINTEXT)}
+        rates = unshaped_gbps(paths, cfg)
+        result: dict[str, Any] = {
+            "unshaped_gbps": round(rates["tls"], 3),
+            "plaintext_gbps": round(rates["plaintext"], 3),
+            "tls_cost_pct": round(100 * (1 - rates["tls"] / rates["plaintext"]), 1),
+            "shaped": [],
+        }
         bases = []
         for rate_mbps, latency_ms in cfg.links:
             row, base_s = shaped_link(endpoint, rate_mbps, latency_ms, cfg)
@@ -178,8 +209,10 @@ def run(cfg: BenchConfig) -> tuple[dict[str, Any], list[float]]:
 
 def _table(result: dict[str, Any], bases: list[float], cfg: BenchConfig) -> str:
     lines = [
-        f"unshaped loopback: {result['unshaped_gbps']:.2f} Gbit/s "
+        f"unshaped loopback, mutual TLS: {result['unshaped_gbps']:.2f} Gbit/s "
         f"({cfg.tensor_mib} MiB float32 tensors, encode + push + decode, median of {cfg.trials}; target >= 3)",
+        f"unshaped loopback, plaintext:  {result['plaintext_gbps']:.2f} Gbit/s (baseline, same run, trials "
+        f"interleaved); encryption costs {result['tls_cost_pct']:.1f}% (target <= 15%)",
         "base ms: the transport's own one-way latency (unshaped small push, median), measured before each link;"
         " its shaper holds messages for the configured latency less this",
         "",
