@@ -222,6 +222,12 @@ class LeaderRole:
         paused = False
         while not self.stop_event.is_set():
             previous, live = self.ctx.plan_board.latest(), set(self._workers())
+            elector = self.ctx.plan_board.elector
+            if elector is not None and elector() != self.ctx.peer_id:
+                # the election already moved (e.g. the partition healed): act on nothing until the daemon
+                # confirms it and stops this role, or elects us again
+                self.stop_event.wait(self.config.swarm.heartbeat_s / TICKS_PER_HEARTBEAT)
+                continue
             if has_quorum(previous, live):
                 if paused:
                     log.info("leader: a quorum of the previous plan's members is back; resuming")
