@@ -259,6 +259,7 @@ class LeaderRole:
         self._wait_for_quorum()
         self.ctx.probe_links_now()
         self._wait_for_link_reports()
+        self._wait_for_quorum()  # again: the election or the membership may have changed while we waited
         takeover = self._takeover_point(previous.plan if previous else None) if previous else None
         if takeover is not None:
             self._adopt_history(takeover[0])
