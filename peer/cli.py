@@ -68,7 +68,17 @@ def _add_peer_options(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="HOST:PORT",
         help="address other peers should use to reach this peer's gRPC server, when it differs from "
-        "--host:--port (NAT port forwarding, containers); default: --host:--port",
+        "--host:--port (NAT port forwarding, containers); default: --host:--port, or with --host 0.0.0.0 on "
+        "`peer join` the address a relay of the swarm sees. A peer nobody can dial (NAT) is found out and "
+        "reached through a relay",
+    )
+    g.add_argument(
+        "--relay-port",
+        type=_port,
+        default=None,
+        metavar="PORT",
+        help="offer a relay for peers behind NAT on this TCP port of --host (a third port to open; needs an "
+        "address others can dial; default: off)",
     )
     g = p.add_argument_group("identity and access")
     g.add_argument(
@@ -319,6 +329,7 @@ def _options(args: argparse.Namespace):  # noqa: ANN202 - PeerOptions, imported 
         metrics_port=args.metrics_port,
         dashboard_port=args.dashboard_port,
         progress=True,
+        relay_port=args.relay_port,
     )
 
 
@@ -331,7 +342,7 @@ def _run_daemon(args: argparse.Namespace, config: RunConfig | None, peers: list[
         raise UserError(
             "--announce needs a fixed --dht-port too (others must be able to reach the DHT at a known port)"
         )
-    if args.host in ("0.0.0.0", "::") and not args.announce:
+    if args.host in ("0.0.0.0", "::") and not args.announce and (config is not None or args.relay_port is not None):
         raise UserError(
             f"--host {args.host} listens on every interface but is no address others can dial: "
             "add --announce HOST:PORT (this machine's public or LAN address)"
