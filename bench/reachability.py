@@ -3,7 +3,8 @@
 ``python -m bench.reachability [--json] [--rate-mbit 100] [--delay-ms 20] [--steps 8]`` builds a test bed of
 network namespaces (tests/netbed.py; needs root, ``ip``, ``nft``, ``tc``): two public hosts and two home hosts
 behind masquerading NAT routers, every host's link shaped to ``--rate-mbit`` with tbf. Measured with our real
-gRPC transport (PeerClient.probe: receiver-timed bulk stream; PeerClient.ping: round trip):
+gRPC transport and mutual TLS (PeerClient.probe: receiver-timed bulk stream of 8 MiB, median of ``--trials``;
+PeerClient.ping: median round trip of 20; the roles share one TLS key so that they trust each other):
 
 * direct: pub1 -> pub0's gRPC server;
 * reversed: pub1 -> home0, which registered with pub1's relay and dials back (the network path is direct);
@@ -57,32 +58,42 @@ def _shaper(delay_ms: float) -> Any:
     return LinkShaper(None, delay_ms / 1e3) if delay_ms > 0 else None
 
 
-def _serve(host: str, port: int, delay_ms: float) -> Any:
-    from peer.net import PeerServer, TransportConfig
+def _transport(key: str, **kwargs: Any) -> Any:
+    """Mutual TLS with the bench's one shared key (every role trusts itself, so all trust each other), or
+    plaintext when ``key`` is "-"."""
+    from peer.net import TransportConfig
+    from peer.net.tls import TlsContext
+    from peer.swarm.identity import Identity
 
-    server = PeerServer(TransportConfig(host=host, port=port, max_concurrent_streams=8, thread_pool_size=12))
+    return TransportConfig(tls=None if key == "-" else TlsContext(Identity.load(key)), **kwargs)
+
+
+def _serve(host: str, port: int, delay_ms: float, key: str) -> Any:
+    from peer.net import PeerServer
+
+    server = PeerServer(_transport(key, host=host, port=port, max_concurrent_streams=8, thread_pool_size=12))
     shaper = _shaper(delay_ms)
     server.set_reply_shaper(lambda sender: shaper)
     server.start()
     return server
 
 
-def role_public(port: int, relay_port: int, delay_ms: float) -> None:
+def role_public(port: int, relay_port: int, delay_ms: float, tls_key: str) -> None:
     """A public peer: a gRPC server (direct target) and a relay."""
     from peer.net.relay import RelayServer
 
-    _serve("0.0.0.0", port, delay_ms)
+    _serve("0.0.0.0", port, delay_ms, tls_key)
     RelayServer("0.0.0.0", relay_port).start()
     print("ready", flush=True)
     time.sleep(3600)
 
 
-def role_nated(port: int, relays: list[str], delay_ms: float, key: str) -> None:
+def role_nated(port: int, relays: list[str], delay_ms: float, key: str, tls_key: str) -> None:
     """A peer behind NAT: a gRPC server on loopback, reached only through its relay registrations."""
     from peer.net.relay import RelayAgent
     from peer.swarm.identity import Identity
 
-    _serve("127.0.0.1", port, delay_ms)
+    _serve("127.0.0.1", port, delay_ms, tls_key)
     identity = Identity.load(key)
     agent = RelayAgent(identity, relays, f"127.0.0.1:{port}")
     agent.start()
@@ -95,7 +106,7 @@ def role_nated(port: int, relays: list[str], delay_ms: float, key: str) -> None:
     time.sleep(3600)
 
 
-def role_client(endpoint: str, delay_ms: float, relay_port: int, trials: int) -> None:
+def role_client(endpoint: str, delay_ms: float, relay_port: int, trials: int, tls_key: str) -> None:
     """Measure one path: bulk throughput (median of ``trials`` probes) and RTT (median of 20 pings)."""
     from peer.net import PeerClient
     from peer.net.endpoint import set_local_relay
@@ -110,7 +121,7 @@ def role_client(endpoint: str, delay_ms: float, relay_port: int, trials: int) ->
         deadline = time.monotonic() + 30
         while not relay.registered(peer) and time.monotonic() < deadline:
             time.sleep(0.1)
-    with PeerClient(endpoint, shaper=_shaper(delay_ms), sender="bench") as client:
+    with PeerClient(endpoint, _transport(tls_key), shaper=_shaper(delay_ms), sender="bench") as client:
         client.ping(timeout_s=30)
         rtts = sorted(client.ping(timeout_s=30) for _ in range(20))
         rates = [client.probe(PROBE_BYTES, timeout_s=120) for _ in range(trials)]
@@ -146,7 +157,7 @@ def _measure(proc: subprocess.Popen[str], timeout_s: float = 300) -> dict[str, A
     return json.loads(lines[-1])
 
 
-def measure_paths(rate_mbit: float, delay_ms: float, trials: int) -> dict[str, Any]:
+def measure_paths(rate_mbit: float, delay_ms: float, trials: int, tls: bool) -> dict[str, Any]:
     from peer.swarm.identity import Identity
 
     netbed = _tests_module("netbed")
@@ -158,15 +169,21 @@ def measure_paths(rate_mbit: float, delay_ms: float, trials: int) -> dict[str, A
         identity = Identity.generate()  # home0's, so that the clients know whom to ask for
         key = Path(tmp) / "home0.key"
         identity.save(key)
-        _ready(_role(pub0, "public", str(SERVER_PORT), str(RELAY_PORT), d))
-        out = {"direct": _measure(_role(pub1, "client", f"{pub0.addr}:{SERVER_PORT}", d, "0", t))}
+        tls_key = "-"
+        if tls:
+            tls_key = str(Path(tmp) / "tls.key")
+            Identity.generate().save(tls_key)
+        _ready(_role(pub0, "public", str(SERVER_PORT), str(RELAY_PORT), d, tls_key))
+        out = {"direct": _measure(_role(pub1, "client", f"{pub0.addr}:{SERVER_PORT}", d, "0", t, tls_key))}
         # reversed: the client runs the relay home0 registers with, and reaches home0 through it
-        reversed_client = _role(pub1, "client", f"{identity.peer_id}@{pub1.addr}:{RELAY_PORT}", d, str(RELAY_PORT), t)
+        reversed_client = _role(pub1, "client", f"{identity.peer_id}@{pub1.addr}:{RELAY_PORT}", d, str(RELAY_PORT), t,
+                                tls_key)
         _ready(reversed_client)
         _ready(_role(home0, "nated", str(SERVER_PORT), f"{pub0.addr}:{RELAY_PORT},{pub1.addr}:{RELAY_PORT}", d,
-                     str(key)))
+                     str(key), tls_key))
         out["reversed"] = _measure(reversed_client)
-        out["relayed"] = _measure(_role(home1, "client", f"{identity.peer_id}@{pub0.addr}:{RELAY_PORT}", d, "0", t))
+        out["relayed"] = _measure(_role(home1, "client", f"{identity.peer_id}@{pub0.addr}:{RELAY_PORT}", d, "0", t,
+                                        tls_key))
         return out
 
 
@@ -207,18 +224,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trials", type=int, default=3, help="bulk probes per path (default: 3)")
     p.add_argument("--steps", type=int, default=8, help="training steps per swarm (default: 8)")
     p.add_argument("--skip-swarms", action="store_true", help="measure the paths only")
+    p.add_argument("--no-tls", action="store_true", help="plaintext gRPC on the path measurements (default: TLS)")
     p.add_argument("--role", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.role:
         kind, rest = args.role[0], args.role[1:]
         if kind == "public":
-            role_public(int(rest[0]), int(rest[1]), float(rest[2]))
+            role_public(int(rest[0]), int(rest[1]), float(rest[2]), rest[3])
         elif kind == "nated":
-            role_nated(int(rest[0]), rest[1].split(","), float(rest[2]), rest[3])
+            role_nated(int(rest[0]), rest[1].split(","), float(rest[2]), rest[3], rest[4])
         elif kind == "client":
-            role_client(rest[0], float(rest[1]), int(rest[2]), int(rest[3]))
+            role_client(rest[0], float(rest[1]), int(rest[2]), int(rest[3]), rest[4])
         return 0
-    paths = measure_paths(args.rate_mbit, args.delay_ms, args.trials)
+    paths = measure_paths(args.rate_mbit, args.delay_ms, args.trials, not args.no_tls)
     result: dict[str, Any] = {
         "direct_mbps": round(paths["direct"]["mbps"], 2),
         "punched_mbps": None,
@@ -231,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                         "public peer's relay back) or through a public peer's relay",
         "rate_mbit": args.rate_mbit,
         "delay_ms": args.delay_ms,
+        "tls": not args.no_tls,
         "nat_step_s": None,
         "public_step_s": None,
     }

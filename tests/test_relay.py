@@ -168,3 +168,32 @@ def test_check_tells_whether_a_port_is_open(relay: RelayServer, nated) -> None:
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]
     assert check_reachable(relay.local_address, free) == (False, "127.0.0.1")
+
+
+def test_a_peer_follows_its_relays_when_one_goes_away(nated) -> None:
+    from peer.node.reachability import Reach
+
+    server, _ = nated
+    first, second = RelayServer("127.0.0.1", 0), RelayServer("127.0.0.1", 0)
+    first.start()
+    second.start()
+    identity = Identity.generate()
+    agent = RelayAgent(identity, [first.local_address, second.local_address], f"127.0.0.1:{server.port}")
+    agent.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(agent.registered()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        reach = Reach(f"{identity.peer_id}@{first.local_address}", reachable=False, agent=agent)
+        assert reach.refresh() is False  # still held by the relay it publishes
+        first.close()
+        deadline = time.monotonic() + 10
+        while first.local_address in agent.registered() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert reach.refresh() is True
+        assert reach.endpoint == f"{identity.peer_id}@{second.local_address}"
+        with PeerClient(reach.endpoint) as client:
+            client.ping(timeout_s=5)
+    finally:
+        agent.close()
+        second.close()

@@ -91,6 +91,15 @@ def _send_line(sock: socket.socket, text: str) -> None:
     sock.sendall(text.encode("ascii") + b"\n")
 
 
+def _hang_up(sock: socket.socket) -> None:
+    """Shut down, then close: a thread blocked reading the socket wakes up and the other side sees the end
+    (a bare close() from another thread does neither)."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(OSError):
+        sock.close()
+
+
 def _nodelay(sock: socket.socket) -> None:
     with contextlib.suppress(OSError):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -185,8 +194,7 @@ class RelayServer:
             regs = list(self._registrations.values())
             self._registrations.clear()
         for reg in regs:
-            with contextlib.suppress(OSError):
-                reg.control.close()
+            _hang_up(reg.control)
 
     @property
     def local_address(self) -> str:
@@ -303,8 +311,7 @@ class RelayServer:
             _send_line(conn, "DENIED relay full")
             return False
         if old is not None:
-            with contextlib.suppress(OSError):
-                old.control.close()
+            _hang_up(old.control)
         self.stats["registrations"] += 1
         conn.settimeout(None)
         _send_line(conn, "OK")
@@ -444,8 +451,7 @@ class RelayAgent:
     def close(self) -> None:
         self._stop.set()
         for sock in list(self._socks.values()):
-            with contextlib.suppress(OSError):
-                sock.close()
+            _hang_up(sock)
 
     def registered(self) -> list[str]:
         with self._lock:

@@ -17,7 +17,7 @@ import random
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from peer.compute.data import CorpusError
@@ -369,6 +369,10 @@ class PeerDaemon:
         self._ticks += 1
         if self.dht_peers and self._ticks % (TICKS_PER_HEARTBEAT * DHT_RECONNECT_HEARTBEATS) == 0:
             reconnect(self.dht, self.dht_peers)  # a partitioned DHT merges again once the network heals
+        if self._ticks % TICKS_PER_HEARTBEAT == 0 and self.reach is not None and self.reach.refresh():
+            self.endpoint = self.reach.endpoint  # our relay went away: publish one that still holds us
+            self.advert = replace(self.advert, endpoint=self.endpoint)
+            self.membership.announce(self.advert)
         if self._ticks % TICKS_PER_HEARTBEAT == 0:  # once a heartbeat is enough to notice the end of the run
             progress = self.latest_progress()
             if self.observer is not None:

@@ -86,6 +86,19 @@ class Reach:
     agent: RelayAgent | None = None
     notes: list[str] = field(default_factory=list)
 
+    def refresh(self) -> bool:
+        """Follow the relays: when the relay the published endpoint names lost this peer's registration and
+        another one holds it, publish that one instead. Returns whether ``endpoint`` changed."""
+        if self.agent is None:
+            return False
+        held = self.agent.registered()
+        current = self.endpoint.partition("@")[2]
+        if not held or current in held:
+            return False
+        self.endpoint = f"{self.endpoint.partition('@')[0]}@{held[0]}"
+        log.warning("relay %s lost this peer's registration; now reached through %s", current, held[0])
+        return True
+
     def close(self) -> None:
         if self.agent is not None:
             self.agent.close()
