@@ -9,6 +9,7 @@ from peer.net.tls import TlsContext, process_tls
 MIB = 1 << 20
 # The longest deadline a peer's server accepts: above every call timeout of peer.timing (a step's 600 s).
 MAX_CALL_S = 600.0
+HANDSHAKE_TIMEOUT_S = 20.0
 # Room for a Chunk's own fields and gRPC framing around a payload of chunk_bytes.
 CHUNK_OVERHEAD_BYTES = 1024
 
@@ -87,4 +88,6 @@ class TransportConfig:
         return [
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.max_receive_message_length", self.max_message_bytes),
+            # a connection that has not finished its TLS handshake by then is dropped (servers only)
+            ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000)),
         ]

@@ -73,8 +73,12 @@ from protocol.errors import BadMessage, Forbidden, Rejected, TransportError
 log = logging.getLogger(__name__)
 
 # A peer may hold 32 of the 48 stream slots (an upstream neighbour pushes up to max_inflight_pushes at once),
-# so no single peer can take all of them.
-WORKER_TRANSPORT = dict(max_concurrent_streams=48, thread_pool_size=64, max_inflight_pushes=32, max_streams_per_peer=32)
+# so no single peer can take all of them. gRPC buffers a whole message before the server sees it, so messages
+# are capped at a 1 MiB chunk plus framing: a stream never holds more than its Kind's limit plus 2 MiB.
+WORKER_TRANSPORT = dict(
+    max_concurrent_streams=48, thread_pool_size=64, max_inflight_pushes=32, max_streams_per_peer=32,
+    max_message_bytes=2 << 20,
+)
 # A state fetch refused or unreachable is retried this long: during a re-plan the source may take its own new
 # assignment (which trusts and authorizes us) a moment after ours arrives.
 FETCH_STATE_RETRY_S = 15.0
