@@ -3,6 +3,7 @@ clear message, keeps serving, and its state is untouched; and it follows only th
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 
@@ -110,3 +111,20 @@ def test_older_epoch_assignment_is_refused(stage) -> None:
     assert worker.assignment is not None and worker.assignment.epoch == 3
     coordinator.assign({worker.server.endpoint: assignment(worker, coordinator, epoch=4)})
     assert worker.assignment.epoch == 4
+
+
+def test_plans_are_fenced_by_epoch_then_leader(stage) -> None:
+    """Two leaders can never both drive a worker: only a plan newer in (epoch, leader id) is taken."""
+    worker, coordinator, _ = stage
+    ep = worker.server.endpoint
+
+    def plan(epoch: int, leader: str) -> dict[str, Assignment]:
+        return {ep: dataclasses.replace(assignment(worker, coordinator, epoch=epoch), leader=leader)}
+
+    coordinator.assign(plan(5, "bbbb"))
+    for epoch, leader in ((5, "bbbb"), (5, "aaaa"), (4, "zzzz")):  # the same plan again, or an older one
+        with pytest.raises(Exception, match="is not newer"):
+            coordinator.assign(plan(epoch, leader))
+        assert (worker.assignment.epoch, worker.assignment.leader) == (5, "bbbb")
+    coordinator.assign(plan(5, "cccc"))  # equal epoch, larger leader id: newer
+    assert (worker.assignment.epoch, worker.assignment.leader) == (5, "cccc")
