@@ -24,8 +24,7 @@ from typing import Any
 
 from peer.emulation.local import LocalSwarm
 from peer.emulation.network import link_model
-from peer.net import PeerClient, TransportConfig
-from peer.runtime.coordinator import StepReport
+from peer.runtime.coordinator import Coordinator, StepReport
 from peer.runtime.spec import RunSpec
 from protocol.errors import TransportError
 from scheduler import Cluster, Plan, Workload
@@ -132,7 +131,7 @@ def run_plan(spec: RunSpec, cluster: Cluster, workload: Workload, plan: Plan, st
         swarm.coordinator.on_event = clock.on_event
         result = swarm.train(([tuple(s) for s in plan.stages], [list(p) for p in plan.pipelines]), steps,
                              on_step=step_done, step_timeout_s=step_timeout_s, collect_states=False)
-        statuses = [_status(ep) for ep in swarm.workers.endpoints]
+        statuses = [_status(swarm.coordinator, ep) for ep in swarm.workers.endpoints]
     replans = [e["reason"] for e in result.events.replans if e["reason"] != "start"]
     dropped = [r.step for r in result.reports if r.dropped_pipelines or r.requeued]
     if replans or dropped:
@@ -143,11 +142,11 @@ def run_plan(spec: RunSpec, cluster: Cluster, workload: Workload, plan: Plan, st
                    workers=statuses)
 
 
-def _status(endpoint: str) -> dict[str, Any]:
-    """A worker's status (its compute counters), or an ``error`` entry if it does not answer in time."""
+def _status(coordinator: Coordinator, endpoint: str) -> dict[str, Any]:
+    """A worker's status (its compute counters), or an ``error`` entry if it does not answer in time. Asked
+    by the coordinator: the workers accept TLS connections only from the peers of their plan."""
     try:
-        with PeerClient(endpoint, TransportConfig(), sender="bench-headline") as client:
-            return client.status(timeout_s=STATUS_TIMEOUT_S)
+        return coordinator.worker_status(endpoint, timeout_s=STATUS_TIMEOUT_S)
     except TransportError as exc:
         log.warning("status of %s: %s", endpoint, exc)
         return {"endpoint": endpoint, "error": str(exc)}

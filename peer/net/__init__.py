@@ -11,6 +11,9 @@ One import point for the runtime:
 * `PeerClient(endpoint, config, shaper=..., sender=...)`: `push`, `push_async`, `fetch`, `ping`, `probe`,
   `status`, `close`; every call has a deadline; errors are protocol.errors.Refused / PeerUnreachable
   (see peer.net.client).
+* `TlsContext` (peer.net.tls): a peer's identity-bound certificate and trust store; every server and client
+  speaks mutual TLS with `TransportConfig.tls` (default: the process's own identity; None only for plaintext
+  benchmark baselines), and the server hands handlers the caller's authenticated peer id as the sender.
 * `LinkShaper(rate_bps, delay_s)`, `LinkTable(link_of)`: sender-side emulation of a link (peer.net.shaping).
 """
 
