@@ -17,12 +17,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from peer.emulation.procs import PeerProcesses, write_small_config
-from peer.net import PeerClient, PeerServer
+from peer.net import PeerClient, PeerServer, TransportConfig
+from peer.net.tls import TlsContext, make_certificate
 from peer.observe.http import ObserveServer
 from peer.observe.metrics import NodeMetrics
+from peer.swarm.identity import Identity
 from protocol import tasklet_pb2 as pb
 from protocol.codec import encode_tensor
-from protocol.errors import BadMessage, Refused
+from protocol.errors import BadMessage, PeerUnreachable, Refused
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -113,8 +115,11 @@ def test_a_live_daemon_serves_metrics_and_the_leader_writes_tensorboard_events(t
     metrics_port, grpc_port = _free_port("127.0.0.2"), _free_port("127.0.0.2")
     url = f"http://127.0.0.2:{metrics_port}/metrics"
     with PeerProcesses(tmp_path, emulate_tflops=0.001) as procs:
-        addr = procs.start(cfg, "--metrics-port", str(metrics_port), "--port", str(grpc_port))
-        procs.join(addr, 1)
+        first_key = tmp_path / "peer-0.key"
+        addr = procs.start(cfg, "--metrics-port", str(metrics_port), "--port", str(grpc_port),
+                           "--identity", str(first_key))
+        member_key = tmp_path / "peer-1.key"
+        procs.join(addr, 1, "--identity", str(member_key))
         deadline = time.monotonic() + 180
         got: dict = {}
         while time.monotonic() < deadline:
@@ -123,8 +128,11 @@ def test_a_live_daemon_serves_metrics_and_the_leader_writes_tensorboard_events(t
                 break
             time.sleep(1.0)
         assert got.get(("tasklet_step", ()), 0) >= 4, f"no training seen in /metrics: {sorted(got)[:40]}"
-        # a hostile push to the first peer's worker: refused and counted
-        with pytest.raises(Refused), PeerClient(f"127.0.0.2:{grpc_port}", sender="stranger") as client:
+        # a stranger never gets past the TLS handshake; a member's push for another run: refused and counted
+        with pytest.raises(PeerUnreachable), PeerClient(f"127.0.0.2:{grpc_port}", sender="stranger") as client:
+            client.push(_activation(), timeout_s=10)
+        member = TlsContext(Identity.load(member_key)).trust_only([make_certificate(Identity.load(first_key))])
+        with pytest.raises(Refused), PeerClient(f"127.0.0.2:{grpc_port}", TransportConfig(tls=member)) as client:
             client.push(_activation(), timeout_s=10)
         time.sleep(0.5)
         got = scrape(url)
