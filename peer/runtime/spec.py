@@ -118,6 +118,9 @@ class RunSpec:
         return spec.validate()
 
 
+MAX_PLAN_EPOCH = 2**31 - 1  # as on the plan board (peer.swarm.plans.MAX_EPOCH)
+
+
 @dataclass(frozen=True)
 class Assignment:
     """One peer's tasklet: stage ``stage`` of pipeline ``replica``, under plan ``epoch``.
@@ -154,6 +157,8 @@ class Assignment:
     leader: str = ""  # peer id of the leader whose plan this is: workers order plans by (epoch, leader)
 
     def validate(self) -> Assignment:
+        if not 0 <= self.epoch <= MAX_PLAN_EPOCH:
+            raise SpecError(f"assignment.epoch: {self.epoch} not in [0, {MAX_PLAN_EPOCH}]")
         if len(self.leader) > 64:
             raise SpecError("assignment.leader: a peer id of at most 64 characters")
         if not 0 <= self.stage < self.n_stages:
