@@ -11,16 +11,15 @@ is lost with every replica, and the whole run rolls back to the last checkpoint 
 checkpoint from the coordinator), redoing the steps since — the log says how many.
 
 Checkpoints are written by the leader: every ``checkpoint_every`` steps (and on request, e.g. SIGTERM) it
-fetches each stage's state from one replica and writes ``DIR/step-NNNNNN/stage-S.pt`` atomically, plus
-``run.json``. ``resume`` starts a run from the latest one.
+fetches each stage's state from one replica and writes it durably through
+:class:`peer.runtime.checkpoints.CheckpointStore` (fsynced, checksummed, atomic ``latest``, the newest
+``checkpoint_keep`` kept). ``resume`` starts a run from the newest one that verifies; a failed checkpoint is
+logged and counted, never fatal.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -29,8 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from peer.runtime.checkpoints import DEFAULT_KEEP, Checkpoint, CheckpointError, CheckpointStore
 from peer.runtime.control import StateSource
 from peer.runtime.coordinator import Coordinator, ReplanNeededError, StepFailedError, StepReport
 from peer.runtime.spec import Assignment, RunSpec
@@ -51,6 +49,7 @@ class DriverConfig:
     steps: int
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 0  # 0: only on request
+    checkpoint_keep: int = DEFAULT_KEEP  # the newest this many checkpoints stay on disk
     step_timeout_s: float = STEP_TIMEOUT_S
     max_replans: int = 50
     replan_wait_s: float = REPLAN_WAIT_S
@@ -63,6 +62,8 @@ class RunEvents:
     replans: list[dict[str, Any]] = field(default_factory=list)
     rollbacks: list[dict[str, Any]] = field(default_factory=list)
     checkpoints: list[int] = field(default_factory=list)
+    checkpoint_errors: list[dict[str, Any]] = field(default_factory=list)
+    resumed_from: dict[str, Any] | None = None  # the checkpoint a resume used, and the newer ones it skipped
 
 
 class RunDriver:
@@ -96,6 +97,10 @@ class RunDriver:
         self.banned: set[str] = set()  # endpoints declared dead: never planned again
         self.reports: list[StepReport] = []
         self.stop_event = threading.Event()  # set when this leader loses leadership: stop driving at once
+        self.store = None if cfg.checkpoint_dir is None else CheckpointStore(cfg.checkpoint_dir, cfg.checkpoint_keep)
+        self._loaded: Checkpoint | None = None  # the checkpoint _latest_checkpoint verified, until loaded
+        # on_checkpoint(step, folder): after each checkpoint is written (replication to other peers)
+        self.on_checkpoint: Callable[[int, Path], None] | None = None
 
     def _check_stopped(self) -> None:
         if self.stop_event.is_set():
@@ -107,7 +112,16 @@ class RunDriver:
         continue a run whose previous leader died, from the workers' own state."""
         restore = self._latest_checkpoint() if resume else None
         if restore is not None:
+            skipped = [] if self._loaded is None else [s for s, _ in self._loaded.skipped]
+            self.events.resumed_from = {"step": restore, "skipped_damaged": skipped}
+            if skipped:
+                log.warning("resuming from the checkpoint of step %d: the newer one(s) of step(s) %s are damaged",
+                            restore, skipped)
+            else:
+                log.info("resuming from the checkpoint of step %d", restore)
             self._load_checkpoint_stages(restore)
+        elif resume:
+            log.warning("--resume: no usable checkpoint in %s; starting at step 0", self.cfg.checkpoint_dir)
         elif takeover is not None:
             self.trained, self.stages = takeover[0], [(int(a), int(b)) for a, b in takeover[1]]
         self._replan_until_done(reason="takeover" if takeover else "start", restore_step=restore)
@@ -257,53 +271,53 @@ class RunDriver:
 
     # ---------------------------------------------------------------------------------------- checkpoints
     def checkpoint(self) -> Path | None:
-        """Write every stage's state at the trained step (one replica each); return the folder."""
-        if self.cfg.checkpoint_dir is None or not self.stages:
+        """Write every stage's state at the trained step (one replica each); return the folder.
+
+        A failure (disk full, a replica that does not answer) is logged and counted in
+        ``events.checkpoint_errors``; it never stops training."""
+        if self.store is None or not self.stages:
             return None
-        step_dir = self.cfg.checkpoint_dir / f"step-{self.trained:06d}"
-        tmp = self.cfg.checkpoint_dir / f".tmp-step-{self.trained:06d}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        states = self.coordinator.live_states(at_step=self.trained)
-        for (stage, _), state in states.items():
-            torch.save(state, tmp / f"stage-{stage}.pt")
-        saved = {stage for stage, _ in states}
-        if saved != set(range(len(self.stages))):
-            shutil.rmtree(tmp, ignore_errors=True)
-            log.warning("checkpoint of step %d incomplete (stages %s); skipped", self.trained, sorted(saved))
+        try:
+            states = self.coordinator.live_states(at_step=self.trained)
+            saved = {stage for stage, _ in states}
+            if saved != set(range(len(self.stages))):
+                raise CheckpointError(f"stages {sorted(set(range(len(self.stages))) - saved)} did not answer")
+            meta = {"run": self.spec.to_dict(), "stages": self.stages, "step": self.trained}
+            step_dir = self.store.write(self.trained, {stage: st for (stage, _), st in states.items()}, meta)
+        except Exception as exc:  # a checkpoint error must not kill the leader
+            log.error("checkpoint of step %d failed: %s", self.trained, exc)
+            self.events.checkpoint_errors.append({"step": self.trained, "error": str(exc)[:500]})
             return None
-        (tmp / "run.json").write_text(
-            json.dumps({"run": self.spec.to_dict(), "stages": self.stages, "step": self.trained}, indent=1)
-        )
-        shutil.rmtree(step_dir, ignore_errors=True)
-        os.replace(tmp, step_dir)
-        (self.cfg.checkpoint_dir / "latest").write_text(step_dir.name + "\n")
         self.events.checkpoints.append(self.trained)
         log.info("checkpoint of step %d written to %s", self.trained, step_dir)
+        if self.on_checkpoint is not None:
+            try:
+                self.on_checkpoint(self.trained, step_dir)
+            except Exception as exc:  # replication failing is reported, never fatal
+                log.error("after the checkpoint of step %d: %s", self.trained, exc)
         return step_dir
 
     def _latest_checkpoint(self) -> int | None:
-        d = self.cfg.checkpoint_dir
-        if d is None or not (d / "latest").exists():
+        """The step of the newest checkpoint that verifies (damaged newer ones are skipped, and logged)."""
+        if self.store is None:
             return None
-        name = (d / "latest").read_text().strip()
-        try:
-            return int(name.removeprefix("step-"))
-        except ValueError:
-            log.warning("checkpoint pointer %s is malformed: %r", d / "latest", name)
+        ckpt = self.store.newest_valid()
+        if ckpt is None:
             return None
+        self._loaded = ckpt
+        return ckpt.step
 
     def _load_checkpoint_stages(self, step: int) -> None:
         """Read a checkpoint and let the coordinator serve it to the workers that will fetch it."""
-        assert self.cfg.checkpoint_dir is not None
-        step_dir = self.cfg.checkpoint_dir / f"step-{step:06d}"
-        meta = json.loads((step_dir / "run.json").read_text())
-        if meta["run"] != self.spec.to_dict():
-            raise StepFailedError(f"checkpoint {step_dir} belongs to a different run configuration")
-        stages = [tuple(x) for x in meta["stages"]]
+        assert self.store is not None
+        ckpt = self._loaded if self._loaded is not None and self._loaded.step == step else self.store.load(step)
+        self._loaded = None
+        where = self.store.root / f"step-{step:06d}"
+        if ckpt.meta.get("run") != self.spec.to_dict():
+            raise StepFailedError(f"checkpoint {where} belongs to a different run configuration")
+        stages = [tuple(x) for x in ckpt.meta["stages"]]
         if self.stages is not None and stages != self.stages:
-            raise StepFailedError(f"checkpoint {step_dir} has stages {stages}, the run has {self.stages}")
+            raise StepFailedError(f"checkpoint {where} has stages {stages}, the run has {self.stages}")
         self.stages = stages  # type: ignore[assignment]
-        states = {s: torch.load(step_dir / f"stage-{s}.pt", weights_only=True) for s in range(len(stages))}
-        self.coordinator.serve_checkpoint(states)
+        self.coordinator.serve_checkpoint(ckpt.states)
         self.trained = step
