@@ -40,7 +40,7 @@ class SwarmSource:
     @classmethod
     def from_reader(cls, reader: StatusReader) -> SwarmSource:
         m = reader.membership
-        return cls(m.live_entries, m.links, reader.latest_plan, reader.read_progress, m.get_run)
+        return cls(reader.live_entries, m.links, reader.latest_plan, reader.read_progress, m.get_run)
 
 
 def _num(value: object) -> float | None:

@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from peer.swarm.dht import DHTConfig, start_dht
 from peer.swarm.election import elect_leader
 from peer.swarm.identity import Identity
-from peer.swarm.membership import Membership
+from peer.swarm.membership import Membership, PeerEntry
 from peer.swarm.plans import PlanBoard, PlanRecord
 from peer.swarm.progress import ProgressBoard
 from peer.timing import now
+
+VIEW_REUSE_S = 1.0
 
 
 @dataclass
@@ -56,10 +59,20 @@ class StatusReader:
         self.membership = Membership(self.dht, run_id, self.identity, secret)
         self.board = PlanBoard(self.dht, run_id, None, secret, elector=self.elected)
         self.progress = ProgressBoard(self.dht, run_id, None, secret)
+        self._view: tuple[float, list[PeerEntry]] = (-1.0, [])
+
+    def live_entries(self) -> list[PeerEntry]:
+        """The live peers; one DHT read serves every caller within ``VIEW_REUSE_S`` (a status screen asks
+        for them, the election and the plan and progress filters in quick succession)."""
+        at, entries = self._view
+        if time.monotonic() - at > VIEW_REUSE_S:
+            entries = self.membership.live_entries()
+            self._view = (time.monotonic(), entries)
+        return list(entries)
 
     def elected(self) -> str | None:
         """The leader as elected from the live records now."""
-        return elect_leader(self.membership.live_entries())
+        return elect_leader(self.live_entries())
 
     def latest_plan(self) -> PlanRecord | None:
         return self.board.latest()
@@ -80,7 +93,7 @@ class StatusReader:
 
     def read(self) -> SwarmStatus:
         at = now()
-        entries = self.membership.live_entries()
+        entries = self.live_entries()
         latest = self.board.latest()
         plan = latest.plan if latest else {}
         where: dict[str, tuple[int, int]] = {}
@@ -128,7 +141,8 @@ class StatusReader:
             "pipelines": plan.get("pipelines"),
             "stages": plan.get("stages"),
         }
-        return SwarmStatus(peers, plan_out, self.read_progress() or {}, link_summary)
+        progress = self.progress.read(latest.leader_id if latest is not None else self.elected())
+        return SwarmStatus(peers, plan_out, progress or {}, link_summary)
 
 
 def _by_path(links: list) -> dict[str, dict[str, Any]]:
