@@ -58,9 +58,18 @@ def read_result(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     return spec, merged
 
 
+def _quiet() -> None:
+    """No progress bars from transformers (the CLI prints one line of its own)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def export(result_dir: str | Path, out_dir: str | Path) -> Path:
     """Write a Hugging Face folder for the run in ``result_dir``; return the folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _quiet()
 
     folder, out = Path(result_dir), Path(out_dir)
     spec_dict, params = read_result(folder)
@@ -95,6 +104,7 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 40, seed:
 
     from peer.compute.tokenize import ByteTokenizer, HFTokenizer, Tokenizer
 
+    _quiet()
     folder = Path(model_dir)
     if not (folder / "config.json").is_file():
         raise ModelSourceError(f"{folder / 'config.json'}: no such file (not a model folder)")

@@ -1,0 +1,55 @@
+"""End to end through whole daemons: `peer swarm --model tiny-gpt2 --tokenizer DIR --data FILE.jsonl` trains,
+`peer export` writes a folder that transformers loads, whose logits equal the trained stages' forward, and
+`peer generate` prints text from it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from peer.compute.hf.export import read_result
+from peer.runtime.spec import RunSpec
+from tests.hf_fixtures import make_tokenizer, write_jsonl
+
+pytestmark = pytest.mark.integration
+
+
+def peer(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "peer.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(600)
+def test_swarm_trains_a_hugging_face_model_that_exports_and_generates(tmp_path: Path) -> None:
+    tok, data = make_tokenizer(tmp_path / "tok"), write_jsonl(tmp_path / "docs.jsonl")
+    result, exported = tmp_path / "result", tmp_path / "exported"
+    run = peer("swarm", "--peers", "2", "--scenario", "worldwide_geo_distributed", "--steps", "2", "--stages", "2",
+               "--model", "tiny-gpt2", "--tokenizer", str(tok), "--data", str(data), "--seq-len", "32",
+               "--save", str(result), "--log-dir", str(tmp_path / "logs"), "--timeout", "400", timeout=500)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert re.search(r"^trained 2 steps in [\d.]+ s: loss [\d.]+ -> [\d.]+", run.stdout, re.M), run.stdout
+
+    out = peer("export", str(result), str(exported), timeout=120)
+    assert out.returncode == 0, out.stderr
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(exported)).eval()
+    assert type(model).__name__ == "GPT2LMHeadModel"
+    spec_dict, params = read_result(result)
+    spec = RunSpec.from_dict(spec_dict)
+    assert spec.tokenizer == str(tok.resolve()) and spec.model.source == "preset tiny-gpt2"
+    ids = torch.tensor([AutoTokenizer.from_pretrained(str(exported))("Document 7: the swarm")["input_ids"]])
+    x = ids
+    with torch.no_grad():
+        for a, b in [(0, 2), (2, 4)]:
+            stage = spec.model.build_stage(a, b)
+            stage.load_state_dict({n: params[n] for n, _ in stage.named_parameters()}, strict=False)
+            x = stage(x)
+        assert float((model(input_ids=ids).logits - x).abs().max()) < 1e-5
+    gen = peer("generate", "--model", str(exported), "--prompt", "Document", "--max-new-tokens", "6", timeout=120)
+    assert gen.returncode == 0, gen.stderr
+    assert gen.stdout.startswith("Document") and len(gen.stdout.rstrip("\n")) > len("Document")
