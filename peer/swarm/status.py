@@ -185,14 +185,14 @@ def format_status(st: SwarmStatus) -> str:
             f"{kind} {v['links']} ({v['median_bandwidth_mbps']} Mbit/s, {v['median_rtt_ms']} ms)"
             for kind, v in lk["by_path"].items()))
     lines.append(f"{'peer':<14}{'device':<22}{'TFLOP/s':>9}  {'stage':>5} {'repl':>4}  {'seen':>6}  "
-                 f"{'reached':<17}region")
+                 f"{'reached':<22}region")
     for peer in st.peers:
         tf = f"{peer['tflops']:.4g}" + ("*" if peer["emulated"] else "")
         stage = "-" if peer["stage"] is None else str(peer["stage"])
         rep = "-" if peer["replica"] is None else str(peer["replica"])
         lines.append(
             f"{peer['peer_id'][:12]:<14}{peer['device'][:21]:<22}{tf:>9}  {stage:>5} {rep:>4}  "
-            f"{peer['last_seen_s']:>5.1f}s  {_reached(peer):<17}{peer['region'] or '-'}"
+            f"{peer['last_seen_s']:>5.1f}s  {_reached(peer):<22}{peer['region'] or '-'}"
         )
     if any(peer["emulated"] for peer in st.peers):
         lines.append("* emulated TFLOP/s")
