@@ -83,6 +83,14 @@ def test_relayed_calls_behave_like_direct_ones(relay: RelayServer, nated) -> Non
                 client.push(pb.Envelope(kind=pb.OTHER, meta={"bad": "1"}), timeout_s=5)
             assert client.fetch(pb.STAGE_STATE, timeout_s=5).meta["n"] == "7"
             assert client.probe(1 << 20, timeout_s=10) > 0
+        # A server mounted on the NAT'd peer's port (a leader's coordinator) through the same relay.
+        mounted = PeerServer(TransportConfig())
+        mounted.register_fetch(pb.COMMIT, lambda req: pb.Envelope(kind=pb.COMMIT, meta={"from": "coordinator"}))
+        server.mount("coordinator", mounted)
+        with PeerClient(f"{endpoint}/coordinator") as client:
+            assert client.fetch(pb.COMMIT, timeout_s=5).meta["from"] == "coordinator"
+        with PeerClient(endpoint) as client, pytest.raises(Refused):
+            client.fetch(pb.COMMIT, timeout_s=5)  # the worker's own service serves no COMMIT fetches
         assert agent.stats["dials"] >= 1
     finally:
         agent.close()
@@ -197,3 +205,39 @@ def test_a_peer_follows_its_relays_when_one_goes_away(nated) -> None:
     finally:
         agent.close()
         second.close()
+
+
+def test_adverts_and_link_reports_carry_reachability() -> None:
+    from peer.compute.device_probe import DeviceInfo
+    from peer.swarm.adverts import Advert, LinkReport
+
+    device = DeviceInfo("emulated", "cpu", 2**33, 10.0, False, True)
+    pid = "0123456789abcdef0123"
+    nated = Advert(pid, f"{pid}@198.51.100.7:31402", device, 1.0, reachable=False)
+    assert Advert.from_record(nated.to_record()) == nated
+    public = Advert(pid, "198.51.100.8:31400", device, 1.0, relay="198.51.100.8:31402")
+    assert Advert.from_record(public.to_record()).relay == "198.51.100.8:31402"
+    for bad in ({"reachable": True, "endpoint": f"{pid}@198.51.100.7:31402"},  # relayed yet "reachable"
+                {"reachable": False},  # unreachable yet a direct endpoint
+                {"relay": "not an address"},
+                {"endpoint": "bad id!@198.51.100.7:31402", "reachable": False}):
+        with pytest.raises(ValueError):
+            Advert.from_record({**public.to_record(), **bad})
+    report = LinkReport(pid, "fedcba9876543210fedc", 0.01, 1e8, True, 1.0, "relayed")
+    assert LinkReport.from_record(report.to_record()).path == "relayed"
+    with pytest.raises(ValueError, match="link.path"):
+        LinkReport.from_record({**report.to_record(), "path": "teleported"})
+
+
+def test_undialable_setups_are_refused() -> None:
+    from peer.node.reachability import ReachabilityError, refuse_undialable
+
+    remote = ["/ip4/198.51.100.7/tcp/31401/p2p/12D3KooWH4ecARXxDuWHreqMq8ALtetbyNfvoQLayNHeW39sAAea"]
+    local = ["/ip4/127.0.0.1/tcp/31401/p2p/12D3KooWH4ecARXxDuWHreqMq8ALtetbyNfvoQLayNHeW39sAAea"]
+    refuse_undialable("127.0.0.1", None, local, False, None)  # a swarm on one machine
+    refuse_undialable("0.0.0.0", None, remote, False, None)  # a joiner that lets the relay find its address
+    refuse_undialable("0.0.0.0", "198.51.100.9:31400", remote, True, 31402)
+    for args in (("127.0.0.1", None, remote, False, None), ("0.0.0.0", "0.0.0.0:31400", remote, False, None),
+                 ("0.0.0.0", None, [], True, None), ("0.0.0.0", None, remote, False, 31402)):
+        with pytest.raises(ReachabilityError):
+            refuse_undialable(*args)
