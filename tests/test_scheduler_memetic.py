@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from scheduler import Cluster, MemeticConfig, Plan, PlanningError, Workload, plan
+from scheduler import Cluster, MemeticConfig, Plan, PlanningError, SearchConfig, Workload, plan
 from scheduler.baselines import random_plan, rank_order_plan
 from scheduler.bench import synthetic
 from scheduler.bound import dtfm_lower_bound, full_lower_bound
@@ -95,7 +95,7 @@ def test_memetic_is_deterministic_per_seed() -> None:
     assert a.pipelines == b.pipelines and a.search["evaluations"] == b.search["evaluations"]
     assert a.search["algorithm"] == "tasklet-memetic" and a.search["generations"] >= 1
     assert len(a.search["idle_devices"]) == 8
-    ils = plan(c, w, cost_model="dtfm", seed=5, algorithm="ils")
+    ils = plan(c, w, cost_model="dtfm", seed=5, config=SearchConfig(max_evaluations=2000))
     assert ils.search["algorithm"] == "tasklet-ils"
 
 
