@@ -140,7 +140,8 @@ def test_jsonl_and_parquet_tokenize_to_the_same_stream(files: Path, tmp_path: Pa
     for mb in range(3):
         assert torch.equal(microbatch(a, 1, 2, mb, 2, 16)[0], microbatch(again, 1, 2, mb, 2, 16)[0])
     assert int(a.data.max()) < model.vocab_size and a.data.dtype == torch.int32
-    assert isinstance(a.data.numpy().base, object)  # memory-mapped, not a copy in the heap
+    cached, maps = [str(p) for p in tmp_path.glob("*.bin")], Path("/proc/self/maps").read_text()
+    assert len(cached) == 2 and all(path in maps for path in cached)  # memory-mapped token files, not heap copies
 
 
 # ------------------------------------------------------------------------------------------------ bad input
@@ -178,3 +179,15 @@ def test_jsonl_without_the_text_field_is_refused(files: Path, tmp_path: Path) ->
     path = write_jsonl(tmp_path / "other.jsonl", field="body")
     with pytest.raises(ValueError, match=rf"^{path}: record 1 has no field 'text' \(fields: body, id\)$"):
         load_corpus(str(path), str(files / "tok"), "text", resolve_model("tiny-gpt2", 16), cache=tmp_path)
+
+
+def test_a_spec_from_the_network_with_an_absurd_shape_is_refused() -> None:
+    from peer.runtime.spec import RunSpec, SpecError
+
+    d = RunSpec(model=resolve_model("tiny-llama", 16)).to_dict()
+    d["model"]["config"]["num_hidden_layers"] = 10**9
+    with pytest.raises(SpecError, match="num_hidden_layers: 1000000000 exceeds the supported 1024"):
+        RunSpec.from_dict(d)
+    d["model"]["config"].update(num_hidden_layers=4, model_type="bert")
+    with pytest.raises(SpecError, match="model_type: 'bert' is not supported"):
+        RunSpec.from_dict(d)

@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded at run time
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+# upper bounds of a config's shape (far above any model trained today; a spec from the network is hostile)
+MAX_SHAPE = {"num_hidden_layers": 1024, "n_layer": 1024, "hidden_size": 1 << 16, "n_embd": 1 << 16,
+             "num_attention_heads": 1024, "n_head": 1024, "vocab_size": 1 << 22,
+             "max_position_embeddings": 1 << 21, "n_positions": 1 << 21}
 _DROPPED_KEYS = ("transformers_version", "id2label", "label2id", "_name_or_path", "dtype", "torch_dtype")
 
 
@@ -71,7 +75,9 @@ class HFModelSpec:
         where = self.source or "model"
         fam = family_of(self.config, where)
         for key in (fam.n_layers_key, fam.hidden_key, fam.heads_key, "vocab_size", fam.positions_key):
-            shape_value(self.config, key, where)
+            value = shape_value(self.config, key, where)
+            if value > MAX_SHAPE[key]:  # a spec arrives over the network: bound what building a stage costs
+                raise ModelSourceError(f"{where}: {key}: {value} exceeds the supported {MAX_SHAPE[key]}")
         if not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool) or self.seq_len < 1:
             raise ModelSourceError(f"{where}: seq_len: must be a positive integer, got {self.seq_len!r}")
         if self.seq_len > self.config[fam.positions_key]:
