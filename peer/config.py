@@ -14,6 +14,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from peer.compute.hf import ModelSourceError
+from peer.compute.hf.spec import resolve_model_cached
 from peer.compute.model import ModelConfig
 from peer.compute.stage import OptimConfig
 from peer.runtime.spec import COMPRESSIONS, PRECISIONS, RunSpec, SpecError
@@ -35,7 +37,10 @@ class RunSection:
     run_id: str = _f("tasklet", "name of the run; peers join it with `peer join --run` (DHT key namespace)")
     steps: int = _f(20, "optimizer steps to train, then the swarm stops")
     seed: int = _f(0, "seed of the initial weights and of the data order")
-    corpus: str = _f("stdlib", "training text: `stdlib` (this Python's standard library sources) or a path")
+    corpus: str = _f("stdlib", "training text: `stdlib` (this Python's standard library sources), or a text file, "
+                     "JSONL or Parquet file, or a folder of them (`--data`)")
+    tokenizer: str = _f("", "a local tokenizer folder read with transformers' AutoTokenizer; empty = byte-level")
+    text_field: str = _f("text", "the field of JSONL records / Parquet rows that holds the text")
     micro_batch: int = _f(4, "sequences per micro-batch")
     n_microbatches: int = _f(8, "micro-batches per step (global batch = micro_batch x n_microbatches)")
     precision: str = _f("fp32", f"compute precision, one of {', '.join(PRECISIONS)} (fp32 master weights)")
@@ -44,11 +49,14 @@ class RunSection:
 
 @dataclass
 class ModelSection:
-    """[model] — the GPT-style decoder (byte-level, vocabulary 256)."""
+    """[model] — a Hugging Face model (`config`), or the built-in byte-level GPT-style decoder."""
 
-    n_layers: int = _f(4, "transformer blocks")
-    d_model: int = _f(64, "hidden size")
-    n_heads: int = _f(4, "attention heads (must divide d_model)")
+    config: str = _f("", "a Hugging Face model: a preset (tiny-llama, tiny-gpt2, llama-3.2-1b, llama-3-8b, "
+                     "gpt3-xl), a config.json, or a model folder (config.json + safetensors); empty = the byte GPT "
+                     "shaped by the keys below")
+    n_layers: int = _f(4, "transformer blocks (byte GPT only)")
+    d_model: int = _f(64, "hidden size (byte GPT only)")
+    n_heads: int = _f(4, "attention heads, must divide d_model (byte GPT only)")
     seq_len: int = _f(64, "tokens per sequence")
 
 
@@ -180,24 +188,30 @@ class RunConfig:
     def spec(self, corpus_fingerprint: str = "") -> RunSpec:
         """The runtime's view of this configuration."""
         r, m, o = self.run, self.model, self.optim
+        model: Any = (
+            resolve_model_cached(m.config, m.seq_len, r.seed) if m.config
+            else ModelConfig(n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, seq_len=m.seq_len, seed=r.seed)
+        )
         return RunSpec(
             run_id=r.run_id,
-            model=ModelConfig(
-                n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, seq_len=m.seq_len, seed=r.seed
-            ),
+            model=model,
             optim=OptimConfig(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay),
             seed=r.seed,
             micro_batch=r.micro_batch,
             n_microbatches=r.n_microbatches,
             corpus=None if r.corpus == "stdlib" else r.corpus,
             corpus_fingerprint=corpus_fingerprint,
+            tokenizer=r.tokenizer or None,
+            text_field=r.text_field,
             precision=r.precision,
             compression=r.compression,
         )
 
     def validate(self, where: str = "config") -> None:
         try:
-            self.spec().validate()
+            spec = self.spec().validate()
+        except ModelSourceError as exc:  # names its own file and field
+            raise ConfigError(f"{where}: [model] config: {exc}") from None
         except (SpecError, ValueError) as exc:
             raise ConfigError(f"{where}: {exc}") from None
         if self.run.steps < 1:
@@ -205,7 +219,7 @@ class RunConfig:
         s = self.swarm
         if s.min_peers < 1:
             raise ConfigError(f"{where}: [swarm] min_peers must be >= 1")
-        if s.stages < 0 or s.stages > self.model.n_layers:
+        if s.stages < 0 or s.stages > spec.model.n_layers:
             raise ConfigError(f"{where}: [swarm] stages must be 0 (auto) or 1..n_layers")
         if not s.heartbeat_s > 0:
             raise ConfigError(f"{where}: [swarm] heartbeat_s must be > 0")
