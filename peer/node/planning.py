@@ -23,7 +23,7 @@ from peer.config import EmulationSection
 from peer.runtime.driver import Pipelines, Planner, Stages
 from peer.runtime.spec import RunSpec
 from peer.swarm.adverts import Advert, LinkReport
-from scheduler import Cluster, PlanningError, Workload, plan
+from scheduler import Cluster, Plan, PlanningError, Workload, plan, replan
 from scheduler.cluster import default_scenarios_path, load_scenario
 from scheduler.model_workload import from_hf_config
 
@@ -166,7 +166,13 @@ def make_planner(
     time_limit_s: float = 5.0,  # type: ignore[valid-type]
     seed: int = 0,
 ) -> Planner:
-    """A planner over live daemon device ids; ``view_of(ids)`` gives the ClusterView of those devices."""
+    """A planner over live daemon device ids; ``view_of(ids)`` gives the ClusterView of those devices.
+
+    The first plan chooses the layer split; later plans keep it (``stages``) and start from the pipelines this
+    planner returned last, charging every moved tasklet its state transfer (``scheduler.replan``), so a
+    departure moves few tasklets instead of reshuffling the swarm.
+    """
+    previous: dict[str, Pipelines] = {}  # the last pipelines this planner returned, in daemon device ids
 
     def planner(live: list[int], stages: Stages | None) -> tuple[Stages, Pipelines]:
         view: ClusterView = view_of(live)
@@ -180,7 +186,23 @@ def make_planner(
         if n_st and n // n_st < 1:
             raise PlanningError("peers", f"{n} live peer(s) cannot hold {n_st} stages")
         workload: Workload = workload_for(spec, n_st or None, (n // n_st) if n_st else None)
-        p = plan(view.cluster, workload, cost_model="full", seed=seed, time_limit_s=time_limit_s)
+        p = None
+        if stages is not None and previous.get("pipelines"):
+            index = {dev: i for i, dev in enumerate(live)}
+            current = Plan(stages=[(int(a), int(b)) for a, b in stages],
+                           pipelines=[[index.get(d, -1) for d in row] for row in previous["pipelines"]])
+            try:
+                p = replan(view.cluster, workload, current, cost_model="full", seed=seed,
+                           time_limit_s=time_limit_s, replicas=n // len(stages))
+                moves = p.predicted.get("moves", {})
+                log.info("re-plan from the current plan: %s tasklet(s) move, predicted state transfer %.2f s",
+                         moves.get("moved_tasklets"), float(moves.get("transfer_s", 0.0)))
+            except PlanningError as exc:
+                log.info("re-plan from the current plan not possible (%s); planning from scratch", exc)
+                p = None
+        if p is None:
+            p = plan(view.cluster, workload, cost_model="full", seed=seed, time_limit_s=time_limit_s,
+                     stages=[(int(a), int(b)) for a, b in stages] if stages is not None else None)
         chosen = stages if stages is not None else [tuple(s) for s in p.stages]
         pipelines = [[live[d] for d in pipe] for pipe in p.pipelines]
         log.info(
@@ -193,6 +215,7 @@ def make_planner(
             view.estimated_pairs,
             p.predicted.get("total_s", float("nan")),
         )
+        previous["pipelines"] = pipelines
         return list(chosen), pipelines  # type: ignore[arg-type]
 
     return planner
