@@ -60,6 +60,11 @@ class PoolStatus(enum.Enum):
     STALE = "stale"
 
 
+# meta key of a lease reply and of the activations of its micro-batch: "1" when the pipeline runs a speculative
+# copy of a micro-batch another (straggling) pipeline holds; every stage keeps its gradient apart until the reduce
+SPECULATIVE_META = "speculative"
+
+
 # ------------------------------------------------------------------------------------------ field checks
 def _int(body: dict[str, Any], name: str, default: int | None = None) -> int:
     value = body.get(name, default)
@@ -360,6 +365,7 @@ class StateSource:
     kind: SourceKind = SourceKind.INIT
     step: int = 0
     endpoint: str | None = None
+    grant: str = ""  # fetch only: the coordinator's signed permission to read the state (peer.runtime.grants)
 
     def __post_init__(self) -> None:
         if self.step < 0:
@@ -385,6 +391,8 @@ class StateSource:
         d: dict[str, Any] = {"source": self.kind.value, "step": self.step}
         if self.endpoint is not None:
             d["endpoint"] = self.endpoint
+        if self.grant:
+            d["grant"] = self.grant
         return d
 
     @classmethod
@@ -399,8 +407,9 @@ class StateSource:
         endpoint = d.get("endpoint")
         if endpoint is not None and not (isinstance(endpoint, str) and 0 < len(endpoint) <= 300):
             raise BadMessage("meta.body.state.endpoint", f"expected host:port, got {endpoint!r}")
+        grant = _str(d, "grant", "", limit=4096)
         try:
-            return cls(kind, step, endpoint if kind is SourceKind.FETCH else None)
+            return cls(kind, step, endpoint if kind is SourceKind.FETCH else None, grant)
         except ValueError as exc:
             raise BadMessage("meta.body.state", f"state source {kind.value!r} at step {step} is not valid ({exc})") \
                 from None

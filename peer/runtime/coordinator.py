@@ -30,14 +30,17 @@ confirming a reported death) runs on one executor, shut down by :meth:`close`.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import logging
 import math
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +49,8 @@ from peer.net.endpoint import with_route
 from peer.net.tls import TlsContext, peer_ids, process_tls
 from peer.runtime import control as ctl
 from peer.runtime.bounds import CONTROL_BYTES
-from peer.runtime.pool import TaskPool
+from peer.runtime.grants import sign_grant
+from peer.runtime.pool import CommitResult, TaskPool
 from peer.runtime.spec import Assignment, RunSpec
 from peer.runtime.wire import make_key
 from peer.runtime.worker import state_envelope, state_from_envelope
@@ -56,8 +60,14 @@ from peer.timing import (
     CONTROL_TIMEOUT_S,
     FETCH_STATE_TIMEOUT_S,
     HEARTBEAT_S,
+    LEASE_FACTOR,
+    LEASE_FLOOR_S,
     PING_MISSES,
+    PING_RTT_FACTOR,
+    PING_TIMEOUT_MAX_S,
     PING_TIMEOUT_S,
+    SPECULATE_FACTOR,
+    SPECULATE_FLOOR_S,
     STATUS_TIMEOUT_S,
     STEP_TIMEOUT_S,
 )
@@ -96,6 +106,8 @@ class StepReport:
     microbatches_per_pipeline: dict[int, int]
     requeued: int = 0
     dropped_pipelines: list[int] = field(default_factory=list)
+    speculated: int = 0  # speculative copies of straggling micro-batches handed out
+    speculation_won: int = 0  # ... that committed before the original
 
 
 @dataclass
@@ -112,6 +124,7 @@ class _StepState:
     hashes: dict[str, tuple[int, str]] = field(default_factory=dict)  # endpoint -> (trained steps, params hash)
     dropped: set[int] = field(default_factory=set)
     errors: list[str] = field(default_factory=list)
+    leased_at: dict[tuple[int, int], float] = field(default_factory=dict)  # (micro-batch, pipeline) -> monotonic
 
 
 class Coordinator:
@@ -156,6 +169,15 @@ class Coordinator:
         self._clients: dict[str, PeerClient] = {}  # _clients_lock
         self._clients_lock = threading.Lock()
         self._checkpoint_states: dict[int, dict[str, Any]] = {}  # stage -> state; replaced whole
+        # stragglers (peer.timing, "Stragglers"): measured lease-to-commit seconds (_cond), the plan's predicted
+        # figure (set by the driver; None: unknown), each worker's round-trip time (moving average)
+        self.mb_seconds: deque[float] = deque(maxlen=64)
+        self.predicted_mb_s: float | None = None
+        self.speculation = True
+        self._rtt: dict[str, float] = {}
+        self._pings: dict[str, Future[None]] = {}
+        self._misses: dict[str, int] = {}
+        self._pinger = ThreadPoolExecutor(max_workers=16, thread_name_prefix="ping")
         self._stop = threading.Event()
         self._liveness = threading.Thread(target=self._liveness_loop, name="liveness", daemon=True)
         self._background = ThreadPoolExecutor(max_workers=8, thread_name_prefix="coordinator")
@@ -200,6 +222,7 @@ class Coordinator:
         if self._liveness.is_alive():
             self._liveness.join(timeout=5.0)
         self._background.shutdown(wait=False, cancel_futures=True)
+        self._pinger.shutdown(wait=False, cancel_futures=True)
         with self._clients_lock:
             for client in self._clients.values():
                 client.close()
@@ -259,7 +282,8 @@ class Coordinator:
             self._peer_ids = peer_ids(certificates)
             self._dead.clear()
             self.dead_reasons.clear()
-        sources = sources or {}
+            self._misses.clear()
+        sources = {ep: self._granted(ep, a, src) for ep, src in (sources or {}).items() if (a := assignments.get(ep))}
         futures = {
             ep: self._client(ep).push_async(
                 ctl.StageAssignment(self.spec, a, sources.get(ep, ctl.StateSource.init())).to_envelope(), timeout_s
@@ -272,6 +296,14 @@ class Coordinator:
             except TransportError as exc:
                 self._confirm_death(ep, f"did not take its assignment: {exc}")
                 raise ReplanNeededError(f"worker {ep} did not take its assignment: {exc}") from exc
+
+    def _granted(self, endpoint: str, a: Assignment, source: ctl.StateSource) -> ctl.StateSource:
+        """A fetch source with our signed permission for the worker at ``endpoint`` to read those layers (the
+        source may not be in the new plan, so it cannot know the fetcher's role otherwise)."""
+        if source.kind is not ctl.SourceKind.FETCH:
+            return source
+        peer = self._peer_ids.get(endpoint, self.tls.peer_id)
+        return dataclasses.replace(source, grant=sign_grant(self.tls, self.spec.run_id, a.epoch, peer, a.layers))
 
     def serve_checkpoint(self, states: dict[int, dict[str, Any]]) -> None:
         """Serve these stage states (by stage index) to workers told to fetch from the coordinator."""
@@ -300,7 +332,8 @@ class Coordinator:
                 raise RuntimeError("assign() the workers first")
             if self._dead:
                 raise ReplanNeededError(f"step {step}: workers died since the plan was made: {sorted(self._dead)}")
-            state = _StepState(pool=TaskPool(step, self.spec.n_microbatches, lease_timeout_s=timeout_s))
+            state = _StepState(pool=TaskPool(step, self.spec.n_microbatches,
+                                             lease_timeout_s=self._lease_timeout_s(timeout_s)))
             self._state = state
             intact = self._intact(state)
         started = time.monotonic()
@@ -340,13 +373,14 @@ class Coordinator:
             allow_failures=True,
         )
         self._check_replicas(state, step, [m for m in members if m not in self.dead], deadline)
+        self._catch_up(state, step, [m for m in members if m not in self.dead], deadline)
         seconds = time.monotonic() - started
         losses = [state.losses.get((mb, p), math.nan) for mb, p in sorted(assignment.items())]
         counts: dict[int, int] = {}
         for p in assignment.values():
             counts[p] = counts.get(p, 0) + 1
         report = StepReport(step, sum(losses) / len(losses), seconds, counts, state.pool.requeued,
-                            sorted(state.dropped))
+                            sorted(state.dropped), state.pool.speculated, state.pool.speculation_won)
         log.info(
             "step %d: loss %.4f in %.3f s (micro-batches per pipeline %s%s)",
             step,
@@ -393,16 +427,22 @@ class Coordinator:
                 return True
 
     def _drop_broken(self, state: _StepState, events: list[Event]) -> list[int]:
-        """Drop pipelines with a dead member from the step (``_cond`` held); return them."""
-        broken = sorted({a.replica for ep, a in self.assignments.items() if ep in self._dead} - state.dropped)
+        """Drop from the step the pipelines with a dead member, a lease past its deadline, or a micro-batch a
+        speculative copy won (``_cond`` held); return them."""
+        state.pool.expire()
+        dead = {a.replica for ep, a in self.assignments.items() if ep in self._dead}
+        broken = sorted((dead | state.pool.failed() | set(state.pool.losers())) - state.dropped)
         for r in broken:
+            why = ("lost a member" if r in dead else "was overtaken by a speculative copy"
+                   if r in state.pool.losers() else "held a lease past its deadline")
             lost = state.pool.fail_pipeline(r)
             events.append(("requeue", {"step": state.pool.step, "pipeline": r, "microbatches": lost}))
             state.dropped.add(r)
             log.warning(
-                "step %d: pipeline %d lost a member; %d micro-batches go back to the pool",
+                "step %d: pipeline %d %s; %d micro-batches go back to the pool",
                 state.pool.step,
                 r,
+                why,
                 len(lost),
             )
             survivors = [ep for ep, a in self.assignments.items() if a.replica == r and ep not in self._dead]
@@ -460,10 +500,12 @@ class Coordinator:
 
     def _alive(self, endpoint: str) -> bool:
         try:
-            self._client(endpoint).ping(timeout_s=PING_TIMEOUT_S)
-            return True
+            rtt = self._client(endpoint).ping(timeout_s=self.ping_timeout_s(endpoint))
         except TransportError:
             return False
+        old = self._rtt.get(endpoint)
+        self._rtt[endpoint] = rtt if old is None else 0.8 * old + 0.2 * rtt
+        return True
 
     def _confirm_death(self, endpoint: str, reason: str) -> None:
         """Declare ``endpoint`` dead if it is a live worker of the plan and does not answer a ping."""
@@ -474,17 +516,27 @@ class Coordinator:
 
     def _liveness_loop(self) -> None:
         """Ping every live worker each ``liveness_interval_s``; ``PING_MISSES`` misses in a row: dead."""
-        misses: dict[str, int] = {}
         while not self._stop.wait(self.liveness_interval_s):
             with self._cond:
                 workers = [ep for ep in self.assignments if ep not in self._dead]
-            for ep in workers:
-                if self._alive(ep):
-                    misses[ep] = 0
+            for ep in workers:  # concurrently, one ping outstanding per worker (a slow one delays no other)
+                pending = self._pings.get(ep)
+                if pending is not None and not pending.done():
                     continue
-                misses[ep] = misses.get(ep, 0) + 1
-                if misses[ep] >= PING_MISSES:
-                    self.declare_dead(ep, f"missed {misses[ep]} liveness checks")
+                try:
+                    self._pings[ep] = self._pinger.submit(self._liveness_check, ep)
+                except RuntimeError:  # closed
+                    return
+
+    def _liveness_check(self, endpoint: str) -> None:
+        """One ping; ``PING_MISSES`` misses in a row: dead (only this worker's one outstanding check writes its
+        count)."""
+        if self._alive(endpoint):
+            self._misses[endpoint] = 0
+            return
+        self._misses[endpoint] = self._misses.get(endpoint, 0) + 1
+        if self._misses[endpoint] >= PING_MISSES:
+            self.declare_dead(endpoint, f"missed {self._misses[endpoint]} liveness checks")
 
     # ------------------------------------------------------------------------------------------- queries
     def stop_workers(self) -> None:
@@ -568,20 +620,68 @@ class Coordinator:
             reply.meta["status"] = ctl.PoolStatus.DONE.value
             state.feeders_done = True
             return []
-        mb = state.pool.lease(key.replica)
+        mb = state.pool.lease(key.replica, self._speculate_after_s())
         if mb is None:
             reply.meta["status"] = ctl.PoolStatus.WAIT.value
             return []
         reply.meta["status"] = ctl.PoolStatus.LEASE.value
         reply.key.microbatch = mb
-        return [("lease", {"step": key.step, "microbatch": mb, "pipeline": key.replica})]
+        speculative = state.pool.is_speculative(mb, key.replica)
+        if speculative:
+            reply.meta[ctl.SPECULATIVE_META] = "1"
+            log.info("step %d: micro-batch %d copied to idle pipeline %d (a straggler holds it)",
+                     key.step, mb, key.replica)
+        state.leased_at[(mb, key.replica)] = time.monotonic()
+        return [("lease", {"step": key.step, "microbatch": mb, "pipeline": key.replica, "speculative": speculative})]
 
     def _on_commit(self, state: _StepState, key: pb.Key, reply: pb.Envelope) -> list[Event]:
         result = state.pool.commit(key.microbatch, key.replica)
         reply.meta["status"] = result.value  # CommitResult values are PoolStatus values
+        leased = state.leased_at.get((key.microbatch, key.replica))
+        if result is CommitResult.COMMITTED and leased is not None:
+            self.mb_seconds.append(time.monotonic() - leased)
+        events: list[Event] = []
+        if state.pool.losers():  # the original holder of a micro-batch a copy won has it in its sum: drop it now,
+            self._drop_broken(state, events)  # before the pool can look complete with its commits in it
         self._cond.notify_all()
         info = {"step": key.step, "microbatch": key.microbatch, "pipeline": key.replica, "result": result.value}
-        return [("commit", info)]
+        return [("commit", info), *events]
+
+    # ------------------------------------------------------------------------------------------ stragglers
+    def _expected_mb_s(self) -> float | None:
+        """Expected lease-to-commit seconds of a micro-batch: the median measured, else the plan's figure."""
+        if len(self.mb_seconds) >= 3:
+            return statistics.median(self.mb_seconds)
+        return self.predicted_mb_s
+
+    def _lease_timeout_s(self, step_timeout_s: float) -> float:
+        expected = self._expected_mb_s()
+        if expected is None:
+            return step_timeout_s
+        return min(step_timeout_s, max(LEASE_FLOOR_S, LEASE_FACTOR * expected))
+
+    def _speculate_after_s(self) -> float | None:
+        expected = self._expected_mb_s()
+        return None if expected is None or not self.speculation else max(SPECULATE_FLOOR_S, SPECULATE_FACTOR * expected)
+
+    def ping_timeout_s(self, endpoint: str) -> float:
+        """A ping's deadline for ``endpoint``: its measured RTT times a factor, plus its largest message on its
+        slowest known link (a ping queued behind that transfer is late, not lost); see peer.timing."""
+        a = self.assignments.get(endpoint)
+        transfer = 0.0
+        if a is not None and a.links:
+            slowest = min((rate for rate, _ in a.links.values() if rate > 0), default=0.0)
+            if slowest:
+                transfer = 8.0 * self._largest_message_bytes(a) / slowest
+        rtt = self._rtt.get(endpoint, 0.0)
+        return min(PING_TIMEOUT_MAX_S, max(PING_TIMEOUT_S, PING_RTT_FACTOR * rtt + transfer))
+
+    def _largest_message_bytes(self, a: Assignment) -> float:
+        """An activation, or a gradient shard of the stage (about 12 d^2 parameters a layer, fp32)."""
+        m = self.spec.model
+        hidden = self.spec.micro_batch * m.seq_len * m.d_model * 4
+        shard = 12 * m.d_model * m.d_model * (a.layers[1] - a.layers[0]) * 4 / max(1, a.n_replicas)
+        return max(hidden, shard)
 
     def _on_state_request(self, request: pb.FetchRequest) -> pb.Envelope:
         with self._cond:
@@ -689,6 +789,34 @@ class Coordinator:
                     log.warning("step %d: %s's stage %d parameters differ from the majority's; resyncing from %s",
                                 step, ep, stage, holders[0])
                     resyncs[ep] = (winner[0], holders[0])
+        self._resync(state, step, resyncs, hashes, deadline, "stage parameters still differ from the group's "
+                     f"majority after step {step}")
+
+    def _catch_up(self, state: _StepState, step: int, members: list[str], deadline: float) -> None:
+        """Live workers of pipelines dropped from the step without a death (overtaken by a speculative copy, a
+        lease past its deadline) did not apply it: they reload their stage from a replica that did."""
+        with self._cond:
+            laggards = [ep for ep, a in self.assignments.items()
+                        if a.replica in state.dropped and ep not in self._dead and ep not in members]
+            hashes = {ep: state.hashes.get(ep) for ep in members}
+            stage_of = {ep: a.stage for ep, a in self.assignments.items()}
+        resyncs: dict[str, tuple[int, str]] = {}
+        for ep in laggards:
+            source = next((m for m in members if stage_of.get(m) == stage_of[ep] and hashes.get(m)), None)
+            if source is None:
+                self.declare_dead(ep, f"missed step {step} and no replica of its stage can hand it over")
+                continue
+            resyncs[ep] = (hashes[source][0], source)  # type: ignore[index]
+            hashes[ep] = None
+        if resyncs:
+            log.info("step %d: %s missed the step (pipeline dropped); reloading from a replica", step,
+                     sorted(resyncs))
+            self._resync(state, step, resyncs, hashes, deadline, f"could not catch up with step {step}")
+
+    def _resync(self, state: _StepState, step: int, resyncs: dict[str, tuple[int, str]],
+                hashes: dict[str, tuple[int, str] | None], deadline: float, failure: str) -> None:
+        """Tell each endpoint to reload its stage from ``source`` at ``trained`` steps; wait until its hash is
+        the source's; one that does not get there is excluded."""
         if not resyncs:
             return
         with self._cond:
@@ -708,7 +836,7 @@ class Coordinator:
                 ok = self._cond.wait_for(lambda ep=ep, good=good: state.hashes.get(ep) == good or ep in self._dead,
                                          timeout=max(0.0, deadline - time.monotonic()))
             if not ok or ep in self.dead:
-                self.declare_dead(ep, f"stage parameters still differ from the group's majority after step {step}")
+                self.declare_dead(ep, failure)
 
     def _on_error(self, state: _StepState, key: pb.Key, sender: str | None, msg: ctl.TaskError) -> None:
         if key.replica in state.dropped or sender in self._dead:

@@ -61,7 +61,9 @@ from peer.net.shaping import LinkTable
 from peer.net.tls import TlsContext, process_tls
 from peer.runtime import control as ctl
 from peer.runtime.bounds import push_limits
+from peer.runtime.control import SPECULATIVE_META
 from peer.runtime.exchange import ExchangeAbortedError, GradientExchange, OutlierContributionError, Tag
+from peer.runtime.grants import read_grant
 from peer.runtime.roles import Roles
 from peer.runtime.spec import Assignment, RunSpec
 from peer.runtime.wire import body_of, envelope, make_key, tensor_named
@@ -303,7 +305,7 @@ class StageWorker:
                     raise Rejected(f"cannot build stage {assignment.layers}: {exc}") from None
                 if source.kind is ctl.SourceKind.FETCH:
                     assert source.endpoint is not None
-                    self._load_from(compute, source.endpoint, spec, assignment, source.step)
+                    self._load_from(compute, source.endpoint, spec, assignment, source.step, source.grant)
             if (assignment.is_first or assignment.is_last) and self._corpus is None:
                 try:
                     corpus = load_corpus(spec.corpus, spec.tokenizer, spec.text_field, spec.model)
@@ -345,7 +347,9 @@ class StageWorker:
             source,
         )
 
-    def _load_from(self, compute: StageCompute, endpoint: str, spec: RunSpec, a: Assignment, step: int) -> None:
+    def _load_from(
+        self, compute: StageCompute, endpoint: str, spec: RunSpec, a: Assignment, step: int, grant: str = ""
+    ) -> None:
         """Fetch a stage's state from a live replica (or a checkpoint server) and load it."""
         roles = Roles.of(a, self.tls)
         self.tls.trust.add(self._trust_group, a.peers.values())  # the source must be trusted to be dialled
@@ -356,7 +360,7 @@ class StageWorker:
                 env = client.fetch(
                     pb.STAGE_STATE,
                     make_key(spec.run_id, a.epoch, step, stage=a.stage),
-                    meta={"layers": json.dumps(list(a.layers))},
+                    meta={"layers": json.dumps(list(a.layers)), **({"grant": grant} if grant else {})},
                     timeout_s=WORKER_FETCH_STATE_TIMEOUT_S,
                 )
                 break
@@ -418,6 +422,16 @@ class StageWorker:
         if self.may_assign is not None and self.may_assign(caller):
             return
         raise Forbidden(f"{what} is taken only from the coordinator of the current plan; peer {caller} is not")
+
+    def _check_grant(self, request: pb.FetchRequest, t: Tasklet, layers: tuple[int, int]) -> None:
+        """A fetch outside our plan's roles needs a grant signed by a peer we take control from, for this
+        caller, these layers and this run, of our plan's epoch or a newer one."""
+        grant = read_grant(request.meta["grant"], self.tls)
+        self._require_controller(grant.signer, "a fetch grant")
+        if grant.peer != request.sender or grant.layers != layers or grant.run_id != t.spec.run_id:
+            raise Forbidden(f"the grant is for peer {grant.peer}, layers {list(grant.layers)} of run {grant.run_id!r}")
+        if grant.epoch < t.assignment.epoch:
+            raise Forbidden(f"the grant is of plan epoch {grant.epoch}, older than this peer's {t.assignment.epoch}")
 
     def _admit_push(self, kind: int, caller: str) -> int:
         """Before a push is buffered: the caller must have a role for its Kind; the size bound of the Kind."""
@@ -485,7 +499,8 @@ class StageWorker:
             if env.key.microbatch in self._known:
                 raise Rejected(f"micro-batch {env.key.microbatch} was already forwarded here this step")
             self._known.add(env.key.microbatch)
-        self._put(1, _Task(TaskKind.FORWARD, t, env.key.step, (env.key.microbatch, x)))
+        speculative = env.meta.get(SPECULATIVE_META) == "1"  # a copy another pipeline also runs (stragglers)
+        self._put(1, _Task(TaskKind.FORWARD, t, env.key.step, (env.key.microbatch, x, speculative)))
 
     def _on_activation_grad(self, env: pb.Envelope) -> None:
         t = self._current()
@@ -554,7 +569,12 @@ class StageWorker:
             raise Rejected(f"this peer holds no stage with layers {list(layers)}")
         if len(layers) != 2:
             raise BadMessage("meta.layers", "must be a JSON list [first_layer, last_layer]")
-        t.roles.require_holder(request.sender, layers, t.assignment.coordinator, "a stage state fetch")  # type: ignore[arg-type]
+        try:
+            t.roles.require_holder(request.sender, layers, t.assignment.coordinator, "a stage state fetch")  # type: ignore[arg-type]
+        except Forbidden:
+            if "grant" not in request.meta:
+                raise
+            self._check_grant(request, t, layers)  # type: ignore[arg-type]
         compute, stage = held
         return state_envelope(compute.state_dict(), t.spec.run_id, request.key.epoch, stage)
 
@@ -641,13 +661,14 @@ class StageWorker:
                 time.sleep(0.02)
                 continue
             mb = reply.key.microbatch
+            speculative = reply.meta.get(SPECULATIVE_META) == "1"
             tokens, _ = microbatch(corpus, spec.seed, step, mb, spec.micro_batch, spec.model.seq_len)
             with self._lock:
                 if not current():
                     return
                 self._known.add(mb)
                 self._inflight += 1
-            self._put(1, _Task(TaskKind.FORWARD, t, step, (mb, tokens)))
+            self._put(1, _Task(TaskKind.FORWARD, t, step, (mb, tokens, speculative)))
 
     # ------------------------------------------------------------------------------------- compute thread
     def _compute_loop(self) -> None:
@@ -699,16 +720,20 @@ class StageWorker:
 
         self._client(endpoint).push_async(env, SEND_TIMEOUT_S).add_done_callback(done)
 
-    def _do_forward(self, t: Tasklet, step: int, mb: int, x: torch.Tensor) -> None:
+    def _do_forward(self, t: Tasklet, step: int, mb: int, x: torch.Tensor, speculative: bool = False) -> None:
         spec, a, compute = t.spec, t.assignment, t.compute
         started = time.monotonic()
         self.stats["forward"] += 1
+        if speculative:
+            compute.mark_tentative(mb)
         if not a.is_last:
             out = compute.forward(mb, x)
             self._emulate(t, started, 1.0)
             assert a.next is not None
-            self._send(t, a.next, envelope(pb.ACTIVATION, t.key(step, mb), {"hidden": out},
-                                           compression=spec.compression))
+            env = envelope(pb.ACTIVATION, t.key(step, mb), {"hidden": out}, compression=spec.compression)
+            if speculative:
+                env.meta[SPECULATIVE_META] = "1"
+            self._send(t, a.next, env)
             return
         assert t.corpus is not None
         _, targets = microbatch(t.corpus, spec.seed, step, mb, spec.micro_batch, spec.model.seq_len)
@@ -760,8 +785,9 @@ class StageWorker:
         """Check exactly-once locally, then reduce-scatter + all-gather with the participants; keep the sum."""
         a, compute, exchange = t.assignment, t.compute, t.exchange
         rnd, participants = msg.round, list(msg.participants)
-        mine = sorted(compute.accumulated())
         expected = sorted(mb for mb, p in msg.assignment.items() if p == a.replica)
+        compute.settle(set(expected))  # speculative copies: the ones the pool gave this pipeline now count
+        mine = sorted(compute.accumulated())
         if mine != expected:
             raise RuntimeError(
                 f"step {step}: accumulator holds micro-batches {mine}, the pool committed "
@@ -814,11 +840,12 @@ class StageWorker:
         self._report(t, ctl.Synced(step, compute.step, params_hash(compute)))
 
     def _do_resync(self, t: Tasklet, step: int, msg: ctl.Resync) -> None:
-        """Our parameters differ from the group's majority: load the stage from a replica in the majority."""
+        """Our parameters differ from the group's majority, or our pipeline was dropped from the step (a
+        speculative copy overtook it): load the stage from a replica that applied it."""
         a, compute = t.assignment, t.compute
         if msg.source not in a.group or msg.source == self.server.endpoint:
             raise Rejected(f"resync source {msg.source} is not another replica of this stage")
-        if compute.step != msg.trained_steps:
+        if compute.step not in (msg.trained_steps, msg.trained_steps - 1):  # -1: its pipeline missed the step
             raise Rejected(f"resync to step {msg.trained_steps}, this stage has trained {compute.step} steps")
         self._load_from(compute, msg.source, t.spec, a, msg.trained_steps)
         log.warning("step %d: parameters differed from the group's majority; reloaded from %s", step, msg.source)
