@@ -22,10 +22,28 @@ Progress and plan records (peer.swarm.progress, peer.swarm.plans)
     renews it every ``PLAN_RENEW_TICKS`` ticks (10 heartbeats, 20 s at the default), far within.
 
 The coordinator's view of its workers (peer.runtime.coordinator)
-    It pings every assigned worker once a heartbeat with a deadline of ``PING_TIMEOUT_S`` (at most one
-    heartbeat, so pings never pile up) and declares a worker dead after ``PING_MISSES`` misses in a row:
-    a dead worker is noticed within about ``PING_MISSES * (HEARTBEAT_S + PING_TIMEOUT_S)`` (8 s at the
-    defaults), close to one advert lifetime. A failed push or fetch is confirmed by one ping first.
+    It pings every assigned worker once a heartbeat, concurrently and with at most one ping outstanding per
+    worker, with a deadline of at least ``PING_TIMEOUT_S`` (adaptive: see "Stragglers") and declares a worker
+    dead after ``PING_MISSES`` misses in a row: on a fast link a dead worker is noticed within about
+    ``PING_MISSES * (HEARTBEAT_S + PING_TIMEOUT_S)`` (8 s at the defaults), close to one advert lifetime.
+    A failed push or fetch is confirmed by one ping first.
+
+Stragglers: adaptive leases, speculation, pings and bans (peer.runtime.coordinator, peer.runtime.driver)
+    ``STEP_TIMEOUT_S`` is only the lease of a micro-batch until the coordinator knows how long one takes:
+    after that a lease lasts ``LEASE_FACTOR`` x the expected lease-to-commit time (the plan's prediction, or
+    the median of the last measured ones), at least ``LEASE_FLOOR_S`` and at most ``STEP_TIMEOUT_S``; a
+    lease past it fails its pipeline for the step (its work is redone by the others). Once nothing is left
+    to lease, an idle pipeline gets a speculative copy of a micro-batch held longer than ``SPECULATE_FACTOR``
+    x the expected time and ``SPECULATE_FLOOR_S`` (well under the lease, so a straggler is overtaken long
+    before it is failed).
+    A ping's deadline is ``PING_RTT_FACTOR`` x the worker's measured round-trip time (a moving average) plus
+    the time its largest message takes on its slowest known link, never under ``PING_TIMEOUT_S`` (which is
+    no longer "at most one heartbeat": a ping behind a large transfer on a slow uplink is late, not lost)
+    and never over ``PING_TIMEOUT_MAX_S``; ``PING_MISSES`` such misses in a row still mean dead. A dead
+    worker is banned from plans for ``BAN_S``, doubled for each new ban of the same endpoint up to
+    ``BAN_MAX_S``; a restarted peer is planned again when its ban expires. A worker whose compute time per op
+    is more than ``STRAGGLER_FACTOR`` x its stage's median for ``STRAGGLER_STEPS`` steps in a row is
+    reported to the planner, which leaves it out of the next plan when a spare can take its place.
 
 Clocks (every record's ``at`` and expiry; :func:`now`)
     Expiry in the DHT is wall-clock time, so peers' clocks must agree. At join a peer compares its clock with
@@ -94,7 +112,7 @@ PROBE_PING_TIMEOUT_S = 10.0  # each of the RTT pings of a link probe
 PROBE_TIMEOUT_S = 60.0  # the bandwidth probe of a link
 
 # -- the coordinator -------------------------------------------------------------------------------------
-PING_TIMEOUT_S = 2.0  # deadline of a liveness ping (at most one heartbeat)
+PING_TIMEOUT_S = 2.0  # the least deadline of a liveness ping (adaptive above it: see "Stragglers")
 PING_MISSES = 2  # missed pings in a row before a worker is declared dead
 STATUS_TIMEOUT_S = 5.0  # a worker's status query
 CONTROL_TIMEOUT_S = 30.0  # a control message (assign, reduce, apply, stop, lease, commit)
@@ -104,6 +122,16 @@ FETCH_STATE_TIMEOUT_S = 60.0  # the coordinator fetches a stage's state
 STEP_TIMEOUT_S = 600.0  # one optimizer step; also the lease of a micro-batch in the coordinator's pool
 LEASE_TIMEOUT_S = 60.0  # default lease of a micro-batch in a TaskPool built without one
 REPLAN_WAIT_S = 0.5  # pause before planning again after a failed step
+LEASE_FACTOR = 4.0  # a micro-batch's lease: this x its expected lease-to-commit time ...
+LEASE_FLOOR_S = 10.0  # ... at least this (and at most STEP_TIMEOUT_S)
+SPECULATE_FACTOR = 2.0  # an idle pipeline copies a micro-batch held longer than this x the expected time ...
+SPECULATE_FLOOR_S = 1.0  # ... and than this (a GC pause or jitter on tiny micro-batches is no straggler)
+PING_RTT_FACTOR = 8.0  # a ping's deadline: this x the measured RTT + the largest message on the slowest link
+PING_TIMEOUT_MAX_S = 60.0  # ... at most this
+BAN_S = 60.0  # a worker declared dead is left out of plans this long ...
+BAN_MAX_S = 1800.0  # ... doubled for each new ban of the same endpoint, up to this
+STRAGGLER_FACTOR = 2.0  # compute time per op above this x the stage's median ...
+STRAGGLER_STEPS = 2  # ... this many steps in a row: reported to the planner as a straggler
 TAKEOVER_APPLY_TIMEOUT_S = 10.0  # a new leader tells a worker to apply the step its predecessor left
 TAKEOVER_WAIT_S = 30.0  # ... and waits this long for every such worker to have applied it
 

@@ -71,3 +71,35 @@ def test_expired_lease_fails_its_pipeline() -> None:
 def test_bad_arguments_name_the_field(n: int, timeout: float) -> None:
     with pytest.raises(ValueError, match="n_microbatches|lease_timeout_s"):
         TaskPool(step=0, n_microbatches=n, lease_timeout_s=timeout)
+
+
+def test_idle_pipeline_gets_a_speculative_copy_and_the_first_commit_wins() -> None:
+    clock = FakeClock()
+    pool = TaskPool(step=0, n_microbatches=2, lease_timeout_s=100.0, clock=clock)
+    assert pool.lease(0) == 0 and pool.lease(1) == 1
+    assert pool.commit(1, 1) is CommitResult.COMMITTED
+    assert pool.lease(1, speculate_after_s=5.0) is None, "not held long enough to be a straggler"
+    clock.now = 6.0
+    assert pool.lease(1, speculate_after_s=5.0) == 0 and pool.is_speculative(0, 1)
+    assert pool.lease(1, speculate_after_s=5.0) is None, "one copy at a time, and only for an idle pipeline"
+    assert pool.commit(0, 1) is CommitResult.COMMITTED, "the copy commits first: it wins"
+    assert pool.losers() == [0], "the original holder has micro-batch 0 in its sum: it must be failed"
+    assert pool.commit(0, 0) is CommitResult.DUPLICATE
+    assert pool.fail_pipeline(0) == [] and pool.complete() and pool.assignment() == {0: 1, 1: 1}
+    assert pool.speculated == pool.speculation_won == 1
+
+
+def test_original_commit_beats_the_copy_and_a_failed_original_hands_over_to_it() -> None:
+    clock = FakeClock()
+    pool = TaskPool(step=0, n_microbatches=3, lease_timeout_s=100.0, clock=clock)
+    assert [pool.lease(0), pool.lease(0), pool.lease(1)] == [0, 1, 2]
+    assert pool.commit(2, 1) is CommitResult.COMMITTED
+    clock.now = 10.0
+    assert pool.lease(1, speculate_after_s=5.0) == 0
+    assert pool.commit(0, 0) is CommitResult.COMMITTED, "the original wins"
+    assert pool.commit(0, 1) is CommitResult.DUPLICATE and pool.losers() == []
+    assert pool.lease(1, speculate_after_s=5.0) == 1
+    assert sorted(pool.fail_pipeline(0)) == [0, 1], "pipeline 0 dies holding micro-batch 1 and having committed 0"
+    assert pool.lease(1) == 0, "micro-batch 0 goes back to the pool"
+    assert pool.commit(1, 1) is CommitResult.COMMITTED, "the copy of micro-batch 1 carried on as its lease"
+    assert pool.commit(0, 1) is CommitResult.COMMITTED and pool.complete()

@@ -198,6 +198,9 @@ class StageCompute:
         self._stash: dict[int, _Stash] = {}
         self._accumulated: set[int] = set()  # micro-batches whose gradient is in _accum
         self._accum = torch.zeros_like(self._master)
+        # speculative copies (runtime pool, stragglers): their gradient is held apart until settle()
+        self._tentative: set[int] = set()
+        self._held: dict[int, torch.Tensor] = {}
 
     # ----------------------------------------------------------------------------------------- layout helpers
     @property
@@ -301,6 +304,8 @@ class StageCompute:
         grads = torch.autograd.grad(root, inputs, grad_outputs=grad, allow_unused=True)
         if mb in self._accumulated:
             log.info("micro-batch %d already accumulated this step; duplicate ignored", mb)
+        elif mb in self._tentative:
+            self._held[mb] = self._flatten_grads(grads[: len(self._compute_params)])
         else:
             self._accum += self._flatten_grads(grads[: len(self._compute_params)])
             self._accumulated.add(mb)
@@ -315,6 +320,21 @@ class StageCompute:
     def accumulated(self) -> set[int]:
         """The micro-batches whose gradient is in the step's sum."""
         return set(self._accumulated)
+
+    def mark_tentative(self, mb: int) -> None:
+        """Hold ``mb``'s gradient apart from the step's sum (a speculative copy another pipeline also runs)."""
+        if mb not in self._accumulated:
+            self._tentative.add(mb)
+
+    def settle(self, mine: set[int]) -> list[int]:
+        """Add the held gradients of the micro-batches in ``mine`` to the sum (ascending), drop the others;
+        return the ones added. Called when the reduce says which micro-batches count for this pipeline."""
+        added = sorted(mb for mb in self._held if mb in mine and mb not in self._accumulated)
+        for mb in added:
+            self._accum += self._held[mb]
+            self._accumulated.add(mb)
+        self._held.clear()  # _tentative stays: a copy whose backward arrives late is still held apart
+        return added
 
     def accumulated_grad(self) -> torch.Tensor:
         """The step's accumulated gradient sum, flat fp32 on the host (a copy)."""
@@ -380,6 +400,8 @@ class StageCompute:
         self._accum.zero_()
         self._accumulated.clear()
         self._stash.clear()
+        self._tentative.clear()
+        self._held.clear()
 
     # ------------------------------------------------------------------------------------ parameters / state
     def flat_params(self) -> torch.Tensor:

@@ -20,9 +20,10 @@ logged and counted, never fatal.
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, MutableSet
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,7 @@ from peer.runtime.checkpoints import DEFAULT_KEEP, Checkpoint, CheckpointError, 
 from peer.runtime.control import StateSource
 from peer.runtime.coordinator import Coordinator, ReplanNeededError, StepFailedError, StepReport
 from peer.runtime.spec import Assignment, RunSpec
-from peer.timing import REPLAN_WAIT_S, STEP_TIMEOUT_S
+from peer.timing import BAN_MAX_S, BAN_S, REPLAN_WAIT_S, STEP_TIMEOUT_S, STRAGGLER_FACTOR, STRAGGLER_STEPS
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,46 @@ Planner = Callable[[list[int], Stages | None], tuple[Stages, Pipelines]]
 AssignmentBuilder = Callable[[Stages, Pipelines, int], dict[str, Assignment]]
 
 
+class ExpiringBans(MutableSet[str]):
+    """Endpoints left out of plans until their ban expires: ``BAN_S``, doubled for each new ban of the same
+    endpoint up to ``BAN_MAX_S`` (a peer that keeps dying stays out longer; one that restarted comes back)."""
+
+    def __init__(self, ban_s: float = BAN_S, max_s: float = BAN_MAX_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.ban_s, self.max_s, self._clock = ban_s, max_s, clock
+        self._until: dict[str, float] = {}
+        self._count: dict[str, int] = {}
+
+    def _live(self) -> dict[str, float]:
+        now = self._clock()
+        for ep in [ep for ep, until in self._until.items() if until <= now]:
+            del self._until[ep]
+            log.info("the ban of %s expired; it may be planned again", ep)
+        return self._until
+
+    def add(self, value: str) -> None:
+        if value in self._live():
+            return
+        n = self._count.get(value, 0)
+        self._count[value] = n + 1
+        self._until[value] = self._clock() + min(self.max_s, self.ban_s * 2**n)
+
+    def discard(self, value: str) -> None:
+        self._until.pop(value, None)
+
+    def __contains__(self, value: object) -> bool:
+        return value in self._live()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._live()))
+
+    def __len__(self) -> int:
+        return len(self._live())
+
+    def __repr__(self) -> str:
+        return f"ExpiringBans({sorted(self._live())})"
+
+
 @dataclass
 class DriverConfig:
     steps: int
@@ -53,6 +94,9 @@ class DriverConfig:
     step_timeout_s: float = STEP_TIMEOUT_S
     max_replans: int = 50
     replan_wait_s: float = REPLAN_WAIT_S
+    ban_s: float = BAN_S
+    straggler_factor: float = STRAGGLER_FACTOR  # 0: no straggler detection
+    straggler_steps: int = STRAGGLER_STEPS
 
 
 @dataclass
@@ -64,6 +108,7 @@ class RunEvents:
     checkpoints: list[int] = field(default_factory=list)
     checkpoint_errors: list[dict[str, Any]] = field(default_factory=list)
     resumed_from: dict[str, Any] | None = None  # the checkpoint a resume used, and the newer ones it skipped
+    stragglers: list[dict[str, Any]] = field(default_factory=list)  # slow workers reported to the planner
 
 
 class RunDriver:
@@ -94,7 +139,10 @@ class RunDriver:
         self.trained = 0  # steps applied everywhere
         self.epoch = epoch  # the last epoch used; the next plan takes epoch + 1 (a new leader starts higher)
         self.on_replan = on_replan
-        self.banned: set[str] = set()  # endpoints declared dead: never planned again
+        self.banned = ExpiringBans(cfg.ban_s)  # endpoints declared dead: left out of plans for a while
+        self.slow = ExpiringBans(cfg.ban_s)  # stragglers the planner leaves out while a spare can stand in
+        self._op_samples: dict[str, tuple[float, int]] = {}  # endpoint -> (busy seconds, ops) at the last look
+        self._slow_steps: dict[str, int] = {}  # endpoint -> steps in a row it was a straggler
         self.reports: list[StepReport] = []
         self.stop_event = threading.Event()  # set when this leader loses leadership: stop driving at once
         self.store = None if cfg.checkpoint_dir is None else CheckpointStore(cfg.checkpoint_dir, cfg.checkpoint_keep)
@@ -145,6 +193,8 @@ class RunDriver:
             self.reports.append(report)
             if self.on_step:
                 self.on_step(report)
+            if self.trained < self.cfg.steps and self._check_stragglers():
+                self._replan_until_done(reason="straggler")
             if self.cfg.checkpoint_every and self.trained % self.cfg.checkpoint_every == 0:
                 self.checkpoint()
         return self.reports
@@ -152,14 +202,69 @@ class RunDriver:
     def _ban_dead(self) -> None:
         self.banned |= set(self.coordinator.dead)
 
+    # ------------------------------------------------------------------------------------------ stragglers
+    def _check_stragglers(self) -> bool:
+        """After a step: a worker whose compute time per op is more than ``straggler_factor`` x the median of
+        its stage's other replicas for ``straggler_steps`` steps in a row is a straggler. It is reported (log,
+        ``events.stragglers``) and, when a spare device can take its place, left out of the next plan.
+        True when that calls for a re-plan."""
+        if not self.cfg.straggler_factor:
+            return False
+        assignments = dict(self.coordinator.assignments)
+
+        def ask(ep: str) -> tuple[str, dict[str, Any] | None]:
+            try:
+                return ep, self.coordinator.worker_status(ep)
+            except Exception:  # unreachable: the liveness checks deal with it
+                return ep, None
+
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            answers = dict(pool.map(ask, sorted(assignments)))
+        per_op: dict[str, float] = {}
+        for ep, st in answers.items():
+            if not st:
+                continue
+            busy, ops = float(st.get("busy_s", 0.0)), int(st.get("forward", 0)) + int(st.get("backward", 0))
+            last_busy, last_ops = self._op_samples.get(ep, (0.0, 0))
+            self._op_samples[ep] = (busy, ops)
+            if ops > last_ops and busy >= last_busy:
+                per_op[ep] = (busy - last_busy) / (ops - last_ops)
+        replan = False
+        for ep, t in per_op.items():
+            others = [per_op[o] for o, a in assignments.items()
+                      if o != ep and o in per_op and a.stage == assignments[ep].stage]
+            if not others or t <= self.cfg.straggler_factor * statistics.median(others):
+                self._slow_steps.pop(ep, None)
+                continue
+            self._slow_steps[ep] = self._slow_steps.get(ep, 0) + 1
+            if self._slow_steps[ep] < self.cfg.straggler_steps or ep in self.slow:
+                continue
+            spare = self._spares()
+            info = {"endpoint": ep, "step": self.trained, "seconds_per_op": t,
+                    "stage_median_s": statistics.median(others), "replaced": bool(spare)}
+            self.events.stragglers.append(info)
+            log.warning("straggler %s: %.3f s per op against its stage's median %.3f s for %d steps%s",
+                        ep, t, info["stage_median_s"], self._slow_steps[ep],
+                        "; the next plan puts a spare in its place" if spare else "; no spare to replace it")
+            if spare:
+                self.slow.add(ep)
+                replan = True
+        return replan
+
+    def _spares(self) -> list[str]:
+        """Live, usable devices the current plan leaves out."""
+        planned = set(self.coordinator.assignments)
+        return [ep for ep in self.live_devices().values()
+                if ep not in planned and ep not in self.banned and ep not in self.slow]
+
     def _membership_changed(self) -> bool:
         """A worker died at a step boundary, or a new device joined."""
-        live = {ep for ep in self.live_devices().values() if ep not in self.banned}
+        live = {ep for ep in self.live_devices().values() if ep not in self.banned and ep not in self.slow}
         planned = set(self.coordinator.assignments)
         if self.coordinator.dead:
             self._ban_dead()
             return True
-        return bool(live - planned - self.banned) and self._would_use_more(live)
+        return bool(live - planned) and self._would_use_more(live)
 
     def _would_use_more(self, live: set[str]) -> bool:
         """A newcomer matters only if it lets the plan grow by a replica (else it stays a spare)."""
@@ -182,7 +287,7 @@ class RunDriver:
         raise StepFailedError(f"could not form a plan after {self.cfg.max_replans} attempts")
 
     def _replan(self, reason: str = "start", restore_step: int | None = None) -> None:
-        live = {d: ep for d, ep in self.live_devices().items() if ep not in self.banned}
+        live = {d: ep for d, ep in self.live_devices().items() if ep not in self.banned and ep not in self.slow}
         stages, pipelines = self.planner(sorted(live), self.stages)
         self.stages = stages
         self.epoch += 1

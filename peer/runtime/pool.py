@@ -20,6 +20,13 @@ Rules, and why:
   replica); the price is that a failed pipeline's whole share of the step is redone, never patched.
 * A failed pipeline gets no more leases and its commits are stale for the rest of the step; the coordinator
   re-plans and the next step (or the re-planned remainder of this one) uses new pipeline ids.
+* Speculation (stragglers). When nothing is free and an idle pipeline asks, ``lease`` may hand it a copy of
+  the *oldest outstanding* micro-batch (``speculate_after_s``: only one leased at least that long ago, at most
+  one copy each). The copy is marked speculative: every stage of the idle pipeline keeps its gradient apart
+  (not in the step's sum) until the reduce says whose it is. The first commit wins. When the copy wins, the
+  original pipeline has that micro-batch in its sum already or soon (stages backward last-first, so it cannot
+  be told to keep it apart in time): it is failed like a dead one (``losers()``), its work requeued. When the
+  original wins, the copy's commit is a duplicate and its held gradient is discarded at the reduce.
 * The step may synchronise gradients only when ``complete()``: every micro-batch committed. The commit record
   (``assignment()``) tells each stage replica exactly which micro-batches its accumulator must hold, so the
   reduction can verify "each micro-batch once" instead of trusting it.
@@ -52,6 +59,8 @@ class Lease:
     microbatch: int
     pipeline: int
     deadline: float
+    at: float = 0.0  # when it was leased
+    speculative: bool = False  # a copy of a micro-batch another pipeline holds
 
 
 class TaskPool:
@@ -76,46 +85,99 @@ class TaskPool:
         self._leases: dict[int, Lease] = {}
         self._committed: dict[int, int] = {}
         self._failed: set[int] = set()
+        self._copies: dict[int, Lease] = {}  # micro-batch -> its speculative copy (at most one)
+        self._losers: set[int] = set()  # pipelines whose micro-batch a speculative copy won: to be failed
         self.requeued = 0
+        self.speculated = 0  # speculative copies handed out
+        self.speculation_won = 0  # ... that committed first
 
     # -- leasing -----------------------------------------------------------------------------------------
-    def lease(self, pipeline: int) -> int | None:
-        """Lease the lowest free micro-batch to ``pipeline``; None when nothing is free right now."""
+    def lease(self, pipeline: int, speculate_after_s: float | None = None) -> int | None:
+        """Lease the lowest free micro-batch to ``pipeline``; None when nothing is free right now.
+
+        ``speculate_after_s``: when nothing is free, hand ``pipeline`` a speculative copy of the oldest
+        micro-batch another pipeline has held at least that long (see :meth:`is_speculative`)."""
         self.expire()
-        if pipeline in self._failed or not self._free:
+        if pipeline in self._failed:
             return None
+        now = self._clock()
+        if not self._free:
+            return None if speculate_after_s is None else self._speculate(pipeline, now, speculate_after_s)
         mb = min(self._free)
         self._free.remove(mb)
-        self._leases[mb] = Lease(mb, pipeline, self._clock() + self.lease_timeout_s)
+        self._leases[mb] = Lease(mb, pipeline, now + self.lease_timeout_s, at=now)
         return mb
+
+    def _speculate(self, pipeline: int, now: float, after_s: float) -> int | None:
+        if any(lease.pipeline == pipeline for lease in (*self._leases.values(), *self._copies.values())):
+            return None  # only an idle pipeline speculates
+        old = [lease for mb, lease in self._leases.items()
+               if mb not in self._copies and lease.pipeline != pipeline and now - lease.at >= after_s]
+        if not old:
+            return None
+        mb = min(old, key=lambda lease: (lease.at, lease.microbatch)).microbatch
+        self._copies[mb] = Lease(mb, pipeline, now + self.lease_timeout_s, at=now, speculative=True)
+        self.speculated += 1
+        return mb
+
+    def is_speculative(self, microbatch: int, pipeline: int) -> bool:
+        """True when ``pipeline`` holds ``microbatch`` as a speculative copy (its gradient is kept apart)."""
+        copy = self._copies.get(microbatch)
+        return copy is not None and copy.pipeline == pipeline
 
     def commit(self, microbatch: int, pipeline: int) -> CommitResult:
         """Record that ``pipeline`` finished ``microbatch`` on every stage."""
         if microbatch in self._committed:
+            if self.is_speculative(microbatch, pipeline):
+                del self._copies[microbatch]  # the original won; the copy's held gradient is discarded
             return CommitResult.DUPLICATE
+        if pipeline in self._failed:
+            return CommitResult.STALE
+        if self.is_speculative(microbatch, pipeline):
+            del self._copies[microbatch]
+            original = self._leases.pop(microbatch, None)
+            if original is not None:
+                self._losers.add(original.pipeline)
+            self._committed[microbatch] = pipeline
+            self.speculation_won += 1
+            return CommitResult.COMMITTED
         lease = self._leases.get(microbatch)
-        if lease is None or lease.pipeline != pipeline or pipeline in self._failed:
+        if lease is None or lease.pipeline != pipeline:
             return CommitResult.STALE
         del self._leases[microbatch]
         self._committed[microbatch] = pipeline
         return CommitResult.COMMITTED
 
+    def failed(self) -> set[int]:
+        """Pipelines failed in this step (dead, expired, or overtaken)."""
+        return set(self._failed)
+
+    def losers(self) -> list[int]:
+        """Pipelines a speculative copy beat, not yet failed: the caller fails them (and tells their workers)."""
+        return sorted(self._losers - self._failed)
+
     def fail_pipeline(self, pipeline: int) -> list[int]:
         """Return every micro-batch ``pipeline`` leased or committed this step to the pool; list them."""
         self._failed.add(pipeline)
+        for mb in [mb for mb, copy in self._copies.items() if copy.pipeline == pipeline]:
+            del self._copies[mb]
         lost = [mb for mb, lease in self._leases.items() if lease.pipeline == pipeline]
         lost += [mb for mb, owner in self._committed.items() if owner == pipeline]
         for mb in lost:
             self._leases.pop(mb, None)
             self._committed.pop(mb, None)
-        self._free.extend(lost)
+            copy = self._copies.pop(mb, None)
+            if copy is not None:  # the speculative copy carries on as the micro-batch's lease
+                self._leases[mb] = Lease(mb, copy.pipeline, copy.deadline, at=copy.at)
+        self._free.extend(mb for mb in lost if mb not in self._leases)
         self.requeued += len(lost)
         return sorted(lost)
 
     def expire(self) -> list[int]:
         """Fail every pipeline holding a lease past its deadline; return those pipelines."""
         now = self._clock()
-        late = sorted({lease.pipeline for lease in self._leases.values() if lease.deadline < now})
+        held = (*self._leases.values(), *self._copies.values())
+        late = sorted({lease.pipeline for lease in held if lease.deadline < now})
         for pipeline in late:
             self.fail_pipeline(pipeline)
         return late

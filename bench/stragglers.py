@@ -1,0 +1,132 @@
+"""Stragglers: the step time of one swarm without a straggler, with one (its compute stretched 5x), and with the
+straggler left out of the plan from the start.
+
+``python -m bench.stragglers [--json] [--steps N]``
+
+The swarm: a local swarm of worker processes on loopback (2 stages x 2 pipelines of a small GPT plus one spare
+device, compute emulated at a fixed TFLOP/s, same seed and data in every run). In the straggler run, device 1
+(stage 1 of pipeline 0) computes at a fifth of the others' speed. What the runtime does about it: the last
+micro-batches it holds are copied to the idle pipeline (speculation, first commit wins), and after
+``STRAGGLER_STEPS`` slow steps the driver reports it to the planner, whose next plan puts the spare in its
+place. ``step_s_*`` is wall-clock seconds per step from the end of step 0 to the end of the last step (re-plans
+and state hand-over included; step 0 is left out of every run alike: process warm-up). The run's parameters
+are compared with single-process training (``max_param_rel_diff``): speculation must not count a micro-batch
+twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+import torch
+
+from peer.compute.data import Corpus
+from peer.compute.model import ModelConfig, unflatten_stage
+from peer.compute.reference import train_reference
+from peer.compute.stage import OptimConfig
+from peer.emulation.local import LinkModel, LocalSwarm, RunResult
+from peer.runtime.driver import Pipelines, Stages
+from peer.runtime.spec import RunSpec
+
+SPEC = RunSpec(run_id="bench-stragglers", model=ModelConfig(n_layers=4, d_model=32, n_heads=4, seq_len=32, seed=1),
+               optim=OptimConfig(lr=3e-3, eps=1e-3), seed=3, micro_batch=2, n_microbatches=8)
+STAGES = [(0, 2), (2, 4)]
+FORWARD_FLOPS = 2.4e6
+FAST_TFLOPS = 4e-5  # ~60 ms forward, ~120 ms backward per stage and micro-batch
+SLOWDOWN = 5.0
+STRAGGLER = 1  # stage 1 of pipeline 0
+N_DEVICES = 5  # device 4 is the spare
+WITH_ALL = (STAGES, [[0, 1], [2, 3]])
+WITHOUT_STRAGGLER = (STAGES, [[0, 4], [2, 3]])
+
+
+def links(straggler: bool) -> LinkModel:
+    tflops = [FAST_TFLOPS] * N_DEVICES
+    if straggler:
+        tflops[STRAGGLER] = FAST_TFLOPS / SLOWDOWN
+    return LinkModel(tflops=tflops)
+
+
+class SubstitutePlanner:
+    """Keeps the previous plan's slots and puts a spare where a device is gone (the straggler left out), so a
+    replacement moves one device, not the whole plan (the daemon's cost-model planner does this with moves)."""
+
+    def __init__(self, initial: tuple[Stages, Pipelines]) -> None:
+        self.pipelines = [list(p) for p in initial[1]]
+
+    def __call__(self, live: list[int], stages: Stages | None) -> tuple[Stages, Pipelines]:
+        assert stages is not None
+        spares = [d for d in live if all(d not in p for p in self.pipelines)]
+        pipelines = []
+        for p in self.pipelines:
+            p = [d if d in live else (spares.pop(0) if spares else -1) for d in p]
+            if -1 not in p:
+                pipelines.append(p)
+        self.pipelines = pipelines
+        return list(stages), pipelines
+
+
+def run(straggler: bool, initial: tuple[Stages, Pipelines], steps: int) -> tuple[RunResult, float, LocalSwarm]:
+    """Train ``steps`` steps; return the result and wall seconds per step after step 0."""
+    ends: list[float] = []
+    with LocalSwarm(SPEC, N_DEVICES, links=links(straggler), forward_flops=lambda a, b: FORWARD_FLOPS,
+                    heartbeat_s=1.0) as swarm:
+        result = swarm.train(initial, steps, planner=SubstitutePlanner(initial),
+                             on_step=lambda report: ends.append(time.monotonic()))
+    return result, (ends[-1] - ends[0]) / (len(ends) - 1), swarm
+
+
+def max_rel_diff(result: RunResult, reference: dict[str, torch.Tensor]) -> float:
+    worst = 0.0
+    for (stage, _), state in result.states.items():
+        a, b = STAGES[stage]
+        for name, got in unflatten_stage(SPEC.model, a, b, state["params"]).items():
+            ref = reference[name]
+            worst = max(worst, float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12)))
+    return worst
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--steps", type=int, default=8, help="steps per run (default 8)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(1)
+    reference, _ = train_reference(SPEC.model, SPEC.optim, Corpus.load(SPEC.corpus), SPEC.seed, args.steps,
+                                   SPEC.n_microbatches, SPEC.micro_batch)
+    out: dict[str, Any] = {}
+    details: dict[str, Any] = {}
+    for name, straggler, initial in (("no_straggler", False, WITH_ALL), ("with_straggler", True, WITH_ALL),
+                                     ("straggler_excluded", True, WITHOUT_STRAGGLER)):
+        result, per_step, swarm = run(straggler, initial, args.steps)
+        out[f"step_s_{name}"] = round(per_step, 3)
+        events = swarm.driver.events if swarm.driver else None
+        details[name] = {
+            "speculated": sum(r.speculated for r in result.reports),
+            "speculation_won": sum(r.speculation_won for r in result.reports),
+            "stragglers_reported": [] if events is None else [e["step"] for e in events.stragglers],
+            "replans": [] if events is None else [e["reason"] for e in events.replans],
+            "max_param_rel_diff": max_rel_diff(result, reference),
+        }
+    out["slowdown_with_straggler_pct"] = round(100 * (out["step_s_with_straggler"] / out["step_s_no_straggler"] - 1),
+                                               1)
+    out["details"] = details
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    for key, value in out.items():
+        if key != "details":
+            print(f"{key:32s} {value}")
+    for name, d in details.items():
+        print(f"{name:20s} {d}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Stragglers: a worker computing 5x slower than its stage's other replica, in a local swarm of worker
+processes (bench.stragglers' setup, fewer steps). Its last micro-batches are overtaken by speculative copies on
+the idle pipeline, it is reported after two slow steps and the next plan puts the spare in its place; the run
+still equals single-process training (no micro-batch counted twice or lost). How much time that saves is
+``python -m bench.stragglers``'s figure, not an assertion here. Also: bans that expire."""
+
+from __future__ import annotations
+
+import torch
+
+from bench.stragglers import N_DEVICES, SPEC, STRAGGLER, WITH_ALL, max_rel_diff, run
+from peer.compute.data import Corpus
+from peer.compute.reference import train_reference
+from peer.runtime.driver import ExpiringBans
+
+STEPS = 3
+
+
+def test_straggler_is_overtaken_then_replaced_by_the_spare_and_the_run_matches() -> None:
+    torch.set_num_threads(1)
+    reference, _ = train_reference(SPEC.model, SPEC.optim, Corpus.load(SPEC.corpus), SPEC.seed, STEPS,
+                                   SPEC.n_microbatches, SPEC.micro_batch)
+    result, _, swarm = run(True, WITH_ALL, STEPS)
+    assert swarm.driver is not None
+    events = swarm.driver.events
+    assert sum(r.speculation_won for r in result.reports[:2]) >= 1, "the straggler's micro-batch was overtaken"
+    assert [e["step"] for e in events.stragglers] == [2]
+    assert events.stragglers[0]["endpoint"] == swarm.workers.endpoints[STRAGGLER]
+    last = events.replans[-1]
+    assert last["reason"] == "straggler" and last["step"] == 2
+    assert STRAGGLER not in {d for p in last["pipelines"] for d in p}
+    assert N_DEVICES - 1 in {d for p in last["pipelines"] for d in p}, "the spare took its place"
+    assert all(state["step"] == STEPS for state in result.states.values())
+    assert max_rel_diff(result, reference) < 1e-5
+
+
+def test_bans_expire_and_grow_for_repeat_offenders() -> None:
+    now = [0.0]
+    bans = ExpiringBans(ban_s=10.0, max_s=25.0, clock=lambda: now[0])
+    bans.add("a")
+    assert "a" in bans and bans == {"a"}
+    now[0] = 10.5
+    assert "a" not in bans and len(bans) == 0, "the first ban lasts 10 s"
+    bans.add("a")
+    now[0] = 29.0
+    assert "a" in bans, "the second lasts 20 s"
+    now[0] = 31.0
+    bans.add("a")
+    now[0] = 55.0
+    assert "a" in bans
+    now[0] = 56.5
+    assert "a" not in bans, "capped at 25 s"
