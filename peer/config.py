@@ -45,6 +45,8 @@ class RunSection:
     n_microbatches: int = _f(8, "micro-batches per step (global batch = micro_batch x n_microbatches)")
     precision: str = _f("fp32", f"compute precision, one of {', '.join(PRECISIONS)} (fp32 master weights)")
     compression: str = _f("none", f"activations on the wire, one of {', '.join(COMPRESSIONS)}")
+    grad_outlier_factor: float = _f(10.0, "a replica's gradient above this many times its group's median norm (per "
+                                    "micro-batch) is refused and its sender excluded; 0 turns the check off")
 
 
 @dataclass
@@ -205,6 +207,7 @@ class RunConfig:
             text_field=r.text_field,
             precision=r.precision,
             compression=r.compression,
+            grad_outlier_factor=float(r.grad_outlier_factor),
         )
 
     def validate(self, where: str = "config") -> None:
