@@ -191,3 +191,14 @@ def test_a_spec_from_the_network_with_an_absurd_shape_is_refused() -> None:
     d["model"]["config"].update(num_hidden_layers=4, model_type="bert")
     with pytest.raises(SpecError, match="model_type: 'bert' is not supported"):
         RunSpec.from_dict(d)
+
+
+def test_a_peer_whose_checkpoint_differs_from_the_runs_refuses_to_build_its_stage(tmp_path: Path) -> None:
+    import shutil
+
+    folder = save_model(tmp_path / "m", "tiny-gpt2", max_shard_size="150KB")
+    model = resolve_model(str(folder), seq_len=16)  # what the run published
+    shutil.rmtree(folder)
+    save_model(folder, "tiny-gpt2", max_shard_size="400KB")  # this peer holds another save of it
+    with pytest.raises(ModelSourceError, match=r"this peer's checkpoint \(fingerprint \w+\) differs from the run's"):
+        model.build_stage(0, 2)
