@@ -57,8 +57,8 @@ def check_model_fits(spec: RunSpec, memory_bytes: list[float]) -> None:
         need = w.stage_memory_bytes(a, b, in_flight=1)
         if need > largest:
             source = getattr(spec.model, "source", "") or "[model]"
-            raise PlanningError("memory_gb", f"{source}: the smallest stage ({what}) needs {need / 1e9:.2f} GB at "
-                                f"{spec.precision}, the largest device has {largest / 1e9:.2f} GB")
+            raise PlanningError("memory_gb", f"{source}: the smallest stage ({what}) needs {need / 1e9:.3g} GB at "
+                                f"{spec.precision}, the largest device has {largest / 1e9:.3g} GB")
 
 
 @dataclass

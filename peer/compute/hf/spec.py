@@ -149,8 +149,8 @@ def normalise_config(raw: dict[str, Any], where: str) -> tuple[dict[str, Any], b
         raise ModelSourceError(f"{where}: {exc}") from None
     tied = bool(getattr(config, "tie_word_embeddings", False))
     if tied:
-        log.info("%s: input and output embeddings are untied for training (they live on different stages); "
-                 "the head starts as a copy of the embedding", where)
+        log.warning("%s: input and output embeddings are untied for training (they live on different stages); "
+                    "the head starts as a copy of the embedding and the exported model is untied", where)
         config.tie_word_embeddings = False
     for key in fam.dropout_keys:
         if getattr(config, key, 0.0):
