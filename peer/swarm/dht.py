@@ -9,12 +9,14 @@ daemon's message into a :class:`DHTStartError` that says what to fix.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import hivemind
 from hivemind.p2p import PeerID
@@ -22,6 +24,8 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from peer.swarm.identity import Identity
 from peer.timing import DHT_STARTUP_TIMEOUT_S
+
+RECONNECT_PING_S = 5.0  # one re-ping of a bootstrap node waits at most this
 
 logger = logging.getLogger(__name__)
 
@@ -126,15 +130,21 @@ def visible_maddrs(dht: hivemind.DHT) -> list[str]:
 
 
 def reconnect(dht: hivemind.DHT, maddrs: Sequence[str]) -> None:
-    """Dial and ping these DHT nodes again, in the background, without waiting.
+    """Ping these DHT nodes again, in the background, without waiting; skipped while the last round runs.
 
     A node drops peers that stopped answering from its routing table; after a network partition heals
     neither side would look for the other again. Re-pinging the nodes a peer bootstrapped from (the daemon
     does it every ``peer.timing.DHT_RECONNECT_HEARTBEATS``) puts them back into each other's routing table,
-    and the DHT merges. A node that answers already costs one ping.
+    and the DHT merges. A node that answers costs one ping; one that is gone costs a ping that times out
+    (rounds never overlap, so they cannot pile up).
     """
-    if maddrs:
-        dht.run_coroutine(partial(_ping_all, maddrs=tuple(maddrs)), return_future=True)
+    pending = _PENDING.get(id(dht))
+    if not maddrs or (pending is not None and not pending.done()):
+        return
+    _PENDING[id(dht)] = dht.run_coroutine(partial(_ping_all, maddrs=tuple(maddrs)), return_future=True)
+
+
+_PENDING: dict[int, Any] = {}  # id(dht) -> the future of its last reconnect round
 
 
 async def _ping_all(_dht: hivemind.DHT, node: hivemind.DHTNode, maddrs: tuple[str, ...]) -> None:
@@ -142,14 +152,10 @@ async def _ping_all(_dht: hivemind.DHT, node: hivemind.DHTNode, maddrs: tuple[st
 
     async def ping(maddr: str) -> None:
         try:
-            address = Multiaddr(maddr)
-            peer_id = PeerID.from_base58(address["p2p"])
+            peer_id = PeerID.from_base58(Multiaddr(maddr)["p2p"])
         except Exception:  # a bad address was refused at start-up already; nothing to re-dial
             return
-        try:
-            await node.p2p._client.connect(peer_id, [address])  # hivemind has no public "dial again"
-        except Exception:
-            logger.debug("re-dialling %s failed", maddr, exc_info=True)
-        await node.protocol.call_ping(peer_id, validate=False, strict=False)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(node.protocol.call_ping(peer_id, validate=False, strict=False), RECONNECT_PING_S)
 
     await asyncio.gather(*(ping(maddr) for maddr in maddrs))
