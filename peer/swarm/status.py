@@ -26,6 +26,12 @@ from peer.timing import now
 VIEW_REUSE_S = 1.0
 
 
+def _listen_host(dht_peers: list[str]) -> str:
+    """127.0.0.1 when every multiaddr to join is a loopback one, else 0.0.0.0."""
+    hosts = [m.split("/")[2] for m in dht_peers if m.count("/") >= 2]
+    return "127.0.0.1" if hosts and all(h.startswith("127.") or h == "::1" for h in hosts) else "0.0.0.0"
+
+
 @dataclass
 class SwarmStatus:
     """What `peer status` shows; ``to_json()`` is the documented machine format."""
@@ -52,9 +58,9 @@ class StatusReader:
 
     def __init__(self, dht_peers: list[str], run_id: str = "tasklet", secret: str | None = None) -> None:
         self.identity = Identity.generate()
-        # Listen on every interface: libp2p dials out from its listen address, so a client bound to loopback
-        # could not reach a swarm on another machine.
-        config = DHTConfig(initial_peers=tuple(dht_peers), host="0.0.0.0", client_mode=True)
+        # libp2p dials out from its listen address: a client bound to loopback cannot reach a swarm on another
+        # machine, so it listens on every interface unless the swarm it joins is on this machine.
+        config = DHTConfig(initial_peers=tuple(dht_peers), host=_listen_host(dht_peers), client_mode=True)
         self.dht = start_dht(config, self.identity)
         self.membership = Membership(self.dht, run_id, self.identity, secret)
         self.board = PlanBoard(self.dht, run_id, None, secret, elector=self.elected)
