@@ -132,6 +132,8 @@ BAN_S = 60.0  # a worker declared dead is left out of plans this long ...
 BAN_MAX_S = 1800.0  # ... doubled for each new ban of the same endpoint, up to this
 STRAGGLER_FACTOR = 2.0  # compute time per op above this x the stage's median ...
 STRAGGLER_STEPS = 2  # ... this many steps in a row: reported to the planner as a straggler
+CHECKPOINT_COPIES = 2  # other peers that get a copy of every checkpoint
+COPY_TIMEOUT_S = 600.0  # sending one checkpoint copy (in the background; training goes on)
 TAKEOVER_APPLY_TIMEOUT_S = 10.0  # a new leader tells a worker to apply the step its predecessor left
 TAKEOVER_WAIT_S = 30.0  # ... and waits this long for every such worker to have applied it
 

@@ -23,6 +23,7 @@ class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STAGE_STATE: _ClassVar[Kind]
     STAGE_ASSIGNMENT: _ClassVar[Kind]
     COMMIT: _ClassVar[Kind]
+    CHECKPOINT: _ClassVar[Kind]
     OTHER: _ClassVar[Kind]
 NONE: Compression
 FP16: Compression
@@ -35,6 +36,7 @@ PARAM_SHARD: Kind
 STAGE_STATE: Kind
 STAGE_ASSIGNMENT: Kind
 COMMIT: Kind
+CHECKPOINT: Kind
 OTHER: Kind
 
 class Tensor(_message.Message):

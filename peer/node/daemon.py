@@ -18,6 +18,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from peer.compute.data import CorpusError
@@ -233,6 +234,9 @@ class PeerDaemon:
             peer_id=self.identity.peer_id,
             device="cpu" if o.device == "auto" and o.emulate_tflops else o.device,
             tls=self.tls,
+            # copies of the leader's checkpoints (a new leader on another host resumes from them)
+            checkpoint_copies=(Path(self.config.swarm.checkpoint_dir) / "copies"
+                               if self.config.swarm.checkpoint_dir else None),
         )
         self.worker.may_assign = self._may_assign
         self.worker.server.reserve_threads(COORDINATOR_THREADS)  # in case this peer leads (coordinator mounted)

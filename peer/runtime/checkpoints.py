@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from protocol import tasklet_pb2 as pb
+
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
@@ -252,3 +254,68 @@ def _torch_bytes(state: dict[str, Any]) -> bytes:
 
 def _torch_load(data: bytes) -> dict[str, Any]:
     return torch.load(io.BytesIO(data), weights_only=True)
+
+
+# ----------------------------------------------------------------------------------------------- replication
+# A checkpoint travels between peers as one Envelope of Kind CHECKPOINT: every file (manifest included) as a
+# uint8 tensor named after it, meta["step"]. The receiver stores it through write_files, then verifies it like
+# any checkpoint on its own disk (load); a copy that does not verify is removed and refused.
+MAX_FILES = 1024
+UNKNOWN_MODEL_COPY_BYTES = 1 << 30  # as large as any Envelope a peer reassembles (peer.net.config)
+
+
+def files_envelope(run_id: str, epoch: int, step: int, files: dict[str, bytes]) -> pb.Envelope:
+    env = pb.Envelope(kind=pb.CHECKPOINT, key=pb.Key(run_id=run_id, epoch=epoch, step=step))
+    env.meta["step"] = str(step)
+    for name, data in sorted(files.items()):
+        env.tensors.append(pb.Tensor(name=name, dtype="uint8", shape=[len(data)], data=data))
+    return env
+
+
+def files_from_envelope(env: pb.Envelope) -> tuple[int, dict[str, bytes]]:
+    """The step and files of a CHECKPOINT envelope; names checked, nothing else trusted yet."""
+    try:
+        step = int(env.meta.get("step", ""))
+    except ValueError:
+        raise CheckpointError("a checkpoint copy without a step") from None
+    if not 0 <= step < 10**12 or len(env.tensors) > MAX_FILES:
+        raise CheckpointError(f"a checkpoint copy of step {step} with {len(env.tensors)} files")
+    files: dict[str, bytes] = {}
+    for t in env.tensors:
+        _check_name(t.name)
+        if t.dtype != "uint8" or list(t.shape) != [len(t.data)] or t.name in files:
+            raise CheckpointError(f"checkpoint file {t.name!r}: not one uint8 vector of its bytes")
+        files[t.name] = t.data
+    if MANIFEST not in files:
+        raise CheckpointError("a checkpoint copy without its manifest")
+    return step, files
+
+
+def store_copy(store: CheckpointStore, step: int, files: dict[str, bytes]) -> Path:
+    """Store a received copy durably and verify it; a copy that does not verify is removed (and raises)."""
+    payload = {name: data for name, data in files.items() if name != MANIFEST}
+    folder = store.write_files(step, payload)
+    received = json.loads(files[MANIFEST])
+    written = json.loads((folder / MANIFEST).read_text())
+    try:
+        if received.get("files") != written.get("files"):
+            raise CheckpointDamagedError(f"{folder}: the copy's files differ from the sender's manifest")
+        store.load(step)
+    except CheckpointDamagedError:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return folder
+
+
+def copy_bound_bytes(model: Any) -> int:
+    """The largest checkpoint copy a peer accepts for a run of ``model``: parameters and two AdamW moments of a
+    GPT-shaped model of that size (fp32), with a quarter of room and 1 MiB for the manifest and metadata."""
+    d = int(getattr(model, "d_model", 0) or 0)
+    layers = int(getattr(model, "n_layers", 0) or 0)
+    vocab = int(getattr(model, "vocab_size", 0) or 0)
+    seq = int(getattr(model, "seq_len", 0) or 0)
+    ratio = int(getattr(model, "mlp_ratio", 4) or 4)
+    if not d or not layers:  # a model described otherwise (Hugging Face config): the transport's envelope cap
+        return UNKNOWN_MODEL_COPY_BYTES
+    params = layers * (4 + 2 * ratio) * d * d + 2 * vocab * d + seq * d + 16 * layers * d
+    return int(params * 3 * 4 * 1.25) + (1 << 20)

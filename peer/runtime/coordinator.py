@@ -49,6 +49,7 @@ from peer.net.endpoint import with_route
 from peer.net.tls import TlsContext, peer_ids, process_tls
 from peer.runtime import control as ctl
 from peer.runtime.bounds import CONTROL_BYTES
+from peer.runtime.checkpoints import files_envelope, files_from_envelope
 from peer.runtime.grants import sign_grant
 from peer.runtime.pool import CommitResult, TaskPool
 from peer.runtime.spec import Assignment, RunSpec
@@ -591,6 +592,28 @@ class Coordinator:
             out[(stage, replica)] = state
             done.add(stage)
         return out
+
+    def copy_targets(self, n: int, exclude: Sequence[str] = ()) -> list[str]:
+        """``n`` live workers of the plan to hold checkpoint copies, chosen for their links: the lowest measured
+        round-trip time first (unmeasured ones last), never the leader's own endpoint."""
+        own = {self._public_endpoint, self.server.endpoint if self._host_server is None else None}
+        with self._cond:
+            live = [ep for ep in self.assignments if ep not in self._dead and ep not in own and ep not in exclude]
+        return sorted(live, key=lambda ep: (self._rtt.get(ep, math.inf), ep))[:n]
+
+    def push_checkpoint(self, endpoint: str, step: int, files: dict[str, bytes], timeout_s: float) -> None:
+        """Send one checkpoint copy (the worker stores and verifies it before it answers)."""
+        with self._cond:
+            epoch = self.epoch
+        self._client(endpoint).push(files_envelope(self.spec.run_id, epoch, step, files), timeout_s=timeout_s)
+
+    def fetch_checkpoint(self, endpoint: str, timeout_s: float = FETCH_STATE_TIMEOUT_S) -> tuple[int, dict[str, bytes]]:
+        """The newest checkpoint copy ``endpoint`` holds for this run (files, not yet verified here)."""
+        with self._cond:
+            epoch = self.epoch
+        env = self._client(endpoint).fetch(pb.CHECKPOINT, make_key(self.spec.run_id, epoch, -1),
+                                           timeout_s=timeout_s)
+        return files_from_envelope(env)
 
     def worker_status(self, endpoint: str, timeout_s: float = STATUS_TIMEOUT_S) -> dict[str, Any]:
         return self._client(endpoint).status(timeout_s=timeout_s)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, MutableSet
@@ -29,11 +30,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from peer.runtime.checkpoints import DEFAULT_KEEP, Checkpoint, CheckpointError, CheckpointStore
+from peer.runtime.checkpoints import DEFAULT_KEEP, Checkpoint, CheckpointError, CheckpointStore, store_copy
 from peer.runtime.control import StateSource
 from peer.runtime.coordinator import Coordinator, ReplanNeededError, StepFailedError, StepReport
 from peer.runtime.spec import Assignment, RunSpec
-from peer.timing import BAN_MAX_S, BAN_S, REPLAN_WAIT_S, STEP_TIMEOUT_S, STRAGGLER_FACTOR, STRAGGLER_STEPS
+from peer.timing import (
+    BAN_MAX_S,
+    BAN_S,
+    CHECKPOINT_COPIES,
+    COPY_TIMEOUT_S,
+    REPLAN_WAIT_S,
+    STEP_TIMEOUT_S,
+    STRAGGLER_FACTOR,
+    STRAGGLER_STEPS,
+)
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +101,7 @@ class DriverConfig:
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 0  # 0: only on request
     checkpoint_keep: int = DEFAULT_KEEP  # the newest this many checkpoints stay on disk
+    checkpoint_copies: int = CHECKPOINT_COPIES  # other peers that get a copy of every checkpoint
     step_timeout_s: float = STEP_TIMEOUT_S
     max_replans: int = 50
     replan_wait_s: float = REPLAN_WAIT_S
@@ -109,6 +120,8 @@ class RunEvents:
     checkpoint_errors: list[dict[str, Any]] = field(default_factory=list)
     resumed_from: dict[str, Any] | None = None  # the checkpoint a resume used, and the newer ones it skipped
     stragglers: list[dict[str, Any]] = field(default_factory=list)  # slow workers reported to the planner
+    copies: list[dict[str, Any]] = field(default_factory=list)  # checkpoint copies sent: step, peers, errors
+    fetched_copy: dict[str, Any] | None = None  # a checkpoint this leader fetched from a peer (its disk had none)
 
 
 class RunDriver:
@@ -149,6 +162,7 @@ class RunDriver:
         self._loaded: Checkpoint | None = None  # the checkpoint _latest_checkpoint verified, until loaded
         # on_checkpoint(step, folder): after each checkpoint is written (replication to other peers)
         self.on_checkpoint: Callable[[int, Path], None] | None = None
+        self._replicating: threading.Thread | None = None
 
     def _check_stopped(self) -> None:
         if self.stop_event.is_set():
@@ -158,7 +172,7 @@ class RunDriver:
     def run(self, resume: bool = False, takeover: tuple[int, Stages] | None = None) -> list[StepReport]:
         """Train to ``cfg.steps``. ``resume``: start from the latest checkpoint. ``takeover=(trained, stages)``:
         continue a run whose previous leader died, from the workers' own state."""
-        restore = self._latest_checkpoint() if resume else None
+        restore = self._latest_checkpoint(ask_peers=self.cfg.checkpoint_copies > 0) if resume else None
         if restore is not None:
             skipped = [] if self._loaded is None else [s for s, _ in self._loaded.skipped]
             self.events.resumed_from = {"step": restore, "skipped_damaged": skipped}
@@ -368,7 +382,7 @@ class RunDriver:
             elif self.trained == 0:
                 sources[ep] = StateSource.init()
             else:
-                latest = self._latest_checkpoint()
+                latest = self._latest_checkpoint(ask_peers=True)
                 if latest is None:
                     raise StepFailedError(f"stage {a.stage} lost every replica and there is no checkpoint")
                 return {}, latest
@@ -395,6 +409,8 @@ class RunDriver:
             return None
         self.events.checkpoints.append(self.trained)
         log.info("checkpoint of step %d written to %s", self.trained, step_dir)
+        if self.cfg.checkpoint_copies > 0:
+            self._replicate(self.trained)
         if self.on_checkpoint is not None:
             try:
                 self.on_checkpoint(self.trained, step_dir)
@@ -402,22 +418,100 @@ class RunDriver:
                 log.error("after the checkpoint of step %d: %s", self.trained, exc)
         return step_dir
 
-    def _latest_checkpoint(self) -> int | None:
-        """The step of the newest checkpoint that verifies (damaged newer ones are skipped, and logged)."""
-        if self.store is None:
-            return None
-        ckpt = self.store.newest_valid()
+    def _replicate(self, step: int) -> None:
+        """Copy the checkpoint of ``step`` to ``checkpoint_copies`` other peers, in the background (one
+        replication at a time: a new one waits for the previous). Failures are logged and recorded."""
+        assert self.store is not None
+        previous = self._replicating
+        store, n = self.store, self.cfg.checkpoint_copies
+
+        def send() -> None:
+            if previous is not None:
+                previous.join()
+            record: dict[str, Any] = {"step": step, "peers": [], "errors": {}}
+            try:
+                files = store.read_files(step)
+            except CheckpointError as exc:
+                record["errors"]["local"] = str(exc)
+                self.events.copies.append(record)
+                return
+            tried: list[str] = []
+            while len(record["peers"]) < n:
+                targets = self.coordinator.copy_targets(n - len(record["peers"]), exclude=tried)
+                if not targets:
+                    break
+                for ep in targets:
+                    tried.append(ep)
+                    try:
+                        self.coordinator.push_checkpoint(ep, step, files, COPY_TIMEOUT_S)
+                        record["peers"].append(ep)
+                    except Exception as exc:  # another peer is tried; the leader trains on regardless
+                        record["errors"][ep] = str(exc)[:300]
+            self.events.copies.append(record)
+            if len(record["peers"]) < n:
+                log.error("checkpoint of step %d: copied to %d peer(s) of %d wanted (%s)", step,
+                          len(record["peers"]), n, record["errors"] or "no other live worker")
+            else:
+                log.info("checkpoint of step %d copied to %s", step, record["peers"])
+
+        self._replicating = threading.Thread(target=send, name=f"copy-{step}", daemon=True)
+        self._replicating.start()
+
+    def wait_for_copies(self, timeout_s: float | None = None) -> None:
+        """Wait until the last checkpoint's copies were sent (tests; a leader leaving gracefully)."""
+        if self._replicating is not None:
+            self._replicating.join(timeout_s)
+
+    def _latest_checkpoint(self, ask_peers: bool = False) -> int | None:
+        """The step of the newest checkpoint that verifies (damaged newer ones are skipped, and logged).
+        ``ask_peers``: also the newest copy live peers hold, when newer than this disk's (a new leader on
+        another host, or one whose disk was lost)."""
+        ckpt = None if self.store is None else self.store.newest_valid()
+        if ask_peers:
+            fetched = self._fetch_copy(newer_than=-1 if ckpt is None else ckpt.step)
+            if fetched is not None:
+                ckpt = fetched
         if ckpt is None:
             return None
         self._loaded = ckpt
         return ckpt.step
 
+    def _fetch_copy(self, newer_than: int) -> Checkpoint | None:
+        """The newest checkpoint copy of this run among live peers (verified), if newer than ``newer_than``;
+        stored on this leader's disk when it has a checkpoint folder."""
+        best: tuple[int, dict[str, bytes], str] | None = None
+        for ep in sorted({ep for ep in self.live_devices().values() if ep not in self.banned}):
+            try:
+                step, files = self.coordinator.fetch_checkpoint(ep)
+            except Exception as exc:  # no copy there, or unreachable
+                log.info("no checkpoint copy from %s: %s", ep, exc)
+                continue
+            if step > newer_than and (best is None or step > best[0]):
+                best = (step, files, ep)
+        if best is None:
+            return None
+        step, files, source = best
+        with tempfile.TemporaryDirectory(prefix="tasklet-copy-") as tmp:
+            store = self.store if self.store is not None else CheckpointStore(Path(tmp))
+            try:
+                store_copy(store, step, files)
+                ckpt = store.load(step)
+            except CheckpointError as exc:
+                log.error("the checkpoint copy of step %d from %s does not verify: %s", step, source, exc)
+                return None
+        log.warning("using the checkpoint copy of step %d fetched from %s", step, source)
+        self.events.fetched_copy = {"step": step, "from": source}
+        return ckpt
+
     def _load_checkpoint_stages(self, step: int) -> None:
         """Read a checkpoint and let the coordinator serve it to the workers that will fetch it."""
-        assert self.store is not None
-        ckpt = self._loaded if self._loaded is not None and self._loaded.step == step else self.store.load(step)
+        if self._loaded is not None and self._loaded.step == step:
+            ckpt = self._loaded
+        else:
+            assert self.store is not None
+            ckpt = self.store.load(step)
         self._loaded = None
-        where = self.store.root / f"step-{step:06d}"
+        where = f"of step {step}"
         if ckpt.meta.get("run") != self.spec.to_dict():
             raise StepFailedError(f"checkpoint {where} belongs to a different run configuration")
         stages = [tuple(x) for x in ckpt.meta["stages"]]

@@ -48,6 +48,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,6 +62,14 @@ from peer.net.shaping import LinkTable
 from peer.net.tls import TlsContext, process_tls
 from peer.runtime import control as ctl
 from peer.runtime.bounds import push_limits
+from peer.runtime.checkpoints import (
+    CheckpointError,
+    CheckpointStore,
+    copy_bound_bytes,
+    files_envelope,
+    files_from_envelope,
+    store_copy,
+)
 from peer.runtime.control import SPECULATIVE_META
 from peer.runtime.exchange import ExchangeAbortedError, GradientExchange, OutlierContributionError, Tag
 from peer.runtime.grants import read_grant
@@ -134,7 +143,10 @@ class StageWorker:
         max_envelope_bytes: int | None = None,
         tls: TlsContext | None = None,
         controllers: tuple[str, ...] = (),
+        checkpoint_copies: Path | None = None,
     ) -> None:
+        """``checkpoint_copies``: a folder where this peer keeps copies of the leader's checkpoints (None: it
+        refuses them)."""
         limits = {} if max_envelope_bytes is None else {"max_envelope_bytes": max_envelope_bytes}
         self.tls = tls or process_tls()
         self.config = TransportConfig(host=host, port=port, **WORKER_TRANSPORT, **limits, tls=self.tls)
@@ -154,6 +166,9 @@ class StageWorker:
         self.server.register_push(pb.GRAD_SHARD, self._on_grad_shard)
         self.server.register_push(pb.PARAM_SHARD, self._on_param_shard)
         self.server.register_fetch(pb.STAGE_STATE, self._on_fetch_state)
+        self.checkpoint_copies = checkpoint_copies
+        self.server.register_push(pb.CHECKPOINT, self._on_checkpoint_copy)
+        self.server.register_fetch(pb.CHECKPOINT, self._on_fetch_checkpoint)
         self.server.set_status_provider(self.status)
         self.server.set_push_admission(self._admit_push)
 
@@ -436,8 +451,10 @@ class StageWorker:
     def _admit_push(self, kind: int, caller: str) -> int:
         """Before a push is buffered: the caller must have a role for its Kind; the size bound of the Kind."""
         t = self._tasklet
-        if kind in (pb.STAGE_ASSIGNMENT, pb.OTHER):
+        if kind in (pb.STAGE_ASSIGNMENT, pb.OTHER, pb.CHECKPOINT):
             self._require_controller(caller, f"a {pb.Kind.Name(kind)} message")
+            if kind == pb.CHECKPOINT:
+                return 0 if t is None or self.checkpoint_copies is None else copy_bound_bytes(t.spec.model)
         elif t is not None:
             a, what = t.assignment, f"a {pb.Kind.Name(kind) if kind in pb.Kind.values() else kind} message"
             senders = {pb.ACTIVATION: ([a.prev], "the upstream neighbour"),
@@ -577,6 +594,35 @@ class StageWorker:
             self._check_grant(request, t, layers)  # type: ignore[arg-type]
         compute, stage = held
         return state_envelope(compute.state_dict(), t.spec.run_id, request.key.epoch, stage)
+
+    # ---------------------------------------------------------------------------------- checkpoint copies
+    def _copies(self, run_id: str) -> CheckpointStore:
+        if self.checkpoint_copies is None:
+            raise Rejected("this peer keeps no checkpoint copies")
+        folder = "run-" + hashlib.sha256(run_id.encode()).hexdigest()[:16]
+        return CheckpointStore(self.checkpoint_copies / folder)
+
+    def _on_checkpoint_copy(self, env: pb.Envelope) -> None:
+        """The leader's checkpoint: stored durably and verified against the leader's manifest."""
+        self._require_controller(env.sender, "a checkpoint copy")
+        t = self._current()
+        if env.key.run_id != t.spec.run_id:
+            raise Rejected(f"a checkpoint of run {env.key.run_id!r}; this peer trains {t.spec.run_id!r}")
+        try:
+            step, files = files_from_envelope(env)
+            folder = store_copy(self._copies(t.spec.run_id), step, files)
+        except CheckpointError as exc:
+            raise BadMessage("checkpoint", str(exc)) from None
+        log.info("stored a copy of the leader's checkpoint of step %d in %s", step, folder)
+
+    def _on_fetch_checkpoint(self, request: pb.FetchRequest) -> pb.Envelope:
+        """The newest copy that verifies, for a (new) leader of the run."""
+        self._require_controller(request.sender, "a checkpoint fetch")
+        store = self._copies(request.key.run_id)
+        ckpt = store.newest_valid()
+        if ckpt is None or ckpt.meta.get("run", {}).get("run_id") != request.key.run_id:
+            raise Rejected(f"this peer holds no checkpoint of run {request.key.run_id!r}")
+        return files_envelope(request.key.run_id, request.key.epoch, ckpt.step, store.read_files(ckpt.step))
 
     # --------------------------------------------------------------------------------------------- control
     def _on_control(self, env: pb.Envelope) -> None:
