@@ -12,6 +12,12 @@ the re-plan. It includes detection (a failed send confirmed by a ping, or two mi
 re-planning and state hand-over. At the end the run's parameters are compared with plain single-process
 training on the same data: ``max_param_rel_diff`` (per tensor, relative to its largest entry).
 
+Leader lost with its disk (``leader_disk_*``; ``--leader-disk-only`` runs just this): bench.leader_loss's
+scenario — the leader's host, its checkpoint folder and the other replica of a stage die at once; a new leader
+on another host fetches the newest checkpoint copy a peer holds and resumes from it. ``leader_disk_resume_s``
+is the time from the new leader's start to its first finished step (fetching the copy, re-planning, the
+workers loading the checkpoint, one step).
+
 Churn runs: the same swarm for a fixed wall time, once undisturbed and once with one worker killed and
 replaced every ``--churn-period`` seconds; the figure is tokens/s over the whole run.
 """
@@ -24,12 +30,15 @@ import logging
 import random
 import statistics
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench.leader_loss import run_leader_loss
 from peer.compute.data import Corpus
 from peer.compute.model import ModelConfig, unflatten_stage
 from peer.compute.reference import train_reference
@@ -199,6 +208,7 @@ def run(kills: int, runs: int, steps: int, churn_s: float, period_s: float, say:
     say(f"churn: {churn_s:.0f} s without churn, then with a kill every {period_s:.0f} s")
     calm = churn_run(churn_s, None, say)
     churned = churn_run(churn_s, period_s, say)
+    leader = leader_disk_run(say)
     return {
         "kills": len(recoveries),
         "median_recovery_s": statistics.median(recoveries) if recoveries else None,
@@ -210,6 +220,22 @@ def run(kills: int, runs: int, steps: int, churn_s: float, period_s: float, say:
         "tokens_per_s_no_churn": calm,
         "tokens_per_s_churn": churned,
         "churn_period_s": period_s,
+        **leader,
+    }
+
+
+def leader_disk_run(say: Any) -> dict[str, Any]:
+    """The leader's host dies with its disk (bench.leader_loss): seconds from the new leader's start to its first
+    step, resumed from a checkpoint copy a peer held; the steps redone; the parameter difference at the end."""
+    say("leader loss: the leader's host and disk die with a stage's other replica; a new leader resumes from a copy")
+    with tempfile.TemporaryDirectory(prefix="bench-leader-loss-") as tmp:
+        result = run_leader_loss(Path(tmp))
+    rollback = result.events.rollbacks[0] if result.events.rollbacks else {}
+    return {
+        "leader_disk_resume_s": round(result.resume_s, 3),
+        "leader_disk_steps_redone": rollback.get("redone"),
+        "leader_disk_copy_step": None if result.events.fetched_copy is None else result.events.fetched_copy["step"],
+        "leader_disk_max_param_rel_diff": result.max_param_rel_diff,
     }
 
 
@@ -222,7 +248,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=120, help="steps per kill run (default: %(default)s)")
     parser.add_argument("--churn-seconds", type=float, default=120.0, help="length of each churn run (default: 120)")
     parser.add_argument("--churn-period", type=float, default=30.0, help="seconds between churn kills (default: 30)")
+    parser.add_argument("--leader-disk-only", action="store_true",
+                        help="only the leader-lost-with-its-disk figures (a few seconds)")
     args = parser.parse_args(argv)
+    if args.leader_disk_only:
+        logging.basicConfig(level=logging.ERROR)
+        torch.set_num_threads(1)
+        print(json.dumps(leader_disk_run(lambda line: print(line, file=sys.stderr))))
+        return 0
     if args.quick:
         args.kills, args.runs, args.steps, args.churn_seconds, args.churn_period = 4, 1, 50, 30.0, 10.0
     logging.basicConfig(level=logging.ERROR)
@@ -243,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         f"max {out['max_recovery_s']:.2f} s")
     say(f"runs completed: {out['runs_completed']}/{args.runs}; max parameter difference vs undisturbed training: "
         f"{out['max_param_rel_diff']:.2e}")
+    say(f"leader lost with its disk: resumed from a peer's checkpoint copy of step {out['leader_disk_copy_step']} "
+        f"in {out['leader_disk_resume_s']:.2f} s to the first step, {out['leader_disk_steps_redone']} step(s) redone")
     say(f"throughput: {out['tokens_per_s_no_churn']:.0f} tokens/s without churn, {out['tokens_per_s_churn']:.0f} "
         f"with a kill every {args.churn_period:g} s ({out['tokens_per_s_churn'] / out['tokens_per_s_no_churn']:.0%})")
     return 0
