@@ -42,6 +42,7 @@ from peer.swarm.membership import ClockSkewError, Membership, PeerEntry, SwarmSe
 from peer.swarm.plans import PlanBoard, PlanRecord
 from peer.swarm.progress import ProgressBoard
 from peer.timing import (
+    ADVERT_TTL_HEARTBEATS,
     DHT_RECONNECT_HEARTBEATS,
     HEARTBEAT_S,
     JOINER_RUN_WAIT_S,
@@ -97,6 +98,7 @@ class PeerDaemon:
         self.identity = Identity.load_or_create(opts.identity)
         # mutual TLS with a certificate of the identity key; trust = peers with a live, verified advert
         self.tls = TlsContext(self.identity)
+        self._trusted: dict[str, tuple[str, float]] = {}  # peer id -> (certificate, trusted until, monotonic)
         self.dht: Any = None
         self.worker: StageWorker | None = None
         self.membership: Membership | None = None
@@ -351,7 +353,7 @@ class PeerDaemon:
         entries = [entry.advert for entry in seen]
         with self._live_lock:
             self._live = entries
-        self.tls.trust.set_group("swarm", [a.cert for a in entries if a.cert])  # adverts checked their certs
+        self._trust_adverts(entries)
         self._update_links(entries)
         me = self.identity.peer_id
         leader = self._confirmed_leader(seen)
@@ -405,6 +407,19 @@ class PeerDaemon:
             links=self.membership.links,
             probe_links_now=self.probe_links_now,
         )
+
+    def _trust_adverts(self, entries: list[Advert]) -> None:
+        """Trust the certificates of live adverts (each checked against its signer's key when read). A peer
+        stays trusted for an advert lifetime after its last sighting, so one DHT read that misses an advert
+        does not cut a live peer off."""
+        assert self.config is not None
+        now_s = time.monotonic()
+        keep_s = self.config.swarm.heartbeat_s * ADVERT_TTL_HEARTBEATS
+        for a in entries:
+            if a.cert:
+                self._trusted[a.peer_id] = (a.cert, now_s + keep_s)
+        self._trusted = {pid: v for pid, v in self._trusted.items() if v[1] > now_s}
+        self.tls.trust.set_group("swarm", [cert for cert, _ in self._trusted.values()])
 
     def _may_assign(self, caller: str) -> bool:
         """Assignments come from the leader this peer elects (any live member until it has elected one)."""
