@@ -4,6 +4,9 @@ Threads, and why there are this many:
 
 * gRPC server threads run the handlers. They only *validate* what arrives (run, epoch, step, micro-batch,
   dtype, shape, NaN/inf) and queue it; a bad message is refused with a gRPC status and touches no state.
+  Before that, every push is admitted by role (``_admit_push``, before it is buffered): the caller is the
+  peer its mutual-TLS certificate proves, and each Kind is taken only from the peer the current plan gives
+  that role (peer.runtime.roles), up to the Kind's size bound (peer.runtime.bounds).
 * One compute thread runs every forward, backward and optimizer step, one at a time — a GPU has one compute
   stream, and ``StageCompute`` is not thread-safe. Backward work goes first (priority 0), forward second:
   finishing micro-batches frees memory and feeds the pipeline's earlier stages, the 1F1B rule.
