@@ -44,6 +44,7 @@ from peer.swarm.progress import ProgressBoard
 from peer.timing import (
     ADVERT_TTL_HEARTBEATS,
     DHT_RECONNECT_HEARTBEATS,
+    EXIT_COPY_WAIT_S,
     HEARTBEAT_S,
     JOINER_RUN_WAIT_S,
     LEADER_CONFIRM_TICKS,
@@ -556,6 +557,7 @@ class PeerDaemon:
             if self.stop_requested.is_set() and self.role.driver is not None:
                 try:
                     self.role.driver.checkpoint()
+                    self.role.driver.wait_for_copies(EXIT_COPY_WAIT_S)  # the peers' copies outlive this host
                 except Exception as exc:  # leaving must not fail because a checkpoint did
                     log.warning("checkpoint on exit failed: %s", exc)
             self.role.stop()
