@@ -216,6 +216,8 @@ def make_planner(
             p.predicted.get("total_s", float("nan")),
         )
         previous["pipelines"] = pipelines
+        # the run driver bounds leases by this until it has measured figures (peer.timing, "Stragglers")
+        planner.last_predicted = dict(p.predicted)  # type: ignore[attr-defined]
         return list(chosen), pipelines  # type: ignore[arg-type]
 
     return planner

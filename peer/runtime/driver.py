@@ -303,6 +303,10 @@ class RunDriver:
     def _replan(self, reason: str = "start", restore_step: int | None = None) -> None:
         live = {d: ep for d, ep in self.live_devices().items() if ep not in self.banned and ep not in self.slow}
         stages, pipelines = self.planner(sorted(live), self.stages)
+        predicted = getattr(self.planner, "last_predicted", None) or {}
+        if isinstance(predicted.get("total_s"), int | float) and predicted["total_s"] > 0:
+            # a micro-batch's lease-to-commit time is at most a step's: leases start from the plan's figure
+            self.coordinator.predicted_mb_s = float(predicted["total_s"])
         self.stages = stages
         self.epoch += 1
         assignments = self.build_assignments(stages, pipelines, self.epoch)
