@@ -10,7 +10,9 @@ import torch
 
 from bench.stragglers import N_DEVICES, SPEC, STRAGGLER, WITH_ALL, max_rel_diff, run
 from peer.compute.data import Corpus
+from peer.compute.model import ModelConfig
 from peer.compute.reference import train_reference
+from peer.compute.stage import StageCompute, StageComputeConfig
 from peer.runtime.driver import ExpiringBans
 
 STEPS = 3
@@ -50,3 +52,28 @@ def test_bans_expire_and_grow_for_repeat_offenders() -> None:
     assert "a" in bans
     now[0] = 56.5
     assert "a" not in bans, "capped at 25 s"
+
+
+def test_a_speculative_copy_enters_the_sum_only_when_the_reduce_gives_it_to_this_pipeline() -> None:
+    model = ModelConfig(n_layers=1, d_model=8, n_heads=2, seq_len=4)
+    tokens = {mb: torch.randint(0, model.vocab_size, (1, model.seq_len), generator=torch.Generator().manual_seed(mb))
+              for mb in range(3)}
+
+    def run(tentative: set[int], mine: set[int]) -> StageCompute:
+        c = StageCompute(StageComputeConfig(model, 0, 1))
+        for mb, x in tokens.items():
+            if mb in tentative:
+                c.mark_tentative(mb)
+            c.forward_loss(mb, x, x)
+        c.settle(mine)
+        return c
+
+    plain = run(set(), set())
+    won = run({2}, {0, 1, 2})
+    lost = run({2}, {0, 1})
+    only_two = run({0, 1}, {2})
+    assert plain.accumulated() == won.accumulated() == {0, 1, 2}
+    assert torch.equal(plain.accumulated_grad(), won.accumulated_grad()), "a copy that won counts like any other"
+    assert lost.accumulated() == {0, 1}, "a copy the original beat is discarded"
+    assert only_two.accumulated() == {2}
+    assert not torch.equal(lost.accumulated_grad(), plain.accumulated_grad())
