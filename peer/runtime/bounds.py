@@ -35,9 +35,3 @@ def _mb_bytes(spec: RunSpec | None) -> int:
     """A reduce carries the commit record: one entry per micro-batch."""
     return 0 if spec is None else spec.n_microbatches
 
-
-def held_bound(limits: dict[int, int], max_streams: int, queued: int) -> int:
-    """What peers with a role can make a worker hold at most, in bytes: every stream slot filled with the
-    largest message, plus ``queued`` accepted activations waiting for compute (decoded, float32)."""
-    largest = max(limits.values())
-    return max_streams * largest + queued * max(limits.get(pb.ACTIVATION, 0), limits.get(pb.ACTIVATION_GRAD, 0))
