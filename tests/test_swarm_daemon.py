@@ -7,6 +7,7 @@ counted twice across the takeover).
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -69,13 +70,16 @@ def test_swarm_forms_trains_and_survives_leader_death(tmp_path: Path) -> None:
                       "a new leader with a higher epoch", addr)
         takeover_s = time.monotonic() - t0
         assert takeover_s < 15 + 10, f"new plan after {takeover_s:.1f} s"
-        st = wait_for(lambda s: (s["step"] or 0) > killed_at_step + 2, 120, "training to go on", addr)
         assert leader not in {p["peer_id"] for p in st["peers"]}
         for proc in procs.procs[1:]:
             assert proc.wait(timeout=300) == 0, "a surviving peer failed"
         logs = "".join(procs.log_text(i) for i in range(1, N_PEERS))
         assert "takeover at step" in logs
         assert "run finished" in logs
+        # training went on under the new leader (read from its log: on a loaded machine one `peer status`
+        # can take longer than the few steps left after the takeover)
+        steps_after = {int(n) for n in re.findall(r"leader_role: step (\d+):", logs) if int(n) > killed_at_step}
+        assert len(steps_after) >= 3, f"the new leader trained steps {sorted(steps_after)} after step {killed_at_step}"
     check_against_reference(save)
 
 
