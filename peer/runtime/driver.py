@@ -182,10 +182,10 @@ class RunDriver:
             else:
                 log.info("resuming from the checkpoint of step %d", restore)
             self._load_checkpoint_stages(restore)
-        elif resume:
-            log.warning("--resume: no usable checkpoint in %s; starting at step 0", self.cfg.checkpoint_dir)
         elif takeover is not None:
             self.trained, self.stages = takeover[0], [(int(a), int(b)) for a, b in takeover[1]]
+        elif resume:
+            log.warning("--resume: no usable checkpoint in %s; starting at step 0", self.cfg.checkpoint_dir)
         self._replan_until_done(reason="takeover" if takeover else "start", restore_step=restore)
         replans = 0
         while self.trained < self.cfg.steps:
