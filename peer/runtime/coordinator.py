@@ -607,6 +607,17 @@ class Coordinator:
             epoch = self.epoch
         self._client(endpoint).push(files_envelope(self.spec.run_id, epoch, step, files), timeout_s=timeout_s)
 
+    def checkpoint_step(self, endpoint: str, timeout_s: float = STATUS_TIMEOUT_S) -> int:
+        """The step of the newest checkpoint copy ``endpoint`` holds (nothing else is sent)."""
+        with self._cond:
+            epoch = self.epoch
+        env = self._client(endpoint).fetch(pb.CHECKPOINT, make_key(self.spec.run_id, epoch, -1),
+                                           meta={"probe": "1"}, timeout_s=timeout_s)
+        try:
+            return int(env.meta.get("step", ""))
+        except ValueError:
+            raise Rejected(f"{endpoint} answered a checkpoint probe without a step") from None
+
     def fetch_checkpoint(self, endpoint: str, timeout_s: float = FETCH_STATE_TIMEOUT_S) -> tuple[int, dict[str, bytes]]:
         """The newest checkpoint copy ``endpoint`` holds for this run (files, not yet verified here)."""
         with self._cond:

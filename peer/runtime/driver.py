@@ -483,18 +483,27 @@ class RunDriver:
     def _fetch_copy(self, newer_than: int) -> Checkpoint | None:
         """The newest checkpoint copy of this run among live peers (verified), if newer than ``newer_than``;
         stored on this leader's disk when it has a checkpoint folder."""
-        best: tuple[int, dict[str, bytes], str] | None = None
+        steps: list[tuple[int, str]] = []
         for ep in sorted({ep for ep in self.live_devices().values() if ep not in self.banned}):
             try:
-                step, files = self.coordinator.fetch_checkpoint(ep)
+                steps.append((self.coordinator.checkpoint_step(ep), ep))
             except Exception as exc:  # no copy there, or unreachable
-                log.info("no checkpoint copy from %s: %s", ep, exc)
+                log.info("no checkpoint copy on %s: %s", ep, exc)
+        for step, ep in sorted(steps, key=lambda x: (-x[0], x[1])):  # the newest first; fetch only what is used
+            if step <= newer_than:
+                return None
+            try:
+                got, files = self.coordinator.fetch_checkpoint(ep)
+            except Exception as exc:
+                log.warning("fetching the checkpoint copy of step %d from %s failed: %s", step, ep, exc)
                 continue
-            if step > newer_than and (best is None or step > best[0]):
-                best = (step, files, ep)
-        if best is None:
-            return None
-        step, files, source = best
+            ckpt = self._store_fetched(got, files, ep) if got > newer_than else None
+            if ckpt is not None:
+                return ckpt
+        return None
+
+    def _store_fetched(self, step: int, files: dict[str, bytes], source: str) -> Checkpoint | None:
+        """Verify a fetched copy (and keep it on this leader's disk when it has a checkpoint folder)."""
         with tempfile.TemporaryDirectory(prefix="tasklet-copy-") as tmp:
             store = self.store if self.store is not None else CheckpointStore(Path(tmp))
             try:

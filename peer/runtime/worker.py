@@ -625,6 +625,8 @@ class StageWorker:
         ckpt = store.newest_valid()
         if ckpt is None or ckpt.meta.get("run", {}).get("run_id") != request.key.run_id:
             raise Rejected(f"this peer holds no checkpoint of run {request.key.run_id!r}")
+        if request.meta.get("probe") == "1":  # only which step: a new leader asks everyone, fetches from one
+            return files_envelope(request.key.run_id, request.key.epoch, ckpt.step, {})
         return files_envelope(request.key.run_id, request.key.epoch, ckpt.step, store.read_files(ckpt.step))
 
     # --------------------------------------------------------------------------------------------- control
