@@ -858,12 +858,22 @@ class Coordinator:
                 state.hashes.pop(ep, None)
             epoch = self.epoch
         self._emit([("resync", {"step": step, "endpoints": sorted(resyncs)})])
-        for ep, (trained, source) in resyncs.items():
+
+        def tell(ep: str) -> None:
+            # A laggard may be unreachable (partitioned, or dead and not yet noticed): one ping first, so that it
+            # costs a ping timeout, not a control deadline; and every laggard at once, never one after another.
+            if not self._alive(ep):
+                self.declare_dead(ep, f"{failure}: it does not answer")
+                return
+            trained, source = resyncs[ep]
             try:
                 env = ctl.encode(ctl.Resync(step, trained, source), self.spec.run_id, epoch, step)
                 self._client(ep).push(env, timeout_s=CONTROL_TIMEOUT_S)
             except TransportError as exc:
                 self._confirm_death(ep, f"resync failed: {exc}")
+
+        with ThreadPoolExecutor(max_workers=min(8, len(resyncs)), thread_name_prefix="resync") as pool:
+            list(pool.map(tell, list(resyncs)))
         for ep, (_, source) in resyncs.items():
             good = hashes[source]
             with self._cond:
