@@ -1,7 +1,7 @@
 """Reachability benchmark: how fast are the paths to a peer nobody can dial, and what does NAT cost a step?
 
 ``python -m bench.reachability [--json] [--rate-mbit 100] [--delay-ms 20] [--steps 8]`` builds a test bed of
-network namespaces (tests/netbed.py; needs root, ``ip``, ``nft``, ``tc``): two public hosts and two home hosts
+network namespaces (peer/emulation/netbed.py; needs root, ``ip``, ``nft``, ``tc``): two public hosts and two home hosts
 behind masquerading NAT routers, every host's link shaped to ``--rate-mbit`` with tbf. Measured with our real
 gRPC transport and mutual TLS (PeerClient.probe: receiver-timed bulk stream of 8 MiB, median of ``--trials``;
 PeerClient.ping: median round trip of 20; the roles share one TLS key so that they trust each other):
@@ -19,14 +19,13 @@ peers all public, and two of them behind NAT (topology (b) of tests/test_multiho
 time of each (steps after the first) is reported. The daemons' links are shaped by tbf only (no added delay).
 
 Prints ``{"direct_mbps", "punched_mbps", "relayed_mbps", "reversed_mbps", "nat_step_s", "public_step_s", ...}``.
-The bed and the daemons are test infrastructure (tests/netbed.py, tests/multihost.py), loaded from the tests
-folder at run time; nothing in the package imports them.
+The bed and the daemons come from the emulation harness (peer/emulation/netbed.py, peer/emulation/multihost.py),
+which the tests use too.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import statistics
 import subprocess
@@ -36,17 +35,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from peer.emulation import multihost, netbed
+
 REPO = Path(__file__).resolve().parent.parent
 SERVER_PORT, RELAY_PORT = 5400, 5402
 PROBE_BYTES = 8 << 20
-
-
-def _tests_module(name: str) -> Any:
-    """A module of the tests folder (the bed), loaded by path: it is test infrastructure, not package code."""
-    folder = str(REPO / "tests")
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    return importlib.import_module(name)
 
 
 # ---- roles run inside the bed's namespaces ------------------------------------------------------------------
@@ -160,7 +153,6 @@ def _measure(proc: subprocess.Popen[str], timeout_s: float = 300) -> dict[str, A
 def measure_paths(rate_mbit: float, delay_ms: float, trials: int, tls: bool) -> dict[str, Any]:
     from peer.swarm.identity import Identity
 
-    netbed = _tests_module("netbed")
     d, t = str(delay_ms), str(trials)
     with netbed.open_bed() as bed, tempfile.TemporaryDirectory(prefix="bench-reach-") as tmp:
         (pub0, pub1), (home0, home1) = netbed.two_public_two_home(bed)
@@ -189,8 +181,6 @@ def measure_paths(rate_mbit: float, delay_ms: float, trials: int, tls: bool) -> 
 
 def measure_steps(rate_mbit: float, steps: int, nat: bool, log_dir: Path) -> dict[str, Any]:
     """Median step time of 4 real daemons (2 stages x 2 pipelines), all public or two of them behind NAT."""
-    netbed = _tests_module("netbed")
-    multihost = _tests_module("multihost")
     relay = ["--relay-port", str(multihost.RELAY_PORT)]
     with netbed.open_bed() as bed:
         if nat:

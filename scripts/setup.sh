@@ -11,7 +11,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating virtualenv $VENV" >&2
   "$PY" -m venv "$VENV"
 fi
-# The multi-host test bed (tests/netbed.py) needs `ip` and `nft`; as root on Debian, install them when missing.
+# The multi-host test bed (peer/emulation/netbed.py) needs `ip` and `nft`; as root on Debian, install them when missing.
 # Quiet and tolerant: when apt fails, those tests skip with the reason. SKIP_APT=1 leaves the system alone.
 if [ "$(id -u)" -eq 0 ] && [ -z "${SKIP_APT:-}" ] && command -v apt-get >/dev/null \
    && ! { command -v nft && command -v ip && command -v tc; } >/dev/null 2>&1; then

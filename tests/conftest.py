@@ -10,9 +10,12 @@ A test can also carry a marker explicitly (``@pytest.mark.integration``); an exp
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from peer.emulation.netbed import NetBed, open_bed, unavailable_reason
 
 # Files whose tests start real processes, a DHT or several gRPC peers talking to each other.
 INTEGRATION_FILES = {
@@ -46,3 +49,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.integration)
         else:
             item.add_marker(pytest.mark.unit)
+
+
+@pytest.fixture(name="bed")
+def bed_fixture() -> Iterator[NetBed]:
+    """An empty bed for one test, torn down whatever happens; skips where namespaces cannot be made."""
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"network namespaces unavailable: {reason}")
+    with open_bed() as bed:
+        yield bed

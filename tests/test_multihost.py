@@ -1,4 +1,4 @@
-"""Real `peer` processes on separate hosts (network namespaces, tests/netbed.py), started with the README's
+"""Real `peer` processes on separate hosts (network namespaces, peer/emulation/netbed.py), started with the README's
 internet commands: three public hosts, a home host with port forwarding, and two home hosts behind NAT that
 nobody can dial (reached through the public peers' relays). Each run's saved parameters must equal plain
 single-process training (max |difference| below 1e-5); a NAT'd peer killed mid-step is recovered from.
@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from multihost import (
+
+from peer.emulation.multihost import (
     GRPC_PORT,
     RELAY_PORT,
     BedPeers,
@@ -20,14 +21,12 @@ from multihost import (
     readme_flags,
     write_config,
 )
-from netbed import (
+from peer.emulation.netbed import (
     NetBed,
-    bed_fixture,  # noqa: F401  (the `bed` fixture)
     port_forwarded,
     three_public,
     two_public_two_home,
 )
-
 from peer.emulation.procs import PEER_COMMAND
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -6,10 +6,10 @@ import os
 import subprocess
 
 import pytest
-from netbed import (
+
+from peer.emulation.netbed import (
     PREFIX,
     NetBed,
-    bed_fixture,  # noqa: F401  (the `bed` fixture)
     can_connect,
     cleanup_stale,
     list_namespaces,

@@ -20,11 +20,11 @@ from typing import IO
 
 import pytest
 import torch
-from netbed import Host, NetBed, open_bed, unavailable_reason
 
 from peer.compute.data import Corpus
 from peer.compute.reference import train_reference
 from peer.config import RunConfig
+from peer.emulation.netbed import Host, NetBed, open_bed, unavailable_reason
 from peer.emulation.procs import JOIN_LINE_PREFIX, PEER_COMMAND, child_env, launch, read_line, write_small_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -19,8 +19,9 @@ def test_bench_transport_json_schema() -> None:
     )
     assert result.returncode == 0, result.stderr[-2000:]
     out = json.loads(result.stdout)
-    assert set(out) == {"unshaped_gbps", "shaped"}
-    assert out["unshaped_gbps"] > 0
+    assert set(out) == {"unshaped_gbps", "plaintext_gbps", "tls_cost_pct", "shaped"}
+    assert out["unshaped_gbps"] > 0 and out["plaintext_gbps"] > 0  # over mutual TLS, and the plaintext baseline
+    assert isinstance(out["tls_cost_pct"], float)
     assert len(out["shaped"]) == 1
     row = out["shaped"][0]
     assert set(row) == {"rate_mbps", "achieved_mbps", "latency_ms", "achieved_latency_ms"}

@@ -31,8 +31,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
-
 log = logging.getLogger(__name__)
 
 PREFIX = "tnb"  # every namespace of the bed starts with "tnb-<pid>-"
@@ -322,16 +320,6 @@ def open_bed(public_subnet: str = PUBLIC_SUBNET) -> Iterator[NetBed]:
         bed.close()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-
-
-@pytest.fixture(name="bed")
-def bed_fixture() -> Iterator[NetBed]:
-    """An empty bed for one test, torn down whatever happens; skips where namespaces cannot be made."""
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(f"network namespaces unavailable: {reason}")
-    with open_bed() as bed:
-        yield bed
 
 
 def wait_ready(proc: subprocess.Popen[str], timeout: float = 10) -> None:

@@ -1,4 +1,4 @@
-"""Real `peer` processes on the hosts of a network-namespace test bed (tests/netbed.py), started with the
+"""Real `peer` processes on the hosts of a network-namespace test bed (peer/emulation/netbed.py), started with the
 README's internet commands; used by tests/test_multihost.py and bench/reachability.py.
 
 Every peer runs ``ip netns exec <host> python -m peer.cli start|join --host 0.0.0.0 --port 31400 --dht-host
@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import IO
 
 import torch
-from netbed import Host
 
 from peer.compute.data import Corpus
 from peer.compute.reference import train_reference
 from peer.config import RunConfig
+from peer.emulation.netbed import Host
 from peer.emulation.procs import JOIN_LINE_PREFIX, PEER_COMMAND, child_env, kill_group, launch, read_line
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 GRPC_PORT, DHT_PORT, RELAY_PORT = 31400, 31401, 31402
 
 
