@@ -6,6 +6,7 @@ still equals single-process training (no micro-batch counted twice or lost). How
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from bench.stragglers import N_DEVICES, SPEC, STRAGGLER, WITH_ALL, max_rel_diff, run
@@ -18,6 +19,7 @@ from peer.runtime.driver import ExpiringBans
 STEPS = 3
 
 
+@pytest.mark.integration  # in-process, but a 15-20 s run: not part of the fast subset
 def test_straggler_is_overtaken_then_replaced_by_the_spare_and_the_run_matches() -> None:
     torch.set_num_threads(1)
     reference, _ = train_reference(SPEC.model, SPEC.optim, Corpus.load(SPEC.corpus), SPEC.seed, STEPS,
