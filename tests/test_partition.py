@@ -19,13 +19,10 @@ from pathlib import Path
 from typing import IO
 
 import pytest
-import torch
 
-from peer.compute.data import Corpus
-from peer.compute.reference import train_reference
-from peer.config import RunConfig
 from peer.emulation.netbed import Host, NetBed, open_bed, unavailable_reason
 from peer.emulation.procs import JOIN_LINE_PREFIX, PEER_COMMAND, child_env, launch, read_line, write_small_config
+from peer.emulation.reference_check import gap_to_reference
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -201,20 +198,8 @@ def test_partition_2_plus_2_minority_pauses_and_rejoins(tmp_path: Path) -> None:
 
 def check_against_reference(save: Path) -> float:
     """Max relative error of the saved parameters against single-process training (asserted < 1e-5)."""
-    torch.set_num_threads(1)
-    run = json.loads((save / "run.json").read_text())
-    assert len(run["loss"]) == STEPS
-    spec = RunConfig.from_dict(run["config"]).spec()
-    ref, ref_losses = train_reference(spec.model, spec.optim, Corpus.load(spec.corpus), spec.seed, STEPS,
-                                      spec.n_microbatches, spec.micro_batch)
-    got: dict[str, torch.Tensor] = {}
-    for f in sorted(save.glob("stage-*.pt")):
-        got.update(torch.load(f, weights_only=True))
-    assert set(got) == set(ref)
-    worst = 0.0
-    for name, value in got.items():
-        err = float((value - ref[name]).abs().max() / ref[name].abs().max().clamp_min(1e-12))
-        assert err < 1e-5, f"{name}: {err:.2e} of the tensor's scale off single-process training"
-        worst = max(worst, err)
-    assert run["loss"][-1] == pytest.approx(ref_losses[-1], rel=1e-5)
-    return worst
+    gap = gap_to_reference(save, STEPS)
+    assert len(gap.run["loss"]) == STEPS
+    assert gap.max_rel < 1e-5, f"{gap.max_rel:.2e} of a tensor's scale off single-process training"
+    assert gap.loss_rel < 1e-5
+    return gap.max_rel

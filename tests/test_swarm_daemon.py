@@ -12,13 +12,8 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
-import torch
-
-from peer.compute.data import Corpus
-from peer.compute.reference import train_reference
-from peer.config import RunConfig
 from peer.emulation.procs import PEER_COMMAND, PeerProcesses, write_small_config
+from peer.emulation.reference_check import gap_to_reference
 
 N_PEERS = 4
 STEPS = 30
@@ -84,17 +79,7 @@ def test_swarm_forms_trains_and_survives_leader_death(tmp_path: Path) -> None:
 
 
 def check_against_reference(save: Path) -> None:
-    torch.set_num_threads(1)
-    run = json.loads((save / "run.json").read_text())
-    assert len(run["loss"]) == STEPS
-    spec = RunConfig.from_dict(run["config"]).spec()
-    ref, ref_losses = train_reference(spec.model, spec.optim, Corpus.load(spec.corpus), spec.seed, STEPS,
-                                      spec.n_microbatches, spec.micro_batch)
-    got: dict[str, torch.Tensor] = {}
-    for f in sorted(save.glob("stage-*.pt")):
-        got.update(torch.load(f, weights_only=True))
-    assert set(got) == set(ref)
-    for name, value in got.items():
-        err = float((value - ref[name]).abs().max() / ref[name].abs().max().clamp_min(1e-12))
-        assert err < 1e-5, f"{name}: {err:.2e} of the tensor's scale off single-process training"
-    assert run["loss"][-1] == pytest.approx(ref_losses[-1], rel=1e-5)
+    gap = gap_to_reference(save, STEPS)
+    assert len(gap.run["loss"]) == STEPS
+    assert gap.max_rel < 1e-5, f"{gap.max_rel:.2e} of a tensor's scale off single-process training"
+    assert gap.loss_rel < 1e-5

@@ -15,13 +15,9 @@ import time
 from pathlib import Path
 from typing import IO
 
-import torch
-
-from peer.compute.data import Corpus
-from peer.compute.reference import train_reference
-from peer.config import RunConfig
 from peer.emulation.netbed import Host
 from peer.emulation.procs import JOIN_LINE_PREFIX, PEER_COMMAND, child_env, kill_group, launch, read_line
+from peer.emulation.reference_check import gap_to_reference
 
 REPO = Path(__file__).resolve().parents[2]
 GRPC_PORT, DHT_PORT, RELAY_PORT = 31400, 31401, 31402
@@ -113,13 +109,5 @@ def max_error_vs_reference(save: Path, steps: int) -> tuple[float, dict]:
 
     Absolute, not relative to each tensor's scale: a tensor that is still near zero after a few steps (a bias)
     would turn float summation order into a large relative figure."""
-    torch.set_num_threads(1)
-    run = json.loads((save / "run.json").read_text())
-    spec = RunConfig.from_dict(run["config"]).spec()
-    ref, _ = train_reference(spec.model, spec.optim, Corpus.load(spec.corpus), spec.seed, steps,
-                             spec.n_microbatches, spec.micro_batch)
-    got: dict[str, torch.Tensor] = {}
-    for f in sorted(save.glob("stage-*.pt")):
-        got.update(torch.load(f, weights_only=True))
-    assert set(got) == set(ref), f"saved tensors {sorted(got)[:4]}... differ from the model's"
-    return max(float((v - ref[k]).abs().max()) for k, v in got.items()), run
+    gap = gap_to_reference(save, steps)
+    return gap.max_abs, gap.run
