@@ -1,7 +1,8 @@
 """Train one plan on the local emulated swarm and record what the headline needs from it.
 
-The run goes through ``peer.emulation.local.LocalSwarm``, the object ``train_plan`` and ``peer swarm`` use (same
-workers, coordinator, driver: no runtime of its own here). The bench keeps the swarm open for three things
+The run goes through ``peer.emulation.local.LocalSwarm``, the object ``train_plan`` uses (the workers,
+coordinator and driver that the daemons of ``peer swarm`` run too: no runtime of its own here). The bench keeps
+the swarm open for three things
 ``train_plan`` does not return:
 
 * when each step ended (wall clock since step 0 began), for loss against time;
