@@ -2,8 +2,7 @@
 
 The run goes through ``peer.emulation.local.LocalSwarm``, the object ``train_plan`` uses (the workers,
 coordinator and driver that the daemons of ``peer swarm`` run too: no runtime of its own here). The bench keeps
-the swarm open for three things
-``train_plan`` does not return:
+the swarm open for three things ``train_plan`` does not return:
 
 * when each step ended (wall clock since step 0 began), for loss against time;
 * when each step's pipeline phase ended (the coordinator's ``reduce`` event: every micro-batch committed) and
