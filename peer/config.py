@@ -18,8 +18,9 @@ from peer.compute.hf import ModelSourceError
 from peer.compute.hf.spec import resolve_model_cached
 from peer.compute.model import ModelConfig
 from peer.compute.stage import OptimConfig
+from peer.runtime.checkpoints import DEFAULT_KEEP
 from peer.runtime.spec import COMPRESSIONS, PRECISIONS, RunSpec, SpecError
-from peer.timing import ADVERT_TTL_HEARTBEATS, HEARTBEAT_S
+from peer.timing import ADVERT_TTL_HEARTBEATS, CHECKPOINT_COPIES, HEARTBEAT_S
 
 
 class ConfigError(ValueError):
@@ -86,6 +87,10 @@ class SwarmSection:
     plan_time_limit_s: float = _f(5.0, "time limit of the scheduler's search at each plan")
     checkpoint_dir: str = _f("", "where the leader writes checkpoints; empty = none")
     checkpoint_every: int = _f(0, "checkpoint every N steps (0 = only on SIGTERM)")
+    checkpoint_keep: int = _f(DEFAULT_KEEP, "the newest this many checkpoints stay on the leader's disk")
+    checkpoint_copies: int = _f(
+        CHECKPOINT_COPIES, "other peers that keep a copy of every checkpoint (a new leader resumes from one)"
+    )
     save_dir: str = _f("", "when set, the leader writes the final parameters of every stage and run.json here")
 
 
@@ -226,6 +231,8 @@ class RunConfig:
             raise ConfigError(f"{where}: [swarm] stages must be 0 (auto) or 1..n_layers")
         if not s.heartbeat_s > 0:
             raise ConfigError(f"{where}: [swarm] heartbeat_s must be > 0")
+        if s.checkpoint_keep < 1 or s.checkpoint_copies < 0:
+            raise ConfigError(f"{where}: [swarm] checkpoint_keep must be >= 1 and checkpoint_copies >= 0")
         e = self.emulation
         for key in ("bandwidth_scale", "tflops", "tflops_scale"):
             v = getattr(e, key)

@@ -27,3 +27,16 @@ def test_bad_values_name_the_key(data: dict, needle: str) -> None:
     with pytest.raises(ConfigError) as err:
         RunConfig.from_dict(data)
     assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("swarm", [{"checkpoint_keep": 0}, {"checkpoint_copies": -1}])
+def test_checkpoint_retention_and_copies_are_checked(swarm: dict) -> None:
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_dict({"swarm": swarm})
+    assert "checkpoint_keep must be >= 1 and checkpoint_copies >= 0" in str(err.value)
+
+
+def test_checkpoint_retention_and_copies_reach_the_run_driver() -> None:
+    cfg = RunConfig.from_dict({"swarm": {"checkpoint_keep": 5, "checkpoint_copies": 0}})
+    cfg.validate()
+    assert (cfg.swarm.checkpoint_keep, cfg.swarm.checkpoint_copies) == (5, 0)

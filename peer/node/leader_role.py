@@ -275,6 +275,8 @@ class LeaderRole:
             steps=self.config.run.steps,
             checkpoint_dir=Path(s.checkpoint_dir) if s.checkpoint_dir else None,
             checkpoint_every=s.checkpoint_every,
+            checkpoint_keep=s.checkpoint_keep,
+            checkpoint_copies=s.checkpoint_copies,
         )
         self.driver = RunDriver(
             self.spec,
