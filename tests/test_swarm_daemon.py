@@ -16,7 +16,9 @@ from peer.emulation.procs import PEER_COMMAND, PeerProcesses, write_small_config
 from peer.emulation.reference_check import gap_to_reference
 
 N_PEERS = 4
-STEPS = 30
+# Float summation order (which pipeline did which micro-batch, in which order) drifts through Adam: a 30-step run
+# once reached 1.8e-5 of a tensor's scale, with nothing lost or counted twice (that moves parameters by ~1e-2).
+STEPS = 20
 
 
 def status(addr: str) -> dict:
