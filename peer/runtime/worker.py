@@ -85,6 +85,7 @@ from protocol.codec import decode_tensor
 from protocol.errors import BadMessage, Forbidden, Rejected, TransportError
 
 log = logging.getLogger(__name__)
+ALL_ROUNDS = 2**62  # a step beyond every real one: abort_before((ALL_ROUNDS, 0)) abandons every round
 
 # A peer may hold 32 of the 48 stream slots (an upstream neighbour pushes up to max_inflight_pushes at once),
 # so no single peer can take all of them. gRPC buffers a whole message before the server sees it, so messages
@@ -293,6 +294,11 @@ class StageWorker:
                 f"peer's epoch {old.assignment.epoch} of leader {old.assignment.leader!r} or equal to it; "
                 "a newer leader has taken over"
             )
+        if old is not None:
+            # The compute thread may hold _state_lock in a reduce of the old plan, waiting (up to REDUCE_WAIT_S)
+            # for a shard from a peer that died: abandon the old plan's rounds so that it lets go. The new plan
+            # redoes that work; a gradient already reduced and awaiting apply is kept.
+            old.exchange.abort_before((ALL_ROUNDS, 0))
         with self._state_lock:
             old = self._tasklet
             if old is not None and _plan_order(assignment) <= _plan_order(old.assignment):
