@@ -16,12 +16,12 @@ import re
 import subprocess
 import time
 from pathlib import Path
-from typing import IO
 
 import pytest
 
+from peer.emulation.multihost import BedPeers
 from peer.emulation.netbed import Host, NetBed, open_bed, unavailable_reason
-from peer.emulation.procs import JOIN_LINE_PREFIX, PEER_COMMAND, child_env, launch, read_line, write_small_config
+from peer.emulation.procs import JOIN_LINE_PREFIX, PEER_COMMAND, child_env, poll_until, read_line, write_small_config
 from peer.emulation.reference_check import gap_to_reference
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -32,37 +32,17 @@ PARTITION_S = 30.0
 EMULATE_TFLOPS = "0.00005"  # 1.4 s a step with four replicas, 2.2 s with two: the run outlasts the partition
 
 
-class Swarm:
-    """One `peer` process per bed host, logging to ``log_dir/<host>.log``."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.procs: dict[str, subprocess.Popen[str]] = {}
-        self.logs: list[IO[str]] = []
+class Swarm(BedPeers):
+    """One `peer` process per bed host listening on the host's address, compute stretched to EMULATE_TFLOPS."""
 
     def spawn(self, host: Host, args: list[str]) -> subprocess.Popen[str]:
-        cmd = host.cmd(*PEER_COMMAND, *args, "--host", host.addr, "--dht-host", host.addr,
-                       "--emulate-tflops", EMULATE_TFLOPS, "--log-level", "INFO")
-        proc, log = launch(cmd, self.log_dir / f"{host.name}.log", env=child_env(), cwd=REPO)
-        assert log is not None
-        self.logs.append(log)
-        self.procs[host.name] = proc
-        return proc
-
-    def log(self, name: str) -> str:
-        return (self.log_dir / f"{name}.log").read_text(errors="replace")
+        return super().spawn(host, [*args, "--host", host.addr, "--dht-host", host.addr,
+                                    "--emulate-tflops", EMULATE_TFLOPS])
 
     def peer_id(self, name: str) -> str:
         found = re.search(r"peer (\w+) announced:", self.log(name))
         assert found, f"{name} did not announce itself:\n{self.log(name)[-2000:]}"
         return found.group(1)
-
-    def close(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-        for log in self.logs:
-            log.close()
 
 
 def status(host: Host, dht: str) -> dict:
@@ -74,17 +54,7 @@ def status(host: Host, dht: str) -> dict:
 
 
 def wait_status(host: Host, dht: str, predicate, timeout_s: float, what: str) -> dict:
-    deadline, last = time.monotonic() + timeout_s, {}
-    while time.monotonic() < deadline:
-        try:
-            last = status(host, dht)
-        except (AssertionError, json.JSONDecodeError, subprocess.TimeoutExpired):
-            time.sleep(1.0)
-            continue
-        if predicate(last):
-            return last
-        time.sleep(1.0)
-    raise AssertionError(f"timed out waiting for {what}; last status: {json.dumps(last)[:3000]}")
+    return poll_until(lambda: status(host, dht), predicate, timeout_s, what)
 
 
 def in_plan(st: dict) -> set[str]:

@@ -60,7 +60,7 @@ class BedPeers:
 
     def log(self, name: str) -> str:
         path = self.log_dir / f"{name}.log"
-        return path.read_text() if path.exists() else ""
+        return path.read_text(errors="replace") if path.exists() else ""
 
     def wait_all(self, timeout_s: float) -> dict[str, int | None]:
         """Wait until every peer exits (or the time is up); their exit codes (None: still running)."""

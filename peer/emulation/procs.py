@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -106,6 +106,22 @@ def stop_all(procs: list[subprocess.Popen[str]], grace_s: float, *, ask_first: b
         kill_group(p)
         if p.stdout:
             p.stdout.close()
+
+
+def poll_until(read: Callable[[], dict], predicate: Callable[[dict], bool], timeout_s: float, what: str) -> dict:
+    """Call ``read`` (e.g. a `peer status --json`) about once a second until ``predicate`` holds; a read that
+    fails (a status call timing out on a busy machine, a half-written answer) is retried, not fatal."""
+    deadline, last = time.monotonic() + timeout_s, {}
+    while time.monotonic() < deadline:
+        try:
+            last = read()
+        except (AssertionError, json.JSONDecodeError, subprocess.TimeoutExpired):
+            time.sleep(1.0)
+            continue
+        if predicate(last):
+            return last
+        time.sleep(1.0)
+    raise AssertionError(f"timed out waiting for {what}; last status: {json.dumps(last)[:3000]}")
 
 
 def write_small_config(folder: Path, steps: int, *, secret: str = "", min_peers: int = 1, stages: int = 0,
