@@ -12,7 +12,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from peer.emulation.procs import PEER_COMMAND, PeerProcesses, write_small_config
+from peer.emulation.procs import PEER_COMMAND, PeerProcesses, poll_until, write_small_config
 from peer.emulation.reference_check import gap_to_reference
 
 N_PEERS = 4
@@ -29,18 +29,7 @@ def status(addr: str) -> dict:
 
 
 def wait_for(predicate, timeout: float, what: str, addr: str) -> dict:
-    deadline = time.monotonic() + timeout
-    last: dict = {}
-    while time.monotonic() < deadline:
-        try:
-            last = status(addr)
-        except (AssertionError, json.JSONDecodeError, subprocess.TimeoutExpired):
-            time.sleep(1.0)
-            continue
-        if predicate(last):
-            return last
-        time.sleep(1.0)
-    raise AssertionError(f"timed out waiting for {what}; last status: {json.dumps(last)[:3000]}")
+    return poll_until(lambda: status(addr), predicate, timeout, what)
 
 
 def test_swarm_forms_trains_and_survives_leader_death(tmp_path: Path) -> None:
@@ -83,5 +72,7 @@ def test_swarm_forms_trains_and_survives_leader_death(tmp_path: Path) -> None:
 def check_against_reference(save: Path) -> None:
     gap = gap_to_reference(save, STEPS)
     assert len(gap.run["loss"]) == STEPS
-    assert gap.max_rel < 1e-5, f"{gap.max_rel:.2e} of a tensor's scale off single-process training"
+    # Absolute, as in the multi-host tests: counting a micro-batch twice or losing one moves parameters by ~1e-2;
+    # float summation order (which pipeline did which micro-batch) reached 1.8e-5 of one tensor's scale here.
+    assert gap.max_abs < 1e-5, f"{gap.max_abs:.2e} off single-process training (relative {gap.max_rel:.2e})"
     assert gap.loss_rel < 1e-5
