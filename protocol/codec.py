@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
+from protocol import lowbit
 from protocol import tasklet_pb2 as pb
 from protocol.errors import BadMessage
 
@@ -48,7 +49,7 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 FLOAT_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
 
-COMPRESSIONS: dict[str, int] = {"none": pb.NONE, "fp16": pb.FP16, "int8": pb.INT8_BLOCKWISE}
+COMPRESSIONS: dict[str, int] = {"none": pb.NONE, "fp16": pb.FP16, "int8": pb.INT8_BLOCKWISE, **lowbit.WIRE_IDS}
 DEFAULT_BLOCK_SIZE = 64
 MAX_BLOCK_SIZE = 1 << 20
 MAX_NDIM = 32
@@ -124,6 +125,8 @@ def encode_tensor(
         msg.compression = pb.FP16
         msg.data = _raw_bytes(half)
         return msg
+    if compression in lowbit.WIRE_IDS:  # int4 / int2 / topk: see protocol/lowbit.py
+        return lowbit.encode_into(msg, name, x, compression, block_size)
     if not 1 <= block_size <= MAX_BLOCK_SIZE:
         raise ValueError(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
     codes, scales = _quantize_int8(x.to(torch.float32).reshape(-1), block_size)
@@ -235,6 +238,10 @@ def decode_tensor(
         if not bool((torch.isfinite(scales) & (scales >= 0)).all()):
             raise BadMessage(f"{label}.scales", "scales must be finite and non-negative")
         flat = _dequantize_int8(_from_bytes(data, torch.int8, numel), scales, block_size).to(dtype)
+    elif msg.compression in lowbit.WIRE_IDS.values():
+        if dtype not in FLOAT_DTYPES:
+            raise BadMessage(f"{label}.compression", f"low-bit compression of a {msg.dtype} tensor")
+        flat = lowbit.decode_flat(msg, label, numel).to(dtype)
     else:
         raise BadMessage(f"{label}.compression", f"unknown compression {msg.compression}")
     if not allow_nonfinite and dtype in FLOAT_DTYPES and numel:

@@ -14,7 +14,7 @@ from peer.compute.hf.spec import HFModelSpec
 from peer.compute.model import ModelConfig
 from peer.compute.stage import OptimConfig
 
-COMPRESSIONS = ("none", "fp16", "int8")
+COMPRESSIONS = ("none", "fp16", "int8", "int4", "int2")  # int4/int2: protocol/lowbit.py
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
