@@ -34,25 +34,32 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+import grpc
 import torch
 
 from peer.net import PeerClient, PeerServer, TransportConfig
 from peer.net.shaping import LinkShaper
-from peer.net.tls import process_tls
+from peer.net.tls import TlsContext, process_tls
 from protocol import tasklet_pb2 as pb
-from protocol.codec import decode_tensor, encode_tensor
+from protocol.codec import decode_tensor
+from protocol.message import WireEnvelope
 
 LIMITS = dict(max_message_bytes=8 << 20, chunk_bytes=4 << 20, max_envelope_bytes=256 << 20)
 CONFIG = TransportConfig(**LIMITS)  # this process's TLS identity (peer.net.tls.process_tls)
 PLAINTEXT = TransportConfig(**LIMITS, tls=None)
 DEFAULT_LINKS = ((10.0, 40.0), (100.0, 10.0), (1000.0, 2.0))  # (Mbit/s, one-way ms)
+RAW_METHOD = "/tasklet.bench.Raw/Stream"
 
 
 @dataclass(frozen=True)
@@ -84,19 +91,77 @@ def _receiver(conn: Connection) -> None:
     for srv in (server, plain):
         srv.register_push("ACTIVATION", on_push)
         srv.set_status_provider(status)
-    conn.send((server.start(), plain.start(), tls.certificate_text))
+    raw, raw_ports = _raw_server(tls)
+    conn.send((server.start(), plain.start(), raw_ports, tls.certificate_text))
     try:
         tls.trust_only([conn.recv()])  # the sender's certificate: the one peer this receiver accepts
         conn.poll(3600)  # until the parent says stop (or goes away)
     finally:
         server.stop(grace=1.0)
         plain.stop(grace=1.0)
+        raw.stop(1.0)
 
 
-def _envelope(t: torch.Tensor) -> pb.Envelope:
-    env = pb.Envelope(kind=pb.ACTIVATION)
+def _raw_server(tls: TlsContext) -> tuple[grpc.Server, dict[str, int]]:
+    """The baseline: a bare gRPC server whose one method reads a stream of bytes messages and counts them (no
+    protocol, no checks, no copies of ours), on a plaintext and a mutual-TLS port with the same options."""
+
+    def stream(messages: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        return sum(len(m) for m in messages).to_bytes(8, "little")
+
+    handler = grpc.method_handlers_generic_handler(
+        RAW_METHOD.split("/")[1], {"Stream": grpc.stream_unary_rpc_method_handler(stream)}
+    )
+    server = grpc.server(ThreadPoolExecutor(max_workers=CONFIG.thread_pool_size), options=CONFIG.grpc_options)
+    server.add_generic_rpc_handlers((handler,))
+    ports = {
+        "raw_plaintext": server.add_insecure_port(f"{CONFIG.host}:0"),
+        "raw_tls": server.add_secure_port(f"{CONFIG.host}:0", tls.server_credentials()),
+    }
+    server.start()
+    return server, ports
+
+
+class RawSender:
+    """Pushes messages over a bare gRPC stream exactly as PeerClient does (``chunk_bytes`` per gRPC message,
+    at most ``max_inflight_pushes`` calls in flight), from one prebuilt bytes object: gRPC's own speed."""
+
+    def __init__(self, endpoint: str, tls: TlsContext | None) -> None:
+        options = CONFIG.grpc_options
+        self._channel = grpc.insecure_channel(endpoint, options) if tls is None else tls.channel(endpoint, options)
+        self._call = self._channel.stream_unary(RAW_METHOD, request_serializer=None, response_deserializer=None)
+        self._chunk = os.urandom(CONFIG.chunk_bytes)
+        self._slots = threading.BoundedSemaphore(CONFIG.max_inflight_pushes)
+
+    def stream(self, message_bytes: int, count: int, timeout_s: float) -> float:
+        """Send ``count`` messages of ``message_bytes``; return the wall time to the last reply."""
+        sizes = [len(self._chunk)] * (message_bytes // len(self._chunk))
+        if message_bytes % len(self._chunk):
+            sizes.append(message_bytes % len(self._chunk))
+        start = time.monotonic()
+        futures = []
+        for _ in range(count):
+            if not self._slots.acquire(timeout=timeout_s):
+                raise TimeoutError("raw gRPC stream: no call finished in time")
+            call = self._call.future(
+                (self._chunk if n == len(self._chunk) else self._chunk[:n] for n in sizes), timeout=timeout_s
+            )
+            call.add_done_callback(lambda _: self._slots.release())
+            futures.append(call)
+        for call in futures:
+            if int.from_bytes(call.result(), "little") != message_bytes:
+                raise RuntimeError("raw gRPC stream: the receiver counted a different size")
+        return time.monotonic() - start
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def _envelope(t: torch.Tensor) -> WireEnvelope:
+    """An activation message carrying `t`, sent from its own storage (protocol.message)."""
+    env = WireEnvelope(pb.Envelope(kind=pb.ACTIVATION))
     env.meta["sent_at"] = repr(time.monotonic())
-    encode_tensor("x", t, out=env.tensors.add())
+    env.add_tensor("x", t)
     return env
 
 
@@ -109,22 +174,33 @@ def _stream(client: PeerClient, tensor: torch.Tensor, count: int, timeout_s: flo
     return time.monotonic() - start
 
 
-def unshaped_gbps(endpoints: dict[str, tuple[str, TransportConfig]], cfg: BenchConfig) -> dict[str, float]:
-    """Median throughput per path (name -> endpoint, config), trials interleaved so load hits all alike."""
+def unshaped_gbps(
+    endpoints: dict[str, tuple[str, TransportConfig]], raw: dict[str, tuple[str, TlsContext | None]], cfg: BenchConfig
+) -> dict[str, float]:
+    """Median throughput per path: ours (name -> endpoint, config) and bare gRPC (name -> endpoint, TLS or None),
+    trials interleaved (ours, then raw, per trial) so that the machine's load hits all alike."""
     tensor = torch.randn(cfg.tensor_mib << 20 >> 2)
+    nbytes = tensor.numel() * 4
     count = max(2, cfg.unshaped_mib // cfg.tensor_mib)
     clients = {name: PeerClient(ep, config) for name, (ep, config) in endpoints.items()}
-    rates: dict[str, list[float]] = {name: [] for name in clients}
+    senders = {name: RawSender(ep, tls) for name, (ep, tls) in raw.items()}
+    rates: dict[str, list[float]] = {name: [] for name in [*clients, *senders]}
     try:
         for client in clients.values():
             client.push(_envelope(tensor), 60)  # warm up the connection and both processes' allocators
+        for sender in senders.values():
+            sender.stream(nbytes, 1, 60)
         for _ in range(cfg.trials):
             for name, client in clients.items():
-                rates[name].append(8 * count * tensor.numel() * 4 / _stream(client, tensor, count, 120) / 1e9)
+                rates[name].append(8 * count * nbytes / _stream(client, tensor, count, 120) / 1e9)
+            for name, sender in senders.items():
+                rates[name].append(8 * count * nbytes / sender.stream(nbytes, count, 120) / 1e9)
         next(iter(clients.values())).status(timeout_s=10)  # drop the arrival log
     finally:
         for client in clients.values():
             client.close()
+        for sender in senders.values():
+            sender.close()
     return {name: statistics.median(r) for name, r in rates.items()}
 
 
@@ -181,16 +257,24 @@ def run(cfg: BenchConfig) -> tuple[dict[str, Any], list[float]]:
     try:
         if not parent.poll(60):
             raise RuntimeError("the receiver process did not start within 60 s")
-        tls_port, plain_port, receiver_cert = parent.recv()
+        tls_port, plain_port, raw_ports, receiver_cert = parent.recv()
         process_tls().trust_only([receiver_cert])
         parent.send(process_tls().certificate_text)
         endpoint = f"{CONFIG.host}:{tls_port}"
         paths = {"tls": (endpoint, CONFIG), "plaintext": (f"{CONFIG.host}:{plain_port}", PLAINTEXT)}
-        rates = unshaped_gbps(paths, cfg)
+        raw = {
+            "raw_tls": (f"{CONFIG.host}:{raw_ports['raw_tls']}", process_tls()),
+            "raw_plaintext": (f"{CONFIG.host}:{raw_ports['raw_plaintext']}", None),
+        }
+        rates = unshaped_gbps(paths, raw, cfg)
         result: dict[str, Any] = {
             "unshaped_gbps": round(rates["tls"], 3),
             "plaintext_gbps": round(rates["plaintext"], 3),
             "tls_cost_pct": round(100 * (1 - rates["tls"] / rates["plaintext"]), 1),
+            "raw_grpc_gbps": round(rates["raw_plaintext"], 3),
+            "fraction_of_raw": round(rates["plaintext"] / rates["raw_plaintext"], 3),
+            "raw_grpc_gbps_tls": round(rates["raw_tls"], 3),
+            "fraction_of_raw_tls": round(rates["tls"] / rates["raw_tls"], 3),
             "shaped": [],
         }
         bases = []

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -74,13 +75,49 @@ def _raw_bytes(t: torch.Tensor) -> bytes:
     return flat.view(torch.uint8).numpy().tobytes()
 
 
-def _from_bytes(data: bytes, dtype: torch.dtype, numel: int) -> torch.Tensor:
-    """A writable 1-D tensor of `numel` elements of `dtype` holding `data` (one copy)."""
+def _from_bytes(data: bytes | memoryview, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """A writable 1-D tensor of `numel` elements of `dtype` holding `data`: a view of it, without a copy, when
+    `data` is a writable buffer (a received tensor's own buffer, see protocol.message), else one copy."""
     if numel == 0:
         return torch.empty(0, dtype=dtype)
+    buffer = data if isinstance(data, memoryview) and not data.readonly else bytearray(data)
     if dtype == torch.bool:
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.bool)
-    return torch.frombuffer(bytearray(data), dtype=dtype)
+        return torch.frombuffer(buffer, dtype=torch.uint8).to(torch.bool)
+    return torch.frombuffer(buffer, dtype=dtype)
+
+
+class WireTensorLike(Protocol):
+    """What decode_tensor reads of a tensor message (pb.Tensor and protocol.message.WireTensor both are)."""
+
+    name: str
+    dtype: str
+    shape: Sequence[int]
+    data: bytes
+    compression: int
+    scales: bytes
+    block_size: int
+
+
+def _data_of(msg: pb.Tensor | WireTensorLike) -> bytes | memoryview:
+    """A tensor message's data: a protocol.message.WireTensor's buffer as is (no copy), a pb.Tensor's bytes."""
+    payload = getattr(msg, "payload", None)
+    return msg.data if payload is None else payload
+
+
+def encode_payload(
+    name: str, t: torch.Tensor, compression: str = "none", *, block_size: int = DEFAULT_BLOCK_SIZE
+) -> tuple[pb.Tensor, memoryview]:
+    """`t` as a Tensor message without its data, and the data as a buffer of its own (checked as by
+    encode_tensor). Uncompressed, the buffer is the tensor's own storage when it is a contiguous CPU tensor:
+    no copy at all, so the tensor must not change until it has been sent (see protocol.message)."""
+    if compression == "none" and t.dtype in DTYPE_NAMES:
+        flat = t.detach().to("cpu").contiguous().reshape(-1)
+        header = pb.Tensor(name=name, dtype=DTYPE_NAMES[t.dtype], shape=list(t.shape))
+        return header, memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    header = encode_tensor(name, t, compression, block_size=block_size)
+    data = memoryview(header.data)  # compressed: the encoder made the bytes; moved out of the message
+    header.ClearField("data")
+    return header, data
 
 
 def encode_tensor(
@@ -191,14 +228,16 @@ def _check_size(label: str, what: str, got: int, want: int, why: str) -> None:
 
 
 def decode_tensor(
-    msg: pb.Tensor,
+    msg: pb.Tensor | WireTensorLike,
     *,
     expect_shape: Sequence[int | None] | None = None,
     expect_dtype: torch.dtype | None = None,
     max_elements: int | None = None,
     allow_nonfinite: bool = False,
 ) -> torch.Tensor:
-    """Build a CPU tensor from a Tensor message, refusing anything malformed.
+    """Build a CPU tensor from a Tensor message (pb.Tensor, or a received protocol.message.WireTensor),
+    refusing anything malformed. An uncompressed WireTensor decodes without a copy: the result is a view of the
+    message's own buffer (decoding it twice gives two views of the same memory).
 
     expect_shape: the required shape; None entries accept any size in that dimension (e.g. the batch).
     expect_dtype: the required (decoded) dtype. max_elements: refuse larger tensors before allocating.
@@ -216,7 +255,7 @@ def decode_tensor(
         )
     shape = list(msg.shape)
     numel = _check_shape(label, shape, expect_shape, max_elements)
-    data = msg.data
+    data = _data_of(msg)
     if msg.compression == pb.NONE:
         _check_size(label, "data", len(data), numel * dtype.itemsize, f"shape {shape} of {msg.dtype}")
         flat = _from_bytes(data, dtype, numel)

@@ -19,9 +19,15 @@ def test_bench_transport_json_schema() -> None:
     )
     assert result.returncode == 0, result.stderr[-2000:]
     out = json.loads(result.stdout)
-    assert set(out) == {"unshaped_gbps", "plaintext_gbps", "tls_cost_pct", "shaped"}
+    assert set(out) == {
+        "unshaped_gbps", "plaintext_gbps", "tls_cost_pct", "shaped",
+        "raw_grpc_gbps", "fraction_of_raw", "raw_grpc_gbps_tls", "fraction_of_raw_tls",
+    }
     assert out["unshaped_gbps"] > 0 and out["plaintext_gbps"] > 0  # over mutual TLS, and the plaintext baseline
     assert isinstance(out["tls_cost_pct"], float)
+    # bare gRPC on the same machine in the same run, and ours as a fraction of it
+    assert out["raw_grpc_gbps"] > 0 and out["raw_grpc_gbps_tls"] > 0
+    assert out["fraction_of_raw"] > 0 and out["fraction_of_raw_tls"] > 0
     assert len(out["shaped"]) == 1
     row = out["shaped"][0]
     assert set(row) == {"rate_mbps", "achieved_mbps", "latency_ms", "achieved_latency_ms"}

@@ -33,8 +33,9 @@ from peer.net.server import _kind_name, kind_value, service_name
 from peer.net.shaping import LinkShaper
 from protocol import PROTOCOL_VERSION
 from protocol import tasklet_pb2 as pb
-from protocol.chunking import Reassembler, check_version, chunk_payload_sizes, decode_chunk, iter_chunk_wire
+from protocol.chunking import Reassembler, check_version, chunk_payload_sizes, decode_chunk, iter_segment_chunks
 from protocol.errors import Backpressure, PeerUnreachable, Refused, TransportError
+from protocol.message import WireEnvelope, envelope_segments
 
 logger = logging.getLogger(__name__)
 
@@ -142,8 +143,11 @@ class PeerClient:
         return size if self.shaper is None else self.shaper.chunk_bytes(size)
 
     # --- push ---------------------------------------------------------------------------------------------
-    def push_async(self, envelope: pb.Envelope, timeout_s: float | None = None) -> Future[None]:
+    def push_async(self, envelope: pb.Envelope | WireEnvelope, timeout_s: float | None = None) -> Future[None]:
         """Start delivering `envelope`; the Future resolves to None or fails with Refused/PeerUnreachable.
+
+        A WireEnvelope's tensors are sent from their own buffers (see protocol.message): they must not change
+        until the Future resolves.
 
         Blocks (at most timeout_s) while max_inflight_pushes pushes are unfinished: that is the backpressure.
         Stamps protocol_version and sender on the envelope when they are unset. timeout_s covers the wait
@@ -186,22 +190,23 @@ class PeerClient:
         call.add_done_callback(finished)
         return result
 
-    def _push_chunks(self, envelope: pb.Envelope) -> Iterator[bytes]:
+    def _push_chunks(self, envelope: pb.Envelope | WireEnvelope) -> Iterator[bytes]:
         # Serialising happens when gRPC pulls the first chunk, on gRPC's sending thread, not the caller's.
         sent_at = time.monotonic()
-        data = envelope.SerializeToString()
-        TRAFFIC.sent(_kind_name(envelope.kind), len(data))
+        segments = envelope_segments(envelope)
+        total = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in segments)
+        TRAFFIC.sent(_kind_name(envelope.kind), total)
         chunk_bytes = self._chunk_bytes()
-        chunks = iter_chunk_wire(data, chunk_bytes)
+        chunks = iter_segment_chunks(segments, chunk_bytes)
         if self.shaper is None:
             yield from chunks
         else:
             # The message is booked on the link as a whole (FIFO with other messages to this peer), counted
             # in payload bytes (chunk headers are a few bytes per chunk and are not counted).
-            sizes = chunk_payload_sizes(len(data), chunk_bytes)
-            yield from self.shaper.shape(chunks, lambda _: next(sizes), sent_at=sent_at, total_bytes=len(data))
+            sizes = chunk_payload_sizes(total, chunk_bytes)
+            yield from self.shaper.shape(chunks, lambda _: next(sizes), sent_at=sent_at, total_bytes=total)
 
-    def push(self, envelope: pb.Envelope, timeout_s: float | None = None) -> None:
+    def push(self, envelope: pb.Envelope | WireEnvelope, timeout_s: float | None = None) -> None:
         """Deliver `envelope` and wait for the peer's acknowledgement (see push_async)."""
         timeout = self._timeout(timeout_s)
         future = self.push_async(envelope, timeout)
@@ -218,8 +223,9 @@ class PeerClient:
         *,
         meta: Mapping[str, str] | None = None,
         timeout_s: float | None = None,
-    ) -> pb.Envelope:
-        """Ask the peer for an Envelope of `kind` (e.g. STAGE_STATE) about `key`; checked like a push.
+    ) -> WireEnvelope:
+        """Ask the peer for an Envelope of `kind` (e.g. STAGE_STATE) about `key`; checked like a push, and
+        received like one (a WireEnvelope: read like a pb.Envelope, its tensors decode without a copy).
 
         Raises Refused/PeerUnreachable, or protocol.errors.BadMessage if the reply stream is malformed.
         """
@@ -245,7 +251,7 @@ class PeerClient:
         except Exception:
             stream.cancel()
             raise
-        reply = asm.envelope()
+        reply = asm.message()
         TRAFFIC.received(_kind_name(reply.kind), asm.total)
         return reply
 

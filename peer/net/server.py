@@ -4,8 +4,9 @@ Order of checks on a Push, all before any handler sees the message: the call has
 is free, every chunk has our protocol version, chunk sequence numbers count up from 0, the announced total is
 within `max_envelope_bytes` (checked on the first chunk, before buffering), the stream carries exactly the
 announced bytes, the bytes parse as an Envelope of our protocol version, and a handler exists for its Kind.
-The handler then validates the content (tensors via protocol.codec.decode_tensor, keys against its state)
-and may raise:
+The handler gets the Envelope as a protocol.message.WireEnvelope (it reads like a pb.Envelope; each tensor's
+data arrived into a buffer of its own and decodes without a copy), validates the content (tensors via
+protocol.codec.decode_tensor, keys against its state) and may raise:
 
 * protocol.errors.BadMessage  -> INVALID_ARGUMENT with the handler's message,
 * protocol.errors.Rejected    -> FAILED_PRECONDITION (e.g. unknown step or micro-batch),
@@ -47,15 +48,16 @@ from protocol.chunking import (
     chunk_payload_sizes,
     decode_chunk,
     envelope_kind_prefix,
-    iter_chunk_wire,
-    split_envelope,
+    iter_segment_chunks,
 )
 from protocol.errors import BadMessage, Forbidden, Rejected, Unauthenticated, Unavailable
+from protocol.message import WireEnvelope, envelope_segments
 
 logger = logging.getLogger(__name__)
 
-PushHandler = Callable[[pb.Envelope], None]
-FetchHandler = Callable[[pb.FetchRequest], pb.Envelope]
+PushHandler = Callable[[WireEnvelope], None]
+FetchHandler = Callable[[pb.FetchRequest], pb.Envelope | WireEnvelope]
+Segment = bytes | memoryview
 StatusProvider = Callable[[], dict[str, Any]]
 ReplyShaperLookup = Callable[[str], LinkShaper | None]
 PushAdmission = Callable[[int, str], int]
@@ -188,17 +190,16 @@ class _Servicer:
             request.sender = caller  # the authenticated caller, never what the request claims
         self._stream_slot(context, "Fetch", caller)
         try:
-            envelope = _guarded(context, "Fetch", lambda: self._owner._fetch(request))
+            segments, total = _guarded(context, "Fetch", lambda: self._owner._fetch(request))
             shaper = self._owner._reply_shaper(request.sender)
             chunk_bytes = self._owner.config.chunk_bytes
             if shaper is None:
-                yield from split_envelope(envelope, chunk_bytes)
+                yield from iter_segment_chunks(segments, chunk_bytes)
             else:
-                data = envelope.SerializeToString()
                 chunk_bytes = shaper.chunk_bytes(chunk_bytes)
-                sizes = chunk_payload_sizes(len(data), chunk_bytes)
-                chunks = iter_chunk_wire(data, chunk_bytes)
-                yield from shaper.shape(chunks, lambda _: next(sizes), total_bytes=len(data))
+                sizes = chunk_payload_sizes(total, chunk_bytes)
+                chunks = iter_segment_chunks(segments, chunk_bytes)
+                yield from shaper.shape(chunks, lambda _: next(sizes), total_bytes=total)
         finally:
             self._owner._release(caller)
 
@@ -307,12 +308,14 @@ class PeerServer:
 
     # --- registration -------------------------------------------------------------------------------------
     def register_push(self, kind: int | str, handler: PushHandler) -> None:
-        """Call handler(envelope) for every valid pushed Envelope of this Kind (replaces a previous one)."""
+        """Call handler(envelope) for every valid pushed Envelope of this Kind (replaces a previous one); the
+        envelope is a protocol.message.WireEnvelope, read like a pb.Envelope."""
         with self._lock:
             self._push_handlers[kind_value(kind)] = handler
 
     def register_fetch(self, kind: int | str, handler: FetchHandler) -> None:
-        """Answer Fetch requests of this Kind with handler(request) -> Envelope."""
+        """Answer Fetch requests of this Kind with handler(request) -> pb.Envelope, or a WireEnvelope (its
+        tensors' data sent from their own buffers, see protocol.message)."""
         with self._lock:
             self._fetch_handlers[kind_value(kind)] = handler
 
@@ -449,7 +452,7 @@ class PeerServer:
             asm.add(chunk)
         if asm is None:
             raise BadMessage("chunk", "the stream carried no chunk")
-        envelope = asm.envelope()
+        envelope = asm.message()
         if envelope.kind != announced:
             raise BadMessage("envelope.kind", "the kind must be the envelope's first field after the version")
         if self.config.tls is not None:
@@ -464,7 +467,8 @@ class PeerServer:
             self.stats["push_bytes"] += asm.total
         return pb.Ack(protocol_version=PROTOCOL_VERSION, bytes_received=asm.total)
 
-    def _fetch(self, request: pb.FetchRequest) -> pb.Envelope:
+    def _fetch(self, request: pb.FetchRequest) -> tuple[list[Segment], int]:
+        """The reply's serialized form (as pieces, tensors' data not copied) and its size."""
         check_version("fetch.protocol_version", request.protocol_version)
         handler = self._fetch_handlers.get(request.kind)
         if handler is None:
@@ -472,10 +476,12 @@ class PeerServer:
         envelope = handler(request)
         if envelope.protocol_version == 0:
             envelope.protocol_version = PROTOCOL_VERSION
-        TRAFFIC.sent(_kind_name(envelope.kind), envelope.ByteSize())
+        segments = envelope_segments(envelope)
+        total = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in segments)
+        TRAFFIC.sent(_kind_name(envelope.kind), total)
         with self._lock:
             self.stats["fetches"] += 1
-        return envelope
+        return segments, total
 
     def _probe(self, chunks: Iterator[pb.ProbeChunk]) -> pb.ProbeReply:
         reply = pb.ProbeReply(protocol_version=PROTOCOL_VERSION)
