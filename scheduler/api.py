@@ -11,6 +11,8 @@ import numpy as np
 from . import cost_dtfm, cost_full
 from .bound import gap, lower_bound
 from .cluster import Cluster
+from .compression import CompressedCost, CompressionSpace, refine
+from .compression import predict as compression_predict
 from .cost_dtfm import DtfmPairs
 from .errors import PlanningError
 from .layers import SplitCost, fits_memory, fixed_split_cost
@@ -117,16 +119,19 @@ def _memetic_config(cfg: MemeticConfig | None, seed: int, time_limit_s: float | 
 def search_layout(cluster: Cluster, workload: Workload, cost_model: str, seed: int, time_limit_s: float | None,
                   config: SearchConfig | MemeticConfig | None, algorithm: str,
                   stages: list[tuple[int, int]] | None, slot_cost: np.ndarray | None = None,
-                  extra_starts: list[tuple[str, np.ndarray]] | None = None
+                  extra_starts: list[tuple[str, np.ndarray]] | None = None,
+                  compression: CompressionSpace | None = None
                   ) -> tuple[np.ndarray, list[tuple[int, int]], SearchResult, float, SplitCost | None]:
     """The search proper for a workload with S and D set: (matrix, layer split, result, bound, split model).
 
     ``stages`` fixes the layer split; otherwise the ``full`` model chooses a split per layout (uneven) and the
-    ``dtfm`` model keeps the even one (its G is the model spread evenly).
+    ``dtfm`` model keeps the even one (its G is the model spread evenly). ``compression`` (``full`` only): each
+    layout is priced with its cheapest feasible compression choice (:mod:`scheduler.compression`); the layer
+    split is then fixed (given or even).
     """
     n_st, n_rep = workload.stages, workload.replicas
     assert n_st is not None and n_rep is not None
-    uneven = stages is None and cost_model == "full"
+    uneven = stages is None and cost_model == "full" and compression is None
     layer_split = stages or even_stages(workload.n_layers, n_st)
     mem_bad = memory_violations(cluster, workload, layer_split, strict=not uneven)
     split: SplitCost | None = None
@@ -138,7 +143,10 @@ def search_layout(cluster: Cluster, workload: Workload, cost_model: str, seed: i
     else:
         link = cluster.transfer_s(workload.activation_bytes())
         group_cost = link + link.T
-        if uneven:
+        if compression is not None:
+            obj = CallableObjective(CompressedCost(cluster, workload, layer_split, compression), n_st, n_rep,
+                                    mem_bad if mem_bad.any() else None, slot_cost)
+        elif uneven:
             split = SplitCost(cluster, workload, n_st)
             obj = CallableObjective(split, n_st, n_rep, None, slot_cost)
         else:
@@ -146,6 +154,8 @@ def search_layout(cluster: Cluster, workload: Workload, cost_model: str, seed: i
                                     mem_bad if mem_bad.any() else None, slot_cost)
     bound = lower_bound(cluster, workload, n_st, n_rep, cost_model,
                         pairs if cost_model == "dtfm" else None)
+    if compression is not None:  # the bound is of uncompressed steps: compressed ones may beat it
+        bound = 0.0
     starts = list(extra_starts or []) + seeds(link, n_st, n_rep)
     if algorithm == "ils":
         cfg = config if isinstance(config, SearchConfig) else SearchConfig()
@@ -169,15 +179,21 @@ def search_layout(cluster: Cluster, workload: Workload, cost_model: str, seed: i
 
 def plan(cluster: Cluster, workload: Workload, cost_model: str = "full", seed: int = 0,
          time_limit_s: float | None = None, config: SearchConfig | MemeticConfig | None = None,
-         algorithm: str | None = None, stages: list[tuple[int, int]] | None = None) -> Plan:
+         algorithm: str | None = None, stages: list[tuple[int, int]] | None = None,
+         compression: CompressionSpace | None = None) -> Plan:
     """Place every (replica, stage) tasklet on a device; see ``docs/scheduler.md``.
 
     ``algorithm``: ``"memetic"`` (default) or ``"ils"`` (the previous iterated local search; also chosen when
     ``config`` is a :class:`SearchConfig`). ``stages`` fixes the layer ranges (a run keeps its split after the
     first plan); otherwise the ``full`` model picks an uneven split per layout inside the search.
+    ``compression``: choose per-boundary activation compression and the data-parallel sync (period, pseudo-
+    gradient encoding) together with the placement, under the space's loss-penalty limit (``full`` only); the
+    choice is ``plan.predicted["choice"]`` and the prediction is of a step under it.
     """
     if cost_model not in COST_MODELS:
         raise PlanningError("cost_model", f"must be one of {', '.join(COST_MODELS)}, got {cost_model!r}")
+    if compression is not None and cost_model != "full":
+        raise PlanningError("cost_model", "compression choices need the 'full' cost model")
     if algorithm is None:
         algorithm = "ils" if isinstance(config, SearchConfig) else "memetic"
     if algorithm not in ALGORITHMS:
@@ -198,13 +214,18 @@ def plan(cluster: Cluster, workload: Workload, cost_model: str = "full", seed: i
                             f"scenario has {cluster.n}")
     cpu0 = time.process_time()
     m, layer_split, res, bound, _ = search_layout(cluster, workload, cost_model, seed, time_limit_s, config,
-                                                  algorithm, stages)
+                                                  algorithm, stages, compression=compression)
     cpu = time.process_time() - cpu0
     if not fits_memory(cluster, workload, layer_split, m):
         raise PlanningError("memory_gb", "no placement puts every stage on a device that can hold it")
     out = Plan(stages=layer_split, pipelines=m.tolist())
     out.validate(cluster.n, workload.n_layers)
-    out.predicted = predict(cluster, workload, out, cost_model)
+    if compression is not None:
+        choice = refine(cluster, workload, out, CompressedCost(cluster, workload, layer_split, compression).best(m)[1],
+                        compression)
+        out.predicted = compression_predict(cluster, workload, out, choice, compression.penalties)
+    else:
+        out.predicted = predict(cluster, workload, out, cost_model)
     total = float(out.predicted["total_s"])
     out.search = {"algorithm": "tasklet-memetic" if algorithm == "memetic" else "tasklet-ils",
                   "seconds": round(res.seconds, 4), "cpu_seconds": round(cpu, 4),

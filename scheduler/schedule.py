@@ -47,8 +47,11 @@ def stage_flops(workload: Workload, stages: list[tuple[int, int]]) -> np.ndarray
     return np.array([workload.stage_forward_flops(a, b) for a, b in stages])
 
 
-def sync_times(cluster: Cluster, workload: Workload, stages: list[tuple[int, int]], m: np.ndarray) -> np.ndarray:
+def sync_times(cluster: Cluster, workload: Workload, stages: list[tuple[int, int]], m: np.ndarray,
+               bytes_factor: float = 1.0) -> np.ndarray:
     """Per stage: 2 phases x max over ordered member pairs of (delay + 8 (P_s / D) / bw).
+
+    ``bytes_factor`` scales the bytes sent (a compressed pseudo-gradient, :mod:`scheduler.compression`).
 
     Reduce-scatter then all-gather: in each phase every member sends a 1/D shard of the stage gradient to
     every other member at once, over independent links, so a phase lasts as long as its slowest pair.
@@ -59,7 +62,7 @@ def sync_times(cluster: Cluster, workload: Workload, stages: list[tuple[int, int
         return out
     for s, (a, b) in enumerate(stages):
         g = m[:, s]
-        shard = workload.stage_param_bytes(a, b) / d
+        shard = bytes_factor * workload.stage_param_bytes(a, b) / d
         t = cluster.delay_s[np.ix_(g, g)] + 8.0 * shard / cluster.bandwidth_bps[np.ix_(g, g)]
         np.fill_diagonal(t, 0.0)
         out[s] = 2.0 * t.max()

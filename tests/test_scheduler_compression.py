@@ -1,0 +1,147 @@
+"""The scheduler chooses compression and sync period with the placement (scheduler/compression.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from scheduler import Cluster, Plan, Workload, cost_full
+from scheduler.api import plan
+from scheduler.compression import (
+    EXACT,
+    Choice,
+    CompressedCost,
+    CompressionSpace,
+    PenaltyTable,
+    SyncOption,
+    bytes_per_element,
+    bytes_per_step,
+    predict,
+)
+from scheduler.errors import PlanningError
+from scheduler.memetic import MemeticConfig
+
+QUICK = MemeticConfig(generations=4, max_evaluations=400, population=2)  # 4 devices: a tiny search space
+
+PENALTIES = PenaltyTable(
+    activation={"fp16": 0.0005, "int8": 0.002, "int4": 0.008, "int2": 0.05},
+    sync={"diloco-H8-none": 0.004, "diloco-H8-int8": 0.005, "diloco-H8-topk": 0.012,
+          "diloco-H32-none": 0.015, "diloco-H32-int8": 0.016, "diloco-H32-topk": 0.03},
+)
+
+
+def uniform_cluster(n: int, gbps: float, delay_ms: float = 1.0) -> Cluster:
+    delay = [[0.0 if i == j else delay_ms for j in range(n)] for i in range(n)]
+    bw = [[gbps] * n for _ in range(n)]
+    return Cluster.from_dict({"devices": n, "matrix_level": "device", "delay_ms": delay, "bandwidth_gbps": bw,
+                              "tflops": [20.0] * n, "memory_gb": [80.0] * n})
+
+
+def workload() -> Workload:
+    return Workload.gpt(n_layers=8, d_model=1024, n_heads=8, seq_len=512, vocab=32000, micro_batch=4,
+                        n_microbatches=8, stages=2, replicas=2)
+
+
+def test_slow_links_get_a_compressing_plan_fast_links_the_exact_one() -> None:
+    space = CompressionSpace(PENALTIES, max_loss_penalty=0.02)
+    slow = plan(uniform_cluster(4, 0.05), workload(), compression=space, seed=0, config=QUICK)
+    choice = slow.predicted["choice"]
+    assert choice["activation"] != ["none"] and choice["sync"] != "exact", choice
+    assert slow.predicted["loss_penalty"] <= 0.02
+    exact_same = predict(uniform_cluster(4, 0.05), workload(), slow, Choice.exact(2))
+    assert slow.predicted["total_s"] < exact_same["total_s"] / 3
+    assert slow.predicted["bytes_per_step"]["total"] < exact_same["bytes_per_step"]["total"] / 10
+
+    # NVLink-class links: the sync costs under 1 % of the step (min_gain), so nothing is worth its penalty
+    fast = plan(uniform_cluster(4, 1600.0, delay_ms=0.005), workload(), compression=space, seed=0, config=QUICK)
+    assert fast.predicted["choice"]["activation"] == ["none"]
+    assert fast.predicted["choice"]["sync"] == "exact"
+    assert fast.predicted["loss_penalty"] == 0.0
+
+
+@pytest.mark.parametrize("limit", [0.0, 0.001, 0.006, 0.02, 0.05])
+def test_the_penalty_limit_is_respected(limit: float) -> None:
+    space = CompressionSpace(PENALTIES, max_loss_penalty=limit)
+    p = plan(uniform_cluster(4, 0.02), workload(), compression=space, seed=1, config=QUICK)
+    assert p.predicted["loss_penalty"] <= limit + 1e-12
+    if limit == 0.0:
+        assert p.predicted["choice"]["sync"] == "exact" and p.predicted["choice"]["activation"] == ["none"]
+    if limit == 0.05:  # room for more compression: at least as fast as under a tighter limit
+        tighter = plan(uniform_cluster(4, 0.02), workload(), compression=CompressionSpace(PENALTIES, 0.006),
+                       seed=1, config=QUICK)
+        assert p.predicted["total_s"] <= tighter.predicted["total_s"] * (1 + 1e-9)
+
+
+def test_unmeasured_options_are_never_chosen() -> None:
+    table = PenaltyTable(activation={"int8": 0.001}, sync={"diloco-H8-int8": 0.001})
+    p = plan(uniform_cluster(4, 0.01), workload(), compression=CompressionSpace(table, 0.5), seed=0,
+             config=QUICK)
+    assert set(p.predicted["choice"]["activation"]) <= {"none", "int8"}
+    assert p.predicted["choice"]["sync"] in ("exact", "diloco-H8-int8")
+    assert p.predicted["choice"]["sync"] == "diloco-H8-int8"  # the slow links make it worth it
+
+
+def test_exact_choice_is_the_plain_full_model() -> None:
+    c, w = uniform_cluster(4, 1.0), workload()
+    p = Plan([(0, 4), (4, 8)], [[0, 1], [2, 3]])
+    got = predict(c, w, p, Choice.exact(2))
+    assert got["total_s"] == pytest.approx(cost_full.predict(c, w, p)["total_s"], rel=1e-12)
+
+
+def test_sync_period_amortises_the_compressed_dp_term() -> None:
+    c, w = uniform_cluster(4, 0.1), workload()
+    p = Plan([(0, 4), (4, 8)], [[0, 1], [2, 3]])
+    exact = predict(c, w, p, Choice.exact(2))
+    for comp in ("none", "int8", "topk"):
+        h8 = predict(c, w, p, Choice(("none",), SyncOption(8, comp)))
+        assert h8["pipeline_s"] == pytest.approx(exact["pipeline_s"])
+        # per stage 2 (delay + 8 f P_s / (D bw)) / H
+        f = bytes_per_element(comp, 4) / 4
+        want = max(2 * (0.001 + 8 * f * w.stage_param_bytes(a, b) / 2 / 0.1e9) / 8 for a, b in p.stages)
+        assert h8["dp_s"] == pytest.approx(want)
+    # activation bytes per boundary follow the codec's bytes per element
+    int4 = predict(c, w, p, Choice(("int4",), EXACT))
+    elems = w.micro_batch * w.seq_len * w.d_model
+    assert int4["bytes_per_step"]["pipeline"] == pytest.approx(2 * 8 * elems * (0.5 + 4 / 64))
+    assert int4["pipeline_s"] < exact["pipeline_s"]
+
+
+def test_uniform_search_objective_matches_the_prediction_of_its_choice() -> None:
+    c, w = uniform_cluster(4, 0.05), workload()
+    stages = [(0, 4), (4, 8)]
+    cost = CompressedCost(c, w, stages, CompressionSpace(PENALTIES, 0.02))
+    m = np.array([[0, 1], [2, 3]])
+    total, choice = cost.best(m)
+    assert total == pytest.approx(predict(c, w, Plan(stages, m.tolist()), choice)["total_s"], rel=1e-9)
+
+
+def test_bytes_per_step_counts_both_phases() -> None:
+    w = workload()
+    p = Plan([(0, 4), (4, 8)], [[0, 1], [2, 3]])
+    b = bytes_per_step(w, p, Choice.exact(2))
+    assert b["sync"] == pytest.approx(2 * 1 * w.total_params * 4)
+    b32 = bytes_per_step(w, p, Choice(("none",), SyncOption(32, "topk")))
+    assert b32["sync"] == pytest.approx(b["sync"] / 32 / 32)
+
+
+def test_bad_inputs_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(PlanningError):
+        SyncOption(1, "int8")
+    with pytest.raises(PlanningError):
+        SyncOption(0)
+    with pytest.raises(PlanningError):
+        SyncOption.parse("diloco-8-int8")
+    assert SyncOption.parse("diloco-H32-topk") == SyncOption(32, "topk")
+    with pytest.raises(PlanningError):
+        CompressionSpace(PENALTIES, max_loss_penalty=-1)
+    with pytest.raises(PlanningError):
+        PenaltyTable(activation={"int4": float("nan")}, sync={})
+    bad = tmp_path / "p.json"
+    bad.write_text("{")
+    with pytest.raises(PlanningError):
+        PenaltyTable.load(bad)
+    with pytest.raises(PlanningError):
+        plan(uniform_cluster(4, 1.0), workload(), cost_model="dtfm", compression=CompressionSpace(PENALTIES))
+
