@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import statistics
 import sys
 import time
 from typing import Any
@@ -103,14 +104,20 @@ def main(argv: list[str] | None = None) -> int:
                                    SPEC.n_microbatches, SPEC.micro_batch)
     out: dict[str, Any] = {}
     details: dict[str, Any] = {}
+    worst: dict[str, float] = {}
+    median_no = 0.0
     for name, straggler, initial in (("no_straggler", False, WITH_ALL), ("with_straggler", True, WITH_ALL),
                                      ("straggler_excluded", True, WITHOUT_STRAGGLER)):
         result, walls, swarm = run(straggler, initial, args.steps)
         out[f"step_s_{name}"] = round(sum(walls) / len(walls), 3)
+        worst[name] = max(walls)
+        if name == "no_straggler":
+            median_no = statistics.median(walls)
         events = swarm.driver.events if swarm.driver else None
         details[name] = {
             "speculated": sum(r.speculated for r in result.reports),
             "speculation_won": sum(r.speculation_won for r in result.reports),
+            "requeued": sum(r.requeued for r in result.reports),
             "stragglers_reported": [] if events is None else [e["step"] for e in events.stragglers],
             "replans": [] if events is None else [e["reason"] for e in events.replans],
             "max_param_rel_diff": max_rel_diff(result, reference),
@@ -118,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         }
     out["slowdown_with_straggler_pct"] = round(100 * (out["step_s_with_straggler"] / out["step_s_no_straggler"] - 1),
                                                1)
+    out["worst_step_s_no_straggler"] = round(worst["no_straggler"], 3)
+    out["worst_step_s_with_straggler"] = round(worst["with_straggler"], 3)
+    out["worst_step_slowdown_pct"] = round(100 * (worst["with_straggler"] / median_no - 1), 1)
     out["details"] = details
     if args.json:
         print(json.dumps(out))

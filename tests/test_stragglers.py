@@ -15,6 +15,7 @@ from peer.compute.model import ModelConfig
 from peer.compute.reference import train_reference
 from peer.compute.stage import StageCompute, StageComputeConfig
 from peer.runtime.driver import ExpiringBans
+from peer.runtime.pool import CommitResult, TaskPool
 
 STEPS = 3
 
@@ -79,3 +80,32 @@ def test_a_speculative_copy_enters_the_sum_only_when_the_reduce_gives_it_to_this
     assert lost.accumulated() == {0, 1}, "a copy the original beat is discarded"
     assert only_two.accumulated() == {2}
     assert not torch.equal(lost.accumulated_grad(), plain.accumulated_grad())
+
+
+def test_a_slow_pipeline_gets_only_what_it_finishes_before_the_others_and_is_measured() -> None:
+    now = [0.0]
+    pool = TaskPool(step=1, n_microbatches=8, lease_timeout_s=100.0, clock=lambda: now[0], service_s={0: 1.0, 1: 0.2})
+    assert pool.lease(0) == 0, "one micro-batch: done in 1 s, before the other drains 7 at 0.2 s each (1.4 s)"
+    assert pool.lease(0) is None, "a second would end at 2 s: the fast pipeline takes it"
+    assert pool.paced == 1
+    assert [pool.lease(1), pool.lease(1)] == [1, 2]
+    now[0] = 0.2
+    assert pool.commit(1, 1) is CommitResult.COMMITTED
+    now[0] = 0.4
+    assert pool.commit(2, 1) is CommitResult.COMMITTED
+    now[0] = 1.0
+    assert pool.commit(0, 0) is CommitResult.COMMITTED
+    measured = pool.measured_service_s()
+    assert measured[0] == pytest.approx(1.0) and measured[1] == pytest.approx(0.2), "busy time over commits"
+    # the fast pipeline gone: the slow one is served again, whatever it measured
+    pool.fail_pipeline(1)
+    assert pool.lease(0) is not None
+    # no measurement: everyone is served as before
+    plain = TaskPool(step=0, n_microbatches=4)
+    assert [plain.lease(0), plain.lease(0), plain.lease(0)] == [0, 1, 2]
+
+
+def test_balanced_pipelines_are_not_paced() -> None:
+    pool = TaskPool(step=1, n_microbatches=8, service_s={0: 0.22, 1: 0.2})
+    leased = [pool.lease(p) for p in (0, 1, 0, 1)]  # window 2 each, as the feeders do
+    assert leased == [0, 1, 2, 3] and pool.paced == 0

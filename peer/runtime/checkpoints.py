@@ -31,6 +31,8 @@ import json
 import logging
 import os
 import shutil
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,7 +126,6 @@ class CheckpointStore:
         for name in files:
             _check_name(name)
         self.root.mkdir(parents=True, exist_ok=True)
-        final = self.root / step_name(step)
         tmp = self.root / f".tmp-{step_name(step)}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
@@ -132,6 +133,12 @@ class CheckpointStore:
         for name, data in sorted(files.items()):
             manifest["files"][name] = {"sha256": write_file_durably(tmp / name, data), "size": len(data)}
         write_file_durably(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+        return self.install(tmp, step)
+
+    def install(self, tmp: Path, step: int) -> Path:
+        """Rename a complete, fsynced folder (files and manifest) into place as the checkpoint of ``step``,
+        point ``latest`` at it and prune; return its folder."""
+        final = self.root / step_name(step)
         fsync_dir(tmp)
         if final.exists():  # a re-write of the same step (e.g. on exit right after a periodic one)
             shutil.rmtree(final)
@@ -203,6 +210,32 @@ class CheckpointStore:
             out[name] = data
         return out
 
+    def verify(self, step: int) -> None:
+        """Check every file of a checkpoint against its manifest, streaming (no file is held in memory);
+        raises CheckpointDamagedError."""
+        folder = self.root / step_name(step)
+        try:
+            listed = _parse_manifest((folder / MANIFEST).read_bytes(), step)
+        except (OSError, CheckpointError) as exc:
+            raise CheckpointDamagedError(f"{folder}: no readable manifest ({exc})") from None
+        for name, entry in listed.items():
+            path = folder / name
+            if not path.is_file() or path.stat().st_size != entry["size"] or sha256_of(path) != entry["sha256"]:
+                raise CheckpointDamagedError(f"{folder}: {name} is missing, short or does not match its checksum")
+
+    def newest_intact(self) -> int | None:
+        """The step of the newest checkpoint whose files match their manifest (checked streaming, not loaded)."""
+        pointed = self.pointed()
+        candidates = sorted(set(self.steps()) | ({pointed} if pointed is not None else set()), reverse=True)
+        for step in candidates:
+            try:
+                self.verify(step)
+            except CheckpointDamagedError as exc:
+                log.warning("checkpoint copy of step %d is damaged (%s)", step, exc)
+                continue
+            return step
+        return None
+
     def load(self, step: int) -> Checkpoint:
         """A verified checkpoint; raises CheckpointDamagedError."""
         files = self.read_files(step)
@@ -257,37 +290,238 @@ def _torch_load(data: bytes) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------- replication
-# A checkpoint travels between peers as one Envelope of Kind CHECKPOINT: every file (manifest included) as a
-# uint8 tensor named after it, meta["step"]. The receiver stores it through write_files, then verifies it like
-# any checkpoint on its own disk (load); a copy that does not verify is removed and refused.
+# A checkpoint travels between peers in parts, each an Envelope of Kind CHECKPOINT of at most COPY_CHUNK_BYTES of
+# file data, so a checkpoint of any size fits every per-Kind bound (a whole 1 GiB+ checkpoint in one Envelope did
+# not). Pushed by the leader (meta["part"]):
+#   "begin"  the manifest (one uint8 tensor named manifest.json): names, sizes, sha256 of every file. The receiver
+#            checks it against its bound and its free disk, and opens a staging folder.
+#   "data"   meta["file"], meta["offset"]: the next bytes of one file, in order; hashed as they are written.
+#   "end"    every file must be complete and match its checksum; the folder is then installed like a checkpoint
+#            written locally (fsync, rename, ``latest``, prune). A short or damaged copy is refused and removed.
+# Fetched by a new leader (FetchRequest meta): "probe" (which step), "manifest" (the manifest of that step), and
+# "file"/"offset"/"length"/"step" (a range of one file); the fetcher checks sizes and checksums against the
+# manifest before it uses the copy (fetch_copy_files).
 MAX_FILES = 1024
-UNKNOWN_MODEL_COPY_BYTES = 1 << 30  # as large as any Envelope a peer reassembles (peer.net.config)
+COPY_CHUNK_BYTES = 16 << 20  # file bytes per part; a receiver accepts parts of at most this (+ envelope slack)
+COPY_PART_SLACK_BYTES = 64 * 1024  # an Envelope's key, names and meta on top of its data
+MANIFEST_MAX_BYTES = 1 << 20
+UNKNOWN_MODEL_COPY_BYTES = 1 << 40  # no size from the model (Hugging Face config): only the free disk bounds it
+DISK_HEADROOM_BYTES = 256 << 20  # a copy must leave this much of the receiver's disk free
 
 
-def files_envelope(run_id: str, epoch: int, step: int, files: dict[str, bytes]) -> pb.Envelope:
+def copy_part_bound_bytes() -> int:
+    """The largest CHECKPOINT Envelope a worker accepts: one part (see above)."""
+    return COPY_CHUNK_BYTES + COPY_PART_SLACK_BYTES
+
+
+def _part_envelope(run_id: str, epoch: int, step: int, part: str, name: str = "", data: bytes = b"",
+                   **meta: int | str) -> pb.Envelope:
     env = pb.Envelope(kind=pb.CHECKPOINT, key=pb.Key(run_id=run_id, epoch=epoch, step=step))
-    env.meta["step"] = str(step)
-    for name, data in sorted(files.items()):
+    env.meta["step"], env.meta["part"] = str(step), part
+    for key, value in meta.items():
+        env.meta[key] = str(value)
+    if name:
         env.tensors.append(pb.Tensor(name=name, dtype="uint8", shape=[len(data)], data=data))
     return env
 
 
-def files_from_envelope(env: pb.Envelope) -> tuple[int, dict[str, bytes]]:
-    """The step and files of a CHECKPOINT envelope; names checked, nothing else trusted yet."""
-    try:
-        step = int(env.meta.get("step", ""))
-    except ValueError:
-        raise CheckpointError("a checkpoint copy without a step") from None
-    if not 0 <= step < 10**12 or len(env.tensors) > MAX_FILES:
-        raise CheckpointError(f"a checkpoint copy of step {step} with {len(env.tensors)} files")
-    files: dict[str, bytes] = {}
-    for t in env.tensors:
-        _check_name(t.name)
-        if t.dtype != "uint8" or list(t.shape) != [len(t.data)] or t.name in files:
-            raise CheckpointError(f"checkpoint file {t.name!r}: not one uint8 vector of its bytes")
-        files[t.name] = t.data
+def copy_parts(run_id: str, epoch: int, step: int, files: dict[str, bytes],
+               chunk_bytes: int | None = None) -> Iterator[pb.Envelope]:
+    """The Envelopes that push a checkpoint (its verified files, manifest included) as a copy, in order."""
+    chunk = chunk_bytes or COPY_CHUNK_BYTES
     if MANIFEST not in files:
-        raise CheckpointError("a checkpoint copy without its manifest")
+        raise CheckpointError("a checkpoint without its manifest cannot be copied")
+    yield _part_envelope(run_id, epoch, step, "begin", MANIFEST, files[MANIFEST])
+    for name, data in sorted(files.items()):
+        if name == MANIFEST:
+            continue
+        for offset in range(0, max(len(data), 1), chunk):
+            yield _part_envelope(run_id, epoch, step, "data", name, data[offset:offset + chunk], file=name,
+                                 offset=offset)
+    yield _part_envelope(run_id, epoch, step, "end")
+
+
+def _parse_manifest(data: bytes, step: int) -> dict[str, dict[str, Any]]:
+    """The files a manifest lists (name -> {size, sha256}), every entry checked; raises CheckpointError."""
+    try:
+        manifest = json.loads(data)
+        listed = manifest["files"]
+        ok = manifest.get("step") == step and isinstance(listed, dict) and RUN_META in listed
+    except (ValueError, KeyError, TypeError, AttributeError):
+        ok = False
+    if not ok or len(data) > MANIFEST_MAX_BYTES or len(listed) > MAX_FILES:
+        raise CheckpointError(f"the manifest of step {step} is malformed or does not describe that step")
+    for name, entry in listed.items():
+        _check_name(name)
+        if name == MANIFEST or not isinstance(entry, dict) or not isinstance(entry.get("size"), int) \
+                or not 0 <= entry["size"] < 1 << 50 or not isinstance(entry.get("sha256"), str):
+            raise CheckpointError(f"manifest entry {name[:70]!r} is malformed")
+    return listed
+
+
+@dataclass
+class _Incoming:
+    """A copy being received: its manifest, staging folder, and the bytes and hash of each file so far."""
+
+    sender: str
+    step: int
+    listed: dict[str, dict[str, Any]]
+    manifest: bytes
+    folder: Path
+    received: dict[str, int] = field(default_factory=dict)
+    hashes: dict[str, Any] = field(default_factory=dict)
+
+
+class CopyReceiver:
+    """A worker's side of pushed copies: one copy in flight at a time (a newer "begin" replaces it), staged on
+    disk part by part so memory stays one part, installed only when complete and verified."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._incoming: _Incoming | None = None
+
+    def receive(self, env: pb.Envelope, store: CheckpointStore, bound_bytes: int) -> int | None:
+        """Take one part; the step when it completed a copy (installed in ``store``), else None. Raises
+        CheckpointError for anything out of order, over the bound, short or damaged (the copy is dropped)."""
+        try:
+            step = int(env.meta.get("step", ""))
+        except ValueError:
+            raise CheckpointError("a checkpoint part without a step") from None
+        part = env.meta.get("part", "")
+        if not 0 <= step < 10**12 or part not in ("begin", "data", "end"):
+            raise CheckpointError(f"a checkpoint part {part[:20]!r} of step {step}")
+        with self._lock:
+            try:
+                if part == "begin":
+                    self._begin(env, step, store, bound_bytes)
+                    return None
+                incoming = self._incoming
+                if incoming is None or incoming.sender != env.sender or incoming.step != step:
+                    raise CheckpointError(f"a {part} part of step {step} without its begin")
+                if part == "data":
+                    self._data(incoming, env)
+                    return None
+                self._end(incoming, store)
+                return step
+            except CheckpointError:
+                self._drop()
+                raise
+
+    def _begin(self, env: pb.Envelope, step: int, store: CheckpointStore, bound_bytes: int) -> None:
+        self._drop()
+        if len(env.tensors) != 1 or env.tensors[0].name != MANIFEST:
+            raise CheckpointError("a begin part carries exactly the manifest")
+        data = bytes(env.tensors[0].data)
+        listed = _parse_manifest(data, step)
+        total = sum(entry["size"] for entry in listed.values())
+        if total > bound_bytes:
+            raise CheckpointError(f"a copy of {total} bytes is over this peer's bound of {bound_bytes}")
+        store.root.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(store.root).free
+        if total + DISK_HEADROOM_BYTES > free:
+            raise CheckpointError(f"a copy of {total} bytes does not fit this peer's free disk ({free} bytes)")
+        folder = store.root / f".tmp-recv-{step_name(step)}-{os.getpid()}"
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+        self._incoming = _Incoming(env.sender, step, listed, data, folder)
+
+    @staticmethod
+    def _data(incoming: _Incoming, env: pb.Envelope) -> None:
+        name = env.meta.get("file", "")
+        try:
+            offset = int(env.meta.get("offset", ""))
+        except ValueError:
+            raise CheckpointError("a data part without an offset") from None
+        if name not in incoming.listed or len(env.tensors) != 1 or env.tensors[0].name != name:
+            raise CheckpointError(f"a data part for {name[:70]!r}, which the manifest does not list")
+        data = env.tensors[0].data
+        have = incoming.received.get(name, 0)
+        if offset != have or have + len(data) > incoming.listed[name]["size"]:
+            raise CheckpointError(f"{name}: bytes {offset}..{offset + len(data)} out of order or past its size")
+        with open(incoming.folder / name, "ab") as f:
+            f.write(data)
+        incoming.hashes.setdefault(name, hashlib.sha256()).update(data)
+        incoming.received[name] = have + len(data)
+
+    @staticmethod
+    def _end(incoming: _Incoming, store: CheckpointStore) -> None:
+        for name, entry in incoming.listed.items():
+            got = incoming.received.get(name, 0)
+            if got != entry["size"]:
+                raise CheckpointError(f"{name}: {got} of its {entry['size']} bytes arrived")
+            digest = incoming.hashes.get(name, hashlib.sha256()).hexdigest()
+            if digest != entry["sha256"]:
+                raise CheckpointError(f"{name} does not match the sender's checksum")
+            path = incoming.folder / name
+            path.touch()
+            with open(path, "rb+") as f:
+                os.fsync(f.fileno())
+        write_file_durably(incoming.folder / MANIFEST, incoming.manifest)
+        store.install(incoming.folder, incoming.step)
+
+    def _drop(self) -> None:
+        if self._incoming is not None:
+            shutil.rmtree(self._incoming.folder, ignore_errors=True)
+            self._incoming = None
+
+
+def serve_copy(store: CheckpointStore, run_id: str, epoch: int, meta: Mapping[str, str]) -> pb.Envelope:
+    """A worker's answer to a new leader's CHECKPOINT fetch (see the section comment); raises CheckpointError."""
+    if "file" not in meta:
+        step = store.newest_intact()
+        if step is None:
+            raise CheckpointError(f"this peer holds no intact checkpoint copy of run {run_id!r}")
+        if meta.get("manifest") == "1":
+            return _part_envelope(run_id, epoch, step, "manifest", MANIFEST,
+                                  (store.root / step_name(step) / MANIFEST).read_bytes())
+        return _part_envelope(run_id, epoch, step, "probe")
+    name = meta.get("file", "")
+    try:
+        step, offset, length = int(meta.get("step", "")), int(meta.get("offset", "")), int(meta.get("length", ""))
+    except ValueError:
+        raise CheckpointError("a range fetch needs integer step, offset and length") from None
+    _check_name(name)
+    folder = store.root / step_name(step)
+    listed = _parse_manifest((folder / MANIFEST).read_bytes(), step) if (folder / MANIFEST).is_file() else {}
+    if name not in listed:
+        raise CheckpointError(f"no file {name!r} in a copy of step {step} here")
+    if not 0 <= offset <= listed[name]["size"] or not 0 < length <= COPY_CHUNK_BYTES:
+        raise CheckpointError(f"range {offset}+{length} of {name} is out of bounds")
+    with open(folder / name, "rb") as f:
+        f.seek(offset)
+        data = f.read(min(length, listed[name]["size"] - offset))
+    return _part_envelope(run_id, epoch, step, "data", name, data, file=name, offset=offset)
+
+
+def fetch_copy_files(fetch: Callable[[dict[str, str]], pb.Envelope], bound_bytes: int = UNKNOWN_MODEL_COPY_BYTES,
+                     chunk_bytes: int | None = None) -> tuple[int, dict[str, bytes]]:
+    """A new leader's side: the step and files (manifest included) of the newest copy a peer holds, fetched in
+    ranges of at most ``chunk_bytes``. ``fetch(meta)`` performs one CHECKPOINT fetch. Every file's size and
+    checksum are checked against the manifest; raises CheckpointError (a short or damaged copy)."""
+    chunk = min(chunk_bytes or COPY_CHUNK_BYTES, COPY_CHUNK_BYTES)
+    head = fetch({"manifest": "1"})
+    try:
+        step = int(head.meta.get("step", ""))
+    except ValueError:
+        raise CheckpointError("a manifest answer without a step") from None
+    if len(head.tensors) != 1 or head.tensors[0].name != MANIFEST:
+        raise CheckpointError("a manifest answer without the manifest")
+    manifest = bytes(head.tensors[0].data)
+    listed = _parse_manifest(manifest, step)
+    if sum(entry["size"] for entry in listed.values()) > bound_bytes:
+        raise CheckpointError(f"the copy of step {step} is larger than {bound_bytes} bytes")
+    files = {MANIFEST: manifest}
+    for name, entry in sorted(listed.items()):
+        buf = bytearray()
+        while len(buf) < entry["size"]:
+            part = fetch({"file": name, "step": str(step), "offset": str(len(buf)), "length": str(chunk)})
+            data = part.tensors[0].data if len(part.tensors) == 1 and part.tensors[0].name == name else b""
+            if not data or len(data) > chunk:
+                raise CheckpointError(f"{name}: a range answer of {len(data)} bytes at offset {len(buf)}")
+            buf += data
+        if len(buf) != entry["size"] or hashlib.sha256(buf).hexdigest() != entry["sha256"]:
+            raise CheckpointError(f"{name}: the fetched bytes do not match the manifest")
+        files[name] = bytes(buf)
     return step, files
 
 

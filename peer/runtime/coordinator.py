@@ -49,7 +49,7 @@ from peer.net.endpoint import with_route
 from peer.net.tls import TlsContext, peer_ids, process_tls
 from peer.runtime import control as ctl
 from peer.runtime.bounds import CONTROL_BYTES
-from peer.runtime.checkpoints import files_envelope, files_from_envelope
+from peer.runtime.checkpoints import copy_bound_bytes, copy_parts, fetch_copy_files
 from peer.runtime.grants import sign_grant
 from peer.runtime.pool import CommitResult, TaskPool
 from peer.runtime.spec import Assignment, RunSpec
@@ -175,6 +175,8 @@ class Coordinator:
         self.mb_seconds: deque[float] = deque(maxlen=64)
         self.predicted_mb_s: float | None = None
         self.speculation = True
+        # (epoch, pipeline -> seconds per micro-batch) measured in the last step: paces the next step's leases
+        self.pipeline_service_s: tuple[int, dict[int, float]] = (-1, {})
         self._rtt: dict[str, float] = {}
         self._pings: dict[str, Future[None]] = {}
         self._misses: dict[str, int] = {}
@@ -333,8 +335,9 @@ class Coordinator:
                 raise RuntimeError("assign() the workers first")
             if self._dead:
                 raise ReplanNeededError(f"step {step}: workers died since the plan was made: {sorted(self._dead)}")
+            paced_by = self.pipeline_service_s[1] if self.pipeline_service_s[0] == self.epoch else None
             state = _StepState(pool=TaskPool(step, self.spec.n_microbatches,
-                                             lease_timeout_s=self._lease_timeout_s(timeout_s)))
+                                             lease_timeout_s=self._lease_timeout_s(timeout_s), service_s=paced_by))
             self._state = state
             intact = self._intact(state)
         started = time.monotonic()
@@ -375,6 +378,7 @@ class Coordinator:
         )
         self._check_replicas(state, step, [m for m in members if m not in self.dead], deadline)
         self._catch_up(state, step, [m for m in members if m not in self.dead], deadline)
+        self.pipeline_service_s = (self.epoch, state.pool.measured_service_s())
         seconds = time.monotonic() - started
         losses = [state.losses.get((mb, p), math.nan) for mb, p in sorted(assignment.items())]
         counts: dict[int, int] = {}
@@ -605,7 +609,9 @@ class Coordinator:
         """Send one checkpoint copy (the worker stores and verifies it before it answers)."""
         with self._cond:
             epoch = self.epoch
-        self._client(endpoint).push(files_envelope(self.spec.run_id, epoch, step, files), timeout_s=timeout_s)
+        client = self._client(endpoint)
+        for part in copy_parts(self.spec.run_id, epoch, step, files):  # bounded parts: any size fits the bounds
+            client.push(part, timeout_s=timeout_s)
 
     def checkpoint_step(self, endpoint: str, timeout_s: float = STATUS_TIMEOUT_S) -> int:
         """The step of the newest checkpoint copy ``endpoint`` holds (nothing else is sent)."""
@@ -622,9 +628,9 @@ class Coordinator:
         """The newest checkpoint copy ``endpoint`` holds for this run (files, not yet verified here)."""
         with self._cond:
             epoch = self.epoch
-        env = self._client(endpoint).fetch(pb.CHECKPOINT, make_key(self.spec.run_id, epoch, -1),
-                                           timeout_s=timeout_s)
-        return files_from_envelope(env)
+        client, key = self._client(endpoint), make_key(self.spec.run_id, epoch, -1)
+        return fetch_copy_files(lambda meta: client.fetch(pb.CHECKPOINT, key, meta=meta, timeout_s=timeout_s),
+                                copy_bound_bytes(self.spec.model))
 
     def worker_status(self, endpoint: str, timeout_s: float = STATUS_TIMEOUT_S) -> dict[str, Any]:
         return self._client(endpoint).status(timeout_s=timeout_s)

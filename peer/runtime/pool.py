@@ -27,6 +27,12 @@ Rules, and why:
   original pipeline has that micro-batch in its sum already or soon (stages backward last-first, so it cannot
   be told to keep it apart in time): it is failed like a dead one (``losers()``), its work requeued. When the
   original wins, the copy's commit is a duplicate and its held gradient is discarded at the reduce.
+* Pacing (stragglers). A pipeline gets a free micro-batch only if it would finish it no later than the other
+  pipelines would finish their own work plus every free micro-batch without it (``service_s``: each
+  pipeline's measured seconds per micro-batch, from the previous step of the same plan). A pipeline five times
+  slower than the others takes one micro-batch where it used to take its share, and the step does not wait for
+  it, nor does a speculative copy have to overtake it (which fails its whole share of the step). Without a
+  measurement, or with no other pipeline left, every pipeline is served.
 * The step may synchronise gradients only when ``complete()``: every micro-batch committed. The commit record
   (``assignment()``) tells each stage replica exactly which micro-batches its accumulator must hold, so the
   reduction can verify "each micro-batch once" instead of trusting it.
@@ -72,6 +78,7 @@ class TaskPool:
         n_microbatches: int,
         lease_timeout_s: float = LEASE_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
+        service_s: dict[int, float] | None = None,
     ) -> None:
         if n_microbatches <= 0:
             raise ValueError(f"n_microbatches: must be positive, got {n_microbatches}")
@@ -90,6 +97,11 @@ class TaskPool:
         self.requeued = 0
         self.speculated = 0  # speculative copies handed out
         self.speculation_won = 0  # ... that committed first
+        # pipeline -> measured seconds per micro-batch (previous step); only positive, finite figures count
+        self.service_s = {p: s for p, s in (service_s or {}).items() if 0 < s < float("inf")}
+        self.paced = 0  # lease requests answered "wait" because another pipeline finishes sooner
+        self._first_lease: dict[int, float] = {}
+        self._busy: dict[int, list[tuple[float, float]]] = {}  # pipeline -> (leased, committed) of its commits
 
     # -- leasing -----------------------------------------------------------------------------------------
     def lease(self, pipeline: int, speculate_after_s: float | None = None) -> int | None:
@@ -103,10 +115,28 @@ class TaskPool:
         now = self._clock()
         if not self._free:
             return None if speculate_after_s is None else self._speculate(pipeline, now, speculate_after_s)
+        if self._others_finish_sooner(pipeline):
+            self.paced += 1
+            return None
         mb = min(self._free)
         self._free.remove(mb)
         self._leases[mb] = Lease(mb, pipeline, now + self.lease_timeout_s, at=now)
+        self._first_lease.setdefault(pipeline, now)
         return mb
+
+    def _held(self, pipeline: int) -> int:
+        return sum(1 for lease in (*self._leases.values(), *self._copies.values()) if lease.pipeline == pipeline)
+
+    def _others_finish_sooner(self, pipeline: int) -> bool:
+        """Whether the other pipelines would finish their held work and every free micro-batch before
+        ``pipeline`` finished one more (fluid estimate from ``service_s``; see the module docstring)."""
+        own = self.service_s.get(pipeline)
+        others = {p: s for p, s in self.service_s.items() if p != pipeline and p not in self._failed}
+        if own is None or not others:
+            return False
+        own_finish = (self._held(pipeline) + 1) * own
+        others_finish = (sum(self._held(p) for p in others) + len(self._free)) / sum(1 / s for s in others.values())
+        return own_finish > others_finish
 
     def _speculate(self, pipeline: int, now: float, after_s: float) -> int | None:
         if any(lease.pipeline == pipeline for lease in (*self._leases.values(), *self._copies.values())):
@@ -134,7 +164,8 @@ class TaskPool:
         if pipeline in self._failed:
             return CommitResult.STALE
         if self.is_speculative(microbatch, pipeline):
-            del self._copies[microbatch]
+            copy = self._copies.pop(microbatch)
+            self._busy.setdefault(pipeline, []).append((copy.at, self._clock()))
             original = self._leases.pop(microbatch, None)
             if original is not None:
                 self._losers.add(original.pipeline)
@@ -146,6 +177,7 @@ class TaskPool:
             return CommitResult.STALE
         del self._leases[microbatch]
         self._committed[microbatch] = pipeline
+        self._busy.setdefault(pipeline, []).append((lease.at, self._clock()))
         return CommitResult.COMMITTED
 
     def failed(self) -> set[int]:
@@ -183,6 +215,24 @@ class TaskPool:
         return late
 
     # -- queries -----------------------------------------------------------------------------------------
+    def measured_service_s(self) -> dict[int, float]:
+        """Pipeline -> seconds per micro-batch in this step: the time it held work (the union of its committed
+        micro-batches' lease-to-commit intervals, so waiting for a lease does not count) over its commits. A
+        pipeline that leased but committed nothing gets the time since its first lease (a lower bound). What the
+        next step's pool paces leases by."""
+        now = self._clock()
+        out: dict[int, float] = {}
+        for p, spans in self._busy.items():
+            busy, end = 0.0, -float("inf")
+            for a, b in sorted(spans):
+                busy += max(0.0, b - max(a, end))
+                end = max(end, b)
+            out[p] = max(busy, 1e-6) / len(spans)
+        for p, first in self._first_lease.items():
+            if p not in out:
+                out[p] = max(now - first, 1e-6)
+        return out
+
     def complete(self) -> bool:
         """True when every micro-batch of the step is committed: gradients may be synchronised."""
         return len(self._committed) == self.n_microbatches

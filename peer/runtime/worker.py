@@ -68,10 +68,10 @@ from peer.runtime.bounds import push_limits
 from peer.runtime.checkpoints import (
     CheckpointError,
     CheckpointStore,
+    CopyReceiver,
     copy_bound_bytes,
-    files_envelope,
-    files_from_envelope,
-    store_copy,
+    copy_part_bound_bytes,
+    serve_copy,
 )
 from peer.runtime.control import SPECULATIVE_META
 from peer.runtime.exchange import ExchangeAbortedError, GradientExchange, OutlierContributionError, Tag
@@ -171,6 +171,7 @@ class StageWorker:
         self.server.register_push(pb.PARAM_SHARD, self._on_param_shard)
         self.server.register_fetch(pb.STAGE_STATE, self._on_fetch_state)
         self.checkpoint_copies = checkpoint_copies
+        self._copy_receiver = CopyReceiver()  # checkpoint copies arrive in bounded parts (peer.runtime.checkpoints)
         self.server.register_push(pb.CHECKPOINT, self._on_checkpoint_copy)
         self.server.register_fetch(pb.CHECKPOINT, self._on_fetch_checkpoint)
         self.server.set_status_provider(self.status)
@@ -463,7 +464,7 @@ class StageWorker:
         if kind in (pb.STAGE_ASSIGNMENT, pb.OTHER, pb.CHECKPOINT):
             self._require_controller(caller, f"a {pb.Kind.Name(kind)} message")
             if kind == pb.CHECKPOINT:
-                return 0 if t is None or self.checkpoint_copies is None else copy_bound_bytes(t.spec.model)
+                return 0 if t is None or self.checkpoint_copies is None else copy_part_bound_bytes()
         elif t is not None:
             a, what = t.assignment, f"a {pb.Kind.Name(kind) if kind in pb.Kind.values() else kind} message"
             senders = {pb.ACTIVATION: ([a.prev], "the upstream neighbour"),
@@ -617,23 +618,22 @@ class StageWorker:
         t = self._current()
         if env.key.run_id != t.spec.run_id:
             raise Rejected(f"a checkpoint of run {env.key.run_id!r}; this peer trains {t.spec.run_id!r}")
+        store = self._copies(t.spec.run_id)
         try:
-            step, files = files_from_envelope(env)
-            folder = store_copy(self._copies(t.spec.run_id), step, files)
+            step = self._copy_receiver.receive(env, store, copy_bound_bytes(t.spec.model))
         except CheckpointError as exc:
             raise BadMessage("checkpoint", str(exc)) from None
-        log.info("stored a copy of the leader's checkpoint of step %d in %s", step, folder)
+        if step is not None:
+            log.info("stored a copy of the leader's checkpoint of step %d in %s", step, store.root)
 
     def _on_fetch_checkpoint(self, request: pb.FetchRequest) -> pb.Envelope:
         """The newest copy that verifies, for a (new) leader of the run."""
         self._require_controller(request.sender, "a checkpoint fetch")
-        store = self._copies(request.key.run_id)
-        ckpt = store.newest_valid()
-        if ckpt is None or ckpt.meta.get("run", {}).get("run_id") != request.key.run_id:
-            raise Rejected(f"this peer holds no checkpoint of run {request.key.run_id!r}")
-        if request.meta.get("probe") == "1":  # only which step: a new leader asks everyone, fetches from one
-            return files_envelope(request.key.run_id, request.key.epoch, ckpt.step, {})
-        return files_envelope(request.key.run_id, request.key.epoch, ckpt.step, store.read_files(ckpt.step))
+        store = self._copies(request.key.run_id)  # a folder per run: only this run's copies are there
+        try:  # the step (probe), the manifest, or a bounded range of one file
+            return serve_copy(store, request.key.run_id, request.key.epoch, request.meta)
+        except (CheckpointError, OSError) as exc:
+            raise Rejected(f"checkpoint copy: {exc}") from None
 
     # --------------------------------------------------------------------------------------------- control
     def _on_control(self, env: pb.Envelope) -> None:
