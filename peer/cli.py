@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from peer.config import ConfigError, RunConfig, example_toml, reference_markdown
+from peer.runtime.spec import PSEUDO_GRAD_COMPRESSIONS
 
 DESCRIPTION = """\
 Tasklet peer: train a transformer language model together with other volunteers' GPUs.
@@ -260,6 +261,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-field", default="text", metavar="NAME",
                    help="field of JSONL records / Parquet rows holding the text (default: %(default)s)")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default: %(default)s)")
+    p.add_argument("--sync-period", type=int, default=1, metavar="H",
+                   help="1: exact gradient averaging every step; H > 1: DiLoCo, an outer round every H steps "
+                   "(default: %(default)s)")
+    p.add_argument("--outer-lr", type=_positive_float, default=0.7,
+                   help="DiLoCo outer learning rate (default: %(default)s)")
+    p.add_argument("--outer-momentum", type=float, default=0.9,
+                   help="DiLoCo outer Nesterov momentum, in [0, 1) (default: %(default)s)")
+    p.add_argument("--pseudo-grad-compression", default="none", choices=PSEUDO_GRAD_COMPRESSIONS,
+                   help="DiLoCo pseudo-gradients on the wire (topk: with error feedback) (default: %(default)s)")
 
     p = sub.add_parser(
         "export",
@@ -437,6 +447,10 @@ def cmd_swarm(args: argparse.Namespace) -> int:
         data=args.data,
         text_field=args.text_field,
         seq_len=args.seq_len,
+        sync_period=args.sync_period,
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
+        pseudo_grad_compression=args.pseudo_grad_compression,
     )
     try:
         return run_swarm(opts)

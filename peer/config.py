@@ -19,7 +19,7 @@ from peer.compute.hf.spec import resolve_model_cached
 from peer.compute.model import ModelConfig
 from peer.compute.stage import OptimConfig
 from peer.runtime.checkpoints import DEFAULT_KEEP
-from peer.runtime.spec import COMPRESSIONS, PRECISIONS, RunSpec, SpecError
+from peer.runtime.spec import COMPRESSIONS, PRECISIONS, PSEUDO_GRAD_COMPRESSIONS, RunSpec, SpecError
 from peer.timing import ADVERT_TTL_HEARTBEATS, CHECKPOINT_COPIES, HEARTBEAT_S
 
 
@@ -48,6 +48,12 @@ class RunSection:
     compression: str = _f("none", f"activations on the wire, one of {', '.join(COMPRESSIONS)}")
     grad_outlier_factor: float = _f(10.0, "a replica's gradient above this many times its group's median norm (per "
                                     "micro-batch) is refused and its sender excluded; 0 turns the check off")
+    sync_period: int = _f(1, "data-parallel sync: 1 = exact gradient averaging every step; H > 1 = DiLoCo, each "
+                          "pipeline takes H local AdamW steps, then the replicas average pseudo-gradients")
+    outer_lr: float = _f(0.7, "DiLoCo outer learning rate (Nesterov SGD on the averaged pseudo-gradient)")
+    outer_momentum: float = _f(0.9, "DiLoCo outer Nesterov momentum, in [0, 1)")
+    pseudo_grad_compression: str = _f("none", "DiLoCo pseudo-gradients on the wire, one of "
+                                      f"{', '.join(PSEUDO_GRAD_COMPRESSIONS)} (topk: with error feedback)")
 
 
 @dataclass
@@ -213,6 +219,10 @@ class RunConfig:
             precision=r.precision,
             compression=r.compression,
             grad_outlier_factor=float(r.grad_outlier_factor),
+            sync_period=r.sync_period,
+            outer_lr=float(r.outer_lr),
+            outer_momentum=float(r.outer_momentum),
+            pseudo_grad_compression=r.pseudo_grad_compression,
         )
 
     def validate(self, where: str = "config") -> None:

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from peer.compute.data import Corpus, microbatch
 from peer.compute.model import ModelConfig, build_stage, is_weight_decayed, lm_loss
-from peer.compute.stage import OptimConfig, clip_coefficient
+from peer.compute.stage import OptimConfig, clip_coefficient, shard_bounds
+from protocol.codec import DEFAULT_BLOCK_SIZE, decode_tensor, encode_tensor
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,113 @@ def train_reference(
         losses.append(step_loss / n_microbatches)
         log.debug("reference step %d loss %.6f", step, losses[-1])
     return {n: p.detach().clone() for n, p in model.named_parameters()}, losses
+
+
+def train_diloco_reference(
+    spec: Any,
+    record: Sequence[dict[str, Any]],
+    stages: Sequence[tuple[int, int]],
+    corpus: Corpus | None = None,
+) -> tuple[dict[int, dict[str, torch.Tensor]], list[float]]:
+    """Replay a DiLoCo run in one process; return ``({pipeline: state_dict}, per_step_losses)``.
+
+    ``spec``: a RunSpec (model, optim, seed, micro_batch, corpus, outer_lr, outer_momentum,
+    pseudo_grad_compression are read). ``record``: one entry per inner step, as
+    ``peer.runtime.outer.assignment_record`` writes it — ``commits`` (micro-batch -> pipeline), ``applied``
+    (pipelines that took the step) and ``outer`` (participants of the outer round the step ended, or None).
+    ``stages``: the layer split, which matters for compression (each stage's pseudo-gradient is cut into one
+    shard per participant, as the reduce-scatter does).
+
+    Each pipeline is a whole model with its own ``torch.optim.AdamW``; an inner step is its mean loss over the
+    micro-batches it committed (no step if none). An outer round: per stage and participant, the pseudo-gradient
+    ``anchor - params``, shard by shard through the wire's encode/decode (top-k after adding the pipeline's
+    error-feedback residual), summed in participant order, the sum through the wire again, divided by the
+    participants; then ``torch.optim.SGD(nesterov=True)`` from the anchor, copied into every participant.
+    """
+    model_cfg, optim_cfg, codec = spec.model, spec.optim, spec.pseudo_grad_compression
+    corpus = corpus if corpus is not None else Corpus.load(spec.corpus)
+    pipelines = sorted({p for e in record for p in (*e["applied"], *(e["outer"] or ()))}
+                       | {int(p) for e in record for p in e["commits"].values()})
+    models = {r: model_cfg.build_stage(0, model_cfg.n_layers) for r in pipelines}
+    inner = {r: torch.optim.AdamW(_decay_groups(m, optim_cfg), lr=optim_cfg.lr, betas=optim_cfg.betas,
+                                  eps=optim_cfg.eps) for r, m in models.items()}
+    first = models[pipelines[0]] if pipelines else model_cfg.build_stage(0, model_cfg.n_layers)
+    anchor = {n: torch.nn.Parameter(p.detach().clone()) for n, p in first.named_parameters()}
+    mu = spec.outer_momentum
+    outer = torch.optim.SGD(list(anchor.values()), lr=spec.outer_lr, momentum=mu, nesterov=mu > 0)
+    names = {s: [n for n, _ in model_cfg.stage_shapes(a, b)] for s, (a, b) in enumerate(stages)}
+    residual: dict[tuple[int, int], torch.Tensor] = {}
+    losses: list[float] = []
+    for entry in record:
+        step = int(entry["step"])
+        commits = {int(mb): int(p) for mb, p in entry["commits"].items()}
+        mb_loss: dict[int, float] = {}
+        for r in entry["applied"]:
+            mine = sorted(mb for mb, p in commits.items() if p == r)
+            inner[r].zero_grad(set_to_none=True)
+            for mb in mine:
+                inputs, targets = microbatch(corpus, spec.seed, step, mb, spec.micro_batch, model_cfg.seq_len)
+                loss = lm_loss(models[r](inputs), targets)
+                (loss / len(mine)).backward()
+                mb_loss[mb] = float(loss.detach())
+            if mine:
+                inner[r].step()
+        losses.append(sum(mb_loss[mb] for mb in sorted(commits)) / len(commits))
+        if entry["outer"]:
+            parts = sorted(int(p) for p in entry["outer"])
+            for s in names:
+                params = {r: dict(models[r].named_parameters()) for r in parts}
+                flat_anchor = torch.cat([anchor[n].detach().reshape(-1) for n in names[s]])
+                bounds = shard_bounds(flat_anchor.numel(), len(parts))
+                sums = [torch.empty(0)] * len(parts)
+                for r in parts:
+                    pseudo = flat_anchor - torch.cat([params[r][n].detach().reshape(-1) for n in names[s]])
+                    if codec == "topk":
+                        pseudo = pseudo + residual.get((r, s), torch.zeros_like(pseudo))
+                    sent = torch.cat([_wire(pseudo[lo:hi], codec) for lo, hi in bounds])
+                    if codec == "topk":
+                        residual[(r, s)] = pseudo - sent
+                    for j, (lo, hi) in enumerate(bounds):
+                        sums[j] = sent[lo:hi].clone() if r == parts[0] else sums[j].add_(sent[lo:hi])
+                average = torch.cat([_wire(x, *_gather_codec(codec, x.numel(), len(parts))) for x in sums])
+                average = average / len(parts)
+                offset = 0
+                for n in names[s]:
+                    numel = anchor[n].numel()
+                    anchor[n].grad = average[offset:offset + numel].view(anchor[n].shape).clone()
+                    offset += numel
+            outer.step()
+            for r in parts:
+                with torch.no_grad():
+                    for n, p in models[r].named_parameters():
+                        p.copy_(anchor[n])
+    return {r: {n: p.detach().clone() for n, p in m.named_parameters()} for r, m in models.items()}, losses
+
+
+def _decay_groups(model: torch.nn.Module, optim_cfg: OptimConfig) -> list[dict[str, Any]]:
+    named = list(model.named_parameters())
+    groups = [
+        {"params": [p for n, p in named if is_weight_decayed(n, p)], "weight_decay": optim_cfg.weight_decay},
+        {"params": [p for n, p in named if not is_weight_decayed(n, p)], "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def _wire(x: torch.Tensor, codec: str, block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
+    """What a receiver decodes of ``x`` sent under ``codec`` (the protocol's own encoder and decoder)."""
+    if codec == "none":
+        return x.clone()
+    return decode_tensor(encode_tensor("x", x, codec, block_size=block_size), expect_dtype=torch.float32)
+
+
+def _gather_codec(codec: str, numel: int, n_participants: int) -> tuple[str, int]:
+    """The all-gather's codec of a summed shard: int8 stays int8; a top-k sum (at most n_participants x
+    ceil(numel / block) non-zeros) goes as top-k with a block small enough to keep them all, or uncompressed
+    when that block would be below 2."""
+    if codec != "topk":
+        return codec, DEFAULT_BLOCK_SIZE
+    block = numel // max(1, n_participants * math.ceil(numel / DEFAULT_BLOCK_SIZE)) if numel else 0
+    return ("topk", block) if block >= 2 else ("none", DEFAULT_BLOCK_SIZE)
 
 
 def _full_model(model_cfg: ModelConfig | Any) -> tuple[torch.nn.Module, Callable[[torch.Tensor], torch.Tensor]]:

@@ -388,6 +388,22 @@ class StageCompute:
         self._clear_step_state()
         self.step += 1
 
+    def skip_update(self) -> None:
+        """End a step without an optimizer step (``step += 1``, AdamW untouched).
+
+        A DiLoCo inner step whose pipeline committed no micro-batch (peer.runtime.outer): the pipeline's inner
+        optimizer does not move, exactly as a single-process replay of the same commit record does.
+        """
+        self._clear_step_state()
+        self.step += 1
+
+    def set_params(self, flat: torch.Tensor) -> None:
+        """Replace the fp32 master parameters (an outer optimizer step); AdamW state and ``step`` stay."""
+        self._check_flat(flat, "params")
+        with torch.no_grad():
+            self._master.copy_(flat.to(self.device))
+        self._sync_compute_weights()
+
     def reset_step(self) -> None:
         """Forget everything of the current step (stashes and the accumulated gradient).
 

@@ -57,6 +57,10 @@ class SwarmOptions:
     tokenizer: str = ""
     data: str = "stdlib"
     text_field: str = "text"
+    sync_period: int = 1  # DiLoCo ([run] sync_period etc.): 1 = exact averaging every step
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    pseudo_grad_compression: str = "none"
 
 
 def spread_devices(cluster: Cluster, n: int) -> list[int]:
@@ -88,6 +92,8 @@ def write_config(opts: SwarmOptions, folder: Path, devices: list[int], save_dir:
     cfg.model.config = _absolute(opts.model)  # peers run in other folders: paths must not be relative
     cfg.run.tokenizer, cfg.run.corpus = _absolute(opts.tokenizer), _absolute(opts.data)
     cfg.run.text_field = opts.text_field
+    cfg.run.sync_period, cfg.run.outer_lr = opts.sync_period, opts.outer_lr
+    cfg.run.outer_momentum, cfg.run.pseudo_grad_compression = opts.outer_momentum, opts.pseudo_grad_compression
     cfg.swarm.min_peers, cfg.swarm.stages, cfg.swarm.heartbeat_s = opts.peers, opts.stages, opts.heartbeat_s
     cfg.swarm.save_dir = str(save_dir)
     cfg.emulation.scenario, cfg.emulation.devices = opts.scenario, devices

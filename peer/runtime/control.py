@@ -152,13 +152,15 @@ class DropStep(Message):
 @dataclass(frozen=True)
 class Reduce(Message):
     """Average the step's gradient with ``participants``; ``assignment`` is the pool's commit record
-    (micro-batch -> pipeline), so each replica checks its accumulator holds exactly its pipeline's share."""
+    (micro-batch -> pipeline), so each replica checks its accumulator holds exactly its pipeline's share.
+    ``outer``: average the DiLoCo pseudo-gradients of the round that ``step`` ends instead (peer.runtime.outer)."""
 
     op: ClassVar[Op] = Op.REDUCE
     step: int
     round: int
     participants: tuple[int, ...]
     assignment: dict[int, int] = field(default_factory=dict)
+    outer: bool = False
 
     def to_body(self) -> dict[str, Any]:
         return {
@@ -166,6 +168,7 @@ class Reduce(Message):
             "round": self.round,
             "participants": list(self.participants),
             "assignment": {str(mb): p for mb, p in self.assignment.items()},
+            "outer": self.outer,
         }
 
     @classmethod
@@ -181,19 +184,20 @@ class Reduce(Message):
             if not (isinstance(mb, str) and mb.lstrip("-").isdigit()) or isinstance(p, bool) or not isinstance(p, int):
                 raise BadMessage("meta.body.assignment", f"entry {mb!r}: {p!r} is not micro-batch -> pipeline")
             assignment[int(mb)] = p
-        return cls(_int(body, "step"), _int(body, "round"), tuple(parts), assignment)
+        return cls(_int(body, "step"), _int(body, "round"), tuple(parts), assignment, _bool(body, "outer", False))
 
 
 @dataclass(frozen=True)
 class Apply(Message):
-    """Apply the averaged gradient of ``step`` (idempotent)."""
+    """Apply the averaged gradient of ``step`` (idempotent); ``outer``: the outer step of the round it ends."""
 
     op: ClassVar[Op] = Op.APPLY
     step: int
+    outer: bool = False
 
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> Apply:
-        return cls(_int(body, "step"))
+        return cls(_int(body, "step"), _bool(body, "outer", False))
 
 
 @dataclass(frozen=True)

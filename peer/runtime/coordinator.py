@@ -51,6 +51,7 @@ from peer.runtime import control as ctl
 from peer.runtime.bounds import CONTROL_BYTES
 from peer.runtime.checkpoints import copy_bound_bytes, copy_parts, fetch_copy_files
 from peer.runtime.grants import sign_grant
+from peer.runtime.outer import is_round_end
 from peer.runtime.pool import CommitResult, TaskPool
 from peer.runtime.spec import Assignment, RunSpec
 from peer.runtime.wire import make_key
@@ -95,6 +96,7 @@ class StepPhase(enum.Enum):
     COMPUTE = "compute"
     REDUCE = "reduce"
     APPLY = "apply"
+    OUTER = "outer"  # DiLoCo: averaging the round's pseudo-gradients, then the outer step
 
 
 @dataclass
@@ -109,6 +111,11 @@ class StepReport:
     dropped_pipelines: list[int] = field(default_factory=list)
     speculated: int = 0  # speculative copies of straggling micro-batches handed out
     speculation_won: int = 0  # ... that committed before the original
+    # the replayable record (peer.runtime.outer.assignment_record): the commit record (micro-batch -> pipeline),
+    # the pipelines that applied the step, and the participants of the outer round it ended (DiLoCo) or None
+    commits: dict[int, int] = field(default_factory=dict)
+    applied: list[int] = field(default_factory=list)
+    outer: list[int] | None = None
 
 
 @dataclass
@@ -333,7 +340,9 @@ class Coordinator:
         with self._cond:
             if not self.assignments:
                 raise RuntimeError("assign() the workers first")
-            if self._dead:
+            mid_round = self.spec.sync_period > 1 and step % self.spec.sync_period != 0
+            if self._dead and not (mid_round and self._alive_pipelines()):
+                # DiLoCo mid-round: the pipelines that lost a member sit out the rest of the round (peer.runtime.outer)
                 raise ReplanNeededError(f"step {step}: workers died since the plan was made: {sorted(self._dead)}")
             paced_by = self.pipeline_service_s[1] if self.pipeline_service_s[0] == self.epoch else None
             state = _StepState(pool=TaskPool(step, self.spec.n_microbatches,
@@ -352,6 +361,9 @@ class Coordinator:
                 state.phase, state.round, state.reduced = StepPhase.REDUCE, state.round + 1, set()
                 intact, rnd = self._intact(state), state.round
                 assignment = state.pool.assignment()
+            if self.spec.sync_period > 1:  # DiLoCo inner step: every live pipeline applies its own share (maybe none)
+                with self._cond:
+                    intact = self._alive_pipelines()
             members = self._members(intact)
             self._emit([("reduce", {"step": step, "round": rnd, "participants": intact})])
             self._broadcast(members, ctl.Reduce(step, rnd, tuple(intact), assignment), step)
@@ -376,8 +388,12 @@ class Coordinator:
             f"step {step}: optimizer step",
             allow_failures=True,
         )
-        self._check_replicas(state, step, [m for m in members if m not in self.dead], deadline)
-        self._catch_up(state, step, [m for m in members if m not in self.dead], deadline)
+        outer: list[int] | None = None
+        if self.spec.sync_period == 1:
+            self._check_replicas(state, step, [m for m in members if m not in self.dead], deadline)
+            self._catch_up(state, step, [m for m in members if m not in self.dead], deadline)
+        elif is_round_end(step, self.spec.sync_period):
+            outer = self._outer_round(state, step, deadline)
         self.pipeline_service_s = (self.epoch, state.pool.measured_service_s())
         seconds = time.monotonic() - started
         losses = [state.losses.get((mb, p), math.nan) for mb, p in sorted(assignment.items())]
@@ -385,7 +401,8 @@ class Coordinator:
         for p in assignment.values():
             counts[p] = counts.get(p, 0) + 1
         report = StepReport(step, sum(losses) / len(losses), seconds, counts, state.pool.requeued,
-                            sorted(state.dropped), state.pool.speculated, state.pool.speculation_won)
+                            sorted(state.dropped), state.pool.speculated, state.pool.speculation_won,
+                            dict(assignment), sorted(intact), outer)
         log.info(
             "step %d: loss %.4f in %.3f s (micro-batches per pipeline %s%s)",
             step,
@@ -395,6 +412,49 @@ class Coordinator:
             f", dropped pipelines {sorted(state.dropped)}" if state.dropped else "",
         )
         return report
+
+    def _alive_pipelines(self) -> list[int]:
+        """Pipelines none of whose members is dead (``_cond`` held)."""
+        n_rep = max((a.n_replicas for a in self.assignments.values()), default=0)
+        dead = {a.replica for ep, a in self.assignments.items() if ep in self._dead}
+        return [r for r in range(n_rep) if r not in dead]
+
+    def _outer_round(self, state: _StepState, step: int, deadline: float) -> list[int]:
+        """DiLoCo's outer round after inner step ``step`` (peer.runtime.outer): every live pipeline's replicas
+        average their pseudo-gradients; only when every stage holds its average does anyone take the outer
+        step (two-phase, as an apply). A death during the averaging restarts it without the dead member's
+        pipeline; none left: re-plan. Returns the participants."""
+        while True:
+            with self._cond:
+                participants = self._alive_pipelines()
+                if not participants:
+                    raise ReplanNeededError(f"step {step}: no pipeline left for the outer round")
+                state.phase, state.round, state.reduced = StepPhase.OUTER, state.round + 1, set()
+                rnd = state.round
+            members = self._members(participants)
+            self._emit([("outer", {"step": step, "round": rnd, "participants": participants})])
+            self._broadcast(members, ctl.Reduce(step, rnd, tuple(participants), {}, outer=True), step)
+            expected = set(members)
+            with self._cond:
+                done = self._cond.wait_for(
+                    lambda expected=expected: state.reduced >= expected or bool(state.errors)
+                    or bool(expected & self._dead),
+                    timeout=max(0.0, deadline - time.monotonic()),
+                )
+                if state.errors:
+                    raise StepFailedError(f"step {step}: outer round: {state.errors[0]}")
+                if not done:
+                    raise StepFailedError(f"step {step}: outer round: timed out")
+                if not expected & self._dead:
+                    state.synced, state.hashes = set(), {}
+                    break
+            log.warning("step %d: a member of the outer round died; averaging again without its pipeline", step)
+        self._emit([("apply", {"step": step, "outer": True})])
+        self._broadcast(members, ctl.Apply(step, outer=True), step)
+        self._wait(state, lambda: state.synced >= {m for m in members if m not in self._dead}, deadline,
+                   f"step {step}: outer step", allow_failures=True)
+        self._check_replicas(state, step, [m for m in members if m not in self.dead], deadline)
+        return participants
 
     def _wait(
         self,

@@ -190,7 +190,7 @@ class RunDriver:
         replans = 0
         while self.trained < self.cfg.steps:
             self._check_stopped()
-            if self._membership_changed():
+            if self._at_round_start() and self._membership_changed():
                 self._replan_until_done(reason="membership changed")
             try:
                 report = self.coordinator.run_step(self.trained, timeout_s=self.cfg.step_timeout_s)
@@ -207,11 +207,17 @@ class RunDriver:
             self.reports.append(report)
             if self.on_step:
                 self.on_step(report)
-            if self.trained < self.cfg.steps and self._check_stragglers():
+            if self.trained < self.cfg.steps and self._at_round_start() and self._check_stragglers():
                 self._replan_until_done(reason="straggler")
-            if self.cfg.checkpoint_every and self.trained % self.cfg.checkpoint_every == 0:
+            if self.cfg.checkpoint_every and self.trained % self.cfg.checkpoint_every == 0 and self._at_round_start():
                 self.checkpoint()
         return self.reports
+
+    def _at_round_start(self) -> bool:
+        """DiLoCo (``sync_period > 1``): whether the next step starts an outer round. Re-plans for membership
+        and stragglers, and checkpoints, wait for it: only there do all replicas of a stage agree (in the
+        middle of a round a pipeline that lost a member sits the round out; peer.runtime.outer)."""
+        return self.trained % self.spec.sync_period == 0
 
     def _ban_dead(self) -> None:
         self.banned |= set(self.coordinator.dead)

@@ -135,11 +135,15 @@ class GradientExchange:
                     raise ExchangeTimeoutError(what())
                 self._cond.wait(left)
 
-    def reduce(self, tag: Tag, participants: Sequence[int], n_microbatches: int, timeout_s: float) -> torch.Tensor:
+    def reduce(
+        self, tag: Tag, participants: Sequence[int], n_microbatches: int | None, timeout_s: float
+    ) -> torch.Tensor:
         """Wait for every participant's contribution to my shard; return their sum (participant order).
 
         Raises BadMessage when the union of the contributions' micro-batches is not exactly
         ``0..n_microbatches-1`` with each once: the exactly-once invariant, checked where the sum happens.
+        ``n_microbatches=None``: the contributions are DiLoCo pseudo-gradients (peer.runtime.outer), which carry
+        no micro-batches — each inner step's accounting was checked when it was applied.
         """
         with self._cond:
             rnd = self._round(tag, participants)
@@ -155,7 +159,7 @@ class GradientExchange:
             shard, mbs = rnd.contributions[r]
             seen += mbs
             total = shard.clone() if total is None else total.add_(shard)
-        if sorted(seen) != list(range(n_microbatches)):
+        if n_microbatches is not None and sorted(seen) != list(range(n_microbatches)):
             raise BadMessage(
                 "microbatches",
                 f"round {tag}: contributions cover {sorted(seen)}, expected each "

@@ -13,9 +13,13 @@ from typing import Any
 from peer.compute.hf.spec import HFModelSpec
 from peer.compute.model import ModelConfig
 from peer.compute.stage import OptimConfig
+from protocol.codec import COMPRESSIONS as WIRE_COMPRESSIONS
 
 COMPRESSIONS = ("none", "fp16", "int8", "int4", "int2")  # int4/int2: protocol/lowbit.py
 PRECISIONS = ("fp32", "bf16", "fp16")
+# of DiLoCo pseudo-gradients in the outer round (peer.runtime.outer); "topk" (with error feedback) only where the
+# wire codec has it (protocol.lowbit)
+PSEUDO_GRAD_COMPRESSIONS = ("none", "int8", "topk")
 
 
 class SpecError(ValueError):
@@ -57,6 +61,14 @@ class RunSpec:
     # a replica's gradient more than this many times the median of its group's (per micro-batch) is refused
     # and its sender excluded (peer.runtime.exchange); 0 disables the check
     grad_outlier_factor: float = 10.0
+    # Data-parallel sync (peer.runtime.outer): every ``sync_period`` inner steps, an outer round. 1 = exact
+    # gradient averaging every step. Above 1, DiLoCo: each pipeline steps AdamW on its own micro-batches, and
+    # every sync_period steps the replicas average their pseudo-gradients (round-start minus local parameters,
+    # compressed by ``pseudo_grad_compression``) and apply Nesterov SGD (``outer_lr``, ``outer_momentum``).
+    sync_period: int = 1
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    pseudo_grad_compression: str = "none"
 
     def validate(self) -> RunSpec:
         self.model.validate()
@@ -74,7 +86,23 @@ class RunSpec:
             raise SpecError(f"run.compression: must be one of {COMPRESSIONS}, got {self.compression!r}")
         if not (self.grad_outlier_factor == 0 or self.grad_outlier_factor > 1):
             raise SpecError(f"run.grad_outlier_factor: must be 0 (off) or above 1, got {self.grad_outlier_factor}")
+        self._validate_sync()
         return self
+
+    def _validate_sync(self) -> None:
+        period = self.sync_period
+        if isinstance(period, bool) or not isinstance(period, int) or not 1 <= period <= 1_000_000:
+            raise SpecError(f"run.sync_period: must be an integer in [1, 1000000], got {self.sync_period!r}")
+        if not (self.outer_lr > 0 and math.isfinite(self.outer_lr)):
+            raise SpecError(f"run.outer_lr: must be a positive number, got {self.outer_lr}")
+        if not 0 <= self.outer_momentum < 1:
+            raise SpecError(f"run.outer_momentum: must be in [0, 1), got {self.outer_momentum}")
+        if self.pseudo_grad_compression not in PSEUDO_GRAD_COMPRESSIONS:
+            raise SpecError(f"run.pseudo_grad_compression: must be one of {PSEUDO_GRAD_COMPRESSIONS}, "
+                            f"got {self.pseudo_grad_compression!r}")
+        if self.pseudo_grad_compression not in WIRE_COMPRESSIONS:
+            raise SpecError(f"run.pseudo_grad_compression: {self.pseudo_grad_compression!r} is not in this "
+                            "build's wire codec")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -110,6 +138,10 @@ class RunSpec:
                 precision=d.get("precision", "fp32"),
                 compression=d.get("compression", "none"),
                 grad_outlier_factor=float(d.get("grad_outlier_factor", 10.0)),
+                sync_period=d.get("sync_period", 1),
+                outer_lr=float(d.get("outer_lr", 0.7)),
+                outer_momentum=float(d.get("outer_momentum", 0.9)),
+                pseudo_grad_compression=d.get("pseudo_grad_compression", "none"),
             )
         except TypeError as exc:  # an unknown key inside model/optim
             raise SpecError(f"run: {exc}") from None

@@ -76,12 +76,13 @@ from peer.runtime.checkpoints import (
 from peer.runtime.control import SPECULATIVE_META
 from peer.runtime.exchange import ExchangeAbortedError, GradientExchange, OutlierContributionError, Tag
 from peer.runtime.grants import read_grant
+from peer.runtime.outer import BLOCK_SIZE, OuterState, allgather_codec, is_round_end, roundtrip
 from peer.runtime.roles import Roles
 from peer.runtime.spec import Assignment, RunSpec
 from peer.runtime.wire import body_of, envelope, make_key, tensor_named
 from peer.timing import CONTROL_TIMEOUT_S, REDUCE_WAIT_S, SEND_TIMEOUT_S, WORKER_FETCH_STATE_TIMEOUT_S
 from protocol import tasklet_pb2 as pb
-from protocol.codec import decode_tensor
+from protocol.codec import decode_tensor, encode_tensor
 from protocol.errors import BadMessage, Forbidden, Rejected, TransportError
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,7 @@ class Tasklet:
     links: LinkTable
     corpus: Corpus | None
     roles: Roles
+    outer: OuterState | None = None  # DiLoCo (spec.sync_period > 1): this replica's outer-loop state
 
     def key(self, step: int, mb: int = -1) -> pb.Key:
         a = self.assignment
@@ -186,12 +188,16 @@ class StageWorker:
         self._links_table: dict[str, tuple[float, float]] = {}  # _lock: shaping before any assignment
         self._links = LinkTable(lambda dest: None)  # _lock
         self._clients: dict[str, PeerClient] = {}  # _lock
-        # _lock. layers -> (compute, stage index): the current stage and the one held before the last assignment
-        self._holdings: dict[tuple[int, int], tuple[StageCompute, int]] = {}
+        # _lock. layers -> (compute, stage index, outer state): the current stage and the one held before the last
+        # assignment
+        self._holdings: dict[tuple[int, int], tuple[StageCompute, int, OuterState | None]] = {}
         self.step = -1  # _lock
         self.round = 0  # _lock
         self._dropped = False  # _lock: this pipeline was dropped from the current step
         self._reduced: tuple[int, torch.Tensor] | None = None  # _lock: (step, summed gradient) awaiting "apply"
+        self._local_count = 0  # _lock: DiLoCo inner step: micro-batches this pipeline committed (divides _reduced)
+        # _lock: DiLoCo: (step, averaged pseudo-gradient, top-k residual after sending) awaiting the outer apply
+        self._outer_pending: tuple[int, torch.Tensor, torch.Tensor] | None = None
         self._known: set[int] = set()  # _lock: micro-batches forwarded here this step
         self._grads_seen: set[int] = set()  # _lock: micro-batches whose activation gradient arrived this step
         self._inflight = 0  # _lock: micro-batches leased by the feeder and not yet committed
@@ -206,8 +212,8 @@ class StageWorker:
         self._control_handlers: dict[ctl.Op, Callable[[Tasklet, Any], None]] = {
             ctl.Op.START_STEP: self._on_start_step,
             ctl.Op.DROP_STEP: lambda t, m: self._put(0, _Task(TaskKind.DROP, t, m.step)),
-            ctl.Op.REDUCE: lambda t, m: self._put(0, _Task(TaskKind.REDUCE, t, m.step, (m,))),
-            ctl.Op.APPLY: lambda t, m: self._put(0, _Task(TaskKind.APPLY, t, m.step)),
+            ctl.Op.REDUCE: self._on_reduce,
+            ctl.Op.APPLY: lambda t, m: self._put(0, _Task(TaskKind.APPLY, t, m.step, (m,))),
             ctl.Op.RESYNC: lambda t, m: self._put(0, _Task(TaskKind.RESYNC, t, m.step, (m,))),
         }
         self._task_handlers: dict[TaskKind, Callable[..., None]] = {
@@ -314,6 +320,7 @@ class StageWorker:
                     )
                 compute = old.compute
                 compute.reset_step()
+                outer = old.outer
             else:
                 try:
                     compute = StageCompute(
@@ -328,9 +335,11 @@ class StageWorker:
                     )
                 except ModelSourceError as exc:  # e.g. this peer's checkpoint files differ from the run's
                     raise Rejected(f"cannot build stage {assignment.layers}: {exc}") from None
+                outer = None
                 if source.kind is ctl.SourceKind.FETCH:
                     assert source.endpoint is not None
-                    self._load_from(compute, source.endpoint, spec, assignment, source.step, source.grant)
+                    outer = self._load_from(compute, source.endpoint, spec, assignment, source.step, source.grant)
+            outer = _outer_state(spec, compute, outer)
             if (assignment.is_first or assignment.is_last) and self._corpus is None:
                 try:
                     corpus = load_corpus(spec.corpus, spec.tokenizer, spec.text_field, spec.model)
@@ -352,13 +361,16 @@ class StageWorker:
                 links=LinkTable(lambda dest: links.get(dest)),
                 corpus=self._corpus,
                 roles=roles,
+                outer=outer,
             )
             self.tls.trust.set_group(self._trust_group, assignment.peers.values())
             with self._lock:
-                previous = {} if old is None else {old.assignment.layers: (old.compute, old.assignment.stage)}
-                self._holdings = {**previous, assignment.layers: (compute, assignment.stage)}
+                previous = {} if old is None else {
+                    old.assignment.layers: (old.compute, old.assignment.stage, old.outer)}
+                self._holdings = {**previous, assignment.layers: (compute, assignment.stage, outer)}
                 self._tasklet = tasklet
                 self.step, self.round, self._dropped, self._reduced = -1, 0, False, None
+                self._outer_pending = None
                 self._known, self._grads_seen = set(), set()
                 clients, self._clients = list(self._clients.values()), {}
             for client in clients:
@@ -374,8 +386,10 @@ class StageWorker:
 
     def _load_from(
         self, compute: StageCompute, endpoint: str, spec: RunSpec, a: Assignment, step: int, grant: str = ""
-    ) -> None:
-        """Fetch a stage's state from a live replica (or a checkpoint server) and load it."""
+    ) -> OuterState | None:
+        """Fetch a stage's state from a live replica (or a checkpoint server) and load it; with DiLoCo, also the
+        replica's outer state (round-start parameters, Nesterov buffer) when it has one (a checkpoint has not)."""
+        want_outer = {"outer": "1"} if spec.sync_period > 1 else {}
         roles = Roles.of(a, self.tls)
         self.tls.trust.add(self._trust_group, a.peers.values())  # the source must be trusted to be dialled
         deadline = time.monotonic() + FETCH_STATE_RETRY_S
@@ -385,7 +399,7 @@ class StageWorker:
                 env = client.fetch(
                     pb.STAGE_STATE,
                     make_key(spec.run_id, a.epoch, step, stage=a.stage),
-                    meta={"layers": json.dumps(list(a.layers)), **({"grant": grant} if grant else {})},
+                    meta={"layers": json.dumps(list(a.layers)), **({"grant": grant} if grant else {}), **want_outer},
                     timeout_s=WORKER_FETCH_STATE_TIMEOUT_S,
                 )
                 break
@@ -403,6 +417,12 @@ class StageWorker:
             compute.load_state_dict(state)
         except ValueError as exc:
             raise BadMessage("stage_state", str(exc)) from None
+        if "outer_anchor" not in state or "outer_momentum" not in state:
+            return None
+        for name in ("outer_anchor", "outer_momentum"):
+            if state[name].numel() != compute.numel:
+                raise BadMessage(f"tensors.{name}", f"{state[name].numel()} values for a stage of {compute.numel}")
+        return OuterState.start(state["outer_anchor"], state["outer_momentum"])
 
     def preload_corpus(self, corpus: Corpus) -> None:
         """Use an already loaded corpus (the daemon reads it at start-up to check its fingerprint)."""
@@ -602,8 +622,9 @@ class StageWorker:
             if "grant" not in request.meta:
                 raise
             self._check_grant(request, t, layers)  # type: ignore[arg-type]
-        compute, stage = held
-        return state_envelope(compute.state_dict(), t.spec.run_id, request.key.epoch, stage)
+        compute, stage, outer = held
+        outer = outer if request.meta.get("outer") == "1" else None
+        return state_envelope(compute.state_dict(), t.spec.run_id, request.key.epoch, stage, outer=outer)
 
     # ---------------------------------------------------------------------------------- checkpoint copies
     def _copies(self, run_id: str) -> CheckpointStore:
@@ -670,6 +691,17 @@ class StageWorker:
             threading.Thread(
                 target=self._feed, args=(t, step, rnd), name=f"feeder-{step}.{rnd}", daemon=True
             ).start()
+
+    def _on_reduce(self, t: Tasklet, msg: ctl.Reduce) -> None:
+        """Queue a reduce. An outer round (DiLoCo) may be restarted with fewer participants after a death: its
+        round becomes current here at once, and a compute task still waiting on the abandoned round lets go."""
+        if msg.outer:
+            with self._lock:
+                if msg.step != self.step:
+                    raise Rejected(f"outer round of step {msg.step}, the current step is {self.step}")
+                self.round = max(self.round, msg.round)
+            t.exchange.abort_before((msg.step, msg.round))
+        self._put(0, _Task(TaskKind.REDUCE, t, msg.step, (msg,)))
 
     def _put(self, priority: int, task: _Task) -> None:
         self._tasks.put((priority, next(self._seq), task))
@@ -839,7 +871,13 @@ class StageWorker:
         log.info("pipeline dropped from step %d; its work is discarded", step)
 
     def _do_reduce(self, t: Tasklet, step: int, msg: ctl.Reduce) -> None:
-        """Check exactly-once locally, then reduce-scatter + all-gather with the participants; keep the sum."""
+        """Check exactly-once locally, then reduce-scatter + all-gather with the participants; keep the sum.
+
+        DiLoCo (``t.outer``): an inner step keeps this pipeline's own sum and count instead (no averaging);
+        ``msg.outer`` averages the round's pseudo-gradients (:meth:`_do_outer_reduce`)."""
+        if msg.outer:
+            self._do_outer_reduce(t, step, msg)
+            return
         a, compute, exchange = t.assignment, t.compute, t.exchange
         rnd, participants = msg.round, list(msg.participants)
         expected = sorted(mb for mb, p in msg.assignment.items() if p == a.replica)
@@ -850,6 +888,11 @@ class StageWorker:
                 f"step {step}: accumulator holds micro-batches {mine}, the pool committed "
                 f"{expected} for pipeline {a.replica}"
             )
+        if t.outer is not None:
+            with self._lock:
+                self._reduced, self._local_count = (step, compute.accumulated_grad()), len(expected)
+            self._report(t, ctl.Reduced(step, rnd))
+            return
         tag: Tag = (step, rnd)
         flat = compute.accumulated_grad()
         meta = {"round": str(rnd), "participants": json.dumps(participants)}
@@ -881,19 +924,92 @@ class StageWorker:
             self._reduced = (step, summed)
         self._report(t, ctl.Reduced(step, rnd))
 
-    def _do_apply(self, t: Tasklet, step: int) -> None:
-        """Apply the reduced gradient of ``step`` (idempotent: a repeated apply only re-reports)."""
+    def _do_apply(self, t: Tasklet, step: int, msg: ctl.Apply | None = None) -> None:
+        """Apply the reduced gradient of ``step`` (idempotent: a repeated apply only re-reports). DiLoCo: an inner
+        step divides by the micro-batches this pipeline committed (none: no AdamW step); ``msg.outer`` applies
+        the outer step (:meth:`_do_outer_apply`)."""
+        if msg is not None and msg.outer:
+            self._do_outer_apply(t, step)
+            return
         compute = t.compute
         with self._lock:
-            reduced = self._reduced
+            reduced, count = self._reduced, self._local_count
         if compute.step == step + 1 and reduced is None:
             self._report(t, ctl.Synced(step, compute.step, params_hash(compute)))
             return
         if reduced is None or reduced[0] != step:
             raise RuntimeError(f"apply of step {step}, but no reduced gradient of that step is held")
-        compute.apply_update(reduced[1], t.spec.n_microbatches)
+        if t.outer is None:
+            compute.apply_update(reduced[1], t.spec.n_microbatches)
+        elif count:
+            compute.apply_update(reduced[1], count)
+        else:
+            compute.skip_update()
         with self._lock:
             self._reduced = None
+        self._report(t, ctl.Synced(step, compute.step, params_hash(compute)))
+
+    def _do_outer_reduce(self, t: Tasklet, step: int, msg: ctl.Reduce) -> None:
+        """The outer round after inner step ``step``: reduce-scatter + all-gather of the participants'
+        (compressed) pseudo-gradients; keep their average for the outer apply (peer.runtime.outer)."""
+        a, compute, exchange, outer, spec = t.assignment, t.compute, t.exchange, t.outer, t.spec
+        if outer is None or not is_round_end(step, spec.sync_period):
+            raise RuntimeError(f"step {step} ends no outer round (sync_period {spec.sync_period})")
+        if compute.step != step + 1:
+            raise RuntimeError(f"outer round after step {step}, but this stage has trained {compute.step} steps")
+        rnd, participants = msg.round, list(msg.participants)
+        if a.replica not in participants:
+            raise RuntimeError(f"pipeline {a.replica} is not among the outer round's participants {participants}")
+        shards = [exchange.shard_of(participants, r) for r in participants]
+        sent, residual = outer.contribution(compute.flat_params(), shards, spec.pseudo_grad_compression)
+        tag: Tag = (step, rnd)
+        meta = {"round": str(rnd), "participants": json.dumps(participants)}
+        codec = spec.pseudo_grad_compression
+        for r, (lo, hi) in zip(participants, shards, strict=True):
+            if r == a.replica:
+                exchange.put_contribution(tag, participants, r, roundtrip(sent[lo:hi], codec), [])
+            else:
+                self._send(t, a.group[r], self._shard_envelope(t, pb.GRAD_SHARD, step, sent[lo:hi], codec, meta))
+        try:
+            reduced = exchange.reduce(tag, participants, None, REDUCE_WAIT_S)
+        except OutlierContributionError as exc:
+            log.warning("outer round of step %d: %s", step, exc)
+            for r in exc.replicas:
+                self._report(t, ctl.BadPeer(a.stage, r, t.roles.peer(a.group[r]) or "", str(exc)[:300]))
+            raise
+        codec2, block = allgather_codec(codec, reduced.numel(), len(participants))
+        for r in participants:
+            if r == a.replica:
+                exchange.put_reduced(tag, participants, r, roundtrip(reduced, codec2, block))
+            else:
+                env = self._shard_envelope(t, pb.PARAM_SHARD, step, reduced, codec2, meta, block)
+                self._send(t, a.group[r], env)
+        summed = exchange.gather(tag, participants, REDUCE_WAIT_S)
+        with self._lock:
+            self._outer_pending = (step, summed / len(participants), residual)
+        self._report(t, ctl.Reduced(step, rnd))
+
+    @staticmethod
+    def _shard_envelope(t: Tasklet, kind: int, step: int, x: torch.Tensor, codec: str, meta: dict[str, str],
+                        block: int = BLOCK_SIZE) -> pb.Envelope:
+        env = envelope(kind, t.key(step))
+        env.tensors.append(encode_tensor("grad", x, codec, block_size=block))
+        env.meta.update(meta)
+        return env
+
+    def _do_outer_apply(self, t: Tasklet, step: int) -> None:
+        """The identical Nesterov step from the round's anchor on every replica (idempotent)."""
+        compute, outer, spec = t.compute, t.outer, t.spec
+        with self._lock:
+            pending, self._outer_pending = self._outer_pending, None
+        if outer is None:
+            raise RuntimeError("an outer apply, but this run has no outer loop")
+        if pending is None or pending[0] != step:
+            if compute.step == step + 1 and torch.equal(outer.anchor, compute.flat_params()):
+                self._report(t, ctl.Synced(step, compute.step, params_hash(compute)))  # a repeated apply
+                return
+            raise RuntimeError(f"outer apply of step {step}, but no averaged pseudo-gradient of that step is held")
+        compute.set_params(outer.apply(pending[1], spec.outer_lr, spec.outer_momentum, pending[2]))
         self._report(t, ctl.Synced(step, compute.step, params_hash(compute)))
 
     def _do_resync(self, t: Tasklet, step: int, msg: ctl.Resync) -> None:
@@ -904,7 +1020,9 @@ class StageWorker:
             raise Rejected(f"resync source {msg.source} is not another replica of this stage")
         if compute.step not in (msg.trained_steps, msg.trained_steps - 1):  # -1: its pipeline missed the step
             raise Rejected(f"resync to step {msg.trained_steps}, this stage has trained {compute.step} steps")
-        self._load_from(compute, msg.source, t.spec, a, msg.trained_steps)
+        outer = self._load_from(compute, msg.source, t.spec, a, msg.trained_steps)
+        if t.outer is not None and outer is not None:  # DiLoCo: resyncs happen after an outer step (at an anchor)
+            t.outer.anchor, t.outer.momentum = outer.anchor, outer.momentum
         log.warning("step %d: parameters differed from the group's majority; reloaded from %s", step, msg.source)
         self._report(t, ctl.Synced(step, compute.step, params_hash(compute)))
 
@@ -928,16 +1046,33 @@ def _warm_up() -> None:
         log.debug("warm-up failed", exc_info=True)
 
 
+def _outer_state(spec: RunSpec, compute: StageCompute, fetched: OuterState | None) -> OuterState | None:
+    """A new tasklet's outer-loop state (DiLoCo only). Fetched mid-round from a replica, the tasklet restarts the
+    round's remaining inner steps from the round-start parameters: the replica it took the state from keeps its
+    own inner progress, which must reach the outer average once, not twice."""
+    if spec.sync_period <= 1:
+        return None
+    if fetched is None:
+        return OuterState.start(compute.flat_params())
+    if compute.step % spec.sync_period:
+        compute.set_params(fetched.anchor)
+    return fetched
+
+
 def _plan_order(assignment: Assignment) -> tuple[int, str]:
     """Plans are ordered by (epoch, leader id), as on the plan board (peer.swarm.plans)."""
     return assignment.epoch, assignment.leader
 
 
-def state_envelope(state: dict[str, Any], run_id: str, epoch: int, stage: int, replica: int = -1) -> pb.Envelope:
-    """A STAGE_STATE envelope: flat tensors plus the scalar fields as JSON."""
+def state_envelope(state: dict[str, Any], run_id: str, epoch: int, stage: int, replica: int = -1,
+                   outer: OuterState | None = None) -> pb.Envelope:
+    """A STAGE_STATE envelope: flat tensors plus the scalar fields as JSON (and a DiLoCo replica's anchor and
+    Nesterov buffer when ``outer`` is given)."""
     meta = {k: state[k] for k in ("format", "model", "layers", "step", "adam_step")}
     key = make_key(run_id, epoch, int(state["step"]), stage=stage, replica=replica)
     tensors = {k: state[k] for k in ("params", "exp_avg", "exp_avg_sq")}
+    if outer is not None:
+        tensors.update(outer_anchor=outer.anchor, outer_momentum=outer.momentum)
     return envelope(pb.STAGE_STATE, key, tensors, body=meta)
 
 
@@ -946,6 +1081,9 @@ def state_from_envelope(env: pb.Envelope) -> dict[str, Any]:
     state: dict[str, Any] = dict(body_of(env))
     for name in ("params", "exp_avg", "exp_avg_sq"):
         state[name] = decode_tensor(tensor_named(env, name), expect_dtype=torch.float32)
+    for t in env.tensors:
+        if t.name in ("outer_anchor", "outer_momentum"):
+            state[t.name] = decode_tensor(t, expect_dtype=torch.float32)
     if not isinstance(state.get("step"), int):
         raise BadMessage("meta.body.step", "missing or not an integer")
     return state
