@@ -1,0 +1,402 @@
+"""Bandwidth: time to a target validation loss for exact training, each compression option alone, and the
+scheduler's choice, on the emulated world-wide network (8 peers, one per region of ``worldwide_geo_distributed``).
+
+``python -m bench.bandwidth [--json] [--steps N] [--quick] [--table PATH] [--plot PATH]``
+
+What is real and what is modeled (the 2-core machine cannot run 8 peers with a model big enough for bandwidth
+to matter):
+
+* **Loss against step is real**: a small byte-level GPT (``TrainConfig``) is trained in one process with torch
+  for every option: activation compression at every stage boundary through the wire codec itself (forward:
+  activations, backward: activation gradients; ``protocol.codec`` encode + decode), and DiLoCo (each of the
+  ``replicas`` pipelines trains ``H`` inner AdamW steps on its own micro-batches, then the pseudo-gradients
+  go through the codec (``int8``, or ``topk`` with ``protocol.lowbit.ErrorFeedback`` per pipeline), are
+  averaged and applied by Nesterov SGD). Exact training is gradient averaging every step (one model, every
+  micro-batch of the step). Every option sees the same micro-batches per step.
+* **Time per step is modeled**: the scheduler's ``full`` cost model (``scheduler.compression.predict``) of a
+  1.3B-parameter GPT (24 layers, d 2048, seq 1024; ``BIG``) in 4 stages x 2 pipelines on the 8 world-wide
+  peers (0.34-1.16 Gbit/s, 11-238 ms between regions, 50 TFLOP/s devices), for that option's bytes and compute,
+  on the placement the scheduler chose (so "exact" is exact training on the same placement; exact training on
+  its own best placement is reported too). Wall clock after k steps = k x pipeline time + (syncs so far) x
+  sync time.
+
+The target loss is the validation loss exact training reaches after ``steps`` steps; every other run goes on
+to ``extend x steps`` (stopping once it has reached the target) to find when it gets there. The penalty of an
+option is its relative validation-loss gap to exact training after ``steps`` steps (0 when better); the bench
+writes these to the table the scheduler reads (``scheduler/data/loss_penalties.json`` by default) and then
+asks the scheduler for its choice under a 2 % limit, trains that choice too, and reports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from peer.compute.data import Corpus, microbatch
+from peer.compute.model import ModelConfig, build_stage, is_weight_decayed, lm_loss
+from protocol.codec import decode_tensor, encode_tensor
+from protocol.lowbit import ErrorFeedback
+from scheduler.api import plan as schedule_plan
+from scheduler.cluster import Cluster, load_scenario
+from scheduler.compression import (
+    EXACT,
+    PENALTY_PATH,
+    Choice,
+    CompressionSpace,
+    PenaltyTable,
+    SyncOption,
+    bytes_per_step,
+    predict,
+)
+from scheduler.memetic import MemeticConfig
+from scheduler.plan import Plan, even_stages
+from scheduler.workload import Workload
+
+log = logging.getLogger("bench.bandwidth")
+
+SCENARIO = "worldwide_geo_distributed"
+PEERS = 8
+BIG = Workload.gpt(n_layers=24, d_model=2048, n_heads=16, seq_len=1024, vocab=50257, micro_batch=4,
+                   n_microbatches=16, stages=4, replicas=2)
+ACTIVATIONS = ("fp16", "int8", "int4", "int2")
+SYNCS = tuple(SyncOption(h, c) for h in (8, 32) for c in ("none", "int8", "topk"))
+MAX_LOSS_PENALTY = 0.02
+DEFAULT_PLOT = Path("docs/bandwidth_loss.svg")
+
+
+@dataclass
+class TrainConfig:
+    """The small model whose loss curves stand in for the big one's (see the module doc)."""
+
+    n_layers: int = 4
+    d_model: int = 64
+    n_heads: int = 4
+    seq_len: int = 64
+    micro_batch: int = 8
+    n_microbatches: int = 4  # per step, over all pipelines
+    replicas: int = 2
+    lr: float = 3e-3
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    steps: int = 256
+    extend: float = 1.5
+    eval_every: int = 8
+    eval_batches: int = 8
+    seed: int = 0
+    corpus_bytes: int = 4_000_000
+
+    @property
+    def stages(self) -> list[tuple[int, int]]:
+        return even_stages(self.n_layers, 4 if self.n_layers >= 4 else self.n_layers)
+
+
+QUICK = TrainConfig(n_layers=4, d_model=16, n_heads=2, seq_len=16, micro_batch=2, n_microbatches=4, steps=8,
+                    extend=1.5, eval_every=2, eval_batches=2, corpus_bytes=200_000)
+
+
+@dataclass
+class Curve:
+    name: str
+    steps: list[int] = field(default_factory=list)
+    val: list[float] = field(default_factory=list)
+
+    def at(self, step: int) -> float:
+        """Validation loss at ``step`` (the last evaluation at or before it)."""
+        got = [v for s, v in zip(self.steps, self.val, strict=True) if s <= step]
+        return got[-1] if got else math.inf
+
+    def first_reaching(self, target: float) -> int | None:
+        for s, v in zip(self.steps, self.val, strict=True):
+            if v <= target * (1 + 1e-9):
+                return s
+        return None
+
+
+# ------------------------------------------------------------------------------------- real training
+class _Boundary(torch.autograd.Function):
+    """Identity through the wire codec: activations forward, activation gradients backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, option: str) -> torch.Tensor:  # type: ignore[override]
+        ctx.option = option
+        return _wire(x, option)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return _wire(grad, ctx.option), None
+
+
+def _wire(x: torch.Tensor, option: str) -> torch.Tensor:
+    if option == "none":
+        return x
+    return decode_tensor(encode_tensor("x", x.detach(), option)).view_as(x)
+
+
+class _Pipeline:
+    """One model cut into stages, with a codec on each boundary, and its own inner AdamW."""
+
+    def __init__(self, cfg: TrainConfig, model: ModelConfig, activation: tuple[str, ...]) -> None:
+        self.stages = [build_stage(model, a, b) for a, b in cfg.stages]
+        self.activation = activation
+        params = [(n, p) for st in self.stages for n, p in st.named_parameters()]
+        groups = [{"params": [p for n, p in params if is_weight_decayed(n, p)], "weight_decay": 0.01},
+                  {"params": [p for n, p in params if not is_weight_decayed(n, p)], "weight_decay": 0.0}]
+        self.opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+
+    def params(self) -> list[torch.nn.Parameter]:
+        return [p for st in self.stages for p in st.parameters()]
+
+    def forward(self, ids: torch.Tensor, compress: bool = True) -> torch.Tensor:
+        h = ids
+        for s, st in enumerate(self.stages):
+            if s > 0 and compress:
+                h = _Boundary.apply(h, self.activation[s - 1])
+            h = st(h)
+        return h
+
+
+def _val_loss(pipe: _Pipeline, val: Corpus, cfg: TrainConfig) -> float:
+    with torch.no_grad():
+        losses = [float(lm_loss(pipe.forward(x, compress=False), y))
+                  for x, y in (microbatch(val, 7, 0, i, cfg.micro_batch, cfg.seq_len) for i in range(cfg.eval_batches))]
+    return sum(losses) / len(losses)
+
+
+def train(cfg: TrainConfig, choice: Choice, train_corpus: Corpus, val: Corpus, max_steps: int,
+          stop_below: float | None = None, name: str = "") -> Curve:
+    """Train ``choice`` for up to ``max_steps`` steps; evaluate every ``eval_every`` steps (exact) or at every
+    outer step (DiLoCo: the synchronised model), stopping early once past ``steps`` and below ``stop_below``."""
+    model = ModelConfig(n_layers=cfg.n_layers, d_model=cfg.d_model, n_heads=cfg.n_heads, seq_len=cfg.seq_len,
+                        seed=cfg.seed)
+    sync = choice.sync
+    n_pipes = 1 if sync == EXACT else cfg.replicas
+    pipes = [_Pipeline(cfg, model, choice.activation) for _ in range(n_pipes)]
+    anchor = [p.detach().clone() for p in pipes[0].params()]
+    momentum = [torch.zeros_like(p) for p in anchor]
+    feedback = [ErrorFeedback() for _ in pipes]
+    curve = Curve(name or _label(choice))
+    curve.steps.append(0)
+    curve.val.append(_val_loss(pipes[0], val, cfg))
+    every = cfg.eval_every if sync == EXACT else sync.period
+    for step in range(max_steps):
+        for r, pipe in enumerate(pipes):
+            mine = list(range(r, cfg.n_microbatches, n_pipes))
+            pipe.opt.zero_grad(set_to_none=True)
+            for mb in mine:
+                x, y = microbatch(train_corpus, cfg.seed, step, mb, cfg.micro_batch, cfg.seq_len)
+                (lm_loss(pipe.forward(x), y) / len(mine)).backward()
+            torch.nn.utils.clip_grad_norm_(pipe.params(), 1.0)
+            pipe.opt.step()
+        if sync != EXACT and (step + 1) % sync.period == 0:
+            _outer_step(pipes, anchor, momentum, feedback, sync, cfg)
+        if (step + 1) % every == 0:
+            curve.steps.append(step + 1)
+            curve.val.append(_val_loss(pipes[0], val, cfg))
+            if stop_below is not None and step + 1 >= cfg.steps and curve.val[-1] <= stop_below:
+                break
+    return curve
+
+
+def _outer_step(pipes: list[_Pipeline], anchor: list[torch.Tensor], momentum: list[torch.Tensor],
+                feedback: list[ErrorFeedback], sync: SyncOption, cfg: TrainConfig) -> None:
+    """Average the pseudo-gradients (through the codec) and take a Nesterov step from the anchor."""
+    comp = sync.pseudo_grad_compression
+    for i, a in enumerate(anchor):
+        total = torch.zeros_like(a)
+        for r, pipe in enumerate(pipes):
+            delta = a - pipe.params()[i].detach()
+            if comp == "topk":
+                delta = feedback[r].compress(str(i), delta)
+                delta = decode_tensor(encode_tensor("d", delta, "topk")).view_as(a)
+            elif comp != "none":
+                delta = decode_tensor(encode_tensor("d", delta, comp)).view_as(a)
+            total += delta
+        avg = total / len(pipes)
+        momentum[i].mul_(cfg.outer_momentum).add_(avg)
+        a.sub_(cfg.outer_lr * (avg + cfg.outer_momentum * momentum[i]))
+    with torch.no_grad():
+        for pipe in pipes:
+            for p, a in zip(pipe.params(), anchor, strict=True):
+                p.copy_(a)
+
+
+def _label(choice: Choice) -> str:
+    acts = sorted(set(choice.activation))
+    act = acts[0] if len(acts) == 1 else "/".join(choice.activation)
+    if choice.sync == EXACT:
+        return "exact" if act == "none" else f"act-{act}"
+    return choice.sync.name if act == "none" else f"act-{act}+{choice.sync.name}"
+
+
+# --------------------------------------------------------------------------------------- the bench
+def world(peers: int = PEERS) -> Cluster:
+    """One peer per region of the world-wide scenario (8 regions), as the emulated network has them."""
+    full = load_scenario(SCENARIO)
+    per_region = full.n // len(set(full.regions))
+    return full.subset([i * per_region for i in range(peers)])
+
+
+def timeline(pred: dict[str, Any], period: int) -> tuple[float, float]:
+    """(pipeline seconds per step, seconds per sync event) from a prediction (dp_s is amortised over H)."""
+    return float(pred["pipeline_s"]), float(pred["dp_s"]) * period
+
+
+def wall_at(step: int, pipe_s: float, sync_s: float, period: int) -> float:
+    return step * pipe_s + (step // period) * sync_s
+
+
+def run(cfg: TrainConfig, table_path: Path | None, plot_path: Path | None, search_s: float) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    raw = Corpus.from_stdlib(cfg.corpus_bytes).data.numpy().tobytes()
+    cut = int(len(raw) * 0.9)
+    train_c, val_c = Corpus.from_bytes(raw[:cut], "stdlib[:90%]"), Corpus.from_bytes(raw[cut:], "stdlib[90%:]")
+    n_b = len(cfg.stages) - 1
+    t0 = time.perf_counter()
+    exact = train(cfg, Choice.exact(n_b + 1), train_c, val_c, cfg.steps)
+    target = exact.at(cfg.steps)
+    longest = int(math.ceil(cfg.steps * cfg.extend / 32.0) * 32) if cfg.steps >= 32 else int(cfg.steps * cfg.extend)
+    curves: dict[str, tuple[Choice, Curve]] = {"exact": (Choice.exact(n_b + 1), exact)}
+    options = [Choice((a,) * n_b, EXACT) for a in ACTIVATIONS] + [Choice(("none",) * n_b, s) for s in SYNCS]
+    for ch in options:
+        c = train(cfg, ch, train_c, val_c, longest, stop_below=target)
+        curves[c.name] = (ch, c)
+        log.info("%s: val %.4f at step %d (target %.4f)", c.name, c.at(cfg.steps), cfg.steps, target)
+
+    def gap(c: Curve) -> float:
+        return (c.at(cfg.steps) - target) / target
+
+    table = PenaltyTable(
+        activation={ch.activation[0]: max(0.0, gap(c)) for ch, c in curves.values()
+                    if ch.sync == EXACT and ch.activation[0] != "none"},
+        sync={ch.sync.name: max(0.0, gap(c)) for ch, c in curves.values() if ch.sync != EXACT},
+        outer={"outer_lr": cfg.outer_lr, "outer_momentum": cfg.outer_momentum},
+        meta={"produced_by": "python -m bench.bandwidth", "date": time.strftime("%Y-%m-%d"),
+              "penalty": f"relative validation-loss gap to exact training after {cfg.steps} steps (0 if better)",
+              "train_config": asdict(cfg), "exact_val_loss": target})
+    if table_path is not None:
+        table_path.parent.mkdir(parents=True, exist_ok=True)
+        table_path.write_text(json.dumps(table.to_dict(), indent=2, sort_keys=True) + "\n")
+
+    cluster = world()
+    space = CompressionSpace(table, MAX_LOSS_PENALTY, sync=(EXACT, *SYNCS))
+    chosen_plan = schedule_plan(cluster, BIG, compression=space, time_limit_s=search_s,
+                                config=MemeticConfig(max_evaluations=2000, population=4))
+    choice_d = chosen_plan.predicted["choice"]
+    chosen = Choice(tuple(choice_d["activation"]), SyncOption.parse(choice_d["sync"]))
+    ch_curve = train(cfg, chosen, train_c, val_c, longest, stop_below=target, name="chosen")
+    curves["chosen"] = (chosen, ch_curve)
+    exact_own = schedule_plan(cluster, BIG, stages=chosen_plan.stages, time_limit_s=search_s,
+                              config=MemeticConfig(max_evaluations=2000, population=4))
+    same = Plan(chosen_plan.stages, chosen_plan.pipelines)
+
+    per_option: dict[str, Any] = {}
+    for name, (ch, c) in curves.items():
+        pred = predict(cluster, BIG, same, ch, table)
+        pipe_s, sync_s = timeline(pred, ch.sync.period)
+        hit = c.first_reaching(target)
+        per_option[name] = {
+            "choice": ch.to_dict(),
+            "step_s": round(float(pred["total_s"]), 4),
+            "time_to_loss_s": None if hit is None else round(wall_at(hit, pipe_s, sync_s, ch.sync.period), 2),
+            "steps_to_loss": hit,
+            "final_loss": round(c.at(cfg.steps), 5),
+            "final_loss_gap": round(gap(c), 5),
+            "bytes_per_step": round(bytes_per_step(BIG, same, ch)["total"]),
+            "curve": {"step": c.steps, "val_loss": [round(v, 5) for v in c.val],
+                      "wall_s": [round(wall_at(s, pipe_s, sync_s, ch.sync.period), 2) for s in c.steps]},
+        }
+    ex, cho = per_option["exact"], per_option["chosen"]
+    speedup = (ex["time_to_loss_s"] / cho["time_to_loss_s"]) if cho["time_to_loss_s"] else None
+    out = {
+        "exact_time_to_loss_s": ex["time_to_loss_s"],
+        "chosen_time_to_loss_s": cho["time_to_loss_s"],
+        "speedup": None if speedup is None else round(speedup, 2),
+        "final_loss_gap": cho["final_loss_gap"],
+        "chosen": {**chosen_plan.predicted["choice"], "pipelines": chosen_plan.pipelines,
+                   "stages": [list(s) for s in chosen_plan.stages],
+                   "predicted_loss_penalty": round(float(chosen_plan.predicted["loss_penalty"]), 5)},
+        "bytes_per_step": {k: v["bytes_per_step"] for k, v in per_option.items()},
+        "time_to_loss_s": {k: v["time_to_loss_s"] for k, v in per_option.items()},
+        "final_loss_gap_by_option": {k: v["final_loss_gap"] for k, v in per_option.items()},
+        "exact_own_placement": {"step_s": round(float(exact_own.predicted["total_s"]), 4),
+                                "time_to_loss_s": round(cfg.steps * float(exact_own.predicted["total_s"]), 2),
+                                "pipelines": exact_own.pipelines},
+        "target_val_loss": round(target, 5),
+        "steps": cfg.steps,
+        "step_time": "modeled: scheduler full cost model of the 1.3B GPT on 8 world-wide peers (see bench doc)",
+        "loss": f"measured: torch training of a {cfg.n_layers}-layer d{cfg.d_model} byte GPT on this machine",
+        "model_big": asdict(BIG),
+        "train_config": asdict(cfg),
+        "options": per_option,
+        "train_seconds": round(time.perf_counter() - t0, 1),
+    }
+    if plot_path is not None:
+        out["plot"] = str(plot_path)
+        plot(per_option, target, plot_path)
+    return out
+
+
+def plot(per_option: dict[str, Any], target: float, path: Path) -> None:
+    """Validation loss against modeled wall-clock seconds, one line per option (log time axis)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for name, o in sorted(per_option.items(), key=lambda kv: kv[0] != "chosen"):
+        xs = [max(w, 1.0) for w in o["curve"]["wall_s"]]
+        style = {"lw": 2.6, "color": "black"} if name == "chosen" else {"lw": 1.6 if name == "exact" else 1.0}
+        ax.plot(xs, o["curve"]["val_loss"], label=f"{name} ({o['step_s']:.2f} s/step)", **style)
+    ax.axhline(target, ls=":", color="grey", lw=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("modeled wall-clock seconds (1.3B GPT, 8 world-wide peers)")
+    ax.set_ylabel("validation loss (small GPT, real training)")
+    ax.set_title("bench.bandwidth: loss vs wall-clock per option (dotted: exact's loss after N steps)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Time to a target loss with compression and DiLoCo sync "
+                                     "(loss measured on a small model, step time modeled on 8 world-wide peers)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (default: a summary)")
+    parser.add_argument("--steps", type=int, default=None, help="N: exact training's steps that set the target")
+    parser.add_argument("--quick", action="store_true", help="a tiny configuration (seconds; for tests)")
+    parser.add_argument("--table", type=Path, default=None,
+                        help=f"where to write the loss-penalty table (default {PENALTY_PATH}; quick: not written)")
+    parser.add_argument("--plot", type=Path, default=None, help=f"plot file (default {DEFAULT_PLOT}; quick: none)")
+    parser.add_argument("--search-seconds", type=float, default=20.0, help="time limit of each placement search")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    cfg = QUICK if args.quick else TrainConfig()
+    if args.steps is not None:
+        if args.steps < 2:
+            parser.error("--steps must be at least 2")
+        cfg = TrainConfig(**{**asdict(cfg), "steps": args.steps})
+    table = args.table if args.table is not None else (None if args.quick else PENALTY_PATH)
+    plot_path = args.plot if args.plot is not None else (None if args.quick else DEFAULT_PLOT)
+    out = run(cfg, table, plot_path, 2.0 if args.quick else args.search_seconds)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"exact: {out['exact_time_to_loss_s']} s to loss {out['target_val_loss']}; chosen "
+              f"{out['chosen']['sync']} {out['chosen']['activation']}: {out['chosen_time_to_loss_s']} s "
+              f"(speedup {out['speedup']}, final loss gap {out['final_loss_gap']:+.2%}); step time modeled")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

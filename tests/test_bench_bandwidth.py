@@ -1,0 +1,39 @@
+"""bench.bandwidth in its tiny configuration: the output has the promised shape, the table it writes is one the
+scheduler reads, and the plot is written."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from bench import bandwidth
+from scheduler.compression import PenaltyTable
+
+
+def test_quick_bench_output_shape(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    table, plot = tmp_path / "penalties.json", tmp_path / "loss.svg"
+    assert bandwidth.main(["--quick", "--json", "--table", str(table), "--plot", str(plot),
+                           "--search-seconds", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("exact_time_to_loss_s", "chosen_time_to_loss_s", "speedup", "final_loss_gap", "chosen",
+                "bytes_per_step"):
+        assert key in out
+    assert out["exact_time_to_loss_s"] > 0 and math.isfinite(out["final_loss_gap"])
+    if out["chosen_time_to_loss_s"] is not None:
+        assert out["speedup"] == pytest.approx(out["exact_time_to_loss_s"] / out["chosen_time_to_loss_s"], rel=1e-2)
+    chosen = out["chosen"]
+    assert len(chosen["activation"]) == 3 and chosen["sync_period"] >= 1
+    assert chosen["predicted_loss_penalty"] <= bandwidth.MAX_LOSS_PENALTY + 1e-9
+    # bytes per step: every option, and compression sends fewer bytes than exact training
+    assert {"exact", "chosen", "act-int4", "diloco-H8-topk"} <= set(out["bytes_per_step"])
+    assert all(v < out["bytes_per_step"]["exact"] for k, v in out["bytes_per_step"].items() if k != "exact")
+    assert "modeled" in out["step_time"]
+    # the exact run defines the target, so it reaches it at N steps by construction
+    assert out["options"]["exact"]["steps_to_loss"] == out["steps"]
+    loaded = PenaltyTable.load(table)
+    assert set(loaded.activation) == {"none", "fp16", "int8", "int4", "int2"}
+    assert all(v >= 0 for v in loaded.sync.values())
+    assert plot.stat().st_size > 1000
