@@ -1,8 +1,12 @@
 """From what the swarm knows (adverts, link reports) to a plan: the leader's side of the scheduler.
 
-* :func:`build_cluster` turns live adverts and link reports into the scheduler's ``Cluster``. A pair nobody
-  measured gets an estimate — the median of the measured links of its source, else of all measured links,
-  else a conservative default — and is counted as estimated, so the plan's quality can be judged.
+* :func:`build_cluster` turns live adverts and link reports into the scheduler's ``Cluster``. Each peer
+  measures only a few links (:func:`probe_targets_for`); every pair nobody measured gets an estimate from
+  what was (``scheduler.coords.estimate_links``: RTT from Vivaldi coordinates, bandwidth from the peers'
+  capacities, their sites and the measured paths of similar RTT) and is counted as estimated, so the plan's
+  quality can be judged. With no measurement at all, conservative defaults stand in.
+* :func:`probe_targets_for` is what a peer's prober asks: which peers to measure next (its neighbours in the
+  plan it follows, then a few at random), so the measurements a plan depends on are the ones taken.
 * :class:`EmulatedNetwork` is what a local swarm pretends the network is: peer ``i`` emulates device
   ``devices[i]`` of a scenario. Workers shape their traffic with it; the leader still *measures* links through
   that shaping rather than reading the scenario, exactly as it would on the internet.
@@ -23,14 +27,17 @@ from peer.config import EmulationSection
 from peer.runtime.driver import Pipelines, Planner, Stages
 from peer.runtime.spec import RunSpec
 from peer.swarm.adverts import Advert, LinkReport
-from scheduler import Cluster, Plan, PlanningError, Workload, plan, replan
+from scheduler import Cluster, MemeticConfig, Plan, PlanningError, Workload, plan, replan
 from scheduler.cluster import default_scenarios_path, load_scenario
+from scheduler.coords import Sample, estimate_links, probe_targets
 from scheduler.model_workload import from_hf_config
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BANDWIDTH_BPS = 100e6
 DEFAULT_DELAY_S = 0.02
+PROBE_K = 6  # relevant peers a peer measures (plan neighbours first)
+PROBE_RANDOM = 2  # ... and this many more at random, so the estimates keep seeing the whole swarm
 
 
 def workload_for(spec: RunSpec, stages: int | None = None, replicas: int | None = None) -> Workload:
@@ -71,33 +78,24 @@ class ClusterView:
     estimated_pairs: int
 
 
-def build_cluster(peers: list[Advert], links: list[LinkReport]) -> ClusterView:
+def build_cluster(peers: list[Advert], links: list[LinkReport], seed: int | str = 0) -> ClusterView:
+    """The Cluster of ``peers`` (in that order): measured links as reported, every other pair estimated."""
     n = len(peers)
     index = {p.peer_id: i for i, p in enumerate(peers)}
-    delay = np.full((n, n), np.nan)
-    bw = np.full((n, n), np.nan)
+    samples = []
     for rep in links:
         i, j = index.get(rep.src), index.get(rep.dst)
-        if i is None or j is None or not rep.measured or rep.bandwidth_bps <= 0:
+        if i is None or j is None or i == j or not rep.measured or rep.bandwidth_bps <= 0:
             continue
-        delay[i, j] = rep.rtt_s / 2.0
-        bw[i, j] = rep.bandwidth_bps
-    off = ~np.eye(n, dtype=bool)
-    measured = int((~np.isnan(bw) & off).sum())
-    all_bw = bw[~np.isnan(bw) & off]
-    all_delay = delay[~np.isnan(delay) & off]
-    fallback_bw = float(np.median(all_bw)) if all_bw.size else DEFAULT_BANDWIDTH_BPS
-    fallback_delay = float(np.median(all_delay)) if all_delay.size else DEFAULT_DELAY_S
-    for i in range(n):
-        row_bw = bw[i][~np.isnan(bw[i]) & off[i]]
-        row_delay = delay[i][~np.isnan(delay[i]) & off[i]]
-        est_bw = float(np.median(row_bw)) if row_bw.size else fallback_bw
-        est_delay = float(np.median(row_delay)) if row_delay.size else fallback_delay
-        for j in range(n):
-            if i != j and np.isnan(bw[i, j]):
-                # the reverse direction is the best estimate of an unmeasured one, then the source's median
-                bw[i, j] = bw[j, i] if not np.isnan(bw[j, i]) else est_bw
-                delay[i, j] = delay[j, i] if not np.isnan(delay[j, i]) else est_delay
+        samples.append(Sample(i, j, rep.rtt_s, rep.bandwidth_bps))
+    if samples:
+        est = estimate_links(n, samples, seed=seed)
+        delay, bw = est.delay_s, est.bandwidth_bps
+        measured = int(est.measured.sum())
+    else:
+        delay = np.full((n, n), DEFAULT_DELAY_S)
+        bw = np.full((n, n), DEFAULT_BANDWIDTH_BPS)
+        measured = 0
     np.fill_diagonal(bw, np.inf)
     np.fill_diagonal(delay, 0.0)
     cluster = Cluster(
@@ -110,6 +108,24 @@ def build_cluster(peers: list[Advert], links: list[LinkReport]) -> ClusterView:
         name="swarm",
     )
     return ClusterView(cluster, list(peers), measured, n * (n - 1) - measured)
+
+
+def probe_targets_for(me: str, live: list[str], plan_record: dict | None, probed: set[str] | frozenset[str],
+                      k: int = PROBE_K, n_random: int = PROBE_RANDOM, seed: int | str = 0) -> list[str]:
+    """Peer ids ``me`` should measure next, most relevant first (``scheduler.coords.probe_targets``).
+
+    ``live``: peer ids this peer knows to be alive; ``plan_record``: the plan it follows (its ``pipelines`` of
+    peer ids), or None before any; ``probed``: peers already measured (never chosen again). Deterministic for
+    a seed, so a peer that restarts its prober asks the same peers.
+    """
+    pipelines = None
+    if isinstance(plan_record, dict):
+        rows = plan_record.get("pipelines")
+        if isinstance(rows, list) and all(isinstance(row, list) for row in rows):
+            pipelines = [[str(p) for p in row] for row in rows]
+    chosen = probe_targets(me, sorted(set(live)), k, pipelines=pipelines, exclude=set(probed), n_random=n_random,
+                           seed=seed)
+    return [str(p) for p in chosen]
 
 
 class EmulatedNetwork:
@@ -163,14 +179,16 @@ def make_planner(
     spec: RunSpec,
     view_of: callable,
     stages_hint: int = 0,
-    time_limit_s: float = 5.0,  # type: ignore[valid-type]
+    time_limit_s: float | None = 5.0,  # type: ignore[valid-type]
     seed: int = 0,
+    config: MemeticConfig | None = None,
 ) -> Planner:
     """A planner over live daemon device ids; ``view_of(ids)`` gives the ClusterView of those devices.
 
     The first plan chooses the layer split; later plans keep it (``stages``) and start from the pipelines this
     planner returned last, charging every moved tasklet its state transfer (``scheduler.replan``), so a
-    departure moves few tasklets instead of reshuffling the swarm.
+    departure moves few tasklets instead of reshuffling the swarm. ``config`` bounds the search by evaluations
+    instead of time (the control-plane simulator does, to be deterministic).
     """
     previous: dict[str, Pipelines] = {}  # the last pipelines this planner returned, in daemon device ids
 
@@ -193,7 +211,7 @@ def make_planner(
                            pipelines=[[index.get(d, -1) for d in row] for row in previous["pipelines"]])
             try:
                 p = replan(view.cluster, workload, current, cost_model="full", seed=seed,
-                           time_limit_s=time_limit_s, replicas=n // len(stages))
+                           time_limit_s=time_limit_s, config=config, replicas=n // len(stages))
                 moves = p.predicted.get("moves", {})
                 log.info("re-plan from the current plan: %s tasklet(s) move, predicted state transfer %.2f s",
                          moves.get("moved_tasklets"), float(moves.get("transfer_s", 0.0)))
@@ -201,7 +219,7 @@ def make_planner(
                 log.info("re-plan from the current plan not possible (%s); planning from scratch", exc)
                 p = None
         if p is None:
-            p = plan(view.cluster, workload, cost_model="full", seed=seed, time_limit_s=time_limit_s,
+            p = plan(view.cluster, workload, cost_model="full", seed=seed, time_limit_s=time_limit_s, config=config,
                      stages=[(int(a), int(b)) for a, b in stages] if stages is not None else None)
         chosen = stages if stages is not None else [tuple(s) for s in p.stages]
         pipelines = [[live[d] for d in pipe] for pipe in p.pipelines]
