@@ -22,6 +22,9 @@ every valid Envelope is accepted exactly as before, and every invalid one refuse
 from __future__ import annotations
 
 import bisect
+import threading
+import time
+import weakref
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -237,6 +240,66 @@ class Segments:
         raise ValueError("truncated or overlong varint")
 
 
+class BufferPool:
+    """Receive buffers reused once nothing refers to them any more.
+
+    Why: a fresh buffer of many MiB is new memory for the kernel to fault in page by page, which costs more
+    than copying into it (measured here: 2-4 GB/s against 8-11 GB/s into memory already in use). A buffer is
+    handed out as a numpy view of a pooled array; it is free again when that view is gone, i.e. when nothing
+    made from it (its memoryview, tensors decoded from it) is alive any more: CPython frees them by reference
+    counting, so a handler that keeps a decoded tensor keeps its buffer. The pool holds at most `max_bytes`,
+    buffers of at most `max_buffer_bytes` each, and lets go of buffers idle for `idle_s`.
+    """
+
+    def __init__(self, max_bytes: int = 256 << 20, max_buffer_bytes: int = 64 << 20, idle_s: float = 30.0) -> None:
+        self.max_bytes = max_bytes
+        self.max_buffer_bytes = max_buffer_bytes
+        self.idle_s = idle_s
+        self._lock = threading.Lock()
+        self._entries: list[_PoolEntry] = []
+
+    @property
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(e.array.nbytes for e in self._entries)
+
+    def take(self, n: int) -> np.ndarray:
+        """A writable uint8 array of exactly n bytes (contents undefined)."""
+        if n > self.max_buffer_bytes or n == 0:
+            return torch.empty(n, dtype=torch.uint8).numpy()
+        now = time.monotonic()
+        with self._lock:
+            self._entries = [e for e in self._entries if e.busy() or now - e.used_at < self.idle_s]
+            fits = [e for e in self._entries if n <= e.array.nbytes <= 2 * n and not e.busy()]
+            if fits:
+                entry = min(fits, key=lambda e: e.array.nbytes)
+            elif sum(e.array.nbytes for e in self._entries) + n <= self.max_bytes:
+                entry = _PoolEntry(torch.empty(n, dtype=torch.uint8).numpy())
+                self._entries.append(entry)
+            else:
+                return torch.empty(n, dtype=torch.uint8).numpy()
+            view = entry.array[:n]
+            entry.lent = weakref.ref(view)
+            entry.used_at = now
+            return view
+
+
+class _PoolEntry:
+    __slots__ = ("array", "lent", "used_at")
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+        self.lent: weakref.ref[np.ndarray] | None = None
+        self.used_at = time.monotonic()
+
+    def busy(self) -> bool:
+        return self.lent is not None and self.lent() is not None
+
+
+RECEIVE_BUFFERS = BufferPool()
+"""Where received tensors' data lands (protocol.chunking.Reassembler.message)."""
+
+
 class _NotWalkableError(Exception):
     """The bytes are not in a form the walk handles; protobuf's parser decides."""
 
@@ -271,10 +334,11 @@ def _walk_fields(segs: Segments, start: int, end: int, budget: list[int]) -> Ite
         pos = after
 
 
-def parse_segments(segs: Segments) -> WireEnvelope:
+def parse_segments(segs: Segments, pool: BufferPool = RECEIVE_BUFFERS) -> WireEnvelope:
     """The WireEnvelope of a received serialized Envelope (see the module docstring). Raises BadMessage.
 
-    The buffers of `segs` are released as their bytes are copied out."""
+    Each tensor's data is copied into a buffer from `pool`; the buffers of `segs` are released as their bytes
+    are copied out."""
     try:
         header_parts, tensors = _walk(segs)
     except _NotWalkableError:
@@ -292,8 +356,7 @@ def parse_segments(segs: Segments) -> WireEnvelope:
             out.append(WireTensor(head, memoryview(b"")))
             continue
         start, n = span
-        buffer = torch.empty(n, dtype=torch.uint8)  # exactly the bytes that arrived for it
-        array = buffer.numpy()
+        array = pool.take(n)  # exactly the bytes that arrived for it
         segs.copy_into(array, start, n)
         segs.release_before(start + n)
         out.append(WireTensor(head, memoryview(array)))

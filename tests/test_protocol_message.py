@@ -1,0 +1,166 @@
+"""protocol.message: envelopes whose tensor bytes travel outside protobuf.
+
+The wire form must be a valid serialized Envelope (protobuf reads it as the same message), the receiver's walk
+must read any valid Envelope exactly as protobuf does, however the stream is cut, and refuse what protobuf
+refuses; tensors decode without a copy, and received buffers are reused only once nothing refers to them.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from protocol import PROTOCOL_VERSION
+from protocol import tasklet_pb2 as pb
+from protocol.chunking import Reassembler, decode_chunk, iter_chunk_wire, iter_segment_chunks
+from protocol.codec import decode_tensor, encode_tensor
+from protocol.errors import BadMessage
+from protocol.message import BufferPool, Segments, WireEnvelope, parse_segments
+
+
+def _wire_envelope() -> tuple[WireEnvelope, dict[str, torch.Tensor]]:
+    env = WireEnvelope(pb.Envelope(protocol_version=PROTOCOL_VERSION, kind=pb.STAGE_STATE, sender="me"))
+    env.key.step = 7
+    env.meta["why"] = "join"
+    env.microbatches.extend([3, 1])
+    tensors = {
+        "w": torch.randn(33, 17),
+        "b": torch.randn(0),
+        "steps": torch.arange(-5, 5, dtype=torch.int64),
+        "mask": torch.tensor([True, False, True]),
+        "half": torch.randn(9).to(torch.bfloat16),
+    }
+    for name, t in tensors.items():
+        env.add_tensor(name, t)
+    env.add_tensor("q", tensors["w"], "int8")
+    return env, tensors
+
+
+def _cut(data: bytes, rng: random.Random) -> list[memoryview]:
+    """`data` cut at random places (as chunks of any sizes would)."""
+    cuts = sorted(rng.sample(range(1, len(data)), k=min(12, len(data) - 1)))
+    view = memoryview(data)
+    return [view[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
+
+
+def test_wire_form_is_a_valid_envelope_and_round_trips() -> None:
+    env, tensors = _wire_envelope()
+    data = b"".join(env.segments())
+    assert env.nbytes == len(data)
+    parsed = pb.Envelope.FromString(data)  # protobuf reads the same message
+    assert parsed == env.to_pb()
+    assert [t.name for t in parsed.tensors] == [*tensors, "q"]
+    rng = random.Random(0)
+    for _ in range(5):
+        back = parse_segments(Segments(_cut(data, rng)))
+        assert back.to_pb() == parsed
+        assert back.sender == "me" and back.key.step == 7 and dict(back.meta) == {"why": "join"}
+        assert list(back.microbatches) == [3, 1]
+        for wire, (name, t) in zip(back.tensors, tensors.items(), strict=False):
+            assert wire.name == name and torch.equal(decode_tensor(wire), t)
+
+
+def test_received_tensor_decodes_as_a_view_of_its_buffer() -> None:
+    env = WireEnvelope(pb.Envelope(protocol_version=PROTOCOL_VERSION, kind=pb.ACTIVATION))
+    t = torch.randn(1000)
+    env.add_tensor("h", t)
+    back = parse_segments(Segments([memoryview(b"".join(env.segments()))]))
+    out = decode_tensor(back.tensors[0])
+    assert torch.equal(out, t)
+    assert out.data_ptr() == torch.frombuffer(back.tensors[0].payload, dtype=torch.uint8).data_ptr()
+    out.add_(1.0)  # writable: the handler owns it
+    assert torch.equal(decode_tensor(back.tensors[0]), t + 1.0)
+
+
+def test_sender_sends_the_tensors_own_storage() -> None:
+    t = torch.randn(100)
+    env = WireEnvelope(pb.Envelope(kind=pb.ACTIVATION))
+    wire = env.add_tensor("h", t)
+    assert torch.frombuffer(wire.payload, dtype=torch.float32).data_ptr() == t.data_ptr()  # no copy
+
+
+def test_pb_envelopes_parse_the_same_way() -> None:
+    """An Envelope serialized by protobuf (tensors' data inline, canonical field order) walks to the same."""
+    env = pb.Envelope(protocol_version=PROTOCOL_VERSION, kind=pb.ACTIVATION, sender="s")
+    env.tensors.append(encode_tensor("a", torch.randn(50)))
+    env.tensors.append(encode_tensor("b", torch.randn(7), "fp16"))
+    env.meta["k"] = "v"
+    data = env.SerializeToString()
+    back = parse_segments(Segments(_cut(data, random.Random(1))))
+    assert back.to_pb() == env
+    assert WireEnvelope.from_pb(env).to_pb() == env
+
+
+def test_uncommon_layouts_fall_back_to_protobuf() -> None:
+    """A repeated data field (protobuf keeps the last) is left to protobuf's own parser: same result."""
+    head = pb.Tensor(name="x", dtype="uint8", shape=[3]).SerializeToString()
+    tensor = head + b"\x22\x02ab" + b"\x22\x03xyz"
+    data = bytes([0x08, PROTOCOL_VERSION, 0x10, pb.OTHER, 0x22, len(tensor)]) + tensor
+    back = parse_segments(Segments([memoryview(data)]))
+    assert back.tensors[0].data == b"xyz" and back.to_pb() == pb.Envelope.FromString(data)
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"\x22\x05\x22\x10abc",  # a tensor whose data runs past its end
+        b"\x22",  # truncated length
+        b"\x08\x01\x22\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01",  # overlong varint
+        b"\x0b\x01",  # a start-group tag, never closed
+        b"\x22\x03\x22\x05a",  # data longer than the tensor
+    ],
+)
+def test_malformed_envelopes_are_refused(garbage: bytes) -> None:
+    with pytest.raises(BadMessage):
+        parse_segments(Segments([memoryview(garbage)]))
+
+
+def test_segment_chunks_equal_chunks_of_the_joined_bytes() -> None:
+    env, _ = _wire_envelope()
+    data = b"".join(env.segments())
+    for chunk_bytes in (1, 7, 64, 1000, len(data), 10 * len(data)):
+        assert list(iter_segment_chunks(env.segments(), chunk_bytes)) == list(iter_chunk_wire(data, chunk_bytes))
+    assert list(iter_segment_chunks([b"", memoryview(b"")], 10)) == list(iter_chunk_wire(b"", 10))
+
+
+def test_reassembler_message_matches_envelope() -> None:
+    env, tensors = _wire_envelope()
+    chunks = list(iter_segment_chunks(env.segments(), 100))
+    asm, asm2 = Reassembler(1 << 20), Reassembler(1 << 20)
+    for raw in chunks:
+        asm.add(decode_chunk(raw))
+        asm2.add(decode_chunk(raw))
+    assert asm.message().to_pb() == asm2.envelope() == env.to_pb()
+
+
+def test_tiny_chunks_are_merged() -> None:
+    """A sender of one-byte chunks makes the receiver hold its bytes, not an object per chunk."""
+    env, _ = _wire_envelope()
+    data = b"".join(env.segments())
+    asm = Reassembler(1 << 20)
+    for raw in iter_chunk_wire(data, 1):
+        asm.add(decode_chunk(raw))
+    assert len(asm._parts or []) == 0 and len(asm._small) == len(data)
+    assert asm.message().to_pb() == env.to_pb()
+
+
+def test_buffer_pool_reuses_only_free_buffers() -> None:
+    pool = BufferPool(max_bytes=10_000, max_buffer_bytes=4_000, idle_s=60)
+    a = pool.take(1000)
+    b = pool.take(1000)
+    assert a.ctypes.data != b.ctypes.data and pool.held_bytes == 2000
+    kept = torch.frombuffer(memoryview(a), dtype=torch.uint8)  # e.g. a decoded tensor a handler keeps
+    del a
+    c = pool.take(1000)
+    assert c.ctypes.data not in (kept.data_ptr(), b.ctypes.data)  # still in use: not handed out again
+    del kept
+    d = pool.take(900)  # a free buffer of a fitting size is reused
+    assert pool.held_bytes == 3000 and d.nbytes == 900
+    big = pool.take(5000)  # above max_buffer_bytes: not pooled
+    assert big.nbytes == 5000 and pool.held_bytes == 3000
+    del b, c, d
+    for _ in range(20):  # never beyond max_bytes
+        pool.take(3999)
+    assert pool.held_bytes <= 10_000
