@@ -1,14 +1,26 @@
-"""Swarm formation with real `peer` processes: time from `peer start` to every advert visible and to the
-first plan, for swarms of 8, 16 and 32 local peers.
+"""Swarm formation with real `peer` processes: time from the first `peer start` to every advert visible and to
+the first plan, for swarms of 8, 16 and 32 local peers, with where the time went and the DHT load per peer.
 
-``python -m bench.formation [--sizes 8 16 32] [--json]``
+``python -m bench.formation [--sizes 8 16 32] [--steps 1] [--json]``
 
-Each size starts one `peer start` and N-1 `peer join` processes on loopback (each a full daemon: hivemind
-DHT node, gRPC worker, heartbeat, link prober; TFLOP/s emulated so no matmul is timed), and a read-only DHT
-client polls what `peer status` would show. "all adverts" is when the client sees N live peers; "first plan"
-when the leader has published plan epoch 1 (after waiting for [swarm] min_peers = N, probing links and
-running the scheduler). The run then trains one step and every peer exits. All peers share this machine's
-cores, so large swarms measure CPU contention as much as the protocol: say so when quoting the figures.
+Each size starts one `peer start` and, right after it printed its join line, N-1 `peer join` processes on
+loopback (each a full daemon: hivemind DHT node, gRPC worker, heartbeat, link prober; TFLOP/s emulated so no
+matmul is timed). Every figure is seconds from the moment the benchmark launched the first `peer start`:
+
+* ``first_peer_s``: the first peer printed its join line (others can join);
+* ``all_adverts_s``: a read-only DHT client (what `peer status` runs, polled once a second) sees N live peers;
+* ``first_plan_s``: the leader published plan epoch 1, i.e. after waiting for [swarm] min_peers = N, probing
+  links, running the scheduler and every worker accepting its assignment (from the leader's log line
+  ``plan epoch 1 (start)``; the client's sighting when the log has none);
+* ``first_step_s``: the client sees step 1 done (or the run done).
+
+``startup`` gives each start-up phase of a peer (median and max over the N peers): ``process`` is from the
+process's start to its daemon code (interpreter, imports), then the DHT node, the run record and corpus, the
+worker server, reachability, the announcement; ``last_announced_s`` is when the last peer announced itself.
+``dht_ops_per_heartbeat`` is each role's DHT gets and stores per heartbeat as the daemons log them (median
+over the peers' log lines; a worker is a peer holding an assignment, "idle" one without): run with
+``--steps 30`` or more so the workers log a few such lines after the first plan. All peers share this
+machine's cores, so large swarms measure CPU contention as much as the protocol: say so when quoting.
 """
 
 from __future__ import annotations
@@ -16,7 +28,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -26,14 +40,25 @@ from typing import Any
 from peer.emulation.procs import PeerProcesses, write_small_config
 from peer.swarm.status import StatusReader
 
+POLL_S = 1.0  # the status client's poll: a faster one would load the DHT it measures
+_STAMP = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) "
+_PHASES_RE = re.compile(_STAMP + r"INFO peer\.node\.daemon: start-up phases (\{.*\})$", re.M)
+_ANNOUNCED_RE = re.compile(_STAMP + r"INFO peer\.node\.daemon: peer \w+ announced:", re.M)
+_OPS_RE = re.compile(_STAMP + r"INFO peer\.node\.daemon: dht ops per heartbeat (\{.*\})$", re.M)
+_PLAN_RE = re.compile(_STAMP + r"INFO peer\.runtime\.driver: plan epoch 1 \(start\)", re.M)
 
-def form(n: int, timeout_s: float, say: Any, keep_logs: bool = False) -> dict[str, Any]:
+
+def _wall(stamp: str) -> float:
+    return time.mktime(time.strptime(stamp[:19], "%Y-%m-%d %H:%M:%S")) + int(stamp[20:]) / 1e3
+
+
+def form(n: int, timeout_s: float, say: Any, keep_logs: bool = False, steps: int = 1) -> dict[str, Any]:
     folder = Path(tempfile.mkdtemp(prefix=f"tasklet-formation-{n}-"))
-    cfg = write_small_config(folder, steps=1, min_peers=n, stages=2, heartbeat_s=2.0)
+    cfg = write_small_config(folder, steps=steps, min_peers=n, stages=2, heartbeat_s=2.0)
     out: dict[str, Any] = {"peers": n, "all_adverts_s": None, "first_plan_s": None, "first_step_s": None}
     try:
         with PeerProcesses(folder, emulate_tflops=0.001) as procs:
-            t0 = time.monotonic()
+            t0, wall0 = time.monotonic(), time.time()
             addr = procs.start(cfg, timeout_s=timeout_s)
             out["first_peer_s"] = time.monotonic() - t0
             for i in range(1, n):
@@ -44,7 +69,7 @@ def form(n: int, timeout_s: float, say: Any, keep_logs: bool = False) -> dict[st
                     try:
                         st = reader.read()
                     except Exception:  # the DHT may be busy; try again
-                        time.sleep(0.5)
+                        time.sleep(POLL_S)
                         continue
                     now = time.monotonic() - t0
                     if out["all_adverts_s"] is None and len(st.peers) >= n:
@@ -52,16 +77,54 @@ def form(n: int, timeout_s: float, say: Any, keep_logs: bool = False) -> dict[st
                     if out["first_plan_s"] is None and st.plan.get("epoch"):
                         out["first_plan_s"] = now
                     if st.progress.get("state") == "done" or (st.progress.get("step") or 0) >= 1:
-                        out["first_step_s"] = now
-                        break
-                    time.sleep(0.25)
+                        out["first_step_s"] = out["first_step_s"] or now
+                        if steps <= 1 or st.progress.get("state") == "done":
+                            break
+                    time.sleep(POLL_S)
+            logs = [procs.log_text(i) for i in range(n)]
+        out.update(_from_logs(logs, wall0, n))
     finally:
         if keep_logs:
             say(f"  logs kept in {folder}")
         else:
             shutil.rmtree(folder, ignore_errors=True)
-    say(f"  {n:>3} peers: first peer up {out.get('first_peer_s', 0):.1f} s, all adverts "
-        f"{_fmt(out['all_adverts_s'])}, first plan {_fmt(out['first_plan_s'])}, first step {_fmt(out['first_step_s'])}")
+    say(f"  {n:>3} peers: first peer up {out.get('first_peer_s', 0):.1f} s, last announced "
+        f"{_fmt(out.get('last_announced_s'))}, all adverts {_fmt(out['all_adverts_s'])}, first plan "
+        f"{_fmt(out['first_plan_s'])}, first step {_fmt(out['first_step_s'])}")
+    phases = out.get("startup") or {}
+    if phases:
+        say("        start-up (median/max s): " + ", ".join(f"{k} {v['median']}/{v['max']}" for k, v in phases.items()))
+    for role, ops in (out.get("dht_ops_per_heartbeat") or {}).items():
+        say(f"        {role}: {ops['get']} DHT gets, {ops['store']} stores per heartbeat ({ops['lines']} log lines)")
+    return out
+
+
+def _from_logs(logs: list[str], wall0: float, n: int) -> dict[str, Any]:
+    """Start-up phases, the last announcement, the leader's plan publication and DHT ops, from the peers' logs."""
+    out: dict[str, Any] = {}
+    phases: dict[str, list[float]] = {}
+    announced: list[float] = []
+    ops: dict[str, list[dict[str, Any]]] = {}
+    for text in logs:
+        for _, body in _PHASES_RE.findall(text)[:1]:
+            for k, v in json.loads(body).items():
+                phases.setdefault(k, []).append(float(v))
+        announced += [_wall(stamp) - wall0 for stamp in _ANNOUNCED_RE.findall(text)[:1]]
+        plans = _PLAN_RE.findall(text)
+        if plans:
+            out["first_plan_s"] = round(_wall(plans[0]) - wall0, 2)
+        for _, body in _OPS_RE.findall(text):
+            line = json.loads(body)
+            ops.setdefault(line["role"], []).append(line)
+    out["startup"] = {k: {"median": round(statistics.median(v), 2), "max": round(max(v), 2)}
+                      for k, v in phases.items()}
+    if len(announced) == n:
+        out["last_announced_s"] = round(max(announced), 2)
+    out["dht_ops_per_heartbeat"] = {
+        role: {"get": round(statistics.median(x["get"] for x in lines), 2),
+               "store": round(statistics.median(x["store"] for x in lines), 2), "lines": len(lines)}
+        for role, lines in sorted(ops.items())
+    }
     return out
 
 
@@ -73,16 +136,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[8, 16, 32], help="swarm sizes (default: 8 16 32)")
     parser.add_argument("--timeout", type=float, default=300.0, help="per size, seconds (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=1,
+                        help="training steps of each run (default: 1; 30 or more to see the DHT load after the plan)")
     parser.add_argument("--json", action="store_true", help="print only JSON on stdout")
     parser.add_argument("--keep-logs", action="store_true", help="keep each swarm's peer logs and say where")
     args = parser.parse_args(argv)
+    if any(n < 2 for n in args.sizes) or args.steps < 1:
+        parser.error("--sizes must be at least 2 and --steps at least 1")
     logging.basicConfig(level=logging.ERROR)
 
     def say(line: str) -> None:
         print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
 
     say("swarm formation (real peer processes on loopback, all on this machine)")
-    rows = [form(n, args.timeout, say, args.keep_logs) for n in args.sizes]
+    rows = [form(n, args.timeout, say, args.keep_logs, args.steps) for n in args.sizes]
     if args.json:
         print(json.dumps({"formation": rows}))
         return 0

@@ -92,7 +92,8 @@ HEARTBEAT_S = 2.0  # advert renewal period, default of [swarm] heartbeat_s and o
 ADVERT_TTL_HEARTBEATS = 3  # advert (and link report) lifetime in heartbeats: two lost heartbeats tolerated
 RUN_RECORD_MIN_TTL_S = 60.0  # the run record lives max(advert lifetime, this) and is renewed by the heartbeat
 DHT_CALL_TIMEOUT_S = 5.0  # every DHT get/put of a record store
-DHT_STARTUP_TIMEOUT_S = 10.0  # the DHT node must answer within this at start-up
+DHT_STARTUP_TIMEOUT_S = 60.0  # the DHT node must answer within this at start-up (dozens of peers starting
+# at once on one busy machine took over 10 s; a bad address or a busy port still fails at once)
 MAX_CLOCK_SKEW_S = 1.0  # a joiner whose clock differs from the swarm's by more than this is refused
 DHT_RECONNECT_HEARTBEATS = 5  # re-ping the DHT nodes a peer joined through (heals a partitioned DHT)
 

@@ -3,7 +3,10 @@
 One process holds: a hivemind DHT node (membership, plans, progress), a stage worker (gRPC server: compute
 and data plane), a heartbeat that re-announces this peer's signed advert, a link prober, and a control loop
 that derives the leader from the live adverts. The peer the loop elects runs a
-:class:`~peer.node.leader_role.LeaderRole` (coordinator + planner) next to its worker.
+:class:`~peer.node.leader_role.LeaderRole` (coordinator + planner) next to its worker. What the loop reads of
+the DHT, and when, is :class:`~peer.swarm.view.SwarmView`'s: every advert only while it leads, has no
+confirmed leader, suspects the leader or holds no assignment; otherwise one small record (the leader's beat)
+a heartbeat, so a worker's DHT reads do not grow with the swarm.
 
 Life cycle: start -> announce -> (lead or follow) -> the run reports "done" -> leave. SIGINT/SIGTERM leave
 gracefully: the leader writes a checkpoint if it has a checkpoint folder, then everyone stores a departure
@@ -12,7 +15,9 @@ record so the others notice within a heartbeat instead of after the advert expir
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import random
 import signal
 import threading
@@ -35,19 +40,18 @@ from peer.observe.node import NodeObserver, ObserveError, ObserveOptions
 from peer.observe.snapshot import SwarmSource
 from peer.runtime.worker import StageWorker
 from peer.swarm.adverts import Advert, LinkReport
-from peer.swarm.dht import DHTConfig, DHTStartError, reconnect, start_dht, visible_maddrs
-from peer.swarm.election import elect_leader
+from peer.swarm.dht import DHT_OPS, DHTConfig, DHTStartError, ops_delta, reconnect, start_dht, visible_maddrs
 from peer.swarm.identity import Identity
-from peer.swarm.membership import ClockSkewError, Membership, PeerEntry, SwarmSecretError, verify_swarm_secret
+from peer.swarm.membership import ClockSkewError, Membership, SwarmSecretError, verify_swarm_secret
 from peer.swarm.plans import PlanBoard, PlanRecord
 from peer.swarm.progress import ProgressBoard
+from peer.swarm.view import SwarmView
 from peer.timing import (
     ADVERT_TTL_HEARTBEATS,
     DHT_RECONNECT_HEARTBEATS,
     EXIT_COPY_WAIT_S,
     HEARTBEAT_S,
     JOINER_RUN_WAIT_S,
-    LEADER_CONFIRM_TICKS,
     PLAN_RENEW_TICKS,
     PROBE_PING_TIMEOUT_S,
     PROBE_TIMEOUT_S,
@@ -60,6 +64,9 @@ log = logging.getLogger(__name__)
 PROBE_BYTES = 256 * 1024
 COORDINATOR_THREADS = 64  # extra worker-server threads for a coordinator mounted on it
 PROBE_SAMPLE = 8  # peers probed per round; the rest are estimated (see peer.node.planning.build_cluster)
+PROBE_PEERS = 8  # peers one peer measures in all (the leader first); the other pairs are estimated
+PROBE_RETRY_ROUNDS = 5  # a peer whose probe failed is tried again after this many rounds
+OPS_LOG_HEARTBEATS = 5  # the daemon logs its DHT gets and stores per heartbeat this often
 
 
 class DaemonError(RuntimeError):
@@ -105,6 +112,7 @@ class PeerDaemon:
         self.membership: Membership | None = None
         self.plan_board: PlanBoard | None = None
         self.progress: ProgressBoard | None = None
+        self.view: SwarmView | None = None
         self.network: EmulatedNetwork | None = None
         self.role: LeaderRole | None = None
         self.observer: NodeObserver | None = None
@@ -113,12 +121,13 @@ class PeerDaemon:
         self._live: list[Advert] = []
         self._live_lock = threading.Lock()
         self._probed: dict[str, LinkReport] = {}
+        self._probe_failed: dict[str, int] = {}  # peer id -> the probe round its last probe failed in
+        self._probe_rounds = 0
         self._probe_lock = threading.Lock()
         self._reply_shapers: dict[str, LinkShaper | None] = {}
-        self._candidate: str | None = None
         self._reported: frozenset[str] = frozenset()
         self._ticks = 0
-        self._streak = 0
+        self._ops_mark: tuple[dict[str, int], int] = ({}, 0)  # DHT_OPS snapshot and tick of the last ops line
         self._announced_at = time.monotonic()
         self.exit_error: str | None = None
         self.reach: Reach | None = None
@@ -127,6 +136,14 @@ class PeerDaemon:
     def start(self) -> None:
         """Join the swarm; raise DaemonError (one line) when that is impossible."""
         o = self.opts
+        phases: dict[str, float] = {"process": _process_age_s()}
+        mark = time.monotonic()
+
+        def phase(name: str) -> None:
+            nonlocal mark
+            phases[name] = time.monotonic() - mark
+            mark = time.monotonic()
+
         try:
             refuse_undialable(o.host, o.announce, self.dht_peers, self.config is not None, o.relay_port)
         except ReachabilityError as exc:
@@ -143,13 +160,20 @@ class PeerDaemon:
             )
         except DHTStartError as exc:
             raise DaemonError(str(exc)) from None
+        phase("dht")
         try:
             self._join_run()
+            phase("run")
             self._start_worker()
+            phase("worker")
             self._establish_reach()
+            phase("reach")
             self._announce()
+            phase("announce")
             self._start_observer()
             log.info("others can join through this peer: %s", self.join_line())
+            # seconds of each start-up phase ("process": from the process's start to here, imports included)
+            log.info("start-up phases %s", json.dumps({k: round(v, 2) for k, v in phases.items()}))
         except BaseException:
             self.shutdown()
             raise
@@ -218,6 +242,7 @@ class PeerDaemon:
                 raise DaemonError(str(exc)) from None
         self.plan_board = PlanBoard(self.dht, run_id, self.identity, o.secret or None, elector=self.elected)
         self.progress = ProgressBoard(self.dht, run_id, self.identity, o.secret or None)
+        self.view = SwarmView(self.membership, self.plan_board, self.progress)
         record = {**self.config.public_dict(), "fingerprint": published, "model_fingerprint": published_model}
         if existing is None:
             self.membership.publish_run(record)
@@ -258,8 +283,9 @@ class PeerDaemon:
         assert self.worker is not None and self.membership is not None and self.worker.server.port is not None
         me, membership = self.identity.peer_id, self.membership
 
-        def relays() -> list[str]:
-            return [a.relay for a in membership.live_peers() if a.relay and a.peer_id != me]
+        def relays() -> list[str] | None:
+            others = [a for a in membership.live_peers() if a.peer_id != me]
+            return [a.relay for a in others if a.relay] if others else None
 
         try:
             self.reach = establish(self.identity, o.host, self.worker.server.port, o.announce, o.relay_port, relays,
@@ -349,15 +375,18 @@ class PeerDaemon:
         return 0 if self.exit_error is None else 1
 
     def _tick(self) -> None:
-        assert self.membership is not None
-        seen = self.membership.live_entries()
-        entries = [entry.advert for entry in seen]
-        with self._live_lock:
-            self._live = entries
-        self._trust_adverts(entries)
-        self._update_links(entries)
+        assert self.membership is not None and self.view is not None
+        leading = self.role is not None and not self.role.finished.is_set()
+        self.view.holding_plan = self.worker is not None and self.worker.assignment is not None
+        tick = self.view.tick(leading)
+        if tick.entries is not None:
+            entries = [entry.advert for entry in tick.entries]
+            with self._live_lock:
+                self._live = entries
+            self._trust_adverts(entries)
+            self._update_links(entries)
         me = self.identity.peer_id
-        leader = self._confirmed_leader(seen)
+        leader = tick.leader
         if leader == me and self.role is None and self._may_lead():
             log.info("this peer (%s) leads the swarm", me)
             self.role = LeaderRole(self._leader_context())
@@ -381,14 +410,40 @@ class PeerDaemon:
             self.advert = replace(self.advert, endpoint=self.endpoint)
             self.membership.announce(self.advert)
         if self._ticks % TICKS_PER_HEARTBEAT == 0:  # once a heartbeat is enough to notice the end of the run
-            progress = self.latest_progress()
+            progress = self.view.beat  # the leader's beat, read by the view once a heartbeat
             if self.observer is not None:
-                self.observer.on_progress(progress, peers_live=len(entries), is_leader=self.role is not None)
+                self.observer.on_progress(progress, peers_live=self._peers_live(), is_leader=self.role is not None)
             if progress and progress.get("state") == "done":
                 log.info("the run is done (step %s); leaving", progress.get("step"))
                 self.done.set()
         if self.role is not None and self._ticks % PLAN_RENEW_TICKS == 0 and self.plan_board is not None:
             self.plan_board.republish()  # the plan record lives PLAN_TTL_S; renew it well before (peer.timing)
+        if self._ticks % (TICKS_PER_HEARTBEAT * OPS_LOG_HEARTBEATS) == 0:
+            self._log_ops()
+
+    def _peers_live(self) -> int:
+        """Live peers as far as this peer knows: its last full read, or the members of the plan it follows."""
+        plan = self.view.followed_plan() if self.view is not None else None
+        if self.role is None and plan is not None and self.view is not None and self.view.holding_plan:
+            return len(plan.members)
+        return len(self.live_adverts())
+
+    def _log_ops(self) -> None:
+        """One line of this peer's DHT gets and stores per heartbeat since the last line (bench.formation reads
+        it): what the control plane costs the swarm, by role."""
+        before, tick = self._ops_mark
+        after = DHT_OPS.snapshot()
+        heartbeats = (self._ticks - tick) / TICKS_PER_HEARTBEAT
+        self._ops_mark = (after, self._ticks)
+        if heartbeats <= 0:
+            return
+        delta = ops_delta(before, after)
+        role = "leader" if self.role is not None else ("worker" if self.view and self.view.holding_plan else "idle")
+        rates = {k: round(n / heartbeats, 2) for k, n in sorted(delta.items())}
+        gets = round(sum(n for k, n in delta.items() if k.startswith("get:")) / heartbeats, 2)
+        stores = round(sum(n for k, n in delta.items() if k.startswith("store:")) / heartbeats, 2)
+        log.info("dht ops per heartbeat %s", json.dumps({"role": role, "heartbeats": heartbeats, "get": gets,
+                                                          "store": stores, "by_record": rates}))
 
     def _leader_context(self) -> LeaderContext:
         """What the leader role may use of this daemon, and nothing more."""
@@ -423,43 +478,35 @@ class PeerDaemon:
         self.tls.trust.set_group("swarm", [cert for cert, _ in self._trusted.values()])
 
     def _may_assign(self, caller: str) -> bool:
-        """Assignments come from the leader this peer elects (any live member until it has elected one)."""
+        """Assignments come from the leader this peer elects (any live member until it has elected one). An
+        assignment from another peer may mean the election moved (a healed partition): look again."""
         elected = self.elected()
         if elected is not None:
+            if caller != elected and self.view is not None:
+                self.view.suspect_leader(f"peer {caller} sent an assignment, but {elected} is the elected leader")
             return caller == elected
         return any(a.peer_id == caller for a in self.live_adverts())
 
     def elected(self) -> str | None:
-        """The leader this peer elects now (not yet confirmed): the only peer whose plans it accepts."""
-        return self._candidate
+        """The leader this peer elects now (not yet confirmed): the only peer whose plans it accepts.
 
-    def _confirmed_leader(self, entries: list[PeerEntry]) -> str | None:
-        """The elected leader once the same peer has been elected LEADER_CONFIRM_TICKS times in a row.
-
-        A DHT read under load can miss adverts; acting on one such read would make a follower believe it leads
-        (and start a rival plan) or the leader step down. Reads that miss our own advert are incomplete and
-        ignored outright; otherwise the election must be stable for a few ticks before roles change.
-        """
-        if not any(e.advert.peer_id == self.identity.peer_id for e in entries):
-            return None
-        candidate = elect_leader(entries)
-        if candidate == self._candidate:
-            self._streak += 1
-        else:
-            self._candidate, self._streak = candidate, 1
-        return candidate if self._streak >= LEADER_CONFIRM_TICKS else None
+        The election (``peer.swarm.view``) acts only on a result stable for LEADER_CONFIRM_TICKS full reads: a
+        DHT read under load can miss adverts, and acting on one such read would make a follower believe it
+        leads (and start a rival plan) or the leader step down."""
+        return None if self.view is None else self.view.elected()
 
     def _may_lead(self) -> bool:
         """Guards against a peer that simply cannot see the leader yet (a fresh DHT view misses adverts):
         a joiner waits one advert lifetime after announcing itself, and nobody takes over while another
         leader's progress record is still fresh (the leader renews it every tick)."""
         assert self.config is not None and self.membership is not None
+        assert self.plan_board is not None and self.progress is not None
         ttl = self.membership.ttl_s
         if self.started_run is False and time.monotonic() - self._announced_at < ttl:
             return False
-        progress = self.latest_progress()
-        if progress and progress.get("leader") != self.identity.peer_id and progress.get("state") != "done":
-            age = now() - float(progress.get("at", 0.0))
+        beat = self.progress.read_beat(_progress_leader(self.plan_board.latest(), self.elected()))
+        if beat and beat.get("leader") != self.identity.peer_id and beat.get("state") != "done":
+            age = now() - float(beat.get("at", 0.0))
             if age < ttl:
                 return False
         return True
@@ -504,14 +551,22 @@ class PeerDaemon:
             self.stop_requested.wait(self.config.swarm.heartbeat_s if self.config else HEARTBEAT_S)
 
     def probe_links_now(self) -> None:
-        """Measure RTT and bandwidth to up to PROBE_SAMPLE peers not measured yet; publish every report."""
+        """Measure RTT and bandwidth to up to PROBE_SAMPLE peers a round, PROBE_PEERS in all; publish the reports.
+
+        Not every pair is probed: the leader estimates the others (``peer.node.planning.build_cluster``). The
+        targets are peers this peer trusts (certificates from its last full read of the adverts or from its
+        assignment: they trust it back), not measured yet: its neighbours in the plan it follows first, then
+        the elected leader, then others in an order fixed by its peer id. A failed target waits
+        PROBE_RETRY_ROUNDS rounds."""
         if not self._probe_lock.acquire(blocking=False):
             return
         try:
+            self._probe_rounds += 1
             others = [a for a in self.live_adverts() if a.peer_id != self.identity.peer_id and a.role == "worker"]
-            todo = [a for a in others if a.peer_id not in self._probed]
-            random.Random(self.identity.peer_id).shuffle(todo)
-            for a in todo[:PROBE_SAMPLE]:
+            live = {a.peer_id for a in others}
+            budget = min(PROBE_SAMPLE, PROBE_PEERS - len(live & set(self._probed)))
+            todo = self._probe_order(others)[:max(0, budget)]
+            for a in todo:
                 link = self._peer_link(a)
                 shaper = LinkShaper(*link) if link else None
                 try:
@@ -523,10 +578,10 @@ class PeerDaemon:
                     log.info("link to %s (%s): %.1f Mbit/s, RTT %.2f ms", a.peer_id, path, bw / 1e6, rtt * 1e3)
                 except Exception as exc:  # an unreachable peer is simply not measured
                     log.info("probe of %s failed: %s", a.peer_id, exc)
+                    self._probe_failed[a.peer_id] = self._probe_rounds
                     continue
                 self._probed[a.peer_id] = LinkReport(self.identity.peer_id, a.peer_id, rtt, bw, True, now(), path)
             if self._probed and self.membership is not None:
-                live = {a.peer_id for a in others}
                 reports = [r for pid, r in self._probed.items() if pid in live]
                 key = frozenset(r.dst for r in reports)
                 if key != self._reported:  # unchanged reports are renewed by the membership heartbeat
@@ -535,8 +590,26 @@ class PeerDaemon:
         finally:
             self._probe_lock.release()
 
+    def _probe_order(self, others: list[Advert]) -> list[Advert]:
+        """Peers to probe next, most useful first (see :meth:`probe_links_now`)."""
+        trusted = self.tls.trust.peers()
+        rounds = self._probe_rounds
+        todo = [a for a in others if a.peer_id not in self._probed and a.peer_id in trusted
+                and rounds - self._probe_failed.get(a.peer_id, -PROBE_RETRY_ROUNDS) >= PROBE_RETRY_ROUNDS]
+        random.Random(self.identity.peer_id).shuffle(todo)
+        plan = self.view.followed_plan() if self.view is not None else None
+        me, first = self.identity.peer_id, []
+        for row in (plan.plan.get("pipelines") or []) if plan is not None else []:
+            if isinstance(row, list) and me in row:
+                s = row.index(me)
+                first += [row[t] for t in (s - 1, s + 1) if 0 <= t < len(row)]
+        first.append(self.elected())
+        rank = {pid: i for i, pid in enumerate(first)}
+        return sorted(todo, key=lambda a: rank.get(a.peer_id, len(rank)))
+
     def latest_progress(self) -> dict[str, Any] | None:
-        """Progress of the leader of the plan this peer follows (before any plan: of the elected leader)."""
+        """Progress (with the loss history) of the leader of the plan this peer follows (before any plan: of the
+        elected leader): read on demand, never by the control loop."""
         assert self.progress is not None and self.plan_board is not None
         return self.progress.read(_progress_leader(self.plan_board.latest(), self.elected()))
 
@@ -580,6 +653,16 @@ class PeerDaemon:
 def _progress_leader(plan: PlanRecord | None, elected: str | None) -> str | None:
     """Whose progress counts: the leader of the plan followed, or before any plan the elected leader."""
     return plan.leader_id if plan is not None else elected
+
+
+def _process_age_s() -> float:
+    """Seconds since this process started (Linux: /proc), or -1 where that cannot be read."""
+    try:
+        start_ticks = float(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return -1.0
 
 
 def _host_of(announce: str | None) -> str | None:

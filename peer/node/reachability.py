@@ -119,8 +119,9 @@ def start_relay_service(host: str, relay_port: int, announce_host: str) -> tuple
 
 
 def establish(identity: Identity, host: str, port: int, announce: str | None, relay_port: int | None,
-              relays: Callable[[], list[str]], is_first: bool) -> Reach:
-    """Decide how this peer is reached (see the module docstring); ``relays()`` lists the swarm's relays."""
+              relays: Callable[[], list[str] | None], is_first: bool) -> Reach:
+    """Decide how this peer is reached (see the module docstring); ``relays()`` lists the swarm's relays (None
+    while it sees no other peer)."""
     announced_host = announce.rpartition(":")[0] if announce else ("" if host in WILDCARDS else host)
     endpoint = announce or (f"{host}:{port}" if announced_host else "")
     reach = Reach(endpoint)
@@ -128,7 +129,7 @@ def establish(identity: Identity, host: str, port: int, announce: str | None, re
         reach.server, reach.relay_address = start_relay_service(host, relay_port, announced_host)
     if is_first or reach.server is not None:
         return reach  # nobody to ask yet / a relay must be reachable itself (checked by whoever uses it)
-    found = _wait_for_relays(relays, RELAY_WAIT_S if not endpoint else 3.0)
+    found = _wait_for_relays(relays, RELAY_WAIT_S if not endpoint else 3.0, settle=bool(endpoint))
     if not found:
         if not endpoint:
             raise ReachabilityError(
@@ -167,11 +168,15 @@ def establish(identity: Identity, host: str, port: int, announce: str | None, re
     return reach
 
 
-def _wait_for_relays(relays: Callable[[], list[str]], timeout_s: float) -> list[str]:
+def _wait_for_relays(relays: Callable[[], list[str] | None], timeout_s: float, settle: bool = False) -> list[str]:
+    """The relays of the swarm; ``relays()`` returns None while it sees no other peer (its view is not complete
+    yet). With ``settle`` (a peer that has an address to publish anyway) a complete view without a relay ends the
+    wait at once: every joiner waiting the whole timeout slowed a large swarm's formation."""
     deadline = time.monotonic() + timeout_s
     while True:
         found = relays()
-        if found or time.monotonic() >= deadline:
+        if found or (settle and found is not None) or time.monotonic() >= deadline:
+            found = found or []
             random.shuffle(found)  # spread NAT'd peers over the relays
             return found
         time.sleep(0.5)

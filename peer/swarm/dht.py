@@ -13,6 +13,8 @@ import contextlib
 import ipaddress
 import logging
 import re
+import threading
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -59,6 +61,40 @@ class DHTConfig:
         if self.announce_host is None:
             return None
         return [_tcp_maddr("announce_host", self.announce_host, self.port)]
+
+
+class DhtOps:
+    """Counts of the DHT gets and stores made through record stores, by kind and record name ("get:peers").
+
+    The control plane's load is what these count: every record store (``peer.swarm.records``) adds to its own
+    counter and to the process-wide :data:`DHT_OPS`, so a daemon can log its reads per heartbeat and a test
+    can hold one peer's reads constant as the swarm grows. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+
+    def add(self, kind: str, name: str) -> None:
+        with self._lock:
+            self._counts[f"{kind}:{name}"] += 1
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+    def total(self, kind: str) -> int:
+        """All operations of one kind ("get" or "store")."""
+        with self._lock:
+            return sum(n for key, n in self._counts.items() if key.startswith(kind + ":"))
+
+
+DHT_OPS = DhtOps()  # every get and store of this process
+
+
+def ops_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """What happened between two snapshots (keys with no change left out)."""
+    return {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
 
 
 def _tcp_maddr(field: str, host: str, port: int) -> str:

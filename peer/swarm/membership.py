@@ -111,6 +111,7 @@ class Membership:
         self._advert: Advert | None = None
         self._links: list[LinkReport] = []
         self._run: RunRecord | None = None
+        self._run_renew_at = 0.0  # DHT time after which the heartbeat stores the run record again
         self._last_expiry = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -168,7 +169,7 @@ class Membership:
                     links, run = list(self._links), self._run
                 if links:
                     self._store_links(links)
-                if run is not None:
+                if run is not None and now() >= self._run_renew_at:
                     self._store_run(run)
             except Exception:  # a heartbeat must survive anything the DHT throws; the next one retries
                 logger.exception("heartbeat of %s failed", self.peer_id)
@@ -237,8 +238,15 @@ class Membership:
         self.publish_run(record.config, record.created_at)
 
     def _store_run(self, record: RunRecord) -> bool:
+        """Store the run record; the heartbeat renews it only when less than two advert lifetimes are left (it
+        lives much longer than an advert, and every peer keeps it: one store per heartbeat each is waste)."""
+        at = now()
+        ttl = max(self.ttl_s, RUN_RECORD_MIN_TTL_S)
         payload = {"config": record.config, "created_at": record.created_at}
-        return self.store.put("run", payload, now() + max(self.ttl_s, RUN_RECORD_MIN_TTL_S))
+        stored = self.store.put("run", payload, at + ttl)
+        if stored:
+            self._run_renew_at = at + max(self.heartbeat_s, ttl - 2 * self.ttl_s)
+        return stored
 
     # ---- reading --------------------------------------------------------------------------------------
 

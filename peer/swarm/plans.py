@@ -179,6 +179,10 @@ class PlanBoard:
             return False
         return True
 
+    def followed(self) -> PlanRecord | None:
+        """The plan this board follows, without reading the DHT (None before any)."""
+        return self._latest
+
     def next_epoch(self) -> int:
         """The epoch a new leader should publish: one above the plan followed."""
         self.latest()

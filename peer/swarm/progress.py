@@ -1,11 +1,17 @@
 """The progress board: the leader's latest step, loss and state, for followers, `peer status` and its successor.
 
-The leader publishes a progress record under ``f"{run_id}:progress"`` (signed, like every record of the run)
-every control-loop tick and at every step. Each record says which leader wrote it and when (``at``, DHT
-time), so a peer can tell a live leader from a dead one by the record's age (the takeover guard in
-``peer.node.daemon``); the record lives ``PROGRESS_TTL_S`` (much longer than that guard, see
-``peer.timing``) so a new leader and `peer status` still read the last step and the loss history after the
-leader died.
+The leader publishes two records (signed, like every record of the run), both on every call of
+:meth:`ProgressBoard.publish` (every control-loop tick and every step):
+
+* the **beat** under ``f"{run_id}:beat"``: the progress without the loss history, a few hundred bytes. Every
+  worker reads it once a heartbeat (``peer.swarm.view``): it tells a live leader from a dead one by its age
+  (``at``, DHT time), carries the plan epoch (a newer one makes the worker read the plan) and "done". Its
+  size does not grow with the run or the swarm, so a worker's reads per heartbeat stay O(1).
+* the **full record** under ``f"{run_id}:progress"``, with the loss history: stored only when it changed or
+  every ``FULL_RENEW_S``, read on demand (`peer status`, the dashboard, a new leader adopting the history).
+
+Both live ``PROGRESS_TTL_S`` (much longer than the takeover guard, see ``peer.timing``) so a new leader and
+`peer status` still read the last step and the loss history after the leader died.
 
 Readers accept progress only from the leader of the plan they follow (``peer.swarm.plans``), or, before the
 first plan, from the leader they elect: a "done" written by any other peer is a forgery and ends nothing.
@@ -16,6 +22,7 @@ records the newest wins: highest plan epoch, then highest step.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import hivemind
@@ -23,6 +30,8 @@ import hivemind
 from peer.swarm.identity import Identity
 from peer.swarm.records import RecordStore
 from peer.timing import DHT_CALL_TIMEOUT_S, PROGRESS_TTL_S, now
+
+FULL_RENEW_S = 20.0  # an unchanged full record is stored again this often (it lives PROGRESS_TTL_S)
 
 
 class ProgressBoard:
@@ -41,23 +50,39 @@ class ProgressBoard:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         self.store = RecordStore(dht, run_id, identity, secret, timeout_s)
         self.ttl_s = ttl_s
+        self._full: tuple[dict[str, Any], float] | None = None  # the last full payload stored, when (monotonic)
 
     def publish(self, payload: dict[str, Any]) -> bool:
-        """Store ``payload`` stamped with our peer id (``leader``) and the DHT time (``at``)."""
+        """Store ``payload`` stamped with our peer id (``leader``) and the DHT time (``at``): the beat always,
+        the full record when the payload changed or its last store is ``FULL_RENEW_S`` old."""
         identity = self.store.identity
         if identity is None:
             raise ValueError("a read-only progress board cannot publish")
         at = now()
         body = {**payload, "leader": identity.peer_id, "at": at}
-        return self.store.put("progress", body, at + self.ttl_s)
+        beat = {k: v for k, v in body.items() if k != "history"}
+        stored = self.store.put("beat", beat, at + self.ttl_s)
+        if self._full is None or self._full[0] != payload or time.monotonic() - self._full[1] > FULL_RENEW_S:
+            if self.store.put("progress", body, at + self.ttl_s):
+                self._full = (dict(payload), time.monotonic())
+            else:
+                stored = False
+        return stored
 
     def read(self, leader: str | None) -> dict[str, Any] | None:
-        """The newest progress record (highest epoch, then step) written by ``leader``; None when there is none
-        (or when ``leader`` is None: nobody is accepted)."""
+        """The newest progress record (highest epoch, then step) written by ``leader``, with the loss history;
+        None when there is none (or when ``leader`` is None: nobody is accepted)."""
+        return self._newest("progress", leader)
+
+    def read_beat(self, leader: str | None) -> dict[str, Any] | None:
+        """The newest beat of ``leader``: its progress without the history, ``at`` renewed on every publish."""
+        return self._newest("beat", leader)
+
+    def _newest(self, name: str, leader: str | None) -> dict[str, Any] | None:
         if leader is None:
             return None
         best: dict[str, Any] | None = None
-        for record in self.store.get_all("progress") or []:
+        for record in self.store.get_all(name) or []:
             p = record.payload
             if record.owner != leader or p.get("leader") != leader:
                 continue

@@ -40,6 +40,7 @@ from enum import Enum
 
 import hivemind
 
+from peer.swarm.dht import DHT_OPS, DhtOps
 from peer.swarm.identity import Identity, split_owner_subkey
 from peer.timing import DHT_CALL_TIMEOUT_S, now
 
@@ -105,6 +106,7 @@ class RecordStore:
             raise ValueError("secret must be a non-empty string or None")
         self.dht, self.run_id, self.identity, self.timeout_s = dht, run_id, identity, timeout_s
         self._record_key = None if secret is None else record_key(secret, run_id)
+        self.ops = DhtOps()  # this store's gets and stores (also counted in the process-wide DHT_OPS)
 
     def __repr__(self) -> str:  # never shows the record key
         return f"RecordStore(run_id={self.run_id!r}, sealed={self._record_key is not None})"
@@ -133,6 +135,7 @@ class RecordStore:
             raise ValueError(f"{name} record is {len(encoded)} bytes, more than {MAX_PAYLOAD_BYTES}")
         expires_at = float(expires_at)
         envelope = {"p": payload, "mac": self.mac(name, self.identity.peer_id, suffix, expires_at, payload)}
+        self._count("store", name)
         future = self.dht.store(
             self.key(name), envelope, expires_at, subkey=self.identity.owner_tag + suffix, return_future=True
         )
@@ -150,6 +153,7 @@ class RecordStore:
         """Every well-formed, unexpired record under ``name`` with its MAC status (the payload only where the
         MAC verifies); None if the DHT timed out. ``include_expired`` keeps records that are expired by our own
         clock but still held by the DHT (the clock check at join compares clocks with them)."""
+        self._count("get", name)
         future = self.dht.get(self.key(name), latest=True, return_future=True)
         try:
             found = future.result(timeout=self.timeout_s)
@@ -166,6 +170,10 @@ class RecordStore:
             logger.warning("%s holds a plain value, not per-peer records; ignored", self.key(name))
             return []
         return list(self._parse(name, found.value, float("-inf") if include_expired else now()))
+
+    def _count(self, kind: str, name: str) -> None:
+        self.ops.add(kind, name)
+        DHT_OPS.add(kind, name)
 
     def _parse(self, name: str, entries: dict, at: float) -> Iterator[SignedRecord]:
         for subkey, item in entries.items():

@@ -1,0 +1,136 @@
+"""What a peer reads of the swarm, and when: O(1) DHT reads per heartbeat for a worker that follows a live leader.
+
+Reading every advert is O(N) bytes for one reader and O(N^2) for the swarm when every peer does it every
+tick; that is what kept 32 daemons from forming on one machine. Only the peers that need the whole candidate
+set read it (``Membership.live_entries``):
+
+* the **leader**, every tick: it plans from the adverts and must notice joins, deaths and a healed partition;
+* a peer **without a confirmed leader** (just joined, or the election is still settling), every tick;
+* a peer that **suspects the leader**: the leader's beat (``peer.swarm.progress``) was missing or older than
+  one advert lifetime at the last look, or a peer other than the one it elected tried to assign it work
+  (:meth:`SwarmView.suspect_leader`; the election may have moved, e.g. a partition healed), every tick;
+* a peer **without an assignment** (forming, or a newcomer the leader has not planned yet), once a heartbeat:
+  it needs the adverts to know whom to probe and whose TLS certificate to trust.
+
+A worker holding an assignment and following a live leader reads one small record a heartbeat: the leader's
+beat (plan epoch, step, state, DHT time). The plan itself is read only when the beat names a newer epoch; the
+full progress record (loss history) only on demand (`peer status`, the dashboard, a new leader); the
+certificates it needs are those its assignment names (``peer.runtime.worker``). The election is unchanged
+(``peer.swarm.election``): the same pure function of the live records, acted on only once it has been stable
+for ``LEADER_CONFIRM_TICKS`` full reads, and plans and progress are accepted only from the elected leader
+(``peer.swarm.plans``), so the fencing by (epoch, leader id) and the quorum rule hold as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from peer.swarm.election import elect_leader
+from peer.swarm.membership import Membership, PeerEntry
+from peer.swarm.plans import PlanBoard, PlanRecord
+from peer.swarm.progress import ProgressBoard
+from peer.timing import LEADER_CONFIRM_TICKS, TICKS_PER_HEARTBEAT, now
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Tick:
+    """What one tick learned: ``entries`` when it read every advert (else None), and the confirmed leader (None
+    while the election settles, or when the read was incomplete)."""
+
+    entries: list[PeerEntry] | None
+    leader: str | None
+
+
+class SwarmView:
+    """One peer's reading policy over its membership, plan board and progress board (see the module docstring).
+
+    ``holding_plan`` is set by the owner (the daemon: whether its worker holds an assignment). Thread-safe
+    enough for its use: ``suspect_leader`` may be called from a gRPC thread, it only sets a flag.
+    """
+
+    def __init__(self, membership: Membership, plans: PlanBoard, progress: ProgressBoard, *,
+                 confirm_ticks: int = LEADER_CONFIRM_TICKS, ticks_per_heartbeat: int = TICKS_PER_HEARTBEAT) -> None:
+        self.membership, self.plans, self.progress = membership, plans, progress
+        self.confirm_ticks, self.ticks_per_heartbeat = confirm_ticks, ticks_per_heartbeat
+        self.candidate: str | None = None  # the leader elected at the last complete full read
+        self.streak = 0  # full reads in a row that elected the candidate
+        self.suspect = True  # read everything until a confirmed leader is seen beating
+        self.holding_plan = False
+        self.beat: dict[str, Any] | None = None  # the last beat of the leader whose progress counts
+        self.ticks = 0
+        self.full_reads = 0
+
+    @property
+    def me(self) -> str:
+        return self.membership.peer_id
+
+    def elected(self) -> str | None:
+        """The leader this peer elects now (not yet confirmed): the only peer whose plans it accepts."""
+        return self.candidate
+
+    def confirmed(self) -> str | None:
+        return self.candidate if self.streak >= self.confirm_ticks else None
+
+    def suspect_leader(self, why: str) -> None:
+        """Read the whole candidate set again from the next tick on (until the leader is seen beating)."""
+        if not self.suspect:
+            logger.info("reading every advert again: %s", why)
+        self.suspect = True
+
+    def needs_full_read(self, leading: bool) -> bool:
+        if leading or self.suspect or self.confirmed() is None or self.candidate == self.me:
+            return True
+        return not self.holding_plan and self.ticks % self.ticks_per_heartbeat == 0
+
+    def tick(self, leading: bool) -> Tick:
+        """One control-loop tick: a full read when needed (see the module docstring), the leader's beat once a
+        heartbeat."""
+        entries: list[PeerEntry] | None = None
+        complete = True
+        if self.needs_full_read(leading):
+            entries = self.membership.live_entries()
+            self.full_reads += 1
+            complete = self._elect(entries)
+        if self.ticks % self.ticks_per_heartbeat == 0:
+            self._look_at_leader()
+        self.ticks += 1
+        return Tick(entries, self.confirmed() if complete else None)
+
+    def _elect(self, entries: list[PeerEntry]) -> bool:
+        """Count a full read toward the election; False (and nothing changed) for a read without our own advert:
+        such a read is incomplete, and acting on it could make a follower believe it leads."""
+        if not any(e.advert.peer_id == self.me for e in entries):
+            return False
+        candidate = elect_leader(entries)
+        if candidate == self.candidate:
+            self.streak += 1
+        else:
+            self.candidate, self.streak = candidate, 1
+        return True
+
+    def _look_at_leader(self) -> None:
+        """Read the elected leader's beat: fresh clears suspicion, missing or stale raises it; a newer epoch
+        than the plan followed (or a new leader) makes us read the plan."""
+        leader = self.candidate
+        if leader is None:
+            return
+        beat = self.progress.read_beat(leader)
+        if beat is None or now() - float(beat["at"]) >= self.membership.ttl_s:
+            if leader != self.me:
+                self.suspect_leader(f"no fresh beat from the leader {leader}")
+        elif self.confirmed() == leader:
+            self.suspect = False
+        plan = self.plans.followed()
+        if beat is not None and (plan is None or beat["epoch"] > plan.epoch or plan.leader_id != leader):
+            plan = self.plans.latest()
+        counted = leader if plan is None else plan.leader_id  # progress counts only from the plan's leader
+        # in a takeover the plan's leader is not (yet) the one we elect: its "done" still ends the run
+        self.beat = beat if counted == leader else self.progress.read_beat(counted)
+
+    def followed_plan(self) -> PlanRecord | None:
+        """The plan this peer follows, without reading the DHT."""
+        return self.plans.followed()
