@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 
 def _clock_offset_s() -> float:
@@ -82,9 +83,19 @@ def _clock_offset_s() -> float:
 _CLOCK_OFFSET_S = _clock_offset_s()
 
 
+_CLOCK = time.time  # replaced by a virtual clock in the control-plane simulator (set_clock)
+
+
+def set_clock(clock: Callable[[], float] | None) -> None:
+    """Simulation hook: :func:`now` reads ``clock()`` instead of the wall clock (None restores the wall clock),
+    so ``peer.emulation.cpsim`` runs the real control-plane code in deterministic virtual time."""
+    global _CLOCK
+    _CLOCK = time.time if clock is None else clock
+
+
 def now() -> float:
     """This peer's wall-clock (DHT) time: what every record's ``at`` and expiry is computed from."""
-    return time.time() + _CLOCK_OFFSET_S
+    return _CLOCK() + _CLOCK_OFFSET_S
 
 
 # -- liveness on the DHT ----------------------------------------------------------------------------------

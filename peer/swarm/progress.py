@@ -22,7 +22,6 @@ records the newest wins: highest plan epoch, then highest step.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import hivemind
@@ -50,7 +49,7 @@ class ProgressBoard:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         self.store = RecordStore(dht, run_id, identity, secret, timeout_s)
         self.ttl_s = ttl_s
-        self._full: tuple[dict[str, Any], float] | None = None  # the last full payload stored, when (monotonic)
+        self._full: tuple[dict[str, Any], float] | None = None  # the last full payload stored, when (DHT time)
 
     def publish(self, payload: dict[str, Any]) -> bool:
         """Store ``payload`` stamped with our peer id (``leader``) and the DHT time (``at``): the beat always,
@@ -62,9 +61,9 @@ class ProgressBoard:
         body = {**payload, "leader": identity.peer_id, "at": at}
         beat = {k: v for k, v in body.items() if k != "history"}
         stored = self.store.put("beat", beat, at + self.ttl_s)
-        if self._full is None or self._full[0] != payload or time.monotonic() - self._full[1] > FULL_RENEW_S:
+        if self._full is None or self._full[0] != payload or now() - self._full[1] > FULL_RENEW_S:
             if self.store.put("progress", body, at + self.ttl_s):
-                self._full = (dict(payload), time.monotonic())
+                self._full = (dict(payload), now())
             else:
                 stored = False
         return stored
