@@ -17,10 +17,11 @@ matmul is timed). Every figure is seconds from the moment the benchmark launched
 ``startup`` gives each start-up phase of a peer (median and max over the N peers): ``process`` is from the
 process's start to its daemon code (interpreter, imports), then the DHT node, the run record and corpus, the
 worker server, reachability, the announcement; ``last_announced_s`` is when the last peer announced itself.
-``dht_ops_per_heartbeat`` is each role's DHT gets and stores per heartbeat as the daemons log them (median
-over the peers' log lines; a worker is a peer holding an assignment, "idle" one without): run with
-``--steps 30`` or more so the workers log a few such lines after the first plan. All peers share this
-machine's cores, so large swarms measure CPU contention as much as the protocol: say so when quoting.
+``dht_ops_per_heartbeat`` is each role's DHT gets, records those gets returned (a get of every advert returns
+one per live peer) and stores per heartbeat as the daemons log them (median over the peers' log lines; a
+worker is a peer holding an assignment, "idle" one without): run with ``--steps 30`` or more so the workers
+log a few such lines after the first plan. All peers share this machine's cores, so large swarms measure
+CPU contention as much as the protocol: say so when quoting.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ def form(n: int, timeout_s: float, say: Any, keep_logs: bool = False, steps: int
     if phases:
         say("        start-up (median/max s): " + ", ".join(f"{k} {v['median']}/{v['max']}" for k, v in phases.items()))
     for role, ops in (out.get("dht_ops_per_heartbeat") or {}).items():
-        say(f"        {role}: {ops['get']} DHT gets, {ops['store']} stores per heartbeat ({ops['lines']} log lines)")
+        say(f"        {role}: {ops['get']} DHT gets ({ops['rows']} records read), {ops['store']} stores per heartbeat "
+            f"({ops['lines']} log lines)")
     return out
 
 
@@ -122,7 +124,8 @@ def _from_logs(logs: list[str], wall0: float, n: int) -> dict[str, Any]:
         out["last_announced_s"] = round(max(announced), 2)
     out["dht_ops_per_heartbeat"] = {
         role: {"get": round(statistics.median(x["get"] for x in lines), 2),
-               "store": round(statistics.median(x["store"] for x in lines), 2), "lines": len(lines)}
+               "store": round(statistics.median(x["store"] for x in lines), 2),
+               "rows": round(statistics.median(x.get("rows", 0) for x in lines), 2), "lines": len(lines)}
         for role, lines in sorted(ops.items())
     }
     return out

@@ -442,8 +442,9 @@ class PeerDaemon:
         rates = {k: round(n / heartbeats, 2) for k, n in sorted(delta.items())}
         gets = round(sum(n for k, n in delta.items() if k.startswith("get:")) / heartbeats, 2)
         stores = round(sum(n for k, n in delta.items() if k.startswith("store:")) / heartbeats, 2)
+        rows = round(sum(n for k, n in delta.items() if k.startswith("rows:")) / heartbeats, 2)
         log.info("dht ops per heartbeat %s", json.dumps({"role": role, "heartbeats": heartbeats, "get": gets,
-                                                          "store": stores, "by_record": rates}))
+                                                          "store": stores, "rows": rows, "by_record": rates}))
 
     def _leader_context(self) -> LeaderContext:
         """What the leader role may use of this daemon, and nothing more."""

@@ -64,7 +64,8 @@ class DHTConfig:
 
 
 class DhtOps:
-    """Counts of the DHT gets and stores made through record stores, by kind and record name ("get:peers").
+    """Counts of the DHT gets and stores made through record stores, by kind and record name ("get:peers"), and
+    of the records the gets returned ("rows:peers": a get of every advert returns one row per live peer).
 
     The control plane's load is what these count: every record store (``peer.swarm.records``) adds to its own
     counter and to the process-wide :data:`DHT_OPS`, so a daemon can log its reads per heartbeat and a test
@@ -75,16 +76,16 @@ class DhtOps:
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
 
-    def add(self, kind: str, name: str) -> None:
+    def add(self, kind: str, name: str, n: int = 1) -> None:
         with self._lock:
-            self._counts[f"{kind}:{name}"] += 1
+            self._counts[f"{kind}:{name}"] += n
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counts)
 
     def total(self, kind: str) -> int:
-        """All operations of one kind ("get" or "store")."""
+        """All counts of one kind ("get", "store" or "rows")."""
         with self._lock:
             return sum(n for key, n in self._counts.items() if key.startswith(kind + ":"))
 

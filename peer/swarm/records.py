@@ -169,11 +169,13 @@ class RecordStore:
         if not isinstance(found.value, dict):
             logger.warning("%s holds a plain value, not per-peer records; ignored", self.key(name))
             return []
-        return list(self._parse(name, found.value, float("-inf") if include_expired else now()))
+        records = list(self._parse(name, found.value, float("-inf") if include_expired else now()))
+        self._count("rows", name, len(records))
+        return records
 
-    def _count(self, kind: str, name: str) -> None:
-        self.ops.add(kind, name)
-        DHT_OPS.add(kind, name)
+    def _count(self, kind: str, name: str, n: int = 1) -> None:
+        self.ops.add(kind, name, n)
+        DHT_OPS.add(kind, name, n)
 
     def _parse(self, name: str, entries: dict, at: float) -> Iterator[SignedRecord]:
         for subkey, item in entries.items():
