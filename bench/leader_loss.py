@@ -10,11 +10,25 @@ other replica of stage 0, dies with it, so stage 0 has no replica left. Leader 2
 checkpoint folder, takes over the run at the step leader 1 reached: no live peer holds stage 0, so it fetches
 the newest copy from the live peers, rolls the run back to it (the log says how many steps are redone) and
 trains to the end on ``[[w4, w1]]``. ``resume_s`` is the time from leader 2's start to its first finished step.
+
+The same on the network-namespace test bed (:func:`run_bed_leader_loss`, used by
+``tests/test_netbed_leader_loss.py`` and ``python -m bench.recovery --leader-disk-bed``): four real `peer`
+daemons on four bed hosts, each with a disk of its own (every peer's process bind-mounts its host's folder at
+the run's ``checkpoint_dir``, in the mount namespace ``ip netns exec`` gives it). The plan is one pipeline of
+three stages and a spare; the leader (the fastest device, so it holds a stage) checkpoints every
+``BED_CHECKPOINT_EVERY`` steps and copies each checkpoint to the two other workers. Then its host dies: the
+daemon is killed, the link goes down, the disk is deleted. Its stage has no other replica; the three survivors
+are a quorum, elect a leader, which fetches the newest copy, rolls back (the log says how many steps are redone)
+and trains to the end. ``resume_s`` there is the time from the kill to the new leader's first finished step:
+failure detection, election, the copy fetched, the re-plan and one step.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +40,10 @@ from peer.compute.data import Corpus
 from peer.compute.model import ModelConfig, unflatten_stage
 from peer.compute.reference import train_reference
 from peer.emulation.local import chunk_planner
+from peer.emulation.multihost import BedPeers
+from peer.emulation.netbed import Host, NetBed
+from peer.emulation.procs import PEER_COMMAND, child_env, launch, write_small_config
+from peer.emulation.reference_check import ReferenceGap, gap_to_reference
 from peer.runtime.assign import build_assignments
 from peer.runtime.coordinator import Coordinator
 from peer.runtime.driver import DriverConfig, Pipelines, RunDriver, RunEvents, Stages
@@ -118,3 +136,115 @@ def max_rel_diff(states: dict[tuple[int, int], dict[str, Any]], steps: int) -> f
             ref = reference[name]
             worst = max(worst, float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12)))
     return worst
+
+
+# ------------------------------------------------------------------------------------------------ on the bed
+REPO = Path(__file__).resolve().parent.parent
+BED_STEPS = 14
+BED_CHECKPOINT_EVERY = 3
+BED_TFLOPS = "0.0002"  # about a second a step: the kill lands between two checkpoints
+BED_LEADER_TFLOPS = "0.0006"  # the fastest device: the planner gives it a stage (the slowest is the spare)
+_STEP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO peer.node.leader_role: step (\d+):", re.M)
+_COPIED = re.compile(r"checkpoint of step (\d+) copied to")
+
+
+class DiskPeers(BedPeers):
+    """One `peer` per bed host, listening on the host's address, with ``disks/<host>`` mounted at ``mount``."""
+
+    def __init__(self, log_dir: Path, disks: Path, mount: Path) -> None:
+        super().__init__(log_dir)
+        self.disks, self.mount = disks, mount
+
+    def disk(self, host: Host) -> Path:
+        return self.disks / host.name
+
+    def spawn(self, host: Host, args: list[str]) -> subprocess.Popen[str]:
+        """``ip netns exec`` gives the process a mount namespace of its own: the bind mount stays in it."""
+        self.disk(host).mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        mount = ["sh", "-c", 'mount --bind "$1" "$2" && shift 2 && exec "$@"', "sh",
+                 str(self.disk(host)), str(self.mount)]
+        tflops = BED_LEADER_TFLOPS if args[0] == "start" else BED_TFLOPS
+        cmd = host.cmd(*mount, *PEER_COMMAND, *args, "--host", host.addr, "--dht-host", host.addr,
+                       "--emulate-tflops", tflops, "--log-level", "INFO")
+        proc, log = launch(cmd, self.log_dir / f"{host.name}.log", env=child_env(), cwd=REPO)
+        assert log is not None
+        self._logs.append(log)
+        self.procs[host.name] = proc
+        return proc
+
+
+@dataclass
+class BedLeaderLoss:
+    """What the bed scenario saw; ``logs`` by host name (pub0 the dead leader, pub1 its successor)."""
+
+    plan_pipelines: list[list[int]]
+    copied_before_kill: int  # the newest checkpoint step copied to peers before the kill
+    killed_after_step: int  # the last step the dead leader logged
+    survivor_has_copy: bool
+    exit_codes: dict[str, int | None]
+    logs: dict[str, str]
+    fetched_step: int | None = None  # the copy the new leader fetched
+    rolled_back_to: int | None = None
+    steps_redone: int | None = None
+    resume_s: float | None = None  # kill to the new leader's first finished step
+    new_leader_kept_copy: bool = False
+    gap: ReferenceGap | None = None
+
+
+def _stamp(stamp: str) -> float:
+    return time.mktime(time.strptime(stamp[:19], "%Y-%m-%d %H:%M:%S")) + int(stamp[20:]) / 1e3
+
+
+def _wait(what: str, timeout_s: float, check: Any) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(0.2)
+
+
+def run_bed_leader_loss(bed: NetBed, root: Path) -> BedLeaderLoss:
+    """Run the bed scenario (module docstring) in ``bed``; files under ``root``. Every peer is killed at the end."""
+    save, mount, disks = root / "result", root / "disk", root / "disks"
+    mount.mkdir(parents=True)
+    extra = (f"save_dir = {json.dumps(str(save))}\ncheckpoint_dir = {json.dumps(str(mount / 'ckpt'))}\n"
+             f"checkpoint_every = {BED_CHECKPOINT_EVERY}\ncheckpoint_copies = 2\n")
+    cfg = write_small_config(root, steps=BED_STEPS, min_peers=4, stages=3, extra=extra)
+    hosts = [bed.add_public(f"pub{i}") for i in range(4)]
+    peers = DiskPeers(root / "logs", disks, mount)
+    try:
+        dht0 = peers.start(hosts[0], cfg)
+        for host in hosts[1:]:
+            peers.join(host, dht0)
+            time.sleep(1.0)  # the join order is the seniority: pub1 is next in line
+        leader_log = lambda: peers.log("pub0")  # noqa: E731
+        _wait("a checkpoint copied to two peers", 240, lambda: _COPIED.search(leader_log()) is not None)
+        copied = max(int(s) for s in _COPIED.findall(leader_log()))
+        _wait("a step past the copied checkpoint", 120,
+              lambda: any(int(s) > copied for _, s in _STEP.findall(leader_log())))
+        plan = re.findall(r"plan epoch \d+ \(start\): stages .*, pipelines (\[.*\]), continuing", leader_log())
+        # the leader's host dies: process, link and disk
+        peers.kill("pub0")
+        t_dead = time.time()
+        killed_at = max(int(s) for _, s in _STEP.findall(leader_log()))
+        hosts[0].run("ip", "link", "set", "eth0", "down")
+        shutil.rmtree(peers.disk(hosts[0]))
+        has_copy = any(any(peers.disk(h).glob("ckpt/copies/run-*/step-*")) for h in hosts[1:])
+        codes = peers.wait_all(240)
+        out = BedLeaderLoss(json.loads(plan[0]) if plan else [], copied, killed_at, has_copy, codes,
+                            {h.name: peers.log(h.name) for h in hosts})
+        new_log = out.logs["pub1"]
+        fetched = re.search(r"using the checkpoint copy of step (\d+) fetched from", new_log)
+        rolled = re.search(r"rolling back to the checkpoint of step (\d+), redoing (\d+) step\(s\)", new_log)
+        out.fetched_step = int(fetched.group(1)) if fetched else None
+        if rolled:
+            out.rolled_back_to, out.steps_redone = int(rolled.group(1)), int(rolled.group(2))
+        after = sorted(_stamp(t) for t, _ in _STEP.findall(new_log) if _stamp(t) > t_dead)
+        out.resume_s = after[0] - t_dead if after else None
+        out.new_leader_kept_copy = any(peers.disk(hosts[1]).glob("ckpt/step-*"))
+    finally:
+        peers.close()
+    if codes.get("pub1") == 0 and (save / "run.json").exists():
+        out.gap = gap_to_reference(save, BED_STEPS)
+    return out

@@ -16,7 +16,10 @@ Leader lost with its disk (``leader_disk_*``; ``--leader-disk-only`` runs just t
 scenario — the leader's host, its checkpoint folder and the other replica of a stage die at once; a new leader
 on another host fetches the newest checkpoint copy a peer holds and resumes from it. ``leader_disk_resume_s``
 is the time from the new leader's start to its first finished step (fetching the copy, re-planning, the
-workers loading the checkpoint, one step).
+workers loading the checkpoint, one step). ``--leader-disk-bed`` runs the same on the network-namespace bed
+with real daemons (bench.leader_loss.run_bed_leader_loss; root): ``leader_disk_bed_resume_s`` is the time from
+the kill of the leader's daemon to the new leader's first finished step, so it also counts failure detection,
+the election and the takeover.
 
 Churn runs: the same swarm for a fixed wall time, once undisturbed and once with one worker killed and
 replaced every ``--churn-period`` seconds; the figure is tokens/s over the whole run.
@@ -38,7 +41,7 @@ from typing import Any
 
 import torch
 
-from bench.leader_loss import run_leader_loss
+from bench.leader_loss import run_bed_leader_loss, run_leader_loss
 from peer.compute.data import Corpus
 from peer.compute.model import ModelConfig, unflatten_stage
 from peer.compute.reference import train_reference
@@ -239,6 +242,25 @@ def leader_disk_run(say: Any) -> dict[str, Any]:
     }
 
 
+def leader_disk_bed_run(say: Any) -> dict[str, Any]:
+    """The bed variant (real daemons, a disk per host): kill of the leader to the new leader's first step."""
+    from peer.emulation.netbed import open_bed, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        raise SystemExit(f"bench.recovery --leader-disk-bed: network namespaces unavailable: {reason}")
+    say("leader loss on the netns bed: 4 daemons, the leader's daemon, link and disk die; a new leader resumes")
+    with tempfile.TemporaryDirectory(prefix="bench-leader-loss-bed-") as tmp, open_bed() as bed:
+        r = run_bed_leader_loss(bed, Path(tmp))
+    return {
+        "leader_disk_bed_resume_s": None if r.resume_s is None else round(r.resume_s, 2),
+        "leader_disk_bed_steps_redone": r.steps_redone,
+        "leader_disk_bed_copy_step": r.fetched_step,
+        "leader_disk_bed_killed_after_step": r.killed_after_step,
+        "leader_disk_bed_max_param_abs_diff": None if r.gap is None else r.gap.max_abs,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
@@ -250,7 +272,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--churn-period", type=float, default=30.0, help="seconds between churn kills (default: 30)")
     parser.add_argument("--leader-disk-only", action="store_true",
                         help="only the leader-lost-with-its-disk figures (a few seconds)")
+    parser.add_argument("--leader-disk-bed", action="store_true",
+                        help="only the leader-lost-with-its-disk figures on the netns bed, real daemons (root; ~90 s)")
     args = parser.parse_args(argv)
+    if args.leader_disk_bed:
+        logging.basicConfig(level=logging.ERROR)
+        print(json.dumps(leader_disk_bed_run(lambda line: print(line, file=sys.stderr))))
+        return 0
     if args.leader_disk_only:
         logging.basicConfig(level=logging.ERROR)
         torch.set_num_threads(1)
