@@ -20,6 +20,11 @@ to matter):
   its own best placement is reported too). Wall clock after k steps = k x pipeline time + (syncs so far) x
   sync time.
 
+``--validate`` checks the modeled step time against the runtime itself: 8 worker processes on loopback, links
+shaped to the world-wide scenario scaled down (``VALIDATE_BANDWIDTH_SCALE``), compute emulated, a tiny GPT;
+measured seconds per step of exact training, int4 activations and DiLoCo (H 4, int8) against the ``full``
+model's prediction of that same scaled run.
+
 The target loss is the validation loss exact training reaches after ``steps`` steps; every other run goes on
 to ``extend x steps`` (stopping once it has reached the target) to find when it gets there. The penalty of an
 option is its relative validation-loss gap to exact training after ``steps`` steps (0 when better); the bench
@@ -345,6 +350,48 @@ def run(cfg: TrainConfig, table_path: Path | None, plot_path: Path | None, searc
     return out
 
 
+VALIDATE_WORKLOAD = Workload.gpt(n_layers=4, d_model=32, n_heads=4, seq_len=32, vocab=256, micro_batch=2,
+                                n_microbatches=4, stages=4, replicas=2)
+VALIDATE_BANDWIDTH_SCALE = 1e-3  # world-wide links of 0.34-1.16 Gbit/s become 0.34-1.16 Mbit/s
+VALIDATE_FWD_S = 0.02  # emulated forward time of a middle stage per micro-batch
+
+
+def validate(steps: int = 8) -> dict[str, Any]:
+    """Real steps of the runtime (8 worker processes on loopback, links shaped to the scaled world-wide
+    scenario, compute emulated) for exact training, int4 activations, and DiLoCo H=4 with int8
+    pseudo-gradients, against the ``full`` model's prediction of the same scaled run."""
+    from peer.compute.stage import OptimConfig
+    from peer.emulation.local import LocalSwarm
+    from peer.emulation.network import link_model, scaled_cluster
+    from peer.runtime.spec import RunSpec
+
+    w = VALIDATE_WORKLOAD
+    mid = w.stage_forward_flops(1, 2)
+    tflops_scale = mid / VALIDATE_FWD_S / 1e12 / 50.0
+    cluster = scaled_cluster(world(), VALIDATE_BANDWIDTH_SCALE, tflops_scale)
+    stages = even_stages(w.n_layers, 4)
+    pipelines = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    layout = Plan(stages, pipelines)
+    model = ModelConfig(n_layers=w.n_layers, d_model=w.d_model, n_heads=w.n_heads, seq_len=w.seq_len, seed=1)
+    out: dict[str, Any] = {"bandwidth_scale": VALIDATE_BANDWIDTH_SCALE, "tflops_per_device": 50.0 * tflops_scale,
+                           "pipelines": pipelines, "steps": steps}
+    for act, sync in (("none", EXACT), ("int4", EXACT), ("none", SyncOption(4, "int8"))):
+        choice = Choice((act,) * 3, sync)
+        spec = RunSpec(run_id="bench-bandwidth", model=model, optim=OptimConfig(lr=3e-3, eps=1e-3), seed=3,
+                       micro_batch=w.micro_batch, n_microbatches=w.n_microbatches, compression=act,
+                       sync_period=sync.period, pseudo_grad_compression=sync.pseudo_grad_compression)
+        with LocalSwarm(spec, 8, links=link_model(cluster), forward_flops=w.stage_forward_flops,
+                        heartbeat_s=2.0) as swarm:
+            result = swarm.train((stages, pipelines), steps, collect_states=False)
+        secs = result.step_seconds[1:]  # step 0: process warm-up
+        measured = sum(secs) / len(secs)
+        predicted = float(predict(cluster, w, layout, choice)["total_s"])
+        out[_label(choice)] = {"measured_step_s": round(measured, 3), "predicted_step_s": round(predicted, 3),
+                               "error": round(measured / predicted - 1.0, 3)}
+        log.info("validate %s: measured %.3f s/step, predicted %.3f", _label(choice), measured, predicted)
+    return out
+
+
 def plot(per_option: dict[str, Any], target: float, path: Path) -> None:
     """Validation loss against modeled wall-clock seconds, one line per option (log time axis)."""
     import matplotlib
@@ -379,8 +426,13 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"where to write the loss-penalty table (default {PENALTY_PATH}; quick: not written)")
     parser.add_argument("--plot", type=Path, default=None, help=f"plot file (default {DEFAULT_PLOT}; quick: none)")
     parser.add_argument("--search-seconds", type=float, default=20.0, help="time limit of each placement search")
+    parser.add_argument("--validate", action="store_true",
+                        help="instead: real runtime steps on the scaled world-wide network vs the modeled step time")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    if args.validate:
+        print(json.dumps(validate(args.steps or 8)))
+        return 0
     cfg = QUICK if args.quick else TrainConfig()
     if args.steps is not None:
         if args.steps < 2:
