@@ -88,13 +88,17 @@ def test_a_slow_pipeline_gets_only_what_it_finishes_before_the_others_and_is_mea
     assert pool.lease(0) == 0, "one micro-batch: done in 1 s, before the other drains 7 at 0.2 s each (1.4 s)"
     assert pool.lease(0) is None, "a second would end at 2 s: the fast pipeline takes it"
     assert pool.paced == 1
-    assert [pool.lease(1), pool.lease(1)] == [1, 2]
+    now[0] = 1.01
+    assert pool.lease(0) == 1, "the fast pipeline did not lease within a slow micro-batch's time: it is not waited for"
+    now[0] = 0.0
+    assert [pool.lease(1), pool.lease(1)] == [2, 3]
     now[0] = 0.2
-    assert pool.commit(1, 1) is CommitResult.COMMITTED
-    now[0] = 0.4
     assert pool.commit(2, 1) is CommitResult.COMMITTED
-    now[0] = 1.0
+    now[0] = 0.4
+    assert pool.commit(3, 1) is CommitResult.COMMITTED
+    now[0] = 2.0
     assert pool.commit(0, 0) is CommitResult.COMMITTED
+    assert pool.commit(1, 0) is CommitResult.COMMITTED
     measured = pool.measured_service_s()
     assert measured[0] == pytest.approx(1.0) and measured[1] == pytest.approx(0.2), "busy time over commits"
     # the fast pipeline gone: the slow one is served again, whatever it measured

@@ -32,7 +32,8 @@ Rules, and why:
   pipeline's measured seconds per micro-batch, from the previous step of the same plan). A pipeline five times
   slower than the others takes one micro-batch where it used to take its share, and the step does not wait for
   it, nor does a speculative copy have to overtake it (which fails its whole share of the step). Without a
-  measurement, or with no other pipeline left, every pipeline is served.
+  measurement, or with no other pipeline leasing in this step (after one of its own micro-batch times), every
+  pipeline is served.
 * The step may synchronise gradients only when ``complete()``: every micro-batch committed. The commit record
   (``assignment()``) tells each stage replica exactly which micro-batches its accumulator must hold, so the
   reduction can verify "each micro-batch once" instead of trusting it.
@@ -100,6 +101,7 @@ class TaskPool:
         # pipeline -> measured seconds per micro-batch (previous step); only positive, finite figures count
         self.service_s = {p: s for p, s in (service_s or {}).items() if 0 < s < float("inf")}
         self.paced = 0  # lease requests answered "wait" because another pipeline finishes sooner
+        self._started = clock()
         self._first_lease: dict[int, float] = {}
         self._busy: dict[int, list[tuple[float, float]]] = {}  # pipeline -> (leased, committed) of its commits
 
@@ -131,8 +133,14 @@ class TaskPool:
         """Whether the other pipelines would finish their held work and every free micro-batch before
         ``pipeline`` finished one more (fluid estimate from ``service_s``; see the module docstring)."""
         own = self.service_s.get(pipeline)
-        others = {p: s for p, s in self.service_s.items() if p != pipeline and p not in self._failed}
-        if own is None or not others:
+        if own is None:
+            return False
+        # a pipeline counts once it leases in this step, or while the step is younger than one of our own
+        # micro-batches (feeders start together): one that sits the step out holds nobody back for long
+        young = self._clock() - self._started < own
+        others = {p: s for p, s in self.service_s.items()
+                  if p != pipeline and p not in self._failed and (p in self._first_lease or young)}
+        if not others:
             return False
         own_finish = (self._held(pipeline) + 1) * own
         others_finish = (sum(self._held(p) for p in others) + len(self._free)) / sum(1 / s for s in others.values())
