@@ -280,7 +280,7 @@ def decode_tensor(
     elif msg.compression in lowbit.WIRE_IDS.values():
         if dtype not in FLOAT_DTYPES:
             raise BadMessage(f"{label}.compression", f"low-bit compression of a {msg.dtype} tensor")
-        flat = lowbit.decode_flat(msg, label, numel).to(dtype)
+        flat = lowbit.decode_flat(msg, label, numel, data).to(dtype)
     else:
         raise BadMessage(f"{label}.compression", f"unknown compression {msg.compression}")
     if not allow_nonfinite and dtype in FLOAT_DTYPES and numel:

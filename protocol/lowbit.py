@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from typing import Any
 
 import torch
 
@@ -217,12 +218,16 @@ def encode_into(msg: pb.Tensor, name: str, x: torch.Tensor, compression: str, bl
     return msg
 
 
-def decode_flat(msg: pb.Tensor, label: str, numel: int) -> torch.Tensor:
-    """The float32 elements of a low-bit message (shape and dtype already validated by the caller)."""
+def decode_flat(msg: Any, label: str, numel: int, data: bytes | memoryview | None = None) -> torch.Tensor:
+    """The float32 elements of a low-bit message (shape and dtype already validated by the caller).
+
+    ``msg``: a ``pb.Tensor`` or a received ``protocol.message.WireTensor``; ``data``: its payload when the
+    caller has it already (saves the copy that ``msg.data`` makes of a WireTensor's buffer).
+    """
     block_size = msg.block_size
     if not 1 <= block_size <= MAX_BLOCK_SIZE:
         raise BadMessage(f"{label}.block_size", f"{block_size} is not in [1, {MAX_BLOCK_SIZE}]")
-    data = msg.data
+    data = msg.data if data is None else data
     if msg.compression == TOPK:
         if msg.scales:
             raise BadMessage(f"{label}.scales", "TOPK carries no scales")

@@ -252,3 +252,22 @@ def test_unknown_compression_id_still_refused() -> None:
     m = _good("int4")
     m.compression = 99  # type: ignore[assignment]
     _refused(m, "compression")
+
+
+def test_received_payload_buffer_is_decoded_without_reading_data() -> None:
+    """A received WireTensor keeps its bytes in ``payload`` (a buffer); the low-bit decoder reads that."""
+
+    class Received:
+        def __init__(self, msg: pb.Tensor) -> None:
+            self.name, self.dtype, self.shape = msg.name, msg.dtype, list(msg.shape)
+            self.compression, self.scales, self.block_size = msg.compression, msg.scales, msg.block_size
+            self.payload = memoryview(bytearray(msg.data))
+
+        @property
+        def data(self) -> bytes:
+            raise AssertionError("the payload buffer should be used")
+
+    x = torch.randn(4, 50)
+    for kind in ("int4", "int2", "topk"):
+        msg = encode_tensor("r", x, kind, block_size=16)
+        assert torch.equal(decode_tensor(Received(msg)), decode_tensor(msg))  # type: ignore[arg-type]
