@@ -70,6 +70,7 @@ def _check_record(result: RunResult, record: list[dict], spec: RunSpec) -> None:
     assert any(len(set(e["commits"].values())) == 2 for e in record)
 
 
+@pytest.mark.integration
 def test_diloco_two_pipelines_match_single_process_replay() -> None:
     result, record, (ref_params, ref_losses) = _run(SPEC)
     _check_record(result, record, SPEC)
@@ -86,16 +87,19 @@ def test_diloco_two_pipelines_match_single_process_replay() -> None:
     assert max(float((diloco[n] - exact[n]).abs().max()) for n in diloco) > 1e-3
 
 
-def test_diloco_int8_pseudo_gradients_match_replay_with_the_same_quantizer() -> None:
-    spec = dataclasses.replace(SPEC, run_id="diloco-int8", pseudo_grad_compression="int8")
+@pytest.mark.integration
+@pytest.mark.parametrize("codec", ["int8", "topk"])
+def test_diloco_compressed_pseudo_gradients_match_replay_with_the_same_codec(codec: str) -> None:
+    spec = dataclasses.replace(SPEC, run_id=f"diloco-{codec}", pseudo_grad_compression=codec)
     result, record, (ref_params, ref_losses) = _run(spec)
     _check_record(result, record, spec)
     err = _errors(result, ref_params, spec)
-    # An entry whose pseudo-gradient lies within float noise of an int8 rounding boundary may round to the
-    # neighbouring code in one run and not the other: one quantization step (absmax(block) / 127) times the
-    # outer step. Nearly every entry must still agree within 1e-5, and none beyond a few such steps.
+    # An entry whose pseudo-gradient lies within float noise of an int8 rounding boundary (or of top-k's
+    # threshold) may be coded differently in one run than in the other: one quantization step (absmax(block) /
+    # 127), or one entry sent now rather than later, times the outer step. Nearly every entry must still agree
+    # within 1e-5.
     assert float((err < 1e-5).float().mean()) > 0.999, f"{float((err >= 1e-5).sum())} of {err.numel()} entries"
-    assert float(err.max()) < 5e-3
+    assert float(err.max()) < (5e-3 if codec == "int8" else 5e-2)
     for got, want in zip(result.losses, ref_losses, strict=True):
         assert got == pytest.approx(want, rel=1e-4)
 
@@ -111,6 +115,7 @@ def test_sync_options_are_validated() -> None:
     assert RunSpec.from_dict(d).sync_period == 1  # old specs mean exact averaging
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(("event", "step"), [("lease", 1), ("outer", 2)], ids=["mid-inner-step", "mid-outer-round"])
 def test_pipeline_killed_mid_round_sits_the_round_out(event: str, step: int) -> None:
     """Device 3 (stage 1 of pipeline 1) dies during inner step 1, or during the outer round after step 2.
