@@ -34,6 +34,7 @@ from peer.runtime.assign import LinkModel, build_assignments
 from peer.runtime.control import Apply, encode
 from peer.runtime.coordinator import Coordinator, StepReport
 from peer.runtime.driver import DriverConfig, Pipelines, RunDriver, Stages
+from peer.runtime.outer import assignment_record
 from peer.runtime.spec import Assignment, RunSpec
 from peer.swarm.adverts import Advert, LinkReport
 from peer.swarm.plans import PlanBoard, has_quorum
@@ -450,6 +451,7 @@ class LeaderRole:
             "loss": [self.history[k][0] for k in sorted(self.history)],
             "step_s": [self.history[k][1] for k in sorted(self.history)],
             "microbatches_per_pipeline": [r.microbatches_per_pipeline for r in self.driver.reports],
+            "record": assignment_record(self.driver.reports),  # replayable (peer.compute.reference)
         }
         (folder / "run.json").write_text(json.dumps(run, indent=1, default=str))
         log.info("saved %d stage(s) and run.json to %s", len(saved), folder)
