@@ -8,9 +8,8 @@ grows with the bytes that actually arrive, never with what the first chunk annou
 a large message and stalls makes the receiver hold only what it sent.
 
 Copies: the sender builds each chunk from pieces (`iter_segment_chunks`: a tensor's storage as is, see
-protocol.message), copying each byte once into its gRPC message; the receiver keeps the chunks' payloads as
-they arrived (small ones are merged, so many tiny chunks cost no more than their bytes) and cuts the message
-out of them once it is complete (`Reassembler.message`).
+protocol.message), copying each byte once into its gRPC message; the receiver reads each chunk as it arrives,
+a tensor's data straight into a buffer of its own (protocol.message.StreamReader), and lets the chunk go.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from google.protobuf.message import DecodeError
 from protocol import PROTOCOL_VERSION
 from protocol import tasklet_pb2 as pb
 from protocol.errors import BadMessage
-from protocol.message import Segments, WireEnvelope, parse_segments
+from protocol.message import StreamReader, WireEnvelope
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 
@@ -203,17 +202,14 @@ class Reassembler:
     after the first. `message()` (and `envelope()`, its pb.Envelope form) raises BadMessage if the stream
     ended early or does not parse as an Envelope of our protocol version.
 
-    What it holds is what arrived: each payload as received (a view of its gRPC message, no copy), payloads
-    below MERGE_BELOW_BYTES merged into one buffer so that tiny chunks cost their bytes, not an object each.
+    What it holds is what arrived: a protocol.message.StreamReader reads each payload as it comes, the tensors'
+    data straight into their own buffers, and lets the chunk go.
     """
-
-    MERGE_BELOW_BYTES = 64 * 1024
 
     def __init__(self, max_total_bytes: int, what: str = "") -> None:
         self.max_total_bytes = max_total_bytes
         self.what = what
-        self._parts: list[memoryview] | None = None
-        self._small = bytearray()  # recent small payloads, merged
+        self._reader: StreamReader | None = None
         self._total = 0
         self._received = 0
         self._next_seq = 0
@@ -231,7 +227,7 @@ class Reassembler:
         if chunk.seq != self._next_seq:
             raise BadMessage("chunk.seq", f"expected chunk {self._next_seq}, got {chunk.seq}")
         payload = chunk.payload
-        if self._parts is None:
+        if self._reader is None:
             if chunk.total_bytes > self.max_total_bytes:
                 raise BadMessage(
                     "chunk.total_bytes",
@@ -239,7 +235,7 @@ class Reassembler:
                     + (f" for {self.what}" if self.what else ""),
                 )
             self._total = chunk.total_bytes
-            self._parts = []  # grows with what arrives (see the module docstring)
+            self._reader = StreamReader(self._total)  # holds what arrives (see the module docstring)
         elif chunk.total_bytes != self._total:
             raise BadMessage("chunk.total_bytes", f"changed from {self._total} to {chunk.total_bytes} mid-stream")
         elif not payload:
@@ -247,43 +243,24 @@ class Reassembler:
         end = self._received + len(payload)
         if end > self._total:
             raise BadMessage("chunk.payload", f"stream carries more than the announced {self._total} bytes")
-        if len(payload) < self.MERGE_BELOW_BYTES:
-            self._small += payload
-        else:
-            self._flush_small()
-            self._parts.append(payload if isinstance(payload, memoryview) else memoryview(payload))
+        self._reader.feed(payload if isinstance(payload, memoryview) else memoryview(payload))
         self._received = end
         self._next_seq += 1
 
-    def _flush_small(self) -> None:
-        if self._small and self._parts is not None:
-            self._parts.append(memoryview(self._small))
-            self._small = bytearray()
-
-    def _complete(self) -> list[memoryview]:
-        if self._parts is None:
+    def message(self) -> WireEnvelope:
+        """The received Envelope, its tensors' data each in a buffer of its own (see protocol.message)."""
+        if self._reader is None:
             raise BadMessage("chunk", "stream ended before its first chunk")
         if self._received != self._total:
             raise BadMessage("chunk.total_bytes", f"stream ended after {self._received} of {self._total} bytes")
-        self._flush_small()
-        parts, self._parts = self._parts, []
-        return parts
-
-    def message(self) -> WireEnvelope:
-        """The received Envelope, its tensors' data each in a buffer of its own (see protocol.message)."""
-        env = parse_segments(Segments(self._complete()))
+        reader, self._reader = self._reader, StreamReader(0)
+        env = reader.finish()
         check_version("envelope.protocol_version", env.protocol_version)
         return env
 
     def envelope(self) -> pb.Envelope:
         """The received Envelope as a protobuf message (its tensors' data copied into it)."""
-        env = pb.Envelope()
-        try:
-            env.ParseFromString(Segments(self._complete()).joined())
-        except DecodeError as exc:
-            raise BadMessage("envelope", f"payload is not a valid Envelope ({exc})") from None
-        check_version("envelope.protocol_version", env.protocol_version)
-        return env
+        return self.message().to_pb()
 
 
 def envelope_kind_prefix(payload: bytes | memoryview) -> int:

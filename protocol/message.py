@@ -21,11 +21,10 @@ every valid Envelope is accepted exactly as before, and every invalid one refuse
 
 from __future__ import annotations
 
-import bisect
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -41,6 +40,9 @@ _TAG_BYTES_4 = 0x22
 # peer's millions of tiny fields must not cost a Python loop each.
 MAX_WALKED_FIELDS = 1 << 16
 _MAX_VARINT = 10
+# Received payloads kept as they are (when not walked) are merged below this size: a sender of tiny chunks makes
+# the receiver hold its bytes, not an object per chunk.
+MERGE_BELOW_BYTES = 64 * 1024
 
 
 def varint(value: int) -> bytes:
@@ -176,70 +178,6 @@ def envelope_segments(envelope: pb.Envelope | WireEnvelope) -> list[bytes | memo
     return [envelope.SerializeToString()]
 
 
-class Segments:
-    """Bytes received as a list of buffers, read as one sequence without joining them."""
-
-    def __init__(self, views: Sequence[memoryview]) -> None:
-        self.views: list[memoryview | None] = list(views)
-        self.starts: list[int] = []
-        total = 0
-        for v in views:
-            self.starts.append(total)
-            total += v.nbytes
-        self.total = total
-
-    def read(self, pos: int, n: int) -> bytes:
-        """Bytes [pos, pos + n) (clipped at the end), copied: for small reads."""
-        out = bytearray()
-        end = min(pos + n, self.total)
-        i = bisect.bisect_right(self.starts, pos) - 1
-        while pos < end:
-            view = self.views[i]
-            assert view is not None, "read of released bytes"
-            offset = pos - self.starts[i]
-            piece = view[offset : offset + end - pos]
-            out += piece
-            pos += piece.nbytes
-            i += 1
-        return bytes(out)
-
-    def copy_into(self, dest: np.ndarray, pos: int, n: int) -> None:
-        """Copy bytes [pos, pos + n) into the uint8 array `dest` (exactly n long)."""
-        i = bisect.bisect_right(self.starts, pos) - 1
-        done = 0
-        while done < n:
-            view = self.views[i]
-            assert view is not None, "read of released bytes"
-            offset = pos + done - self.starts[i]
-            piece = view[offset : offset + n - done]
-            dest[done : done + piece.nbytes] = np.frombuffer(piece, dtype=np.uint8)
-            done += piece.nbytes
-            i += 1
-
-    def release_before(self, pos: int) -> None:
-        """Drop the buffers that end at or before `pos` (their bytes are copied out): memory falls as it moves."""
-        for i, start in enumerate(self.starts):
-            view = self.views[i]
-            if view is None:
-                continue
-            if start + view.nbytes > pos:
-                return
-            self.views[i] = None
-
-    def joined(self) -> bytes:
-        return b"".join(v for v in self.views if v is not None)
-
-    def varint(self, pos: int) -> tuple[int, int]:
-        """The varint at pos and the position after it; ValueError when truncated or too long."""
-        data = self.read(pos, _MAX_VARINT)
-        value = 0
-        for i, byte in enumerate(data):
-            value |= (byte & 0x7F) << (7 * i)
-            if not byte & 0x80:
-                return value, pos + i + 1
-        raise ValueError("truncated or overlong varint")
-
-
 class BufferPool:
     """Receive buffers reused once nothing refers to them any more.
 
@@ -297,99 +235,201 @@ class _PoolEntry:
 
 
 RECEIVE_BUFFERS = BufferPool()
-"""Where received tensors' data lands (protocol.chunking.Reassembler.message)."""
+"""Where received tensors' data lands (StreamReader, used by protocol.chunking.Reassembler)."""
 
 
 class _NotWalkableError(Exception):
     """The bytes are not in a form the walk handles; protobuf's parser decides."""
 
 
-def _walk_fields(segs: Segments, start: int, end: int, budget: list[int]) -> Iterator[tuple[int, int, int, int, int]]:
-    """(field number, wire type, start of the field, start of its value, end of the field) of each field in
-    [start, end); a length-delimited field's value starts after its length. Raises _NotWalkableError."""
-    pos = start
-    while pos < end:
-        budget[0] -= 1
-        if budget[0] < 0:
-            raise _NotWalkableError
-        try:
-            tag, value_at = segs.varint(pos)
-            field, wire = tag >> 3, tag & 7
-            if wire == 0:
-                after = segs.varint(value_at)[1]
-            elif wire == 1:
-                after = value_at + 8
-            elif wire == 5:
-                after = value_at + 4
-            elif wire == 2:
-                length, value_at = segs.varint(value_at)
-                after = value_at + length
-            else:  # groups: never written by our encoder
-                raise _NotWalkableError
-        except ValueError:
-            raise _NotWalkableError from None
-        if after > end:
-            raise _NotWalkableError
-        yield field, wire, pos, value_at, after
-        pos = after
-
-
-def parse_segments(segs: Segments, pool: BufferPool = RECEIVE_BUFFERS) -> WireEnvelope:
-    """The WireEnvelope of a received serialized Envelope (see the module docstring). Raises BadMessage.
-
-    Each tensor's data is copied into a buffer from `pool`; the buffers of `segs` are released as their bytes
-    are copied out."""
-    try:
-        header_parts, tensors = _walk(segs)
-    except _NotWalkableError:
-        return _parse_whole(segs)
-    try:
-        header = pb.Envelope.FromString(b"".join(header_parts))
-        heads = [pb.Tensor.FromString(b"".join(parts)) for parts, _ in tensors]
-    except DecodeError as exc:
-        raise BadMessage("envelope", f"payload is not a valid Envelope ({exc})") from None
-    if len(header.tensors):  # a tensor in a form the walk passed on (e.g. with a wire type protobuf tolerates)
-        return _parse_whole(segs)
-    out = []
-    for head, (_, span) in zip(heads, tensors, strict=True):
-        if span is None:
-            out.append(WireTensor(head, memoryview(b"")))
-            continue
-        start, n = span
-        array = pool.take(n)  # exactly the bytes that arrived for it
-        segs.copy_into(array, start, n)
-        segs.release_before(start + n)
-        out.append(WireTensor(head, memoryview(array)))
-    return WireEnvelope(header, out)
-
-
-def _walk(segs: Segments) -> tuple[list[bytes], list[tuple[list[bytes], tuple[int, int] | None]]]:
-    """Split a serialized Envelope into its non-tensor fields and, per tensor, its non-data fields and the
-    span (start, length) of its data."""
-    budget = [MAX_WALKED_FIELDS]
-    header: list[bytes] = []
-    tensors: list[tuple[list[bytes], tuple[int, int] | None]] = []
-    for field, wire, at, value_at, end in _walk_fields(segs, 0, segs.total, budget):
-        if field != 4 or wire != 2:
-            header.append(segs.read(at, end - at))
-            continue
-        kept: list[bytes] = []
-        span: tuple[int, int] | None = None
-        for t_field, t_wire, t_at, t_value_at, t_end in _walk_fields(segs, value_at, end, budget):
-            if t_field == 4 and t_wire == 2:
-                if span is not None:
-                    raise _NotWalkableError  # protobuf keeps the last one; rare enough to leave to it
-                span = (t_value_at, t_end - t_value_at)
-            else:
-                kept.append(segs.read(t_at, t_end - t_at))
-        tensors.append((kept, span))
-    return header, tensors
-
-
-def _parse_whole(segs: Segments) -> WireEnvelope:
+def _parse_whole(views: list[memoryview]) -> WireEnvelope:
     env = pb.Envelope()
     try:
-        env.ParseFromString(segs.joined())
+        env.ParseFromString(b"".join(views))
     except DecodeError as exc:
         raise BadMessage("envelope", f"payload is not a valid Envelope ({exc})") from None
     return WireEnvelope.from_pb(env)
+
+
+_MAX_HEAD = 2 * _MAX_VARINT  # a field's tag and its length (or varint value)
+
+
+def _parse_head(data: bytes) -> tuple[int, int, int, int] | None:
+    """(field, wire type, size of the head, length of the body after it) of the field starting `data`, or None
+    when `data` ends before the head does. Raises _NotWalkableError for groups and overlong varints."""
+    values, pos = [], 0
+    while True:
+        value, shift = 0, 0
+        while True:
+            if pos >= len(data):
+                return None
+            if shift >= 7 * _MAX_VARINT:
+                raise _NotWalkableError
+            byte = data[pos]
+            pos += 1
+            value |= (byte & 0x7F) << shift
+            shift += 7
+            if not byte & 0x80:
+                break
+        values.append(value)
+        field, wire = values[0] >> 3, values[0] & 7
+        if wire in (1, 5):
+            return field, wire, pos, 8 if wire == 1 else 4
+        if wire not in (0, 2):
+            raise _NotWalkableError  # groups: never written by our encoder
+        if len(values) == 2:
+            return field, wire, pos, values[1] if wire == 2 else 0
+
+
+class _OpenTensor:
+    __slots__ = ("dest", "end", "spans")
+
+    def __init__(self, end: int) -> None:
+        self.end = end
+        self.spans: list[tuple[int, int]] = []  # its fields but data, as spans of StreamReader._raw
+        self.dest: np.ndarray | None = None
+
+
+class StreamReader:
+    """Reads a serialized Envelope as its bytes arrive, each tensor's data straight into a buffer of its own.
+
+    Everything but the tensors' data (field heads, key, meta, the tensors' names and shapes: small) is kept in
+    one bytearray; a tensor's data is copied from each chunk into its buffer as the chunk arrives, so the chunk
+    is freed at once (and gRPC's next one reuses its memory). The buffer is taken from `pool` when the data
+    field starts: the size its length announces, within the message's checked total; memory is committed as
+    bytes are written. Whatever the walk does not expect (see the module docstring) switches the reader to
+    keeping the bytes as they come; `finish` then has protobuf parse the whole, exactly as received.
+    """
+
+    def __init__(self, total: int, pool: BufferPool = RECEIVE_BUFFERS) -> None:
+        self._total = total
+        self._pool = pool
+        self._pos = 0  # stream bytes consumed (in _raw or in a tensor's buffer)
+        self._raw = bytearray()
+        self._cuts: list[tuple[int, np.ndarray]] = []  # (position in _raw, tensor data that follows it)
+        self._header_spans: list[tuple[int, int]] = []
+        self._tensors: list[_OpenTensor] = []
+        self._tensor: _OpenTensor | None = None
+        self._pending = b""  # the start of a field head cut by a chunk boundary
+        self._body_left = 0
+        self._dest: np.ndarray | None = None  # the buffer the current body goes to (None: _raw)
+        self._dest_at = 0
+        self._budget = MAX_WALKED_FIELDS
+        self._rest: list[memoryview] | None = None  # not None: walking gave up, bytes kept as received
+        self._small = bytearray()
+
+    def feed(self, payload: memoryview) -> None:
+        if self._rest is not None:
+            self._keep(payload)
+            return
+        i, n = 0, payload.nbytes
+        while i < n:
+            if self._body_left:
+                take = min(self._body_left, n - i)
+                piece = payload[i : i + take]
+                if self._dest is None:
+                    self._raw += piece
+                else:
+                    self._dest[self._dest_at : self._dest_at + take] = np.frombuffer(piece, dtype=np.uint8)
+                    self._dest_at += take
+                i += take
+                self._pos += take
+                self._body_left -= take
+                if not self._body_left:
+                    self._field_done()
+                continue
+            candidate = self._pending + bytes(payload[i : i + _MAX_HEAD - len(self._pending)])
+            try:
+                head = _parse_head(candidate)
+                if head is None:
+                    if len(candidate) >= _MAX_HEAD:
+                        raise _NotWalkableError
+                    self._pending, i = candidate, n
+                    continue
+                field, wire, size, body = head
+                used = size - len(self._pending)
+                self._start_field(field, wire, candidate[:size], body)
+            except _NotWalkableError:
+                self._give_up(payload[i:])
+                return
+            self._pending = b""
+            i += used
+
+    def _start_field(self, field: int, wire: int, head: bytes, body: int) -> None:
+        """Consume a field's head (everything is checked before anything changes: a refusal leaves the state as
+        it was, for _give_up)."""
+        self._budget -= 1
+        end = self._pos + len(head) + body
+        if self._budget < 0 or end > (self._total if self._tensor is None else self._tensor.end):
+            raise _NotWalkableError
+        if self._tensor is not None and field == 4 and wire == 2 and self._tensor.dest is not None:
+            raise _NotWalkableError  # a repeated data field: protobuf keeps the last; left to it
+        start = len(self._raw)
+        self._raw += head
+        self._pos += len(head)
+        self._body_left, self._dest = body, None
+        if self._tensor is None and field == 4 and wire == 2:  # a tensor: walk into it
+            self._tensor, self._body_left = _OpenTensor(end), 0
+        elif self._tensor is None:
+            self._header_spans.append((start, start + len(head) + body))
+        elif field == 4 and wire == 2:  # the tensor's data
+            self._dest, self._dest_at = self._pool.take(body), 0
+            self._tensor.dest = self._dest
+            self._cuts.append((len(self._raw), self._dest))
+        else:
+            self._tensor.spans.append((start, start + len(head) + body))
+        if not self._body_left:
+            self._field_done()
+
+    def _field_done(self) -> None:
+        self._dest = None
+        if self._tensor is not None and self._pos == self._tensor.end:
+            self._tensors.append(self._tensor)
+            self._tensor = None
+
+    def _give_up(self, unread: memoryview) -> None:
+        """Keep what was read, in stream order, and from now on the bytes as they come."""
+        self._rest = []
+        at = 0
+        for cut, dest in self._cuts:
+            self._keep(memoryview(bytes(self._raw[at:cut])))
+            self._keep(memoryview(dest))
+            at = cut
+        self._keep(memoryview(bytes(self._raw[at:]) + self._pending))
+        self._raw, self._cuts, self._tensors, self._tensor = bytearray(), [], [], None
+        self._keep(unread)
+
+    def _keep(self, payload: memoryview) -> None:
+        assert self._rest is not None
+        if payload.nbytes < MERGE_BELOW_BYTES:
+            self._small += payload
+        else:
+            if self._small:
+                self._rest.append(memoryview(self._small))
+                self._small = bytearray()
+            self._rest.append(payload)
+
+    def finish(self) -> WireEnvelope:
+        """The message, once all its bytes were fed. Raises BadMessage as protobuf's parser would."""
+        if self._rest is None and (self._pending or self._body_left or self._tensor is not None):
+            self._give_up(memoryview(b""))  # ends inside a field: protobuf says what is wrong
+        if self._rest is not None:
+            if self._small:
+                self._rest.append(memoryview(self._small))
+                self._small = bytearray()
+            return _parse_whole(self._rest)
+        raw = self._raw
+        try:
+            header = pb.Envelope.FromString(b"".join(raw[a:b] for a, b in self._header_spans))
+            heads = [pb.Tensor.FromString(b"".join(raw[a:b] for a, b in t.spans)) for t in self._tensors]
+        except DecodeError as exc:
+            raise BadMessage("envelope", f"payload is not a valid Envelope ({exc})") from None
+        if len(header.tensors):  # a tensor in a form the walk passed on: protobuf decides
+            self._give_up(memoryview(b""))
+            return self.finish()
+        tensors = [
+            WireTensor(head, memoryview(b"") if t.dest is None else memoryview(t.dest))
+            for head, t in zip(heads, self._tensors, strict=True)
+        ]
+        return WireEnvelope(header, tensors)
+

@@ -17,7 +17,7 @@ from protocol import tasklet_pb2 as pb
 from protocol.chunking import Reassembler, decode_chunk, iter_chunk_wire, iter_segment_chunks
 from protocol.codec import decode_tensor, encode_tensor
 from protocol.errors import BadMessage
-from protocol.message import BufferPool, Segments, WireEnvelope, parse_segments
+from protocol.message import MAX_WALKED_FIELDS, BufferPool, StreamReader, WireEnvelope
 
 
 def _wire_envelope() -> tuple[WireEnvelope, dict[str, torch.Tensor]]:
@@ -40,9 +40,17 @@ def _wire_envelope() -> tuple[WireEnvelope, dict[str, torch.Tensor]]:
 
 def _cut(data: bytes, rng: random.Random) -> list[memoryview]:
     """`data` cut at random places (as chunks of any sizes would)."""
-    cuts = sorted(rng.sample(range(1, len(data)), k=min(12, len(data) - 1)))
+    cuts = sorted(rng.sample(range(1, len(data)), k=min(12, len(data) - 1))) if len(data) > 1 else []
     view = memoryview(data)
     return [view[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
+
+
+def read(pieces: list[memoryview]) -> WireEnvelope:
+    """What a receiver makes of a stream arriving in these pieces."""
+    reader = StreamReader(sum(p.nbytes for p in pieces))
+    for piece in pieces:
+        reader.feed(piece)
+    return reader.finish()
 
 
 def test_wire_form_is_a_valid_envelope_and_round_trips() -> None:
@@ -54,7 +62,7 @@ def test_wire_form_is_a_valid_envelope_and_round_trips() -> None:
     assert [t.name for t in parsed.tensors] == [*tensors, "q"]
     rng = random.Random(0)
     for _ in range(5):
-        back = parse_segments(Segments(_cut(data, rng)))
+        back = read(_cut(data, rng))
         assert back.to_pb() == parsed
         assert back.sender == "me" and back.key.step == 7 and dict(back.meta) == {"why": "join"}
         assert list(back.microbatches) == [3, 1]
@@ -66,7 +74,7 @@ def test_received_tensor_decodes_as_a_view_of_its_buffer() -> None:
     env = WireEnvelope(pb.Envelope(protocol_version=PROTOCOL_VERSION, kind=pb.ACTIVATION))
     t = torch.randn(1000)
     env.add_tensor("h", t)
-    back = parse_segments(Segments([memoryview(b"".join(env.segments()))]))
+    back = read([memoryview(b"".join(env.segments()))])
     out = decode_tensor(back.tensors[0])
     assert torch.equal(out, t)
     assert out.data_ptr() == torch.frombuffer(back.tensors[0].payload, dtype=torch.uint8).data_ptr()
@@ -88,18 +96,28 @@ def test_pb_envelopes_parse_the_same_way() -> None:
     env.tensors.append(encode_tensor("b", torch.randn(7), "fp16"))
     env.meta["k"] = "v"
     data = env.SerializeToString()
-    back = parse_segments(Segments(_cut(data, random.Random(1))))
+    back = read(_cut(data, random.Random(1)))
     assert back.to_pb() == env
     assert WireEnvelope.from_pb(env).to_pb() == env
 
 
 def test_uncommon_layouts_fall_back_to_protobuf() -> None:
-    """A repeated data field (protobuf keeps the last) is left to protobuf's own parser: same result."""
+    """What the walk does not expect is left to protobuf's own parser of the whole, with the same result, however
+    the stream is cut: a repeated data field (protobuf keeps the last), a well-formed group (an unknown field to
+    protobuf), more fields than the walk's budget."""
     head = pb.Tensor(name="x", dtype="uint8", shape=[3]).SerializeToString()
     tensor = head + b"\x22\x02ab" + b"\x22\x03xyz"
-    data = bytes([0x08, PROTOCOL_VERSION, 0x10, pb.OTHER, 0x22, len(tensor)]) + tensor
-    back = parse_segments(Segments([memoryview(data)]))
-    assert back.tensors[0].data == b"xyz" and back.to_pb() == pb.Envelope.FromString(data)
+    prefix = bytes([0x08, PROTOCOL_VERSION, 0x10, pb.OTHER])
+    first = pb.Tensor(name="first", dtype="float32", shape=[2], data=bytes(8)).SerializeToString()
+    before = prefix + b"\x22" + bytes([len(first)]) + first  # a walked tensor before the odd part
+    repeated = before + b"\x22" + bytes([len(tensor)]) + tensor
+    group = before + b"\x5b\x08\x01\x5c" + b"\x22" + bytes([len(tensor)]) + tensor  # group 11 {varint 1 = 1}
+    many = prefix + b"\x28\x01" * (MAX_WALKED_FIELDS + 1)  # microbatches, unpacked, one field each
+    for data in (repeated, group, many):
+        want = pb.Envelope.FromString(data)
+        for seed in range(3):
+            assert read(_cut(data, random.Random(seed))).to_pb() == want
+    assert read([memoryview(repeated)]).tensors[1].data == b"xyz"
 
 
 @pytest.mark.parametrize(
@@ -113,8 +131,9 @@ def test_uncommon_layouts_fall_back_to_protobuf() -> None:
     ],
 )
 def test_malformed_envelopes_are_refused(garbage: bytes) -> None:
-    with pytest.raises(BadMessage):
-        parse_segments(Segments([memoryview(garbage)]))
+    for seed in range(3):
+        with pytest.raises(BadMessage):
+            read(_cut(garbage, random.Random(seed)))
 
 
 def test_segment_chunks_equal_chunks_of_the_joined_bytes() -> None:
@@ -135,15 +154,14 @@ def test_reassembler_message_matches_envelope() -> None:
     assert asm.message().to_pb() == asm2.envelope() == env.to_pb()
 
 
-def test_tiny_chunks_are_merged() -> None:
-    """A sender of one-byte chunks makes the receiver hold its bytes, not an object per chunk."""
-    env, _ = _wire_envelope()
-    data = b"".join(env.segments())
+def test_one_byte_chunks() -> None:
+    """A stream of one-byte chunks is read like any other (heads cut anywhere)."""
+    env, tensors = _wire_envelope()
     asm = Reassembler(1 << 20)
-    for raw in iter_chunk_wire(data, 1):
+    for raw in iter_chunk_wire(b"".join(env.segments()), 1):
         asm.add(decode_chunk(raw))
-    assert len(asm._parts or []) == 0 and len(asm._small) == len(data)
-    assert asm.message().to_pb() == env.to_pb()
+    back = asm.message()
+    assert back.to_pb() == env.to_pb() and torch.equal(decode_tensor(back.tensors[0]), tensors["w"])
 
 
 def test_buffer_pool_reuses_only_free_buffers() -> None:
