@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import signal
 import threading
 import time
@@ -34,7 +33,7 @@ from peer.net import PeerClient, TransportConfig
 from peer.net.shaping import LinkShaper
 from peer.net.tls import TlsContext
 from peer.node.leader_role import LeaderContext, LeaderRole
-from peer.node.planning import EmulatedNetwork
+from peer.node.planning import PROBE_K, PROBE_RANDOM, EmulatedNetwork, probe_targets_for
 from peer.node.reachability import Reach, ReachabilityError, establish, refuse_undialable
 from peer.observe.node import NodeObserver, ObserveError, ObserveOptions
 from peer.observe.snapshot import SwarmSource
@@ -64,7 +63,7 @@ log = logging.getLogger(__name__)
 PROBE_BYTES = 256 * 1024
 COORDINATOR_THREADS = 64  # extra worker-server threads for a coordinator mounted on it
 PROBE_SAMPLE = 8  # peers probed per round; the rest are estimated (see peer.node.planning.build_cluster)
-PROBE_PEERS = 8  # peers one peer measures in all (the leader first); the other pairs are estimated
+PROBE_PEERS = PROBE_K + PROBE_RANDOM  # peers one peer measures in all; the other pairs are estimated
 PROBE_RETRY_ROUNDS = 5  # a peer whose probe failed is tried again after this many rounds
 OPS_LOG_HEARTBEATS = 5  # the daemon logs its DHT gets and stores per heartbeat this often
 
@@ -556,8 +555,8 @@ class PeerDaemon:
 
         Not every pair is probed: the leader estimates the others (``peer.node.planning.build_cluster``). The
         targets are peers this peer trusts (certificates from its last full read of the adverts or from its
-        assignment: they trust it back), not measured yet: its neighbours in the plan it follows first, then
-        the elected leader, then others in an order fixed by its peer id. A failed target waits
+        assignment: they trust it back), not measured yet: the elected leader, its neighbours in the plan it
+        follows, then a few at random (``peer.node.planning.probe_targets_for``). A failed target waits
         PROBE_RETRY_ROUNDS rounds."""
         if not self._probe_lock.acquire(blocking=False):
             return
@@ -592,21 +591,19 @@ class PeerDaemon:
             self._probe_lock.release()
 
     def _probe_order(self, others: list[Advert]) -> list[Advert]:
-        """Peers to probe next, most useful first (see :meth:`probe_links_now`)."""
+        """Peers to probe next, most useful first (see :meth:`probe_links_now`): the elected leader, then the
+        choice of ``peer.node.planning.probe_targets_for`` (plan neighbours, then a few at random)."""
         trusted = self.tls.trust.peers()
         rounds = self._probe_rounds
-        todo = [a for a in others if a.peer_id not in self._probed and a.peer_id in trusted
-                and rounds - self._probe_failed.get(a.peer_id, -PROBE_RETRY_ROUNDS) >= PROBE_RETRY_ROUNDS]
-        random.Random(self.identity.peer_id).shuffle(todo)
+        eligible = {a.peer_id: a for a in others if a.peer_id in trusted
+                    and rounds - self._probe_failed.get(a.peer_id, -PROBE_RETRY_ROUNDS) >= PROBE_RETRY_ROUNDS}
         plan = self.view.followed_plan() if self.view is not None else None
-        me, first = self.identity.peer_id, []
-        for row in (plan.plan.get("pipelines") or []) if plan is not None else []:
-            if isinstance(row, list) and me in row:
-                s = row.index(me)
-                first += [row[t] for t in (s - 1, s + 1) if 0 <= t < len(row)]
-        first.append(self.elected())
-        rank = {pid: i for i, pid in enumerate(first)}
-        return sorted(todo, key=lambda a: rank.get(a.peer_id, len(rank)))
+        chosen = probe_targets_for(self.identity.peer_id, sorted(eligible), plan.plan if plan is not None else None,
+                                   set(self._probed), k=PROBE_K, n_random=PROBE_RANDOM, seed=self.spec.seed)
+        leader = self.elected()
+        if leader in eligible and leader not in self._probed:
+            chosen = [leader, *(pid for pid in chosen if pid != leader)]
+        return [eligible[pid] for pid in chosen]
 
     def latest_progress(self) -> dict[str, Any] | None:
         """Progress (with the loss history) of the leader of the plan this peer follows (before any plan: of the
