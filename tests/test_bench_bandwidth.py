@@ -31,8 +31,9 @@ def test_quick_bench_output_shape(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert {"exact", "chosen", "act-int4", "diloco-H8-topk"} <= set(out["bytes_per_step"])
     assert all(v < out["bytes_per_step"]["exact"] for k, v in out["bytes_per_step"].items() if k != "exact")
     assert "modeled" in out["step_time"]
-    # the exact run defines the target, so it reaches it at N steps by construction
-    assert out["options"]["exact"]["steps_to_loss"] == out["steps"]
+    # the target is exact training's mean loss over its last evaluations up to N: it gets there by step N
+    assert 0 < out["options"]["exact"]["steps_to_loss"] <= out["steps"]
+    assert math.isfinite(out["seed_noise"])
     loaded = PenaltyTable.load(table)
     assert set(loaded.activation) == {"none", "fp16", "int8", "int4", "int2"}
     assert all(v >= 0 for v in loaded.sync.values())
