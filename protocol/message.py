@@ -37,8 +37,9 @@ from protocol.errors import BadMessage
 # Wire tags: Envelope.tensors and Tensor.data are both field 4, length-delimited: (4 << 3) | 2.
 _TAG_BYTES_4 = 0x22
 # A message with more fields than this is parsed by protobuf (in C) instead of walked (in Python): a hostile
-# peer's millions of tiny fields must not cost a Python loop each.
-MAX_WALKED_FIELDS = 1 << 16
+# peer's millions of tiny fields must cost neither a Python loop nor a Python object each (the walk keeps at
+# most a small object per tensor, so at most this many).
+MAX_WALKED_FIELDS = 4096
 _MAX_VARINT = 10
 # Received payloads kept as they are (when not walked) are merged below this size: a sender of tiny chunks makes
 # the receiver hold its bytes, not an object per chunk.
@@ -273,12 +274,22 @@ def _parse_head(data: bytes) -> tuple[int, int, int, int] | None:
                 break
         values.append(value)
         field, wire = values[0] >> 3, values[0] & 7
+        if field == 0:
+            raise _NotWalkableError  # not a valid field number: protobuf refuses it
         if wire in (1, 5):
             return field, wire, pos, 8 if wire == 1 else 4
         if wire not in (0, 2):
             raise _NotWalkableError  # groups: never written by our encoder
         if len(values) == 2:
             return field, wire, pos, values[1] if wire == 2 else 0
+
+
+def _add_span(spans: list[tuple[int, int]], start: int, end: int) -> None:
+    """Append [start, end), merged with the last span when they touch (consecutive fields: one span)."""
+    if spans and spans[-1][1] == start:
+        spans[-1] = (spans[-1][0], end)
+    else:
+        spans.append((start, end))
 
 
 class _OpenTensor:
@@ -371,13 +382,13 @@ class StreamReader:
         if self._tensor is None and field == 4 and wire == 2:  # a tensor: walk into it
             self._tensor, self._body_left = _OpenTensor(end), 0
         elif self._tensor is None:
-            self._header_spans.append((start, start + len(head) + body))
+            _add_span(self._header_spans, start, start + len(head) + body)
         elif field == 4 and wire == 2:  # the tensor's data
             self._dest, self._dest_at = self._pool.take(body), 0
             self._tensor.dest = self._dest
             self._cuts.append((len(self._raw), self._dest))
         else:
-            self._tensor.spans.append((start, start + len(head) + body))
+            _add_span(self._tensor.spans, start, start + len(head) + body)
         if not self._body_left:
             self._field_done()
 
@@ -396,7 +407,7 @@ class StreamReader:
             self._keep(memoryview(dest))
             at = cut
         self._keep(memoryview(bytes(self._raw[at:]) + self._pending))
-        self._raw, self._cuts, self._tensors, self._tensor = bytearray(), [], [], None
+        self._raw, self._cuts, self._tensors, self._tensor, self._header_spans = bytearray(), [], [], None, []
         self._keep(unread)
 
     def _keep(self, payload: memoryview) -> None:

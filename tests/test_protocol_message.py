@@ -113,11 +113,22 @@ def test_uncommon_layouts_fall_back_to_protobuf() -> None:
     repeated = before + b"\x22" + bytes([len(tensor)]) + tensor
     group = before + b"\x5b\x08\x01\x5c" + b"\x22" + bytes([len(tensor)]) + tensor  # group 11 {varint 1 = 1}
     many = prefix + b"\x28\x01" * (MAX_WALKED_FIELDS + 1)  # microbatches, unpacked, one field each
-    for data in (repeated, group, many):
+    empties = prefix + b"\x22\x00" * (MAX_WALKED_FIELDS + 1)  # as many empty tensors: an object each if walked
+    for data in (repeated, group, many, empties):
         want = pb.Envelope.FromString(data)
         for seed in range(3):
             assert read(_cut(data, random.Random(seed))).to_pb() == want
     assert read([memoryview(repeated)]).tensors[1].data == b"xyz"
+    reader = StreamReader(len(empties))
+    reader.feed(memoryview(empties))
+    assert len(reader._tensors) == 0 and reader._rest is not None  # gave up, holding the bytes only
+    assert len(reader.finish().tensors) == MAX_WALKED_FIELDS + 1
+
+
+def test_field_number_zero_is_refused() -> None:
+    data = bytes([0x08, PROTOCOL_VERSION, 0x10, pb.OTHER]) + bytes(64)
+    with pytest.raises(BadMessage):
+        read([memoryview(data)])
 
 
 @pytest.mark.parametrize(
