@@ -1,7 +1,7 @@
 """Stragglers: the step time of one swarm without a straggler, with one (its compute stretched 5x), and with the
 straggler left out of the plan from the start.
 
-``python -m bench.stragglers [--json] [--steps N]``
+``python -m bench.stragglers [--json] [--steps N] [--pipelines P]``
 
 The swarm: a local swarm of worker processes on loopback (2 stages x 2 pipelines of a small GPT plus one spare
 device, compute emulated at a fixed TFLOP/s, same seed and data in every run). In the straggler run, device 1
@@ -11,7 +11,9 @@ micro-batches it holds are copied to the idle pipeline (speculation, first commi
 place. ``step_s_*`` is wall-clock seconds per step from the end of step 0 to the end of the last step (re-plans
 and state hand-over included; step 0 is left out of every run alike: process warm-up). The run's parameters
 are compared with single-process training (``max_param_rel_diff``): speculation must not count a micro-batch
-twice.
+twice. ``--pipelines P`` runs P pipelines (and one spare) instead of 2: with P pipelines a 5x straggler leaves
+(P - 1 + 1/5) / P of the swarm's throughput, so the step it takes part in cannot be faster than about P / (P - 0.8)
+times the step without it (+67 % for 2 pipelines, +25 % for 4), whatever the scheduling.
 """
 
 from __future__ import annotations
@@ -46,8 +48,15 @@ WITH_ALL = (STAGES, [[0, 1], [2, 3]])
 WITHOUT_STRAGGLER = (STAGES, [[0, 4], [2, 3]])
 
 
-def links(straggler: bool) -> LinkModel:
-    tflops = [FAST_TFLOPS] * N_DEVICES
+def layout(pipelines: int) -> tuple[int, tuple[Stages, Pipelines], tuple[Stages, Pipelines]]:
+    """Devices, the plan with the straggler (device 1) and the plan with the spare (the last device) instead."""
+    plan = [[2 * i, 2 * i + 1] for i in range(pipelines)]
+    spare = 2 * pipelines
+    return spare + 1, (STAGES, plan), (STAGES, [[spare if d == STRAGGLER else d for d in p] for p in plan])
+
+
+def links(straggler: bool, n_devices: int = N_DEVICES) -> LinkModel:
+    tflops = [FAST_TFLOPS] * n_devices
     if straggler:
         tflops[STRAGGLER] = FAST_TFLOPS / SLOWDOWN
     return LinkModel(tflops=tflops)
@@ -72,11 +81,12 @@ class SubstitutePlanner:
         return list(stages), pipelines
 
 
-def run(straggler: bool, initial: tuple[Stages, Pipelines], steps: int) -> tuple[RunResult, list[float], LocalSwarm]:
+def run(straggler: bool, initial: tuple[Stages, Pipelines], steps: int,
+        n_devices: int = N_DEVICES) -> tuple[RunResult, list[float], LocalSwarm]:
     """Train ``steps`` steps; return the result and the wall seconds of each step after step 0 (from the end of
     the step before: re-plans between steps count)."""
     ends: list[float] = []
-    with LocalSwarm(SPEC, N_DEVICES, links=links(straggler), forward_flops=lambda a, b: FORWARD_FLOPS,
+    with LocalSwarm(SPEC, n_devices, links=links(straggler, n_devices), forward_flops=lambda a, b: FORWARD_FLOPS,
                     heartbeat_s=1.0) as swarm:
         result = swarm.train(initial, steps, planner=SubstitutePlanner(initial),
                              on_step=lambda report: ends.append(time.monotonic()))
@@ -97,7 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--steps", type=int, default=8, help="steps per run (default 8)")
+    parser.add_argument("--pipelines", type=int, default=2, help="pipelines of 2 stages, plus a spare (default 2)")
     args = parser.parse_args(argv)
+    if args.pipelines < 2 or args.steps < 3:
+        parser.error("--pipelines must be at least 2 and --steps at least 3")
+    n_devices, with_all, without_straggler = layout(args.pipelines)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     reference, _ = train_reference(SPEC.model, SPEC.optim, Corpus.load(SPEC.corpus), SPEC.seed, args.steps,
@@ -106,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     details: dict[str, Any] = {}
     worst: dict[str, float] = {}
     median_no = 0.0
-    for name, straggler, initial in (("no_straggler", False, WITH_ALL), ("with_straggler", True, WITH_ALL),
-                                     ("straggler_excluded", True, WITHOUT_STRAGGLER)):
-        result, walls, swarm = run(straggler, initial, args.steps)
+    for name, straggler, initial in (("no_straggler", False, with_all), ("with_straggler", True, with_all),
+                                     ("straggler_excluded", True, without_straggler)):
+        result, walls, swarm = run(straggler, initial, args.steps, n_devices)
         out[f"step_s_{name}"] = round(sum(walls) / len(walls), 3)
         worst[name] = max(walls)
         if name == "no_straggler":
