@@ -881,6 +881,14 @@ class StageWorker:
         a, compute, exchange = t.assignment, t.compute, t.exchange
         rnd, participants = msg.round, list(msg.participants)
         expected = sorted(mb for mb, p in msg.assignment.items() if p == a.replica)
+        if t.outer is not None and not expected:
+            # DiLoCo: a pipeline the record gives nothing (dropped from the step: its share went back to the pool)
+            # skips the inner step; whatever it accumulated (a drop notice not yet here) is thrown away, and so is
+            # any late work of the step still in flight
+            with self._inflight_cond:
+                self._dropped = True
+                self._inflight_cond.notify_all()
+            compute.reset_step()
         compute.settle(set(expected))  # speculative copies: the ones the pool gave this pipeline now count
         mine = sorted(compute.accumulated())
         if mine != expected:
