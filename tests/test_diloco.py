@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import threading
 
 import pytest
@@ -21,9 +22,9 @@ import torch
 from peer.compute.data import Corpus
 from peer.compute.model import ModelConfig, unflatten_stage
 from peer.compute.reference import train_diloco_reference, train_reference
-from peer.compute.stage import OptimConfig
+from peer.compute.stage import OptimConfig, shard_bounds
 from peer.emulation.local import LinkModel, LocalSwarm, RunResult
-from peer.runtime.outer import assignment_record
+from peer.runtime.outer import BLOCK_SIZE, OuterState, allgather_codec, assignment_record, roundtrip
 from peer.runtime.spec import RunSpec, SpecError
 
 STEPS = 6
@@ -148,3 +149,32 @@ def test_pipeline_killed_mid_round_sits_the_round_out(event: str, step: int) -> 
     assert float(err.max()) < 1e-5, f"differs by {float(err.max()):.2e} of a tensor's largest entry"
     for got, want in zip(result.losses, ref_losses, strict=True):
         assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_outer_step_is_torch_nesterov_sgd_and_top_k_all_gather_is_exact() -> None:
+    torch.manual_seed(0)
+    anchor, grads = torch.randn(1000), [torch.randn(1000) * 1e-2 for _ in range(3)]
+    state = OuterState.start(anchor)
+    p = torch.nn.Parameter(anchor.clone())
+    sgd = torch.optim.SGD([p], lr=0.7, momentum=0.9, nesterov=True)
+    for g in grads:
+        new = state.apply(g, 0.7, 0.9, state.residual)
+        p.grad = g.clone()
+        sgd.step()
+        assert torch.allclose(new, p.detach(), atol=1e-7, rtol=0)
+        assert torch.equal(state.anchor, new)
+    # top-k with error feedback: per shard exactly k entries sent, the rest kept; the sum of two such shards
+    # travels exactly in the all-gather
+    shards = shard_bounds(1000, 2)
+    sums = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        st, params = OuterState.start(torch.zeros(1000)), torch.randn(1000)
+        sent, residual = st.contribution(params, shards, "topk")
+        assert torch.equal(sent + residual, -params), "what is not sent stays in the residual"
+        assert int((sent[: shards[0][1]] != 0).sum()) == math.ceil(shards[0][1] / BLOCK_SIZE)
+        sums.append(sent[: shards[0][1]])
+    summed = sums[0] + sums[1]
+    codec, block = allgather_codec("topk", summed.numel(), 2)
+    assert codec == "topk"
+    assert torch.equal(roundtrip(summed, codec, block), summed)
