@@ -2,7 +2,7 @@
 leader's DHT messages per second, the scheduler's time at that size, and how a plan from sampled links
 compares with one from the full matrix.
 
-``python -m bench.controlplane [--peers 1000] [--seed 0] [--window 120] [--json]``
+``python -m bench.controlplane [--peers 1000] [--seed 0] [--window 60] [--json]``
 
 Runs ``peer.emulation.cpsim`` (the real membership, read policy, election, plan board, progress board and
 planner against an in-memory DHT in virtual time, with Weibull churn of volunteer machines; see its module
@@ -35,7 +35,7 @@ from peer.emulation.cpsim.churn import ChurnModel
 from peer.emulation.cpsim.sim import SimConfig, simulate
 
 
-def run(peers: int, seed: int = 0, window_s: float = 120.0, evaluations: int = 50,
+def run(peers: int, seed: int = 0, window_s: float = 60.0, evaluations: int = 50,
         session_scale_s: float | None = None) -> dict[str, Any]:
     cfg = SimConfig(peers=peers, seed=seed, churn_window_s=window_s, plan_evaluations=evaluations,
                     stages=8 if peers >= 64 else 4)
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peers", type=int, default=1000, help="initial swarm size (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="every random draw comes from it (default: 0)")
-    parser.add_argument("--window", type=float, default=120.0,
+    parser.add_argument("--window", type=float, default=60.0,
                         help="virtual seconds of churn simulated after the first plan (default: %(default)s)")
     parser.add_argument("--evaluations", type=int, default=50,
                         help="the scheduler's search budget per plan, in evaluations (default: %(default)s)")

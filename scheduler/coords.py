@@ -22,8 +22,9 @@ Bandwidth: a link's bandwidth is the smaller of what the sender's uplink and the
       not);
     * *paths*: between two sites that were measured, the median of those measurements; between sites that
       were not, the median of the measured links between sites whose RTT is nearest the pair's estimated RTT
-      (long paths are slower: TCP throughput falls with RTT); inside a site none of whose own links was
-      measured, the median of the other sites' LANs.
+      (long paths are slower: TCP throughput falls with RTT) among those the path limited (slower than both
+      ends' capacities), else unlimited; inside a site none of whose own links was measured, the median of
+      the other sites' LANs.
     Between sites the estimate is ``min(path, up_i, down_j)``; inside a site it is the path's. A pair measured
     in one direction only takes the measurement of the other (paths are mostly symmetric). Estimated and
     measured RTTs are rounded to a probe's resolution (``MIN_RTT_S``): noise below it (Vivaldi's residue
@@ -60,6 +61,7 @@ SITE_BANDWIDTH_FRACTION = 0.8  # a site link carries at least this fraction of b
 SITE_GAP_FACTOR = 1.5  # ... is above a gap of at least this factor in the measured bandwidths ...
 SITE_MAX_RTT_S = 0.015  # ... over at most this RTT (a LAN or a metropolitan area)
 RTT_NEIGHBOURS = 8  # measured links whose RTT is nearest an unmeasured pair's estimate its bandwidth uses
+ACCESS_LIMITED = 0.95  # a link at this fraction of one end's capacity was limited by that end, not the path
 
 
 @dataclass(frozen=True)
@@ -223,7 +225,7 @@ def estimate_links(n: int, samples: Sequence[Sample], seed: int | str = 0, dim: 
     capacity = np.where(known, bw, 0.0).max(axis=1)  # symmetric now: up == down
     capacity = np.where(capacity > 0, capacity, np.inf)
     sites = find_sites(n, good, capacity, hosts)
-    est_bw = _path_bandwidth(n, bw, known, rtt, est_rtt, sites)
+    est_bw = _path_bandwidth(n, bw, known, rtt, est_rtt, sites, capacity)
     # a capacity is the fastest link a peer was seen on: a bound for paths between sites, not inside one (a
     # peer measured only over slow paths would otherwise never look fast to its own LAN)
     cross = sites[:, None] != sites[None, :]
@@ -237,9 +239,10 @@ def estimate_links(n: int, samples: Sequence[Sample], seed: int | str = 0, dim: 
 
 
 def _path_bandwidth(n: int, bw: np.ndarray, known: np.ndarray, rtt: np.ndarray, est_rtt: np.ndarray,
-                    sites: np.ndarray) -> np.ndarray:
+                    sites: np.ndarray, capacity: np.ndarray) -> np.ndarray:
     """Bandwidth of every pair's path: the median of the measured links between the two sites, else of the
-    measured links with the nearest RTT."""
+    measured links between sites with the nearest RTT that the path limited (slower than both ends'
+    capacities; a link as fast as one end's capacity says nothing about the path), else unlimited."""
     out = np.full((n, n), np.nan)
     ii, jj = np.nonzero(known)
     if ii.size == 0:
@@ -262,10 +265,12 @@ def _path_bandwidth(n: int, bw: np.ndarray, known: np.ndarray, rtt: np.ndarray, 
     out = block_med[sites[:, None], sites[None, :]]
     # the rest: nearest measured RTTs (log scale: 10 ms vs 20 ms differs as much as 100 vs 200)
     todo = np.isnan(out)
-    cross = sites[ii] != sites[jj]  # a site's own links say nothing about paths between sites
-    if cross.any():
-        ii, jj = ii[cross], jj[cross]
-    if todo.any():
+    # a site's own links say nothing about paths between sites, nor does a link an access link limited
+    pool = (sites[ii] != sites[jj]) & (bw[ii, jj] < ACCESS_LIMITED * np.minimum(capacity[ii], capacity[jj]))
+    ii, jj = ii[pool], jj[pool]
+    if todo.any() and ii.size == 0:
+        out[todo] = np.inf
+    elif todo.any():
         m_rtt = np.log(np.maximum(rtt[ii, jj], 1e-4))
         order = np.argsort(m_rtt, kind="stable")
         m_rtt, m_bw = m_rtt[order], bw[ii, jj][order]

@@ -79,7 +79,7 @@ class SimConfig:
     heartbeat_s: float = HEARTBEAT_S
     join_spread_s: float = 10.0  # the initial peers start within this window
     min_peers_fraction: float = 0.9  # the leader's [swarm] min_peers, as a fraction of the initial peers
-    churn_window_s: float = 120.0  # simulated after the first plan
+    churn_window_s: float = 60.0  # simulated after the first plan
     stages: int = 8
     plan_evaluations: int = 50  # search budget of each plan (deterministic); the virtual time charged is:
     plan_charge_s: float = 5.0  # ... the daemon's default plan_time_limit_s
