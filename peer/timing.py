@@ -15,10 +15,13 @@ The daemon's control loop (peer.node.daemon)
     ``JOINER_RUN_WAIT_S`` for the run record to appear.
 
 Progress and plan records (peer.swarm.progress, peer.swarm.plans)
-    The leader renews its progress record every tick. The takeover guard looks at the record's age, not its
-    expiry: nobody takes over while another leader's progress is younger than one advert lifetime. The
-    record itself lives ``PROGRESS_TTL_S`` (much longer) so that ``peer status`` and a new leader still read
-    the last step and the loss history after the leader died. A plan record lives ``PLAN_TTL_S``; the leader
+    The leader renews its beat (its progress without the loss history) every tick, and the full progress
+    record when it changes or every ``peer.swarm.progress.FULL_RENEW_S``. A worker reads the beat once a
+    heartbeat and reads every advert again when the beat is older than one advert lifetime (it suspects the
+    leader, ``peer.swarm.view``). The takeover guard looks at the beat's age, not its expiry: nobody takes
+    over while another leader's beat is younger than one advert lifetime. Both records live
+    ``PROGRESS_TTL_S`` (much longer) so that ``peer status`` and a new leader still read the last step and
+    the loss history after the leader died. A plan record lives ``PLAN_TTL_S``; the leader
     renews it every ``PLAN_RENEW_TICKS`` ticks (10 heartbeats, 20 s at the default), far within.
 
 The coordinator's view of its workers (peer.runtime.coordinator)
@@ -115,7 +118,7 @@ JOINER_RUN_WAIT_S = 15.0  # a joiner waits this long for the run record to appea
 LINK_REPORT_WAIT_HEARTBEATS = 3  # the first plan waits this many heartbeats for every peer's link reports
 
 # -- progress and plan records ---------------------------------------------------------------------------
-PROGRESS_TTL_S = 120.0  # lifetime of a progress record (renewed every tick by the leader)
+PROGRESS_TTL_S = 120.0  # lifetime of a progress record and of a beat (the beat renewed every tick by the leader)
 PLAN_TTL_S = 600.0  # lifetime of a plan record
 PLAN_RENEW_TICKS = 20  # the leader renews its plan record every this many ticks (10 heartbeats)
 

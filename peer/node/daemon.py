@@ -64,7 +64,8 @@ PROBE_BYTES = 256 * 1024
 COORDINATOR_THREADS = 64  # extra worker-server threads for a coordinator mounted on it
 PROBE_SAMPLE = 8  # peers probed per round; the rest are estimated (see peer.node.planning.build_cluster)
 PROBE_PEERS = PROBE_K + PROBE_RANDOM  # peers one peer measures in all; the other pairs are estimated
-PROBE_RETRY_ROUNDS = 5  # a peer whose probe failed is tried again after this many rounds
+PROBE_RETRY_ROUNDS = 2  # a peer whose probe failed is tried again after this many rounds (in a forming swarm a
+# first probe often fails only because the target has not read the prober's advert, and its certificate, yet)
 OPS_LOG_HEARTBEATS = 5  # the daemon logs its DHT gets and stores per heartbeat this often
 
 
@@ -364,12 +365,13 @@ class PeerDaemon:
     # ------------------------------------------------------------------------------------------ main loop
     def run(self) -> int:
         """Follow or lead until the run is done or a signal arrives; return the exit status."""
-        prober = threading.Thread(target=self._probe_loop, name="prober", daemon=True)
-        prober.start()
         assert self.config is not None
         period = self.config.swarm.heartbeat_s / TICKS_PER_HEARTBEAT
+        prober = threading.Thread(target=self._probe_loop, name="prober", daemon=True)
         while not self.done.is_set() and not self.stop_requested.is_set():
             self._tick()
+            if not prober.is_alive() and not prober.ident:
+                prober.start()  # after the first tick: the prober picks its targets from the adverts it read
             self.stop_requested.wait(period)
         return 0 if self.exit_error is None else 1
 

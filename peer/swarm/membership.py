@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import statistics
 import threading
+import time
 from dataclasses import dataclass
 
 import hivemind
@@ -320,38 +321,47 @@ class Membership:
         self._last_links = reports
         return list(reports)
 
-    def check_clock(self, max_skew_s: float = MAX_CLOCK_SKEW_S) -> float | None:
+    def check_clock(self, max_skew_s: float = MAX_CLOCK_SKEW_S, attempts: int = 3) -> float | None:
         """Compare our clock with the live peers' heartbeat times; :class:`ClockSkewError` beyond ``max_skew_s``.
 
-        Returns the median of (their heartbeat time - our clock), None when nobody else is there. A heartbeat
-        time is at most one heartbeat old when read, so the synchronised range is [-heartbeat_s, 0]; records
-        that look expired by our clock count too (an early clock would otherwise see none).
+        Returns the median of (their heartbeat time - our clock when the read began), None when nobody else is
+        there. A heartbeat time is at most one heartbeat old when written, so the synchronised range is about
+        [-heartbeat_s, 0]; records that look expired by our clock count too (an early clock would otherwise see
+        none). A heartbeat looks older than it is when the machines are busy (a store or a read taking seconds):
+        a clock that looks ahead is read again, up to ``attempts`` times half a heartbeat apart, and judged by
+        the freshest reading; one that looks behind is refused at once (lateness cannot make a record look newer).
         """
-        records = self.store.read("peers", include_expired=True)
-        at = now()
-        offsets = [
-            float(record.payload["at"]) - at
-            for record in records or []
-            if record.owner != self.peer_id
-            and isinstance(record.payload.get("at"), (int, float))
-            and not isinstance(record.payload.get("at"), bool)
-            and "advert" in record.payload
-        ]
-        if not offsets:
-            return None
-        offset = statistics.median(offsets)
-        if offset > max_skew_s:
-            raise ClockSkewError(
-                f"this machine's clock is {offset:.1f} s behind the swarm's ({len(offsets)} peers; at most "
-                f"{max_skew_s:g} s allowed): synchronise it (e.g. enable NTP) and join again"
-            )
-        if offset < -(max_skew_s + self.heartbeat_s):
-            raise ClockSkewError(
-                f"this machine's clock is {-offset - self.heartbeat_s:.1f} s or more ahead of the swarm's "
-                f"({len(offsets)} peers; at most {max_skew_s:g} s allowed): synchronise it (e.g. enable NTP) "
-                "and join again"
-            )
-        return offset
+        best: float | None = None
+        count = 0
+        for attempt in range(attempts):
+            if attempt:
+                time.sleep(self.heartbeat_s / 2)
+            started = now()
+            records = self.store.read("peers", include_expired=True)
+            offsets = [
+                float(record.payload["at"]) - started
+                for record in records or []
+                if record.owner != self.peer_id
+                and isinstance(record.payload.get("at"), (int, float))
+                and not isinstance(record.payload.get("at"), bool)
+                and "advert" in record.payload
+            ]
+            if not offsets:
+                return best
+            offset, count = statistics.median(offsets), len(offsets)
+            if offset > max_skew_s:
+                raise ClockSkewError(
+                    f"this machine's clock is {offset:.1f} s behind the swarm's ({count} peers; at most "
+                    f"{max_skew_s:g} s allowed): synchronise it (e.g. enable NTP) and join again"
+                )
+            best = offset if best is None else max(best, offset)
+            if best >= -(max_skew_s + self.heartbeat_s):
+                return best
+        assert best is not None
+        raise ClockSkewError(
+            f"this machine's clock is {-best - self.heartbeat_s:.1f} s or more ahead of the swarm's "
+            f"({count} peers; at most {max_skew_s:g} s allowed): synchronise it (e.g. enable NTP) and join again"
+        )
 
     def get_run_record(self) -> RunRecord | None:
         """The earliest valid publication of the run, or None when nobody (with our secret) published it."""
