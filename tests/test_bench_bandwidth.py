@@ -31,6 +31,7 @@ def test_quick_bench_output_shape(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert {"exact", "chosen", "act-int4", "diloco-H8-topk"} <= set(out["bytes_per_step"])
     assert all(v < out["bytes_per_step"]["exact"] for k, v in out["bytes_per_step"].items() if k != "exact")
     assert "modeled" in out["step_time"]
+    assert out["looser_limit"]["chosen"]["predicted_loss_penalty"] <= bandwidth.LOOSE_LOSS_PENALTY + 1e-9
     # the target is exact training's mean loss over its last evaluations up to N: it gets there by step N
     assert 0 < out["options"]["exact"]["steps_to_loss"] <= out["steps"]
     assert math.isfinite(out["seed_noise"])
