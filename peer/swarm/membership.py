@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 MAX_LINK_REPORTS = 1024
 MAX_FOUND = 256  # peers named in one ``found`` testimony
+LATE_HEARTBEAT_SLACK_S = 3.0  # how much later than a heartbeat a busy swarm's advert may look at the clock check
 
 
 class SwarmSecretError(RuntimeError):
@@ -328,8 +329,9 @@ class Membership:
         there. A heartbeat time is at most one heartbeat old when written, so the synchronised range is about
         [-heartbeat_s, 0]; records that look expired by our clock count too (an early clock would otherwise see
         none). A heartbeat looks older than it is when the machines are busy (a store or a read taking seconds):
-        a clock that looks ahead is read again, up to ``attempts`` times half a heartbeat apart, and judged by
-        the freshest reading; one that looks behind is refused at once (lateness cannot make a record look newer).
+        a clock that looks ahead by less than ``LATE_HEARTBEAT_SLACK_S`` more than allowed is read again, up to
+        ``attempts`` times half a heartbeat apart, and judged by the freshest reading; one that looks behind, or
+        further ahead, is refused at once (lateness cannot make a record look newer, nor seconds older).
         """
         best: float | None = None
         count = 0
@@ -357,6 +359,8 @@ class Membership:
             best = offset if best is None else max(best, offset)
             if best >= -(max_skew_s + self.heartbeat_s):
                 return best
+            if best < -(max_skew_s + self.heartbeat_s + LATE_HEARTBEAT_SLACK_S):
+                break
         assert best is not None
         raise ClockSkewError(
             f"this machine's clock is {-best - self.heartbeat_s:.1f} s or more ahead of the swarm's "
