@@ -190,3 +190,22 @@ def test_an_assignment_from_another_peer_makes_a_worker_look_again(swarms):
     run_ticks(peers, 1)
     assert worker.view.full_reads > before and worker.elected() == peers[0].peer_id
     settle(peers, peers[0])  # the leader beats: suspicion clears, reads drop back
+
+
+def test_a_leader_that_resigns_is_looked_past_at_the_next_beat(swarms):
+    peers = swarms(3)
+    for p in peers:
+        p.view.holding_plan = True
+    settle(peers, peers[0])
+    followers = peers[1:]
+    before = [p.view.full_reads for p in followers]
+    peers[0].leading = False  # it steps down (the daemon does so when the election moves away from it)
+    assert peers[0].progress.resign()
+    for _ in range(TICKS):  # one heartbeat of the followers only: each reads the beat once and sees "resigned"
+        for p in followers:
+            p.tick()
+    assert all(p.view.suspect for p in followers)
+    for _ in range(TICKS):
+        for p in followers:
+            p.tick()
+    assert all(p.view.full_reads > b for p, b in zip(followers, before, strict=True))

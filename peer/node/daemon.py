@@ -396,6 +396,8 @@ class PeerDaemon:
             log.warning("leadership moved to %s; stepping down", leader)
             self.role.stop()
             self.role = None
+            assert self.progress is not None
+            self.progress.resign()  # our followers look for the new leader now, not when our beat has aged
         if self.role is not None and not self.role.finished.is_set():
             self.role.beat()
         if self.role is not None and self.role.finished.is_set():
@@ -507,7 +509,7 @@ class PeerDaemon:
         if self.started_run is False and time.monotonic() - self._announced_at < ttl:
             return False
         beat = self.progress.read_beat(_progress_leader(self.plan_board.latest(), self.elected()))
-        if beat and beat.get("leader") != self.identity.peer_id and beat.get("state") != "done":
+        if beat and beat.get("leader") != self.identity.peer_id and beat.get("state") not in ("done", "resigned"):
             age = now() - float(beat.get("at", 0.0))
             if age < ttl:
                 return False
@@ -627,6 +629,7 @@ class PeerDaemon:
         if self.observer is not None:
             self.observer.close()
         if self.role is not None:
+            resigning = not self.role.finished.is_set()  # leaving before the end of the run
             if self.stop_requested.is_set() and self.role.driver is not None:
                 try:
                     self.role.driver.checkpoint()
@@ -634,6 +637,11 @@ class PeerDaemon:
                 except Exception as exc:  # leaving must not fail because a checkpoint did
                     log.warning("checkpoint on exit failed: %s", exc)
             self.role.stop()
+            if resigning and self.progress is not None:
+                try:
+                    self.progress.resign()  # the others elect a new leader at once (see peer.swarm.view)
+                except Exception as exc:  # the DHT may already be unreachable
+                    log.info("resign: %s", exc)
         if self.membership is not None:
             try:
                 self.membership.leave()

@@ -49,6 +49,7 @@ class ProgressBoard:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         self.store = RecordStore(dht, run_id, identity, secret, timeout_s)
         self.ttl_s = ttl_s
+        self._last: dict[str, Any] = {}  # the last payload published (what a resignation repeats)
         self._full: tuple[dict[str, Any], float] | None = None  # the last full payload stored, when (DHT time)
 
     def publish(self, payload: dict[str, Any]) -> bool:
@@ -58,6 +59,7 @@ class ProgressBoard:
         if identity is None:
             raise ValueError("a read-only progress board cannot publish")
         at = now()
+        self._last = dict(payload)
         body = {**payload, "leader": identity.peer_id, "at": at}
         beat = {k: v for k, v in body.items() if k != "history"}
         stored = self.store.put("beat", beat, at + self.ttl_s)
@@ -67,6 +69,17 @@ class ProgressBoard:
             else:
                 stored = False
         return stored
+
+    def resign(self) -> bool:
+        """A leader stepping down (not at the end of the run) says so in its beat, state "resigned": its
+        followers read every advert again at once instead of waiting for the beat to age (peer.swarm.view)."""
+        identity = self.store.identity
+        if identity is None or not self._last:
+            return False
+        at = now()
+        beat = {k: v for k, v in self._last.items() if k != "history"}
+        return self.store.put("beat", {**beat, "state": "resigned", "leader": identity.peer_id, "at": at},
+                              at + self.ttl_s)
 
     def read(self, leader: str | None) -> dict[str, Any] | None:
         """The newest progress record (highest epoch, then step) written by ``leader``, with the loss history;

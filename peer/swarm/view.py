@@ -6,8 +6,9 @@ set read it (``Membership.live_entries``):
 
 * the **leader**, every tick: it plans from the adverts and must notice joins, deaths and a healed partition;
 * a peer **without a confirmed leader** (just joined, or the election is still settling), every tick;
-* a peer that **suspects the leader**: the leader's beat (``peer.swarm.progress``) was missing or older than
-  one advert lifetime at the last look, or a peer other than the one it elected tried to assign it work
+* a peer that **suspects the leader**: the leader's beat (``peer.swarm.progress``) was missing, older than
+  one advert lifetime or "resigned" (it stepped down) at the last look, or a peer other than the one it
+  elected tried to assign it work
   (:meth:`SwarmView.suspect_leader`; the election may have moved, e.g. a partition healed), every tick;
 * a peer **without an assignment** (forming, or a newcomer the leader has not planned yet), once a heartbeat:
   it needs the adverts to know whom to probe and whose TLS certificate to trust.
@@ -119,7 +120,7 @@ class SwarmView:
         if leader is None:
             return
         beat = self.progress.read_beat(leader)
-        if beat is None or now() - float(beat["at"]) >= self.membership.ttl_s:
+        if beat is None or now() - float(beat["at"]) >= self.membership.ttl_s or beat.get("state") == "resigned":
             if leader != self.me:
                 self.suspect_leader(f"no fresh beat from the leader {leader}")
         elif self.confirmed() == leader:
