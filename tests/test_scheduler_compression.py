@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,7 @@ from scheduler import Cluster, Plan, Workload, cost_full
 from scheduler.api import plan
 from scheduler.compression import (
     EXACT,
+    PENALTY_PATH,
     Choice,
     CompressedCost,
     CompressionSpace,
@@ -145,3 +147,11 @@ def test_bad_inputs_are_refused(tmp_path: Path) -> None:
     with pytest.raises(PlanningError):
         plan(uniform_cluster(4, 1.0), workload(), cost_model="dtfm", compression=CompressionSpace(PENALTIES))
 
+
+
+def test_shipped_table_is_a_measurement() -> None:
+    doc = json.loads(PENALTY_PATH.read_text())
+    table = PenaltyTable.load()
+    assert "bench.bandwidth" in doc["meta"]["produced_by"]
+    assert set(table.activation) >= {"none", "fp16", "int8", "int4", "int2"}
+    assert any(k.startswith("diloco-") for k in table.sync)
