@@ -11,7 +11,8 @@ docstrings for the models and their sources). Figures (virtual seconds unless sa
 * ``first_plan_s``: from the first peer's start (the initial peers start within ``join_spread_s``) to the
   first plan in the DHT;
 * ``replan_s_median``: from a plan member's departure (crash or leave, including the leader's) to the first
-  plan without it, median over the re-plans in the churn window (``replans`` of them);
+  plan without it, median over the departures in the churn window (``departures_replanned``; ``replans``
+  plans were made for them);
 * ``leader_msgs_per_s``: DHT calls (gets and stores) of the leader per second over the churn window;
   ``leader_rpcs_per_s`` counts each call's Kademlia hops; ``worker_msgs_per_s_median`` is a worker's;
 * ``plan_cost_ratio_sampled_vs_full``: at the end, a plan from the leader's view (the link reports in the

@@ -93,6 +93,7 @@ class SimConfig:
 class SimResult:
     first_plan_s: float
     replan_s: list[float]
+    replans: int
     leader_msgs_per_s: float
     leader_rpcs_per_s: float
     worker_msgs_per_s_median: float
@@ -112,7 +113,8 @@ class SimResult:
         return {
             "first_plan_s": round(self.first_plan_s, 3),
             "replan_s_median": round(statistics.median(self.replan_s), 3) if self.replan_s else None,
-            "replans": len(self.replan_s),
+            "replans": self.replans,
+            "departures_replanned": len(self.replan_s),
             "leader_msgs_per_s": round(self.leader_msgs_per_s, 3),
             "leader_rpcs_per_s": round(self.leader_rpcs_per_s, 3),
             "worker_msgs_per_s_median": round(self.worker_msgs_per_s_median, 4),
@@ -436,7 +438,8 @@ class Simulator:
         self.first_plan_at: float | None = None
         self.first_plan_members = 0
         self.first_plan_pipelines = 0
-        self.replans: list[float] = []
+        self.replans: list[float] = []  # per departed plan member: seconds to the first plan without it
+        self.replan_count = 0  # plans made because members departed
         self.departed_at: dict[str, float] = {}
         self.died_at: dict[str, float] = {}
         self.scheduler_s: list[float] = []
@@ -482,7 +485,8 @@ class Simulator:
         else:
             handled = [t for pid, t in self.departed_at.items() if pid not in members and t <= at]
             if reason in ("departure", "takeover", "start") and handled:
-                self.replans.append(at - max(handled))
+                self.replans.extend(at - t for t in sorted(handled))  # one sample per departure it handles
+                self.replan_count += 1
             for pid in [pid for pid in self.departed_at if pid not in members]:
                 del self.departed_at[pid]
         self.log(f"t={at:.1f} plan {epoch} ({reason}): {len(rows)} pipelines over {len(members)} peers")
@@ -572,6 +576,7 @@ class Simulator:
         return SimResult(
             first_plan_s=float("nan") if self.first_plan_at is None else self.first_plan_at,
             replan_s=list(self.replans),
+            replans=self.replan_count,
             leader_msgs_per_s=self.leader_calls_in_window / window,
             leader_rpcs_per_s=self.leader_calls_in_window * hops / window,
             worker_msgs_per_s_median=float(statistics.median(worker_rates)) if worker_rates else 0.0,
