@@ -442,13 +442,14 @@ def plot(per_option: dict[str, Any], target: float, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 5.5))
-    for name, o in sorted(per_option.items(), key=lambda kv: not kv[0].startswith("chosen")):
-        xs = [max(w, 1.0) for w in o["curve"]["wall_s"]]
+    colors = plt.get_cmap("tab20").colors
+    for i, (name, o) in enumerate(sorted(per_option.items(), key=lambda kv: not kv[0].startswith("chosen"))):
         style = ({"lw": 2.6, "color": "black"} if name == "chosen" else {"lw": 2.6, "color": "red"}
-                 if name.startswith("chosen") else {"lw": 1.6 if name == "exact" else 1.0})
-        ax.plot(xs, o["curve"]["val_loss"], label=f"{name} ({o['step_s']:.2f} s/step)", **style)
+                 if name.startswith("chosen") else {"lw": 1.6 if name == "exact" else 1.0,
+                                                    "color": colors[i % len(colors)]})
+        ax.plot(o["curve"]["wall_s"], o["curve"]["val_loss"], label=f"{name} ({o['step_s']:.2f} s/step)", **style)
     ax.axhline(target, ls=":", color="grey", lw=1)
-    ax.set_xscale("log")
+    ax.set_ylim(top=min(6.0, max(max(o["curve"]["val_loss"]) for o in per_option.values())) + 0.1)
     ax.set_xlabel("modeled wall-clock seconds (1.3B GPT, 8 world-wide peers)")
     ax.set_ylabel("validation loss (small GPT, real training)")
     ax.set_title("bench.bandwidth: loss vs wall-clock per option (dotted: exact's loss after N steps)")
