@@ -176,7 +176,8 @@ class DiskPeers(BedPeers):
 
 @dataclass
 class BedLeaderLoss:
-    """What the bed scenario saw; ``logs`` by host name (pub0 the dead leader, pub1 its successor)."""
+    """What the bed scenario saw; ``logs`` by host name (pub0 the dead leader; ``new_leader`` the survivor that
+    finished the run: the elder, pub1, unless the election saw it late)."""
 
     plan_pipelines: list[list[int]]
     copied_before_kill: int  # the newest checkpoint step copied to peers before the kill
@@ -184,6 +185,7 @@ class BedLeaderLoss:
     survivor_has_copy: bool
     exit_codes: dict[str, int | None]
     logs: dict[str, str]
+    new_leader: str | None = None
     fetched_step: int | None = None  # the copy the new leader fetched
     rolled_back_to: int | None = None
     steps_redone: int | None = None
@@ -234,7 +236,8 @@ def run_bed_leader_loss(bed: NetBed, root: Path) -> BedLeaderLoss:
         codes = peers.wait_all(240)
         out = BedLeaderLoss(json.loads(plan[0]) if plan else [], copied, killed_at, has_copy, codes,
                             {h.name: peers.log(h.name) for h in hosts})
-        new_log = out.logs["pub1"]
+        out.new_leader = next((h.name for h in hosts[1:] if "run finished" in out.logs[h.name]), None)
+        new_log = out.logs.get(out.new_leader or "", "")
         fetched = re.search(r"using the checkpoint copy of step (\d+) fetched from", new_log)
         rolled = re.search(r"rolling back to the checkpoint of step (\d+), redoing (\d+) step\(s\)", new_log)
         out.fetched_step = int(fetched.group(1)) if fetched else None
@@ -242,9 +245,10 @@ def run_bed_leader_loss(bed: NetBed, root: Path) -> BedLeaderLoss:
             out.rolled_back_to, out.steps_redone = int(rolled.group(1)), int(rolled.group(2))
         after = sorted(_stamp(t) for t, _ in _STEP.findall(new_log) if _stamp(t) > t_dead)
         out.resume_s = after[0] - t_dead if after else None
-        out.new_leader_kept_copy = any(peers.disk(hosts[1]).glob("ckpt/step-*"))
+        out.new_leader_kept_copy = out.new_leader is not None and any(
+            peers.disk(bed.hosts[out.new_leader]).glob("ckpt/step-*"))
     finally:
         peers.close()
-    if codes.get("pub1") == 0 and (save / "run.json").exists():
+    if out.new_leader is not None and codes.get(out.new_leader) == 0 and (save / "run.json").exists():
         out.gap = gap_to_reference(save, BED_STEPS)
     return out

@@ -27,7 +27,7 @@ def test_leader_host_and_disk_die_new_leader_resumes_from_a_copy(bed: NetBed, tm
     assert "leads the swarm" in r.logs["pub0"]
     assert r.survivor_has_copy, "no survivor held a copy on its disk"
     assert {k: v for k, v in r.exit_codes.items() if k != "pub0"} == {"pub1": 0, "pub2": 0, "pub3": 0}, logs
-    assert "run finished" in r.logs["pub1"], logs
+    assert r.new_leader is not None, logs
     assert r.fetched_step is not None and r.rolled_back_to == r.fetched_step, logs
     assert r.fetched_step >= r.copied_before_kill and r.fetched_step % BED_CHECKPOINT_EVERY == 0
     # the log says how many steps are redone: those trained after the copy, up to the kill
