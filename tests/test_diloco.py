@@ -178,3 +178,33 @@ def test_outer_step_is_torch_nesterov_sgd_and_top_k_all_gather_is_exact() -> Non
     codec, block = allgather_codec("topk", summed.numel(), 2)
     assert codec == "topk"
     assert torch.equal(roundtrip(summed, codec, block), summed)
+
+
+@pytest.mark.integration
+def test_outer_round_with_no_whole_pipeline_left_folds_into_the_next_round() -> None:
+    """Devices 1 (stage 1 of pipeline 0) and 2 (stage 0 of pipeline 1) die during the outer round after step 2:
+    no pipeline is whole, so that outer round cannot finish. Step 2's inner step stands; the survivors (devices
+    0 and 3, one of each stage) keep their local parameters and the round's anchor, form one pipeline, and the
+    next outer round (after step 5) covers all six inner steps — no rollback, no lost stage."""
+    torch.set_num_threads(1)
+    with LocalSwarm(SPEC, 4, links=LinkModel(tflops=[1e-4] * 4), forward_flops=lambda a, b: 2.4e6,
+                    heartbeat_s=4.0) as swarm:  # the survivors must not be taken for dead on a loaded machine
+        fired = threading.Event()
+
+        def hook(name: str, info: dict) -> None:
+            if name == "outer" and info.get("step") == 2 and not fired.is_set():
+                fired.set()
+                for d in (1, 2):
+                    threading.Thread(target=swarm.workers.kill, args=(d,), daemon=True).start()
+
+        swarm.coordinator.on_event = hook
+        result = swarm.train((STAGES, PIPELINES), STEPS)
+    assert fired.is_set()
+    record = assignment_record(result.reports)
+    assert [e["step"] for e in record] == list(range(STEPS))
+    assert record[2]["outer"] is None and record[5]["outer"] == [0]
+    assert not result.events.rollbacks
+    assert [r["step"] for r in result.events.replans] == [0, SPEC.sync_period]
+    assert result.events.replans[1]["pipelines"] == [[0, 3]]
+    assert sorted(result.states) == [(0, 0), (1, 0)] and all(s["step"] == STEPS for s in result.states.values())
+    assert all(math.isfinite(x) for x in result.losses) and result.losses[-1] < result.losses[0]

@@ -90,6 +90,16 @@ class ReplanNeededError(StepFailedError):
     """No pipeline of the plan is intact any more (or a worker is gone at a step boundary): re-plan."""
 
 
+class OuterRoundFailedError(ReplanNeededError):
+    """DiLoCo: the inner step was applied everywhere, but its outer round could not finish (no pipeline left
+    whole, an error, a timeout). The step counts as trained without the outer step: the replicas keep their
+    local parameters and the round's anchor, so the next outer round covers both rounds' inner steps."""
+
+    def __init__(self, message: str, report: StepReport) -> None:
+        super().__init__(message)
+        self.report = report
+
+
 class StepPhase(enum.Enum):
     """Where a step is: computing micro-batches, averaging gradients, or applying them."""
 
@@ -389,11 +399,15 @@ class Coordinator:
             allow_failures=True,
         )
         outer: list[int] | None = None
+        failed: StepFailedError | None = None
         if self.spec.sync_period == 1:
             self._check_replicas(state, step, [m for m in members if m not in self.dead], deadline)
             self._catch_up(state, step, [m for m in members if m not in self.dead], deadline)
         elif is_round_end(step, self.spec.sync_period):
-            outer = self._outer_round(state, step, deadline)
+            try:
+                outer = self._outer_round(state, step, deadline)
+            except StepFailedError as exc:
+                failed = exc
         self.pipeline_service_s = (self.epoch, state.pool.measured_service_s())
         seconds = time.monotonic() - started
         losses = [state.losses.get((mb, p), math.nan) for mb, p in sorted(assignment.items())]
@@ -411,6 +425,8 @@ class Coordinator:
             counts,
             f", dropped pipelines {sorted(state.dropped)}" if state.dropped else "",
         )
+        if failed is not None:
+            raise OuterRoundFailedError(f"step {step}: the outer round failed: {failed}", report) from failed
         return report
 
     def _alive_pipelines(self) -> list[int]:

@@ -32,7 +32,13 @@ from typing import Any
 
 from peer.runtime.checkpoints import DEFAULT_KEEP, Checkpoint, CheckpointError, CheckpointStore, store_copy
 from peer.runtime.control import StateSource
-from peer.runtime.coordinator import Coordinator, ReplanNeededError, StepFailedError, StepReport
+from peer.runtime.coordinator import (
+    Coordinator,
+    OuterRoundFailedError,
+    ReplanNeededError,
+    StepFailedError,
+    StepReport,
+)
 from peer.runtime.spec import Assignment, RunSpec
 from peer.timing import (
     BAN_MAX_S,
@@ -198,6 +204,11 @@ class RunDriver:
                 replans += 1
                 if replans > self.cfg.max_replans:
                     raise
+                if isinstance(exc, OuterRoundFailedError):  # DiLoCo: the inner step stands, the round goes on
+                    self.trained += 1
+                    self.reports.append(exc.report)
+                    if self.on_step:
+                        self.on_step(exc.report)
                 log.warning("step %d did not finish (%s); re-planning", self.trained, exc)
                 self._ban_dead()
                 time.sleep(self.cfg.replan_wait_s)

@@ -28,7 +28,11 @@ by the others) *and from the rest of the round*: it takes no further inner steps
 round. The micro-batches it committed in *earlier* inner steps of the round were each accounted exactly once
 (the commit records of those steps say so) but their effect lives only in that pipeline's local parameters,
 which are discarded: they do not reach the outer update and are not recomputed. The driver re-plans at the
-next round boundary, where every live replica holds the same parameters.
+next round boundary, where every live replica holds the same parameters. A death during the outer averaging
+restarts it without that pipeline; when no pipeline is left whole (or the round fails otherwise) the inner step
+still counts (``OuterRoundFailedError``): the survivors keep their local parameters and the anchor, and the next
+outer round covers both rounds' inner steps. A tasklet that fetches its state from a replica whose parameters
+are not its anchor (mid-round) starts from the anchor: the source's own inner progress reaches the average once.
 """
 
 from __future__ import annotations

@@ -1062,7 +1062,7 @@ def _outer_state(spec: RunSpec, compute: StageCompute, fetched: OuterState | Non
         return None
     if fetched is None:
         return OuterState.start(compute.flat_params())
-    if compute.step % spec.sync_period:
+    if not torch.equal(fetched.anchor, compute.flat_params()):  # mid-round (or after a failed outer round)
         compute.set_params(fetched.anchor)
     return fetched
 
