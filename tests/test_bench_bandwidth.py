@@ -35,6 +35,14 @@ def test_quick_bench_output_shape(tmp_path: Path, capsys: pytest.CaptureFixture[
     # the target is exact training's mean loss over its last evaluations up to N: it gets there by step N
     assert 0 < out["options"]["exact"]["steps_to_loss"] <= out["steps"]
     assert math.isfinite(out["seed_noise"])
+    # DiLoCo's outer setting is picked on the tuning seed, never the reported one, from the settings tried
+    tuning = out["diloco_tuning"]
+    assert tuning["seed"] != out["train_config"]["seed"]
+    assert len(tuning["tried"]) == len(bandwidth.OUTER_SETTINGS)
+    assert tuning["chosen"]["outer_lr"] == out["train_config"]["outer_lr"]
+    best = min(tuning["tried"], key=lambda t: t["mean_final_loss"])
+    assert tuning["chosen"] == {"outer_lr": best["outer_lr"], "outer_momentum": best["outer_momentum"]}
+    assert all(o["cut_at_step"] is None or o["cut_at_step"] < out["steps"] for o in out["options"].values())
     loaded = PenaltyTable.load(table)
     assert set(loaded.activation) == {"none", "fp16", "int8", "int4", "int2"}
     assert all(v >= 0 for v in loaded.sync.values())
