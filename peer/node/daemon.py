@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import signal
 import threading
 import time
@@ -41,7 +42,13 @@ from peer.runtime.worker import StageWorker
 from peer.swarm.adverts import Advert, LinkReport
 from peer.swarm.dht import DHT_OPS, DHTConfig, DHTStartError, ops_delta, reconnect, start_dht, visible_maddrs
 from peer.swarm.identity import Identity
-from peer.swarm.membership import ClockSkewError, Membership, SwarmSecretError, verify_swarm_secret
+from peer.swarm.membership import (
+    ClockSkewError,
+    Membership,
+    RunReadTimeoutError,
+    SwarmSecretError,
+    verify_swarm_secret,
+)
 from peer.swarm.plans import PlanBoard, PlanRecord
 from peer.swarm.progress import ProgressBoard
 from peer.swarm.view import SwarmView
@@ -66,6 +73,8 @@ PROBE_SAMPLE = 8  # peers probed per round; the rest are estimated (see peer.nod
 PROBE_PEERS = PROBE_K + PROBE_RANDOM  # peers one peer measures in all; the other pairs are estimated
 PROBE_RETRY_ROUNDS = 2  # a peer whose probe failed is tried again after this many rounds (in a forming swarm a
 # first probe often fails only because the target has not read the prober's advert, and its certificate, yet)
+DHT_JOIN_ATTEMPTS = 4  # joining through a node too busy to answer the DHT's ping is tried this often
+BUSY_BOOTSTRAP = "none of the initial_peers responded to a ping"  # hivemind's words for that
 OPS_LOG_HEARTBEATS = 5  # the daemon logs its DHT gets and stores per heartbeat this often
 
 
@@ -148,18 +157,19 @@ class PeerDaemon:
             refuse_undialable(o.host, o.announce, self.dht_peers, self.config is not None, o.relay_port)
         except ReachabilityError as exc:
             raise DaemonError(str(exc)) from None
-        try:
-            self.dht = start_dht(
-                DHTConfig(
-                    initial_peers=tuple(self.dht_peers),
-                    host=o.dht_host,
-                    port=o.dht_port,
-                    announce_host=_host_of(o.announce),
-                ),
-                self.identity,
-            )
-        except DHTStartError as exc:
-            raise DaemonError(str(exc)) from None
+        config = DHTConfig(initial_peers=tuple(self.dht_peers), host=o.dht_host, port=o.dht_port,
+                           announce_host=_host_of(o.announce))
+        for attempt in range(DHT_JOIN_ATTEMPTS):
+            try:
+                self.dht = start_dht(config, self.identity)
+                break
+            except DHTStartError as exc:
+                # the node we join answered the connection but not the DHT's ping: busy (dozens of peers joining
+                # through it at once), not wrong; a refused or unparsable address fails at once
+                if BUSY_BOOTSTRAP not in str(exc) or attempt + 1 == DHT_JOIN_ATTEMPTS:
+                    raise DaemonError(str(exc)) from None
+                log.warning("joining the DHT: %s; trying again (%d of %d)", exc, attempt + 2, DHT_JOIN_ATTEMPTS)
+                time.sleep(random.uniform(1.0, 3.0))
         phase("dht")
         try:
             self._join_run()
@@ -181,10 +191,17 @@ class PeerDaemon:
     def _join_run(self) -> None:
         o = self.opts
         run_id = self.config.run.run_id if self.config else o.run_id
-        try:
-            existing = verify_swarm_secret(self.dht, run_id, o.secret or None)
-        except SwarmSecretError as exc:
-            raise DaemonError(str(exc)) from None
+        deadline = time.monotonic() + JOINER_RUN_WAIT_S
+        while True:
+            try:
+                existing = verify_swarm_secret(self.dht, run_id, o.secret or None)
+                break
+            except RunReadTimeoutError as exc:  # a busy DHT: try again until the joiner's wait is over
+                if time.monotonic() >= deadline:
+                    raise DaemonError(str(exc)) from None
+                log.warning("%s; trying again", exc)
+            except SwarmSecretError as exc:
+                raise DaemonError(str(exc)) from None
         self.started_run = self.config is not None
         if self.config is not None:
             if existing is not None:
@@ -194,10 +211,14 @@ class PeerDaemon:
             if (self.config.swarm.secret or None) != (o.secret or None):
                 o.secret = self.config.swarm.secret or o.secret
         else:
-            deadline = time.monotonic() + JOINER_RUN_WAIT_S
             while existing is None and time.monotonic() < deadline:
                 time.sleep(0.5)
-                existing = verify_swarm_secret(self.dht, run_id, o.secret or None)
+                try:
+                    existing = verify_swarm_secret(self.dht, run_id, o.secret or None)
+                except RunReadTimeoutError as exc:
+                    log.warning("%s; trying again", exc)
+                except SwarmSecretError as exc:
+                    raise DaemonError(str(exc)) from None
             if existing is None:
                 raise DaemonError(
                     f"no run named {run_id!r} is published in this DHT (is `peer start` running? "

@@ -55,6 +55,10 @@ class SwarmSecretError(RuntimeError):
     """This peer's join secret does not match the run's; the message is one line meant for the user."""
 
 
+class RunReadTimeoutError(SwarmSecretError):
+    """The run record could not be read in time (a busy DHT): worth trying again, unlike a wrong secret."""
+
+
 class ClockSkewError(RuntimeError):
     """This peer's clock is too far from the swarm's; the message is one line meant for the user."""
 
@@ -412,7 +416,7 @@ def verify_swarm_secret(
     store = RecordStore(dht, run_id, None, secret, timeout_s)
     records = store.read("run")
     if records is None:
-        raise SwarmSecretError(f"could not read run {run_id!r} from the DHT within {timeout_s:g} s")
+        raise RunReadTimeoutError(f"could not read run {run_id!r} from the DHT within {timeout_s:g} s")
     accepted = [record for record in records if record.mac_status is MacStatus.OK]
     run = _earliest_run(accepted)
     if run is not None or not records:
