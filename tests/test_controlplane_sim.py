@@ -51,6 +51,7 @@ def test_a_small_swarm_forms_a_plan_and_replans_after_churn(two_runs: tuple[dict
     # the leader reads every advert each tick; a worker following it reads one beat a heartbeat
     assert out["leader_msgs_per_s"] > 2 * out["worker_msgs_per_s_median"] > 0
     assert 0.5 < out["plan_cost_ratio_sampled_vs_full"] < 2.0
+    assert len(out["plan_cost_ratio_seeds"]) == 3 and out["full_matrix_plan_spread"] >= 1.0
 
 
 def test_the_memory_dht_keeps_the_latest_expiry_and_delays_stores_by_their_latency() -> None:

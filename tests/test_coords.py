@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from peer.compute.device_probe import DeviceInfo
-from peer.emulation.cpsim.sampling import compare_sampled_plan
+from peer.emulation.cpsim.sampling import PlanInputs, compare_on_truth, compare_sampled_plan
 from peer.node.planning import build_cluster, probe_targets_for
 from peer.swarm.adverts import Advert, LinkReport
-from scheduler import Workload
+from scheduler import Cluster, Workload
 from scheduler.cluster import load_scenario
 from scheduler.coords import Sample, estimate_links, fit_vivaldi, plan_neighbours, probe_targets
 
@@ -128,3 +128,19 @@ def test_a_plan_from_sampled_links_costs_at_most_5_percent_more(scenario: str) -
                                   k=6, n_random=2, rounds=3, seed=0, max_evaluations=20_000)
     assert result.measured_fraction < 0.45  # far from the full matrix: 24 of 63 peers each at most
     assert result.ratio <= 1.05, (result.sampled_cost_s, result.full_cost_s)
+
+
+def test_the_seeded_comparison_pairs_plans_by_seed_and_costs_both_on_the_truth() -> None:
+    """An estimate equal to the truth gives the same plan per seed (ratio 1 for each); a badly distorted one
+    (delays scaled 0.2-5x, bandwidths shuffled between devices) gives a best plan that costs more on the truth."""
+    truth = load_scenario("multi_universities")
+    workload = Workload.preset("gpt3-xl-dtfm")
+    same = compare_on_truth(PlanInputs(truth, truth, workload), seeds=(0, 1), evaluations=2000)
+    assert same.seed_ratios == [1.0, 1.0] and same.ratio == 1.0 and same.full_spread >= 1.0
+    rng = np.random.default_rng(0)
+    noisy = Cluster(delay_s=truth.delay_s * rng.uniform(0.2, 5.0, truth.delay_s.shape),
+                    bandwidth_bps=truth.bandwidth_bps[rng.permutation(truth.n)][:, rng.permutation(truth.n)],
+                    tflops=truth.tflops, memory_bytes=truth.memory_bytes, regions=truth.regions, name="noisy")
+    worse = compare_on_truth(PlanInputs(truth, noisy, workload), seeds=(0, 1), evaluations=2000)
+    assert worse.full_costs_s == same.full_costs_s  # the truth's plans do not depend on the estimate
+    assert worse.ratio > 1.0 and len(worse.seed_ratios) == 2

@@ -103,5 +103,54 @@ def hosts_of(truth: Cluster, max_per_host: int = 8) -> list[str] | None:
     return [r if "instance" in r and counts[r] <= max_per_host else f"{r}#{i}" for i, r in enumerate(truth.regions)]
 
 
+@dataclass
+class PlanInputs:
+    """What a sampled-against-full comparison plans from: the true matrix, the leader's estimate of it (same
+    devices, same order), the workload and the run's fixed layer split (None: the search picks one)."""
+
+    truth: Cluster
+    estimated: Cluster
+    workload: Workload
+    stages: list[tuple[int, int]] | None = None
+
+
+@dataclass
+class PlanComparison:
+    """Plans from the estimate and from the truth, one pair per seed (the same seeds and budget for both), all
+    costed on the truth. ``ratio`` is best against best: at a large swarm one search is noisy (its spread over
+    seeds on the truth alone is ``full_spread``), and the best of a few is what a planner with more time gets;
+    ``seed_ratios`` are the per-seed pairs."""
+
+    seeds: list[int]
+    evaluations: int
+    full_costs_s: list[float]
+    sampled_costs_s: list[float]
+
+    @property
+    def ratio(self) -> float:
+        return min(self.sampled_costs_s) / min(self.full_costs_s)
+
+    @property
+    def seed_ratios(self) -> list[float]:
+        return [s / f for s, f in zip(self.sampled_costs_s, self.full_costs_s, strict=True)]
+
+    @property
+    def full_spread(self) -> float:
+        return max(self.full_costs_s) / min(self.full_costs_s)
+
+
+def compare_on_truth(inputs: PlanInputs, seeds: Sequence[int] = (0, 1, 2), evaluations: int = 200,
+                     cost_model: str = "full") -> PlanComparison:
+    """Plan from ``inputs.estimated`` and from ``inputs.truth`` with each seed and ``evaluations`` of search
+    (offline: not the budget the swarm's planner has), and cost every plan on the truth."""
+    cfg = MemeticConfig(max_evaluations=evaluations)
+    full, sampled = [], []
+    for seed in seeds:
+        for cluster, out in ((inputs.truth, full), (inputs.estimated, sampled)):
+            p = plan(cluster, inputs.workload, cost_model=cost_model, seed=seed, stages=inputs.stages, config=cfg)
+            out.append(float(predict(inputs.truth, inputs.workload, p, cost_model)["total_s"]))
+    return PlanComparison(list(seeds), evaluations, full, sampled)
+
+
 def ratios(results: Sequence[SampledComparison]) -> np.ndarray:
     return np.array([r.ratio for r in results])

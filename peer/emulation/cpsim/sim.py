@@ -45,6 +45,7 @@ from peer.compute.device_probe import DeviceInfo
 from peer.compute.model import ModelConfig
 from peer.emulation.cpsim.churn import ChurnModel, Network
 from peer.emulation.cpsim.memdht import DHTHandle, LatencyModel, MemoryDHT
+from peer.emulation.cpsim.sampling import PlanComparison, PlanInputs, compare_on_truth
 from peer.node.planning import PROBE_K, PROBE_RANDOM, build_cluster, make_planner, probe_targets_for, workload_for
 from peer.runtime.spec import RunSpec
 from peer.swarm import view as view_module
@@ -63,8 +64,7 @@ from peer.timing import (
     TICKS_PER_HEARTBEAT,
     set_clock,
 )
-from scheduler import Cluster, MemeticConfig, PlanningError, plan
-from scheduler.api import predict
+from scheduler import Cluster, MemeticConfig, PlanningError
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,9 @@ class SimConfig:
     plan_charge_s: float = 5.0  # ... the daemon's default plan_time_limit_s
     step_s: float = 5.0  # a training step: joins are planned in at step boundaries
     probe_rounds: int = 3  # a peer probes at join and for each of its first plans, up to this many rounds
-    compare_full_matrix: bool = True  # also plan from the true matrix, to rate the sampled plan
+    compare_full_matrix: bool = True  # also plan from the true matrix, to rate the sampled plan (offline)
+    compare_seeds: tuple[int, ...] = (0, 1, 2)  # ... with these seeds for both plans
+    compare_evaluations: int = 1000  # ... and this search budget for each (a swap descent checks it every 256)
     churn: ChurnModel = field(default_factory=ChurnModel)
 
 
@@ -97,7 +99,7 @@ class SimResult:
     leader_msgs_per_s: float
     leader_rpcs_per_s: float
     worker_msgs_per_s_median: float
-    plan_cost_ratio_sampled_vs_full: float | None
+    comparison: PlanComparison | None  # sampled against full matrix (``compare_full_matrix``)
     scheduler_s: list[float]
     peers_at_first_plan: int
     pipelines_at_first_plan: int
@@ -110,6 +112,7 @@ class SimResult:
 
     def summary(self) -> dict[str, Any]:
         """The figures that are the same on every run with the same seed (not ``scheduler_s``)."""
+        c = self.comparison
         return {
             "first_plan_s": round(self.first_plan_s, 3),
             "replan_s_median": round(statistics.median(self.replan_s), 3) if self.replan_s else None,
@@ -118,8 +121,9 @@ class SimResult:
             "leader_msgs_per_s": round(self.leader_msgs_per_s, 3),
             "leader_rpcs_per_s": round(self.leader_rpcs_per_s, 3),
             "worker_msgs_per_s_median": round(self.worker_msgs_per_s_median, 4),
-            "plan_cost_ratio_sampled_vs_full": None if self.plan_cost_ratio_sampled_vs_full is None
-            else round(self.plan_cost_ratio_sampled_vs_full, 4),
+            "plan_cost_ratio_sampled_vs_full": None if c is None else round(c.ratio, 4),
+            "plan_cost_ratio_seeds": None if c is None else [round(r, 4) for r in c.seed_ratios],
+            "full_matrix_plan_spread": None if c is None else round(c.full_spread, 4),
             "peers_at_first_plan": self.peers_at_first_plan,
             "pipelines_at_first_plan": self.pipelines_at_first_plan,
             "joins": self.joins, "leaves": self.leaves, "deaths": self.deaths,
@@ -572,7 +576,7 @@ class Simulator:
         worker_rates = [(self.dht.calls_of(p.pid) - self.worker_calls_at_start.get(p.pid, 0)) / window
                         for p in self.peers if p.alive and p.pid != self.leader_pid
                         and p.pid in self.worker_calls_at_start]
-        ratio = self._sampled_vs_full() if cfg.compare_full_matrix else None
+        comparison = self._sampled_vs_full() if cfg.compare_full_matrix else None
         return SimResult(
             first_plan_s=float("nan") if self.first_plan_at is None else self.first_plan_at,
             replan_s=list(self.replans),
@@ -580,7 +584,7 @@ class Simulator:
             leader_msgs_per_s=self.leader_calls_in_window / window,
             leader_rpcs_per_s=self.leader_calls_in_window * hops / window,
             worker_msgs_per_s_median=float(statistics.median(worker_rates)) if worker_rates else 0.0,
-            plan_cost_ratio_sampled_vs_full=ratio,
+            comparison=comparison,
             scheduler_s=list(self.scheduler_s),
             peers_at_first_plan=self.first_plan_members,
             pipelines_at_first_plan=self.first_plan_pipelines,
@@ -594,10 +598,9 @@ class Simulator:
     def leader_calls_in_window(self) -> int:
         return self.leader_calls
 
-    def _sampled_vs_full(self) -> float | None:
-        """At the end: a plan from the leader's view (the link reports in the DHT, the rest estimated) against a
-        plan from the true matrix, for the same live peers and layer split and with the same search budget,
-        both costed on the truth with the ``full`` model."""
+    def plan_inputs(self) -> PlanInputs | None:
+        """At the end: the leader's view of the live peers (the link reports in the DHT, the rest estimated) and
+        the true matrix for the same peers, with the run's layer split (None before a first plan)."""
         leader = self.by_pid.get(self.leader_pid or "")
         state = leader.leader if leader is not None else None
         if state is None or not state.stages or not state.adverts:
@@ -614,11 +617,15 @@ class Simulator:
                         name="truth")
         stages = [(int(a), int(b)) for a, b in state.stages]
         workload = workload_for(self.spec, len(stages), len(live) // len(stages))
-        budget = MemeticConfig(max_evaluations=self.cfg.plan_evaluations)
-        sampled = plan(view.cluster, workload, cost_model="full", seed=self.cfg.seed, stages=stages, config=budget)
-        full = plan(truth, workload, cost_model="full", seed=self.cfg.seed, stages=stages, config=budget)
-        cost = float(predict(truth, workload, sampled, "full")["total_s"])
-        return cost / float(predict(truth, workload, full, "full")["total_s"])
+        return PlanInputs(truth, view.cluster, workload, stages)
+
+    def _sampled_vs_full(self) -> PlanComparison | None:
+        """A plan from the leader's view against a plan from the true matrix, both costed on the truth with the
+        ``full`` model, over the same seeds and (offline) search budget: see ``sampling.compare_on_truth``."""
+        inputs = self.plan_inputs()
+        if inputs is None:
+            return None
+        return compare_on_truth(inputs, seeds=self.cfg.compare_seeds, evaluations=self.cfg.compare_evaluations)
 
 
 def simulate(cfg: SimConfig) -> SimResult:
