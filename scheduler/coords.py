@@ -53,6 +53,7 @@ VIVALDI_CC = 1.0  # fraction of the error a round corrects, scaled by the relati
 VIVALDI_CE = 0.25  # weight of a new sample in a node's error estimate (the paper's)
 VIVALDI_DIM = 3
 VIVALDI_ROUNDS = 300
+RELATIVE_FIT_POWER = 0.5  # a sample weighs rtt^-p in its node's mean force (0: the paper's absolute fit)
 MIN_RTT_S = 1e-4  # a probe's resolution: RTTs are rounded to it, and one below it (same host) counts as it
 MIN_HEIGHT_S = 0.0
 
@@ -114,6 +115,11 @@ def fit_vivaldi(n: int, samples: Sequence[Sample], dim: int = VIVALDI_DIM, round
     dst = np.array([s.dst for s in samples] + [s.src for s in samples], dtype=int)
     rtt = np.maximum(np.array([s.rtt_s for s in samples] * 2, dtype=float), MIN_RTT_S)
     count = np.bincount(src, minlength=n).astype(float)
+    # each sample's force is weighted by rtt^-1/2: a node's mean force leans towards relative errors,
+    # and its short paths (the ones a plan uses) are not drowned by its long ones
+    inv = rtt ** -RELATIVE_FIT_POWER
+    wsum = np.bincount(src, weights=inv, minlength=n)
+    wsum[wsum <= 0] = 1.0
     has = count > 0
     count[~has] = 1.0
     if np.median(rtt) > 0:  # start at the scale of the measurements, so early rounds are not wasted growing
@@ -133,12 +139,12 @@ def fit_vivaldi(n: int, samples: Sequence[Sample], dim: int = VIVALDI_DIM, round
         rel = np.abs(dist - rtt) / rtt
         force = cc * weight * (rtt - dist)  # > 0: too close, move apart
         move = np.zeros_like(pts)
-        np.add.at(move, src, (force / dist)[:, None] * diff)
-        grow = np.bincount(src, weights=force * hsum / dist, minlength=n)
+        np.add.at(move, src, (inv * force / dist)[:, None] * diff)
+        grow = np.bincount(src, weights=inv * force * hsum / dist, minlength=n)
         sample_err = np.bincount(src, weights=rel * VIVALDI_CE * weight, minlength=n) / count
         keep = np.bincount(src, weights=VIVALDI_CE * weight, minlength=n) / count
-        pts = pts + move / count[:, None]
-        heights = np.maximum(heights + grow / count, MIN_HEIGHT_S)
+        pts = pts + move / wsum[:, None]
+        heights = np.maximum(heights + grow / wsum, MIN_HEIGHT_S)
         errors = np.where(has, np.clip(sample_err + errors * (1 - keep), 1e-3, 1.0), errors)
     return Coordinates(pts, heights, errors)
 
