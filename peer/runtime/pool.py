@@ -143,8 +143,11 @@ class TaskPool:
         if not others:
             return False
         own_finish = (self._held(pipeline) + 1) * own
-        others_finish = (sum(self._held(p) for p in others) + len(self._free)) / sum(1 / s for s in others.values())
-        return own_finish > others_finish
+        fluid = (sum(self._held(p) for p in others) + len(self._free)) / sum(1 / s for s in others.values())
+        # a micro-batch is not divisible: no other pipeline finishes one more before (its held + 1) x its time.
+        # Without this bound, 3 idle pipelines of one speed each wait for the others to take the last micro-batch.
+        soonest = min((self._held(p) + 1) * s for p, s in others.items())
+        return own_finish > max(fluid, soonest)
 
     def _speculate(self, pipeline: int, now: float, after_s: float) -> int | None:
         if any(lease.pipeline == pipeline for lease in (*self._leases.values(), *self._copies.values())):
