@@ -181,10 +181,7 @@ def encode_tensor(
 def _quantize_int8(flat: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Blockwise absmax int8 codes (numel of them) and one float32 scale per block (see module docstring)."""
     numel = flat.numel()
-    n_blocks = math.ceil(numel / block_size)
-    padded = torch.zeros(n_blocks * block_size, dtype=torch.float32)
-    padded[:numel] = flat
-    blocks = padded.view(n_blocks, block_size)
+    blocks = lowbit.padded_blocks(flat, block_size)
     scales = blocks.abs().amax(dim=1) / INT8_LEVELS
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     codes = torch.round(blocks / safe[:, None]).clamp_(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)

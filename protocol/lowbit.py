@@ -74,6 +74,16 @@ def _seed_of(flat: torch.Tensor) -> int:
 
 
 # ----------------------------------------------------------------------------------------- quantisation
+
+def padded_blocks(flat: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``flat`` (float32) zero-padded to whole blocks, as an (n_blocks, block_size) view: the layout every
+    blockwise codec (int8 in ``codec``, int4/int2 here) quantizes, one scale per row."""
+    numel = flat.numel()
+    n_blocks = math.ceil(numel / block_size)
+    padded = torch.zeros(n_blocks * block_size, dtype=torch.float32)
+    padded[:numel] = flat
+    return padded.view(n_blocks, block_size)
+
 def quantize(flat: torch.Tensor, kind: str, block_size: int, seed: int | None = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """(signed codes int8 in [-L, L], one float32 scale per block) of a 1-D float32 tensor, rounded stochastically.
@@ -86,11 +96,7 @@ def quantize(flat: torch.Tensor, kind: str, block_size: int, seed: int | None = 
         raise ValueError(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
     flat = flat.detach().to("cpu", torch.float32).reshape(-1).contiguous()
     levels = LEVELS[kind]
-    numel = flat.numel()
-    n_blocks = math.ceil(numel / block_size)
-    padded = torch.zeros(n_blocks * block_size, dtype=torch.float32)
-    padded[:numel] = flat
-    blocks = padded.view(n_blocks, block_size)
+    blocks = padded_blocks(flat, block_size)
     scales = blocks.abs().amax(dim=1) / levels
     if not bool(torch.isfinite(scales).all()):
         raise ValueError(f"{kind} compression needs finite values (NaN/inf or float32 overflow)")
@@ -98,7 +104,7 @@ def quantize(flat: torch.Tensor, kind: str, block_size: int, seed: int | None = 
     noise = torch.rand(blocks.shape, generator=gen, dtype=torch.float32)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     codes = torch.floor(blocks / safe[:, None] + noise).clamp_(-levels, levels).to(torch.int8)
-    return codes.reshape(-1)[:numel], scales
+    return codes.reshape(-1)[: flat.numel()], scales
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, block_size: int) -> torch.Tensor:
