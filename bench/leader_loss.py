@@ -93,9 +93,10 @@ def run_leader_loss(root: Path, steps: int = 5, die_after: int = 3, checkpoint_e
                                                      checkpoint_every=checkpoint_every, checkpoint_copies=copies))
         try:
             driver1.run()
-            driver1.wait_for_copies(60.0)
+            driver1.wait_for_copies(300.0)
         finally:
             coordinator1.close()
+        _check_a_survivor_holds_a_copy(driver1, {workers[d].server.endpoint for d in (1, 3)})
         # the leader's host dies with its disk, and with it the other replica of stage 0
         workers[0].stop()
         workers[2].stop()
@@ -124,6 +125,17 @@ def run_leader_loss(root: Path, steps: int = 5, die_after: int = 3, checkpoint_e
     finally:
         for w in workers.values():
             w.stop()
+
+
+def _check_a_survivor_holds_a_copy(driver: RunDriver, survivors: set[str]) -> None:
+    """The scenario needs a copy on a worker that outlives the host: copies go to the lowest-RTT workers, so
+    with fewer than 3 copies both can land on w0 and w2, which die (a scenario error, not a recovery failure)."""
+    if not driver.events.copies:
+        raise RuntimeError("leader 1 made no checkpoint copy before its host died")
+    last = driver.events.copies[-1]
+    if not survivors & set(last["peers"]):
+        raise RuntimeError(f"the copy of step {last['step']} reached only {last['peers']} (errors: {last['errors']}),"
+                           " none of which survives the host; use copies >= 3")
 
 
 def max_rel_diff(states: dict[tuple[int, int], dict[str, Any]], steps: int) -> float:

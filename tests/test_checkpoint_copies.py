@@ -71,7 +71,7 @@ def test_copies_travel_in_parts_under_a_small_chunk_limit(tmp_path, monkeypatch,
     monkeypatch.setattr(checkpoints, "COPY_CHUNK_BYTES", 4096)
     assert copy_part_bound_bytes() == 4096 + checkpoints.COPY_PART_SLACK_BYTES
     with caplog.at_level(logging.INFO):
-        result = run_leader_loss(tmp_path, steps=4, die_after=3, checkpoint_every=2, copies=2)
+        result = run_leader_loss(tmp_path, steps=4, die_after=3, checkpoint_every=2, copies=3)
     files = CheckpointStore(tmp_path / "leader2").read_files(2)
     assert max(len(d) for d in files.values()) > 4 * 4096, "the stage files span several parts"
     assert result.events.fetched_copy is not None and result.events.fetched_copy["step"] == 2
