@@ -29,8 +29,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -38,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.launcher import ForkedPeers
 from peer.emulation.procs import PeerProcesses, write_small_config
 from peer.swarm.status import StatusReader
 
@@ -53,12 +56,17 @@ def _wall(stamp: str) -> float:
     return time.mktime(time.strptime(stamp[:19], "%Y-%m-%d %H:%M:%S")) + int(stamp[20:]) / 1e3
 
 
-def form(n: int, timeout_s: float, say: Any, keep_logs: bool = False, steps: int = 1) -> dict[str, Any]:
+def form(n: int, timeout_s: float, say: Any, keep_logs: bool = False, steps: int = 1,
+         launcher: str = "fork") -> dict[str, Any]:
     folder = Path(tempfile.mkdtemp(prefix=f"tasklet-formation-{n}-"))
     cfg = write_small_config(folder, steps=steps, min_peers=n, stages=2, heartbeat_s=2.0)
-    out: dict[str, Any] = {"peers": n, "all_adverts_s": None, "first_plan_s": None, "first_step_s": None}
+    out: dict[str, Any] = {"peers": n, "launcher": launcher, "all_adverts_s": None, "first_plan_s": None,
+                           "first_step_s": None, "load_before": _load()}
+    cpu = GroupCpu()
     try:
-        with PeerProcesses(folder, emulate_tflops=0.001) as procs:
+        with _launch(launcher, folder) as procs:
+            if isinstance(procs, ForkedPeers):
+                out["launcher_import_s"], out["launcher_import_cpu_s"] = procs.import_s, procs.import_cpu_s
             t0, wall0 = time.monotonic(), time.time()
             addr = procs.start(cfg, timeout_s=timeout_s)
             out["first_peer_s"] = time.monotonic() - t0
@@ -67,6 +75,7 @@ def form(n: int, timeout_s: float, say: Any, keep_logs: bool = False, steps: int
             with StatusReader([addr]) as reader:
                 deadline = t0 + timeout_s
                 while time.monotonic() < deadline:
+                    cpu.sample(_peer_groups(procs))
                     try:
                         st = reader.read()
                     except Exception:  # the DHT may be busy; try again
@@ -82,16 +91,26 @@ def form(n: int, timeout_s: float, say: Any, keep_logs: bool = False, steps: int
                         if steps <= 1 or st.progress.get("state") == "done":
                             break
                     time.sleep(POLL_S)
+            cpu.sample(_peer_groups(procs))
             logs = [procs.log_text(i) for i in range(n)]
         out.update(_from_logs(logs, wall0, n))
+        out["swarm_cpu_s"] = round(cpu.total(), 1)
+        out["load_after"] = _load()
+        if out.get("last_announced_s") is not None and out.get("first_plan_s") is not None:
+            out["protocol_s"] = round(out["first_plan_s"] - out["last_announced_s"], 2)
     finally:
         if keep_logs:
             say(f"  logs kept in {folder}")
         else:
             shutil.rmtree(folder, ignore_errors=True)
-    say(f"  {n:>3} peers: first peer up {out.get('first_peer_s', 0):.1f} s, last announced "
+    say(f"  {n:>3} peers ({launcher} launcher): first peer up {out.get('first_peer_s', 0):.1f} s, last announced "
         f"{_fmt(out.get('last_announced_s'))}, all adverts {_fmt(out['all_adverts_s'])}, first plan "
-        f"{_fmt(out['first_plan_s'])}, first step {_fmt(out['first_step_s'])}")
+        f"{_fmt(out['first_plan_s'])} (protocol after the last announcement {_fmt(out.get('protocol_s'))}), "
+        f"first step {_fmt(out['first_step_s'])}")
+    say(f"        swarm CPU {out.get('swarm_cpu_s', 0):.0f} s (peers, DHT processes, p2pd), load average "
+        f"{out['load_before']} before, {out.get('load_after')} after"
+        + (f"; launcher imports {out['launcher_import_s']} s once ({out['launcher_import_cpu_s']} CPU-s)"
+           if "launcher_import_s" in out else ""))
     phases = out.get("startup") or {}
     if phases:
         say("        start-up (median/max s): " + ", ".join(f"{k} {v['median']}/{v['max']}" for k, v in phases.items()))
@@ -131,8 +150,54 @@ def _from_logs(logs: list[str], wall0: float, n: int) -> dict[str, Any]:
     return out
 
 
+def _launch(launcher: str, folder: Path) -> PeerProcesses | ForkedPeers:
+    if launcher == "fork":
+        return ForkedPeers(folder, emulate_tflops=0.001)
+    return PeerProcesses(folder, emulate_tflops=0.001)
+
+
+def _peer_groups(procs: PeerProcesses | ForkedPeers) -> list[int]:
+    """The process group of every peer (each peer leads one: its DHT process and p2pd are in it)."""
+    if isinstance(procs, ForkedPeers):
+        return list(procs.pids.values())
+    return [p.pid for p in procs.procs]
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+class GroupCpu:
+    """CPU-seconds (user + system) of every process in some process groups, sampled from /proc: the highest
+    value seen per process, so a process that ended between samples keeps what it used until the last one."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, float] = {}
+        self.tick = os.sysconf("SC_CLK_TCK")
+
+    def sample(self, groups: list[int]) -> None:
+        wanted = set(groups)
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[2]) in wanted:  # fields after the name: state, ppid, pgrp, ..., utime at 11, stime 12
+                used = (int(fields[11]) + int(fields[12])) / self.tick
+                self.seen[int(entry)] = max(used, self.seen.get(int(entry), 0.0))
+
+    def total(self) -> float:
+        return sum(self.seen.values())
+
+
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f} s"
+
+
+def _exit_on_sigterm(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="training steps of each run (default: 1; 30 or more to see the DHT load after the plan)")
     parser.add_argument("--json", action="store_true", help="print only JSON on stdout")
     parser.add_argument("--keep-logs", action="store_true", help="keep each swarm's peer logs and say where")
+    parser.add_argument("--launcher", choices=("fork", "exec"), default="fork",
+                        help="fork: daemons forked from one process that imported torch/hivemind once (hosts "
+                             "starting in parallel); exec: one `python -m peer.cli` process each (default: fork)")
     args = parser.parse_args(argv)
     if any(n < 2 for n in args.sizes) or args.steps < 1:
         parser.error("--sizes must be at least 2 and --steps at least 1")
@@ -151,8 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     def say(line: str) -> None:
         print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
 
-    say("swarm formation (real peer processes on loopback, all on this machine)")
-    rows = [form(n, args.timeout, say, args.keep_logs, args.steps) for n in args.sizes]
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # unwind, so every peer this run started is ended
+    say(f"swarm formation (real peer processes on loopback, all on this machine, {args.launcher} launcher)")
+    rows = [form(n, args.timeout, say, args.keep_logs, args.steps, args.launcher) for n in args.sizes]
     if args.json:
         print(json.dumps({"formation": rows}))
         return 0
