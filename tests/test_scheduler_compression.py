@@ -31,6 +31,11 @@ PENALTIES = PenaltyTable(
     activation={"fp16": 0.0005, "int8": 0.002, "int4": 0.008, "int2": 0.05},
     sync={"diloco-H8-none": 0.004, "diloco-H8-int8": 0.005, "diloco-H8-topk": 0.012,
           "diloco-H32-none": 0.015, "diloco-H32-int8": 0.016, "diloco-H32-topk": 0.03},
+    # measured together (here: more than the sum, as on real runs)
+    joint={f"{a}+diloco-H{h}-{c}": 1.5 * (act + sync) for a, act in
+           (("fp16", 0.0005), ("int8", 0.002), ("int4", 0.008), ("int2", 0.05))
+           for h, c, sync in ((8, "none", 0.004), (8, "int8", 0.005), (8, "topk", 0.012),
+                              (32, "none", 0.015), (32, "int8", 0.016), (32, "topk", 0.03))},
 )
 
 
@@ -83,6 +88,29 @@ def test_unmeasured_options_are_never_chosen() -> None:
     assert set(p.predicted["choice"]["activation"]) <= {"none", "int8"}
     assert p.predicted["choice"]["sync"] in ("exact", "diloco-H8-int8")
     assert p.predicted["choice"]["sync"] == "diloco-H8-int8"  # the slow links make it worth it
+
+
+def test_penalties_are_looked_up_never_summed() -> None:
+    table = PenaltyTable(activation={"int8": 0.001, "int4": 0.01}, sync={"diloco-H8-int8": 0.001},
+                         joint={"int8+diloco-H8-int8": 0.004})
+    h8 = SyncOption(8, "int8")
+    # a per-boundary mix is bounded by its most aggressive codec measured on every boundary
+    assert table.penalty(Choice(("none", "int8", "int4"), EXACT)) == 0.01
+    assert table.penalty(Choice(("int8", "none", "fp16"), EXACT)) == 0.001  # fp16 unmeasured, int8 bounds it
+    assert table.penalty(Choice(("fp16",), EXACT)) == float("inf")
+    assert table.penalty(Choice(("none", "int8", "none"), h8)) == 0.004  # the joint measurement, not 0.001 + 0.001
+    assert table.penalty(Choice(("none",) * 3, h8)) == 0.001
+    # a combination without its joint measurement is never chosen, whatever its parts cost alone
+    assert table.penalty(Choice(("int4",) * 3, h8)) == float("inf")
+    space = CompressionSpace(table, 0.5)
+    p = plan(uniform_cluster(4, 0.01), workload(), compression=space, seed=0, config=QUICK)
+    assert p.predicted["loss_penalty"] <= 0.004 + 1e-12
+    assert "int4" not in p.predicted["choice"]["activation"] or p.predicted["choice"]["sync"] == "exact"
+    # the round trip keeps the joint entries and the per-period outer settings
+    table.outer = {"diloco-H8-int8": {"outer_lr": 0.5, "outer_momentum": 0.8}}
+    again = PenaltyTable.from_dict(json.loads(json.dumps(table.to_dict())))
+    assert again.joint == table.joint and again.outer_for(h8) == {"outer_lr": 0.5, "outer_momentum": 0.8}
+    assert Choice(("int8",), h8).to_dict(again)["outer_momentum"] == 0.8
 
 
 def test_exact_choice_is_the_plain_full_model() -> None:
@@ -140,6 +168,10 @@ def test_bad_inputs_are_refused(tmp_path: Path) -> None:
         CompressionSpace(PENALTIES, max_loss_penalty=-1)
     with pytest.raises(PlanningError):
         PenaltyTable(activation={"int4": float("nan")}, sync={})
+    with pytest.raises(PlanningError):
+        PenaltyTable(activation={}, sync={}, joint={"int4+diloco-H8-none": "small"})  # type: ignore[dict-item]
+    with pytest.raises(PlanningError):
+        PenaltyTable.from_dict({"activation": {}, "sync": {}, "joint": [1]})
     bad = tmp_path / "p.json"
     bad.write_text("{")
     with pytest.raises(PlanningError):
