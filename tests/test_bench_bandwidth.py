@@ -34,16 +34,26 @@ def test_quick_bench_output_shape(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert out["looser_limit"]["chosen"]["predicted_loss_penalty"] <= bandwidth.LOOSE_LOSS_PENALTY + 1e-9
     # the target is exact training's mean loss over its last evaluations up to N: it gets there by step N
     assert 0 < out["options"]["exact"]["steps_to_loss"] <= out["steps"]
-    assert math.isfinite(out["seed_noise"])
-    # DiLoCo's outer setting is picked on the tuning seed, never the reported one, from the settings tried
+    assert math.isfinite(out["seed_noise"]) and len(out["seed_spread"]) == len(out["seeds"]) == 2
+    # every gap is the mean of the per-seed gaps, each against the same seed's exact run
+    for o in out["options"].values():
+        assert o["final_loss_gap"] == pytest.approx(sum(o["final_loss_gap_per_seed"]) / 2, abs=1e-5)
+    # DiLoCo's outer setting is picked per period on the tuning seed, never a measurement seed
     tuning = out["diloco_tuning"]
-    assert tuning["seed"] != out["train_config"]["seed"]
-    assert len(tuning["tried"]) == len(bandwidth.OUTER_SETTINGS)
-    assert tuning["chosen"]["outer_lr"] == out["train_config"]["outer_lr"]
-    best = min(tuning["tried"], key=lambda t: t["mean_final_loss"])
-    assert tuning["chosen"] == {"outer_lr": best["outer_lr"], "outer_momentum": best["outer_momentum"]}
+    assert tuning["seed"] not in out["seeds"]
+    assert len(tuning["tried"]) == len(bandwidth.OUTER_SETTINGS) * len(bandwidth.SYNC_PERIODS)
+    for h in bandwidth.SYNC_PERIODS:
+        tried = [t for t in tuning["tried"] if t["period"] == h]
+        best = min(tried, key=lambda t: t["final_loss"])
+        assert tuning["chosen"][f"H{h}"] == {"outer_lr": best["outer_lr"], "outer_momentum": best["outer_momentum"]}
+    assert out["speedup_vs_best_exact"] is None or out["speedup_vs_best_exact"] > 0
     assert all(o["cut_at_step"] is None or o["cut_at_step"] < out["steps"] for o in out["options"].values())
     loaded = PenaltyTable.load(table)
+    # the chosen combinations' penalties were measured together, never summed from their parts
+    for limit_key in (out["chosen"], out["looser_limit"]["chosen"]):
+        if limit_key["sync"] != "exact" and set(limit_key["activation"]) != {"none"}:
+            assert max(limit_key["activation"], key=["none", "fp16", "int8", "int4", "int2"].index) + "+" \
+                + limit_key["sync"] in loaded.joint
     assert set(loaded.activation) == {"none", "fp16", "int8", "int4", "int2"}
     assert all(v >= 0 for v in loaded.sync.values())
     assert plot.stat().st_size > 1000
