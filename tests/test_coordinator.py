@@ -20,7 +20,7 @@ from peer.compute.model import ModelConfig
 from peer.net import PeerClient, PeerServer, TransportConfig
 from peer.runtime import control as ctl
 from peer.runtime.assign import build_assignments
-from peer.runtime.coordinator import Coordinator, StepFailedError
+from peer.runtime.coordinator import SAT_OUT_DECAY, Coordinator, StepFailedError
 from peer.runtime.spec import RunSpec
 from peer.runtime.wire import make_key
 from protocol import tasklet_pb2 as pb
@@ -188,6 +188,18 @@ def test_duplicate_commit_is_answered_as_such_and_not_counted(swarm) -> None:
     assert replies.count("committed") == SPEC.n_microbatches
     assert replies.count("duplicate") == SPEC.n_microbatches
     assert sum(report.microbatches_per_pipeline.values()) == SPEC.n_microbatches
+
+def test_a_pipeline_paced_out_of_a_step_stays_out_of_the_next(swarm) -> None:
+    # pipeline 1 measured 30 s per micro-batch: it would not finish one before pipeline 0 finishes them all.
+    # It leases nothing, so this step measures nothing for it: its figure is carried over (shrunk), not
+    # forgotten; forgetting it would hand the slow pipeline work again every other step.
+    coordinator, _ = swarm
+    coordinator.pipeline_service_s = (coordinator.epoch, {0: 0.001, 1: 30.0})
+    reports = [coordinator.run_step(step, timeout_s=30) for step in (0, 1)]
+    assert [r.microbatches_per_pipeline for r in reports] == [{0: SPEC.n_microbatches}] * 2
+    epoch, figures = coordinator.pipeline_service_s
+    assert epoch == coordinator.epoch and figures[1] == pytest.approx(30.0 * SAT_OUT_DECAY**2)
+    assert 0 < figures[0] < 1.0, "the pipeline that worked is measured afresh"
 
 _first_lease = threading.Event()
 

@@ -15,7 +15,7 @@ import torch
 from peer.compute.model import ModelConfig
 from peer.runtime.assign import build_assignments
 from peer.runtime.coordinator import Coordinator, StepReport
-from peer.runtime.driver import DriverConfig, Pipelines, RunDriver, Stages
+from peer.runtime.driver import DriverConfig, Pipelines, RunDriver, Stages, StragglerJudge
 from peer.runtime.spec import Assignment, RunSpec
 from peer.runtime.worker import StageWorker
 
@@ -132,3 +132,28 @@ def test_checkpoint_then_resume_matches_an_uninterrupted_run(workers, tmp_path) 
     assert resumed["step"] == straight["step"] == 3
     for name in ("params", "exp_avg", "exp_avg_sq"):
         assert torch.equal(resumed[name], straight[name]), f"{name} differs from the uninterrupted run"
+
+
+def test_a_far_slower_worker_is_a_straggler_at_once_a_mildly_slower_one_after_two_steps() -> None:
+    judge = StragglerJudge(factor=2.0, steps=2)
+    stage_of = {"a": 0, "b": 0, "c": 0, "x": 1, "y": 1, "z": 1}
+    busy = dict.fromkeys(stage_of, 0.0)
+    ops = dict.fromkeys(stage_of, 0)
+
+    def step(per_op: dict[str, float], n_ops: int = 4) -> list[str]:
+        """One step: each worker in ``per_op`` does ``n_ops`` ops at that many seconds each; the rest idle."""
+        for ep, t in per_op.items():
+            busy[ep] += n_ops * t
+            ops[ep] += n_ops
+        return [ep for ep, *_ in judge.observe({ep: (busy[ep], ops[ep]) for ep in stage_of}, stage_of)]
+
+    normal = dict.fromkeys(stage_of, 0.1)
+    # 5x its stage's median: over 2^2 = 4x, no warm-up makes a whole step that slow: reported after one step
+    assert step({**normal, "a": 0.5, "x": 0.3}) == ["a"], "3x is only slow: it must be so twice in a row"
+    assert step({**normal, "a": 0.5, "x": 0.3}) == ["a", "x"]
+    assert step(normal) == [], "back to normal: no straggler, and the count starts again"
+    assert step({**normal, "x": 0.3}) == []
+    # x computes nothing the next step (the pool paced its pipeline out): that is no recovery
+    assert step({ep: t for ep, t in normal.items() if ep != "x"}) == ["x"]
+    # a worker that idles without having been slow is not judged on its idleness
+    assert step({ep: t for ep, t in normal.items() if ep != "y"}) == []

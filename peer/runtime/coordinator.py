@@ -80,6 +80,7 @@ log = logging.getLogger(__name__)
 
 Event = tuple[str, dict[str, Any]]  # (name, info) for on_event
 COORDINATOR_ROUTE = "coordinator"  # a daemon's coordinator is served on its worker's port under this route
+SAT_OUT_DECAY = 0.7  # a paced pipeline's carried seconds per micro-batch shrink by this for each step it sat out
 
 
 class StepFailedError(RuntimeError):
@@ -408,7 +409,7 @@ class Coordinator:
                 outer = self._outer_round(state, step, deadline)
             except StepFailedError as exc:
                 failed = exc
-        self.pipeline_service_s = (self.epoch, state.pool.measured_service_s())
+        self.pipeline_service_s = (self.epoch, self._carry_service(state.pool.measured_service_s()))
         seconds = time.monotonic() - started
         losses = [state.losses.get((mb, p), math.nan) for mb, p in sorted(assignment.items())]
         counts: dict[int, int] = {}
@@ -764,6 +765,18 @@ class Coordinator:
         return [("commit", info), *events]
 
     # ------------------------------------------------------------------------------------------ stragglers
+    def _carry_service(self, measured: dict[int, float]) -> dict[int, float]:
+        """The pacing figures for the next step: this step's measurement, and for a pipeline of the same plan
+        that sat the step out (paced: it leased nothing) its previous figure, shrunk by ``SAT_OUT_DECAY``.
+        Forgetting the figure would hand a 5x-slow pipeline work again the very next step (every other step
+        slow); keeping it for ever would shut out for the whole plan a pipeline that was slow once (a warm-up).
+        """
+        epoch, previous = self.pipeline_service_s
+        if epoch != self.epoch:
+            return dict(measured)
+        carried = {p: s * SAT_OUT_DECAY for p, s in previous.items() if p not in measured}
+        return {**carried, **measured}
+
     def _expected_mb_s(self) -> float | None:
         """Expected lease-to-commit seconds of a micro-batch: the median measured, else the plan's figure."""
         if len(self.mb_seconds) >= 3:

@@ -101,6 +101,48 @@ class ExpiringBans(MutableSet[str]):
         return f"ExpiringBans({sorted(self._live())})"
 
 
+class StragglerJudge:
+    """Which workers are stragglers, from each worker's cumulative (busy seconds, ops) after every step.
+
+    A worker whose compute seconds per op in the step are more than ``factor`` x the median of its stage's
+    other replicas is slow. It is a straggler after ``steps`` slow steps in a row, or after one when it is over
+    ``factor`` squared x that median (e.g. 4x: no warm-up or pause makes a whole step that slow, and waiting
+    for a second slow step costs a step at the straggler's pace). A step in which it computed nothing while
+    it was slow (the task pool paced its pipeline out: it would not finish one micro-batch before the others
+    finish the step) counts as slow with its last figure: being left idle is no sign of recovery."""
+
+    def __init__(self, factor: float, steps: int) -> None:
+        self.factor, self.steps = factor, steps
+        self._samples: dict[str, tuple[float, int]] = {}  # endpoint -> (busy seconds, ops) at the last look
+        self._slow_steps: dict[str, int] = {}  # endpoint -> slow steps in a row
+        self._per_op: dict[str, float] = {}  # endpoint -> seconds per op in the last step it computed (or sat out)
+
+    def observe(self, samples: dict[str, tuple[float, int]],
+                stage_of: dict[str, int]) -> list[tuple[str, float, float, int]]:
+        """Take this step's counters; return the stragglers as (endpoint, seconds per op, stage median, slow
+        steps in a row)."""
+        per_op: dict[str, float] = {}
+        for ep, (busy, ops) in samples.items():
+            last_busy, last_ops = self._samples.get(ep, (0.0, 0))
+            self._samples[ep] = (busy, ops)
+            if ops > last_ops and busy >= last_busy:
+                per_op[ep] = (busy - last_busy) / (ops - last_ops)
+            elif ops == last_ops and ep in self._slow_steps and ep in self._per_op:
+                per_op[ep] = self._per_op[ep]
+        self._per_op = per_op
+        out = []
+        for ep, t in per_op.items():
+            others = [per_op[o] for o in per_op if o != ep and o in stage_of and stage_of[o] == stage_of.get(ep)]
+            median = statistics.median(others) if others else 0.0
+            if not others or t <= self.factor * median:
+                self._slow_steps.pop(ep, None)
+                continue
+            self._slow_steps[ep] = self._slow_steps.get(ep, 0) + 1
+            if self._slow_steps[ep] >= self.steps or t > self.factor**2 * median:
+                out.append((ep, t, median, self._slow_steps[ep]))
+        return out
+
+
 @dataclass
 class DriverConfig:
     steps: int
@@ -160,8 +202,8 @@ class RunDriver:
         self.on_replan = on_replan
         self.banned = ExpiringBans(cfg.ban_s)  # endpoints declared dead: left out of plans for a while
         self.slow = ExpiringBans(cfg.ban_s)  # stragglers the planner leaves out while a spare can stand in
-        self._op_samples: dict[str, tuple[float, int]] = {}  # endpoint -> (busy seconds, ops) at the last look
-        self._slow_steps: dict[str, int] = {}  # endpoint -> steps in a row it was a straggler
+        self.judge = StragglerJudge(cfg.straggler_factor, cfg.straggler_steps)
+        self._fresh_status: tuple[int, dict[str, dict[str, Any] | None]] = (-1, {})  # (trained, answers)
         self.reports: list[StepReport] = []
         self.stop_event = threading.Event()  # set when this leader loses leadership: stop driving at once
         self.store = None if cfg.checkpoint_dir is None else CheckpointStore(cfg.checkpoint_dir, cfg.checkpoint_keep)
@@ -198,6 +240,7 @@ class RunDriver:
             self._check_stopped()
             if self._at_round_start() and self._membership_changed():
                 self._replan_until_done(reason="membership changed")
+            self._fresh_status = (-1, {})  # what a step may change is asked again after it
             try:
                 report = self.coordinator.run_step(self.trained, timeout_s=self.cfg.step_timeout_s)
             except StepFailedError as exc:
@@ -235,10 +278,9 @@ class RunDriver:
 
     # ------------------------------------------------------------------------------------------ stragglers
     def _check_stragglers(self) -> bool:
-        """After a step: a worker whose compute time per op is more than ``straggler_factor`` x the median of
-        its stage's other replicas for ``straggler_steps`` steps in a row is a straggler. It is reported (log,
-        ``events.stragglers``) and, when a spare device can take its place, left out of the next plan.
-        True when that calls for a re-plan."""
+        """After a step: ask every worker for its compute counters; a straggler (:class:`StragglerJudge`) is
+        reported (log, ``events.stragglers``) and, when a spare device can take its place, left out of the next
+        plan. True when that calls for a re-plan."""
         if not self.cfg.straggler_factor:
             return False
         assignments = dict(self.coordinator.assignments)
@@ -251,31 +293,19 @@ class RunDriver:
 
         with ThreadPoolExecutor(max_workers=16) as pool:
             answers = dict(pool.map(ask, sorted(assignments)))
-        per_op: dict[str, float] = {}
-        for ep, st in answers.items():
-            if not st:
-                continue
-            busy, ops = float(st.get("busy_s", 0.0)), int(st.get("forward", 0)) + int(st.get("backward", 0))
-            last_busy, last_ops = self._op_samples.get(ep, (0.0, 0))
-            self._op_samples[ep] = (busy, ops)
-            if ops > last_ops and busy >= last_busy:
-                per_op[ep] = (busy - last_busy) / (ops - last_ops)
+        self._fresh_status = (self.trained, answers)  # the re-plan that may follow need not ask again
+        samples = {ep: (float(st.get("busy_s", 0.0)), int(st.get("forward", 0)) + int(st.get("backward", 0)))
+                   for ep, st in answers.items() if st}
         replan = False
-        for ep, t in per_op.items():
-            others = [per_op[o] for o, a in assignments.items()
-                      if o != ep and o in per_op and a.stage == assignments[ep].stage]
-            if not others or t <= self.cfg.straggler_factor * statistics.median(others):
-                self._slow_steps.pop(ep, None)
-                continue
-            self._slow_steps[ep] = self._slow_steps.get(ep, 0) + 1
-            if self._slow_steps[ep] < self.cfg.straggler_steps or ep in self.slow:
+        for ep, t, median, slow_steps in self.judge.observe(samples, {ep: a.stage for ep, a in assignments.items()}):
+            if ep in self.slow:
                 continue
             spare = self._spares()
-            info = {"endpoint": ep, "step": self.trained, "seconds_per_op": t,
-                    "stage_median_s": statistics.median(others), "replaced": bool(spare)}
+            info = {"endpoint": ep, "step": self.trained, "seconds_per_op": t, "stage_median_s": median,
+                    "replaced": bool(spare)}
             self.events.stragglers.append(info)
-            log.warning("straggler %s: %.3f s per op against its stage's median %.3f s for %d steps%s",
-                        ep, t, info["stage_median_s"], self._slow_steps[ep],
+            log.warning("straggler %s: %.3f s per op against its stage's median %.3f s for %d step(s)%s",
+                        ep, t, median, slow_steps,
                         "; the next plan puts a spare in its place" if spare else "; no spare to replace it")
             if spare:
                 self.slow.add(ep)
@@ -376,8 +406,13 @@ class RunDriver:
                 return ep, None
 
         out: dict[int, list[str]] = {}
+        # answers the straggler check got just after this very step are reused once (a re-plan for a straggler
+        # then costs no second round of status queries); anyone else is asked
+        trained, fresh = self._fresh_status
+        self._fresh_status = (-1, {})
+        known = {ep: st for ep, st in fresh.items() if ep in live and st} if trained == self.trained else {}
         with ThreadPoolExecutor(max_workers=16) as pool:
-            answers = list(pool.map(ask, sorted(live)))
+            answers = [*known.items(), *pool.map(ask, sorted(live - set(known)))]
         for ep, st in answers:
             if st and st.get("trained_steps") == self.trained and st.get("layers") is not None and self.stages:
                 layers = tuple(st["layers"])
