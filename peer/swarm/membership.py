@@ -92,7 +92,8 @@ class Membership:
     ``dht`` must sign with ``identity`` (``peer.swarm.dht.start_dht``). ``secret`` is the swarm's join
     secret or None. Every DHT call waits at most ``timeout_s``; a read that times out, or that misses our own
     live advert (so it is incomplete), returns what the previous complete read returned minus what has expired
-    since, so one slow round does not make the whole swarm "disappear" and a partitioned-away peer still
+    since, and an advert missing from a read is kept until its own expiry (or its tombstone is read), so one
+    slow round does not make the whole swarm (or a few peers) "disappear" and a partitioned-away peer still
     disappears after its advert's lifetime.
     """
 
@@ -263,9 +264,11 @@ class Membership:
         if records is None:
             return self._unexpired(at)
         entries = []
+        departed = set()
         for record in records:
             payload = record.payload
             if payload.get("left") is True:
+                departed.add(record.owner)
                 continue
             try:
                 if set(payload) != {"advert", "at", "found"}:
@@ -291,6 +294,13 @@ class Membership:
             logger.info("incomplete read of %s (our own advert is missing); keeping the previous view",
                         self.store.key("peers"))
             return self._unexpired(at)
+        # a read that reaches only some of the nodes holding the record misses some adverts (a busy swarm: a node
+        # did not answer in time); an advert seen before stays live until it expires or its tombstone is read,
+        # as it does in the DHT, so one partial read neither shrinks the leader's plan nor resets the election
+        seen = {entry.advert.peer_id for entry in entries}
+        entries += [entry for entry in self._unexpired(at)
+                    if entry.advert.peer_id not in seen and entry.advert.peer_id not in departed]
+        entries.sort(key=lambda entry: entry.advert.peer_id)
         self._last_entries = entries
         return list(entries)
 
