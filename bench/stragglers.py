@@ -5,11 +5,15 @@ straggler left out of the plan from the start.
 
 The swarm: a local swarm of worker processes on loopback (2 stages x 2 pipelines of a small GPT plus one spare
 device, compute emulated at a fixed TFLOP/s, same seed and data in every run). In the straggler run, device 1
-(stage 1 of pipeline 0) computes at a fifth of the others' speed. What the runtime does about it: the last
-micro-batches it holds are copied to the idle pipeline (speculation, first commit wins), and after
-``STRAGGLER_STEPS`` slow steps the driver reports it to the planner, whose next plan puts the spare in its
-place. ``step_s_*`` is wall-clock seconds per step from the end of step 0 to the end of the last step (re-plans
-and state hand-over included; step 0 is left out of every run alike: process warm-up). The run's parameters
+(stage 1 of pipeline 0) computes at a fifth of the others' speed. What the runtime does about it: in its first
+slow step (step 0 here) the micro-batches it holds are copied to idle pipelines (speculation, first commit wins);
+after that step the driver reports it (over 2^2 = 4x its stage's median: one step is enough) and the next plan
+puts the spare in its place; until then the pool paces its pipeline out of any step it could not finish a
+micro-batch of in time. ``step_s_*`` is wall-clock seconds per step from the end of step 0 to the end of the
+last step (re-plans and state hand-over included; step 0 is left out of every run alike: process warm-up), and
+``worst_step_*`` the slowest such step; each run's own step-0 time is in its details (``step0_s``: the
+straggler's first slow step, when nothing knew it was slow yet, plus warm-up). ``--timeline`` prints who took
+which micro-batch when, per step (the profile of a slow step). The run's parameters
 are compared with single-process training (``max_param_rel_diff``): speculation must not count a micro-batch
 twice. ``--pipelines P`` runs P pipelines (and one spare) instead of 2: with P pipelines a 5x straggler leaves
 (P - 1 + 1/5) / P of the swarm's throughput, so the step it takes part in cannot be faster than about P / (P - 0.8)
@@ -81,13 +85,39 @@ class SubstitutePlanner:
         return list(stages), pipelines
 
 
-def run(straggler: bool, initial: tuple[Stages, Pipelines], steps: int,
-        n_devices: int = N_DEVICES) -> tuple[RunResult, list[float], LocalSwarm]:
+class Timeline:
+    """Who took which micro-batch when, per step: the coordinator's lease and commit events (``--timeline``),
+    the profile that shows where a slow step's time goes (a pipeline paced out, a copy, a requeue)."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.rows: list[tuple[float, str, dict[str, Any]]] = []
+
+    def __call__(self, name: str, info: dict[str, Any]) -> None:
+        if name in ("lease", "commit", "requeue", "reduce", "apply"):
+            self.rows.append((time.monotonic() - self.t0, name, info))
+
+    def lines(self) -> list[str]:
+        out, starts = [], {}
+        for t, name, info in self.rows:
+            step = info.get("step")
+            starts.setdefault(step, t)
+            what = {"lease": "lease  mb {microbatch} -> pipeline {pipeline}", "commit": "commit mb {microbatch} "
+                    "<- pipeline {pipeline} ({result})", "requeue": "requeue {microbatches} of pipeline {pipeline}",
+                    "reduce": "reduce, participants {participants}", "apply": "apply"}[name].format(**info)
+            spec = " (speculative copy)" if info.get("speculative") else ""
+            out.append(f"step {step} +{t - starts[step]:6.3f} s  {what}{spec}")
+        return out
+
+
+def run(straggler: bool, initial: tuple[Stages, Pipelines], steps: int, n_devices: int = N_DEVICES,
+        timeline: Timeline | None = None) -> tuple[RunResult, list[float], LocalSwarm]:
     """Train ``steps`` steps; return the result and the wall seconds of each step after step 0 (from the end of
     the step before: re-plans between steps count)."""
     ends: list[float] = []
     with LocalSwarm(SPEC, n_devices, links=links(straggler, n_devices), forward_flops=lambda a, b: FORWARD_FLOPS,
                     heartbeat_s=1.0) as swarm:
+        swarm.coordinator.on_event = timeline
         result = swarm.train(initial, steps, planner=SubstitutePlanner(initial),
                              on_step=lambda report: ends.append(time.monotonic()))
     return result, [b - a for a, b in zip(ends, ends[1:], strict=False)], swarm
@@ -108,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--steps", type=int, default=8, help="steps per run (default 8)")
     parser.add_argument("--pipelines", type=int, default=2, help="pipelines of 2 stages, plus a spare (default 2)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="also print each run's leases and commits per step (to stderr)")
     args = parser.parse_args(argv)
     if args.pipelines < 2 or args.steps < 3:
         parser.error("--pipelines must be at least 2 and --steps at least 3")
@@ -122,7 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     median_no = 0.0
     for name, straggler, initial in (("no_straggler", False, with_all), ("with_straggler", True, with_all),
                                      ("straggler_excluded", True, without_straggler)):
-        result, walls, swarm = run(straggler, initial, args.steps, n_devices)
+        timeline = Timeline() if args.timeline else None
+        result, walls, swarm = run(straggler, initial, args.steps, n_devices, timeline)
+        if timeline is not None:
+            print(f"--- {name}", *timeline.lines(), sep="\n", file=sys.stderr)
         out[f"step_s_{name}"] = round(sum(walls) / len(walls), 3)
         worst[name] = max(walls)
         if name == "no_straggler":
@@ -136,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
             "replans": [] if events is None else [e["reason"] for e in events.replans],
             "max_param_rel_diff": max_rel_diff(result, reference),
             "step_walls_s": [round(w, 3) for w in walls],
+            # step 0 is left out of the figures above (process warm-up in every run); it is also the straggler's
+            # first slow step, before anything knew it was slow: its own time, without the set-up
+            "step0_s": round(result.reports[0].seconds, 3),
         }
     out["slowdown_with_straggler_pct"] = round(100 * (out["step_s_with_straggler"] / out["step_s_no_straggler"] - 1),
                                                1)

@@ -1,6 +1,7 @@
 """Stragglers: a worker computing 5x slower than its stage's other replica, in a local swarm of worker
 processes (bench.stragglers' setup, fewer steps). Its last micro-batches are overtaken by speculative copies on
-the idle pipeline, it is reported after two slow steps and the next plan puts the spare in its place; the run
+the idle pipeline, it is reported after its first slow step (5x is over 2^2 x its stage's median) and the next
+plan puts the spare in its place; the run
 still equals single-process training (no micro-batch counted twice or lost). How much time that saves is
 ``python -m bench.stragglers``'s figure, not an assertion here. Also: bans that expire."""
 
@@ -28,11 +29,11 @@ def test_straggler_is_overtaken_then_replaced_by_the_spare_and_the_run_matches()
     result, _, swarm = run(True, WITH_ALL, STEPS)
     assert swarm.driver is not None
     events = swarm.driver.events
-    assert sum(r.speculation_won for r in result.reports[:2]) >= 1, "the straggler's micro-batch was overtaken"
-    assert [e["step"] for e in events.stragglers] == [2]
+    assert result.reports[0].speculation_won >= 1, "the straggler's micro-batch was overtaken"
+    assert [e["step"] for e in events.stragglers] == [1], "reported after its first step, not its second"
     assert events.stragglers[0]["endpoint"] == swarm.workers.endpoints[STRAGGLER]
     last = events.replans[-1]
-    assert last["reason"] == "straggler" and last["step"] == 2
+    assert last["reason"] == "straggler" and last["step"] == 1
     assert STRAGGLER not in {d for p in last["pipelines"] for d in p}
     assert N_DEVICES - 1 in {d for p in last["pipelines"] for d in p}, "the spare took its place"
     assert all(state["step"] == STEPS for state in result.states.values())
