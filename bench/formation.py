@@ -95,6 +95,7 @@ def form(n: int, timeout_s: float, say: Any, keep_logs: bool = False, steps: int
             logs = [procs.log_text(i) for i in range(n)]
         out.update(_from_logs(logs, wall0, n))
         out["swarm_cpu_s"] = round(cpu.total(), 1)
+        out["swarm_cpu_by_process_s"] = cpu.by_kind()
         out["load_after"] = _load()
         if out.get("last_announced_s") is not None and out.get("first_plan_s") is not None:
             out["protocol_s"] = round(out["first_plan_s"] - out["last_announced_s"], 2)
@@ -107,7 +108,7 @@ def form(n: int, timeout_s: float, say: Any, keep_logs: bool = False, steps: int
         f"{_fmt(out.get('last_announced_s'))}, all adverts {_fmt(out['all_adverts_s'])}, first plan "
         f"{_fmt(out['first_plan_s'])} (protocol after the last announcement {_fmt(out.get('protocol_s'))}), "
         f"first step {_fmt(out['first_step_s'])}")
-    say(f"        swarm CPU {out.get('swarm_cpu_s', 0):.0f} s (peers, DHT processes, p2pd), load average "
+    say(f"        swarm CPU {out.get('swarm_cpu_s', 0):.0f} s {out.get('swarm_cpu_by_process_s')}, load average "
         f"{out['load_before']} before, {out.get('load_after')} after"
         + (f"; launcher imports {out['launcher_import_s']} s once ({out['launcher_import_cpu_s']} CPU-s)"
            if "launcher_import_s" in out else ""))
@@ -173,6 +174,7 @@ class GroupCpu:
 
     def __init__(self) -> None:
         self.seen: dict[int, float] = {}
+        self.kind: dict[int, str] = {}  # pid -> "daemon" (leads its group), "p2pd" or "dht" (hivemind's process)
         self.tick = os.sysconf("SC_CLK_TCK")
 
     def sample(self, groups: list[int]) -> None:
@@ -181,15 +183,24 @@ class GroupCpu:
             if not entry.isdigit():
                 continue
             try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
+                name, rest = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)
+                fields = rest.split()
+            except (OSError, ValueError):
                 continue
             if int(fields[2]) in wanted:  # fields after the name: state, ppid, pgrp, ..., utime at 11, stime 12
+                pid = int(entry)
                 used = (int(fields[11]) + int(fields[12])) / self.tick
-                self.seen[int(entry)] = max(used, self.seen.get(int(entry), 0.0))
+                self.seen[pid] = max(used, self.seen.get(pid, 0.0))
+                self.kind[pid] = "daemon" if pid == int(fields[2]) else "p2pd" if "p2pd" in name else "dht"
 
     def total(self) -> float:
         return sum(self.seen.values())
+
+    def by_kind(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for pid, used in self.seen.items():
+            out[self.kind[pid]] = round(out.get(self.kind[pid], 0.0) + used, 1)
+        return out
 
 
 def _fmt(x: float | None) -> str:

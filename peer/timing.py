@@ -4,7 +4,8 @@ Liveness on the DHT (peer.swarm.membership, peer.node.daemon)
     A peer re-stores its signed advert every ``HEARTBEAT_S`` (the default of ``[swarm] heartbeat_s``) with a
     lifetime of ``ADVERT_TTL_HEARTBEATS`` heartbeats: with 3, two heartbeats may be lost (a slow DHT round, a
     GC pause) before others drop the peer, and a peer that dies silently is gone at most one advert lifetime
-    after its last heartbeat. Link reports live as long as adverts and are renewed by the same heartbeat.
+    after its last heartbeat. Link reports live longer (``peer.swarm.membership.LINK_REPORT_MIN_TTL_S``) and
+    the same heartbeat renews them only when they near their expiry.
     The run record (the published run.toml) lives at least ``RUN_RECORD_MIN_TTL_S``.
 
 The daemon's control loop (peer.node.daemon)

@@ -18,16 +18,20 @@ import logging
 import os
 import re
 import stat
+import struct
+from collections import OrderedDict
 from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.validation import DHTRecord
 from hivemind.utils.crypto import RSAPrivateKey
 
 logger = logging.getLogger(__name__)
 
 PEER_ID_HEX_CHARS = 20  # 80 bits: collisions need ~2**40 peers
+VERIFIED_CACHE_ENTRIES = 8192  # signed records whose signature a DHT node remembers having verified
 _OWNER_TAG_RE = re.compile(rb"^\[owner:(ssh-rsa [A-Za-z0-9+/=]+)\]")
 
 
@@ -112,4 +116,44 @@ class Identity:
 
     def signature_validator(self) -> RSASignatureValidator:
         """The validator to give ``hivemind.DHT(record_validators=...)`` so our records get signed."""
-        return RSASignatureValidator(self.private_key)
+        return CachingSignatureValidator(self.private_key)
+
+
+class CachingSignatureValidator(RSASignatureValidator):
+    """hivemind's signature check, remembering the records it has verified.
+
+    A DHT node verifies every signed entry of every value a lookup returns: a run's ``peers`` record holds
+    one advert per live peer and every heartbeat's store and get visits several nodes, so each node checked
+    the same unchanged adverts again and again (the largest share of a DHT process's CPU in a 32-peer swarm,
+    by py-spy). The outcome of a check is a function of the record's bytes (key, subkey, value with its
+    signature, expiry), so a record identical to one already verified is accepted without a new RSA check; a
+    record that differs in any byte is verified. Only successes are remembered, at most
+    ``VERIFIED_CACHE_ENTRIES`` (least recently used dropped).
+    """
+
+    def __init__(self, private_key: RSAPrivateKey | None = None, max_entries: int = VERIFIED_CACHE_ENTRIES) -> None:
+        super().__init__(private_key)
+        self._verified: OrderedDict[bytes, None] = OrderedDict()
+        self._max_entries = max_entries
+
+    def validate(self, record: DHTRecord) -> bool:
+        digest = _record_digest(record)
+        if digest in self._verified:
+            self._verified.move_to_end(digest)
+            return True
+        if not super().validate(record):
+            return False
+        self._verified[digest] = None
+        if len(self._verified) > self._max_entries:
+            self._verified.popitem(last=False)
+        return True
+
+
+def _record_digest(record: DHTRecord) -> bytes:
+    """SHA-256 over every byte the signature check depends on, each part length-prefixed."""
+    h = hashlib.sha256()
+    for part in (record.key, record.subkey, record.value):
+        h.update(struct.pack("!Q", len(part)))
+        h.update(part)
+    h.update(struct.pack("!d", float(record.expiration_time)))
+    return h.digest()

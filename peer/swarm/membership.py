@@ -14,7 +14,10 @@ Records (all under ``run_id``; see ``peer.swarm.records`` for signatures and the
   ``found`` is the peers this one saw alive when it joined, fixed for its lifetime: the others' testimony
   of who is older, from which the leader is elected (``peer.swarm.election``) instead of from a start time
   a peer reports about itself.
-* ``links``: one list of link reports per reporting peer, renewed with the advert.
+* ``links``: one list of link reports per reporting peer. It lives ``LINK_REPORT_MIN_TTL_S`` (longer than an
+  advert: a pair is measured once, and a report of a peer that left is simply not used) and the heartbeat
+  renews it only when less than two advert lifetimes are left, or at once when it changes: one store per
+  heartbeat per peer less, each of which visits several DHT nodes.
 * ``run``: the run's configuration, published by the first peer (and adopted by others so it outlives it).
   It never holds the join secret (:meth:`Membership.publish_run` refuses a config that does).
 
@@ -47,6 +50,7 @@ from peer.timing import (
 logger = logging.getLogger(__name__)
 
 MAX_LINK_REPORTS = 1024
+LINK_REPORT_MIN_TTL_S = 30.0  # a link report lives max(advert lifetime, this) (see the module docstring)
 MAX_FOUND = 256  # peers named in one ``found`` testimony
 LATE_HEARTBEAT_SLACK_S = 3.0  # how much later than a heartbeat a busy swarm's advert may look at the clock check
 
@@ -119,6 +123,7 @@ class Membership:
         self._links: list[LinkReport] = []
         self._run: RunRecord | None = None
         self._run_renew_at = 0.0  # DHT time after which the heartbeat stores the run record again
+        self._links_renew_at = 0.0  # the same for the link reports
         self._last_expiry = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -174,7 +179,7 @@ class Membership:
                 self._store_advert()
                 with self._lock:
                     links, run = list(self._links), self._run
-                if links:
+                if links and now() >= self._links_renew_at:
                     self._store_links(links)
                 if run is not None and now() >= self._run_renew_at:
                     self._store_run(run)
@@ -218,8 +223,12 @@ class Membership:
 
     def _store_links(self, reports: list[LinkReport]) -> bool:
         at = now()
+        ttl = max(self.ttl_s, LINK_REPORT_MIN_TTL_S)
         payload = {"links": [report.to_record() for report in reports], "at": at}
-        return self.store.put("links", payload, at + self.ttl_s)
+        stored = self.store.put("links", payload, at + ttl)
+        if stored:
+            self._links_renew_at = at + max(self.heartbeat_s, ttl - 2 * self.ttl_s)
+        return stored
 
     def publish_run(self, run_config: dict, created_at: float | None = None) -> RunRecord:
         """Publish the run configuration (first peer) and keep it alive with our heartbeat.
