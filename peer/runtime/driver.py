@@ -130,6 +130,7 @@ class StragglerJudge:
             elif ops == last_ops and ep in self._slow_steps and ep in self._per_op:
                 per_op[ep] = self._per_op[ep]
         self._per_op = per_op
+        log.debug("compute seconds per op this step: %s", {ep: round(t, 4) for ep, t in sorted(per_op.items())})
         out = []
         for ep, t in per_op.items():
             others = [per_op[o] for o in per_op if o != ep and o in stage_of and stage_of[o] == stage_of.get(ep)]
