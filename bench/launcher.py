@@ -50,9 +50,10 @@ from peer.emulation.procs import JOIN_LINE_PREFIX, JOIN_LINE_TIMEOUT_S, child_en
 ZYGOTE_COMMAND = [sys.executable, "-m", "bench.launcher"]
 READY_TIMEOUT_S = 120.0  # importing torch + hivemind on a loaded machine
 STOP_GRACE_S = 15.0
-# everything a daemon imports, lazily included (the leader's scheduler, the runtime, the observer)
+# everything a daemon imports, lazily included (the leader's scheduler, the runtime, the observer, and
+# torch._dynamo, which the worker's warm-up optimizer imports: 2 CPU-seconds per daemon, by py-spy)
 PRELOAD = ("peer.cli", "peer.node.daemon", "peer.node.leader_role", "peer.runtime.driver", "peer.observe.node",
-           "peer.swarm.status", "scheduler", "numpy", "torch", "hivemind", "grpc")
+           "peer.swarm.status", "scheduler", "numpy", "torch", "torch._dynamo", "torch.optim", "hivemind", "grpc")
 
 
 # ------------------------------------------------------------------------------------------------ zygote side
