@@ -83,6 +83,11 @@ class WireTensor:
     def data(self) -> bytes:
         return bytes(self.payload)
 
+    @data.setter
+    def data(self, value: bytes | bytearray | memoryview) -> None:
+        """Replace the data (as assigning pb.Tensor.data does); the new buffer is used as is."""
+        self.payload = memoryview(value)
+
     @property
     def nbytes(self) -> int:
         return self.payload.nbytes
@@ -98,7 +103,8 @@ class WireEnvelope:
     """An Envelope (``header``: every field but ``tensors``) and its tensors with their data out of protobuf.
 
     Reads and stamps like a pb.Envelope (kind, key, meta, microbatches, sender, protocol_version, tensors), so
-    handlers written for pb.Envelope take it as is. Build one with ``add_tensor`` (no copy of an uncompressed
+    handlers written for pb.Envelope take it as is; a pb.Tensor appended to ``tensors`` the protobuf way is sent
+    as it is (serialized whole). Build one with ``add_tensor`` (no copy of an uncompressed
     contiguous CPU tensor: it must not change until sent), or convert with ``from_pb`` / ``to_pb``.
     """
 
@@ -123,11 +129,29 @@ class WireEnvelope:
             tensors.append(WireTensor(head, memoryview(t.data)))
         return cls(header, tensors)
 
+    def CopyFrom(self, other: WireEnvelope | pb.Envelope) -> None:  # noqa: N802 - pb.Envelope's name
+        """Become a copy of `other` (its tensors' buffers are shared, not copied: replace a tensor's data by
+        assigning it, as with pb.Tensor.data, rather than writing into it)."""
+        source = other if isinstance(other, WireEnvelope) else WireEnvelope.from_pb(other)
+        header = pb.Envelope()
+        header.CopyFrom(source.header)
+        tensors: list[WireTensor] = []
+        for t in source.tensors:
+            head = pb.Tensor()
+            if isinstance(t, pb.Tensor):
+                head.CopyFrom(t)
+                head.ClearField("data")
+                tensors.append(WireTensor(head, memoryview(t.data)))
+            else:
+                head.CopyFrom(t.header)
+                tensors.append(WireTensor(head, t.payload))
+        self.header, self.tensors = header, tensors
+
     def to_pb(self) -> pb.Envelope:
         env = pb.Envelope()
         env.CopyFrom(self.header)
         for t in self.tensors:
-            env.tensors.append(t.to_pb())
+            env.tensors.append(t if isinstance(t, pb.Tensor) else t.to_pb())
         return env
 
     def add_tensor(
@@ -136,6 +160,14 @@ class WireEnvelope:
         """Append `t` (see protocol.codec.encode_payload for what is checked, and when nothing is copied)."""
         header, payload = encode_payload(name, t, compression, block_size=block_size)
         wire = WireTensor(header, payload)
+        self.tensors.append(wire)
+        return wire
+
+    def add_bytes(self, name: str, data: bytes | bytearray | memoryview) -> WireTensor:
+        """Append `data` as a uint8 tensor of its length, sent from the buffer as is (no copy: it must not
+        change until sent)."""
+        view = memoryview(data).cast("B")
+        wire = WireTensor(pb.Tensor(name=name, dtype="uint8", shape=[view.nbytes]), view)
         self.tensors.append(wire)
         return wire
 
@@ -158,6 +190,10 @@ class WireEnvelope:
         data as the buffers themselves: nothing large is copied)."""
         parts: list[bytes | memoryview] = [self.header.SerializeToString()]
         for t in self.tensors:
+            if isinstance(t, pb.Tensor):  # appended the protobuf way (env.tensors.append(encode_tensor(...)))
+                whole = t.SerializeToString()
+                parts += [bytes((_TAG_BYTES_4,)), varint(len(whole)), whole]
+                continue
             head = t.header.SerializeToString()
             n = t.payload.nbytes
             data_field = bytes((_TAG_BYTES_4,)) + varint(n) if n else b""

@@ -193,3 +193,33 @@ def test_buffer_pool_reuses_only_free_buffers() -> None:
     for _ in range(20):  # never beyond max_bytes
         pool.take(3999)
     assert pool.held_bytes <= 10_000
+
+
+def test_copies_bytes_parts_and_replaced_data_read_like_protobuf() -> None:
+    """What the runtime's senders rely on: CopyFrom, assigning a tensor's data, and byte parts sent from a view
+    serialize exactly as the protobuf Envelope built the old way."""
+    env, _ = _wire_envelope()
+    blob = bytes(range(256)) * 5
+    env.add_bytes("file", memoryview(blob)[100:900])
+    copy = WireEnvelope()
+    copy.CopyFrom(env)
+    assert b"".join(copy.segments()) == b"".join(env.segments())
+    copy.tensors[-1].data = b"changed"  # replaces the copy's buffer; the original is untouched
+    assert env.tensors[-1].data == blob[100:900] and copy.tensors[-1].data == b"changed"
+    expected = env.to_pb()
+    expected.tensors[-1].data = b"changed"
+    expected.tensors[-1].shape[:] = [len(b"changed")]
+    copy.tensors[-1].header.shape[:] = [len(b"changed")]
+    assert pb.Envelope.FromString(b"".join(copy.segments())) == expected
+    from_pb = WireEnvelope()
+    from_pb.CopyFrom(expected)
+    assert from_pb.to_pb() == expected
+    file = env.tensors[-1]
+    assert (file.dtype, list(file.shape)) == ("uint8", [800])
+    assert decode_tensor(file).tolist() == list(blob[100:900])
+    legacy = WireEnvelope()
+    legacy.CopyFrom(env)
+    legacy.tensors.append(encode_tensor("late", torch.arange(4.0), "int8"))  # the protobuf way: sent as is
+    want = env.to_pb()
+    want.tensors.append(encode_tensor("late", torch.arange(4.0), "int8"))
+    assert pb.Envelope.FromString(b"".join(legacy.segments())) == want == legacy.to_pb()

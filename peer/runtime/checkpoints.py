@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from protocol import tasklet_pb2 as pb
+from protocol.message import WireEnvelope
 
 log = logging.getLogger(__name__)
 
@@ -314,20 +315,22 @@ def copy_part_bound_bytes() -> int:
     return COPY_CHUNK_BYTES + COPY_PART_SLACK_BYTES
 
 
-def _part_envelope(run_id: str, epoch: int, step: int, part: str, name: str = "", data: bytes = b"",
-                   **meta: int | str) -> pb.Envelope:
-    env = pb.Envelope(kind=pb.CHECKPOINT, key=pb.Key(run_id=run_id, epoch=epoch, step=step))
+def _part_envelope(run_id: str, epoch: int, step: int, part: str, name: str = "",
+                   data: bytes | memoryview = b"", **meta: int | str) -> WireEnvelope:
+    """One part; its file bytes are sent from ``data`` as is (protocol.message: copied once, into the chunks)."""
+    env = WireEnvelope(pb.Envelope(kind=pb.CHECKPOINT, key=pb.Key(run_id=run_id, epoch=epoch, step=step)))
     env.meta["step"], env.meta["part"] = str(step), part
     for key, value in meta.items():
         env.meta[key] = str(value)
     if name:
-        env.tensors.append(pb.Tensor(name=name, dtype="uint8", shape=[len(data)], data=data))
+        env.add_bytes(name, data)
     return env
 
 
 def copy_parts(run_id: str, epoch: int, step: int, files: dict[str, bytes],
-               chunk_bytes: int | None = None) -> Iterator[pb.Envelope]:
-    """The Envelopes that push a checkpoint (its verified files, manifest included) as a copy, in order."""
+               chunk_bytes: int | None = None) -> Iterator[WireEnvelope]:
+    """The Envelopes that push a checkpoint (its verified files, manifest included) as a copy, in order; each
+    part's data is a view of ``files`` (no copy), which must not change until the parts are sent."""
     chunk = chunk_bytes or COPY_CHUNK_BYTES
     if MANIFEST not in files:
         raise CheckpointError("a checkpoint without its manifest cannot be copied")
@@ -335,8 +338,9 @@ def copy_parts(run_id: str, epoch: int, step: int, files: dict[str, bytes],
     for name, data in sorted(files.items()):
         if name == MANIFEST:
             continue
+        view = memoryview(data)
         for offset in range(0, max(len(data), 1), chunk):
-            yield _part_envelope(run_id, epoch, step, "data", name, data[offset:offset + chunk], file=name,
+            yield _part_envelope(run_id, epoch, step, "data", name, view[offset:offset + chunk], file=name,
                                  offset=offset)
     yield _part_envelope(run_id, epoch, step, "end")
 
@@ -465,7 +469,7 @@ class CopyReceiver:
             self._incoming = None
 
 
-def serve_copy(store: CheckpointStore, run_id: str, epoch: int, meta: Mapping[str, str]) -> pb.Envelope:
+def serve_copy(store: CheckpointStore, run_id: str, epoch: int, meta: Mapping[str, str]) -> WireEnvelope:
     """A worker's answer to a new leader's CHECKPOINT fetch (see the section comment); raises CheckpointError."""
     if "file" not in meta:
         step = store.newest_intact()

@@ -3,6 +3,12 @@
 Data messages use the transport's Kinds (ACTIVATION, ACTIVATION_GRAD, GRAD_SHARD, PARAM_SHARD, STAGE_STATE).
 Control messages (coordinator <-> workers, and the task pool's lease/commit requests) are built and checked
 by :mod:`peer.runtime.control` on top of these helpers.
+
+Envelopes are built as protocol.message.WireEnvelope (read like a pb.Envelope): an uncompressed CPU tensor is
+sent from its own storage, copied once into the chunks gRPC carries, instead of into a protobuf message, its
+serialized form and then the chunks (three copies). The price is the transport's rule for such tensors: they
+must not change until the push has finished; the runtime sends fresh tensors (a stage's outputs and input
+gradients, cloned gradient and parameter vectors) and never writes into them after sending.
 """
 
 from __future__ import annotations
@@ -14,8 +20,8 @@ from typing import Any
 import torch
 
 from protocol import tasklet_pb2 as pb
-from protocol.codec import encode_tensor
 from protocol.errors import BadMessage
+from protocol.message import WireEnvelope, WireTensor
 
 MAX_BODY_BYTES = 1 << 20
 
@@ -27,11 +33,12 @@ def make_key(run_id: str, epoch: int, step: int, microbatch: int = -1, stage: in
 
 def envelope(kind: int, key: pb.Key, tensors: Mapping[str, torch.Tensor] | None = None, *,
              compression: str = "none", microbatches: list[int] | None = None, op: str = "",
-             body: Any = None) -> pb.Envelope:
-    """An Envelope with tensors encoded (``compression`` applies to floating tensors only)."""
-    env = pb.Envelope(kind=kind, key=key)
+             body: Any = None) -> WireEnvelope:
+    """An Envelope with tensors encoded (``compression`` applies to floating tensors only); uncompressed CPU
+    tensors are sent from their own storage (see the module docstring)."""
+    env = WireEnvelope(pb.Envelope(kind=kind, key=key))
     for name, t in (tensors or {}).items():
-        env.tensors.append(encode_tensor(name, t, compression if t.is_floating_point() else "none"))
+        env.add_tensor(name, t, compression if t.is_floating_point() else "none")
     if microbatches:
         env.microbatches.extend(microbatches)
     if op:
@@ -41,7 +48,7 @@ def envelope(kind: int, key: pb.Key, tensors: Mapping[str, torch.Tensor] | None 
     return env
 
 
-def body_of(env: pb.Envelope | pb.FetchRequest) -> Any:
+def body_of(env: pb.Envelope | WireEnvelope | pb.FetchRequest) -> Any:
     """The JSON body of a control message; BadMessage when it is malformed or oversized."""
     raw = env.meta.get("body", "null")
     if len(raw) > MAX_BODY_BYTES:
@@ -52,7 +59,7 @@ def body_of(env: pb.Envelope | pb.FetchRequest) -> Any:
         raise BadMessage("meta.body", f"not JSON ({exc.msg})") from None
 
 
-def tensor_named(env: pb.Envelope, name: str) -> pb.Tensor:
+def tensor_named(env: pb.Envelope | WireEnvelope, name: str) -> pb.Tensor | WireTensor:
     for t in env.tensors:
         if t.name == name:
             return t
