@@ -82,7 +82,7 @@ from peer.runtime.spec import Assignment, RunSpec
 from peer.runtime.wire import body_of, envelope, make_key, tensor_named
 from peer.timing import CONTROL_TIMEOUT_S, REDUCE_WAIT_S, SEND_TIMEOUT_S, WORKER_FETCH_STATE_TIMEOUT_S
 from protocol import tasklet_pb2 as pb
-from protocol.codec import decode_tensor, encode_tensor
+from protocol.codec import decode_tensor
 from protocol.errors import BadMessage, Forbidden, Rejected, TransportError
 
 log = logging.getLogger(__name__)
@@ -1001,7 +1001,7 @@ class StageWorker:
     def _shard_envelope(t: Tasklet, kind: int, step: int, x: torch.Tensor, codec: str, meta: dict[str, str],
                         block: int = BLOCK_SIZE) -> pb.Envelope:
         env = envelope(kind, t.key(step))
-        env.tensors.append(encode_tensor("grad", x, codec, block_size=block))
+        env.add_tensor("grad", x, codec, block_size=block)
         env.meta.update(meta)
         return env
 
