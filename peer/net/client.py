@@ -246,6 +246,7 @@ class PeerClient:
         try:
             for raw in stream:
                 asm.add(decode_chunk(raw))
+                del raw  # read: free it before gRPC makes the next chunk (memory reused)
         except grpc.RpcError as exc:
             raise map_rpc_error(exc, self.endpoint) from None
         except Exception:

@@ -450,6 +450,7 @@ class PeerServer:
                     raise Rejected(f"envelope.kind: this peer takes no {_kind_name(announced)} messages now")
                 asm = Reassembler(limit, what=_kind_name(announced))
             asm.add(chunk)
+            del raw, chunk  # its bytes are read: free them before gRPC makes the next chunk (memory reused)
         if asm is None:
             raise BadMessage("chunk", "the stream carried no chunk")
         envelope = asm.message()
