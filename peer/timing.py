@@ -46,8 +46,9 @@ Stragglers: adaptive leases, speculation, pings and bans (peer.runtime.coordinat
     and never over ``PING_TIMEOUT_MAX_S``; ``PING_MISSES`` such misses in a row still mean dead. A dead
     worker is banned from plans for ``BAN_S``, doubled for each new ban of the same endpoint up to
     ``BAN_MAX_S``; a restarted peer is planned again when its ban expires. A worker whose compute time per op
-    is more than ``STRAGGLER_FACTOR`` x its stage's median for ``STRAGGLER_STEPS`` steps in a row is
-    reported to the planner, which leaves it out of the next plan when a spare can take its place.
+    is more than ``STRAGGLER_FACTOR`` x its stage's median for ``STRAGGLER_STEPS`` steps in a row, or more
+    than ``STRAGGLER_FACTOR`` squared x that median in one step, is reported to the planner, which leaves it
+    out of the next plan when a spare can take its place (peer.runtime.driver.StragglerJudge).
 
 Clocks (every record's ``at`` and expiry; :func:`now`)
     Expiry in the DHT is wall-clock time, so peers' clocks must agree. At join a peer compares its clock with
