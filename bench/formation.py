@@ -1,11 +1,23 @@
 """Swarm formation with real `peer` processes: time from the first `peer start` to every advert visible and to
 the first plan, for swarms of 8, 16 and 32 local peers, with where the time went and the DHT load per peer.
 
-``python -m bench.formation [--sizes 8 16 32] [--steps 1] [--json]``
+``python -m bench.formation [--sizes 8 16 32] [--steps 1] [--launcher fork|exec] [--json]``
 
-Each size starts one `peer start` and, right after it printed its join line, N-1 `peer join` processes on
+Each size starts one `peer start` and, right after it printed its join line, N-1 `peer join` daemons on
 loopback (each a full daemon: hivemind DHT node, gRPC worker, heartbeat, link prober; TFLOP/s emulated so no
-matmul is timed). Every figure is seconds from the moment the benchmark launched the first `peer start`:
+matmul is timed).
+
+Launchers. ``--launcher fork`` (the default, ``bench.launcher``): one process imports torch, hivemind, grpc and
+the peer code once, then forks each daemon, which runs exactly `peer start` / `peer join` (``peer.cli.main``)
+as a process of its own: its own session, identity, hivemind DHT process, libp2p daemon, gRPC server and
+heartbeats. This is representative of a real swarm, where every volunteer starts on its own machine in
+parallel and pays its own imports there; ``--launcher exec`` (one ``python -m peer.cli`` per peer) serializes
+N interpreters' imports (about 3.5 CPU-s each) on this machine's cores, which measures the emulation, not the
+protocol. What the fork launcher does not measure: that per-host import time (reported once as
+``launcher_import_s``), and each host's own memory (children share pages copy-on-write). All peers still
+share this machine's cores for everything after the imports, so the figures stay pessimistic for large N.
+
+Every figure is seconds from the moment the benchmark launched the first peer (after the launcher's imports):
 
 * ``first_peer_s``: the first peer printed its join line (others can join);
 * ``all_adverts_s``: a read-only DHT client (what `peer status` runs, polled once a second) sees N live peers;
@@ -22,6 +34,13 @@ one per live peer) and stores per heartbeat as the daemons log them (median over
 worker is a peer holding an assignment, "idle" one without): run with ``--steps 30`` or more so the workers
 log a few such lines after the first plan. All peers share this machine's cores, so large swarms measure
 CPU contention as much as the protocol: say so when quoting.
+
+Start-up and protocol apart: ``last_announced_s`` is start-up (every daemon up and announced); ``protocol_s`` =
+``first_plan_s - last_announced_s`` is the protocol after that (the leader seeing everyone, link reports, the
+scheduler, assignments). ``swarm_cpu_s`` is the CPU-seconds the peers used (daemons, their DHT processes and
+libp2p daemons, sampled from /proc by process group; ``swarm_cpu_by_process_s`` splits it), so a run on a
+loaded machine can be compared with one on a quiet machine; ``load_before``/``load_after`` are the load
+averages. Every process a run starts is ended on return, on an error, on Ctrl-C and on SIGTERM.
 """
 
 from __future__ import annotations
