@@ -103,3 +103,30 @@ def test_original_commit_beats_the_copy_and_a_failed_original_hands_over_to_it()
     assert pool.lease(1) == 0, "micro-batch 0 goes back to the pool"
     assert pool.commit(1, 1) is CommitResult.COMMITTED, "the copy of micro-batch 1 carried on as its lease"
     assert pool.commit(0, 1) is CommitResult.COMMITTED and pool.complete()
+
+
+def test_a_pipeline_never_gets_again_a_micro_batch_it_already_held_in_the_step() -> None:
+    # its stages forwarded it once (a copy that lost the race) and refuse it as a repeat: leasing it to that
+    # pipeline again would hang until speculation or the lease's deadline failed the pipeline's whole share
+    clock = FakeClock()
+    pool = TaskPool(step=0, n_microbatches=3, lease_timeout_s=100.0, clock=clock)
+    assert [pool.lease(0), pool.lease(1), pool.lease(2)] == [0, 1, 2]
+    assert pool.commit(1, 1) is CommitResult.COMMITTED and pool.commit(2, 2) is CommitResult.COMMITTED
+    clock.now = 10.0
+    assert pool.lease(1, speculate_after_s=5.0) == 0 and pool.is_speculative(0, 1)
+    assert pool.commit(0, 0) is CommitResult.COMMITTED and pool.commit(0, 1) is CommitResult.DUPLICATE
+    assert pool.lease(1, speculate_after_s=5.0) is None, "no second copy of what it already held"
+    assert pool.fail_pipeline(0) == [0], "pipeline 0 dies: its micro-batch 0 goes back to the pool"
+    assert pool.lease(1) is None, "pipeline 1 already forwarded micro-batch 0 in this step"
+    assert pool.lease(2) == 0, "another pipeline takes it"
+    assert pool.commit(0, 2) is CommitResult.COMMITTED and pool.complete()
+    assert pool.assignment() == {0: 2, 1: 1, 2: 2}
+    # the last pipeline standing still gets it (its lease fails the step, which is re-planned, rather than the
+    # step waiting for ever)
+    alone = TaskPool(step=0, n_microbatches=2, lease_timeout_s=100.0, clock=clock)
+    assert [alone.lease(0), alone.lease(1)] == [0, 1]
+    clock.now = 20.0
+    assert alone.commit(1, 1) is CommitResult.COMMITTED and alone.lease(1, speculate_after_s=5.0) == 0
+    assert alone.commit(0, 0) is CommitResult.COMMITTED and alone.commit(0, 1) is CommitResult.DUPLICATE
+    assert alone.fail_pipeline(0) == [0]
+    assert alone.lease(1) == 0

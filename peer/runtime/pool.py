@@ -27,6 +27,10 @@ Rules, and why:
   original pipeline has that micro-batch in its sum already or soon (stages backward last-first, so it cannot
   be told to keep it apart in time): it is failed like a dead one (``losers()``), its work requeued. When the
   original wins, the copy's commit is a duplicate and its held gradient is discarded at the reduce.
+* A pipeline never gets a micro-batch it already held in this step (a speculative copy that lost the race,
+  the micro-batch requeued later because its owner was failed): its stages have forwarded it and refuse it as
+  a repeat, so such a lease would only hang until speculation or its deadline failed the pipeline and its whole
+  share. Another pipeline takes it; only when no other pipeline is left is it leased anyway.
 * Pacing (stragglers). A pipeline gets a free micro-batch only if it would finish it no later than the other
   pipelines would finish their own work plus every free micro-batch without it (``service_s``: each
   pipeline's measured seconds per micro-batch, from the previous step of the same plan). A pipeline five times
@@ -94,6 +98,7 @@ class TaskPool:
         self._committed: dict[int, int] = {}
         self._failed: set[int] = set()
         self._copies: dict[int, Lease] = {}  # micro-batch -> its speculative copy (at most one)
+        self._held_by: dict[int, set[int]] = {}  # micro-batch -> pipelines that held it (leased or copied) this step
         self._losers: set[int] = set()  # pipelines whose micro-batch a speculative copy won: to be failed
         self.requeued = 0
         self.speculated = 0  # speculative copies handed out
@@ -120,11 +125,22 @@ class TaskPool:
         if self._others_finish_sooner(pipeline):
             self.paced += 1
             return None
-        mb = min(self._free)
+        fresh = [mb for mb in self._free if pipeline not in self._held_by.get(mb, ())]
+        if not fresh:
+            if self._others_alive(pipeline):
+                return None  # another pipeline takes it: this one's stages would refuse it as a repeat
+            fresh = list(self._free)  # nobody else left: a lease that fails is still better than none
+        mb = min(fresh)
         self._free.remove(mb)
         self._leases[mb] = Lease(mb, pipeline, now + self.lease_timeout_s, at=now)
+        self._held_by.setdefault(mb, set()).add(pipeline)
         self._first_lease.setdefault(pipeline, now)
         return mb
+
+    def _others_alive(self, pipeline: int) -> bool:
+        """Whether a pipeline other than ``pipeline`` leased in this step and is not failed."""
+        active = set(self._first_lease).union(*self._held_by.values())
+        return any(p != pipeline and p not in self._failed for p in active)
 
     def _held(self, pipeline: int) -> int:
         return sum(1 for lease in (*self._leases.values(), *self._copies.values()) if lease.pipeline == pipeline)
@@ -153,11 +169,12 @@ class TaskPool:
         if any(lease.pipeline == pipeline for lease in (*self._leases.values(), *self._copies.values())):
             return None  # only an idle pipeline speculates
         old = [lease for mb, lease in self._leases.items()
-               if mb not in self._copies and lease.pipeline != pipeline and now - lease.at >= after_s]
+               if mb not in self._copies and pipeline not in self._held_by.get(mb, ()) and now - lease.at >= after_s]
         if not old:
             return None
         mb = min(old, key=lambda lease: (lease.at, lease.microbatch)).microbatch
         self._copies[mb] = Lease(mb, pipeline, now + self.lease_timeout_s, at=now, speculative=True)
+        self._held_by.setdefault(mb, set()).add(pipeline)
         self.speculated += 1
         return mb
 
