@@ -22,8 +22,10 @@ environment pins ``OMP_NUM_THREADS=1`` so no BLAS pool is started at import. Var
 Protocol (the zygote's stdin and stdout, one JSON object a line): the parent writes
 ``{"argv": [...], "out": PATH, "log": PATH}``; the zygote answers ``{"ready": ..., "import_s": ...}`` once,
 then ``{"pid": PID, "tag": ...}`` per fork and ``{"exit": PID, "rc": RC}`` when a child ends. When its stdin
-closes (the parent ended, even by SIGKILL) or on SIGTERM/SIGINT, the zygote ends every child's process group
-(SIGTERM, then SIGKILL) and exits, so nothing it started outlives the benchmark.
+closes or its parent dies (the benchmark ended, even by SIGKILL: a process the parent forked later, such as
+a hivemind DHT, may hold the pipe open, so the zygote also watches its parent) or on SIGTERM/SIGINT, the zygote
+ends every child's process group (SIGTERM, then SIGKILL) and exits, so nothing it started outlives the
+benchmark.
 
 :class:`ForkedPeers` is the parent's side, with the interface of :class:`peer.emulation.procs.PeerProcesses`.
 """
@@ -144,8 +146,9 @@ def zygote() -> int:
     children: set[int] = set()
     buffer = b""
     stdin = sys.stdin.fileno()
+    parent = os.getppid()
     try:
-        while not stopping:
+        while not stopping and os.getppid() == parent:  # a killed parent may leave our stdin open (see below)
             while children:
                 try:
                     pid, status = os.waitpid(-1, os.WNOHANG)
