@@ -37,6 +37,7 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 
+from peer.net.allocator import keep_freed_buffers
 from peer.net.config import TransportConfig
 from peer.net.counters import TRAFFIC
 from peer.net.shaping import LinkShaper
@@ -388,6 +389,7 @@ class PeerServer:
             raise RuntimeError("the server is already started")
         if self._host is not None:
             raise RuntimeError(f"this server is mounted on {self._host.endpoint}; it is not started itself")
+        keep_freed_buffers()  # received chunks reuse memory instead of faulting in fresh pages (peer.net.allocator)
         threads = self.config.thread_pool_size + self._reserved_threads
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="peer-rpc")
         server = grpc.server(self._executor, options=self.config.grpc_options)
