@@ -280,9 +280,15 @@ def decode_tensor(
         flat = lowbit.decode_flat(msg, label, numel, data).to(dtype)
     else:
         raise BadMessage(f"{label}.compression", f"unknown compression {msg.compression}")
-    if not allow_nonfinite and dtype in FLOAT_DTYPES and numel:
+    if not allow_nonfinite and dtype in FLOAT_DTYPES and numel and not _proven_finite(msg):
         _check_finite(label, flat)
     return flat.reshape(shape)
+
+
+def _proven_finite(msg: pb.Tensor | WireTensorLike) -> bool:
+    """Whether the receiver already proved this uncompressed data finite as it arrived (a received
+    protocol.message.WireTensor, see StreamReader), so that decode need not read it again."""
+    return msg.compression == pb.NONE and getattr(msg, "finite_checked", False) is True
 
 
 def _check_finite(label: str, flat: torch.Tensor) -> None:

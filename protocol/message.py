@@ -66,11 +66,14 @@ class WireTensor:
     protocol.codec.decode_tensor views it without a copy.
     """
 
-    __slots__ = ("header", "payload")
+    __slots__ = ("finite_checked", "header", "payload")
 
-    def __init__(self, header: pb.Tensor, payload: memoryview) -> None:
+    def __init__(self, header: pb.Tensor, payload: memoryview, *, finite_checked: bool = False) -> None:
         self.header = header
         self.payload = payload
+        # True only when the receiver proved every value of this (uncompressed, floating) data finite as the
+        # bytes arrived (StreamReader); protocol.codec.decode_tensor then skips its own pass over the data.
+        self.finite_checked = finite_checked
 
     name = property(lambda self: self.header.name)
     dtype = property(lambda self: self.header.dtype)
@@ -87,6 +90,7 @@ class WireTensor:
     def data(self, value: bytes | bytearray | memoryview) -> None:
         """Replace the data (as assigning pb.Tensor.data does); the new buffer is used as is."""
         self.payload = memoryview(value)
+        self.finite_checked = False
 
     @property
     def nbytes(self) -> int:
@@ -329,12 +333,35 @@ def _add_span(spans: list[tuple[int, int]], start: int, end: int) -> None:
 
 
 class _OpenTensor:
-    __slots__ = ("dest", "end", "spans")
+    __slots__ = ("checked_as", "checked_to", "dest", "end", "spans")
 
     def __init__(self, end: int) -> None:
         self.end = end
         self.spans: list[tuple[int, int]] = []  # its fields but data, as spans of StreamReader._raw
         self.dest: np.ndarray | None = None
+        # The NaN/inf check done as the data arrives: the dtype its bytes are read as (None: not checked, or a
+        # value was not proven finite), and how far into `dest` they are proven finite.
+        self.checked_as: str | None = None
+        self.checked_to = 0
+
+
+# Floating dtypes whose data the receiver checks for NaN/inf as it arrives (see StreamReader._check_through).
+_FINITE_CHECKED = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+                   "bfloat16": torch.bfloat16}
+# Data is copied and checked in steps of this size, so the check reads bytes the copy just left in the cache.
+CHECK_STEP_BYTES = 256 * 1024
+
+
+def _dtype_to_check(spans_bytes: bytes) -> str | None:
+    """The dtype a tensor's data will be checked as, from its fields before the data; None when the data is
+    compressed, not floating, or the fields do not parse (decode_tensor then checks, or refuses, as always)."""
+    try:
+        head = pb.Tensor.FromString(spans_bytes)
+    except DecodeError:
+        return None
+    if head.compression != pb.NONE or head.dtype not in _FINITE_CHECKED:
+        return None
+    return head.dtype
 
 
 class StreamReader:
@@ -377,8 +404,7 @@ class StreamReader:
                 if self._dest is None:
                     self._raw += piece
                 else:
-                    self._dest[self._dest_at : self._dest_at + take] = np.frombuffer(piece, dtype=np.uint8)
-                    self._dest_at += take
+                    self._copy_and_check(piece)
                 i += take
                 self._pos += take
                 self._body_left -= take
@@ -402,6 +428,33 @@ class StreamReader:
             self._pending = b""
             i += used
 
+    def _copy_and_check(self, piece: memoryview) -> None:
+        """Copy `piece` into the current tensor's buffer, checking it for NaN/inf step by step while it is in
+        the cache (the same pass protocol.codec.decode_tensor would make later over the whole buffer)."""
+        dest, tensor = self._dest, self._tensor
+        assert dest is not None and tensor is not None
+        for start in range(0, piece.nbytes, CHECK_STEP_BYTES):
+            part = piece[start : start + CHECK_STEP_BYTES]
+            dest[self._dest_at : self._dest_at + part.nbytes] = np.frombuffer(part, dtype=np.uint8)
+            self._dest_at += part.nbytes
+            if tensor.checked_as is not None:
+                self._check_through(tensor, dest, self._dest_at)
+
+    @staticmethod
+    def _check_through(tensor: _OpenTensor, dest: np.ndarray, end: int) -> None:
+        """Prove dest[checked_to:end] (whole elements) finite: one NaN or inf makes a sum NaN or inf, so a
+        finite sum proves every element finite. A sum that is not finite (a NaN, or a mere overflow) ends the
+        check; decode_tensor then checks the whole data itself, exactly."""
+        dtype = _FINITE_CHECKED[tensor.checked_as]  # type: ignore[index]
+        end -= end % dtype.itemsize
+        if end <= tensor.checked_to:
+            return
+        values = torch.from_numpy(dest[tensor.checked_to : end]).view(dtype)
+        if bool(torch.isfinite(values.sum())):
+            tensor.checked_to = end
+        else:
+            tensor.checked_as = None
+
     def _start_field(self, field: int, wire: int, head: bytes, body: int) -> None:
         """Consume a field's head (everything is checked before anything changes: a refusal leaves the state as
         it was, for _give_up)."""
@@ -422,6 +475,7 @@ class StreamReader:
         elif field == 4 and wire == 2:  # the tensor's data
             self._dest, self._dest_at = self._pool.take(body), 0
             self._tensor.dest = self._dest
+            self._tensor.checked_as = _dtype_to_check(b"".join(self._raw[a:b] for a, b in self._tensor.spans))
             self._cuts.append((len(self._raw), self._dest))
         else:
             _add_span(self._tensor.spans, start, start + len(head) + body)
@@ -475,7 +529,14 @@ class StreamReader:
             self._give_up(memoryview(b""))
             return self.finish()
         tensors = [
-            WireTensor(head, memoryview(b"") if t.dest is None else memoryview(t.dest))
+            WireTensor(
+                head,
+                memoryview(b"") if t.dest is None else memoryview(t.dest),
+                finite_checked=t.dest is not None
+                and t.checked_as is not None
+                and t.checked_to == t.dest.nbytes
+                and (head.dtype, head.compression) == (t.checked_as, pb.NONE),  # as finally parsed
+            )
             for head, t in zip(heads, self._tensors, strict=True)
         ]
         return WireEnvelope(header, tensors)

@@ -17,7 +17,7 @@ from protocol import tasklet_pb2 as pb
 from protocol.chunking import Reassembler, decode_chunk, iter_chunk_wire, iter_segment_chunks
 from protocol.codec import decode_tensor, encode_tensor
 from protocol.errors import BadMessage
-from protocol.message import MAX_WALKED_FIELDS, BufferPool, StreamReader, WireEnvelope
+from protocol.message import MAX_WALKED_FIELDS, BufferPool, StreamReader, WireEnvelope, varint
 
 
 def _wire_envelope() -> tuple[WireEnvelope, dict[str, torch.Tensor]]:
@@ -223,3 +223,64 @@ def test_copies_bytes_parts_and_replaced_data_read_like_protobuf() -> None:
     want = env.to_pb()
     want.tensors.append(encode_tensor("late", torch.arange(4.0), "int8"))
     assert pb.Envelope.FromString(b"".join(legacy.segments())) == want == legacy.to_pb()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_nan_and_inf_checked_as_the_data_arrives_are_refused_wherever_they_are(dtype: torch.dtype) -> None:
+    """The receiver's check while copying must refuse exactly what decode_tensor's own check refuses: a NaN or
+    inf anywhere (in any cut of the stream), and accept finite values whose sum overflows."""
+    rng = random.Random(5)
+    n = 3 * (256 * 1024) // dtype.itemsize + 7  # several check steps, not a whole number of them
+    for bad_at, bad in [(None, None), (0, float("nan")), (n - 1, float("inf")), (n // 2, float("-inf"))]:
+        x = torch.randn(n).to(dtype)
+        if bad_at is not None:
+            x[bad_at] = bad
+        env = WireEnvelope(pb.Envelope(protocol_version=PROTOCOL_VERSION, kind=pb.ACTIVATION))
+        env.add_tensor("x", x)
+        got = read(_cut(b"".join(env.segments()), rng)).tensors[0]
+        assert got.finite_checked is (bad_at is None)
+        if bad_at is None:
+            assert torch.equal(decode_tensor(got), x)
+        else:
+            with pytest.raises(BadMessage, match="NaN or inf"):
+                decode_tensor(got)
+            assert decode_tensor(got, allow_nonfinite=True)[bad_at].isnan() == (bad != bad)
+    huge = torch.full((1000,), torch.finfo(dtype).max / 2, dtype=dtype)  # finite, but the sum overflows
+    env = WireEnvelope(pb.Envelope(protocol_version=PROTOCOL_VERSION, kind=pb.ACTIVATION))
+    env.add_tensor("x", huge)
+    got = read(_cut(b"".join(env.segments()), rng)).tensors[0]
+    assert not got.finite_checked and torch.equal(decode_tensor(got), huge)  # decode's exact check decides
+
+
+def test_the_arrival_check_is_trusted_only_for_what_was_checked() -> None:
+    """A dtype or compression field after the data (protobuf keeps the last), replaced data, or a tensor that
+    never came through the receiver: decode_tensor checks the data itself."""
+    x = torch.randn(64)
+    x[3] = float("nan")
+    env = WireEnvelope(pb.Envelope(protocol_version=PROTOCOL_VERSION, kind=pb.ACTIVATION))
+    env.add_tensor("ids", x.view(torch.int32))  # checked as nothing: int32
+    tail = pb.Tensor(dtype="float32").SerializeToString()  # ... then retyped float32 after the data
+    wire = b"".join(env.segments())
+    tensor_field = wire[wire.index(b"\x22", 2):]  # Envelope.tensors (field 4) is the last field written
+    body = tensor_field[1 + len(_varint_bytes(tensor_field[1:])):] + tail
+    retyped = wire[: len(wire) - len(tensor_field)] + b"\x22" + varint(len(body)) + body
+    got = read([memoryview(retyped)]).tensors[0]
+    assert got.dtype == "float32" and not got.finite_checked
+    with pytest.raises(BadMessage, match="NaN or inf"):
+        decode_tensor(got)
+    good = WireEnvelope(pb.Envelope(protocol_version=PROTOCOL_VERSION, kind=pb.ACTIVATION))
+    good.add_tensor("x", torch.randn(64))
+    received = read([memoryview(b"".join(good.segments()))]).tensors[0]
+    assert received.finite_checked
+    received.data = x.numpy().tobytes()  # replaced: no longer what was checked
+    assert not received.finite_checked
+    with pytest.raises(BadMessage, match="NaN or inf"):
+        decode_tensor(received)
+    sent = WireEnvelope(pb.Envelope(kind=pb.ACTIVATION))
+    assert not sent.add_tensor("x", x).finite_checked  # built here, never checked
+
+
+def _varint_bytes(data: bytes) -> bytes:
+    """The varint that starts `data`."""
+    end = next(i for i, b in enumerate(data) if not b & 0x80)
+    return data[: end + 1]
