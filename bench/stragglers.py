@@ -1,25 +1,26 @@
-"""Stragglers: the step time of one swarm without a straggler, with one (its compute stretched 5x), and with the
-straggler left out of the plan from the start.
+"""Stragglers: the step time of one swarm without a straggler, with one (its compute stretched 5x from step 2 on),
+and with the straggler left out of the plan from the start.
 
 ``python -m bench.stragglers [--json] [--steps N] [--pipelines P] [--timeline]``
 
 The swarm: a local swarm of worker processes on loopback (2 stages x P pipelines of a small GPT plus one spare
 device, compute emulated at a fixed TFLOP/s, same seed and data in every run). In the straggler run, device 1
-(stage 1 of pipeline 0) computes at a fifth of the others' speed. What the runtime does about it: in its first
-slow step (step 0 here) the micro-batches it holds are copied to idle pipelines (speculation, first commit wins);
-after that step the driver reports it (over 2^2 = 4x its stage's median: one step is enough) and the next plan
-puts the spare in its place; until then the pool paces its pipeline out of any step it could not finish a
-micro-batch of in time. ``step_s_*`` is wall-clock seconds per step from the end of step 0 to the end of the
-last step (re-plans and state hand-over included; step 0 is left out of every run alike: process warm-up), and
-``worst_step_*`` the slowest such step; each run's own step-0 time is in its details (``step0_s``: the
-straggler's first slow step, when nothing knew it was slow yet, plus warm-up). ``--timeline`` prints who took
-which micro-batch when, per step (the profile of a slow step). The run's parameters
-are compared with single-process training (``max_param_rel_diff``): speculation must not count a micro-batch
-twice. ``--pipelines P`` runs P pipelines (and one spare); the default is 4. With P pipelines a 5x straggler
-leaves (P - 1 + 1/5) / P of the swarm's throughput, so a step it takes part in cannot be faster than about
-P / (P - 0.8) times the step without it (+67 % for 2 pipelines, +25 % for 4), whatever the scheduling: at P = 2
-only its replacement keeps a step within the issue's +30 %, at P = 4 also a step it is paced out of (the other
-3 pipelines carry its share). P = 4 is the default because it is the smallest swarm where that holds.
+(stage 1 of pipeline 0) is a volunteer whose GPU gets busy: from step 2 on it computes at a fifth of the others'
+speed (``peer.emulation.faults.BusyGpuWorker``), after the coordinator measured it healthy in steps 0 and 1.
+What the runtime does about it: in its first slow step (step 2) the pool copies the micro-batches it holds to
+idle pipelines once they run over about twice their pipeline's expected time (speculation, first commit wins)
+and leases its pipeline one micro-batch at a time; after that step the driver reports it (over 2^2 = 4x its
+stage's median: one step is enough) and the next plan puts the spare in its place. ``step_s_*`` is wall-clock
+seconds per step from the end of step 0 to the end of the last step (re-plans and state hand-over included;
+step 0 is left out of every run alike: process warm-up), ``worst_step_*`` the slowest such step, and
+``first_slow_step_s_*`` step 2 (the straggler's first slow step, before anything knew it was slow; step 2 of
+the other runs for comparison). ``--timeline`` prints who took which micro-batch when, per step (the profile of
+a slow step). The run's parameters are compared with single-process training (``max_param_rel_diff``):
+speculation must not count a micro-batch twice. ``--pipelines P`` runs P pipelines (and one spare); the default
+is 4. With P pipelines a 5x straggler leaves (P - 1 + 1/5) / P of the swarm's throughput, so a step it takes
+part in cannot be faster than about P / (P - 0.8) times the step without it (+67 % for 2 pipelines, +25 % for
+4), whatever the scheduling: at P = 2 only its replacement keeps a step within the issue's +30 %, at P = 4 also
+its first slow step can (the other 3 pipelines carry its share).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from peer.compute.data import Corpus
 from peer.compute.model import ModelConfig, unflatten_stage
 from peer.compute.reference import train_reference
 from peer.compute.stage import OptimConfig
+from peer.emulation.faults import BusyGpuWorker
 from peer.emulation.local import LinkModel, LocalSwarm, RunResult
 from peer.runtime.driver import Pipelines, Stages
 from peer.runtime.spec import RunSpec
@@ -47,7 +49,8 @@ SPEC = RunSpec(run_id="bench-stragglers", model=ModelConfig(n_layers=4, d_model=
 STAGES = [(0, 2), (2, 4)]
 FORWARD_FLOPS = 2.4e6
 FAST_TFLOPS = 4e-5  # ~60 ms forward, ~120 ms backward per stage and micro-batch
-SLOWDOWN = 5.0
+SLOWDOWN = BusyGpuWorker.BUSY_SLOWDOWN
+SLOW_FROM_STEP = BusyGpuWorker.BUSY_FROM_STEP  # the straggler's first slow step (after warm-up and one measured)
 STRAGGLER = 1  # stage 1 of pipeline 0
 N_DEVICES = 5  # device 4 is the spare
 WITH_ALL = (STAGES, [[0, 1], [2, 3]])
@@ -61,11 +64,9 @@ def layout(pipelines: int) -> tuple[int, tuple[Stages, Pipelines], tuple[Stages,
     return spare + 1, (STAGES, plan), (STAGES, [[spare if d == STRAGGLER else d for d in p] for p in plan])
 
 
-def links(straggler: bool, n_devices: int = N_DEVICES) -> LinkModel:
-    tflops = [FAST_TFLOPS] * n_devices
-    if straggler:
-        tflops[STRAGGLER] = FAST_TFLOPS / SLOWDOWN
-    return LinkModel(tflops=tflops)
+def links(n_devices: int = N_DEVICES) -> LinkModel:
+    """Every device declares the same speed; the straggler's slowdown is its fault (``busy-gpu``)."""
+    return LinkModel(tflops=[FAST_TFLOPS] * n_devices)
 
 
 class SubstitutePlanner:
@@ -117,8 +118,9 @@ def run(straggler: bool, initial: tuple[Stages, Pipelines], steps: int, n_device
     """Train ``steps`` steps; return the result and the wall seconds of each step after step 0 (from the end of
     the step before: re-plans between steps count)."""
     ends: list[float] = []
-    with LocalSwarm(SPEC, n_devices, links=links(straggler, n_devices), forward_flops=lambda a, b: FORWARD_FLOPS,
-                    heartbeat_s=1.0) as swarm:
+    faults = {STRAGGLER: "busy-gpu"} if straggler else None
+    with LocalSwarm(SPEC, n_devices, links=links(n_devices), forward_flops=lambda a, b: FORWARD_FLOPS,
+                    heartbeat_s=1.0, faults=faults) as swarm:
         swarm.coordinator.on_event = timeline
         result = swarm.train(initial, steps, planner=SubstitutePlanner(initial),
                              on_step=lambda report: ends.append(time.monotonic()))
@@ -143,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeline", action="store_true",
                         help="also print each run's leases and commits per step (to stderr)")
     args = parser.parse_args(argv)
-    if args.pipelines < 2 or args.steps < 3:
-        parser.error("--pipelines must be at least 2 and --steps at least 3")
+    if args.pipelines < 2 or args.steps < SLOW_FROM_STEP + 2:
+        parser.error(f"--pipelines must be at least 2 and --steps at least {SLOW_FROM_STEP + 2}")
     n_devices, with_all, without_straggler = layout(args.pipelines)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
@@ -162,26 +164,27 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--- {name}", *timeline.lines(), sep="\n", file=sys.stderr)
         out[f"step_s_{name}"] = round(sum(walls) / len(walls), 3)
         worst[name] = max(walls)
+        out[f"first_slow_step_s_{name}"] = round(walls[SLOW_FROM_STEP - 1], 3)  # walls[i] is step i + 1
         if name == "no_straggler":
             median_no = statistics.median(walls)
         events = swarm.driver.events if swarm.driver else None
         details[name] = {
             "speculated": sum(r.speculated for r in result.reports),
+            "speculated_per_step": [r.speculated for r in result.reports],
             "speculation_won": sum(r.speculation_won for r in result.reports),
             "requeued": sum(r.requeued for r in result.reports),
             "stragglers_reported": [] if events is None else [e["step"] for e in events.stragglers],
             "replans": [] if events is None else [e["reason"] for e in events.replans],
             "max_param_rel_diff": max_rel_diff(result, reference),
             "step_walls_s": [round(w, 3) for w in walls],
-            # step 0 is left out of the figures above (process warm-up in every run); it is also the straggler's
-            # first slow step, before anything knew it was slow: its own time, without the set-up
-            "step0_s": round(result.reports[0].seconds, 3),
+            "step0_s": round(result.reports[0].seconds, 3),  # process warm-up, left out of every run alike
         }
     out["slowdown_with_straggler_pct"] = round(100 * (out["step_s_with_straggler"] / out["step_s_no_straggler"] - 1),
                                                1)
     out["worst_step_s_no_straggler"] = round(worst["no_straggler"], 3)
     out["worst_step_s_with_straggler"] = round(worst["with_straggler"], 3)
     out["worst_step_slowdown_pct"] = round(100 * (worst["with_straggler"] / median_no - 1), 1)
+    out["first_slow_step_slowdown_pct"] = round(100 * (out["first_slow_step_s_with_straggler"] / median_no - 1), 1)
     out["details"] = details
     if args.json:
         print(json.dumps(out))

@@ -36,10 +36,12 @@ Stragglers: adaptive leases, speculation, pings and bans (peer.runtime.coordinat
     ``STEP_TIMEOUT_S`` is only the lease of a micro-batch until the coordinator knows how long one takes:
     after that a lease lasts ``LEASE_FACTOR`` x the expected lease-to-commit time (the plan's prediction, or
     the median of the last measured ones), at least ``LEASE_FLOOR_S`` and at most ``STEP_TIMEOUT_S``; a
-    lease past it fails its pipeline for the step (its work is redone by the others). Once nothing is left
-    to lease, an idle pipeline gets a speculative copy of a micro-batch held longer than ``SPECULATE_FACTOR``
-    x the expected time and ``SPECULATE_FLOOR_S`` (well under the lease, so a straggler is overtaken long
-    before it is failed).
+    lease past it fails its pipeline for the step (its work is redone by the others). A pipeline whose head
+    micro-batch (the oldest it holds, counted from its lease or the pipeline's last commit) is held longer
+    than ``SPECULATE_FACTOR`` x the measured head latency (stretched by its known slowness) and than
+    ``SPECULATE_FLOOR_S`` is overdue: it gets no new micro-batch, and once nothing is left to lease an idle
+    pipeline gets a speculative copy of its micro-batches (well under the lease, so a straggler is overtaken
+    long before it is failed; peer.runtime.pool).
     A ping's deadline is ``PING_RTT_FACTOR`` x the worker's measured round-trip time (a moving average) plus
     the time its largest message takes on its slowest known link, never under ``PING_TIMEOUT_S`` (which is
     no longer "at most one heartbeat": a ping behind a large transfer on a slow uplink is late, not lost)
@@ -141,8 +143,8 @@ LEASE_TIMEOUT_S = 60.0  # default lease of a micro-batch in a TaskPool built wit
 REPLAN_WAIT_S = 0.5  # pause before planning again after a failed step
 LEASE_FACTOR = 4.0  # a micro-batch's lease: this x its expected lease-to-commit time ...
 LEASE_FLOOR_S = 10.0  # ... at least this (and at most STEP_TIMEOUT_S)
-SPECULATE_FACTOR = 2.0  # an idle pipeline copies a micro-batch held longer than this x the expected time ...
-SPECULATE_FLOOR_S = 1.0  # ... and than this (a GC pause or jitter on tiny micro-batches is no straggler)
+SPECULATE_FACTOR = 2.0  # a pipeline's head micro-batch held longer than this x the head latency is overdue ...
+SPECULATE_FLOOR_S = 0.25  # ... and than this (a GC pause or jitter on tiny micro-batches is no straggler)
 PING_RTT_FACTOR = 8.0  # a ping's deadline: this x the measured RTT + the largest message on the slowest link
 PING_TIMEOUT_MAX_S = 60.0  # ... at most this
 BAN_S = 60.0  # a worker declared dead is left out of plans this long ...

@@ -98,6 +98,8 @@ def test_original_commit_beats_the_copy_and_a_failed_original_hands_over_to_it()
     assert pool.lease(1, speculate_after_s=5.0) == 0
     assert pool.commit(0, 0) is CommitResult.COMMITTED, "the original wins"
     assert pool.commit(0, 1) is CommitResult.DUPLICATE and pool.losers() == []
+    assert pool.lease(1, speculate_after_s=5.0) is None, "micro-batch 1 became pipeline 0's head only now"
+    clock.now = 15.0
     assert pool.lease(1, speculate_after_s=5.0) == 1
     assert sorted(pool.fail_pipeline(0)) == [0, 1], "pipeline 0 dies holding micro-batch 1 and having committed 0"
     assert pool.lease(1) == 0, "micro-batch 0 goes back to the pool"
@@ -130,3 +132,56 @@ def test_a_pipeline_never_gets_again_a_micro_batch_it_already_held_in_the_step()
     assert alone.commit(0, 0) is CommitResult.COMMITTED and alone.commit(0, 1) is CommitResult.DUPLICATE
     assert alone.fail_pipeline(0) == [0]
     assert alone.lease(1) == 0
+
+
+def test_a_slow_head_makes_its_pipeline_overdue_a_healthy_queued_micro_batch_does_not() -> None:
+    # 3 pipelines lease 2 micro-batches each at once (a window of 2); pipeline 0's head is slow. The second
+    # micro-batch of a healthy pipeline waits behind its first: counted from its head time, it is not late.
+    clock = FakeClock()
+    pool = TaskPool(step=0, n_microbatches=7, lease_timeout_s=100.0, clock=clock)
+    assert [pool.lease(p) for p in (0, 0, 1, 1, 2, 2)] == [0, 1, 2, 3, 4, 5]
+    clock.now = 0.4
+    assert pool.commit(2, 1) is CommitResult.COMMITTED and pool.commit(4, 2) is CommitResult.COMMITTED
+    assert pool.head_latencies == pytest.approx([0.4, 0.4])
+    clock.now = 0.5
+    assert pool.lease(1, speculate_after_s=0.8) == 6, "the free micro-batch goes to a healthy pipeline"
+    clock.now = 0.9
+    assert pool.lease(2, speculate_after_s=0.8) is None, "pipeline 1's micro-batch 3 has been its head 0.5 s only"
+    assert pool.commit(3, 1) is CommitResult.COMMITTED and pool.commit(5, 2) is CommitResult.COMMITTED
+    assert pool.lease(2, speculate_after_s=0.8) == 0, "pipeline 0's head is 0.9 s old: its oldest is copied"
+    assert pool.lease(1, speculate_after_s=0.8) is None, "pipeline 1 still holds micro-batch 6"
+    assert pool.commit(6, 1) is CommitResult.COMMITTED
+    assert pool.lease(1, speculate_after_s=0.8) == 1, "the micro-batch queued behind the slow head is copied too"
+    assert pool.speculated == 2
+    clock.now = 1.2
+    assert pool.commit(0, 2) is CommitResult.COMMITTED and pool.commit(1, 1) is CommitResult.COMMITTED
+    assert pool.losers() == [0] and pool.fail_pipeline(0) == [] and pool.complete()
+
+
+def test_an_overdue_pipeline_gets_no_new_micro_batch_while_another_is_left() -> None:
+    clock = FakeClock()
+    pool = TaskPool(step=0, n_microbatches=4, lease_timeout_s=100.0, clock=clock)
+    assert [pool.lease(0), pool.lease(1)] == [0, 1]
+    clock.now = 1.0
+    assert pool.lease(0, speculate_after_s=0.5) is None, "its head is late: nothing more behind it"
+    assert pool.lease(1, speculate_after_s=0.5) is None, "the healthy pipeline's head is as late"
+    assert pool.commit(1, 1) is CommitResult.COMMITTED
+    assert pool.lease(1, speculate_after_s=0.5) == 2 and pool.lease(0, speculate_after_s=0.5) is None
+    alone = TaskPool(step=0, n_microbatches=2, lease_timeout_s=100.0, clock=clock)
+    assert alone.lease(0) == 0
+    clock.now = 5.0
+    assert alone.lease(0, speculate_after_s=0.5) == 1, "the only pipeline is still served"
+
+
+def test_a_pipeline_known_slow_is_not_copied_for_being_as_slow_as_known() -> None:
+    clock = FakeClock()
+    # pacing figures: pipeline 0 is 2x slower than the others (the median is 1.0)
+    pool = TaskPool(step=0, n_microbatches=3, lease_timeout_s=100.0, clock=clock,
+                    service_s={0: 2.0, 1: 1.0, 2: 1.0})
+    assert pool.lease(1) == 0 and pool.lease(2) == 1 and pool.lease(0) == 2
+    clock.now = 1.0
+    assert pool.commit(0, 1) is CommitResult.COMMITTED and pool.commit(1, 2) is CommitResult.COMMITTED
+    clock.now = 3.0
+    assert pool.lease(1, speculate_after_s=2.0) is None, "3 s is within 2 x 2 s for the known-slow pipeline"
+    clock.now = 4.5
+    assert pool.lease(1, speculate_after_s=2.0) == 2, "over 2 x 2 s: copied"

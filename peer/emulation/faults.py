@@ -2,10 +2,13 @@
 
 The production :class:`~peer.runtime.worker.StageWorker` knows nothing of faults; a fault is a subclass that
 tampers with what the worker sends (its one outgoing seam, ``_send``), so the receivers' checks are exercised
-exactly as a real broken peer would exercise them.
+exactly as a real broken peer would exercise them. A slow peer (:class:`BusyGpuWorker`) stretches its emulated
+compute instead (the other seam, ``_emulate``).
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -42,7 +45,31 @@ class HugeGradWorker(StageWorker):
         super()._send(t, endpoint, env)
 
 
-FAULTS: dict[str, type[StageWorker]] = {"nan-grad": NanGradWorker, "huge-grad": HugeGradWorker}
+class BusyGpuWorker(StageWorker):
+    """A volunteer whose GPU gets busy: from step ``BUSY_FROM_STEP`` on, every op takes ``BUSY_SLOWDOWN`` x its
+    emulated time (needs an emulated device: ``emulate_tflops``). It is healthy while the run warms up and the
+    coordinator measures it, so its first slow step is a step that counts (``bench.stragglers``)."""
+
+    BUSY_FROM_STEP = 2
+    BUSY_SLOWDOWN = 5.0
+    _op_step = threading.local()  # the step of the op the compute thread is running
+
+    def _do_forward(self, t: Tasklet, step: int, *args: object, **kwargs: object) -> None:
+        self._op_step.step = step
+        super()._do_forward(t, step, *args, **kwargs)  # type: ignore[arg-type]
+
+    def _do_backward(self, t: Tasklet, step: int, *args: object) -> None:
+        self._op_step.step = step
+        super()._do_backward(t, step, *args)  # type: ignore[arg-type]
+
+    def _emulate(self, t: Tasklet, started: float, forward_units: float) -> None:
+        if getattr(self._op_step, "step", -1) >= self.BUSY_FROM_STEP:
+            forward_units *= self.BUSY_SLOWDOWN
+        super()._emulate(t, started, forward_units)
+
+
+FAULTS: dict[str, type[StageWorker]] = {"nan-grad": NanGradWorker, "huge-grad": HugeGradWorker,
+                                        "busy-gpu": BusyGpuWorker}
 
 
 def worker_class(fault: str | None) -> type[StageWorker]:

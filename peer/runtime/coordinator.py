@@ -191,6 +191,7 @@ class Coordinator:
         # stragglers (peer.timing, "Stragglers"): measured lease-to-commit seconds (_cond), the plan's predicted
         # figure (set by the driver; None: unknown), each worker's round-trip time (moving average)
         self.mb_seconds: deque[float] = deque(maxlen=64)
+        self.head_seconds: deque[float] = deque(maxlen=64)  # head-of-window to commit (TaskPool.head_latencies)
         self.predicted_mb_s: float | None = None
         self.speculation = True
         # (epoch, pipeline -> seconds per micro-batch) measured in the last step: paces the next step's leases
@@ -410,6 +411,7 @@ class Coordinator:
             except StepFailedError as exc:
                 failed = exc
         self.pipeline_service_s = (self.epoch, self._carry_service(state.pool.measured_service_s()))
+        self.head_seconds.extend(state.pool.head_latencies)
         seconds = time.monotonic() - started
         losses = [state.losses.get((mb, p), math.nan) for mb, p in sorted(assignment.items())]
         counts: dict[int, int] = {}
@@ -790,7 +792,9 @@ class Coordinator:
         return min(step_timeout_s, max(LEASE_FLOOR_S, LEASE_FACTOR * expected))
 
     def _speculate_after_s(self) -> float | None:
-        expected = self._expected_mb_s()
+        """How long a pipeline's head micro-batch may be held before the pool copies its work (TaskPool): a
+        factor x the median measured head latency (else the expected lease-to-commit time), over a floor."""
+        expected = statistics.median(self.head_seconds) if len(self.head_seconds) >= 3 else self._expected_mb_s()
         return None if expected is None or not self.speculation else max(SPECULATE_FLOOR_S, SPECULATE_FACTOR * expected)
 
     def ping_timeout_s(self, endpoint: str) -> float:

@@ -20,9 +20,17 @@ Rules, and why:
   replica); the price is that a failed pipeline's whole share of the step is redone, never patched.
 * A failed pipeline gets no more leases and its commits are stale for the rest of the step; the coordinator
   re-plans and the next step (or the re-planned remainder of this one) uses new pipeline ids.
-* Speculation (stragglers). When nothing is free and an idle pipeline asks, ``lease`` may hand it a copy of
-  the *oldest outstanding* micro-batch (``speculate_after_s``: only one leased at least that long ago, at most
-  one copy each). The copy is marked speculative: every stage of the idle pipeline keeps its gradient apart
+* Speculation (stragglers). A pipeline is *overdue* when the micro-batch at the head of its window (its oldest
+  outstanding lease, counted from when it became the head: its lease, or the pipeline's last commit if later)
+  has been held longer than ``speculate_after_s`` (the caller's figure for a head micro-batch of a pipeline of
+  the swarm's usual speed: a factor x the measured head latency, ``head_latencies``), stretched by the pipeline's
+  known slowness (its pacing figure over the median's, at least 1: a pipeline known slow is not copied for
+  being as slow as it is known to be). An overdue pipeline gets no new micro-batch while another pipeline is
+  left, and when nothing is free an idle pipeline that asks gets a copy of an overdue pipeline's micro-batch,
+  the oldest first (every micro-batch of the overdue pipeline may be copied: the later ones wait behind its
+  slow head; at most one copy each). Counting from the head, not from the lease, keeps a healthy pipeline's
+  second micro-batch (leased at once, queued behind the first) from looking late. The copy is marked
+  speculative: every stage of the idle pipeline keeps its gradient apart
   (not in the step's sum) until the reduce says whose it is. The first commit wins. When the copy wins, the
   original pipeline has that micro-batch in its sum already or soon (stages backward last-first, so it cannot
   be told to keep it apart in time): it is failed like a dead one (``losers()``), its work requeued. When the
@@ -48,6 +56,7 @@ The pool is pure state (no I/O, no threads); the coordinator serialises calls to
 from __future__ import annotations
 
 import enum
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -109,6 +118,8 @@ class TaskPool:
         self._started = clock()
         self._first_lease: dict[int, float] = {}
         self._busy: dict[int, list[tuple[float, float]]] = {}  # pipeline -> (leased, committed) of its commits
+        self._last_commit: dict[int, float] = {}  # pipeline -> when it last committed (its head's start)
+        self.head_latencies: list[float] = []  # head-of-window to commit seconds of this step's commits
 
     # -- leasing -----------------------------------------------------------------------------------------
     def lease(self, pipeline: int, speculate_after_s: float | None = None) -> int | None:
@@ -122,6 +133,10 @@ class TaskPool:
         now = self._clock()
         if not self._free:
             return None if speculate_after_s is None else self._speculate(pipeline, now, speculate_after_s)
+        if (speculate_after_s is not None and self._overdue(pipeline, now, speculate_after_s)
+                and self._others_alive(pipeline)):
+            self.paced += 1
+            return None  # seen slow in this step: no more work behind its late head
         if self._others_finish_sooner(pipeline):
             self.paced += 1
             return None
@@ -165,11 +180,27 @@ class TaskPool:
         soonest = min((self._held(p) + 1) * s for p, s in others.items())
         return own_finish > max(fluid, soonest)
 
+    def _slowness(self, pipeline: int) -> float:
+        """How much slower than the median pipeline ``pipeline`` is known to be (pacing figures; at least 1)."""
+        own = self.service_s.get(pipeline)
+        if own is None or len(self.service_s) < 2:
+            return 1.0
+        return max(1.0, own / statistics.median(self.service_s.values()))
+
+    def _overdue(self, pipeline: int, now: float, after_s: float) -> bool:
+        """Whether ``pipeline``'s head micro-batch has been held longer than ``after_s`` x its slowness."""
+        held = [lease.at for lease in self._leases.values() if lease.pipeline == pipeline]
+        if not held:
+            return False
+        head_since = max(min(held), self._last_commit.get(pipeline, -float("inf")))
+        return now - head_since >= after_s * self._slowness(pipeline)
+
     def _speculate(self, pipeline: int, now: float, after_s: float) -> int | None:
         if any(lease.pipeline == pipeline for lease in (*self._leases.values(), *self._copies.values())):
             return None  # only an idle pipeline speculates
+        overdue = {p for p in {lease.pipeline for lease in self._leases.values()} if self._overdue(p, now, after_s)}
         old = [lease for mb, lease in self._leases.items()
-               if mb not in self._copies and pipeline not in self._held_by.get(mb, ()) and now - lease.at >= after_s]
+               if mb not in self._copies and pipeline not in self._held_by.get(mb, ()) and lease.pipeline in overdue]
         if not old:
             return None
         mb = min(old, key=lambda lease: (lease.at, lease.microbatch)).microbatch
@@ -194,6 +225,7 @@ class TaskPool:
         if self.is_speculative(microbatch, pipeline):
             copy = self._copies.pop(microbatch)
             self._busy.setdefault(pipeline, []).append((copy.at, self._clock()))
+            self._last_commit[pipeline] = self._clock()
             original = self._leases.pop(microbatch, None)
             if original is not None:
                 self._losers.add(original.pipeline)
@@ -205,7 +237,10 @@ class TaskPool:
             return CommitResult.STALE
         del self._leases[microbatch]
         self._committed[microbatch] = pipeline
-        self._busy.setdefault(pipeline, []).append((lease.at, self._clock()))
+        now = self._clock()
+        self._busy.setdefault(pipeline, []).append((lease.at, now))
+        self.head_latencies.append(now - max(lease.at, self._last_commit.get(pipeline, -float("inf"))))
+        self._last_commit[pipeline] = now
         return CommitResult.COMMITTED
 
     def failed(self) -> set[int]:
