@@ -210,6 +210,9 @@ _first_lease = threading.Event()
 )
 def test_dead_pipeline_work_is_requeued_and_the_step_finishes_without_it(swarm) -> None:
     coordinator, workers = swarm
+    # the death path, not speculation: an idle pipeline 0 would copy the dead one's micro-batch after 0.25 s
+    # (scripted commits take milliseconds), often before the liveness checks find the death
+    coordinator.speculation = False
     events = observe(coordinator)
     report = coordinator.run_step(0, timeout_s=30)
     assert workers[1].dead

@@ -23,18 +23,18 @@ Rules, and why:
 * Speculation (stragglers). A pipeline is *overdue* when the micro-batch at the head of its window (its oldest
   outstanding lease, counted from when it became the head: its lease, or the pipeline's last commit if later)
   has been held longer than ``speculate_after_s`` (the caller's figure for a head micro-batch of a pipeline of
-  the swarm's usual speed: a factor x the measured head latency, ``head_latencies``), stretched by the pipeline's
-  known slowness (its pacing figure over the median's, at least 1: a pipeline known slow is not copied for
-  being as slow as it is known to be). An overdue pipeline gets no new micro-batch while another pipeline is
-  left, and when nothing is free an idle pipeline that asks gets a copy of an overdue pipeline's micro-batch,
-  the oldest first (every micro-batch of the overdue pipeline may be copied: the later ones wait behind its
-  slow head; at most one copy each). Counting from the head, not from the lease, keeps a healthy pipeline's
-  second micro-batch (leased at once, queued behind the first) from looking late. The copy is marked
-  speculative: every stage of the idle pipeline keeps its gradient apart
-  (not in the step's sum) until the reduce says whose it is. The first commit wins. When the copy wins, the
-  original pipeline has that micro-batch in its sum already or soon (stages backward last-first, so it cannot
-  be told to keep it apart in time): it is failed like a dead one (``losers()``), its work requeued. When the
-  original wins, the copy's commit is a duplicate and its held gradient is discarded at the reduce.
+  the swarm's usual speed: a factor x the measured head latency, ``head_latencies``), stretched by the
+  pipeline's known slowness (its pacing figure over the median's, at least 1: a pipeline known slow is not
+  copied for being as slow as it is known to be); once overdue it stays so for the step. An overdue pipeline
+  gets no new micro-batch while another pipeline is left, and when nothing is free an idle pipeline that asks
+  gets a copy of an overdue pipeline's micro-batch, the oldest first (all of them may be copied: the later
+  ones wait behind its slow head; at most one copy each). Counting from the head, not from the lease, keeps a
+  healthy pipeline's second micro-batch (leased at once, queued behind its first) from looking late. The copy
+  is marked speculative: every stage of the idle pipeline keeps its gradient apart (not in the step's sum)
+  until the reduce says whose it is. The first commit wins. When the copy wins, the original pipeline has that
+  micro-batch in its sum already or soon (stages backward last-first, so it cannot be told to keep it apart in
+  time): it is failed like a dead one (``losers()``), its work requeued. When the original wins, the copy's
+  commit is a duplicate and its held gradient is discarded at the reduce.
 * A pipeline never gets a micro-batch it already held in this step (a speculative copy that lost the race,
   the micro-batch requeued later because its owner was failed): its stages have forwarded it and refuse it as
   a repeat, so such a lease would only hang until speculation or its deadline failed the pipeline and its whole
@@ -120,6 +120,7 @@ class TaskPool:
         self._busy: dict[int, list[tuple[float, float]]] = {}  # pipeline -> (leased, committed) of its commits
         self._last_commit: dict[int, float] = {}  # pipeline -> when it last committed (its head's start)
         self.head_latencies: list[float] = []  # head-of-window to commit seconds of this step's commits
+        self.overdue: set[int] = set()  # pipelines seen overdue in this step (see the module docstring)
 
     # -- leasing -----------------------------------------------------------------------------------------
     def lease(self, pipeline: int, speculate_after_s: float | None = None) -> int | None:
@@ -188,12 +189,18 @@ class TaskPool:
         return max(1.0, own / statistics.median(self.service_s.values()))
 
     def _overdue(self, pipeline: int, now: float, after_s: float) -> bool:
-        """Whether ``pipeline``'s head micro-batch has been held longer than ``after_s`` x its slowness."""
+        """Whether ``pipeline``'s head micro-batch has been held longer than ``after_s`` x its slowness, now or
+        before in this step (a slow pipeline whose late head finally commits is no faster for the next one)."""
+        if pipeline in self.overdue:
+            return True
         held = [lease.at for lease in self._leases.values() if lease.pipeline == pipeline]
         if not held:
             return False
         head_since = max(min(held), self._last_commit.get(pipeline, -float("inf")))
-        return now - head_since >= after_s * self._slowness(pipeline)
+        if now - head_since < after_s * self._slowness(pipeline):
+            return False
+        self.overdue.add(pipeline)
+        return True
 
     def _speculate(self, pipeline: int, now: float, after_s: float) -> int | None:
         if any(lease.pipeline == pipeline for lease in (*self._leases.values(), *self._copies.values())):
