@@ -13,6 +13,11 @@ PROBE = """
 import resource, sys, threading
 from peer.net.allocator import keep_freed_buffers
 applied = keep_freed_buffers() if sys.argv[1] == "1" else False
+if sys.argv[1] == "client":  # a sender: constructing a PeerClient applies the policy (no server in the process)
+    from peer.net import PeerClient, TransportConfig
+    client = PeerClient("127.0.0.1:9", TransportConfig(tls=None))
+    applied = keep_freed_buffers()
+    client.close()
 out = {}
 def work():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -28,8 +33,9 @@ print(applied, out["faults"])
 PAGES_OF_THREE_BUFFERS = 3 * (4 << 20) // 4096
 
 
-def _faults(apply: bool) -> tuple[bool, int]:
-    done = subprocess.run([sys.executable, "-c", PROBE, "1" if apply else "0"], capture_output=True, text=True,
+def _faults(apply: bool | str) -> tuple[bool, int]:
+    mode = apply if isinstance(apply, str) else "1" if apply else "0"
+    done = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True,
                           timeout=60, check=True)
     applied, faults = done.stdout.split()
     return applied == "True", int(faults)
@@ -43,3 +49,13 @@ def test_freed_buffers_are_reused_instead_of_faulted_in_again() -> None:
     assert applied
     assert kept < 2 * PAGES_OF_THREE_BUFFERS, kept  # the first touch of the three buffers, then reuse
     assert default > 5 * kept, (default, kept)  # glibc's default gives the pages back and faults them in again
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: the policy applies on Linux")
+def test_a_sender_alone_keeps_freed_buffers_too() -> None:
+    """Each pushed chunk is a fresh multi-MiB bytes object on the sender: a process with only a PeerClient
+    reuses that memory as a server does."""
+    applied, faults = _faults("client")
+    assert applied
+    assert faults < 2 * PAGES_OF_THREE_BUFFERS, faults

@@ -26,6 +26,7 @@ from typing import Any
 
 import grpc
 
+from peer.net.allocator import keep_freed_buffers
 from peer.net.config import TransportConfig
 from peer.net.counters import TRAFFIC
 from peer.net.endpoint import dial_plan
@@ -76,6 +77,7 @@ class PeerClient:
         sender: str = "",
         expect_peer: str = "",
     ) -> None:
+        keep_freed_buffers()  # each pushed chunk is a fresh multi-MiB bytes: reuse memory (peer.net.allocator)
         self.endpoint = endpoint
         self.config = config or TransportConfig()
         self.shaper = shaper
