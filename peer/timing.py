@@ -38,10 +38,11 @@ Stragglers: adaptive leases, speculation, pings and bans (peer.runtime.coordinat
     the median of the last measured ones), at least ``LEASE_FLOOR_S`` and at most ``STEP_TIMEOUT_S``; a
     lease past it fails its pipeline for the step (its work is redone by the others). A pipeline whose head
     micro-batch (the oldest it holds, counted from its lease or the pipeline's last commit) is held longer
-    than ``SPECULATE_FACTOR`` x the measured head latency (stretched by its known slowness) and than
-    ``SPECULATE_FLOOR_S`` is overdue: it gets no new micro-batch, and once nothing is left to lease an idle
-    pipeline gets a speculative copy of its micro-batches (well under the lease, so a straggler is overtaken
-    long before it is failed; peer.runtime.pool).
+    than ``SPECULATE_FACTOR`` x the measured head latency (80th percentile: a step's first micro-batch crosses
+    every stage; stretched by the pipeline's known slowness) and than
+    ``SPECULATE_FLOOR_S`` is overdue: it gets no new micro-batch, and another pipeline asking for work gets a
+    speculative copy of its micro-batches first (well under the lease, so a straggler is overtaken long
+    before it is failed; peer.runtime.pool).
     A ping's deadline is ``PING_RTT_FACTOR`` x the worker's measured round-trip time (a moving average) plus
     the time its largest message takes on its slowest known link, never under ``PING_TIMEOUT_S`` (which is
     no longer "at most one heartbeat": a ping behind a large transfer on a slow uplink is late, not lost)
@@ -143,7 +144,7 @@ LEASE_TIMEOUT_S = 60.0  # default lease of a micro-batch in a TaskPool built wit
 REPLAN_WAIT_S = 0.5  # pause before planning again after a failed step
 LEASE_FACTOR = 4.0  # a micro-batch's lease: this x its expected lease-to-commit time ...
 LEASE_FLOOR_S = 10.0  # ... at least this (and at most STEP_TIMEOUT_S)
-SPECULATE_FACTOR = 2.0  # a pipeline's head micro-batch held longer than this x the head latency is overdue ...
+SPECULATE_FACTOR = 1.5  # a head micro-batch held over this x the head latency (80th pct) is overdue ...
 SPECULATE_FLOOR_S = 0.25  # ... and than this (a GC pause or jitter on tiny micro-batches is no straggler)
 PING_RTT_FACTOR = 8.0  # a ping's deadline: this x the measured RTT + the largest message on the slowest link
 PING_TIMEOUT_MAX_S = 60.0  # ... at most this

@@ -144,19 +144,18 @@ def test_a_slow_head_makes_its_pipeline_overdue_a_healthy_queued_micro_batch_doe
     clock.now = 0.5
     assert pool.lease(1, speculate_after_s=0.8) == 6, "the free micro-batch goes to a healthy pipeline"
     clock.now = 0.9
-    assert pool.lease(2, speculate_after_s=0.8) is None, "pipeline 1's micro-batch 3 has been its head 0.5 s only"
-    assert pool.commit(3, 1) is CommitResult.COMMITTED and pool.commit(5, 2) is CommitResult.COMMITTED
-    assert pool.lease(2, speculate_after_s=0.8) == 0, "pipeline 0's head is 0.9 s old: its oldest is copied"
-    assert pool.lease(1, speculate_after_s=0.8) is None, "pipeline 1 still holds micro-batch 6"
-    assert pool.commit(6, 1) is CommitResult.COMMITTED
+    assert pool.lease(2, speculate_after_s=0.8) == 0, "pipeline 0's head is 0.9 s old: copied before free work"
+    assert pool.overdue == {0}, "pipeline 1's micro-batch 3 has been its head 0.5 s only: not late"
+    assert pool.lease(2, speculate_after_s=0.8) is None, "one copy at a time"
     assert pool.lease(1, speculate_after_s=0.8) == 1, "the micro-batch queued behind the slow head is copied too"
     assert pool.speculated == 2
+    assert all(pool.commit(mb, p) is CommitResult.COMMITTED for mb, p in ((3, 1), (5, 2), (6, 1)))
     clock.now = 1.2
     assert pool.commit(0, 2) is CommitResult.COMMITTED and pool.commit(1, 1) is CommitResult.COMMITTED
     assert pool.losers() == [0] and pool.fail_pipeline(0) == [] and pool.complete()
 
 
-def test_an_overdue_pipeline_gets_no_new_micro_batch_while_another_is_left() -> None:
+def test_an_overdue_pipeline_is_copied_first_and_gets_no_new_micro_batch_while_another_is_left() -> None:
     clock = FakeClock()
     pool = TaskPool(step=0, n_microbatches=4, lease_timeout_s=100.0, clock=clock)
     assert [pool.lease(0), pool.lease(1)] == [0, 1]
@@ -164,8 +163,9 @@ def test_an_overdue_pipeline_gets_no_new_micro_batch_while_another_is_left() -> 
     assert pool.commit(1, 1) is CommitResult.COMMITTED
     clock.now = 1.0
     assert pool.lease(0, speculate_after_s=0.5) is None, "its head is late: nothing more behind it"
-    assert pool.lease(1, speculate_after_s=0.5) == 2
-    assert pool.commit(0, 0) is CommitResult.COMMITTED
+    assert pool.lease(1, speculate_after_s=0.5) == 0 and pool.is_speculative(0, 1), "copied before free work"
+    assert pool.lease(1, speculate_after_s=0.5) == 2, "one copy at a time, then free work"
+    assert pool.commit(0, 0) is CommitResult.COMMITTED and pool.commit(0, 1) is CommitResult.DUPLICATE
     assert pool.lease(0, speculate_after_s=0.5) is None, "its late head committed at last: still slow this step"
     assert pool.lease(1, speculate_after_s=0.5) == 3
     alone = TaskPool(step=0, n_microbatches=2, lease_timeout_s=100.0, clock=clock)

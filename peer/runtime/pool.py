@@ -26,9 +26,11 @@ Rules, and why:
   the swarm's usual speed: a factor x the measured head latency, ``head_latencies``), stretched by the
   pipeline's known slowness (its pacing figure over the median's, at least 1: a pipeline known slow is not
   copied for being as slow as it is known to be); once overdue it stays so for the step. An overdue pipeline
-  gets no new micro-batch while another pipeline is left, and when nothing is free an idle pipeline that asks
-  gets a copy of an overdue pipeline's micro-batch, the oldest first (all of them may be copied: the later
-  ones wait behind its slow head; at most one copy each). Counting from the head, not from the lease, keeps a
+  gets no new micro-batch while another pipeline is left, and any other pipeline that asks for work, holding
+  no copy, gets a copy of an overdue pipeline's micro-batch, the oldest first, before any free one (all of
+  them may be copied: the later ones wait behind its slow head; at most one copy each). Copying at once,
+  rather than when the others run out of work, lets a copy win before the slow pipeline commits anything
+  (a win fails its whole share, committed micro-batches too). Counting from the head, not from the lease, keeps a
   healthy pipeline's second micro-batch (leased at once, queued behind its first) from looking late. The copy
   is marked speculative: every stage of the idle pipeline keeps its gradient apart (not in the step's sum)
   until the reduce says whose it is. The first commit wins. When the copy wins, the original pipeline has that
@@ -126,16 +128,23 @@ class TaskPool:
     def lease(self, pipeline: int, speculate_after_s: float | None = None) -> int | None:
         """Lease the lowest free micro-batch to ``pipeline``; None when nothing is free right now.
 
-        ``speculate_after_s``: when nothing is free, hand ``pipeline`` a speculative copy of the oldest
-        micro-batch another pipeline has held at least that long (see :meth:`is_speculative`)."""
+        ``speculate_after_s``: the head time that makes a pipeline overdue; ``pipeline`` may then get a
+        speculative copy of an overdue pipeline's oldest micro-batch (see the module docstring and
+        :meth:`is_speculative`). None: no speculation."""
         self.expire()
         if pipeline in self._failed:
             return None
         now = self._clock()
+        if speculate_after_s is not None:
+            for p in {lease.pipeline for lease in self._leases.values()}:
+                self._overdue(p, now, speculate_after_s)  # marks it, for the rest of the step
+            if pipeline not in self.overdue:
+                copy = self._speculate(pipeline, now)
+                if copy is not None:
+                    return copy
         if not self._free:
-            return None if speculate_after_s is None else self._speculate(pipeline, now, speculate_after_s)
-        if (speculate_after_s is not None and self._overdue(pipeline, now, speculate_after_s)
-                and self._others_alive(pipeline)):
+            return None
+        if pipeline in self.overdue and self._others_alive(pipeline):
             self.paced += 1
             return None  # seen slow in this step: no more work behind its late head
         if self._others_finish_sooner(pipeline):
@@ -202,12 +211,11 @@ class TaskPool:
         self.overdue.add(pipeline)
         return True
 
-    def _speculate(self, pipeline: int, now: float, after_s: float) -> int | None:
-        if any(lease.pipeline == pipeline for lease in (*self._leases.values(), *self._copies.values())):
-            return None  # only an idle pipeline speculates
-        overdue = {p for p in {lease.pipeline for lease in self._leases.values()} if self._overdue(p, now, after_s)}
-        old = [lease for mb, lease in self._leases.items()
-               if mb not in self._copies and pipeline not in self._held_by.get(mb, ()) and lease.pipeline in overdue]
+    def _speculate(self, pipeline: int, now: float) -> int | None:
+        if any(copy.pipeline == pipeline for copy in self._copies.values()):
+            return None  # one copy at a time per pipeline
+        old = [lease for mb, lease in self._leases.items() if mb not in self._copies
+               and pipeline not in self._held_by.get(mb, ()) and lease.pipeline in self.overdue]
         if not old:
             return None
         mb = min(old, key=lambda lease: (lease.at, lease.microbatch)).microbatch
