@@ -7,10 +7,11 @@ The swarm: a local swarm of worker processes on loopback (2 stages x P pipelines
 device, compute emulated at a fixed TFLOP/s, same seed and data in every run). In the straggler run, device 1
 (stage 1 of pipeline 0) is a volunteer whose GPU gets busy: from step 2 on it computes at a fifth of the others'
 speed (``peer.emulation.faults.BusyGpuWorker``), after the coordinator measured it healthy in steps 0 and 1.
-What the runtime does about it: in its first slow step (step 2) the pool copies the micro-batches it holds to
-idle pipelines once they run over about twice their pipeline's expected time (speculation, first commit wins)
-and leases its pipeline one micro-batch at a time; after that step the driver reports it (over 2^2 = 4x its
-stage's median: one step is enough) and the next plan puts the spare in its place. ``step_s_*`` is wall-clock
+What the runtime does about it: in its first slow step (step 2), once its pipeline's head micro-batch is held
+over 1.5x the usual head latency, the pool gives that pipeline no more work and copies what it holds to the
+next pipelines that ask for work (speculation, first commit wins; ``speculated`` counts the copies, in every
+run); after that step the driver reports it (over 2^2 = 4x its stage's median: one step is enough) and the
+next plan puts the spare in its place. ``step_s_*`` is wall-clock
 seconds per step from the end of step 0 to the end of the last step (re-plans and state hand-over included;
 step 0 is left out of every run alike: process warm-up), ``worst_step_*`` the slowest such step, and
 ``first_slow_step_s_*`` step 2 (the straggler's first slow step, before anything knew it was slow; step 2 of
