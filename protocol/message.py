@@ -457,10 +457,11 @@ class StreamReader:
         if end <= tensor.checked_to:
             return
         if dtype is torch.float32 and end - tensor.checked_to <= _ONES_F32.nbytes:
-            # float32, the common case: BLAS's dot with ones is the sum, in one call cheaper than torch's (about
-            # 6 % of this copy-and-check path measured here)
+            # float32, the common case: BLAS's dot with ones is the sum, in one call cheaper than torch's (this
+            # copy-and-check path: 0.17 -> 0.16 s CPU per GiB measured here)
             part = dest[tensor.checked_to : end].view(np.float32)
-            total = float(np.dot(part, _ONES_F32[: part.size]))
+            with np.errstate(over="ignore", invalid="ignore"):  # a sum that overflows is an answer, not a warning
+                total = float(np.dot(part, _ONES_F32[: part.size]))
         else:
             total = float(torch.from_numpy(dest[tensor.checked_to : end]).view(dtype).sum())
         if math.isfinite(total):
