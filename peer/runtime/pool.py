@@ -218,7 +218,9 @@ class TaskPool:
                and pipeline not in self._held_by.get(mb, ()) and lease.pipeline in self.overdue]
         if not old:
             return None
-        mb = min(old, key=lambda lease: (lease.at, lease.microbatch)).microbatch
+        # the newest first: the slow pipeline finishes its head soonest, and a copy that loses the race leaves its
+        # pipeline unable to take that micro-batch again in this step (its stages refuse a repeat)
+        mb = max(old, key=lambda lease: (lease.at, lease.microbatch)).microbatch
         self._copies[mb] = Lease(mb, pipeline, now + self.lease_timeout_s, at=now, speculative=True)
         self._held_by.setdefault(mb, set()).add(pipeline)
         self.speculated += 1
