@@ -26,11 +26,11 @@ Rules, and why:
   the swarm's usual speed: a factor x the measured head latency, ``head_latencies``), stretched by the
   pipeline's known slowness (its pacing figure over the median's, at least 1: a pipeline known slow is not
   copied for being as slow as it is known to be); once overdue it stays so for the step. An overdue pipeline
-  gets no new micro-batch while another pipeline is left, and any other pipeline that asks for work, holding
-  no copy, gets a copy of an overdue pipeline's micro-batch, the oldest first, before any free one (all of
-  them may be copied: the later ones wait behind its slow head; at most one copy each). Copying at once,
-  rather than when the others run out of work, lets a copy win before the slow pipeline commits anything
-  (a win fails its whole share, committed micro-batches too). Counting from the head, not from the lease, keeps a
+  gets no new micro-batch while another pipeline is left, and when nothing is free an idle pipeline that asks
+  gets a copy of an overdue pipeline's micro-batch, the newest first (the one furthest from done, which a copy
+  surely wins; all of them may be copied: the later ones wait behind its slow head; at most one copy each).
+  Only an idle pipeline: a copy queued behind its own work may lose the race to the slow head, and a pipeline
+  whose copy lost cannot take that micro-batch again in the step. Counting from the head, not from the lease, keeps a
   healthy pipeline's second micro-batch (leased at once, queued behind its first) from looking late. The copy
   is marked speculative: every stage of the idle pipeline keeps its gradient apart (not in the step's sum)
   until the reduce says whose it is. The first commit wins. When the copy wins, the original pipeline has that
@@ -138,10 +138,8 @@ class TaskPool:
         if speculate_after_s is not None:
             for p in {lease.pipeline for lease in self._leases.values()}:
                 self._overdue(p, now, speculate_after_s)  # marks it, for the rest of the step
-            if pipeline not in self.overdue:
-                copy = self._speculate(pipeline, now)
-                if copy is not None:
-                    return copy
+            if not self._free and pipeline not in self.overdue:
+                return self._speculate(pipeline, now)
         if not self._free:
             return None
         if pipeline in self.overdue and self._others_alive(pipeline):
@@ -212,8 +210,8 @@ class TaskPool:
         return True
 
     def _speculate(self, pipeline: int, now: float) -> int | None:
-        if any(copy.pipeline == pipeline for copy in self._copies.values()):
-            return None  # one copy at a time per pipeline
+        if any(lease.pipeline == pipeline for lease in (*self._leases.values(), *self._copies.values())):
+            return None  # only an idle pipeline speculates: a copy queued behind its own work may lose the race
         old = [lease for mb, lease in self._leases.items() if mb not in self._copies
                and pipeline not in self._held_by.get(mb, ()) and lease.pipeline in self.overdue]
         if not old:
