@@ -95,14 +95,14 @@ def test_original_commit_beats_the_copy_and_a_failed_original_hands_over_to_it()
     assert [pool.lease(0), pool.lease(0), pool.lease(1)] == [0, 1, 2]
     assert pool.commit(2, 1) is CommitResult.COMMITTED
     clock.now = 10.0
-    assert pool.lease(1, speculate_after_s=5.0) == 1, "the newest first: the one furthest from done"
-    assert pool.commit(1, 0) is CommitResult.COMMITTED, "the original wins"
-    assert pool.commit(1, 1) is CommitResult.DUPLICATE and pool.losers() == []
-    assert pool.lease(1, speculate_after_s=5.0) == 0, "pipeline 0 was overdue in this step: it stays so"
-    assert sorted(pool.fail_pipeline(0)) == [0, 1], "pipeline 0 dies holding micro-batch 0 and having committed 1"
-    assert pool.lease(1) == 1, "micro-batch 1 goes back to the pool (to its lost copy's pipeline: no other is left)"
-    assert pool.commit(0, 1) is CommitResult.COMMITTED, "the copy of micro-batch 0 carried on as its lease"
-    assert pool.commit(1, 1) is CommitResult.COMMITTED and pool.complete()
+    assert pool.lease(1, speculate_after_s=5.0) == 0
+    assert pool.commit(0, 0) is CommitResult.COMMITTED, "the original wins"
+    assert pool.commit(0, 1) is CommitResult.DUPLICATE and pool.losers() == []
+    assert pool.lease(1, speculate_after_s=5.0) == 1, "pipeline 0 was overdue in this step: it stays so"
+    assert sorted(pool.fail_pipeline(0)) == [0, 1], "pipeline 0 dies holding micro-batch 1 and having committed 0"
+    assert pool.lease(1) == 0, "micro-batch 0 goes back to the pool"
+    assert pool.commit(1, 1) is CommitResult.COMMITTED, "the copy of micro-batch 1 carried on as its lease"
+    assert pool.commit(0, 1) is CommitResult.COMMITTED and pool.complete()
 
 
 def test_a_pipeline_never_gets_again_a_micro_batch_it_already_held_in_the_step() -> None:
@@ -147,12 +147,12 @@ def test_a_slow_head_makes_its_pipeline_overdue_a_healthy_queued_micro_batch_doe
     assert pool.lease(2, speculate_after_s=0.8) is None, "pipeline 2 still holds micro-batch 5: only an idle one copies"
     assert pool.overdue == {0}, "pipeline 1's micro-batch 3 has been its head 0.5 s only: not late"
     assert all(pool.commit(mb, p) is CommitResult.COMMITTED for mb, p in ((3, 1), (5, 2), (6, 1)))
-    assert pool.lease(2, speculate_after_s=0.8) == 1, "pipeline 0's newest micro-batch is copied first"
+    assert pool.lease(2, speculate_after_s=0.8) == 0, "pipeline 0's oldest micro-batch is copied first"
     assert pool.lease(2, speculate_after_s=0.8) is None, "one copy at a time"
-    assert pool.lease(1, speculate_after_s=0.8) == 0, "its slow head is copied too"
+    assert pool.lease(1, speculate_after_s=0.8) == 1, "the one queued behind its slow head is copied too"
     assert pool.speculated == 2
     clock.now = 1.2
-    assert pool.commit(1, 2) is CommitResult.COMMITTED and pool.commit(0, 1) is CommitResult.COMMITTED
+    assert pool.commit(0, 2) is CommitResult.COMMITTED and pool.commit(1, 1) is CommitResult.COMMITTED
     assert pool.losers() == [0] and pool.fail_pipeline(0) == [] and pool.complete()
 
 

@@ -27,8 +27,8 @@ Rules, and why:
   pipeline's known slowness (its pacing figure over the median's, at least 1: a pipeline known slow is not
   copied for being as slow as it is known to be); once overdue it stays so for the step. An overdue pipeline
   gets no new micro-batch while another pipeline is left, and when nothing is free an idle pipeline that asks
-  gets a copy of an overdue pipeline's micro-batch, the newest first (the one furthest from done, which a copy
-  surely wins; all of them may be copied: the later ones wait behind its slow head; at most one copy each).
+  gets a copy of an overdue pipeline's micro-batch, the oldest first (all of them may be copied: the later
+  ones wait behind its slow head; at most one copy each).
   Only an idle pipeline: a copy queued behind its own work may lose the race to the slow head, and a pipeline
   whose copy lost cannot take that micro-batch again in the step. Counting from the head, not from the lease, keeps a
   healthy pipeline's second micro-batch (leased at once, queued behind its first) from looking late. The copy
@@ -216,9 +216,7 @@ class TaskPool:
                and pipeline not in self._held_by.get(mb, ()) and lease.pipeline in self.overdue]
         if not old:
             return None
-        # the newest first: the slow pipeline finishes its head soonest, and a copy that loses the race leaves its
-        # pipeline unable to take that micro-batch again in this step (its stages refuse a repeat)
-        mb = max(old, key=lambda lease: (lease.at, lease.microbatch)).microbatch
+        mb = min(old, key=lambda lease: (lease.at, lease.microbatch)).microbatch
         self._copies[mb] = Lease(mb, pipeline, now + self.lease_timeout_s, at=now, speculative=True)
         self._held_by.setdefault(mb, set()).add(pipeline)
         self.speculated += 1
