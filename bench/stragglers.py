@@ -8,8 +8,8 @@ device, compute emulated at a fixed TFLOP/s, same seed and data in every run). I
 (stage 1 of pipeline 0) is a volunteer whose GPU gets busy: from step 2 on it computes at a fifth of the others'
 speed (``peer.emulation.faults.BusyGpuWorker``), after the coordinator measured it healthy in steps 0 and 1.
 What the runtime does about it: in its first slow step (step 2), once its pipeline's head micro-batch is held
-over 1.5x the usual head latency, the pool gives that pipeline no more work and copies what it holds to the
-next pipelines that ask for work (speculation, first commit wins; ``speculated`` counts the copies, in every
+over 1.5x the usual head latency, the pool gives that pipeline no more work and, once nothing is free, copies
+what it holds to idle pipelines (speculation, first commit wins; ``speculated`` counts the copies, in every
 run); after that step the driver reports it (over 2^2 = 4x its stage's median: one step is enough) and the
 next plan puts the spare in its place. ``step_s_*`` is wall-clock
 seconds per step from the end of step 0 to the end of the last step (re-plans and state hand-over included;
@@ -20,8 +20,9 @@ a slow step). The run's parameters are compared with single-process training (``
 speculation must not count a micro-batch twice. ``--pipelines P`` runs P pipelines (and one spare); the default
 is 4. With P pipelines a 5x straggler leaves (P - 1 + 1/5) / P of the swarm's throughput, so a step it takes
 part in cannot be faster than about P / (P - 0.8) times the step without it (+67 % for 2 pipelines, +25 % for
-4), whatever the scheduling: at P = 2 only its replacement keeps a step within the issue's +30 %, at P = 4 also
-its first slow step can (the other 3 pipelines carry its share).
+4), whatever the scheduling: at P = 2 only its replacement keeps a step within the issue's +30 %, at P = 4 its first
+slow step could too (the other 3 pipelines carry its share), but measured it does not yet: the copies start
+only once the head is overdue, and the step end waits for the overtaken pipeline to reload its stage.
 """
 
 from __future__ import annotations

@@ -40,8 +40,8 @@ Stragglers: adaptive leases, speculation, pings and bans (peer.runtime.coordinat
     micro-batch (the oldest it holds, counted from its lease or the pipeline's last commit) is held longer
     than ``SPECULATE_FACTOR`` x the measured head latency (80th percentile: a step's first micro-batch crosses
     every stage; stretched by the pipeline's known slowness) and than
-    ``SPECULATE_FLOOR_S`` is overdue: it gets no new micro-batch, and another pipeline asking for work gets a
-    speculative copy of its micro-batches first (well under the lease, so a straggler is overtaken long
+    ``SPECULATE_FLOOR_S`` is overdue: it gets no new micro-batch, and once nothing is free an idle pipeline gets a
+    speculative copy of its micro-batches, oldest first (well under the lease, so a straggler is overtaken long
     before it is failed; peer.runtime.pool).
     A ping's deadline is ``PING_RTT_FACTOR`` x the worker's measured round-trip time (a moving average) plus
     the time its largest message takes on its slowest known link, never under ``PING_TIMEOUT_S`` (which is
