@@ -40,9 +40,15 @@ Stragglers: adaptive leases, speculation, pings and bans (peer.runtime.coordinat
     micro-batch (the oldest it holds, counted from its lease or the pipeline's last commit) is held longer
     than ``SPECULATE_FACTOR`` x the measured head latency (80th percentile: a step's first micro-batch crosses
     every stage; stretched by the pipeline's known slowness) and than
-    ``SPECULATE_FLOOR_S`` is overdue: it gets no new micro-batch, and once nothing is free an idle pipeline gets a
-    speculative copy of its micro-batches, oldest first (well under the lease, so a straggler is overtaken long
-    before it is failed; peer.runtime.pool).
+    ``SPECULATE_FLOOR_S``, or whose oldest micro-batch without a loss report has waited longer than
+    ``SPECULATE_FORWARD_FACTOR`` x the measured forward latency (lease or last loss to loss, 80th percentile;
+    the same stretch and floor), is overdue: it gets no new micro-batch, and once nothing is free a pipeline
+    holding at most one micro-batch gets a speculative copy of its micro-batches, oldest first (well under the
+    lease, so a straggler is overtaken long before it is failed; peer.runtime.pool). The loss comes about a
+    third of a head latency before the commit, so the forward signal catches a slow pipeline while the others
+    still have their last micro-batch in flight, early enough for a copy to pipeline behind it. Its factor is
+    smaller: a copy it starts by mistake costs the copier one micro-batch and loses (it becomes a backup); a
+    copy that starts late costs the whole step the difference.
     A ping's deadline is ``PING_RTT_FACTOR`` x the worker's measured round-trip time (a moving average) plus
     the time its largest message takes on its slowest known link, never under ``PING_TIMEOUT_S`` (which is
     no longer "at most one heartbeat": a ping behind a large transfer on a slow uplink is late, not lost)
@@ -146,6 +152,7 @@ LEASE_FACTOR = 4.0  # a micro-batch's lease: this x its expected lease-to-commit
 LEASE_FLOOR_S = 10.0  # ... at least this (and at most STEP_TIMEOUT_S)
 SPECULATE_FACTOR = 1.5  # a head micro-batch held over this x the head latency (80th pct) is overdue ...
 SPECULATE_FLOOR_S = 0.25  # ... and than this (a GC pause or jitter on tiny micro-batches is no straggler)
+SPECULATE_FORWARD_FACTOR = 1.25  # a micro-batch's loss later than this x the forward latency (80th pct): overdue
 PING_RTT_FACTOR = 8.0  # a ping's deadline: this x the measured RTT + the largest message on the slowest link
 PING_TIMEOUT_MAX_S = 60.0  # ... at most this
 BAN_S = 60.0  # a worker declared dead is left out of plans this long ...

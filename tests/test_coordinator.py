@@ -39,6 +39,8 @@ class Script:
     fail_reduce: bool = False  # answer "reduce" with a task error instead of "reduced"
     wait_before_leasing: threading.Event | None = None
     leased_first: threading.Event = field(default_factory=threading.Event)
+    hold_s: dict[int, float] = field(default_factory=dict)  # step -> seconds each lease is held before its loss
+    resync_delay_s: float = 0.0  # reloading the stage when told to resync takes this long
 
 class ScriptedWorker:
     def __init__(self, script: Script | None = None) -> None:
@@ -52,6 +54,9 @@ class ScriptedWorker:
         self.assignment: ctl.StageAssignment | None = None
         self.client: PeerClient | None = None
         self.dead = False
+        self.resynced_at: float | None = None  # when it reported the resynced stage
+        self.started: dict[int, float] = {}  # step -> when a start_step of it arrived
+        self.dropped: set[int] = set()
 
     def start(self) -> str:
         self.server.start()
@@ -77,6 +82,12 @@ class ScriptedWorker:
     def _on_control(self, env: pb.Envelope) -> None:
         msg = ctl.decode(env, ctl.TO_WORKER)
         self.received.append((time.monotonic(), msg))
+        if isinstance(msg, ctl.StartStep):
+            self.started.setdefault(msg.step, time.monotonic())
+        if isinstance(msg, ctl.DropStep):
+            self.dropped.add(msg.step)
+        if isinstance(msg, ctl.Resync):
+            threading.Thread(target=self._resync, args=(msg,), daemon=True).start()
         if isinstance(msg, ctl.StartStep) and msg.feed:
             threading.Thread(target=self._feed, args=(msg.step,), daemon=True).start()
         elif isinstance(msg, ctl.Reduce):
@@ -86,8 +97,13 @@ class ScriptedWorker:
                 reply, self.reduced_at = ctl.Reduced(msg.step, msg.round), time.monotonic()
             threading.Thread(target=self._report, args=(reply, msg.step), daemon=True).start()
         elif isinstance(msg, ctl.Apply):
-            threading.Thread(target=self._report, args=(ctl.Synced(msg.step, msg.step + 1), msg.step),
-                             daemon=True).start()
+            synced = ctl.Synced(msg.step, msg.step + 1, f"params-{msg.step + 1}")
+            threading.Thread(target=self._report, args=(synced, msg.step), daemon=True).start()
+
+    def _resync(self, msg: ctl.Resync) -> None:
+        time.sleep(self.script.resync_delay_s)
+        self.resynced_at = time.monotonic()
+        self._report(ctl.Synced(msg.step, msg.trained_steps, f"params-{msg.trained_steps}"), msg.step)
 
     def _feed(self, step: int) -> None:
         assert self.assignment is not None and self.client is not None
@@ -96,7 +112,7 @@ class ScriptedWorker:
         replica = self.assignment.assignment.replica
         key = make_key(SPEC.run_id, EPOCH, step, stage=0, replica=replica)
         leases = 0
-        while True:
+        while step not in self.dropped and max(self.started) == step:
             reply = self.client.fetch(pb.COMMIT, key, meta=ctl.pool_request_meta(ctl.Op.LEASE), timeout_s=10)
             status = ctl.pool_status(reply)
             if status is ctl.PoolStatus.DONE:
@@ -110,6 +126,7 @@ class ScriptedWorker:
                 self.dead = True
                 self.server.stop(grace=0)  # gone, holding an uncommitted lease
                 return
+            time.sleep(self.script.hold_s.get(step, 0.0))
             self._report(ctl.Loss(step, mb, float(mb)), step)
             for _ in range(2 if self.script.commit_twice else 1):
                 commit = make_key(SPEC.run_id, EPOCH, step, mb, 0, replica)
@@ -272,3 +289,34 @@ def test_malformed_report_is_refused_naming_the_field_and_changes_nothing(swarm,
     assert coordinator.dead == frozenset()
     report = coordinator.run_step(0, timeout_s=30)  # the coordinator still works
     assert sum(report.microbatches_per_pipeline.values()) == SPEC.n_microbatches
+
+
+@pytest.mark.parametrize("swarm", [[Script(hold_s={1: 0.15}), Script(hold_s={0: 3.0}, resync_delay_s=0.5)]],
+                         indirect=True)
+def test_an_overtaken_pipeline_reloads_in_the_background_and_joins_a_later_step_in_sync(swarm) -> None:
+    # pipeline 1 holds its micro-batch 3 s in step 0: pipeline 0 copies it and wins, pipeline 1 is dropped. Its
+    # worker reloads the stage (0.5 s) without holding the step's end; step 1 starts without it (no start_step,
+    # no lease, not in a reduce while out of sync) and it joins step 1 once it reported the stage in sync.
+    coordinator, (fast, slow) = swarm
+    coordinator.predicted_mb_s = 0.05  # speculation on: overdue after the 0.25 s floor
+    events = observe(coordinator)
+    first = coordinator.run_step(0, timeout_s=30)
+    ended = time.monotonic()
+    assert first.dropped_pipelines == [1] and first.speculation_won == 1
+    assert set(first.commits.values()) == {0} and sorted(first.commits) == list(range(SPEC.n_microbatches))
+    assert slow.resynced_at is None, "the step ended without waiting for the overtaken pipeline to reload"
+    deadline = time.monotonic() + 5.0
+    while not any(isinstance(m, ctl.Resync) for _, m in slow.received) and time.monotonic() < deadline:
+        time.sleep(0.01)  # told in the background
+    resync = next(m for _, m in slow.received if isinstance(m, ctl.Resync))
+    assert (resync.trained_steps, resync.source) == (1, fast.server.endpoint)
+    coordinator.speculation = False  # step 1: pipeline 0 is slowish (0.15 s a micro-batch), not to be copied
+    second = coordinator.run_step(1, timeout_s=30)
+    assert slow.resynced_at is not None and slow.started[1] > slow.resynced_at, "started only once in sync"
+    assert slow.started[1] > ended + 0.3, "step 1 started without it"
+    reduce = next(m for _, m in slow.received if isinstance(m, ctl.Reduce) and m.step == 1)
+    assert reduce.participants == (0, 1), "in sync again: it joined step 1"
+    assert sorted(second.commits) == list(range(SPEC.n_microbatches)) and second.dropped_pipelines == []
+    background = [i for n, i, _ in events if n == "resync"]
+    assert background == [{"step": 0, "endpoints": [slow.server.endpoint], "background": True}]
+    assert coordinator.wait_in_sync(timeout_s=1.0)

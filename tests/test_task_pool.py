@@ -89,7 +89,7 @@ def test_idle_pipeline_gets_a_speculative_copy_and_the_first_commit_wins() -> No
     assert pool.speculated == pool.speculation_won == 1
 
 
-def test_original_commit_beats_the_copy_and_a_failed_original_hands_over_to_it() -> None:
+def test_original_commit_beats_the_copy_and_a_failed_original_hands_over_to_the_copies() -> None:
     clock = FakeClock()
     pool = TaskPool(step=0, n_microbatches=3, lease_timeout_s=100.0, clock=clock)
     assert [pool.lease(0), pool.lease(0), pool.lease(1)] == [0, 1, 2]
@@ -99,10 +99,39 @@ def test_original_commit_beats_the_copy_and_a_failed_original_hands_over_to_it()
     assert pool.commit(0, 0) is CommitResult.COMMITTED, "the original wins"
     assert pool.commit(0, 1) is CommitResult.DUPLICATE and pool.losers() == []
     assert pool.lease(1, speculate_after_s=5.0) == 1, "pipeline 0 was overdue in this step: it stays so"
-    assert sorted(pool.fail_pipeline(0)) == [0, 1], "pipeline 0 dies holding micro-batch 1 and having committed 0"
-    assert pool.lease(1) == 0, "micro-batch 0 goes back to the pool"
+    assert pool.fail_pipeline(0) == [], "pipeline 0 dies: its committed 0 goes to the backup, its 1 to the copy"
+    assert pool.assignment() == {0: 1, 2: 1} and pool.backups_used == 1
     assert pool.commit(1, 1) is CommitResult.COMMITTED, "the copy of micro-batch 1 carried on as its lease"
-    assert pool.commit(0, 1) is CommitResult.COMMITTED and pool.complete()
+    assert pool.complete() and pool.assignment() == {0: 1, 1: 1, 2: 1}
+
+
+def test_a_backup_is_used_only_before_the_reduce_starts() -> None:
+    # 2 pipelines, pipeline 0 slow: both its micro-batches are copied; its first finishes before the copy (the
+    # copy becomes a backup), its second after (the copy wins and fails pipeline 0). Without the backup its
+    # committed micro-batch would be redone.
+    clock = FakeClock()
+    pool = TaskPool(step=0, n_microbatches=4, lease_timeout_s=100.0, clock=clock)
+    assert [pool.lease(0), pool.lease(0), pool.lease(1), pool.lease(1)] == [0, 1, 2, 3]
+    clock.now = 0.3
+    assert pool.commit(2, 1) is CommitResult.COMMITTED and pool.commit(3, 1) is CommitResult.COMMITTED
+    clock.now = 1.0
+    assert pool.lease(1, speculate_after_s=0.5) == 0 and pool.lease(1, speculate_after_s=0.5) == 1
+    assert pool.commit(0, 0) is CommitResult.COMMITTED, "the original of 0 wins"
+    assert pool.commit(0, 1) is CommitResult.DUPLICATE, "its copy is a backup now"
+    assert pool.commit(1, 1) is CommitResult.COMMITTED and pool.losers() == [0], "the copy of 1 wins"
+    assert pool.fail_pipeline(0) == [] and pool.requeued == 0 and pool.backups_used == 1
+    assert pool.complete() and pool.assignment() == {0: 1, 1: 1, 2: 1, 3: 1}
+    # the same, but the reduce had started (its stages settled what they held apart): redone
+    late = TaskPool(step=0, n_microbatches=3, lease_timeout_s=100.0, clock=clock)
+    assert [late.lease(0), late.lease(1), late.lease(2)] == [0, 1, 2]
+    clock.now = 2.0
+    assert late.commit(1, 1) is CommitResult.COMMITTED and late.commit(2, 2) is CommitResult.COMMITTED
+    clock.now = 5.0
+    assert late.lease(1, speculate_after_s=0.5) == 0
+    assert late.commit(0, 0) is CommitResult.COMMITTED and late.commit(0, 1) is CommitResult.DUPLICATE
+    late.end_speculation()
+    assert late.fail_pipeline(0) == [0] and late.backups_used == 0
+    assert late.lease(1) is None and late.lease(2) == 0, "pipeline 1 forwarded it once: pipeline 2 redoes it"
 
 
 def test_a_pipeline_never_gets_again_a_micro_batch_it_already_held_in_the_step() -> None:
@@ -116,20 +145,24 @@ def test_a_pipeline_never_gets_again_a_micro_batch_it_already_held_in_the_step()
     assert pool.lease(1, speculate_after_s=5.0) == 0 and pool.is_speculative(0, 1)
     assert pool.commit(0, 0) is CommitResult.COMMITTED and pool.commit(0, 1) is CommitResult.DUPLICATE
     assert pool.lease(1, speculate_after_s=5.0) is None, "no second copy of what it already held"
+    pool.end_speculation()  # the reduce started: pipeline 1's stages dropped the copy they held apart
     assert pool.fail_pipeline(0) == [0], "pipeline 0 dies: its micro-batch 0 goes back to the pool"
     assert pool.lease(1) is None, "pipeline 1 already forwarded micro-batch 0 in this step"
     assert pool.lease(2) == 0, "another pipeline takes it"
     assert pool.commit(0, 2) is CommitResult.COMMITTED and pool.complete()
     assert pool.assignment() == {0: 2, 1: 1, 2: 2}
-    # the last pipeline standing still gets it (its lease fails the step, which is re-planned, rather than the
-    # step waiting for ever)
+    assert pool.unleasable({0, 1, 2}) == []
+    # the last pipeline standing does not get it either (its stages would refuse it and the lease would hang
+    # until its deadline): the pool says no live pipeline can take it, and the coordinator re-plans at once
     alone = TaskPool(step=0, n_microbatches=2, lease_timeout_s=100.0, clock=clock)
     assert [alone.lease(0), alone.lease(1)] == [0, 1]
     clock.now = 20.0
     assert alone.commit(1, 1) is CommitResult.COMMITTED and alone.lease(1, speculate_after_s=5.0) == 0
     assert alone.commit(0, 0) is CommitResult.COMMITTED and alone.commit(0, 1) is CommitResult.DUPLICATE
+    alone.end_speculation()
     assert alone.fail_pipeline(0) == [0]
-    assert alone.lease(1) == 0
+    assert alone.lease(1) is None and alone.unleasable({0, 1}) == [0]
+    assert alone.unleasable({0, 1, 2}) == [], "a pipeline that has not held it could still take it"
 
 
 def test_a_slow_head_makes_its_pipeline_overdue_a_healthy_queued_micro_batch_does_not() -> None:
@@ -144,11 +177,11 @@ def test_a_slow_head_makes_its_pipeline_overdue_a_healthy_queued_micro_batch_doe
     clock.now = 0.5
     assert pool.lease(1, speculate_after_s=0.8) == 6, "the free micro-batch goes to a healthy pipeline"
     clock.now = 0.9
-    assert pool.lease(2, speculate_after_s=0.8) is None, "pipeline 2 still holds micro-batch 5: only an idle one copies"
+    assert pool.lease(1, speculate_after_s=0.8) is None, "pipeline 1 holds 2 micro-batches: a copy would lose the race"
     assert pool.overdue == {0}, "pipeline 1's micro-batch 3 has been its head 0.5 s only: not late"
+    assert pool.lease(2, speculate_after_s=0.8) == 0, "behind one micro-batch: pipeline 0's oldest, copied first"
+    assert pool.lease(2, speculate_after_s=0.8) is None, "it holds 2 now"
     assert all(pool.commit(mb, p) is CommitResult.COMMITTED for mb, p in ((3, 1), (5, 2), (6, 1)))
-    assert pool.lease(2, speculate_after_s=0.8) == 0, "pipeline 0's oldest micro-batch is copied first"
-    assert pool.lease(2, speculate_after_s=0.8) is None, "one copy at a time"
     assert pool.lease(1, speculate_after_s=0.8) == 1, "the one queued behind its slow head is copied too"
     assert pool.speculated == 2
     clock.now = 1.2
@@ -185,3 +218,27 @@ def test_a_pipeline_known_slow_is_not_copied_for_being_as_slow_as_known() -> Non
     assert pool.lease(1, speculate_after_s=2.0) is None, "3 s is within 2 x 2 s for the known-slow pipeline"
     clock.now = 4.5
     assert pool.lease(1, speculate_after_s=2.0) == 2, "over 2 x 2 s: copied"
+
+
+def test_a_late_loss_makes_a_pipeline_overdue_before_its_head_is_late() -> None:
+    # 3 pipelines of 2 stages lease 2 micro-batches each; the losses of pipelines 1 and 2 arrive at 0.2 s (their
+    # forwards crossed every stage), pipeline 0's does not: by 0.3 s it is overdue on the forward signal, while
+    # its head (0.3 s) is still far within the 1.0 s commit signal.
+    clock = FakeClock()
+    pool = TaskPool(step=0, n_microbatches=6, lease_timeout_s=100.0, clock=clock)
+    assert [pool.lease(p) for p in (0, 0, 1, 1, 2, 2)] == [0, 1, 2, 3, 4, 5]
+    clock.now = 0.2
+    pool.progress(2, 1)
+    pool.progress(4, 2)
+    pool.progress(0, 2)  # not pipeline 2's: no sign of anything (and no latency measured)
+    assert pool.forward_latencies == pytest.approx([0.2, 0.2])
+    clock.now = 0.3
+    assert pool.commit(2, 1) is CommitResult.COMMITTED
+    assert pool.lease(1, speculate_after_s=1.0) is None and pool.overdue == set(), "the commit signal waits"
+    assert pool.lease(1, speculate_after_s=1.0, forward_after_s=0.25) == 0, "its loss is late: copied"
+    assert pool.overdue == {0}, "pipeline 2's second micro-batch waits from its first loss (0.1 s): not late"
+    assert pool.lease(2, speculate_after_s=1.0, forward_after_s=0.25) is None, "pipeline 2 holds 2"
+    clock.now = 0.35
+    pool.progress(0, 1)  # the copy's loss: the copier moves
+    pool.progress(3, 1)
+    assert pool.overdue == {0} and len(pool.forward_latencies) == 3

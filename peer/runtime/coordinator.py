@@ -22,6 +22,13 @@ no pipeline is intact does the step fail (:class:`ReplanNeededError`): the drive
 ``apply`` is only sent once every stage has its averaged gradient, so a death can never leave some stages
 updated and others not.
 
+Laggards. The live workers of a pipeline dropped from a step without a death (overtaken by a speculative copy,
+a lease past its deadline) did not apply it: they are told to reload their stage from a replica that did, and
+the step ends without waiting for that (a straggler finishes its slow op first, which would hold the step for
+it). Until every member of such a pipeline reports the replica's parameters hash, the pipeline is *syncing*:
+it gets no ``start_step``, no lease and no place in a reduce, so a pipeline out of sync never commits work;
+once in sync it joins the running step (``start_step`` while the step still computes) or the next one.
+
 Threads and locks. ``_cond`` (a condition) guards the step state, the assignments, the epoch and the dead set;
 the step loop waits on it. The observer (``on_event``) is never called while it is held: events are
 collected under the lock and emitted after. Background work (drop notices, restarts, judging an error,
@@ -70,8 +77,10 @@ from peer.timing import (
     PING_TIMEOUT_S,
     SPECULATE_FACTOR,
     SPECULATE_FLOOR_S,
+    SPECULATE_FORWARD_FACTOR,
     STATUS_TIMEOUT_S,
     STEP_TIMEOUT_S,
+    WORKER_FETCH_STATE_TIMEOUT_S,
 )
 from protocol import tasklet_pb2 as pb
 from protocol.errors import Forbidden, Rejected, TransportError
@@ -142,6 +151,7 @@ class _StepState:
     synced: set[str] = field(default_factory=set)
     hashes: dict[str, tuple[int, str]] = field(default_factory=dict)  # endpoint -> (trained steps, params hash)
     dropped: set[int] = field(default_factory=set)
+    syncing: set[int] = field(default_factory=set)  # pipelines left out until their workers reloaded the stage
     errors: list[str] = field(default_factory=list)
     leased_at: dict[tuple[int, int], float] = field(default_factory=dict)  # (micro-batch, pipeline) -> monotonic
 
@@ -192,6 +202,9 @@ class Coordinator:
         # figure (set by the driver; None: unknown), each worker's round-trip time (moving average)
         self.mb_seconds: deque[float] = deque(maxlen=64)
         self.head_seconds: deque[float] = deque(maxlen=64)  # head-of-window to commit (TaskPool.head_latencies)
+        self.forward_seconds: deque[float] = deque(maxlen=64)  # forward head to loss (TaskPool.forward_latencies)
+        # laggards (module docstring): endpoint -> ((trained steps, params hash) it must reach, when told); _cond
+        self._pending_sync: dict[str, tuple[tuple[int, str], float]] = {}
         self.predicted_mb_s: float | None = None
         self.speculation = True
         # (epoch, pipeline -> seconds per micro-batch) measured in the last step: paces the next step's leases
@@ -305,6 +318,7 @@ class Coordinator:
             self._dead.clear()
             self.dead_reasons.clear()
             self._misses.clear()
+            self._pending_sync.clear()  # the new plan's state sources say who holds what
         sources = {ep: self._granted(ep, a, src) for ep, src in (sources or {}).items() if (a := assignments.get(ep))}
         futures = {
             ep: self._client(ep).push_async(
@@ -335,7 +349,7 @@ class Coordinator:
     def _intact(self, state: _StepState) -> list[int]:
         """Pipelines whose every member is alive and that were not dropped from this step (``_cond`` held)."""
         n_rep = max((a.n_replicas for a in self.assignments.values()), default=0)
-        broken = {a.replica for ep, a in self.assignments.items() if ep in self._dead} | state.dropped
+        broken = {a.replica for ep, a in self.assignments.items() if ep in self._dead} | state.dropped | state.syncing
         return [r for r in range(n_rep) if r not in broken]
 
     def _members(self, pipelines: Sequence[int], first: bool | None = None) -> list[str]:
@@ -353,14 +367,18 @@ class Coordinator:
             if not self.assignments:
                 raise RuntimeError("assign() the workers first")
             mid_round = self.spec.sync_period > 1 and step % self.spec.sync_period != 0
+            syncing = self._syncing_pipelines()  # may declare a laggard dead
             if self._dead and not (mid_round and self._alive_pipelines()):
                 # DiLoCo mid-round: the pipelines that lost a member sit out the rest of the round (peer.runtime.outer)
                 raise ReplanNeededError(f"step {step}: workers died since the plan was made: {sorted(self._dead)}")
             paced_by = self.pipeline_service_s[1] if self.pipeline_service_s[0] == self.epoch else None
             state = _StepState(pool=TaskPool(step, self.spec.n_microbatches,
                                              lease_timeout_s=self._lease_timeout_s(timeout_s), service_s=paced_by))
+            state.syncing = syncing
             self._state = state
             intact = self._intact(state)
+            if not intact:
+                raise ReplanNeededError(f"step {step}: no pipeline in sync (syncing: {sorted(state.syncing)})")
         started = time.monotonic()
         deadline = started + timeout_s
         self._broadcast(self._members(intact, first=False), ctl.StartStep(step, 0), step)
@@ -371,6 +389,7 @@ class Coordinator:
                 if not state.pool.complete():
                     continue
                 state.phase, state.round, state.reduced = StepPhase.REDUCE, state.round + 1, set()
+                state.pool.end_speculation()  # the stages settle what they hold apart: copies count no more
                 intact, rnd = self._intact(state), state.round
                 assignment = state.pool.assignment()
             if self.spec.sync_period > 1:  # DiLoCo inner step: every live pipeline applies its own share (maybe none)
@@ -404,7 +423,7 @@ class Coordinator:
         failed: StepFailedError | None = None
         if self.spec.sync_period == 1:
             self._check_replicas(state, step, [m for m in members if m not in self.dead], deadline)
-            self._catch_up(state, step, [m for m in members if m not in self.dead], deadline)
+            self._catch_up(state, step, [m for m in members if m not in self.dead])
         elif is_round_end(step, self.spec.sync_period):
             try:
                 outer = self._outer_round(state, step, deadline)
@@ -412,6 +431,7 @@ class Coordinator:
                 failed = exc
         self.pipeline_service_s = (self.epoch, self._carry_service(state.pool.measured_service_s()))
         self.head_seconds.extend(state.pool.head_latencies)
+        self.forward_seconds.extend(state.pool.forward_latencies)
         seconds = time.monotonic() - started
         losses = [state.losses.get((mb, p), math.nan) for mb, p in sorted(assignment.items())]
         counts: dict[int, int] = {}
@@ -493,6 +513,10 @@ class Coordinator:
                     return False
                 if state.errors:
                     raise StepFailedError(f"{what}: {state.errors[0]}")
+                if state.phase is StepPhase.COMPUTE and (stuck := state.pool.unleasable(
+                        set(self._intact(state)) | state.syncing)):
+                    raise ReplanNeededError(f"{what}: micro-batches {stuck} were held by every pipeline left, whose "
+                                            "stages refuse a repeat")
                 if not allow_failures and self._drop_broken(state, events):
                     if not self._intact(state):
                         raise ReplanNeededError(f"{what}: no intact pipeline left (dead: {sorted(self._dead)})")
@@ -739,7 +763,10 @@ class Coordinator:
             reply.meta["status"] = ctl.PoolStatus.DONE.value
             state.feeders_done = True
             return []
-        mb = state.pool.lease(key.replica, self._speculate_after_s())
+        if key.replica in state.syncing:  # not in sync (a start_step of before it was dropped): no work
+            reply.meta["status"] = ctl.PoolStatus.WAIT.value
+            return []
+        mb = state.pool.lease(key.replica, *self._speculate_after_s())
         if mb is None:
             reply.meta["status"] = ctl.PoolStatus.WAIT.value
             return []
@@ -791,14 +818,21 @@ class Coordinator:
             return step_timeout_s
         return min(step_timeout_s, max(LEASE_FLOOR_S, LEASE_FACTOR * expected))
 
-    def _speculate_after_s(self) -> float | None:
+    def _speculate_after_s(self) -> tuple[float | None, float | None]:
         """How long a pipeline's head micro-batch may be held before the pool copies its work (TaskPool): a
         factor x the 80th percentile of the measured head latencies (else the expected lease-to-commit time),
-        over a floor. Not the median: a step's first micro-batch of each pipeline crosses every stage before it
-        commits (2x a later, pipelined one here), and a healthy pipeline's first micro-batch is no straggler."""
+        over a floor; and the same for the wait of its oldest micro-batch without a loss (forward latencies;
+        None until 3 are measured). Not the median: a step's first micro-batch of each pipeline crosses every
+        stage before it commits (2x a later, pipelined one here), and a healthy pipeline's first micro-batch is
+        no straggler."""
         expected = (statistics.quantiles(self.head_seconds, n=5)[-1] if len(self.head_seconds) >= 3
                     else self._expected_mb_s())
-        return None if expected is None or not self.speculation else max(SPECULATE_FLOOR_S, SPECULATE_FACTOR * expected)
+        if expected is None or not self.speculation:
+            return None, None
+        forward = (max(SPECULATE_FLOOR_S,
+                           SPECULATE_FORWARD_FACTOR * statistics.quantiles(self.forward_seconds, n=5)[-1])
+                   if len(self.forward_seconds) >= 3 else None)
+        return max(SPECULATE_FLOOR_S, SPECULATE_FACTOR * expected), forward
 
     def ping_timeout_s(self, endpoint: str) -> float:
         """A ping's deadline for ``endpoint``: its measured RTT times a factor, plus its largest message on its
@@ -879,6 +913,8 @@ class Coordinator:
             if culprit is not None and culprit != sender:
                 self.declare_dead(culprit, f"sent malformed data to {sender}: {msg.error}")
             return
+        if isinstance(msg, ctl.Synced) and self._on_caught_up(sender, msg):
+            return
         with self._cond:
             state = self._state
             if state is None or env.key.step != state.pool.step:
@@ -888,6 +924,9 @@ class Coordinator:
 
     def _on_loss(self, state: _StepState, key: pb.Key, sender: str | None, msg: ctl.Loss) -> None:
         state.losses[(msg.microbatch, key.replica)] = msg.loss
+        a = self.assignments.get(sender or "")
+        if a is not None and a.is_last:
+            state.pool.progress(msg.microbatch, key.replica)  # its forward crossed every stage (stragglers)
 
     def _on_reduced(self, state: _StepState, key: pb.Key, sender: str | None, msg: ctl.Reduced) -> None:
         if msg.round == state.round and sender is not None:
@@ -928,14 +967,17 @@ class Coordinator:
         self._resync(state, step, resyncs, hashes, deadline, "stage parameters still differ from the group's "
                      f"majority after step {step}")
 
-    def _catch_up(self, state: _StepState, step: int, members: list[str], deadline: float) -> None:
+    def _catch_up(self, state: _StepState, step: int, members: list[str]) -> None:
         """Live workers of pipelines dropped from the step without a death (overtaken by a speculative copy, a
-        lease past its deadline) did not apply it: they reload their stage from a replica that did."""
+        lease past its deadline), or that sat it out syncing, did not apply it: they reload their stage from a
+        replica that did, in the background (module docstring, "Laggards"); their pipelines sync meanwhile."""
         with self._cond:
+            left_out = state.dropped | state.syncing
             laggards = [ep for ep, a in self.assignments.items()
-                        if a.replica in state.dropped and ep not in self._dead and ep not in members]
+                        if a.replica in left_out and ep not in self._dead and ep not in members]
             hashes = {ep: state.hashes.get(ep) for ep in members}
             stage_of = {ep: a.stage for ep, a in self.assignments.items()}
+            epoch = self.epoch
         resyncs: dict[str, tuple[int, str]] = {}
         for ep in laggards:
             source = next((m for m in members if stage_of.get(m) == stage_of[ep] and hashes.get(m)), None)
@@ -943,11 +985,83 @@ class Coordinator:
                 self.declare_dead(ep, f"missed step {step} and no replica of its stage can hand it over")
                 continue
             resyncs[ep] = (hashes[source][0], source)  # type: ignore[index]
-            hashes[ep] = None
-        if resyncs:
-            log.info("step %d: %s missed the step (pipeline dropped); reloading from a replica", step,
-                     sorted(resyncs))
-            self._resync(state, step, resyncs, hashes, deadline, f"could not catch up with step {step}")
+        if not resyncs:
+            return
+        log.info("step %d: %s missed the step; reloading from a replica in the background", step, sorted(resyncs))
+        with self._cond:
+            for ep, (_, source) in resyncs.items():
+                self._pending_sync[ep] = (hashes[source], time.monotonic())  # type: ignore[assignment]
+        self._emit([("resync", {"step": step, "endpoints": sorted(resyncs), "background": True})])
+        for ep, (trained, source) in resyncs.items():
+            self._submit(self._tell_resync, ep, epoch, step, trained, source)
+
+    def _tell_resync(self, endpoint: str, epoch: int, step: int, trained: int, source: str) -> None:
+        """Send one laggard its resync (background); one that cannot be told is checked for death."""
+        try:
+            env = ctl.encode(ctl.Resync(step, trained, source), self.spec.run_id, epoch, step)
+            self._client(endpoint).push(env, timeout_s=CONTROL_TIMEOUT_S)
+        except TransportError as exc:
+            self._confirm_death(endpoint, f"resync failed: {exc}")
+
+    def _syncing_pipelines(self) -> set[int]:
+        """Pipelines with a live member still reloading its stage (``_cond`` held). One that has not reported in
+        sync within a control deadline plus a state fetch's is declared dead (it left its pipeline for good)."""
+        now, limit = time.monotonic(), CONTROL_TIMEOUT_S + WORKER_FETCH_STATE_TIMEOUT_S
+        for ep, (_, since) in list(self._pending_sync.items()):
+            if ep in self._dead or ep not in self.assignments:
+                del self._pending_sync[ep]
+            elif now - since > limit:
+                del self._pending_sync[ep]
+                self._dead.add(ep)
+                self.dead_reasons[ep] = f"did not reload its stage within {limit:.0f} s"
+                log.warning("worker %s declared dead: %s", ep, self.dead_reasons[ep])
+        return {self.assignments[ep].replica for ep in self._pending_sync}
+
+    def _on_caught_up(self, sender: str | None, msg: ctl.Synced) -> bool:
+        """A Synced report of a laggard: in sync when its hash is the one it was told to reach. Its pipeline
+        joins the running step once no member is left syncing (``start_step`` first, then no longer left out).
+        False: not a laggard's report (the step's own handling applies)."""
+        with self._cond:
+            pending = self._pending_sync.get(sender or "")
+            if pending is None:
+                return False
+            if (msg.trained_steps, msg.params_hash) != pending[0]:
+                return True  # an older resync's answer, or not there yet: still syncing
+            del self._pending_sync[sender]  # type: ignore[arg-type]
+            replica = self.assignments[sender].replica  # type: ignore[index]
+            state = self._state
+            still = {self.assignments[ep].replica for ep in self._pending_sync}
+            rejoin = (state is not None and replica in state.syncing and replica not in still
+                      and state.phase is StepPhase.COMPUTE)
+            log.info("%s reloaded its stage (%d steps)", sender, msg.trained_steps)
+            self._cond.notify_all()
+        if rejoin and state is not None:
+            self._submit(self._rejoin, state, replica)
+        return True
+
+    def _rejoin(self, state: _StepState, replica: int) -> None:
+        """Start the running step on a pipeline that is in sync again; it leases only once every member has the
+        step (a reduce sent before would be dropped by a member still in the step before)."""
+        with self._cond:
+            if self._state is not state or state.phase is not StepPhase.COMPUTE:
+                return
+            step, rnd = state.pool.step, state.round
+        members = self._members([replica])
+        self._broadcast_quietly(members, ctl.StartStep(step, rnd), step)  # every member has the step first
+        with self._cond:
+            if self._state is not state or state.phase is not StepPhase.COMPUTE or state.round != rnd:
+                return  # too late for this step: it joins the next one
+            state.syncing.discard(replica)
+        firsts = [ep for ep in members if self.assignments[ep].is_first]
+        self._broadcast_quietly(firsts, ctl.StartStep(step, rnd, feed=True), step)
+        log.info("step %d: pipeline %d is in sync again and joins the step", step, replica)
+
+    def wait_in_sync(self, timeout_s: float = CONTROL_TIMEOUT_S + WORKER_FETCH_STATE_TIMEOUT_S) -> bool:
+        """Wait until no laggard is left reloading its stage (the end of a run, before its states are read)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending_sync or all(ep in self._dead
+                                                                            for ep in self._pending_sync),
+                                       timeout=timeout_s)
 
     def _resync(self, state: _StepState, step: int, resyncs: dict[str, tuple[int, str]],
                 hashes: dict[str, tuple[int, str] | None], deadline: float, failure: str) -> None:
@@ -985,8 +1099,8 @@ class Coordinator:
                 self.declare_dead(ep, failure)
 
     def _on_error(self, state: _StepState, key: pb.Key, sender: str | None, msg: ctl.TaskError) -> None:
-        if key.replica in state.dropped or sender in self._dead:
-            log.info("ignoring an error from dropped pipeline %d: %s", key.replica, msg)
+        if key.replica in state.dropped or key.replica in state.syncing or sender in self._dead:
+            log.info("ignoring an error from dropped or syncing pipeline %d: %s", key.replica, msg)
             return
         log.error("worker stage %d replica %d: %s", key.stage, key.replica, msg)
         self._submit(self._judge_error, sender, msg)

@@ -266,6 +266,8 @@ class RunDriver:
                 self._replan_until_done(reason="straggler")
             if self.cfg.checkpoint_every and self.trained % self.cfg.checkpoint_every == 0 and self._at_round_start():
                 self.checkpoint()
+        if not self.coordinator.wait_in_sync():  # laggards reload in the background: the run's states are read next
+            log.warning("some workers did not reload their stage after the last step: %s", self.coordinator.dead)
         return self.reports
 
     def _at_round_start(self) -> bool:

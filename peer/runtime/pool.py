@@ -23,24 +23,37 @@ Rules, and why:
 * Speculation (stragglers). A pipeline is *overdue* when the micro-batch at the head of its window (its oldest
   outstanding lease, counted from when it became the head: its lease, or the pipeline's last commit if later)
   has been held longer than ``speculate_after_s`` (the caller's figure for a head micro-batch of a pipeline of
-  the swarm's usual speed: a factor x the measured head latency, ``head_latencies``), stretched by the
+  the swarm's usual speed: a factor x the measured head latency, ``head_latencies``), or when its oldest lease
+  whose loss has not arrived (``progress``: the last stage reports a micro-batch's loss once it crossed every
+  stage forward, the earliest sign of progress the pool gets, about two thirds of the way on two stages) has
+  waited longer than ``forward_after_s`` (the same, for ``forward_latencies``), both stretched by the
   pipeline's known slowness (its pacing figure over the median's, at least 1: a pipeline known slow is not
-  copied for being as slow as it is known to be); once overdue it stays so for the step. An overdue pipeline
-  gets no new micro-batch while another pipeline is left, and when nothing is free an idle pipeline that asks
-  gets a copy of an overdue pipeline's micro-batch, the oldest first (all of them may be copied: the later
-  ones wait behind its slow head; at most one copy each).
-  Only an idle pipeline: a copy queued behind its own work may lose the race to the slow head, and a pipeline
-  whose copy lost cannot take that micro-batch again in the step. Counting from the head, not from the lease, keeps a
+  copied for being as slow as it is known to be); once overdue it stays so for the step. The forward signal
+  fires about a third of a head latency sooner than the commit signal, before any healthy pipeline runs out
+  of work. An overdue pipeline gets no new micro-batch while another pipeline is left, and when nothing is
+  free a pipeline that asks and holds at most one micro-batch gets a copy of an overdue pipeline's
+  micro-batch, the oldest first (all of them may be copied: the later ones wait behind its slow head; at most
+  one copy each). Why at most one: behind one micro-batch a copy pipelines through the stages a stage-time
+  later than on an idle pipeline, still well before a head that is already late (a 5x straggler's takes 5
+  head latencies); behind more it may lose the race. What a copy costs on a real swarm: one micro-batch of
+  compute on each stage of the copying pipeline and its activations on that pipeline's links, spent only
+  when nothing is left to lease (the capacity would idle otherwise); a copy that loses is discarded at the
+  reduce and at most delays the copier's reduce by the one op it is running.
+  Counting from the head, not from the lease, keeps a
   healthy pipeline's second micro-batch (leased at once, queued behind its first) from looking late. The copy
-  is marked speculative: every stage of the idle pipeline keeps its gradient apart (not in the step's sum)
+  is marked speculative: every stage of the copying pipeline keeps its gradient apart (not in the step's sum)
   until the reduce says whose it is. The first commit wins. When the copy wins, the original pipeline has that
   micro-batch in its sum already or soon (stages backward last-first, so it cannot be told to keep it apart in
   time): it is failed like a dead one (``losers()``), its work requeued. When the original wins, the copy's
-  commit is a duplicate and its held gradient is discarded at the reduce.
-* A pipeline never gets a micro-batch it already held in this step (a speculative copy that lost the race,
-  the micro-batch requeued later because its owner was failed): its stages have forwarded it and refuse it as
-  a repeat, so such a lease would only hang until speculation or its deadline failed the pipeline and its whole
-  share. Another pipeline takes it; only when no other pipeline is left is it leased anyway.
+  commit is a duplicate and the copy stays a *backup*: its stages hold its gradient apart until the reduce, so
+  if the original pipeline is failed later in the step (its copy of another micro-batch won, a death), that
+  micro-batch goes to the backup instead of back to the pool, and is not redone. Once the reduce starts
+  (``end_speculation``) the stages have settled what they hold apart, so copies and backups no longer count.
+* A pipeline never gets a micro-batch it already held in this step (a copy that lost the race after the reduce
+  had started, the micro-batch requeued later because its owner was failed): its stages have forwarded it and
+  refuse it as a repeat, so such a lease would only hang until its deadline (at least ``LEASE_FLOOR_S``) failed
+  the pipeline and its whole share. Another pipeline takes it. When every live pipeline held it
+  (``unleasable``), nobody can: the coordinator re-plans at once instead of waiting for a deadline.
 * Pacing (stragglers). A pipeline gets a free micro-batch only if it would finish it no later than the other
   pipelines would finish their own work plus every free micro-batch without it (``service_s``: each
   pipeline's measured seconds per micro-batch, from the previous step of the same plan). A pipeline five times
@@ -83,6 +96,7 @@ class Lease:
     deadline: float
     at: float = 0.0  # when it was leased
     speculative: bool = False  # a copy of a micro-batch another pipeline holds
+    progressed: bool = False  # its loss arrived: it crossed every stage forward (``TaskPool.progress``)
 
 
 class TaskPool:
@@ -111,6 +125,8 @@ class TaskPool:
         self._copies: dict[int, Lease] = {}  # micro-batch -> its speculative copy (at most one)
         self._held_by: dict[int, set[int]] = {}  # micro-batch -> pipelines that held it (leased or copied) this step
         self._losers: set[int] = set()  # pipelines whose micro-batch a speculative copy won: to be failed
+        self._backups: dict[int, int] = {}  # micro-batch -> pipeline whose copy committed second (held apart)
+        self.backups_used = 0  # committed micro-batches of a failed pipeline handed to their backup, not redone
         self.requeued = 0
         self.speculated = 0  # speculative copies handed out
         self.speculation_won = 0  # ... that committed first
@@ -122,22 +138,26 @@ class TaskPool:
         self._busy: dict[int, list[tuple[float, float]]] = {}  # pipeline -> (leased, committed) of its commits
         self._last_commit: dict[int, float] = {}  # pipeline -> when it last committed (its head's start)
         self.head_latencies: list[float] = []  # head-of-window to commit seconds of this step's commits
+        self._last_progress: dict[int, float] = {}  # pipeline -> when a loss of it last arrived
+        self.forward_latencies: list[float] = []  # forward head to loss seconds of this step's leases
         self.overdue: set[int] = set()  # pipelines seen overdue in this step (see the module docstring)
 
     # -- leasing -----------------------------------------------------------------------------------------
-    def lease(self, pipeline: int, speculate_after_s: float | None = None) -> int | None:
+    def lease(self, pipeline: int, speculate_after_s: float | None = None,
+              forward_after_s: float | None = None) -> int | None:
         """Lease the lowest free micro-batch to ``pipeline``; None when nothing is free right now.
 
-        ``speculate_after_s``: the head time that makes a pipeline overdue; ``pipeline`` may then get a
-        speculative copy of an overdue pipeline's oldest micro-batch (see the module docstring and
-        :meth:`is_speculative`). None: no speculation."""
+        ``speculate_after_s``: the head time that makes a pipeline overdue, ``forward_after_s`` the same for its
+        oldest micro-batch without a loss (None: that signal is off); ``pipeline`` may then get a speculative
+        copy of an overdue pipeline's oldest micro-batch (see the module docstring and :meth:`is_speculative`).
+        ``speculate_after_s`` None: no speculation."""
         self.expire()
         if pipeline in self._failed:
             return None
         now = self._clock()
         if speculate_after_s is not None:
             for p in {lease.pipeline for lease in self._leases.values()}:
-                self._overdue(p, now, speculate_after_s)  # marks it, for the rest of the step
+                self._overdue(p, now, speculate_after_s, forward_after_s)  # marks it, for the rest of the step
             if not self._free and pipeline not in self.overdue:
                 return self._speculate(pipeline, now)
         if not self._free:
@@ -150,9 +170,7 @@ class TaskPool:
             return None
         fresh = [mb for mb in self._free if pipeline not in self._held_by.get(mb, ())]
         if not fresh:
-            if self._others_alive(pipeline):
-                return None  # another pipeline takes it: this one's stages would refuse it as a repeat
-            fresh = list(self._free)  # nobody else left: a lease that fails is still better than none
+            return None  # another pipeline takes it: this one's stages would refuse it as a repeat (unleasable)
         mb = min(fresh)
         self._free.remove(mb)
         self._leases[mb] = Lease(mb, pipeline, now + self.lease_timeout_s, at=now)
@@ -195,23 +213,54 @@ class TaskPool:
             return 1.0
         return max(1.0, own / statistics.median(self.service_s.values()))
 
-    def _overdue(self, pipeline: int, now: float, after_s: float) -> bool:
-        """Whether ``pipeline``'s head micro-batch has been held longer than ``after_s`` x its slowness, now or
-        before in this step (a slow pipeline whose late head finally commits is no faster for the next one)."""
+    def _overdue(self, pipeline: int, now: float, after_s: float, forward_after_s: float | None = None) -> bool:
+        """Whether ``pipeline``'s head micro-batch has been held longer than ``after_s`` x its slowness, or its
+        oldest micro-batch without a loss longer than ``forward_after_s`` x its slowness, now or before in this
+        step (a slow pipeline whose late head finally commits is no faster for the next one)."""
         if pipeline in self.overdue:
             return True
-        held = [lease.at for lease in self._leases.values() if lease.pipeline == pipeline]
+        held = [lease for lease in self._leases.values() if lease.pipeline == pipeline]
         if not held:
             return False
-        head_since = max(min(held), self._last_commit.get(pipeline, -float("inf")))
-        if now - head_since < after_s * self._slowness(pipeline):
-            return False
-        self.overdue.add(pipeline)
-        return True
+        slowness = self._slowness(pipeline)
+        head_since = max(min(lease.at for lease in held), self._last_commit.get(pipeline, -float("inf")))
+        late = now - head_since >= after_s * slowness
+        waiting = [lease.at for lease in held if not lease.progressed]
+        if not late and forward_after_s is not None and waiting:
+            forward_since = max(min(waiting), self._last_progress.get(pipeline, -float("inf")))
+            late = now - forward_since >= forward_after_s * slowness
+        if late:
+            self.overdue.add(pipeline)
+        return late
+
+    def progress(self, microbatch: int, pipeline: int) -> None:
+        """``pipeline`` reported ``microbatch``'s loss: it crossed every stage forward (a sign of life of its
+        head that comes before the commit). Measures ``forward_latencies`` on its own leases."""
+        now = self._clock()
+        lease = self._leases.get(microbatch)
+        copy = self._copies.get(microbatch)
+        if lease is not None and lease.pipeline == pipeline and not lease.progressed:
+            lease.progressed = True
+            self.forward_latencies.append(now - max(lease.at, self._last_progress.get(pipeline, -float("inf"))))
+        elif copy is None or copy.pipeline != pipeline:
+            return  # not held by it (late, stale or made up): no sign of anything
+        self._last_progress[pipeline] = now  # a copy's loss shows the copier moving too
+
+    def end_speculation(self) -> None:
+        """The reduce starts: the stages settle what they held apart, so copies and backups stop counting (a
+        copy's late commit is a duplicate; a micro-batch requeued after this is redone)."""
+        self._copies.clear()
+        self._backups.clear()
+
+    def unleasable(self, live: set[int]) -> list[int]:
+        """Free micro-batches that every pipeline of ``live`` (not failed) already held in this step: nobody's
+        stages would take them (they refuse a repeat), so the step cannot finish without a re-plan."""
+        able = live - self._failed
+        return sorted(mb for mb in self._free if able <= self._held_by.get(mb, set()))
 
     def _speculate(self, pipeline: int, now: float) -> int | None:
-        if any(lease.pipeline == pipeline for lease in (*self._leases.values(), *self._copies.values())):
-            return None  # only an idle pipeline speculates: a copy queued behind its own work may lose the race
+        if self._held(pipeline) > 1:
+            return None  # a copy queued behind more than one micro-batch may lose the race (module docstring)
         old = [lease for mb, lease in self._leases.items() if mb not in self._copies
                and pipeline not in self._held_by.get(mb, ()) and lease.pipeline in self.overdue]
         if not old:
@@ -231,7 +280,9 @@ class TaskPool:
         """Record that ``pipeline`` finished ``microbatch`` on every stage."""
         if microbatch in self._committed:
             if self.is_speculative(microbatch, pipeline):
-                del self._copies[microbatch]  # the original won; the copy's held gradient is discarded
+                del self._copies[microbatch]  # the original won; the copy's stages hold its gradient apart:
+                if self._committed[microbatch] != pipeline and pipeline not in self._failed:
+                    self._backups[microbatch] = pipeline  # a backup until the reduce (module docstring)
             return CommitResult.DUPLICATE
         if pipeline in self._failed:
             return CommitResult.STALE
@@ -265,10 +316,16 @@ class TaskPool:
         return sorted(self._losers - self._failed)
 
     def fail_pipeline(self, pipeline: int) -> list[int]:
-        """Return every micro-batch ``pipeline`` leased or committed this step to the pool; list them."""
+        """Return every micro-batch ``pipeline`` leased or committed this step to the pool (a committed one with a
+        backup goes to the backup instead, an outstanding one with a copy to the copy); list the requeued."""
         self._failed.add(pipeline)
         for mb in [mb for mb, copy in self._copies.items() if copy.pipeline == pipeline]:
             del self._copies[mb]
+        for mb in [mb for mb, backup in self._backups.items() if backup == pipeline]:
+            del self._backups[mb]
+        for mb in [mb for mb, owner in self._committed.items() if owner == pipeline and mb in self._backups]:
+            self._committed[mb] = self._backups.pop(mb)  # its copy's stages hold the gradient apart: not redone
+            self.backups_used += 1
         lost = [mb for mb, lease in self._leases.items() if lease.pipeline == pipeline]
         lost += [mb for mb, owner in self._committed.items() if owner == pipeline]
         for mb in lost:
@@ -277,9 +334,10 @@ class TaskPool:
             copy = self._copies.pop(mb, None)
             if copy is not None:  # the speculative copy carries on as the micro-batch's lease
                 self._leases[mb] = Lease(mb, copy.pipeline, copy.deadline, at=copy.at)
-        self._free.extend(mb for mb in lost if mb not in self._leases)
-        self.requeued += len(lost)
-        return sorted(lost)
+        requeued = sorted(mb for mb in lost if mb not in self._leases)
+        self._free.extend(requeued)
+        self.requeued += len(requeued)
+        return requeued
 
     def expire(self) -> list[int]:
         """Fail every pipeline holding a lease past its deadline; return those pipelines."""
