@@ -22,10 +22,12 @@ to matter):
   (``eval_batches`` micro-batches of the last 10 % of the corpus, the same for every option and seed); "loss
   after N steps" is the mean of the evaluations in the last quarter.
 * **DiLoCo's outer setting is tuned apart from the reported runs**: per sync period in ``SYNC_PERIODS``, the
-  settings in ``OUTER_SETTINGS`` (the DiLoCo paper's Nesterov lr 0.7 / momentum 0.9, plain model averaging
-  1.0 / 0, and momentum 0.5: a run of 8-32 outer rounds is too short for a 0.9 buffer) are trained on a
-  separate tuning seed (``seed + TUNE_SEED_OFFSET``); each period uses its best setting on every measurement
-  seed, and the table records it (``outer``) so the runtime gets the setting that was measured.
+  settings in ``OUTER_SETTINGS[H]`` (H >= 16: the DiLoCo paper's Nesterov lr 0.7 / momentum 0.9, plain model
+  averaging 1.0 / 0, and momentum 0.5: a run of 8-16 outer rounds is too short for a 0.9 buffer; H = 2: outer
+  lr 1, 1.25 and 1.5 without momentum, giving back the step that averaging two half-batch AdamW updates
+  shrinks) are trained on a separate tuning seed (``seed + TUNE_SEED_OFFSET``); each period uses its best
+  setting on every measurement seed, and the table records it (``outer``) so the runtime gets the setting that
+  was measured.
 * **Combinations are measured, never summed**: codecs and DiLoCo interact (int4 + DiLoCo H=32 measured 11 %
   where the sum of the parts said 5.5 % on one seed; 9.1 % against 4.5 + 3.7 % over 3 seeds), so every
   activation codec of ``JOINT_ACTIVATIONS`` is trained together with every int8 DiLoCo period whose parts are
@@ -98,18 +100,27 @@ PEERS = 8
 BIG = Workload.gpt(n_layers=24, d_model=2048, n_heads=16, seq_len=1024, vocab=50257, micro_batch=4,
                    n_microbatches=16, stages=4, replicas=2)
 ACTIVATIONS = ("fp16", "int8", "int4", "int2")
-SYNC_PERIODS = (8, 16, 32)
+# H = 8 is no longer measured: it was dominated by H = 16 (more bytes and more loss: +4.5 % vs +3.2 %, 3 seeds),
+# and leaving it out keeps the full run near 25 minutes on 2 shared cores; H = 4 lost 4.3-6.2 % on seeds 100-101
+# (never measurement seeds; H = 2 at outer lr 1.25: 0.6-2.6 % on seeds 100-103), so it is not measured either
+SYNC_PERIODS = (2, 16, 32)
 # fp32 pseudo-gradients (``none``) are left out: int8 sends 3.8x fewer bytes at the same loss (measured: H32
-# 2.70 % vs 2.69 %), so the scheduler would never take them; left unmeasured, it never can
-SYNCS = tuple(SyncOption(h, c) for h in SYNC_PERIODS for c in ("int8", "topk"))
+# 2.70 % vs 2.69 %; H2 on the tuning seed 3.99 % vs 3.98 %), so the scheduler would never take them; left
+# unmeasured, it never can. top-k (31-40 % at H 8-32, cut at step 64) is not measured at H 2 either.
+SYNCS = tuple(SyncOption(h, c) for h in SYNC_PERIODS for c in (("int8",) if h < 16 else ("int8", "topk")))
 JOINT_ACTIVATIONS = ("int8", "int4")  # measured together with DiLoCo (the codecs worth their bytes)
 MAX_LOSS_PENALTY = 0.02
 LOOSE_LOSS_PENALTY = 0.06  # also reported: the choice when 6 % more loss after N steps is acceptable
 DEFAULT_PLOT = Path("docs/bandwidth_loss.svg")
-# DiLoCo outer (lr, momentum) settings tried per sync period on a separate tuning seed before the reported runs:
-# the DiLoCo paper's Nesterov 0.7/0.9, plain averaging of the pipelines' models (1.0/0), and lower momentum (few
-# outer rounds: a short run does not live long enough for a 0.9 buffer to pay off)
-OUTER_SETTINGS = ((0.7, 0.9), (1.0, 0.0), (1.0, 0.5))
+# DiLoCo outer (lr, momentum) settings tried per sync period on a separate tuning seed before the reported runs.
+# H >= 16: the DiLoCo paper's Nesterov 0.7/0.9, plain averaging of the pipelines' models (1.0/0), and lower
+# momentum (few outer rounds: a short run does not live long enough for a 0.9 buffer to pay off). H = 2: plain
+# averaging and outer lr above 1, no momentum: each pipeline's AdamW sees half the step's micro-batches, so its
+# normalised update carries more noise and averaging two of them shrinks the step; an outer lr of 1.25-1.5 gives
+# some of it back (momentum, or lr 2, made it worse on the tuning seed: 5.8 % and 9.0 % against 4.0 % at 1/0)
+_LONG_H_OUTER = ((0.7, 0.9), (1.0, 0.0), (1.0, 0.5))
+OUTER_SETTINGS: dict[int, tuple[tuple[float, float], ...]] = {
+    h: ((1.0, 0.0), (1.25, 0.0), (1.5, 0.0)) if h < 8 else _LONG_H_OUTER for h in SYNC_PERIODS}
 TUNE_SEED_OFFSET = 100  # the tuning seed: seed + 100, never one of the measurement seeds
 
 
@@ -275,7 +286,8 @@ def train(cfg: TrainConfig, choice: Choice, train_corpus: Corpus, val: Corpus, m
     curve = Curve(name or _label(choice))
     curve.steps.append(0)
     curve.val.append(_val_loss(pipes[0], val, cfg))
-    every = cfg.eval_every if sync == EXACT else sync.period
+    # DiLoCo: only a synchronised model is evaluated (at an outer step), no more often than exact training
+    every = cfg.eval_every if sync == EXACT else sync.period * math.ceil(cfg.eval_every / sync.period)
     for step in range(max_steps):
         for r, pipe in enumerate(pipes):
             mine = list(range(r, cfg.n_microbatches, n_pipes))
@@ -393,7 +405,7 @@ def _run(cfg: TrainConfig, pool: ProcessPoolExecutor | None, table_path: Path | 
     tune_cfg = replace(cfg, seed=cfg.seed + TUNE_SEED_OFFSET)
     tune_jobs = [(replace(tune_cfg, outer_lr=lr, outer_momentum=mom), Choice(("none",) * n_b, SyncOption(h, "int8")),
                   cfg.steps, None, f"tune-H{h}-lr{lr}-m{mom}", None)
-                 for h in SYNC_PERIODS for lr, mom in OUTER_SETTINGS]
+                 for h in SYNC_PERIODS for lr, mom in OUTER_SETTINGS[h]]
     log.info("phase 1: exact training on seeds %s, %d DiLoCo tuning runs on seed %d", seeds, len(tune_jobs),
              tune_cfg.seed)
     first = _train_all(pool, [(replace(cfg, seed=s), exact_choice, cfg.steps, None, f"exact-seed{s}", None)
@@ -402,11 +414,12 @@ def _run(cfg: TrainConfig, pool: ProcessPoolExecutor | None, table_path: Path | 
     targets = {s: c.final(cfg.steps, cfg.final_window) for s, c in exact.items()}
     tuning: list[dict[str, Any]] = []
     outer: dict[int, tuple[float, float]] = {}
-    for i, h in enumerate(SYNC_PERIODS):
-        runs = first[len(seeds) + i * len(OUTER_SETTINGS):len(seeds) + (i + 1) * len(OUTER_SETTINGS)]
+    at = len(seeds)
+    for h in SYNC_PERIODS:
+        runs, at = first[at:at + len(OUTER_SETTINGS[h])], at + len(OUTER_SETTINGS[h])
         tried = [{"period": h, "outer_lr": lr, "outer_momentum": mom,
                   "final_loss": round(c.final(cfg.steps, cfg.final_window), 5)}
-                 for (lr, mom), c in zip(OUTER_SETTINGS, runs, strict=True)]
+                 for (lr, mom), c in zip(OUTER_SETTINGS[h], runs, strict=True)]
         tuning += tried
         best = min(tried, key=lambda t: t["final_loss"] if math.isfinite(t["final_loss"]) else math.inf)
         outer[h] = (best["outer_lr"], best["outer_momentum"])

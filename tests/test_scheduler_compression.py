@@ -187,3 +187,16 @@ def test_shipped_table_is_a_measurement() -> None:
     assert "bench.bandwidth" in doc["meta"]["produced_by"]
     assert set(table.activation) >= {"none", "fp16", "int8", "int4", "int2"}
     assert any(k.startswith("diloco-") for k in table.sync)
+
+
+def test_default_space_offers_only_what_the_table_measured() -> None:
+    table = PenaltyTable(activation={"int8": 0.0}, sync={"diloco-H2-int8": 0.01, "diloco-H16-topk": 0.3},
+                         joint={"int8+diloco-H32-int8": 0.04})
+    assert table.measured_syncs() == (SyncOption(2, "int8"), SyncOption(16, "topk"), SyncOption(32, "int8"))
+    space = CompressionSpace.default()
+    shipped = PenaltyTable.load()
+    assert space.sync[0] == EXACT and set(space.sync[1:]) == set(shipped.measured_syncs())
+    assert all(shipped.penalty(Choice(("none",), s)) < float("inf") or any(
+        k.endswith("+" + s.name) for k in shipped.joint) for s in space.sync)
+    # fp32 pseudo-gradients and H = 128 are not in the option space: nothing measures them
+    assert not any(s.period == 128 or (s.period > 1 and s.pseudo_grad_compression == "none") for s in space.sync)
