@@ -242,3 +242,35 @@ def test_a_late_loss_makes_a_pipeline_overdue_before_its_head_is_late() -> None:
     pool.progress(0, 1)  # the copy's loss: the copier moves
     pool.progress(3, 1)
     assert pool.overdue == {0} and len(pool.forward_latencies) == 3
+
+
+def test_a_late_pipeline_with_nothing_committed_is_given_up_while_free_work_is_left() -> None:
+    # 2 pipelines: pipeline 0 has committed nothing when its head is late, and free micro-batches are left for
+    # pipeline 1 anyway: its micro-batches go back to the pool now (no copy whose win would later make pipeline
+    # 0's commits of the meantime be redone)
+    clock = FakeClock()
+    late = TaskPool(step=0, n_microbatches=6, lease_timeout_s=100.0, clock=clock)
+    assert [late.lease(0), late.lease(1), late.lease(0), late.lease(1)] == [0, 1, 2, 3]
+    clock.now = 0.4
+    assert late.commit(1, 1) is CommitResult.COMMITTED and late.lease(1, speculate_after_s=0.5) == 4
+    assert late.losers() == []
+    clock.now = 0.6
+    assert late.lease(1, speculate_after_s=0.5) == 5
+    assert late.losers() == [0] and late.abandoned == {0}
+    assert late.fail_pipeline(0) == [0, 2] and late.lease(1) == 0
+    # nothing free is left: its micro-batches are copied instead (the others have nothing else to do)
+    full = TaskPool(step=0, n_microbatches=4, lease_timeout_s=100.0, clock=clock)
+    clock.now = 0.0
+    assert [full.lease(0), full.lease(1), full.lease(0), full.lease(1)] == [0, 1, 2, 3]
+    clock.now = 0.4
+    assert full.commit(1, 1) is CommitResult.COMMITTED
+    clock.now = 0.6
+    assert full.lease(1, speculate_after_s=0.5) == 0 and full.is_speculative(0, 1) and full.losers() == []
+    # one that committed something is copied, not given up (its commits would be redone)
+    done = TaskPool(step=0, n_microbatches=6, lease_timeout_s=100.0, clock=clock)
+    clock.now = 0.0
+    assert [done.lease(0), done.lease(1), done.lease(0), done.lease(1)] == [0, 1, 2, 3]
+    clock.now = 0.1
+    assert all(done.commit(mb, p) is CommitResult.COMMITTED for mb, p in ((0, 0), (1, 1), (3, 1)))
+    clock.now = 0.9
+    assert done.lease(1, speculate_after_s=0.5) == 4 and done.losers() == [] and done.overdue == {0}

@@ -541,7 +541,8 @@ class Coordinator:
         dead = {a.replica for ep, a in self.assignments.items() if ep in self._dead}
         broken = sorted((dead | state.pool.failed() | set(state.pool.losers())) - state.dropped)
         for r in broken:
-            why = ("lost a member" if r in dead else "was overtaken by a speculative copy"
+            why = ("lost a member" if r in dead else "is late with nothing committed; its work goes to the others"
+                   if r in state.pool.abandoned else "was overtaken by a speculative copy"
                    if r in state.pool.losers() else "held a lease past its deadline")
             lost = state.pool.fail_pipeline(r)
             events.append(("requeue", {"step": state.pool.step, "pipeline": r, "microbatches": lost}))
@@ -767,9 +768,15 @@ class Coordinator:
             reply.meta["status"] = ctl.PoolStatus.WAIT.value
             return []
         mb = state.pool.lease(key.replica, *self._speculate_after_s())
+        events: list[Event] = []
+        if state.pool.losers():  # a pipeline given up on (TaskPool.abandoned): its work goes back to the pool now
+            self._drop_broken(state, events)
+            self._cond.notify_all()
+            if mb is None:
+                mb = state.pool.lease(key.replica, *self._speculate_after_s())
         if mb is None:
             reply.meta["status"] = ctl.PoolStatus.WAIT.value
-            return []
+            return events
         reply.meta["status"] = ctl.PoolStatus.LEASE.value
         reply.key.microbatch = mb
         speculative = state.pool.is_speculative(mb, key.replica)
@@ -778,7 +785,8 @@ class Coordinator:
             log.info("step %d: micro-batch %d copied to idle pipeline %d (a straggler holds it)",
                      key.step, mb, key.replica)
         state.leased_at[(mb, key.replica)] = time.monotonic()
-        return [("lease", {"step": key.step, "microbatch": mb, "pipeline": key.replica, "speculative": speculative})]
+        return [*events, ("lease", {"step": key.step, "microbatch": mb, "pipeline": key.replica,
+                                    "speculative": speculative})]
 
     def _on_commit(self, state: _StepState, key: pb.Key, reply: pb.Envelope) -> list[Event]:
         result = state.pool.commit(key.microbatch, key.replica)

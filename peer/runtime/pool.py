@@ -49,6 +49,10 @@ Rules, and why:
   if the original pipeline is failed later in the step (its copy of another micro-batch won, a death), that
   micro-batch goes to the backup instead of back to the pool, and is not redone. Once the reduce starts
   (``end_speculation``) the stages have settled what they hold apart, so copies and backups no longer count.
+  A pipeline whose head is late on the commit signal while it has committed nothing in the step and free
+  micro-batches are left is given up on at once (``abandoned``, failed like a loser): what it holds goes back
+  to the pool as free work for the others, instead of being copied later, when a winning copy would make its
+  commits of the meantime be redone too.
 * A pipeline never gets a micro-batch it already held in this step (a copy that lost the race after the reduce
   had started, the micro-batch requeued later because its owner was failed): its stages have forwarded it and
   refuse it as a repeat, so such a lease would only hang until its deadline (at least ``LEASE_FLOOR_S``) failed
@@ -126,6 +130,7 @@ class TaskPool:
         self._held_by: dict[int, set[int]] = {}  # micro-batch -> pipelines that held it (leased or copied) this step
         self._losers: set[int] = set()  # pipelines whose micro-batch a speculative copy won: to be failed
         self._backups: dict[int, int] = {}  # micro-batch -> pipeline whose copy committed second (held apart)
+        self._abandoned: set[int] = set()  # late, nothing committed, free work left: failed (``_maybe_abandon``)
         self.backups_used = 0  # committed micro-batches of a failed pipeline handed to their backup, not redone
         self.requeued = 0
         self.speculated = 0  # speculative copies handed out
@@ -158,6 +163,7 @@ class TaskPool:
         if speculate_after_s is not None:
             for p in {lease.pipeline for lease in self._leases.values()}:
                 self._overdue(p, now, speculate_after_s, forward_after_s)  # marks it, for the rest of the step
+                self._maybe_abandon(p, now, speculate_after_s)
             if not self._free and pipeline not in self.overdue:
                 return self._speculate(pipeline, now)
         if not self._free:
@@ -232,6 +238,20 @@ class TaskPool:
         if late:
             self.overdue.add(pipeline)
         return late
+
+    def _maybe_abandon(self, pipeline: int, now: float, after_s: float) -> None:
+        """Give up on ``pipeline`` for the step (``losers``) when its head is late on the commit signal, it has
+        committed nothing in the step and free micro-batches are left: the others have work to do anyway, and
+        what it holds is better leased to them now, as free work, than copied once nothing is free. A copy that
+        wins later fails it anyway, and by then its commits of the step have to be redone (with 2 pipelines,
+        a 5x straggler commits its first micro-batch before the copy of its second wins)."""
+        if (pipeline in self._abandoned or pipeline in self._busy or not self._free
+                or not self._others_alive(pipeline)):
+            return
+        held = [lease.at for lease in self._leases.values() if lease.pipeline == pipeline]
+        if held and now - max(min(held), self._last_commit.get(pipeline, -float("inf"))) >= (
+                after_s * self._slowness(pipeline)):
+            self._abandoned.add(pipeline)
 
     def progress(self, microbatch: int, pipeline: int) -> None:
         """``pipeline`` reported ``microbatch``'s loss: it crossed every stage forward (a sign of life of its
@@ -312,8 +332,14 @@ class TaskPool:
         return set(self._failed)
 
     def losers(self) -> list[int]:
-        """Pipelines a speculative copy beat, not yet failed: the caller fails them (and tells their workers)."""
-        return sorted(self._losers - self._failed)
+        """Pipelines a speculative copy beat, or given up on while late with nothing committed (``abandoned``),
+        not yet failed: the caller fails them (and tells their workers)."""
+        return sorted((self._losers | self._abandoned) - self._failed)
+
+    @property
+    def abandoned(self) -> frozenset[int]:
+        """Pipelines given up on in this step (late, nothing committed, free work left for the others)."""
+        return frozenset(self._abandoned)
 
     def fail_pipeline(self, pipeline: int) -> list[int]:
         """Return every micro-batch ``pipeline`` leased or committed this step to the pool (a committed one with a
