@@ -440,12 +440,35 @@ class StreamReader:
         the cache (the same pass protocol.codec.decode_tensor would make later over the whole buffer)."""
         dest, tensor = self._dest, self._tensor
         assert dest is not None and tensor is not None
-        for start in range(0, piece.nbytes, CHECK_STEP_BYTES):
-            part = piece[start : start + CHECK_STEP_BYTES]
-            dest[self._dest_at : self._dest_at + part.nbytes] = np.frombuffer(part, dtype=np.uint8)
-            self._dest_at += part.nbytes
-            if tensor.checked_as is not None:
-                self._check_through(tensor, dest, self._dest_at)
+        src = np.frombuffer(piece, dtype=np.uint8)
+        at, n = self._dest_at, src.size
+        self._dest_at = at + n
+        if tensor.checked_as is None:  # not checked here (or already given up): one copy
+            dest[at : at + n] = src
+            return
+        if tensor.checked_as != "float32":
+            for start in range(0, n, CHECK_STEP_BYTES):
+                stop = min(start + CHECK_STEP_BYTES, n)
+                dest[at + start : at + stop] = src[start:stop]
+                if tensor.checked_as is not None:
+                    self._check_through(tensor, dest, at + stop)
+            return
+        # float32, the common case, inlined: per step one copy and one BLAS dot with ones (the sum), nothing else
+        # made per step but the two slices (this loop: 0.139 -> 0.129 s CPU per GiB received, measured alone).
+        checked, ones, dot, isfinite = tensor.checked_to, _ONES_F32, np.dot, math.isfinite
+        with np.errstate(over="ignore", invalid="ignore"):  # a sum that overflows is an answer, not a warning
+            for start in range(0, n, CHECK_STEP_BYTES):
+                stop = min(start + CHECK_STEP_BYTES, n)
+                dest[at + start : at + stop] = src[start:stop]
+                end = (at + stop) & ~3  # whole elements only
+                if end > checked:
+                    part = dest[checked:end].view(np.float32)
+                    if not isfinite(dot(part, ones[: part.size])):
+                        dest[at + stop : at + n] = src[stop:]
+                        tensor.checked_as = None  # decode_tensor checks the whole data itself, exactly
+                        return
+                    checked = end
+        tensor.checked_to = checked
 
     @staticmethod
     def _check_through(tensor: _OpenTensor, dest: np.ndarray, end: int) -> None:

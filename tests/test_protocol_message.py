@@ -237,14 +237,18 @@ def test_nan_and_inf_checked_as_the_data_arrives_are_refused_wherever_they_are(d
             x[bad_at] = bad
         env = WireEnvelope(pb.Envelope(protocol_version=PROTOCOL_VERSION, kind=pb.ACTIVATION))
         env.add_tensor("x", x)
-        got = read(_cut(b"".join(env.segments()), rng)).tensors[0]
-        assert got.finite_checked is (bad_at is None)
-        if bad_at is None:
-            assert torch.equal(decode_tensor(got), x)
-        else:
-            with pytest.raises(BadMessage, match="NaN or inf"):
-                decode_tensor(got)
-            assert decode_tensor(got, allow_nonfinite=True)[bad_at].isnan() == (bad != bad)
+        wire = b"".join(env.segments())
+        for pieces in (_cut(wire, rng), [memoryview(wire)]):  # small pieces, and one spanning every step
+            got = read(pieces).tensors[0]
+            assert got.finite_checked is (bad_at is None)
+            if bad_at is None:
+                assert torch.equal(decode_tensor(got), x)
+            else:
+                with pytest.raises(BadMessage, match="NaN or inf"):
+                    decode_tensor(got)
+                kept = decode_tensor(got, allow_nonfinite=True)  # every byte still arrived, after the bad one too
+                assert kept[bad_at].isnan() == (bad != bad)
+                assert torch.equal(kept.view(torch.uint8), x.view(torch.uint8))  # bit for bit
     huge = torch.full((1000,), torch.finfo(dtype).max / 2, dtype=dtype)  # finite, but the sum overflows
     env = WireEnvelope(pb.Envelope(protocol_version=PROTOCOL_VERSION, kind=pb.ACTIVATION))
     env.add_tensor("x", huge)
