@@ -157,3 +157,12 @@ def test_a_far_slower_worker_is_a_straggler_at_once_a_mildly_slower_one_after_tw
     assert step({ep: t for ep, t in normal.items() if ep != "x"}) == ["x"]
     # a worker that idles without having been slow is not judged on its idleness
     assert step({ep: t for ep, t in normal.items() if ep != "y"}) == []
+    # b's pipeline was overtaken while b's slow op (2 ops) ran: it completed nothing in the step, but its op has
+    # run 1.0 s, at least 0.5 s an op, 5x the median: reported without waiting for the op to end
+    samples = {ep: (busy[ep], ops[ep]) for ep in stage_of}
+    for ep in stage_of:
+        if ep != "b":
+            busy[ep] += 0.4
+            ops[ep] += 4
+    running = {ep: (busy[ep], ops[ep], 1.0, 2) if ep == "b" else (busy[ep], ops[ep], 0.0, 0) for ep in samples}
+    assert [ep for ep, *_ in judge.observe(running, stage_of)] == ["b"]

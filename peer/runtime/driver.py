@@ -109,7 +109,10 @@ class StragglerJudge:
     ``factor`` squared x that median (e.g. 4x: no warm-up or pause makes a whole step that slow, and waiting
     for a second slow step costs a step at the straggler's pace). A step in which it computed nothing while
     it was slow (the task pool paced its pipeline out: it would not finish one micro-batch before the others
-    finish the step) counts as slow with its last figure: being left idle is no sign of recovery."""
+    finish the step) counts as slow with its last figure: being left idle is no sign of recovery. A compute op
+    still running when the step ended (a sample's optional third and fourth fields: its seconds so far and the
+    ops it will count) is a lower bound of that op's time: a 5x straggler whose pipeline was overtaken ends its
+    slow op after the step, and waiting for it to end would judge it one step later."""
 
     def __init__(self, factor: float, steps: int) -> None:
         self.factor, self.steps = factor, steps
@@ -117,18 +120,22 @@ class StragglerJudge:
         self._slow_steps: dict[str, int] = {}  # endpoint -> slow steps in a row
         self._per_op: dict[str, float] = {}  # endpoint -> seconds per op in the last step it computed (or sat out)
 
-    def observe(self, samples: dict[str, tuple[float, int]],
+    def observe(self, samples: dict[str, tuple[float, int] | tuple[float, int, float, int]],
                 stage_of: dict[str, int]) -> list[tuple[str, float, float, int]]:
         """Take this step's counters; return the stragglers as (endpoint, seconds per op, stage median, slow
         steps in a row)."""
         per_op: dict[str, float] = {}
-        for ep, (busy, ops) in samples.items():
+        for ep, sample in samples.items():
+            busy, ops = sample[0], sample[1]
+            running_s, running_ops = (sample[2], sample[3]) if len(sample) == 4 else (0.0, 0)  # type: ignore[misc]
             last_busy, last_ops = self._samples.get(ep, (0.0, 0))
             self._samples[ep] = (busy, ops)
             if ops > last_ops and busy >= last_busy:
                 per_op[ep] = (busy - last_busy) / (ops - last_ops)
             elif ops == last_ops and ep in self._slow_steps and ep in self._per_op:
                 per_op[ep] = self._per_op[ep]
+            if running_ops > 0 and running_s > 0:  # the op in progress takes at least this long
+                per_op[ep] = max(per_op.get(ep, 0.0), running_s / running_ops)
         self._per_op = per_op
         log.debug("compute seconds per op this step: %s", {ep: round(t, 4) for ep, t in sorted(per_op.items())})
         out = []
@@ -297,7 +304,8 @@ class RunDriver:
         with ThreadPoolExecutor(max_workers=16) as pool:
             answers = dict(pool.map(ask, sorted(assignments)))
         self._fresh_status = (self.trained, answers)  # the re-plan that may follow need not ask again
-        samples = {ep: (float(st.get("busy_s", 0.0)), int(st.get("forward", 0)) + int(st.get("backward", 0)))
+        samples = {ep: (float(st.get("busy_s", 0.0)), int(st.get("forward", 0)) + int(st.get("backward", 0)),
+                        float(st.get("running_s", 0.0)), int(st.get("running_ops", 0)))
                    for ep, st in answers.items() if st}
         replan = False
         for ep, t, median, slow_steps in self.judge.observe(samples, {ep: a.stage for ep, a in assignments.items()}):

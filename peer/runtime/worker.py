@@ -208,6 +208,7 @@ class StageWorker:
         self.stopped = threading.Event()
         self._compute_thread = threading.Thread(target=self._compute_loop, name="compute", daemon=True)
         self.stats = {"forward": 0, "backward": 0, "busy_s": 0.0, "overrun_ops": 0}  # written by compute only
+        self._running: tuple[float, int] | None = None  # compute op in progress: (started, ops it counts)
 
         self._control_handlers: dict[ctl.Op, Callable[[Tasklet, Any], None]] = {
             ctl.Op.START_STEP: self._on_start_step,
@@ -269,7 +270,7 @@ class StageWorker:
     def status(self) -> dict[str, Any]:
         with self._lock:
             t, step, reduced = self._tasklet, self.step, self._reduced
-        a = None if t is None else t.assignment
+        a, running = None if t is None else t.assignment, self._running
         return {
             "peer_id": self.peer_id,
             "stage": None if a is None else a.stage,
@@ -280,6 +281,9 @@ class StageWorker:
             "trained_steps": None if t is None else t.compute.step,  # an int, read without the state lock
             "pending_apply": None if reduced is None else reduced[0],
             **self.stats,
+            # the compute op in progress (a straggler judged before its slow op ends): seconds so far, its op count
+            "running_s": 0.0 if running is None else time.monotonic() - running[0],
+            "running_ops": 0 if running is None else running[1],
         }
 
     # ------------------------------------------------------------------------------------------ assignment
@@ -779,7 +783,13 @@ class StageWorker:
                         log.info("dropping %s of step %d (current step %d)", task.kind.value, task.step,
                                  current_step)
                         continue
-                    self._task_handlers[task.kind](task.tasklet, task.step, *task.args)
+                    if task.kind in (TaskKind.FORWARD, TaskKind.BACKWARD):  # status: a slow op shows before it ends
+                        last = task.kind is TaskKind.FORWARD and task.tasklet.assignment.is_last
+                        self._running = (time.monotonic(), 2 if last else 1)
+                    try:
+                        self._task_handlers[task.kind](task.tasklet, task.step, *task.args)
+                    finally:
+                        self._running = None
             except ExchangeAbortedError as exc:
                 log.info("%s of step %d abandoned: %s", task.kind.value, task.step, exc)
             except Exception as exc:  # one bad task must not kill the worker; the coordinator decides
