@@ -1,6 +1,7 @@
 """Stragglers: a worker whose GPU gets busy (5x slower from step 2 on) in a local swarm of worker processes
-(bench.stragglers' setup, 2 pipelines, fewer steps). In its first slow step its micro-batches are overtaken by
-speculative copies on the idle pipeline, it is reported after that step (5x is over 2^2 x its stage's median)
+(bench.stragglers' setup, 2 pipelines, fewer steps). In its first slow step its pipeline is dropped from the step
+(given up while late with nothing committed, its micro-batches going to the other pipeline as free work, or
+overtaken by speculative copies), it is reported after that step (5x is over 2^2 x its stage's median)
 and the next plan puts the spare in its place; the run still equals single-process training (no micro-batch
 counted twice or lost). How much time that saves is ``python -m bench.stragglers``'s figure, not an assertion
 here. Also: bans that expire."""
@@ -30,7 +31,8 @@ def test_straggler_is_overtaken_then_replaced_by_the_spare_and_the_run_matches()
     assert swarm.driver is not None
     events = swarm.driver.events
     assert [r.speculated for r in result.reports[:SLOW_FROM_STEP]] == [0] * SLOW_FROM_STEP, "healthy: no copies"
-    assert result.reports[SLOW_FROM_STEP].speculation_won >= 1, "the straggler's micro-batch was overtaken"
+    slow = result.reports[SLOW_FROM_STEP]
+    assert slow.dropped_pipelines == [0] and set(slow.commits.values()) == {1}, "its work went to pipeline 1"
     assert [e["step"] for e in events.stragglers] == [SLOW_FROM_STEP + 1], "reported after its first slow step"
     assert events.stragglers[0]["endpoint"] == swarm.workers.endpoints[STRAGGLER]
     last = events.replans[-1]
