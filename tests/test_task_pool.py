@@ -274,3 +274,19 @@ def test_a_late_pipeline_with_nothing_committed_is_given_up_while_free_work_is_l
     assert all(done.commit(mb, p) is CommitResult.COMMITTED for mb, p in ((0, 0), (1, 1), (3, 1)))
     clock.now = 0.9
     assert done.lease(1, speculate_after_s=0.5) == 4 and done.losers() == [] and done.overdue == {0}
+
+
+def test_a_known_slow_pipeline_neither_copies_nor_takes_over_a_late_healthy_one() -> None:
+    # pacing figures: pipeline 0 is 2.5x slower than pipeline 1 (a straggler kept for lack of a spare). Pipeline
+    # 1 is late once: it still gets the free work (the only other pipeline is known slower), it is not given
+    # up, and pipeline 0 copies none of its work.
+    clock = FakeClock()
+    pool = TaskPool(step=0, n_microbatches=3, lease_timeout_s=100.0, clock=clock, service_s={0: 0.5, 1: 0.2})
+    assert pool.lease(1) == 0 and pool.lease(0) == 1
+    clock.now = 0.4
+    assert pool.commit(1, 0) is CommitResult.COMMITTED
+    clock.now = 2.0
+    assert pool.lease(1, speculate_after_s=0.5) == 2 and pool.overdue == {1}
+    assert pool.losers() == [], "not given up in favour of a pipeline known 2.5x slower"
+    assert pool.lease(0, speculate_after_s=0.5) is None and pool.speculated == 0, "no copy of a faster pipeline"
+    assert all(pool.commit(mb, 1) is CommitResult.COMMITTED for mb in (0, 2)) and pool.complete()

@@ -168,7 +168,7 @@ class TaskPool:
                 return self._speculate(pipeline, now)
         if not self._free:
             return None
-        if pipeline in self.overdue and self._others_alive(pipeline):
+        if pipeline in self.overdue and self._better_alive(pipeline):
             self.paced += 1
             return None  # seen slow in this step: no more work behind its late head
         if self._others_finish_sooner(pipeline):
@@ -189,6 +189,14 @@ class TaskPool:
         active = set(self._first_lease).union(*self._held_by.values())
         return any(p != pipeline and p not in self._failed for p in active)
 
+    def _better_alive(self, pipeline: int) -> bool:
+        """Whether another pipeline leasing in this step, not failed and not overdue, is not known slower than
+        ``pipeline``: only then is an overdue ``pipeline`` refused work (or given up). A healthy pipeline that
+        was late once must not leave the step to a known straggler kept for lack of a spare."""
+        active = set(self._first_lease).union(*self._held_by.values())
+        return any(p != pipeline and p not in self._failed and p not in self.overdue
+                   and self._slowness(p) <= self._slowness(pipeline) for p in active)
+
     def _held(self, pipeline: int) -> int:
         return sum(1 for lease in (*self._leases.values(), *self._copies.values()) if lease.pipeline == pipeline)
 
@@ -201,8 +209,9 @@ class TaskPool:
         # a pipeline counts once it leases in this step, or while the step is younger than one of our own
         # micro-batches (feeders start together): one that sits the step out holds nobody back for long
         young = self._clock() - self._started < own
-        others = {p: s for p, s in self.service_s.items()
-                  if p != pipeline and p not in self._failed and (p in self._first_lease or young)}
+        others = {p: s for p, s in self.service_s.items()  # an overdue one takes no new work: it is no help
+                  if p != pipeline and p not in self._failed and p not in self.overdue
+                  and (p in self._first_lease or young)}
         if not others:
             return False
         own_finish = (self._held(pipeline) + 1) * own
@@ -244,9 +253,10 @@ class TaskPool:
         committed nothing in the step and free micro-batches are left: the others have work to do anyway, and
         what it holds is better leased to them now, as free work, than copied once nothing is free. A copy that
         wins later fails it anyway, and by then its commits of the step have to be redone (with 2 pipelines,
-        a 5x straggler commits its first micro-batch before the copy of its second wins)."""
-        if (pipeline in self._abandoned or pipeline in self._busy or not self._free
-                or not self._others_alive(pipeline)):
+        a 5x straggler commits its first micro-batch before the copy of its second wins). Only in favour of a
+        pipeline that is not overdue and not known slower: a healthy pipeline with a late start must not leave
+        the step to a known straggler."""
+        if pipeline in self._abandoned or pipeline in self._busy or not self._free or not self._better_alive(pipeline):
             return
         held = [lease.at for lease in self._leases.values() if lease.pipeline == pipeline]
         if held and now - max(min(held), self._last_commit.get(pipeline, -float("inf"))) >= (
@@ -281,8 +291,10 @@ class TaskPool:
     def _speculate(self, pipeline: int, now: float) -> int | None:
         if self._held(pipeline) > 1:
             return None  # a copy queued behind more than one micro-batch may lose the race (module docstring)
+        # never from a pipeline known faster than the copier: a known-slow copier would only lose the race
         old = [lease for mb, lease in self._leases.items() if mb not in self._copies
-               and pipeline not in self._held_by.get(mb, ()) and lease.pipeline in self.overdue]
+               and pipeline not in self._held_by.get(mb, ()) and lease.pipeline in self.overdue
+               and self._slowness(pipeline) <= self._slowness(lease.pipeline)]
         if not old:
             return None
         mb = min(old, key=lambda lease: (lease.at, lease.microbatch)).microbatch
