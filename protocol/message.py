@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
+from protocol import fastcopy
 from protocol import tasklet_pb2 as pb
 from protocol.codec import DEFAULT_BLOCK_SIZE, encode_payload
 from protocol.errors import BadMessage
@@ -453,7 +454,14 @@ class StreamReader:
                 if tensor.checked_as is not None:
                     self._check_through(tensor, dest, at + stop)
             return
-        # float32, the common case, inlined: per step one copy and one BLAS dot with ones (the sum), nothing else
+        if fastcopy.AVAILABLE:  # float32 in C: one pass, streaming stores, an exact check (protocol/fastcopy.py)
+            done = fastcopy.copy_check_f32(dest, at, src, tensor.checked_to)
+            if done == fastcopy.NOT_FINITE:
+                tensor.checked_as = None  # decode_tensor checks the whole data itself and refuses it
+            else:
+                tensor.checked_to = done
+            return
+        # float32 without the C routine: per step one copy and one BLAS dot with ones (the sum), nothing else
         # made per step but the two slices (this loop: 0.139 -> 0.128 s CPU per GiB received, measured alone).
         checked, ones, dot, isfinite = tensor.checked_to, _ONES_F32, np.dot, math.isfinite
         with np.errstate(over="ignore", invalid="ignore"):  # a sum that overflows is an answer, not a warning
