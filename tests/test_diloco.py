@@ -89,9 +89,13 @@ def test_diloco_two_pipelines_match_single_process_replay() -> None:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("codec", ["int8", "topk"])
-def test_diloco_compressed_pseudo_gradients_match_replay_with_the_same_codec(codec: str) -> None:
-    spec = dataclasses.replace(SPEC, run_id=f"diloco-{codec}", pseudo_grad_compression=codec)
+@pytest.mark.parametrize(("codec", "period", "outer_lr", "outer_momentum"),
+                         [("int8", 3, 0.7, 0.9), ("topk", 3, 0.7, 0.9), ("int8", 2, 1.25, 0.0)],
+                         ids=["int8", "topk", "int8-H2-lr1.25"])  # the last: bench.bandwidth's choice at 2 %
+def test_diloco_compressed_pseudo_gradients_match_replay_with_the_same_codec(
+        codec: str, period: int, outer_lr: float, outer_momentum: float) -> None:
+    spec = dataclasses.replace(SPEC, run_id=f"diloco-{codec}-{period}", pseudo_grad_compression=codec,
+                               sync_period=period, outer_lr=outer_lr, outer_momentum=outer_momentum)
     result, record, (ref_params, ref_losses) = _run(spec)
     _check_record(result, record, spec)
     err = _errors(result, ref_params, spec)
@@ -163,6 +167,15 @@ def test_outer_step_is_torch_nesterov_sgd_and_top_k_all_gather_is_exact() -> Non
         sgd.step()
         assert torch.allclose(new, p.detach(), atol=1e-7, rtol=0)
         assert torch.equal(state.anchor, new)
+    # no momentum and an outer lr above 1 (the H = 2 setting bench.bandwidth measures): plain SGD on the average
+    state, p = OuterState.start(anchor), torch.nn.Parameter(anchor.clone())
+    sgd = torch.optim.SGD([p], lr=1.25)
+    for g in grads:
+        new = state.apply(g, 1.25, 0.0, state.residual)
+        p.grad = g.clone()
+        sgd.step()
+        assert torch.allclose(new, p.detach(), atol=1e-7, rtol=0)
+    assert torch.equal(state.momentum, torch.zeros_like(anchor))
     # top-k with error feedback: per shard exactly k entries sent, the rest kept; the sum of two such shards
     # travels exactly in the all-gather
     shards = shard_bounds(1000, 2)
