@@ -82,6 +82,8 @@ from dataclasses import dataclass
 
 from peer.timing import LEASE_TIMEOUT_S
 
+KNOWN_SLOWER = 1.5  # a pipeline is known slower than another when its pacing figure is over this x the other's
+
 
 class CommitResult(enum.Enum):
     """What happened to a commit request."""
@@ -195,7 +197,13 @@ class TaskPool:
         was late once must not leave the step to a known straggler kept for lack of a spare."""
         active = set(self._first_lease).union(*self._held_by.values())
         return any(p != pipeline and p not in self._failed and p not in self.overdue
-                   and self._slowness(p) <= self._slowness(pipeline) for p in active)
+                   and not self._known_slower(p, pipeline) for p in active)
+
+    def _known_slower(self, pipeline: int, than: int) -> bool:
+        """Whether the pacing figures say ``pipeline`` is clearly slower than ``than`` (over ``KNOWN_SLOWER`` x:
+        healthy pipelines differ by a few per cent from step to step, which must not decide anything)."""
+        own, other = self.service_s.get(pipeline), self.service_s.get(than)
+        return own is not None and other is not None and own > KNOWN_SLOWER * other
 
     def _held(self, pipeline: int) -> int:
         return sum(1 for lease in (*self._leases.values(), *self._copies.values()) if lease.pipeline == pipeline)
@@ -294,7 +302,7 @@ class TaskPool:
         # never from a pipeline known faster than the copier: a known-slow copier would only lose the race
         old = [lease for mb, lease in self._leases.items() if mb not in self._copies
                and pipeline not in self._held_by.get(mb, ()) and lease.pipeline in self.overdue
-               and self._slowness(pipeline) <= self._slowness(lease.pipeline)]
+               and not self._known_slower(pipeline, lease.pipeline)]
         if not old:
             return None
         mb = min(old, key=lambda lease: (lease.at, lease.microbatch)).microbatch
