@@ -320,3 +320,24 @@ def test_an_overtaken_pipeline_reloads_in_the_background_and_joins_a_later_step_
     background = [i for n, i, _ in events if n == "resync"]
     assert background == [{"step": 0, "endpoints": [slow.server.endpoint], "background": True}]
     assert coordinator.wait_in_sync(timeout_s=1.0)
+
+
+@pytest.mark.parametrize("swarm", [[Script(hold_s={2: 0.3}), Script(hold_s={0: 3.0}, resync_delay_s=1.5)]],
+                         indirect=True)
+def test_a_pipeline_still_reloading_when_a_step_ends_is_told_the_newer_step_and_joins_only_in_sync(swarm) -> None:
+    # pipeline 1 is overtaken in step 0; its reload (1.5 s) outlasts step 1, which it sits out: at step 1's end it
+    # is told to reload step 2's parameters instead, and joins step 2 only once it reports those
+    coordinator, (fast, slow) = swarm
+    coordinator.predicted_mb_s = 0.05
+    assert coordinator.run_step(0, timeout_s=30).dropped_pipelines == [1]
+    coordinator.speculation = False
+    second = coordinator.run_step(1, timeout_s=30)
+    assert slow.resynced_at is None and 1 not in slow.started, "step 1 ran without the pipeline out of sync"
+    assert sorted(second.commits) == list(range(SPEC.n_microbatches)) and set(second.commits.values()) == {0}
+    third = coordinator.run_step(2, timeout_s=30)
+    told = [m.trained_steps for _, m in slow.received if isinstance(m, ctl.Resync)]
+    assert told == [1, 2], "told again, to the newer step, when step 1 ended"
+    assert 2 in slow.started and slow.started[2] > slow.resynced_at
+    assert [m.participants for _, m in slow.received if isinstance(m, ctl.Reduce)] == [(0, 1)], "only step 2's"
+    assert sorted(third.commits) == list(range(SPEC.n_microbatches))
+    assert coordinator.wait_in_sync(timeout_s=2.0)
