@@ -517,14 +517,14 @@ class Coordinator:
                         set(self._intact(state)) | state.syncing)):
                     raise ReplanNeededError(f"{what}: micro-batches {stuck} were held by every pipeline left, whose "
                                             "stages refuse a repeat")
-                if not allow_failures and self._drop_broken(state, events):
-                    if not self._intact(state):
-                        raise ReplanNeededError(f"{what}: no intact pipeline left (dead: {sorted(self._dead)})")
-                    if state.feeders_done:
-                        # the feeders had stopped (pool complete): start them again, and abort any averaging
-                        state.phase, state.feeders_done = StepPhase.COMPUTE, False
-                        self._refeed(state)
-                        restarted = watch_round is not None
+                broken = [] if allow_failures else self._drop_broken(state, events)
+                if not allow_failures and not self._intact(state):  # also when a lease or commit dropped the last
+                    raise ReplanNeededError(f"{what}: no intact pipeline left (dead: {sorted(self._dead)})")
+                if broken and state.feeders_done:
+                    # the feeders had stopped (pool complete): start them again, and abort any averaging
+                    state.phase, state.feeders_done = StepPhase.COMPUTE, False
+                    self._refeed(state)
+                    restarted = watch_round is not None
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise StepFailedError(f"{what}: timed out")
