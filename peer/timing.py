@@ -48,7 +48,9 @@ Stragglers: adaptive leases, speculation, pings and bans (peer.runtime.coordinat
     third of a head latency before the commit, so the forward signal catches a slow pipeline while the others
     still have their last micro-batch in flight, early enough for a copy to pipeline behind it. Its factor is
     smaller: a copy it starts by mistake costs the copier one micro-batch and loses (it becomes a backup); a
-    copy that starts late costs the whole step the difference.
+    copy that starts late costs the whole step the difference. A pipeline overtaken by a copy reloads its stage
+    in the background, off the step's end; a worker that has not reported it in sync within
+    ``CONTROL_TIMEOUT_S`` + ``WORKER_FETCH_STATE_TIMEOUT_S`` (being told, then one state fetch) is declared dead.
     A ping's deadline is ``PING_RTT_FACTOR`` x the worker's measured round-trip time (a moving average) plus
     the time its largest message takes on its slowest known link, never under ``PING_TIMEOUT_S`` (which is
     no longer "at most one heartbeat": a ping behind a large transfer on a slow uplink is late, not lost)
@@ -56,8 +58,9 @@ Stragglers: adaptive leases, speculation, pings and bans (peer.runtime.coordinat
     worker is banned from plans for ``BAN_S``, doubled for each new ban of the same endpoint up to
     ``BAN_MAX_S``; a restarted peer is planned again when its ban expires. A worker whose compute time per op
     is more than ``STRAGGLER_FACTOR`` x its stage's median for ``STRAGGLER_STEPS`` steps in a row, or more
-    than ``STRAGGLER_FACTOR`` squared x that median in one step, is reported to the planner, which leaves it
-    out of the next plan when a spare can take its place (peer.runtime.driver.StragglerJudge).
+    than ``STRAGGLER_FACTOR`` squared x that median in one step (an op still running when the step ends counts
+    with its time so far), is reported to the planner, which leaves it out of the next plan when a spare can
+    take its place (peer.runtime.driver.StragglerJudge).
 
 Clocks (every record's ``at`` and expiry; :func:`now`)
     Expiry in the DHT is wall-clock time, so peers' clocks must agree. At join a peer compares its clock with

@@ -81,7 +81,7 @@ def test_idle_pipeline_gets_a_speculative_copy_and_the_first_commit_wins() -> No
     assert pool.lease(1, speculate_after_s=5.0) is None, "not held long enough to be a straggler"
     clock.now = 6.0
     assert pool.lease(1, speculate_after_s=5.0) == 0 and pool.is_speculative(0, 1)
-    assert pool.lease(1, speculate_after_s=5.0) is None, "one copy at a time, and only for an idle pipeline"
+    assert pool.lease(1, speculate_after_s=5.0) is None, "at most one copy of each micro-batch"
     assert pool.commit(0, 1) is CommitResult.COMMITTED, "the copy commits first: it wins"
     assert pool.losers() == [0], "the original holder has micro-batch 0 in its sum: it must be failed"
     assert pool.commit(0, 0) is CommitResult.DUPLICATE

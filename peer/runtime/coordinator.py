@@ -782,7 +782,7 @@ class Coordinator:
         speculative = state.pool.is_speculative(mb, key.replica)
         if speculative:
             reply.meta[ctl.SPECULATIVE_META] = "1"
-            log.info("step %d: micro-batch %d copied to idle pipeline %d (a straggler holds it)",
+            log.info("step %d: micro-batch %d copied to pipeline %d (a straggler holds it)",
                      key.step, mb, key.replica)
         state.leased_at[(mb, key.replica)] = time.monotonic()
         return [*events, ("lease", {"step": key.step, "microbatch": mb, "pipeline": key.replica,
