@@ -15,10 +15,10 @@ received chunks as they are (its memory grows with the bytes that arrive, never 
 then walks the protobuf wire format to find each tensor's `data` field and copies it into a buffer of exactly
 that size: one copy, during which an uncompressed floating tensor is also checked for NaN/inf (float32 in one
 pass of C with streaming stores when protocol._copycheck was built, see protocol/fastcopy.py; otherwise step by
-step in numpy while the bytes are in the cache); `protocol.codec.decode_tensor` views it as a tensor without another copy
-(and without another pass over data proven finite on arrival). Everything else of
-the message (small) is parsed by protobuf as before. Anything the walk does not expect (a repeated `data`
-field, groups, a very large number of fields) falls back to protobuf's own parser of the whole message, so
+step in numpy while the bytes are in the cache); `protocol.codec.decode_tensor` views it as a tensor without
+another copy (and without another pass over data proven finite on arrival). Everything else of the message
+(small) is parsed by protobuf as before. Anything the walk does not expect (a repeated `data` field, groups, a
+very large number of fields) falls back to protobuf's own parser of the whole message, so
 every valid Envelope is accepted exactly as before, and every invalid one refused.
 """
 
