@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -53,6 +53,7 @@ class ScriptedWorker:
         self.reduced_at: float | None = None
         self.assignment: ctl.StageAssignment | None = None
         self.client: PeerClient | None = None
+        self.stopping = threading.Event()
         self.dead = False
         self.resynced_at: float | None = None  # when it reported the resynced stage
         self.started: dict[int, float] = {}  # step -> when a start_step of it arrived
@@ -63,6 +64,7 @@ class ScriptedWorker:
         return self.server.endpoint
 
     def stop(self) -> None:
+        self.stopping.set()  # threads still reporting (a feeder of a step the test no longer waits for) end quietly
         if self.client is not None:
             self.client.close()
         self.server.stop(grace=0.1)
@@ -79,6 +81,18 @@ class ScriptedWorker:
         a = self.assignment.assignment
         self.client.push(ctl.encode(msg, SPEC.run_id, a.epoch, step, stage=a.stage, replica=a.replica), timeout_s=10)
 
+    def _spawn(self, target: Callable[..., object], *args: object) -> None:
+        """Run ``target`` in a thread; once the worker is stopped its closed client's errors are expected."""
+
+        def run() -> None:
+            try:
+                target(*args)
+            except (ValueError, TransportError):  # ValueError: gRPC's "Channel closed!"
+                if not self.stopping.is_set():
+                    raise
+
+        threading.Thread(target=run, daemon=True).start()
+
     def _on_control(self, env: pb.Envelope) -> None:
         msg = ctl.decode(env, ctl.TO_WORKER)
         self.received.append((time.monotonic(), msg))
@@ -87,18 +101,18 @@ class ScriptedWorker:
         if isinstance(msg, ctl.DropStep):
             self.dropped.add(msg.step)
         if isinstance(msg, ctl.Resync):
-            threading.Thread(target=self._resync, args=(msg,), daemon=True).start()
+            self._spawn(self._resync, msg)
         if isinstance(msg, ctl.StartStep) and msg.feed:
-            threading.Thread(target=self._feed, args=(msg.step,), daemon=True).start()
+            self._spawn(self._feed, msg.step)
         elif isinstance(msg, ctl.Reduce):
             if self.script.fail_reduce:
                 reply: ctl.Message = ctl.TaskError("reduce", msg.step, "boom: averaging failed")
             else:
                 reply, self.reduced_at = ctl.Reduced(msg.step, msg.round), time.monotonic()
-            threading.Thread(target=self._report, args=(reply, msg.step), daemon=True).start()
+            self._spawn(self._report, reply, msg.step)
         elif isinstance(msg, ctl.Apply):
             synced = ctl.Synced(msg.step, msg.step + 1, f"params-{msg.step + 1}")
-            threading.Thread(target=self._report, args=(synced, msg.step), daemon=True).start()
+            self._spawn(self._report, synced, msg.step)
 
     def _resync(self, msg: ctl.Resync) -> None:
         time.sleep(self.script.resync_delay_s)
@@ -112,7 +126,7 @@ class ScriptedWorker:
         replica = self.assignment.assignment.replica
         key = make_key(SPEC.run_id, EPOCH, step, stage=0, replica=replica)
         leases = 0
-        while step not in self.dropped and max(self.started) == step:
+        while step not in self.dropped and max(self.started) == step and not self.stopping.is_set():
             reply = self.client.fetch(pb.COMMIT, key, meta=ctl.pool_request_meta(ctl.Op.LEASE), timeout_s=10)
             status = ctl.pool_status(reply)
             if status is ctl.PoolStatus.DONE:
