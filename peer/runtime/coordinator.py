@@ -86,6 +86,7 @@ from protocol import tasklet_pb2 as pb
 from protocol.errors import Forbidden, Rejected, TransportError
 
 log = logging.getLogger(__name__)
+BROADCAST_POLL_S = 0.25  # how often a broadcast waiting for an answer checks whether its peer was declared dead
 
 Event = tuple[str, dict[str, Any]]  # (name, info) for on_event
 COORDINATOR_ROUTE = "coordinator"  # a daemon's coordinator is served on its worker's port under this route
@@ -575,7 +576,11 @@ class Coordinator:
         self._submit(send)
 
     def _broadcast(self, endpoints: Sequence[str], msg: ctl.Message, step: int) -> None:
-        """Send a control message to every endpoint; a worker that does not answer is checked for death."""
+        """Send a control message to every endpoint; a worker that does not answer is checked for death.
+
+        The wait for an answer ends early once liveness has declared the worker dead: a peer cut off while a
+        ``start_step`` was on its way must not hold the step for the whole control timeout (30 s) when its
+        pipeline is already out of the step."""
         with self._cond:
             epoch = self.epoch
         futures = {
@@ -583,11 +588,23 @@ class Coordinator:
             for ep in endpoints
         }
         for ep, f in futures.items():
-            try:
-                f.result(timeout=CONTROL_TIMEOUT_S + CONTROL_SLACK_S)
-            except TransportError as exc:
-                log.warning("%s to %s failed: %s", msg.op.value, ep, exc)
-                self._confirm_death(ep, f"{msg.op.value} failed: {exc}")
+            give_up_at = time.monotonic() + CONTROL_TIMEOUT_S + CONTROL_SLACK_S
+            while True:
+                try:
+                    f.result(timeout=max(0.0, min(BROADCAST_POLL_S, give_up_at - time.monotonic())))
+                except TimeoutError:
+                    with self._cond:
+                        dead = ep in self._dead
+                    if dead:
+                        log.info("%s to %s: no answer yet, and it was declared dead; not waiting", msg.op.value, ep)
+                    elif time.monotonic() < give_up_at:
+                        continue
+                    else:
+                        self._confirm_death(ep, f"{msg.op.value}: no answer in {CONTROL_TIMEOUT_S:g} s")
+                except TransportError as exc:
+                    log.warning("%s to %s failed: %s", msg.op.value, ep, exc)
+                    self._confirm_death(ep, f"{msg.op.value} failed: {exc}")
+                break
 
     def _broadcast_quietly(self, endpoints: Sequence[str], msg: ctl.Message, step: int) -> None:
         try:
