@@ -186,11 +186,6 @@ class TaskPool:
         self._first_lease.setdefault(pipeline, now)
         return mb
 
-    def _others_alive(self, pipeline: int) -> bool:
-        """Whether a pipeline other than ``pipeline`` leased in this step and is not failed."""
-        active = set(self._first_lease).union(*self._held_by.values())
-        return any(p != pipeline and p not in self._failed for p in active)
-
     def _better_alive(self, pipeline: int) -> bool:
         """Whether another pipeline leasing in this step, not failed and not overdue, is not known slower than
         ``pipeline``: only then is an overdue ``pipeline`` refused work (or given up). A healthy pipeline that
@@ -246,8 +241,7 @@ class TaskPool:
         if not held:
             return False
         slowness = self._slowness(pipeline)
-        head_since = max(min(lease.at for lease in held), self._last_commit.get(pipeline, -float("inf")))
-        late = now - head_since >= after_s * slowness
+        late = self._head_late(pipeline, [lease.at for lease in held], now, after_s * slowness)
         waiting = [lease.at for lease in held if not lease.progressed]
         if not late and forward_after_s is not None and waiting:
             forward_since = max(min(waiting), self._last_progress.get(pipeline, -float("inf")))
@@ -267,9 +261,12 @@ class TaskPool:
         if pipeline in self._abandoned or pipeline in self._busy or not self._free or not self._better_alive(pipeline):
             return
         held = [lease.at for lease in self._leases.values() if lease.pipeline == pipeline]
-        if held and now - max(min(held), self._last_commit.get(pipeline, -float("inf"))) >= (
-                after_s * self._slowness(pipeline)):
+        if held and self._head_late(pipeline, held, now, after_s * self._slowness(pipeline)):
             self._abandoned.add(pipeline)
+
+    def _head_late(self, pipeline: int, leased_at: list[float], now: float, limit_s: float) -> bool:
+        """Whether ``pipeline``'s head (its oldest lease, timed from its last commit if later) is held ``limit_s``."""
+        return now - max(min(leased_at), self._last_commit.get(pipeline, -float("inf"))) >= limit_s
 
     def progress(self, microbatch: int, pipeline: int) -> None:
         """``pipeline`` reported ``microbatch``'s loss: it crossed every stage forward (a sign of life of its
