@@ -845,13 +845,15 @@ class Coordinator:
 
     def _speculate_after_s(self) -> tuple[float | None, float | None]:
         """How long a pipeline's head micro-batch may be held before the pool copies its work (TaskPool): a
-        factor x the 80th percentile of the measured head latencies (else the expected lease-to-commit time),
-        over a floor; and the same for the wait of its oldest micro-batch without a loss (forward latencies;
-        None until 3 are measured). Not the median: a step's first micro-batch of each pipeline crosses every
-        stage before it commits (2x a later, pipelined one here), and a healthy pipeline's first micro-batch is
-        no straggler."""
+        factor x the 80th percentile of the head latencies measured in earlier steps (else the plan's predicted
+        figure), over a floor; and the same for the wait of its oldest micro-batch without a loss (forward
+        latencies; None until 3 are measured). Not the median: a step's first micro-batch of each pipeline
+        crosses every stage before it commits (2x a later, pipelined one here), and a healthy pipeline's first
+        micro-batch is no straggler. Nor, before a step has ended, the lease-to-commit times measured so far:
+        in a plan's first step they come from its fastest pipelines, and a healthy pipeline on longer links was
+        given up on against them (CI, the headline bench's step 0)."""
         expected = (statistics.quantiles(self.head_seconds, n=5)[-1] if len(self.head_seconds) >= 3
-                    else self._expected_mb_s())
+                    else self.predicted_mb_s)
         if expected is None or not self.speculation:
             return None, None
         forward = (max(SPECULATE_FLOOR_S,
