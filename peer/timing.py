@@ -74,7 +74,9 @@ Clocks (every record's ``at`` and expiry; :func:`now`)
 
 Deadlines of calls (peer.runtime, peer.node)
     Control messages wait ``CONTROL_TIMEOUT_S``; a broadcast waits that plus ``CONTROL_SLACK_S`` for the
-    last answer. Assignments wait ``ASSIGN_TIMEOUT_S`` (workers may fetch a state first). Activations wait
+    last answer, but stops waiting for a peer once liveness declared it dead (checked every
+    ``BROADCAST_POLL_S``: a peer cut off while a message was on its way must not hold the step).
+    Assignments wait ``ASSIGN_TIMEOUT_S`` (workers may fetch a state first). Activations wait
     ``SEND_TIMEOUT_S`` and the gradient exchange (reduce / gather) ``REDUCE_WAIT_S``, both under the step
     deadline ``STEP_TIMEOUT_S``, which is also the lease of a micro-batch in the coordinator's pool (the
     pool's own default lease is ``LEASE_TIMEOUT_S``). A status query waits ``STATUS_TIMEOUT_S``; every DHT
@@ -146,6 +148,7 @@ PING_MISSES = 2  # missed pings in a row before a worker is declared dead
 STATUS_TIMEOUT_S = 5.0  # a worker's status query
 CONTROL_TIMEOUT_S = 30.0  # a control message (assign, reduce, apply, stop, lease, commit)
 CONTROL_SLACK_S = 5.0  # a broadcast waits CONTROL_TIMEOUT_S + this for the last answer
+BROADCAST_POLL_S = 0.25  # ... checking this often whether a peer it waits for was declared dead (then it stops)
 ASSIGN_TIMEOUT_S = 180.0  # every worker accepts its assignment (it may fetch a state first)
 FETCH_STATE_TIMEOUT_S = 60.0  # the coordinator fetches a stage's state
 STEP_TIMEOUT_S = 600.0  # one optimizer step; also the lease of a micro-batch in the coordinator's pool

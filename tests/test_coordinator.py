@@ -41,6 +41,7 @@ class Script:
     leased_first: threading.Event = field(default_factory=threading.Event)
     hold_s: dict[int, float] = field(default_factory=dict)  # step -> seconds each lease is held before its loss
     resync_delay_s: float = 0.0  # reloading the stage when told to resync takes this long
+    hang_start_step: threading.Event | None = None  # hold the answer to a start_step until this is set
 
 class ScriptedWorker:
     def __init__(self, script: Script | None = None) -> None:
@@ -98,6 +99,9 @@ class ScriptedWorker:
         self.received.append((time.monotonic(), msg))
         if isinstance(msg, ctl.StartStep):
             self.started.setdefault(msg.step, time.monotonic())
+            if self.script.hang_start_step is not None:
+                self.script.hang_start_step.wait(30)  # accepted over TCP, never answered (until released)
+                return
         if isinstance(msg, ctl.DropStep):
             self.dropped.add(msg.step)
         if isinstance(msg, ctl.Resync):
@@ -355,3 +359,31 @@ def test_a_pipeline_still_reloading_when_a_step_ends_is_told_the_newer_step_and_
     assert [m.participants for _, m in slow.received if isinstance(m, ctl.Reduce)] == [(0, 1)], "only step 2's"
     assert sorted(third.commits) == list(range(SPEC.n_microbatches))
     assert coordinator.wait_in_sync(timeout_s=2.0)
+
+
+_hang = threading.Event()
+
+@pytest.mark.parametrize("swarm", [[Script(hang_start_step=_hang), Script()]], indirect=True)
+def test_a_broadcast_stops_waiting_for_a_peer_once_it_is_declared_dead(swarm) -> None:
+    # a partition cut the peer while its start_step was on the way: its pings may still be answered from a
+    # buffer for a while, but once liveness declares it dead the broadcast must not hold the step for the
+    # whole control timeout (30 s) waiting for its answer
+    coordinator, workers = swarm
+    hung = workers[0].server.endpoint
+    done = threading.Event()
+    sender = threading.Thread(target=lambda: (coordinator._broadcast([hung], ctl.StartStep(0, 0), 0), done.set()),
+                              daemon=True)
+    try:
+        sender.start()
+        deadline = time.monotonic() + 10
+        while 0 not in workers[0].started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert 0 in workers[0].started, "the start_step never reached the worker"
+        assert not done.wait(1.0), "the broadcast returned without an answer from a live peer"
+        declared = time.monotonic()
+        coordinator.declare_dead(hung, "cut off (test)")
+        assert done.wait(5.0), "the broadcast still waits for a peer declared dead"
+        assert time.monotonic() - declared < 2.0
+    finally:
+        _hang.set()
+        sender.join(timeout=5)

@@ -65,6 +65,7 @@ from peer.runtime.wire import make_key
 from peer.runtime.worker import state_envelope, state_from_envelope
 from peer.timing import (
     ASSIGN_TIMEOUT_S,
+    BROADCAST_POLL_S,
     CONTROL_SLACK_S,
     CONTROL_TIMEOUT_S,
     FETCH_STATE_TIMEOUT_S,
@@ -86,7 +87,6 @@ from protocol import tasklet_pb2 as pb
 from protocol.errors import Forbidden, Rejected, TransportError
 
 log = logging.getLogger(__name__)
-BROADCAST_POLL_S = 0.25  # how often a broadcast waiting for an answer checks whether its peer was declared dead
 
 Event = tuple[str, dict[str, Any]]  # (name, info) for on_event
 COORDINATOR_ROUTE = "coordinator"  # a daemon's coordinator is served on its worker's port under this route
