@@ -38,13 +38,18 @@ def test_quick_bench_output_shape(tmp_path: Path, capsys: pytest.CaptureFixture[
     # every gap is the mean of the per-seed gaps, each against the same seed's exact run
     for o in out["options"].values():
         assert o["final_loss_gap"] == pytest.approx(sum(o["final_loss_gap_per_seed"]) / 2, abs=1e-5)
-    # DiLoCo's outer setting is picked per period on the tuning seed, never a measurement seed
+    # DiLoCo's outer setting is picked per period on its tuning seeds (several at H = 2), never measurement seeds
     tuning = out["diloco_tuning"]
-    assert tuning["seed"] not in out["seeds"]
+    for h in bandwidth.SYNC_PERIODS:
+        tune_seeds = tuning["seeds"][f"H{h}"]
+        assert len(set(tune_seeds)) == bandwidth.TUNE_SEEDS.get(h, 1) and not set(tune_seeds) & set(out["seeds"])
+    assert len(tuning["seeds"]["H2"]) > 1
     assert len(tuning["tried"]) == sum(len(bandwidth.OUTER_SETTINGS[h]) for h in bandwidth.SYNC_PERIODS)
     for h in bandwidth.SYNC_PERIODS:
         tried = [t for t in tuning["tried"] if t["period"] == h]
         best = min(tried, key=lambda t: t["final_loss"])
+        for t in tried:  # a setting's loss is its mean over the period's tuning seeds
+            assert t["final_loss"] == pytest.approx(sum(t["final_loss_per_seed"]) / len(t["seeds"]), abs=1e-4)
         assert tuning["chosen"][f"H{h}"] == {"outer_lr": best["outer_lr"], "outer_momentum": best["outer_momentum"]}
     assert out["speedup_vs_best_exact"] is None or out["speedup_vs_best_exact"] > 0
     assert all(o["cut_at_step"] is None or o["cut_at_step"] < out["steps"] for o in out["options"].values())
