@@ -22,12 +22,9 @@ no pipeline is intact does the step fail (:class:`ReplanNeededError`): the drive
 ``apply`` is only sent once every stage has its averaged gradient, so a death can never leave some stages
 updated and others not.
 
-Laggards. The live workers of a pipeline dropped from a step without a death (overtaken by a speculative copy,
-a lease past its deadline) did not apply it: they are told to reload their stage from a replica that did, and
-the step ends without waiting for that (a straggler finishes its slow op first, which would hold the step for
-it). Until every member of such a pipeline reports the replica's parameters hash, the pipeline is *syncing*:
-it gets no ``start_step``, no lease and no place in a reduce, so a pipeline out of sync never commits work;
-once in sync it joins the running step (``start_step`` while the step still computes) or the next one.
+Laggards (peer.runtime.laggards). The live workers of a pipeline dropped from a step without a death did not
+apply it: they reload their stage from a replica in the background, and their pipeline is left out of the
+steps until it is in sync again.
 
 Threads and locks. ``_cond`` (a condition) guards the step state, the assignments, the epoch and the dead set;
 the step loop waits on it. The observer (``on_event``) is never called while it is held: events are
@@ -38,7 +35,6 @@ confirming a reported death) runs on one executor, shut down by :meth:`close`.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import json
 import logging
 import math
@@ -48,7 +44,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 from peer.net import PeerClient, PeerServer, TransportConfig
@@ -58,9 +53,19 @@ from peer.runtime import control as ctl
 from peer.runtime.bounds import CONTROL_BYTES
 from peer.runtime.checkpoints import copy_bound_bytes, copy_parts, fetch_copy_files
 from peer.runtime.grants import sign_grant
+from peer.runtime.laggards import LaggardSync
 from peer.runtime.outer import is_round_end
 from peer.runtime.pool import CommitResult, TaskPool
 from peer.runtime.spec import Assignment, RunSpec
+from peer.runtime.step_state import (  # re-exported: the coordinator's callers name them from here
+    Event,
+    OuterRoundFailedError,
+    ReplanNeededError,
+    StepFailedError,
+    StepPhase,
+    StepReport,
+    StepState,
+)
 from peer.runtime.wire import make_key
 from peer.runtime.worker import state_envelope, state_from_envelope
 from peer.timing import (
@@ -81,83 +86,17 @@ from peer.timing import (
     SPECULATE_FORWARD_FACTOR,
     STATUS_TIMEOUT_S,
     STEP_TIMEOUT_S,
-    WORKER_FETCH_STATE_TIMEOUT_S,
 )
 from protocol import tasklet_pb2 as pb
 from protocol.errors import Forbidden, Rejected, TransportError
 
 log = logging.getLogger(__name__)
 
-Event = tuple[str, dict[str, Any]]  # (name, info) for on_event
 COORDINATOR_ROUTE = "coordinator"  # a daemon's coordinator is served on its worker's port under this route
 SAT_OUT_DECAY = 0.7  # a paced pipeline's carried seconds per micro-batch shrink by this for each step it sat out
 
 
-class StepFailedError(RuntimeError):
-    """A step could not finish: it timed out or a worker reported an error it cannot recover from."""
-
-
-class ReplanNeededError(StepFailedError):
-    """No pipeline of the plan is intact any more (or a worker is gone at a step boundary): re-plan."""
-
-
-class OuterRoundFailedError(ReplanNeededError):
-    """DiLoCo: the inner step was applied everywhere, but its outer round could not finish (no pipeline left
-    whole, an error, a timeout). The step counts as trained without the outer step: the replicas keep their
-    local parameters and the round's anchor, so the next outer round covers both rounds' inner steps."""
-
-    def __init__(self, message: str, report: StepReport) -> None:
-        super().__init__(message)
-        self.report = report
-
-
-class StepPhase(enum.Enum):
-    """Where a step is: computing micro-batches, averaging gradients, or applying them."""
-
-    COMPUTE = "compute"
-    REDUCE = "reduce"
-    APPLY = "apply"
-    OUTER = "outer"  # DiLoCo: averaging the round's pseudo-gradients, then the outer step
-
-
-@dataclass
-class StepReport:
-    """What one step did."""
-
-    step: int
-    loss: float
-    seconds: float
-    microbatches_per_pipeline: dict[int, int]
-    requeued: int = 0
-    dropped_pipelines: list[int] = field(default_factory=list)
-    speculated: int = 0  # speculative copies of straggling micro-batches handed out
-    speculation_won: int = 0  # ... that committed before the original
-    # the replayable record (peer.runtime.outer.assignment_record): the commit record (micro-batch -> pipeline),
-    # the pipelines that applied the step, and the participants of the outer round it ended (DiLoCo) or None
-    commits: dict[int, int] = field(default_factory=dict)
-    applied: list[int] = field(default_factory=list)
-    outer: list[int] | None = None
-
-
-@dataclass
-class _StepState:
-    """The running step; every field is guarded by the coordinator's ``_cond``."""
-
-    pool: TaskPool
-    round: int = 0
-    phase: StepPhase = StepPhase.COMPUTE
-    feeders_done: bool = False  # some feeder was told "done" (the pool was complete)
-    losses: dict[tuple[int, int], float] = field(default_factory=dict)
-    reduced: set[str] = field(default_factory=set)
-    synced: set[str] = field(default_factory=set)
-    hashes: dict[str, tuple[int, str]] = field(default_factory=dict)  # endpoint -> (trained steps, params hash)
-    dropped: set[int] = field(default_factory=set)
-    syncing: set[int] = field(default_factory=set)  # pipelines left out until their workers reloaded the stage
-    errors: list[str] = field(default_factory=list)
-    leased_at: dict[tuple[int, int], float] = field(default_factory=dict)  # (micro-batch, pipeline) -> monotonic
-
-
-class Coordinator:
+class Coordinator(LaggardSync):
     """Drives a run over workers that have been given their assignments with :meth:`assign`."""
 
     def __init__(
@@ -190,7 +129,7 @@ class Coordinator:
         self.server.register_push(pb.OTHER, self._on_report)
         self.server.set_push_admission(self._admit_push)
         self._cond = threading.Condition()
-        self._state: _StepState | None = None  # _cond
+        self._state: StepState | None = None  # _cond
         self.assignments: dict[str, Assignment] = {}  # _cond; replaced whole by assign(), so a read sees one plan
         self._peer_ids: dict[str, str] = {}  # worker endpoint -> peer id (its certificate's); replaced with assignments
         self._dead: set[str] = set()  # _cond
@@ -221,12 +160,12 @@ class Coordinator:
         # without the coordinator's lock, must not block for long (tests use it to kill a worker at a chosen
         # moment, benchmarks to time recovery)
         self.on_event: Callable[[str, dict[str, Any]], None] | None = None
-        self._pool_handlers: dict[ctl.Op, Callable[[_StepState, pb.Key, pb.Envelope], list[Event]]] = {
+        self._pool_handlers: dict[ctl.Op, Callable[[StepState, pb.Key, pb.Envelope], list[Event]]] = {
             ctl.Op.LEASE: self._on_lease,
             ctl.Op.COMMIT: self._on_commit,
         }
         # step reports: called with _cond held, on the running step
-        self._step_reports: dict[ctl.Op, Callable[[_StepState, pb.Key, str | None, Any], None]] = {
+        self._step_reports: dict[ctl.Op, Callable[[StepState, pb.Key, str | None, Any], None]] = {
             ctl.Op.LOSS: self._on_loss,
             ctl.Op.REDUCED: self._on_reduced,
             ctl.Op.SYNCED: self._on_synced,
@@ -347,7 +286,7 @@ class Coordinator:
         self._checkpoint_states = dict(states)
 
     # ------------------------------------------------------------------------------------------ step loop
-    def _intact(self, state: _StepState) -> list[int]:
+    def _intact(self, state: StepState) -> list[int]:
         """Pipelines whose every member is alive and that were not dropped from this step (``_cond`` held)."""
         n_rep = max((a.n_replicas for a in self.assignments.values()), default=0)
         broken = {a.replica for ep, a in self.assignments.items() if ep in self._dead} | state.dropped | state.syncing
@@ -373,7 +312,7 @@ class Coordinator:
                 # DiLoCo mid-round: the pipelines that lost a member sit out the rest of the round (peer.runtime.outer)
                 raise ReplanNeededError(f"step {step}: workers died since the plan was made: {sorted(self._dead)}")
             paced_by = self.pipeline_service_s[1] if self.pipeline_service_s[0] == self.epoch else None
-            state = _StepState(pool=TaskPool(step, self.spec.n_microbatches,
+            state = StepState(pool=TaskPool(step, self.spec.n_microbatches,
                                              lease_timeout_s=self._lease_timeout_s(timeout_s), service_s=paced_by))
             state.syncing = syncing
             self._state = state
@@ -459,7 +398,7 @@ class Coordinator:
         dead = {a.replica for ep, a in self.assignments.items() if ep in self._dead}
         return [r for r in range(n_rep) if r not in dead]
 
-    def _outer_round(self, state: _StepState, step: int, deadline: float) -> list[int]:
+    def _outer_round(self, state: StepState, step: int, deadline: float) -> list[int]:
         """DiLoCo's outer round after inner step ``step`` (peer.runtime.outer): every live pipeline's replicas
         average their pseudo-gradients; only when every stage holds its average does anyone take the outer
         step (two-phase, as an apply). A death during the averaging restarts it without the dead member's
@@ -498,7 +437,7 @@ class Coordinator:
 
     def _wait(
         self,
-        state: _StepState,
+        state: StepState,
         ready: Callable[[], bool],
         deadline: float,
         what: str,
@@ -535,7 +474,7 @@ class Coordinator:
             if restarted:
                 return True
 
-    def _drop_broken(self, state: _StepState, events: list[Event]) -> list[int]:
+    def _drop_broken(self, state: StepState, events: list[Event]) -> list[int]:
         """Drop from the step the pipelines with a dead member, a lease past its deadline, or a micro-batch a
         speculative copy won (``_cond`` held); return them."""
         state.pool.expire()
@@ -560,7 +499,7 @@ class Coordinator:
                 self._submit(self._broadcast_quietly, survivors, ctl.DropStep(state.pool.step), state.pool.step)
         return broken
 
-    def _refeed(self, state: _StepState) -> None:
+    def _refeed(self, state: StepState) -> None:
         """A new round for the intact pipelines: abort their averaging, restart their feeders (``_cond`` held).
 
         Called only when no micro-batch is in flight (the pool had been complete), so resetting the feeders'
@@ -776,7 +715,7 @@ class Coordinator:
         self._emit(events)
         return reply
 
-    def _on_lease(self, state: _StepState, key: pb.Key, reply: pb.Envelope) -> list[Event]:
+    def _on_lease(self, state: StepState, key: pb.Key, reply: pb.Envelope) -> list[Event]:
         if state.pool.complete():
             reply.meta["status"] = ctl.PoolStatus.DONE.value
             state.feeders_done = True
@@ -805,7 +744,7 @@ class Coordinator:
         return [*events, ("lease", {"step": key.step, "microbatch": mb, "pipeline": key.replica,
                                     "speculative": speculative})]
 
-    def _on_commit(self, state: _StepState, key: pb.Key, reply: pb.Envelope) -> list[Event]:
+    def _on_commit(self, state: StepState, key: pb.Key, reply: pb.Envelope) -> list[Event]:
         result = state.pool.commit(key.microbatch, key.replica)
         reply.meta["status"] = result.value  # CommitResult values are PoolStatus values
         leased = state.leased_at.get((key.microbatch, key.replica))
@@ -949,183 +888,23 @@ class Coordinator:
             self._step_reports[msg.op](state, env.key, sender, msg)
             self._cond.notify_all()
 
-    def _on_loss(self, state: _StepState, key: pb.Key, sender: str | None, msg: ctl.Loss) -> None:
+    def _on_loss(self, state: StepState, key: pb.Key, sender: str | None, msg: ctl.Loss) -> None:
         state.losses[(msg.microbatch, key.replica)] = msg.loss
         a = self.assignments.get(sender or "")
         if a is not None and a.is_last:
             state.pool.progress(msg.microbatch, key.replica)  # its forward crossed every stage (stragglers)
 
-    def _on_reduced(self, state: _StepState, key: pb.Key, sender: str | None, msg: ctl.Reduced) -> None:
+    def _on_reduced(self, state: StepState, key: pb.Key, sender: str | None, msg: ctl.Reduced) -> None:
         if msg.round == state.round and sender is not None:
             state.reduced.add(sender)
 
-    def _on_synced(self, state: _StepState, key: pb.Key, sender: str | None, msg: ctl.Synced) -> None:
+    def _on_synced(self, state: StepState, key: pb.Key, sender: str | None, msg: ctl.Synced) -> None:
         if sender is not None:
             state.synced.add(sender)
             if msg.params_hash:
                 state.hashes[sender] = (msg.trained_steps, msg.params_hash)
 
-    def _check_replicas(self, state: _StepState, step: int, members: list[str], deadline: float) -> None:
-        """After an apply, the replicas of each stage must hold bitwise the same parameters. A replica whose
-        hash differs from its group's strict majority reloads the stage from a replica in the majority; one
-        that still differs afterwards is excluded. Without a strict majority (two replicas disagreeing) the
-        coordinator cannot tell who is right: it logs the divergence and goes on."""
-        with self._cond:
-            hashes = {ep: state.hashes.get(ep) for ep in members}
-            stages = {ep: self.assignments[ep].stage for ep in members if ep in self.assignments}
-        resyncs: dict[str, tuple[int, str]] = {}
-        for stage in sorted(set(stages.values())):
-            group = [ep for ep, s in stages.items() if s == stage and hashes.get(ep) is not None]
-            votes: dict[tuple[int, str], list[str]] = {}
-            for ep in group:
-                votes.setdefault(hashes[ep], []).append(ep)  # type: ignore[arg-type]
-            if len(votes) < 2:
-                continue
-            winner, holders = max(votes.items(), key=lambda kv: len(kv[1]))
-            if 2 * len(holders) <= len(group):
-                log.error("step %d: replicas of stage %d disagree with no majority: %s", step, stage, votes)
-                self._emit([("divergent", {"step": step, "stage": stage})])
-                continue
-            for ep in group:
-                if hashes[ep] != winner:
-                    log.warning("step %d: %s's stage %d parameters differ from the majority's; resyncing from %s",
-                                step, ep, stage, holders[0])
-                    resyncs[ep] = (winner[0], holders[0])
-        self._resync(state, step, resyncs, hashes, deadline, "stage parameters still differ from the group's "
-                     f"majority after step {step}")
-
-    def _catch_up(self, state: _StepState, step: int, members: list[str]) -> None:
-        """Live workers of pipelines dropped from the step without a death (overtaken by a speculative copy, a
-        lease past its deadline), or that sat it out syncing, did not apply it: they reload their stage from a
-        replica that did, in the background (module docstring, "Laggards"); their pipelines sync meanwhile."""
-        with self._cond:
-            left_out = state.dropped | state.syncing
-            laggards = [ep for ep, a in self.assignments.items()
-                        if a.replica in left_out and ep not in self._dead and ep not in members]
-            hashes = {ep: state.hashes.get(ep) for ep in members}
-            stage_of = {ep: a.stage for ep, a in self.assignments.items()}
-            epoch = self.epoch
-        resyncs: dict[str, tuple[int, str]] = {}
-        for ep in laggards:
-            source = next((m for m in members if stage_of.get(m) == stage_of[ep] and hashes.get(m)), None)
-            if source is None:
-                self.declare_dead(ep, f"missed step {step} and no replica of its stage can hand it over")
-                continue
-            resyncs[ep] = (hashes[source][0], source)  # type: ignore[index]
-        if not resyncs:
-            return
-        log.info("step %d: %s missed the step; reloading from a replica in the background", step, sorted(resyncs))
-        with self._cond:
-            for ep, (_, source) in resyncs.items():
-                self._pending_sync[ep] = (hashes[source], time.monotonic())  # type: ignore[assignment]
-        self._emit([("resync", {"step": step, "endpoints": sorted(resyncs), "background": True})])
-        for ep, (trained, source) in resyncs.items():
-            self._submit(self._tell_resync, ep, epoch, step, trained, source)
-
-    def _tell_resync(self, endpoint: str, epoch: int, step: int, trained: int, source: str) -> None:
-        """Send one laggard its resync (background); one that cannot be told is checked for death."""
-        try:
-            env = ctl.encode(ctl.Resync(step, trained, source), self.spec.run_id, epoch, step)
-            self._client(endpoint).push(env, timeout_s=CONTROL_TIMEOUT_S)
-        except TransportError as exc:
-            self._confirm_death(endpoint, f"resync failed: {exc}")
-
-    def _syncing_pipelines(self) -> set[int]:
-        """Pipelines with a live member still reloading its stage (``_cond`` held). One that has not reported in
-        sync within a control deadline plus a state fetch's is declared dead (it left its pipeline for good)."""
-        now, limit = time.monotonic(), CONTROL_TIMEOUT_S + WORKER_FETCH_STATE_TIMEOUT_S
-        for ep, (_, since) in list(self._pending_sync.items()):
-            if ep in self._dead or ep not in self.assignments:
-                del self._pending_sync[ep]
-            elif now - since > limit:
-                del self._pending_sync[ep]
-                self._dead.add(ep)
-                self.dead_reasons[ep] = f"did not reload its stage within {limit:.0f} s"
-                log.warning("worker %s declared dead: %s", ep, self.dead_reasons[ep])
-        return {self.assignments[ep].replica for ep in self._pending_sync}
-
-    def _on_caught_up(self, sender: str | None, msg: ctl.Synced) -> bool:
-        """A Synced report of a laggard: in sync when its hash is the one it was told to reach. Its pipeline
-        joins the running step once no member is left syncing (``start_step`` first, then no longer left out).
-        False: not a laggard's report (the step's own handling applies)."""
-        with self._cond:
-            pending = self._pending_sync.get(sender or "")
-            if pending is None:
-                return False
-            if (msg.trained_steps, msg.params_hash) != pending[0]:
-                return True  # an older resync's answer, or not there yet: still syncing
-            del self._pending_sync[sender]  # type: ignore[arg-type]
-            replica = self.assignments[sender].replica  # type: ignore[index]
-            state = self._state
-            still = {self.assignments[ep].replica for ep in self._pending_sync}
-            rejoin = (state is not None and replica in state.syncing and replica not in still
-                      and state.phase is StepPhase.COMPUTE)
-            log.info("%s reloaded its stage (%d steps)", sender, msg.trained_steps)
-            self._cond.notify_all()
-        if rejoin and state is not None:
-            self._submit(self._rejoin, state, replica)
-        return True
-
-    def _rejoin(self, state: _StepState, replica: int) -> None:
-        """Start the running step on a pipeline that is in sync again; it leases only once every member has the
-        step (a reduce sent before would be dropped by a member still in the step before)."""
-        with self._cond:
-            if self._state is not state or state.phase is not StepPhase.COMPUTE:
-                return
-            step, rnd = state.pool.step, state.round
-        members = self._members([replica])
-        self._broadcast_quietly(members, ctl.StartStep(step, rnd), step)  # every member has the step first
-        with self._cond:
-            if self._state is not state or state.phase is not StepPhase.COMPUTE or state.round != rnd:
-                return  # too late for this step: it joins the next one
-            state.syncing.discard(replica)
-        firsts = [ep for ep in members if self.assignments[ep].is_first]
-        self._broadcast_quietly(firsts, ctl.StartStep(step, rnd, feed=True), step)
-        log.info("step %d: pipeline %d is in sync again and joins the step", step, replica)
-
-    def wait_in_sync(self, timeout_s: float = CONTROL_TIMEOUT_S + WORKER_FETCH_STATE_TIMEOUT_S) -> bool:
-        """Wait until no laggard is left reloading its stage (the end of a run, before its states are read)."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._pending_sync or all(ep in self._dead
-                                                                            for ep in self._pending_sync),
-                                       timeout=timeout_s)
-
-    def _resync(self, state: _StepState, step: int, resyncs: dict[str, tuple[int, str]],
-                hashes: dict[str, tuple[int, str] | None], deadline: float, failure: str) -> None:
-        """Tell each endpoint to reload its stage from ``source`` at ``trained`` steps; wait until its hash is
-        the source's; one that does not get there is excluded."""
-        if not resyncs:
-            return
-        with self._cond:
-            for ep in resyncs:
-                state.hashes.pop(ep, None)
-            epoch = self.epoch
-        self._emit([("resync", {"step": step, "endpoints": sorted(resyncs)})])
-
-        def tell(ep: str) -> None:
-            # A laggard may be unreachable (partitioned, or dead and not yet noticed): one ping first, so that it
-            # costs a ping timeout, not a control deadline; and every laggard at once, never one after another.
-            if not self._alive(ep):
-                self.declare_dead(ep, f"{failure}: it does not answer")
-                return
-            trained, source = resyncs[ep]
-            try:
-                env = ctl.encode(ctl.Resync(step, trained, source), self.spec.run_id, epoch, step)
-                self._client(ep).push(env, timeout_s=CONTROL_TIMEOUT_S)
-            except TransportError as exc:
-                self._confirm_death(ep, f"resync failed: {exc}")
-
-        with ThreadPoolExecutor(max_workers=min(8, len(resyncs)), thread_name_prefix="resync") as pool:
-            list(pool.map(tell, list(resyncs)))
-        for ep, (_, source) in resyncs.items():
-            good = hashes[source]
-            with self._cond:
-                ok = self._cond.wait_for(lambda ep=ep, good=good: state.hashes.get(ep) == good or ep in self._dead,
-                                         timeout=max(0.0, deadline - time.monotonic()))
-            if not ok or ep in self.dead:
-                self.declare_dead(ep, failure)
-
-    def _on_error(self, state: _StepState, key: pb.Key, sender: str | None, msg: ctl.TaskError) -> None:
+    def _on_error(self, state: StepState, key: pb.Key, sender: str | None, msg: ctl.TaskError) -> None:
         if key.replica in state.dropped or key.replica in state.syncing or sender in self._dead:
             log.info("ignoring an error from dropped or syncing pipeline %d: %s", key.replica, msg)
             return

@@ -1,0 +1,77 @@
+"""What a step is, as the coordinator and its callers see it: its phases, its report, its running state, and
+the ways it fails. Kept apart from the coordinator so that the laggard bookkeeping (peer.runtime.laggards) and
+the callers (driver, local swarm, benchmarks) can name them without the coordinator's whole module."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from peer.runtime.pool import TaskPool
+
+Event = tuple[str, dict[str, Any]]  # (name, info) for the coordinator's on_event
+
+
+class StepFailedError(RuntimeError):
+    """A step could not finish: it timed out or a worker reported an error it cannot recover from."""
+
+
+class ReplanNeededError(StepFailedError):
+    """No pipeline of the plan is intact any more (or a worker is gone at a step boundary): re-plan."""
+
+
+class OuterRoundFailedError(ReplanNeededError):
+    """DiLoCo: the inner step was applied everywhere, but its outer round could not finish (no pipeline left
+    whole, an error, a timeout). The step counts as trained without the outer step: the replicas keep their
+    local parameters and the round's anchor, so the next outer round covers both rounds' inner steps."""
+
+    def __init__(self, message: str, report: StepReport) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+class StepPhase(enum.Enum):
+    """Where a step is: computing micro-batches, averaging gradients, or applying them."""
+
+    COMPUTE = "compute"
+    REDUCE = "reduce"
+    APPLY = "apply"
+    OUTER = "outer"  # DiLoCo: averaging the round's pseudo-gradients, then the outer step
+
+
+@dataclass
+class StepReport:
+    """What one step did."""
+
+    step: int
+    loss: float
+    seconds: float
+    microbatches_per_pipeline: dict[int, int]
+    requeued: int = 0
+    dropped_pipelines: list[int] = field(default_factory=list)
+    speculated: int = 0  # speculative copies of straggling micro-batches handed out
+    speculation_won: int = 0  # ... that committed before the original
+    # the replayable record (peer.runtime.outer.assignment_record): the commit record (micro-batch -> pipeline),
+    # the pipelines that applied the step, and the participants of the outer round it ended (DiLoCo) or None
+    commits: dict[int, int] = field(default_factory=dict)
+    applied: list[int] = field(default_factory=list)
+    outer: list[int] | None = None
+
+
+@dataclass
+class StepState:
+    """The running step; every field is guarded by the coordinator's ``_cond``."""
+
+    pool: TaskPool
+    round: int = 0
+    phase: StepPhase = StepPhase.COMPUTE
+    feeders_done: bool = False  # some feeder was told "done" (the pool was complete)
+    losses: dict[tuple[int, int], float] = field(default_factory=dict)
+    reduced: set[str] = field(default_factory=set)
+    synced: set[str] = field(default_factory=set)
+    hashes: dict[str, tuple[int, str]] = field(default_factory=dict)  # endpoint -> (trained steps, params hash)
+    dropped: set[int] = field(default_factory=set)
+    syncing: set[int] = field(default_factory=set)  # pipelines left out until their workers reloaded the stage
+    errors: list[str] = field(default_factory=list)
+    leased_at: dict[tuple[int, int], float] = field(default_factory=dict)  # (micro-batch, pipeline) -> monotonic
