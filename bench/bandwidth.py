@@ -152,7 +152,8 @@ class TrainConfig:
     eval_batches: int = 64  # fixed held-out micro-batches (seed 7), the same for every option and seed
     seed: int = 0
     # measurement seeds seed, seed + 1, ...: every gap is the mean of the paired per-seed gaps. 7, not 3: one
-    # option's per-seed gaps spread over ~3 points, and on 3 seeds int8 + DiLoCo H = 2 read +1.8 % where 7 read +2.3 %
+    # option's per-seed gaps spread over ~3 points, and on 3 seeds int8 + DiLoCo H = 2 (outer lr 1.25) read +1.8 %
+    # where 7 read +2.3 %
     seeds: int = 7
     corpus_bytes: int = 4_000_000
     cut_after: float = 0.25  # an option still > cut_gap worse than exact after this fraction of the steps ...
