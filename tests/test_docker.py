@@ -27,7 +27,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ import yaml
 from peer.cli import build_parser
 from peer.config import RunConfig
 from peer.emulation import procs
-from tests.newcomer import REPO, Clone, fresh_clone, newcomer_env, remove_clone
+from tests.newcomer import REPO, Clone, fresh_clone, newcomer_env
 
 DOCKER = REPO / "docker"
 DOCKERFILES = [DOCKER / "Dockerfile", DOCKER / "Dockerfile.cpu"]
@@ -45,9 +44,8 @@ ENTRYPOINT = DOCKER / "entrypoint.sh"
 
 
 @pytest.fixture(scope="session")
-def newcomer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clone]:
-    yield fresh_clone(tmp_path_factory.getbasetemp() / "newcomer")
-    remove_clone()
+def newcomer(tmp_path_factory: pytest.TempPathFactory) -> Clone:
+    return fresh_clone(tmp_path_factory.getbasetemp() / "newcomer")  # left to pytest's rotation (tests.newcomer)
 
 
 def hadolint() -> str:

@@ -16,7 +16,6 @@ import importlib.util
 import json
 import re
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -24,7 +23,7 @@ import pytest
 
 from peer.cli import build_parser
 from peer.config import SECTIONS
-from tests.newcomer import REPO, Clone, fresh_clone, newcomer_env, remove_clone
+from tests.newcomer import REPO, Clone, fresh_clone, newcomer_env
 
 README = REPO / "README.md"
 DEMO_TIMEOUT_S = 420.0
@@ -56,9 +55,8 @@ def reference_sections(block: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def newcomer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clone]:
-    yield fresh_clone(tmp_path_factory.getbasetemp() / "newcomer")
-    remove_clone()
+def newcomer(tmp_path_factory: pytest.TempPathFactory) -> Clone:
+    return fresh_clone(tmp_path_factory.getbasetemp() / "newcomer")  # left to pytest's rotation (tests.newcomer)
 
 
 # ------------------------------------------------------------------------------------- the two commands
