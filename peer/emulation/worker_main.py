@@ -57,7 +57,12 @@ def main(argv: list[str] | None = None) -> int:
                 break
     finally:
         worker.stop()
-    return 0
+    # Nothing is left to flush but the logs: skip the interpreter's teardown of torch and gRPC (about 1.7 s of a
+    # 4-worker swarm's close on 2 cores, paid by every local swarm and every test that starts one).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
