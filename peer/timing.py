@@ -42,8 +42,10 @@ Stragglers: adaptive leases, speculation, pings and bans (peer.runtime.coordinat
     every stage; stretched by the pipeline's known slowness) and than
     ``SPECULATE_FLOOR_S``, or whose oldest micro-batch without a loss report has waited longer than
     ``SPECULATE_FORWARD_FACTOR`` x the measured forward latency (lease or last loss to loss, 80th percentile;
-    the same stretch and floor), is overdue: it gets no new micro-batch, and once nothing is free a pipeline
-    holding at most one micro-batch gets a speculative copy of its micro-batches, oldest first (well under the
+    the same stretch and floor; before a step has ended, only the plan's predicted figure, if any: the first
+    commits of a run come from its fastest pipelines and are no yardstick for a slower one's head), is
+    overdue: it gets no new micro-batch, and once nothing is free a pipeline holding at most one micro-batch
+    gets a speculative copy of its micro-batches, oldest first (well under the
     lease, so a straggler is overtaken long before it is failed; peer.runtime.pool). The loss comes about a
     third of a head latency before the commit, so the forward signal catches a slow pipeline while the others
     still have their last micro-batch in flight, early enough for a copy to pipeline behind it. Its factor is
