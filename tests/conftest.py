@@ -1,7 +1,7 @@
 """Test markers, applied by where a test lives so a new test file gets one without ceremony.
 
 * ``unit``: in-process, no child processes, no DHT, no sockets beyond loopback gRPC in the same process.
-  ``bash scripts/test.sh -m unit`` runs these in about a minute: the README's fast subset.
+  ``bash scripts/test.sh -m unit`` runs these in about 1.5 min on 2 cores: the README's fast subset.
 * ``integration``: real processes, a real hivemind DHT, real gRPC between processes, network namespaces.
 * ``slow``: a fresh clone and a fresh virtualenv (the README's first command, the Docker install steps).
 
@@ -25,6 +25,7 @@ INTEGRATION_FILES = {
     "test_equivalence.py",
     "test_fault_tolerance.py",
     "test_headline.py",
+    "test_launcher.py",
     "test_leader.py",
     "test_membership.py",
     "test_membership_bench.py",
