@@ -36,6 +36,8 @@ gradient and reports ``reduced``. Only when *every* stage has reduced does the c
 a death during the averaging never leaves some stages updated and others not. ``drop_step`` (its pipeline lost
 a member) throws the step's work away; its micro-batches are redone by other pipelines. The control messages
 are the typed ones of :mod:`peer.runtime.control`; docs/architecture.md ("One step") walks through a step.
+The worker's end of the reduce, the apply, DiLoCo's outer round and a resync are in
+:mod:`peer.runtime.worker_sync`; the snapshot and the stage-state envelope in :mod:`peer.runtime.tasklet`.
 """
 
 from __future__ import annotations
@@ -74,13 +76,19 @@ from peer.runtime.checkpoints import (
     serve_copy,
 )
 from peer.runtime.control import SPECULATIVE_META
-from peer.runtime.exchange import ExchangeAbortedError, GradientExchange, OutlierContributionError, Tag
+from peer.runtime.exchange import ExchangeAbortedError, GradientExchange, Tag
 from peer.runtime.grants import read_grant
-from peer.runtime.outer import BLOCK_SIZE, OuterState, allgather_codec, is_round_end, roundtrip
+from peer.runtime.outer import OuterState
 from peer.runtime.roles import Roles
 from peer.runtime.spec import Assignment, RunSpec
-from peer.runtime.wire import body_of, envelope, make_key, tensor_named
-from peer.timing import CONTROL_TIMEOUT_S, REDUCE_WAIT_S, SEND_TIMEOUT_S, WORKER_FETCH_STATE_TIMEOUT_S
+from peer.runtime.tasklet import (  # re-exported: the coordinator and the fault workers name them from here
+    Tasklet,
+    state_envelope,
+    state_from_envelope,
+)
+from peer.runtime.wire import envelope, make_key, tensor_named
+from peer.runtime.worker_sync import GradientSync
+from peer.timing import CONTROL_TIMEOUT_S, SEND_TIMEOUT_S, WORKER_FETCH_STATE_TIMEOUT_S
 from protocol import tasklet_pb2 as pb
 from protocol.codec import decode_tensor
 from protocol.errors import BadMessage, Forbidden, Rejected, TransportError
@@ -98,24 +106,6 @@ WORKER_TRANSPORT = dict(
 # A state fetch refused or unreachable is retried this long: during a re-plan the source may take its own new
 # assignment (which trusts and authorizes us) a moment after ours arrives.
 FETCH_STATE_RETRY_S = 15.0
-
-
-@dataclass(frozen=True)
-class Tasklet:
-    """The current assignment as one immutable snapshot (see the module docstring)."""
-
-    spec: RunSpec
-    assignment: Assignment
-    compute: StageCompute
-    exchange: GradientExchange
-    links: LinkTable
-    corpus: Corpus | None
-    roles: Roles
-    outer: OuterState | None = None  # DiLoCo (spec.sync_period > 1): this replica's outer-loop state
-
-    def key(self, step: int, mb: int = -1) -> pb.Key:
-        a = self.assignment
-        return make_key(self.spec.run_id, a.epoch, step, mb, a.stage, a.replica)
 
 
 class TaskKind(enum.Enum):
@@ -137,7 +127,7 @@ class _Task:
     args: tuple[Any, ...] = ()
 
 
-class StageWorker:
+class StageWorker(GradientSync):
     """Serves one tasklet. ``start()`` returns the endpoint; the coordinator assigns the stage over gRPC."""
 
     def __init__(
@@ -880,177 +870,6 @@ class StageWorker:
         t.compute.reset_step()
         log.info("pipeline dropped from step %d; its work is discarded", step)
 
-    def _do_reduce(self, t: Tasklet, step: int, msg: ctl.Reduce) -> None:
-        """Check exactly-once locally, then reduce-scatter + all-gather with the participants; keep the sum.
-
-        DiLoCo (``t.outer``): an inner step keeps this pipeline's own sum and count instead (no averaging);
-        ``msg.outer`` averages the round's pseudo-gradients (:meth:`_do_outer_reduce`)."""
-        if msg.outer:
-            self._do_outer_reduce(t, step, msg)
-            return
-        a, compute, exchange = t.assignment, t.compute, t.exchange
-        rnd, participants = msg.round, list(msg.participants)
-        expected = sorted(mb for mb, p in msg.assignment.items() if p == a.replica)
-        if t.outer is not None and not expected:
-            # DiLoCo: a pipeline the record gives nothing (dropped from the step: its share went back to the pool)
-            # skips the inner step; whatever it accumulated (a drop notice not yet here) is thrown away, and so is
-            # any late work of the step still in flight
-            with self._inflight_cond:
-                self._dropped = True
-                self._inflight_cond.notify_all()
-            compute.reset_step()
-        compute.settle(set(expected))  # speculative copies: the ones the pool gave this pipeline now count
-        mine = sorted(compute.accumulated())
-        if mine != expected:
-            raise RuntimeError(
-                f"step {step}: accumulator holds micro-batches {mine}, the pool committed "
-                f"{expected} for pipeline {a.replica}"
-            )
-        if t.outer is not None:
-            with self._lock:
-                self._reduced, self._local_count = (step, compute.accumulated_grad()), len(expected)
-            self._report(t, ctl.Reduced(step, rnd))
-            return
-        tag: Tag = (step, rnd)
-        flat = compute.accumulated_grad()
-        meta = {"round": str(rnd), "participants": json.dumps(participants)}
-        for r in participants:
-            lo, hi = exchange.shard_of(participants, r)
-            if r == a.replica:
-                exchange.put_contribution(tag, participants, r, flat[lo:hi].clone(), mine)
-            else:
-                env = envelope(pb.GRAD_SHARD, t.key(step), {"grad": flat[lo:hi]}, microbatches=mine)
-                env.meta.update(meta)
-                self._send(t, a.group[r], env)
-        try:
-            reduced = exchange.reduce(tag, participants, t.spec.n_microbatches, REDUCE_WAIT_S)
-        except OutlierContributionError as exc:
-            log.warning("step %d: %s", step, exc)
-            for r in exc.replicas:
-                culprit = t.roles.peer(a.group[r]) or ""
-                self._report(t, ctl.BadPeer(a.stage, r, culprit, str(exc)[:300]))
-            raise
-        for r in participants:
-            if r == a.replica:
-                exchange.put_reduced(tag, participants, r, reduced)
-            else:
-                env = envelope(pb.PARAM_SHARD, t.key(step), {"grad": reduced})
-                env.meta.update(meta)
-                self._send(t, a.group[r], env)
-        summed = exchange.gather(tag, participants, REDUCE_WAIT_S)
-        with self._lock:
-            self._reduced = (step, summed)
-        self._report(t, ctl.Reduced(step, rnd))
-
-    def _do_apply(self, t: Tasklet, step: int, msg: ctl.Apply | None = None) -> None:
-        """Apply the reduced gradient of ``step`` (idempotent: a repeated apply only re-reports). DiLoCo: an inner
-        step divides by the micro-batches this pipeline committed (none: no AdamW step); ``msg.outer`` applies
-        the outer step (:meth:`_do_outer_apply`)."""
-        if msg is not None and msg.outer:
-            self._do_outer_apply(t, step)
-            return
-        compute = t.compute
-        with self._lock:
-            reduced, count = self._reduced, self._local_count
-        if compute.step == step + 1 and reduced is None:
-            self._report(t, ctl.Synced(step, compute.step, params_hash(compute)))
-            return
-        if reduced is None or reduced[0] != step:
-            raise RuntimeError(f"apply of step {step}, but no reduced gradient of that step is held")
-        if t.outer is None:
-            compute.apply_update(reduced[1], t.spec.n_microbatches)
-        elif count:
-            compute.apply_update(reduced[1], count)
-        else:
-            compute.skip_update()
-        with self._lock:
-            self._reduced = None
-        self._report(t, ctl.Synced(step, compute.step, params_hash(compute)))
-
-    def _do_outer_reduce(self, t: Tasklet, step: int, msg: ctl.Reduce) -> None:
-        """The outer round after inner step ``step``: reduce-scatter + all-gather of the participants'
-        (compressed) pseudo-gradients; keep their average for the outer apply (peer.runtime.outer)."""
-        a, compute, exchange, outer, spec = t.assignment, t.compute, t.exchange, t.outer, t.spec
-        if outer is None or not is_round_end(step, spec.sync_period):
-            raise RuntimeError(f"step {step} ends no outer round (sync_period {spec.sync_period})")
-        if compute.step != step + 1:
-            raise RuntimeError(f"outer round after step {step}, but this stage has trained {compute.step} steps")
-        rnd, participants = msg.round, list(msg.participants)
-        if a.replica not in participants:
-            raise RuntimeError(f"pipeline {a.replica} is not among the outer round's participants {participants}")
-        shards = [exchange.shard_of(participants, r) for r in participants]
-        sent, residual = outer.contribution(compute.flat_params(), shards, spec.pseudo_grad_compression)
-        tag: Tag = (step, rnd)
-        meta = {"round": str(rnd), "participants": json.dumps(participants)}
-        codec = spec.pseudo_grad_compression
-        for r, (lo, hi) in zip(participants, shards, strict=True):
-            if r == a.replica:
-                exchange.put_contribution(tag, participants, r, roundtrip(sent[lo:hi], codec), [])
-            else:
-                self._send(t, a.group[r], self._shard_envelope(t, pb.GRAD_SHARD, step, sent[lo:hi], codec, meta))
-        try:
-            reduced = exchange.reduce(tag, participants, None, REDUCE_WAIT_S)
-        except OutlierContributionError as exc:
-            log.warning("outer round of step %d: %s", step, exc)
-            for r in exc.replicas:
-                self._report(t, ctl.BadPeer(a.stage, r, t.roles.peer(a.group[r]) or "", str(exc)[:300]))
-            raise
-        codec2, block = allgather_codec(codec, reduced.numel(), len(participants))
-        for r in participants:
-            if r == a.replica:
-                exchange.put_reduced(tag, participants, r, roundtrip(reduced, codec2, block))
-            else:
-                env = self._shard_envelope(t, pb.PARAM_SHARD, step, reduced, codec2, meta, block)
-                self._send(t, a.group[r], env)
-        summed = exchange.gather(tag, participants, REDUCE_WAIT_S)
-        with self._lock:
-            self._outer_pending = (step, summed / len(participants), residual)
-        self._report(t, ctl.Reduced(step, rnd))
-
-    @staticmethod
-    def _shard_envelope(t: Tasklet, kind: int, step: int, x: torch.Tensor, codec: str, meta: dict[str, str],
-                        block: int = BLOCK_SIZE) -> pb.Envelope:
-        env = envelope(kind, t.key(step))
-        env.add_tensor("grad", x, codec, block_size=block)
-        env.meta.update(meta)
-        return env
-
-    def _do_outer_apply(self, t: Tasklet, step: int) -> None:
-        """The identical Nesterov step from the round's anchor on every replica (idempotent)."""
-        compute, outer, spec = t.compute, t.outer, t.spec
-        with self._lock:
-            pending, self._outer_pending = self._outer_pending, None
-        if outer is None:
-            raise RuntimeError("an outer apply, but this run has no outer loop")
-        if pending is None or pending[0] != step:
-            if compute.step == step + 1 and torch.equal(outer.anchor, compute.flat_params()):
-                self._report(t, ctl.Synced(step, compute.step, params_hash(compute)))  # a repeated apply
-                return
-            raise RuntimeError(f"outer apply of step {step}, but no averaged pseudo-gradient of that step is held")
-        compute.set_params(outer.apply(pending[1], spec.outer_lr, spec.outer_momentum, pending[2]))
-        self._report(t, ctl.Synced(step, compute.step, params_hash(compute)))
-
-    def _do_resync(self, t: Tasklet, step: int, msg: ctl.Resync) -> None:
-        """Our parameters differ from the group's majority, or our pipeline was dropped from the step (a
-        speculative copy overtook it): load the stage from a replica that applied it."""
-        a, compute = t.assignment, t.compute
-        if msg.source not in a.group or msg.source == self.server.endpoint:
-            raise Rejected(f"resync source {msg.source} is not another replica of this stage")
-        if compute.step not in (msg.trained_steps, msg.trained_steps - 1):  # -1: its pipeline missed the step
-            raise Rejected(f"resync to step {msg.trained_steps}, this stage has trained {compute.step} steps")
-        outer = self._load_from(compute, msg.source, t.spec, a, msg.trained_steps)
-        if t.outer is not None and outer is not None:  # DiLoCo: resyncs happen after an outer step (at an anchor)
-            t.outer.anchor, t.outer.momentum = outer.anchor, outer.momentum
-        log.warning("step %d: parameters differed from the group's majority; reloaded from %s", step, msg.source)
-        self._report(t, ctl.Synced(step, compute.step, params_hash(compute)))
-
-
-def params_hash(compute: StageCompute) -> str:
-    """A short hash of a stage's parameters: replicas that applied the same steps agree bitwise."""
-    data = compute.flat_params().detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
-    return hashlib.sha256(data).hexdigest()[:32]
-
-
 def _warm_up() -> None:
     """Pay torch's one-time lazy initialisation (about a second: optimizer and autograd machinery) while the
     peer waits for its first assignment, instead of inside it where every peer of a new plan pays it at once."""
@@ -1080,28 +899,3 @@ def _outer_state(spec: RunSpec, compute: StageCompute, fetched: OuterState | Non
 def _plan_order(assignment: Assignment) -> tuple[int, str]:
     """Plans are ordered by (epoch, leader id), as on the plan board (peer.swarm.plans)."""
     return assignment.epoch, assignment.leader
-
-
-def state_envelope(state: dict[str, Any], run_id: str, epoch: int, stage: int, replica: int = -1,
-                   outer: OuterState | None = None) -> pb.Envelope:
-    """A STAGE_STATE envelope: flat tensors plus the scalar fields as JSON (and a DiLoCo replica's anchor and
-    Nesterov buffer when ``outer`` is given)."""
-    meta = {k: state[k] for k in ("format", "model", "layers", "step", "adam_step")}
-    key = make_key(run_id, epoch, int(state["step"]), stage=stage, replica=replica)
-    tensors = {k: state[k] for k in ("params", "exp_avg", "exp_avg_sq")}
-    if outer is not None:
-        tensors.update(outer_anchor=outer.anchor, outer_momentum=outer.momentum)
-    return envelope(pb.STAGE_STATE, key, tensors, body=meta)
-
-
-def state_from_envelope(env: pb.Envelope) -> dict[str, Any]:
-    """Inverse of :func:`state_envelope` (tensors checked: float32, finite)."""
-    state: dict[str, Any] = dict(body_of(env))
-    for name in ("params", "exp_avg", "exp_avg_sq"):
-        state[name] = decode_tensor(tensor_named(env, name), expect_dtype=torch.float32)
-    for t in env.tensors:
-        if t.name in ("outer_anchor", "outer_momentum"):
-            state[t.name] = decode_tensor(t, expect_dtype=torch.float32)
-    if not isinstance(state.get("step"), int):
-        raise BadMessage("meta.body.step", "missing or not an integer")
-    return state

@@ -1,0 +1,72 @@
+"""A stage worker's current assignment as one immutable snapshot (:class:`Tasklet`), and the stage state it hands
+over: the STAGE_STATE envelope a replica, a checkpoint or the coordinator serves, and the parameters hash that
+replicas compare after every apply."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from peer.compute.data import Corpus
+from peer.compute.stage import StageCompute
+from peer.net.shaping import LinkTable
+from peer.runtime.exchange import GradientExchange
+from peer.runtime.outer import OuterState
+from peer.runtime.roles import Roles
+from peer.runtime.spec import Assignment, RunSpec
+from peer.runtime.wire import body_of, envelope, make_key, tensor_named
+from protocol import tasklet_pb2 as pb
+from protocol.codec import decode_tensor
+from protocol.errors import BadMessage
+
+
+@dataclass(frozen=True)
+class Tasklet:
+    """The current assignment as one immutable snapshot (peer.runtime.worker, "State")."""
+
+    spec: RunSpec
+    assignment: Assignment
+    compute: StageCompute
+    exchange: GradientExchange
+    links: LinkTable
+    corpus: Corpus | None
+    roles: Roles
+    outer: OuterState | None = None  # DiLoCo (spec.sync_period > 1): this replica's outer-loop state
+
+    def key(self, step: int, mb: int = -1) -> pb.Key:
+        a = self.assignment
+        return make_key(self.spec.run_id, a.epoch, step, mb, a.stage, a.replica)
+
+
+def params_hash(compute: StageCompute) -> str:
+    """A short hash of a stage's parameters: replicas that applied the same steps agree bitwise."""
+    data = compute.flat_params().detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
+def state_envelope(state: dict[str, Any], run_id: str, epoch: int, stage: int, replica: int = -1,
+                   outer: OuterState | None = None) -> pb.Envelope:
+    """A STAGE_STATE envelope: flat tensors plus the scalar fields as JSON (and a DiLoCo replica's anchor and
+    Nesterov buffer when ``outer`` is given)."""
+    meta = {k: state[k] for k in ("format", "model", "layers", "step", "adam_step")}
+    key = make_key(run_id, epoch, int(state["step"]), stage=stage, replica=replica)
+    tensors = {k: state[k] for k in ("params", "exp_avg", "exp_avg_sq")}
+    if outer is not None:
+        tensors.update(outer_anchor=outer.anchor, outer_momentum=outer.momentum)
+    return envelope(pb.STAGE_STATE, key, tensors, body=meta)
+
+
+def state_from_envelope(env: pb.Envelope) -> dict[str, Any]:
+    """Inverse of :func:`state_envelope` (tensors checked: float32, finite)."""
+    state: dict[str, Any] = dict(body_of(env))
+    for name in ("params", "exp_avg", "exp_avg_sq"):
+        state[name] = decode_tensor(tensor_named(env, name), expect_dtype=torch.float32)
+    for t in env.tensors:
+        if t.name in ("outer_anchor", "outer_momentum"):
+            state[t.name] = decode_tensor(t, expect_dtype=torch.float32)
+    if not isinstance(state.get("step"), int):
+        raise BadMessage("meta.body.step", "missing or not an integer")
+    return state
