@@ -26,6 +26,7 @@ from peer.compute.stage import OptimConfig, shard_bounds
 from peer.emulation.local import LinkModel, LocalSwarm, RunResult
 from peer.runtime.outer import BLOCK_SIZE, OuterState, allgather_codec, assignment_record, roundtrip
 from peer.runtime.spec import RunSpec, SpecError
+from scheduler.compression import PenaltyTable, SyncOption
 
 STEPS = 6
 SPEC = RunSpec(run_id="diloco", model=ModelConfig(n_layers=4, d_model=32, n_heads=4, seq_len=32, seed=5),
@@ -33,6 +34,9 @@ SPEC = RunSpec(run_id="diloco", model=ModelConfig(n_layers=4, d_model=32, n_head
                sync_period=3, outer_lr=0.7, outer_momentum=0.9)
 STAGES = [(0, 2), (2, 4)]
 PIPELINES = [[0, 1], [2, 3]]
+# the H = 2 outer setting the shipped penalty table was measured with (bench.bandwidth tunes it; the scheduler's
+# choice at the 2 % limit carries it into the run): the runtime must reproduce its replay with exactly that
+SHIPPED_H2 = PenaltyTable.load().outer_for(SyncOption(2, "int8"))
 
 
 def _errors(result: RunResult, ref_params: dict[int, dict[str, torch.Tensor]], spec: RunSpec) -> torch.Tensor:
@@ -90,8 +94,9 @@ def test_diloco_two_pipelines_match_single_process_replay() -> None:
 
 @pytest.mark.integration
 @pytest.mark.parametrize(("codec", "period", "outer_lr", "outer_momentum"),
-                         [("int8", 3, 0.7, 0.9), ("topk", 3, 0.7, 0.9), ("int8", 2, 1.5, 0.0)],
-                         ids=["int8", "topk", "int8-H2-lr1.5"])  # the last: bench.bandwidth's tuned H = 2
+                         [("int8", 3, 0.7, 0.9), ("topk", 3, 0.7, 0.9),
+                          ("int8", 2, SHIPPED_H2["outer_lr"], SHIPPED_H2["outer_momentum"])],
+                         ids=["int8", "topk", "int8-H2-shipped"])
 def test_diloco_compressed_pseudo_gradients_match_replay_with_the_same_codec(
         codec: str, period: int, outer_lr: float, outer_momentum: float) -> None:
     spec = dataclasses.replace(SPEC, run_id=f"diloco-{codec}-{period}", pseudo_grad_compression=codec,
@@ -167,7 +172,8 @@ def test_outer_step_is_torch_nesterov_sgd_and_top_k_all_gather_is_exact() -> Non
         sgd.step()
         assert torch.allclose(new, p.detach(), atol=1e-7, rtol=0)
         assert torch.equal(state.anchor, new)
-    # no momentum and an outer lr above 1 (the H = 2 setting bench.bandwidth measures): plain SGD on the average
+    # no momentum and an outer lr above 1 (the kind of setting bench.bandwidth tunes at H = 2): plain SGD on the
+    # average
     state, p = OuterState.start(anchor), torch.nn.Parameter(anchor.clone())
     sgd = torch.optim.SGD([p], lr=1.5)
     for g in grads:
