@@ -5,6 +5,7 @@
 #   --host $TASKLET_LISTEN_HOST --dht-host $TASKLET_LISTEN_HOST   (default 0.0.0.0: every interface)
 #   --port $TASKLET_PORT --dht-port $TASKLET_DHT_PORT             (default 31400 and 31401: fixed, so that they
 #                                                                  can be published with `-p` and announced)
+#   --bulk-port $TASKLET_BULK_PORT                                 (default 31403: the bulk lane, fixed for `-p`)
 #   --announce HOST:PORT    HOST = $TASKLET_ANNOUNCE_HOST, else this container's own address. That is the
 #                           bridge address (172.17.x.x) under Docker's default networking: right for peers on
 #                           the same Docker network (compose), unreachable from anywhere else. Volunteers on
@@ -22,6 +23,7 @@ set -euo pipefail
 TASKLET_LISTEN_HOST=${TASKLET_LISTEN_HOST:-0.0.0.0}
 TASKLET_PORT=${TASKLET_PORT:-31400}
 TASKLET_DHT_PORT=${TASKLET_DHT_PORT:-31401}
+TASKLET_BULK_PORT=${TASKLET_BULK_PORT:-31403}
 TASKLET_IDENTITY=${TASKLET_IDENTITY:-/tasklet/identity/peer.key}
 TASKLET_JOIN_FILE=${TASKLET_JOIN_FILE:-}
 TASKLET_JOIN_WAIT_S=${TASKLET_JOIN_WAIT_S:-300}
@@ -90,6 +92,7 @@ case $command in
     has_option --dht-host "$@" || extra+=(--dht-host "$TASKLET_LISTEN_HOST")
     port=$(option_value --port "$@") || { port=$TASKLET_PORT; extra+=(--port "$port"); }
     has_option --dht-port "$@" || extra+=(--dht-port "$TASKLET_DHT_PORT")
+    has_option --bulk-port "$@" || extra+=(--bulk-port "$TASKLET_BULK_PORT")
     has_option --identity "$@" || extra+=(--identity "$TASKLET_IDENTITY")
     if ! has_option --announce "$@"; then
       host=${TASKLET_ANNOUNCE_HOST:-$(own_address)}

@@ -54,6 +54,10 @@ def _port(text: str) -> int:
     return value
 
 
+def _bulk_port(text: str) -> int | None:
+    return None if text == "off" else _port(text)
+
+
 def _add_peer_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("network")
     g.add_argument(
@@ -62,6 +66,15 @@ def _add_peer_options(p: argparse.ArgumentParser) -> None:
         help="address the gRPC server listens on; 0.0.0.0 for all interfaces (default: %(default)s)",
     )
     g.add_argument("--port", type=_port, default=0, help="gRPC port; 0 picks a free one (default: %(default)s)")
+    g.add_argument(
+        "--bulk-port",
+        type=_bulk_port,
+        default=0,
+        metavar="PORT",
+        help="TCP port of the bulk lane: large tensors pushed to this peer outside gRPC, with the same mutual TLS "
+        "and checks and fewer copies; 0 picks a free one, 'off' turns it off. Behind port forwarding, forward it "
+        "as the same port number, or peers fall back to gRPC (default: %(default)s)",
+    )
     g.add_argument("--dht-host", default="127.0.0.1", help="address the DHT node listens on (default: %(default)s)")
     g.add_argument("--dht-port", type=_port, default=0, help="DHT port; 0 picks a free one (default: %(default)s)")
     g.add_argument(
@@ -325,6 +338,7 @@ def _options(args: argparse.Namespace):  # noqa: ANN202 - PeerOptions, imported 
     return PeerOptions(
         host=args.host,
         port=args.port,
+        bulk_port=args.bulk_port,
         dht_host=args.dht_host,
         dht_port=args.dht_port,
         announce=args.announce,

@@ -183,6 +183,20 @@ class ProbeReply(_message.Message):
     last_recv_ns: int
     def __init__(self, protocol_version: _Optional[int] = ..., bytes_received: _Optional[int] = ..., first_chunk_bytes: _Optional[int] = ..., first_recv_ns: _Optional[int] = ..., last_recv_ns: _Optional[int] = ...) -> None: ...
 
+class BulkLaneRequest(_message.Message):
+    __slots__ = ("protocol_version",)
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    def __init__(self, protocol_version: _Optional[int] = ...) -> None: ...
+
+class BulkLaneReply(_message.Message):
+    __slots__ = ("protocol_version", "port")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    port: int
+    def __init__(self, protocol_version: _Optional[int] = ..., port: _Optional[int] = ...) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ("protocol_version",)
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]

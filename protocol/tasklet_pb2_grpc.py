@@ -59,6 +59,11 @@ class PeerStub:
                 request_serializer=tasklet__pb2.StatusRequest.SerializeToString,
                 response_deserializer=tasklet__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.BulkLane = channel.unary_unary(
+                '/tasklet.v1.Peer/BulkLane',
+                request_serializer=tasklet__pb2.BulkLaneRequest.SerializeToString,
+                response_deserializer=tasklet__pb2.BulkLaneReply.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -94,6 +99,12 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BulkLane(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +132,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=tasklet__pb2.StatusRequest.FromString,
                     response_serializer=tasklet__pb2.StatusReply.SerializeToString,
+            ),
+            'BulkLane': grpc.unary_unary_rpc_method_handler(
+                    servicer.BulkLane,
+                    request_deserializer=tasklet__pb2.BulkLaneRequest.FromString,
+                    response_serializer=tasklet__pb2.BulkLaneReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +274,33 @@ class Peer:
             '/tasklet.v1.Peer/Status',
             tasklet__pb2.StatusRequest.SerializeToString,
             tasklet__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BulkLane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tasklet.v1.Peer/BulkLane',
+            tasklet__pb2.BulkLaneRequest.SerializeToString,
+            tasklet__pb2.BulkLaneReply.FromString,
             options,
             channel_credentials,
             insecure,

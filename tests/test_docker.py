@@ -111,9 +111,10 @@ def test_dockerfile_structure(dockerfile: Path) -> None:
     assert "/tasklet/identity" in volumes and "/tasklet/checkpoints" in volumes
     args = dict(a.split("=", 1) for k, a in ins if k == "ARG" and "=" in a)
     exposed = " ".join(a for k, a in runtime if k == "EXPOSE")
-    assert "${GRPC_PORT}" in exposed and "${DHT_PORT}" in exposed
+    assert "${GRPC_PORT}" in exposed and "${DHT_PORT}" in exposed and "${BULK_PORT}" in exposed
     envs = " ".join(a for k, a in runtime if k == "ENV")
     assert "TASKLET_PORT=${GRPC_PORT}" in envs and "TASKLET_DHT_PORT=${DHT_PORT}" in envs
+    assert "TASKLET_BULK_PORT=${BULK_PORT}" in envs
     assert args["GRPC_PORT"] != args["DHT_PORT"]
     entry = [json.loads(a) for k, a in runtime if k == "ENTRYPOINT"]
     assert entry and entry[-1][0] == "tasklet-entrypoint"
@@ -162,6 +163,7 @@ def entrypoint_argv(args: list[str], **env: str) -> list[str]:
 def test_entrypoint_adds_container_defaults() -> None:
     ns = build_parser().parse_args(entrypoint_argv(["join", "--dht", "/ip4/127.0.0.1/tcp/1/p2p/X"]))
     assert (ns.command, ns.host, ns.dht_host, ns.port, ns.dht_port) == ("join", "0.0.0.0", "0.0.0.0", 31400, 31401)
+    assert ns.bulk_port == 31403
     assert ns.announce == "127.0.0.9:31400"
     assert ns.identity == "/tasklet/identity/peer.key"
     assert ns.dht == ["/ip4/127.0.0.1/tcp/1/p2p/X"]
@@ -178,6 +180,7 @@ def test_entrypoint_respects_what_the_user_gives() -> None:
     ns = build_parser().parse_args(entrypoint_argv(["start", "--config", "r.toml"], TASKLET_PORT="6000",
                                                    TASKLET_DHT_PORT="6001"))
     assert (ns.port, ns.dht_port, ns.announce) == (6000, 6001, "127.0.0.9:6000")
+    assert build_parser().parse_args(entrypoint_argv(["join", "--dht", "X", "--bulk-port", "off"])).bulk_port is None
     assert entrypoint_argv(["swarm", "--peers", "2", "--scenario", "x"]) == ["swarm", "--peers", "2", "--scenario", "x"]
     assert entrypoint_argv(["--help"]) == ["--help"]
 

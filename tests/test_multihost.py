@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from peer.emulation.multihost import (
+    BULK_PORT,
+    DHT_PORT,
     GRPC_PORT,
     RELAY_PORT,
     BedPeers,
@@ -59,7 +61,7 @@ def test_three_public_hosts_train_with_the_readme_commands(bed: NetBed, tmp_path
 
 
 def test_port_forwarded_home_host_trains(bed: NetBed, tmp_path: Path) -> None:
-    pub, home = port_forwarded(bed, ports=(GRPC_PORT, GRPC_PORT + 1))
+    pub, home = port_forwarded(bed, ports=(GRPC_PORT, DHT_PORT, BULK_PORT))
     nated = bed.add_home("home1")  # no forwarding and no --announce: the relay's dial-back finds out
     cfg = write_config(tmp_path, STEPS, 3, tmp_path / "save")
     with BedPeers(tmp_path / "logs") as peers:

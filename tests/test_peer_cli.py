@@ -94,3 +94,22 @@ def test_help_explains_every_flag_with_its_default() -> None:
 def test_swarm_bad_arguments(args: list[str]) -> None:
     rc, err, _ = run_peer(args)
     assert_one_line_error(rc, err)
+
+
+def test_bulk_port_flag_and_its_default_with_an_announced_address() -> None:
+    """--bulk-port takes a port or 'off'; with --announce and no --bulk-port the lane is off (an announced address
+    forwards the user's chosen ports, never one picked at start), with a chosen port it is on."""
+    from peer.cli import build_parser
+    from peer.node.daemon import bulk_lane_port
+
+    parse = build_parser().parse_args
+    base = ["join", "--dht", "/ip4/127.0.0.1/tcp/1/p2p/X"]
+    assert parse(base).bulk_port == 0
+    assert parse([*base, "--bulk-port", "off"]).bulk_port is None
+    assert parse([*base, "--bulk-port", "31403"]).bulk_port == 31403
+    with pytest.raises(SystemExit):
+        parse([*base, "--bulk-port", "70000"])
+    assert bulk_lane_port(None, 0) == 0  # a free port, found by peers over gRPC
+    assert bulk_lane_port("198.51.100.23:31400", 0) is None
+    assert bulk_lane_port("198.51.100.23:31400", 31403) == 31403
+    assert bulk_lane_port(None, None) is None

@@ -38,7 +38,7 @@ def test_grpc_stub_imports_from_the_package() -> None:
 def test_service_and_version_fields() -> None:
     service = pb.DESCRIPTOR.services_by_name["Peer"]
     assert service.full_name == "tasklet.v1.Peer"
-    assert [m.name for m in service.methods] == ["Push", "Fetch", "Ping", "Probe", "Status"]
+    assert [m.name for m in service.methods] == ["Push", "Fetch", "Ping", "Probe", "Status", "BulkLane"]
     # Every request and reply message (and Envelope/Chunk) carries the protocol version as field 1.
     for name in (
         "Envelope",

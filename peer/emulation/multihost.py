@@ -1,9 +1,9 @@
 """Real `peer` processes on the hosts of a network-namespace test bed (peer/emulation/netbed.py), started with the
 README's internet commands; used by tests/test_multihost.py and bench/reachability.py.
 
-Every peer runs ``ip netns exec <host> python -m peer.cli start|join --host 0.0.0.0 --port 31400 --dht-host
-0.0.0.0 --dht-port 31401 --announce ADDR:31400`` (``ADDR`` the host's public address, its router's for a home
-host), logs to ``log_dir/<host>.log`` and is killed with its whole process group at the end.
+Every peer runs ``ip netns exec <host> python -m peer.cli start|join --host 0.0.0.0 --port 31400 --bulk-port 31403
+--dht-host 0.0.0.0 --dht-port 31401 --announce ADDR:31400`` (``ADDR`` the host's public address, its router's for a
+home host), logs to ``log_dir/<host>.log`` and is killed with its whole process group at the end.
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ from peer.emulation.procs import JOIN_LINE_PREFIX, PEER_COMMAND, child_env, kill
 from peer.emulation.reference_check import gap_to_reference
 
 REPO = Path(__file__).resolve().parents[2]
-GRPC_PORT, DHT_PORT, RELAY_PORT = 31400, 31401, 31402
+GRPC_PORT, DHT_PORT, RELAY_PORT, BULK_PORT = 31400, 31401, 31402, 31403
 
 
 def readme_flags(host: Host, announce: bool = True) -> list[str]:
     """The README's flags for a peer on ``host`` (``announce``: with --announce of the address others see)."""
-    flags = ["--host", "0.0.0.0", "--port", str(GRPC_PORT), "--dht-host", "0.0.0.0", "--dht-port", str(DHT_PORT)]
+    flags = ["--host", "0.0.0.0", "--port", str(GRPC_PORT), "--bulk-port", str(BULK_PORT), "--dht-host", "0.0.0.0",
+             "--dht-port", str(DHT_PORT)]
     return [*flags, "--announce", f"{host.addr}:{GRPC_PORT}"] if announce else flags
 
 

@@ -14,6 +14,9 @@ One import point for the runtime:
 * `TlsContext` (peer.net.tls): a peer's identity-bound certificate and trust store; every server and client
   speaks mutual TLS with `TransportConfig.tls` (default: the process's own identity; None only for plaintext
   benchmark baselines), and the server hands handlers the caller's authenticated peer id as the sender.
+* The bulk lane (peer.net.bulk_wire): pushes of at least `TransportConfig.bulk_min_bytes` go to a peer's lane, a
+  socket beside its gRPC port (mutual TLS, the same checks, the tensors sent from their own memory), when the
+  endpoint is direct; the client asks for the port over gRPC and falls back to gRPC when the lane is out of reach.
 * `LinkShaper(rate_bps, delay_s)`, `LinkTable(link_of)`: sender-side emulation of a link (peer.net.shaping).
 """
 

@@ -20,18 +20,20 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import grpc
 
 from peer.net.allocator import keep_freed_buffers
+from peer.net.bulk_client import BulkLane, LaneUnusableError, mark_unusable, pieces, usable
 from peer.net.config import TransportConfig
 from peer.net.counters import TRAFFIC
-from peer.net.endpoint import dial_plan
+from peer.net.endpoint import dial_plan, parse_endpoint
 from peer.net.server import _kind_name, kind_value, service_name
 from peer.net.shaping import LinkShaper
+from peer.net.statuses import error_of_status
 from protocol import PROTOCOL_VERSION
 from protocol import tasklet_pb2 as pb
 from protocol.chunking import Reassembler, check_version, chunk_payload_sizes, decode_chunk, iter_segment_chunks
@@ -40,9 +42,6 @@ from protocol.message import WireEnvelope, envelope_segments
 
 logger = logging.getLogger(__name__)
 
-UNREACHABLE_CODES = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
-)
 PROBE_CHUNK_BYTES = 256 * 1024
 # Slack on top of a call's own deadline when waiting for its future: gRPC enforces the deadline itself, this
 # only guards against a future that never resolves.
@@ -53,9 +52,7 @@ def map_rpc_error(exc: grpc.RpcError, endpoint: str) -> TransportError:
     """The typed error for a failed gRPC call."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     detail = (exc.details() if hasattr(exc, "details") else None) or str(code)
-    if code in UNREACHABLE_CODES:
-        return PeerUnreachable(endpoint, f"{code.name}: {detail}")
-    return Refused(code.name, detail, endpoint)
+    return error_of_status(code, detail, endpoint)
 
 
 class PeerClient:
@@ -89,6 +86,7 @@ class PeerClient:
         if proxy is not None:
             options += [("grpc.http_proxy", f"http://{proxy}"), ("grpc.enable_http_proxy", 1)]
         self.expect_peer = expect_peer
+        self._pinned: bytes | None = None  # the server certificate this client accepts (None: any trusted one)
         self._channel = self._open_channel(target, options, expect_peer or self._relayed_peer(endpoint))
         service = service_name(route)
         # Push and Fetch move serialized Chunks as raw bytes (see protocol.chunking.encode_chunk).
@@ -115,7 +113,19 @@ class PeerClient:
             request_serializer=pb.StatusRequest.SerializeToString,
             response_deserializer=pb.StatusReply.FromString,
         )
+        self._bulk_lane_call = self._channel.unary_unary(
+            f"/{service}/BulkLane",
+            request_serializer=pb.BulkLaneRequest.SerializeToString,
+            response_deserializer=pb.BulkLaneReply.FromString,
+        )
         self._inflight = threading.BoundedSemaphore(self.config.max_inflight_pushes)
+        # The peer's bulk lane (peer.net.bulk_client): None until asked, False when it has none or we may not use
+        # one (a relayed or routed endpoint, or bulk_port None), else the lane. Pushes on it run on _bulk_threads.
+        self._lane: BulkLane | bool | None = None if self.config.bulk_port is not None and not route else False
+        if proxy is not None:
+            self._lane = False
+        self._lane_lock = threading.Lock()
+        self._bulk_threads: ThreadPoolExecutor | None = None
 
     def _open_channel(self, target: str, options: list[tuple[str, Any]], expect_peer: str) -> grpc.Channel:
         """Mutual TLS (see peer.net.tls): our certificate; the server must present ``expect_peer``'s (or any
@@ -129,6 +139,7 @@ class PeerClient:
         if expect_peer and pinned is None:
             logger.warning("no trusted certificate for peer %s (at %s): calls to it will fail", expect_peer, target)
             pinned = tls.certificate  # only this peer itself could pass: fail closed
+        self._pinned = pinned
         return grpc.secure_channel(target, tls.channel_credentials(pinned), options=[*options, *tls.channel_options()])
 
     @staticmethod
@@ -170,8 +181,14 @@ class PeerClient:
                 envelope.protocol_version = PROTOCOL_VERSION
             if not envelope.sender:
                 envelope.sender = self.sender
-            chunks = self._push_chunks(envelope)
-            call = self._push.future(chunks, timeout=remaining)
+            size = envelope.nbytes if isinstance(envelope, WireEnvelope) else envelope.ByteSize()
+            TRAFFIC.sent(_kind_name(envelope.kind), size)
+            lane = self._bulk_lane(remaining) if size >= self.config.bulk_min_bytes else None
+            if lane is not None:
+                pushed = self._bulk_executor().submit(self._push_on_lane, lane, envelope, deadline)
+                pushed.add_done_callback(lambda _: self._inflight.release())
+                return pushed
+            call = self._push.future(self._push_chunks(envelope), timeout=remaining)
         except BaseException:
             self._inflight.release()
             raise
@@ -197,7 +214,6 @@ class PeerClient:
         sent_at = time.monotonic()
         segments = envelope_segments(envelope)
         total = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in segments)
-        TRAFFIC.sent(_kind_name(envelope.kind), total)
         chunk_bytes = self._chunk_bytes()
         chunks = iter_segment_chunks(segments, chunk_bytes)
         if self.shaper is None:
@@ -207,6 +223,56 @@ class PeerClient:
             # in payload bytes (chunk headers are a few bytes per chunk and are not counted).
             sizes = chunk_payload_sizes(total, chunk_bytes)
             yield from self.shaper.shape(chunks, lambda _: next(sizes), sent_at=sent_at, total_bytes=total)
+
+    # --- the bulk lane (peer.net.bulk_client) --------------------------------------------------------------
+    def _bulk_lane(self, timeout_s: float) -> BulkLane | None:
+        """The peer's bulk lane, asked for once (over this authenticated channel); None when there is none."""
+        with self._lane_lock:
+            if self._lane is None:
+                try:
+                    reply = self._bulk_lane_call(
+                        pb.BulkLaneRequest(protocol_version=PROTOCOL_VERSION), timeout=min(timeout_s, 5.0)
+                    )
+                except grpc.RpcError as exc:
+                    if exc.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED):
+                        self._lane = False  # a peer without the lane: gRPC for good
+                    return None  # unreachable now: ask again on the next large push
+                host = parse_endpoint(self.endpoint).host
+                ok = reply.protocol_version == PROTOCOL_VERSION and 0 < reply.port <= 65535
+                ok = ok and usable((host, reply.port))
+                self._lane = BulkLane(self.endpoint, host, reply.port, self.config.tls, self._pinned) if ok else False
+            return self._lane or None
+
+    def _bulk_executor(self) -> ThreadPoolExecutor:
+        with self._lane_lock:
+            if self._bulk_threads is None:
+                self._bulk_threads = ThreadPoolExecutor(self.config.max_inflight_pushes, thread_name_prefix="bulk-push")
+            return self._bulk_threads
+
+    def _push_on_lane(self, lane: BulkLane, envelope: pb.Envelope | WireEnvelope, deadline: float) -> None:
+        """One push on the bulk lane (on a lane thread); through gRPC if the lane cannot be reached."""
+        sent_at = time.monotonic()
+        segments = envelope_segments(envelope)
+        total = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in segments)
+        parts: Iterator[memoryview] = pieces(segments, self._chunk_bytes())
+        if self.shaper is not None:  # as _push_chunks: booked whole, released as the link would carry it
+            parts = self.shaper.shape(parts, lambda view: view.nbytes, sent_at=sent_at, total_bytes=total)
+        try:
+            lane.push(parts, total, deadline)
+            return
+        except LaneUnusableError as exc:
+            with self._lane_lock:
+                if self._lane is lane:
+                    logger.warning("%s: bulk lane unusable, pushing through gRPC from now on: %s", self.endpoint, exc)
+                    self._lane = False
+                    if exc.timed_out:
+                        mark_unusable(lane.address)
+                    lane.close()
+        call = self._push.future(self._push_chunks(envelope), timeout=max(1e-3, deadline - time.monotonic()))
+        try:
+            call.result()
+        except grpc.RpcError as exc:
+            raise map_rpc_error(exc, self.endpoint) from None
 
     def push(self, envelope: pb.Envelope | WireEnvelope, timeout_s: float | None = None) -> None:
         """Deliver `envelope` and wait for the peer's acknowledgement (see push_async)."""
@@ -332,6 +398,13 @@ class PeerClient:
 
     def close(self) -> None:
         self._channel.close()
+        with self._lane_lock:
+            lane, threads = self._lane, self._bulk_threads
+            self._lane, self._bulk_threads = False, None
+        if isinstance(lane, BulkLane):
+            lane.close()
+        if threads is not None:
+            threads.shutdown(wait=False)
 
     def __enter__(self) -> PeerClient:
         return self

@@ -33,6 +33,12 @@ class TransportConfig:
         the slots stay free for the others); more are refused with RESOURCE_EXHAUSTED.
     max_deadline_s: calls asking for a longer deadline are refused: no caller can pin a stream slot and its
         buffer for longer than this.
+    bulk_port: the port of the bulk lane (peer.net.bulk_wire: large pushes over a socket of their own, beside gRPC,
+        with the same checks): 0 lets the OS pick one (peers learn it over gRPC), None turns the lane off (this
+        server has none and this client's pushes all go through gRPC). Behind a firewall that opens only
+        ``port``, clients fall back to gRPC by themselves.
+    bulk_min_bytes: pushes of at least this many serialized bytes take the bulk lane, smaller ones gRPC (the lane's
+        gain is in the copies of large tensors; small messages keep gRPC's latency path).
     tls: this peer's key, certificate and trust store (peer.net.tls); mutual TLS on every connection, each
         call's caller authenticated by its certificate. The default is the process's own ephemeral identity
         (peer.net.tls.process_tls). None: plaintext and unauthenticated, only for benchmark baselines.
@@ -49,11 +55,17 @@ class TransportConfig:
     default_timeout_s: float = 30.0
     max_streams_per_peer: int | None = None  # None: max_concurrent_streams
     max_deadline_s: float = MAX_CALL_S
+    bulk_port: int | None = 0
+    bulk_min_bytes: int = 256 << 10
     tls: TlsContext | None = field(default_factory=process_tls)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.bulk_port is not None and not 0 <= self.bulk_port <= 65535:
+            raise ValueError(f"bulk_port must be None or in [0, 65535], got {self.bulk_port}")
+        if self.bulk_min_bytes < 0:
+            raise ValueError(f"bulk_min_bytes must be >= 0, got {self.bulk_min_bytes}")
         if self.chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {self.chunk_bytes}")
         if self.chunk_bytes + CHUNK_OVERHEAD_BYTES > self.max_message_bytes:

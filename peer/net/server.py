@@ -38,12 +38,15 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 
 from peer.net.allocator import keep_freed_buffers
+from peer.net.bulk_server import BulkListener
 from peer.net.config import TransportConfig
 from peer.net.counters import TRAFFIC
 from peer.net.shaping import LinkShaper
+from peer.net.statuses import refusal_of
 from protocol import PROTOCOL_VERSION
 from protocol import tasklet_pb2 as pb
 from protocol.chunking import (
+    ChunkView,
     Reassembler,
     check_version,
     chunk_payload_sizes,
@@ -51,7 +54,7 @@ from protocol.chunking import (
     envelope_kind_prefix,
     iter_segment_chunks,
 )
-from protocol.errors import BadMessage, Forbidden, Rejected, Unauthenticated, Unavailable
+from protocol.errors import BadMessage, Rejected
 from protocol.message import WireEnvelope, envelope_segments
 
 logger = logging.getLogger(__name__)
@@ -65,14 +68,6 @@ PushAdmission = Callable[[int, str], int]
 R = TypeVar("R")
 # A deadline further away than this (a day) counts as none: every peer call must be bounded.
 MAX_DEADLINE_S = 86_400.0
-
-_ERROR_CODES: list[tuple[type[Exception], grpc.StatusCode]] = [
-    (BadMessage, grpc.StatusCode.INVALID_ARGUMENT),
-    (Rejected, grpc.StatusCode.FAILED_PRECONDITION),
-    (Unavailable, grpc.StatusCode.UNAVAILABLE),
-    (Forbidden, grpc.StatusCode.PERMISSION_DENIED),
-    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
-]
 
 
 def kind_value(kind: int | str) -> int:
@@ -104,13 +99,8 @@ def _guarded(context: grpc.ServicerContext, what: str, fn: Callable[[], R]) -> R
     except grpc.RpcError:
         # The client went away (cancelled, deadline passed) while we were reading its stream.
         _abort(context, grpc.StatusCode.CANCELLED, f"{what}: the call ended before the message was complete")
-    except tuple(cls for cls, _ in _ERROR_CODES) as exc:
-        code = next(code for cls, code in _ERROR_CODES if isinstance(exc, cls))
-        logger.info("%s refused (%s): %s", what, code.name, exc)
-        _abort(context, code, str(exc))
     except Exception as exc:
-        logger.exception("%s: handler failed", what)
-        _abort(context, grpc.StatusCode.INTERNAL, f"{what}: internal error ({type(exc).__name__}: {exc})"[:500])
+        _abort(context, *refusal_of(what, exc))
 
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Peer"].full_name
@@ -158,30 +148,15 @@ class _Servicer:
 
     def _stream_slot(self, context: grpc.ServicerContext, what: str, caller: str = "") -> None:
         """Take a stream slot, and one of the caller's own quota (release with ``_owner._release``)."""
-        owner = self._owner
-        if not owner._streams.acquire(blocking=False):
-            _abort(
-                context,
-                grpc.StatusCode.UNAVAILABLE,
-                f"{what}: busy, {owner.config.max_concurrent_streams} streams already in progress",
-            )
-        with owner._lock:
-            held = owner._per_peer.get(caller, 0)
-            if held < owner.config.streams_per_peer:
-                owner._per_peer[caller] = held + 1
-                return
-        owner._streams.release()
-        _abort(
-            context,
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"{what}: {held} streams of this peer already in progress (its quota is {owner.config.streams_per_peer})",
-        )
+        refusal = self._owner._take_stream_slot(what, caller)
+        if refusal is not None:
+            _abort(context, *refusal)
 
     def Push(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> pb.Ack:  # noqa: N802
         caller = self._require_deadline(context, "Push")
         self._stream_slot(context, "Push", caller)
         try:
-            return _guarded(context, "Push", lambda: self._owner._deliver(request_iterator, caller))
+            return _guarded(context, "Push", lambda: self._owner._deliver(_decoded(request_iterator), caller))
         finally:
             self._owner._release(caller)
 
@@ -224,6 +199,11 @@ class _Servicer:
         finally:
             self._owner._release(caller)
 
+    def BulkLane(self, request: pb.BulkLaneRequest, context: grpc.ServicerContext) -> pb.BulkLaneReply:  # noqa: N802
+        self._require_deadline(context, "BulkLane")
+        _guarded(context, "BulkLane", lambda: check_version("bulk_lane.protocol_version", request.protocol_version))
+        return pb.BulkLaneReply(protocol_version=PROTOCOL_VERSION, port=self._owner.bulk_port)
+
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:  # noqa: N802
         self._require_deadline(context, "Status")
         _guarded(context, "Status", lambda: check_version("status.protocol_version", request.protocol_version))
@@ -254,7 +234,21 @@ def _method_handlers(servicer: _Servicer) -> dict[str, grpc.RpcMethodHandler]:
             request_deserializer=pb.StatusRequest.FromString,
             response_serializer=pb.StatusReply.SerializeToString,
         ),
+        "BulkLane": grpc.unary_unary_rpc_method_handler(
+            servicer.BulkLane,
+            request_deserializer=pb.BulkLaneRequest.FromString,
+            response_serializer=pb.BulkLaneReply.SerializeToString,
+        ),
     }
+
+
+def _decoded(raws: Iterator[bytes]) -> Iterator[ChunkView]:
+    """The chunks of a gRPC push, parsed without copying; each message's bytes are let go before the next."""
+    for raw in raws:
+        chunk = decode_chunk(raw)
+        del raw
+        yield chunk
+        del chunk
 
 
 def service_name(route: str = "") -> str:
@@ -306,6 +300,7 @@ class PeerServer:
         self._reserved_threads = 0
         self.route = ""  # set when this server is mounted on another one
         self._host: PeerServer | None = None
+        self._lane: BulkListener | None = None
 
     # --- registration -------------------------------------------------------------------------------------
     def register_push(self, kind: int | str, handler: PushHandler) -> None:
@@ -365,6 +360,29 @@ class PeerServer:
         activation's bound from its run's model and admits it only from its upstream neighbour."""
         self._push_admission = admit
 
+    def _take_stream_slot(self, what: str, caller: str) -> tuple[grpc.StatusCode, str] | None:
+        """Take a stream slot and one of the caller's own quota (release with ``_release``); the refusal if none."""
+        if not self._streams.acquire(blocking=False):
+            return (
+                grpc.StatusCode.UNAVAILABLE,
+                f"{what}: busy, {self.config.max_concurrent_streams} streams already in progress",
+            )
+        with self._lock:
+            held = self._per_peer.get(caller, 0)
+            if held < self.config.streams_per_peer:
+                self._per_peer[caller] = held + 1
+                return None
+        self._streams.release()
+        return (
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"{what}: {held} streams of this peer already in progress (its quota is {self.config.streams_per_peer})",
+        )
+
+    @property
+    def bulk_port(self) -> int:
+        """The port of this server's bulk lane (peer.net.bulk_server), 0 when it has none (or is mounted)."""
+        return 0 if self._lane is None else self._lane.port
+
     def _release(self, caller: str) -> None:
         with self._lock:
             left = self._per_peer.get(caller, 0) - 1
@@ -405,9 +423,19 @@ class PeerServer:
         if port == 0:
             self._executor.shutdown(wait=False)
             raise OSError(f"cannot listen on {self.config.host}:{self.config.port}")
+        if self.config.bulk_port is not None:
+            lane = BulkListener(self)
+            try:
+                lane.start(self.config.host, self.config.bulk_port)
+            except OSError as exc:
+                server.stop(None)
+                self._executor.shutdown(wait=False)
+                where = f"{self.config.host}:{self.config.bulk_port}"
+                raise OSError(f"cannot listen on {where} (bulk lane): {exc}") from exc
+            self._lane = lane
         server.start()
         self._server, self.port = server, port
-        logger.info("peer server listening on %s", self.endpoint)
+        logger.info("peer server listening on %s (bulk lane on port %d)", self.endpoint, self.bulk_port)
         return port
 
     def stop(self, grace: float = 1.0) -> None:
@@ -422,6 +450,9 @@ class PeerServer:
         server, self._server = self._server, None
         if server is None:
             return
+        lane, self._lane = self._lane, None
+        if lane is not None:
+            lane.stop()
         if not server.stop(grace).wait(timeout=grace + 5.0):
             logger.warning("peer server on port %s: calls still running %.1f s after stop", self.port, grace + 5)
         if self._executor is not None:
@@ -438,11 +469,11 @@ class PeerServer:
         self.stop()
 
     # --- call bodies (run on server threads) --------------------------------------------------------------
-    def _deliver(self, chunks: Iterator[bytes], caller: str = "") -> pb.Ack:
+    def _deliver(self, chunks: Iterator[ChunkView], caller: str = "") -> pb.Ack:
+        """Check, reassemble and hand over one pushed Envelope (chunks from gRPC or from the bulk lane)."""
         asm: Reassembler | None = None
         announced = pb.KIND_UNSPECIFIED
-        for raw in chunks:
-            chunk = decode_chunk(raw)
+        for chunk in chunks:
             if asm is None:
                 announced = envelope_kind_prefix(chunk.payload)
                 limit = self.config.max_envelope_bytes
@@ -452,7 +483,7 @@ class PeerServer:
                     raise Rejected(f"envelope.kind: this peer takes no {_kind_name(announced)} messages now")
                 asm = Reassembler(limit, what=_kind_name(announced))
             asm.add(chunk)
-            del raw, chunk  # its bytes are read: free them before gRPC makes the next chunk (memory reused)
+            del chunk  # its bytes are read: free them before the next chunk arrives (memory reused)
         if asm is None:
             raise BadMessage("chunk", "the stream carried no chunk")
         envelope = asm.message()

@@ -24,6 +24,9 @@ import base64
 import datetime
 import hashlib
 import logging
+import os
+import ssl
+import tempfile
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -201,6 +204,8 @@ class TlsContext:
         self.fingerprint = fingerprint(self.certificate)
         self.certificate_text = pem_to_text(self.certificate)
         self.trust.add("self", [self.certificate])  # a peer always accepts itself (its in-process clients)
+        self._ssl_lock = threading.Lock()
+        self._ssl_server: tuple[int, ssl.SSLContext] | None = None
 
     @property
     def peer_id(self) -> str:
@@ -251,6 +256,44 @@ class TlsContext:
     def channel(self, target: str, options: Iterable[tuple[str, object]] = ()) -> grpc.Channel:
         """A mutual-TLS channel to any trusted peer at ``target`` (for tools and tests that speak raw gRPC)."""
         return grpc.secure_channel(target, self.channel_credentials(), options=[*options, *self.channel_options()])
+
+    # --- the bulk lane (peer.net.bulk_server / bulk_client): the same mutual TLS through Python's ssl ------
+    def ssl_server_context(self) -> ssl.SSLContext:
+        """A server context requiring a client certificate among the trusted ones (rebuilt when trust moves; the
+        lane still checks the caller on every request, as the gRPC server does on every call)."""
+        with self._ssl_lock:
+            if self._ssl_server is None or self._ssl_server[0] != self.trust.version:
+                version = self.trust.version
+                ctx = self._ssl_context(ssl.PROTOCOL_TLS_SERVER, self.trust.bundle())
+                ctx.num_tickets = 0  # no resumption (every connection proves its key); no records to skip
+                self._ssl_server = (version, ctx)
+            return self._ssl_server[1]
+
+    def ssl_client_context(self, server_certificate: bytes | None = None) -> ssl.SSLContext:
+        """A client context presenting our certificate; accepts only ``server_certificate`` if given, else any
+        trusted peer, checked against the fixed peer name (as ``channel_credentials``)."""
+        ctx = self._ssl_context(ssl.PROTOCOL_TLS_CLIENT, server_certificate or self.trust.bundle())
+        ctx.check_hostname = True
+        return ctx
+
+    def _ssl_context(self, protocol: int, roots: bytes) -> ssl.SSLContext:
+        ctx = ssl.SSLContext(protocol)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.load_verify_locations(cadata=roots.decode())
+        # Python's ssl loads a key only from a file: a private directory (mode 0700), removed at once.
+        with tempfile.TemporaryDirectory(prefix="tasklet-tls-") as folder:
+            path = os.path.join(folder, "identity.pem")
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as out:
+                out.write(self.private_key_pem + self.certificate)
+            ctx.load_cert_chain(path)
+        return ctx
+
+    def peer_of_socket(self, sock: ssl.SSLSocket) -> str | None:
+        """The peer id of the other side of a TLS socket, if its certificate is trusted now; None otherwise."""
+        der = sock.getpeercert(binary_form=True)
+        return None if not der else self.trust.peer_of(ssl.DER_cert_to_PEM_cert(der).encode())
 
     @staticmethod
     def channel_options() -> list[tuple[str, str]]:

@@ -103,6 +103,14 @@ class PeerOptions:
     dashboard_port: int | None = None  # serve the swarm dashboard here; None: off
     progress: bool = False  # live progress on stderr (a bar on a terminal, plain lines elsewhere)
     relay_port: int | None = None  # serve a relay for peers behind NAT on this port of --host; None: off
+    bulk_port: int | None = 0  # the bulk lane's port on --host (peer.net.bulk_server); 0: a free one, None: off
+
+
+def bulk_lane_port(announce: str | None, bulk_port: int | None) -> int | None:
+    """The bulk lane's port for a peer's options: off (None) when an address is announced and no lane port was
+    chosen, since the ports an announced address forwards are the user's choice, and a lane on a port picked
+    now is not among them (peers outside would wait for it before falling back to gRPC)."""
+    return None if announce and bulk_port == 0 else bulk_port
 
 
 class PeerDaemon:
@@ -277,9 +285,13 @@ class PeerDaemon:
 
     def _start_worker(self) -> None:
         o = self.opts
+        bulk_port = bulk_lane_port(o.announce, o.bulk_port)
+        if bulk_port is None and o.bulk_port is not None:
+            log.info("--announce without --bulk-port: the bulk lane is off (give --bulk-port and forward it)")
         self.worker = StageWorker(
             o.host,
             o.port,
+            bulk_port=bulk_port,
             peer_id=self.identity.peer_id,
             device="cpu" if o.device == "auto" and o.emulate_tflops else o.device,
             tls=self.tls,

@@ -134,6 +134,7 @@ class StageWorker(GradientSync):
         self,
         host: str = "127.0.0.1",
         port: int = 0,
+        bulk_port: int | None = 0,
         peer_id: str = "",
         device: str = "",
         max_envelope_bytes: int | None = None,
@@ -145,7 +146,9 @@ class StageWorker(GradientSync):
         refuses them)."""
         limits = {} if max_envelope_bytes is None else {"max_envelope_bytes": max_envelope_bytes}
         self.tls = tls or process_tls()
-        self.config = TransportConfig(host=host, port=port, **WORKER_TRANSPORT, **limits, tls=self.tls)
+        self.config = TransportConfig(
+            host=host, port=port, bulk_port=bulk_port, **WORKER_TRANSPORT, **limits, tls=self.tls
+        )
         # Peers that may give this worker an assignment (and stop it) besides the current plan's coordinator:
         # the coordinator it was started for (local runs), or whatever may_assign accepts (the daemon: the
         # elected leader). This process itself always may.

@@ -1,0 +1,262 @@
+"""A peer's bulk lane, server side: large pushes over a TCP (mutual-TLS) socket, checked by the gRPC server's code.
+
+Why and the wire format: peer.net.bulk_wire. What stays the same as a gRPC push, in the same order and mostly the
+same code (peer.net.server): the caller is authenticated by its certificate (mutual TLS, peer.net.tls) and must be
+trusted *at each request*, not only at the handshake; the request must carry a deadline of at most
+``max_deadline_s`` and is cut off when it passes; it takes one of the server's stream slots and one of its caller's
+quota, refused with UNAVAILABLE / RESOURCE_EXHAUSTED as on gRPC; then ``PeerServer._deliver`` reads it: protocol
+version, the Kind's limit and the caller's admission from the first bytes (before anything is buffered), exactly
+the announced bytes, an Envelope of our version, a handler for its Kind; the handler's typed errors become the
+same status codes. A refusal is answered, then the connection is closed.
+
+What a stranger can make the lane hold: at most ``max_connections`` connections (a connection over the cap is
+closed at once, before its handshake), each given ``HANDSHAKE_TIMEOUT_S`` to finish TLS and ``IDLE_TIMEOUT_S``
+between requests; one thread per connection; a request's memory is what its checked bytes need, as on gRPC.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Iterator
+from typing import Protocol
+
+import grpc
+import numpy as np
+
+from peer.net.bulk_wire import HEAD, HEAD_MAGIC, LaneClosedError, encode_reply, recv_exact
+from peer.net.config import HANDSHAKE_TIMEOUT_S, TransportConfig
+from peer.net.counters import TRAFFIC
+from peer.net.statuses import refusal_of
+from protocol import tasklet_pb2 as pb
+from protocol.chunking import ChunkView, check_version
+from protocol.errors import BadMessage
+
+logger = logging.getLogger(__name__)
+
+IDLE_TIMEOUT_S = 300.0  # between requests on an open connection (clients drop theirs sooner, see bulk_client)
+FIRST_PIECE_BYTES = 64 << 10  # read before the Kind's limit and the caller's admission are asked
+DRAIN_S = 1.0  # after a refusal: read (and drop) what the client still sends, so that it reads our reply
+REPLY_TIMEOUT_S = 5.0
+
+
+class _Refusal(Exception):  # noqa: N818 - a control-flow signal, not an error of the API
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class LaneOwner(Protocol):
+    """What the lane uses of its PeerServer (peer.net.server): its limits, its stream slots and its push path."""
+
+    config: TransportConfig
+
+    def _take_stream_slot(self, what: str, caller: str) -> tuple[grpc.StatusCode, str] | None: ...
+
+    def _release(self, caller: str) -> None: ...
+
+    def _deliver(self, chunks: Iterator[ChunkView], caller: str = "") -> pb.Ack: ...
+
+
+class _Cut(Exception):  # noqa: N818 - a control-flow signal
+    """The request did not arrive whole (the connection ended, or its deadline passed): nothing to answer."""
+
+
+class BulkListener:
+    """Accepts bulk-lane connections for ``owner`` (a PeerServer) and delivers their pushes through its checks."""
+
+    def __init__(self, owner: LaneOwner) -> None:
+        self._owner = owner
+        config = owner.config
+        self.max_connections = 2 * config.max_concurrent_streams
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._conns: dict[socket.socket, socket.socket] = {}  # accepted socket -> what serves it (TLS-wrapped)
+        self._stopped = threading.Event()
+        self.port = 0
+
+    def start(self, host: str, port: int) -> int:
+        sock = socket.create_server((host, port), reuse_port=False, backlog=64)
+        self._sock, self.port = sock, sock.getsockname()[1]
+        threading.Thread(target=self._accept_loop, name=f"bulk-accept-{self.port}", daemon=True).start()
+        return self.port
+
+    def stop(self) -> None:
+        self._stopped.set()
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the accept loop
+            sock.close()
+        with self._lock:
+            conns, self._conns = list(self._conns.values()), {}
+        for conn in conns:  # wake the threads blocked reading them (close alone does not), then close
+            with contextlib.suppress(OSError):
+                socket.socket.shutdown(conn, socket.SHUT_RDWR)  # the socket's own, not TLS's close_notify
+            _close(conn)
+
+    # --- connections --------------------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._stopped.is_set():
+            sock = self._sock
+            if sock is None:
+                return
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return  # closed by stop()
+            with self._lock:
+                full = len(self._conns) >= self.max_connections
+                if not full:
+                    self._conns[conn] = conn
+            if full:
+                TRAFFIC.refused("UNAVAILABLE")
+                logger.info("bulk lane: %d connections already open, one more closed", self.max_connections)
+                _close(conn)
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="bulk-conn", daemon=True).start()
+
+    def _serve(self, raw: socket.socket) -> None:
+        conn: socket.socket = raw
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tls = self._owner.config.tls
+            if tls is not None:
+                conn.settimeout(HANDSHAKE_TIMEOUT_S)
+                with self._lock:  # a stop() from now on must reach the wrapped socket (it took over the fd)
+                    if raw not in self._conns:
+                        return
+                    conn = self._conns[raw] = tls.ssl_server_context().wrap_socket(
+                        raw, server_side=True, do_handshake_on_connect=False
+                    )
+                conn.do_handshake()
+            while not self._stopped.is_set() and self._serve_one(conn):
+                pass
+        except (OSError, LaneClosedError, ssl.SSLError) as exc:
+            logger.debug("bulk lane connection ended: %s", exc)
+        except Exception:
+            logger.exception("bulk lane: connection failed")
+        finally:
+            with self._lock:
+                self._conns.pop(raw, None)
+            _close(conn)
+
+    def _caller(self, conn: socket.socket) -> str:
+        tls = self._owner.config.tls
+        if tls is None:
+            return ""  # plaintext lanes (benchmark baselines) are unauthenticated, as plaintext gRPC
+        assert isinstance(conn, ssl.SSLSocket)
+        caller = tls.peer_of_socket(conn)
+        if caller is None:
+            raise _Refusal(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "Push: the caller's certificate is not trusted here (no live advert or assignment names it)",
+            )
+        return caller
+
+    def _serve_one(self, conn: socket.socket) -> bool:
+        """Serve one request; True when the connection stays open for the next."""
+        head = bytearray(HEAD.size)
+        conn.settimeout(IDLE_TIMEOUT_S)
+        try:
+            recv_exact(conn, memoryview(head)[:1])
+        except LaneClosedError:
+            return False  # the client closed an idle connection
+        conn.settimeout(HANDSHAKE_TIMEOUT_S)
+        recv_exact(conn, memoryview(head)[1:])
+        magic, version, deadline_ms, total = HEAD.unpack(head)
+        owner, caller, slot = self._owner, "", False
+        try:
+            if magic != HEAD_MAGIC:
+                raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "Push: not a bulk-lane request")
+            if self._stopped.is_set():
+                raise _Refusal(grpc.StatusCode.UNAVAILABLE, "Push: this peer's server is stopping")
+            caller = self._caller(conn)
+            deadline = time.monotonic() + self._check_deadline(deadline_ms)
+            try:
+                check_version("chunk.protocol_version", version)
+            except BadMessage as exc:
+                raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            refusal = owner._take_stream_slot("Push", caller)
+            if refusal is not None:
+                raise _Refusal(*refusal)
+            slot = True
+            try:
+                ack = owner._deliver(self._pieces(conn, version, total, deadline), caller)
+            except _Cut as exc:
+                logger.info("bulk push from %s cut off: %s", caller or "a plaintext client", exc.__cause__)
+                return False
+            except Exception as exc:
+                raise _Refusal(*refusal_of("Push", exc)) from None
+        except _Refusal as refusal:
+            if slot:
+                owner._release(caller)
+                slot = False
+            self._refuse(conn, refusal.code, str(refusal))
+            return False
+        finally:
+            if slot:
+                owner._release(caller)
+        conn.settimeout(REPLY_TIMEOUT_S)
+        conn.sendall(encode_reply(grpc.StatusCode.OK, ack.bytes_received))
+        return True
+
+    def _check_deadline(self, deadline_ms: int) -> float:
+        """The request's deadline in seconds, refused as gRPC refuses one (peer.net.server)."""
+        if deadline_ms == 0:
+            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "Push: calls without a deadline are refused")
+        seconds, limit = deadline_ms / 1000, self._owner.config.max_deadline_s
+        if seconds > limit + 1.0:
+            raise _Refusal(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"Push: a deadline of {seconds:.0f} s exceeds this peer's limit of {limit:.0f} s",
+            )
+        return seconds
+
+    def _pieces(self, conn: socket.socket, version: int, total: int, deadline: float) -> Iterator[ChunkView]:
+        """The request's bytes as the chunks a gRPC push would bring (each a fresh buffer: the reader may keep it),
+        the first one small so that the limits are asked before much is read."""
+        chunk_bytes = self._owner.config.chunk_bytes
+        seq, got = 0, 0
+        while True:
+            size = min(total - got, FIRST_PIECE_BYTES if seq == 0 else chunk_bytes)
+            piece = np.empty(size, np.uint8)
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0:
+                    raise TimeoutError("the request's deadline passed before it arrived whole")
+                conn.settimeout(left)
+                recv_exact(conn, memoryview(piece))
+            except OSError as exc:  # LaneClosedError and timeouts included
+                raise _Cut() from exc
+            got += size
+            yield ChunkView(version, total, seq, memoryview(piece))
+            del piece
+            seq += 1
+            if got >= total:
+                return
+
+    def _refuse(self, conn: socket.socket, code: grpc.StatusCode, message: str) -> None:
+        """Answer a refusal, then let the client finish what it was sending (dropped) so that it reads it."""
+        TRAFFIC.refused(code.name)
+        logger.info("bulk push refused (%s): %s", code.name, message)
+        try:
+            conn.settimeout(REPLY_TIMEOUT_S)
+            conn.sendall(encode_reply(code, 0, message))
+            end = time.monotonic() + DRAIN_S
+            sink = bytearray(64 << 10)
+            while (left := end - time.monotonic()) > 0:
+                conn.settimeout(left)
+                if not conn.recv_into(sink):
+                    break
+        except (OSError, ssl.SSLError):
+            pass
+
+
+def _close(conn: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        conn.close()
