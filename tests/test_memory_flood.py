@@ -10,10 +10,18 @@ server allocated the announced size at once (48 streams: 48 GiB). Now:
   each with only the bytes it actually sent.
 
 The worker's resident memory (VmRSS of its process) is read before and after each flood.
+
+The same flood on the worker's bulk lane (peer.net.bulk_server: pushes over a socket of its own, beside gRPC,
+same checks) must stay within the same bounds: a stranger and a plaintext client never get past the TLS
+handshake, idle connections beyond the lane's cap are closed at once, and the coordinator is refused or held
+to its quota of stream slots exactly as on gRPC.
 """
 
 from __future__ import annotations
 
+import select
+import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +31,10 @@ import grpc
 import pytest
 
 from peer.emulation.local import LocalWorkers
-from peer.net.tls import TlsContext
+from peer.net import PeerClient, TransportConfig
+from peer.net.bulk_wire import HEAD, HEAD_MAGIC, read_reply
+from peer.net.endpoint import parse_endpoint
+from peer.net.tls import SERVER_NAME, TlsContext
 from peer.runtime.bounds import ASSIGNMENT_BYTES
 from peer.runtime.worker import WORKER_TRANSPORT
 from protocol import PROTOCOL_VERSION
@@ -125,8 +136,118 @@ def test_flood_of_announced_gigabytes_stays_within_the_documented_bound(worker) 
         if attacker is not coordinator:
             assert set(codes) == {"UNAVAILABLE"}  # refused in the handshake
         elif total > ASSIGNMENT_BYTES:
-            assert set(codes) == {"INVALID_ARGUMENT"}  # over the Kind's limit, from the first chunk
+            # over the Kind's limit, from the first chunk; streams beyond the caller's quota at that instant are
+            # refused before their size is read (RESOURCE_EXHAUSTED: how many depends on the threads' timing)
+            assert codes.get("INVALID_ARGUMENT", 0) > 0
+            assert set(codes) <= {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}
         else:  # the stalled streams: at most the per-peer quota was let in, the rest refused at once
             assert codes.get("RESOURCE_EXHAUSTED", 0) >= STREAMS - WORKER_TRANSPORT["max_streams_per_peer"]
     time.sleep(1.0)
     assert _rss(pid) > 0  # the worker is alive and serving
+
+
+# --- the same flood on the bulk lane ----------------------------------------------------------------------------
+LANE_CONNECTIONS = 2 * WORKER_TRANSPORT["max_concurrent_streams"]  # BulkListener.max_connections
+
+
+def _lane_address(endpoint: str, coordinator: TlsContext) -> tuple[str, int]:
+    """The worker's lane, as its BulkLane call (over the coordinator's authenticated channel) names it."""
+    with PeerClient(endpoint, TransportConfig(tls=coordinator)) as client:
+        lane = client._bulk_lane(5.0)
+        assert lane is not None, "the worker has no bulk lane"
+        return lane.address
+
+
+def _lane_flood(address: tuple[str, int], tls: TlsContext | None, n: int, total: int, first: int) -> list:
+    """Open ``n`` lane connections (mutual TLS with ``tls``'s certificate; None: plaintext) that each send a head
+    announcing ``total`` bytes and the first ``first`` of them (``total`` 0: nothing at all), then stall. An entry
+    is None where the server ended the connection while we sent."""
+    context = None if tls is None else tls.ssl_client_context()
+    head = HEAD.pack(HEAD_MAGIC, PROTOCOL_VERSION, 60_000, total)
+    prefix = bytes([0x08, PROTOCOL_VERSION, 0x10, pb.STAGE_ASSIGNMENT])  # the Kind, readable from the first bytes
+    data = head + prefix + bytes(first - len(prefix)) if total else b""
+    conns: list[socket.socket | None] = []
+    for _ in range(n):
+        sock = None
+        try:
+            sock = socket.create_connection(address, timeout=5)
+            if context is not None:
+                sock = context.wrap_socket(sock, server_hostname=SERVER_NAME)
+            sock.sendall(data)
+            conns.append(sock)
+        except OSError:  # refused in the handshake (or right after it, TLS 1.3), or closed for the cap
+            if sock is not None:
+                sock.close()
+            conns.append(None)
+    return conns
+
+
+def _lane_outcome(conns: list) -> dict[str, int]:
+    """Per connection: the code the server answered, CLOSED (ended without an answer) or STALLED (still held)."""
+    live = [c for c in conns if c is not None]
+    readable = set(select.select(live, [], [], 1.0)[0]) if live else set()
+    codes = {"CLOSED": len(conns) - len(live)} if len(live) < len(conns) else {}
+    for conn in live:
+        if conn not in readable and not (isinstance(conn, ssl.SSLSocket) and conn.pending()):
+            name = "STALLED"
+        else:
+            try:
+                conn.settimeout(2.0)
+                name = read_reply(conn)[0].name
+            except OSError:  # TLS alert, reset, end of stream (LaneClosedError)
+                name = "CLOSED"
+        codes[name] = codes.get(name, 0) + 1
+    return codes
+
+
+def _pushes(endpoint: str, coordinator: TlsContext) -> int:
+    """Pushes the worker has delivered to its handlers so far (its Status call)."""
+    with PeerClient(endpoint, TransportConfig(tls=coordinator)) as client:
+        return client.status(timeout_s=10)["transport"]["pushes"]
+
+
+def _stranger(coordinator: TlsContext) -> TlsContext:
+    """An identity the worker does not trust, that trusts the worker (so that only the worker's check stops it)."""
+    worker_certs = [coordinator.trust.certificate(p) for p in coordinator.trust.peers() if p != coordinator.peer_id]
+    return TlsContext.generate().trust_only([c for c in worker_certs if c is not None])
+
+
+def test_lane_flood_stays_within_the_documented_bound(worker) -> None:
+    endpoint, pid, coordinator = worker
+    address = _lane_address(endpoint, coordinator)
+    assert address[0] == parse_endpoint(endpoint).host
+    delivered = _pushes(endpoint, coordinator)
+    quota = WORKER_TRANSPORT["max_streams_per_peer"]
+    for who, attacker, n, total, first, bound in [
+        ("stranger", _stranger(coordinator), STREAMS, 1 << 30, 4 * MIB, STRANGER_BOUND),
+        ("plaintext", None, STREAMS, 1 << 30, 4 * MIB, STRANGER_BOUND),
+        ("idle", None, LANE_CONNECTIONS + 16, 0, 0, STRANGER_BOUND),  # never even start the handshake
+        ("coordinator, 1 GiB", coordinator, STREAMS, 1 << 30, MIB, ROLE_BOUND),
+        ("coordinator, stalled", coordinator, STREAMS, ASSIGNMENT_BYTES, ASSIGNMENT_BYTES - 4096, ROLE_BOUND),
+    ]:
+        before = _rss(pid)
+        conns = _lane_flood(address, attacker, n, total, first)
+        try:
+            time.sleep(1.0)  # let the worker read (or refuse) what was sent
+            grown = _rss(pid) - before
+            codes = _lane_outcome(conns)
+        finally:
+            for conn in conns:
+                if conn is not None:
+                    conn.close()
+        print(f"lane, {who}: {n} connections announcing {total / MIB:.0f} MiB, RSS grew {grown / MIB:.1f} MiB "
+              f"(bound {bound / MIB:.0f} MiB), outcomes {codes}")
+        assert grown < bound, (who, grown)
+        assert "OK" not in codes  # nothing was delivered
+        if who in ("stranger", "plaintext"):
+            assert set(codes) == {"CLOSED"}  # ended in the TLS handshake, never answered
+        elif who == "idle":  # the lane's cap: what it holds open before any handshake is bounded
+            assert codes.get("STALLED", 0) <= LANE_CONNECTIONS and codes.get("CLOSED", 0) >= 16
+        elif total > ASSIGNMENT_BYTES:  # over the Kind's limit, from the first piece (or over the quota at once)
+            assert codes.get("INVALID_ARGUMENT", 0) > 0
+            assert set(codes) <= {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}
+        else:  # the stalled requests: at most the per-peer quota was let in, the rest refused at once
+            assert codes.get("STALLED", 0) <= quota
+            assert codes.get("RESOURCE_EXHAUSTED", 0) >= STREAMS - quota
+            assert set(codes) <= {"STALLED", "RESOURCE_EXHAUSTED"}
+    assert _pushes(endpoint, coordinator) == delivered  # and the worker still answers

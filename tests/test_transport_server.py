@@ -1,17 +1,23 @@
 """PeerServer / PeerClient over real gRPC on 127.0.0.1: chunked pushes and fetches, control calls, deadlines,
-stream limits and client backpressure."""
+stream limits and client backpressure.
+
+Every push test runs on both paths a push can take (the ``path`` parameter): "grpc" (no bulk lane on either side,
+so large messages keep their coverage on gRPC) and "lane" (every push on the bulk lane, peer.net.bulk_wire). The
+lane's own checks, spoken by a raw client, are in test_bulk_lane.py."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import grpc
 import pytest
 import torch
 
 from peer.net import PeerClient, PeerServer, TransportConfig
+from peer.net.bulk_client import BulkLane
 from peer.net.shaping import LinkShaper
 from peer.net.tls import process_tls
 from protocol import PROTOCOL_VERSION
@@ -21,6 +27,29 @@ from protocol.errors import Backpressure, PeerUnreachable, Refused
 from protocol.message import WireEnvelope
 
 CONFIG = TransportConfig(max_message_bytes=2 << 20, chunk_bytes=1 << 20, max_envelope_bytes=64 << 20)
+PATHS = ("grpc", "lane")
+both_paths = pytest.mark.parametrize("path", PATHS)
+
+
+def on_path(path: str, config: TransportConfig = CONFIG, **changes: object) -> TransportConfig:
+    """``config`` (with ``changes``) for one push path: "grpc" turns the lane off on both sides, "lane" sends every
+    push, however small, on it; "default" leaves the lane as configured (large pushes only)."""
+    if path == "grpc":
+        changes["bulk_port"] = None
+    elif path == "lane":
+        changes["bulk_min_bytes"] = 0
+    return replace(config, **changes)
+
+
+def assert_path(client: PeerClient, server: PeerServer, path: str, delivered: bool = True) -> None:
+    """The pushes so far took ``path``: on "lane" the client holds the lane (a lane that failed and fell back to
+    gRPC would be False), with a connection that a ``delivered`` push gave back; on "grpc" neither side has one."""
+    if path == "lane":
+        assert isinstance(client._lane, BulkLane), client._lane
+        assert client._lane._idle or not delivered
+        assert server.bulk_port > 0
+    elif path == "grpc":
+        assert client._lane is False and server.bulk_port == 0
 
 
 class Inbox:
@@ -36,8 +65,14 @@ class Inbox:
 
 
 @pytest.fixture
-def server() -> Iterator[PeerServer]:
-    srv = PeerServer(CONFIG)
+def path() -> str:
+    """The push path of a test that is not parametrized with ``both_paths``: the product's default."""
+    return "default"
+
+
+@pytest.fixture
+def server(path: str) -> Iterator[PeerServer]:
+    srv = PeerServer(on_path(path))
     srv.start()
     try:
         yield srv
@@ -46,8 +81,8 @@ def server() -> Iterator[PeerServer]:
 
 
 @pytest.fixture
-def client(server: PeerServer) -> Iterator[PeerClient]:
-    cli = PeerClient(server.endpoint, CONFIG, sender="tester")
+def client(server: PeerServer, path: str) -> Iterator[PeerClient]:
+    cli = PeerClient(server.endpoint, on_path(path), sender="tester")
     try:
         yield cli
     finally:
@@ -62,7 +97,8 @@ def _activation(t: torch.Tensor, step: int = 0, compression: str = "none") -> pb
     return env
 
 
-def test_push_large_tensor_streams_past_grpc_message_limit(server: PeerServer, client: PeerClient) -> None:
+@both_paths
+def test_push_large_tensor_streams_past_grpc_message_limit(server: PeerServer, client: PeerClient, path: str) -> None:
     inbox = Inbox()
     server.register_push("ACTIVATION", inbox)
     t = torch.randn(3, 1 << 20)  # 12 MiB, six times the 2 MiB gRPC message limit
@@ -73,15 +109,18 @@ def test_push_large_tensor_streams_past_grpc_message_limit(server: PeerServer, c
     assert env.protocol_version == PROTOCOL_VERSION and env.sender == process_tls().peer_id and env.key.step == 5
     assert torch.equal(decode_tensor(env.tensors[0], expect_shape=(3, 1 << 20)), t)
     assert server.stats["pushes"] == 1 and server.stats["push_bytes"] > 12 << 20
+    assert_path(client, server, path)
 
 
-def test_compressed_push_round_trip(server: PeerServer, client: PeerClient) -> None:
+@both_paths
+def test_compressed_push_round_trip(server: PeerServer, client: PeerClient, path: str) -> None:
     inbox = Inbox()
     server.register_push(pb.ACTIVATION, inbox)
     t = torch.randn(1000)
     client.push(_activation(t, compression="int8"), timeout_s=10)
     out = decode_tensor(inbox.got[0].tensors[0])
     assert (out - t).abs().max() <= t.abs().max() / 254 * 1.001
+    assert_path(client, server, path)
 
 
 def test_fetch_stage_state(server: PeerServer, client: PeerClient) -> None:
@@ -114,14 +153,17 @@ def test_control_calls(server: PeerServer, client: PeerClient) -> None:
     assert client.status()["transport"]["probes"] == 1
 
 
-def test_push_without_handler_is_refused(server: PeerServer, client: PeerClient) -> None:
+@both_paths
+def test_push_without_handler_is_refused(server: PeerServer, client: PeerClient, path: str) -> None:
     with pytest.raises(Refused) as info:
         client.push(_activation(torch.ones(2)), timeout_s=5)
     assert info.value.code == "FAILED_PRECONDITION"
     assert "envelope.kind: this peer takes no ACTIVATION messages" in str(info.value)
+    assert_path(client, server, path, delivered=False)
 
 
-def test_handler_crash_is_internal_and_server_keeps_serving(server: PeerServer, client: PeerClient) -> None:
+@both_paths
+def test_handler_crash_is_internal_and_server_keeps_serving(server: PeerServer, client: PeerClient, path: str) -> None:
     calls = []
 
     def flaky(env: pb.Envelope) -> None:
@@ -135,26 +177,30 @@ def test_handler_crash_is_internal_and_server_keeps_serving(server: PeerServer, 
     assert info.value.code == "INTERNAL" and "KeyError" in info.value.detail
     client.push(_activation(torch.ones(2), step=1), timeout_s=5)
     assert calls == [0, 1]
+    assert_path(client, server, path)
 
 
-def test_unreachable_peer_and_deadline() -> None:
-    srv = PeerServer(CONFIG)
+@both_paths
+def test_unreachable_peer_and_deadline(path: str) -> None:
+    cfg = on_path(path)
+    srv = PeerServer(cfg)
     port = srv.start()
     srv.stop(grace=0)
-    with PeerClient(f"127.0.0.1:{port}", CONFIG) as dead:
+    with PeerClient(f"127.0.0.1:{port}", cfg) as dead:
         with pytest.raises(PeerUnreachable, match="UNAVAILABLE"):
             dead.ping(timeout_s=2)
         with pytest.raises(PeerUnreachable):
             dead.push(_activation(torch.ones(2)), timeout_s=2)
 
     release = threading.Event()
-    with PeerServer(CONFIG) as slow, PeerClient(slow.endpoint, CONFIG) as cli:
+    with PeerServer(cfg) as slow, PeerClient(slow.endpoint, cfg) as cli:
         slow.register_push("ACTIVATION", lambda env: release.wait(10))
         try:
             with pytest.raises(PeerUnreachable, match="DEADLINE_EXCEEDED"):
                 cli.push(_activation(torch.ones(2)), timeout_s=0.5)
         finally:
             release.set()
+        assert_path(cli, slow, path, delivered=False)
 
 
 def test_calls_without_deadline_are_refused(server: PeerServer) -> None:
@@ -170,8 +216,9 @@ def test_calls_without_deadline_are_refused(server: PeerServer) -> None:
         assert "without a deadline" in info.value.details()
 
 
-def test_client_backpressure_blocks_then_times_out() -> None:
-    cfg = TransportConfig(max_inflight_pushes=2)
+@both_paths
+def test_client_backpressure_blocks_then_times_out(path: str) -> None:
+    cfg = on_path(path, TransportConfig(max_inflight_pushes=2))
     release = threading.Event()
     entered = threading.Semaphore(0)
 
@@ -192,10 +239,12 @@ def test_client_backpressure_blocks_then_times_out() -> None:
         first.result(timeout=10)
         second.result(timeout=10)
         cli.push(_activation(torch.ones(2)), timeout_s=5)  # a slot is free again
+        assert_path(cli, srv, path)
 
 
-def test_server_stream_limit_answers_busy() -> None:
-    cfg = TransportConfig(max_concurrent_streams=1, thread_pool_size=3)
+@both_paths
+def test_server_stream_limit_answers_busy(path: str) -> None:
+    cfg = on_path(path, TransportConfig(max_concurrent_streams=1, thread_pool_size=3))
     release = threading.Event()
     entered = threading.Event()
 
@@ -214,19 +263,25 @@ def test_server_stream_limit_answers_busy() -> None:
         finally:
             release.set()
         pending.result(timeout=10)
+        assert_path(a, srv, path)
+        assert_path(b, srv, path, delivered=False)
 
 
-def test_shaped_link_delays_push_and_both_ping_directions(server: PeerServer) -> None:
+@both_paths
+def test_shaped_link_delays_push_and_both_ping_directions(server: PeerServer, path: str) -> None:
     inbox = Inbox()
     server.register_push("ACTIVATION", inbox)
     back = LinkShaper(50e6, 0.03)
     server.set_reply_shaper(lambda sender: back if sender == process_tls().peer_id else None)
     link = LinkShaper(50e6, 0.02)
-    with PeerClient(server.endpoint, CONFIG, shaper=link, sender="shaped") as cli:
+    with PeerClient(server.endpoint, on_path(path), shaper=link, sender="shaped") as cli:
         t = torch.randn(100_000)
+        start = time.monotonic()
         cli.push(_activation(t), timeout_s=10)
+        assert time.monotonic() - start >= 0.02 + 400_000 * 8 / 50e6  # the link's delay and rate, on either path
         assert torch.equal(decode_tensor(inbox.got[0].tensors[0]), t)
         assert link.bytes_sent >= 400_000
+        assert_path(cli, server, path)
         # Lower bounds hold by construction (the shaper sleeps); they are not performance assertions.
         assert cli.ping(timeout_s=5) >= 0.05
         state = torch.randn(50_000)
@@ -245,13 +300,18 @@ def test_config_validation() -> None:
         TransportConfig(max_concurrent_streams=8, thread_pool_size=8)
     with pytest.raises(ValueError, match="port"):
         TransportConfig(port=70000)
+    with pytest.raises(ValueError, match="bulk_port"):
+        TransportConfig(bulk_port=70000)
+    with pytest.raises(ValueError, match="bulk_min_bytes"):
+        TransportConfig(bulk_min_bytes=-1)
 
 
-def test_large_messages_round_trip_bit_for_bit_on_the_copy_free_path() -> None:
+@both_paths
+def test_large_messages_round_trip_bit_for_bit_on_the_copy_free_path(path: str) -> None:
     """A 64 MiB tensor of random bytes pushed, and a 64 MiB float tensor fetched, over mutual TLS, each sent
     from its own storage (WireEnvelope) and received into a buffer of its own: equal bit for bit, decoded
     without a copy."""
-    cfg = TransportConfig(max_message_bytes=8 << 20, chunk_bytes=4 << 20, max_envelope_bytes=80 << 20)
+    cfg = on_path(path, TransportConfig(max_message_bytes=8 << 20, chunk_bytes=4 << 20, max_envelope_bytes=80 << 20))
     data = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8)
     params = torch.randn(16 << 20)  # 64 MiB
     got: list[torch.Tensor] = []
@@ -274,6 +334,7 @@ def test_large_messages_round_trip_bit_for_bit_on_the_copy_free_path() -> None:
         env.add_tensor("h", data)
         cli.push(env, timeout_s=60)
         assert len(got) == 1 and torch.equal(got[0], data)
+        assert_path(cli, srv, path)
         fetched = cli.fetch("STAGE_STATE", timeout_s=60)
         assert torch.equal(decode_tensor(fetched.tensors[0], expect_shape=(16 << 20,)), params)
         # past the limit: refused from the first chunk, on this path too
@@ -285,7 +346,8 @@ def test_large_messages_round_trip_bit_for_bit_on_the_copy_free_path() -> None:
         assert len(got) == 1
 
 
-def test_copy_free_push_refusals(server: PeerServer, client: PeerClient) -> None:
+@both_paths
+def test_copy_free_push_refusals(server: PeerServer, client: PeerClient, path: str) -> None:
     """NaN, a size that does not match the shape, and a wrong dtype are refused on the copy-free path too."""
 
     def strict(env: WireEnvelope) -> None:
@@ -307,3 +369,4 @@ def test_copy_free_push_refusals(server: PeerServer, client: PeerClient) -> None
         client.push(bad_size, timeout_s=10)
     assert info.value.code == "INVALID_ARGUMENT" and "needs 48" in info.value.detail
     client.push(_activation(torch.ones(5, 4)), timeout_s=10)  # a pb.Envelope still goes through
+    assert_path(client, server, path)

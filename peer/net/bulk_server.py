@@ -76,6 +76,8 @@ class BulkListener:
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, socket.socket] = {}  # accepted socket -> what serves it (TLS-wrapped)
+        self._busy: set[socket.socket] = set()  # accepted sockets with a request in progress
+        self._idle = threading.Condition(self._lock)  # notified when a request ends
         self._stopped = threading.Event()
         self.port = 0
 
@@ -85,7 +87,9 @@ class BulkListener:
         threading.Thread(target=self._accept_loop, name=f"bulk-accept-{self.port}", daemon=True).start()
         return self.port
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 1.0) -> None:
+        """Accept nothing more and close idle connections at once; a request in progress gets ``grace`` seconds
+        to be answered (as gRPC's own stop gives its calls), then its connection is cut too."""
         self._stopped.set()
         sock, self._sock = self._sock, None
         if sock is not None:
@@ -93,11 +97,14 @@ class BulkListener:
                 sock.shutdown(socket.SHUT_RDWR)  # wakes the accept loop
             sock.close()
         with self._lock:
+            idle = [raw for raw in self._conns if raw not in self._busy]
+            _cut([self._conns.pop(raw) for raw in idle])
+            end = time.monotonic() + grace
+            while self._busy and (left := end - time.monotonic()) > 0:
+                self._idle.wait(left)
             conns, self._conns = list(self._conns.values()), {}
-        for conn in conns:  # wake the threads blocked reading them (close alone does not), then close
-            with contextlib.suppress(OSError):
-                socket.socket.shutdown(conn, socket.SHUT_RDWR)  # the socket's own, not TLS's close_notify
-            _close(conn)
+            self._busy.clear()
+        _cut(conns)
 
     # --- connections --------------------------------------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -134,7 +141,7 @@ class BulkListener:
                         raw, server_side=True, do_handshake_on_connect=False
                     )
                 conn.do_handshake()
-            while not self._stopped.is_set() and self._serve_one(conn):
+            while not self._stopped.is_set() and self._serve_one(raw, conn):
                 pass
         except (OSError, LaneClosedError, ssl.SSLError) as exc:
             logger.debug("bulk lane connection ended: %s", exc)
@@ -143,6 +150,8 @@ class BulkListener:
         finally:
             with self._lock:
                 self._conns.pop(raw, None)
+                self._busy.discard(raw)
+                self._idle.notify_all()
             _close(conn)
 
     def _caller(self, conn: socket.socket) -> str:
@@ -158,7 +167,7 @@ class BulkListener:
             )
         return caller
 
-    def _serve_one(self, conn: socket.socket) -> bool:
+    def _serve_one(self, raw: socket.socket, conn: socket.socket) -> bool:
         """Serve one request; True when the connection stays open for the next."""
         head = bytearray(HEAD.size)
         conn.settimeout(IDLE_TIMEOUT_S)
@@ -166,6 +175,18 @@ class BulkListener:
             recv_exact(conn, memoryview(head)[:1])
         except LaneClosedError:
             return False  # the client closed an idle connection
+        with self._lock:
+            if raw not in self._conns:
+                return False  # stop() closed it as idle
+            self._busy.add(raw)
+        try:
+            return self._serve_request(conn, head)
+        finally:
+            with self._lock:
+                self._busy.discard(raw)
+                self._idle.notify_all()
+
+    def _serve_request(self, conn: socket.socket, head: bytearray) -> bool:
         conn.settimeout(HANDSHAKE_TIMEOUT_S)
         recv_exact(conn, memoryview(head)[1:])
         magic, version, deadline_ms, total = HEAD.unpack(head)
@@ -255,6 +276,14 @@ class BulkListener:
                     break
         except (OSError, ssl.SSLError):
             pass
+
+
+def _cut(conns: list[socket.socket]) -> None:
+    """Wake the threads blocked reading ``conns`` (close alone does not), then close them."""
+    for conn in conns:
+        with contextlib.suppress(OSError):
+            socket.socket.shutdown(conn, socket.SHUT_RDWR)  # the socket's own, not TLS's close_notify
+        _close(conn)
 
 
 def _close(conn: socket.socket) -> None:

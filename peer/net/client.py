@@ -30,7 +30,7 @@ from peer.net.allocator import keep_freed_buffers
 from peer.net.bulk_client import BulkLane, LaneUnusableError, mark_unusable, pieces, usable
 from peer.net.config import TransportConfig
 from peer.net.counters import TRAFFIC
-from peer.net.endpoint import dial_plan, parse_endpoint
+from peer.net.endpoint import EndpointError, dial_plan, parse_endpoint
 from peer.net.server import _kind_name, kind_value, service_name
 from peer.net.shaping import LinkShaper
 from peer.net.statuses import error_of_status
@@ -237,7 +237,11 @@ class PeerClient:
                     if exc.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED):
                         self._lane = False  # a peer without the lane: gRPC for good
                     return None  # unreachable now: ask again on the next large push
-                host = parse_endpoint(self.endpoint).host
+                try:
+                    host = parse_endpoint(self.endpoint).host
+                except EndpointError:  # a target gRPC resolves itself (dns:///...): no host for a socket of ours
+                    self._lane = False
+                    return None
                 ok = reply.protocol_version == PROTOCOL_VERSION and 0 < reply.port <= 65535
                 ok = ok and usable((host, reply.port))
                 self._lane = BulkLane(self.endpoint, host, reply.port, self.config.tls, self._pinned) if ok else False

@@ -451,9 +451,10 @@ class PeerServer:
         if server is None:
             return
         lane, self._lane = self._lane, None
+        stopped = server.stop(grace)  # both paths get the same grace, side by side
         if lane is not None:
-            lane.stop()
-        if not server.stop(grace).wait(timeout=grace + 5.0):
+            lane.stop(grace)
+        if not stopped.wait(timeout=grace + 5.0):
             logger.warning("peer server on port %s: calls still running %.1f s after stop", self.port, grace + 5)
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
