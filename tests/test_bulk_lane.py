@@ -343,23 +343,30 @@ def test_announced_size_over_the_limit_is_refused_from_the_first_piece(lanes: La
     assert_still_serving(server, inbox, ids.client)
 
 
+@contextlib.contextmanager
+def _slot_held(holder: RawLane, inbox: Inbox) -> Iterator[bytes]:
+    """``holder`` sends a push (step 1) that the server enters and holds, a stream slot in use, until the
+    block ends; then its answer is checked. Yields the push's body."""
+    inbox.block = threading.Event()
+    first = body(step=1)
+    holder.head(len(first))
+    holder.send(first)
+    try:
+        assert inbox.entered.wait(5)
+        yield first
+    finally:
+        inbox.block.set()
+    assert holder.reply() == (OK, len(first), "")
+
+
 def test_busy_server_answers_unavailable(lanes: Lanes, ids: Identities) -> None:
     """With every stream slot taken, a request is refused from its head, before its body is read."""
     server, inbox = lanes.start(ids.server, max_concurrent_streams=1, thread_pool_size=3)
-    inbox.block = threading.Event()
     with RawLane(server.bulk_port, ids.client) as holder:
-        first = body(step=1)
-        holder.head(len(first))
-        holder.send(first)
-        try:
-            assert inbox.entered.wait(5)
-            with RawLane(server.bulk_port, ids.other) as late:
-                late.head(len(first))
-                code, _, message = late.reply()
-                assert code == grpc.StatusCode.UNAVAILABLE and "busy" in message
-        finally:
-            inbox.block.set()
-        assert holder.reply() == (OK, len(first), "")
+        with _slot_held(holder, inbox) as first, RawLane(server.bulk_port, ids.other) as late:
+            late.head(len(first))
+            code, _, message = late.reply()
+            assert code == grpc.StatusCode.UNAVAILABLE and "busy" in message
         second = body(step=2)
         assert holder.push(second) == (OK, len(second), "")  # the same connection serves the next request
     assert inbox.steps == [1, 2]
@@ -368,23 +375,14 @@ def test_busy_server_answers_unavailable(lanes: Lanes, ids: Identities) -> None:
 def test_per_peer_quota_answers_resource_exhausted(lanes: Lanes, ids: Identities) -> None:
     """A caller holding its quota of slots is refused another; another caller still gets one."""
     server, inbox = lanes.start(ids.server, max_concurrent_streams=4, max_streams_per_peer=1)
-    inbox.block = threading.Event()
-    with RawLane(server.bulk_port, ids.client) as holder:
-        first = body(step=1)
-        holder.head(len(first))
-        holder.send(first)
-        try:
-            assert inbox.entered.wait(5)
-            with RawLane(server.bulk_port, ids.client) as again:
-                again.head(len(first))
-                code, _, message = again.reply()
-                assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "quota is 1" in message
-            with RawLane(server.bulk_port, ids.other) as other:
-                third = body(step=3)
-                assert other.push(third) == (OK, len(third), "")
-        finally:
-            inbox.block.set()
-        assert holder.reply() == (OK, len(first), "")
+    with RawLane(server.bulk_port, ids.client) as holder, _slot_held(holder, inbox) as first:
+        with RawLane(server.bulk_port, ids.client) as again:
+            again.head(len(first))
+            code, _, message = again.reply()
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "quota is 1" in message
+        with RawLane(server.bulk_port, ids.other) as other:
+            third = body(step=3)
+            assert other.push(third) == (OK, len(third), "")
     assert inbox.steps == [3, 1]
     assert server._per_peer == {}
 
