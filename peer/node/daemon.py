@@ -26,29 +26,22 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from peer.compute.data import CorpusError
 from peer.compute.device_probe import measure_device
-from peer.compute.textdata import load_corpus
-from peer.config import ConfigError, RunConfig
-from peer.net import PeerClient, TransportConfig
-from peer.net.shaping import LinkShaper
+from peer.config import RunConfig
 from peer.net.tls import TlsContext
+from peer.node.emulated_links import EmulatedLinks
+from peer.node.joining import JoinError, check_files, find_run
 from peer.node.leader_role import LeaderContext, LeaderRole
-from peer.node.planning import PROBE_K, PROBE_RANDOM, EmulatedNetwork, probe_targets_for
+from peer.node.planning import EmulatedNetwork
+from peer.node.prober import LinkProber, ProbeSources
 from peer.node.reachability import Reach, ReachabilityError, establish, refuse_undialable
 from peer.observe.node import NodeObserver, ObserveError, ObserveOptions
 from peer.observe.snapshot import SwarmSource
 from peer.runtime.worker import StageWorker
-from peer.swarm.adverts import Advert, LinkReport
+from peer.swarm.adverts import Advert
 from peer.swarm.dht import DHT_OPS, DHTConfig, DHTStartError, ops_delta, reconnect, start_dht, visible_maddrs
 from peer.swarm.identity import Identity
-from peer.swarm.membership import (
-    ClockSkewError,
-    Membership,
-    RunReadTimeoutError,
-    SwarmSecretError,
-    verify_swarm_secret,
-)
+from peer.swarm.membership import ClockSkewError, Membership
 from peer.swarm.plans import PlanBoard, PlanRecord
 from peer.swarm.progress import ProgressBoard
 from peer.swarm.view import SwarmView
@@ -57,22 +50,14 @@ from peer.timing import (
     DHT_RECONNECT_HEARTBEATS,
     EXIT_COPY_WAIT_S,
     HEARTBEAT_S,
-    JOINER_RUN_WAIT_S,
     PLAN_RENEW_TICKS,
-    PROBE_PING_TIMEOUT_S,
-    PROBE_TIMEOUT_S,
     TICKS_PER_HEARTBEAT,
     now,
 )
 
 log = logging.getLogger(__name__)
 
-PROBE_BYTES = 256 * 1024
 COORDINATOR_THREADS = 64  # extra worker-server threads for a coordinator mounted on it
-PROBE_SAMPLE = 8  # peers probed per round; the rest are estimated (see peer.node.planning.build_cluster)
-PROBE_PEERS = PROBE_K + PROBE_RANDOM  # peers one peer measures in all; the other pairs are estimated
-PROBE_RETRY_ROUNDS = 2  # a peer whose probe failed is tried again after this many rounds (in a forming swarm a
-# first probe often fails only because the target has not read the prober's advert, and its certificate, yet)
 DHT_JOIN_ATTEMPTS = 4  # joining through a node too busy to answer the DHT's ping is tried this often
 BUSY_BOOTSTRAP = "none of the initial_peers responded to a ping"  # hivemind's words for that
 OPS_LOG_HEARTBEATS = 5  # the daemon logs its DHT gets and stores per heartbeat this often
@@ -137,12 +122,9 @@ class PeerDaemon:
         self.stop_requested = threading.Event()
         self._live: list[Advert] = []
         self._live_lock = threading.Lock()
-        self._probed: dict[str, LinkReport] = {}
-        self._probe_failed: dict[str, int] = {}  # peer id -> the probe round its last probe failed in
-        self._probe_rounds = 0
-        self._probe_lock = threading.Lock()
-        self._reply_shapers: dict[str, LinkShaper | None] = {}
-        self._reported: frozenset[str] = frozenset()
+        self.prober: LinkProber | None = None
+        self.advert: Advert | None = None
+        self.links = EmulatedLinks(None, lambda: self.advert, self.live_adverts)
         self._ticks = 0
         self._ops_mark: tuple[dict[str, int], int] = ({}, 0)  # DHT_OPS snapshot and tick of the last ops line
         self._announced_at = time.monotonic()
@@ -199,68 +181,14 @@ class PeerDaemon:
     def _join_run(self) -> None:
         o = self.opts
         run_id = self.config.run.run_id if self.config else o.run_id
-        deadline = time.monotonic() + JOINER_RUN_WAIT_S
-        while True:
-            try:
-                existing = verify_swarm_secret(self.dht, run_id, o.secret or None)
-                break
-            except RunReadTimeoutError as exc:  # a busy DHT: try again until the joiner's wait is over
-                if time.monotonic() >= deadline:
-                    raise DaemonError(str(exc)) from None
-                log.warning("%s; trying again", exc)
-            except SwarmSecretError as exc:
-                raise DaemonError(str(exc)) from None
-        self.started_run = self.config is not None
-        if self.config is not None:
-            if existing is not None:
-                raise DaemonError(
-                    f"a run named {run_id!r} already exists in this DHT; use `peer join` or another [run] run_id"
-                )
-            if (self.config.swarm.secret or None) != (o.secret or None):
-                o.secret = self.config.swarm.secret or o.secret
-        else:
-            while existing is None and time.monotonic() < deadline:
-                time.sleep(0.5)
-                try:
-                    existing = verify_swarm_secret(self.dht, run_id, o.secret or None)
-                except RunReadTimeoutError as exc:
-                    log.warning("%s; trying again", exc)
-                except SwarmSecretError as exc:
-                    raise DaemonError(str(exc)) from None
-            if existing is None:
-                raise DaemonError(
-                    f"no run named {run_id!r} is published in this DHT (is `peer start` running? "
-                    "use --run NAME for another run)"
-                )
-            try:
-                published_config = {k: v for k, v in existing.config.items()
-                                    if k not in ("fingerprint", "model_fingerprint")}
-                self.config = RunConfig.from_dict(published_config, where=f"run {run_id!r} from the DHT")
-            except ConfigError as exc:
-                raise DaemonError(str(exc)) from None
-        assert self.config is not None
-        own = self.config.spec()
         try:
-            corpus = load_corpus(own.corpus, own.tokenizer, own.text_field, own.model)
-        except CorpusError as exc:
-            raise DaemonError(f"[run] corpus: {exc}") from None
-        except ValueError as exc:  # a tokenizer that cannot be read or does not fit the model (names its file)
-            raise DaemonError(f"[run] tokenizer: {exc}") from None
-        model_fingerprint = getattr(own.model, "fingerprint", "")
-        published_model = (existing.config.get("model_fingerprint") if existing else None) or model_fingerprint
-        if model_fingerprint != published_model:
-            raise DaemonError(
-                f"this peer's model files differ from the run's (fingerprint {model_fingerprint[:12]} vs "
-                f"{published_model[:12]}): a different config.json or checkpoint at {own.model.source}"
-            )
-        published = (existing.config.get("fingerprint") if existing else None) or corpus.fingerprint
-        if corpus.fingerprint != published:
-            raise DaemonError(
-                f"this peer's training data differs from the run's (fingerprint {corpus.fingerprint[:12]}"
-                f" vs {published[:12]}): a different Python version or --corpus path"
-            )
-        self.spec = self.config.spec(corpus_fingerprint=published)
-        self._corpus = corpus
+            found = find_run(self.dht, run_id, o.secret or None, self.config)
+            files = check_files(found.config, found.existing)
+        except JoinError as exc:
+            raise DaemonError(str(exc)) from None
+        self.started_run = found.existing is None
+        self.config, o.secret, existing = found.config, found.secret, found.existing
+        self.spec, self._corpus = files.spec, files.corpus
         self.membership = Membership(
             self.dht, run_id, self.identity, o.secret or None, heartbeat_s=self.config.swarm.heartbeat_s
         )
@@ -272,9 +200,8 @@ class PeerDaemon:
         self.plan_board = PlanBoard(self.dht, run_id, self.identity, o.secret or None, elector=self.elected)
         self.progress = ProgressBoard(self.dht, run_id, self.identity, o.secret or None)
         self.view = SwarmView(self.membership, self.plan_board, self.progress)
-        record = {**self.config.public_dict(), "fingerprint": published, "model_fingerprint": published_model}
         if existing is None:
-            self.membership.publish_run(record)
+            self.membership.publish_run(files.record(self.config))
         else:
             self.membership.adopt_run(existing)
         if self.config.emulation.scenario:
@@ -282,6 +209,10 @@ class PeerDaemon:
                 self.network = EmulatedNetwork(self.config.emulation)
             except ValueError as exc:
                 raise DaemonError(f"[emulation] {exc}") from None
+        self.links = EmulatedLinks(self.network, lambda: self.advert, self.live_adverts)
+        self.prober = LinkProber(self.identity.peer_id, self.tls, ProbeSources(
+            self.live_adverts, self.elected, self._followed_plan, self.links.link, self.membership.report_links,
+        ), self.spec.seed)
 
     def _start_worker(self) -> None:
         o = self.opts
@@ -305,7 +236,7 @@ class PeerDaemon:
             self.endpoint = self.worker.start()
         except OSError as exc:
             raise DaemonError(f"{exc}: the address is in use or not available (--host/--port)") from None
-        self.worker.server.set_reply_shaper(self._reply_shaper)
+        self.worker.server.set_reply_shaper(self.links.reply_shaper)
         self.worker.preload_corpus(self._corpus)
         if o.announce:
             self.endpoint = o.announce
@@ -473,14 +404,8 @@ class PeerDaemon:
         self._ops_mark = (after, self._ticks)
         if heartbeats <= 0:
             return
-        delta = ops_delta(before, after)
         role = "leader" if self.role is not None else ("worker" if self.view and self.view.holding_plan else "idle")
-        rates = {k: round(n / heartbeats, 2) for k, n in sorted(delta.items())}
-        gets = round(sum(n for k, n in delta.items() if k.startswith("get:")) / heartbeats, 2)
-        stores = round(sum(n for k, n in delta.items() if k.startswith("store:")) / heartbeats, 2)
-        rows = round(sum(n for k, n in delta.items() if k.startswith("rows:")) / heartbeats, 2)
-        log.info("dht ops per heartbeat %s", json.dumps({"role": role, "heartbeats": heartbeats, "get": gets,
-                                                          "store": stores, "rows": rows, "by_record": rates}))
+        log.info("dht ops per heartbeat %s", json.dumps(_ops_summary(ops_delta(before, after), heartbeats, role)))
 
     def _leader_context(self) -> LeaderContext:
         """What the leader role may use of this daemon, and nothing more."""
@@ -552,34 +477,13 @@ class PeerDaemon:
         with self._live_lock:
             return list(self._live)
 
-    # ----------------------------------------------------------------------------------------- emulation
-    def _peer_link(self, other: Advert) -> tuple[float, float] | None:
-        emu_me = self.advert.extra.get("emu")
-        emu_other = other.extra.get("emu")
-        if self.network is None or emu_me is None or emu_other is None:
-            return None
-        return self.network.link(int(emu_me), int(emu_other))
-
     def _update_links(self, entries: list[Advert]) -> None:
         """Emulated swarms shape this worker's traffic to each peer before any plan (so probes see it)."""
-        if self.network is None or self.worker is None or self.worker.assignment is not None:
+        if self.worker is None or self.worker.assignment is not None:
             return
-        table = {
-            a.endpoint: link
-            for a in entries
-            if a.peer_id != self.identity.peer_id and (link := self._peer_link(a)) is not None
-        }
-        self.worker.set_links(table)
-
-    def _reply_shaper(self, sender: str) -> LinkShaper | None:
-        """Shape replies (pings, fetched states) on the emulated link back to ``sender``."""
-        if sender not in self._reply_shapers:
-            other = next((a for a in self.live_adverts() if a.peer_id == sender), None)
-            link = None if other is None else self._peer_link(other)
-            if other is None:
-                return None
-            self._reply_shapers[sender] = None if link is None else LinkShaper(*link)
-        return self._reply_shapers[sender]
+        table = self.links.table(entries, self.identity.peer_id)
+        if table is not None:
+            self.worker.set_links(table)
 
     # ----------------------------------------------------------------------------------------- probing
     def _probe_loop(self) -> None:
@@ -588,59 +492,13 @@ class PeerDaemon:
             self.stop_requested.wait(self.config.swarm.heartbeat_s if self.config else HEARTBEAT_S)
 
     def probe_links_now(self) -> None:
-        """Measure RTT and bandwidth to up to PROBE_SAMPLE peers a round, PROBE_PEERS in all; publish the reports.
+        """One round of link measurements (peer.node.prober), now."""
+        if self.prober is not None:
+            self.prober.probe_now()
 
-        Not every pair is probed: the leader estimates the others (``peer.node.planning.build_cluster``). The
-        targets are peers this peer trusts (certificates from its last full read of the adverts or from its
-        assignment: they trust it back), not measured yet: the elected leader, its neighbours in the plan it
-        follows, then a few at random (``peer.node.planning.probe_targets_for``). A failed target waits
-        PROBE_RETRY_ROUNDS rounds."""
-        if not self._probe_lock.acquire(blocking=False):
-            return
-        try:
-            self._probe_rounds += 1
-            others = [a for a in self.live_adverts() if a.peer_id != self.identity.peer_id and a.role == "worker"]
-            live = {a.peer_id for a in others}
-            budget = min(PROBE_SAMPLE, PROBE_PEERS - len(live & set(self._probed)))
-            todo = self._probe_order(others)[:max(0, budget)]
-            for a in todo:
-                link = self._peer_link(a)
-                shaper = LinkShaper(*link) if link else None
-                try:
-                    with PeerClient(a.endpoint, TransportConfig(tls=self.tls), shaper=shaper,
-                                    sender=self.identity.peer_id, expect_peer=a.peer_id) as client:
-                        path = client.path  # direct, reversed or relayed (peer.net.endpoint)
-                        rtt = min(client.ping(timeout_s=PROBE_PING_TIMEOUT_S) for _ in range(3))
-                        bw = client.probe(PROBE_BYTES, timeout_s=PROBE_TIMEOUT_S)
-                    log.info("link to %s (%s): %.1f Mbit/s, RTT %.2f ms", a.peer_id, path, bw / 1e6, rtt * 1e3)
-                except Exception as exc:  # an unreachable peer is simply not measured
-                    log.info("probe of %s failed: %s", a.peer_id, exc)
-                    self._probe_failed[a.peer_id] = self._probe_rounds
-                    continue
-                self._probed[a.peer_id] = LinkReport(self.identity.peer_id, a.peer_id, rtt, bw, True, now(), path)
-            if self._probed and self.membership is not None:
-                reports = [r for pid, r in self._probed.items() if pid in live]
-                key = frozenset(r.dst for r in reports)
-                if key != self._reported:  # unchanged reports are renewed by the membership heartbeat
-                    self.membership.report_links(reports)
-                    self._reported = key
-        finally:
-            self._probe_lock.release()
-
-    def _probe_order(self, others: list[Advert]) -> list[Advert]:
-        """Peers to probe next, most useful first (see :meth:`probe_links_now`): the elected leader, then the
-        choice of ``peer.node.planning.probe_targets_for`` (plan neighbours, then a few at random)."""
-        trusted = self.tls.trust.peers()
-        rounds = self._probe_rounds
-        eligible = {a.peer_id: a for a in others if a.peer_id in trusted
-                    and rounds - self._probe_failed.get(a.peer_id, -PROBE_RETRY_ROUNDS) >= PROBE_RETRY_ROUNDS}
+    def _followed_plan(self) -> dict[str, Any] | None:
         plan = self.view.followed_plan() if self.view is not None else None
-        chosen = probe_targets_for(self.identity.peer_id, sorted(eligible), plan.plan if plan is not None else None,
-                                   set(self._probed), k=PROBE_K, n_random=PROBE_RANDOM, seed=self.spec.seed)
-        leader = self.elected()
-        if leader in eligible and leader not in self._probed:
-            chosen = [leader, *(pid for pid in chosen if pid != leader)]
-        return [eligible[pid] for pid in chosen]
+        return plan.plan if plan is not None else None
 
     def latest_progress(self) -> dict[str, Any] | None:
         """Progress (with the loss history) of the leader of the plan this peer follows (before any plan: of the
@@ -689,6 +547,16 @@ class PeerDaemon:
                 self.dht.shutdown()
             except Exception as exc:  # the child process may be gone already
                 log.info("DHT shutdown: %s", exc)
+
+
+def _ops_summary(delta: dict[str, int], heartbeats: float, role: str) -> dict[str, Any]:
+    """DHT gets, stores and rows read per heartbeat, in all and by record."""
+    def per_heartbeat(prefix: str) -> float:
+        return round(sum(n for k, n in delta.items() if k.startswith(prefix)) / heartbeats, 2)
+
+    by_record = {k: round(n / heartbeats, 2) for k, n in sorted(delta.items())}
+    return {"role": role, "heartbeats": heartbeats, "get": per_heartbeat("get:"), "store": per_heartbeat("store:"),
+            "rows": per_heartbeat("rows:"), "by_record": by_record}
 
 
 def _progress_leader(plan: PlanRecord | None, elected: str | None) -> str | None:

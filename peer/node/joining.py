@@ -1,0 +1,121 @@
+"""Finding the run a peer joins and checking that this peer's files are the run's.
+
+The first peer (`peer start`) brings the run's configuration and must find no run of that name; a joiner
+waits for the published run and takes its configuration from it. Either way the peer's model files and
+training data must have the fingerprints the run published, or it would train on something else.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import hivemind
+
+from peer.compute.data import Corpus, CorpusError
+from peer.compute.textdata import load_corpus
+from peer.config import ConfigError, RunConfig
+from peer.runtime.spec import RunSpec
+from peer.swarm.membership import RunReadTimeoutError, RunRecord, SwarmSecretError, verify_swarm_secret
+from peer.timing import JOINER_RUN_WAIT_S
+
+log = logging.getLogger(__name__)
+
+
+class JoinError(RuntimeError):
+    """A one-line reason why this peer cannot take part in the run."""
+
+
+@dataclass(frozen=True)
+class FoundRun:
+    """The run this peer takes part in: its configuration, the published record (None: this peer publishes
+    it) and the join secret to use."""
+
+    config: RunConfig
+    existing: RunRecord | None
+    secret: str | None
+
+
+@dataclass(frozen=True)
+class CheckedFiles:
+    """This peer's corpus and spec, with the fingerprints the run publishes (or adopted from it)."""
+
+    spec: RunSpec
+    corpus: Corpus
+    fingerprint: str
+    model_fingerprint: str
+
+    def record(self, config: RunConfig) -> dict[str, Any]:
+        """The run record a first peer publishes."""
+        return {**config.public_dict(), "fingerprint": self.fingerprint, "model_fingerprint": self.model_fingerprint}
+
+
+def find_run(dht: hivemind.DHT, run_id: str, secret: str | None, config: RunConfig | None) -> FoundRun:
+    """The run to take part in: a new one from ``config`` (none of that name may exist) or, for a joiner
+    (``config`` None), the published one, waited for up to JOINER_RUN_WAIT_S."""
+    deadline = time.monotonic() + JOINER_RUN_WAIT_S
+    existing = _read_run(dht, run_id, secret, deadline, wait_for_record=False)
+    if config is not None:
+        if existing is not None:
+            raise JoinError(f"a run named {run_id!r} already exists in this DHT; use `peer join` or another "
+                            "[run] run_id")
+        return FoundRun(config, None, config.swarm.secret or secret or None)
+    existing = existing or _read_run(dht, run_id, secret, deadline, wait_for_record=True)
+    if existing is None:
+        raise JoinError(f"no run named {run_id!r} is published in this DHT (is `peer start` running? use --run "
+                        "NAME for another run)")
+    try:
+        published = {k: v for k, v in existing.config.items() if k not in ("fingerprint", "model_fingerprint")}
+        config = RunConfig.from_dict(published, where=f"run {run_id!r} from the DHT")
+    except ConfigError as exc:
+        raise JoinError(str(exc)) from None
+    return FoundRun(config, existing, secret or None)
+
+
+def _read_run(dht: hivemind.DHT, run_id: str, secret: str | None, deadline: float,
+              wait_for_record: bool) -> RunRecord | None:
+    """The published run, read until one is there (``wait_for_record``) or one read answers, until
+    ``deadline``; a read that times out (a busy DHT) is tried again, a wrong secret is final."""
+    while True:
+        if wait_for_record:
+            time.sleep(0.5)
+        try:
+            existing = verify_swarm_secret(dht, run_id, secret or None)
+        except RunReadTimeoutError as exc:
+            if time.monotonic() >= deadline:
+                if wait_for_record:
+                    return None
+                raise JoinError(str(exc)) from None
+            log.warning("%s; trying again", exc)
+            continue
+        except SwarmSecretError as exc:
+            raise JoinError(str(exc)) from None
+        if existing is not None or not wait_for_record or time.monotonic() >= deadline:
+            return existing
+
+
+def check_files(config: RunConfig, existing: RunRecord | None) -> CheckedFiles:
+    """Load this peer's corpus and compare its and the model's fingerprints with the published run's."""
+    own = config.spec()
+    try:
+        corpus = load_corpus(own.corpus, own.tokenizer, own.text_field, own.model)
+    except CorpusError as exc:
+        raise JoinError(f"[run] corpus: {exc}") from None
+    except ValueError as exc:  # a tokenizer that cannot be read or does not fit the model (names its file)
+        raise JoinError(f"[run] tokenizer: {exc}") from None
+    model_fingerprint = getattr(own.model, "fingerprint", "")
+    published_model = (existing.config.get("model_fingerprint") if existing else None) or model_fingerprint
+    if model_fingerprint != published_model:
+        raise JoinError(
+            f"this peer's model files differ from the run's (fingerprint {model_fingerprint[:12]} vs "
+            f"{published_model[:12]}): a different config.json or checkpoint at {own.model.source}"
+        )
+    published = (existing.config.get("fingerprint") if existing else None) or corpus.fingerprint
+    if corpus.fingerprint != published:
+        raise JoinError(
+            f"this peer's training data differs from the run's (fingerprint {corpus.fingerprint[:12]}"
+            f" vs {published[:12]}): a different Python version or --corpus path"
+        )
+    return CheckedFiles(config.spec(corpus_fingerprint=published), corpus, published, published_model)
