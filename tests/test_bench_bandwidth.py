@@ -13,7 +13,7 @@ from bench import bandwidth
 from scheduler.compression import PenaltyTable
 
 
-def test_quick_bench_output_shape(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_quick_bench_output_shape(tmp_path: Path, capsys: pytest.CaptureFixture[str], processes: None) -> None:
     table, plot = tmp_path / "penalties.json", tmp_path / "loss.svg"
     assert bandwidth.main(["--quick", "--json", "--table", str(table), "--plot", str(plot),
                            "--search-seconds", "1"]) == 0

@@ -89,7 +89,7 @@ print("done", flush=True)
 """
 
 
-def test_a_write_killed_midway_leaves_the_previous_checkpoint_in_force(tmp_path) -> None:
+def test_a_write_killed_midway_leaves_the_previous_checkpoint_in_force(tmp_path, processes: None) -> None:
     store = CheckpointStore(tmp_path)
     write(store, 2)
     proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True,

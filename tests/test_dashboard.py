@@ -158,14 +158,14 @@ def _dashboard_error(*args: str) -> tuple[int, list[str]]:
     return proc.returncode, proc.stderr.strip().splitlines()
 
 
-@pytest.mark.integration
+@pytest.mark.usefixtures("processes")
 def test_dashboard_with_a_dead_dht_address_fails_with_one_line() -> None:
     rc, lines = _dashboard_error("--dht", DEAD_DHT, "--port", "0")
     assert rc == 2, lines
     assert len(lines) == 1 and lines[0].startswith("peer: error: cannot join the DHT"), lines
 
 
-@pytest.mark.integration
+@pytest.mark.usefixtures("processes")
 def test_dashboard_on_a_port_in_use_fails_with_one_line() -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -180,7 +180,7 @@ def test_dashboard_on_a_port_in_use_fails_with_one_line() -> None:
 
 # ---- a live swarm in a browser -------------------------------------------------------------------------------
 
-@pytest.mark.integration
+@pytest.mark.usefixtures("processes")
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it as root)")
 def test_dashboard_of_a_live_swarm_in_headless_chromium(tmp_path: Path) -> None:
     cfg = write_small_config(tmp_path, steps=1000, min_peers=N_PEERS)

@@ -12,6 +12,8 @@ import torch
 from peer.compute import device_probe as device_mod
 from peer.compute.device_probe import MatmulTiming, _cuda_sizes, measure_device
 
+pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
+
 
 def test_cpu_measurement_is_real():
     info = measure_device("cpu", seconds=0.3)

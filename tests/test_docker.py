@@ -38,6 +38,8 @@ from peer.config import RunConfig
 from peer.emulation import procs
 from tests.newcomer import REPO, Clone, fresh_clone, newcomer_env
 
+pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
+
 DOCKER = REPO / "docker"
 DOCKERFILES = [DOCKER / "Dockerfile", DOCKER / "Dockerfile.cpu"]
 ENTRYPOINT = DOCKER / "entrypoint.sh"

@@ -26,6 +26,8 @@ from peer.compute.model import ModelConfig
 from scheduler import Cluster
 from scheduler.cluster import default_scenarios_path
 
+pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
+
 
 def test_world_is_one_device_per_city_with_scaled_bandwidth_and_unscaled_delays() -> None:
     cfg = HeadlineConfig()

@@ -25,7 +25,7 @@ def spec_for(preset: str) -> RunSpec:
                    optim=OptimConfig(lr=3e-3, eps=1e-3), seed=11, micro_batch=2, n_microbatches=4)
 
 
-@pytest.mark.integration
+@pytest.mark.usefixtures("processes")
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])
 def test_hf_family_two_stages_two_replicas_match_transformers(preset: str) -> None:
     torch.set_num_threads(1)

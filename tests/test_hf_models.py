@@ -22,7 +22,6 @@ from peer.compute.textdata import load_corpus
 from peer.compute.tokenize import TokenizerError
 from tests.hf_fixtures import make_tokenizer, save_model, write_jsonl, write_parquet
 
-pytestmark = pytest.mark.unit
 OPTIM = OptimConfig(lr=3e-3, eps=1e-3)
 SPLIT = [(0, 1), (1, 3), (3, 4)]
 
@@ -103,7 +102,9 @@ def test_each_stage_reads_only_its_tensors_from_a_sharded_checkpoint(tmp_path: P
             assert torch.equal(p, saved[n]) and torch.equal(p, hf[n]), n
 
 
-def test_export_loads_with_from_pretrained_and_matches_the_pipeline(files: Path, tmp_path: Path) -> None:
+def test_export_loads_with_from_pretrained_and_matches_the_pipeline(
+    files: Path, tmp_path: Path, processes: None
+) -> None:
     torch.set_num_threads(1)
     model = resolve_model("tiny-llama", seq_len=32, seed=4)
     corpus = load_corpus(str(files / "docs.jsonl"), str(files / "tok"), "text", model, cache=tmp_path / "cache")

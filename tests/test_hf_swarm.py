@@ -16,7 +16,7 @@ from peer.compute.hf.export import read_result
 from peer.runtime.spec import RunSpec
 from tests.hf_fixtures import make_tokenizer, write_jsonl
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.usefixtures("processes")
 
 
 def peer(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:

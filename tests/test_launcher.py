@@ -12,8 +12,12 @@ import re
 import time
 from pathlib import Path
 
+import pytest
+
 from bench.launcher import ForkedPeers
 from peer.emulation.procs import write_small_config
+
+pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
 
 ANNOUNCED = re.compile(r"peer (\w+) announced: .* gRPC at ([\d.]+:\d+)")
 

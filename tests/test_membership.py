@@ -19,6 +19,8 @@ from peer.swarm.dht import DHTConfig, start_dht, visible_maddrs
 from peer.swarm.identity import Identity
 from peer.swarm.membership import Membership, SwarmSecretError, verify_swarm_secret
 
+pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
+
 HEARTBEAT_S = 0.5
 TTL_S = 1.5
 DEVICE = DeviceInfo("emulated", "cpu", 2**33, 10.0, False, True)

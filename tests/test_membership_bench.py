@@ -6,6 +6,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
+
 
 def test_bench_membership_json_on_a_tiny_swarm():
     result = subprocess.run(

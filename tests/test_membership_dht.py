@@ -10,6 +10,8 @@ import pytest
 from peer.swarm.dht import DHTConfig, DHTStartError, start_dht, visible_maddrs
 from peer.swarm.identity import Identity
 
+pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
+
 UNUSED_PEER = "12D3KooWJnQD5YpLDToANAY4CPf2P7TNWyPce4jCFXKo28fYWWGw"
 
 

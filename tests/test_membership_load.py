@@ -25,7 +25,7 @@ from peer.swarm.progress import ProgressBoard
 from peer.swarm.view import SwarmView
 from peer.timing import now
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.usefixtures("processes")
 
 HEARTBEAT_S = 1.0
 TTL_S = 4.0  # generous: on a loaded machine one tick round of eight peers can take a second

@@ -40,7 +40,7 @@ from peer.runtime.worker import WORKER_TRANSPORT
 from protocol import PROTOCOL_VERSION
 from protocol import tasklet_pb2 as pb
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.usefixtures("processes")
 
 MIB = 1 << 20
 STREAMS = 48

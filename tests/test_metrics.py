@@ -107,7 +107,7 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.integration
+@pytest.mark.usefixtures("processes")
 def test_a_live_daemon_serves_metrics_and_the_leader_writes_tensorboard_events(tmp_path: Path) -> None:
     tb = tmp_path / "tb"
     cfg = write_small_config(tmp_path, steps=1000, min_peers=2, stages=2,

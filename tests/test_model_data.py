@@ -91,7 +91,7 @@ def test_microbatch_is_a_pure_function_of_its_ids(stdlib: Corpus) -> None:
     assert not torch.equal(x[0], x[1]), "rows of a micro-batch differ"
 
 
-def test_microbatch_is_identical_in_another_process(stdlib: Corpus) -> None:
+def test_microbatch_is_identical_in_another_process(stdlib: Corpus, processes: None) -> None:
     code = (
         "import hashlib\n"
         "from peer.compute.data import Corpus, microbatch\n"

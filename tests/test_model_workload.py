@@ -17,8 +17,6 @@ from peer.runtime.spec import RunSpec
 from scheduler import Cluster, PlanningError, plan
 from scheduler.model_workload import from_hf_config, model_preset
 
-pytestmark = pytest.mark.unit
-
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2", "llama-3.2-1b", "llama-3-8b", "gpt3-xl"])
 def test_parameter_counts_equal_transformers(preset: str) -> None:
@@ -54,7 +52,7 @@ def test_a_stage_is_never_planned_on_a_device_it_does_not_fit() -> None:
             assert w.stage_memory_bytes(a, b, in_flight=len(p.stages) - s) <= memory[device]
 
 
-def test_a_model_that_fits_no_device_is_refused_in_one_line(tmp_path: Path) -> None:
+def test_a_model_that_fits_no_device_is_refused_in_one_line(tmp_path: Path, processes: None) -> None:
     spec = RunSpec(model=resolve_model("llama-3-8b", seq_len=2048), micro_batch=1, n_microbatches=8)
     refused = r"^memory_gb: preset llama-3-8b: the smallest stage \(layer \d+ with the (embeddings|head)\) needs "
     with pytest.raises(PlanningError, match=refused):

@@ -31,7 +31,7 @@ from peer.emulation.netbed import (
 )
 from peer.emulation.procs import PEER_COMMAND
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.timeout(300)]
 STEPS = 5
 TOLERANCE = 1e-5
 RELAY = ["--relay-port", str(RELAY_PORT)]

@@ -21,7 +21,7 @@ from peer.emulation.netbed import (
     wait_ready,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.timeout(60)]
 PORT = 5100
 
 

@@ -17,7 +17,7 @@ import pytest
 from bench.leader_loss import BED_CHECKPOINT_EVERY, BED_STEPS, run_bed_leader_loss
 from peer.emulation.netbed import NetBed
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.slow]
 
 
 def test_leader_host_and_disk_die_new_leader_resumes_from_a_copy(bed: NetBed, tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from peer.emulation.local import LocalSwarm
 from protocol import tasklet_pb2 as pb
 from tests.test_equivalence import PIPELINES, SPEC, STAGES, STEPS, check_equivalent, reference  # noqa: F401
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.usefixtures("processes")
 
 OUTSIDER = r"""
 import json, sys

@@ -24,7 +24,7 @@ from peer.emulation.netbed import Host, NetBed, open_bed, unavailable_reason
 from peer.emulation.procs import JOIN_LINE_PREFIX, PEER_COMMAND, child_env, poll_until, read_line, write_small_config
 from peer.emulation.reference_check import gap_to_reference
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 40  # float differences between summation orders grow with steps; 40 stay well within 1e-5

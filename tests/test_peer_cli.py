@@ -15,6 +15,8 @@ import pytest
 
 from peer.emulation.procs import PEER_COMMAND, PeerProcesses, write_small_config
 
+pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
+
 
 def run_peer(args: list[str], timeout: float = 60.0) -> tuple[int, str, float]:
     started = time.monotonic()

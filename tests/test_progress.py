@@ -6,11 +6,7 @@ from __future__ import annotations
 import io
 import logging
 
-import pytest
-
 from peer.observe.progress import ProgressDisplay, progress_line
-
-pytestmark = pytest.mark.unit
 
 
 def test_plain_lines_once_per_step_when_not_a_terminal() -> None:

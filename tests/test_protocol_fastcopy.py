@@ -15,8 +15,6 @@ import pytest
 
 from protocol import fastcopy
 
-pytestmark = pytest.mark.unit
-
 
 def test_built_wherever_a_c_compiler_exists() -> None:
     """`pip install` builds it as an optional extension: with a compiler present, missing means a broken build."""

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 STUBS = ("tasklet_pb2.py", "tasklet_pb2.pyi", "tasklet_pb2_grpc.py")
 
 
-def test_checked_in_stubs_are_fresh(tmp_path: Path) -> None:
+def test_checked_in_stubs_are_fresh(tmp_path: Path, processes: None) -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gen_protos.py"), "--out", str(tmp_path)],
         capture_output=True,

@@ -24,7 +24,7 @@ from peer.swarm.plans import PlanBoard
 from peer.swarm.progress import ProgressBoard
 from peer.timing import now
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.usefixtures("processes")
 
 SECRET = "correct horse battery staple"
 HEARTBEAT_S = 0.5

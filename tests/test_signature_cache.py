@@ -12,8 +12,6 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from peer.swarm.identity import CachingSignatureValidator
 
-pytestmark = pytest.mark.unit
-
 
 @pytest.fixture
 def rsa_checks(monkeypatch) -> list[DHTRecord]:

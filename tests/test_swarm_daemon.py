@@ -12,8 +12,12 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from peer.emulation.procs import PEER_COMMAND, PeerProcesses, poll_until, write_small_config
 from peer.emulation.reference_check import gap_to_reference
+
+pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
 
 N_PEERS = 4
 # Float summation order (which pipeline did which micro-batch, in which order) drifts through Adam: a 30-step run

@@ -20,7 +20,7 @@ from hivemind.utils import MSGPackSerializer
 
 from peer.emulation.procs import PEER_COMMAND, PeerProcesses, child_env, write_small_config
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.usefixtures("processes")
 
 SECRET = "s3cret-never-published-7f1c"
 RECORDS = ("peers", "links", "plans", "run", "progress")

@@ -13,8 +13,6 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from peer.observe.scalars import ScalarWriter
 
-pytestmark = pytest.mark.unit
-
 
 def read_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
     events = EventAccumulator(str(folder))

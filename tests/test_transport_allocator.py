@@ -41,9 +41,8 @@ def _faults(apply: bool | str) -> tuple[bool, int]:
     return applied == "True", int(faults)
 
 
-@pytest.mark.unit
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: the policy applies on Linux")
-def test_freed_buffers_are_reused_instead_of_faulted_in_again() -> None:
+def test_freed_buffers_are_reused_instead_of_faulted_in_again(processes: None) -> None:
     applied, kept = _faults(True)
     _, default = _faults(False)
     assert applied
@@ -51,9 +50,8 @@ def test_freed_buffers_are_reused_instead_of_faulted_in_again() -> None:
     assert default > 5 * kept, (default, kept)  # glibc's default gives the pages back and faults them in again
 
 
-@pytest.mark.unit
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: the policy applies on Linux")
-def test_a_sender_alone_keeps_freed_buffers_too() -> None:
+def test_a_sender_alone_keeps_freed_buffers_too(processes: None) -> None:
     """Each pushed chunk is a fresh multi-MiB bytes object on the sender: a process with only a PeerClient
     reuses that memory as a server does."""
     applied, faults = _faults("client")

@@ -9,6 +9,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
+
 
 def test_bench_transport_json_schema() -> None:
     result = subprocess.run(
