@@ -1,5 +1,5 @@
 """The layering of the code base, checked from the source: no import cycle, every import allowed by the layer table
-of docs/architecture.md.
+of docs/architecture.md, no class of ``peer/`` too long to read at once and no mixins.
 
 Every import counts — at module level, inside functions, and under ``if TYPE_CHECKING:`` — because a cycle
 hidden behind a lazy or type-only import is still a pair of modules that cannot be understood one at a time.
@@ -261,3 +261,102 @@ def test_the_layer_table_parser_lets_the_most_specific_row_win() -> None:
     graph["peer.runtime.control"].add("peer.runtime.stage.worker")  # a contract importing a side
     assert len(layer_violations(graph, rows)) == 2
 
+
+# ----------------------------------------------------------------------------------------------- class sizes
+MAX_CLASS_LINES = 450
+# Today's offenders, to be removed as their refactors land (a listed class that no longer offends fails too).
+LONG_CLASSES_ALLOWED = {
+    "peer.node.daemon.PeerDaemon",
+    "peer.runtime.coordinator.Coordinator",
+    "peer.runtime.worker.StageWorker",
+}
+MIXINS_ALLOWED = {
+    "peer.runtime.laggards.LaggardSync",  # a part of Coordinator
+    "peer.runtime.worker_sync.GradientSync",  # a part of StageWorker
+}
+
+
+def _classes() -> dict[str, tuple[ast.ClassDef, str]]:
+    """``{module.Class: (node, module)}`` of every top-level class in ``peer/`` outside ``peer/emulation``."""
+    found = {}
+    for module, path in _modules(("peer",)).items():
+        if module == "peer.emulation" or module.startswith("peer.emulation."):
+            continue
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if isinstance(node, ast.ClassDef):
+                found[f"{module}.{node.name}"] = (node, module)
+    return found
+
+
+def _self_attributes(cls: ast.ClassDef) -> tuple[set[str], set[str]]:
+    """(names a class defines: methods, class attributes, ``self.x = ...``; names it reads as ``self.x``)."""
+    defined, read = set(), set()
+    for item in cls.body:
+        if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+            defined.add(item.name)
+        elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+            defined.add(item.target.id)
+        elif isinstance(item, ast.Assign):
+            defined.update(t.id for t in item.targets if isinstance(t, ast.Name))
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            (defined if isinstance(node.ctx, ast.Store) else read).add(node.attr)
+    return defined, read
+
+
+def mixins(classes: dict[str, tuple[ast.ClassDef, str]]) -> set[str]:
+    """Classes named ``...Mixin``, and base classes of ours that read ``self`` attributes they never define: a part of
+    another class split off into a file of its own, which works only inside the class that inherits it."""
+    by_name = {node.name: qual for qual, (node, _) in classes.items()}
+    found = {qual for qual, (node, _) in classes.items() if node.name.endswith("Mixin")}
+    for node, _ in classes.values():
+        for base in node.bases:
+            qual = by_name.get(ast.unparse(base).rpartition(".")[2])
+            if qual is None:
+                continue
+            base_node = classes[qual][0]
+            if any(isinstance(b, ast.Name) and b.id in ("Protocol", "ABC") for b in base_node.bases):
+                continue  # an interface, not a part of an implementation
+            defined, read = _self_attributes(base_node)
+            if read - defined:
+                found.add(qual)
+    return found
+
+
+def test_no_class_in_peer_is_longer_than_450_lines() -> None:
+    lengths = {q: n.end_lineno - n.lineno + 1 for q, (n, _) in _classes().items() if n.end_lineno is not None}
+    long = {q for q, n in lengths.items() if n > MAX_CLASS_LINES}
+    assert long - LONG_CLASSES_ALLOWED == set(), {q: lengths[q] for q in long - LONG_CLASSES_ALLOWED}
+    assert LONG_CLASSES_ALLOWED - long == set(), "no longer over 450 lines (or gone): remove from LONG_CLASSES_ALLOWED"
+
+
+def test_no_mixin_classes_in_peer() -> None:
+    found = mixins(_classes())
+    assert found - MIXINS_ALLOWED == set()
+    assert MIXINS_ALLOWED - found == set(), "no longer a mixin (or gone): remove from MIXINS_ALLOWED"
+
+
+def test_the_mixin_check_finds_a_mixin() -> None:
+    source = """
+class Part:
+    def helper(self):
+        return self.host_state + 1
+
+class Whole(Part):
+    def __init__(self):
+        self.host_state = 1
+
+class Base:
+    def __init__(self):
+        self.x = 1
+    def get(self):
+        return self.x
+
+class Derived(Base):
+    pass
+
+class WireMixin:
+    pass
+"""
+    classes = {f"m.{n.name}": (n, "m") for n in ast.parse(source).body if isinstance(n, ast.ClassDef)}
+    assert mixins(classes) == {"m.Part", "m.WireMixin"}
