@@ -9,7 +9,8 @@ PeerClient.ping: median round trip of 20; the roles share one TLS key so that th
 * direct: pub1 -> pub0's gRPC server;
 * reversed: pub1 -> home0, which registered with pub1's relay and dials back (the network path is direct);
 * relayed: home1 -> home0 through pub0's relay (two NAT'd peers);
-* punched: not implemented (``null``): TCP hole punching through the routers was not attempted, see README.
+* punched: not implemented (``null``): TCP hole punching through the routers was not attempted, see
+  docs/operating.md ("Behind NAT").
 
 ``--delay-ms``: netem is not available here, so the one-way delay is emulated by the transport's own link
 shaper (peer.net.shaping) on the client's sends and the server's replies, for every path alike (RTTs include

@@ -99,7 +99,7 @@ case $command in
       [ -n "$host" ] || die "cannot find this container's address; pass --announce HOST:PORT"
       case ${TASKLET_ANNOUNCE_HOST:+given:}$host in  # warn only about an address found here, not one given
         127.*) echo "entrypoint: warning: announcing $host, a loopback address no other machine can reach;" \
-          "pass --announce HOST:PORT (see README: Docker)" >&2 ;;
+          "pass --announce HOST:PORT (see docs/operating.md: Docker)" >&2 ;;
       esac
       extra+=(--announce "$host:$port")
     fi

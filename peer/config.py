@@ -1,8 +1,8 @@
 """The run configuration file (``run.toml``) that ``peer start`` publishes to the swarm.
 
-Every field is declared once, here, with its default and a one-line explanation; the README's configuration
-reference is generated from these declarations (``peer config-reference``), so it cannot drift. Unknown keys
-and bad values are refused with the file, section and key named.
+Every field is declared once, here, with its default and a one-line explanation; the configuration reference
+(docs/configuration.md, and ``peer config-reference``) is generated from these declarations, so it cannot drift.
+Unknown keys and bad values are refused with the file, section and key named.
 """
 
 from __future__ import annotations

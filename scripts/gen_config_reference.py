@@ -1,4 +1,4 @@
-"""Write the configuration reference into README.md, generated from the code so that it cannot drift.
+"""Write the configuration reference into docs/configuration.md, generated from the code so that it cannot drift.
 
 The reference has two parts, both read from the objects the program itself uses:
 
@@ -6,14 +6,14 @@ The reference has two parts, both read from the objects the program itself uses:
   config dataclasses;
 * every flag of every ``peer`` subcommand with its default and help: the argparse parser of
   ``peer.cli.build_parser()``, walked here. Help texts are expanded the way ``--help`` expands them
-  (``%(default)s`` becomes the default), so the README says what the program says.
+  (``%(default)s`` becomes the default), so the page says what the program says.
 
 The block sits between ``<!-- config-reference:start -->`` and ``<!-- config-reference:end -->``;
-everything outside the markers is left alone. ``tests/test_docs.py`` fails when the README's block differs
+everything outside the markers is left alone. ``tests/test_docs.py`` fails when the page's block differs
 from what this script generates now.
 
-    python scripts/gen_config_reference.py            # rewrite README.md
-    python scripts/gen_config_reference.py --check    # exit 1 (and show a diff) if README.md is stale
+    python scripts/gen_config_reference.py            # rewrite docs/configuration.md
+    python scripts/gen_config_reference.py --check    # exit 1 (and show a diff) if the page is stale
     python scripts/gen_config_reference.py --print    # print the block
 """
 
@@ -27,11 +27,11 @@ from typing import Any
 
 START = "<!-- config-reference:start -->"
 END = "<!-- config-reference:end -->"
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
 
 class ReferenceError(RuntimeError):
-    """The README has no (or a malformed) reference block."""
+    """The page has no (or a malformed) reference block."""
 
 
 def subcommands(parser: argparse.ArgumentParser) -> dict[str, tuple[argparse.ArgumentParser, str]]:
@@ -133,7 +133,7 @@ def replace_block(text: str, block: str) -> str:
     """``text`` with its reference block replaced by ``block``."""
     start, end = text.find(START), text.find(END)
     if start < 0 or end < 0 or end < start or text.count(START) != 1 or text.count(END) != 1:
-        raise ReferenceError(f"README.md must hold exactly one {START} ... {END} block")
+        raise ReferenceError(f"the page must hold exactly one {START} ... {END} block")
     return text[:start] + block + text[end + len(END) :]
 
 
@@ -141,23 +141,23 @@ def current_block(text: str) -> str:
     """The reference block of ``text`` as it stands, markers included."""
     start, end = text.find(START), text.find(END)
     if start < 0 or end < start:
-        raise ReferenceError(f"README.md has no {START} ... {END} block")
+        raise ReferenceError(f"the page has no {START} ... {END} block")
     return text[start : end + len(END)]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Generate the configuration reference into README.md.")
+    ap = argparse.ArgumentParser(description="Generate the configuration reference into docs/configuration.md.")
     mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--check", action="store_true", help="exit 1 if README.md's block is stale (default: off)")
+    mode.add_argument("--check", action="store_true", help="exit 1 if the page's block is stale (default: off)")
     mode.add_argument("--print", action="store_true", help="print the block instead of writing (default: off)")
-    ap.add_argument("--readme", type=Path, default=README, help="the README to update (default: %(default)s)")
+    ap.add_argument("--page", type=Path, default=PAGE, help="the page to update (default: %(default)s)")
     args = ap.parse_args(argv)
     block = generate()
     if args.print:
         print(block)
         return 0
     try:
-        text = args.readme.read_text()
+        text = args.page.read_text()
         updated = replace_block(text, block)
     except (OSError, ReferenceError) as exc:
         print(f"gen_config_reference: error: {exc}", file=sys.stderr)
@@ -166,17 +166,17 @@ def main(argv: list[str] | None = None) -> int:
         if updated == text:
             return 0
         diff = difflib.unified_diff(
-            current_block(text).splitlines(), block.splitlines(), "README.md", "generated", lineterm=""
+            current_block(text).splitlines(), block.splitlines(), str(args.page), "generated", lineterm=""
         )
         print("\n".join(diff), file=sys.stderr)
-        print("README.md's configuration reference is stale: run python scripts/gen_config_reference.py",
+        print(f"{args.page}: the configuration reference is stale: run python scripts/gen_config_reference.py",
               file=sys.stderr)
         return 1
     if updated != text:
-        args.readme.write_text(updated)
-        print(f"updated the configuration reference in {args.readme}")
+        args.page.write_text(updated)
+        print(f"updated the configuration reference in {args.page}")
     else:
-        print(f"{args.readme}: the configuration reference is up to date")
+        print(f"{args.page}: the configuration reference is up to date")
     return 0
 
 

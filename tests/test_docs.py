@@ -1,13 +1,17 @@
-"""The README as a newcomer meets it: its first command works from a fresh clone, and its configuration
-reference says what the code does.
+"""The README as a newcomer meets it, and the pages of docs/ behind it: the README is short, its first command
+works from a fresh clone, the configuration reference says what the code does, and every link leads somewhere.
 
 * The two commands are read from the README itself (the fenced blocks between ``<!-- commands:start -->`` and
   ``<!-- commands:end -->``) and the first one is run, as copied, in a fresh ``git clone`` with a fresh
   virtualenv (``tests/newcomer.py``); its output must show a plan, every step, the final loss and where the
   results were saved, and the saved ``run.json`` must agree with what was printed.
-* The configuration reference between the ``config-reference`` markers must be exactly what
-  ``scripts/gen_config_reference.py`` generates from the code now, and must list every run.toml key and every
-  flag of every ``peer`` subcommand.
+* The README is a newcomer's page of at most 300 lines: what Tasklet is, the two commands, joining, headline
+  figures, limits and a map of docs/; it links every page of docs/.
+* The configuration reference between the ``config-reference`` markers of ``docs/configuration.md`` must be
+  exactly what ``scripts/gen_config_reference.py`` generates from the code now, and must list every run.toml key
+  and every flag of every ``peer`` subcommand.
+* Every relative link (and image) in README.md and docs/ points at a file that exists, and at a heading of it
+  when it names one; every benchmark with a command has a page in docs/benchmarks/.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from peer.config import SECTIONS
 from tests.newcomer import REPO, Clone, fresh_clone, newcomer_env
 
 README = REPO / "README.md"
+DOCS = REPO / "docs"
+CONFIGURATION = DOCS / "configuration.md"
+README_MAX_LINES = 300
 DEMO_TIMEOUT_S = 420.0
 
 
@@ -100,32 +107,32 @@ def test_readme_first_command_trains_a_swarm_from_a_fresh_clone(newcomer: Clone)
 
 
 # ------------------------------------------------------------------------------ configuration reference
-def test_config_reference_in_readme_is_generated_from_the_code() -> None:
-    current = gen.current_block(README.read_text())
+def test_config_reference_is_generated_from_the_code() -> None:
+    current = gen.current_block(CONFIGURATION.read_text())
     generated = gen.generate()
-    assert current == generated, "README's configuration reference is stale: python scripts/gen_config_reference.py"
+    assert current == generated, "docs/configuration.md is stale: python scripts/gen_config_reference.py"
 
 
 def test_reference_lists_every_flag_of_every_peer_subcommand() -> None:
-    sections = reference_sections(gen.current_block(README.read_text()))
+    sections = reference_sections(gen.current_block(CONFIGURATION.read_text()))
     subcommands = gen.subcommands(build_parser())
     assert {"start", "join", "status", "swarm", "init", "config-reference"} <= set(subcommands)
     for name, (sub, _) in subcommands.items():
         body = sections.get(f"`peer {name}`")
-        assert body is not None, f"README's reference has no section for `peer {name}`"
+        assert body is not None, f"docs/configuration.md has no section for `peer {name}`"
         for action in gen.options(sub):
             names = action.option_strings or [action.metavar or action.dest]
             for flag in names:
-                assert f"`{flag}" in body, f"`peer {name}` {flag} is missing from README's reference"
+                assert f"`{flag}" in body, f"`peer {name}` {flag} is missing from docs/configuration.md"
 
 
 def test_reference_lists_every_run_toml_key() -> None:
-    body = reference_sections(gen.current_block(README.read_text()))["run.toml"]
+    body = reference_sections(gen.current_block(CONFIGURATION.read_text()))["run.toml"]
     from dataclasses import fields
 
     for section, cls in SECTIONS.items():
         for f in fields(cls):
-            assert f"`[{section}] {f.name}`" in body, f"[{section}] {f.name} is missing from README's reference"
+            assert f"`[{section}] {f.name}`" in body, f"[{section}] {f.name} is missing from docs/configuration.md"
 
 
 def test_every_peer_flag_explains_itself_and_its_default() -> None:
@@ -142,25 +149,103 @@ def test_every_peer_flag_explains_itself_and_its_default() -> None:
             assert "default" in gen._expanded_help(action, sub.prog), f"`peer {name}` {flag}: help names no default"
 
 
-def test_generator_check_mode_catches_a_stale_readme(tmp_path: Path) -> None:
-    fresh = README.read_text()
-    readme = tmp_path / "README.md"
-    readme.write_text(fresh)
-    assert gen.main(["--check", "--readme", str(readme)]) == 0
+def test_generator_check_mode_catches_a_stale_page(tmp_path: Path) -> None:
+    fresh = CONFIGURATION.read_text()
+    page = tmp_path / "configuration.md"
+    page.write_text(fresh)
+    assert gen.main(["--check", "--page", str(page)]) == 0
     stale = fresh.replace("| `[run] seed` | `0` |", "| `[run] seed` | `1` |")
     assert stale != fresh
-    readme.write_text(stale)
-    assert gen.main(["--check", "--readme", str(readme)]) == 1
-    assert gen.main(["--readme", str(readme)]) == 0  # regenerate
-    assert readme.read_text() == fresh
-    readme.write_text("# no markers here\n")
-    assert gen.main(["--check", "--readme", str(readme)]) == 2
+    page.write_text(stale)
+    assert gen.main(["--check", "--page", str(page)]) == 1
+    assert gen.main(["--page", str(page)]) == 0  # regenerate
+    assert page.read_text() == fresh
+    page.write_text("# no markers here\n")
+    assert gen.main(["--check", "--page", str(page)]) == 2
 
 
-def test_readme_links_point_to_files_that_exist() -> None:
+# ------------------------------------------------------------------------------- the README and docs/
+def test_readme_is_a_newcomers_page() -> None:
     text = README.read_text()
-    links = re.findall(r"\]\(([^)#\s]+)\)", text)
-    local = [link for link in links if "://" not in link]
-    assert local, "expected links to docs/"
-    for link in local:
-        assert (REPO / link).exists(), f"README links to {link}, which does not exist"
+    lines = text.count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines (at most {README_MAX_LINES}): move detail to docs/"
+    for heading in ("## Two commands", "## What the main job prints", "## Joining a real swarm",
+                    "## Headline figures", "## Known limits", "## Documentation"):
+        assert re.search(rf"^{re.escape(heading)}", text, re.M), f"README.md has no section {heading!r}"
+    for command in ("peer start", "peer join --dht", "--secret", "docker run"):
+        assert command in text, f"README.md's joining section lacks {command!r}"
+    # one layer table (docs/architecture.md) and one configuration reference (docs/configuration.md)
+    assert "may import (of ours)" not in text and gen.START not in text
+    linked = {(REPO / link).resolve() for link, _ in _links(README)}
+    for page in [*DOCS.glob("*.md"), DOCS / "benchmarks" / "README.md"]:
+        assert page.resolve() in linked, f"README.md's map of docs/ does not link {page.relative_to(REPO)}"
+
+
+def _markdown_files() -> list[Path]:
+    return [README, *sorted(DOCS.rglob("*.md"))]
+
+
+def _links(page: Path, root: Path = REPO) -> list[tuple[str, str]]:
+    """``(path, anchor)`` of every relative link and image of ``page`` (fenced code left out), path relative to
+    ``root``; a link to a heading of the page itself has the page's own path."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+    found = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if "://" in target or target.startswith("mailto:"):
+            continue
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page.resolve()
+        found.append((str(file.relative_to(root.resolve())) if file.is_relative_to(root.resolve()) else str(file),
+                      anchor))
+    return found
+
+
+def _anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives the headings of ``page``: lower case, punctuation dropped, spaces to hyphens,
+    ``-1``, ``-2`` ... for repeats."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+    seen: dict[str, int] = {}
+    anchors = set()
+    for heading in re.findall(r"^#{1,6} +(.+?) *#* *$", text, flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.replace("`", "").strip().lower()).replace(" ", "-")
+        anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def _broken_links(pages: list[Path], root: Path = REPO) -> list[str]:
+    broken = []
+    for page in pages:
+        for path, anchor in _links(page, root):
+            target = root / path
+            where = f"{page.relative_to(root)} -> {path}{'#' + anchor if anchor else ''}"
+            if not target.exists():
+                broken.append(f"{where}: no such file")
+            elif anchor and target.suffix == ".md" and anchor not in _anchors(target):
+                broken.append(f"{where}: no such heading")
+    return broken
+
+
+def test_every_relative_link_in_readme_and_docs_leads_somewhere() -> None:
+    assert _broken_links(_markdown_files()) == []
+
+
+def test_the_link_check_finds_broken_links(tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("# A page\n\n## `peer status` and more\n\n## Repeat\n\n## Repeat\n")
+    (tmp_path / "README.md").write_text(
+        "# R\n\n[ok](docs/a.md) [ok](docs/a.md#peer-status-and-more) [ok](docs/a.md#repeat-1) [ok](#r)\n"
+        "![missing](docs/b.png) [bad anchor](docs/a.md#nowhere) [web](https://example.com/x.md)\n\n"
+        "```\n[in code](docs/none.md)\n```\n")
+    assert _broken_links([tmp_path / "README.md"], tmp_path) == [
+        "README.md -> docs/b.png: no such file", "README.md -> docs/a.md#nowhere: no such heading"]
+
+
+def test_every_benchmark_has_a_page() -> None:
+    helpers = {"launcher"}  # the fork launcher of bench.formation, not a benchmark
+    pages = "\n".join(p.read_text() for p in sorted((DOCS / "benchmarks").glob("*.md")))
+    for module in sorted((REPO / "bench").glob("*.py")):
+        if module.stem in helpers or 'if __name__ == "__main__"' not in module.read_text():
+            continue
+        assert f"python -m bench.{module.stem}" in pages, f"bench/{module.name} has no page in docs/benchmarks/"
+    assert "python -m bench.headline" in pages and "python -m scheduler bench" in pages

@@ -2,7 +2,7 @@
 
 Why a lane beside gRPC: gRPC's Python API takes and gives each message as a ``bytes`` object, so a tensor byte is
 copied into one on the sender and out of one on the receiver, on top of gRPC's own copies (about a quarter of a
-push's CPU on loopback, see the README's transport section). On a plain (or TLS) socket the sender hands the
+push's CPU on loopback, see docs/benchmarks/transport.md). On a plain (or TLS) socket the sender hands the
 kernel the tensor's own memory and the receiver reads into a buffer it reuses, so large pushes travel at the
 speed of the socket. Only pushes use it; every check of the gRPC path is the same code (peer.net.server).
 

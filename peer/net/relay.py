@@ -1,7 +1,7 @@
 """A relay of our own for peers nobody can dial (behind NAT): connection reversal and relayed TCP.
 
-Why not libp2p: hivemind's p2pd relays reset bulk streams and never hole-punched in our test bed (see the
-README, "Peers behind NAT"). This relay carries the *unchanged* gRPC bytes of our data plane, so every
+Why not libp2p: hivemind's p2pd relays reset bulk streams and never hole-punched in our test bed (see
+docs/operating.md, "Behind NAT"). This relay carries the *unchanged* gRPC bytes of our data plane, so every
 deadline, size limit and validation of peer.net stays, and end-to-end TLS stays end to end (the relay sees
 only what the two peers send).
 
