@@ -19,10 +19,11 @@ from collections.abc import Iterator
 import pytest
 
 from peer.emulation.netbed import NetBed, open_bed, unavailable_reason
+from tests.support.newcomer import newcomer_fixture
 from tests.support.processes import FIXTURE as PROCESSES
 from tests.support.processes import processes_fixture, refuse_processes
 
-__all__ = ["processes_fixture"]  # the fixture is registered by being a name of this module
+__all__ = ["newcomer_fixture", "processes_fixture"]  # fixtures are registered by being names of this module
 
 # fixture -> the markers a test that uses it gets
 FIXTURE_MARKERS: dict[str, tuple[str, ...]] = {

@@ -6,7 +6,7 @@ No Docker engine runs here, so each part of an image is checked where it can be:
 * their structure: one shared base and install script, a non-root user, the volumes, the exposed ports, and
   every ``COPY`` source present in the build context (not excluded by ``.dockerignore``);
 * the image's install steps, ``docker/install.sh``, run in the fresh virtualenv of a fresh clone
-  (``tests/newcomer.py``) and install Tasklet as a regular (non-editable) package; then two peers start
+  (``tests/support/newcomer.py``) and install Tasklet as a regular (non-editable) package; then two peers start
   through the image's entry point, ``docker/entrypoint.sh``, exactly as compose starts them: ``start`` writes
   its join address to a join file, ``join`` and ``status`` find the swarm through it, each peer announces the
   address the entry point chose, and SIGTERM ends both cleanly. Container addresses are stood in for by
@@ -36,18 +36,13 @@ import yaml
 from peer.cli import build_parser
 from peer.config import RunConfig
 from peer.emulation import procs
-from tests.newcomer import REPO, Clone, fresh_clone, newcomer_env
+from tests.support.newcomer import REPO, Clone, newcomer_env
 
 pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
 
 DOCKER = REPO / "docker"
 DOCKERFILES = [DOCKER / "Dockerfile", DOCKER / "Dockerfile.cpu"]
 ENTRYPOINT = DOCKER / "entrypoint.sh"
-
-
-@pytest.fixture(scope="session")
-def newcomer(tmp_path_factory: pytest.TempPathFactory) -> Clone:
-    return fresh_clone(tmp_path_factory.getbasetemp() / "newcomer")  # left to pytest's rotation (tests.newcomer)
 
 
 def hadolint() -> str:

@@ -3,7 +3,7 @@ works from a fresh clone, the configuration reference says what the code does, a
 
 * The two commands are read from the README itself (the fenced blocks between ``<!-- commands:start -->`` and
   ``<!-- commands:end -->``) and the first one is run, as copied, in a fresh ``git clone`` with a fresh
-  virtualenv (``tests/newcomer.py``); its output must show a plan, every step, the final loss and where the
+  virtualenv (``tests/support/newcomer.py``); its output must show a plan, every step, the final loss and where the
   results were saved, and the saved ``run.json`` must agree with what was printed.
 * The README is a newcomer's page of at most 300 lines: what Tasklet is, the two commands, joining, headline
   figures, limits and a map of docs/; it links every page of docs/.
@@ -27,7 +27,7 @@ import pytest
 
 from peer.cli import build_parser
 from peer.config import SECTIONS
-from tests.newcomer import REPO, Clone, fresh_clone, newcomer_env
+from tests.support.newcomer import REPO, Clone, newcomer_env
 
 README = REPO / "README.md"
 DOCS = REPO / "docs"
@@ -59,11 +59,6 @@ def reference_sections(block: str) -> dict[str, str]:
     """``{heading: body}`` of the reference block's ``### ...`` sections."""
     parts = re.split(r"^### (.+)$", block, flags=re.M)
     return {parts[i].strip(): parts[i + 1] for i in range(1, len(parts) - 1, 2)}
-
-
-@pytest.fixture(scope="session")
-def newcomer(tmp_path_factory: pytest.TempPathFactory) -> Clone:
-    return fresh_clone(tmp_path_factory.getbasetemp() / "newcomer")  # left to pytest's rotation (tests.newcomer)
 
 
 # ------------------------------------------------------------------------------------- the two commands

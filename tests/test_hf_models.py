@@ -20,7 +20,7 @@ from peer.compute.reference import train_reference
 from peer.compute.stage import OptimConfig, StageCompute, StageComputeConfig
 from peer.compute.textdata import load_corpus
 from peer.compute.tokenize import TokenizerError
-from tests.hf_fixtures import make_tokenizer, save_model, write_jsonl, write_parquet
+from tests.support.hf import make_tokenizer, save_model, write_jsonl, write_parquet
 
 OPTIM = OptimConfig(lr=3e-3, eps=1e-3)
 SPLIT = [(0, 1), (1, 3), (3, 4)]

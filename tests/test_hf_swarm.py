@@ -14,7 +14,7 @@ import torch
 
 from peer.compute.hf.export import read_result
 from peer.runtime.spec import RunSpec
-from tests.hf_fixtures import make_tokenizer, write_jsonl
+from tests.support.hf import make_tokenizer, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("processes")
 

@@ -21,7 +21,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
 SETUP_TIMEOUT_S = 480.0
 
 
@@ -85,3 +87,9 @@ def fresh_clone(base: Path) -> Clone:
         raise RuntimeError(_failure)
     _clone = Clone(root=root, setup_seconds=seconds, setup_log=log)
     return _clone
+
+
+@pytest.fixture(scope="session", name="newcomer")
+def newcomer_fixture(tmp_path_factory: pytest.TempPathFactory, processes: None) -> Clone:
+    """The session's fresh clone with its own virtualenv (made by the first test that asks)."""
+    return fresh_clone(tmp_path_factory.getbasetemp() / "newcomer")  # left to pytest's rotation (see above)
