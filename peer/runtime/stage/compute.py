@@ -85,8 +85,19 @@ class ComputeLoop:
                 continue
             self.run(task)
 
-    def run(self, task: Task) -> None:
-        """Run one task, unless it is stale; a failure is reported to the coordinator, which decides."""
+    def run_next(self, handlers: dict[Work, Callable[..., None]] | None = None) -> bool:
+        """Run the next queued task if there is one (without waiting): a test steps through the queue with it,
+        ``handlers`` replacing some kinds' own."""
+        try:
+            _, _, task = self._tasks.get_nowait()
+        except queue.Empty:
+            return False
+        self.run(task, (handlers or {}).get(task.kind))
+        return True
+
+    def run(self, task: Task, handler: Callable[..., None] | None = None) -> None:
+        """Run one task, unless it is stale; a failure is reported to the coordinator, which decides.
+        ``handler`` replaces the task kind's own (a test runs the phases of a reduce one at a time)."""
         try:
             with self.state_lock:
                 with self.cond:
@@ -99,7 +110,7 @@ class ComputeLoop:
                     last = task.kind is Work.FORWARD and task.tasklet.assignment.is_last
                     self.running = (self.clock.now(), 2 if last else 1)
                 try:
-                    self._handlers[task.kind](task.tasklet, task.step, *task.args)
+                    (handler or self._handlers[task.kind])(task.tasklet, task.step, *task.args)
                 finally:
                     self.running = None
         except ExchangeAbortedError as exc:
@@ -113,6 +124,28 @@ class ComputeLoop:
         self.stats["busy_s"] += busy
         if overran:
             self.stats["overrun_ops"] += 1
+
+    # ------------------------------------------------------------------------------------ control messages
+    def start_step(self, t: Tasklet, msg: ctl.StartStep) -> Feeder | None:
+        """``start_step`` from the coordinator: the step (or its new round) becomes current, the rounds before
+        it are abandoned; a first stage told to feed gets the feeder to run."""
+        if msg.feed and not t.assignment.is_first:
+            raise Rejected("only a first stage feeds micro-batches")
+        with self.cond:
+            if self.current() is not t:
+                raise Rejected("this peer took a new assignment meanwhile")
+            self.step.start_step(msg.step, msg.round, t.compute.step, feed=msg.feed)
+        t.exchange.abort_before((msg.step, msg.round))
+        return Feeder(self, t, msg.step, msg.round) if msg.feed else None
+
+    def reduce(self, t: Tasklet, msg: ctl.Reduce) -> None:
+        """Queue a reduce. An outer round (DiLoCo) may be restarted with fewer participants after a death: its
+        round becomes current here at once, and a compute task still waiting on the abandoned round lets go."""
+        if msg.outer:
+            with self.cond:
+                self.step.outer_round(msg.step, msg.round)
+            t.exchange.abort_before((msg.step, msg.round))
+        self.put(Task(Work.REDUCE, t, msg.step, (msg,)))
 
     # ---------------------------------------------------------------------------------------------- tasks
     def forward(self, t: Tasklet, step: int, mb: int, x: torch.Tensor, speculative: bool = False) -> None:
@@ -190,8 +223,7 @@ class Feeder:
 
     def run(self) -> None:
         loop, t, step = self.loop, self.t, self.step
-        spec, a, corpus = t.spec, t.assignment, t.corpus
-        assert corpus is not None
+        spec, a = t.spec, t.assignment
         key = make_key(spec.run_id, a.epoch, step, stage=0, replica=a.replica)
         while True:
             with loop.cond:
@@ -211,14 +243,22 @@ class Feeder:
             if status is not ctl.PoolStatus.LEASE:
                 time.sleep(0.02)
                 continue
-            mb = reply.key.microbatch
-            speculative = reply.meta.get(SPECULATIVE_META) == "1"
-            tokens, _ = microbatch(corpus, spec.seed, step, mb, spec.micro_batch, spec.model.seq_len)
-            with loop.cond:
-                if not self._current():
-                    return
-                try:
-                    loop.step.lease(step, self.rnd, mb)
-                except Rejected:
-                    return
-            loop.put(Task(Work.FORWARD, t, step, (mb, tokens, speculative)))
+            if not self.take(reply.key.microbatch, reply.meta.get(SPECULATIVE_META) == "1"):
+                return
+
+    def take(self, mb: int, speculative: bool = False) -> bool:
+        """A micro-batch leased for this pipeline enters it: build its tokens, queue its forward. False when
+        the step, round or snapshot moved on meanwhile (the feeder stops)."""
+        loop, t, step = self.loop, self.t, self.step
+        spec, corpus = t.spec, t.corpus
+        assert corpus is not None
+        tokens, _ = microbatch(corpus, spec.seed, step, mb, spec.micro_batch, spec.model.seq_len)
+        with loop.cond:
+            if not self._current():
+                return False
+            try:
+                loop.step.lease(step, self.rnd, mb)
+            except Rejected:
+                return False
+        loop.put(Task(Work.FORWARD, t, step, (mb, tokens, speculative)))
+        return True

@@ -12,6 +12,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -35,6 +36,23 @@ log = logging.getLogger(__name__)
 Loader = Callable[[StageCompute, str, RunSpec, Assignment, int], "OuterState | None"]
 
 
+@dataclass(frozen=True)
+class SyncRound:
+    """One averaging round in progress: its step and round, participants, and the meta its shards carry."""
+
+    step: int
+    round: int
+    participants: list[int]
+    meta: dict[str, str]
+    outer: bool = False  # DiLoCo's outer round: pseudo-gradients under ``codec``, ``residual`` kept after it
+    codec: str = "none"
+    residual: torch.Tensor | None = None
+
+    @property
+    def tag(self) -> Tag:
+        return self.step, self.round
+
+
 class GradientSync:
     """Reduce, apply, outer round and resync of one worker (module docstring).
 
@@ -51,10 +69,20 @@ class GradientSync:
         """Check exactly-once locally, then reduce-scatter + all-gather with the participants; keep the sum.
 
         DiLoCo (``t.outer``): an inner step keeps this pipeline's own sum and count instead (no averaging);
-        ``msg.outer`` averages the round's pseudo-gradients (:meth:`outer_reduce`)."""
+        ``msg.outer`` averages the round's pseudo-gradients (:meth:`outer_reduce`). The three phases
+        (:meth:`contribute`, :meth:`sum_shard`, :meth:`gather`) run one after the other on the compute thread;
+        they are separate so that a test can interleave the replicas of a group without threads."""
         if msg.outer:
             self.outer_reduce(t, step, msg)
             return
+        rnd = self.contribute(t, step, msg)
+        if rnd is not None:
+            self.sum_shard(t, rnd)
+            self.gather(t, rnd)
+
+    def contribute(self, t: Tasklet, step: int, msg: ctl.Reduce) -> SyncRound | None:
+        """Phase 1: the accumulator must hold exactly this pipeline's micro-batches of the commit record; send
+        each participant its shard of the sum (reduce-scatter). None: a DiLoCo inner step, kept locally."""
         a, compute, exchange = t.assignment, t.compute, t.exchange
         rnd, participants = msg.round, list(msg.participants)
         expected = sorted(mb for mb, p in msg.assignment.items() if p == a.replica)
@@ -73,35 +101,57 @@ class GradientSync:
             with self.cond:
                 self.step.reduced(step, compute.accumulated_grad(), len(expected))
             self.outbox.report(t, ctl.Reduced(step, rnd))
-            return
-        tag: Tag = (step, rnd)
+            return None
+        sync = SyncRound(step, rnd, participants, {"round": str(rnd), "participants": json.dumps(participants)})
         flat = compute.accumulated_grad()
-        meta = {"round": str(rnd), "participants": json.dumps(participants)}
         for r in participants:
             lo, hi = exchange.shard_of(participants, r)
             if r == a.replica:
-                exchange.put_contribution(tag, participants, r, flat[lo:hi].clone(), mine)
+                exchange.put_contribution(sync.tag, participants, r, flat[lo:hi].clone(), mine)
             else:
                 env = envelope(pb.GRAD_SHARD, t.key(step), {"grad": flat[lo:hi]}, microbatches=mine)
-                env.meta.update(meta)
+                env.meta.update(sync.meta)
                 self.outbox.send(t, a.group[r], env)
+        return sync
+
+    def sum_shard(self, t: Tasklet, sync: SyncRound) -> None:
+        """Phase 2: wait for every participant's contribution to my shard, sum them (exactly-once checked there;
+        an outer round's pseudo-gradients carry no micro-batches) and send the sum to every participant
+        (all-gather); an outlier's sender is reported."""
+        a, exchange, participants = t.assignment, t.exchange, sync.participants
         try:
-            reduced = exchange.reduce(tag, participants, t.spec.n_microbatches, REDUCE_WAIT_S)
+            reduced = exchange.reduce(sync.tag, participants, None if sync.outer else t.spec.n_microbatches,
+                                      REDUCE_WAIT_S)
         except OutlierContributionError as exc:
-            log.warning("step %d: %s", step, exc)
+            log.warning("%s %d: %s", "outer round of step" if sync.outer else "step", sync.step, exc)
             self._report_outliers(t, exc)
             raise
+        codec, block = sync.codec, BLOCK_SIZE
+        if sync.outer:
+            codec, block = allgather_codec(sync.codec, reduced.numel(), len(participants))
         for r in participants:
             if r == a.replica:
-                exchange.put_reduced(tag, participants, r, reduced)
+                own = roundtrip(reduced, codec, block) if sync.outer else reduced
+                exchange.put_reduced(sync.tag, participants, r, own)
+            elif sync.outer:
+                self.outbox.send(t, a.group[r], _shard_envelope(t, pb.PARAM_SHARD, sync.step, reduced, codec,
+                                                                sync.meta, block))
             else:
-                env = envelope(pb.PARAM_SHARD, t.key(step), {"grad": reduced})
-                env.meta.update(meta)
+                env = envelope(pb.PARAM_SHARD, t.key(sync.step), {"grad": reduced})
+                env.meta.update(sync.meta)
                 self.outbox.send(t, a.group[r], env)
-        summed = exchange.gather(tag, participants, REDUCE_WAIT_S)
+
+    def gather(self, t: Tasklet, sync: SyncRound) -> None:
+        """Phase 3: wait for every owner's summed shard; keep the whole sum for apply (an outer round: the
+        participants' average) and report ``reduced``."""
+        summed = t.exchange.gather(sync.tag, sync.participants, REDUCE_WAIT_S)
         with self.cond:
-            self.step.reduced(step, summed)
-        self.outbox.report(t, ctl.Reduced(step, rnd))
+            if sync.outer:
+                assert sync.residual is not None
+                self.step.outer_reduced(sync.step, summed / len(sync.participants), sync.residual)
+            else:
+                self.step.reduced(sync.step, summed)
+        self.outbox.report(t, ctl.Reduced(sync.step, sync.round))
 
     def apply(self, t: Tasklet, step: int, msg: ctl.Apply | None = None) -> None:
         """Apply the reduced gradient of ``step`` (idempotent: a repeated apply only re-reports). DiLoCo: an inner
@@ -127,7 +177,14 @@ class GradientSync:
 
     def outer_reduce(self, t: Tasklet, step: int, msg: ctl.Reduce) -> None:
         """The outer round after inner step ``step``: reduce-scatter + all-gather of the participants'
-        (compressed) pseudo-gradients; keep their average for the outer apply (peer.runtime.outer)."""
+        (compressed) pseudo-gradients; keep their average for the outer apply (peer.runtime.outer). The same
+        three phases as :meth:`reduce`."""
+        sync = self.contribute_outer(t, step, msg)
+        self.sum_shard(t, sync)
+        self.gather(t, sync)
+
+    def contribute_outer(self, t: Tasklet, step: int, msg: ctl.Reduce) -> SyncRound:
+        """Phase 1 of an outer round: send each participant its shard of this replica's pseudo-gradient."""
         a, compute, exchange, outer, spec = t.assignment, t.compute, t.exchange, t.outer, t.spec
         if outer is None or not is_round_end(step, spec.sync_period):
             raise Rejected(f"step {step} ends no outer round (sync_period {spec.sync_period})")
@@ -137,32 +194,17 @@ class GradientSync:
         if a.replica not in participants:
             raise Rejected(f"pipeline {a.replica} is not among the outer round's participants {participants}")
         shards = [exchange.shard_of(participants, r) for r in participants]
-        sent, residual = outer.contribution(compute.flat_params(), shards, spec.pseudo_grad_compression)
-        tag: Tag = (step, rnd)
-        meta = {"round": str(rnd), "participants": json.dumps(participants)}
         codec = spec.pseudo_grad_compression
+        sent, residual = outer.contribution(compute.flat_params(), shards, codec)
+        sync = SyncRound(step, rnd, participants, {"round": str(rnd), "participants": json.dumps(participants)},
+                         outer=True, codec=codec, residual=residual)
         for r, (lo, hi) in zip(participants, shards, strict=True):
             if r == a.replica:
-                exchange.put_contribution(tag, participants, r, roundtrip(sent[lo:hi], codec), [])
+                exchange.put_contribution(sync.tag, participants, r, roundtrip(sent[lo:hi], codec), [])
             else:
-                self.outbox.send(t, a.group[r], _shard_envelope(t, pb.GRAD_SHARD, step, sent[lo:hi], codec, meta))
-        try:
-            reduced = exchange.reduce(tag, participants, None, REDUCE_WAIT_S)
-        except OutlierContributionError as exc:
-            log.warning("outer round of step %d: %s", step, exc)
-            self._report_outliers(t, exc)
-            raise
-        codec2, block = allgather_codec(codec, reduced.numel(), len(participants))
-        for r in participants:
-            if r == a.replica:
-                exchange.put_reduced(tag, participants, r, roundtrip(reduced, codec2, block))
-            else:
-                env = _shard_envelope(t, pb.PARAM_SHARD, step, reduced, codec2, meta, block)
+                env = _shard_envelope(t, pb.GRAD_SHARD, step, sent[lo:hi], codec, sync.meta)
                 self.outbox.send(t, a.group[r], env)
-        summed = exchange.gather(tag, participants, REDUCE_WAIT_S)
-        with self.cond:
-            self.step.outer_reduced(step, summed / len(participants), residual)
-        self.outbox.report(t, ctl.Reduced(step, rnd))
+        return sync
 
     def outer_apply(self, t: Tasklet, step: int) -> None:
         """The identical Nesterov step from the round's anchor on every replica (idempotent)."""

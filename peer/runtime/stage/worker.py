@@ -58,7 +58,7 @@ from peer.runtime.checkpoints import (
 )
 from peer.runtime.spec import Assignment, RunSpec
 from peer.runtime.stage.assignment import StageTaker, fence
-from peer.runtime.stage.compute import ComputeLoop, Feeder, Task
+from peer.runtime.stage.compute import ComputeLoop, Task
 from peer.runtime.stage.exchange import GradientExchange
 from peer.runtime.stage.intake import Intake
 from peer.runtime.stage.outbox import DeviceClock, Outbox
@@ -147,7 +147,7 @@ class StageWorker:
         self._control_handlers: dict[ctl.Op, Callable[[Tasklet, Any], None]] = {
             ctl.Op.START_STEP: self._on_start_step,
             ctl.Op.DROP_STEP: lambda t, m: self.loop.put(Task(Work.DROP, t, m.step)),
-            ctl.Op.REDUCE: self._on_reduce,
+            ctl.Op.REDUCE: self.loop.reduce,
             ctl.Op.APPLY: lambda t, m: self.loop.put(Task(Work.APPLY, t, m.step, (m,))),
             ctl.Op.RESYNC: lambda t, m: self.loop.put(Task(Work.RESYNC, t, m.step, (m,))),
         }
@@ -289,25 +289,9 @@ class StageWorker:
         self._control_handlers[msg.op](t, msg)
 
     def _on_start_step(self, t: Tasklet, msg: ctl.StartStep) -> None:
-        if msg.feed and not t.assignment.is_first:
-            raise Rejected("only a first stage feeds micro-batches")
-        with self._lock:
-            if self._tasklet is not t:
-                raise Rejected("this peer took a new assignment meanwhile")
-            self._step.start_step(msg.step, msg.round, t.compute.step, feed=msg.feed)
-        t.exchange.abort_before((msg.step, msg.round))
-        if msg.feed:
-            feeder = Feeder(self.loop, t, msg.step, msg.round)
+        feeder = self.loop.start_step(t, msg)
+        if feeder is not None:
             threading.Thread(target=feeder.run, name=f"feeder-{msg.step}.{msg.round}", daemon=True).start()
-
-    def _on_reduce(self, t: Tasklet, msg: ctl.Reduce) -> None:
-        """Queue a reduce. An outer round (DiLoCo) may be restarted with fewer participants after a death: its
-        round becomes current here at once, and a compute task still waiting on the abandoned round lets go."""
-        if msg.outer:
-            with self._lock:
-                self._step.outer_round(msg.step, msg.round)
-            t.exchange.abort_before((msg.step, msg.round))
-        self.loop.put(Task(Work.REDUCE, t, msg.step, (msg,)))
 
     # ---------------------------------------------------------------------------------- checkpoint copies
     def _copies(self, run_id: str) -> CheckpointStore:
