@@ -38,7 +38,9 @@ from peer.runtime.stage.outbox import DeviceClock
 from peer.runtime.stage.snapshot import Tasklet
 from peer.runtime.stage.step import Phase, Work, WorkerStep
 from peer.runtime.stage.sync import GradientSync, SyncRound
+from peer.runtime.wire import envelope
 from protocol import tasklet_pb2 as pb
+from protocol.codec import decode_tensor
 from protocol.errors import Rejected
 
 pytestmark = pytest.mark.unit
@@ -657,3 +659,46 @@ def test_diloco_a_death_in_the_round_s_last_inner_step_or_its_outer_round(corpus
                 assert node.t is not None
                 for name, value in node.t.compute.named_params().items():
                     assert torch.allclose(value, ref[p][name], atol=1e-5), (where, p, name)
+
+
+# --------------------------------------------------------------------------------------------- the seams
+def test_a_busy_gpu_is_a_clock_that_slows_ops_from_its_step_on_in_virtual_time() -> None:
+    from peer.emulation.faults import BusyGpuClock
+
+    class VirtualBusyClock(BusyGpuClock, VirtualClock):
+        pass
+
+    a = replace(build_assignments(SPEC, STAGES, PIPELINES, ENDPOINTS, COORDINATOR)[ENDPOINTS[0]],
+                emulate_tflops=1e-6, forward_flops=1e6)  # a forward takes 1 s
+    clock = VirtualBusyClock()
+    assert clock.finish(a, 1, clock.now(), 2.0) == (2.0, False)  # healthy before BUSY_FROM_STEP
+    start = clock.now()
+    assert clock.finish(a, BusyGpuClock.BUSY_FROM_STEP, start, 1.0) == (BusyGpuClock.BUSY_SLOWDOWN, False)
+    start = clock.now()
+    clock.t += 3.0  # the op itself took longer than its emulated time
+    assert DeviceClock.finish(clock, a, 0, start, 1.0) == (3.0, True)
+
+
+def test_a_tampering_outbox_changes_only_the_gradients_it_sends() -> None:
+    from peer.emulation.faults import HugeGradOutbox, NanGradOutbox
+
+    class Capture:
+        def __init__(self) -> None:
+            self.envs: list[pb.Envelope] = []
+
+        def push_async(self, env: pb.Envelope, timeout_s: float) -> Future[None]:
+            self.envs.append(env)
+            return _done()
+
+    key = pb.Key(run_id="r", step=0)
+    huge = torch.full((4,), 2e3)
+    for cls, kinds, check in ((NanGradOutbox, (pb.ACTIVATION_GRAD, pb.GRAD_SHARD), lambda x: bool(x.isnan().all())),
+                              (HugeGradOutbox, (pb.GRAD_SHARD,), lambda x: bool(torch.equal(x, huge)))):
+        outbox, sink = cls.__new__(cls), Capture()
+        outbox.client = lambda endpoint, sink=sink: sink  # type: ignore[method-assign]
+        outbox.stopped = threading.Event()
+        for kind in (pb.ACTIVATION, pb.ACTIVATION_GRAD, pb.GRAD_SHARD):
+            outbox.send(None, "peer:1", envelope(kind, key, {"grad": torch.full((4,), 2.0)}))  # type: ignore[arg-type]
+        for env in sink.envs:
+            x = decode_tensor(env.tensors[0], allow_nonfinite=True)
+            assert check(x) if env.kind in kinds else torch.equal(x, torch.full((4,), 2.0)), (cls, env.kind)
