@@ -11,6 +11,30 @@ one), micro-batches enter (``lease`` on a first stage, ``take_activation`` elsew
 return (``take_grad``); ``drop`` throws the pipeline's work away; ``reduce`` checks the accumulator against the
 commit record and ``reduced`` keeps the sum; ``apply``/``applied`` step the optimizer once. DiLoCo's outer round
 has its own pair, ``outer_reduced``/``take_outer``.
+
+===================  =============================================  ================================================
+transition           refused (Rejected) when                        effect
+===================  =============================================  ================================================
+``reset``            never (a new assignment)                       IDLE: step -1, round 0, nothing held
+``start_step``       an older step; a new step the stage has not    a new step: RUNNING, micro-batches forgotten;
+                     trained to, or with a gradient unapplied; a    the current step: its new round, none in flight
+                     step this pipeline was dropped from
+``drop``             not the current step                           DROPPED: micro-batches forgotten, feeding stops
+``sit_out``          not the current step                           DiLoCo: dropped, the record gave it nothing
+``lease``            not feeding this step and round                the micro-batch enters, one more in flight
+``take_activation``  another step; dropped; seen already            the micro-batch enters
+``take_grad``        another step; dropped; never forwarded here;   its backward may run, once
+                     seen already
+``reduce``           not the current step; the accumulator is not   the micro-batches its shards carry
+                     exactly the commit record's share
+``reduced``          not the current step                           REDUCED: the sum awaits apply
+``apply``            nothing of that step held (unless applied      what to apply (None: a repeat, re-report)
+                     already: trained = step + 1)
+``applied``          that step was not awaiting apply               the gradient is applied once
+``outer_round``      not the current step                           the round only moves forward
+``outer_reduced``    not the current step                           OUTER_REDUCED: the average awaits the apply
+``take_outer``       never (None: nothing of that step held)        the average, taken once
+===================  =============================================  ================================================
 """
 
 from __future__ import annotations
