@@ -6,7 +6,7 @@ and with the straggler left out of the plan from the start.
 The swarm: a local swarm of worker processes on loopback (2 stages x P pipelines of a small GPT plus one spare
 device, compute emulated at a fixed TFLOP/s, same seed and data in every run). In the straggler run, device 1
 (stage 1 of pipeline 0) is a volunteer whose GPU gets busy: from step 2 on it computes at a fifth of the others'
-speed (``peer.emulation.faults.BusyGpuWorker``), after the coordinator measured it healthy in steps 0 and 1.
+speed (``peer.emulation.faults.BusyGpuClock``), after the coordinator measured it healthy in steps 0 and 1.
 What the runtime does about it: in its first slow step (step 2), once the loss of its pipeline's oldest
 micro-batch is 1.25x later than the usual forward latency (or its head 1.5x later than the usual head latency),
 the pool gives that pipeline no more work; with free work left and nothing committed, the pipeline is given up at
@@ -45,7 +45,7 @@ from peer.compute.data import Corpus
 from peer.compute.model import ModelConfig, unflatten_stage
 from peer.compute.reference import train_reference
 from peer.compute.stage import OptimConfig
-from peer.emulation.faults import BusyGpuWorker
+from peer.emulation.faults import BusyGpuClock
 from peer.emulation.local import LinkModel, LocalSwarm, RunResult
 from peer.runtime.driver import Pipelines, Stages
 from peer.runtime.spec import RunSpec
@@ -55,8 +55,8 @@ SPEC = RunSpec(run_id="bench-stragglers", model=ModelConfig(n_layers=4, d_model=
 STAGES = [(0, 2), (2, 4)]
 FORWARD_FLOPS = 2.4e6
 FAST_TFLOPS = 4e-5  # ~60 ms forward, ~120 ms backward per stage and micro-batch
-SLOWDOWN = BusyGpuWorker.BUSY_SLOWDOWN
-SLOW_FROM_STEP = BusyGpuWorker.BUSY_FROM_STEP  # the straggler's first slow step (after warm-up and one measured)
+SLOWDOWN = BusyGpuClock.BUSY_SLOWDOWN
+SLOW_FROM_STEP = BusyGpuClock.BUSY_FROM_STEP  # the straggler's first slow step (after warm-up and one measured)
 STRAGGLER = 1  # stage 1 of pipeline 0
 N_DEVICES = 5  # device 4 is the spare
 WITH_ALL = (STAGES, [[0, 1], [2, 3]])

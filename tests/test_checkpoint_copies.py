@@ -24,7 +24,7 @@ from peer.runtime.checkpoints import (
     fetch_copy_files,
     serve_copy,
 )
-from peer.runtime.worker import StageWorker
+from peer.runtime.stage.worker import StageWorker
 from protocol.errors import TransportError
 
 

@@ -17,7 +17,7 @@ from peer.runtime.assign import build_assignments
 from peer.runtime.coordinator import Coordinator, StepReport
 from peer.runtime.driver import DriverConfig, Pipelines, RunDriver, Stages, StragglerJudge
 from peer.runtime.spec import Assignment, RunSpec
-from peer.runtime.worker import StageWorker
+from peer.runtime.stage.worker import StageWorker
 
 SPEC = RunSpec(run_id="driver", model=ModelConfig(n_layers=2, d_model=16, n_heads=2, seq_len=8), micro_batch=2,
                n_microbatches=4)

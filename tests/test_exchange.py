@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
-from peer.runtime.exchange import ExchangeAbortedError, ExchangeTimeoutError, GradientExchange, Tag
+from peer.runtime.stage.exchange import ExchangeAbortedError, ExchangeTimeoutError, GradientExchange, Tag
 from protocol.errors import BadMessage
 
 NUMEL = 11  # not a multiple of 2 or 3: shards of unequal size

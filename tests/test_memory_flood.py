@@ -36,7 +36,7 @@ from peer.net.bulk_wire import HEAD, HEAD_MAGIC, read_reply
 from peer.net.endpoint import parse_endpoint
 from peer.net.tls import SERVER_NAME, TlsContext
 from peer.runtime.bounds import ASSIGNMENT_BYTES
-from peer.runtime.worker import WORKER_TRANSPORT
+from peer.runtime.stage.worker import WORKER_TRANSPORT
 from protocol import PROTOCOL_VERSION
 from protocol import tasklet_pb2 as pb
 

@@ -155,7 +155,7 @@ def test_partition_2_plus_2_minority_pauses_and_rejoins(tmp_path: Path) -> None:
             assert "run finished" in swarm.log("pub0")
             assert all("the run is done" in swarm.log(h.name) for h in hosts[1:])
             for host in minority:  # work again after the partition: a second assignment, from the same leader
-                assert swarm.log(host.name).count("peer.runtime.worker: assigned stage") >= 2
+                assert swarm.log(host.name).count("peer.runtime.stage.worker: assigned stage") >= 2
         finally:
             swarm.close()
     error = check_against_reference(save)

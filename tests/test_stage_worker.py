@@ -15,8 +15,8 @@ from peer.net import PeerClient
 from peer.runtime.control import StartStep, encode
 from peer.runtime.coordinator import Coordinator
 from peer.runtime.spec import Assignment, RunSpec
+from peer.runtime.stage.worker import StageWorker
 from peer.runtime.wire import envelope, make_key
-from peer.runtime.worker import StageWorker
 from protocol import PROTOCOL_VERSION
 from protocol import tasklet_pb2 as pb
 from protocol.errors import Refused

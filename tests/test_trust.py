@@ -30,8 +30,8 @@ from peer.runtime import control as ctl
 from peer.runtime.assign import build_assignments
 from peer.runtime.coordinator import Coordinator
 from peer.runtime.spec import RunSpec
+from peer.runtime.stage.worker import StageWorker
 from peer.runtime.wire import envelope, make_key
-from peer.runtime.worker import StageWorker
 from peer.swarm.adverts import Advert
 from peer.swarm.identity import Identity
 from protocol import tasklet_pb2 as pb
@@ -246,10 +246,10 @@ def test_raw_grpc_from_a_trusted_channel_still_needs_a_role(plan: Plan) -> None:
 
 # ------------------------------------------------------------------------------------- wrong gradients
 class Replicas:
-    """One stage, three pipelines, in-process; worker ``faulty`` (if any) is a HugeGradWorker."""
+    """One stage, three pipelines, in-process; worker ``faulty`` (if any) sends huge gradient shards."""
 
     def __init__(self, faulty: int | None = None) -> None:
-        from peer.emulation.faults import HugeGradWorker
+        from peer.emulation.faults import worker_class
 
         torch.set_num_threads(1)
         self.events: list[tuple[str, dict]] = []
@@ -259,7 +259,7 @@ class Replicas:
         ctls = self.coordinator.tls
         self.workers = []
         for i in range(3):
-            cls = HugeGradWorker if i == faulty else StageWorker
+            cls = worker_class("huge-grad" if i == faulty else None)
             worker = cls(tls=TlsContext.generate().trust_only([ctls.certificate]), controllers=(ctls.peer_id,))
             worker.start()
             self.workers.append(worker)

@@ -37,7 +37,7 @@ from peer.node.prober import LinkProber, ProbeSources
 from peer.node.reachability import Reach, ReachabilityError, establish, refuse_undialable
 from peer.observe.node import NodeObserver, ObserveError, ObserveOptions
 from peer.observe.snapshot import SwarmSource
-from peer.runtime.worker import StageWorker
+from peer.runtime.stage.worker import StageWorker
 from peer.swarm.adverts import Advert
 from peer.swarm.dht import DHT_OPS, DHTConfig, DHTStartError, ops_delta, reconnect, start_dht, visible_maddrs
 from peer.swarm.identity import Identity

@@ -66,8 +66,8 @@ from peer.runtime.step_state import (  # re-exported: the coordinator's callers 
     StepReport,
     StepState,
 )
+from peer.runtime.tasklet import state_envelope, state_from_envelope
 from peer.runtime.wire import make_key
-from peer.runtime.worker import state_envelope, state_from_envelope
 from peer.timing import (
     ASSIGN_TIMEOUT_S,
     BROADCAST_POLL_S,

@@ -9,7 +9,7 @@ pipelines (a pipeline that committed none skips the step: :meth:`StageCompute.sk
 1. every replica of a stage computes its pseudo-gradient ``anchor - params`` (``anchor``: the parameters at
    the round's start, identical on every replica), compressed as ``pseudo_grad_compression`` says;
 2. the stage's participants sum them through the same reduce-scatter + all-gather as exact training
-   (:mod:`peer.runtime.exchange`; the summed shards travel compressed too, :func:`allgather_codec`) and
+   (:mod:`peer.runtime.stage.exchange`; the summed shards travel compressed too, :func:`allgather_codec`) and
    divide by the number of participants;
 3. only when every stage holds its average (the coordinator's two-phase apply) does every replica take the
    identical Nesterov step from the anchor — ``m = mu m + g; params = anchor - lr (g + mu m)``, i.e.

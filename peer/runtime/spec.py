@@ -59,7 +59,7 @@ class RunSpec:
     precision: str = "fp32"
     compression: str = "none"  # of activations and activation gradients on the wire
     # a replica's gradient more than this many times the median of its group's (per micro-batch) is refused
-    # and its sender excluded (peer.runtime.exchange); 0 disables the check
+    # and its sender excluded (peer.runtime.stage.exchange); 0 disables the check
     grad_outlier_factor: float = 10.0
     # Data-parallel sync (peer.runtime.outer): every ``sync_period`` inner steps, an outer round. 1 = exact
     # gradient averaging every step. Above 1, DiLoCo: each pipeline steps AdamW on its own micro-batches, and

@@ -1,44 +1,20 @@
-"""A stage worker's current assignment as one immutable snapshot (:class:`Tasklet`), and the stage state it hands
-over: the STAGE_STATE envelope a replica, a checkpoint or the coordinator serves, and the parameters hash that
-replicas compare after every apply."""
+"""The stage state both sides hand over: the STAGE_STATE envelope a replica, a checkpoint or the coordinator
+serves, and the parameters hash that replicas compare after every apply. (The worker's snapshot of its
+assignment, :class:`peer.runtime.stage.snapshot.Tasklet`, is the peer side's own.)"""
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from peer.compute.data import Corpus
 from peer.compute.stage import StageCompute
-from peer.net.shaping import LinkTable
-from peer.runtime.exchange import GradientExchange
 from peer.runtime.outer import OuterState
-from peer.runtime.roles import Roles
-from peer.runtime.spec import Assignment, RunSpec
 from peer.runtime.wire import body_of, envelope, make_key, tensor_named
 from protocol import tasklet_pb2 as pb
 from protocol.codec import decode_tensor
 from protocol.errors import BadMessage
-
-
-@dataclass(frozen=True)
-class Tasklet:
-    """The current assignment as one immutable snapshot (peer.runtime.worker, "State")."""
-
-    spec: RunSpec
-    assignment: Assignment
-    compute: StageCompute
-    exchange: GradientExchange
-    links: LinkTable
-    corpus: Corpus | None
-    roles: Roles
-    outer: OuterState | None = None  # DiLoCo (spec.sync_period > 1): this replica's outer-loop state
-
-    def key(self, step: int, mb: int = -1) -> pb.Key:
-        a = self.assignment
-        return make_key(self.spec.run_id, a.epoch, step, mb, a.stage, a.replica)
 
 
 def params_hash(compute: StageCompute) -> str:

@@ -2,7 +2,7 @@
 
 A leader publishes each plan under ``f"{run_id}:plans"`` with the subkey ``owner_tag + epoch``, signed by the
 leader, so nobody can forge or overwrite another leader's plan. Plans are ordered by ``(epoch, leader id)``
-(the same order the workers use to refuse an older leader's assignment, ``peer.runtime.worker``): at equal
+(the same order the workers use to refuse an older leader's assignment, ``peer.runtime.stage``): at equal
 epochs the larger leader id wins, so every reader settles on the same plan.
 
 What a reader accepts (:meth:`PlanBoard.latest`):

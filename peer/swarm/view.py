@@ -16,7 +16,7 @@ set read it (``Membership.live_entries``):
 A worker holding an assignment and following a live leader reads one small record a heartbeat: the leader's
 beat (plan epoch, step, state, DHT time). The plan itself is read only when the beat names a newer epoch; the
 full progress record (loss history) only on demand (`peer status`, the dashboard, a new leader); the
-certificates it needs are those its assignment names (``peer.runtime.worker``). The election is unchanged
+certificates it needs are those its assignment names (``peer.runtime.stage``). The election is unchanged
 (``peer.swarm.election``): the same pure function of the live records, acted on only once it has been stable
 for ``LEADER_CONFIRM_TICKS`` full reads, and plans and progress are accepted only from the elected leader
 (``peer.swarm.plans``), so the fencing by (epoch, leader id) and the quorum rule hold as before.

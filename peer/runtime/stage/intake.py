@@ -1,0 +1,195 @@
+"""Intake: everything a worker receives is checked here before it touches any state.
+
+gRPC server threads run these checks. A push is first admitted by role (``admit_push``, before it is
+buffered): the caller is the peer its mutual-TLS certificate proves, and each Kind is taken only from the peer
+the current plan gives that role (peer.runtime.roles), up to the Kind's size bound (peer.runtime.bounds). Then
+the message is validated (run, epoch, step, micro-batch, dtype, shape, NaN/inf) against the snapshot and the
+step (:class:`WorkerStep`), and queued for the compute thread; a bad message is refused with a gRPC status
+(Rejected, BadMessage, Forbidden) and a malformed tensor's sender is reported to the coordinator.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from peer.net.tls import TlsContext
+from peer.runtime import control as ctl
+from peer.runtime.bounds import push_limits
+from peer.runtime.checkpoints import copy_part_bound_bytes
+from peer.runtime.control import SPECULATIVE_META
+from peer.runtime.grants import read_grant
+from peer.runtime.stage.compute import Task
+from peer.runtime.stage.exchange import Tag
+from peer.runtime.stage.outbox import Outbox
+from peer.runtime.stage.snapshot import Tasklet
+from peer.runtime.stage.step import Work, WorkerStep
+from peer.runtime.wire import tensor_named
+from protocol import tasklet_pb2 as pb
+from protocol.codec import decode_tensor
+from protocol.errors import BadMessage, Forbidden, Rejected
+
+
+class Intake:
+    """A worker's checks of what it receives (module docstring).
+
+    ``controllers`` and ``may_assign`` name the peers besides the current plan's coordinator that may assign
+    this worker (and stop it); ``keeps_copies`` whether it takes checkpoint copies; ``current`` gives the
+    snapshot, ``step``/``cond`` the step bookkeeping and its lock; valid work goes to ``put``."""
+
+    def __init__(self, tls: TlsContext, controllers: frozenset[str], keeps_copies: bool,
+                 current: Callable[[], Tasklet | None], step: WorkerStep, cond: threading.Condition,
+                 outbox: Outbox, put: Callable[[Task], None]) -> None:
+        self.tls, self.controllers, self.keeps_copies = tls, controllers, keeps_copies
+        self.may_assign: Callable[[str], bool] | None = None
+        self._current, self.step, self.cond, self.outbox, self.put = current, step, cond, outbox, put
+
+    # ------------------------------------------------------------------------------------------ authority
+    def require_controller(self, caller: str, what: str) -> None:
+        """Assignments (and a stop) come from the current plan's coordinator, a controller named at start-up,
+        whatever ``may_assign`` accepts (the daemon: the elected leader), or this process itself."""
+        t = self._current()
+        if caller == self.tls.peer_id or caller in self.controllers:
+            return
+        if t is not None and caller == t.roles.peer(t.assignment.coordinator):
+            return
+        if self.may_assign is not None and self.may_assign(caller):
+            return
+        raise Forbidden(f"{what} is taken only from the coordinator of the current plan; peer {caller} is not")
+
+    def check_grant(self, request: pb.FetchRequest, t: Tasklet, layers: tuple[int, int]) -> None:
+        """A fetch outside our plan's roles needs a grant signed by a peer we take control from, for this
+        caller, these layers and this run, of our plan's epoch or a newer one."""
+        grant = read_grant(request.meta["grant"], self.tls)
+        self.require_controller(grant.signer, "a fetch grant")
+        if grant.peer != request.sender or grant.layers != layers or grant.run_id != t.spec.run_id:
+            raise Forbidden(f"the grant is for peer {grant.peer}, layers {list(grant.layers)} of run {grant.run_id!r}")
+        if grant.epoch < t.assignment.epoch:
+            raise Forbidden(f"the grant is of plan epoch {grant.epoch}, older than this peer's {t.assignment.epoch}")
+
+    def admit_push(self, kind: int, caller: str) -> int:
+        """Before a push is buffered: the caller must have a role for its Kind; the size bound of the Kind."""
+        t = self._current()
+        if kind in (pb.STAGE_ASSIGNMENT, pb.OTHER, pb.CHECKPOINT):
+            self.require_controller(caller, f"a {pb.Kind.Name(kind)} message")
+            if kind == pb.CHECKPOINT:
+                return 0 if t is None or not self.keeps_copies else copy_part_bound_bytes()
+        elif t is not None:
+            a, what = t.assignment, f"a {pb.Kind.Name(kind) if kind in pb.Kind.values() else kind} message"
+            senders = {pb.ACTIVATION: ([a.prev], "the upstream neighbour"),
+                       pb.ACTIVATION_GRAD: ([a.next], "the downstream neighbour"),
+                       pb.GRAD_SHARD: (list(a.group), "this stage's group"),
+                       pb.PARAM_SHARD: (list(a.group), "this stage's group")}.get(kind)
+            if senders is not None:
+                t.roles.require(caller, senders[0], senders[1], what)
+        return push_limits(None if t is None else t.spec, 0 if t is None else t.compute.numel).get(kind, 0)
+
+    def current(self) -> Tasklet:
+        t = self._current()
+        if t is None:
+            raise Rejected("this peer has no stage assignment yet")
+        return t
+
+    def control(self, env: pb.Envelope) -> tuple[Tasklet | None, ctl.Message]:
+        """A control message from a controller, of this peer's plan epoch (a stop needs no assignment)."""
+        msg = ctl.decode(env, ctl.TO_WORKER)
+        if isinstance(msg, ctl.Stop):
+            self.require_controller(env.sender, "a stop")
+            return None, msg
+        self.require_controller(env.sender, f"control message {msg.op.value!r}")
+        t = self.current()
+        if env.key.epoch != t.assignment.epoch:
+            raise Rejected(f"plan epoch {env.key.epoch} is not this peer's epoch {t.assignment.epoch}")
+        return t, msg
+
+    # ------------------------------------------------------------------------------------------ validation
+    def _check_key(self, t: Tasklet, key: pb.Key) -> None:
+        """Refuse work for another run, plan, step or pipeline (Rejected -> FAILED_PRECONDITION)."""
+        spec, a = t.spec, t.assignment
+        if key.run_id != spec.run_id:
+            raise Rejected(f"run {key.run_id!r} is not this peer's run {spec.run_id!r}")
+        if key.epoch != a.epoch:
+            raise Rejected(f"plan epoch {key.epoch} is not this peer's epoch {a.epoch}")
+        with self.cond:
+            if self._current() is not t:
+                raise Rejected("this peer took a new assignment meanwhile")
+            self.step.check_current(key.step)
+        if key.replica != a.replica:
+            raise Rejected(f"pipeline {key.replica} is not this peer's pipeline {a.replica}")
+        if not 0 <= key.microbatch < spec.n_microbatches:
+            raise Rejected(f"micro-batch {key.microbatch} is not in [0, {spec.n_microbatches})")
+
+    def _decode(self, t: Tasklet, env: pb.Envelope, name: str, **expect: Any) -> torch.Tensor:
+        """Decode a tensor; a malformed one (NaN, wrong shape, ...) is refused AND its sender reported."""
+        try:
+            return decode_tensor(tensor_named(env, name), **expect)
+        except BadMessage as exc:
+            self.outbox.report(t, ctl.BadPeer(env.key.stage, env.key.replica, env.sender, str(exc)[:300]))
+            raise
+
+    def _hidden(self, t: Tasklet, env: pb.Envelope, name: str) -> torch.Tensor:
+        m = t.spec.model
+        shape = (t.spec.micro_batch, m.seq_len, m.d_model)
+        return self._decode(t, env, name, expect_shape=shape, expect_dtype=t.compute.dtype)
+
+    # ---------------------------------------------------------------------------------------- data pushes
+    def activation(self, env: pb.Envelope) -> None:
+        t = self.current()
+        t.roles.require(env.sender, [t.assignment.prev], "the upstream neighbour of this stage", "an activation")
+        self._check_key(t, env.key)
+        if t.assignment.is_first:
+            raise Rejected("the first stage takes no activations")
+        x = self._hidden(t, env, "hidden")
+        with self.cond:
+            self.step.take_activation(env.key.step, env.key.microbatch)
+        speculative = env.meta.get(SPECULATIVE_META) == "1"  # a copy another pipeline also runs (stragglers)
+        self.put(Task(Work.FORWARD, t, env.key.step, (env.key.microbatch, x, speculative)))
+
+    def activation_grad(self, env: pb.Envelope) -> None:
+        t = self.current()
+        t.roles.require(env.sender, [t.assignment.next], "the downstream neighbour of this stage",
+                        "an activation gradient")
+        self._check_key(t, env.key)
+        if t.assignment.is_last:
+            raise Rejected("the last stage takes no activation gradients")
+        g = self._hidden(t, env, "grad")
+        with self.cond:
+            self.step.take_grad(env.key.step, env.key.microbatch)
+        self.put(Task(Work.BACKWARD, t, env.key.step, (env.key.microbatch, g)))
+
+    def _shard_message(self, env: pb.Envelope) -> tuple[Tasklet, Tag, list[int], torch.Tensor]:
+        key = env.key
+        t = self.current()
+        if key.run_id != t.spec.run_id or key.epoch != t.assignment.epoch:
+            raise Rejected(f"run/epoch {key.run_id!r}/{key.epoch} is not this peer's")
+        group = t.assignment.group
+        if not 0 <= key.replica < len(group):
+            raise BadMessage("key.replica", f"replica {key.replica} is not in [0, {len(group)})")
+        t.roles.require(env.sender, [group[key.replica]], f"replica {key.replica} of this stage's group",
+                        "a gradient or parameter shard")
+        if key.stage != t.assignment.stage:
+            raise Rejected(f"stage {key.stage} is not this peer's stage {t.assignment.stage}")
+        with self.cond:
+            step = self.step.step
+        if key.step != step:
+            raise Rejected(f"step {key.step} is not the current step {step}")
+        try:
+            participants = [int(x) for x in json.loads(env.meta.get("participants", "[]"))]
+            rnd = int(env.meta.get("round", ""))
+        except (ValueError, TypeError):
+            raise BadMessage("meta", "round and participants must be an integer and a JSON list") from None
+        with self.cond:  # bounded mailbox: only the rounds that can follow the one this peer was told about
+            self.step.check_shard(key.step, rnd)
+        return t, (key.step, rnd), participants, self._decode(t, env, "grad", expect_dtype=torch.float32)
+
+    def grad_shard(self, env: pb.Envelope) -> None:
+        t, tag, participants, shard = self._shard_message(env)
+        t.exchange.put_contribution(tag, participants, env.key.replica, shard, list(env.microbatches))
+
+    def param_shard(self, env: pb.Envelope) -> None:
+        t, tag, participants, shard = self._shard_message(env)
+        t.exchange.put_reduced(tag, participants, env.key.replica, shard)

@@ -1,0 +1,33 @@
+"""A stage worker's current assignment as one immutable snapshot (:class:`Tasklet`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from peer.compute.data import Corpus
+from peer.compute.stage import StageCompute
+from peer.net.shaping import LinkTable
+from peer.runtime.outer import OuterState
+from peer.runtime.roles import Roles
+from peer.runtime.spec import Assignment, RunSpec
+from peer.runtime.stage.exchange import GradientExchange
+from peer.runtime.wire import make_key
+from protocol import tasklet_pb2 as pb
+
+
+@dataclass(frozen=True)
+class Tasklet:
+    """The current assignment as one immutable snapshot (peer.runtime.stage.worker, "State")."""
+
+    spec: RunSpec
+    assignment: Assignment
+    compute: StageCompute
+    exchange: GradientExchange
+    links: LinkTable
+    corpus: Corpus | None
+    roles: Roles
+    outer: OuterState | None = None  # DiLoCo (spec.sync_period > 1): this replica's outer-loop state
+
+    def key(self, step: int, mb: int = -1) -> pb.Key:
+        a = self.assignment
+        return make_key(self.spec.run_id, a.epoch, step, mb, a.stage, a.replica)

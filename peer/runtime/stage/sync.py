@@ -1,0 +1,250 @@
+"""The stage worker's end of a step: the exactly-once check, the gradient averaging with the other replicas of
+its stage, the apply, DiLoCo's outer round, and a resync from a replica.
+
+:class:`GradientSync` runs on the worker's compute thread, one task at a time (the compute loop holds the state
+lock around each); the step's bookkeeping it changes only through :class:`WorkerStep`'s transitions, under the
+step lock it is given, and everything it sends leaves through the outbox it is given.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from peer.compute.stage import StageCompute
+from peer.runtime import control as ctl
+from peer.runtime.outer import BLOCK_SIZE, OuterState, allgather_codec, is_round_end, roundtrip
+from peer.runtime.spec import Assignment, RunSpec
+from peer.runtime.stage.exchange import OutlierContributionError, Tag
+from peer.runtime.stage.outbox import Outbox
+from peer.runtime.stage.snapshot import Tasklet
+from peer.runtime.stage.step import WorkerStep
+from peer.runtime.tasklet import params_hash
+from peer.runtime.wire import envelope
+from peer.timing import REDUCE_WAIT_S
+from protocol import tasklet_pb2 as pb
+from protocol.errors import Rejected
+
+log = logging.getLogger(__name__)
+
+# Loads a stage's state from a replica: (compute, endpoint, spec, assignment, step) -> its outer state, if any
+Loader = Callable[[StageCompute, str, RunSpec, Assignment, int], "OuterState | None"]
+
+
+@dataclass(frozen=True)
+class SyncRound:
+    """One averaging round in progress: its step and round, participants, and the meta its shards carry."""
+
+    step: int
+    round: int
+    participants: list[int]
+    meta: dict[str, str]
+    outer: bool = False  # DiLoCo's outer round: pseudo-gradients under ``codec``, ``residual`` kept after it
+    codec: str = "none"
+    residual: torch.Tensor | None = None
+
+    @property
+    def tag(self) -> Tag:
+        return self.step, self.round
+
+
+class GradientSync:
+    """Reduce, apply, outer round and resync of one worker (module docstring).
+
+    ``step``/``cond``: the worker's step bookkeeping and the condition on its step lock (a drop wakes the
+    feeder); ``outbox``: where reports and shards go; ``endpoint``: this worker's own endpoint (a resync never
+    loads from itself); ``load``: fetches a stage's state from a replica."""
+
+    def __init__(self, step: WorkerStep, cond: threading.Condition, outbox: Outbox, endpoint: Callable[[], str],
+                 load: Loader) -> None:
+        self.step, self.cond, self.outbox = step, cond, outbox
+        self.endpoint, self.load = endpoint, load
+
+    def reduce(self, t: Tasklet, step: int, msg: ctl.Reduce) -> None:
+        """Check exactly-once locally, then reduce-scatter + all-gather with the participants; keep the sum.
+
+        DiLoCo (``t.outer``): an inner step keeps this pipeline's own sum and count instead (no averaging);
+        ``msg.outer`` averages the round's pseudo-gradients (:meth:`outer_reduce`). The three phases
+        (:meth:`contribute`, :meth:`sum_shard`, :meth:`gather`) run one after the other on the compute thread;
+        they are separate so that a test can interleave the replicas of a group without threads."""
+        if msg.outer:
+            self.outer_reduce(t, step, msg)
+            return
+        rnd = self.contribute(t, step, msg)
+        if rnd is not None:
+            self.sum_shard(t, rnd)
+            self.gather(t, rnd)
+
+    def contribute(self, t: Tasklet, step: int, msg: ctl.Reduce) -> SyncRound | None:
+        """Phase 1: the accumulator must hold exactly this pipeline's micro-batches of the commit record; send
+        each participant its shard of the sum (reduce-scatter). None: a DiLoCo inner step, kept locally."""
+        a, compute, exchange = t.assignment, t.compute, t.exchange
+        rnd, participants = msg.round, list(msg.participants)
+        expected = sorted(mb for mb, p in msg.assignment.items() if p == a.replica)
+        if t.outer is not None and not expected:
+            # DiLoCo: a pipeline the record gives nothing (dropped from the step: its share went back to the pool)
+            # skips the inner step; whatever it accumulated (a drop notice not yet here) is thrown away, and so is
+            # any late work of the step still in flight
+            with self.cond:
+                self.step.sit_out(step)
+                self.cond.notify_all()
+            compute.reset_step()
+        compute.settle(set(expected))  # speculative copies: the ones the pool gave this pipeline now count
+        with self.cond:
+            mine = self.step.reduce(step, expected, compute.accumulated())
+        if t.outer is not None:
+            with self.cond:
+                self.step.reduced(step, compute.accumulated_grad(), len(expected))
+            self.outbox.report(t, ctl.Reduced(step, rnd))
+            return None
+        sync = SyncRound(step, rnd, participants, {"round": str(rnd), "participants": json.dumps(participants)})
+        flat = compute.accumulated_grad()
+        for r in participants:
+            lo, hi = exchange.shard_of(participants, r)
+            if r == a.replica:
+                exchange.put_contribution(sync.tag, participants, r, flat[lo:hi].clone(), mine)
+            else:
+                env = envelope(pb.GRAD_SHARD, t.key(step), {"grad": flat[lo:hi]}, microbatches=mine)
+                env.meta.update(sync.meta)
+                self.outbox.send(t, a.group[r], env)
+        return sync
+
+    def sum_shard(self, t: Tasklet, sync: SyncRound) -> None:
+        """Phase 2: wait for every participant's contribution to my shard, sum them (exactly-once checked there;
+        an outer round's pseudo-gradients carry no micro-batches) and send the sum to every participant
+        (all-gather); an outlier's sender is reported."""
+        a, exchange, participants = t.assignment, t.exchange, sync.participants
+        try:
+            reduced = exchange.reduce(sync.tag, participants, None if sync.outer else t.spec.n_microbatches,
+                                      REDUCE_WAIT_S)
+        except OutlierContributionError as exc:
+            log.warning("%s %d: %s", "outer round of step" if sync.outer else "step", sync.step, exc)
+            self._report_outliers(t, exc)
+            raise
+        codec, block = sync.codec, BLOCK_SIZE
+        if sync.outer:
+            codec, block = allgather_codec(sync.codec, reduced.numel(), len(participants))
+        for r in participants:
+            if r == a.replica:
+                own = roundtrip(reduced, codec, block) if sync.outer else reduced
+                exchange.put_reduced(sync.tag, participants, r, own)
+            elif sync.outer:
+                self.outbox.send(t, a.group[r], _shard_envelope(t, pb.PARAM_SHARD, sync.step, reduced, codec,
+                                                                sync.meta, block))
+            else:
+                env = envelope(pb.PARAM_SHARD, t.key(sync.step), {"grad": reduced})
+                env.meta.update(sync.meta)
+                self.outbox.send(t, a.group[r], env)
+
+    def gather(self, t: Tasklet, sync: SyncRound) -> None:
+        """Phase 3: wait for every owner's summed shard; keep the whole sum for apply (an outer round: the
+        participants' average) and report ``reduced``."""
+        summed = t.exchange.gather(sync.tag, sync.participants, REDUCE_WAIT_S)
+        with self.cond:
+            if sync.outer:
+                assert sync.residual is not None
+                self.step.outer_reduced(sync.step, summed / len(sync.participants), sync.residual)
+            else:
+                self.step.reduced(sync.step, summed)
+        self.outbox.report(t, ctl.Reduced(sync.step, sync.round))
+
+    def apply(self, t: Tasklet, step: int, msg: ctl.Apply | None = None) -> None:
+        """Apply the reduced gradient of ``step`` (idempotent: a repeated apply only re-reports). DiLoCo: an inner
+        step divides by the micro-batches this pipeline committed (none: no AdamW step); ``msg.outer`` applies
+        the outer step (:meth:`outer_apply`)."""
+        if msg is not None and msg.outer:
+            self.outer_apply(t, step)
+            return
+        compute = t.compute
+        with self.cond:
+            pending = self.step.apply(step, compute.step)
+        if pending is not None:
+            summed, count = pending
+            if t.outer is None:
+                compute.apply_update(summed, t.spec.n_microbatches)
+            elif count:
+                compute.apply_update(summed, count)
+            else:
+                compute.skip_update()
+            with self.cond:
+                self.step.applied(step)
+        self.outbox.report(t, ctl.Synced(step, compute.step, params_hash(compute)))
+
+    def outer_reduce(self, t: Tasklet, step: int, msg: ctl.Reduce) -> None:
+        """The outer round after inner step ``step``: reduce-scatter + all-gather of the participants'
+        (compressed) pseudo-gradients; keep their average for the outer apply (peer.runtime.outer). The same
+        three phases as :meth:`reduce`."""
+        sync = self.contribute_outer(t, step, msg)
+        self.sum_shard(t, sync)
+        self.gather(t, sync)
+
+    def contribute_outer(self, t: Tasklet, step: int, msg: ctl.Reduce) -> SyncRound:
+        """Phase 1 of an outer round: send each participant its shard of this replica's pseudo-gradient."""
+        a, compute, exchange, outer, spec = t.assignment, t.compute, t.exchange, t.outer, t.spec
+        if outer is None or not is_round_end(step, spec.sync_period):
+            raise Rejected(f"step {step} ends no outer round (sync_period {spec.sync_period})")
+        if compute.step != step + 1:
+            raise Rejected(f"outer round after step {step}, but this stage has trained {compute.step} steps")
+        rnd, participants = msg.round, list(msg.participants)
+        if a.replica not in participants:
+            raise Rejected(f"pipeline {a.replica} is not among the outer round's participants {participants}")
+        shards = [exchange.shard_of(participants, r) for r in participants]
+        codec = spec.pseudo_grad_compression
+        sent, residual = outer.contribution(compute.flat_params(), shards, codec)
+        sync = SyncRound(step, rnd, participants, {"round": str(rnd), "participants": json.dumps(participants)},
+                         outer=True, codec=codec, residual=residual)
+        for r, (lo, hi) in zip(participants, shards, strict=True):
+            if r == a.replica:
+                exchange.put_contribution(sync.tag, participants, r, roundtrip(sent[lo:hi], codec), [])
+            else:
+                env = _shard_envelope(t, pb.GRAD_SHARD, step, sent[lo:hi], codec, sync.meta)
+                self.outbox.send(t, a.group[r], env)
+        return sync
+
+    def outer_apply(self, t: Tasklet, step: int) -> None:
+        """The identical Nesterov step from the round's anchor on every replica (idempotent)."""
+        compute, outer, spec = t.compute, t.outer, t.spec
+        with self.cond:
+            pending = self.step.take_outer(step)
+        if outer is None:
+            raise Rejected("an outer apply, but this run has no outer loop")
+        if pending is None:
+            if compute.step == step + 1 and torch.equal(outer.anchor, compute.flat_params()):
+                self.outbox.report(t, ctl.Synced(step, compute.step, params_hash(compute)))  # a repeated apply
+                return
+            raise Rejected(f"outer apply of step {step}, but no averaged pseudo-gradient of that step is held")
+        average, residual = pending
+        compute.set_params(outer.apply(average, spec.outer_lr, spec.outer_momentum, residual))
+        self.outbox.report(t, ctl.Synced(step, compute.step, params_hash(compute)))
+
+    def resync(self, t: Tasklet, step: int, msg: ctl.Resync) -> None:
+        """Our parameters differ from the group's majority, or our pipeline was dropped from the step (a
+        speculative copy overtook it): load the stage from a replica that applied it."""
+        a, compute = t.assignment, t.compute
+        if msg.source not in a.group or msg.source == self.endpoint():
+            raise Rejected(f"resync source {msg.source} is not another replica of this stage")
+        if compute.step not in (msg.trained_steps, msg.trained_steps - 1):  # -1: its pipeline missed the step
+            raise Rejected(f"resync to step {msg.trained_steps}, this stage has trained {compute.step} steps")
+        outer = self.load(compute, msg.source, t.spec, a, msg.trained_steps)
+        if t.outer is not None and outer is not None:  # DiLoCo: resyncs happen after an outer step (at an anchor)
+            t.outer.anchor, t.outer.momentum = outer.anchor, outer.momentum
+        log.warning("step %d: parameters differed from the group's majority; reloaded from %s", step, msg.source)
+        self.outbox.report(t, ctl.Synced(step, compute.step, params_hash(compute)))
+
+    def _report_outliers(self, t: Tasklet, exc: OutlierContributionError) -> None:
+        a = t.assignment
+        for r in exc.replicas:
+            self.outbox.report(t, ctl.BadPeer(a.stage, r, t.roles.peer(a.group[r]) or "", str(exc)[:300]))
+
+
+def _shard_envelope(t: Tasklet, kind: int, step: int, x: torch.Tensor, codec: str, meta: dict[str, str],
+                    block: int = BLOCK_SIZE) -> pb.Envelope:
+    env = envelope(kind, t.key(step))
+    env.add_tensor("grad", x, codec, block_size=block)
+    env.meta.update(meta)
+    return env

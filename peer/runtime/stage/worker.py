@@ -1,0 +1,337 @@
+"""A stage worker: one peer's tasklet (one stage of one pipeline) served over gRPC.
+
+:class:`StageWorker` is the shell that wires the parts of the peer side to its gRPC server:
+
+* :mod:`~peer.runtime.stage.intake` checks everything received (role, key, step, tensor) before it touches
+  state, on the gRPC server threads;
+* :mod:`~peer.runtime.stage.assignment` takes an assignment (fencing, keep/init/fetch of the stage state) and
+  serves this peer's stage state to others;
+* :mod:`~peer.runtime.stage.compute` runs every forward, backward, reduce and apply on one compute thread
+  (1F1B: backward first), and a first stage's feeder;
+* :mod:`~peer.runtime.stage.sync` is the worker's end of the gradient averaging, apply, DiLoCo's outer round
+  and a resync;
+* :class:`~peer.runtime.stage.step.WorkerStep` holds the step's bookkeeping, changed only by its transitions;
+* everything leaves through the :class:`~peer.runtime.stage.outbox.Outbox` and every op is timed by the
+  :class:`~peer.runtime.stage.outbox.DeviceClock` the worker is given (the seams faults use).
+
+State, and what guards it. The current assignment — run spec, assignment, compute state, gradient exchange,
+link shapers, corpus — is one immutable :class:`Tasklet` snapshot, replaced by a single reference assignment
+(under both locks below). Every handler and task reads it once and works on that snapshot only, so nobody sees
+a new assignment with the old compute; a queued task of an older snapshot is dropped, never run on the new one.
+
+* ``_state_lock`` serialises whatever changes the compute state: the compute thread's tasks and taking an
+  assignment (which may build or load a stage). Taken before ``_lock`` when both are needed.
+* ``_lock`` guards the :class:`WorkerStep` and the stages held for hand-over; ``_cond`` is a condition on it
+  (the feeder waits on it for the 1F1B in-flight limit).
+
+A step: the coordinator sends ``start_step``; micro-batches flow; each stage adds a micro-batch's gradient to
+its accumulator right after its backward (memory: one gradient); when the pool is complete the coordinator
+sends ``reduce`` with the commit record and the participating pipelines; the worker checks its accumulator
+holds exactly its pipeline's micro-batches, averages with the participants (``exchange.py``), keeps the summed
+gradient and reports ``reduced``. Only when *every* stage has reduced does the coordinator send ``apply``: so
+a death during the averaging never leaves some stages updated and others not. ``drop_step`` (its pipeline lost
+a member) throws the step's work away; its micro-batches are redone by other pipelines. The control messages
+are the typed ones of :mod:`peer.runtime.control`; docs/architecture.md ("One step") walks through a step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from peer.compute.stage import StageCompute, StageComputeConfig
+from peer.net import PeerServer, TransportConfig
+from peer.net.tls import TlsContext, process_tls
+from peer.runtime import control as ctl
+from peer.runtime.checkpoints import (
+    CheckpointError,
+    CheckpointStore,
+    CopyReceiver,
+    copy_bound_bytes,
+    serve_copy,
+)
+from peer.runtime.spec import Assignment, RunSpec
+from peer.runtime.stage.assignment import StageTaker, fence
+from peer.runtime.stage.compute import ComputeLoop, Task
+from peer.runtime.stage.exchange import GradientExchange
+from peer.runtime.stage.intake import Intake
+from peer.runtime.stage.outbox import DeviceClock, Outbox
+from peer.runtime.stage.snapshot import Tasklet
+from peer.runtime.stage.step import Work, WorkerStep
+from peer.runtime.stage.sync import GradientSync
+from protocol import tasklet_pb2 as pb
+from protocol.errors import BadMessage, Rejected
+
+log = logging.getLogger(__name__)
+ALL_ROUNDS = 2**62  # a step beyond every real one: abort_before((ALL_ROUNDS, 0)) abandons every round
+
+# A peer may hold 32 of the 48 stream slots (an upstream neighbour pushes up to max_inflight_pushes at once),
+# so no single peer can take all of them. gRPC buffers a whole message before the server sees it, so messages
+# are capped at a 1 MiB chunk plus framing: a stream never holds more than its Kind's limit plus 2 MiB.
+WORKER_TRANSPORT = dict(
+    max_concurrent_streams=48, thread_pool_size=64, max_inflight_pushes=32, max_streams_per_peer=32,
+    max_message_bytes=2 << 20,
+)
+
+OutboxFactory = Callable[[TransportConfig, str, Callable[[], "Tasklet | None"], Callable[[], int], threading.Event],
+                         Outbox]
+
+
+class StageWorker:
+    """Serves one tasklet. ``start()`` returns the endpoint; the coordinator assigns the stage over gRPC."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        bulk_port: int | None = 0,
+        peer_id: str = "",
+        device: str = "",
+        max_envelope_bytes: int | None = None,
+        tls: TlsContext | None = None,
+        controllers: tuple[str, ...] = (),
+        checkpoint_copies: Path | None = None,
+        outbox: OutboxFactory = Outbox,
+        clock: DeviceClock | None = None,
+    ) -> None:
+        """``checkpoint_copies``: a folder where this peer keeps copies of the leader's checkpoints (None: it
+        refuses them). ``outbox`` builds what every message leaves through, ``clock`` times every compute op:
+        the seams a test or an emulated fault replaces (defaults: the real sender, the real clock)."""
+        limits = {} if max_envelope_bytes is None else {"max_envelope_bytes": max_envelope_bytes}
+        self.tls = tls or process_tls()
+        self.config = TransportConfig(
+            host=host, port=port, bulk_port=bulk_port, **WORKER_TRANSPORT, **limits, tls=self.tls
+        )
+        self.peer_id = peer_id
+        self.checkpoint_copies = checkpoint_copies
+        self.stopped = threading.Event()
+        self._trust_group = f"assignment:{id(self)}"
+        self._state_lock = threading.Lock()  # compute tasks vs. taking an assignment (see the module docstring)
+        self._lock = threading.Lock()  # the step's bookkeeping, the held stages
+        self._cond = threading.Condition(self._lock)
+        self._tasklet: Tasklet | None = None  # written under _state_lock and _lock; read once per handler
+        self._step = WorkerStep()  # _lock
+
+        self.outbox = outbox(self.config, peer_id, lambda: self._tasklet, self._current_step, self.stopped)
+        self.taker = StageTaker(self.config, self.tls, peer_id, device, self._trust_group, self._lock, self.stopped)
+        sync = GradientSync(self._step, self._cond, self.outbox, lambda: self.server.endpoint, self.taker.load_from)
+        self.loop = ComputeLoop(self._step, self._state_lock, self._cond, lambda: self._tasklet, self.outbox,
+                                clock or DeviceClock(), sync, self.stopped)
+        # Peers that may give this worker an assignment (and stop it) besides the current plan's coordinator:
+        # the coordinator it was started for (local runs), or whatever may_assign accepts (the daemon: the
+        # elected leader). This process itself always may.
+        self.intake = Intake(self.tls, frozenset(controllers), checkpoint_copies is not None, lambda: self._tasklet,
+                             self._step, self._cond, self.outbox, self.loop.put)
+        self._copy_receiver = CopyReceiver()  # checkpoint copies arrive in bounded parts (peer.runtime.checkpoints)
+        self._compute_thread = threading.Thread(target=self.loop.serve, name="compute", daemon=True)
+
+        self.server = PeerServer(self.config)
+        self.server.register_push(pb.STAGE_ASSIGNMENT, self._on_assignment)
+        self.server.register_push(pb.OTHER, self._on_control)
+        self.server.register_push(pb.ACTIVATION, self.intake.activation)
+        self.server.register_push(pb.ACTIVATION_GRAD, self.intake.activation_grad)
+        self.server.register_push(pb.GRAD_SHARD, self.intake.grad_shard)
+        self.server.register_push(pb.PARAM_SHARD, self.intake.param_shard)
+        self.server.register_fetch(pb.STAGE_STATE, self._on_fetch_state)
+        self.server.register_push(pb.CHECKPOINT, self._on_checkpoint_copy)
+        self.server.register_fetch(pb.CHECKPOINT, self._on_fetch_checkpoint)
+        self.server.set_status_provider(self.status)
+        self.server.set_push_admission(self.intake.admit_push)
+
+        self._control_handlers: dict[ctl.Op, Callable[[Tasklet, Any], None]] = {
+            ctl.Op.START_STEP: self._on_start_step,
+            ctl.Op.DROP_STEP: lambda t, m: self.loop.put(Task(Work.DROP, t, m.step)),
+            ctl.Op.REDUCE: self.loop.reduce,
+            ctl.Op.APPLY: lambda t, m: self.loop.put(Task(Work.APPLY, t, m.step, (m,))),
+            ctl.Op.RESYNC: lambda t, m: self.loop.put(Task(Work.RESYNC, t, m.step, (m,))),
+        }
+
+    # ------------------------------------------------------------------------------------------- lifecycle
+    def start(self) -> str:
+        self.server.start()
+        self._compute_thread.start()
+        threading.Thread(target=_warm_up, name="warm-up", daemon=True).start()
+        return self.server.endpoint
+
+    def stop(self) -> None:
+        self.stopped.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self._compute_thread.is_alive():
+            self._compute_thread.join(timeout=5.0)
+        self.outbox.close()
+        self.server.stop(grace=0.5)
+
+    # The current snapshot's parts, for callers outside the worker's threads (status, daemon, tests).
+    @property
+    def spec(self) -> RunSpec | None:
+        t = self._tasklet
+        return None if t is None else t.spec
+
+    @property
+    def assignment(self) -> Assignment | None:
+        t = self._tasklet
+        return None if t is None else t.assignment
+
+    @property
+    def compute(self) -> StageCompute | None:
+        t = self._tasklet
+        return None if t is None else t.compute
+
+    @property
+    def exchange(self) -> GradientExchange | None:
+        t = self._tasklet
+        return None if t is None else t.exchange
+
+    @property
+    def step(self) -> int:
+        """The current step (-1: none started under this assignment)."""
+        return self._step.step
+
+    @property
+    def round(self) -> int:
+        return self._step.round
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Compute counters: forwards, backwards, busy seconds, ops over their emulated time."""
+        return self.loop.stats
+
+    @property
+    def may_assign(self) -> Callable[[str], bool] | None:
+        """Besides the plan's coordinator and ``controllers``: who else may assign (the daemon: the leader)."""
+        return self.intake.may_assign
+
+    @may_assign.setter
+    def may_assign(self, accept: Callable[[str], bool] | None) -> None:
+        self.intake.may_assign = accept
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            t, step, pending = self._tasklet, self._step.step, self._step.pending_apply
+        a, running = None if t is None else t.assignment, self.loop.running
+        return {
+            "peer_id": self.peer_id,
+            "stage": None if a is None else a.stage,
+            "replica": None if a is None else a.replica,
+            "layers": None if a is None else list(a.layers),
+            "epoch": None if a is None else a.epoch,
+            "step": step,
+            "trained_steps": None if t is None else t.compute.step,  # an int, read without the state lock
+            "pending_apply": pending,
+            **self.stats,
+            # the compute op in progress (a straggler judged before its slow op ends): seconds so far, its op count
+            "running_s": 0.0 if running is None else self.loop.clock.now() - running[0],
+            "running_ops": 0 if running is None else running[1],
+        }
+
+    def preload_corpus(self, corpus: Any) -> None:
+        """Use an already loaded corpus (the daemon reads it at start-up to check its fingerprint)."""
+        with self._state_lock:
+            self.taker.corpus = corpus
+
+    def set_links(self, links: dict[str, tuple[float, float]]) -> None:
+        """Shape traffic to these endpoints (rate bit/s, delay s) before any assignment, e.g. so that link
+        probes of an emulated swarm measure the emulated links. Once assigned, the assignment's links apply."""
+        self.outbox.set_links(links)
+
+    def _current_step(self) -> int:
+        with self._lock:
+            return self._step.step
+
+    # ------------------------------------------------------------------------------------------ assignment
+    def _on_assignment(self, env: pb.Envelope) -> None:
+        """Take a (new) tasklet (peer.runtime.stage.assignment): fenced by plan order, then built or kept."""
+        self.intake.require_controller(env.sender, "a stage assignment")
+        msg = ctl.StageAssignment.from_envelope(env)
+        assignment = msg.assignment
+        old = self._tasklet
+        fence(old, assignment)
+        if old is not None:
+            # The compute thread may hold _state_lock in a reduce of the old plan, waiting (up to REDUCE_WAIT_S)
+            # for a shard from a peer that died: abandon the old plan's rounds so that it lets go. The new plan
+            # redoes that work; a gradient already reduced and awaiting apply is kept.
+            old.exchange.abort_before((ALL_ROUNDS, 0))
+        with self._state_lock:
+            old = self._tasklet
+            fence(old, assignment, lost_race=True)
+            tasklet = self.taker.build(msg, old)
+            self.tls.trust.set_group(self._trust_group, assignment.peers.values())
+            with self._lock:
+                self.taker.hold(old, tasklet)
+                self._tasklet = tasklet
+                self._step.reset(assignment.replica)
+            self.outbox.reset()
+        log.info(
+            "assigned stage %d (layers %s) of pipeline %d, epoch %d, state %s",
+            assignment.stage,
+            assignment.layers,
+            assignment.replica,
+            assignment.epoch,
+            msg.source,
+        )
+
+    def _on_fetch_state(self, request: pb.FetchRequest) -> pb.Envelope:
+        return self.taker.serve_state(request, lambda: self._tasklet, self.intake.check_grant)
+
+    # --------------------------------------------------------------------------------------------- control
+    def _on_control(self, env: pb.Envelope) -> None:
+        t, msg = self.intake.control(env)
+        if t is None:  # a stop
+            self.stopped.set()
+            return
+        self._control_handlers[msg.op](t, msg)
+
+    def _on_start_step(self, t: Tasklet, msg: ctl.StartStep) -> None:
+        feeder = self.loop.start_step(t, msg)
+        if feeder is not None:
+            threading.Thread(target=feeder.run, name=f"feeder-{msg.step}.{msg.round}", daemon=True).start()
+
+    # ---------------------------------------------------------------------------------- checkpoint copies
+    def _copies(self, run_id: str) -> CheckpointStore:
+        if self.checkpoint_copies is None:
+            raise Rejected("this peer keeps no checkpoint copies")
+        folder = "run-" + hashlib.sha256(run_id.encode()).hexdigest()[:16]
+        return CheckpointStore(self.checkpoint_copies / folder)
+
+    def _on_checkpoint_copy(self, env: pb.Envelope) -> None:
+        """The leader's checkpoint: stored durably and verified against the leader's manifest."""
+        self.intake.require_controller(env.sender, "a checkpoint copy")
+        t = self.intake.current()
+        if env.key.run_id != t.spec.run_id:
+            raise Rejected(f"a checkpoint of run {env.key.run_id!r}; this peer trains {t.spec.run_id!r}")
+        store = self._copies(t.spec.run_id)
+        try:
+            step = self._copy_receiver.receive(env, store, copy_bound_bytes(t.spec.model))
+        except CheckpointError as exc:
+            raise BadMessage("checkpoint", str(exc)) from None
+        if step is not None:
+            log.info("stored a copy of the leader's checkpoint of step %d in %s", step, store.root)
+
+    def _on_fetch_checkpoint(self, request: pb.FetchRequest) -> pb.Envelope:
+        """The newest copy that verifies, for a (new) leader of the run."""
+        self.intake.require_controller(request.sender, "a checkpoint fetch")
+        store = self._copies(request.key.run_id)  # a folder per run: only this run's copies are there
+        try:  # the step (probe), the manifest, or a bounded range of one file
+            return serve_copy(store, request.key.run_id, request.key.epoch, request.meta)
+        except (CheckpointError, OSError) as exc:
+            raise Rejected(f"checkpoint copy: {exc}") from None
+
+
+def _warm_up() -> None:
+    """Pay torch's one-time lazy initialisation (about a second: optimizer and autograd machinery) while the
+    peer waits for its first assignment, instead of inside it where every peer of a new plan pays it at once."""
+    try:
+        from peer.compute.model import ModelConfig
+
+        tiny = StageCompute(StageComputeConfig(ModelConfig(n_layers=1, d_model=8, n_heads=1, seq_len=4), 0, 1))
+        tiny.forward_loss(0, torch.zeros(1, 4, dtype=torch.int64), torch.zeros(1, 4, dtype=torch.int64))
+        tiny.apply_update(tiny.accumulated_grad(), 1)
+    except Exception:  # a warm-up must never take the worker down
+        log.debug("warm-up failed", exc_info=True)

@@ -1,0 +1,704 @@
+"""The peer side of a step without gRPC or threads: :class:`WorkerStep`'s transitions one by one, then whole
+steps of 2 pipelines x 2 stages in virtual time with a death injected at every boundary between transitions.
+
+The virtual run wires the real parts of a worker — :class:`Intake`, :class:`ComputeLoop`, :class:`GradientSync`,
+:class:`WorkerStep` and a tiny real :class:`StageCompute` — through a fake outbox that delivers each message to
+its receiver's intake at once, and plays the coordinator's side (task pool, drop, new round, reduce, apply, a
+new leader's assignment) itself. One transition is one queued task run, one reduce phase of one replica, or one
+coordinator action; a death of each participant (every worker, and the coordinator) is injected right before
+and right after each of them. Whatever the moment, the run must account every micro-batch exactly once: no
+replica reports an error, the replicas of a stage agree bitwise, and their parameters match a clean run's.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import pytest
+import torch
+
+from peer.compute.data import Corpus
+from peer.compute.model import ModelConfig
+from peer.compute.reference import train_diloco_reference
+from peer.compute.stage import StageCompute, StageComputeConfig
+from peer.net.shaping import LinkTable
+from peer.runtime import control as ctl
+from peer.runtime.assign import build_assignments
+from peer.runtime.outer import OuterState
+from peer.runtime.roles import Roles
+from peer.runtime.spec import Assignment, RunSpec
+from peer.runtime.stage.compute import ComputeLoop, Feeder
+from peer.runtime.stage.exchange import GradientExchange
+from peer.runtime.stage.intake import Intake
+from peer.runtime.stage.outbox import DeviceClock
+from peer.runtime.stage.snapshot import Tasklet
+from peer.runtime.stage.step import Phase, Work, WorkerStep
+from peer.runtime.stage.sync import GradientSync, SyncRound
+from peer.runtime.wire import envelope
+from protocol import tasklet_pb2 as pb
+from protocol.codec import decode_tensor
+from protocol.errors import Rejected
+
+pytestmark = pytest.mark.unit
+
+
+# ------------------------------------------------------------------------------------- WorkerStep alone
+def started(step: int = 0, rnd: int = 0) -> WorkerStep:
+    s = WorkerStep()
+    s.reset(pipeline=1)
+    s.start_step(step, rnd, trained_steps=step)
+    return s
+
+
+def test_start_step_refuses_an_older_step_a_step_not_trained_to_and_a_step_dropped_from() -> None:
+    s = started(3)
+    with pytest.raises(Rejected, match="before the current step 3"):
+        s.start_step(2, 0, trained_steps=3)
+    with pytest.raises(Rejected, match="has trained 3 steps"):
+        s.start_step(5, 0, trained_steps=3)
+    s.drop(3)
+    with pytest.raises(Rejected, match="pipeline 1 was dropped from step 3"):
+        s.start_step(3, 1, trained_steps=3)
+    s.start_step(4, 0, trained_steps=4)  # the next step starts clean
+    assert (s.step, s.round, s.dropped, s.phase) == (4, 0, False, Phase.RUNNING)
+
+
+def test_a_new_round_of_the_step_keeps_its_micro_batches_and_resets_the_in_flight_count() -> None:
+    s = started(0)
+    s.start_step(0, 0, 0, feed=True)
+    s.lease(0, 0, 5)
+    s.start_step(0, 1, 0, feed=True)
+    assert (s.round, s.inflight, s.known) == (1, 0, {5})
+    with pytest.raises(Rejected, match="no longer feeding step 0 round 0"):
+        s.lease(0, 0, 6)  # the feeder of the abandoned round stops
+
+
+def test_a_step_with_a_gradient_awaiting_apply_cannot_be_left() -> None:
+    s = started(0)
+    s.reduced(0, torch.zeros(2))
+    with pytest.raises(Rejected, match="cannot start step 1"):
+        s.start_step(1, 0, trained_steps=1)
+
+
+def test_activations_and_gradients_are_taken_once_per_micro_batch_and_never_for_a_dropped_step() -> None:
+    s = started(2)
+    with pytest.raises(Rejected, match="step 1 is not the current step 2"):
+        s.take_activation(1, 0)
+    s.take_activation(2, 0)
+    with pytest.raises(Rejected, match="already forwarded"):
+        s.take_activation(2, 0)
+    with pytest.raises(Rejected, match="never forwarded"):
+        s.take_grad(2, 1)
+    s.take_grad(2, 0)
+    with pytest.raises(Rejected, match="already arrived"):
+        s.take_grad(2, 0)
+    s.drop(2)
+    assert s.phase is Phase.DROPPED and s.known == set()
+    with pytest.raises(Rejected, match="dropped from step 2"):
+        s.take_activation(2, 3)
+    assert not s.runs(Work.FORWARD, 2) and not s.runs(Work.BACKWARD, 2) and s.runs(Work.REDUCE, 2)
+    assert not s.runs(Work.APPLY, 1)
+
+
+def test_shards_of_a_stale_or_far_round_are_refused() -> None:
+    s = started(0, rnd=3)
+    s.check_shard(0, 3)
+    s.check_shard(0, 5)
+    with pytest.raises(Rejected, match="round 2 is not within 2 of the current round 3"):
+        s.check_shard(0, 2)
+    with pytest.raises(Rejected, match="round 6"):
+        s.check_shard(0, 6)
+    with pytest.raises(Rejected, match="step 1 is not the current step 0"):
+        s.check_shard(1, 3)
+
+
+def test_reduce_needs_the_started_step_and_exactly_the_committed_micro_batches() -> None:
+    s = started(0)
+    with pytest.raises(Rejected, match="a reduce of step 1, the current step is 0"):
+        s.reduce(1, [0], [0])
+    with pytest.raises(Rejected, match=r"accumulator holds micro-batches \[0, 1\], the pool committed \[1\] for "
+                                       r"pipeline 1"):
+        s.reduce(0, [1], [1, 0])
+    assert s.reduce(0, [2, 0], [0, 2]) == [0, 2]
+
+
+def test_apply_needs_a_reduced_gradient_once_and_a_repeat_only_re_reports() -> None:
+    s = started(0)
+    with pytest.raises(Rejected, match="apply of step 0, but no reduced gradient"):
+        s.apply(0, trained_steps=0)
+    s.reduced(0, torch.ones(3), count=2)
+    summed, count = s.apply(0, trained_steps=0) or (None, None)
+    assert torch.equal(summed, torch.ones(3)) and count == 2 and s.pending_apply == 0
+    s.applied(0)
+    with pytest.raises(Rejected, match="was not awaiting apply"):
+        s.applied(0)  # a second apply of the same gradient
+    assert s.apply(0, trained_steps=1) is None  # a repeated apply after success: nothing to apply
+    with pytest.raises(Rejected, match="apply of step 3"):
+        s.apply(3, trained_steps=1)
+
+
+def test_the_outer_round_takes_its_average_once_and_only_for_the_current_step() -> None:
+    s = started(1)
+    with pytest.raises(Rejected, match="outer round of step 0"):
+        s.outer_round(0, 1)
+    s.outer_round(1, 2)
+    s.outer_round(1, 1)
+    assert s.round == 2  # a restart never goes back
+    s.outer_reduced(1, torch.ones(2), torch.zeros(2))
+    assert s.phase is Phase.OUTER_REDUCED
+    assert s.take_outer(0) is None and s.outer_pending is None  # a mismatched apply loses it
+    s.outer_reduced(1, torch.ones(2), torch.zeros(2))
+    assert s.take_outer(1) is not None and s.take_outer(1) is None
+
+
+def test_a_new_assignment_forgets_the_step() -> None:
+    s = started(4)
+    s.reduced(4, torch.ones(1))
+    s.reset(pipeline=0)
+    assert (s.step, s.pending, s.phase, s.pipeline) == (-1, None, Phase.IDLE, 0)
+
+
+# -------------------------------------------------------------------------------------- virtual run
+MODEL = ModelConfig(n_layers=2, d_model=16, n_heads=2, seq_len=8, seed=3)
+SPEC = RunSpec(run_id="virtual", model=MODEL, seed=5, micro_batch=2, n_microbatches=4)
+STAGES = [(0, 1), (1, 2)]
+PIPELINES = [[0, 1], [2, 3]]
+COORDINATOR = "coordinator:1"
+ENDPOINTS = [f"10.0.0.{d}:1" for d in range(4)]
+COORDINATOR_DIES = "coordinator"
+
+
+class VirtualClock(DeviceClock):
+    """Virtual time: sleeping advances it."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def sleep(self, seconds: float) -> None:
+        self.t += seconds
+
+
+def _done() -> Future[None]:
+    fut: Future[None] = Future()
+    fut.set_result(None)
+    return fut
+
+
+class FakeOutbox:
+    """Records what a worker emits and hands it to the virtual run at once."""
+
+    def __init__(self, run: VirtualRun, endpoint: str) -> None:
+        self.run, self.endpoint = run, endpoint
+        self.sent: list[tuple[str, str, int, int]] = []  # (to, kind, step, micro-batch)
+        self.reports: list[ctl.Message] = []
+
+    def send(self, t: Tasklet, endpoint: str, env: pb.Envelope) -> None:
+        self.sent.append((endpoint, pb.Kind.Name(env.kind), env.key.step, env.key.microbatch))
+        self.run.deliver(self.endpoint, endpoint, env)
+
+    def report(self, t: Tasklet, msg: ctl.Message) -> Future[None]:
+        self.reports.append(msg)
+        self.run.reported(self.endpoint, msg)
+        return _done()
+
+    def call(self, t: Tasklet, key: pb.Key, op: ctl.Op) -> pb.Envelope:
+        return self.run.pool_call(t.assignment.replica, key, op)
+
+    def submit(self, fn: Any, *args: Any) -> Future[None]:
+        fn(*args)
+        return _done()
+
+
+class Node:
+    """One stage worker's parts, wired as StageWorker wires them, minus the server and the threads."""
+
+    def __init__(self, run: VirtualRun, endpoint: str, corpus: Corpus) -> None:
+        self.endpoint, self.corpus, self.alive, self.spec = endpoint, corpus, True, run.spec
+        self.outbox = FakeOutbox(run, endpoint)
+        self.step, self.cond = WorkerStep(), threading.Condition()
+        self.t: Tasklet | None = None
+        outbox: Any = self.outbox
+        self.sync = GradientSync(self.step, self.cond, outbox, lambda: endpoint, _no_load)
+        self.loop = ComputeLoop(self.step, threading.Lock(), self.cond, lambda: self.t, outbox, VirtualClock(),
+                                self.sync, threading.Event())
+        self.intake = Intake(None, frozenset(), False, lambda: self.t, self.step, self.cond,  # type: ignore[arg-type]
+                             outbox, self.loop.put)
+        self.sync_round: SyncRound | None = None  # a reduce in progress: the phases done so far in ``phases``
+        self.phases = 0
+
+    def assign(self, a: Assignment, compute: StageCompute, outer: OuterState | None) -> None:
+        self.t = Tasklet(self.spec, a, compute,
+                         GradientExchange(a.replica, compute.numel, 10.0), LinkTable(lambda dest: None),
+                         self.corpus, Roles.of(a, None), outer)
+        with self.cond:
+            self.step.reset(a.replica)
+        self.sync_round, self.phases = None, 0
+
+    def contribute(self, t: Tasklet, step: int, msg: ctl.Reduce) -> None:
+        self.sync_round = self.sync.contribute_outer(t, step, msg) if msg.outer else self.sync.contribute(t, step, msg)
+        self.phases = 1
+
+
+def _no_load(*args: Any) -> None:
+    raise AssertionError("no resync in these runs")
+
+
+@dataclass
+class Pool:
+    """The coordinator's task pool of one step: first commit wins; a dropped pipeline's share goes back."""
+
+    n: int
+    free: list[int] = field(default_factory=list)
+    leased: dict[int, int] = field(default_factory=dict)
+    record: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.free = list(range(self.n))
+
+    def requeue(self, pipeline: int) -> None:
+        for mb in [mb for mb, p in {**self.leased, **self.record}.items() if p == pipeline]:
+            self.leased.pop(mb, None)
+            self.record.pop(mb, None)
+            self.free.append(mb)
+        self.free.sort()
+
+
+class VirtualRun:
+    """Two pipelines of two stages, a coordinator played here, one transition per :meth:`tick`."""
+
+    def __init__(self, spec: RunSpec, corpus: Corpus) -> None:
+        self.spec, self.epoch = spec, 1
+        self.nodes = {ep: Node(self, ep, corpus) for ep in ENDPOINTS}
+        self.assignments = build_assignments(spec, STAGES, PIPELINES, ENDPOINTS, COORDINATOR, epoch=self.epoch)
+        for ep, node in self.nodes.items():
+            a = self.assignments[ep]
+            compute = _fresh_stage(spec, a)
+            outer = OuterState.start(compute.flat_params()) if spec.sync_period > 1 else None
+            node.assign(a, compute, outer)
+        self.out: set[int] = set()  # pipelines that lost a member (DiLoCo: for the rest of the round)
+        self.log: list[tuple[str, Any]] = []
+        self.records: list[dict[str, Any]] = []
+        self.failed = False
+
+    # ------------------------------------------------------------------------------ the coordinator's view
+    def pipeline_nodes(self, p: int) -> list[Node]:
+        return [self.nodes[ENDPOINTS[d]] for d in PIPELINES[p]]
+
+    def live(self) -> list[Node]:
+        return [n for n in self.nodes.values() if n.alive]
+
+    def intact(self) -> list[int]:
+        return [p for p in range(len(PIPELINES)) if p not in self.out
+                and all(n.alive for n in self.pipeline_nodes(p))]
+
+    def begin(self, step: int) -> None:
+        """Start ``step`` (round 0) on every intact pipeline: later stages first, as the coordinator does."""
+        self.step, self.round, self.phase = step, 0, "pool"
+        self.pool = Pool(self.spec.n_microbatches)
+        self.reduced: set[str] = set()
+        self.synced: dict[str, tuple[int, str]] = {}
+        self.outer_done = False
+        self._start_round()
+
+    def _start_round(self) -> None:
+        self.feeders: dict[int, Feeder] = {}
+        for p in self.intact():
+            for node in reversed(self.pipeline_nodes(p)):
+                assert node.t is not None
+                start = ctl.StartStep(self.step, self.round, feed=node.t.assignment.is_first)
+                feeder = node.loop.start_step(node.t, start)
+                if feeder is not None:
+                    self.feeders[p] = feeder
+
+    def pool_call(self, pipeline: int, key: pb.Key, op: ctl.Op) -> pb.Envelope:
+        assert op is ctl.Op.COMMIT
+        mb, pool = key.microbatch, self.pool
+        ok = (key.step == self.step and pool.leased.get(mb) == pipeline and mb not in pool.record
+              and pipeline in self.intact())
+        if ok:
+            pool.record[mb] = pipeline
+        reply = pb.Envelope(key=key)
+        reply.meta["status"] = (ctl.PoolStatus.COMMITTED if ok else ctl.PoolStatus.STALE).value
+        return reply
+
+    def deliver(self, sender: str, to: str, env: pb.Envelope) -> None:
+        node = self.nodes[to]
+        if not node.alive:  # the real outbox reports a failed push; the coordinator then probes the receiver
+            self.nodes[sender].outbox.report(None, ctl.PeerError(to, "unreachable"))  # type: ignore[arg-type]
+            return
+        handler = {pb.ACTIVATION: node.intake.activation, pb.ACTIVATION_GRAD: node.intake.activation_grad,
+                   pb.GRAD_SHARD: node.intake.grad_shard, pb.PARAM_SHARD: node.intake.param_shard}[env.kind]
+        env.sender = sender
+        try:
+            handler(env)
+        except Rejected as exc:
+            self.log.append(("refused", (to, pb.Kind.Name(env.kind), str(exc))))
+
+    def reported(self, endpoint: str, msg: ctl.Message) -> None:
+        self.log.append((endpoint, msg))
+        if isinstance(msg, ctl.Reduced) and msg.step == self.step and msg.round == self.round:
+            self.reduced.add(endpoint)
+        if isinstance(msg, ctl.Synced) and msg.step == self.step:
+            self.synced[endpoint] = (msg.trained_steps, msg.params_hash)
+
+    # ------------------------------------------------------------------------------------- transitions
+    def tick(self) -> bool:
+        """One transition; False when the step (and its outer round) is over."""
+        for node in self.live():
+            if node.loop.run_next({Work.REDUCE: node.contribute}):
+                return True
+        if self._reduce_phase():
+            return True
+        return self._coordinate()
+
+    def _reduce_phase(self) -> bool:
+        """Phase 2 or 3 of a replica's reduce, once every live participant of its group finished the phase
+        before. A reduce of an abandoned round (a participant died) lets go at once on a replica the coordinator
+        restarted (its exchange aborted the round); on a dropped pipeline's replica it is simply not resumed."""
+        for node in self.live():
+            sync, t = node.sync_round, node.t
+            if sync is None or t is None or node.phases >= 3:
+                continue
+            group = [n for n in self.live() if n.t is not None and n.t.assignment.stage == t.assignment.stage
+                     and n.t.assignment.replica in sync.participants]
+            restarted = t.assignment.replica in self.intact()
+            abandoned = sync.round < self.round or len(group) < len(sync.participants) or not restarted
+            if abandoned and not restarted:
+                node.sync_round = None
+                continue
+            if not abandoned and any(n.sync_round is None or n.sync_round.tag != sync.tag or n.phases < node.phases
+                                     for n in group):
+                continue
+            phase = node.sync.sum_shard if node.phases == 1 else node.sync.gather
+            node.phases = 3 if abandoned else node.phases + 1
+            node.loop.run(_task(t, sync.step), lambda t, step, s=sync, f=phase: f(t, s))
+            return True
+        return False
+
+    def _coordinate(self) -> bool:
+        """One coordinator action: a lease, the reduce, the apply (or DiLoCo's outer round)."""
+        if self.phase == "pool":
+            given = {**self.pool.leased, **self.pool.record}
+            held = {p: sum(1 for q in given.values() if q == p) for p in self.feeders}
+            for p, feeder in sorted(self.feeders.items(), key=lambda item: (held[item[0]], item[0])):  # fair shares
+                node = self.pipeline_nodes(p)[0]
+                if self.pool.free and node.step.feeds(self.step, self.round) and node.step.inflight < len(STAGES):
+                    mb = self.pool.free.pop(0)
+                    self.pool.leased[mb] = p
+                    feeder.take(mb)
+                    return True
+            if len(self.pool.record) == self.pool.n:
+                self.phase = "reduce"
+                self._send_reduce()
+                return True
+            return False
+        if self.phase == "reduce":
+            want = {n.endpoint for p in self.intact() for n in self.pipeline_nodes(p)}
+            if want and want <= self.reduced:
+                self.phase, self.applying = "apply", self.intact()
+                for p in self.applying:
+                    for node in self.pipeline_nodes(p):
+                        assert node.t is not None
+                        node.loop.put(_task(node.t, self.step, Work.APPLY, ctl.Apply(self.step)))
+                return True
+            return False
+        if self.phase == "apply":
+            self.phase = "applied"
+            self.records.append({"step": self.step, "commits": dict(self.pool.record), "applied": self.applying,
+                                 "outer": None})
+            if self.spec.sync_period > 1 and (self.step + 1) % self.spec.sync_period == 0:
+                return self._outer_round()
+            return True
+        if self.phase == "outer":
+            want = {n.endpoint for p in self.intact() for n in self.pipeline_nodes(p)}
+            if want <= self.reduced:
+                self.phase = "outer-apply"
+                self.records[-1]["outer"] = self.intact()
+                for node in [n for p in self.intact() for n in self.pipeline_nodes(p)]:
+                    assert node.t is not None
+                    node.loop.put(_task(node.t, self.step, Work.APPLY, ctl.Apply(self.step, outer=True)))
+                return True
+        return False
+
+    def _send_reduce(self) -> None:
+        participants = tuple(self.intact())
+        for p in participants:
+            for node in self.pipeline_nodes(p):
+                assert node.t is not None
+                node.loop.reduce(node.t, ctl.Reduce(self.step, self.round, participants, dict(self.pool.record)))
+
+    def _outer_round(self) -> bool:
+        participants = tuple(self.intact())
+        if not participants:
+            self.failed = True
+            return False
+        self.phase, self.reduced = "outer", set()
+        for p in participants:
+            for node in self.pipeline_nodes(p):
+                assert node.t is not None
+                node.loop.reduce(node.t, ctl.Reduce(self.step, self.round, participants, {}, outer=True))
+        return True
+
+    # ------------------------------------------------------------------------------------------ deaths
+    def kill(self, victim: str) -> None:
+        """A death as the coordinator sees it (docs/architecture.md, "Deaths")."""
+        if victim == COORDINATOR_DIES:
+            self._new_leader()
+            return
+        node = self.nodes[victim]
+        if not node.alive:
+            return
+        node.alive = False
+        assert node.t is not None
+        p = node.t.assignment.replica
+        if self.phase in ("pool", "reduce"):
+            self.out.add(p)
+            for other in self.pipeline_nodes(p):
+                if other.alive and other.t is not None:
+                    other.loop.put(_task(other.t, self.step, Work.DROP))
+            self.pool.requeue(p)
+            if not self.intact():
+                self.failed = True
+                self.phase = "failed"
+                return
+            self.round += 1
+            self.phase, self.reduced = "pool", set()
+            self._start_round()
+        elif self.phase == "outer":  # the outer average restarts without the pipeline
+            self.out.add(p)
+            self.round += 1
+            self.reduced = set()
+            if not self._outer_round():
+                self.phase = "failed"
+        elif self.spec.sync_period > 1:
+            self.out.add(p)
+
+    def _new_leader(self) -> None:
+        """The coordinator died; a new leader assigns every live worker its stage again (keep) and restarts
+        the step. Only before the first apply: afterwards replicas differ in trained steps, a re-plan's case."""
+        if self.phase not in ("pool", "reduce"):
+            return
+        self.epoch += 1
+        for node in self.live():
+            assert node.t is not None
+            old = node.t
+            old.exchange.abort_before((2**62, 0))
+            old.compute.reset_step()
+            node.assign(replace(old.assignment, epoch=self.epoch), old.compute, old.outer)
+        self.begin(self.step)
+
+    def run_to_end(self, limit: int = 500) -> None:
+        for _ in range(limit):
+            if self.failed or not self.tick():
+                return
+        raise AssertionError("the virtual run did not settle")
+
+
+def _fresh_stage(spec: RunSpec, a: Assignment) -> StageCompute:
+    return StageCompute(StageComputeConfig(spec.model, a.layers[0], a.layers[1], optim=spec.optim))
+
+
+def _task(t: Tasklet, step: int, kind: Work = Work.REDUCE, *args: Any) -> Any:
+    from peer.runtime.stage.compute import Task
+
+    return Task(kind, t, step, tuple(args))
+
+
+@pytest.fixture(autouse=True)
+def _no_real_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reduce that would wait for a message never sent fails at once (as a reported error) instead of
+    after REDUCE_WAIT_S: the virtual run only resumes a reduce phase whose messages are all there."""
+    monkeypatch.setattr("peer.runtime.stage.sync.REDUCE_WAIT_S", 0.0)
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def corpus() -> Corpus:
+    return Corpus.from_stdlib(max_bytes=1 << 16)
+
+
+@pytest.fixture(scope="module")
+def clean(corpus: Corpus) -> dict[str, torch.Tensor]:
+    """Each stage's parameters after one clean step of the virtual run."""
+    run = VirtualRun(SPEC, corpus)
+    run.begin(0)
+    run.run_to_end()
+    return {ep: n.t.compute.flat_params().clone() for ep, n in run.nodes.items() if n.t is not None}
+
+
+def _errors(run: VirtualRun) -> list[Any]:
+    return [(ep, m) for ep, m in run.log if isinstance(m, ctl.TaskError)]
+
+
+def _clean_ticks(corpus: Corpus) -> int:
+    run = VirtualRun(SPEC, corpus)
+    run.begin(0)
+    n = 0
+    while run.tick():
+        n += 1
+    return n
+
+
+def test_a_clean_step_emits_the_expected_commands(corpus: Corpus, clean: dict[str, torch.Tensor]) -> None:
+    run = VirtualRun(SPEC, corpus)
+    run.begin(0)
+    run.run_to_end()
+    assert _errors(run) == [] and not run.failed
+    assert sorted(run.pool.record) == [0, 1, 2, 3]
+    for p in range(2):
+        first, last = run.pipeline_nodes(p)
+        share = sorted(mb for mb, q in run.pool.record.items() if q == p)
+        assert sorted(mb for to, kind, _, mb in first.outbox.sent if kind == "ACTIVATION") == share
+        assert sorted(mb for to, kind, _, mb in last.outbox.sent if kind == "ACTIVATION_GRAD") == share
+        assert sorted(m.microbatch for m in last.outbox.reports if isinstance(m, ctl.Loss)) == share
+        for node in (first, last):
+            assert [type(m).__name__ for m in node.outbox.reports if not isinstance(m, ctl.Loss)] == [
+                "Reduced", "Synced"]
+            assert [k for _, k, _, _ in node.outbox.sent if k.endswith("SHARD")] == ["GRAD_SHARD", "PARAM_SHARD"]
+    for stage in range(2):
+        a, b = (run.nodes[ENDPOINTS[PIPELINES[p][stage]]] for p in range(2))
+        assert run.synced[a.endpoint] == run.synced[b.endpoint] and run.synced[a.endpoint][0] == 1
+
+
+VICTIMS = [*ENDPOINTS, COORDINATOR_DIES]
+
+
+@pytest.mark.parametrize("victim", VICTIMS)
+def test_a_death_before_or_after_any_transition_keeps_every_micro_batch_counted_once(
+    corpus: Corpus, clean: dict[str, torch.Tensor], victim: str
+) -> None:
+    """Boundary ``k`` is right after transition ``k`` and right before ``k + 1``: every one is tried."""
+    ticks = _clean_ticks(corpus)
+    assert ticks > 30
+    for k in range(ticks + 1):
+        run = VirtualRun(SPEC, corpus)
+        run.begin(0)
+        for _ in range(k):
+            run.tick()
+        applied_before = {ep for ep, (trained, _) in run.synced.items() if trained == 1}
+        run.kill(victim)
+        run.run_to_end()
+        where = f"{victim} dies after transition {k}"
+        assert _errors(run) == [], where
+        survivors = [n for n in run.live() if n.t is not None]
+        if run.failed:
+            assert not applied_before, where
+            assert all(n.t.compute.step == 0 for n in survivors), where  # type: ignore[union-attr]
+            continue
+        took_step = [n for n in survivors if n.t.compute.step == 1]  # type: ignore[union-attr]
+        assert took_step, where
+        for node in took_step:  # exactly once: the sum of every micro-batch's gradient, once, as a clean run
+            assert node.t is not None
+            assert torch.allclose(node.t.compute.flat_params(), clean[node.endpoint], atol=1e-6), where
+            assert [type(m).__name__ for m in node.outbox.reports].count("Synced") == 1, where
+        for stage in range(2):
+            hashes = {run.synced[n.endpoint][1] for n in took_step if n.t.assignment.stage == stage}  # type: ignore[union-attr]
+            assert len(hashes) <= 1, where
+        for node in survivors:
+            if node not in took_step:  # a dropped pipeline's survivor: its work thrown away, nothing applied
+                assert node.t is not None and node.t.compute.accumulated() == set(), where
+                assert node.step.dropped and not any(
+                    isinstance(m, ctl.Synced) for m in node.outbox.reports), where
+        if not applied_before:
+            assert sorted(run.pool.record) == [0, 1, 2, 3], where
+
+
+# -------------------------------------------------------------------------------------------- DiLoCo
+DILOCO = replace(SPEC, run_id="virtual-diloco", sync_period=2, outer_lr=0.7, outer_momentum=0.9)
+
+
+_REFERENCES: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+
+
+def _reference(record: list[dict[str, Any]], corpus: Corpus) -> dict[int, dict[str, torch.Tensor]]:
+    """The single-process replay of ``record`` (many deaths leave the same record: replayed once)."""
+    key = json.dumps(record, sort_keys=True)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = train_diloco_reference(DILOCO, record, STAGES, corpus)[0]
+    return _REFERENCES[key]
+
+
+@pytest.mark.parametrize("victim", [ENDPOINTS[1], ENDPOINTS[2], COORDINATOR_DIES])
+def test_diloco_a_death_in_the_round_s_last_inner_step_or_its_outer_round(corpus: Corpus, victim: str) -> None:
+    """Inner step 0 runs clean; a death at every boundary of inner step 1 and the outer round after it. The
+    dropped pipeline sits out the rest of the round; the outer average covers the others once."""
+    base = VirtualRun(DILOCO, corpus)
+    base.begin(0)
+    base.run_to_end()
+    base.begin(1)
+    ticks = 0
+    while base.tick():
+        ticks += 1
+    assert base.phase == "outer-apply" and base.records[-1]["outer"] == [0, 1]
+    for k in range(0, ticks + 1, 2):
+        run = VirtualRun(DILOCO, corpus)
+        run.begin(0)
+        run.run_to_end()
+        run.begin(1)
+        for _ in range(k):
+            run.tick()
+        run.kill(victim)
+        run.run_to_end()
+        where = f"{victim} dies after transition {k} of step 1"
+        assert _errors(run) == [], where
+        if run.failed:
+            continue
+        record = run.records
+        if record[-1]["outer"] is None:  # the outer round never completed: nothing averaged
+            continue
+        ref = _reference(record, corpus)
+        for p in record[-1]["outer"]:
+            for node in [n for n in run.pipeline_nodes(p) if n.alive]:
+                assert node.t is not None
+                for name, value in node.t.compute.named_params().items():
+                    assert torch.allclose(value, ref[p][name], atol=1e-5), (where, p, name)
+
+
+# --------------------------------------------------------------------------------------------- the seams
+def test_a_busy_gpu_is_a_clock_that_slows_ops_from_its_step_on_in_virtual_time() -> None:
+    from peer.emulation.faults import BusyGpuClock
+
+    class VirtualBusyClock(BusyGpuClock, VirtualClock):
+        pass
+
+    a = replace(build_assignments(SPEC, STAGES, PIPELINES, ENDPOINTS, COORDINATOR)[ENDPOINTS[0]],
+                emulate_tflops=1e-6, forward_flops=1e6)  # a forward takes 1 s
+    clock = VirtualBusyClock()
+    assert clock.finish(a, 1, clock.now(), 2.0) == (2.0, False)  # healthy before BUSY_FROM_STEP
+    start = clock.now()
+    assert clock.finish(a, BusyGpuClock.BUSY_FROM_STEP, start, 1.0) == (BusyGpuClock.BUSY_SLOWDOWN, False)
+    start = clock.now()
+    clock.t += 3.0  # the op itself took longer than its emulated time
+    assert DeviceClock.finish(clock, a, 0, start, 1.0) == (3.0, True)
+
+
+def test_a_tampering_outbox_changes_only_the_gradients_it_sends() -> None:
+    from peer.emulation.faults import HugeGradOutbox, NanGradOutbox
+
+    class Capture:
+        def __init__(self) -> None:
+            self.envs: list[pb.Envelope] = []
+
+        def push_async(self, env: pb.Envelope, timeout_s: float) -> Future[None]:
+            self.envs.append(env)
+            return _done()
+
+    key = pb.Key(run_id="r", step=0)
+    huge = torch.full((4,), 2e3)
+    for cls, kinds, check in ((NanGradOutbox, (pb.ACTIVATION_GRAD, pb.GRAD_SHARD), lambda x: bool(x.isnan().all())),
+                              (HugeGradOutbox, (pb.GRAD_SHARD,), lambda x: bool(torch.equal(x, huge)))):
+        outbox, sink = cls.__new__(cls), Capture()
+        outbox.client = lambda endpoint, sink=sink: sink  # type: ignore[method-assign]
+        outbox.stopped = threading.Event()
+        for kind in (pb.ACTIVATION, pb.ACTIVATION_GRAD, pb.GRAD_SHARD):
+            outbox.send(None, "peer:1", envelope(kind, key, {"grad": torch.full((4,), 2.0)}))  # type: ignore[arg-type]
+        for env in sink.envs:
+            x = decode_tensor(env.tensors[0], allow_nonfinite=True)
+            assert check(x) if env.kind in kinds else torch.equal(x, torch.full((4,), 2.0)), (cls, env.kind)
