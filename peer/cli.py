@@ -374,7 +374,9 @@ def _run_daemon(args: argparse.Namespace, config: RunConfig | None, peers: list[
     opts = _options(args)
     if config is not None and config.swarm.secret:
         opts.secret = config.swarm.secret
-    daemon = PeerDaemon(opts, peers, config)
+    from peer.emulation.network import ScenarioEmulation  # an emulated run's network and device clock
+
+    daemon = PeerDaemon(opts, peers, config, emulation=ScenarioEmulation())
     try:
         daemon.start()
     except DaemonError as exc:

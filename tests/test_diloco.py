@@ -75,7 +75,7 @@ def _check_record(result: RunResult, record: list[dict], spec: RunSpec) -> None:
     assert any(len(set(e["commits"].values())) == 2 for e in record)
 
 
-@pytest.mark.integration
+@pytest.mark.usefixtures("processes")
 def test_diloco_two_pipelines_match_single_process_replay() -> None:
     result, record, (ref_params, ref_losses) = _run(SPEC)
     _check_record(result, record, SPEC)
@@ -92,7 +92,7 @@ def test_diloco_two_pipelines_match_single_process_replay() -> None:
     assert max(float((diloco[n] - exact[n]).abs().max()) for n in diloco) > 1e-3
 
 
-@pytest.mark.integration
+@pytest.mark.usefixtures("processes")
 @pytest.mark.parametrize(("codec", "period", "outer_lr", "outer_momentum"),
                          [("int8", 3, 0.7, 0.9), ("topk", 3, 0.7, 0.9),
                           ("int8", 2, SHIPPED_H2["outer_lr"], SHIPPED_H2["outer_momentum"])],
@@ -125,7 +125,7 @@ def test_sync_options_are_validated() -> None:
     assert RunSpec.from_dict(d).sync_period == 1  # old specs mean exact averaging
 
 
-@pytest.mark.integration
+@pytest.mark.usefixtures("processes")
 @pytest.mark.parametrize(("event", "step"), [("lease", 1), ("outer", 2)], ids=["mid-inner-step", "mid-outer-round"])
 def test_pipeline_killed_mid_round_sits_the_round_out(event: str, step: int) -> None:
     """Device 3 (stage 1 of pipeline 1) dies during inner step 1, or during the outer round after step 2.
@@ -199,7 +199,7 @@ def test_outer_step_is_torch_nesterov_sgd_and_top_k_all_gather_is_exact() -> Non
     assert torch.equal(roundtrip(summed, codec, block), summed)
 
 
-@pytest.mark.integration
+@pytest.mark.usefixtures("processes")
 def test_outer_round_with_no_whole_pipeline_left_folds_into_the_next_round() -> None:
     """Devices 1 (stage 1 of pipeline 0) and 2 (stage 0 of pipeline 1) die during the outer round after step 2:
     no pipeline is whole, so that outer round cannot finish. Step 2's inner step stands; the survivors (devices

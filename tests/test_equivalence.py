@@ -19,6 +19,8 @@ from peer.compute.stage import OptimConfig
 from peer.emulation.local import LinkModel, RunResult, train_plan
 from peer.runtime.spec import RunSpec
 
+pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
+
 STEPS = 10
 SPEC = RunSpec(run_id="equivalence", model=ModelConfig(n_layers=4, d_model=32, n_heads=4, seq_len=32, seed=5),
                optim=OptimConfig(lr=3e-3, eps=1e-3), seed=11, micro_batch=2, n_microbatches=4)

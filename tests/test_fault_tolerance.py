@@ -22,6 +22,8 @@ from peer.compute.stage import OptimConfig
 from peer.emulation.local import LinkModel, LocalSwarm, RunResult
 from peer.runtime.spec import RunSpec
 
+pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
+
 STEPS = 5
 SPEC = RunSpec(run_id="faults", model=ModelConfig(n_layers=4, d_model=32, n_heads=4, seq_len=32, seed=2),
                optim=OptimConfig(lr=3e-3, eps=1e-3), seed=4, micro_batch=2, n_microbatches=8)

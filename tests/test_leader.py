@@ -17,6 +17,8 @@ from peer.swarm.identity import Identity
 from peer.swarm.membership import Membership, PeerEntry
 from peer.swarm.plans import MAX_EPOCH_STEP, NoQuorumError, PlanBoard, PlanRecord, has_quorum
 
+pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
+
 HEARTBEAT_S = 0.5
 TTL_S = 1.5
 FAILOVER_DEADLINE_S = 15.0  # issue #4: a new leader publishes a new plan within 15 s of the old one dying

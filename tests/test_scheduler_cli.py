@@ -15,6 +15,8 @@ from scheduler.bench import bench_scenario, format_table
 from scheduler.cluster import PACKAGED_SCENARIOS, Cluster
 from scheduler.workload import Workload
 
+pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -25,7 +25,6 @@ from peer.compute.data import Corpus
 from peer.compute.model import ModelConfig
 from peer.compute.reference import train_diloco_reference
 from peer.compute.stage import StageCompute, StageComputeConfig
-from peer.net.shaping import LinkTable
 from peer.runtime import control as ctl
 from peer.runtime.assign import build_assignments
 from peer.runtime.outer import OuterState
@@ -235,8 +234,7 @@ class Node:
 
     def assign(self, a: Assignment, compute: StageCompute, outer: OuterState | None) -> None:
         self.t = Tasklet(self.spec, a, compute,
-                         GradientExchange(a.replica, compute.numel, 10.0), LinkTable(lambda dest: None),
-                         self.corpus, Roles.of(a, None), outer)
+                         GradientExchange(a.replica, compute.numel, 10.0), self.corpus, Roles.of(a, None), outer)
         with self.cond:
             self.step.reset(a.replica)
         self.sync_round, self.phases = None, 0
@@ -664,19 +662,23 @@ def test_diloco_a_death_in_the_round_s_last_inner_step_or_its_outer_round(corpus
 # --------------------------------------------------------------------------------------------- the seams
 def test_a_busy_gpu_is_a_clock_that_slows_ops_from_its_step_on_in_virtual_time() -> None:
     from peer.emulation.faults import BusyGpuClock
+    from peer.emulation.network import DeclaredSpeedClock
 
     class VirtualBusyClock(BusyGpuClock, VirtualClock):
-        pass
+        def __init__(self, tflops: float) -> None:
+            BusyGpuClock.__init__(self, tflops)
+            VirtualClock.__init__(self)
 
     a = replace(build_assignments(SPEC, STAGES, PIPELINES, ENDPOINTS, COORDINATOR)[ENDPOINTS[0]],
-                emulate_tflops=1e-6, forward_flops=1e6)  # a forward takes 1 s
-    clock = VirtualBusyClock()
+                forward_flops=1e6)
+    clock = VirtualBusyClock(1e-6)  # a forward takes 1 s
     assert clock.finish(a, 1, clock.now(), 2.0) == (2.0, False)  # healthy before BUSY_FROM_STEP
     start = clock.now()
     assert clock.finish(a, BusyGpuClock.BUSY_FROM_STEP, start, 1.0) == (BusyGpuClock.BUSY_SLOWDOWN, False)
     start = clock.now()
     clock.t += 3.0  # the op itself took longer than its emulated time
-    assert DeviceClock.finish(clock, a, 0, start, 1.0) == (3.0, True)
+    assert DeclaredSpeedClock.finish(clock, a, 0, start, 1.0) == (3.0, True)
+    assert DeviceClock.finish(clock, a, 0, clock.now(), 1.0) == (0.0, False)  # a real device only measures
 
 
 def test_a_tampering_outbox_changes_only_the_gradients_it_sends() -> None:

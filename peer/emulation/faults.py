@@ -3,8 +3,8 @@
 The production :class:`~peer.runtime.stage.worker.StageWorker` knows nothing of faults; a fault is built from
 its seams, so the receivers' checks are exercised exactly as a real broken peer would exercise them. A
 tampering :class:`~peer.runtime.stage.outbox.Outbox` changes what the worker sends (:class:`NanGradOutbox`,
-:class:`HugeGradOutbox`); a slowing :class:`~peer.runtime.stage.outbox.DeviceClock` stretches its emulated
-compute (:class:`BusyGpuClock`). :func:`worker_class` gives a factory of an otherwise unmodified worker.
+:class:`HugeGradOutbox`); a slowing device clock stretches its emulated compute (:class:`BusyGpuClock`).
+:func:`worker_class` gives a factory of an otherwise unmodified worker.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
+from peer.emulation.network import DeclaredSpeedClock
 from peer.runtime.spec import Assignment
-from peer.runtime.stage.outbox import DeviceClock, Outbox
+from peer.runtime.stage.outbox import Outbox
 from peer.runtime.stage.snapshot import Tasklet
 from peer.runtime.stage.worker import StageWorker
 from protocol import tasklet_pb2 as pb
@@ -50,9 +51,9 @@ class HugeGradOutbox(Outbox):
         super().send(t, endpoint, env)
 
 
-class BusyGpuClock(DeviceClock):
+class BusyGpuClock(DeclaredSpeedClock):
     """A volunteer whose GPU gets busy: from step ``BUSY_FROM_STEP`` on, every op takes ``BUSY_SLOWDOWN`` x its
-    emulated time (needs an emulated device: ``emulate_tflops``). It is healthy while the run warms up and the
+    emulated time (an emulated device of a declared speed). It is healthy while the run warms up and the
     coordinator measures it, so its first slow step is a step that counts (``bench.stragglers``)."""
 
     BUSY_FROM_STEP = 2
@@ -64,18 +65,26 @@ class BusyGpuClock(DeviceClock):
         return super().finish(a, step, started, forward_units)
 
 
-# fault -> the seams it replaces (keyword arguments of StageWorker)
-FAULTS: dict[str, Callable[[], dict[str, Any]]] = {
-    "nan-grad": lambda: {"outbox": NanGradOutbox},
-    "huge-grad": lambda: {"outbox": HugeGradOutbox},
-    "busy-gpu": lambda: {"clock": BusyGpuClock()},
+def _busy_gpu(tflops: float | None) -> dict[str, Any]:
+    if tflops is None:
+        raise ValueError("fault busy-gpu: needs an emulated device (a declared TFLOP/s) to slow down")
+    return {"clock": BusyGpuClock(tflops)}
+
+
+# fault -> the seams it replaces (keyword arguments of StageWorker), given the device's declared TFLOP/s
+FAULTS: dict[str, Callable[[float | None], dict[str, Any]]] = {
+    "nan-grad": lambda tflops: {"outbox": NanGradOutbox},
+    "huge-grad": lambda tflops: {"outbox": HugeGradOutbox},
+    "busy-gpu": _busy_gpu,
 }
 
 
-def worker_class(fault: str | None) -> Callable[..., StageWorker]:
-    """A factory of workers that behave like ``fault`` (None: a healthy worker), called like StageWorker."""
-    if fault is None:
-        return StageWorker
-    if fault not in FAULTS:
+def worker_class(fault: str | None, tflops: float | None = None) -> Callable[..., StageWorker]:
+    """A factory of workers that behave like ``fault`` (None: a healthy worker), called like StageWorker; with
+    ``tflops``, on an emulated device of that declared speed."""
+    if fault is not None and fault not in FAULTS:
         raise ValueError(f"fault: unknown fault {fault!r} (known: {', '.join(sorted(FAULTS))})")
-    return functools.partial(StageWorker, **FAULTS[fault]())
+    seams: dict[str, Any] = {} if tflops is None else {"clock": DeclaredSpeedClock(tflops)}
+    if fault is not None:
+        seams.update(FAULTS[fault](tflops))
+    return functools.partial(StageWorker, **seams) if seams else StageWorker

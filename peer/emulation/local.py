@@ -2,8 +2,8 @@
 
 Used by tests and benchmarks (``peer swarm``, a swarm of whole daemons, is ``peer.emulation.daemon_swarm``).
 Device ``i`` of the plan is a worker process listening on ``127.0.0.{i+2}``; with a ``LinkModel`` every worker
-shapes what it sends to device ``j`` to the scenario's bandwidth and one-way delay, and stretches its compute to
-the device's declared TFLOP/s.
+is given its link source and device clock (peer.emulation.network): it shapes what it sends to device ``j`` to
+the scenario's bandwidth and one-way delay, and stretches its compute to the device's declared TFLOP/s.
 
 Every process started here is ended by :meth:`LocalWorkers.close` (also on errors, via ``with``), and each
 worker exits by itself when its parent dies.
@@ -15,6 +15,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -22,9 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from peer.emulation.network import LinkModel, loopback_device, loopback_host
 from peer.emulation.procs import launch, read_line
 from peer.net.tls import TlsContext
-from peer.runtime.assign import LinkModel, build_assignments
+from peer.runtime.assign import build_assignments
 from peer.runtime.coordinator import Coordinator, ReplanNeededError, StepReport
 from peer.runtime.driver import DriverConfig, Pipelines, Planner, RunDriver, RunEvents, Stages
 from peer.runtime.spec import Assignment, RunSpec
@@ -32,13 +34,6 @@ from peer.runtime.spec import Assignment, RunSpec
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 120.0
-
-
-def loopback_host(device: int) -> str:
-    """127.0.0.2, 127.0.0.3, ... (127.0.0.1 is left to the coordinator and the DHT)."""
-    if not 0 <= device < 250 * 250:
-        raise ValueError(f"device index {device} out of range for loopback addresses")
-    return f"127.0.{device // 250}.{device % 250 + 2}"
 
 
 @dataclass
@@ -68,8 +63,13 @@ class LocalWorkers:
         log_level: str = "WARNING",
         faults: dict[int, str] | None = None,
         coordinator_cert: str = "",
+        links: LinkModel | None = None,
     ) -> None:
+        """``links``: the emulated network and devices every worker is started with (None: unshaped, real
+        speed)."""
         self.n = n
+        self.links = links
+        self._links_dir: tempfile.TemporaryDirectory[str] | None = None
         self.coordinator_cert = coordinator_cert  # the one peer that may assign the workers (one-line form)
         self.certificates: dict[str, str] = {}  # endpoint -> certificate (one-line form) of each worker
         self.log_dir = Path(log_dir) if log_dir else None
@@ -110,11 +110,21 @@ class LocalWorkers:
             cmd += ["--fault", self.faults[i]]
         if self.coordinator_cert:
             cmd += ["--coordinator-cert", self.coordinator_cert]
+        if self.links is not None:
+            cmd += ["--links", str(self._links_file()), "--device", str(i)]
         # not in a group of their own: a worker starts no children, and exits by itself when its parent dies
         proc, log = launch(cmd, self.log_dir / f"worker-{i}.log" if self.log_dir else None, own_group=False)
         if log is not None:
             self._logs.append(log)
         return proc
+
+    def _links_file(self) -> Path:
+        """The emulated network as a file the worker processes read (written once)."""
+        assert self.links is not None
+        if self._links_dir is None:
+            self._links_dir = tempfile.TemporaryDirectory(prefix="tasklet-links-")
+            self.links.save(Path(self._links_dir.name) / "links.json")
+        return Path(self._links_dir.name) / "links.json"
 
     def start(self) -> None:
         self.procs = [self._spawn(i) for i in range(self.n)]
@@ -168,6 +178,9 @@ class LocalWorkers:
         for f in self._logs:
             f.close()
         self.procs, self._logs = [], []
+        if self._links_dir is not None:
+            self._links_dir.cleanup()
+            self._links_dir = None
 
 
 def _read_ready(proc: subprocess.Popen[str], i: int) -> tuple[str, str]:
@@ -212,8 +225,10 @@ class LocalSwarm:
         self.links = links
         self.forward_flops = forward_flops
         self.coordinator = Coordinator(spec, liveness_interval_s=heartbeat_s, tls=TlsContext.generate())
+        self.coordinator.link_bps = self._slowest_link_bps
         coordinator_cert = self.coordinator.tls.certificate_text
-        self.workers = LocalWorkers(n_devices, log_dir=log_dir, faults=faults, coordinator_cert=coordinator_cert)
+        self.workers = LocalWorkers(n_devices, log_dir=log_dir, faults=faults, coordinator_cert=coordinator_cert,
+                                    links=links)
         self.driver: RunDriver | None = None
 
     def __enter__(self) -> LocalSwarm:
@@ -243,13 +258,21 @@ class LocalSwarm:
             self.workers.endpoints,
             self.coordinator.endpoint,
             epoch=epoch,
-            links=self.links,
             forward_flops=self.forward_flops,
             certificates={
                 **self.workers.certificates,
                 self.coordinator.endpoint: self.coordinator.tls.certificate_text,
             },
         )
+
+    def _slowest_link_bps(self, endpoint: str) -> float | None:
+        """The slowest emulated link from the worker at ``endpoint`` to the others of the plan (None: unshaped)."""
+        me = loopback_device(endpoint)
+        if self.links is None or me is None:
+            return None
+        others = {loopback_device(ep) for ep in self.coordinator.assignments if ep != endpoint}
+        rates = [link[0] for j in others if j is not None and (link := self.links.link(me, j)) is not None]
+        return min((r for r in rates if r > 0), default=None)
 
     def train(
         self,

@@ -15,10 +15,12 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 import torch
 
 from peer.emulation.faults import FAULTS, worker_class
+from peer.emulation.network import LinkModel, LoopbackLinks
 from peer.net.tls import TlsContext, peer_id_of_certificate, pem_from_text
 
 
@@ -34,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="WARNING", help="logging level (default: %(default)s)")
     parser.add_argument("--coordinator-cert", default="",
                         help="certificate (one-line form) of the coordinator that may assign this worker")
+    parser.add_argument("--links", default="", help="the emulated network (peer.emulation.network.LinkModel, JSON)")
+    parser.add_argument("--device", type=int, default=0, help="this worker's device in --links (default: 0)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s {args.peer_id or 'worker'} %(levelname)s %(name)s: %(message)s")
@@ -45,7 +49,11 @@ def main(argv: list[str] | None = None) -> int:
         coordinator = pem_from_text(args.coordinator_cert)
         tls.trust_only([coordinator])
         controllers = (peer_id_of_certificate(coordinator),)
-    worker = worker_class(args.fault)(args.host, args.port, peer_id=args.peer_id, tls=tls, controllers=controllers)
+    model = LinkModel.load(Path(args.links)) if args.links else None
+    tflops = None if model is None else model.device_tflops(args.device)
+    links = None if model is None or model.bandwidth_bps is None else LoopbackLinks(model, args.device)
+    worker = worker_class(args.fault, tflops)(args.host, args.port, peer_id=args.peer_id, tls=tls,
+                                              controllers=controllers, links=links)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.stopped.set())
     endpoint = worker.start()

@@ -29,10 +29,9 @@ from typing import Any
 from peer.compute.device_probe import measure_device
 from peer.config import RunConfig
 from peer.net.tls import TlsContext
-from peer.node.emulated_links import EmulatedLinks
+from peer.node.emulated_links import EmulatedLinks, Emulation, NetworkModel, emulated_device
 from peer.node.joining import JoinError, check_files, find_run
 from peer.node.leader_role import LeaderContext, LeaderRole
-from peer.node.planning import EmulatedNetwork
 from peer.node.prober import LinkProber, ProbeSources
 from peer.node.reachability import Reach, ReachabilityError, establish, refuse_undialable
 from peer.observe.node import NodeObserver, ObserveError, ObserveOptions
@@ -101,7 +100,9 @@ def bulk_lane_port(announce: str | None, bulk_port: int | None) -> int | None:
 class PeerDaemon:
     """One peer. ``config`` is given to the first peer (`peer start`); joiners read it from the DHT."""
 
-    def __init__(self, opts: PeerOptions, dht_peers: list[str], config: RunConfig | None = None) -> None:
+    def __init__(self, opts: PeerOptions, dht_peers: list[str], config: RunConfig | None = None,
+                 emulation: Emulation | None = None) -> None:
+        """``emulation``: what an emulated run's peer emulates (peer.node.emulated_links); None: a real peer."""
         self.opts = opts
         self.dht_peers = dht_peers
         self.config = config
@@ -115,7 +116,10 @@ class PeerDaemon:
         self.plan_board: PlanBoard | None = None
         self.progress: ProgressBoard | None = None
         self.view: SwarmView | None = None
-        self.network: EmulatedNetwork | None = None
+        self.emulation = emulation
+        self.network: NetworkModel | None = None
+        self.declared_tflops: float | None = None  # this peer's emulated speed (None: measured)
+        self._emulated_extra: dict[str, Any] = {}  # the advert's emulated device and region
         self.role: LeaderRole | None = None
         self.observer: NodeObserver | None = None
         self.done = threading.Event()
@@ -204,12 +208,12 @@ class PeerDaemon:
             self.membership.publish_run(files.record(self.config))
         else:
             self.membership.adopt_run(existing)
-        if self.config.emulation.scenario:
-            try:
-                self.network = EmulatedNetwork(self.config.emulation)
-            except ValueError as exc:
-                raise DaemonError(f"[emulation] {exc}") from None
-        self.links = EmulatedLinks(self.network, lambda: self.advert, self.live_adverts)
+        try:
+            self.network, self.declared_tflops, self._emulated_extra = emulated_device(
+                self.emulation, self.config.emulation, o.emulate_tflops, o.emulate_device)
+        except ValueError as exc:
+            raise DaemonError(str(exc)) from None
+        self.links = EmulatedLinks(self.network, lambda: self.advert, self.live_adverts, self.membership.live_peers)
         self.prober = LinkProber(self.identity.peer_id, self.tls, ProbeSources(
             self.live_adverts, self.elected, self._followed_plan, self.links.link, self.membership.report_links,
         ), self.spec.seed)
@@ -224,8 +228,11 @@ class PeerDaemon:
             o.port,
             bulk_port=bulk_port,
             peer_id=self.identity.peer_id,
-            device="cpu" if o.device == "auto" and o.emulate_tflops else o.device,
+            device="cpu" if o.device == "auto" and self.declared_tflops else o.device,
             tls=self.tls,
+            clock=None if self.declared_tflops is None or self.emulation is None
+            else self.emulation.clock(self.declared_tflops),
+            links=self.links.by_endpoint if self.network is not None else None,
             # copies of the leader's checkpoints (a new leader on another host resumes from them)
             checkpoint_copies=(Path(self.config.swarm.checkpoint_dir) / "copies"
                                if self.config.swarm.checkpoint_dir else None),
@@ -260,13 +267,7 @@ class PeerDaemon:
 
     def _announce(self) -> None:
         o = self.opts
-        tflops = o.emulate_tflops
-        extra: dict[str, Any] = {}
-        if self.network is not None and o.emulate_device is not None:
-            if not 0 <= o.emulate_device < len(self.network):
-                raise DaemonError(f"--emulate-device {o.emulate_device}: the run emulates {len(self.network)} devices")
-            tflops = tflops or self.network.tflops(o.emulate_device)
-            extra = {"emu": o.emulate_device, "region": self.network.region(o.emulate_device)}
+        tflops, extra = self.declared_tflops, self._emulated_extra
         device = measure_device("cpu" if tflops else o.device, emulate_tflops=tflops, seconds=o.measure_seconds)
         self.advert = Advert(
             peer_id=self.identity.peer_id,
@@ -349,7 +350,6 @@ class PeerDaemon:
             with self._live_lock:
                 self._live = entries
             self._trust_adverts(entries)
-            self._update_links(entries)
         me = self.identity.peer_id
         leader = tick.leader
         if leader == me and self.role is None and self._may_lead():
@@ -420,7 +420,6 @@ class PeerDaemon:
             resume=bool(self.opts.resume),
             plan_board=self.plan_board,
             progress=self.progress,
-            network=self.network,
             live_adverts=self.live_adverts,
             links=self.membership.links,
             probe_links_now=self.probe_links_now,
@@ -477,13 +476,6 @@ class PeerDaemon:
         with self._live_lock:
             return list(self._live)
 
-    def _update_links(self, entries: list[Advert]) -> None:
-        """Emulated swarms shape this worker's traffic to each peer before any plan (so probes see it)."""
-        if self.worker is None or self.worker.assignment is not None:
-            return
-        table = self.links.table(entries, self.identity.peer_id)
-        if table is not None:
-            self.worker.set_links(table)
 
     # ----------------------------------------------------------------------------------------- probing
     def _probe_loop(self) -> None:

@@ -28,9 +28,9 @@ import torch
 from peer.compute.model import unflatten_stage
 from peer.config import RunConfig
 from peer.net import PeerClient, PeerServer, TransportConfig
-from peer.node.planning import ClusterView, EmulatedNetwork, build_cluster, make_planner, workload_for
+from peer.node.planning import ClusterView, build_cluster, make_planner, workload_for
 from peer.observe.scalars import ScalarWriter
-from peer.runtime.assign import LinkModel, build_assignments
+from peer.runtime.assign import build_assignments
 from peer.runtime.control import Apply, encode
 from peer.runtime.coordinator import Coordinator, StepReport
 from peer.runtime.driver import DriverConfig, Pipelines, RunDriver, Stages
@@ -66,7 +66,6 @@ class LeaderContext:
     resume: bool
     plan_board: PlanBoard
     progress: ProgressBoard
-    network: EmulatedNetwork | None
     live_adverts: Callable[[], list[Advert]]  # the daemon's current view of the live adverts
     links: Callable[[], list[LinkReport]]  # the link reports in the DHT
     probe_links_now: Callable[[], None]  # measure links to peers not measured yet, publish the reports
@@ -149,25 +148,10 @@ class LeaderRole:
         live = self._workers()
         n = len(self.index)
         endpoints = [""] * n
-        tflops: list[float | None] = [None] * n
-        emu: list[int | None] = [None] * n
         for pid, d in self.index.items():
             if pid in live:
                 endpoints[d] = live[pid].endpoint
-                tflops[d] = live[pid].device.tflops if live[pid].device.emulated else None
-                emu[d] = live[pid].extra.get("emu")
-        links = None
-        net = self.ctx.network
-        if net is not None:
-            bw = [[float("inf")] * n for _ in range(n)]
-            delay = [[0.0] * n for _ in range(n)]
-            for i in range(n):
-                for j in range(n):
-                    if i != j and emu[i] is not None and emu[j] is not None:
-                        bw[i][j], delay[i][j] = net.link(emu[i], emu[j])  # type: ignore[arg-type]
-            links = LinkModel(bandwidth_bps=bw, delay_s=delay, tflops=tflops)
-        elif any(t is not None for t in tflops):
-            links = LinkModel(tflops=tflops)
+        self.coordinator.link_bps = _slowest_measured({a.endpoint: pid for pid, a in live.items()}, self.ctx.links())
         workload = workload_for(self.spec, len(stages), len(pipelines))
         self._wait_for_quorum()  # never send a plan that a majority of the previous plan's members does not back
         return build_assignments(
@@ -177,7 +161,6 @@ class LeaderRole:
             endpoints,
             self.coordinator.endpoint,
             epoch=epoch,
-            links=links,
             forward_flops=workload.stage_forward_flops,
             leader=self.ctx.peer_id,
             certificates={
@@ -455,3 +438,13 @@ class LeaderRole:
         }
         (folder / "run.json").write_text(json.dumps(run, indent=1, default=str))
         log.info("saved %d stage(s) and run.json to %s", len(saved), folder)
+
+
+def _slowest_measured(peer_of: dict[str, str], reports: list[LinkReport]) -> Callable[[str], float | None]:
+    """endpoint -> the slowest bandwidth (bit/s) measured from that worker (None: nothing measured): how long a
+    large message may hold up a ping to it (the coordinator's liveness)."""
+    slowest: dict[str, float] = {}
+    for r in reports:
+        if r.measured and r.bandwidth_bps > 0:
+            slowest[r.src] = min(slowest.get(r.src, r.bandwidth_bps), r.bandwidth_bps)
+    return lambda endpoint: slowest.get(peer_of.get(endpoint, ""))

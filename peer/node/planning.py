@@ -7,28 +7,21 @@
   quality can be judged. With no measurement at all, conservative defaults stand in.
 * :func:`probe_targets_for` is what a peer's prober asks: which peers to measure next (its neighbours in the
   plan it follows, then a few at random), so the measurements a plan depends on are the ones taken.
-* :class:`EmulatedNetwork` is what a local swarm pretends the network is: peer ``i`` emulates device
-  ``devices[i]`` of a scenario. Workers shape their traffic with it; the leader still *measures* links through
-  that shaping rather than reading the scenario, exactly as it would on the internet.
 * :func:`make_planner` keeps the stage split fixed after the first plan (see ``peer.runtime.driver``).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from peer.compute.hf import HFModelSpec
-from peer.config import EmulationSection
 from peer.runtime.driver import Pipelines, Planner, Stages
 from peer.runtime.spec import RunSpec
 from peer.swarm.adverts import Advert, LinkReport
 from scheduler import Cluster, MemeticConfig, Plan, PlanningError, Workload, plan, replan
-from scheduler.cluster import default_scenarios_path, load_scenario
 from scheduler.coords import Sample, estimate_links, probe_targets
 from scheduler.model_workload import from_hf_config
 
@@ -126,53 +119,6 @@ def probe_targets_for(me: str, live: list[str], plan_record: dict | None, probed
     chosen = probe_targets(me, sorted(set(live)), k, pipelines=pipelines, exclude=set(probed), n_random=n_random,
                            seed=seed)
     return [str(p) for p in chosen]
-
-
-class EmulatedNetwork:
-    """Links and device speeds of a scenario, as emulated by a local swarm (peer i = scenario device d_i)."""
-
-    def __init__(self, section: EmulationSection) -> None:
-        if not section.scenario:
-            raise ValueError("emulation.scenario is empty")
-        self.section = section
-        self.cluster = load_scenario(section.scenario)
-        self.devices = list(section.devices or range(self.cluster.n))
-        bad = [d for d in self.devices if not 0 <= d < self.cluster.n]
-        if bad:
-            raise ValueError(
-                f"emulation.devices: {bad[0]} is not a device of {self.cluster.name} (0..{self.cluster.n - 1})"
-            )
-        self._declared_tflops = _scenario_declares(section.scenario, "tflops")
-
-    def __len__(self) -> int:
-        return len(self.devices)
-
-    def link(self, i: int, j: int) -> tuple[float, float]:
-        """(bandwidth bit/s, one-way delay s) from emulated peer i to emulated peer j."""
-        a, b = self.devices[i], self.devices[j]
-        return float(self.cluster.bandwidth_bps[a, b]) * self.section.bandwidth_scale, float(self.cluster.delay_s[a, b])
-
-    def tflops(self, i: int) -> float:
-        if self._declared_tflops:
-            return float(self.cluster.tflops[self.devices[i]]) * self.section.tflops_scale
-        return self.section.tflops * self.section.tflops_scale
-
-    def region(self, i: int) -> str:
-        return self.cluster.regions[self.devices[i]]
-
-
-def _scenario_declares(spec: str, key: str) -> bool:
-    """Whether the scenario itself gives per-device ``key`` (else defaults stand in for it)."""
-    path, _, name = spec.rpartition(":") if ":" in spec else (spec, "", "")
-    p = Path(path or spec)
-    if not p.exists():
-        p, name = default_scenarios_path(), spec
-    try:
-        doc = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    scen = doc if "devices" in doc else doc.get(name) or (next(iter(doc.values())) if len(doc) == 1 else {})
-    return isinstance(scen, dict) and key in scen
 
 
 def make_planner(

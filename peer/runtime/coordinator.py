@@ -150,6 +150,9 @@ class Coordinator(LaggardSync):
         # (epoch, pipeline -> seconds per micro-batch) measured in the last step: paces the next step's leases
         self.pipeline_service_s: tuple[int, dict[int, float]] = (-1, {})
         self._rtt: dict[str, float] = {}
+        # endpoint -> the slowest link (bit/s) known from that worker: measured (a leader), emulated (a local
+        # swarm), or None (unknown)
+        self.link_bps: Callable[[str], float | None] = lambda endpoint: None
         self._pings: dict[str, Future[None]] = {}
         self._misses: dict[str, int] = {}
         self._pinger = ThreadPoolExecutor(max_workers=16, thread_name_prefix="ping")
@@ -805,10 +808,9 @@ class Coordinator(LaggardSync):
         slowest known link (a ping queued behind that transfer is late, not lost); see peer.timing."""
         a = self.assignments.get(endpoint)
         transfer = 0.0
-        if a is not None and a.links:
-            slowest = min((rate for rate, _ in a.links.values() if rate > 0), default=0.0)
-            if slowest:
-                transfer = 8.0 * self._largest_message_bytes(a) / slowest
+        slowest = self.link_bps(endpoint)
+        if a is not None and slowest:
+            transfer = 8.0 * self._largest_message_bytes(a) / slowest
         rtt = self._rtt.get(endpoint, 0.0)
         return min(PING_TIMEOUT_MAX_S, max(PING_TIMEOUT_S, PING_RTT_FACTOR * rtt + transfer))
 

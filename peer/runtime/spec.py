@@ -158,9 +158,10 @@ class Assignment:
     """One peer's tasklet: stage ``stage`` of pipeline ``replica``, under plan ``epoch``.
 
     Endpoints are "host:port" of the neighbours' gRPC servers; ``group[r]`` is the endpoint of replica ``r`` of
-    this stage (this peer included). ``links`` maps a destination endpoint to ``[rate_bps, delay_s]`` of the
-    emulated link towards it (absent: unshaped). ``emulate_tflops``: when set, every forward takes exactly
-    ``forward_flops / (emulate_tflops * 1e12)`` seconds (backward twice that) — an emulated GPU.
+    this stage (this peer included). ``forward_flops``: the plan's figure for one forward of a micro-batch on
+    this stage (a device clock that emulates a declared speed stretches each op to it; peer.runtime.stage).
+    Nothing about emulated links or speeds travels here: an emulated run gives each worker its own network
+    model and device clock (peer.emulation.network).
 
     Who is who, for mutual TLS and authorization (peer.net.tls): ``peers`` maps endpoints of the plan (every
     worker and the coordinator) to their certificates (base64 DER; the peer id is the hash of the certificate's
@@ -180,8 +181,6 @@ class Assignment:
     coordinator: str
     prev: str | None = None
     next: str | None = None
-    links: dict[str, tuple[float, float]] = field(default_factory=dict)
-    emulate_tflops: float | None = None
     forward_flops: float = 0.0
     device: str = "cpu"
     peers: dict[str, str] = field(default_factory=dict)
@@ -203,12 +202,8 @@ class Assignment:
             raise SpecError("assignment.prev: required exactly when stage > 0")
         if (self.stage < self.n_stages - 1) != (self.next is not None):
             raise SpecError("assignment.next: required exactly when stage < n_stages - 1")
-        if self.emulate_tflops is not None and not (self.emulate_tflops > 0 and math.isfinite(self.emulate_tflops)):
-            raise SpecError(f"assignment.emulate_tflops: must be positive, got {self.emulate_tflops}")
-        for dest, link in self.links.items():
-            rate, delay = link
-            if not (rate > 0 and delay >= 0):
-                raise SpecError(f"assignment.links[{dest}]: need rate > 0 and delay >= 0, got {link}")
+        if not (self.forward_flops >= 0 and math.isfinite(self.forward_flops)):
+            raise SpecError(f"assignment.forward_flops: must be a finite number >= 0, got {self.forward_flops}")
         return self
 
     @property
@@ -223,7 +218,6 @@ class Assignment:
         d = asdict(self)
         d["layers"] = list(self.layers)
         d["group"] = list(self.group)
-        d["links"] = {k: list(v) for k, v in self.links.items()}
         d["plan"] = {k: list(v) for k, v in self.plan.items()}
         return d
 
@@ -233,8 +227,6 @@ class Assignment:
             raise SpecError("assignment: expected a JSON object")
         try:
             layers = tuple(int(x) for x in _need(d, "layers", list, "assignment"))
-            links = {str(k): (float(v[0]), float(v[1])) for k, v in d.get("links", {}).items()}
-            tflops = d.get("emulate_tflops")
             a = cls(
                 epoch=_need(d, "epoch", int, "assignment"),
                 stage=_need(d, "stage", int, "assignment"),
@@ -246,8 +238,6 @@ class Assignment:
                 coordinator=_need(d, "coordinator", str, "assignment"),
                 prev=d.get("prev"),
                 next=d.get("next"),
-                links=links,
-                emulate_tflops=None if tflops is None else float(tflops),
                 forward_flops=float(d.get("forward_flops", 0.0)),
                 device=str(d.get("device", "cpu")),
                 peers={str(k): str(v) for k, v in d.get("peers", {}).items()},

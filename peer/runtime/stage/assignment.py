@@ -24,7 +24,6 @@ from peer.compute.hf import ModelSourceError
 from peer.compute.stage import StageCompute, StageComputeConfig
 from peer.compute.textdata import load_corpus
 from peer.net import PeerClient, TransportConfig
-from peer.net.shaping import LinkTable
 from peer.net.tls import TlsContext
 from peer.runtime import control as ctl
 from peer.runtime.outer import OuterState
@@ -113,13 +112,11 @@ class StageTaker:
         outer = _outer_state(spec, compute, outer)
         if (assignment.is_first or assignment.is_last) and self.corpus is None:
             self.corpus = _load_corpus(spec)
-        links = dict(assignment.links)
         return Tasklet(
             spec=spec,
             assignment=assignment,
             compute=compute,
             exchange=GradientExchange(assignment.replica, compute.numel, spec.grad_outlier_factor),
-            links=LinkTable(lambda dest: links.get(dest)),
             corpus=self.corpus,
             roles=Roles.of(assignment, self.tls),
             outer=outer,

@@ -3,7 +3,8 @@ the :class:`DeviceClock` every compute op is timed by.
 
 Both are given to the worker (defaults: the real ones), so a test or an emulated fault changes what leaves the
 peer or how long its device takes without touching the worker (peer.emulation.faults: a tampering outbox, a
-slowing clock), and a unit test drives the step with fakes in virtual time.
+slowing clock), and a unit test drives the step with fakes in virtual time. An emulated network reaches the
+outbox the same way: a :data:`LinkSource` (peer.emulation.network) says how to shape the link to each endpoint.
 """
 
 from __future__ import annotations
@@ -25,23 +26,26 @@ from protocol import tasklet_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+LinkSource = Callable[[str], "tuple[float, float] | None"]  # endpoint -> (bit/s, one-way delay s); None: unshaped
+
 
 class Outbox:
     """Everything a worker sends: data pushes to its neighbours and group (asynchronous, shaped per link, so a
     slow link never stalls compute), reports to the coordinator and task-pool calls (through a small executor,
     for the same reason). It owns the client per destination; a new assignment (``reset``) drops them all.
 
-    ``current`` gives the current snapshot (its links and the peer ids its roles expect), ``current_step`` the
-    step a report without one is filed under, ``stopped`` silences failures reported during shutdown."""
+    ``current`` gives the current snapshot (the peer ids its roles expect), ``current_step`` the step a report
+    without one is filed under, ``stopped`` silences failures reported during shutdown. Links are shaped as
+    :attr:`link_source` says (an emulated network's; None: unshaped)."""
 
     def __init__(self, config: TransportConfig, peer_id: str, current: Callable[[], Tasklet | None],
                  current_step: Callable[[], int], stopped: threading.Event) -> None:
         self.config, self.peer_id, self.stopped = config, peer_id, stopped
         self._current, self._current_step = current, current_step
-        self._lock = threading.Lock()  # clients and the pre-assignment link table
+        self._lock = threading.Lock()  # clients and their shapers
         self._clients: dict[str, PeerClient] = {}
-        self._links_table: dict[str, tuple[float, float]] = {}
-        self._links = LinkTable(lambda dest: None)
+        self.link_source: LinkSource | None = None
+        self._links = LinkTable(self._link_of)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="worker-control")
 
     def send(self, t: Tasklet, endpoint: str, env: pb.Envelope) -> None:
@@ -79,28 +83,21 @@ class Outbox:
             client = self._clients.get(endpoint)
             if client is None:
                 t = self._current()
-                links = self._links if t is None else t.links
                 expect = "" if t is None else t.roles.ids.get(endpoint, "")
                 client = PeerClient(
-                    endpoint, self.config, shaper=links.get(endpoint), sender=self.peer_id, expect_peer=expect
+                    endpoint, self.config, shaper=self._links.get(endpoint), sender=self.peer_id, expect_peer=expect
                 )
                 self._clients[endpoint] = client
             return client
 
-    def set_links(self, links: dict[str, tuple[float, float]]) -> None:
-        """Shape traffic to these endpoints before any assignment (once assigned, the assignment's apply)."""
-        with self._lock:
-            if self._links_table == links:
-                return
-            table = dict(links)
-            self._links_table = table
-            self._links = LinkTable(lambda dest: table.get(dest))
-        self.reset()
+    def _link_of(self, endpoint: str) -> tuple[float, float] | None:
+        return None if self.link_source is None else self.link_source(endpoint)
 
     def reset(self) -> None:
-        """Close every client: the next send dials again under the current snapshot's links and roles."""
+        """Close every client: the next send dials again under the current links and roles."""
         with self._lock:
             clients, self._clients = list(self._clients.values()), {}
+            self._links = LinkTable(self._link_of)  # an emulated network may know endpoints it did not know
         for client in clients:
             client.close()
 
@@ -110,9 +107,8 @@ class Outbox:
 
 
 class DeviceClock:
-    """Times compute ops. An assignment that declares an emulated device (``emulate_tflops``: many peers sharing
-    one machine) has every op take exactly ``forward_units x forward_flops / TFLOP/s``: the clock stretches the
-    op to that; without one it only measures."""
+    """Times compute ops on the real device: it only measures. An emulated device (many peers sharing one
+    machine, each declaring a speed) is a clock that stretches each op (peer.emulation.network)."""
 
     def now(self) -> float:
         return time.monotonic()
@@ -122,13 +118,5 @@ class DeviceClock:
 
     def finish(self, a: Assignment, step: int, started: float, forward_units: float) -> tuple[float, bool]:
         """End an op of ``step`` begun at ``started`` worth ``forward_units`` forwards: (busy seconds, whether
-        it overran its emulated time)."""
-        elapsed = self.now() - started
-        overran = False
-        if a.emulate_tflops:
-            target = forward_units * a.forward_flops / (a.emulate_tflops * 1e12)
-            if target > elapsed:
-                self.sleep(target - elapsed)
-            else:
-                overran = True
-        return self.now() - started, overran
+        it overran the time the device should take; a real device never does)."""
+        return self.now() - started, False

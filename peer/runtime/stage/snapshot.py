@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 from peer.compute.data import Corpus
 from peer.compute.stage import StageCompute
-from peer.net.shaping import LinkTable
 from peer.runtime.outer import OuterState
 from peer.runtime.roles import Roles
 from peer.runtime.spec import Assignment, RunSpec
@@ -23,7 +22,6 @@ class Tasklet:
     assignment: Assignment
     compute: StageCompute
     exchange: GradientExchange
-    links: LinkTable
     corpus: Corpus | None
     roles: Roles
     outer: OuterState | None = None  # DiLoCo (spec.sync_period > 1): this replica's outer-loop state

@@ -61,7 +61,7 @@ from peer.runtime.stage.assignment import StageTaker, fence
 from peer.runtime.stage.compute import ComputeLoop, Task
 from peer.runtime.stage.exchange import GradientExchange
 from peer.runtime.stage.intake import Intake
-from peer.runtime.stage.outbox import DeviceClock, Outbox
+from peer.runtime.stage.outbox import DeviceClock, LinkSource, Outbox
 from peer.runtime.stage.snapshot import Tasklet
 from peer.runtime.stage.step import Work, WorkerStep
 from peer.runtime.stage.sync import GradientSync
@@ -99,10 +99,12 @@ class StageWorker:
         checkpoint_copies: Path | None = None,
         outbox: OutboxFactory = Outbox,
         clock: DeviceClock | None = None,
+        links: LinkSource | None = None,
     ) -> None:
         """``checkpoint_copies``: a folder where this peer keeps copies of the leader's checkpoints (None: it
         refuses them). ``outbox`` builds what every message leaves through, ``clock`` times every compute op:
-        the seams a test or an emulated fault replaces (defaults: the real sender, the real clock)."""
+        the seams a test or an emulated fault replaces (defaults: the real sender, the real clock). ``links``:
+        how an emulated network shapes the link to each endpoint (None: unshaped)."""
         limits = {} if max_envelope_bytes is None else {"max_envelope_bytes": max_envelope_bytes}
         self.tls = tls or process_tls()
         self.config = TransportConfig(
@@ -119,6 +121,7 @@ class StageWorker:
         self._step = WorkerStep()  # _lock
 
         self.outbox = outbox(self.config, peer_id, lambda: self._tasklet, self._current_step, self.stopped)
+        self.outbox.link_source = links
         self.taker = StageTaker(self.config, self.tls, peer_id, device, self._trust_group, self._lock, self.stopped)
         sync = GradientSync(self._step, self._cond, self.outbox, lambda: self.server.endpoint, self.taker.load_from)
         self.loop = ComputeLoop(self._step, self._state_lock, self._cond, lambda: self._tasklet, self.outbox,
@@ -235,11 +238,6 @@ class StageWorker:
         """Use an already loaded corpus (the daemon reads it at start-up to check its fingerprint)."""
         with self._state_lock:
             self.taker.corpus = corpus
-
-    def set_links(self, links: dict[str, tuple[float, float]]) -> None:
-        """Shape traffic to these endpoints (rate bit/s, delay s) before any assignment, e.g. so that link
-        probes of an emulated swarm measure the emulated links. Once assigned, the assignment's links apply."""
-        self.outbox.set_links(links)
 
     def _current_step(self) -> int:
         with self._lock:
