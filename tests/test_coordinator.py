@@ -20,7 +20,7 @@ from peer.compute.model import ModelConfig
 from peer.net import PeerClient, PeerServer, TransportConfig
 from peer.runtime import control as ctl
 from peer.runtime.assign import build_assignments
-from peer.runtime.coordinator import SAT_OUT_DECAY, Coordinator, StepFailedError
+from peer.runtime.lead.coordinator import SAT_OUT_DECAY, Coordinator, StepFailedError
 from peer.runtime.spec import RunSpec
 from peer.runtime.wire import make_key
 from protocol import tasklet_pb2 as pb

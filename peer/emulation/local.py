@@ -25,8 +25,8 @@ from typing import IO, Any
 from peer.emulation.procs import launch, read_line
 from peer.net.tls import TlsContext
 from peer.runtime.assign import LinkModel, build_assignments
-from peer.runtime.coordinator import Coordinator, ReplanNeededError, StepReport
-from peer.runtime.driver import DriverConfig, Pipelines, Planner, RunDriver, RunEvents, Stages
+from peer.runtime.lead.coordinator import Coordinator, ReplanNeededError, StepReport
+from peer.runtime.lead.driver import DriverConfig, Pipelines, Planner, RunDriver, RunEvents, Stages
 from peer.runtime.spec import Assignment, RunSpec
 
 log = logging.getLogger(__name__)

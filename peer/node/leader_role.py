@@ -2,7 +2,7 @@
 
 Every peer derives the same leader from the live adverts (``peer.swarm.election.elect_leader``); the one that finds
 itself elected starts a :class:`LeaderRole`. The role owns a coordinator (its own gRPC server) and a
-:class:`~peer.runtime.driver.RunDriver`, publishes each plan on the DHT's plan board under an epoch one above
+:class:`~peer.runtime.lead.driver.RunDriver`, publishes each plan on the DHT's plan board under an epoch one above
 anything seen, and publishes progress (step, loss, tokens/s) for ``peer status``.
 
 Taking over from a dead leader: the workers still hold their stages. The new leader asks every live worker
@@ -32,8 +32,8 @@ from peer.node.planning import ClusterView, EmulatedNetwork, build_cluster, make
 from peer.observe.scalars import ScalarWriter
 from peer.runtime.assign import LinkModel, build_assignments
 from peer.runtime.control import Apply, encode
-from peer.runtime.coordinator import Coordinator, StepReport
-from peer.runtime.driver import DriverConfig, Pipelines, RunDriver, Stages
+from peer.runtime.lead.coordinator import Coordinator, StepReport
+from peer.runtime.lead.driver import DriverConfig, Pipelines, RunDriver, Stages
 from peer.runtime.outer import assignment_record
 from peer.runtime.spec import Assignment, RunSpec
 from peer.swarm.adverts import Advert, LinkReport

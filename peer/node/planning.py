@@ -10,7 +10,7 @@
 * :class:`EmulatedNetwork` is what a local swarm pretends the network is: peer ``i`` emulates device
   ``devices[i]`` of a scenario. Workers shape their traffic with it; the leader still *measures* links through
   that shaping rather than reading the scenario, exactly as it would on the internet.
-* :func:`make_planner` keeps the stage split fixed after the first plan (see ``peer.runtime.driver``).
+* :func:`make_planner` keeps the stage split fixed after the first plan (see ``peer.runtime.lead.driver``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 
 from peer.compute.hf import HFModelSpec
 from peer.config import EmulationSection
-from peer.runtime.driver import Pipelines, Planner, Stages
+from peer.runtime.lead.driver import Pipelines, Planner, Stages
 from peer.runtime.spec import RunSpec
 from peer.swarm.adverts import Advert, LinkReport
 from scheduler import Cluster, MemeticConfig, Plan, PlanningError, Workload, plan, replan

@@ -32,7 +32,7 @@ from typing import Any
 
 from peer.runtime.checkpoints import DEFAULT_KEEP, Checkpoint, CheckpointError, CheckpointStore, store_copy
 from peer.runtime.control import StateSource
-from peer.runtime.coordinator import (
+from peer.runtime.lead.coordinator import (
     Coordinator,
     OuterRoundFailedError,
     ReplanNeededError,

@@ -22,7 +22,7 @@ no pipeline is intact does the step fail (:class:`ReplanNeededError`): the drive
 ``apply`` is only sent once every stage has its averaged gradient, so a death can never leave some stages
 updated and others not.
 
-Laggards (peer.runtime.laggards). The live workers of a pipeline dropped from a step without a death did not
+Laggards (peer.runtime.lead.resync). The live workers of a pipeline dropped from a step without a death did not
 apply it: they reload their stage from a replica in the background, and their pipeline is left out of the
 steps until it is in sync again.
 
@@ -53,11 +53,9 @@ from peer.runtime import control as ctl
 from peer.runtime.bounds import CONTROL_BYTES
 from peer.runtime.checkpoints import copy_bound_bytes, copy_parts, fetch_copy_files
 from peer.runtime.grants import sign_grant
-from peer.runtime.laggards import LaggardSync
-from peer.runtime.outer import is_round_end
-from peer.runtime.pool import CommitResult, TaskPool
-from peer.runtime.spec import Assignment, RunSpec
-from peer.runtime.step_state import (  # re-exported: the coordinator's callers name them from here
+from peer.runtime.lead.pool import CommitResult, TaskPool
+from peer.runtime.lead.resync import LaggardSync
+from peer.runtime.lead.step import (  # re-exported: the coordinator's callers name them from here
     Event,
     OuterRoundFailedError,
     ReplanNeededError,
@@ -66,6 +64,8 @@ from peer.runtime.step_state import (  # re-exported: the coordinator's callers 
     StepReport,
     StepState,
 )
+from peer.runtime.outer import is_round_end
+from peer.runtime.spec import Assignment, RunSpec
 from peer.runtime.wire import make_key
 from peer.runtime.worker import state_envelope, state_from_envelope
 from peer.timing import (

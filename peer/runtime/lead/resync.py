@@ -10,7 +10,7 @@ in sync it joins the running step (``start_step`` while the step still computes)
 After every apply the replicas of a stage are also compared by parameters hash: one that differs from its
 group's strict majority reloads from the majority, and is excluded if it still differs.
 
-:class:`LaggardSync` is a part of :class:`peer.runtime.coordinator.Coordinator` (a mixin), split off so that
+:class:`LaggardSync` is a part of :class:`peer.runtime.lead.coordinator.Coordinator` (a mixin), split off so that
 each module reads in one sitting; it uses the coordinator's lock, assignments, dead set and clients.
 """
 
@@ -22,8 +22,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from peer.runtime import control as ctl
+from peer.runtime.lead.step import StepPhase, StepState
 from peer.runtime.spec import Assignment, RunSpec
-from peer.runtime.step_state import StepPhase, StepState
 from peer.timing import CONTROL_TIMEOUT_S, WORKER_FETCH_STATE_TIMEOUT_S
 from protocol.errors import TransportError
 

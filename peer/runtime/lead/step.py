@@ -1,5 +1,5 @@
 """What a step is, as the coordinator and its callers see it: its phases, its report, its running state, and
-the ways it fails. Kept apart from the coordinator so that the laggard bookkeeping (peer.runtime.laggards) and
+the ways it fails. Kept apart from the coordinator so that the laggard bookkeeping (peer.runtime.lead.resync) and
 the callers (driver, local swarm, benchmarks) can name them without the coordinator's whole module."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from peer.runtime.pool import TaskPool
+from peer.runtime.lead.pool import TaskPool
 
 Event = tuple[str, dict[str, Any]]  # (name, info) for the coordinator's on_event
 
