@@ -25,14 +25,14 @@ Progress and plan records (peer.swarm.progress, peer.swarm.plans)
     the loss history after the leader died. A plan record lives ``PLAN_TTL_S``; the leader
     renews it every ``PLAN_RENEW_TICKS`` ticks (10 heartbeats, 20 s at the default), far within.
 
-The coordinator's view of its workers (peer.runtime.lead.coordinator)
+The coordinator's view of its workers (peer.runtime.lead.liveness)
     It pings every assigned worker once a heartbeat, concurrently and with at most one ping outstanding per
     worker, with a deadline of at least ``PING_TIMEOUT_S`` (adaptive: see "Stragglers") and declares a worker
     dead after ``PING_MISSES`` misses in a row: on a fast link a dead worker is noticed within about
     ``PING_MISSES * (HEARTBEAT_S + PING_TIMEOUT_S)`` (8 s at the defaults), close to one advert lifetime.
     A failed push or fetch is confirmed by one ping first.
 
-Stragglers: adaptive leases, speculation, pings and bans (peer.runtime.lead.coordinator, peer.runtime.lead.driver)
+Stragglers: adaptive leases, speculation, pings and bans (peer.runtime.lead.pacing, .liveness, .driver)
     ``STEP_TIMEOUT_S`` is only the lease of a micro-batch until the coordinator knows how long one takes:
     after that a lease lasts ``LEASE_FACTOR`` x the expected lease-to-commit time (the plan's prediction, or
     the median of the last measured ones), at least ``LEASE_FLOOR_S`` and at most ``STEP_TIMEOUT_S``; a
