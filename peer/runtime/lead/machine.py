@@ -41,7 +41,6 @@ from peer.runtime.lead.step import (
     StepReport,
     StepState,
 )
-from peer.runtime.outer import is_round_end
 
 log = logging.getLogger(__name__)
 
@@ -329,7 +328,7 @@ class StepMachine:
     def _end_apply(self, out: list[Command], live: set[str]) -> None:
         st = self.state
         members = tuple(m for m in st.members if m in live)
-        if st.phase is StepPhase.APPLY and is_round_end(self.step, self.sync_period):
+        if st.phase is StepPhase.APPLY and self._round_end():
             self._begin_outer(out)
             return
         outer = st.phase is StepPhase.OUTER_APPLY
@@ -337,6 +336,11 @@ class StepMachine:
             st.outer = self._outer
         st.phase = StepPhase.DONE
         out.append(Done(members, check=self.sync_period == 1 or outer, catch_up=self.sync_period == 1))
+
+    def _round_end(self) -> bool:
+        """DiLoCo: whether this inner step is the last of its round (an outer round follows). The same rule as
+        the workers' (peer.runtime.outer.is_round_end), stated here so the leader side imports no worker code."""
+        return self.sync_period > 1 and (self.step + 1) % self.sync_period == 0
 
     def _begin_outer(self, out: list[Command]) -> None:
         """DiLoCo's outer round (peer.runtime.outer): the live pipelines' replicas average their pseudo-gradients;
