@@ -54,7 +54,7 @@ READY_TIMEOUT_S = 120.0  # importing torch + hivemind on a loaded machine
 STOP_GRACE_S = 15.0
 # everything a daemon imports, lazily included (the leader's scheduler, the runtime, the observer, and
 # torch._dynamo, which the worker's warm-up optimizer imports: 2 CPU-seconds per daemon, by py-spy)
-PRELOAD = ("peer.cli", "peer.node.daemon", "peer.node.leader_role", "peer.runtime.driver", "peer.observe.node",
+PRELOAD = ("peer.cli", "peer.node.daemon", "peer.node.leader_role", "peer.runtime.lead.driver", "peer.observe.node",
            "peer.swarm.status", "scheduler", "numpy", "torch", "torch._dynamo", "torch.optim", "hivemind", "grpc")
 
 

@@ -45,8 +45,8 @@ from peer.emulation.netbed import Host, NetBed
 from peer.emulation.procs import PEER_COMMAND, child_env, launch, write_small_config
 from peer.emulation.reference_check import ReferenceGap, gap_to_reference
 from peer.runtime.assign import build_assignments
-from peer.runtime.coordinator import Coordinator
-from peer.runtime.driver import DriverConfig, Pipelines, RunDriver, RunEvents, Stages
+from peer.runtime.lead.coordinator import Coordinator
+from peer.runtime.lead.driver import DriverConfig, Pipelines, RunDriver, RunEvents, Stages
 from peer.runtime.spec import Assignment, RunSpec
 from peer.runtime.stage.worker import StageWorker
 

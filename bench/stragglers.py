@@ -47,7 +47,7 @@ from peer.compute.reference import train_reference
 from peer.compute.stage import OptimConfig
 from peer.emulation.faults import BusyGpuClock
 from peer.emulation.local import LinkModel, LocalSwarm, RunResult
-from peer.runtime.driver import Pipelines, Stages
+from peer.runtime.lead.driver import Pipelines, Stages
 from peer.runtime.spec import RunSpec
 
 SPEC = RunSpec(run_id="bench-stragglers", model=ModelConfig(n_layers=4, d_model=32, n_heads=4, seq_len=32, seed=1),

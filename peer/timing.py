@@ -25,14 +25,14 @@ Progress and plan records (peer.swarm.progress, peer.swarm.plans)
     the loss history after the leader died. A plan record lives ``PLAN_TTL_S``; the leader
     renews it every ``PLAN_RENEW_TICKS`` ticks (10 heartbeats, 20 s at the default), far within.
 
-The coordinator's view of its workers (peer.runtime.coordinator)
+The coordinator's view of its workers (peer.runtime.lead.liveness)
     It pings every assigned worker once a heartbeat, concurrently and with at most one ping outstanding per
     worker, with a deadline of at least ``PING_TIMEOUT_S`` (adaptive: see "Stragglers") and declares a worker
     dead after ``PING_MISSES`` misses in a row: on a fast link a dead worker is noticed within about
     ``PING_MISSES * (HEARTBEAT_S + PING_TIMEOUT_S)`` (8 s at the defaults), close to one advert lifetime.
     A failed push or fetch is confirmed by one ping first.
 
-Stragglers: adaptive leases, speculation, pings and bans (peer.runtime.coordinator, peer.runtime.driver)
+Stragglers: adaptive leases, speculation, pings and bans (peer.runtime.lead.pacing, .liveness, .driver)
     ``STEP_TIMEOUT_S`` is only the lease of a micro-batch until the coordinator knows how long one takes:
     after that a lease lasts ``LEASE_FACTOR`` x the expected lease-to-commit time (the plan's prediction, or
     the median of the last measured ones), at least ``LEASE_FLOOR_S`` and at most ``STEP_TIMEOUT_S``; a
@@ -46,7 +46,7 @@ Stragglers: adaptive leases, speculation, pings and bans (peer.runtime.coordinat
     commits of a run come from its fastest pipelines and are no yardstick for a slower one's head), is
     overdue: it gets no new micro-batch, and once nothing is free a pipeline holding at most one micro-batch
     gets a speculative copy of its micro-batches, oldest first (well under the
-    lease, so a straggler is overtaken long before it is failed; peer.runtime.pool). The loss comes about a
+    lease, so a straggler is overtaken long before it is failed; peer.runtime.lead.pool). The loss comes about a
     third of a head latency before the commit, so the forward signal catches a slow pipeline while the others
     still have their last micro-batch in flight, early enough for a copy to pipeline behind it. Its factor is
     smaller: a copy it starts by mistake costs the copier one micro-batch and loses (it becomes a backup); a
@@ -62,7 +62,7 @@ Stragglers: adaptive leases, speculation, pings and bans (peer.runtime.coordinat
     is more than ``STRAGGLER_FACTOR`` x its stage's median for ``STRAGGLER_STEPS`` steps in a row, or more
     than ``STRAGGLER_FACTOR`` squared x that median in one step (an op still running when the step ends counts
     with its time so far), is reported to the planner, which leaves it out of the next plan when a spare can
-    take its place (peer.runtime.driver.StragglerJudge).
+    take its place (peer.runtime.lead.driver.StragglerJudge).
 
 Clocks (every record's ``at`` and expiry; :func:`now`)
     Expiry in the DHT is wall-clock time, so peers' clocks must agree. At join a peer compares its clock with

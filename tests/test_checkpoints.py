@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from peer.runtime.checkpoints import CheckpointDamagedError, CheckpointStore
-from peer.runtime.driver import DriverConfig
+from peer.runtime.lead.driver import DriverConfig
 from tests.test_driver import FakePlanner, make_driver, workers  # noqa: F401  (fixture)
 
 

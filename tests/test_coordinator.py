@@ -20,7 +20,8 @@ from peer.compute.model import ModelConfig
 from peer.net import PeerClient, PeerServer, TransportConfig
 from peer.runtime import control as ctl
 from peer.runtime.assign import build_assignments
-from peer.runtime.coordinator import SAT_OUT_DECAY, Coordinator, StepFailedError
+from peer.runtime.lead.coordinator import Coordinator, StepFailedError
+from peer.runtime.lead.pacing import SAT_OUT_DECAY
 from peer.runtime.spec import RunSpec
 from peer.runtime.wire import make_key
 from protocol import tasklet_pb2 as pb
@@ -229,10 +230,10 @@ def test_a_pipeline_paced_out_of_a_step_stays_out_of_the_next(swarm) -> None:
     # It leases nothing, so this step measures nothing for it: its figure is carried over (shrunk), not
     # forgotten; forgetting it would hand the slow pipeline work again every other step.
     coordinator, _ = swarm
-    coordinator.pipeline_service_s = (coordinator.epoch, {0: 0.001, 1: 30.0})
+    coordinator.pacing.pipeline_service_s = (coordinator.epoch, {0: 0.001, 1: 30.0})
     reports = [coordinator.run_step(step, timeout_s=30) for step in (0, 1)]
     assert [r.microbatches_per_pipeline for r in reports] == [{0: SPEC.n_microbatches}] * 2
-    epoch, figures = coordinator.pipeline_service_s
+    epoch, figures = coordinator.pacing.pipeline_service_s
     assert epoch == coordinator.epoch and figures[1] == pytest.approx(30.0 * SAT_OUT_DECAY**2)
     assert 0 < figures[0] < 1.0, "the pipeline that worked is measured afresh"
 
@@ -247,7 +248,7 @@ def test_dead_pipeline_work_is_requeued_and_the_step_finishes_without_it(swarm) 
     coordinator, workers = swarm
     # the death path, not speculation: an idle pipeline 0 would copy the dead one's micro-batch after 0.25 s
     # (scripted commits take milliseconds), often before the liveness checks find the death
-    coordinator.speculation = False
+    coordinator.pacing.speculation = False
     events = observe(coordinator)
     report = coordinator.run_step(0, timeout_s=30)
     assert workers[1].dead
@@ -328,7 +329,7 @@ def test_an_overtaken_pipeline_reloads_in_the_background_and_joins_a_later_step_
     # worker reloads the stage (0.5 s) without holding the step's end; step 1 starts without it (no start_step,
     # no lease, not in a reduce while out of sync) and it joins step 1 once it reported the stage in sync.
     coordinator, (fast, slow) = swarm
-    coordinator.predicted_mb_s = 0.05  # speculation on: overdue after the 0.25 s floor
+    coordinator.pacing.predicted_mb_s = 0.05  # speculation on: overdue after the 0.25 s floor
     events = observe(coordinator)
     first = coordinator.run_step(0, timeout_s=30)
     ended = time.monotonic()
@@ -340,7 +341,7 @@ def test_an_overtaken_pipeline_reloads_in_the_background_and_joins_a_later_step_
         time.sleep(0.01)  # told in the background
     resync = next(m for _, m in slow.received if isinstance(m, ctl.Resync))
     assert (resync.trained_steps, resync.source) == (1, fast.server.endpoint)
-    coordinator.speculation = False  # step 1: pipeline 0 is slowish (0.15 s a micro-batch), not to be copied
+    coordinator.pacing.speculation = False  # step 1: pipeline 0 is slowish (0.15 s a micro-batch), not to be copied
     second = coordinator.run_step(1, timeout_s=30)
     assert slow.resynced_at is not None and slow.started[1] > slow.resynced_at, "started only once in sync"
     assert slow.started[1] > ended + 0.3, "step 1 started without it"
@@ -358,9 +359,9 @@ def test_a_pipeline_still_reloading_when_a_step_ends_is_told_the_newer_step_and_
     # pipeline 1 is overtaken in step 0; its reload (1.5 s) outlasts step 1, which it sits out: at step 1's end it
     # is told to reload step 2's parameters instead, and joins step 2 only once it reports those
     coordinator, (fast, slow) = swarm
-    coordinator.predicted_mb_s = 0.05
+    coordinator.pacing.predicted_mb_s = 0.05
     assert coordinator.run_step(0, timeout_s=30).dropped_pipelines == [1]
-    coordinator.speculation = False
+    coordinator.pacing.speculation = False
     second = coordinator.run_step(1, timeout_s=30)
     assert slow.resynced_at is None and 1 not in slow.started, "step 1 ran without the pipeline out of sync"
     assert sorted(second.commits) == list(range(SPEC.n_microbatches)) and set(second.commits.values()) == {0}

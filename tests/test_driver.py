@@ -14,8 +14,8 @@ import torch
 
 from peer.compute.model import ModelConfig
 from peer.runtime.assign import build_assignments
-from peer.runtime.coordinator import Coordinator, StepReport
-from peer.runtime.driver import DriverConfig, Pipelines, RunDriver, Stages, StragglerJudge
+from peer.runtime.lead.coordinator import Coordinator, StepReport
+from peer.runtime.lead.driver import DriverConfig, Pipelines, RunDriver, Stages, StragglerJudge
 from peer.runtime.spec import Assignment, RunSpec
 from peer.runtime.stage.worker import StageWorker
 

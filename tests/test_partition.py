@@ -72,7 +72,7 @@ def step_times(log: str) -> dict[int, float]:
     return out
 
 
-_PLAN_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO peer.runtime.driver: plan epoch \d+ .*"
+_PLAN_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO peer.runtime.lead.driver: plan epoch \d+ .*"
                         r"pipelines (\[.*\]), continuing", re.M)
 
 
@@ -142,8 +142,8 @@ def test_partition_2_plus_2_minority_pauses_and_rejoins(tmp_path: Path) -> None:
             # the minority elected a leader of its own, which paused: no plan, no step there
             minority_logs = swarm.log("pub2") + swarm.log("pub3")
             assert "paused, only 2 of the 4 members" in minority_logs
-            assert "peer.runtime.driver: plan epoch" not in minority_logs
-            assert "peer.runtime.coordinator: step" not in minority_logs
+            assert "peer.runtime.lead.driver: plan epoch" not in minority_logs
+            assert "peer.runtime.lead.coordinator: step" not in minority_logs
 
             st = wait_status(hosts[0], dht0, lambda s: len(in_plan(s)) == 4, 120, "all four peers in one plan")
             rejoin_s = time.time() - t_heal

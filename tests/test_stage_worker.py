@@ -13,7 +13,7 @@ import torch
 from peer.compute.model import ModelConfig
 from peer.net import PeerClient
 from peer.runtime.control import StartStep, encode
-from peer.runtime.coordinator import Coordinator
+from peer.runtime.lead.coordinator import Coordinator
 from peer.runtime.spec import Assignment, RunSpec
 from peer.runtime.stage.worker import StageWorker
 from peer.runtime.wire import envelope, make_key

@@ -16,8 +16,8 @@ from peer.compute.data import Corpus
 from peer.compute.model import ModelConfig
 from peer.compute.reference import train_reference
 from peer.compute.stage import StageCompute, StageComputeConfig
-from peer.runtime.driver import ExpiringBans
-from peer.runtime.pool import CommitResult, TaskPool
+from peer.runtime.lead.driver import ExpiringBans
+from peer.runtime.lead.pool import CommitResult, TaskPool
 
 STEPS = SLOW_FROM_STEP + 2
 

@@ -28,7 +28,7 @@ from peer.net.tls import (
 )
 from peer.runtime import control as ctl
 from peer.runtime.assign import build_assignments
-from peer.runtime.coordinator import Coordinator
+from peer.runtime.lead.coordinator import Coordinator
 from peer.runtime.spec import RunSpec
 from peer.runtime.stage.worker import StageWorker
 from peer.runtime.wire import envelope, make_key

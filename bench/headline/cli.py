@@ -33,7 +33,7 @@ from bench.headline.plot import write_png
 from bench.headline.report import RunSummary, representatives, summarise, summary_from_dict, table, targets
 from bench.headline.run import PlanRun, run_plan
 from bench.headline.setup import Candidate, HeadlineConfig, HeadlineConfigError, prepare
-from peer.runtime.coordinator import StepReport
+from peer.runtime.lead.coordinator import StepReport
 from peer.runtime.spec import RunSpec
 from scheduler import Cluster, PlanningError, Workload
 

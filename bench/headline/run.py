@@ -24,7 +24,7 @@ from typing import Any
 
 from peer.emulation.local import LocalSwarm
 from peer.emulation.network import link_model
-from peer.runtime.coordinator import Coordinator, StepReport
+from peer.runtime.lead.coordinator import Coordinator, StepReport
 from peer.runtime.spec import RunSpec
 from protocol.errors import TransportError
 from scheduler import Cluster, Plan, Workload

@@ -27,8 +27,8 @@ from peer.emulation.network import LinkModel, loopback_device, loopback_host
 from peer.emulation.procs import launch, read_line
 from peer.net.tls import TlsContext
 from peer.runtime.assign import build_assignments
-from peer.runtime.coordinator import Coordinator, ReplanNeededError, StepReport
-from peer.runtime.driver import DriverConfig, Pipelines, Planner, RunDriver, RunEvents, Stages
+from peer.runtime.lead.coordinator import Coordinator, ReplanNeededError, StepReport
+from peer.runtime.lead.driver import DriverConfig, Pipelines, Planner, RunDriver, RunEvents, Stages
 from peer.runtime.spec import Assignment, RunSpec
 
 log = logging.getLogger(__name__)
@@ -225,7 +225,7 @@ class LocalSwarm:
         self.links = links
         self.forward_flops = forward_flops
         self.coordinator = Coordinator(spec, liveness_interval_s=heartbeat_s, tls=TlsContext.generate())
-        self.coordinator.link_bps = self._slowest_link_bps
+        self.coordinator.liveness.link_bps = self._slowest_link_bps
         coordinator_cert = self.coordinator.tls.certificate_text
         self.workers = LocalWorkers(n_devices, log_dir=log_dir, faults=faults, coordinator_cert=coordinator_cert,
                                     links=links)

@@ -2,7 +2,7 @@
 
 Every peer derives the same leader from the live adverts (``peer.swarm.election.elect_leader``); the one that finds
 itself elected starts a :class:`LeaderRole`. The role owns a coordinator (its own gRPC server) and a
-:class:`~peer.runtime.driver.RunDriver`, publishes each plan on the DHT's plan board under an epoch one above
+:class:`~peer.runtime.lead.driver.RunDriver`, publishes each plan on the DHT's plan board under an epoch one above
 anything seen, and publishes progress (step, loss, tokens/s) for ``peer status``.
 
 Taking over from a dead leader: the workers still hold their stages. The new leader asks every live worker
@@ -32,8 +32,8 @@ from peer.node.planning import ClusterView, build_cluster, make_planner, workloa
 from peer.observe.scalars import ScalarWriter
 from peer.runtime.assign import build_assignments
 from peer.runtime.control import Apply, encode
-from peer.runtime.coordinator import Coordinator, StepReport
-from peer.runtime.driver import DriverConfig, Pipelines, RunDriver, Stages
+from peer.runtime.lead.coordinator import Coordinator, StepReport
+from peer.runtime.lead.driver import DriverConfig, Pipelines, RunDriver, Stages
 from peer.runtime.outer import assignment_record
 from peer.runtime.spec import Assignment, RunSpec
 from peer.swarm.adverts import Advert, LinkReport
@@ -151,7 +151,8 @@ class LeaderRole:
         for pid, d in self.index.items():
             if pid in live:
                 endpoints[d] = live[pid].endpoint
-        self.coordinator.link_bps = _slowest_measured({a.endpoint: pid for pid, a in live.items()}, self.ctx.links())
+        peer_of = {a.endpoint: pid for pid, a in live.items()}
+        self.coordinator.liveness.link_bps = _slowest_measured(peer_of, self.ctx.links())
         workload = workload_for(self.spec, len(stages), len(pipelines))
         self._wait_for_quorum()  # never send a plan that a majority of the previous plan's members does not back
         return build_assignments(

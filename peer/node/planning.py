@@ -7,7 +7,7 @@
   quality can be judged. With no measurement at all, conservative defaults stand in.
 * :func:`probe_targets_for` is what a peer's prober asks: which peers to measure next (its neighbours in the
   plan it follows, then a few at random), so the measurements a plan depends on are the ones taken.
-* :func:`make_planner` keeps the stage split fixed after the first plan (see ``peer.runtime.driver``).
+* :func:`make_planner` keeps the stage split fixed after the first plan (see ``peer.runtime.lead.driver``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from peer.compute.hf import HFModelSpec
-from peer.runtime.driver import Pipelines, Planner, Stages
+from peer.runtime.lead.driver import Pipelines, Planner, Stages
 from peer.runtime.spec import RunSpec
 from peer.swarm.adverts import Advert, LinkReport
 from scheduler import Cluster, MemeticConfig, Plan, PlanningError, Workload, plan, replan

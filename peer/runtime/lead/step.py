@@ -1,6 +1,6 @@
-"""What a step is, as the coordinator and its callers see it: its phases, its report, its running state, and
-the ways it fails. Kept apart from the coordinator so that the laggard bookkeeping (peer.runtime.laggards) and
-the callers (driver, local swarm, benchmarks) can name them without the coordinator's whole module."""
+"""What a step is, as the leader and its callers see it: its phases, its report, its running state, and the ways
+it fails. Kept apart from the step machine and the coordinator so that the callers (driver, local swarm,
+benchmarks) can name them without either."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from peer.runtime.pool import TaskPool
+from peer.runtime.lead.pool import TaskPool
 
 Event = tuple[str, dict[str, Any]]  # (name, info) for the coordinator's on_event
 
@@ -32,12 +32,15 @@ class OuterRoundFailedError(ReplanNeededError):
 
 
 class StepPhase(enum.Enum):
-    """Where a step is: computing micro-batches, averaging gradients, or applying them."""
+    """Where a step is: computing micro-batches, averaging gradients, applying them, and (DiLoCo) the outer round."""
 
     COMPUTE = "compute"
     REDUCE = "reduce"
     APPLY = "apply"
-    OUTER = "outer"  # DiLoCo: averaging the round's pseudo-gradients, then the outer step
+    OUTER = "outer"  # DiLoCo: averaging the round's pseudo-gradients ...
+    OUTER_APPLY = "outer_apply"  # ... then the outer step
+    DONE = "done"  # applied everywhere it could be (reports of it may still come: the replicas' hashes)
+    FAILED = "failed"
 
 
 @dataclass
@@ -61,7 +64,8 @@ class StepReport:
 
 @dataclass
 class StepState:
-    """The running step; every field is guarded by the coordinator's ``_cond``."""
+    """The running step's book-keeping, owned by its :class:`peer.runtime.lead.machine.StepMachine` (and guarded by
+    the lock of whoever feeds it)."""
 
     pool: TaskPool
     round: int = 0
@@ -74,4 +78,10 @@ class StepState:
     dropped: set[int] = field(default_factory=set)
     syncing: set[int] = field(default_factory=set)  # pipelines left out until their workers reloaded the stage
     errors: list[str] = field(default_factory=list)
-    leased_at: dict[tuple[int, int], float] = field(default_factory=dict)  # (micro-batch, pipeline) -> monotonic
+    leased_at: dict[tuple[int, int], float] = field(default_factory=dict)  # (micro-batch, pipeline) -> when
+    members: list[str] = field(default_factory=list)  # the workers the last reduce or apply went to
+    expected: set[str] = field(default_factory=set)  # ... of whom these must report it
+    participants: list[int] = field(default_factory=list)  # the pipelines of the last reduce (the report's)
+    commits: dict[int, int] = field(default_factory=dict)  # the commit record of the last reduce
+    outer: list[int] | None = None  # the outer round's participants (DiLoCo)
+    judging: list[tuple[float, str, str, str]] = field(default_factory=list)  # (due, sender, what, error)

@@ -32,7 +32,7 @@ from typing import Any
 
 from peer.runtime.checkpoints import DEFAULT_KEEP, Checkpoint, CheckpointError, CheckpointStore, store_copy
 from peer.runtime.control import StateSource
-from peer.runtime.coordinator import (
+from peer.runtime.lead.coordinator import (
     Coordinator,
     OuterRoundFailedError,
     ReplanNeededError,
@@ -364,7 +364,7 @@ class RunDriver:
         predicted = getattr(self.planner, "last_predicted", None) or {}
         if isinstance(predicted.get("total_s"), int | float) and predicted["total_s"] > 0:
             # a micro-batch's lease-to-commit time is at most a step's: leases start from the plan's figure
-            self.coordinator.predicted_mb_s = float(predicted["total_s"])
+            self.coordinator.pacing.predicted_mb_s = float(predicted["total_s"])
         self.stages = stages
         self.epoch += 1
         assignments = self.build_assignments(stages, pipelines, self.epoch)

@@ -289,8 +289,11 @@ class TaskPool:
 
     def unleasable(self, live: set[int]) -> list[int]:
         """Free micro-batches that every pipeline of ``live`` (not failed) already held in this step: nobody's
-        stages would take them (they refuse a repeat), so the step cannot finish without a re-plan."""
+        stages would take them (they refuse a repeat), so the step cannot finish without a re-plan. None when no
+        pipeline is left at all: that is a lost pipeline, not a refused repeat."""
         able = live - self._failed
+        if not able:
+            return []
         return sorted(mb for mb in self._free if able <= self._held_by.get(mb, set()))
 
     def _speculate(self, pipeline: int, now: float) -> int | None:

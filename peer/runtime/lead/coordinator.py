@@ -1,0 +1,474 @@
+"""The coordinator: the leader's shell around the step machine. Assigns tasklets, serves the task pool and the
+workers' reports over gRPC, carries out the machine's commands, and serves stage states and checkpoints.
+
+It is the only place with global knowledge of a step, and deliberately holds little else: no parameters, no
+activations. Its messages are small (leases, commits, one loss per micro-batch), so it does not need a fast
+link; in a local swarm it runs unshaped in the launching process.
+
+What a step does, and when, is the :class:`peer.runtime.lead.machine.StepMachine`'s (its module docstring has
+the phases). This shell turns gRPC calls into the machine's events (lease, commit, loss, reduced, synced,
+error; a death from :class:`peer.runtime.lead.liveness.Liveness`), carries out the commands that come back
+(broadcasts, observer events, the end of the step) and wakes the machine with ``tick`` whenever something
+changed or 0.2 s passed. After an apply, :class:`peer.runtime.lead.resync.Resync` compares the replicas and
+has the laggards reload their stage; :class:`peer.runtime.lead.pacing.Pacing` keeps what the steps measured
+for the next one's leases and speculation.
+
+Threads and locks. ``_cond`` (a condition) guards the machine, the roster, the epoch and the dead set; the
+step loop waits on it. The observer (``on_event``) is never called while it is held: commands are collected
+under the lock and carried out after. A broadcast the step waits for (start, reduce, apply) runs on the step
+loop's thread; background work (drop notices, restarts, confirming a reported death) runs on one executor,
+shut down by :meth:`close`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from peer.net import PeerClient, PeerServer, TransportConfig
+from peer.net.endpoint import with_route
+from peer.net.tls import TlsContext, peer_ids, process_tls
+from peer.runtime import control as ctl
+from peer.runtime.bounds import CONTROL_BYTES
+from peer.runtime.grants import sign_grant
+from peer.runtime.lead.liveness import Liveness
+from peer.runtime.lead.machine import Command, Done, Emit, Fail, Send, StepMachine
+from peer.runtime.lead.pacing import Pacing
+from peer.runtime.lead.resync import SYNC_LIMIT_S, Resync
+from peer.runtime.lead.roster import Roster
+from peer.runtime.lead.states import StageStates
+from peer.runtime.lead.step import Event, OuterRoundFailedError, ReplanNeededError, StepFailedError, StepReport
+from peer.runtime.spec import Assignment, RunSpec
+from peer.timing import (
+    ASSIGN_TIMEOUT_S,
+    BROADCAST_POLL_S,
+    CONTROL_SLACK_S,
+    CONTROL_TIMEOUT_S,
+    HEARTBEAT_S,
+    STATUS_TIMEOUT_S,
+    STEP_TIMEOUT_S,
+)
+from protocol import tasklet_pb2 as pb
+from protocol.errors import Forbidden, Rejected, TransportError
+
+# the step's outcomes, named from here by the coordinator's callers (driver, local swarm, benchmarks)
+__all__ = ["COORDINATOR_ROUTE", "Coordinator", "OuterRoundFailedError", "ReplanNeededError", "StepFailedError",
+           "StepReport"]
+
+log = logging.getLogger(__name__)
+
+COORDINATOR_ROUTE = "coordinator"  # a daemon's coordinator is served on its worker's port under this route
+WAKE_S = 0.2  # the step loop ticks the machine at least this often (deadlines, leases, errors to judge)
+
+
+class Coordinator:
+    """Drives a run over workers that have been given their assignments with :meth:`assign`."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        liveness_interval_s: float = HEARTBEAT_S,
+        *,
+        host_server: PeerServer | None = None,
+        public_endpoint: str | None = None,
+        tls: TlsContext | None = None,
+    ) -> None:
+        """``host_server``: serve on that (started) server's port under the route "coordinator" instead of a
+        port of our own (a peer daemon's worker server: one port per peer); ``public_endpoint``: that server's
+        announced endpoint, which workers dial (the listen address may be 0.0.0.0). ``tls``: this peer's
+        identity and trust (default: the host server's, else the process's own)."""
+        self.spec = spec.validate()
+        host_tls = None if host_server is None else host_server.config.tls
+        self.tls = tls or host_tls or process_tls()
+        self.config = TransportConfig(
+            host=host, port=port, max_concurrent_streams=48, thread_pool_size=64, max_streams_per_peer=16, tls=self.tls
+        )
+        self.server = PeerServer(self.config)
+        self._host_server = host_server
+        self._public_endpoint = public_endpoint
+        self.server.register_fetch(pb.COMMIT, self._on_pool_request)
+        self.server.register_push(pb.OTHER, self._on_report)
+        self.server.set_push_admission(self._admit_push)
+        self._cond = threading.Condition()
+        self._machine: StepMachine | None = None  # _cond: the running (or last) step
+        self.roster = Roster()  # _cond; replaced whole by assign(), so a read sees one plan
+        self.epoch = 0  # _cond
+        self._clients: dict[str, PeerClient] = {}  # _clients_lock
+        self._clients_lock = threading.Lock()
+        self._background = ThreadPoolExecutor(max_workers=8, thread_name_prefix="coordinator")
+        self.pacing = Pacing()  # set predicted_mb_s, speculation there
+        self.liveness = Liveness(liveness_interval_s, self._cond, self._ping, self.declare_dead, self.spec.model,
+                                 self.spec.micro_batch)
+        self.resync = Resync(self.spec.run_id, self._cond, self.liveness, self._client, self._submit, self._emit)
+        self.states = StageStates(self.spec, self._cond, lambda: (self.roster, self.epoch), self.liveness.dead,
+                                  self._client, self.tls.peer_id)
+        self.server.register_fetch(pb.STAGE_STATE, self.states.on_state_request)
+        # stage states and checkpoint copies (peer.runtime.lead.states), as the coordinator's own API
+        self.serve_checkpoint, self.fetch_state, self.live_states = (
+            self.states.serve_checkpoint, self.states.fetch_state, self.states.live_states)
+        self.push_checkpoint, self.checkpoint_step, self.fetch_checkpoint = (
+            self.states.push_checkpoint, self.states.checkpoint_step, self.states.fetch_checkpoint)
+        # on_event(name, info): "lease", "commit", "reduce", "apply", "outer", "dead", "requeue", "resync",
+        # "divergent" as they happen; called without the coordinator's lock, must not block for long (tests use
+        # it to kill a worker at a chosen moment, benchmarks to time recovery)
+        self.on_event: Callable[[str, dict[str, Any]], None] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        if self._public_endpoint is not None:
+            return with_route(self._public_endpoint, COORDINATOR_ROUTE)
+        return self.server.endpoint
+
+    @property
+    def assignments(self) -> dict[str, Assignment]:
+        """The current plan's assignments by worker endpoint."""
+        return self.roster.assignments
+
+    @property
+    def dead(self) -> frozenset[str]:
+        """Workers of the current plan declared dead (a snapshot)."""
+        with self._cond:
+            return frozenset(self.liveness.dead)
+
+    @property
+    def dead_reasons(self) -> dict[str, str]:
+        """Why each dead worker of the current plan was declared dead."""
+        return self.liveness.reasons
+
+    def start(self) -> str:
+        if self._host_server is not None:
+            self._host_server.mount(COORDINATOR_ROUTE, self.server)
+        else:
+            self.server.start()
+        self.liveness.start()
+        return self.endpoint
+
+    def close(self) -> None:
+        self.liveness.close()
+        self._background.shutdown(wait=False, cancel_futures=True)
+        with self._clients_lock:
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()
+        self.server.stop(grace=0.5)
+
+    def _client(self, endpoint: str) -> PeerClient:
+        """A client to a worker, pinned to the certificate its assignment names (a new one if that changed)."""
+        expect = self.roster.peer_ids.get(endpoint, "")
+        with self._clients_lock:
+            client = self._clients.get(endpoint)
+            if client is None or client.expect_peer != expect:
+                if client is not None:
+                    client.close()
+                client = PeerClient(endpoint, self.config, sender="coordinator", expect_peer=expect)
+                self._clients[endpoint] = client
+            return client
+
+    def _ping(self, endpoint: str, timeout_s: float) -> float:
+        return self._client(endpoint).ping(timeout_s=timeout_s)
+
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn`` in the background; after close() it is dropped (nothing is waiting for it)."""
+        try:
+            self._background.submit(fn, *args)
+        except RuntimeError:  # the executor is shut down
+            log.debug("coordinator closed; %s not run", getattr(fn, "__name__", fn))
+
+    def _emit(self, events: Sequence[Event]) -> None:
+        """Call the observer for each event; never with ``_cond`` held."""
+        if self.on_event is None:
+            return
+        for name, info in events:
+            try:
+                self.on_event(name, info)
+            except Exception:  # a broken observer must not break training
+                log.exception("on_event(%s) failed", name)
+
+    # ---------------------------------------------------------------------------------------------- assign
+    def assign(
+        self,
+        assignments: dict[str, Assignment],
+        sources: dict[str, ctl.StateSource] | None = None,
+        timeout_s: float = ASSIGN_TIMEOUT_S,
+    ) -> None:
+        """Send every worker (by endpoint) its assignment and state source; wait until all accepted.
+
+        A new plan starts with no dead workers (the driver left the dead ones out of it). ``sources[endpoint]``
+        defaults to ``init`` at step 0. A worker that refuses or cannot be reached raises (the caller re-plans).
+        """
+        epochs = {a.epoch for a in assignments.values()}
+        if len(epochs) != 1:
+            raise ValueError(f"assignments carry several epochs {sorted(epochs)}")
+        certificates = {ep: a.peers[ep] for ep, a in assignments.items() if ep in a.peers}
+        self.tls.trust.set_group(f"plan:{id(self)}", certificates.values())
+        with self._cond:
+            self.epoch = epochs.pop()
+            self._machine = None
+            self.roster = Roster(dict(assignments), peer_ids(certificates))
+            self.liveness.reset(self.roster.assignments)
+            self.resync.pending.clear()  # the new plan's state sources say who holds what
+        sources = {ep: self._granted(ep, a, src) for ep, src in (sources or {}).items() if (a := assignments.get(ep))}
+        futures = {
+            ep: self._client(ep).push_async(
+                ctl.StageAssignment(self.spec, a, sources.get(ep, ctl.StateSource.init())).to_envelope(), timeout_s
+            )
+            for ep, a in assignments.items()
+        }
+        for ep, f in futures.items():
+            try:
+                f.result(timeout=timeout_s + CONTROL_SLACK_S)
+            except TransportError as exc:
+                self.liveness.confirm(ep, f"did not take its assignment: {exc}")
+                raise ReplanNeededError(f"worker {ep} did not take its assignment: {exc}") from exc
+
+    def _granted(self, endpoint: str, a: Assignment, source: ctl.StateSource) -> ctl.StateSource:
+        """A fetch source with our signed permission for the worker at ``endpoint`` to read those layers (the
+        source may not be in the new plan, so it cannot know the fetcher's role otherwise)."""
+        if source.kind is not ctl.SourceKind.FETCH:
+            return source
+        peer = self.roster.peer_ids.get(endpoint, self.tls.peer_id)
+        return dataclasses.replace(source, grant=sign_grant(self.tls, self.spec.run_id, a.epoch, peer, a.layers))
+
+    # ------------------------------------------------------------------------------------------ step loop
+    def run_step(self, step: int, timeout_s: float = STEP_TIMEOUT_S) -> StepReport:
+        """Run one step to the end (all intact pipelines' stages updated) and report it."""
+        with self._cond:
+            if not self.roster.assignments:
+                raise RuntimeError("assign() the workers first")
+            now, roster, epoch = time.monotonic(), self.roster, self.epoch
+            syncing = self.resync.syncing_pipelines(roster, now)  # may declare a laggard dead
+            machine = StepMachine(
+                step, roster, self.spec.n_microbatches, now=now, timeout_s=timeout_s,
+                lease_timeout_s=self.pacing.lease_timeout_s(timeout_s), sync_period=self.spec.sync_period,
+                dead=sorted(self.liveness.dead), syncing=syncing, service_s=self.pacing.service_s(epoch),
+                speculate_after=self.pacing.speculate_after_s(), judge_after_s=self.liveness.interval_s)
+            self._machine = machine
+            commands = machine.start()
+        while (done := self._carry_out(machine, commands)) is None:
+            with self._cond:
+                while not (commands := machine.tick(time.monotonic())):
+                    self._cond.wait(max(0.001, min(WAKE_S, machine.deadline - time.monotonic())))
+        hashes = machine.state.hashes
+        if done.check:
+            live = [m for m in done.members if m not in self.dead]
+            self.resync.check_replicas(roster, epoch, step, live, hashes, machine.deadline)
+        if done.catch_up:
+            with self._cond:
+                left_out = machine.state.dropped | machine.state.syncing
+            live = [m for m in done.members if m not in self.dead]
+            self.resync.catch_up(roster, epoch, step, live, left_out, hashes)
+        with self._cond:
+            machine.tick(time.monotonic())
+            report = machine.report()
+        self._finish(epoch, machine, report)
+        return report
+
+    def _finish(self, epoch: int, machine: StepMachine, report: StepReport) -> None:
+        """The step's measurements go to pacing, its summary to the log."""
+        self.pacing.record(epoch, machine.pool)
+        log.info("step %d: loss %.4f in %.3f s (micro-batches per pipeline %s%s)", report.step, report.loss,
+                 report.seconds, report.microbatches_per_pipeline,
+                 f", dropped pipelines {report.dropped_pipelines}" if report.dropped_pipelines else "")
+
+    def _carry_out(self, machine: StepMachine, commands: Sequence[Command]) -> Done | None:
+        """Carry out the machine's commands in order (never with ``_cond`` held): the step's end, or None."""
+        for c in commands:
+            if isinstance(c, Emit):
+                self._emit([(c.name, c.info)])
+            elif isinstance(c, Send) and c.wait:
+                self._broadcast(c.endpoints, c.msg, machine.step)
+            elif isinstance(c, Send):
+                self._submit(self._send_later, machine, c)
+            elif isinstance(c, Fail):
+                if isinstance(c.error, OuterRoundFailedError):  # the inner step stands: it counts as a step
+                    self._finish(self.epoch, machine, c.error.report)
+                raise c.error
+            elif isinstance(c, Done):
+                return c
+        return None
+
+    def _send_later(self, machine: StepMachine, send: Send) -> None:
+        """A background send (drop notices, a restarted round, a pipeline rejoining), then what follows it."""
+        self._broadcast_quietly(send.endpoints, send.msg, machine.step)
+        if send.rejoin is not None and isinstance(send.msg, ctl.StartStep):
+            with self._cond:
+                commands = machine.rejoined(send.rejoin, send.msg.round)
+            self._carry_out(machine, commands)
+        if send.then is not None:
+            self._send_later(machine, send.then)
+
+    def _broadcast(self, endpoints: Sequence[str], msg: ctl.Message, step: int) -> None:
+        """Send a control message to every endpoint; a worker that does not answer is checked for death.
+
+        The wait for an answer ends early once liveness has declared the worker dead: a peer cut off while a
+        ``start_step`` was on its way must not hold the step for the whole control timeout (30 s) when its
+        pipeline is already out of the step."""
+        with self._cond:
+            epoch = self.epoch
+        futures = {
+            ep: self._client(ep).push_async(ctl.encode(msg, self.spec.run_id, epoch, step), CONTROL_TIMEOUT_S)
+            for ep in endpoints
+        }
+        for ep, f in futures.items():
+            give_up_at = time.monotonic() + CONTROL_TIMEOUT_S + CONTROL_SLACK_S
+            while True:
+                try:
+                    f.result(timeout=max(0.0, min(BROADCAST_POLL_S, give_up_at - time.monotonic())))
+                except TimeoutError:
+                    with self._cond:
+                        dead = ep in self.liveness.dead
+                    if dead:
+                        log.info("%s to %s: no answer yet, and it was declared dead; not waiting", msg.op.value, ep)
+                    elif time.monotonic() < give_up_at:
+                        continue
+                    else:
+                        self.liveness.confirm(ep, f"{msg.op.value}: no answer in {CONTROL_TIMEOUT_S:g} s")
+                except TransportError as exc:
+                    log.warning("%s to %s failed: %s", msg.op.value, ep, exc)
+                    self.liveness.confirm(ep, f"{msg.op.value} failed: {exc}")
+                break
+
+    def _broadcast_quietly(self, endpoints: Sequence[str], msg: ctl.Message, step: int) -> None:
+        try:
+            self._broadcast(endpoints, msg, step)
+        except Exception as exc:  # background notice; the step loop notices real failures itself
+            log.info("%s broadcast: %s", msg.op.value, exc)
+
+    def declare_dead(self, endpoint: str, reason: str) -> None:
+        """Exclude a worker for the rest of this plan (its pipeline is dropped from the running step)."""
+        with self._cond:
+            if not self.liveness.mark(endpoint, reason):
+                return
+            if self._machine is not None:
+                self._machine.died(endpoint)
+            self._cond.notify_all()
+        self._emit([("dead", {"endpoint": endpoint, "reason": reason})])
+
+    def wait_in_sync(self, timeout_s: float = SYNC_LIMIT_S) -> bool:
+        """Wait until no laggard is left reloading its stage (the end of a run, before its states are read)."""
+        with self._cond:
+            return self._cond.wait_for(self.resync.in_sync, timeout=timeout_s)
+
+    # ------------------------------------------------------------------------------------------- handlers
+    def _on_pool_request(self, request: pb.FetchRequest) -> pb.Envelope:
+        op = ctl.op_of(request, ctl.POOL_OPS)
+        key = request.key
+        self._require_member(request.sender, key.stage, key.replica, f"a {op.value}")
+        reply = pb.Envelope(kind=pb.COMMIT, key=key)
+        with self._cond:
+            machine = self._machine
+            if machine is None or key.step != machine.step or key.run_id != self.spec.run_id or key.epoch != self.epoch:
+                reply.meta["status"] = ctl.PoolStatus.WAIT.value
+                return reply
+            if op is ctl.Op.LEASE:
+                answer = machine.lease(key.replica, time.monotonic())
+            else:
+                answer = machine.commit(key.microbatch, key.replica, time.monotonic())
+                if answer.seconds is not None:
+                    self.pacing.mb_seconds.append(answer.seconds)
+            self._cond.notify_all()
+        reply.meta["status"] = answer.status.value
+        if answer.status is ctl.PoolStatus.LEASE and answer.microbatch is not None:
+            reply.key.microbatch = answer.microbatch
+            if answer.speculative:
+                reply.meta[ctl.SPECULATIVE_META] = "1"
+        self._carry_out(machine, answer.commands)
+        return reply
+
+    def _on_report(self, env: pb.Envelope) -> None:
+        msg = ctl.decode(env, ctl.REPORTS)
+        with self._cond:
+            epoch, roster = self.epoch, self.roster
+        if env.key.epoch != epoch:
+            raise Rejected(f"report of epoch {env.key.epoch}, the plan is at epoch {epoch}")
+        sender = self._require_member(env.sender, env.key.stage, env.key.replica, f"a {msg.op.value} report")
+        if isinstance(msg, ctl.PeerError):
+            self._submit(self.liveness.confirm, msg.endpoint, f"reported by {sender}")
+            return
+        if isinstance(msg, ctl.BadPeer):
+            culprit, mine = roster.endpoint_of(msg.stage, msg.replica), roster.assignments.get(sender)
+            # only a peer that receives data from the culprit can have seen it misbehave
+            if culprit is not None and mine is not None and culprit not in (mine.prev, mine.next, *mine.group):
+                raise Forbidden(f"stage {msg.stage} of pipeline {msg.replica} sends nothing to {sender}")
+            if culprit is not None and culprit != sender:
+                self.declare_dead(culprit, f"sent malformed data to {sender}: {msg.error}")
+            return
+        with self._cond:
+            machine, laggard, commands = self._machine, False, []
+            if isinstance(msg, ctl.Synced):
+                laggard, rejoin = self.resync.caught_up(roster, sender, msg)
+                if rejoin is not None and machine is not None:
+                    commands = machine.rejoin(rejoin)
+            if not laggard:
+                self._step_report(machine, env.key, sender, msg)
+            self._cond.notify_all()
+        if machine is not None:
+            self._carry_out(machine, commands)
+
+    def _step_report(self, machine: StepMachine | None, key: pb.Key, sender: str, msg: ctl.Message) -> None:
+        """A report of the running step, to its machine (``_cond`` held)."""
+        if machine is None or key.step != machine.step:
+            raise Rejected(f"report for step {key.step}, which is not running")
+        if isinstance(msg, ctl.Loss):
+            machine.loss(sender, key.replica, msg.microbatch, msg.loss, time.monotonic())
+        elif isinstance(msg, ctl.Reduced):
+            machine.reduced(sender, msg.round)
+        elif isinstance(msg, ctl.Synced):
+            machine.synced(sender, msg.trained_steps, msg.params_hash)
+        elif isinstance(msg, ctl.TaskError):
+            if machine.error(sender, key.replica, msg.what, msg.error, time.monotonic()):
+                log.error("worker stage %d replica %d: %s", key.stage, key.replica, msg)
+            else:
+                log.info("ignoring an error from dropped or syncing pipeline %d: %s", key.replica, msg)
+
+    def _admit_push(self, kind: int, caller: str) -> int:
+        """Only workers of the plan push to the coordinator (reports), and only small messages."""
+        if caller != self.tls.peer_id and caller not in self.roster.peer_ids.values():
+            raise Forbidden(f"the coordinator takes reports only from workers of its plan; peer {caller} is not one")
+        return CONTROL_BYTES if kind == pb.OTHER else 0
+
+    def _peer_of(self, endpoint: str | None) -> str | None:
+        """The peer id of a worker of the plan (this process's own when its assignment carried no certificate)."""
+        return None if endpoint is None else self.roster.peer_ids.get(endpoint, self.tls.peer_id)
+
+    def _require_member(self, caller: str, stage: int, replica: int, what: str) -> str:
+        """The endpoint of (stage, replica) in the plan, if ``caller`` is the peer there; else Forbidden."""
+        endpoint = self.roster.endpoint_of(stage, replica)
+        if endpoint is None or self._peer_of(endpoint) != caller:
+            raise Forbidden(
+                f"{what} for stage {stage} of pipeline {replica} is taken only from the worker the plan puts "
+                f"there; peer {caller} is not"
+            )
+        return endpoint
+
+    # ------------------------------------------------------------------------------------------- queries
+    def stop_workers(self) -> None:
+        """Ask every live worker to exit (best effort)."""
+        with self._cond:
+            workers, epoch = [ep for ep in self.assignments if ep not in self.liveness.dead], self.epoch
+        for ep in workers:
+            try:
+                # as short as a status query: a worker that does not answer at once is gone or going
+                self._client(ep).push(ctl.encode(ctl.Stop(), self.spec.run_id, epoch), timeout_s=STATUS_TIMEOUT_S)
+            except Exception as exc:  # a worker that is already gone is fine
+                log.info("stop %s: %s", ep, exc)
+
+    def copy_targets(self, n: int, exclude: Sequence[str] = ()) -> list[str]:
+        """``n`` live workers of the plan to hold checkpoint copies, chosen for their links: the lowest measured
+        round-trip time first (unmeasured ones last), never the leader's own endpoint."""
+        own = {self._public_endpoint, self.server.endpoint if self._host_server is None else None}
+        with self._cond:
+            live = [ep for ep in self.roster.assignments
+                    if ep not in self.liveness.dead and ep not in own and ep not in exclude]
+        return sorted(live, key=lambda ep: (self.liveness.rtt.get(ep, math.inf), ep))[:n]
+
+    def worker_status(self, endpoint: str, timeout_s: float = STATUS_TIMEOUT_S) -> dict[str, Any]:
+        return self._client(endpoint).status(timeout_s=timeout_s)

@@ -1,0 +1,420 @@
+"""The step machine: one training step's state and phases, as events in and commands out.
+
+A step (docs/architecture.md, "One step") goes compute -> reduce -> apply -> [outer -> outer apply] -> done:
+
+* compute: ``start`` tells every worker of an intact pipeline the step (the other stages first, then the
+  first stages, which start leasing). ``lease`` and ``commit`` answer the feeders from the task pool.
+* reduce: once the pool is complete, the commit record goes to every live worker of an intact pipeline (DiLoCo:
+  of every live pipeline) and the machine waits for each one's ``reduced`` of that round.
+* apply: then ``apply``, and the machine waits for every live one's ``synced``.
+* outer (DiLoCo, the last inner step of a round): the live pipelines average their pseudo-gradients (a death
+  restarts the averaging without that pipeline), then the outer step, as a second reduce and apply.
+
+A death (``died``), a lease past its deadline or a micro-batch a speculative copy won drops that pipeline from
+the step: the pool requeues its work, its survivors are told to drop the step, and when the feeders had already
+been told the pool was complete, the intact pipelines get a new round (a restarted averaging goes back to
+compute). A death is accounted before the pool's completeness is judged, so a commit record never names a
+pipeline that lost a member. No pipeline intact: the step fails and the driver re-plans.
+
+The machine does no I/O, starts no thread and reads no clock: every event carries ``now`` (seconds on the
+caller's monotonic clock), and the task pool reads the same ``now``. That is what lets every transition be
+tested in virtual time (tests/test_step_machine.py). Its owner (peer.runtime.lead.coordinator) serialises the
+calls, carries out the commands in order, and calls ``tick`` whenever it wakes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from peer.runtime import control as ctl
+from peer.runtime.lead.pool import CommitResult, TaskPool
+from peer.runtime.lead.roster import Roster
+from peer.runtime.lead.step import (
+    OuterRoundFailedError,
+    ReplanNeededError,
+    StepFailedError,
+    StepPhase,
+    StepReport,
+    StepState,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send ``msg`` to each of ``endpoints``. ``wait``: the owner waits for every answer before its next command
+    (a worker that does not answer is checked for death); else it is sent in the background, then ``then`` (the
+    feeders' ``start_step`` after the other stages'). ``rejoin``: once answered, the owner reports
+    :meth:`StepMachine.rejoined` for that pipeline and ``msg``'s round."""
+
+    endpoints: tuple[str, ...]
+    msg: ctl.Message
+    wait: bool = False
+    then: Send | None = None
+    rejoin: int | None = None
+
+
+@dataclass(frozen=True)
+class Emit:
+    """Tell the observer (``Coordinator.on_event``) ``name`` with ``info``."""
+
+    name: str
+    info: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Fail:
+    """The step is over without being applied (or, :class:`OuterRoundFailedError`, without its outer step)."""
+
+    error: StepFailedError
+
+
+@dataclass(frozen=True)
+class Done:
+    """The step is applied by ``members`` (the live workers it was applied on). ``check``: compare the replicas'
+    parameters hashes now; ``catch_up``: the live workers of pipelines left out reload their stage."""
+
+    members: tuple[str, ...]
+    check: bool
+    catch_up: bool
+
+
+Command = Send | Emit | Fail | Done
+
+
+@dataclass
+class PoolAnswer:
+    """The answer to a lease or commit: the pool's status, the micro-batch leased, whether it is a speculative
+    copy, a commit's lease-to-commit seconds (when it counted), and the commands it caused."""
+
+    status: ctl.PoolStatus
+    microbatch: int | None = None
+    speculative: bool = False
+    seconds: float | None = None
+    commands: list[Command] = field(default_factory=list)
+
+
+class StepMachine:
+    """One step of a plan (module docstring). ``dead``: the plan's workers already dead; ``syncing``: pipelines
+    left out until they reloaded their stage; ``speculate_after``: the pool's thresholds (TaskPool.lease);
+    ``judge_after_s``: how long a worker's error waits before it is judged (a dying sender is noticed first)."""
+
+    def __init__(self, step: int, roster: Roster, n_microbatches: int, *, now: float, timeout_s: float,
+                 lease_timeout_s: float, sync_period: int = 1, dead: Sequence[str] = (),
+                 syncing: set[int] | None = None, service_s: dict[int, float] | None = None,
+                 speculate_after: tuple[float | None, float | None] = (None, None),
+                 judge_after_s: float = 0.0) -> None:
+        self.step, self.roster, self.sync_period = step, roster, sync_period
+        self.now = self.started = now
+        self.deadline = now + timeout_s
+        self.dead: set[str] = set(dead)
+        self.speculate_after, self.judge_after_s = speculate_after, judge_after_s
+        pool = TaskPool(step, n_microbatches, lease_timeout_s=lease_timeout_s, clock=lambda: self.now,
+                        service_s=service_s)
+        self.state = StepState(pool=pool, syncing=set(syncing or ()))
+        self._outer: list[int] = []
+
+    @property
+    def phase(self) -> StepPhase:
+        return self.state.phase
+
+    @property
+    def pool(self) -> TaskPool:
+        return self.state.pool
+
+    def intact(self) -> list[int]:
+        """Pipelines whose every member is alive and that are neither dropped from this step nor syncing."""
+        broken = self.roster.pipelines_of(self.dead) | self.state.dropped | self.state.syncing
+        return [r for r in range(self.roster.n_pipelines) if r not in broken]
+
+    # ------------------------------------------------------------------------------------------ events
+    def start(self) -> list[Command]:
+        """The step's first commands: ``start_step`` to the intact pipelines, or a failure."""
+        mid_round = self.sync_period > 1 and self.step % self.sync_period != 0
+        if self.dead and not (mid_round and self.roster.alive_pipelines(self.dead)):
+            # DiLoCo mid-round: the pipelines that lost a member sit out the rest of the round (peer.runtime.outer)
+            return self._fail(ReplanNeededError(
+                f"step {self.step}: workers died since the plan was made: {sorted(self.dead)}"))
+        intact = self.intact()
+        if not intact:
+            return self._fail(ReplanNeededError(
+                f"step {self.step}: no pipeline in sync (syncing: {sorted(self.state.syncing)})"))
+        return [Send(tuple(self.roster.members(intact, self.dead, first=False)), ctl.StartStep(self.step, 0), True),
+                Send(tuple(self.roster.members(intact, self.dead, first=True)),
+                     ctl.StartStep(self.step, 0, feed=True), True)]
+
+    def lease(self, pipeline: int, now: float) -> PoolAnswer:
+        """A first stage of ``pipeline`` asks for a micro-batch."""
+        self.now = now
+        st, pool = self.state, self.state.pool
+        if st.phase is StepPhase.FAILED:
+            return PoolAnswer(ctl.PoolStatus.WAIT)
+        if pool.complete():
+            st.feeders_done = True
+            return PoolAnswer(ctl.PoolStatus.DONE)
+        if pipeline in st.syncing:  # not in sync (a start_step of before it was dropped): no work
+            return PoolAnswer(ctl.PoolStatus.WAIT)
+        mb = pool.lease(pipeline, *self.speculate_after)
+        out: list[Command] = []
+        if pool.losers():  # a pipeline given up on (TaskPool.abandoned): its work goes back to the pool now
+            self._drop_broken(out)
+            if mb is None:
+                mb = pool.lease(pipeline, *self.speculate_after)
+        if mb is None:
+            return PoolAnswer(ctl.PoolStatus.WAIT, commands=out)
+        speculative = pool.is_speculative(mb, pipeline)
+        if speculative:
+            log.info("step %d: micro-batch %d copied to pipeline %d (a straggler holds it)", self.step, mb, pipeline)
+        st.leased_at[(mb, pipeline)] = now
+        out.append(Emit("lease", {"step": self.step, "microbatch": mb, "pipeline": pipeline,
+                                  "speculative": speculative}))
+        return PoolAnswer(ctl.PoolStatus.LEASE, mb, speculative, commands=out)
+
+    def commit(self, microbatch: int, pipeline: int, now: float) -> PoolAnswer:
+        """``pipeline`` finished ``microbatch`` on every stage (the first commit wins)."""
+        self.now = now
+        st = self.state
+        result = st.pool.commit(microbatch, pipeline)
+        leased = st.leased_at.get((microbatch, pipeline))
+        seconds = now - leased if result is CommitResult.COMMITTED and leased is not None else None
+        out: list[Command] = [Emit("commit", {"step": self.step, "microbatch": microbatch, "pipeline": pipeline,
+                                              "result": result.value})]
+        if st.pool.losers():  # the original holder of a micro-batch a copy won has it in its sum: drop it now,
+            self._drop_broken(out)  # before the pool can look complete with its commits in it
+        return PoolAnswer(ctl.PoolStatus(result.value), microbatch, seconds=seconds, commands=out)
+
+    def loss(self, sender: str, pipeline: int, microbatch: int, loss: float, now: float) -> None:
+        self.now = now
+        self.state.losses[(microbatch, pipeline)] = loss
+        if self.roster.is_last(sender):
+            self.state.pool.progress(microbatch, pipeline)  # its forward crossed every stage (stragglers)
+
+    def reduced(self, sender: str, rnd: int) -> None:
+        if rnd == self.state.round:
+            self.state.reduced.add(sender)
+
+    def synced(self, sender: str, trained_steps: int, params_hash: str) -> None:
+        self.state.synced.add(sender)
+        if params_hash:
+            self.state.hashes[sender] = (trained_steps, params_hash)
+
+    def died(self, endpoint: str) -> None:
+        """A worker of the plan is dead; its pipeline is dropped at the next ``tick``."""
+        if endpoint in self.roster.assignments:
+            self.dead.add(endpoint)
+
+    def error(self, sender: str, pipeline: int, what: str, error: str, now: float) -> bool:
+        """A worker's task failed. Judged ``judge_after_s`` later (``tick``): an error during averaging or apply
+        with the sender still alive fails the step; anything else shows up as a death or finishes. False: ignored
+        (its pipeline is out of the step, or it is dead)."""
+        st = self.state
+        if pipeline in st.dropped or pipeline in st.syncing or sender in self.dead:
+            return False
+        st.judging.append((now + self.judge_after_s, sender, what, error))
+        return True
+
+    def rejoin(self, pipeline: int) -> list[Command]:
+        """Every member of syncing ``pipeline`` reloaded its stage: it gets the step (every member first, so that
+        a reduce sent later is not dropped by a member still in the step before), then ``rejoined``."""
+        st = self.state
+        if st.phase is not StepPhase.COMPUTE or pipeline not in st.syncing:
+            return []
+        return [Send(tuple(self.roster.members([pipeline], self.dead)), ctl.StartStep(self.step, st.round),
+                     rejoin=pipeline)]
+
+    def rejoined(self, pipeline: int, rnd: int) -> list[Command]:
+        """Every member of ``pipeline`` has the step of round ``rnd``: its feeders start, unless too late."""
+        st = self.state
+        if st.phase is not StepPhase.COMPUTE or st.round != rnd or pipeline not in st.syncing:
+            return []  # too late for this step: it joins the next one
+        st.syncing.discard(pipeline)
+        log.info("step %d: pipeline %d is in sync again and joins the step", self.step, pipeline)
+        firsts = tuple(ep for ep in self.roster.members([pipeline], self.dead, first=True))
+        return [Send(firsts, ctl.StartStep(self.step, rnd, feed=True))]
+
+    def tick(self, now: float) -> list[Command]:
+        """Time passed, or something changed: judge errors, drop broken pipelines, move on when the phase's
+        condition holds, fail at the deadline."""
+        self.now = now
+        out: list[Command] = []
+        if self.state.phase in (StepPhase.DONE, StepPhase.FAILED):
+            return out
+        try:
+            self._judge()
+            while self._advance(out):
+                pass
+        except StepFailedError as exc:
+            out.extend(self._fail(exc))
+        return out
+
+    # --------------------------------------------------------------------------------------- transitions
+    def _advance(self, out: list[Command]) -> bool:
+        """One phase's check; True when the phase changed (check again)."""
+        st, what = self.state, self._what()
+        if st.phase in (StepPhase.COMPUTE, StepPhase.REDUCE):
+            if st.phase is StepPhase.REDUCE and st.reduced >= st.expected:
+                self._begin_apply(out)
+                return True
+            if st.errors:
+                raise StepFailedError(f"{what}: {st.errors[0]}")
+            if st.phase is StepPhase.COMPUTE and (stuck := st.pool.unleasable(set(self.intact()) | st.syncing)):
+                raise ReplanNeededError(f"{what}: micro-batches {stuck} were held by every pipeline left, whose "
+                                        "stages refuse a repeat")
+            broken = self._drop_broken(out)
+            if not self.intact():  # also when a lease or commit dropped the last
+                raise ReplanNeededError(f"{what}: no intact pipeline left (dead: {sorted(self.dead)})")
+            if st.phase is StepPhase.COMPUTE and st.pool.complete():
+                self._begin_reduce(out)
+                return True
+            if broken and st.feeders_done:  # the feeders had stopped (pool complete): a new round restarts them
+                restarted = st.phase is StepPhase.REDUCE
+                st.phase, st.feeders_done = StepPhase.COMPUTE, False
+                self._refeed(out)
+                if restarted:
+                    return True
+        elif st.phase in (StepPhase.APPLY, StepPhase.OUTER_APPLY):
+            live = {m for m in st.members if m not in self.dead}
+            if st.synced >= live:
+                self._end_apply(out, live)
+                return True
+            if st.errors:
+                raise StepFailedError(f"{what}: {st.errors[0]}")
+        elif st.phase is StepPhase.OUTER:
+            if st.errors:
+                raise StepFailedError(f"{what}: {st.errors[0]}")
+            if st.expected & self.dead:
+                log.warning("step %d: a member of the outer round died; averaging again without its pipeline",
+                            self.step)
+                self._begin_outer(out)
+                return True
+            if st.reduced >= st.expected:
+                st.synced.clear()
+                st.hashes.clear()
+                self._begin_apply(out)
+                return True
+        if self.now >= self.deadline:
+            raise StepFailedError(f"{what}: timed out")
+        return False
+
+    def _what(self) -> str:
+        return f"step {self.step}: " + {StepPhase.COMPUTE: "micro-batches", StepPhase.REDUCE: "gradient averaging",
+                                         StepPhase.APPLY: "optimizer step", StepPhase.OUTER: "outer round",
+                                         StepPhase.OUTER_APPLY: "outer step"}.get(self.state.phase, "")
+
+    def _begin_reduce(self, out: list[Command]) -> None:
+        st = self.state
+        st.phase, st.round, st.reduced = StepPhase.REDUCE, st.round + 1, set()
+        st.pool.end_speculation()  # the stages settle what they hold apart: copies count no more
+        # DiLoCo inner step: every live pipeline applies its own share (maybe none)
+        st.participants = self.intact() if self.sync_period == 1 else self.roster.alive_pipelines(self.dead)
+        st.commits = st.pool.assignment()
+        st.members = self.roster.members(st.participants, self.dead)
+        st.expected = set(st.members)
+        out.append(Emit("reduce", {"step": self.step, "round": st.round, "participants": st.participants}))
+        out.append(Send(tuple(st.members), ctl.Reduce(self.step, st.round, tuple(st.participants), st.commits), True))
+
+    def _begin_apply(self, out: list[Command]) -> None:
+        st = self.state
+        outer = st.phase is StepPhase.OUTER
+        st.phase = StepPhase.OUTER_APPLY if outer else StepPhase.APPLY
+        out.append(Emit("apply", {"step": self.step, "outer": True} if outer else {"step": self.step}))
+        out.append(Send(tuple(st.members), ctl.Apply(self.step, outer=outer), True))
+
+    def _end_apply(self, out: list[Command], live: set[str]) -> None:
+        st = self.state
+        members = tuple(m for m in st.members if m in live)
+        if st.phase is StepPhase.APPLY and self._round_end():
+            self._begin_outer(out)
+            return
+        outer = st.phase is StepPhase.OUTER_APPLY
+        if outer:
+            st.outer = self._outer
+        st.phase = StepPhase.DONE
+        out.append(Done(members, check=self.sync_period == 1 or outer, catch_up=self.sync_period == 1))
+
+    def _round_end(self) -> bool:
+        """DiLoCo: whether this inner step is the last of its round (an outer round follows). The same rule as
+        the workers' (peer.runtime.outer.is_round_end), stated here so the leader side imports no worker code."""
+        return self.sync_period > 1 and (self.step + 1) % self.sync_period == 0
+
+    def _begin_outer(self, out: list[Command]) -> None:
+        """DiLoCo's outer round (peer.runtime.outer): the live pipelines' replicas average their pseudo-gradients;
+        only when every stage holds its average does anyone take the outer step (two-phase, as an apply)."""
+        st = self.state
+        st.phase = StepPhase.OUTER
+        self._outer = self.roster.alive_pipelines(self.dead)
+        if not self._outer:
+            raise ReplanNeededError(f"step {self.step}: no pipeline left for the outer round")
+        st.round, st.reduced = st.round + 1, set()
+        st.members = self.roster.members(self._outer, self.dead)
+        st.expected = set(st.members)
+        out.append(Emit("outer", {"step": self.step, "round": st.round, "participants": self._outer}))
+        out.append(Send(tuple(st.members), ctl.Reduce(self.step, st.round, tuple(self._outer), {}, outer=True), True))
+
+    def _drop_broken(self, out: list[Command]) -> list[int]:
+        """Drop from the step the pipelines with a dead member, a lease past its deadline, or a micro-batch a
+        speculative copy won; return them."""
+        st, pool = self.state, self.state.pool
+        pool.expire()
+        dead = self.roster.pipelines_of(self.dead)
+        broken = sorted((dead | pool.failed() | set(pool.losers())) - st.dropped)
+        for r in broken:
+            why = ("lost a member" if r in dead else "is late with nothing committed; its work goes to the others"
+                   if r in pool.abandoned else "was overtaken by a speculative copy"
+                   if r in pool.losers() else "held a lease past its deadline")
+            lost = pool.fail_pipeline(r)
+            out.append(Emit("requeue", {"step": self.step, "pipeline": r, "microbatches": lost}))
+            st.dropped.add(r)
+            log.warning("step %d: pipeline %d %s; %d micro-batches go back to the pool", self.step, r, why, len(lost))
+            survivors = self.roster.members([r], self.dead)
+            if survivors:
+                out.append(Send(tuple(survivors), ctl.DropStep(self.step)))
+        return broken
+
+    def _refeed(self, out: list[Command]) -> None:
+        """A new round for the intact pipelines: abort their averaging, restart their feeders. Only when no
+        micro-batch is in flight (the pool had been complete), so the feeders' in-flight counts may be reset.
+        The other stages are told first, as at the start of a step."""
+        st = self.state
+        st.round += 1
+        intact = self.intact()
+        feed = Send(tuple(self.roster.members(intact, self.dead, first=True)), ctl.StartStep(self.step, st.round,
+                                                                                           feed=True))
+        out.append(Send(tuple(self.roster.members(intact, self.dead, first=False)),
+                        ctl.StartStep(self.step, st.round), then=feed))
+
+    def _judge(self) -> None:
+        """Errors whose wait is over: one from a live sender during averaging or apply fails the step."""
+        st = self.state
+        due = [j for j in st.judging if j[0] <= self.now]
+        st.judging = [j for j in st.judging if j[0] > self.now]
+        for _, sender, what, error in due:
+            if sender not in self.dead and what in ("reduce", "apply") and st.phase is not StepPhase.COMPUTE:
+                st.errors.append(f"{sender}: {error}")
+
+    def _fail(self, exc: StepFailedError) -> list[Command]:
+        st = self.state
+        if st.phase in (StepPhase.OUTER, StepPhase.OUTER_APPLY):
+            # DiLoCo: the inner step was applied everywhere; the round's failure does not undo it
+            wrapped = OuterRoundFailedError(f"step {self.step}: the outer round failed: {exc}", self.report())
+            wrapped.__cause__ = exc
+            exc = wrapped
+        st.phase = StepPhase.FAILED
+        return [Fail(exc)]
+
+    # ------------------------------------------------------------------------------------------- report
+    def report(self) -> StepReport:
+        """What the step did, as of ``now``."""
+        st = self.state
+        losses = [st.losses.get((mb, p), math.nan) for mb, p in sorted(st.commits.items())]
+        counts: dict[int, int] = {}
+        for p in st.commits.values():
+            counts[p] = counts.get(p, 0) + 1
+        return StepReport(self.step, sum(losses) / len(losses) if losses else math.nan, self.now - self.started,
+                          counts, st.pool.requeued, sorted(st.dropped), st.pool.speculated, st.pool.speculation_won,
+                          dict(st.commits), sorted(st.participants), st.outer)

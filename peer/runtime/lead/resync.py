@@ -1,0 +1,174 @@
+"""Laggards: replicas that missed a step, and how they get back in sync without holding the step for them.
+
+The live workers of a pipeline dropped from a step without a death (overtaken by a speculative copy, a lease
+past its deadline) did not apply it: they are told to reload their stage from a replica that did, and the step
+ends without waiting for that (a straggler finishes its slow op first, which would hold the step for it).
+Until every member of such a pipeline reports the replica's parameters hash, the pipeline is *syncing*: it
+gets no ``start_step``, no lease and no place in a reduce, so a pipeline out of sync never commits work; once
+in sync it joins the running step (``start_step`` while the step still computes) or the next one.
+
+After every apply the replicas of a stage are also compared by parameters hash: one that differs from its
+group's strict majority reloads from the majority, and is excluded if it still differs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from peer.net import PeerClient
+from peer.runtime import control as ctl
+from peer.runtime.lead.liveness import Liveness
+from peer.runtime.lead.roster import Roster
+from peer.runtime.lead.step import Event
+from peer.timing import CONTROL_TIMEOUT_S, WORKER_FETCH_STATE_TIMEOUT_S
+from protocol.errors import TransportError
+
+log = logging.getLogger(__name__)
+
+SYNC_LIMIT_S = CONTROL_TIMEOUT_S + WORKER_FETCH_STATE_TIMEOUT_S  # a laggard told to resync reports in sync within this
+Hashes = dict[str, tuple[int, str]]  # endpoint -> (trained steps, params hash), as the running step received them
+
+
+class Resync:
+    """Resyncing replicas that missed a step or diverged (module docstring).
+
+    Given the run's id, the owner's lock (which guards ``pending``, the running step's hashes and the dead
+    set), the liveness (pings, deaths), a client per worker, a way to run work in the background and the
+    observer's ``emit``."""
+
+    def __init__(self, run_id: str, lock: threading.Condition, liveness: Liveness,
+                 client: Callable[[str], PeerClient], submit: Callable[..., None],
+                 emit: Callable[[Sequence[Event]], None]) -> None:
+        self.run_id, self._lock, self._liveness = run_id, lock, liveness
+        self._client, self._submit, self._emit = client, submit, emit
+        # endpoint -> ((trained steps, params hash) it must reach, when told); _lock
+        self.pending: dict[str, tuple[tuple[int, str], float]] = {}
+
+    def syncing_pipelines(self, roster: Roster, now: float) -> set[int]:
+        """Pipelines with a live member still reloading its stage (``_lock`` held). One that has not reported in
+        sync within a control deadline plus a state fetch's is declared dead (it left its pipeline for good)."""
+        limit = SYNC_LIMIT_S
+        for ep, (_, since) in list(self.pending.items()):
+            if ep in self._liveness.dead or ep not in roster.assignments:
+                del self.pending[ep]
+            elif now - since > limit:
+                del self.pending[ep]
+                self._liveness.mark(ep, f"did not reload its stage within {limit:.0f} s")
+        return roster.pipelines_of(self.pending)
+
+    def caught_up(self, roster: Roster, sender: str, msg: ctl.Synced) -> tuple[bool, int | None]:
+        """A Synced report: whether it is a laggard's, and the pipeline it completes (every member in sync again:
+        it may join the running step), if any. ``_lock`` held."""
+        pending = self.pending.get(sender)
+        if pending is None:
+            return False, None
+        if (msg.trained_steps, msg.params_hash) != pending[0]:
+            return True, None  # an older resync's answer, or not there yet: still syncing
+        del self.pending[sender]
+        log.info("%s reloaded its stage (%d steps)", sender, msg.trained_steps)
+        replica = roster.assignments[sender].replica
+        return True, None if replica in roster.pipelines_of(self.pending) else replica
+
+    def in_sync(self) -> bool:
+        """No laggard is left reloading (``_lock`` held)."""
+        return all(ep in self._liveness.dead for ep in self.pending)
+
+    def check_replicas(self, roster: Roster, epoch: int, step: int, members: list[str], hashes: Hashes,
+                       deadline: float) -> None:
+        """After an apply, the replicas of each stage must hold bitwise the same parameters. A replica whose
+        hash differs from its group's strict majority reloads the stage from a replica in the majority; one
+        that still differs afterwards is excluded. Without a strict majority (two replicas disagreeing) the
+        leader cannot tell who is right: it logs the divergence and goes on. ``hashes``: the step's, filled
+        under ``_lock`` as Synced reports arrive."""
+        with self._lock:
+            seen = {ep: hashes.get(ep) for ep in members}
+        stages = {ep: roster.assignments[ep].stage for ep in members if ep in roster.assignments}
+        resyncs: dict[str, tuple[int, str]] = {}
+        for stage in sorted(set(stages.values())):
+            group = [ep for ep, s in stages.items() if s == stage and seen.get(ep) is not None]
+            votes: dict[tuple[int, str], list[str]] = {}
+            for ep in group:
+                votes.setdefault(seen[ep], []).append(ep)  # type: ignore[arg-type]
+            if len(votes) < 2:
+                continue
+            winner, holders = max(votes.items(), key=lambda kv: len(kv[1]))
+            if 2 * len(holders) <= len(group):
+                log.error("step %d: replicas of stage %d disagree with no majority: %s", step, stage, votes)
+                self._emit([("divergent", {"step": step, "stage": stage})])
+                continue
+            for ep in group:
+                if seen[ep] != winner:
+                    log.warning("step %d: %s's stage %d parameters differ from the majority's; resyncing from %s",
+                                step, ep, stage, holders[0])
+                    resyncs[ep] = (winner[0], holders[0])
+        self._resync(epoch, step, resyncs, seen, hashes, deadline,
+                     f"stage parameters still differ from the group's majority after step {step}")
+
+    def catch_up(self, roster: Roster, epoch: int, step: int, members: list[str], left_out: set[int],
+                 hashes: Hashes) -> None:
+        """Live workers of ``left_out`` pipelines (dropped from the step without a death, or syncing) did not
+        apply it: they reload their stage from a replica that did, in the background; their pipelines sync."""
+        with self._lock:
+            laggards = [ep for ep, a in roster.assignments.items()
+                        if a.replica in left_out and ep not in self._liveness.dead and ep not in members]
+            seen = {ep: hashes.get(ep) for ep in members}
+        stage_of = {ep: a.stage for ep, a in roster.assignments.items()}
+        resyncs: dict[str, tuple[int, str]] = {}
+        for ep in laggards:
+            source = next((m for m in members if stage_of.get(m) == stage_of[ep] and seen.get(m)), None)
+            if source is None:
+                self._liveness.declare(ep, f"missed step {step} and no replica of its stage can hand it over")
+                continue
+            resyncs[ep] = (seen[source][0], source)  # type: ignore[index]
+        if not resyncs:
+            return
+        log.info("step %d: %s missed the step; reloading from a replica in the background", step, sorted(resyncs))
+        with self._lock:
+            for ep, (_, source) in resyncs.items():
+                self.pending[ep] = (seen[source], time.monotonic())  # type: ignore[assignment]
+        self._emit([("resync", {"step": step, "endpoints": sorted(resyncs), "background": True})])
+        for ep, (trained, source) in resyncs.items():
+            self._submit(self._tell, ep, epoch, step, trained, source)
+
+    def _tell(self, endpoint: str, epoch: int, step: int, trained: int, source: str) -> None:
+        """Send one laggard its resync; one that cannot be told is checked for death."""
+        try:
+            env = ctl.encode(ctl.Resync(step, trained, source), self.run_id, epoch, step)
+            self._client(endpoint).push(env, timeout_s=CONTROL_TIMEOUT_S)
+        except TransportError as exc:
+            self._liveness.confirm(endpoint, f"resync failed: {exc}")
+
+    def _resync(self, epoch: int, step: int, resyncs: dict[str, tuple[int, str]],
+                seen: dict[str, Any], hashes: Hashes, deadline: float, failure: str) -> None:
+        """Tell each endpoint to reload its stage from ``source`` at ``trained`` steps; wait until its hash is
+        the source's; one that does not get there is excluded."""
+        if not resyncs:
+            return
+        with self._lock:
+            for ep in resyncs:
+                hashes.pop(ep, None)
+        self._emit([("resync", {"step": step, "endpoints": sorted(resyncs)})])
+
+        def tell(ep: str) -> None:
+            # A laggard may be unreachable (partitioned, or dead and not yet noticed): one ping first, so that it
+            # costs a ping timeout, not a control deadline; and every laggard at once, never one after another.
+            if not self._liveness.alive(ep):
+                self._liveness.declare(ep, f"{failure}: it does not answer")
+                return
+            self._tell(ep, epoch, step, *resyncs[ep])
+
+        with ThreadPoolExecutor(max_workers=min(8, len(resyncs)), thread_name_prefix="resync") as pool:
+            list(pool.map(tell, list(resyncs)))
+        for ep, (_, source) in resyncs.items():
+            good = seen[source]
+            with self._lock:
+                ok = self._lock.wait_for(lambda ep=ep, good=good: hashes.get(ep) == good or ep in self._liveness.dead,
+                                         timeout=max(0.0, deadline - time.monotonic()))
+                dead = ep in self._liveness.dead
+            if not ok or dead:
+                self._liveness.declare(ep, failure)
