@@ -5,7 +5,7 @@ This package imports nothing else of Tasklet's, so any process (daemon, tests, b
 protocol without pulling in the runtime.
 """
 
-PROTOCOL_VERSION: int = 1
+PROTOCOL_VERSION: int = 2
 """Bumped on any change to the wire format that an older peer would misread. Peers refuse messages of any
 other version (see peer.net), so mixed-version swarms fail loudly instead of corrupting training."""
 

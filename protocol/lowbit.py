@@ -38,11 +38,7 @@ import torch
 from protocol import tasklet_pb2 as pb
 from protocol.errors import BadMessage
 
-# Wire ids of the Compression enum (proto3 enums are open: these travel as plain integers; NONE/FP16/INT8 are 0-2).
-INT4_BLOCKWISE = 3
-INT2_BLOCKWISE = 4
-TOPK = 5
-WIRE_IDS: dict[str, int] = {"int4": INT4_BLOCKWISE, "int2": INT2_BLOCKWISE, "topk": TOPK}
+WIRE_IDS: dict[str, int] = {"int4": pb.INT4_BLOCKWISE, "int2": pb.INT2_BLOCKWISE, "topk": pb.TOPK}
 LEVELS = {"int4": 7, "int2": 1}  # symmetric levels -L..L around an exact zero
 BITS = {"int4": 4, "int2": 2}
 MAX_BLOCK_SIZE = 1 << 20
@@ -209,7 +205,7 @@ def encode_into(msg: pb.Tensor, name: str, x: torch.Tensor, compression: str, bl
     if not 1 <= block_size <= MAX_BLOCK_SIZE:
         raise ValueError(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
     flat = x.detach().to("cpu", torch.float32).reshape(-1).contiguous()
-    msg.compression = WIRE_IDS[compression]  # type: ignore[assignment]  # open proto3 enum
+    msg.compression = WIRE_IDS[compression]  # type: ignore[assignment]
     msg.block_size = block_size
     try:
         if compression == "topk":
@@ -234,7 +230,7 @@ def decode_flat(msg: Any, label: str, numel: int, data: bytes | memoryview | Non
     if not 1 <= block_size <= MAX_BLOCK_SIZE:
         raise BadMessage(f"{label}.block_size", f"{block_size} is not in [1, {MAX_BLOCK_SIZE}]")
     data = msg.data if data is None else data
-    if msg.compression == TOPK:
+    if msg.compression == pb.TOPK:
         if msg.scales:
             raise BadMessage(f"{label}.scales", "TOPK carries no scales")
         if len(data) % 8:
@@ -253,7 +249,7 @@ def decode_flat(msg: Any, label: str, numel: int, data: bytes | memoryview | Non
         if not bool(torch.isfinite(vals).all()):
             raise BadMessage(f"{label}.data", "top-k values must be finite")
         return topk_decode(idx, vals, numel)
-    kind = "int4" if msg.compression == INT4_BLOCKWISE else "int2"
+    kind = "int4" if msg.compression == pb.INT4_BLOCKWISE else "int2"
     per = 8 // BITS[kind]
     n_blocks = math.ceil(numel / block_size)
     want = math.ceil(numel / per)

@@ -189,6 +189,7 @@ class WireEnvelope:
     key = property(lambda self: self.header.key)
     meta = property(lambda self: self.header.meta)
     microbatches = property(lambda self: self.header.microbatches)
+    control = property(lambda self: self.header.control)
 
     def HasField(self, name: str) -> bool:  # noqa: N802 - pb.Envelope's name
         return self.header.HasField(name)

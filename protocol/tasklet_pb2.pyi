@@ -12,6 +12,9 @@ class Compression(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NONE: _ClassVar[Compression]
     FP16: _ClassVar[Compression]
     INT8_BLOCKWISE: _ClassVar[Compression]
+    INT4_BLOCKWISE: _ClassVar[Compression]
+    INT2_BLOCKWISE: _ClassVar[Compression]
+    TOPK: _ClassVar[Compression]
 
 class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -24,10 +27,25 @@ class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STAGE_ASSIGNMENT: _ClassVar[Kind]
     COMMIT: _ClassVar[Kind]
     CHECKPOINT: _ClassVar[Kind]
+    LEASE: _ClassVar[Kind]
+    CONTROL: _ClassVar[Kind]
     OTHER: _ClassVar[Kind]
+
+class PoolStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POOL_STATUS_UNSPECIFIED: _ClassVar[PoolStatus]
+    POOL_WAIT: _ClassVar[PoolStatus]
+    POOL_DONE: _ClassVar[PoolStatus]
+    POOL_LEASED: _ClassVar[PoolStatus]
+    POOL_COMMITTED: _ClassVar[PoolStatus]
+    POOL_DUPLICATE: _ClassVar[PoolStatus]
+    POOL_STALE: _ClassVar[PoolStatus]
 NONE: Compression
 FP16: Compression
 INT8_BLOCKWISE: Compression
+INT4_BLOCKWISE: Compression
+INT2_BLOCKWISE: Compression
+TOPK: Compression
 KIND_UNSPECIFIED: Kind
 ACTIVATION: Kind
 ACTIVATION_GRAD: Kind
@@ -37,7 +55,16 @@ STAGE_STATE: Kind
 STAGE_ASSIGNMENT: Kind
 COMMIT: Kind
 CHECKPOINT: Kind
+LEASE: Kind
+CONTROL: Kind
 OTHER: Kind
+POOL_STATUS_UNSPECIFIED: PoolStatus
+POOL_WAIT: PoolStatus
+POOL_DONE: PoolStatus
+POOL_LEASED: PoolStatus
+POOL_COMMITTED: PoolStatus
+POOL_DUPLICATE: PoolStatus
+POOL_STALE: PoolStatus
 
 class Tensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "data", "compression", "scales", "block_size")
@@ -74,7 +101,7 @@ class Key(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., stage: _Optional[int] = ..., replica: _Optional[int] = ...) -> None: ...
 
 class Envelope(_message.Message):
-    __slots__ = ("protocol_version", "kind", "key", "tensors", "microbatches", "sender", "meta")
+    __slots__ = ("protocol_version", "kind", "key", "tensors", "microbatches", "sender", "meta", "control")
     class MetaEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +116,7 @@ class Envelope(_message.Message):
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     META_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     kind: Kind
     key: Key
@@ -96,7 +124,163 @@ class Envelope(_message.Message):
     microbatches: _containers.RepeatedScalarFieldContainer[int]
     sender: str
     meta: _containers.ScalarMap[str, str]
-    def __init__(self, protocol_version: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., key: _Optional[_Union[Key, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., microbatches: _Optional[_Iterable[int]] = ..., sender: _Optional[str] = ..., meta: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    control: Control
+    def __init__(self, protocol_version: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., key: _Optional[_Union[Key, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., microbatches: _Optional[_Iterable[int]] = ..., sender: _Optional[str] = ..., meta: _Optional[_Mapping[str, str]] = ..., control: _Optional[_Union[Control, _Mapping]] = ...) -> None: ...
+
+class Stop(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StartStep(_message.Message):
+    __slots__ = ("step", "attempt", "feed")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    FEED_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    attempt: int
+    feed: bool
+    def __init__(self, step: _Optional[int] = ..., attempt: _Optional[int] = ..., feed: _Optional[bool] = ...) -> None: ...
+
+class DropStep(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    def __init__(self, step: _Optional[int] = ...) -> None: ...
+
+class Reduce(_message.Message):
+    __slots__ = ("step", "attempt", "participants", "commits", "outer")
+    class CommitsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
+    COMMITS_FIELD_NUMBER: _ClassVar[int]
+    OUTER_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    attempt: int
+    participants: _containers.RepeatedScalarFieldContainer[int]
+    commits: _containers.ScalarMap[int, int]
+    outer: bool
+    def __init__(self, step: _Optional[int] = ..., attempt: _Optional[int] = ..., participants: _Optional[_Iterable[int]] = ..., commits: _Optional[_Mapping[int, int]] = ..., outer: _Optional[bool] = ...) -> None: ...
+
+class Apply(_message.Message):
+    __slots__ = ("step", "outer")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    OUTER_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    outer: bool
+    def __init__(self, step: _Optional[int] = ..., outer: _Optional[bool] = ...) -> None: ...
+
+class Resync(_message.Message):
+    __slots__ = ("step", "trained_steps", "source")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    trained_steps: int
+    source: str
+    def __init__(self, step: _Optional[int] = ..., trained_steps: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
+
+class Loss(_message.Message):
+    __slots__ = ("step", "microbatch", "loss")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    microbatch: int
+    loss: float
+    def __init__(self, step: _Optional[int] = ..., microbatch: _Optional[int] = ..., loss: _Optional[float] = ...) -> None: ...
+
+class Reduced(_message.Message):
+    __slots__ = ("step", "attempt")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    attempt: int
+    def __init__(self, step: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
+
+class Synced(_message.Message):
+    __slots__ = ("step", "trained_steps", "params_hash")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_HASH_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    trained_steps: int
+    params_hash: str
+    def __init__(self, step: _Optional[int] = ..., trained_steps: _Optional[int] = ..., params_hash: _Optional[str] = ...) -> None: ...
+
+class TaskError(_message.Message):
+    __slots__ = ("what", "step", "error")
+    WHAT_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    what: str
+    step: int
+    error: str
+    def __init__(self, what: _Optional[str] = ..., step: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class PeerError(_message.Message):
+    __slots__ = ("endpoint", "error")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    error: str
+    def __init__(self, endpoint: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
+class BadPeer(_message.Message):
+    __slots__ = ("stage", "replica", "sender", "error")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    replica: int
+    sender: str
+    error: str
+    def __init__(self, stage: _Optional[int] = ..., replica: _Optional[int] = ..., sender: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
+class PoolReply(_message.Message):
+    __slots__ = ("status", "speculative")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    status: PoolStatus
+    speculative: bool
+    def __init__(self, status: _Optional[_Union[PoolStatus, str]] = ..., speculative: _Optional[bool] = ...) -> None: ...
+
+class Control(_message.Message):
+    __slots__ = ("stop", "start_step", "drop_step", "reduce", "apply", "resync", "loss", "reduced", "synced", "error", "peer_error", "bad_peer", "pool_reply")
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    START_STEP_FIELD_NUMBER: _ClassVar[int]
+    DROP_STEP_FIELD_NUMBER: _ClassVar[int]
+    REDUCE_FIELD_NUMBER: _ClassVar[int]
+    APPLY_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    REDUCED_FIELD_NUMBER: _ClassVar[int]
+    SYNCED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    PEER_ERROR_FIELD_NUMBER: _ClassVar[int]
+    BAD_PEER_FIELD_NUMBER: _ClassVar[int]
+    POOL_REPLY_FIELD_NUMBER: _ClassVar[int]
+    stop: Stop
+    start_step: StartStep
+    drop_step: DropStep
+    reduce: Reduce
+    apply: Apply
+    resync: Resync
+    loss: Loss
+    reduced: Reduced
+    synced: Synced
+    error: TaskError
+    peer_error: PeerError
+    bad_peer: BadPeer
+    pool_reply: PoolReply
+    def __init__(self, stop: _Optional[_Union[Stop, _Mapping]] = ..., start_step: _Optional[_Union[StartStep, _Mapping]] = ..., drop_step: _Optional[_Union[DropStep, _Mapping]] = ..., reduce: _Optional[_Union[Reduce, _Mapping]] = ..., apply: _Optional[_Union[Apply, _Mapping]] = ..., resync: _Optional[_Union[Resync, _Mapping]] = ..., loss: _Optional[_Union[Loss, _Mapping]] = ..., reduced: _Optional[_Union[Reduced, _Mapping]] = ..., synced: _Optional[_Union[Synced, _Mapping]] = ..., error: _Optional[_Union[TaskError, _Mapping]] = ..., peer_error: _Optional[_Union[PeerError, _Mapping]] = ..., bad_peer: _Optional[_Union[BadPeer, _Mapping]] = ..., pool_reply: _Optional[_Union[PoolReply, _Mapping]] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("protocol_version", "total_bytes", "seq", "payload")

@@ -22,7 +22,7 @@ def _old_style(kind: int, key: pb.Key, tensors: dict[str, torch.Tensor], compres
     env = pb.Envelope(kind=kind, key=key)
     for name, t in tensors.items():
         env.tensors.append(encode_tensor(name, t, compression if t.is_floating_point() else "none"))
-    env.meta["op"] = "x"
+    env.meta["body"] = '{"x": 1}'
     return env
 
 
@@ -31,7 +31,7 @@ def _old_style(kind: int, key: pb.Key, tensors: dict[str, torch.Tensor], compres
 def test_runtime_envelopes_serialize_as_the_protobuf_ones(compression: str) -> None:
     key = make_key("run", 1, 2, 3, 0, 1)
     tensors = {"hidden": torch.randn(4, 8, 16), "ids": torch.arange(6), "half": torch.randn(5).to(torch.bfloat16)}
-    env = envelope(pb.ACTIVATION, key, tensors, compression=compression, op="x")
+    env = envelope(pb.ACTIVATION, key, tensors, compression=compression, body={"x": 1})
     assert isinstance(env, WireEnvelope)
     assert pb.Envelope.FromString(b"".join(env.segments())) == _old_style(pb.ACTIVATION, key, tensors, compression)
     if compression == "none":  # sent from the tensor's own storage: nothing copied

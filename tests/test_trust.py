@@ -34,6 +34,7 @@ from peer.runtime.stage.worker import StageWorker
 from peer.runtime.wire import envelope, make_key
 from peer.swarm.adverts import Advert
 from peer.swarm.identity import Identity
+from protocol import PROTOCOL_VERSION
 from protocol import tasklet_pb2 as pb
 from protocol.errors import PeerUnreachable, Refused, TransportError
 
@@ -201,8 +202,8 @@ def test_members_in_the_wrong_role_are_refused_and_change_nothing(plan: Plan) ->
         # report worker 0 as a bad peer while claiming to be worker 1 (stage 1 of pipeline 0)
         bad = ctl.encode(ctl.BadPeer(0, 0, "", "forged"), SPEC.run_id, EPOCH, 0, stage=1, replica=0)
         _denied(lambda: c.push(bad, timeout_s=10))
-        _denied(lambda: c.fetch(pb.COMMIT, make_key(SPEC.run_id, EPOCH, 0, stage=0, replica=0),
-                                meta=ctl.pool_request_meta(ctl.Op.LEASE), timeout_s=10))
+        _denied(lambda: c.fetch(ctl.pool_kind(ctl.Op.LEASE), make_key(SPEC.run_id, EPOCH, 0, stage=0, replica=0),
+                                timeout_s=10))
     assert w0.assignment == before and not w0.stopped.is_set() and plan.coordinator.dead == frozenset()
     assert torch.equal(w0.compute.flat_params(), params0)
     report = plan.coordinator.run_step(0, timeout_s=120)  # training goes on
@@ -237,10 +238,10 @@ def test_raw_grpc_from_a_trusted_channel_still_needs_a_role(plan: Plan) -> None:
     with tls.channel(w0.server.endpoint) as channel:
         ping = channel.unary_unary("/tasklet.v1.Peer/Ping", request_serializer=pb.PingRequest.SerializeToString,
                                    response_deserializer=pb.PingReply.FromString)
-        reply = ping(pb.PingRequest(protocol_version=1, sender="coordinator"), timeout=5)
-        assert reply.protocol_version == 1
+        reply = ping(pb.PingRequest(protocol_version=PROTOCOL_VERSION, sender="coordinator"), timeout=5)
+        assert reply.protocol_version == PROTOCOL_VERSION
         with pytest.raises(grpc.RpcError) as info:
-            ping(pb.PingRequest(protocol_version=1), timeout=10_000)
+            ping(pb.PingRequest(protocol_version=PROTOCOL_VERSION), timeout=10_000)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "limit" in info.value.details()
 
 

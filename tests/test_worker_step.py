@@ -322,9 +322,7 @@ class VirtualRun:
               and pipeline in self.intact())
         if ok:
             pool.record[mb] = pipeline
-        reply = pb.Envelope(key=key)
-        reply.meta["status"] = (ctl.PoolStatus.COMMITTED if ok else ctl.PoolStatus.STALE).value
-        return reply
+        return ctl.pool_reply(pb.COMMIT, key, ctl.PoolStatus.COMMITTED if ok else ctl.PoolStatus.STALE)
 
     def deliver(self, sender: str, to: str, env: pb.Envelope) -> None:
         node = self.nodes[to]

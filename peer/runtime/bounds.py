@@ -14,12 +14,12 @@ from protocol import tasklet_pb2 as pb
 # Room for an Envelope's key, names, shapes, meta and JSON bodies on top of its tensor bytes.
 ENVELOPE_SLACK_BYTES = 64 * 1024
 ASSIGNMENT_BYTES = 1 << 20  # a STAGE_ASSIGNMENT: the run spec and plan as JSON, certificates of the plan's peers
-CONTROL_BYTES = 64 * 1024  # an OTHER (control) message: a few numbers; a reduce names the commit record
+CONTROL_BYTES = 64 * 1024  # a CONTROL message: a few numbers; a reduce names the commit record
 
 
 def push_limits(spec: RunSpec | None, stage_numel: int) -> dict[int, int]:
     """Kind -> the largest Envelope (bytes) accepted. Before any assignment only control messages are."""
-    limits = {pb.STAGE_ASSIGNMENT: ASSIGNMENT_BYTES, pb.OTHER: CONTROL_BYTES + 16 * _mb_bytes(spec)}
+    limits = {pb.STAGE_ASSIGNMENT: ASSIGNMENT_BYTES, pb.CONTROL: CONTROL_BYTES + 16 * _mb_bytes(spec)}
     if spec is None:
         return limits
     hidden = spec.micro_batch * spec.model.seq_len * spec.model.d_model * 4

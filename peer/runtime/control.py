@@ -2,17 +2,22 @@
 
 Three channels carry control messages, all on the data plane's gRPC transport:
 
-* coordinator -> worker: a Push of Kind OTHER (``stop``, ``start_step``, ``drop_step``, ``reduce``,
-  ``apply``) — and the assignment itself, a Push of Kind STAGE_ASSIGNMENT (:class:`StageAssignment`);
-* worker -> coordinator reports: a Push of Kind OTHER (``loss``, ``reduced``, ``synced``, ``error``,
+* coordinator -> worker: a Push of Kind CONTROL (``stop``, ``start_step``, ``drop_step``, ``reduce``,
+  ``apply``, ``resync``) — and the assignment itself, a Push of Kind STAGE_ASSIGNMENT (:class:`StageAssignment`);
+* worker -> coordinator reports: a Push of Kind CONTROL (``loss``, ``reduced``, ``synced``, ``error``,
   ``peer_error``, ``bad_peer``);
-* worker -> coordinator task pool: a Fetch of Kind COMMIT (``lease``, ``commit``) answered with a
-  :class:`PoolStatus` in the reply's ``meta["status"]``.
+* worker -> coordinator task pool: a Fetch of Kind LEASE or COMMIT (the key names step, micro-batch and
+  pipeline), answered with a ``PoolReply`` (:class:`PoolStatus`, and whether a lease is a speculative copy).
 
-On the wire ``meta["op"]`` names the :class:`Op` and ``meta["body"]`` holds the message's fields as JSON;
-the envelope's key carries run, epoch, step and the sender's stage and replica. :func:`decode` refuses a
-malformed body with :class:`~protocol.errors.BadMessage` naming the field (gRPC INVALID_ARGUMENT) and never
-returns a half-checked message, so a handler only ever sees well-typed fields.
+On the wire an operation is the ``Control`` message of ``protocol/tasklet.proto`` in the envelope's
+``control`` field: a ``oneof`` whose field name is the :class:`Op`'s value, so protobuf checks every field's
+type. What protobuf cannot express is checked here (:func:`decode`): the operation must be one the channel
+takes, strings are bounded. A malformed message is refused with :class:`~protocol.errors.BadMessage` naming
+the field (gRPC INVALID_ARGUMENT); a handler only ever sees a typed :class:`Message`. The envelope's key
+carries run, epoch, step and the sender's stage and replica.
+
+``round`` in the Python messages is the proto's ``attempt``: how often the step was restarted after a
+pipeline was dropped from it (a reduce of an older attempt is stale).
 """
 
 from __future__ import annotations
@@ -25,32 +30,37 @@ from peer.runtime.spec import Assignment, RunSpec, SpecError
 from peer.runtime.wire import body_of, envelope, make_key
 from protocol import tasklet_pb2 as pb
 from protocol.errors import BadMessage
+from protocol.message import WireEnvelope
+
+MAX_TEXT = 1000  # an error text or a reason
+MAX_ENDPOINT = 300
+MAX_HASH = 64
 
 
 class Op(enum.Enum):
-    """Every control operation; the value is ``meta["op"]`` on the wire."""
+    """Every control operation; the value is the field name in ``Control``'s ``oneof`` (the pool's two: a Kind)."""
 
-    # coordinator -> worker (Push, Kind OTHER)
+    # coordinator -> worker (Push, Kind CONTROL)
     STOP = "stop"
     START_STEP = "start_step"
     DROP_STEP = "drop_step"
     REDUCE = "reduce"
     APPLY = "apply"
     RESYNC = "resync"
-    # worker -> coordinator reports (Push, Kind OTHER)
+    # worker -> coordinator reports (Push, Kind CONTROL)
     LOSS = "loss"
     REDUCED = "reduced"
     SYNCED = "synced"
     ERROR = "error"
     PEER_ERROR = "peer_error"
     BAD_PEER = "bad_peer"
-    # worker -> coordinator task pool (Fetch, Kind COMMIT)
+    # worker -> coordinator task pool (Fetch, Kind LEASE or COMMIT)
     LEASE = "lease"
     COMMIT = "commit"
 
 
 class PoolStatus(enum.Enum):
-    """The task pool's answer to a lease or commit (``meta["status"]`` of the reply)."""
+    """The task pool's answer to a lease or commit (the reply's ``PoolReply.status``)."""
 
     WAIT = "wait"  # nothing to lease right now, or the request is not for the running step
     DONE = "done"  # every micro-batch is committed: stop feeding
@@ -60,53 +70,57 @@ class PoolStatus(enum.Enum):
     STALE = "stale"
 
 
-# meta key of a lease reply and of the activations of its micro-batch: "1" when the pipeline runs a speculative
-# copy of a micro-batch another (straggling) pipeline holds; every stage keeps its gradient apart until the reduce
+_POOL_WIRE: dict[PoolStatus, int] = {
+    PoolStatus.WAIT: pb.POOL_WAIT, PoolStatus.DONE: pb.POOL_DONE, PoolStatus.LEASE: pb.POOL_LEASED,
+    PoolStatus.COMMITTED: pb.POOL_COMMITTED, PoolStatus.DUPLICATE: pb.POOL_DUPLICATE, PoolStatus.STALE: pb.POOL_STALE,
+}
+_POOL_FROM_WIRE = {wire: status for status, wire in _POOL_WIRE.items()}
+POOL_KINDS: dict[Op, int] = {Op.LEASE: pb.LEASE, Op.COMMIT: pb.COMMIT}
+
+# meta key of the activations of a micro-batch: "1" when the pipeline runs a speculative copy of a micro-batch
+# another (straggling) pipeline holds; every stage keeps its gradient apart until the reduce
 SPECULATIVE_META = "speculative"
-
-
-# ------------------------------------------------------------------------------------------ field checks
-def _int(body: dict[str, Any], name: str, default: int | None = None) -> int:
-    value = body.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BadMessage(f"meta.body.{name}", "missing" if value is None else f"expected an integer, got {value!r}")
-    return value
-
-
-def _str(body: dict[str, Any], name: str, default: str | None = None, limit: int = 1000) -> str:
-    value = body.get(name, default)
-    if not isinstance(value, str):
-        raise BadMessage(f"meta.body.{name}", "missing" if value is None else f"expected a string, got {value!r}")
-    return value[:limit]
-
-
-def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if not isinstance(value, bool):
-        raise BadMessage(f"meta.body.{name}", f"expected true or false, got {value!r}")
-    return value
-
-
-def _float(body: dict[str, Any], name: str) -> float:
-    value = body.get(name)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise BadMessage(f"meta.body.{name}", "missing" if value is None else f"expected a number, got {value!r}")
-    return float(value)
 
 
 # ------------------------------------------------------------------------------------------------ messages
 @dataclass(frozen=True)
 class Message:
-    """A control message body. Subclasses name their :class:`Op` and check their fields in ``from_body``."""
+    """A control operation. A subclass names its :class:`Op`; its fields are the proto message's (``round`` is
+    ``attempt`` on the wire, ``Reduce.assignment`` is ``commits``)."""
 
     op: ClassVar[Op]
+    _renamed: ClassVar[dict[str, str]] = {}  # Python field -> proto field
+    _limits: ClassVar[dict[str, int]] = {}  # string field -> the most characters kept
 
-    def to_body(self) -> dict[str, Any] | None:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+    def to_pb(self) -> pb.Control:
+        control = pb.Control()
+        part = getattr(control, self.op.value)
+        part.SetInParent()
+        for f in fields(self):
+            value = getattr(self, f.name)
+            target = self._renamed.get(f.name, f.name)
+            if isinstance(value, dict):
+                getattr(part, target).update(value)
+            elif isinstance(value, tuple):
+                getattr(part, target).extend(value)
+            else:
+                setattr(part, target, value)
+        return control
 
     @classmethod
-    def from_body(cls, body: dict[str, Any]) -> Message:
-        raise NotImplementedError
+    def from_pb(cls, part: Any) -> Message:
+        """The message of a decoded proto part; protobuf checked the types, this bounds the strings."""
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            value = getattr(part, cls._renamed.get(f.name, f.name))
+            if isinstance(value, str):
+                value = value[:cls._limits.get(f.name, MAX_TEXT)]
+            elif f.name == "participants":
+                value = tuple(value)
+            elif f.name == "assignment":
+                value = dict(value)
+            values[f.name] = value
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -115,26 +129,16 @@ class Stop(Message):
 
     op: ClassVar[Op] = Op.STOP
 
-    def to_body(self) -> dict[str, Any] | None:
-        return None
-
-    @classmethod
-    def from_body(cls, body: dict[str, Any]) -> Stop:
-        return cls()
-
 
 @dataclass(frozen=True)
 class StartStep(Message):
     """Start (or, with a higher ``round``, restart) ``step``; ``feed``: a first stage leases micro-batches."""
 
     op: ClassVar[Op] = Op.START_STEP
+    _renamed: ClassVar[dict[str, str]] = {"round": "attempt"}
     step: int
     round: int = 0
     feed: bool = False
-
-    @classmethod
-    def from_body(cls, body: dict[str, Any]) -> StartStep:
-        return cls(_int(body, "step"), _int(body, "round", 0), _bool(body, "feed", False))
 
 
 @dataclass(frozen=True)
@@ -144,10 +148,6 @@ class DropStep(Message):
     op: ClassVar[Op] = Op.DROP_STEP
     step: int
 
-    @classmethod
-    def from_body(cls, body: dict[str, Any]) -> DropStep:
-        return cls(_int(body, "step"))
-
 
 @dataclass(frozen=True)
 class Reduce(Message):
@@ -156,35 +156,12 @@ class Reduce(Message):
     ``outer``: average the DiLoCo pseudo-gradients of the round that ``step`` ends instead (peer.runtime.outer)."""
 
     op: ClassVar[Op] = Op.REDUCE
+    _renamed: ClassVar[dict[str, str]] = {"round": "attempt", "assignment": "commits"}
     step: int
     round: int
     participants: tuple[int, ...]
     assignment: dict[int, int] = field(default_factory=dict)
     outer: bool = False
-
-    def to_body(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "round": self.round,
-            "participants": list(self.participants),
-            "assignment": {str(mb): p for mb, p in self.assignment.items()},
-            "outer": self.outer,
-        }
-
-    @classmethod
-    def from_body(cls, body: dict[str, Any]) -> Reduce:
-        parts = body.get("participants")
-        if not isinstance(parts, list) or not all(isinstance(p, int) and not isinstance(p, bool) for p in parts):
-            raise BadMessage("meta.body.participants", f"expected a list of integers, got {parts!r}")
-        raw = body.get("assignment")
-        if not isinstance(raw, dict):
-            raise BadMessage("meta.body.assignment", f"expected an object micro-batch -> pipeline, got {raw!r}")
-        assignment: dict[int, int] = {}
-        for mb, p in raw.items():
-            if not (isinstance(mb, str) and mb.lstrip("-").isdigit()) or isinstance(p, bool) or not isinstance(p, int):
-                raise BadMessage("meta.body.assignment", f"entry {mb!r}: {p!r} is not micro-batch -> pipeline")
-            assignment[int(mb)] = p
-        return cls(_int(body, "step"), _int(body, "round"), tuple(parts), assignment, _bool(body, "outer", False))
 
 
 @dataclass(frozen=True)
@@ -194,10 +171,6 @@ class Apply(Message):
     op: ClassVar[Op] = Op.APPLY
     step: int
     outer: bool = False
-
-    @classmethod
-    def from_body(cls, body: dict[str, Any]) -> Apply:
-        return cls(_int(body, "step"), _bool(body, "outer", False))
 
 
 @dataclass(frozen=True)
@@ -209,22 +182,15 @@ class Loss(Message):
     microbatch: int
     loss: float
 
-    @classmethod
-    def from_body(cls, body: dict[str, Any]) -> Loss:
-        return cls(_int(body, "step"), _int(body, "microbatch"), _float(body, "loss"))
-
 
 @dataclass(frozen=True)
 class Reduced(Message):
     """This worker holds the averaged gradient of (step, round)."""
 
     op: ClassVar[Op] = Op.REDUCED
+    _renamed: ClassVar[dict[str, str]] = {"round": "attempt"}
     step: int
     round: int
-
-    @classmethod
-    def from_body(cls, body: dict[str, Any]) -> Reduced:
-        return cls(_int(body, "step"), _int(body, "round"))
 
 
 @dataclass(frozen=True)
@@ -233,13 +199,10 @@ class Synced(Message):
     ``params_hash`` (replicas of a stage must agree; see Coordinator's majority check)."""
 
     op: ClassVar[Op] = Op.SYNCED
+    _limits: ClassVar[dict[str, int]] = {"params_hash": MAX_HASH}
     step: int
     trained_steps: int
     params_hash: str = ""
-
-    @classmethod
-    def from_body(cls, body: dict[str, Any]) -> Synced:
-        return cls(_int(body, "step"), _int(body, "trained_steps"), _str(body, "params_hash", "", limit=64))
 
 
 @dataclass(frozen=True)
@@ -248,13 +211,10 @@ class Resync(Message):
     ``source`` (a replica in the majority), which must be at ``trained_steps``."""
 
     op: ClassVar[Op] = Op.RESYNC
+    _limits: ClassVar[dict[str, int]] = {"source": MAX_ENDPOINT}
     step: int
     trained_steps: int
     source: str
-
-    @classmethod
-    def from_body(cls, body: dict[str, Any]) -> Resync:
-        return cls(_int(body, "step"), _int(body, "trained_steps"), _str(body, "source", limit=300))
 
 
 @dataclass(frozen=True)
@@ -262,13 +222,10 @@ class TaskError(Message):
     """A compute task (``what``: forward, backward, reduce, apply, drop) of ``step`` failed on this worker."""
 
     op: ClassVar[Op] = Op.ERROR
+    _limits: ClassVar[dict[str, int]] = {"what": 32}
     what: str
     step: int
     error: str
-
-    @classmethod
-    def from_body(cls, body: dict[str, Any]) -> TaskError:
-        return cls(_str(body, "what", limit=32), _int(body, "step"), _str(body, "error"))
 
 
 @dataclass(frozen=True)
@@ -276,12 +233,9 @@ class PeerError(Message):
     """A send to ``endpoint`` failed: the coordinator checks whether that peer is alive."""
 
     op: ClassVar[Op] = Op.PEER_ERROR
+    _limits: ClassVar[dict[str, int]] = {"endpoint": MAX_ENDPOINT}
     endpoint: str
     error: str
-
-    @classmethod
-    def from_body(cls, body: dict[str, Any]) -> PeerError:
-        return cls(_str(body, "endpoint", limit=300), _str(body, "error"))
 
 
 @dataclass(frozen=True)
@@ -289,15 +243,11 @@ class BadPeer(Message):
     """The worker of (``stage``, ``replica``) sent malformed data (NaN, wrong shape): exclude it."""
 
     op: ClassVar[Op] = Op.BAD_PEER
+    _limits: ClassVar[dict[str, int]] = {"sender": MAX_ENDPOINT}
     stage: int
     replica: int
     sender: str
     error: str
-
-    @classmethod
-    def from_body(cls, body: dict[str, Any]) -> BadPeer:
-        return cls(_int(body, "stage"), _int(body, "replica"), _str(body, "sender", "", limit=300),
-                   _str(body, "error"))
 
 
 MESSAGES: dict[Op, type[Message]] = {
@@ -310,47 +260,77 @@ POOL_OPS = frozenset({Op.LEASE, Op.COMMIT})
 
 
 # ----------------------------------------------------------------------------------------- encode / decode
-def op_of(env: pb.Envelope | pb.FetchRequest, allowed: frozenset[Op]) -> Op:
-    """The operation of a control message or pool request; BadMessage when unknown or not ``allowed`` here."""
-    raw = env.meta.get("op", "")
+def decode(env: pb.Envelope | WireEnvelope, allowed: frozenset[Op]) -> Message:
+    """The typed operation of a Kind CONTROL envelope; BadMessage when it holds none, or one not ``allowed``."""
+    if env.kind != pb.CONTROL:
+        raise BadMessage("kind", f"a control message is of Kind CONTROL, not {env.kind}")
+    which = env.control.WhichOneof("op") if env.HasField("control") else None
+    if which is None:
+        raise BadMessage("control", "holds no operation")
     try:
-        op = Op(raw)
+        op = Op(which)
     except ValueError:
-        raise BadMessage("meta.op", f"unknown control operation {raw[:64]!r}") from None
+        raise BadMessage("control", f"operation {which!r} is not a control operation") from None
     if op not in allowed:
-        raise BadMessage("meta.op", f"operation {op.value!r} is not accepted here")
-    return op
+        raise BadMessage("control", f"operation {op.value!r} is not accepted here")
+    return MESSAGES[op].from_pb(getattr(env.control, which))
 
 
-def decode(env: pb.Envelope, allowed: frozenset[Op]) -> Message:
-    """The typed body of a control message (Kind OTHER); BadMessage names the first bad field."""
-    op = op_of(env, allowed)
-    body = body_of(env)
-    if body is None:
-        body = {}
-    if not isinstance(body, dict):
-        raise BadMessage("meta.body", f"expected a JSON object, got {type(body).__name__}")
-    return MESSAGES[op].from_body(body)
+def encode(msg: Message, run_id: str, epoch: int, step: int = -1, **key: int) -> WireEnvelope:
+    """A control message (Kind CONTROL) carrying ``msg``; ``key`` adds stage / replica / microbatch."""
+    env = WireEnvelope(pb.Envelope(kind=pb.CONTROL, key=make_key(run_id, epoch, step, **key)))
+    env.control.CopyFrom(msg.to_pb())
+    return env
 
 
-def encode(msg: Message, run_id: str, epoch: int, step: int = -1, **key: int) -> pb.Envelope:
-    """A control message (Kind OTHER) carrying ``msg``; ``key`` adds stage / replica / microbatch."""
-    return envelope(pb.OTHER, make_key(run_id, epoch, step, **key), op=msg.op.value, body=msg.to_body())
+def op_of(request: pb.FetchRequest, allowed: frozenset[Op]) -> Op:
+    """The operation of a task pool request (its Kind); BadMessage when it is not one ``allowed`` here."""
+    for op, kind in POOL_KINDS.items():
+        if request.kind == kind and op in allowed:
+            return op
+    raise BadMessage("kind", f"Kind {request.kind} is not a task pool operation accepted here")
 
 
-def pool_request_meta(op: Op) -> dict[str, str]:
-    """The Fetch meta of a task pool request (the key carries step, micro-batch and pipeline)."""
-    if op not in POOL_OPS:
+def pool_kind(op: Op) -> int:
+    """The Fetch Kind of a task pool request."""
+    if op not in POOL_KINDS:
         raise ValueError(f"{op} is not a pool operation")
-    return {"op": op.value}
+    return POOL_KINDS[op]
 
 
-def pool_status(reply: pb.Envelope) -> PoolStatus | None:
+def pool_reply(kind: int, key: pb.Key, status: PoolStatus, speculative: bool = False) -> pb.Envelope:
+    """The task pool's answer to a request of ``kind`` for ``key`` (a lease names its micro-batch in the key)."""
+    reply = pb.Envelope(kind=kind, key=key)
+    reply.control.pool_reply.status = _POOL_WIRE[status]  # type: ignore[assignment]
+    reply.control.pool_reply.speculative = speculative
+    return reply
+
+
+def pool_status(reply: pb.Envelope | WireEnvelope) -> PoolStatus | None:
     """The pool's answer in a reply; None when it is missing or unknown."""
-    try:
-        return PoolStatus(reply.meta.get("status", ""))
-    except ValueError:
+    if not reply.HasField("control") or reply.control.WhichOneof("op") != "pool_reply":
         return None
+    return _POOL_FROM_WIRE.get(reply.control.pool_reply.status)
+
+
+def is_speculative(reply: pb.Envelope | WireEnvelope) -> bool:
+    """Whether a lease is of a speculative copy (a straggling pipeline holds the micro-batch too)."""
+    return pool_status(reply) is PoolStatus.LEASE and reply.control.pool_reply.speculative
+
+
+# ------------------------------------------------------------------------------------------- field checks
+def _int(body: dict[str, Any], name: str, default: int | None = None) -> int:
+    value = body.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadMessage(f"meta.body.{name}", "missing" if value is None else f"expected an integer, got {value!r}")
+    return value
+
+
+def _str(body: dict[str, Any], name: str, default: str | None = None, limit: int = MAX_TEXT) -> str:
+    value = body.get(name, default)
+    if not isinstance(value, str):
+        raise BadMessage(f"meta.body.{name}", "missing" if value is None else f"expected a string, got {value!r}")
+    return value[:limit]
 
 
 # ------------------------------------------------------------------------------------------- assignments

@@ -1,4 +1,5 @@
-"""Building and reading the runtime's envelopes: keys, tensors and the JSON body in ``meta["body"]``.
+"""Building and reading the runtime's envelopes: keys, tensors and the JSON body in ``meta["body"]`` (a stage
+state, an assignment).
 
 Data messages use the transport's Kinds (ACTIVATION, ACTIVATION_GRAD, GRAD_SHARD, PARAM_SHARD, STAGE_STATE).
 Control messages (coordinator <-> workers, and the task pool's lease/commit requests) are built and checked
@@ -32,8 +33,7 @@ def make_key(run_id: str, epoch: int, step: int, microbatch: int = -1, stage: in
 
 
 def envelope(kind: int, key: pb.Key, tensors: Mapping[str, torch.Tensor] | None = None, *,
-             compression: str = "none", microbatches: list[int] | None = None, op: str = "",
-             body: Any = None) -> WireEnvelope:
+             compression: str = "none", microbatches: list[int] | None = None, body: Any = None) -> WireEnvelope:
     """An Envelope with tensors encoded (``compression`` applies to floating tensors only); uncompressed CPU
     tensors are sent from their own storage (see the module docstring)."""
     env = WireEnvelope(pb.Envelope(kind=kind, key=key))
@@ -41,8 +41,6 @@ def envelope(kind: int, key: pb.Key, tensors: Mapping[str, torch.Tensor] | None 
         env.add_tensor(name, t, compression if t.is_floating_point() else "none")
     if microbatches:
         env.microbatches.extend(microbatches)
-    if op:
-        env.meta["op"] = op
     if body is not None:
         env.meta["body"] = json.dumps(body)
     return env

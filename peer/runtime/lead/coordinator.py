@@ -94,8 +94,9 @@ class Coordinator:
         self.server = PeerServer(self.config)
         self._host_server = host_server
         self._public_endpoint = public_endpoint
-        self.server.register_fetch(pb.COMMIT, self._on_pool_request)
-        self.server.register_push(pb.OTHER, self._on_report)
+        for kind in ctl.POOL_KINDS.values():
+            self.server.register_fetch(kind, self._on_pool_request)
+        self.server.register_push(pb.CONTROL, self._on_report)
         self.server.set_push_admission(self._admit_push)
         self._cond = threading.Condition()
         self._machine: StepMachine | None = None  # _cond: the running (or last) step
@@ -362,12 +363,10 @@ class Coordinator:
         op = ctl.op_of(request, ctl.POOL_OPS)
         key = request.key
         self._require_member(request.sender, key.stage, key.replica, f"a {op.value}")
-        reply = pb.Envelope(kind=pb.COMMIT, key=key)
         with self._cond:
             machine = self._machine
             if machine is None or key.step != machine.step or key.run_id != self.spec.run_id or key.epoch != self.epoch:
-                reply.meta["status"] = ctl.PoolStatus.WAIT.value
-                return reply
+                return ctl.pool_reply(request.kind, key, ctl.PoolStatus.WAIT)
             if op is ctl.Op.LEASE:
                 answer = machine.lease(key.replica, time.monotonic())
             else:
@@ -375,11 +374,9 @@ class Coordinator:
                 if answer.seconds is not None:
                     self.pacing.mb_seconds.append(answer.seconds)
             self._cond.notify_all()
-        reply.meta["status"] = answer.status.value
+        reply = ctl.pool_reply(request.kind, key, answer.status, bool(answer.speculative))
         if answer.status is ctl.PoolStatus.LEASE and answer.microbatch is not None:
             reply.key.microbatch = answer.microbatch
-            if answer.speculative:
-                reply.meta[ctl.SPECULATIVE_META] = "1"
         self._carry_out(machine, answer.commands)
         return reply
 
@@ -433,7 +430,7 @@ class Coordinator:
         """Only workers of the plan push to the coordinator (reports), and only small messages."""
         if caller != self.tls.peer_id and caller not in self.roster.peer_ids.values():
             raise Forbidden(f"the coordinator takes reports only from workers of its plan; peer {caller} is not one")
-        return CONTROL_BYTES if kind == pb.OTHER else 0
+        return CONTROL_BYTES if kind == pb.CONTROL else 0
 
     def _peer_of(self, endpoint: str | None) -> str | None:
         """The peer id of a worker of the plan (this process's own when its assignment carried no certificate)."""

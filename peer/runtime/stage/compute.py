@@ -192,7 +192,7 @@ class ComputeLoop:
         try:
             reply = self.outbox.call(t, t.key(step, mb), ctl.Op.COMMIT)
             if ctl.pool_status(reply) is not ctl.PoolStatus.COMMITTED:
-                log.warning("micro-batch %d of step %d: pool answered %s", mb, step, reply.meta.get("status"))
+                log.warning("micro-batch %d of step %d: pool answered %s", mb, step, ctl.pool_status(reply))
         except TransportError as exc:
             log.warning("commit of micro-batch %d of step %d failed: %s", mb, step, exc)
         finally:
@@ -243,7 +243,7 @@ class Feeder:
             if status is not ctl.PoolStatus.LEASE:
                 time.sleep(0.02)
                 continue
-            if not self.take(reply.key.microbatch, reply.meta.get(SPECULATIVE_META) == "1"):
+            if not self.take(reply.key.microbatch, ctl.is_speculative(reply)):
                 return
 
     def take(self, mb: int, speculative: bool = False) -> bool:

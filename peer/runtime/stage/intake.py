@@ -74,7 +74,7 @@ class Intake:
     def admit_push(self, kind: int, caller: str) -> int:
         """Before a push is buffered: the caller must have a role for its Kind; the size bound of the Kind."""
         t = self._current()
-        if kind in (pb.STAGE_ASSIGNMENT, pb.OTHER, pb.CHECKPOINT):
+        if kind in (pb.STAGE_ASSIGNMENT, pb.CONTROL, pb.CHECKPOINT):
             self.require_controller(caller, f"a {pb.Kind.Name(kind)} message")
             if kind == pb.CHECKPOINT:
                 return 0 if t is None or not self.keeps_copies else copy_part_bound_bytes()

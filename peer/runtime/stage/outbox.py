@@ -71,7 +71,7 @@ class Outbox:
     def call(self, t: Tasklet, key: pb.Key, op: ctl.Op) -> pb.Envelope:
         """A task-pool call (lease, commit) to the coordinator; blocks (feeder and commit threads only)."""
         return self.client(t.assignment.coordinator).fetch(
-            pb.COMMIT, key, meta=ctl.pool_request_meta(op), timeout_s=CONTROL_TIMEOUT_S
+            ctl.pool_kind(op), key, timeout_s=CONTROL_TIMEOUT_S
         )
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:

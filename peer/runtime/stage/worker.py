@@ -136,7 +136,7 @@ class StageWorker:
 
         self.server = PeerServer(self.config)
         self.server.register_push(pb.STAGE_ASSIGNMENT, self._on_assignment)
-        self.server.register_push(pb.OTHER, self._on_control)
+        self.server.register_push(pb.CONTROL, self._on_control)
         self.server.register_push(pb.ACTIVATION, self.intake.activation)
         self.server.register_push(pb.ACTIVATION_GRAD, self.intake.activation_grad)
         self.server.register_push(pb.GRAD_SHARD, self.intake.grad_shard)
