@@ -519,6 +519,24 @@ def test_unreachable_lane_falls_back_to_grpc(lanes: Lanes, ids: Identities) -> N
     assert inbox.steps == [1, 2, 3]
 
 
+def test_a_kept_connection_the_peer_closed_unseen_costs_no_push(
+    lanes: Lanes, ids: Identities, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The peer closes an idle lane connection and its close has not reached the client when the next push takes
+    that connection: the push goes again on a fresh one (here refused: the lane is gone) and so through gRPC."""
+    server, inbox = lanes.start(ids.server)
+    assert server._lane is not None
+    with PeerClient(server.endpoint, replace(BASE, tls=ids.client)) as cli:
+        cli.push(pb.Envelope.FromString(body(step=1)), timeout_s=10)
+        lane = cli._lane
+        assert isinstance(lane, BulkLane) and len(lane._idle) == 1
+        server._lane.stop()
+        monkeypatch.setattr(bulk_client, "_readable", lambda conn: False)  # the close not seen yet
+        cli.push(pb.Envelope.FromString(body(step=2)), timeout_s=10)
+        assert cli._lane is False
+    assert inbox.steps == [1, 2]
+
+
 @pytest.fixture
 def blackhole() -> Iterator[int]:
     """A port whose connection attempts time out (a listener whose accept queue is full drops SYNs): what a

@@ -45,6 +45,11 @@ class LaneUnusableError(ConnectionError):
         self.timed_out = timed_out
 
 
+class StaleConnectionError(ConnectionError):
+    """A connection kept from an earlier push failed before any answer: the peer closed it while it was idle
+    (its close had not reached us yet). The push may go again on a fresh connection."""
+
+
 _unusable: dict[tuple[str, int], float] = {}  # lane address -> until when it is skipped (time.monotonic)
 _unusable_lock = threading.Lock()
 
@@ -83,11 +88,13 @@ class BulkLane:
         self._idle: list[tuple[socket.socket, float]] = []  # open connections and when they were last used
         self._closed = False
 
-    def push(self, parts: Iterable[memoryview], total: int, deadline: float) -> int:
-        """Send one serialized Envelope of ``total`` bytes; return the bytes the peer acknowledged.
+    def push(self, parts: Iterable[memoryview], total: int, deadline: float, fresh: bool = False) -> int:
+        """Send one serialized Envelope of ``total`` bytes; return the bytes the peer acknowledged. ``fresh``:
+        on a new connection, not one kept from an earlier push.
 
-        Raises LaneUnusableError (nothing sent), or the peer's answer as Refused / PeerUnreachable."""
-        conn = self._take(deadline)
+        Raises LaneUnusableError (nothing sent), StaleConnectionError (a kept connection the peer had closed),
+        or the peer's answer as Refused / PeerUnreachable."""
+        conn, kept = self._take(deadline, fresh)
         try:
             code, received, message = self._exchange(conn, parts, total, deadline)
         except TimeoutError:
@@ -95,6 +102,8 @@ class BulkLane:
             raise PeerUnreachable(self.endpoint, "DEADLINE_EXCEEDED: bulk push not answered in time") from None
         except (OSError, LaneClosedError) as exc:
             _close(conn)
+            if kept:
+                raise StaleConnectionError(f"a kept bulk lane connection was closed ({exc})") from None
             raise PeerUnreachable(self.endpoint, f"bulk lane connection lost ({exc})") from None
         if code.value[0] != 0:
             _close(conn)
@@ -128,15 +137,16 @@ class BulkLane:
         return read_reply(conn, early)
 
     # --- connections --------------------------------------------------------------------------------------
-    def _take(self, deadline: float) -> socket.socket:
+    def _take(self, deadline: float, fresh: bool = False) -> tuple[socket.socket, bool]:
+        """A connection, and whether it was kept from an earlier push."""
         now = time.monotonic()
         with self._lock:
-            while self._idle:
+            while self._idle and not fresh:
                 conn, used = self._idle.pop()
                 if now - used < REUSE_WITHIN_S and not _readable(conn):  # readable when idle: closed by the peer
-                    return conn
+                    return conn, True
                 _close(conn)
-        return self._connect(min(CONNECT_TIMEOUT_S, max(0.001, deadline - now)))
+        return self._connect(min(CONNECT_TIMEOUT_S, max(0.001, deadline - now))), False
 
     def _connect(self, timeout: float) -> socket.socket:
         try:

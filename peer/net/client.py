@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 
 from peer.net.allocator import keep_freed_buffers
-from peer.net.bulk_client import BulkLane, LaneUnusableError, mark_unusable, pieces, usable
+from peer.net.bulk_client import BulkLane, LaneUnusableError, StaleConnectionError, mark_unusable, pieces, usable
 from peer.net.config import TransportConfig
 from peer.net.counters import TRAFFIC
 from peer.net.endpoint import EndpointError, dial_plan, parse_endpoint
@@ -258,11 +258,19 @@ class PeerClient:
         sent_at = time.monotonic()
         segments = envelope_segments(envelope)
         total = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in segments)
-        parts: Iterator[memoryview] = pieces(segments, self._chunk_bytes())
-        if self.shaper is not None:  # as _push_chunks: booked whole, released as the link would carry it
-            parts = self.shaper.shape(parts, lambda view: view.nbytes, sent_at=sent_at, total_bytes=total)
+
+        def parts() -> Iterator[memoryview]:
+            chunks: Iterator[memoryview] = pieces(segments, self._chunk_bytes())
+            if self.shaper is None:
+                return chunks
+            # as _push_chunks: booked whole, released as the link would carry it
+            return self.shaper.shape(chunks, lambda view: view.nbytes, sent_at=sent_at, total_bytes=total)
+
         try:
-            lane.push(parts, total, deadline)
+            try:
+                lane.push(parts(), total, deadline)
+            except StaleConnectionError:  # the peer closed a kept connection unseen: once more, on a new one
+                lane.push(parts(), total, deadline, fresh=True)
             return
         except LaneUnusableError as exc:
             with self._lane_lock:

@@ -20,7 +20,7 @@ Plausible but wrong gradients: before summing, the owner compares each contribut
 with the median of the other participants' (``outlier_factor``, k). One more than k times that median is
 refused (:class:`OutlierContributionError`, the worker reports its sender to the coordinator, which excludes
 it and restarts the round). This stops a member from blowing up the model with a huge gradient; it does not
-stop a small, plausible poisoning (see the README's trust section).
+stop a small, plausible poisoning (see docs/security.md).
 """
 
 from __future__ import annotations
