@@ -37,7 +37,8 @@ def format_plan(cluster: Cluster, p: Plan) -> str:
     lines.append(f"search: {sr.get('algorithm')}; {sr.get('evaluations')} evaluations in "
                  f"{sr.get('seconds')} s ({sr.get('cpu_seconds')} s CPU), seed {sr.get('seed')}")
     if "lower_bound" in sr:
-        lines.append(f"lower bound {sr['lower_bound']:.4f} s: gap {100 * sr['gap']:.1f} %")
+        lines.append(f"lower bound {sr['lower_bound']:.4f} s: gap {100 * sr['gap']:.1f} %"
+                     + (f"; search stopped by {sr['stopped_by']}" if sr.get("stopped_by") else ""))
     return "\n".join(lines)
 
 
@@ -48,8 +49,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         workload = workload.with_split(args.stages or workload.stages, args.replicas or workload.replicas)
     if args.time_limit is not None and not args.time_limit > 0:
         raise PlanningError("time-limit", "must be > 0 seconds")
+    if not 0.0 <= args.gap < 1.0:
+        raise PlanningError("gap", "must be in [0, 1)")
     p = plan(cluster, workload, cost_model=args.cost_model, seed=args.seed, time_limit_s=args.time_limit,
-             algorithm=args.algorithm)
+             algorithm=args.algorithm, gap=args.gap)
     print(json.dumps(p.to_dict()) if args.json else format_plan(cluster, p))
     return 0
 
@@ -75,7 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--seed", type=int, default=0)
     pp.add_argument("--algorithm", choices=ALGORITHMS, default="memetic",
                     help="memetic (default) or ils (the previous iterated local search)")
-    pp.add_argument("--time-limit", type=float, help="cap on search seconds (default: generation budget)")
+    pp.add_argument("--time-limit", type=float,
+                    help="cap on search seconds (default: 5 s for 64 devices, x sqrt(devices / 64))")
+    pp.add_argument("--gap", type=float, default=0.02,
+                    help="stop once the plan is proven within this fraction of optimal (default 0.02; 0: never)")
     pp.add_argument("--json", action="store_true")
     pp.set_defaults(func=cmd_plan)
     bp = sub.add_parser("bench", help="baselines vs the paper's search vs ours on the paper's scenarios")

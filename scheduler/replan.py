@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from .api import COST_MODELS, predict, search_layout
-from .bound import gap
+from .api import COST_MODELS, predict, search_layout, stopping
+from .bound import gap as gap_of
 from .cluster import Cluster
 from .errors import PlanningError
 from .memetic import MemeticConfig
@@ -104,13 +104,16 @@ def move_summary(move: np.ndarray, m: np.ndarray, weight: float) -> dict[str, An
 
 def replan(cluster: Cluster, workload: Workload, current: Plan, cost_model: str = "full", seed: int = 0,
            time_limit_s: float | None = None, config: SearchConfig | MemeticConfig | None = None,
-           algorithm: str = "memetic", move_weight: float = 1.0, replicas: int | None = None) -> Plan:
+           algorithm: str = "memetic", move_weight: float = 1.0, replicas: int | None = None,
+           gap: float | None = None) -> Plan:
     """A new plan after a membership change, starting from ``current`` and charging every move.
 
     ``current``: the run's plan over *this* cluster's device indices, with ``-1`` for every device that left;
     its layer ranges are kept. ``replicas``: D of the new plan (default: the current D if the devices left
     allow it, else as many as fit). The returned plan's ``predicted`` holds the iteration cost as usual plus
     ``moves`` (moved tasklets, summed and slowest transfer seconds) and ``objective_s`` (cost + weighted moves).
+    ``gap`` and the default time limit are those of :func:`scheduler.api.plan`; the bound of the cost also bounds
+    the objective (moves cost >= 0), so a re-plan whose repaired plan is already within the gap stops at once.
     """
     if cost_model not in COST_MODELS:
         raise PlanningError("cost_model", f"must be one of {', '.join(COST_MODELS)}, got {cost_model!r}")
@@ -126,9 +129,11 @@ def replan(cluster: Cluster, workload: Workload, current: Plan, cost_model: str 
     w = workload.with_split(n_st, n_rep)
     move = move_costs(cluster, w, stages, rows)
     start = repair(rows, cluster.n, n_rep, move)
+    gap_stop, time_limit_s = stopping(cluster.n, config, gap, time_limit_s)
     cpu0 = time.process_time()
     m, _, res, bound, _ = search_layout(cluster, w, cost_model, seed, time_limit_s, config, algorithm, stages,
-                                        slot_cost=move_weight * move, extra_starts=[("current", start)])
+                                        slot_cost=move_weight * move, extra_starts=[("current", start)],
+                                        gap_stop=gap_stop)
     out = Plan(stages=stages, pipelines=m.tolist())
     out.validate(cluster.n, w.n_layers)
     out.predicted = predict(cluster, w, out, cost_model)
@@ -140,7 +145,7 @@ def replan(cluster: Cluster, workload: Workload, current: Plan, cost_model: str 
                   "cpu_seconds": round(time.process_time() - cpu0, 4), "evaluations": res.evaluations,
                   "seed": seed, "start": res.start, "stages": n_st, "replicas": n_rep,
                   "idle_devices": [int(x) for x in res.spares], "lower_bound": float(f"{bound:.6g}"),
-                  "gap": round(gap(total, bound), 6)}
+                  "gap": round(gap_of(total, bound), 6), "stopped_by": res.stopped_by, "gap_target": gap_stop}
     return out
 
 
