@@ -31,7 +31,7 @@
   of segments >= l is at most the devices of components of size >= l, and D x their number at most
   sum floor(c / l)), and (ii) a group of a stage in the longest segment (length L) has at most floor(c / L)
   members in a component of size c: a member's row sum is at least its D - 1 cheapest partners with at most
-  floor(c / L) - 1 from its own component, and L x D distinct devices are such members. Minimising
+  floor(c / L) from each component (one fewer from its own), and L x D distinct devices are such members. Minimising
   DP(L) + 2 max(PP, k theta' + (S - 1 - k) hop) over the partitions of S that pass (i) bounds every plan;
   every theta gives a bound and the largest is kept. This is the bound that sees that the fast clusters of a
   datacenter can hold either the groups or the pipelines, and how many slow hops a set of small clusters forces.
@@ -42,9 +42,18 @@
   lasts at least 3 M x (forward FLOPs of the whole model) over the S x D fastest devices' summed speed. A
   pipeline's round trip is at least 3 F / (fastest device) plus the cheapest (S - 1)-hop walk out and back
   (``rtt``); its period is at least its slowest stage, at least 3 F over its devices' summed speed; its c-th
-  micro-batch ends no sooner than ``rtt + (c - 1) period`` and than ``ceil(c / S) rtt`` (window of S). With
-  sum c = M over at most D pipelines: phase >= rtt + (M - D) 3 F / (summed speed of the S x D fastest), and
-  >= ceil(ceil(M / D) / S) rtt.
+  micro-batch ends no sooner than ``rtt + (c - 1) period`` and than ``ceil(c / S) rtt`` (window of S). The
+  period is also at least 3 x (the smallest possible largest stage's FLOPs: a linear-partition DP over the
+  layers, or the given split's) over the fastest device's speed, ``p``. With sum c = M over at most D
+  pipelines: phase >= rtt + (M - D) max(3 F / (summed speed of the S x D fastest), p / D), and the busiest
+  pipeline (c >= ceil(M / D)) gives phase >= (floor((c - 1) / S) + 1) rtt + ((c - 1) mod S) p.
+* Pieces. For a threshold theta on a hop's round trip (link out + link back), a pipeline's hops of round trip
+  <= theta join devices of one connected component of the graph of such links; a component of c devices holds
+  pieces with at most c - ceil(c / S) such hops in all, and one pipeline needs ceil(S / c_max) - 1 slower hops
+  (each >= theta', the next value). So the D_a active pipelines' round trips sum to at least D_a x compute +
+  (slow hops) theta' + (the rest) x the cheapest round trip, and since each active pipeline r ends no sooner than
+  rtt_r + (c_r - 1) p, phase >= (that sum + (M - D_a) p) / D_a for the worst case D_a <= D; the busiest pipeline
+  gives the window bound with its own round trip.
 * Sync. A group's sync is twice its slowest pair's ``delay + 8 (P_s / D) / bw``; every group is a D-set whose
   pairs all cost <= its max, so its members keep D - 1 partners in the fixed point of "drop devices with fewer
   than D - 1 partners at cost <= t". All S groups need S x D such devices at the smallest stage's bytes, and
@@ -248,19 +257,25 @@ def _packs(parts: tuple[int, ...], n_rep: int, sizes: np.ndarray) -> bool:
 
 
 def _capped_dp(dp: np.ndarray, labels: np.ndarray, sizes: np.ndarray, n_rep: int, length: int) -> float:
-    """DP of a group inside a segment of ``length`` stages: the (L x D)-th smallest capped row bound."""
+    """DP of a group inside a segment of ``length`` stages: the (L x D)-th smallest capped row bound.
+
+    Such a group has at most floor(c / L) members in a component of c devices, so a member's D - 1 mates are
+    at most that many from each other component and one fewer from its own: the cheapest D - 1 under these
+    caps (greedy is exact for caps per part) bound its row sum.
+    """
     n = dp.shape[0]
-    cap = sizes[labels] // length  # members one component may give such a group
-    own = labels[:, None] == labels[None, :]
-    off = ~np.eye(n, dtype=bool)
-    d = np.where(off, dp, np.inf)
-    inside = np.where(own, d, np.inf)
-    rank = np.argsort(np.argsort(inside, axis=1, kind="stable"), axis=1, kind="stable")
-    allowed = ~own | (rank < (cap - 1)[:, None])
-    d = np.where(allowed & off, d, np.inf)
+    cap = sizes // length  # members one component may give such a group
+    d = dp.astype(float).copy()
+    np.fill_diagonal(d, np.inf)
+    rank = np.zeros((n, n), dtype=int)  # rank of dp[i, j] among i's entries to j's component
+    for comp in np.flatnonzero(sizes > 1):
+        cols = np.flatnonzero(labels == comp)
+        rank[:, cols] = np.argsort(np.argsort(d[:, cols], axis=1, kind="stable"), axis=1, kind="stable")
+    limit = cap[labels][None, :] - (labels[:, None] == labels[None, :])
+    d = np.where(rank < limit, d, np.inf)
     k = n_rep - 1
     row = np.partition(d, k - 1, axis=1)[:, :k].sum(axis=1) if k < n else np.full(n, np.inf)
-    row = np.where(cap >= 1, row, np.inf)
+    row = np.where(cap[labels] >= 1, row, np.inf)
     return float(np.sort(row)[length * n_rep - 1])
 
 
@@ -327,6 +342,55 @@ def _clique_threshold(cost: np.ndarray, size: int, need: int) -> float:
     return float(vals[lo])
 
 
+def _min_max_stage_flops(workload: Workload, n_st: int) -> float:
+    """Min over contiguous splits into S stages of the largest stage's forward FLOPs (linear partition DP)."""
+    n_lay = workload.n_layers
+    flops = np.full((n_lay + 1, n_lay + 1), np.inf)
+    for a in range(n_lay):
+        for b in range(a + 1, n_lay + 1):
+            flops[a, b] = workload.stage_forward_flops(a, b)
+    best = np.full(n_lay + 1, np.inf)
+    best[0] = 0.0
+    for _ in range(n_st):
+        best = np.maximum(best[:, None], flops).min(axis=0)
+    return float(best[n_lay])
+
+
+def _window_finish(c: int, rtt: float, period: float, window: int) -> float:
+    """Earliest end of a pipeline's c-th micro-batch: ``done_k >= done_{k-1} + period`` and ``>= done_{k-W} + rtt``."""
+    q, r = divmod(c - 1, window)
+    return (q + 1) * rtt + r * period
+
+
+def _piece_phase(sym: np.ndarray, n_st: int, n_rep: int, n_mb: int, compute: float, period: float) -> float:
+    """Phase bound from how many slow hops the fast clusters force on the pipelines (see the module doc)."""
+    n = sym.shape[0]
+    off = ~np.eye(n, dtype=bool)
+    vals = np.unique(sym[off])
+    fast_min = float(vals[0])
+    if len(vals) > SEGMENT_THRESHOLDS:
+        vals = np.unique(np.quantile(vals, np.linspace(0.0, 1.0, SEGMENT_THRESHOLDS), method="lower"))
+    best = 0.0
+    busiest = math.ceil(n_mb / n_rep)
+    for theta in vals[:-1]:
+        slow = float(sym[off & (sym > theta)].min())
+        _, labels = connected_components(csr_matrix(off & (sym <= theta)), directed=False)
+        sizes = np.bincount(labels)
+        own = math.ceil(n_st / int(sizes.max())) - 1  # slow hops of any one pipeline
+        rtt_one = compute + own * slow + (n_st - 1 - own) * fast_min
+        lo = _window_finish(busiest, rtt_one, period, n_st)
+        fast_cap = int((sizes - np.ceil(sizes / n_st)).sum())  # fast hops all pipelines together may have
+        mean = float("inf")  # the D_a active pipelines: phase >= (sum of their rtt + (M - D_a) period) / D_a
+        for active in range(1, n_rep + 1):
+            hops = active * (n_st - 1)
+            n_slow = max(active * own, hops - fast_cap)
+            rtts = active * compute + n_slow * slow + (hops - n_slow) * fast_min
+            mean = min(mean, (rtts + max(0, n_mb - active) * period) / active)
+        lo = max(lo, mean)
+        best = max(best, lo)
+    return best
+
+
 def full_lower_bound(cluster: Cluster, workload: Workload, n_st: int, n_rep: int,
                      stages: list[tuple[int, int]] | None = None) -> float:
     """Bound of the ``full`` model: pipeline phase (work, round trip, window) + the largest sync (module doc).
@@ -345,9 +409,15 @@ def full_lower_bound(cluster: Cluster, workload: Workload, n_st: int, n_rep: int
         link = cluster.transfer_s(workload.activation_bytes())
         walk = _walk_bound(link + link.T, n_st, 1)
     rtt = f3 / speed[0] + walk
+    biggest = (max(workload.stage_forward_flops(a, b) for a, b in stages) if stages is not None
+               else _min_max_stage_flops(workload, n_st))
+    period = 3.0 * biggest / speed[0]  # every pipeline's slowest stage takes at least this per micro-batch
     most = math.ceil(n_mb / n_rep)  # micro-batches of the busiest pipeline, at least
-    phase = max(f3 * n_mb / total_speed, rtt + max(0, n_mb - n_rep) * f3 / total_speed,
-                math.ceil(most / n_st) * rtt)
+    extra = max(0, n_mb - n_rep)
+    phase = max(f3 * n_mb / total_speed, rtt + extra * max(f3 / total_speed, period / n_rep),
+                _window_finish(most, rtt, period, n_st))
+    if n_st > 1:
+        phase = max(phase, _piece_phase(link + link.T, n_st, n_rep, n_mb, f3 / speed[0], period))
     if n_rep < 2:
         return float(phase)
     if stages is not None:

@@ -135,3 +135,16 @@ def test_full_bound_never_above_the_exhaustive_optimum(seed: int, n_st: int, n_r
     assert 0 < bound <= best * (1 + 1e-12)
     fixed = splits[len(splits) // 2]
     assert full_lower_bound(c, w, n_st, n_rep, fixed) <= full_costs(c, w, n_st, n_rep, [fixed]) * (1 + 1e-12)
+
+
+def test_full_bound_sees_the_slow_hop_two_gpu_machines_force() -> None:
+    """Two 2-GPU machines, a 4-stage pipeline: one hop must cross machines, and the bound charges it."""
+    machine = np.arange(4) // 2
+    same = machine[:, None] == machine[None, :]
+    c = Cluster.from_dict({"devices": 4, "matrix_level": "device", "delay_ms": np.where(same, 0.05, 40.0).tolist(),
+                           "bandwidth_gbps": np.where(same, 100.0, 1.0).tolist()})
+    w = Workload.gpt(4, 256, 4, 128, 2000, 2, 4, stages=4, replicas=1)
+    best = full_costs(c, w, 4, 1, layer_splits(4, 4))
+    bound = full_lower_bound(c, w, 4, 1)
+    assert bound <= best * (1 + 1e-12)
+    assert bound >= 2 * 0.040  # at least the crossing hop's delay out and back
