@@ -136,25 +136,26 @@ def search_layout(cluster: Cluster, workload: Workload, cost_model: str, seed: i
                   stages: list[tuple[int, int]] | None, slot_cost: np.ndarray | None = None,
                   extra_starts: list[tuple[str, np.ndarray]] | None = None,
                   compression: CompressionSpace | None = None, gap_stop: float | None = None,
-                  canonical: bool = True
+                  canonical: bool = True, cold_seeds: bool = True
                   ) -> tuple[np.ndarray, list[tuple[int, int]], SearchResult, float, SplitCost | None]:
     """The search proper for a workload with S and D set: (matrix, layer split, result, bound, split model).
 
     ``canonical``: search over the devices in :func:`canonical.canonical_order` and map the result back, so
     that the same scenario under any numbering of its devices gets the same plan (up to exact ties).
     ``gap_stop``: the memetic search stops once its best is within this fraction of the lower bound.
+    ``cold_seeds``: add the clustering seeds to ``extra_starts`` (a warm re-plan starts from its own only).
     The returned split model (``full`` with uneven splits) is over the canonically ordered devices.
     """
     if not canonical:
         return _search_layout(cluster, workload, cost_model, seed, time_limit_s, config, algorithm, stages,
-                              slot_cost, extra_starts, compression, gap_stop)
+                              slot_cost, extra_starts, compression, gap_stop, cold_seeds)
     perm = canonical_order(cluster)
     inv = np.empty_like(perm)
     inv[perm] = np.arange(len(perm))
     starts = [(name, inv[np.asarray(m, dtype=int)]) for name, m in (extra_starts or [])]
     m, layer_split, res, bound, split = _search_layout(
         cluster.subset(perm), workload, cost_model, seed, time_limit_s, config, algorithm, stages,
-        None if slot_cost is None else slot_cost[perm], starts, compression, gap_stop)
+        None if slot_cost is None else slot_cost[perm], starts, compression, gap_stop, cold_seeds)
     res.matrix, res.spares = perm[res.matrix], perm[res.spares]
     return perm[m], layer_split, res, bound, split
 
@@ -163,7 +164,7 @@ def _search_layout(cluster: Cluster, workload: Workload, cost_model: str, seed: 
                    config: SearchConfig | MemeticConfig | None, algorithm: str,
                    stages: list[tuple[int, int]] | None, slot_cost: np.ndarray | None,
                    extra_starts: list[tuple[str, np.ndarray]] | None, compression: CompressionSpace | None,
-                   gap_stop: float | None
+                   gap_stop: float | None, cold_seeds: bool = True
                    ) -> tuple[np.ndarray, list[tuple[int, int]], SearchResult, float, SplitCost | None]:
     """:func:`search_layout` over the devices as listed.
 
@@ -199,7 +200,9 @@ def _search_layout(cluster: Cluster, workload: Workload, cost_model: str, seed: 
                         pairs if cost_model == "dtfm" else None, stages)
     if compression is not None:  # the bound is of uncompressed steps: compressed ones may beat it
         bound = 0.0
-    starts = list(extra_starts or []) + seeds(link, n_st, n_rep)
+    starts = list(extra_starts or [])
+    if cold_seeds or not starts:
+        starts += seeds(link, n_st, n_rep)
     if algorithm == "ils":
         cfg = config if isinstance(config, SearchConfig) else SearchConfig()
         cfg = SearchConfig(**{**cfg.__dict__, "seed": seed,
@@ -210,6 +213,7 @@ def _search_layout(cluster: Cluster, workload: Workload, cost_model: str, seed: 
     else:
         mcfg = _memetic_config(config if isinstance(config, MemeticConfig) else None, seed, time_limit_s,
                                cost_model, gap_stop)
+        mcfg.cold_seeds = mcfg.cold_seeds and cold_seeds
         # per-slot costs (moves, memory penalties) are >= 0, so the bound of the cost bounds the objective too
         res = run_memetic(obj, starts, cluster.n, mcfg, group_cost, link, bound)
     m = res.matrix
@@ -290,7 +294,7 @@ def plan(cluster: Cluster, workload: Workload, cost_model: str = "full", seed: i
                   "seconds": round(res.seconds, 4), "cpu_seconds": round(cpu, 4),
                   "evaluations": res.evaluations, "seed": seed, "start": res.start, "stages": n_st,
                   "replicas": n_rep, "idle_devices": [int(x) for x in res.spares],
-                  "lower_bound": float(f"{bound:.6g}"), "gap": round(gap_of(total, bound), 6),
+                  "lower_bound": float(bound), "gap": round(gap_of(total, bound), 6),
                   "stopped_by": res.stopped_by, "gap_target": gap_stop,
                   "time_limit_s": None if time_limit_s is None else round(time_limit_s, 3)}
     if algorithm == "memetic":

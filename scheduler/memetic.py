@@ -61,6 +61,7 @@ class MemeticConfig:
     min_distance_frac: float = 0.08  # children closer than this (devices on another stage) to a member are twins
     cpu_clock: bool = False  # time_limit_s counts this process's CPU seconds instead of wall seconds
     gap: float = 0.0  # stop once the best layout is proven within this fraction of optimal by the lower bound
+    cold_seeds: bool = True  # add the sorted-device seeds to the given starts (a warm re-plan does not)
 
 
 def _stage_labels(x: np.ndarray, n_slots: int, n_st: int, n_devices: int) -> np.ndarray:
@@ -298,7 +299,8 @@ class Memetic:
     def run(self, starts: list[tuple[str, np.ndarray]]) -> SearchResult:
         cfg, rng = self.cfg, self.rng
         pop: list[tuple[tuple[float, float], np.ndarray]] = []
-        starts = list(starts) + sorted_seeds(self.hcost, self.gcost, self.n_st, self.n_rep)
+        if cfg.cold_seeds:
+            starts = list(starts) + sorted_seeds(self.hcost, self.gcost, self.n_st, self.n_rep)
         names: dict[int, str] = {}
         scored = []
         for name, m in starts:
