@@ -230,7 +230,8 @@ def access_pp_bound(pp: np.ndarray, n_st: int, n_rep: int) -> float:
 
 
 SEGMENT_MAX_STAGES = 20  # partitions of S are enumerated (627 for S = 20); above, the segment bound is skipped
-SEGMENT_THRESHOLDS = 24  # link thresholds tried (all distinct values when there are fewer)
+SEGMENT_THRESHOLDS = 24  # link thresholds tried (all distinct values when there are fewer) ...
+SEGMENT_THRESHOLDS_LARGE = 8  # ... and above 256 devices, where each costs O(N^2 log N)
 
 
 def _partitions(n: int, most: int | None = None) -> list[tuple[int, ...]]:
@@ -286,8 +287,9 @@ def segment_bound(pairs: DtfmPairs, n_st: int, n_rep: int, dp_lb: float, pp_all:
     pp, n = pairs.pp, pairs.pp.shape[0]
     off = ~np.eye(n, dtype=bool)
     vals = np.unique(pp[off])
-    if len(vals) > SEGMENT_THRESHOLDS:
-        vals = np.unique(np.quantile(vals, np.linspace(0.0, 1.0, SEGMENT_THRESHOLDS), method="lower"))
+    tries = SEGMENT_THRESHOLDS if n <= 256 else SEGMENT_THRESHOLDS_LARGE
+    if len(vals) > tries:
+        vals = np.unique(np.quantile(vals, np.linspace(0.0, 1.0, tries), method="lower"))
     parts_all = _partitions(n_st)
     best = 0.0
     for theta in vals[:-1]:  # at the largest value every hop is fast: nothing new

@@ -58,11 +58,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import format_table, run_bench
+    from .bench import format_stop_table, format_table, run_bench, run_stop_bench
 
-    result = run_bench(quick=args.quick, seeds=args.seeds, scenarios_path=args.scenarios,
-                       large=not args.no_large, synthetic_64=not args.no_synthetic)
-    print(json.dumps(result, indent=1) if args.json else format_table(result))
+    if args.baselines:
+        result = run_bench(quick=args.quick, seeds=args.seeds, scenarios_path=args.scenarios,
+                           large=not args.no_large, synthetic_64=not args.no_synthetic)
+        print(json.dumps(result, indent=1) if args.json else format_table(result))
+        return 0
+    models = ("dtfm", "full") if args.cost_model == "both" else (args.cost_model,)
+    stop = run_stop_bench(quick=args.quick, scenarios_path=args.scenarios, large=not args.no_large,
+                          cost_models=models, permutations=args.seeds)
+    print(json.dumps(stop, indent=1) if args.json else format_stop_table(stop))
     return 0
 
 
@@ -84,11 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="stop once the plan is proven within this fraction of optimal (default 0.02; 0: never)")
     pp.add_argument("--json", action="store_true")
     pp.set_defaults(func=cmd_plan)
-    bp = sub.add_parser("bench", help="baselines vs the paper's search vs ours on the paper's scenarios")
-    bp.add_argument("--quick", action="store_true", help="smaller budgets (paper GA: 500 candidates)")
-    bp.add_argument("--seeds", type=int, default=3, help="seeds (device shuffles) per scenario")
+    bp = sub.add_parser("bench", help="how the search stops (cost over time, bound, gap, re-plans); "
+                        "--baselines: vs the paper's search and baselines")
+    bp.add_argument("--baselines", action="store_true", help="the comparison with random, rank order, the "
+                    "paper's search and our ILS instead")
+    bp.add_argument("--cost-model", choices=(*COST_MODELS, "both"), default="both",
+                    help="cost model(s) of the stopping benchmark (default both)")
+    bp.add_argument("--quick", action="store_true", help="smaller budgets (paper GA: 500 candidates); the "
+                    "stopping benchmark skips the 256 / 1,024-device scenarios")
+    bp.add_argument("--seeds", type=int, default=3, help="device numberings (shuffles) per scenario")
     bp.add_argument("--scenarios", default=None, help="scenarios file (default: shared / packaged)")
-    bp.add_argument("--no-large", action="store_true", help="skip the synthetic 1,024-device scenario")
+    bp.add_argument("--no-large", action="store_true", help="skip the synthetic 256 / 1,024-device scenarios")
     bp.add_argument("--no-synthetic", action="store_true", help="skip the synthetic 64-device scenarios")
     bp.add_argument("--json", action="store_true")
     bp.set_defaults(func=cmd_bench)

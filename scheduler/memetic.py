@@ -88,6 +88,7 @@ class Memetic:
         self.best_x: np.ndarray | None = None
         self.found_s = 0.0
         self.trace: list[tuple[int, float]] = []
+        self.timeline: list[tuple[float, float]] = []
         self.clock = time.process_time if cfg.cpu_clock else time.perf_counter
         self.t0 = self.clock()
         self.cpu0 = time.process_time()
@@ -116,6 +117,7 @@ class Memetic:
         if self.best_x is None or better(key, self.best_key):
             self.best_key, self.best_x = key, self.obj.x.copy()
             self.trace.append((self.evals, key[0]))
+            self.timeline.append((self.clock() - self.t0, key[0]))
             self.found_s = time.process_time() - self.cpu0
 
     # ------------------------------------------------------------ local search
@@ -360,7 +362,7 @@ class Memetic:
         res = SearchResult(matrix=x[: self.n_slots].reshape(self.n_rep, self.n_st).copy(),
                            spares=x[self.n_slots:].copy(), total=self.obj.total, evaluations=self.evals,
                            seconds=secs, start=start_name, trace=self.trace, generations=gen,
-                           found_s=self.found_s, stopped_by=self.stopped_by)
+                           found_s=self.found_s, stopped_by=self.stopped_by, timeline=self.timeline)
         return res
 
     def _parents(self, pop: list[tuple[tuple[float, float], np.ndarray]]) -> tuple[int, int]:

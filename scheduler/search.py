@@ -62,6 +62,7 @@ class SearchResult:
     generations: int = 0  # memetic search only
     found_s: float = 0.0  # CPU seconds into the search when the best layout was found (memetic search only)
     stopped_by: str = ""  # the rule that ended the search: gap, time, evaluations, generations, stalled, converged
+    timeline: list[tuple[float, float]] = field(default_factory=list)  # (seconds of its clock, best) (memetic)
 
 
 SOFT_POWER = 4.0

@@ -88,3 +88,18 @@ def test_warm_replan_after_one_departure_starts_from_the_running_plan() -> None:
     assert new.search["lower_bound"] <= new.predicted["total_s"]
     pairs = DtfmPairs.build(sub, w, 8, 7)
     assert new.predicted["total_s"] == pytest.approx(evaluate(pairs, new.matrix())[0])
+
+
+def test_stopping_bench_smoke() -> None:
+    from scheduler.bench import format_stop_table, replan_run, stop_run
+
+    c = paper("datacenter_spot")
+    w = Workload.preset("gpt3-xl-dtfm")
+    rows = [stop_run(c, w, "dtfm", seed) for seed in (None, 1001)]
+    for r in rows:
+        assert r["stopped_by"] == "gap" and r["lower_bound"] <= r["cost"] and r["gap"] <= 0.02
+        assert r["cost_at_2s"] is None or r["cost_at_2s"] >= r["cost"]
+    rp = replan_run(c, w.with_split(8, 7), "dtfm")
+    assert rp["moved_tasklets"] >= 1 and rp["lower_bound_after"] <= rp["cost_after"]
+    table = format_stop_table({"runs": rows, "permutations": [], "replan": [rp]})
+    assert "datacenter_spot" in table and "gap" in table
