@@ -3,7 +3,8 @@
 The default (:func:`run_stop_bench`): every bundled scenario and generated 64 / 256 / 1,024-device ones, under
 three device numberings, with ``plan``'s defaults (2 % gap, default time limit): the best cost at 0.5, 1 and 2
 wall seconds and at the stop, the bound, the gap, the rule that stopped the search, seconds and the load
-average; then a warm re-plan after one departure per scenario. Wall seconds depend on the machine's load.
+average; then a warm re-plan after one departure per scenario (8 x (N / 8 - 1), so that idle devices can take
+the departed one's tasklets). Wall seconds depend on the machine's load.
 
 ``--baselines`` (:func:`run_bench`): random / rank order / the paper's search / our ILS / our memetic search.
 
@@ -281,6 +282,7 @@ def replan_run(cluster: Cluster, workload: Workload, cost_model: str, time_limit
     new = replan(sub, workload, current, cost_model=cost_model)
     secs, cpu = time.perf_counter() - w0, time.process_time() - c0
     return {"scenario": cluster.name, "devices": cluster.n, "cost_model": cost_model, "departed": int(gone),
+            "stages": workload.stages, "replicas": workload.replicas,
             "first_plan_s": first_s, "cost_before": first.predicted["total_s"],
             "cost_after": new.predicted["total_s"], "lower_bound_after": new.search["lower_bound"],
             "gap_after": new.search["gap"], "moved_tasklets": new.predicted["moves"]["moved_tasklets"],
@@ -300,11 +302,13 @@ def run_stop_bench(quick: bool = False, scenarios_path: str | None = None, large
     rows, replans = [], []
     for cluster in clusters:
         w = base.with_split(8, _replicas(cluster.n))
+        # the re-plan keeps one replica's worth of devices idle, so that a departure leaves D unchanged
+        spare = base.with_split(8, max(1, _replicas(cluster.n) - 1))
         for cost_model in cost_models:
             for k in range(permutations):
                 rows.append(stop_run(cluster, w, cost_model, None if k == 0 else 1000 + k))
                 log.info("%s %s perm %d: %s", cluster.name, cost_model, k, rows[-1])
-            replans.append(replan_run(cluster, w, cost_model))
+            replans.append(replan_run(cluster, spare, cost_model))
     spread = {}
     for r in rows:
         spread.setdefault((r["scenario"], r["cost_model"]), []).append(r["cost"])

@@ -53,7 +53,17 @@
   (each >= theta', the next value). So the D_a active pipelines' round trips sum to at least D_a x compute +
   (slow hops) theta' + (the rest) x the cheapest round trip, and since each active pipeline r ends no sooner than
   rtt_r + (c_r - 1) p, phase >= (that sum + (M - D_a) p) / D_a for the worst case D_a <= D; the busiest pipeline
-  gives the window bound with its own round trip.
+  gives the window bound with its own round trip. The same sum is also at least D_a x compute + the access
+  bound: device i's hops cost at least v_i, its cheapest round trip; a pipeline's hops sum to at least its
+  devices' v but the smallest (the path lemma above), and the k-th largest pipeline minimum is at most the
+  (k S)-th largest v, so on the D_a S devices with the smallest v the sum is at least their v less every S-th.
+  With M >= D every pipeline starts a micro-batch at time 0 (the pull takes the M earliest starts), so D_a = D
+  and the phase is at least the round trip of the pipeline holding the used device of largest v.
+* Sync and pipelines together. For a threshold t on the pair cost at the smallest stage's bytes: either some
+  group has a pair >= t (sync >= 2 t), or every group lies inside a component of the graph of pairs < t; a
+  component of c devices holds floor(c / D) groups, so every pipeline crosses between components at least
+  ceil(S / max floor(c / D)) - 1 times, each crossing a round trip >= the cheapest between components, and the
+  phase bounds above apply to that round trip. The smaller of the two cases bounds every plan, for every t.
 * Sync. A group's sync is twice its slowest pair's ``delay + 8 (P_s / D) / bw``; every group is a D-set whose
   pairs all cost <= its max, so its members keep D - 1 partners in the fixed point of "drop devices with fewer
   than D - 1 partners at cost <= t". All S groups need S x D such devices at the smallest stage's bytes, and
@@ -372,7 +382,20 @@ def _piece_phase(sym: np.ndarray, n_st: int, n_rep: int, n_mb: int, compute: flo
     fast_min = float(vals[0])
     if len(vals) > SEGMENT_THRESHOLDS:
         vals = np.unique(np.quantile(vals, np.linspace(0.0, 1.0, SEGMENT_THRESHOLDS), method="lower"))
+    # access: device i's hops cost at least v_i (its cheapest round trip); per pipeline the hops sum to at least
+    # its devices' v but the smallest (path lemma), and the k-th largest pipeline minimum is at most the
+    # (k S)-th largest v: so D_a pipelines' hops cost >= the D_a S smallest v minus their chunk minima
+    trip = np.where(off, sym, np.inf)
+    v = np.sort(np.minimum(trip.min(axis=1), trip.min(axis=0)))
+    access = []
+    for active in range(1, n_rep + 1):
+        used = v[: active * n_st][::-1]
+        access.append(active * compute + float(used.sum() - used[n_st - 1:: n_st].sum()))
     best = 0.0
+    if n_mb >= n_rep and len(v) >= n_st * n_rep:
+        # every pipeline starts a micro-batch at time 0, so all D are active and the phase is at least the round
+        # trip of the one holding the used device with the largest v (at least the (S x D)-th smallest)
+        best = compute + float(v[n_st * n_rep - 1]) + (n_st - 2) * float(v[0])
     busiest = math.ceil(n_mb / n_rep)
     for theta in vals[:-1]:
         slow = float(sym[off & (sym > theta)].min())
@@ -383,10 +406,10 @@ def _piece_phase(sym: np.ndarray, n_st: int, n_rep: int, n_mb: int, compute: flo
         lo = _window_finish(busiest, rtt_one, period, n_st)
         fast_cap = int((sizes - np.ceil(sizes / n_st)).sum())  # fast hops all pipelines together may have
         mean = float("inf")  # the D_a active pipelines: phase >= (sum of their rtt + (M - D_a) period) / D_a
-        for active in range(1, n_rep + 1):
+        for active in (range(1, n_rep + 1) if n_mb < n_rep else (n_rep,)):
             hops = active * (n_st - 1)
             n_slow = max(active * own, hops - fast_cap)
-            rtts = active * compute + n_slow * slow + (hops - n_slow) * fast_min
+            rtts = max(active * compute + n_slow * slow + (hops - n_slow) * fast_min, access[active - 1])
             mean = min(mean, (rtts + max(0, n_mb - active) * period) / active)
         lo = max(lo, mean)
         best = max(best, lo)
@@ -434,7 +457,41 @@ def full_lower_bound(cluster: Cluster, workload: Workload, n_st: int, n_rep: int
         return cluster.delay_s + 8.0 * (nbytes / n_rep) / cluster.bandwidth_bps
 
     sync = max(_clique_threshold(pair_cost(small), n_rep, need), _clique_threshold(pair_cost(large), n_rep, n_rep))
-    return float(phase + 2.0 * sync)
+    out = phase + 2.0 * sync
+    if n_st > 1:
+        out = max(out, _sync_split(pair_cost(small), link + link.T, n_st, n_rep, n_mb, f3 / speed[0], period,
+                                   phase, sync))
+    return float(out)
+
+
+def _sync_split(pair: np.ndarray, trip: np.ndarray, n_st: int, n_rep: int, n_mb: int, compute: float,
+                period: float, phase: float, sync: float) -> float:
+    """Max over t of min(sync >= 2 t, or every group inside a component of pairs < t) (see the module doc)."""
+    n = pair.shape[0]
+    off = ~np.eye(n, dtype=bool)
+    sym = np.maximum(pair, pair.T)
+    vals = np.unique(sym[off])
+    tries = SEGMENT_THRESHOLDS if n <= 256 else SEGMENT_THRESHOLDS_LARGE
+    if len(vals) > tries:
+        vals = np.unique(np.quantile(vals, np.linspace(0.0, 1.0, tries), method="lower"))
+    fast_min = float(trip[off].min())
+    most = math.ceil(n_mb / n_rep)
+    best = 0.0
+    for t in vals[1:]:
+        spread = phase + 2.0 * max(sync, float(t))  # some group has a pair >= t
+        _, labels = connected_components(csr_matrix(off & (sym < t)), directed=False)
+        sizes = np.bincount(labels)
+        per = sizes // n_rep  # groups a component can hold
+        if per.sum() < n_st or per.max() == 0:
+            best = max(best, spread)  # the groups cannot all stay inside components
+            continue
+        cross = math.ceil(n_st / int(per.max())) - 1  # hops of every pipeline between components
+        apart = labels[:, None] != labels[None, :]
+        hop = float(trip[apart].min()) if apart.any() else fast_min
+        rtt = compute + cross * hop + (n_st - 1 - cross) * fast_min
+        inside = max(phase, _window_finish(most, rtt, period, n_st), rtt + max(0, n_mb - n_rep) * period / n_rep)
+        best = max(best, min(spread, inside + 2.0 * sync))
+    return best
 
 
 def lower_bound(cluster: Cluster, workload: Workload, n_st: int, n_rep: int, cost_model: str,

@@ -18,8 +18,7 @@ best the worse half of the population is replaced by heavily kicked, re-improved
 Anytime: the best layout so far is kept at every step, and the search stops at the generation limit, the
 evaluation budget, the time limit, after ``stop_after`` generations without a new best, or as soon as the best
 cost is within ``gap`` of the lower bound (``(cost - bound) / cost <= gap``: proven near-optimal); which rule
-ended it is ``SearchResult.stopped_by``. Deterministic for a
-seed whenever the time limit does not end it.
+ended it is ``SearchResult.stopped_by``. Deterministic for a seed whenever the time limit does not end it.
 """
 
 from __future__ import annotations
