@@ -238,7 +238,8 @@ def stopping(n_devices: int, config: SearchConfig | MemeticConfig | None, gap: f
 def plan(cluster: Cluster, workload: Workload, cost_model: str = "full", seed: int = 0,
          time_limit_s: float | None = None, config: SearchConfig | MemeticConfig | None = None,
          algorithm: str | None = None, stages: list[tuple[int, int]] | None = None,
-         compression: CompressionSpace | None = None, gap: float | None = None) -> Plan:
+         compression: CompressionSpace | None = None, gap: float | None = None,
+         canonical: bool | None = None) -> Plan:
     """Place every (replica, stage) tasklet on a device; see ``docs/scheduler.md``.
 
     ``algorithm``: ``"memetic"`` (default) or ``"ils"`` (the previous iterated local search; also chosen when
@@ -251,6 +252,8 @@ def plan(cluster: Cluster, workload: Workload, cost_model: str = "full", seed: i
     Stopping: the search ends once its plan is proven within ``gap`` of optimal by the lower bound (default
     :data:`DEFAULT_GAP`, or ``config.gap`` when a config is given) or at ``time_limit_s`` (default, when no
     config is given either: :func:`default_time_limit`); ``plan.search["stopped_by"]`` says which rule did.
+    ``canonical``: search the devices in a canonical order, so that their numbering does not change the plan
+    (default: yes unless a config is given -- an explicit budget keeps reproducing the listed-order search).
     """
     if cost_model not in COST_MODELS:
         raise PlanningError("cost_model", f"must be one of {', '.join(COST_MODELS)}, got {cost_model!r}")
@@ -277,7 +280,8 @@ def plan(cluster: Cluster, workload: Workload, cost_model: str = "full", seed: i
     gap_stop, time_limit_s = stopping(cluster.n, config, gap, time_limit_s)
     cpu0 = time.process_time()
     m, layer_split, res, bound, _ = search_layout(cluster, workload, cost_model, seed, time_limit_s, config,
-                                                  algorithm, stages, compression=compression, gap_stop=gap_stop)
+                                                  algorithm, stages, compression=compression, gap_stop=gap_stop,
+                                                  canonical=config is None if canonical is None else canonical)
     cpu = time.process_time() - cpu0
     if not fits_memory(cluster, workload, layer_split, m):
         raise PlanningError("memory_gb", "no placement puts every stage on a device that can hold it")

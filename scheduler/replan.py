@@ -112,7 +112,7 @@ def move_summary(move: np.ndarray, m: np.ndarray, weight: float) -> dict[str, An
 def replan(cluster: Cluster, workload: Workload, current: Plan, cost_model: str = "full", seed: int = 0,
            time_limit_s: float | None = None, config: SearchConfig | MemeticConfig | None = None,
            algorithm: str = "memetic", move_weight: float = 1.0, replicas: int | None = None,
-           gap: float | None = None, warm: bool = True) -> Plan:
+           gap: float | None = None, warm: bool = True, canonical: bool | None = None) -> Plan:
     """A new plan after a membership change, starting from ``current`` and charging every move.
 
     ``current``: the run's plan over *this* cluster's device indices, with ``-1`` for every device that left;
@@ -121,6 +121,7 @@ def replan(cluster: Cluster, workload: Workload, current: Plan, cost_model: str 
     ``moves`` (moved tasklets, summed and slowest transfer seconds) and ``objective_s`` (cost + weighted moves).
     ``gap`` and the default time limit are those of :func:`scheduler.api.plan`; the bound of the cost also bounds
     the objective (moves cost >= 0), so a re-plan whose repaired plan is already within the gap stops at once.
+    ``canonical``: as in :func:`scheduler.api.plan` (default: yes unless a config is given).
     """
     if cost_model not in COST_MODELS:
         raise PlanningError("cost_model", f"must be one of {', '.join(COST_MODELS)}, got {cost_model!r}")
@@ -136,6 +137,8 @@ def replan(cluster: Cluster, workload: Workload, current: Plan, cost_model: str 
     w = workload.with_split(n_st, n_rep)
     move = move_costs(cluster, w, stages, rows)
     start = repair(rows, cluster.n, n_rep, move)
+    if canonical is None:
+        canonical = config is None
     if warm and config is None and algorithm == "memetic":
         if time_limit_s is None:
             time_limit_s = WARM_TIME_FRACTION * default_time_limit(cluster.n)
@@ -145,7 +148,7 @@ def replan(cluster: Cluster, workload: Workload, current: Plan, cost_model: str 
     cpu0 = time.process_time()
     m, _, res, bound, _ = search_layout(cluster, w, cost_model, seed, time_limit_s, config, algorithm, stages,
                                         slot_cost=move_weight * move, extra_starts=[("current", start)],
-                                        gap_stop=gap_stop, cold_seeds=not warm)
+                                        gap_stop=gap_stop, cold_seeds=not warm, canonical=canonical)
     out = Plan(stages=stages, pipelines=m.tolist())
     out.validate(cluster.n, w.n_layers)
     out.predicted = predict(cluster, w, out, cost_model)
