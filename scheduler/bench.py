@@ -4,7 +4,8 @@ The default (:func:`run_stop_bench`): every bundled scenario and generated 64 / 
 three device numberings, with ``plan``'s defaults (2 % gap, default time limit): the best cost at 0.5, 1 and 2
 wall seconds and at the stop, the bound, the gap, the rule that stopped the search, seconds and the load
 average; then a warm re-plan after one departure per scenario (8 x (N / 8 - 1), so that idle devices can take
-the departed one's tasklets). Wall seconds depend on the machine's load.
+the departed one's tasklets), beside a cold one (``warm=False``) up to 256 devices. Wall seconds depend on the
+machine's load.
 
 ``--baselines`` (:func:`run_bench`): random / rank order / the paper's search / our ILS / our memetic search.
 
@@ -261,9 +262,12 @@ def stop_run(cluster: Cluster, workload: Workload, cost_model: str, perm_seed: i
     return row
 
 
-def replan_run(cluster: Cluster, workload: Workload, cost_model: str, time_limit_s: float | None = None
-               ) -> dict[str, Any]:
-    """Plan, then re-plan (warm, the default) after the departure of one busy device; seconds of each."""
+def replan_run(cluster: Cluster, workload: Workload, cost_model: str, time_limit_s: float | None = None,
+               cold: bool = False) -> dict[str, Any]:
+    """Plan, then re-plan (warm, the default) after the departure of one busy device; seconds of each.
+
+    ``cold``: also re-plan with ``warm=False`` (cold seeds, the from-scratch budget) for comparison.
+    """
     from .api import plan
     from .plan import Plan
     from .replan import replan
@@ -281,7 +285,14 @@ def replan_run(cluster: Cluster, workload: Workload, cost_model: str, time_limit
     w0, c0 = time.perf_counter(), time.process_time()
     new = replan(sub, workload, current, cost_model=cost_model)
     secs, cpu = time.perf_counter() - w0, time.process_time() - c0
-    return {"scenario": cluster.name, "devices": cluster.n, "cost_model": cost_model, "departed": int(gone),
+    extra: dict[str, Any] = {}
+    if cold:
+        w0 = time.perf_counter()
+        ref = replan(sub, workload, current, cost_model=cost_model, warm=False)
+        extra = {"cold_objective_s": ref.predicted["objective_s"], "cold_cost_after": ref.predicted["total_s"],
+                 "cold_replan_s": time.perf_counter() - w0, "cold_stopped_by": ref.search["stopped_by"]}
+    return {**extra, "objective_s": new.predicted["objective_s"], "scenario": cluster.name, "devices": cluster.n,
+            "cost_model": cost_model, "departed": int(gone),
             "stages": workload.stages, "replicas": workload.replicas,
             "first_plan_s": first_s, "cost_before": first.predicted["total_s"],
             "cost_after": new.predicted["total_s"], "lower_bound_after": new.search["lower_bound"],
@@ -291,7 +302,8 @@ def replan_run(cluster: Cluster, workload: Workload, cost_model: str, time_limit
 
 
 def run_stop_bench(quick: bool = False, scenarios_path: str | None = None, large: bool = True,
-                   cost_models: tuple[str, ...] = ("dtfm", "full"), permutations: int = 3) -> dict[str, Any]:
+                   cost_models: tuple[str, ...] = ("dtfm", "full"), permutations: int = 3,
+                   cold_replans: bool = True) -> dict[str, Any]:
     """Every scenario under ``permutations`` device numberings (the first as listed) with default stopping."""
     path = scenarios_path or default_scenarios_path()
     base = Workload.preset("gpt3-xl-dtfm")
@@ -308,7 +320,7 @@ def run_stop_bench(quick: bool = False, scenarios_path: str | None = None, large
             for k in range(permutations):
                 rows.append(stop_run(cluster, w, cost_model, None if k == 0 else 1000 + k))
                 log.info("%s %s perm %d: %s", cluster.name, cost_model, k, rows[-1])
-            replans.append(replan_run(cluster, spare, cost_model))
+            replans.append(replan_run(cluster, spare, cost_model, cold=cold_replans and cluster.n <= 256))
     spread = {}
     for r in rows:
         spread.setdefault((r["scenario"], r["cost_model"]), []).append(r["cost"])
@@ -329,9 +341,13 @@ def format_stop_table(result: dict[str, Any]) -> str:
     lines += [f"| {s['scenario']} | {s['cost_model']} | {100 * s['permutation_spread']:.2f} % |"
               for s in result["permutations"]]
     lines += ["", "| re-plan after one departure | model | cost before / after | bound / gap after | moved | "
-              "stopped by | re-plan s (load) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+              "stopped by | re-plan s (load) | objective warm / cold (cold s) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["replan"]:
+        cold = (f"{_f(r['objective_s'])} / {_f(r['cold_objective_s'])} ({r['cold_replan_s']:.2f})"
+                if "cold_objective_s" in r else f"{_f(r.get('objective_s'))} / -")
         lines.append(f"| {r['scenario']} device {r['departed']} | {r['cost_model']} | {_f(r['cost_before'])} / "
                      f"{_f(r['cost_after'])} | {_f(r['lower_bound_after'])} / {100 * r['gap_after']:.1f} % | "
-                     f"{r['moved_tasklets']} | {r['stopped_by']} | {r['replan_s']:.2f} ({r['load_before']:.1f}) |")
+                     f"{r['moved_tasklets']} | {r['stopped_by']} | {r['replan_s']:.2f} ({r['load_before']:.1f}) | "
+                     f"{cold} |")
     return "\n".join(lines)
