@@ -145,26 +145,39 @@ def search_layout(cluster: Cluster, workload: Workload, cost_model: str, seed: i
     ``gap_stop``: the memetic search stops once its best is within this fraction of the lower bound.
     ``cold_seeds``: add the clustering seeds to ``extra_starts`` (a warm re-plan starts from its own only).
     The returned split model (``full`` with uneven splits) is over the canonically ordered devices.
+    A wall-clock ``time_limit_s`` counts the whole call: the bound, the seeds and the ordering are taken from
+    the search's share (which keeps at least :data:`MIN_SEARCH_S`).
     """
+    started = time.perf_counter()
     if not canonical:
         return _search_layout(cluster, workload, cost_model, seed, time_limit_s, config, algorithm, stages,
-                              slot_cost, extra_starts, compression, gap_stop, cold_seeds)
+                              slot_cost, extra_starts, compression, gap_stop, cold_seeds, started)
     perm = canonical_order(cluster)
     inv = np.empty_like(perm)
     inv[perm] = np.arange(len(perm))
     starts = [(name, inv[np.asarray(m, dtype=int)]) for name, m in (extra_starts or [])]
     m, layer_split, res, bound, split = _search_layout(
         cluster.subset(perm), workload, cost_model, seed, time_limit_s, config, algorithm, stages,
-        None if slot_cost is None else slot_cost[perm], starts, compression, gap_stop, cold_seeds)
+        None if slot_cost is None else slot_cost[perm], starts, compression, gap_stop, cold_seeds, started)
     res.matrix, res.spares = perm[res.matrix], perm[res.spares]
     return perm[m], layer_split, res, bound, split
+
+
+MIN_SEARCH_S = 0.05  # the search's share of a time limit the setup (bound, seeds) already used up
+
+
+def _remaining(limit: float | None, cpu_clock: bool, started: float | None) -> float | None:
+    """A wall-clock limit less the seconds since ``started``; CPU-clock limits count the search only."""
+    if limit is None or cpu_clock or started is None:
+        return limit
+    return max(MIN_SEARCH_S, limit - (time.perf_counter() - started))
 
 
 def _search_layout(cluster: Cluster, workload: Workload, cost_model: str, seed: int, time_limit_s: float | None,
                    config: SearchConfig | MemeticConfig | None, algorithm: str,
                    stages: list[tuple[int, int]] | None, slot_cost: np.ndarray | None,
                    extra_starts: list[tuple[str, np.ndarray]] | None, compression: CompressionSpace | None,
-                   gap_stop: float | None, cold_seeds: bool = True
+                   gap_stop: float | None, cold_seeds: bool = True, started: float | None = None
                    ) -> tuple[np.ndarray, list[tuple[int, int]], SearchResult, float, SplitCost | None]:
     """:func:`search_layout` over the devices as listed.
 
@@ -209,11 +222,13 @@ def _search_layout(cluster: Cluster, workload: Workload, cost_model: str, seed: 
                               "time_limit_s": time_limit_s if time_limit_s is not None else cfg.time_limit_s})
         if cost_model == "full" and config is None:
             cfg.max_evaluations = min(cfg.max_evaluations, 4000)
+        cfg.time_limit_s = _remaining(cfg.time_limit_s, cfg.cpu_clock, started)
         res = run_search(obj, starts, cluster.n, cfg)
     else:
         mcfg = _memetic_config(config if isinstance(config, MemeticConfig) else None, seed, time_limit_s,
                                cost_model, gap_stop)
         mcfg.cold_seeds = mcfg.cold_seeds and cold_seeds
+        mcfg.time_limit_s = _remaining(mcfg.time_limit_s, mcfg.cpu_clock, started)
         # per-slot costs (moves, memory penalties) are >= 0, so the bound of the cost bounds the objective too
         res = run_memetic(obj, starts, cluster.n, mcfg, group_cost, link, bound)
     m = res.matrix
