@@ -9,7 +9,9 @@ from typing import Any
 import numpy as np
 
 from . import cost_dtfm, cost_full
-from .bound import gap, lower_bound
+from .bound import gap as gap_of
+from .bound import lower_bound
+from .canonical import canonical_order
 from .cluster import Cluster
 from .compression import CompressedCost, CompressionSpace, refine
 from .compression import predict as compression_predict
@@ -104,13 +106,26 @@ def choose_split(cluster: Cluster, workload: Workload, cost_model: str) -> tuple
 
 
 ALGORITHMS = ("memetic", "ils")
+DEFAULT_GAP = 0.02  # stop once the plan is proven within 2 % of optimal
+DEFAULT_TIME_S_64 = 5.0  # default search time limit for 64 devices (wall seconds), scaled by sqrt(N / 64)
 
 
-def _memetic_config(cfg: MemeticConfig | None, seed: int, time_limit_s: float | None, cost_model: str
-                    ) -> MemeticConfig:
+def default_time_limit(n_devices: int) -> float:
+    """The search's default wall-time limit: 5 s for 64 devices, growing with the square root of N.
+
+    Why the square root: a local search step costs O(D) to O(N) and the bound usually ends the search first;
+    the limit is a guard for the leader (the swarm waits on a re-plan), not the expected time.
+    """
+    return DEFAULT_TIME_S_64 * float(np.sqrt(max(n_devices, 1) / 64.0))
+
+
+def _memetic_config(cfg: MemeticConfig | None, seed: int, time_limit_s: float | None, cost_model: str,
+                    gap_stop: float | None = None) -> MemeticConfig:
     base = cfg or MemeticConfig()
     out = MemeticConfig(**{**base.__dict__, "seed": seed,
                            "time_limit_s": time_limit_s if time_limit_s is not None else base.time_limit_s})
+    if gap_stop is not None:
+        out.gap = gap_stop
     if cost_model == "full" and cfg is None:  # every evaluation is a full prediction: a smaller budget
         out.max_evaluations, out.population = min(out.max_evaluations, 6000), min(out.population, 4)
     return out
@@ -120,9 +135,51 @@ def search_layout(cluster: Cluster, workload: Workload, cost_model: str, seed: i
                   config: SearchConfig | MemeticConfig | None, algorithm: str,
                   stages: list[tuple[int, int]] | None, slot_cost: np.ndarray | None = None,
                   extra_starts: list[tuple[str, np.ndarray]] | None = None,
-                  compression: CompressionSpace | None = None
+                  compression: CompressionSpace | None = None, gap_stop: float | None = None,
+                  canonical: bool = True, cold_seeds: bool = True
                   ) -> tuple[np.ndarray, list[tuple[int, int]], SearchResult, float, SplitCost | None]:
     """The search proper for a workload with S and D set: (matrix, layer split, result, bound, split model).
+
+    ``canonical``: search over the devices in :func:`canonical.canonical_order` and map the result back, so
+    that the same scenario under any numbering of its devices gets the same plan (up to exact ties).
+    ``gap_stop``: the memetic search stops once its best is within this fraction of the lower bound.
+    ``cold_seeds``: add the clustering seeds to ``extra_starts`` (a warm re-plan starts from its own only).
+    The returned split model (``full`` with uneven splits) is over the canonically ordered devices.
+    A wall-clock ``time_limit_s`` counts the whole call: the bound, the seeds and the ordering are taken from
+    the search's share (which keeps at least :data:`MIN_SEARCH_S`).
+    """
+    started = time.perf_counter()
+    if not canonical:
+        return _search_layout(cluster, workload, cost_model, seed, time_limit_s, config, algorithm, stages,
+                              slot_cost, extra_starts, compression, gap_stop, cold_seeds, started)
+    perm = canonical_order(cluster)
+    inv = np.empty_like(perm)
+    inv[perm] = np.arange(len(perm))
+    starts = [(name, inv[np.asarray(m, dtype=int)]) for name, m in (extra_starts or [])]
+    m, layer_split, res, bound, split = _search_layout(
+        cluster.subset(perm), workload, cost_model, seed, time_limit_s, config, algorithm, stages,
+        None if slot_cost is None else slot_cost[perm], starts, compression, gap_stop, cold_seeds, started)
+    res.matrix, res.spares = perm[res.matrix], perm[res.spares]
+    return perm[m], layer_split, res, bound, split
+
+
+MIN_SEARCH_S = 0.05  # the search's share of a time limit the setup (bound, seeds) already used up
+
+
+def _remaining(limit: float | None, cpu_clock: bool, started: float | None) -> float | None:
+    """A wall-clock limit less the seconds since ``started``; CPU-clock limits count the search only."""
+    if limit is None or cpu_clock or started is None:
+        return limit
+    return max(MIN_SEARCH_S, limit - (time.perf_counter() - started))
+
+
+def _search_layout(cluster: Cluster, workload: Workload, cost_model: str, seed: int, time_limit_s: float | None,
+                   config: SearchConfig | MemeticConfig | None, algorithm: str,
+                   stages: list[tuple[int, int]] | None, slot_cost: np.ndarray | None,
+                   extra_starts: list[tuple[str, np.ndarray]] | None, compression: CompressionSpace | None,
+                   gap_stop: float | None, cold_seeds: bool = True, started: float | None = None
+                   ) -> tuple[np.ndarray, list[tuple[int, int]], SearchResult, float, SplitCost | None]:
+    """:func:`search_layout` over the devices as listed.
 
     ``stages`` fixes the layer split; otherwise the ``full`` model chooses a split per layout (uneven) and the
     ``dtfm`` model keeps the even one (its G is the model spread evenly). ``compression`` (``full`` only): each
@@ -153,23 +210,27 @@ def search_layout(cluster: Cluster, workload: Workload, cost_model: str, seed: i
             obj = CallableObjective(fixed_split_cost(cluster, workload, layer_split), n_st, n_rep,
                                     mem_bad if mem_bad.any() else None, slot_cost)
     bound = lower_bound(cluster, workload, n_st, n_rep, cost_model,
-                        pairs if cost_model == "dtfm" else None)
+                        pairs if cost_model == "dtfm" else None, stages)
     if compression is not None:  # the bound is of uncompressed steps: compressed ones may beat it
         bound = 0.0
-    starts = list(extra_starts or []) + seeds(link, n_st, n_rep)
+    starts = list(extra_starts or [])
+    if cold_seeds or not starts:
+        starts += seeds(link, n_st, n_rep)
     if algorithm == "ils":
         cfg = config if isinstance(config, SearchConfig) else SearchConfig()
         cfg = SearchConfig(**{**cfg.__dict__, "seed": seed,
                               "time_limit_s": time_limit_s if time_limit_s is not None else cfg.time_limit_s})
         if cost_model == "full" and config is None:
             cfg.max_evaluations = min(cfg.max_evaluations, 4000)
+        cfg.time_limit_s = _remaining(cfg.time_limit_s, cfg.cpu_clock, started)
         res = run_search(obj, starts, cluster.n, cfg)
     else:
         mcfg = _memetic_config(config if isinstance(config, MemeticConfig) else None, seed, time_limit_s,
-                               cost_model)
-        # the bound stops the search only when the objective is the bare cost it bounds
-        res = run_memetic(obj, starts, cluster.n, mcfg, group_cost, link,
-                          bound if slot_cost is None else 0.0)
+                               cost_model, gap_stop)
+        mcfg.cold_seeds = mcfg.cold_seeds and cold_seeds
+        mcfg.time_limit_s = _remaining(mcfg.time_limit_s, mcfg.cpu_clock, started)
+        # per-slot costs (moves, memory penalties) are >= 0, so the bound of the cost bounds the objective too
+        res = run_memetic(obj, starts, cluster.n, mcfg, group_cost, link, bound)
     m = res.matrix
     if uneven:
         assert split is not None
@@ -177,10 +238,23 @@ def search_layout(cluster: Cluster, workload: Workload, cost_model: str, seed: i
     return m, layer_split, res, bound, split
 
 
+def stopping(n_devices: int, config: SearchConfig | MemeticConfig | None, gap: float | None,
+             time_limit_s: float | None) -> tuple[float | None, float | None]:
+    """(gap target, time limit) of a search: the defaults apply where neither argument nor config sets them."""
+    if gap is not None and not 0.0 <= gap < 1.0:
+        raise PlanningError("gap", f"must be in [0, 1), got {gap!r}")
+    if gap is None:
+        gap = config.gap if isinstance(config, MemeticConfig) else None if config is not None else DEFAULT_GAP
+    if time_limit_s is None and config is None:
+        time_limit_s = default_time_limit(n_devices)
+    return gap, time_limit_s
+
+
 def plan(cluster: Cluster, workload: Workload, cost_model: str = "full", seed: int = 0,
          time_limit_s: float | None = None, config: SearchConfig | MemeticConfig | None = None,
          algorithm: str | None = None, stages: list[tuple[int, int]] | None = None,
-         compression: CompressionSpace | None = None) -> Plan:
+         compression: CompressionSpace | None = None, gap: float | None = None,
+         canonical: bool | None = None) -> Plan:
     """Place every (replica, stage) tasklet on a device; see ``docs/scheduler.md``.
 
     ``algorithm``: ``"memetic"`` (default) or ``"ils"`` (the previous iterated local search; also chosen when
@@ -189,6 +263,12 @@ def plan(cluster: Cluster, workload: Workload, cost_model: str = "full", seed: i
     ``compression``: choose per-boundary activation compression and the data-parallel sync (period, pseudo-
     gradient encoding) together with the placement, under the space's loss-penalty limit (``full`` only); the
     choice is ``plan.predicted["choice"]`` and the prediction is of a step under it.
+
+    Stopping: the search ends once its plan is proven within ``gap`` of optimal by the lower bound (default
+    :data:`DEFAULT_GAP`, or ``config.gap`` when a config is given) or at ``time_limit_s`` (default, when no
+    config is given either: :func:`default_time_limit`); ``plan.search["stopped_by"]`` says which rule did.
+    ``canonical``: search the devices in a canonical order, so that their numbering does not change the plan
+    (default: yes unless a config is given -- an explicit budget keeps reproducing the listed-order search).
     """
     if cost_model not in COST_MODELS:
         raise PlanningError("cost_model", f"must be one of {', '.join(COST_MODELS)}, got {cost_model!r}")
@@ -212,9 +292,11 @@ def plan(cluster: Cluster, workload: Workload, cost_model: str = "full", seed: i
     if n_st * n_rep > cluster.n:
         raise PlanningError("replicas", f"{n_st} stages x {n_rep} replicas need {n_st * n_rep} devices, the "
                             f"scenario has {cluster.n}")
+    gap_stop, time_limit_s = stopping(cluster.n, config, gap, time_limit_s)
     cpu0 = time.process_time()
     m, layer_split, res, bound, _ = search_layout(cluster, workload, cost_model, seed, time_limit_s, config,
-                                                  algorithm, stages, compression=compression)
+                                                  algorithm, stages, compression=compression, gap_stop=gap_stop,
+                                                  canonical=config is None if canonical is None else canonical)
     cpu = time.process_time() - cpu0
     if not fits_memory(cluster, workload, layer_split, m):
         raise PlanningError("memory_gb", "no placement puts every stage on a device that can hold it")
@@ -231,7 +313,9 @@ def plan(cluster: Cluster, workload: Workload, cost_model: str = "full", seed: i
                   "seconds": round(res.seconds, 4), "cpu_seconds": round(cpu, 4),
                   "evaluations": res.evaluations, "seed": seed, "start": res.start, "stages": n_st,
                   "replicas": n_rep, "idle_devices": [int(x) for x in res.spares],
-                  "lower_bound": float(f"{bound:.6g}"), "gap": round(gap(total, bound), 6)}
+                  "lower_bound": float(bound), "gap": round(gap_of(total, bound), 6),
+                  "stopped_by": res.stopped_by, "gap_target": gap_stop,
+                  "time_limit_s": None if time_limit_s is None else round(time_limit_s, 3)}
     if algorithm == "memetic":
         out.search["generations"] = res.generations
     return out

@@ -1,4 +1,13 @@
-"""``python -m scheduler bench``: random / rank order / the paper's search / our ILS / our memetic search.
+"""``python -m scheduler bench``: how the default search stops; ``--baselines``: the comparison with others.
+
+The default (:func:`run_stop_bench`): every bundled scenario and generated 64 / 256 / 1,024-device ones, under
+three device numberings, with ``plan``'s defaults (2 % gap, default time limit): the best cost at 0.5, 1 and 2
+wall seconds and at the stop, the bound, the gap, the rule that stopped the search, seconds and the load
+average; then a warm re-plan after one departure per scenario (8 x (N / 8 - 1), so that idle devices can take
+the departed one's tasklets), beside a cold one (``warm=False``) up to 256 devices. Wall seconds depend on the
+machine's load.
+
+``--baselines`` (:func:`run_bench`): random / rank order / the paper's search / our ILS / our memetic search.
 
 Device ids are shuffled before planning (seed-dependent), so no planner profits from devices being listed
 region by region; costs do not depend on ids, so nothing needs mapping back. Every cost is the ``dtfm`` model
@@ -205,4 +214,140 @@ def format_table(result: dict[str, Any]) -> str:
                          f"{_f(r.get('repaired_objective_s'))} ({r.get('repaired_moved_tasklets', '-')}) | "
                          f"{_f(r['scratch_cost'])} / {_f(r['scratch_objective_s'])} ({r['scratch_moved_tasklets']}) | "
                          f"{_f(r['replan_cpu_s'], 1)} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stopping benchmark (the default of ``python -m scheduler bench``): how fast the search gets close to its bound.
+
+STOP_SCENARIOS_64 = ("hetero64_0", "geo64_0")
+STOP_SCENARIOS_LARGE = ("hetero256_0", "geo1024_0")
+CHECKPOINTS_S = (0.5, 1.0, 2.0)
+
+
+def _replicas(n: int) -> int:
+    """8 stages x N / 8 replicas (the paper's 8 x 8 on 64 devices)."""
+    return max(1, n // 8)
+
+
+def _best_at(timeline: list[tuple[float, float]], offset: float, t: float) -> float | None:
+    """Best cost found by wall second ``t`` of the whole call (``offset``: seconds before the search started)."""
+    seen = [c for s, c in timeline if offset + s <= t]
+    return min(seen) if seen else None
+
+
+def stop_run(cluster: Cluster, workload: Workload, cost_model: str, perm_seed: int | None,
+             gap_target: float | None = None, time_limit_s: float | None = None) -> dict[str, Any]:
+    """One default search (``plan``'s stopping rules) of a renumbered scenario, with its cost over time."""
+    from .api import search_layout, stopping
+
+    perm = (np.arange(cluster.n) if perm_seed is None
+            else np.random.default_rng(perm_seed).permutation(cluster.n))
+    sub = cluster.subset(perm)
+    gap_stop, limit = stopping(sub.n, None, gap_target, time_limit_s)
+    load = os.getloadavg()[0]
+    w0, c0 = time.perf_counter(), time.process_time()
+    _, _, res, bound, _ = search_layout(sub, workload, cost_model, 0, limit, None, "memetic", None,
+                                        gap_stop=gap_stop)
+    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+    offset = wall - res.seconds  # bound, seeds and canonical order before the search's clock started
+    row: dict[str, Any] = {"scenario": cluster.name, "devices": cluster.n, "cost_model": cost_model,
+                           "stages": workload.stages, "replicas": workload.replicas,
+                           "permutation": perm_seed, "load_before": load}
+    for t in CHECKPOINTS_S:
+        row[f"cost_at_{t:g}s"] = _best_at(res.timeline, offset, t)
+    row.update(cost=res.total, lower_bound=bound, gap=gap(res.total, bound), stopped_by=res.stopped_by,
+               seconds=wall, cpu_seconds=cpu, setup_seconds=offset, evaluations=res.evaluations,
+               time_limit_s=limit, gap_target=gap_stop, load_after=os.getloadavg()[0])
+    return row
+
+
+def replan_run(cluster: Cluster, workload: Workload, cost_model: str, time_limit_s: float | None = None,
+               cold: bool = False) -> dict[str, Any]:
+    """Plan, then re-plan (warm, the default) after the departure of one busy device; seconds of each.
+
+    ``cold``: also re-plan with ``warm=False`` (cold seeds, the from-scratch budget) for comparison.
+    """
+    from .api import plan
+    from .plan import Plan
+    from .replan import replan
+
+    w0 = time.perf_counter()
+    first = plan(cluster, workload, cost_model=cost_model, time_limit_s=time_limit_s)
+    first_s = time.perf_counter() - w0
+    used = [d for row in first.pipelines for d in row]
+    gone = used[int(np.random.default_rng(0).integers(len(used)))]
+    live = [d for d in range(cluster.n) if d != gone]
+    index = {d: i for i, d in enumerate(live)}
+    sub = cluster.subset(live)
+    current = Plan(first.stages, [[index.get(d, -1) for d in row] for row in first.pipelines])
+    load = os.getloadavg()[0]
+    w0, c0 = time.perf_counter(), time.process_time()
+    new = replan(sub, workload, current, cost_model=cost_model)
+    secs, cpu = time.perf_counter() - w0, time.process_time() - c0
+    extra: dict[str, Any] = {}
+    if cold:
+        w0 = time.perf_counter()
+        ref = replan(sub, workload, current, cost_model=cost_model, warm=False)
+        extra = {"cold_objective_s": ref.predicted["objective_s"], "cold_cost_after": ref.predicted["total_s"],
+                 "cold_replan_s": time.perf_counter() - w0, "cold_stopped_by": ref.search["stopped_by"]}
+    return {**extra, "objective_s": new.predicted["objective_s"], "scenario": cluster.name, "devices": cluster.n,
+            "cost_model": cost_model, "departed": int(gone),
+            "stages": workload.stages, "replicas": workload.replicas,
+            "first_plan_s": first_s, "cost_before": first.predicted["total_s"],
+            "cost_after": new.predicted["total_s"], "lower_bound_after": new.search["lower_bound"],
+            "gap_after": new.search["gap"], "moved_tasklets": new.predicted["moves"]["moved_tasklets"],
+            "replan_s": secs, "replan_cpu_s": cpu, "stopped_by": new.search["stopped_by"],
+            "evaluations": new.search["evaluations"], "load_before": load, "load_after": os.getloadavg()[0]}
+
+
+def run_stop_bench(quick: bool = False, scenarios_path: str | None = None, large: bool = True,
+                   cost_models: tuple[str, ...] = ("dtfm", "full"), permutations: int = 3,
+                   cold_replans: bool = True) -> dict[str, Any]:
+    """Every scenario under ``permutations`` device numberings (the first as listed) with default stopping."""
+    path = scenarios_path or default_scenarios_path()
+    base = Workload.preset("gpt3-xl-dtfm")
+    clusters = [Cluster.from_scenario(path, name) for name in PAPER_SCENARIOS]
+    clusters += [synthetic(name) for name in STOP_SCENARIOS_64]
+    if large and not quick:
+        clusters += [synthetic(name) for name in STOP_SCENARIOS_LARGE]
+    rows, replans = [], []
+    for cluster in clusters:
+        w = base.with_split(8, _replicas(cluster.n))
+        # the re-plan keeps one replica's worth of devices idle, so that a departure leaves D unchanged
+        spare = base.with_split(8, max(1, _replicas(cluster.n) - 1))
+        for cost_model in cost_models:
+            for k in range(permutations):
+                rows.append(stop_run(cluster, w, cost_model, None if k == 0 else 1000 + k))
+                log.info("%s %s perm %d: %s", cluster.name, cost_model, k, rows[-1])
+            replans.append(replan_run(cluster, spare, cost_model, cold=cold_replans and cluster.n <= 256))
+    spread = {}
+    for r in rows:
+        spread.setdefault((r["scenario"], r["cost_model"]), []).append(r["cost"])
+    summary = [{"scenario": s, "cost_model": m, "permutation_spread": max(c) / min(c) - 1.0}
+               for (s, m), c in spread.items()]
+    return {"runs": rows, "permutations": summary, "replan": replans}
+
+
+def format_stop_table(result: dict[str, Any]) -> str:
+    lines = ["| scenario | model | perm | cost @0.5 s / 1 s / 2 s | cost at stop | bound | gap | stopped by | "
+             "s (load) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in result["runs"]:
+        at = " / ".join(_f(r[f"cost_at_{t:g}s"]) for t in CHECKPOINTS_S)
+        lines.append(f"| {r['scenario']} | {r['cost_model']} | {r['permutation'] or 'as listed'} | {at} | "
+                     f"{_f(r['cost'])} | {_f(r['lower_bound'])} | {100 * r['gap']:.1f} % | {r['stopped_by']} | "
+                     f"{r['seconds']:.2f} ({r['load_before']:.1f}) |")
+    lines += ["", "| scenario | model | cost spread over the numberings |", "| --- | --- | --- |"]
+    lines += [f"| {s['scenario']} | {s['cost_model']} | {100 * s['permutation_spread']:.2f} % |"
+              for s in result["permutations"]]
+    lines += ["", "| re-plan after one departure | model | cost before / after | bound / gap after | moved | "
+              "stopped by | re-plan s (load) | objective warm / cold (cold s) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in result["replan"]:
+        cold = (f"{_f(r['objective_s'])} / {_f(r['cold_objective_s'])} ({r['cold_replan_s']:.2f})"
+                if "cold_objective_s" in r else f"{_f(r.get('objective_s'))} / -")
+        lines.append(f"| {r['scenario']} device {r['departed']} | {r['cost_model']} | {_f(r['cost_before'])} / "
+                     f"{_f(r['cost_after'])} | {_f(r['lower_bound_after'])} / {100 * r['gap_after']:.1f} % | "
+                     f"{r['moved_tasklets']} | {r['stopped_by']} | {r['replan_s']:.2f} ({r['load_before']:.1f}) | "
+                     f"{cold} |")
     return "\n".join(lines)

@@ -17,16 +17,69 @@
 * Together. A plan whose DP is T uses only devices of the fixed point F(T), so its PP is bounded on the links
   inside F(T); over a grid T_0 < ... < T_K, ``min_k T_k + 2 PP(F(T_{k+1}))`` bounds every plan (F grows with T).
 
-``full``: the pipeline phase must run 3 M x (forward FLOPs of the whole model) on at most S x D devices, so it
-lasts at least that work over the S x D fastest devices' summed speed (communication and sync taken as free).
-Both are relaxations: valid, not tight; the gap they give is an upper bound on how far a plan is from optimal.
+* Access. Every used device touches a hop: as a source (its cheapest out-link ``a_i``) or a target (its
+  cheapest in-link ``b_i``), so with ``v_i = min(a_i, b_i)`` hop h's max is at least max(M_h, M_{h+1}), M_s
+  the largest v of group s. On a path, the sum of max(M_h, M_{h+1}) over edges is at least the sum of all M
+  but the smallest (charge every edge to its endpoint farther from the smallest node), and the k-th largest
+  group maximum is at least the ((k - 1) D + 1)-th largest v of the used devices, hence of the S x D devices
+  with the smallest v. This is the bound that sees slow access links (home connections) that must be used.
+* Segments. For a link threshold theta, call a hop fast when all its D links cost <= theta. The k slow hops
+  cost at least the next link value theta' each; the fast ones cut the S stages into k + 1 segments, and in a
+  segment of L stages every pipeline's L devices are joined by links <= theta, so they lie in one connected
+  component (of the graph of links <= theta, either direction) of c devices, which holds at most floor(c / L)
+  such pieces. So (i) the segment lengths must pack into the components (for every l: D x the summed length
+  of segments >= l is at most the devices of components of size >= l, and D x their number at most
+  sum floor(c / l)), and (ii) a group of a stage in the longest segment (length L) has at most floor(c / L)
+  members in a component of size c: a member's row sum is at least its D - 1 cheapest partners with at most
+  floor(c / L) from each component (one fewer from its own), and L x D distinct devices are such members. Minimising
+  DP(L) + 2 max(PP, k theta' + (S - 1 - k) hop) over the partitions of S that pass (i) bounds every plan;
+  every theta gives a bound and the largest is kept. This is the bound that sees that the fast clusters of a
+  datacenter can hold either the groups or the pipelines, and how many slow hops a set of small clusters forces.
+
+``full`` (``total = pipeline phase + max_s sync_s``), the two parts bounded separately:
+
+* Phase. Every device does its stage's forward and backward of every micro-batch of its pipeline, so the phase
+  lasts at least 3 M x (forward FLOPs of the whole model) over the S x D fastest devices' summed speed. A
+  pipeline's round trip is at least 3 F / (fastest device) plus the cheapest (S - 1)-hop walk out and back
+  (``rtt``); its period is at least its slowest stage, at least 3 F over its devices' summed speed; its c-th
+  micro-batch ends no sooner than ``rtt + (c - 1) period`` and than ``ceil(c / S) rtt`` (window of S). The
+  period is also at least 3 x (the smallest possible largest stage's FLOPs: a linear-partition DP over the
+  layers, or the given split's) over the fastest device's speed, ``p``. With sum c = M over at most D
+  pipelines: phase >= rtt + (M - D) max(3 F / (summed speed of the S x D fastest), p / D), and the busiest
+  pipeline (c >= ceil(M / D)) gives phase >= (floor((c - 1) / S) + 1) rtt + ((c - 1) mod S) p.
+* Pieces. For a threshold theta on a hop's round trip (link out + link back), a pipeline's hops of round trip
+  <= theta join devices of one connected component of the graph of such links; a component of c devices holds
+  pieces with at most c - ceil(c / S) such hops in all, and one pipeline needs ceil(S / c_max) - 1 slower hops
+  (each >= theta', the next value). So the D_a active pipelines' round trips sum to at least D_a x compute +
+  (slow hops) theta' + (the rest) x the cheapest round trip, and since each active pipeline r ends no sooner than
+  rtt_r + (c_r - 1) p, phase >= (that sum + (M - D_a) p) / D_a for the worst case D_a <= D; the busiest pipeline
+  gives the window bound with its own round trip. The same sum is also at least D_a x compute + the access
+  bound: device i's hops cost at least v_i, its cheapest round trip; a pipeline's hops sum to at least its
+  devices' v but the smallest (the path lemma above), and the k-th largest pipeline minimum is at most the
+  (k S)-th largest v, so on the D_a S devices with the smallest v the sum is at least their v less every S-th.
+  With M >= D every pipeline starts a micro-batch at time 0 (the pull takes the M earliest starts), so D_a = D
+  and the phase is at least the round trip of the pipeline holding the used device of largest v.
+* Sync and pipelines together. For a threshold t on the pair cost at the smallest stage's bytes: either some
+  group has a pair >= t (sync >= 2 t), or every group lies inside a component of the graph of pairs < t; a
+  component of c devices holds floor(c / D) groups, so every pipeline crosses between components at least
+  ceil(S / max floor(c / D)) - 1 times, each crossing a round trip >= the cheapest between components, and the
+  phase bounds above apply to that round trip. The smaller of the two cases bounds every plan, for every t.
+* Sync. A group's sync is twice its slowest pair's ``delay + 8 (P_s / D) / bw``; every group is a D-set whose
+  pairs all cost <= its max, so its members keep D - 1 partners in the fixed point of "drop devices with fewer
+  than D - 1 partners at cost <= t". All S groups need S x D such devices at the smallest stage's bytes, and
+  the largest stage (at least ceil(L / S) layers, or the given split's) needs D at its bytes.
+
+All are relaxations: valid by construction, exact only on some instances; ``gap`` is an upper bound on how far
+a plan is from optimal. ``tests/test_scheduler_bound.py`` checks every bound against exhaustive search.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from scipy.sparse import csr_matrix
-from scipy.sparse.csgraph import maximum_bipartite_matching
+from scipy.sparse.csgraph import connected_components, maximum_bipartite_matching
 
 from .cluster import Cluster
 from .cost_dtfm import DtfmPairs
@@ -144,9 +197,17 @@ def dtfm_lower_bound(pairs: DtfmPairs, n_st: int, n_rep: int) -> float:
     if pairs.dp.shape[0] < need:
         return float("inf")
     dp_lb = dp_lower_bound(pairs.dp, n_st, n_rep)
-    pp_all = pp_lower_bound(pairs.pp, n_st, n_rep)
+    pp_all = max(pp_lower_bound(pairs.pp, n_st, n_rep), access_pp_bound(pairs.pp, n_st, n_rep))
     if n_rep < 2 or n_st < 2:
         return dp_lb + 2.0 * pp_all
+    hop = _hop_bound(pairs.pp, n_rep)
+    return max(_coupled_bound(pairs, n_st, n_rep, dp_lb, pp_all),
+               segment_bound(pairs, n_st, n_rep, dp_lb, pp_all, hop))
+
+
+def _coupled_bound(pairs: DtfmPairs, n_st: int, n_rep: int, dp_lb: float, pp_all: float) -> float:
+    """The per-device bound and the DP-threshold grid (see the module doc)."""
+    need = n_st * n_rep
     per_device = device_lower_bound(pairs, n_st, n_rep, _hop_bound(pairs.pp, n_rep))
     hi = float(np.sort(pairs.dp, axis=1)[:, -(n_rep - 1):].sum(axis=1).max())
     if hi <= dp_lb:
@@ -160,25 +221,285 @@ def dtfm_lower_bound(pairs: DtfmPairs, n_st: int, n_rep: int) -> float:
         if len(alive) < need:
             break
         if prev_alive is None or len(alive) != len(prev_alive):
-            prev_pp = max(prev_pp, pp_lower_bound(pairs.pp[np.ix_(alive, alive)], n_st, n_rep))
+            sub = pairs.pp[np.ix_(alive, alive)]
+            prev_pp = max(prev_pp, pp_lower_bound(sub, n_st, n_rep), access_pp_bound(sub, n_st, n_rep))
             prev_alive = alive
         best = min(best, float(grid[k - 1]) + 2.0 * prev_pp)
     return max(dp_lb + 2.0 * pp_all, best, per_device)
 
 
-def full_lower_bound(cluster: Cluster, workload: Workload, n_st: int, n_rep: int) -> float:
-    """Compute-only bound of the ``full`` model: the whole batch's FLOPs over the S x D fastest devices."""
-    flops = 3.0 * workload.n_microbatches * workload.stage_forward_flops(0, workload.n_layers)
-    fastest = np.sort(cluster.tflops)[::-1][: n_st * n_rep].sum() * 1e12
-    return float(flops / fastest)
+def access_pp_bound(pp: np.ndarray, n_st: int, n_rep: int) -> float:
+    """PP >= the sum of the S - 1 largest group maxima of v_i = cheapest link in or out of i (module doc)."""
+    if n_st < 2:
+        return 0.0
+    w = pp.astype(float).copy()
+    np.fill_diagonal(w, np.inf)
+    v = np.minimum(w.min(axis=1), w.min(axis=0))
+    used = np.sort(v)[: n_st * n_rep][::-1]  # the S x D smallest, largest first
+    return float(used[np.arange(n_st - 1) * n_rep].sum())
+
+
+SEGMENT_MAX_STAGES = 20  # partitions of S are enumerated (627 for S = 20); above, the segment bound is skipped
+SEGMENT_THRESHOLDS = 24  # link thresholds tried (all distinct values when there are fewer) ...
+SEGMENT_THRESHOLDS_LARGE = 8  # ... and above 256 devices, where each costs O(N^2 log N)
+
+
+def _partitions(n: int, most: int | None = None) -> list[tuple[int, ...]]:
+    """Every partition of n into non-increasing parts <= most."""
+    most = n if most is None else most
+    if n == 0:
+        return [()]
+    out = []
+    for first in range(min(n, most), 0, -1):
+        out.extend((first, *rest) for rest in _partitions(n - first, first))
+    return out
+
+
+def _packs(parts: tuple[int, ...], n_rep: int, sizes: np.ndarray) -> bool:
+    """Necessary condition for D copies of every segment to lie in components of these sizes (module doc)."""
+    for length in sorted(set(parts)):
+        if length < 2:
+            continue
+        long_ = [x for x in parts if x >= length]
+        big = sizes[sizes >= length]
+        if n_rep * sum(long_) > big.sum() or n_rep * len(long_) > (big // length).sum():
+            return False
+    return True
+
+
+def _capped_dp(dp: np.ndarray, labels: np.ndarray, sizes: np.ndarray, n_rep: int, length: int) -> float:
+    """DP of a group inside a segment of ``length`` stages: the (L x D)-th smallest capped row bound.
+
+    Such a group has at most floor(c / L) members in a component of c devices, so a member's D - 1 mates are
+    at most that many from each other component and one fewer from its own: the cheapest D - 1 under these
+    caps (greedy is exact for caps per part) bound its row sum.
+    """
+    n = dp.shape[0]
+    cap = sizes // length  # members one component may give such a group
+    d = dp.astype(float).copy()
+    np.fill_diagonal(d, np.inf)
+    rank = np.zeros((n, n), dtype=int)  # rank of dp[i, j] among i's entries to j's component
+    for comp in np.flatnonzero(sizes > 1):
+        cols = np.flatnonzero(labels == comp)
+        rank[:, cols] = np.argsort(np.argsort(d[:, cols], axis=1, kind="stable"), axis=1, kind="stable")
+    limit = cap[labels][None, :] - (labels[:, None] == labels[None, :])
+    d = np.where(rank < limit, d, np.inf)
+    k = n_rep - 1
+    row = np.partition(d, k - 1, axis=1)[:, :k].sum(axis=1) if k < n else np.full(n, np.inf)
+    row = np.where(cap[labels] >= 1, row, np.inf)
+    return float(np.sort(row)[length * n_rep - 1])
+
+
+def segment_bound(pairs: DtfmPairs, n_st: int, n_rep: int, dp_lb: float, pp_all: float, hop: float) -> float:
+    """Max over link thresholds of the min over packable segmentations of DP(L) + 2 PP (see the module doc)."""
+    if n_st < 2 or n_rep < 2 or n_st > SEGMENT_MAX_STAGES:
+        return 0.0
+    pp, n = pairs.pp, pairs.pp.shape[0]
+    off = ~np.eye(n, dtype=bool)
+    vals = np.unique(pp[off])
+    tries = SEGMENT_THRESHOLDS if n <= 256 else SEGMENT_THRESHOLDS_LARGE
+    if len(vals) > tries:
+        vals = np.unique(np.quantile(vals, np.linspace(0.0, 1.0, tries), method="lower"))
+    parts_all = _partitions(n_st)
+    best = 0.0
+    for theta in vals[:-1]:  # at the largest value every hop is fast: nothing new
+        above = pp[off & (pp > theta)]
+        nxt = float(above.min())
+        adj = off & ((pp <= theta) | (pp.T <= theta))  # noqa: SIM300
+        _, labels = connected_components(csr_matrix(adj), directed=False)
+        sizes = np.bincount(labels)
+        dp_of: dict[int, float] = {}
+        lo = float("inf")
+        for parts in parts_all:
+            k = len(parts) - 1
+            pp_lb = max(pp_all, k * nxt + (n_st - 1 - k) * hop)
+            if max(dp_lb, 0.0) + 2.0 * pp_lb >= lo or not _packs(parts, n_rep, sizes):
+                continue
+            longest = parts[0]
+            if longest not in dp_of:
+                dp_of[longest] = _capped_dp(pairs.dp, labels, sizes, n_rep, longest) if longest > 1 else dp_lb
+            lo = min(lo, max(dp_lb, dp_of[longest]) + 2.0 * pp_lb)
+        best = max(best, lo)
+    return best
+
+
+def _clique_threshold(cost: np.ndarray, size: int, need: int) -> float:
+    """Smallest t at which >= ``need`` devices keep >= size - 1 partners at symmetric cost <= t (fixed point)."""
+    n = cost.shape[0]
+    if size < 2:
+        return 0.0
+    sym = np.maximum(cost, cost.T)
+    off = ~np.eye(n, dtype=bool)
+    vals = np.unique(sym[off])
+
+    def ok(t: float) -> bool:
+        adj = off & (sym <= t)
+        alive = np.ones(n, dtype=bool)
+        while True:
+            deg = (adj & alive[None, :]).sum(axis=1)
+            keep = alive & (deg >= size - 1)
+            if keep.sum() == alive.sum():
+                return int(alive.sum()) >= need
+            alive = keep
+
+    lo, hi = 0, len(vals) - 1
+    if not ok(float(vals[hi])):
+        return float("inf")
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(float(vals[mid])):
+            hi = mid
+        else:
+            lo = mid + 1
+    return float(vals[lo])
+
+
+def _min_max_stage_flops(workload: Workload, n_st: int) -> float:
+    """Min over contiguous splits into S stages of the largest stage's forward FLOPs (linear partition DP)."""
+    n_lay = workload.n_layers
+    flops = np.full((n_lay + 1, n_lay + 1), np.inf)
+    for a in range(n_lay):
+        for b in range(a + 1, n_lay + 1):
+            flops[a, b] = workload.stage_forward_flops(a, b)
+    best = np.full(n_lay + 1, np.inf)
+    best[0] = 0.0
+    for _ in range(n_st):
+        best = np.maximum(best[:, None], flops).min(axis=0)
+    return float(best[n_lay])
+
+
+def _window_finish(c: int, rtt: float, period: float, window: int) -> float:
+    """Earliest end of a pipeline's c-th micro-batch: ``done_k >= done_{k-1} + period`` and ``>= done_{k-W} + rtt``."""
+    q, r = divmod(c - 1, window)
+    return (q + 1) * rtt + r * period
+
+
+def _piece_phase(sym: np.ndarray, n_st: int, n_rep: int, n_mb: int, compute: float, period: float) -> float:
+    """Phase bound from how many slow hops the fast clusters force on the pipelines (see the module doc)."""
+    n = sym.shape[0]
+    off = ~np.eye(n, dtype=bool)
+    vals = np.unique(sym[off])
+    fast_min = float(vals[0])
+    if len(vals) > SEGMENT_THRESHOLDS:
+        vals = np.unique(np.quantile(vals, np.linspace(0.0, 1.0, SEGMENT_THRESHOLDS), method="lower"))
+    # access: device i's hops cost at least v_i (its cheapest round trip); per pipeline the hops sum to at least
+    # its devices' v but the smallest (path lemma), and the k-th largest pipeline minimum is at most the
+    # (k S)-th largest v: so D_a pipelines' hops cost >= the D_a S smallest v minus their chunk minima
+    trip = np.where(off, sym, np.inf)
+    v = np.sort(np.minimum(trip.min(axis=1), trip.min(axis=0)))
+    access = []
+    for active in range(1, n_rep + 1):
+        used = v[: active * n_st][::-1]
+        access.append(active * compute + float(used.sum() - used[n_st - 1:: n_st].sum()))
+    best = 0.0
+    if n_mb >= n_rep and len(v) >= n_st * n_rep:
+        # every pipeline starts a micro-batch at time 0, so all D are active and the phase is at least the round
+        # trip of the one holding the used device with the largest v (at least the (S x D)-th smallest)
+        best = compute + float(v[n_st * n_rep - 1]) + (n_st - 2) * float(v[0])
+    busiest = math.ceil(n_mb / n_rep)
+    for theta in vals[:-1]:
+        slow = float(sym[off & (sym > theta)].min())
+        _, labels = connected_components(csr_matrix(off & (sym <= theta)), directed=False)
+        sizes = np.bincount(labels)
+        own = math.ceil(n_st / int(sizes.max())) - 1  # slow hops of any one pipeline
+        rtt_one = compute + own * slow + (n_st - 1 - own) * fast_min
+        lo = _window_finish(busiest, rtt_one, period, n_st)
+        fast_cap = int((sizes - np.ceil(sizes / n_st)).sum())  # fast hops all pipelines together may have
+        mean = float("inf")  # the D_a active pipelines: phase >= (sum of their rtt + (M - D_a) period) / D_a
+        for active in (range(1, n_rep + 1) if n_mb < n_rep else (n_rep,)):
+            hops = active * (n_st - 1)
+            n_slow = max(active * own, hops - fast_cap)
+            rtts = max(active * compute + n_slow * slow + (hops - n_slow) * fast_min, access[active - 1])
+            mean = min(mean, (rtts + max(0, n_mb - active) * period) / active)
+        lo = max(lo, mean)
+        best = max(best, lo)
+    return best
+
+
+def full_lower_bound(cluster: Cluster, workload: Workload, n_st: int, n_rep: int,
+                     stages: list[tuple[int, int]] | None = None) -> float:
+    """Bound of the ``full`` model: pipeline phase (work, round trip, window) + the largest sync (module doc).
+
+    ``stages``: the layer split when it is fixed; otherwise the bound holds for every split.
+    """
+    need = n_st * n_rep
+    if cluster.n < need:
+        return float("inf")
+    n_lay, n_mb = workload.n_layers, workload.n_microbatches
+    f3 = 3.0 * workload.stage_forward_flops(0, n_lay)  # forward FLOPs add up over any split
+    speed = np.sort(cluster.tflops)[::-1] * 1e12
+    total_speed = speed[:need].sum()
+    walk = 0.0
+    if n_st > 1:
+        link = cluster.transfer_s(workload.activation_bytes())
+        walk = _walk_bound(link + link.T, n_st, 1)
+    rtt = f3 / speed[0] + walk
+    biggest = (max(workload.stage_forward_flops(a, b) for a, b in stages) if stages is not None
+               else _min_max_stage_flops(workload, n_st))
+    period = 3.0 * biggest / speed[0]  # every pipeline's slowest stage takes at least this per micro-batch
+    most = math.ceil(n_mb / n_rep)  # micro-batches of the busiest pipeline, at least
+    extra = max(0, n_mb - n_rep)
+    phase = max(f3 * n_mb / total_speed, rtt + extra * max(f3 / total_speed, period / n_rep),
+                _window_finish(most, rtt, period, n_st))
+    if n_st > 1:
+        phase = max(phase, _piece_phase(link + link.T, n_st, n_rep, n_mb, f3 / speed[0], period))
+    if n_rep < 2:
+        return float(phase)
+    if stages is not None:
+        sizes = [workload.stage_param_bytes(a, b) for a, b in stages]
+        small, large = min(sizes), max(sizes)
+    else:
+        width = -(-n_lay // n_st)
+        small = min(workload.stage_param_bytes(a, a + 1) for a in range(n_lay))
+        large = min(workload.stage_param_bytes(a, a + width) for a in range(n_lay - width + 1))
+
+    def pair_cost(nbytes: float) -> np.ndarray:
+        return cluster.delay_s + 8.0 * (nbytes / n_rep) / cluster.bandwidth_bps
+
+    sync = max(_clique_threshold(pair_cost(small), n_rep, need), _clique_threshold(pair_cost(large), n_rep, n_rep))
+    out = phase + 2.0 * sync
+    if n_st > 1:
+        out = max(out, _sync_split(pair_cost(small), link + link.T, n_st, n_rep, n_mb, f3 / speed[0], period,
+                                   phase, sync))
+    return float(out)
+
+
+def _sync_split(pair: np.ndarray, trip: np.ndarray, n_st: int, n_rep: int, n_mb: int, compute: float,
+                period: float, phase: float, sync: float) -> float:
+    """Max over t of min(sync >= 2 t, or every group inside a component of pairs < t) (see the module doc)."""
+    n = pair.shape[0]
+    off = ~np.eye(n, dtype=bool)
+    sym = np.maximum(pair, pair.T)
+    vals = np.unique(sym[off])
+    tries = SEGMENT_THRESHOLDS if n <= 256 else SEGMENT_THRESHOLDS_LARGE
+    if len(vals) > tries:
+        vals = np.unique(np.quantile(vals, np.linspace(0.0, 1.0, tries), method="lower"))
+    fast_min = float(trip[off].min())
+    most = math.ceil(n_mb / n_rep)
+    best = 0.0
+    for t in vals[1:]:
+        spread = phase + 2.0 * max(sync, float(t))  # some group has a pair >= t
+        _, labels = connected_components(csr_matrix(off & (sym < t)), directed=False)
+        sizes = np.bincount(labels)
+        per = sizes // n_rep  # groups a component can hold
+        if per.sum() < n_st or per.max() == 0:
+            best = max(best, spread)  # the groups cannot all stay inside components
+            continue
+        cross = math.ceil(n_st / int(per.max())) - 1  # hops of every pipeline between components
+        apart = labels[:, None] != labels[None, :]
+        hop = float(trip[apart].min()) if apart.any() else fast_min
+        rtt = compute + cross * hop + (n_st - 1 - cross) * fast_min
+        inside = max(phase, _window_finish(most, rtt, period, n_st), rtt + max(0, n_mb - n_rep) * period / n_rep)
+        best = max(best, min(spread, inside + 2.0 * sync))
+    return best
 
 
 def lower_bound(cluster: Cluster, workload: Workload, n_st: int, n_rep: int, cost_model: str,
-                pairs: DtfmPairs | None = None) -> float:
+                pairs: DtfmPairs | None = None, stages: list[tuple[int, int]] | None = None) -> float:
     """The bound of ``cost_model`` for this split (see the module doc)."""
     if cost_model == "dtfm":
         return dtfm_lower_bound(pairs or DtfmPairs.build(cluster, workload, n_st, n_rep), n_st, n_rep)
-    return full_lower_bound(cluster, workload, n_st, n_rep)
+    return full_lower_bound(cluster, workload, n_st, n_rep, stages)
 
 
 def gap(cost: float, bound: float) -> float:

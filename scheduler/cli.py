@@ -37,7 +37,8 @@ def format_plan(cluster: Cluster, p: Plan) -> str:
     lines.append(f"search: {sr.get('algorithm')}; {sr.get('evaluations')} evaluations in "
                  f"{sr.get('seconds')} s ({sr.get('cpu_seconds')} s CPU), seed {sr.get('seed')}")
     if "lower_bound" in sr:
-        lines.append(f"lower bound {sr['lower_bound']:.4f} s: gap {100 * sr['gap']:.1f} %")
+        lines.append(f"lower bound {sr['lower_bound']:.4f} s: gap {100 * sr['gap']:.1f} %"
+                     + (f"; search stopped by {sr['stopped_by']}" if sr.get("stopped_by") else ""))
     return "\n".join(lines)
 
 
@@ -48,18 +49,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
         workload = workload.with_split(args.stages or workload.stages, args.replicas or workload.replicas)
     if args.time_limit is not None and not args.time_limit > 0:
         raise PlanningError("time-limit", "must be > 0 seconds")
+    if not 0.0 <= args.gap < 1.0:
+        raise PlanningError("gap", "must be in [0, 1)")
     p = plan(cluster, workload, cost_model=args.cost_model, seed=args.seed, time_limit_s=args.time_limit,
-             algorithm=args.algorithm)
+             algorithm=args.algorithm, gap=args.gap)
     print(json.dumps(p.to_dict()) if args.json else format_plan(cluster, p))
     return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import format_table, run_bench
+    from .bench import format_stop_table, format_table, run_bench, run_stop_bench
 
-    result = run_bench(quick=args.quick, seeds=args.seeds, scenarios_path=args.scenarios,
-                       large=not args.no_large, synthetic_64=not args.no_synthetic)
-    print(json.dumps(result, indent=1) if args.json else format_table(result))
+    if args.baselines:
+        result = run_bench(quick=args.quick, seeds=args.seeds, scenarios_path=args.scenarios,
+                           large=not args.no_large, synthetic_64=not args.no_synthetic)
+        print(json.dumps(result, indent=1) if args.json else format_table(result))
+        return 0
+    models = ("dtfm", "full") if args.cost_model == "both" else (args.cost_model,)
+    stop = run_stop_bench(quick=args.quick, scenarios_path=args.scenarios, large=not args.no_large,
+                          cost_models=models, permutations=args.seeds)
+    print(json.dumps(stop, indent=1) if args.json else format_stop_table(stop))
     return 0
 
 
@@ -75,14 +84,23 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--seed", type=int, default=0)
     pp.add_argument("--algorithm", choices=ALGORITHMS, default="memetic",
                     help="memetic (default) or ils (the previous iterated local search)")
-    pp.add_argument("--time-limit", type=float, help="cap on search seconds (default: generation budget)")
+    pp.add_argument("--time-limit", type=float,
+                    help="cap on search seconds (default: 5 s for 64 devices, x sqrt(devices / 64))")
+    pp.add_argument("--gap", type=float, default=0.02,
+                    help="stop once the plan is proven within this fraction of optimal (default 0.02; 0: never)")
     pp.add_argument("--json", action="store_true")
     pp.set_defaults(func=cmd_plan)
-    bp = sub.add_parser("bench", help="baselines vs the paper's search vs ours on the paper's scenarios")
-    bp.add_argument("--quick", action="store_true", help="smaller budgets (paper GA: 500 candidates)")
-    bp.add_argument("--seeds", type=int, default=3, help="seeds (device shuffles) per scenario")
+    bp = sub.add_parser("bench", help="how the search stops (cost over time, bound, gap, re-plans); "
+                        "--baselines: vs the paper's search and baselines")
+    bp.add_argument("--baselines", action="store_true", help="the comparison with random, rank order, the "
+                    "paper's search and our ILS instead")
+    bp.add_argument("--cost-model", choices=(*COST_MODELS, "both"), default="both",
+                    help="cost model(s) of the stopping benchmark (default both)")
+    bp.add_argument("--quick", action="store_true", help="smaller budgets (paper GA: 500 candidates); the "
+                    "stopping benchmark skips the 256 / 1,024-device scenarios")
+    bp.add_argument("--seeds", type=int, default=3, help="device numberings (shuffles) per scenario")
     bp.add_argument("--scenarios", default=None, help="scenarios file (default: shared / packaged)")
-    bp.add_argument("--no-large", action="store_true", help="skip the synthetic 1,024-device scenario")
+    bp.add_argument("--no-large", action="store_true", help="skip the synthetic 256 / 1,024-device scenarios")
     bp.add_argument("--no-synthetic", action="store_true", help="skip the synthetic 64-device scenarios")
     bp.add_argument("--json", action="store_true")
     bp.set_defaults(func=cmd_bench)

@@ -44,16 +44,16 @@ def predict_timing(t: Timing) -> dict[str, Any]:
     period = op.max(axis=1)
     if n_st > 1:
         period = np.maximum(period, np.maximum(t.xfer_fwd.max(axis=1), t.xfer_bwd.max(axis=1)))
-    done = np.empty((n_rep, n_mb))
+    # done_k = max(done_{k-1} + period, done_{k-W} + rtt) from done_0 = rtt is a max-plus recurrence: every
+    # path to k takes a W-steps (rtt each) and k - a W single steps (period each), and the total is linear in a,
+    # so the max is at a = 0 or a = floor(k / W) -- a closed form, evaluated for every k at once
+    k = np.arange(n_mb)
+    done = rtt[:, None] + np.maximum(k[None, :] * period[:, None],
+                                     (k // win)[None, :] * rtt[:, None] + (k % win)[None, :] * period[:, None])
     start = np.empty((n_rep, n_mb))
-    for k in range(n_mb):
-        if k == 0:
-            done[:, 0] = rtt
-        else:
-            done[:, k] = done[:, k - 1] + period
-            if k >= win:
-                done[:, k] = np.maximum(done[:, k], done[:, k - win] + rtt)
-        start[:, k] = k * t.fwd[:, 0] if k < win else done[:, k - win]
+    head = min(win, n_mb)
+    start[:, :head] = k[None, :head] * t.fwd[:, :1]
+    start[:, head:] = done[:, : n_mb - head]
     # pull: the M earliest starts over all pipelines get the micro-batches (ties: lower pipeline first)
     order = np.lexsort((np.repeat(np.arange(n_rep), n_mb), start.reshape(-1)))[:n_mb]
     counts = np.bincount(order // n_mb, minlength=n_rep)

@@ -16,8 +16,9 @@ exact re-piping at the local optimum) before it competes. After ``restart_after`
 best the worse half of the population is replaced by heavily kicked, re-improved copies of the best.
 
 Anytime: the best layout so far is kept at every step, and the search stops at the generation limit, the
-evaluation budget, the time limit, or as soon as the best cost reaches the lower bound. Deterministic for a
-seed whenever the time limit does not end it.
+evaluation budget, the time limit, after ``stop_after`` generations without a new best, or as soon as the best
+cost is within ``gap`` of the lower bound (``(cost - bound) / cost <= gap``: proven near-optimal); which rule
+ended it is ``SearchResult.stopped_by``. Deterministic for a seed whenever the time limit does not end it.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class MemeticConfig:
     restart_after: int = 12  # generations without a new best before the worse half is re-seeded
     min_distance_frac: float = 0.08  # children closer than this (devices on another stage) to a member are twins
     cpu_clock: bool = False  # time_limit_s counts this process's CPU seconds instead of wall seconds
+    gap: float = 0.0  # stop once the best layout is proven within this fraction of optimal by the lower bound
+    cold_seeds: bool = True  # add the sorted-device seeds to the given starts (a warm re-plan does not)
 
 
 def _stage_labels(x: np.ndarray, n_slots: int, n_st: int, n_devices: int) -> np.ndarray:
@@ -84,9 +87,11 @@ class Memetic:
         self.best_x: np.ndarray | None = None
         self.found_s = 0.0
         self.trace: list[tuple[int, float]] = []
+        self.timeline: list[tuple[float, float]] = []
         self.clock = time.process_time if cfg.cpu_clock else time.perf_counter
         self.t0 = self.clock()
         self.cpu0 = time.process_time()
+        self.stopped_by = ""
 
     # ----------------------------------------------------------------- helpers
     def flat(self, m: np.ndarray) -> np.ndarray:
@@ -95,17 +100,23 @@ class Memetic:
         return np.concatenate([m.reshape(-1), np.flatnonzero(~used)]).astype(int)
 
     def done(self) -> bool:
-        if self.evals >= self.cfg.max_evaluations:
+        """Whether a stopping rule holds; the first that does is recorded in ``stopped_by``."""
+        if self.stopped_by:
             return True
-        if self.best_key[0] <= self.bound * (1.0 + 1e-9):
-            return True
-        return self.cfg.time_limit_s is not None and self.clock() - self.t0 > self.cfg.time_limit_s
+        if self.best_key[0] * (1.0 - self.cfg.gap) <= self.bound * (1.0 + 1e-9):
+            self.stopped_by = "gap"  # (cost - bound) / cost <= gap: the plan is proven near-optimal
+        elif self.evals >= self.cfg.max_evaluations:
+            self.stopped_by = "evaluations"
+        elif self.cfg.time_limit_s is not None and self.clock() - self.t0 > self.cfg.time_limit_s:
+            self.stopped_by = "time"
+        return bool(self.stopped_by)
 
     def _note(self) -> None:
         key = (self.obj.total, self.obj.soft)
         if self.best_x is None or better(key, self.best_key):
             self.best_key, self.best_x = key, self.obj.x.copy()
             self.trace.append((self.evals, key[0]))
+            self.timeline.append((self.clock() - self.t0, key[0]))
             self.found_s = time.process_time() - self.cpu0
 
     # ------------------------------------------------------------ local search
@@ -289,7 +300,8 @@ class Memetic:
     def run(self, starts: list[tuple[str, np.ndarray]]) -> SearchResult:
         cfg, rng = self.cfg, self.rng
         pop: list[tuple[tuple[float, float], np.ndarray]] = []
-        starts = list(starts) + sorted_seeds(self.hcost, self.gcost, self.n_st, self.n_rep)
+        if cfg.cold_seeds:
+            starts = list(starts) + sorted_seeds(self.hcost, self.gcost, self.n_st, self.n_rep)
         names: dict[int, str] = {}
         scored = []
         for name, m in starts:
@@ -311,8 +323,14 @@ class Memetic:
             base = pop[int(rng.integers(len(pop)))][1]
             self._insert(pop, *self.improve(self.kick(base, max(cfg.kick_swaps, self.n_slots // 8))))
         gen, since_best, best_at, idle = 0, 0, self.best_key, 0
-        while gen < cfg.generations and not self.done() and len(pop) > 1:
-            if cfg.stop_after and idle >= cfg.stop_after:
+        while not self.done():
+            if gen >= cfg.generations:
+                self.stopped_by = "generations"
+            elif len(pop) < 2:
+                self.stopped_by = "converged"  # a single distinct local optimum: nothing to cross
+            elif cfg.stop_after and idle >= cfg.stop_after:
+                self.stopped_by = "stalled"  # stop_after generations without a new best
+            if self.stopped_by:
                 break
             gen += 1
             i, j = self._parents(pop)
@@ -343,7 +361,7 @@ class Memetic:
         res = SearchResult(matrix=x[: self.n_slots].reshape(self.n_rep, self.n_st).copy(),
                            spares=x[self.n_slots:].copy(), total=self.obj.total, evaluations=self.evals,
                            seconds=secs, start=start_name, trace=self.trace, generations=gen,
-                           found_s=self.found_s)
+                           found_s=self.found_s, stopped_by=self.stopped_by, timeline=self.timeline)
         return res
 
     def _parents(self, pop: list[tuple[tuple[float, float], np.ndarray]]) -> tuple[int, int]:

@@ -10,8 +10,11 @@ extra per swap.
 
 The search starts from the current plan, repaired: a departed device's tasklet goes to the idle device
 cheapest to bring there, and when the devices left no longer fill S x D the replica with the most holes is
-dropped. The usual seeds stay in the population, so a re-plan can still end far from the current plan when
-that pays, and a re-plan's objective is never above that of the from-scratch search it competes with.
+dropped. Warm (the default): the population is the repaired plan and kicked copies of it only, small
+(:data:`WARM`), and the search stops after a few generations without a new best, at the gap, or at a tenth of
+the from-scratch default time limit. Why: after one peer left or joined, the running plan was already near the best
+and a better one is a few swaps away, while the swarm waits on the re-plan. ``warm=False`` adds the usual cold
+seeds and budget, so a re-plan can still end far from the current plan when that pays.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from .api import COST_MODELS, predict, search_layout
-from .bound import gap
+from .api import COST_MODELS, DEFAULT_GAP, default_time_limit, predict, search_layout, stopping
+from .bound import gap as gap_of
 from .cluster import Cluster
 from .errors import PlanningError
 from .memetic import MemeticConfig
@@ -31,6 +34,10 @@ from .search import SearchConfig
 from .workload import ADAM_STATE_BYTES_PER_PARAM, Workload
 
 DEPARTED = -1
+# a warm re-plan's search: a small population from the repaired plan, ended by a few idle generations
+WARM = {"population": 2, "generations": 30, "stop_after": 3, "restart_after": 3, "child_kicks": 0,
+        "stall_per_position": 0.75}
+WARM_TIME_FRACTION = 0.1  # of the from-scratch default time limit
 
 
 def state_bytes(workload: Workload, stages: list[tuple[int, int]]) -> np.ndarray:
@@ -104,13 +111,17 @@ def move_summary(move: np.ndarray, m: np.ndarray, weight: float) -> dict[str, An
 
 def replan(cluster: Cluster, workload: Workload, current: Plan, cost_model: str = "full", seed: int = 0,
            time_limit_s: float | None = None, config: SearchConfig | MemeticConfig | None = None,
-           algorithm: str = "memetic", move_weight: float = 1.0, replicas: int | None = None) -> Plan:
+           algorithm: str = "memetic", move_weight: float = 1.0, replicas: int | None = None,
+           gap: float | None = None, warm: bool = True, canonical: bool | None = None) -> Plan:
     """A new plan after a membership change, starting from ``current`` and charging every move.
 
     ``current``: the run's plan over *this* cluster's device indices, with ``-1`` for every device that left;
     its layer ranges are kept. ``replicas``: D of the new plan (default: the current D if the devices left
     allow it, else as many as fit). The returned plan's ``predicted`` holds the iteration cost as usual plus
     ``moves`` (moved tasklets, summed and slowest transfer seconds) and ``objective_s`` (cost + weighted moves).
+    ``gap`` and the default time limit are those of :func:`scheduler.api.plan`; the bound of the cost also bounds
+    the objective (moves cost >= 0), so a re-plan whose repaired plan is already within the gap stops at once.
+    ``canonical``: as in :func:`scheduler.api.plan` (default: yes unless a config is given).
     """
     if cost_model not in COST_MODELS:
         raise PlanningError("cost_model", f"must be one of {', '.join(COST_MODELS)}, got {cost_model!r}")
@@ -126,9 +137,18 @@ def replan(cluster: Cluster, workload: Workload, current: Plan, cost_model: str 
     w = workload.with_split(n_st, n_rep)
     move = move_costs(cluster, w, stages, rows)
     start = repair(rows, cluster.n, n_rep, move)
+    if canonical is None:
+        canonical = config is None
+    if warm and config is None and algorithm == "memetic":
+        if time_limit_s is None:
+            time_limit_s = WARM_TIME_FRACTION * default_time_limit(cluster.n)
+        config = MemeticConfig(**WARM)
+        gap = DEFAULT_GAP if gap is None else gap
+    gap_stop, time_limit_s = stopping(cluster.n, config, gap, time_limit_s)
     cpu0 = time.process_time()
     m, _, res, bound, _ = search_layout(cluster, w, cost_model, seed, time_limit_s, config, algorithm, stages,
-                                        slot_cost=move_weight * move, extra_starts=[("current", start)])
+                                        slot_cost=move_weight * move, extra_starts=[("current", start)],
+                                        gap_stop=gap_stop, cold_seeds=not warm, canonical=canonical)
     out = Plan(stages=stages, pipelines=m.tolist())
     out.validate(cluster.n, w.n_layers)
     out.predicted = predict(cluster, w, out, cost_model)
@@ -139,8 +159,9 @@ def replan(cluster: Cluster, workload: Workload, current: Plan, cost_model: str 
     out.search = {"algorithm": f"tasklet-{algorithm}-replan", "seconds": round(res.seconds, 4),
                   "cpu_seconds": round(time.process_time() - cpu0, 4), "evaluations": res.evaluations,
                   "seed": seed, "start": res.start, "stages": n_st, "replicas": n_rep,
-                  "idle_devices": [int(x) for x in res.spares], "lower_bound": float(f"{bound:.6g}"),
-                  "gap": round(gap(total, bound), 6)}
+                  "idle_devices": [int(x) for x in res.spares], "lower_bound": float(bound),
+                  "gap": round(gap_of(total, bound), 6), "stopped_by": res.stopped_by, "gap_target": gap_stop,
+                  "warm": bool(warm)}
     return out
 
 

@@ -61,6 +61,8 @@ class SearchResult:
     trace: list[tuple[int, float]] = field(default_factory=list)
     generations: int = 0  # memetic search only
     found_s: float = 0.0  # CPU seconds into the search when the best layout was found (memetic search only)
+    stopped_by: str = ""  # the rule that ended the search: gap, time, evaluations, generations, stalled, converged
+    timeline: list[tuple[float, float]] = field(default_factory=list)  # (seconds of its clock, best) (memetic)
 
 
 SOFT_POWER = 4.0
@@ -290,8 +292,10 @@ def run_search(obj: Objective, starts: list[tuple[str, np.ndarray]], n_devices: 
     obj.reset(best_x)
     stall_limit = max(50, int(cfg.stall_per_position * n_pos))
     stall, kicks, next_start = 0, 0, 1
+    stopped_by = "evaluations"
     while evals < cfg.max_evaluations:
         if deadline is not None and (evals & 63) == 0 and clock() > deadline:
+            stopped_by = "time"
             break
         p = obj.critical(rng) if rng.random() < cfg.critical_prob else int(rng.integers(n_slots))
         q = int(rng.integers(n_pos - 1))
@@ -336,4 +340,5 @@ def run_search(obj: Objective, starts: list[tuple[str, np.ndarray]], n_devices: 
     secs = clock() - t0
     log.info("search: %d evaluations in %.2fs, best %.4f (start %s)", evals, secs, obj.total, best_name)
     return SearchResult(matrix=best_x[:n_slots].reshape(n_rep, n_st).copy(), spares=best_x[n_slots:].copy(),
-                        total=obj.total, evaluations=evals, seconds=secs, start=best_name, trace=trace)
+                        total=obj.total, evaluations=evals, seconds=secs, start=best_name, trace=trace,
+                        stopped_by=stopped_by)

@@ -78,13 +78,13 @@ def test_bound_never_above_brute_force_and_memetic_reaches_it(seed: int, n_st: i
 
 
 def test_bound_below_the_best_known_costs_of_the_paper_scenarios() -> None:
-    # our best layouts (docs/scheduler.md); the bound must not pass them
+    # our best layouts (docs/scheduler.md, rounded to 4 decimals); the bound must not pass them
     best = {"datacenter_on_demand": 3.4398, "datacenter_spot": 31.6342, "multi_universities": 16.0868,
             "regional_geo_distributed": 34.8020, "worldwide_geo_distributed": 49.2184}
     w = dtfm(8, 8)
     for name, cost in best.items():
         pairs = DtfmPairs.build(Cluster.from_scenario(PACKAGED_SCENARIOS, name), w, 8, 8)
-        assert 0 < dtfm_lower_bound(pairs, 8, 8) <= cost
+        assert 0 < dtfm_lower_bound(pairs, 8, 8) <= cost + 5e-5
 
 
 def test_memetic_is_deterministic_per_seed() -> None:
