@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from peer.compute.hf.families import ModelSourceError
+from peer.compute.hf.layout import ModelSourceError
 from peer.compute.hf.spec import HFModelSpec
 
 log = logging.getLogger(__name__)
