@@ -86,7 +86,7 @@ def _self_check(config_json: str, where: str, seq_len: int) -> float:
     try:
         model = AutoModelForCausalLM.from_config(spec.hf_config()).eval()
         _randomise(model, 0)
-        weights = dict(model.named_parameters())
+        weights = model.state_dict()  # a tied head appears under its own name too
         n, x = spec.n_layers, ids
         cuts = [(0, n // 2), (n // 2, n)] if n > 1 else [(0, n)]
         with torch.no_grad():

@@ -8,8 +8,11 @@ runtime needs.
 
 What :func:`resolve_model` changes in a config, and why (each logged once): dropout is set to 0 (a forward pass
 must be a deterministic function of parameters and input, or a redone task would differ); tied input/output
-embeddings are untied (they live on different stages; the head starts as a copy of the embedding, so the model
-is the same at step 0, and the exported config says ``tie_word_embeddings: false``).
+embeddings are untied unless ``tie=True`` (they live on different stages; the head starts as a copy of the
+embedding, so the model is the same at step 0, and the exported config says ``tie_word_embeddings: false``).
+With ``tie=True`` the config stays tied: the first stage's embedding and the last stage's head are two copies of
+one weight whose gradients are summed (``peer.compute.hf.tied``), which the runtime has to do between the two
+stages.
 """
 
 from __future__ import annotations
@@ -123,6 +126,7 @@ class HFModelSpec:
     fingerprint: str = ""  # sha256 of the config and the checkpoint index
     source: str = ""  # what the user named (preset, config.json, folder), for messages
     tied: bool = False  # the original model tied embeddings (the head starts as a copy of the embedding)
+    keep_tied: bool = False  # the config stays tied (gradients summed between first and last stage)
     kind: str = field(default="hf", init=False)
 
     @property
@@ -211,7 +215,7 @@ def _read_config(path: Path) -> dict[str, Any]:
     return doc
 
 
-def normalise_config(raw: dict[str, Any], where: str) -> tuple[dict[str, Any], bool]:
+def normalise_config(raw: dict[str, Any], where: str, tie: bool = False) -> tuple[dict[str, Any], bool]:
     """Validate through transformers, find the layout (or refuse), and return (config dict as JSON, whether it
     tied embeddings)."""
     config = _to_config(raw, where)
@@ -223,7 +227,7 @@ def normalise_config(raw: dict[str, Any], where: str) -> tuple[dict[str, Any], b
                                f"LM of model_type {config.model_type!r})")
     find_layout(meta, config, where)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    if tied:
+    if tied and not tie:
         log.warning("%s: input and output embeddings are untied for training (they live on different stages); "
                     "the head starts as a copy of the embedding and the exported model is untied", where)
         config.tie_word_embeddings = False
@@ -244,8 +248,9 @@ def resolve_model_cached(source: str, seq_len: int, seed: int = 0) -> HFModelSpe
     return resolve_model(source, seq_len, seed)
 
 
-def resolve_model(source: str, seq_len: int, seed: int = 0) -> HFModelSpec:
-    """A preset name, a config.json, or a Hugging Face folder (config.json [+ safetensors]) -> HFModelSpec."""
+def resolve_model(source: str, seq_len: int, seed: int = 0, tie: bool = False) -> HFModelSpec:
+    """A preset name, a config.json, or a Hugging Face folder (config.json [+ safetensors]) -> HFModelSpec;
+    ``tie``: keep tied embeddings tied (see the module docstring)."""
     checkpoint: Checkpoint | None = None
     if source in PRESETS:
         raw, where = dict(PRESETS[source]), f"preset {source}"
@@ -260,10 +265,11 @@ def resolve_model(source: str, seq_len: int, seed: int = 0) -> HFModelSpec:
             raw, where = _read_config(path), str(path)
         else:
             raise ModelSourceError(f"{source}: not a preset ({', '.join(PRESETS)}), a config.json or a model folder")
-    config, tied = normalise_config(raw, where)
+    config, tied = normalise_config(raw, where, tie)
     spec = HFModelSpec(config=config, seq_len=seq_len, seed=seed,
                        checkpoint=str(checkpoint.folder.resolve()) if checkpoint else None,
-                       fingerprint=model_fingerprint(config, checkpoint), source=where, tied=tied)
+                       fingerprint=model_fingerprint(config, checkpoint), source=where, tied=tied,
+                       keep_tied=tied and tie)
     spec.validate()
     from peer.compute.hf.selfcheck import self_check
 
