@@ -4,7 +4,7 @@ The tiny ones (4 layers, hidden 64-128) are one per family the tests train: Llam
 GPT-2 (learned positions, tied), Gemma-2 (scaled embedding, alternating sliding/full attention, logit
 soft-capping, tied), OLMo-2 (norms after attention and MLP, QK-norm), Granite (embedding, residual, attention
 and logit multipliers) and Qwen-3 (QK-norm). The large ones are *shapes* for planning and benchmarks
-(Llama-3.2-1B, Llama-3-8B, the paper's GPT-3 XL, Qwen-3-1.7B); training them from a preset starts from seeded
+(Llama-3.2-1B, OLMo-2-1B, Llama-3-8B, the paper's GPT-3 XL); training them from a preset starts from seeded
 random weights, like any config.
 """
 
@@ -38,5 +38,5 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny-granite": {**_ROTARY, "model_type": "granite", "embedding_multiplier": 12.0, "logits_scaling": 8.0,
                      "residual_multiplier": 0.22, "attention_multiplier": 0.0625, "tie_word_embeddings": True},
     "tiny-qwen3": {**_ROTARY, "model_type": "qwen3", "head_dim": 16, "tie_word_embeddings": True},
-    **MODEL_SHAPES,  # llama-3.2-1b, llama-3-8b, gpt3-xl, qwen3-1.7b: the scheduler plans with the same shapes
+    **MODEL_SHAPES,  # llama-3.2-1b, olmo-2-1b, llama-3-8b, gpt3-xl: the scheduler plans with the same shapes
 }
