@@ -76,23 +76,26 @@ def test_seeded_init_does_not_depend_on_the_split() -> None:
     assert model.config["tie_word_embeddings"] is False and model.tied
 
 
-def test_each_stage_reads_only_its_tensors_from_a_sharded_checkpoint(tmp_path: Path) -> None:
-    folder = save_model(tmp_path / "llama", "tiny-llama", max_shard_size="150KB")
+@pytest.mark.parametrize(("preset", "tie"), [("tiny-llama", False), ("tiny-gemma2", True)])
+def test_each_stage_reads_only_its_tensors_from_a_sharded_checkpoint(preset: str, tie: bool, tmp_path: Path) -> None:
+    folder = save_model(tmp_path / "m", preset, max_shard_size="60KB" if tie else "150KB", tie=tie)
     index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
     assert len(set(index.values())) >= 3, "the test needs a checkpoint of several shards"
+    assert ("lm_head.weight" in index) != tie  # a tied checkpoint holds the embedding only
     model = resolve_model(str(folder), seq_len=32)
-    assert model.checkpoint == str(folder.resolve())
+    assert model.checkpoint == str(folder.resolve()) and model.tied == tie
     reference = full_model(resolve_model(str(folder), seq_len=32))
-    hf = dict(reference.named_parameters())
+    hf = reference.state_dict()
     from transformers import AutoModelForCausalLM
 
-    saved = dict(AutoModelForCausalLM.from_pretrained(str(folder)).named_parameters())
+    saved = AutoModelForCausalLM.from_pretrained(str(folder)).state_dict()
     for a, b in [(0, 2), (2, 4)]:
         stage = model.build_stage(a, b)
         names = {n for n, _ in stage.named_parameters()}
-        assert set(stage.loaded_from.read_names) == names  # exactly its own tensors, each read once
+        wanted = {"model.embed_tokens.weight" if n not in index else n for n in names}  # a tied head: the embedding
+        assert set(stage.loaded_from.read_names) == wanted  # exactly its own tensors, each read once
         assert len(stage.loaded_from.read_names) == len(names)
-        assert set(stage.loaded_from.opened_files) == {index[n] for n in names}  # only the shards holding them
+        assert set(stage.loaded_from.opened_files) == {index[n] for n in wanted}  # only the shards holding them
         assert set(stage.loaded_from.opened_files) != set(index.values())
         for n, p in stage.named_parameters():
             assert torch.equal(p, saved[n]) and torch.equal(p, hf[n]), n
