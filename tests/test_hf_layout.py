@@ -46,6 +46,13 @@ REFUSED = {
                 "MixtralForCausalLM cannot be cut into pipeline stages: mixture-of-experts layers "
                 "(MixtralSparseMoeBlock) are not supported yet (the router's auxiliary loss is not carried "
                 "between stages)"),
+    "qwen3_moe": ({"model_type": "qwen3_moe", **SMALL, "num_experts": 4, "num_experts_per_tok": 2},
+                  "Qwen3MoeForCausalLM cannot be cut into pipeline stages: mixture-of-experts layers "
+                  "(Qwen3MoeSparseMoeBlock) are not supported yet (the router's auxiliary loss is not carried "
+                  "between stages)"),
+    "falcon": ({"model_type": "falcon", **SMALL, "alibi": True},
+               "self-check: FalconForCausalLM fails as pipeline stages (TypeError: FalconDecoderLayer.forward() "
+               "missing 1 required positional argument: 'alibi')"),
     "gemma3": ({"model_type": "gemma3"},
                "Gemma3ForConditionalGeneration cannot be cut into pipeline stages: a vision tower (vision_config) is "
                "not supported; use the text-only model"),

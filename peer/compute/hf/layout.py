@@ -33,7 +33,7 @@ EMBEDDING_OPS = ("embedding_multiplier",)  # h = embed(ids) * m             (Gra
 LOGIT_OPS = ("logits_scaling", "final_logit_softcapping", "logit_scale")  # / s; c * tanh(l / c); * s
 _SCALING_NAME = re.compile(r"(?:config|self)\.(\w*(?:multiplier|scal|softcap)\w*)")
 _NORM_NAME = re.compile(r"norm|ln_f", re.IGNORECASE)
-_MOE_NAME = re.compile(r"moe|experts|router", re.IGNORECASE)
+_MOE_NAME = re.compile(r"experts|router|sparse|moeblock|gating", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,11 @@ def _check_supported(model: nn.Module, config: Any, where: str, arch: str) -> No
                                                                   for n, _ in model.named_children()):
         raise _refuse(where, arch, "a vision tower (vision_config) is not supported; use the text-only model")
     n_experts = max(int(getattr(config, k, 0) or 0) for k in ("num_local_experts", "num_experts", "n_routed_experts"))
-    moe = next((type(m).__name__ for m in model.modules() if _MOE_NAME.search(type(m).__name__)), None)
+    from transformers import PreTrainedModel
+
+    moe = next((type(m).__name__ for m in model.modules()  # a block inside the model, not the model's own class
+                if not isinstance(m, PreTrainedModel) and not type(m).__name__.endswith("DecoderLayer")
+                and _MOE_NAME.search(type(m).__name__)), None)
     if n_experts > 1 or moe:
         raise _refuse(where, arch, f"mixture-of-experts layers ({moe or f'{n_experts} experts'}) are not supported "
                                    "yet (the router's auxiliary loss is not carried between stages)")
