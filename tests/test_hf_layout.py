@@ -105,3 +105,18 @@ def test_a_large_model_is_checked_on_a_tiny_copy_of_its_architecture() -> None:
         (2, 64, 256, 2)
     assert tiny["bos_token_id"] is None and tiny["rope_parameters"] == config["rope_parameters"]
     assert self_check(config, "llama-3.2-1b", 64) <= 1e-5
+
+
+def test_a_half_precision_cast_recomputes_buffers_and_keeps_weights() -> None:
+    """Gemma's embedding scale and the rotary frequencies are buffers recomputed in fp32 after a cast; the
+    weights of the same modules must come through the cast untouched."""
+    import torch
+
+    stage = resolve_model("tiny-gemma2", seq_len=16).build_stage(0, 2)
+    before = {n: p.detach().clone() for n, p in stage.named_parameters()}
+    stage.to(torch.bfloat16)
+    emb = stage.model.embed_tokens
+    assert emb.embed_scale.dtype == torch.float32 and float(emb.embed_scale) == pytest.approx(64 ** 0.5)
+    assert stage.rotary_emb.inv_freq.dtype == torch.float32
+    for n, p in stage.named_parameters():
+        assert torch.equal(p, before[n].to(torch.bfloat16)), n

@@ -69,6 +69,11 @@ def self_check(config: dict[str, Any], where: str, seq_len: int) -> float:
 
 @functools.lru_cache(maxsize=32)
 def _self_check(config_json: str, where: str, seq_len: int) -> float:
+    with torch.random.fork_rng(devices=[]):  # transformers' own initialisation draws from the global generator
+        return _run_check(config_json, where, seq_len)
+
+
+def _run_check(config_json: str, where: str, seq_len: int) -> float:
     from transformers import AutoModelForCausalLM
 
     from peer.compute.hf.spec import HFModelSpec, build_meta_model, config_value

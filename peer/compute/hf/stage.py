@@ -73,14 +73,21 @@ class HFStageModule(nn.Module):
 
     def _recompute_buffers(self) -> None:
         """Buffers are not weights (rotary frequencies, Gemma's embedding scale): ``to_empty`` leaves garbage in
-        them, so they are recomputed from the config by transformers' own initialiser, in fp32 (the parameters it
-        also draws are overwritten by :meth:`_init_seeded` or :meth:`_load`)."""
+        them, so they are recomputed from the config by transformers' own initialiser, in fp32, leaving the
+        parameters of the same modules (an embedding holding a scale) as they are."""
         for module in self.modules():
-            if any(True for _ in module.buffers(recurse=False)):
-                saved = [(b.dtype, name) for name, b in module.named_buffers(recurse=False)]
-                for _, name in saved:
+            names = [name for name, _ in module.named_buffers(recurse=False)]
+            if names:
+                for name in names:
                     setattr(module, name, getattr(module, name).float())
-                self._init_buffers(module)
+                params = list(module.parameters(recurse=False))
+                for p in params:  # transformers' init skips tensors flagged initialised: the weights stay
+                    p._is_hf_initialized = True
+                try:
+                    self._init_buffers(module)
+                finally:
+                    for p in params:
+                        del p._is_hf_initialized
     @property
     def is_first(self) -> bool:
         return self.first_layer == 0
