@@ -1,6 +1,7 @@
-"""End to end through whole daemons: `peer swarm --model tiny-gpt2 --tokenizer DIR --data FILE.jsonl` trains,
-`peer export` writes a folder that transformers loads, whose logits equal the trained stages' forward, and
-`peer generate` prints text from it."""
+"""End to end through whole daemons, as a new user would: a tiny Gemma-2 built by transformers from a config and
+saved as a sharded pretrained folder (tied embeddings), a locally trained tokenizer and a JSONL file;
+`peer swarm --model DIR --tokenizer DIR --data FILE.jsonl` fine-tunes it, `peer export` writes a folder that
+transformers loads, whose logits equal the trained stages' forward, and `peer generate` prints text from it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from peer.compute.hf.export import read_result
 from peer.runtime.spec import RunSpec
-from tests.support.hf import make_tokenizer, write_jsonl
+from tests.support.hf import make_tokenizer, save_model, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("processes")
 
@@ -27,8 +28,9 @@ def peer(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
 def test_swarm_trains_a_hugging_face_model_that_exports_and_generates(tmp_path: Path) -> None:
     tok, data = make_tokenizer(tmp_path / "tok"), write_jsonl(tmp_path / "docs.jsonl")
     result, exported = tmp_path / "result", tmp_path / "exported"
+    pretrained = save_model(tmp_path / "gemma2", "tiny-gemma2", max_shard_size="100KB", tie=True)
     run = peer("swarm", "--peers", "2", "--scenario", "worldwide_geo_distributed", "--steps", "2", "--stages", "2",
-               "--model", "tiny-gpt2", "--tokenizer", str(tok), "--data", str(data), "--seq-len", "32",
+               "--model", str(pretrained), "--tokenizer", str(tok), "--data", str(data), "--seq-len", "32",
                "--save", str(result), "--log-dir", str(tmp_path / "logs"), "--timeout", "400", timeout=500)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert re.search(r"^trained 2 steps in [\d.]+ s: loss [\d.]+ -> [\d.]+", run.stdout, re.M), run.stdout
@@ -38,10 +40,11 @@ def test_swarm_trains_a_hugging_face_model_that_exports_and_generates(tmp_path: 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(str(exported)).eval()
-    assert type(model).__name__ == "GPT2LMHeadModel"
+    assert type(model).__name__ == "Gemma2ForCausalLM"
     spec_dict, params = read_result(result)
     spec = RunSpec.from_dict(spec_dict)
-    assert spec.tokenizer == str(tok.resolve()) and spec.model.source == "preset tiny-gpt2"
+    assert spec.tokenizer == str(tok.resolve()) and spec.model.source == str(pretrained / "config.json")
+    assert spec.model.checkpoint == str(pretrained.resolve()) and spec.model.tied
     ids = torch.tensor([AutoTokenizer.from_pretrained(str(exported))("Document 7: the swarm")["input_ids"]])
     x = ids
     with torch.no_grad():

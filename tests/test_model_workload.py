@@ -18,7 +18,8 @@ from scheduler import Cluster, PlanningError, plan
 from scheduler.model_workload import from_hf_config, model_preset
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2", "llama-3.2-1b", "llama-3-8b", "gpt3-xl"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2", "tiny-gemma2", "tiny-olmo2", "tiny-granite",
+                                    "tiny-qwen3", "llama-3.2-1b", "olmo-2-1b", "llama-3-8b", "gpt3-xl"])
 def test_parameter_counts_equal_transformers(preset: str) -> None:
     model = resolve_model(preset, seq_len=16)
     w = workload_for(RunSpec(model=model, micro_batch=2, n_microbatches=4))
@@ -70,7 +71,7 @@ def test_a_model_that_fits_no_device_is_refused_in_one_line(tmp_path: Path, proc
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2", "tiny-gemma2"])
 def test_half_precision_keeps_fp32_master_weights(preset: str, precision: str) -> None:
     from peer.compute.data import Corpus, microbatch
     from peer.compute.stage import OptimConfig, StageCompute, StageComputeConfig
@@ -79,7 +80,7 @@ def test_half_precision_keeps_fp32_master_weights(preset: str, precision: str) -
     model = resolve_model(preset, seq_len=32, seed=1)
     stage = StageCompute(StageComputeConfig(model, 0, model.n_layers, OptimConfig(lr=3e-3), precision=precision))
     assert stage.dtype != torch.float32 and stage.flat_params().dtype == torch.float32
-    if model.family.rotary:  # rotary frequencies stay fp32 in a half-precision stage
+    if model.layout.rotary:  # rotary frequencies stay fp32 in a half-precision stage
         assert stage.module.rotary_emb.inv_freq.dtype == torch.float32
     corpus = Corpus.load(None)
     losses = []

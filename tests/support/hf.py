@@ -46,15 +46,16 @@ def write_parquet(path: Path, field: str = "text", docs: list[str] = SAMPLE_DOCS
     return path
 
 
-def save_model(folder: Path, preset: str, seed: int = 0, max_shard_size: str | None = None) -> Path:
-    """A tiny model from a preset config, saved by transformers (sharded when max_shard_size is given)."""
+def save_model(folder: Path, preset: str, seed: int = 0, max_shard_size: str | None = None, tie: bool = False) -> Path:
+    """A tiny model from a preset config, saved by transformers (sharded when max_shard_size is given; ``tie``:
+    a tied model, whose checkpoint holds no head)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from peer.compute.hf import resolve_model
 
     torch.manual_seed(seed)
-    spec = resolve_model(preset, seq_len=32)
+    spec = resolve_model(preset, seq_len=32, tie=tie)
     model = AutoModelForCausalLM.from_config(spec.hf_config())
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(folder), **kwargs)

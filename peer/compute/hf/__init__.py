@@ -1,6 +1,6 @@
 """Hugging Face model families through ``transformers``: specs, stage modules, checkpoints, export."""
 
-from peer.compute.hf.families import ModelSourceError
+from peer.compute.hf.layout import ModelSourceError
 from peer.compute.hf.spec import HFModelSpec, resolve_model
 
 __all__ = ["HFModelSpec", "ModelSourceError", "resolve_model"]

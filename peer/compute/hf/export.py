@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from peer.compute.hf.families import ModelSourceError
+from peer.compute.hf.layout import ModelSourceError
 from peer.compute.hf.spec import HFModelSpec
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,22 @@ def read_result(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     return spec, merged
 
 
+def _merge_tied(model: torch.nn.Module, params: dict[str, torch.Tensor], folder: Path) -> dict[str, torch.Tensor]:
+    """A tied model's head is the embedding: the last stage's copy must equal the first's, and is dropped."""
+    head = model.get_output_embeddings()
+    if not model.config.tie_word_embeddings or head is None:
+        return params
+    head_name = next(n for n, p in model.named_modules() if p is head) + ".weight"
+    emb_name = next(n for n, p in model.named_parameters() if p is model.get_input_embeddings().weight)
+    if head_name in params and emb_name in params:
+        if not torch.equal(params[head_name], params[emb_name]):
+            err = float((params[head_name] - params[emb_name]).abs().max())
+            raise ModelSourceError(f"{folder}: tied {head_name} differs from {emb_name} by {err:.2e} (the tied "
+                                   "copies were not updated together)")
+        params = {n: t for n, t in params.items() if n != head_name}
+    return params
+
+
 def _quiet() -> None:
     """No progress bars from transformers (the CLI prints one line of its own)."""
     from transformers.utils import logging as hf_logging
@@ -80,6 +96,7 @@ def export(result_dir: str | Path, out_dir: str | Path) -> Path:
     spec = HFModelSpec.from_dict({**model_dict, "checkpoint": None})
     model = AutoModelForCausalLM.from_config(spec.hf_config())
     expected = {n for n, _ in model.named_parameters()}
+    params = _merge_tied(model, params, folder)
     missing, extra = sorted(expected - set(params)), sorted(set(params) - expected)
     if missing or extra:
         raise ModelSourceError(f"{folder}: stage files {'lack ' + missing[0] if missing else 'hold ' + extra[0]} "

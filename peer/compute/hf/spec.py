@@ -8,8 +8,11 @@ runtime needs.
 
 What :func:`resolve_model` changes in a config, and why (each logged once): dropout is set to 0 (a forward pass
 must be a deterministic function of parameters and input, or a redone task would differ); tied input/output
-embeddings are untied (they live on different stages; the head starts as a copy of the embedding, so the model
-is the same at step 0, and the exported config says ``tie_word_embeddings: false``).
+embeddings are untied unless ``tie=True`` (they live on different stages; the head starts as a copy of the
+embedding, so the model is the same at step 0, and the exported config says ``tie_word_embeddings: false``).
+With ``tie=True`` the config stays tied: the first stage's embedding and the last stage's head are two copies of
+one weight whose gradients are summed (``peer.compute.hf.tied``), which the runtime has to do between the two
+stages.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from peer.compute.hf.checkpoint import Checkpoint, has_weights, model_fingerprint
-from peer.compute.hf.families import Family, ModelSourceError, family_of, shape_value
+from peer.compute.hf.layout import Layout, ModelSourceError, find_layout
 from peer.compute.hf.presets import PRESETS
 
 log = logging.getLogger(__name__)
@@ -31,11 +34,85 @@ log = logging.getLogger(__name__)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded at run time
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-# upper bounds of a config's shape (far above any model trained today; a spec from the network is hostile)
-MAX_SHAPE = {"num_hidden_layers": 1024, "n_layer": 1024, "hidden_size": 1 << 16, "n_embd": 1 << 16,
-             "num_attention_heads": 1024, "n_head": 1024, "vocab_size": 1 << 22,
-             "max_position_embeddings": 1 << 21, "n_positions": 1 << 21}
+# upper bounds of a config's shape, by transformers' standard names (far above any model trained today; a spec
+# from the network is hostile)
+MAX_SHAPE = {"num_hidden_layers": 1024, "hidden_size": 1 << 16, "num_attention_heads": 1024, "vocab_size": 1 << 22,
+             "max_position_embeddings": 1 << 21}
 _DROPPED_KEYS = ("transformers_version", "id2label", "label2id", "_name_or_path", "dtype", "torch_dtype")
+
+
+def config_value(config: dict[str, Any], key: str) -> Any:
+    """A config field by transformers' standard name (``hidden_size``), whatever the family calls it (GPT-2's
+    ``n_embd``): the config class's ``attribute_map`` says."""
+    if key in config:
+        return config[key]
+    from transformers import CONFIG_MAPPING
+
+    try:
+        attribute_map = CONFIG_MAPPING[config.get("model_type")].attribute_map
+    except KeyError:
+        return None
+    return config.get(attribute_map.get(key, key))
+
+
+def shape_value(config: dict[str, Any], key: str, where: str) -> int:
+    """A positive integer field of the config, or a one-line error naming it."""
+    value = config_value(config, key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ModelSourceError(f"{where}: {key}: must be a positive integer, got {value!r}")
+    return value
+
+
+def _to_config(config: dict[str, Any], where: str) -> Any:
+    from transformers import AutoConfig
+
+    cfg = dict(config)
+    model_type = cfg.pop("model_type", None)
+    if not isinstance(model_type, str):
+        raise ModelSourceError(f"{where}: model_type: missing (not a transformers config.json?)")
+    try:
+        config_obj = AutoConfig.for_model(model_type, **cfg)
+    except (TypeError, ValueError, KeyError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelSourceError(f"{where}: model_type: {model_type!r} is not a transformers model ({first})") from None
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config_obj), None)
+    # sdpa where the family supports it (every stage and the reference use the same kernels); else eager (Gemma-2)
+    config_obj._attn_implementation = "sdpa" if getattr(model_cls, "_supports_sdpa", True) else "eager"
+    return config_obj
+
+
+def build_meta_model(config_obj: Any, where: str) -> Any:
+    """transformers' causal LM for ``config_obj`` on the meta device (no memory), or a one-line refusal."""
+    import torch
+
+    if getattr(config_obj, "is_encoder_decoder", False):
+        raise ModelSourceError(f"{where}: model_type: {config_obj.model_type!r} is an encoder-decoder model; only "
+                               "decoder-only *ForCausalLM models are supported")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config_obj), None)
+    if model_cls is None:
+        raise ModelSourceError(f"{where}: model_type: {config_obj.model_type!r} has no *ForCausalLM class in "
+                               "transformers (not a decoder-only language model)")
+    try:
+        with torch.device("meta"):
+            return model_cls(config_obj)
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise ModelSourceError(f"{where}: transformers cannot build {model_cls.__name__} from this config "
+                               f"({str(exc).splitlines()[0][:160]})") from None
+
+
+@functools.lru_cache(maxsize=32)
+def _layout_cached(config_json: str, where: str) -> Layout:
+    config_obj = _to_config(json.loads(config_json), where)
+    return find_layout(build_meta_model(config_obj, where), config_obj, where)
+
+
+def layout_of(config: dict[str, Any], where: str) -> Layout:
+    """The :class:`Layout` of a normalised config dict (built once per process for the same config)."""
+    return _layout_cached(json.dumps(config, sort_keys=True), where)
 
 
 @dataclass(frozen=True)
@@ -49,23 +126,24 @@ class HFModelSpec:
     fingerprint: str = ""  # sha256 of the config and the checkpoint index
     source: str = ""  # what the user named (preset, config.json, folder), for messages
     tied: bool = False  # the original model tied embeddings (the head starts as a copy of the embedding)
+    keep_tied: bool = False  # the config stays tied (gradients summed between first and last stage)
     kind: str = field(default="hf", init=False)
 
     @property
-    def family(self) -> Family:
-        return family_of(self.config, self.source or "model")
+    def layout(self) -> Layout:
+        return layout_of(self.config, self.source or "model")
 
     @property
     def n_layers(self) -> int:
-        return int(self.config[self.family.n_layers_key])
+        return int(config_value(self.config, "num_hidden_layers"))
 
     @property
     def d_model(self) -> int:
-        return int(self.config[self.family.hidden_key])
+        return int(config_value(self.config, "hidden_size"))
 
     @property
     def n_heads(self) -> int:
-        return int(self.config[self.family.heads_key])
+        return int(config_value(self.config, "num_attention_heads"))
 
     @property
     def vocab_size(self) -> int:
@@ -73,18 +151,23 @@ class HFModelSpec:
 
     def validate(self) -> HFModelSpec:
         where = self.source or "model"
-        fam = family_of(self.config, where)
-        for key in (fam.n_layers_key, fam.hidden_key, fam.heads_key, "vocab_size", fam.positions_key):
+        if not isinstance(self.config.get("model_type"), str):
+            raise ModelSourceError(f"{where}: model_type: missing (not a transformers config.json?)")
+        for key in MAX_SHAPE:
+            if key == "max_position_embeddings" and config_value(self.config, key) is None:
+                continue  # no learned or rotary position limit in the config
             value = shape_value(self.config, key, where)
             if value > MAX_SHAPE[key]:  # a spec arrives over the network: bound what building a stage costs
                 raise ModelSourceError(f"{where}: {key}: {value} exceeds the supported {MAX_SHAPE[key]}")
         if not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool) or self.seq_len < 1:
             raise ModelSourceError(f"{where}: seq_len: must be a positive integer, got {self.seq_len!r}")
-        if self.seq_len > self.config[fam.positions_key]:
-            raise ModelSourceError(f"{where}: {fam.positions_key}: {self.config[fam.positions_key]} positions, "
+        positions = config_value(self.config, "max_position_embeddings")
+        if positions is not None and self.seq_len > positions:
+            raise ModelSourceError(f"{where}: max_position_embeddings: {positions} positions, "
                                    f"fewer than the run's seq_len {self.seq_len}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ModelSourceError(f"{where}: seed: must be a non-negative integer, got {self.seed!r}")
+        layout_of(self.config, where)  # a spec from the network: its layout is refused here, not in a stage
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -103,14 +186,9 @@ class HFModelSpec:
             raise ModelSourceError(f"model: {exc}") from None
 
     def hf_config(self) -> Any:
-        """The transformers config object (sdpa attention, which every stage and the reference use)."""
-        from transformers import AutoConfig
-
-        cfg = dict(self.config)
-        model_type = cfg.pop("model_type")
-        config = AutoConfig.for_model(model_type, **cfg)
-        config._attn_implementation = "sdpa"
-        return config
+        """The transformers config object (sdpa attention where the family has it, which every stage and the
+        reference use)."""
+        return _to_config(self.config, self.source or "model")
 
     def build_stage(self, first_layer: int, last_layer: int) -> Any:
         from peer.compute.hf.stage import HFStageModule
@@ -137,36 +215,31 @@ def _read_config(path: Path) -> dict[str, Any]:
     return doc
 
 
-def normalise_config(raw: dict[str, Any], where: str) -> tuple[dict[str, Any], bool]:
-    """Validate through transformers and return (config dict as JSON, whether it tied embeddings)."""
-    fam = family_of(raw, where)
-    from transformers import AutoConfig
-
-    cfg = {k: v for k, v in raw.items() if k != "model_type"}
-    try:
-        config = AutoConfig.for_model(fam.name, **cfg)
-    except (TypeError, ValueError) as exc:
-        raise ModelSourceError(f"{where}: {exc}") from None
+def normalise_config(raw: dict[str, Any], where: str, tie: bool = False) -> tuple[dict[str, Any], bool]:
+    """Validate through transformers, find the layout (or refuse), and return (config dict as JSON, whether it
+    tied embeddings)."""
+    config = _to_config(raw, where)
+    meta = build_meta_model(config, where)
+    arch = type(meta).__name__
+    wrong = [a for a in (raw.get("architectures") or []) if a != arch]
+    if wrong:
+        raise ModelSourceError(f"{where}: architectures: {wrong[0]!r} is not supported (expected {arch}, the causal "
+                               f"LM of model_type {config.model_type!r})")
+    find_layout(meta, config, where)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    if tied:
+    if tied and not tie:
         log.warning("%s: input and output embeddings are untied for training (they live on different stages); "
                     "the head starts as a copy of the embedding and the exported model is untied", where)
         config.tie_word_embeddings = False
-    for key in fam.dropout_keys:
-        if getattr(config, key, 0.0):
+    for key, value in sorted(config.to_dict().items()):
+        if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float) and value:
             log.info("%s: %s set to 0 (a forward pass must be deterministic)", where, key)
             setattr(config, key, 0.0)
     out = json.loads(json.dumps(config.to_dict(), default=str))
     for key in _DROPPED_KEYS:
         out.pop(key, None)
-    out["architectures"] = [family_architecture(fam)]
+    out["architectures"] = [arch]
     return out, tied
-
-
-def family_architecture(fam: Family) -> str:
-    from peer.compute.hf.families import ARCHITECTURES
-
-    return ARCHITECTURES[fam.name]
 
 
 @functools.lru_cache(maxsize=16)
@@ -175,8 +248,9 @@ def resolve_model_cached(source: str, seq_len: int, seed: int = 0) -> HFModelSpe
     return resolve_model(source, seq_len, seed)
 
 
-def resolve_model(source: str, seq_len: int, seed: int = 0) -> HFModelSpec:
-    """A preset name, a config.json, or a Hugging Face folder (config.json [+ safetensors]) -> HFModelSpec."""
+def resolve_model(source: str, seq_len: int, seed: int = 0, tie: bool = False) -> HFModelSpec:
+    """A preset name, a config.json, or a Hugging Face folder (config.json [+ safetensors]) -> HFModelSpec;
+    ``tie``: keep tied embeddings tied (see the module docstring)."""
     checkpoint: Checkpoint | None = None
     if source in PRESETS:
         raw, where = dict(PRESETS[source]), f"preset {source}"
@@ -191,8 +265,13 @@ def resolve_model(source: str, seq_len: int, seed: int = 0) -> HFModelSpec:
             raw, where = _read_config(path), str(path)
         else:
             raise ModelSourceError(f"{source}: not a preset ({', '.join(PRESETS)}), a config.json or a model folder")
-    config, tied = normalise_config(raw, where)
+    config, tied = normalise_config(raw, where, tie)
     spec = HFModelSpec(config=config, seq_len=seq_len, seed=seed,
                        checkpoint=str(checkpoint.folder.resolve()) if checkpoint else None,
-                       fingerprint=model_fingerprint(config, checkpoint), source=where, tied=tied)
-    return spec.validate()
+                       fingerprint=model_fingerprint(config, checkpoint), source=where, tied=tied,
+                       keep_tied=tied and tie)
+    spec.validate()
+    from peer.compute.hf.selfcheck import self_check
+
+    self_check(config, where, seq_len)  # before any training: the stage cut computes what the model computes
+    return spec

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from peer.compute.hf.checkpoint import Checkpoint, model_fingerprint
-from peer.compute.hf.families import ModelSourceError
+from peer.compute.hf.layout import ModelSourceError
 from peer.compute.model import component_seed
 
 log = logging.getLogger(__name__)
@@ -35,44 +35,59 @@ class HFStageModule(nn.Module):
     def __init__(self, spec: Any, first_layer: int, last_layer: int, materialise: bool = True) -> None:
         # spec: a peer.compute.hf.spec.HFModelSpec (not imported here: spec.py builds stages, one direction)
         super().__init__()
-        from transformers import AutoModelForCausalLM
+        from peer.compute.hf.spec import build_meta_model
 
         spec.validate()
         if not 0 <= first_layer < last_layer <= spec.n_layers:
             raise ModelSourceError(f"stage layers [{first_layer}, {last_layer}) outside 0..{spec.n_layers}")
-        self.spec, self.family = spec, spec.family
+        self.spec, self.layout = spec, spec.layout
         self.first_layer, self.last_layer = first_layer, last_layer
         self.config = spec.hf_config()
-        fam = self.family
-        with torch.device("meta"):
-            full = AutoModelForCausalLM.from_config(self.config)
-        base_full = getattr(full, fam.base)
+        lay = self.layout
+        full = build_meta_model(self.config, spec.source or "model")
+        base_full = getattr(full, lay.base)
         base = nn.Module()
-        setattr(self, fam.base, base)  # parameter names start with "model." / "transformer." as in the model
+        setattr(self, lay.base, base)  # parameter names start with "model." / "transformer." as in the model
         if self.is_first:
-            setattr(base, fam.token_embedding, getattr(base_full, fam.token_embedding))
-            if fam.position_embedding:
-                setattr(base, fam.position_embedding, getattr(base_full, fam.position_embedding))
-        layers = getattr(base_full, fam.layers)
-        setattr(base, fam.layers, nn.ModuleDict({str(i): layers[i] for i in range(first_layer, last_layer)}))
+            setattr(base, lay.token_embedding, getattr(base_full, lay.token_embedding))
+            if lay.position_embedding:
+                setattr(base, lay.position_embedding, getattr(base_full, lay.position_embedding))
+        layers = getattr(base_full, lay.layers)
+        setattr(base, lay.layers, nn.ModuleDict({str(i): layers[i] for i in range(first_layer, last_layer)}))
         if self.is_last:
-            setattr(base, fam.final_norm, getattr(base_full, fam.final_norm))
-            self.lm_head = full.lm_head
-        rotary_cls = type(base_full.rotary_emb) if fam.rotary else None
-        del full, base_full
+            setattr(base, lay.final_norm, getattr(base_full, lay.final_norm))
+            setattr(self, lay.lm_head, getattr(full, lay.lm_head))
+        if lay.rotary:  # no parameters; its frequencies are buffers, recomputed below
+            self.rotary_emb = getattr(base_full, lay.rotary)
+        self._init_buffers = type(full)._init_weights.__get__(full)  # transformers' own (buffers: rotary, scales)
         self.loaded_from: Checkpoint | None = None
         if not materialise:  # names and shapes only (parameters stay on the meta device)
-            self.rotary_emb = None
             return
         self.to_empty(device="cpu")
-        # rotary frequencies are buffers computed from the config, rebuilt on the CPU (to_empty leaves garbage)
-        self.rotary_emb = rotary_cls(config=self.config) if rotary_cls is not None else None
+        self._recompute_buffers()
         if spec.checkpoint is None:
             self._init_seeded()
         else:
             self._load(Checkpoint(spec.checkpoint))
         self.train()
 
+    def _recompute_buffers(self) -> None:
+        """Buffers are not weights (rotary frequencies, Gemma's embedding scale): ``to_empty`` leaves garbage in
+        them, so they are recomputed from the config by transformers' own initialiser, in fp32, leaving the
+        parameters of the same modules (an embedding holding a scale) as they are."""
+        for module in self.modules():
+            names = [name for name, _ in module.named_buffers(recurse=False)]
+            if names:
+                for name in names:
+                    setattr(module, name, getattr(module, name).float())
+                params = list(module.parameters(recurse=False))
+                for p in params:  # transformers' init skips tensors flagged initialised: the weights stay
+                    p._is_hf_initialized = True
+                try:
+                    self._init_buffers(module)
+                finally:
+                    for p in params:
+                        del p._is_hf_initialized
     @property
     def is_first(self) -> bool:
         return self.first_layer == 0
@@ -82,13 +97,13 @@ class HFStageModule(nn.Module):
         return self.last_layer == self.spec.n_layers
 
     def _base(self) -> nn.Module:
-        return getattr(self, self.family.base)
+        return getattr(self, self.layout.base)
 
     # ------------------------------------------------------------------------------------------ parameters
     def _source_name(self, name: str) -> str:
         """The tensor a parameter starts from: the embedding for an untied head of a tied model."""
-        if name == "lm_head.weight" and self.spec.tied:
-            return f"{self.family.base}.{self.family.token_embedding}.weight"
+        if name == f"{self.layout.lm_head}.weight" and self.spec.tied:
+            return f"{self.layout.base}.{self.layout.token_embedding}.weight"
         return name
 
     def _init_seeded(self) -> None:
@@ -101,7 +116,7 @@ class HFStageModule(nn.Module):
                     values = torch.ones(param.shape) if leaf == "weight" else torch.zeros(param.shape)
                 else:
                     source = self._source_name(name)
-                    scaled = self.family.name == "gpt2" and source.endswith("c_proj.weight")
+                    scaled = source.endswith("c_proj.weight")  # GPT-2 style residual projections
                     gen = torch.Generator().manual_seed(component_seed(self.spec.seed, source))
                     values = torch.randn(param.shape, generator=gen) * (residual_std if scaled else std)
                 param.copy_(values)
@@ -113,7 +128,7 @@ class HFStageModule(nn.Module):
                                    f"the run's ({self.spec.fingerprint[:12]})")
         wanted: dict[str, str] = {}
         for name, _ in self.named_parameters():
-            found = ckpt.resolve(self._source_name(name), self.family.base) or ckpt.resolve(name, self.family.base)
+            found = ckpt.resolve(self._source_name(name), self.layout.base) or ckpt.resolve(name, self.layout.base)
             if found is None:
                 raise ModelSourceError(f"{ckpt.folder}: tensor {name} is missing from the checkpoint")
             wanted[name] = found
@@ -128,49 +143,84 @@ class HFStageModule(nn.Module):
         self.loaded_from = ckpt
 
     def _apply(self, fn: Any, recurse: bool = True) -> HFStageModule:
-        """Keep the rotary frequencies in fp32 when the stage is cast to bf16/fp16 (as transformers computes
-        them): rounding ``inv_freq`` to 8 bits of mantissa would shift every position's angle."""
+        """Keep buffers in fp32 when the stage is cast to bf16/fp16 (as transformers computes rotary frequencies):
+        rounding ``inv_freq`` to 8 bits of mantissa would shift every position's angle."""
         super()._apply(fn, recurse)
-        rotary = self.__dict__.get("_modules", {}).get("rotary_emb")
-        if rotary is not None and hasattr(rotary, "original_inv_freq"):
-            fresh = type(rotary)(config=self.config)
-            device = rotary.inv_freq.device
-            rotary.inv_freq = fresh.inv_freq.to(device)
-            rotary.original_inv_freq = fresh.original_inv_freq.to(device)
+        if self.__dict__.get("_init_buffers") is not None and any(
+                b.is_floating_point() and b.dtype != torch.float32 for b in self.buffers()):
+            device = next(self.buffers()).device
+            for module in self.modules():
+                for name, b in list(module.named_buffers(recurse=False)):
+                    setattr(module, name, b.to(torch.float32))
+            with torch.device(device):
+                self._recompute_buffers()
         return self
 
     # --------------------------------------------------------------------------------------------- forward
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _masks(self, h: torch.Tensor, positions: torch.Tensor) -> dict[str, Any]:
+        """The attention mask of each layer type, as the base model builds them (causal; sliding window where the
+        config asks for one)."""
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-        fam, base = self.family, self._base()
+        kwargs = {"config": self.config, "inputs_embeds": h, "attention_mask": None, "cache": None,
+                  "position_ids": positions}
+        types = set(getattr(self.config, "layer_types", None) or ())
+        if not types:
+            sliding = getattr(self.config, "sliding_window", None) is not None
+            return {"": (create_sliding_window_causal_mask if sliding else create_causal_mask)(**kwargs)}
+        makers = {"sliding_attention": create_sliding_window_causal_mask}
+        return {t: makers.get(t, create_causal_mask)(**kwargs) for t in types}
+
+    def _layer_type(self, index: int) -> str:
+        types = getattr(self.config, "layer_types", None)
+        return types[index] if types else ""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lay, base = self.layout, self._base()
         if self.is_first:
             if x.dim() != 2 or x.dtype != torch.int64:
                 raise ValueError(f"first stage expects int64 token ids [B, T], got {x.dtype} {tuple(x.shape)}")
             if x.shape[1] > self.spec.seq_len:
                 raise ValueError(f"sequence length {x.shape[1]} exceeds the run's seq_len {self.spec.seq_len}")
-            h = getattr(base, fam.token_embedding)(x)
+            h = getattr(base, lay.token_embedding)(x)
+            for key in lay.embedding_ops:  # embedding_multiplier
+                h = h * getattr(self.config, key)
         else:
             if x.dim() != 3 or x.shape[2] != self.spec.d_model or not x.is_floating_point():
                 raise ValueError(f"stage {self.first_layer}..{self.last_layer} expects float hidden states "
                                  f"[B, T, {self.spec.d_model}], got {x.dtype} {tuple(x.shape)}")
             h = x
         positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        if self.is_first and fam.position_embedding:
-            h = h + getattr(base, fam.position_embedding)(positions)
-        sliding = fam.sliding_window and getattr(self.config, "sliding_window", None) is not None
-        make_mask = create_sliding_window_causal_mask if sliding else create_causal_mask
-        mask = make_mask(config=self.config, inputs_embeds=h, attention_mask=None, cache=None,
-                         position_ids=positions)
-        rotary = self.rotary_emb(h, positions) if self.rotary_emb is not None else None
-        for layer in getattr(base, fam.layers).values():
-            if fam.rotary:
-                h = layer(h, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
-            else:
-                h = layer(h, None, mask, position_ids=positions)
+        if self.is_first and lay.position_embedding:
+            h = h + getattr(base, lay.position_embedding)(positions)
+        masks = self._masks(h, positions)
+        rotary: dict[str, Any] = {}
+        if lay.rotary:
+            types = set(getattr(self.config, "layer_types", None) or ()) if lay.rotary_per_layer_type else set()
+            rotary = ({t: self.rotary_emb(h, positions, t) for t in types} if types
+                      else {"": self.rotary_emb(h, positions)})
+        for index, layer in getattr(base, lay.layers).items():
+            kind = self._layer_type(int(index))
+            extra = {"position_embeddings": rotary[kind if kind in rotary else ""]} if rotary else {}
+            out = layer(h, attention_mask=masks[kind if kind in masks else ""], position_ids=positions, **extra)
+            h = out[0] if isinstance(out, tuple) else out
         if self.is_last:
-            h = self.lm_head(getattr(base, fam.final_norm)(h))
+            h = getattr(self, lay.lm_head)(getattr(base, lay.final_norm)(h))
+            h = apply_logit_ops(h, lay.logit_ops, self.config)
         return h
+
+
+def apply_logit_ops(logits: torch.Tensor, ops: tuple[str, ...], config: Any) -> torch.Tensor:
+    """What the causal LM's forward does to the head's output, for the ops :mod:`layout` found."""
+    for key in ops:
+        value = getattr(config, key)
+        if key == "logits_scaling":
+            logits = logits / value
+        elif key == "final_logit_softcapping":
+            logits = torch.tanh(logits / value) * value
+        elif key == "logit_scale":
+            logits = logits * value
+    return logits
 
 
 def full_model(spec: Any) -> nn.Module:
