@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from peer.compute.hf import ModelSourceError
-from peer.compute.hf.spec import resolve_model_cached
+from peer.compute.hf.resolve import resolve_model_cached
 from peer.compute.model import ModelConfig
 from peer.compute.stage import OptimConfig
 from peer.runtime.checkpoints import DEFAULT_KEEP

@@ -19,11 +19,14 @@ from collections.abc import Iterator
 import pytest
 
 from peer.emulation.netbed import NetBed, open_bed, unavailable_reason
+from tests.support.driver import workers_fixture
+from tests.support.equivalence import reference_fixture
 from tests.support.newcomer import newcomer_fixture
 from tests.support.processes import FIXTURE as PROCESSES
 from tests.support.processes import processes_fixture, refuse_processes
 
-__all__ = ["newcomer_fixture", "processes_fixture"]  # fixtures are registered by being names of this module
+# the shared fixtures (tests/support), registered by being names of this module
+__all__ = ["newcomer_fixture", "processes_fixture", "reference_fixture", "workers_fixture"]
 
 # fixture -> the markers a test that uses it gets
 FIXTURE_MARKERS: dict[str, tuple[str, ...]] = {

@@ -17,7 +17,7 @@ import torch
 
 from peer.runtime.checkpoints import CheckpointDamagedError, CheckpointStore
 from peer.runtime.lead.driver import DriverConfig
-from tests.test_driver import FakePlanner, make_driver, workers  # noqa: F401  (fixture)
+from tests.support.driver import FakePlanner, make_driver
 
 
 def state(step: int, n: int = 64) -> dict:

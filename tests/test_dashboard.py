@@ -140,11 +140,11 @@ def test_the_http_server_serves_package_assets_and_refuses_the_rest() -> None:
 @pytest.mark.unit
 def test_observe_sits_between_the_swarm_and_the_node() -> None:
     """peer.observe reads peer.swarm / peer.net / peer.config / peer.timing; no lower layer imports it."""
-    from tests.test_layout import _graph, _importing
+    from tests.support.imports import import_graph, importing
 
-    graph = _graph()
+    graph = import_graph()
     lower = ("peer.net", "peer.swarm", "peer.compute", "peer.runtime", "peer.timing", "protocol", "scheduler")
-    assert _importing(graph, lower, ("peer.observe",)) == []
+    assert importing(graph, lower, ("peer.observe",)) == []
     allowed = ("peer.observe", "peer.swarm", "peer.net", "peer.config", "peer.timing")
     uses = {t for m, targets in graph.items() if m.startswith("peer.observe") for t in targets}
     assert all(any(u == a or u.startswith(a + ".") for a in allowed) for u in uses), sorted(uses)

@@ -10,53 +10,8 @@ from __future__ import annotations
 import ast
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("peer", "protocol", "scheduler", "bench")
-OURS = (*PACKAGES, "tests")
-CORE = ("peer.net", "peer.swarm", "peer.compute", "peer.runtime", "peer.node")
-
-
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def _modules(packages: tuple[str, ...]) -> dict[str, Path]:
-    return {_module_name(p): p for pkg in packages for p in sorted((ROOT / pkg).rglob("*.py"))}
-
-
-def _is_ours(name: str) -> bool:
-    return name.split(".")[0] in OURS
-
-
-def _imports(name: str, path: Path, known: set[str]) -> set[str]:
-    """Our modules that ``name`` imports anywhere in its source; ``from a import b`` counts ``a.b`` when that is
-    a module, else ``a`` (a package that a submodule import merely passes through is not counted)."""
-    is_package = path.name == "__init__.py"
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = name.split(".") if is_package else name.split(".")[:-1]
-                base = base[: len(base) - (node.level - 1)]
-                module = ".".join([*base, node.module] if node.module else base)
-            else:
-                module = node.module or ""
-            for alias in node.names:  # a submodule if it is one (``from . import x``), else the module itself
-                found.add(f"{module}.{alias.name}" if f"{module}.{alias.name}" in known else module)
-    return {m for m in found if _is_ours(m) and m != name}
-
-
-def _graph() -> dict[str, set[str]]:
-    modules = _modules(PACKAGES)
-    known = set(modules) | set(_modules(("tests",)))
-    return {name: _imports(name, path, known) for name, path in modules.items()}
+from tests.support.imports import CORE, PACKAGES, ROOT, import_graph, importing, modules
 
 
 def _resolve(target: str, graph: dict[str, set[str]]) -> str | None:
@@ -89,16 +44,8 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def _importing(graph: dict[str, set[str]], importers: tuple[str, ...], imported: tuple[str, ...]) -> list[str]:
-    def under(name: str, prefixes: tuple[str, ...]) -> bool:
-        return any(name == p or name.startswith(p + ".") for p in prefixes)
-
-    return sorted(f"{m} -> {t}" for m, targets in graph.items() if under(m, importers)
-                  for t in targets if under(t, imported))
-
-
 def test_the_import_graph_has_no_cycle() -> None:
-    graph = _graph()
+    graph = import_graph()
     assert len(graph) > 50, "the walk found too few modules to be meaningful"
     assert _find_cycle(graph) is None, f"import cycle: {' -> '.join(_find_cycle(graph) or [])}"
 
@@ -110,18 +57,18 @@ def test_the_cycle_check_finds_a_cycle() -> None:
 
 
 def test_scheduler_and_protocol_import_nothing_of_ours() -> None:
-    graph = _graph()
+    graph = import_graph()
     leaks = [f"{m} -> {t}" for m, targets in graph.items() if m.split(".")[0] in ("scheduler", "protocol")
              for t in targets if t.split(".")[0] != m.split(".")[0]]
     assert leaks == []
 
 
 def test_nothing_outside_tests_imports_tests() -> None:
-    assert _importing(_graph(), PACKAGES, ("tests",)) == []
+    assert importing(import_graph(), PACKAGES, ("tests",)) == []
 
 
 def test_core_layers_never_import_the_emulation_harness() -> None:
-    assert _importing(_graph(), CORE, ("peer.emulation",)) == []
+    assert importing(import_graph(), CORE, ("peer.emulation",)) == []
 
 
 def test_the_top_level_of_peer_is_small() -> None:
@@ -208,7 +155,7 @@ def layer_violations(graph: dict[str, set[str]], rows: list[LayerRow]) -> list[s
 
 def test_the_layer_table_names_modules_that_exist() -> None:
     rows = parse_layer_table(ARCHITECTURE.read_text())
-    graph = _graph()
+    graph = import_graph()
     assert len(rows) >= 10, rows
     for row in rows:
         for name in (*row.folders, *row.may_import):
@@ -217,7 +164,7 @@ def test_the_layer_table_names_modules_that_exist() -> None:
 
 def test_every_import_is_allowed_by_the_layer_table() -> None:
     """docs/architecture.md's layer table is the one statement of what may import what, and it is true."""
-    assert layer_violations(_graph(), parse_layer_table(ARCHITECTURE.read_text())) == []
+    assert layer_violations(import_graph(), parse_layer_table(ARCHITECTURE.read_text())) == []
 
 
 def test_the_layer_table_parser_lets_the_most_specific_row_win() -> None:
@@ -268,7 +215,7 @@ MIXINS_ALLOWED: set[str] = set()
 def _classes() -> dict[str, tuple[ast.ClassDef, str]]:
     """``{module.Class: (node, module)}`` of every top-level class in ``peer/`` outside ``peer/emulation``."""
     found = {}
-    for module, path in _modules(("peer",)).items():
+    for module, path in modules(("peer",)).items():
         if module == "peer.emulation" or module.startswith("peer.emulation."):
             continue
         for node in ast.parse(path.read_text(), str(path)).body:

@@ -18,7 +18,7 @@ import pytest
 
 from peer.emulation.local import LocalSwarm
 from protocol import tasklet_pb2 as pb
-from tests.test_equivalence import PIPELINES, SPEC, STAGES, STEPS, check_equivalent, reference  # noqa: F401
+from tests.support.equivalence import PIPELINES, SPEC, STAGES, STEPS, check_equivalent
 
 pytestmark = pytest.mark.usefixtures("processes")
 
@@ -52,7 +52,7 @@ print(json.dumps(results))
 """
 
 
-def test_outsider_is_refused_everything_and_training_is_unchanged(reference) -> None:  # noqa: F811
+def test_outsider_is_refused_everything_and_training_is_unchanged(reference) -> None:
     outcomes: dict[str, str] = {}
     attacked = threading.Event()
 

@@ -143,3 +143,24 @@ def find_layout(model: nn.Module, config: Any, where: str) -> Layout:
         embedding_ops=tuple(k for k in EMBEDDING_OPS if k in base_src and getattr(config, k, None) is not None),
         logit_ops=tuple(k for k in LOGIT_OPS if k in head_src and getattr(config, k, None) is not None),
     )
+
+
+def build_meta_model(config_obj: Any, where: str) -> Any:
+    """transformers' causal LM for ``config_obj`` on the meta device (no memory), or a one-line refusal."""
+    import torch
+
+    if getattr(config_obj, "is_encoder_decoder", False):
+        raise ModelSourceError(f"{where}: model_type: {config_obj.model_type!r} is an encoder-decoder model; only "
+                               "decoder-only *ForCausalLM models are supported")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config_obj), None)
+    if model_cls is None:
+        raise ModelSourceError(f"{where}: model_type: {config_obj.model_type!r} has no *ForCausalLM class in "
+                               "transformers (not a decoder-only language model)")
+    try:
+        with torch.device("meta"):
+            return model_cls(config_obj)
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise ModelSourceError(f"{where}: transformers cannot build {model_cls.__name__} from this config "
+                               f"({str(exc).splitlines()[0][:160]})") from None

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from peer.compute.hf.layout import ModelSourceError
+from peer.compute.hf.layout import ModelSourceError, build_meta_model
+from peer.compute.hf.spec import HFModelSpec, config_value
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +76,6 @@ def _self_check(config_json: str, where: str, seq_len: int) -> float:
 
 def _run_check(config_json: str, where: str, seq_len: int) -> float:
     from transformers import AutoModelForCausalLM
-
-    from peer.compute.hf.spec import HFModelSpec, build_meta_model, config_value
 
     config = json.loads(config_json)
     spec = HFModelSpec(config=config, seq_len=seq_len, source=where)

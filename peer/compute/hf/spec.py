@@ -25,9 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from peer.compute.hf.checkpoint import Checkpoint, has_weights, model_fingerprint
-from peer.compute.hf.layout import Layout, ModelSourceError, find_layout
-from peer.compute.hf.presets import PRESETS
+from peer.compute.hf.layout import Layout, ModelSourceError, build_meta_model, find_layout
 
 log = logging.getLogger(__name__)
 
@@ -81,27 +79,6 @@ def _to_config(config: dict[str, Any], where: str) -> Any:
     # sdpa where the family supports it (every stage and the reference use the same kernels); else eager (Gemma-2)
     config_obj._attn_implementation = "sdpa" if getattr(model_cls, "_supports_sdpa", True) else "eager"
     return config_obj
-
-
-def build_meta_model(config_obj: Any, where: str) -> Any:
-    """transformers' causal LM for ``config_obj`` on the meta device (no memory), or a one-line refusal."""
-    import torch
-
-    if getattr(config_obj, "is_encoder_decoder", False):
-        raise ModelSourceError(f"{where}: model_type: {config_obj.model_type!r} is an encoder-decoder model; only "
-                               "decoder-only *ForCausalLM models are supported")
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config_obj), None)
-    if model_cls is None:
-        raise ModelSourceError(f"{where}: model_type: {config_obj.model_type!r} has no *ForCausalLM class in "
-                               "transformers (not a decoder-only language model)")
-    try:
-        with torch.device("meta"):
-            return model_cls(config_obj)
-    except (ValueError, TypeError, AttributeError) as exc:
-        raise ModelSourceError(f"{where}: transformers cannot build {model_cls.__name__} from this config "
-                               f"({str(exc).splitlines()[0][:160]})") from None
 
 
 @functools.lru_cache(maxsize=32)
@@ -203,7 +180,7 @@ class HFModelSpec:
         return [(n, p.shape) for n, p in module.named_parameters()]
 
 
-def _read_config(path: Path) -> dict[str, Any]:
+def read_config(path: Path) -> dict[str, Any]:
     try:
         doc = json.loads(path.read_text())
     except FileNotFoundError:
@@ -240,38 +217,3 @@ def normalise_config(raw: dict[str, Any], where: str, tie: bool = False) -> tupl
         out.pop(key, None)
     out["architectures"] = [arch]
     return out, tied
-
-
-@functools.lru_cache(maxsize=16)
-def resolve_model_cached(source: str, seq_len: int, seed: int = 0) -> HFModelSpec:
-    """:func:`resolve_model`, once per process for the same arguments (a run config derives its spec often)."""
-    return resolve_model(source, seq_len, seed)
-
-
-def resolve_model(source: str, seq_len: int, seed: int = 0, tie: bool = False) -> HFModelSpec:
-    """A preset name, a config.json, or a Hugging Face folder (config.json [+ safetensors]) -> HFModelSpec;
-    ``tie``: keep tied embeddings tied (see the module docstring)."""
-    checkpoint: Checkpoint | None = None
-    if source in PRESETS:
-        raw, where = dict(PRESETS[source]), f"preset {source}"
-    else:
-        path = Path(source).expanduser()
-        if path.is_dir():
-            where = str(path / "config.json")
-            raw = _read_config(path / "config.json")
-            if has_weights(path):
-                checkpoint = Checkpoint(path)
-        elif path.suffix == ".json" or path.exists():
-            raw, where = _read_config(path), str(path)
-        else:
-            raise ModelSourceError(f"{source}: not a preset ({', '.join(PRESETS)}), a config.json or a model folder")
-    config, tied = normalise_config(raw, where, tie)
-    spec = HFModelSpec(config=config, seq_len=seq_len, seed=seed,
-                       checkpoint=str(checkpoint.folder.resolve()) if checkpoint else None,
-                       fingerprint=model_fingerprint(config, checkpoint), source=where, tied=tied,
-                       keep_tied=tied and tie)
-    spec.validate()
-    from peer.compute.hf.selfcheck import self_check
-
-    self_check(config, where, seq_len)  # before any training: the stage cut computes what the model computes
-    return spec

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from peer.compute.hf.checkpoint import Checkpoint, model_fingerprint
-from peer.compute.hf.layout import ModelSourceError
+from peer.compute.hf.layout import ModelSourceError, build_meta_model
 from peer.compute.model import component_seed
 
 log = logging.getLogger(__name__)
@@ -35,8 +35,6 @@ class HFStageModule(nn.Module):
     def __init__(self, spec: Any, first_layer: int, last_layer: int, materialise: bool = True) -> None:
         # spec: a peer.compute.hf.spec.HFModelSpec (not imported here: spec.py builds stages, one direction)
         super().__init__()
-        from peer.compute.hf.spec import build_meta_model
-
         spec.validate()
         if not 0 <= first_layer < last_layer <= spec.n_layers:
             raise ModelSourceError(f"stage layers [{first_layer}, {last_layer}) outside 0..{spec.n_layers}")
