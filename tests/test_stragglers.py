@@ -115,15 +115,15 @@ def test_a_slow_pipeline_gets_only_what_it_finishes_before_the_others_and_is_mea
 
 def test_equal_idle_pipelines_take_the_last_micro_batches_instead_of_waiting_for_each_other() -> None:
     pool = TaskPool(step=1, n_microbatches=7, service_s={0: 0.1, 1: 0.1, 2: 0.1})
-    rounds = 0
+    passes = 0
     while not pool.complete():
         leased = [(p, pool.lease(p)) for p in (0, 1, 2)]
         assert any(mb is not None for _, mb in leased), f"nobody leases the {len(pool._free)} free micro-batches"
         for p, mb in leased:
             if mb is not None:
                 assert pool.commit(mb, p) is CommitResult.COMMITTED
-        rounds += 1
-    assert rounds <= 4
+        passes += 1
+    assert passes <= 4
 
 
 def test_balanced_pipelines_are_not_paced() -> None:
