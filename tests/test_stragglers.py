@@ -22,8 +22,7 @@ from peer.runtime.lead.pool import CommitResult, TaskPool
 STEPS = SLOW_FROM_STEP + 2
 
 
-@pytest.mark.integration  # in-process, but a 15-20 s run: not part of the fast subset
-def test_straggler_is_overtaken_then_replaced_by_the_spare_and_the_run_matches() -> None:
+def test_straggler_is_overtaken_then_replaced_by_the_spare_and_the_run_matches(processes: None) -> None:
     torch.set_num_threads(1)
     reference, _ = train_reference(SPEC.model, SPEC.optim, Corpus.load(SPEC.corpus), SPEC.seed, STEPS,
                                    SPEC.n_microbatches, SPEC.micro_batch)
