@@ -113,7 +113,7 @@ class ScriptedWorker:
             if self.script.fail_reduce:
                 reply: ctl.Message = ctl.TaskError("reduce", msg.step, "boom: averaging failed")
             else:
-                reply, self.reduced_at = ctl.Reduced(msg.step, msg.round), time.monotonic()
+                reply, self.reduced_at = ctl.Reduced(msg.step, msg.attempt), time.monotonic()
             self._spawn(self._report, reply, msg.step)
         elif isinstance(msg, ctl.Apply):
             synced = ctl.Synced(msg.step, msg.step + 1, f"params-{msg.step + 1}")

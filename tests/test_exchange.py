@@ -1,4 +1,4 @@
-"""The gradient exchange on its own: reduce-scatter + all-gather rounds among in-process replicas.
+"""The gradient exchange on its own: reduce-scatter + all-gather averagings among in-process replicas.
 
 Each replica is a thread with its own :class:`GradientExchange`, and "sending" a shard is a direct call into the
 receiver's mailbox — exactly what the worker's gRPC handlers do once a message is validated, minus the network.
@@ -18,7 +18,7 @@ from protocol.errors import BadMessage
 
 NUMEL = 11  # not a multiple of 2 or 3: shards of unequal size
 
-def run_round(
+def run_attempt(
     boxes: dict[int, GradientExchange],
     grads: dict[int, torch.Tensor],
     microbatches: dict[int, list[int]],
@@ -27,7 +27,7 @@ def run_round(
     senders: Sequence[int] | None = None,
     timeout_s: float = 10.0,
 ) -> dict[int, torch.Tensor | BaseException]:
-    """One round among ``boxes`` (participants = their keys); ``senders``: who actually takes part."""
+    """One attempt's averaging among ``boxes`` (participants = their keys); ``senders``: who actually takes part."""
     participants = sorted(boxes)
     senders = participants if senders is None else list(senders)
     out: dict[int, torch.Tensor | BaseException] = {}
@@ -62,7 +62,7 @@ def make(n: int) -> tuple[dict[int, GradientExchange], dict[int, torch.Tensor]]:
 def test_round_sums_in_participant_order_and_every_replica_agrees(n: int) -> None:
     boxes, grads = make(n)
     mbs = {r: list(range(r, 6, n)) for r in range(n)}  # 6 micro-batches split among the replicas
-    out = run_round(boxes, grads, mbs, n_microbatches=6)
+    out = run_attempt(boxes, grads, mbs, n_microbatches=6)
     expected = grads[0].clone()
     for r in range(1, n):
         expected = expected.add_(grads[r])
@@ -75,14 +75,14 @@ def test_round_sums_in_participant_order_and_every_replica_agrees(n: int) -> Non
 
 def test_a_microbatch_counted_twice_is_refused_where_the_sum_happens() -> None:
     boxes, grads = make(2)
-    out = run_round(boxes, grads, {0: [0, 1], 1: [1, 2]}, n_microbatches=3, timeout_s=2.0)
+    out = run_attempt(boxes, grads, {0: [0, 1], 1: [1, 2]}, n_microbatches=3, timeout_s=2.0)
     errors = [e for e in out.values() if isinstance(e, BadMessage)]
     assert errors and all(e.field == "microbatches" for e in errors)
     assert "exactly once" in str(errors[0])
 
 def test_missing_participant_times_out_naming_what_arrived() -> None:
     boxes, grads = make(3)
-    out = run_round(boxes, grads, {0: [0], 1: [1], 2: [2]}, n_microbatches=3, senders=[0, 1], timeout_s=0.5)
+    out = run_attempt(boxes, grads, {0: [0], 1: [1], 2: [2]}, n_microbatches=3, senders=[0, 1], timeout_s=0.5)
     for r in (0, 1):
         err = out[r]
         assert isinstance(err, ExchangeTimeoutError), err
@@ -93,19 +93,19 @@ def test_new_round_aborts_a_round_waiting_on_a_dead_participant() -> None:
     result: dict[int, torch.Tensor | BaseException] = {}
     waiter = threading.Thread(
         target=lambda: result.update(
-            run_round(boxes, grads, {0: [0], 1: [1], 2: [2]}, n_microbatches=3, senders=[0, 1], timeout_s=30.0)
+            run_attempt(boxes, grads, {0: [0], 1: [1], 2: [2]}, n_microbatches=3, senders=[0, 1], timeout_s=30.0)
         )
     )
     waiter.start()
     time.sleep(0.3)  # let both block in reduce (an abort that comes earlier must release them all the same)
-    for r in (0, 1):  # the coordinator restarts the step as round 2 without replica 2
+    for r in (0, 1):  # the coordinator restarts the step as attempt 2 without replica 2
         boxes[r].abort_before((0, 2))
     waiter.join(timeout=10)
-    assert not waiter.is_alive(), "an aborted round must release its waiters at once"
+    assert not waiter.is_alive(), "an aborted attempt must release its waiters at once"
     assert all(isinstance(result[r], ExchangeAbortedError) for r in (0, 1)), result
-    # the next round, with the survivors only, completes and covers every micro-batch once
+    # the next attempt, with the survivors only, completes and covers every micro-batch once
     survivors = {r: boxes[r] for r in (0, 1)}
-    out = run_round(survivors, grads, {0: [0, 2], 1: [1]}, n_microbatches=3, tag=(0, 2))
+    out = run_attempt(survivors, grads, {0: [0, 2], 1: [1]}, n_microbatches=3, tag=(0, 2))
     assert torch.equal(out[0], out[1]) and torch.equal(out[0], grads[0] + grads[1])  # type: ignore[operator]
 
 def test_shard_arriving_before_the_replica_is_told_to_reduce_is_kept() -> None:
@@ -140,5 +140,5 @@ def test_duplicate_and_inconsistent_messages_are_refused() -> None:
     box.put_contribution((0, 1), [0, 1], 1, torch.zeros(hi - lo), [0])
     with pytest.raises(BadMessage, match="already sent"):
         box.put_contribution((0, 1), [0, 1], 1, torch.zeros(hi - lo), [0])
-    with pytest.raises(BadMessage, match="participants"):  # same round, other participants
+    with pytest.raises(BadMessage, match="participants"):  # same attempt, other participants
         box.put_contribution((0, 1), [0, 1, 2], 2, torch.zeros(4), [0])

@@ -2,12 +2,12 @@
 
 A small simulator plays the workers the way the coordinator's real ones behave (each first stage leases one
 micro-batch at a time and commits it, every worker answers a reduce with ``reduced`` and an apply with
-``synced``) and ticks the machine after every round of actions, 0.1 virtual seconds apart. Every call into the
+``synced``) and ticks the machine after every batch of actions, 0.1 virtual seconds apart. Every call into the
 machine is a numbered *point*; a run with no death lists them. Each test kills one participant right before
 or right after one point (for every point and every participant) and checks:
 
 * the commands: a dropped pipeline's survivors get a ``drop_step`` and its work a ``requeue`` event; apply goes
-  out only after every member of the round reported ``reduced``;
+  out only after every member of the attempt reported ``reduced``;
 * exactly-once accounting: every micro-batch is in the final commit record once, owned by a pipeline that was
   in the reduce and apply (never by one that lost a member before the apply went out);
 * failure: with no pipeline intact the step fails with ReplanNeededError (DiLoCo, after the inner apply:
@@ -72,8 +72,8 @@ class Sim:
     alive: set[str] = field(init=False)
     feeding: set[int] = field(default_factory=set)
     held: dict[int, list[int]] = field(default_factory=dict)
-    inbox: list[tuple[str, str, int]] = field(default_factory=list)  # (endpoint, "reduced"/"synced", round)
-    reduced_by: dict[int, set[str]] = field(default_factory=dict)  # round -> who reported it
+    inbox: list[tuple[str, str, int]] = field(default_factory=list)  # (endpoint, "reduced"/"synced", attempt)
+    reduced_by: dict[int, set[str]] = field(default_factory=dict)  # attempt -> who reported it
     outcome: Done | Fail | None = None
     killed_after: list[tuple[str, list[str]]] = field(default_factory=list)  # victim, ops sent before the death
 
@@ -126,7 +126,7 @@ class Sim:
                 self.feeding.discard(replica)
                 self.held[replica] = []
             elif isinstance(msg, ctl.Reduce):
-                self.inbox.append((e, "reduced", msg.round))
+                self.inbox.append((e, "reduced", msg.attempt))
             elif isinstance(msg, ctl.Apply):
                 self.inbox.append((e, "synced", 0))
         if send.then is not None:
@@ -138,12 +138,12 @@ class Sim:
     def _act(self) -> None:
         m = self.machine
         while self.inbox:
-            e, kind, rnd = self.inbox.pop(0)
+            e, kind, attempt = self.inbox.pop(0)
             if e not in self.alive:
                 continue
             if kind == "reduced":
-                self.reduced_by.setdefault(rnd, set()).add(e)
-                self._at("reduced", lambda e=e, rnd=rnd: m.reduced(e, rnd))
+                self.reduced_by.setdefault(attempt, set()).add(e)
+                self._at("reduced", lambda e=e, attempt=attempt: m.reduced(e, attempt))
             else:
                 self._at("synced", lambda e=e: m.synced(e, self.step + 1, "h"))
         for p in sorted(self.feeding):
@@ -241,7 +241,7 @@ def check(sim: Sim, n_pipelines: int, victim: str, diloco: bool = False) -> None
     last_reduce = [r for r in sim.sends(ctl.Reduce, outer=False)][-1]
     assert last_reduce.msg.assignment == report.commits, "the workers averaged the reported record"
     assert set(report.applied) == set(last_reduce.msg.participants)
-    reported = sim.reduced_by.get(last_reduce.msg.round, set())
+    reported = sim.reduced_by.get(last_reduce.msg.attempt, set())
     assert set(sim.sends(ctl.Apply, outer=False)[0].endpoints) <= reported | {victim}, "apply before reduced"
     if pipeline in report.applied and "Apply" not in sent:  # it died after its average was in: apply goes on
         assert victim in reported and not dropped
@@ -292,8 +292,8 @@ def test_a_death_during_the_averaging_restarts_it_without_the_pipeline() -> None
     assert "tick:reduce->compute" in sim.labels
     reduces = sim.sends(ctl.Reduce)
     assert [r.msg.participants for r in reduces] == [(0, 1, 2), (0, 1)]
-    assert reduces[1].msg.round == reduces[0].msg.round + 2, "a new round for the restart, another for its reduce"
-    refeed = [s for s in sim.sends(ctl.StartStep) if s.msg.round == reduces[0].msg.round + 1]
+    assert reduces[1].msg.attempt == reduces[0].msg.attempt + 2, "a new attempt for the restart, another for its reduce"
+    refeed = [s for s in sim.sends(ctl.StartStep) if s.msg.attempt == reduces[0].msg.attempt + 1]
     assert refeed and refeed[0].endpoints == (ep(1, 0), ep(1, 1)) and refeed[0].then is not None
     assert refeed[0].then.endpoints == (ep(0, 0), ep(0, 1)) and refeed[0].then.msg.feed
     report = sim.machine.report()
@@ -312,8 +312,8 @@ def test_a_second_death_around_each_transition_of_a_restarted_attempt(point: int
     lost = sim.roster.assignments[victim].replica
     assert sorted(report.commits) == list(range(N_MB))
     assert set(report.commits.values()) <= set(report.applied) and 2 not in report.applied
-    last_round = sim.sends(ctl.Reduce)[-1].msg.round
-    in_before_death = "Apply" in sim.killed_after[1][1] or victim in sim.reduced_by.get(last_round, set())
+    last_attempt = sim.sends(ctl.Reduce)[-1].msg.attempt
+    in_before_death = "Apply" in sim.killed_after[1][1] or victim in sim.reduced_by.get(last_attempt, set())
     assert (lost in report.applied) == in_before_death, "applied only when its average was in before it died"
 
 
@@ -336,7 +336,7 @@ def test_an_error_from_a_sender_that_died_meanwhile_is_not_held_against_the_step
     sim._at("start", m.start)
     sim.resume(until=StepPhase.REDUCE)
     assert m.error(ep(1, 1), 1, "reduce", "peer gone", sim.t)
-    sim.inbox = [(e, kind, rnd) for e, kind, rnd in sim.inbox if e != ep(1, 1)]  # it never reports reduced
+    sim.inbox = [(e, kind, attempt) for e, kind, attempt in sim.inbox if e != ep(1, 1)]  # it never reports reduced
     m.died(ep(1, 1))
     sim.resume()
     assert isinstance(sim.outcome, Done), sim.outcome
@@ -370,7 +370,7 @@ def test_a_syncing_pipeline_gets_no_work_and_rejoins_only_while_the_step_compute
     assert m.lease(1, 0.0).status is ctl.PoolStatus.WAIT
     [start] = m.rejoin(1)
     assert start.endpoints == (ep(0, 1), ep(1, 1)) and start.rejoin == 1 and not start.msg.feed
-    [feed] = m.rejoined(1, start.msg.round)
+    [feed] = m.rejoined(1, start.msg.attempt)
     assert feed.endpoints == (ep(0, 1),) and feed.msg.feed
     assert m.lease(1, 0.0).status is ctl.PoolStatus.LEASE
-    assert m.rejoined(1, start.msg.round) == [], "only once"
+    assert m.rejoined(1, start.msg.attempt) == [], "only once"

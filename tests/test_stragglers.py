@@ -22,8 +22,7 @@ from peer.runtime.lead.pool import CommitResult, TaskPool
 STEPS = SLOW_FROM_STEP + 2
 
 
-@pytest.mark.integration  # in-process, but a 15-20 s run: not part of the fast subset
-def test_straggler_is_overtaken_then_replaced_by_the_spare_and_the_run_matches() -> None:
+def test_straggler_is_overtaken_then_replaced_by_the_spare_and_the_run_matches(processes: None) -> None:
     torch.set_num_threads(1)
     reference, _ = train_reference(SPEC.model, SPEC.optim, Corpus.load(SPEC.corpus), SPEC.seed, STEPS,
                                    SPEC.n_microbatches, SPEC.micro_batch)
@@ -115,15 +114,15 @@ def test_a_slow_pipeline_gets_only_what_it_finishes_before_the_others_and_is_mea
 
 def test_equal_idle_pipelines_take_the_last_micro_batches_instead_of_waiting_for_each_other() -> None:
     pool = TaskPool(step=1, n_microbatches=7, service_s={0: 0.1, 1: 0.1, 2: 0.1})
-    rounds = 0
+    passes = 0
     while not pool.complete():
         leased = [(p, pool.lease(p)) for p in (0, 1, 2)]
         assert any(mb is not None for _, mb in leased), f"nobody leases the {len(pool._free)} free micro-batches"
         for p, mb in leased:
             if mb is not None:
                 assert pool.commit(mb, p) is CommitResult.COMMITTED
-        rounds += 1
-    assert rounds <= 4
+        passes += 1
+    assert passes <= 4
 
 
 def test_balanced_pipelines_are_not_paced() -> None:

@@ -187,7 +187,7 @@ def test_members_in_the_wrong_role_are_refused_and_change_nothing(plan: Plan) ->
         _denied(lambda: c.push(ctl.encode(ctl.StartStep(0, 0), SPEC.run_id, EPOCH, 0), timeout_s=10))
         shard = envelope(pb.GRAD_SHARD, make_key(SPEC.run_id, EPOCH, 0, stage=0, replica=1),
                          {"grad": torch.zeros(w0.compute.numel // 2)})
-        shard.meta.update({"round": "0", "participants": json.dumps([0, 1])})
+        shard.meta.update({"attempt": "0", "participants": json.dumps([0, 1])})
         msg = _denied(lambda: c.push(shard, timeout_s=10))  # stage 0's group is workers 0 and 2
         _denied(lambda: c.fetch(pb.STAGE_STATE, make_key(SPEC.run_id, EPOCH, -1, stage=0),
                                 meta={"layers": json.dumps([0, 1])}, timeout_s=10))

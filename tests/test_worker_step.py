@@ -3,7 +3,7 @@ steps of 2 pipelines x 2 stages in virtual time with a death injected at every b
 
 The virtual run wires the real parts of a worker — :class:`Intake`, :class:`ComputeLoop`, :class:`GradientSync`,
 :class:`WorkerStep` and a tiny real :class:`StageCompute` — through a fake outbox that delivers each message to
-its receiver's intake at once, and plays the coordinator's side (task pool, drop, new round, reduce, apply, a
+its receiver's intake at once, and plays the coordinator's side (task pool, drop, new attempt, reduce, apply, a
 new leader's assignment) itself. One transition is one queued task run, one reduce phase of one replica, or one
 coordinator action; a death of each participant (every worker, and the coordinator) is injected right before
 and right after each of them. Whatever the moment, the run must account every micro-batch exactly once: no
@@ -36,7 +36,7 @@ from peer.runtime.stage.intake import Intake
 from peer.runtime.stage.outbox import DeviceClock
 from peer.runtime.stage.snapshot import Tasklet
 from peer.runtime.stage.step import Phase, Work, WorkerStep
-from peer.runtime.stage.sync import GradientSync, SyncRound
+from peer.runtime.stage.sync import GradientSync, SyncAttempt
 from peer.runtime.wire import envelope
 from protocol import tasklet_pb2 as pb
 from protocol.codec import decode_tensor
@@ -46,10 +46,10 @@ pytestmark = pytest.mark.unit
 
 
 # ------------------------------------------------------------------------------------- WorkerStep alone
-def started(step: int = 0, rnd: int = 0) -> WorkerStep:
+def started(step: int = 0, attempt: int = 0) -> WorkerStep:
     s = WorkerStep()
     s.reset(pipeline=1)
-    s.start_step(step, rnd, trained_steps=step)
+    s.start_step(step, attempt, trained_steps=step)
     return s
 
 
@@ -63,7 +63,7 @@ def test_start_step_refuses_an_older_step_a_step_not_trained_to_and_a_step_dropp
     with pytest.raises(Rejected, match="pipeline 1 was dropped from step 3"):
         s.start_step(3, 1, trained_steps=3)
     s.start_step(4, 0, trained_steps=4)  # the next step starts clean
-    assert (s.step, s.round, s.dropped, s.phase) == (4, 0, False, Phase.RUNNING)
+    assert (s.step, s.attempt, s.dropped, s.phase) == (4, 0, False, Phase.RUNNING)
 
 
 def test_a_new_round_of_the_step_keeps_its_micro_batches_and_resets_the_in_flight_count() -> None:
@@ -71,9 +71,9 @@ def test_a_new_round_of_the_step_keeps_its_micro_batches_and_resets_the_in_fligh
     s.start_step(0, 0, 0, feed=True)
     s.lease(0, 0, 5)
     s.start_step(0, 1, 0, feed=True)
-    assert (s.round, s.inflight, s.known) == (1, 0, {5})
-    with pytest.raises(Rejected, match="no longer feeding step 0 round 0"):
-        s.lease(0, 0, 6)  # the feeder of the abandoned round stops
+    assert (s.attempt, s.inflight, s.known) == (1, 0, {5})
+    with pytest.raises(Rejected, match="no longer feeding step 0 attempt 0"):
+        s.lease(0, 0, 6)  # the feeder of the abandoned attempt stops
 
 
 def test_a_step_with_a_gradient_awaiting_apply_cannot_be_left() -> None:
@@ -104,12 +104,12 @@ def test_activations_and_gradients_are_taken_once_per_micro_batch_and_never_for_
 
 
 def test_shards_of_a_stale_or_far_round_are_refused() -> None:
-    s = started(0, rnd=3)
+    s = started(0, attempt=3)
     s.check_shard(0, 3)
     s.check_shard(0, 5)
-    with pytest.raises(Rejected, match="round 2 is not within 2 of the current round 3"):
+    with pytest.raises(Rejected, match="attempt 2 is not within 2 of the current attempt 3"):
         s.check_shard(0, 2)
-    with pytest.raises(Rejected, match="round 6"):
+    with pytest.raises(Rejected, match="attempt 6"):
         s.check_shard(0, 6)
     with pytest.raises(Rejected, match="step 1 is not the current step 0"):
         s.check_shard(1, 3)
@@ -146,7 +146,7 @@ def test_the_outer_round_takes_its_average_once_and_only_for_the_current_step() 
         s.outer_round(0, 1)
     s.outer_round(1, 2)
     s.outer_round(1, 1)
-    assert s.round == 2  # a restart never goes back
+    assert s.attempt == 2  # a restart never goes back
     s.outer_reduced(1, torch.ones(2), torch.zeros(2))
     assert s.phase is Phase.OUTER_REDUCED
     assert s.take_outer(0) is None and s.outer_pending is None  # a mismatched apply loses it
@@ -229,7 +229,7 @@ class Node:
                                 self.sync, threading.Event())
         self.intake = Intake(None, frozenset(), False, lambda: self.t, self.step, self.cond,  # type: ignore[arg-type]
                              outbox, self.loop.put)
-        self.sync_round: SyncRound | None = None  # a reduce in progress: the phases done so far in ``phases``
+        self.sync_attempt: SyncAttempt | None = None  # a reduce in progress: the phases done so far in ``phases``
         self.phases = 0
 
     def assign(self, a: Assignment, compute: StageCompute, outer: OuterState | None) -> None:
@@ -237,10 +237,11 @@ class Node:
                          GradientExchange(a.replica, compute.numel, 10.0), self.corpus, Roles.of(a, None), outer)
         with self.cond:
             self.step.reset(a.replica)
-        self.sync_round, self.phases = None, 0
+        self.sync_attempt, self.phases = None, 0
 
     def contribute(self, t: Tasklet, step: int, msg: ctl.Reduce) -> None:
-        self.sync_round = self.sync.contribute_outer(t, step, msg) if msg.outer else self.sync.contribute(t, step, msg)
+        sync = self.sync
+        self.sync_attempt = sync.contribute_outer(t, step, msg) if msg.outer else sync.contribute(t, step, msg)
         self.phases = 1
 
 
@@ -297,8 +298,8 @@ class VirtualRun:
                 and all(n.alive for n in self.pipeline_nodes(p))]
 
     def begin(self, step: int) -> None:
-        """Start ``step`` (round 0) on every intact pipeline: later stages first, as the coordinator does."""
-        self.step, self.round, self.phase = step, 0, "pool"
+        """Start ``step`` (attempt 0) on every intact pipeline: later stages first, as the coordinator does."""
+        self.step, self.attempt, self.phase = step, 0, "pool"
         self.pool = Pool(self.spec.n_microbatches)
         self.reduced: set[str] = set()
         self.synced: dict[str, tuple[int, str]] = {}
@@ -310,7 +311,7 @@ class VirtualRun:
         for p in self.intact():
             for node in reversed(self.pipeline_nodes(p)):
                 assert node.t is not None
-                start = ctl.StartStep(self.step, self.round, feed=node.t.assignment.is_first)
+                start = ctl.StartStep(self.step, self.attempt, feed=node.t.assignment.is_first)
                 feeder = node.loop.start_step(node.t, start)
                 if feeder is not None:
                     self.feeders[p] = feeder
@@ -339,7 +340,7 @@ class VirtualRun:
 
     def reported(self, endpoint: str, msg: ctl.Message) -> None:
         self.log.append((endpoint, msg))
-        if isinstance(msg, ctl.Reduced) and msg.step == self.step and msg.round == self.round:
+        if isinstance(msg, ctl.Reduced) and msg.step == self.step and msg.attempt == self.attempt:
             self.reduced.add(endpoint)
         if isinstance(msg, ctl.Synced) and msg.step == self.step:
             self.synced[endpoint] = (msg.trained_steps, msg.params_hash)
@@ -356,20 +357,20 @@ class VirtualRun:
 
     def _reduce_phase(self) -> bool:
         """Phase 2 or 3 of a replica's reduce, once every live participant of its group finished the phase
-        before. A reduce of an abandoned round (a participant died) lets go at once on a replica the coordinator
-        restarted (its exchange aborted the round); on a dropped pipeline's replica it is simply not resumed."""
+        before. A reduce of an abandoned attempt (a participant died) lets go at once on a replica the coordinator
+        restarted (its exchange aborted the attempt); on a dropped pipeline's replica it is simply not resumed."""
         for node in self.live():
-            sync, t = node.sync_round, node.t
+            sync, t = node.sync_attempt, node.t
             if sync is None or t is None or node.phases >= 3:
                 continue
             group = [n for n in self.live() if n.t is not None and n.t.assignment.stage == t.assignment.stage
                      and n.t.assignment.replica in sync.participants]
             restarted = t.assignment.replica in self.intact()
-            abandoned = sync.round < self.round or len(group) < len(sync.participants) or not restarted
+            abandoned = sync.attempt < self.attempt or len(group) < len(sync.participants) or not restarted
             if abandoned and not restarted:
-                node.sync_round = None
+                node.sync_attempt = None
                 continue
-            if not abandoned and any(n.sync_round is None or n.sync_round.tag != sync.tag or n.phases < node.phases
+            if not abandoned and any(n.sync_attempt is None or n.sync_attempt.tag != sync.tag or n.phases < node.phases
                                      for n in group):
                 continue
             phase = node.sync.sum_shard if node.phases == 1 else node.sync.gather
@@ -385,7 +386,7 @@ class VirtualRun:
             held = {p: sum(1 for q in given.values() if q == p) for p in self.feeders}
             for p, feeder in sorted(self.feeders.items(), key=lambda item: (held[item[0]], item[0])):  # fair shares
                 node = self.pipeline_nodes(p)[0]
-                if self.pool.free and node.step.feeds(self.step, self.round) and node.step.inflight < len(STAGES):
+                if self.pool.free and node.step.feeds(self.step, self.attempt) and node.step.inflight < len(STAGES):
                     mb = self.pool.free.pop(0)
                     self.pool.leased[mb] = p
                     feeder.take(mb)
@@ -428,7 +429,7 @@ class VirtualRun:
         for p in participants:
             for node in self.pipeline_nodes(p):
                 assert node.t is not None
-                node.loop.reduce(node.t, ctl.Reduce(self.step, self.round, participants, dict(self.pool.record)))
+                node.loop.reduce(node.t, ctl.Reduce(self.step, self.attempt, participants, dict(self.pool.record)))
 
     def _outer_round(self) -> bool:
         participants = tuple(self.intact())
@@ -439,7 +440,7 @@ class VirtualRun:
         for p in participants:
             for node in self.pipeline_nodes(p):
                 assert node.t is not None
-                node.loop.reduce(node.t, ctl.Reduce(self.step, self.round, participants, {}, outer=True))
+                node.loop.reduce(node.t, ctl.Reduce(self.step, self.attempt, participants, {}, outer=True))
         return True
 
     # ------------------------------------------------------------------------------------------ deaths
@@ -464,12 +465,12 @@ class VirtualRun:
                 self.failed = True
                 self.phase = "failed"
                 return
-            self.round += 1
+            self.attempt += 1
             self.phase, self.reduced = "pool", set()
             self._start_round()
         elif self.phase == "outer":  # the outer average restarts without the pipeline
             self.out.add(p)
-            self.round += 1
+            self.attempt += 1
             self.reduced = set()
             if not self._outer_round():
                 self.phase = "failed"

@@ -85,7 +85,7 @@ class _PhaseClock:
     """Times of the coordinator's ``reduce`` and ``apply`` events (``on_event`` runs on its threads).
 
     A step's start is not an event, but the step report carries its duration, and the report is handed to
-    ``on_step`` right as the step ends: start = (time of the report) - seconds. A round restarted by a death
+    ``on_step`` right as the step ends: start = (time of the report) - seconds. An attempt restarted by a death
     emits ``reduce`` again; the last one counts.
     """
 

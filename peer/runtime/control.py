@@ -16,8 +16,8 @@ takes, strings are bounded. A malformed message is refused with :class:`~protoco
 the field (gRPC INVALID_ARGUMENT); a handler only ever sees a typed :class:`Message`. The envelope's key
 carries run, epoch, step and the sender's stage and replica.
 
-``round`` in the Python messages is the proto's ``attempt``: how often the step was restarted after a
-pipeline was dropped from it (a reduce of an older attempt is stale).
+``attempt`` (StartStep, Reduce, Reduced): how often the step was restarted after a pipeline was dropped from
+it (a reduce of an older attempt is stale).
 """
 
 from __future__ import annotations
@@ -85,8 +85,8 @@ SPECULATIVE_META = "speculative"
 # ------------------------------------------------------------------------------------------------ messages
 @dataclass(frozen=True)
 class Message:
-    """A control operation. A subclass names its :class:`Op`; its fields are the proto message's (``round`` is
-    ``attempt`` on the wire, ``Reduce.assignment`` is ``commits``)."""
+    """A control operation. A subclass names its :class:`Op`; its fields are the proto message's
+    (``Reduce.assignment`` is ``commits`` on the wire)."""
 
     op: ClassVar[Op]
     _renamed: ClassVar[dict[str, str]] = {}  # Python field -> proto field
@@ -132,12 +132,11 @@ class Stop(Message):
 
 @dataclass(frozen=True)
 class StartStep(Message):
-    """Start (or, with a higher ``round``, restart) ``step``; ``feed``: a first stage leases micro-batches."""
+    """Start (or, with a higher ``attempt``, restart) ``step``; ``feed``: a first stage leases micro-batches."""
 
     op: ClassVar[Op] = Op.START_STEP
-    _renamed: ClassVar[dict[str, str]] = {"round": "attempt"}
     step: int
-    round: int = 0
+    attempt: int = 0
     feed: bool = False
 
 
@@ -156,9 +155,9 @@ class Reduce(Message):
     ``outer``: average the DiLoCo pseudo-gradients of the round that ``step`` ends instead (peer.runtime.outer)."""
 
     op: ClassVar[Op] = Op.REDUCE
-    _renamed: ClassVar[dict[str, str]] = {"round": "attempt", "assignment": "commits"}
+    _renamed: ClassVar[dict[str, str]] = {"assignment": "commits"}
     step: int
-    round: int
+    attempt: int
     participants: tuple[int, ...]
     assignment: dict[int, int] = field(default_factory=dict)
     outer: bool = False
@@ -185,12 +184,11 @@ class Loss(Message):
 
 @dataclass(frozen=True)
 class Reduced(Message):
-    """This worker holds the averaged gradient of (step, round)."""
+    """This worker holds the averaged gradient of (step, attempt)."""
 
     op: ClassVar[Op] = Op.REDUCED
-    _renamed: ClassVar[dict[str, str]] = {"round": "attempt"}
     step: int
-    round: int
+    attempt: int
 
 
 @dataclass(frozen=True)

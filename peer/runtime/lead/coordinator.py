@@ -297,11 +297,11 @@ class Coordinator:
         return None
 
     def _send_later(self, machine: StepMachine, send: Send) -> None:
-        """A background send (drop notices, a restarted round, a pipeline rejoining), then what follows it."""
+        """A background send (drop notices, a restarted attempt, a pipeline rejoining), then what follows it."""
         self._broadcast_quietly(send.endpoints, send.msg, machine.step)
         if send.rejoin is not None and isinstance(send.msg, ctl.StartStep):
             with self._cond:
-                commands = machine.rejoined(send.rejoin, send.msg.round)
+                commands = machine.rejoined(send.rejoin, send.msg.attempt)
             self._carry_out(machine, commands)
         if send.then is not None:
             self._send_later(machine, send.then)
@@ -417,7 +417,7 @@ class Coordinator:
         if isinstance(msg, ctl.Loss):
             machine.loss(sender, key.replica, msg.microbatch, msg.loss, time.monotonic())
         elif isinstance(msg, ctl.Reduced):
-            machine.reduced(sender, msg.round)
+            machine.reduced(sender, msg.attempt)
         elif isinstance(msg, ctl.Synced):
             machine.synced(sender, msg.trained_steps, msg.params_hash)
         elif isinstance(msg, ctl.TaskError):

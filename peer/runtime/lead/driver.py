@@ -418,7 +418,7 @@ class RunDriver:
 
         out: dict[int, list[str]] = {}
         # answers the straggler check got just after this very step are reused once (a re-plan for a straggler
-        # then costs no second round of status queries); anyone else is asked
+        # then costs no second set of status queries); anyone else is asked
         trained, fresh = self._fresh_status
         self._fresh_status = (-1, {})
         known = {ep: st for ep, st in fresh.items() if ep in live and st} if trained == self.trained else {}

@@ -5,14 +5,14 @@ A step (docs/architecture.md, "One step") goes compute -> reduce -> apply -> [ou
 * compute: ``start`` tells every worker of an intact pipeline the step (the other stages first, then the
   first stages, which start leasing). ``lease`` and ``commit`` answer the feeders from the task pool.
 * reduce: once the pool is complete, the commit record goes to every live worker of an intact pipeline (DiLoCo:
-  of every live pipeline) and the machine waits for each one's ``reduced`` of that round.
+  of every live pipeline) and the machine waits for each one's ``reduced`` of that attempt.
 * apply: then ``apply``, and the machine waits for every live one's ``synced``.
 * outer (DiLoCo, the last inner step of a round): the live pipelines average their pseudo-gradients (a death
   restarts the averaging without that pipeline), then the outer step, as a second reduce and apply.
 
 A death (``died``), a lease past its deadline or a micro-batch a speculative copy won drops that pipeline from
 the step: the pool requeues its work, its survivors are told to drop the step, and when the feeders had already
-been told the pool was complete, the intact pipelines get a new round (a restarted averaging goes back to
+been told the pool was complete, the intact pipelines get a new attempt (a restarted averaging goes back to
 compute). A death is accounted before the pool's completeness is judged, so a commit record never names a
 pipeline that lost a member. No pipeline intact: the step fails and the driver re-plans.
 
@@ -50,7 +50,7 @@ class Send:
     """Send ``msg`` to each of ``endpoints``. ``wait``: the owner waits for every answer before its next command
     (a worker that does not answer is checked for death); else it is sent in the background, then ``then`` (the
     feeders' ``start_step`` after the other stages'). ``rejoin``: once answered, the owner reports
-    :meth:`StepMachine.rejoined` for that pipeline and ``msg``'s round."""
+    :meth:`StepMachine.rejoined` for that pipeline and ``msg``'s attempt."""
 
     endpoints: tuple[str, ...]
     msg: ctl.Message
@@ -194,8 +194,8 @@ class StepMachine:
         if self.roster.is_last(sender):
             self.state.pool.progress(microbatch, pipeline)  # its forward crossed every stage (stragglers)
 
-    def reduced(self, sender: str, rnd: int) -> None:
-        if rnd == self.state.round:
+    def reduced(self, sender: str, attempt: int) -> None:
+        if attempt == self.state.attempt:
             self.state.reduced.add(sender)
 
     def synced(self, sender: str, trained_steps: int, params_hash: str) -> None:
@@ -224,18 +224,18 @@ class StepMachine:
         st = self.state
         if st.phase is not StepPhase.COMPUTE or pipeline not in st.syncing:
             return []
-        return [Send(tuple(self.roster.members([pipeline], self.dead)), ctl.StartStep(self.step, st.round),
+        return [Send(tuple(self.roster.members([pipeline], self.dead)), ctl.StartStep(self.step, st.attempt),
                      rejoin=pipeline)]
 
-    def rejoined(self, pipeline: int, rnd: int) -> list[Command]:
-        """Every member of ``pipeline`` has the step of round ``rnd``: its feeders start, unless too late."""
+    def rejoined(self, pipeline: int, attempt: int) -> list[Command]:
+        """Every member of ``pipeline`` has attempt ``attempt`` of the step: its feeders start, unless too late."""
         st = self.state
-        if st.phase is not StepPhase.COMPUTE or st.round != rnd or pipeline not in st.syncing:
+        if st.phase is not StepPhase.COMPUTE or st.attempt != attempt or pipeline not in st.syncing:
             return []  # too late for this step: it joins the next one
         st.syncing.discard(pipeline)
         log.info("step %d: pipeline %d is in sync again and joins the step", self.step, pipeline)
         firsts = tuple(ep for ep in self.roster.members([pipeline], self.dead, first=True))
-        return [Send(firsts, ctl.StartStep(self.step, rnd, feed=True))]
+        return [Send(firsts, ctl.StartStep(self.step, attempt, feed=True))]
 
     def tick(self, now: float) -> list[Command]:
         """Time passed, or something changed: judge errors, drop broken pipelines, move on when the phase's
@@ -271,7 +271,7 @@ class StepMachine:
             if st.phase is StepPhase.COMPUTE and st.pool.complete():
                 self._begin_reduce(out)
                 return True
-            if broken and st.feeders_done:  # the feeders had stopped (pool complete): a new round restarts them
+            if broken and st.feeders_done:  # the feeders had stopped (pool complete): a new attempt restarts them
                 restarted = st.phase is StepPhase.REDUCE
                 st.phase, st.feeders_done = StepPhase.COMPUTE, False
                 self._refeed(out)
@@ -308,15 +308,15 @@ class StepMachine:
 
     def _begin_reduce(self, out: list[Command]) -> None:
         st = self.state
-        st.phase, st.round, st.reduced = StepPhase.REDUCE, st.round + 1, set()
+        st.phase, st.attempt, st.reduced = StepPhase.REDUCE, st.attempt + 1, set()
         st.pool.end_speculation()  # the stages settle what they hold apart: copies count no more
         # DiLoCo inner step: every live pipeline applies its own share (maybe none)
         st.participants = self.intact() if self.sync_period == 1 else self.roster.alive_pipelines(self.dead)
         st.commits = st.pool.assignment()
         st.members = self.roster.members(st.participants, self.dead)
         st.expected = set(st.members)
-        out.append(Emit("reduce", {"step": self.step, "round": st.round, "participants": st.participants}))
-        out.append(Send(tuple(st.members), ctl.Reduce(self.step, st.round, tuple(st.participants), st.commits), True))
+        out.append(Emit("reduce", {"step": self.step, "attempt": st.attempt, "participants": st.participants}))
+        out.append(Send(tuple(st.members), ctl.Reduce(self.step, st.attempt, tuple(st.participants), st.commits), True))
 
     def _begin_apply(self, out: list[Command]) -> None:
         st = self.state
@@ -350,11 +350,11 @@ class StepMachine:
         self._outer = self.roster.alive_pipelines(self.dead)
         if not self._outer:
             raise ReplanNeededError(f"step {self.step}: no pipeline left for the outer round")
-        st.round, st.reduced = st.round + 1, set()
+        st.attempt, st.reduced = st.attempt + 1, set()
         st.members = self.roster.members(self._outer, self.dead)
         st.expected = set(st.members)
-        out.append(Emit("outer", {"step": self.step, "round": st.round, "participants": self._outer}))
-        out.append(Send(tuple(st.members), ctl.Reduce(self.step, st.round, tuple(self._outer), {}, outer=True), True))
+        out.append(Emit("outer", {"step": self.step, "attempt": st.attempt, "participants": self._outer}))
+        out.append(Send(tuple(st.members), ctl.Reduce(self.step, st.attempt, tuple(self._outer), {}, outer=True), True))
 
     def _drop_broken(self, out: list[Command]) -> list[int]:
         """Drop from the step the pipelines with a dead member, a lease past its deadline, or a micro-batch a
@@ -377,16 +377,16 @@ class StepMachine:
         return broken
 
     def _refeed(self, out: list[Command]) -> None:
-        """A new round for the intact pipelines: abort their averaging, restart their feeders. Only when no
+        """A new attempt for the intact pipelines: abort their averaging, restart their feeders. Only when no
         micro-batch is in flight (the pool had been complete), so the feeders' in-flight counts may be reset.
         The other stages are told first, as at the start of a step."""
         st = self.state
-        st.round += 1
+        st.attempt += 1
         intact = self.intact()
-        feed = Send(tuple(self.roster.members(intact, self.dead, first=True)), ctl.StartStep(self.step, st.round,
+        feed = Send(tuple(self.roster.members(intact, self.dead, first=True)), ctl.StartStep(self.step, st.attempt,
                                                                                            feed=True))
         out.append(Send(tuple(self.roster.members(intact, self.dead, first=False)),
-                        ctl.StartStep(self.step, st.round), then=feed))
+                        ctl.StartStep(self.step, st.attempt), then=feed))
 
     def _judge(self) -> None:
         """Errors whose wait is over: one from a live sender during averaging or apply fails the step."""

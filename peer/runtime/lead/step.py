@@ -68,7 +68,7 @@ class StepState:
     the lock of whoever feeds it)."""
 
     pool: TaskPool
-    round: int = 0
+    attempt: int = 0
     phase: StepPhase = StepPhase.COMPUTE
     feeders_done: bool = False  # some feeder was told "done" (the pool was complete)
     losses: dict[tuple[int, int], float] = field(default_factory=dict)

@@ -127,24 +127,24 @@ class ComputeLoop:
 
     # ------------------------------------------------------------------------------------ control messages
     def start_step(self, t: Tasklet, msg: ctl.StartStep) -> Feeder | None:
-        """``start_step`` from the coordinator: the step (or its new round) becomes current, the rounds before
+        """``start_step`` from the coordinator: the step (or its new attempt) becomes current, the attempts before
         it are abandoned; a first stage told to feed gets the feeder to run."""
         if msg.feed and not t.assignment.is_first:
             raise Rejected("only a first stage feeds micro-batches")
         with self.cond:
             if self.current() is not t:
                 raise Rejected("this peer took a new assignment meanwhile")
-            self.step.start_step(msg.step, msg.round, t.compute.step, feed=msg.feed)
-        t.exchange.abort_before((msg.step, msg.round))
-        return Feeder(self, t, msg.step, msg.round) if msg.feed else None
+            self.step.start_step(msg.step, msg.attempt, t.compute.step, feed=msg.feed)
+        t.exchange.abort_before((msg.step, msg.attempt))
+        return Feeder(self, t, msg.step, msg.attempt) if msg.feed else None
 
     def reduce(self, t: Tasklet, msg: ctl.Reduce) -> None:
         """Queue a reduce. An outer round (DiLoCo) may be restarted with fewer participants after a death: its
-        round becomes current here at once, and a compute task still waiting on the abandoned round lets go."""
+        new attempt becomes current here at once, and a compute task still waiting on the abandoned one lets go."""
         if msg.outer:
             with self.cond:
-                self.step.outer_round(msg.step, msg.round)
-            t.exchange.abort_before((msg.step, msg.round))
+                self.step.outer_round(msg.step, msg.attempt)
+            t.exchange.abort_before((msg.step, msg.attempt))
         self.put(Task(Work.REDUCE, t, msg.step, (msg,)))
 
     # ---------------------------------------------------------------------------------------------- tasks
@@ -210,16 +210,16 @@ class ComputeLoop:
 
 
 class Feeder:
-    """A first stage's feeder of one (step, round): leases micro-batches for this pipeline while fewer than
+    """A first stage's feeder of one (step, attempt): leases micro-batches for this pipeline while fewer than
     ``n_stages`` are in flight (the 1F1B limit) and builds their tokens locally — data is a pure function of
     (seed, step, micro-batch)."""
 
-    def __init__(self, loop: ComputeLoop, t: Tasklet, step: int, rnd: int) -> None:
-        self.loop, self.t, self.step, self.rnd = loop, t, step, rnd
+    def __init__(self, loop: ComputeLoop, t: Tasklet, step: int, attempt: int) -> None:
+        self.loop, self.t, self.step, self.attempt = loop, t, step, attempt
 
     def _current(self) -> bool:  # call with the step lock held
         loop = self.loop
-        return loop.current() is self.t and loop.step.feeds(self.step, self.rnd) and not loop.stopped.is_set()
+        return loop.current() is self.t and loop.step.feeds(self.step, self.attempt) and not loop.stopped.is_set()
 
     def run(self) -> None:
         loop, t, step = self.loop, self.t, self.step
@@ -248,7 +248,7 @@ class Feeder:
 
     def take(self, mb: int, speculative: bool = False) -> bool:
         """A micro-batch leased for this pipeline enters it: build its tokens, queue its forward. False when
-        the step, round or snapshot moved on meanwhile (the feeder stops)."""
+        the step, attempt or snapshot moved on meanwhile (the feeder stops)."""
         loop, t, step = self.loop, self.t, self.step
         spec, corpus = t.spec, t.corpus
         assert corpus is not None
@@ -257,7 +257,7 @@ class Feeder:
             if not self._current():
                 return False
             try:
-                loop.step.lease(step, self.rnd, mb)
+                loop.step.lease(step, self.attempt, mb)
             except Rejected:
                 return False
         loop.put(Task(Work.FORWARD, t, step, (mb, tokens, speculative)))

@@ -1,6 +1,6 @@
 """Data-parallel gradient averaging inside one stage's group: reduce-scatter, then all-gather.
 
-The group of a synchronisation round is its list of *participants* (replica ids, ascending): the pipelines
+The group of a step attempt's synchronisation is its list of *participants* (replica ids, ascending): the pipelines
 still intact when the step's micro-batches were all committed. Participant at position ``i`` owns shard ``i``
 of the stage's flat gradient (``shard_bounds(numel, len(participants))``). In the reduce-scatter every
 participant sends shard ``j`` of its accumulated gradient to participant ``j``; the owner sums the
@@ -10,8 +10,8 @@ every other participant. Every participant then holds bitwise the same summed gr
 AdamW step, so replicas never drift apart and any one of them can hand its state to a newcomer.
 
 Traffic per replica and phase: ``(D - 1)`` shards of ``G / D`` bytes — the pattern the scheduler's cost
-models assume. Messages are keyed by a *tag* ``(step, round)``: a round that failed (a participant died) is
-simply abandoned and the next round starts clean. Every message states the participants it was computed
+models assume. Messages are keyed by a *tag* ``(step, attempt)``: an attempt that failed (a participant died) is
+simply abandoned and the next attempt starts clean. Every message states the participants it was computed
 for, so a shard can be checked against its expected size the moment it arrives, even before this replica has
 itself been told to synchronise. This class only holds what arrives (server threads put, the compute thread
 waits); sending is the worker's job.
@@ -19,8 +19,8 @@ waits); sending is the worker's job.
 Plausible but wrong gradients: before summing, the owner compares each contribution's norm per micro-batch
 with the median of the other participants' (``outlier_factor``, k). One more than k times that median is
 refused (:class:`OutlierContributionError`, the worker reports its sender to the coordinator, which excludes
-it and restarts the round). This stops a member from blowing up the model with a huge gradient; it does not
-stop a small, plausible poisoning (see docs/security.md).
+it and starts a new attempt of the step). This stops a member from blowing up the model with a huge gradient;
+it does not stop a small, plausible poisoning (see docs/security.md).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 from peer.compute.stage import shard_bounds
 from protocol.errors import BadMessage
 
-Tag = tuple[int, int]  # (step, round)
+Tag = tuple[int, int]  # (step, attempt)
 
 
 class ExchangeTimeoutError(TimeoutError):
@@ -44,7 +44,7 @@ class ExchangeTimeoutError(TimeoutError):
 
 
 class ExchangeAbortedError(RuntimeError):
-    """The round was abandoned (a participant died and the coordinator started a new round)."""
+    """The attempt was abandoned (a participant died and the coordinator started a new attempt)."""
 
 
 class OutlierContributionError(ExchangeAbortedError):
@@ -54,13 +54,13 @@ class OutlierContributionError(ExchangeAbortedError):
         self.replicas = replicas
         shown = ", ".join(f"{r}: {v:.3g}" for r, v in sorted(norms.items()))
         super().__init__(
-            f"round {tag}: gradient of replica(s) {replicas} exceeds {factor:g} x the median norm per "
+            f"attempt {tag}: gradient of replica(s) {replicas} exceeds {factor:g} x the median norm per "
             f"micro-batch of the others (norms {shown})"
         )
 
 
 @dataclass
-class _Round:
+class _Attempt:
     participants: tuple[int, ...]
     contributions: dict[int, tuple[torch.Tensor, list[int]]] = field(default_factory=dict)
     reduced: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -74,25 +74,25 @@ class GradientExchange:
         self.numel = numel
         self.outlier_factor = outlier_factor  # 0: no check
         self._cond = threading.Condition()
-        self._rounds: dict[Tag, _Round] = {}
+        self._attempts: dict[Tag, _Attempt] = {}
         self._aborted_through: Tag = (-1, -1)
 
-    def _round(self, tag: Tag, participants: Sequence[int]) -> _Round:
+    def _attempt(self, tag: Tag, participants: Sequence[int]) -> _Attempt:
         parts = tuple(participants)
         if list(parts) != sorted(set(parts)) or not parts:
             raise BadMessage("meta.participants", f"must be distinct ascending replica ids, got {list(parts)}")
         if self.replica not in parts:
             raise BadMessage("meta.participants", f"replica {self.replica} is not among {list(parts)}")
-        rnd = self._rounds.setdefault(tag, _Round(parts))
-        if rnd.participants != parts:
+        attempt = self._attempts.setdefault(tag, _Attempt(parts))
+        if attempt.participants != parts:
             raise BadMessage(
                 "meta.participants",
-                f"round {tag} has participants {list(rnd.participants)}, message says {list(parts)}",
+                f"attempt {tag} has participants {list(attempt.participants)}, message says {list(parts)}",
             )
-        return rnd
+        return attempt
 
-    def _check_shard(self, rnd: _Round, owner: int, shard: torch.Tensor) -> None:
-        lo, hi = shard_bounds(self.numel, len(rnd.participants))[rnd.participants.index(owner)]
+    def _check_shard(self, attempt: _Attempt, owner: int, shard: torch.Tensor) -> None:
+        lo, hi = shard_bounds(self.numel, len(attempt.participants))[attempt.participants.index(owner)]
         if shard.dim() != 1 or shard.numel() != hi - lo or shard.dtype != torch.float32:
             raise BadMessage("tensors.grad", f"expected float32[{hi - lo}], got {shard.dtype}{list(shard.shape)}")
 
@@ -105,23 +105,23 @@ class GradientExchange:
     ) -> None:
         """Participant ``sender``'s part of *my* shard."""
         with self._cond:
-            rnd = self._round(tag, participants)
-            if sender not in rnd.participants:
+            attempt = self._attempt(tag, participants)
+            if sender not in attempt.participants:
                 raise BadMessage("key.replica", f"sender replica {sender} is not a participant")
-            self._check_shard(rnd, self.replica, shard)
-            if sender in rnd.contributions:
-                raise BadMessage("key.replica", f"replica {sender} already sent its shard for round {tag}")
-            rnd.contributions[sender] = (shard, list(microbatches))
+            self._check_shard(attempt, self.replica, shard)
+            if sender in attempt.contributions:
+                raise BadMessage("key.replica", f"replica {sender} already sent its shard for attempt {tag}")
+            attempt.contributions[sender] = (shard, list(microbatches))
             self._cond.notify_all()
 
     def put_reduced(self, tag: Tag, participants: Sequence[int], owner: int, shard: torch.Tensor) -> None:
         """The summed shard that participant ``owner`` is responsible for."""
         with self._cond:
-            rnd = self._round(tag, participants)
-            if owner not in rnd.participants:
+            attempt = self._attempt(tag, participants)
+            if owner not in attempt.participants:
                 raise BadMessage("key.replica", f"owner replica {owner} is not a participant")
-            self._check_shard(rnd, owner, shard)
-            rnd.reduced[owner] = shard
+            self._check_shard(attempt, owner, shard)
+            attempt.reduced[owner] = shard
             self._cond.notify_all()
 
     def _wait(self, tag: Tag, ready: Callable[[], bool], timeout_s: float, what: Callable[[], str]) -> None:
@@ -129,7 +129,7 @@ class GradientExchange:
         with self._cond:
             while not ready():
                 if tag <= self._aborted_through:
-                    raise ExchangeAbortedError(f"round {tag} was abandoned")
+                    raise ExchangeAbortedError(f"attempt {tag} was abandoned")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise ExchangeTimeoutError(what())
@@ -146,33 +146,33 @@ class GradientExchange:
         no micro-batches — each inner step's accounting was checked when it was applied.
         """
         with self._cond:
-            rnd = self._round(tag, participants)
-        n = len(rnd.participants)
-        self._wait(tag, lambda: len(rnd.contributions) == n,
+            attempt = self._attempt(tag, participants)
+        n = len(attempt.participants)
+        self._wait(tag, lambda: len(attempt.contributions) == n,
             timeout_s,
-            lambda: f"round {tag}: {len(rnd.contributions)}/{n} gradient shards arrived",
+            lambda: f"attempt {tag}: {len(attempt.contributions)}/{n} gradient shards arrived",
         )
-        self._check_outliers(tag, rnd)
+        self._check_outliers(tag, attempt)
         seen: list[int] = []
         total: torch.Tensor | None = None
-        for r in rnd.participants:
-            shard, mbs = rnd.contributions[r]
+        for r in attempt.participants:
+            shard, mbs = attempt.contributions[r]
             seen += mbs
             total = shard.clone() if total is None else total.add_(shard)
         if n_microbatches is not None and sorted(seen) != list(range(n_microbatches)):
             raise BadMessage(
                 "microbatches",
-                f"round {tag}: contributions cover {sorted(seen)}, expected each "
+                f"attempt {tag}: contributions cover {sorted(seen)}, expected each "
                 f"of 0..{n_microbatches - 1} exactly once",
             )
         assert total is not None
         return total
 
-    def _check_outliers(self, tag: Tag, rnd: _Round) -> None:
+    def _check_outliers(self, tag: Tag, attempt: _Attempt) -> None:
         k = self.outlier_factor
-        if not k or len(rnd.contributions) < 2:
+        if not k or len(attempt.contributions) < 2:
             return
-        norms = {r: float(shard.norm()) / max(1, len(mbs)) for r, (shard, mbs) in rnd.contributions.items()}
+        norms = {r: float(shard.norm()) / max(1, len(mbs)) for r, (shard, mbs) in attempt.contributions.items()}
         bad = []
         for r, norm in norms.items():
             median = statistics.median(v for q, v in norms.items() if q != r)
@@ -182,28 +182,28 @@ class GradientExchange:
             raise OutlierContributionError(tag, sorted(bad), norms, k)
 
     def gather(self, tag: Tag, participants: Sequence[int], timeout_s: float) -> torch.Tensor:
-        """Wait for every owner's summed shard; return the whole summed gradient and forget the round."""
+        """Wait for every owner's summed shard; return the whole summed gradient and forget the attempt."""
         with self._cond:
-            rnd = self._round(tag, participants)
-        n = len(rnd.participants)
-        self._wait(tag, lambda: len(rnd.reduced) == n,
+            attempt = self._attempt(tag, participants)
+        n = len(attempt.participants)
+        self._wait(tag, lambda: len(attempt.reduced) == n,
             timeout_s,
-            lambda: f"round {tag}: {len(rnd.reduced)}/{n} summed shards arrived",
+            lambda: f"attempt {tag}: {len(attempt.reduced)}/{n} summed shards arrived",
         )
-        full = torch.cat([rnd.reduced[r] for r in rnd.participants])
+        full = torch.cat([attempt.reduced[r] for r in attempt.participants])
         self.forget_through(tag)
         return full
 
     def abort_before(self, tag: Tag) -> None:
-        """Abandon every round before ``tag``: waiters raise ExchangeAbortedError, their mail is dropped."""
+        """Abandon every attempt before ``tag``: waiters raise ExchangeAbortedError, their mail is dropped."""
         with self._cond:
-            for t in [t for t in self._rounds if t < tag]:
-                del self._rounds[t]
+            for t in [t for t in self._attempts if t < tag]:
+                del self._attempts[t]
             self._aborted_through = max(self._aborted_through, (tag[0], tag[1] - 1))
             self._cond.notify_all()
 
     def forget_through(self, tag: Tag) -> None:
-        """Drop the mail of ``tag`` and every earlier round."""
+        """Drop the mail of ``tag`` and every earlier attempt."""
         with self._cond:
-            for t in [t for t in self._rounds if t <= tag]:
-                del self._rounds[t]
+            for t in [t for t in self._attempts if t <= tag]:
+                del self._attempts[t]

@@ -179,12 +179,12 @@ class Intake:
             raise Rejected(f"step {key.step} is not the current step {step}")
         try:
             participants = [int(x) for x in json.loads(env.meta.get("participants", "[]"))]
-            rnd = int(env.meta.get("round", ""))
+            attempt = int(env.meta.get("attempt", ""))
         except (ValueError, TypeError):
-            raise BadMessage("meta", "round and participants must be an integer and a JSON list") from None
-        with self.cond:  # bounded mailbox: only the rounds that can follow the one this peer was told about
-            self.step.check_shard(key.step, rnd)
-        return t, (key.step, rnd), participants, self._decode(t, env, "grad", expect_dtype=torch.float32)
+            raise BadMessage("meta", "attempt and participants must be an integer and a JSON list") from None
+        with self.cond:  # bounded mailbox: only the attempts that can follow the one this peer was told about
+            self.step.check_shard(key.step, attempt)
+        return t, (key.step, attempt), participants, self._decode(t, env, "grad", expect_dtype=torch.float32)
 
     def grad_shard(self, env: pb.Envelope) -> None:
         t, tag, participants, shard = self._shard_message(env)

@@ -6,7 +6,7 @@ step as it stands — a message of another step, a micro-batch seen twice, an ap
 worker calls it under its step lock and acts only on what a transition allowed, so the rules of a step live in
 one place and can be tested event by event (tests/test_worker_step.py).
 
-The step's life (docs/architecture.md, "One step"): ``start_step`` (a new step, or a new round of the current
+The step's life (docs/architecture.md, "One step"): ``start_step`` (a new step, or a new attempt of the current
 one), micro-batches enter (``lease`` on a first stage, ``take_activation`` elsewhere) and their gradients
 return (``take_grad``); ``drop`` throws the pipeline's work away; ``reduce`` checks the accumulator against the
 commit record and ``reduced`` keeps the sum; ``apply``/``applied`` step the optimizer once. DiLoCo's outer round
@@ -15,13 +15,13 @@ has its own pair, ``outer_reduced``/``take_outer``.
 ===================  =============================================  ================================================
 transition           refused (Rejected) when                        effect
 ===================  =============================================  ================================================
-``reset``            never (a new assignment)                       IDLE: step -1, round 0, nothing held
+``reset``            never (a new assignment)                       IDLE: step -1, attempt 0, nothing held
 ``start_step``       an older step; a new step the stage has not    a new step: RUNNING, micro-batches forgotten;
-                     trained to, or with a gradient unapplied; a    the current step: its new round, none in flight
+                     trained to, or with a gradient unapplied; a    the current step: its new attempt, none in flight
                      step this pipeline was dropped from
 ``drop``             not the current step                           DROPPED: micro-batches forgotten, feeding stops
 ``sit_out``          not the current step                           DiLoCo: dropped, the record gave it nothing
-``lease``            not feeding this step and round                the micro-batch enters, one more in flight
+``lease``            not feeding this step and attempt              the micro-batch enters, one more in flight
 ``take_activation``  another step; dropped; seen already            the micro-batch enters
 ``take_grad``        another step; dropped; never forwarded here;   its backward may run, once
                      seen already
@@ -31,7 +31,7 @@ transition           refused (Rejected) when                        effect
 ``apply``            nothing of that step held (unless applied      what to apply (None: a repeat, re-report)
                      already: trained = step + 1)
 ``applied``          that step was not awaiting apply               the gradient is applied once
-``outer_round``      not the current step                           the round only moves forward
+``outer_round``      not the current step                           the attempt only moves forward
 ``outer_reduced``    not the current step                           OUTER_REDUCED: the average awaits the apply
 ``take_outer``       never (None: nothing of that step held)        the average, taken once
 ===================  =============================================  ================================================
@@ -47,7 +47,7 @@ import torch
 
 from protocol.errors import Rejected
 
-ROUND_WINDOW = 2  # shards of rounds up to this far ahead of the current one are kept (a bounded mailbox)
+ATTEMPT_WINDOW = 2  # shards of attempts up to this far ahead of the current one are kept (a bounded mailbox)
 
 
 class Phase(enum.Enum):
@@ -77,8 +77,8 @@ class WorkerStep:
 
     pipeline: int = -1  # this worker's replica (pipeline) id, for the refusals' wording
     step: int = -1
-    round: int = 0
-    feeding: bool = False  # a first stage leases micro-batches for this step and round
+    attempt: int = 0
+    feeding: bool = False  # a first stage leases micro-batches for this step and attempt
     dropped: bool = False  # this pipeline was dropped from the current step
     known: set[int] = field(default_factory=set)  # micro-batches forwarded here this step
     grads_seen: set[int] = field(default_factory=set)  # micro-batches whose activation gradient arrived
@@ -106,12 +106,12 @@ class WorkerStep:
     def reset(self, pipeline: int) -> None:
         """A new assignment (of pipeline ``pipeline``): nothing of the previous plan's step carries over."""
         self.pipeline = pipeline
-        self.step, self.round, self.feeding, self.dropped, self.inflight = -1, 0, False, False, 0
+        self.step, self.attempt, self.feeding, self.dropped, self.inflight = -1, 0, False, False, 0
         self.pending, self.local_count, self.outer_pending = None, 0, None
         self.known, self.grads_seen = set(), set()
 
-    def start_step(self, step: int, rnd: int, trained_steps: int, feed: bool = False) -> None:
-        """Start ``step`` (the stage has trained ``trained_steps``) or a new round of the current step (a
+    def start_step(self, step: int, attempt: int, trained_steps: int, feed: bool = False) -> None:
+        """Start ``step`` (the stage has trained ``trained_steps``) or a new attempt of the current step (a
         pipeline died: the pool was requeued). An older step, a step the stage is not at, or a step this
         pipeline was dropped from is refused."""
         if step < self.step:
@@ -122,7 +122,7 @@ class WorkerStep:
             self.step, self.dropped, self.known, self.grads_seen = step, False, set(), set()
         if self.dropped:
             raise Rejected(f"pipeline {self.pipeline} was dropped from step {step}")
-        self.round, self.inflight, self.feeding = rnd, 0, feed
+        self.attempt, self.inflight, self.feeding = attempt, 0, feed
 
     def drop(self, step: int) -> None:
         """This pipeline lost a member: forget the step's micro-batches (other pipelines redo them)."""
@@ -134,21 +134,21 @@ class WorkerStep:
         self._require_current(step, "sitting out")
         self.dropped, self.feeding = True, False
 
-    def outer_round(self, step: int, rnd: int) -> None:
-        """DiLoCo: an outer round of ``step`` (restarted after a death: a later round) becomes current."""
+    def outer_round(self, step: int, attempt: int) -> None:
+        """DiLoCo: an outer round of ``step`` (restarted after a death: a later attempt) becomes current."""
         if step != self.step:
             raise Rejected(f"outer round of step {step}, the current step is {self.step}")
-        self.round = max(self.round, rnd)
+        self.attempt = max(self.attempt, attempt)
 
     # ------------------------------------------------------------------------------------- micro-batches
-    def feeds(self, step: int, rnd: int) -> bool:
-        """Whether the feeder of (step, round) may still lease."""
-        return self.feeding and self.step == step and self.round == rnd and not self.dropped
+    def feeds(self, step: int, attempt: int) -> bool:
+        """Whether the feeder of (step, attempt) may still lease."""
+        return self.feeding and self.step == step and self.attempt == attempt and not self.dropped
 
-    def lease(self, step: int, rnd: int, mb: int) -> None:
-        """The feeder leased ``mb`` for (step, round): it enters the pipeline here."""
-        if not self.feeds(step, rnd):
-            raise Rejected(f"no longer feeding step {step} round {rnd}")
+    def lease(self, step: int, attempt: int, mb: int) -> None:
+        """The feeder leased ``mb`` for (step, attempt): it enters the pipeline here."""
+        if not self.feeds(step, attempt):
+            raise Rejected(f"no longer feeding step {step} attempt {attempt}")
         self.known.add(mb)
         self.inflight += 1
 
@@ -179,12 +179,12 @@ class WorkerStep:
             raise Rejected(f"the gradient of micro-batch {mb} already arrived this step")
         self.grads_seen.add(mb)
 
-    def check_shard(self, step: int, rnd: int) -> None:
-        """A gradient or parameter shard of (step, round) fits: the current step, a round that can follow."""
+    def check_shard(self, step: int, attempt: int) -> None:
+        """A gradient or parameter shard of (step, attempt) fits: the current step, an attempt that can follow."""
         if step != self.step:
             raise Rejected(f"step {step} is not the current step {self.step}")
-        if not self.round <= rnd <= self.round + ROUND_WINDOW:
-            raise Rejected(f"round {rnd} is not within {ROUND_WINDOW} of the current round {self.round}")
+        if not self.attempt <= attempt <= self.attempt + ATTEMPT_WINDOW:
+            raise Rejected(f"attempt {attempt} is not within {ATTEMPT_WINDOW} of the current attempt {self.attempt}")
 
     def runs(self, work: Work, step: int) -> bool:
         """Whether queued work of ``step`` still runs: stale work (another step; forward or backward of a

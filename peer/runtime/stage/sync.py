@@ -37,11 +37,11 @@ Loader = Callable[[StageCompute, str, RunSpec, Assignment, int], "OuterState | N
 
 
 @dataclass(frozen=True)
-class SyncRound:
-    """One averaging round in progress: its step and round, participants, and the meta its shards carry."""
+class SyncAttempt:
+    """One averaging in progress: its step and attempt, participants, and the meta its shards carry."""
 
     step: int
-    round: int
+    attempt: int
     participants: list[int]
     meta: dict[str, str]
     outer: bool = False  # DiLoCo's outer round: pseudo-gradients under ``codec``, ``residual`` kept after it
@@ -50,7 +50,7 @@ class SyncRound:
 
     @property
     def tag(self) -> Tag:
-        return self.step, self.round
+        return self.step, self.attempt
 
 
 class GradientSync:
@@ -75,16 +75,16 @@ class GradientSync:
         if msg.outer:
             self.outer_reduce(t, step, msg)
             return
-        rnd = self.contribute(t, step, msg)
-        if rnd is not None:
-            self.sum_shard(t, rnd)
-            self.gather(t, rnd)
+        sync = self.contribute(t, step, msg)
+        if sync is not None:
+            self.sum_shard(t, sync)
+            self.gather(t, sync)
 
-    def contribute(self, t: Tasklet, step: int, msg: ctl.Reduce) -> SyncRound | None:
+    def contribute(self, t: Tasklet, step: int, msg: ctl.Reduce) -> SyncAttempt | None:
         """Phase 1: the accumulator must hold exactly this pipeline's micro-batches of the commit record; send
         each participant its shard of the sum (reduce-scatter). None: a DiLoCo inner step, kept locally."""
         a, compute, exchange = t.assignment, t.compute, t.exchange
-        rnd, participants = msg.round, list(msg.participants)
+        attempt, participants = msg.attempt, list(msg.participants)
         expected = sorted(mb for mb, p in msg.assignment.items() if p == a.replica)
         if t.outer is not None and not expected:
             # DiLoCo: a pipeline the record gives nothing (dropped from the step: its share went back to the pool)
@@ -100,9 +100,10 @@ class GradientSync:
         if t.outer is not None:
             with self.cond:
                 self.step.reduced(step, compute.accumulated_grad(), len(expected))
-            self.outbox.report(t, ctl.Reduced(step, rnd))
+            self.outbox.report(t, ctl.Reduced(step, attempt))
             return None
-        sync = SyncRound(step, rnd, participants, {"round": str(rnd), "participants": json.dumps(participants)})
+        meta = {"attempt": str(attempt), "participants": json.dumps(participants)}
+        sync = SyncAttempt(step, attempt, participants, meta)
         flat = compute.accumulated_grad()
         for r in participants:
             lo, hi = exchange.shard_of(participants, r)
@@ -114,7 +115,7 @@ class GradientSync:
                 self.outbox.send(t, a.group[r], env)
         return sync
 
-    def sum_shard(self, t: Tasklet, sync: SyncRound) -> None:
+    def sum_shard(self, t: Tasklet, sync: SyncAttempt) -> None:
         """Phase 2: wait for every participant's contribution to my shard, sum them (exactly-once checked there;
         an outer round's pseudo-gradients carry no micro-batches) and send the sum to every participant
         (all-gather); an outlier's sender is reported."""
@@ -141,7 +142,7 @@ class GradientSync:
                 env.meta.update(sync.meta)
                 self.outbox.send(t, a.group[r], env)
 
-    def gather(self, t: Tasklet, sync: SyncRound) -> None:
+    def gather(self, t: Tasklet, sync: SyncAttempt) -> None:
         """Phase 3: wait for every owner's summed shard; keep the whole sum for apply (an outer round: the
         participants' average) and report ``reduced``."""
         summed = t.exchange.gather(sync.tag, sync.participants, REDUCE_WAIT_S)
@@ -151,7 +152,7 @@ class GradientSync:
                 self.step.outer_reduced(sync.step, summed / len(sync.participants), sync.residual)
             else:
                 self.step.reduced(sync.step, summed)
-        self.outbox.report(t, ctl.Reduced(sync.step, sync.round))
+        self.outbox.report(t, ctl.Reduced(sync.step, sync.attempt))
 
     def apply(self, t: Tasklet, step: int, msg: ctl.Apply | None = None) -> None:
         """Apply the reduced gradient of ``step`` (idempotent: a repeated apply only re-reports). DiLoCo: an inner
@@ -183,21 +184,21 @@ class GradientSync:
         self.sum_shard(t, sync)
         self.gather(t, sync)
 
-    def contribute_outer(self, t: Tasklet, step: int, msg: ctl.Reduce) -> SyncRound:
+    def contribute_outer(self, t: Tasklet, step: int, msg: ctl.Reduce) -> SyncAttempt:
         """Phase 1 of an outer round: send each participant its shard of this replica's pseudo-gradient."""
         a, compute, exchange, outer, spec = t.assignment, t.compute, t.exchange, t.outer, t.spec
         if outer is None or not is_round_end(step, spec.sync_period):
             raise Rejected(f"step {step} ends no outer round (sync_period {spec.sync_period})")
         if compute.step != step + 1:
             raise Rejected(f"outer round after step {step}, but this stage has trained {compute.step} steps")
-        rnd, participants = msg.round, list(msg.participants)
+        attempt, participants = msg.attempt, list(msg.participants)
         if a.replica not in participants:
             raise Rejected(f"pipeline {a.replica} is not among the outer round's participants {participants}")
         shards = [exchange.shard_of(participants, r) for r in participants]
         codec = spec.pseudo_grad_compression
         sent, residual = outer.contribution(compute.flat_params(), shards, codec)
-        sync = SyncRound(step, rnd, participants, {"round": str(rnd), "participants": json.dumps(participants)},
-                         outer=True, codec=codec, residual=residual)
+        meta = {"attempt": str(attempt), "participants": json.dumps(participants)}
+        sync = SyncAttempt(step, attempt, participants, meta, outer=True, codec=codec, residual=residual)
         for r, (lo, hi) in zip(participants, shards, strict=True):
             if r == a.replica:
                 exchange.put_contribution(sync.tag, participants, r, roundtrip(sent[lo:hi], codec), [])

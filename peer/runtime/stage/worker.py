@@ -69,7 +69,7 @@ from protocol import tasklet_pb2 as pb
 from protocol.errors import BadMessage, Rejected
 
 log = logging.getLogger(__name__)
-ALL_ROUNDS = 2**62  # a step beyond every real one: abort_before((ALL_ROUNDS, 0)) abandons every round
+ALL_ATTEMPTS = 2**62  # a step beyond every real one: abort_before((ALL_ATTEMPTS, 0)) abandons every attempt
 
 # A peer may hold 32 of the 48 stream slots (an upstream neighbour pushes up to max_inflight_pushes at once),
 # so no single peer can take all of them. gRPC buffers a whole message before the server sees it, so messages
@@ -198,8 +198,8 @@ class StageWorker:
         return self._step.step
 
     @property
-    def round(self) -> int:
-        return self._step.round
+    def attempt(self) -> int:
+        return self._step.attempt
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -253,9 +253,9 @@ class StageWorker:
         fence(old, assignment)
         if old is not None:
             # The compute thread may hold _state_lock in a reduce of the old plan, waiting (up to REDUCE_WAIT_S)
-            # for a shard from a peer that died: abandon the old plan's rounds so that it lets go. The new plan
+            # for a shard from a peer that died: abandon the old plan's attempts so that it lets go. The new plan
             # redoes that work; a gradient already reduced and awaiting apply is kept.
-            old.exchange.abort_before((ALL_ROUNDS, 0))
+            old.exchange.abort_before((ALL_ATTEMPTS, 0))
         with self._state_lock:
             old = self._tasklet
             fence(old, assignment, lost_race=True)
@@ -289,7 +289,7 @@ class StageWorker:
     def _on_start_step(self, t: Tasklet, msg: ctl.StartStep) -> None:
         feeder = self.loop.start_step(t, msg)
         if feeder is not None:
-            threading.Thread(target=feeder.run, name=f"feeder-{msg.step}.{msg.round}", daemon=True).start()
+            threading.Thread(target=feeder.run, name=f"feeder-{msg.step}.{msg.attempt}", daemon=True).start()
 
     # ---------------------------------------------------------------------------------- checkpoint copies
     def _copies(self, run_id: str) -> CheckpointStore:
