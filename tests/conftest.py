@@ -1,7 +1,7 @@
 """Test markers, attached by the fixtures a test uses, and the suite's shared fixtures.
 
 * ``unit``: in-process, no child processes, no DHT, no sockets beyond loopback gRPC in the same process.
-  ``bash scripts/test.sh -m unit`` runs these in about 1.5 min on 2 cores: the README's fast subset. A test
+  ``bash scripts/test.sh -m unit`` runs these in about 2.5 min on 2 cores: the README's fast subset. A test
   that does not use the ``processes`` fixture cannot start a process (``tests/support/processes.py``).
 * ``integration``: a test that uses ``processes`` (real processes, a real hivemind DHT, gRPC between processes,
   network namespaces: ``bed`` depends on it).
