@@ -23,6 +23,7 @@ it (a reduce of an older attempt is stale).
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -99,7 +100,7 @@ class Message:
         for f in fields(self):
             value = getattr(self, f.name)
             target = self._renamed.get(f.name, f.name)
-            if isinstance(value, dict):
+            if isinstance(value, Mapping):
                 getattr(part, target).update(value)
             elif isinstance(value, tuple):
                 getattr(part, target).extend(value)
@@ -115,10 +116,10 @@ class Message:
             value = getattr(part, cls._renamed.get(f.name, f.name))
             if isinstance(value, str):
                 value = value[:cls._limits.get(f.name, MAX_TEXT)]
-            elif f.name == "participants":
-                value = tuple(value)
-            elif f.name == "assignment":
+            elif isinstance(value, Mapping):  # a protobuf map
                 value = dict(value)
+            elif isinstance(value, Sequence):  # a repeated field
+                value = tuple(value)
             values[f.name] = value
         return cls(**values)
 

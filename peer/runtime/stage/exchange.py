@@ -148,10 +148,8 @@ class GradientExchange:
         with self._cond:
             attempt = self._attempt(tag, participants)
         n = len(attempt.participants)
-        self._wait(tag, lambda: len(attempt.contributions) == n,
-            timeout_s,
-            lambda: f"attempt {tag}: {len(attempt.contributions)}/{n} gradient shards arrived",
-        )
+        self._wait(tag, lambda: len(attempt.contributions) == n, timeout_s,
+                   lambda: f"attempt {tag}: {len(attempt.contributions)}/{n} gradient shards arrived")
         self._check_outliers(tag, attempt)
         seen: list[int] = []
         total: torch.Tensor | None = None
@@ -186,10 +184,8 @@ class GradientExchange:
         with self._cond:
             attempt = self._attempt(tag, participants)
         n = len(attempt.participants)
-        self._wait(tag, lambda: len(attempt.reduced) == n,
-            timeout_s,
-            lambda: f"attempt {tag}: {len(attempt.reduced)}/{n} summed shards arrived",
-        )
+        self._wait(tag, lambda: len(attempt.reduced) == n, timeout_s,
+                   lambda: f"attempt {tag}: {len(attempt.reduced)}/{n} summed shards arrived")
         full = torch.cat([attempt.reduced[r] for r in attempt.participants])
         self.forget_through(tag)
         return full
