@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -95,7 +96,7 @@ class LeaderRole:
         self.finished = threading.Event()
         # step -> (loss, seconds) of the whole run, also the steps before a takeover (read from the progress
         # record the previous leader published), so run.json and status keep the full curve
-        self.history: dict[int, tuple[float, float]] = {}
+        self.history: dict[int, tuple[float | None, float]] = {}  # loss None: no usable loss was reported
         self._last_progress: dict[str, Any] = {"epoch": 0, "step": 0, "state": "forming"}
         self._tokens_per_step = self.spec.micro_batch * self.spec.n_microbatches * self.spec.model.seq_len
         logs = self.config.log  # TensorBoard / W&B scalars of each step (peer.observe.scalars)
@@ -363,8 +364,8 @@ class LeaderRole:
         hist = progress.get("history") or {}
         first = hist.get("from", 0)
         for k, (loss, secs) in enumerate(zip(hist.get("loss", []), hist.get("step_s", []), strict=False)):
-            if first + k < trained and isinstance(loss, (int, float)) and isinstance(secs, (int, float)):
-                self.history[first + k] = (float(loss), float(secs))
+            if first + k < trained and _number(loss, none=True) and _number(secs):
+                self.history[first + k] = (None if loss is None else float(loss), float(secs))
 
     def _history_payload(self, limit: int = 2000) -> dict[str, Any]:
         steps = sorted(self.history)[-limit:]
@@ -372,9 +373,11 @@ class LeaderRole:
                 "step_s": [round(self.history[k][1], 4) for k in steps]}
 
     def _on_step(self, report: StepReport) -> None:
-        self.history[report.step] = (report.loss, report.seconds)
+        loss = report.loss if math.isfinite(report.loss) else None  # a micro-batch's loss report was refused or lost
+        self.history[report.step] = (loss, report.seconds)
         tokens_per_s = self._tokens_per_step / report.seconds if report.seconds > 0 else 0.0
-        log.info("step %d: loss %.4f, %.2f s, %.0f tokens/s", report.step, report.loss, report.seconds, tokens_per_s)
+        log.info("step %d: loss %s, %.2f s, %.0f tokens/s", report.step, "-" if loss is None else f"{loss:.4f}",
+                 report.seconds, tokens_per_s)
         assert self.driver is not None
         self.scalars.add(report.step, {"train/loss": report.loss, "train/tokens_per_s": tokens_per_s,
                                        "train/step_s": report.seconds, "swarm/plan_epoch": self.driver.epoch,
@@ -383,7 +386,7 @@ class LeaderRole:
             {
                 "epoch": self.driver.epoch,
                 "step": report.step + 1,
-                "loss": report.loss,
+                "loss": loss,
                 "step_s": report.seconds,
                 "tokens_per_s": tokens_per_s,
                 "state": "training",
@@ -449,3 +452,10 @@ def _slowest_measured(peer_of: dict[str, str], reports: list[LinkReport]) -> Cal
         if r.measured and r.bandwidth_bps > 0:
             slowest[r.src] = min(slowest.get(r.src, r.bandwidth_bps), r.bandwidth_bps)
     return lambda endpoint: slowest.get(peer_of.get(endpoint, ""))
+
+
+def _number(value: Any, none: bool = False) -> bool:
+    """A finite int or float from a record (None too when ``none``)."""
+    if value is None:
+        return none
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

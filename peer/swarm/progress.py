@@ -22,6 +22,7 @@ records the newest wins: highest plan epoch, then highest step.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import hivemind
@@ -31,6 +32,18 @@ from peer.swarm.records import RecordStore
 from peer.timing import DHT_CALL_TIMEOUT_S, PROGRESS_TTL_S, now
 
 FULL_RENEW_S = 20.0  # an unchanged full record is stored again this often (it lives PROGRESS_TTL_S)
+
+
+def publishable(value: Any) -> Any:
+    """``value`` with every NaN or infinite float replaced by None (at any depth): a record is strict JSON, and a
+    step whose loss is unknown is published as one without a loss rather than failing the whole record."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: publishable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [publishable(v) for v in value]
+    return value
 
 
 class ProgressBoard:
@@ -59,6 +72,7 @@ class ProgressBoard:
         if identity is None:
             raise ValueError("a read-only progress board cannot publish")
         at = now()
+        payload = publishable(dict(payload))
         self._last = dict(payload)
         body = {**payload, "leader": identity.peer_id, "at": at}
         beat = {k: v for k, v in body.items() if k != "history"}

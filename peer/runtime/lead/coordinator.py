@@ -55,7 +55,7 @@ from peer.timing import (
     STEP_TIMEOUT_S,
 )
 from protocol import tasklet_pb2 as pb
-from protocol.errors import Forbidden, Rejected, TransportError
+from protocol.errors import BadMessage, Forbidden, Rejected, TransportError
 
 # the step's outcomes, named from here by the coordinator's callers (driver, local swarm, benchmarks)
 __all__ = ["COORDINATOR_ROUTE", "Coordinator", "OuterRoundFailedError", "ReplanNeededError", "StepFailedError",
@@ -65,6 +65,9 @@ log = logging.getLogger(__name__)
 
 COORDINATOR_ROUTE = "coordinator"  # a daemon's coordinator is served on its worker's port under this route
 WAKE_S = 0.2  # the step loop ticks the machine at least this often (deadlines, leases, errors to judge)
+# a reported loss beyond this is refused: a language model's cross-entropy at init is ln(vocab) (~11 for 64k
+# tokens), so nothing an honest stage computes comes near it, and the step's mean of such values stays finite
+MAX_LOSS = 1e6
 
 
 class Coordinator:
@@ -362,7 +365,11 @@ class Coordinator:
     def _on_pool_request(self, request: pb.FetchRequest) -> pb.Envelope:
         op = ctl.op_of(request, ctl.POOL_OPS)
         key = request.key
-        self._require_member(request.sender, key.stage, key.replica, f"a {op.value}")
+        endpoint = self._require_member(request.sender, key.stage, key.replica, f"a {op.value}")
+        a = self.roster.assignments.get(endpoint)
+        if a is None or not a.is_first:  # only the head of a pipeline feeds it and knows when its backward ended
+            raise Forbidden(f"a {op.value} is taken only from the first stage of a pipeline; "
+                            f"peer {request.sender} holds stage {key.stage}")
         with self._cond:
             machine = self._machine
             if machine is None or key.step != machine.step or key.run_id != self.spec.run_id or key.epoch != self.epoch:
@@ -387,6 +394,8 @@ class Coordinator:
         if env.key.epoch != epoch:
             raise Rejected(f"report of epoch {env.key.epoch}, the plan is at epoch {epoch}")
         sender = self._require_member(env.sender, env.key.stage, env.key.replica, f"a {msg.op.value} report")
+        if isinstance(msg, ctl.Loss):
+            check_loss(msg.loss, roster.is_last(sender), env.sender)
         if isinstance(msg, ctl.PeerError):
             self._submit(self.liveness.confirm, msg.endpoint, f"reported by {sender}")
             return
@@ -469,3 +478,15 @@ class Coordinator:
 
     def worker_status(self, endpoint: str, timeout_s: float = STATUS_TIMEOUT_S) -> dict[str, Any]:
         return self._client(endpoint).status(timeout_s=timeout_s)
+
+
+def check_loss(loss: float, from_last_stage: bool, sender: str) -> None:
+    """Refuse a loss report the run cannot use: only a pipeline's last stage computes a loss, and it is a finite
+    number within ``MAX_LOSS`` (a NaN, an infinity or 1e308 would make the step's loss, and the progress record
+    published from it, unusable)."""
+    if not from_last_stage:
+        raise Forbidden(f"a loss is taken only from the last stage of a pipeline; {sender} is not one")
+    if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not math.isfinite(loss):
+        raise BadMessage("loss", f"{loss!r} is not a finite number")
+    if abs(loss) > MAX_LOSS:
+        raise BadMessage("loss", f"{loss:g} is outside [-{MAX_LOSS:g}, {MAX_LOSS:g}]")

@@ -1,0 +1,89 @@
+"""What a member says about itself is checked before it is believed: reported numbers, the role a report may
+come from, the progress record it ends up in (unit tests; the swarm-level cases are in
+tests/test_byzantine_claims.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+
+import pytest
+
+from peer.compute.model import ModelConfig
+from peer.net import PeerClient
+from peer.runtime import control as ctl
+from peer.runtime.assign import build_assignments
+from peer.runtime.lead.coordinator import MAX_LOSS, Coordinator, check_loss
+from peer.runtime.spec import RunSpec
+from peer.runtime.wire import make_key
+from peer.swarm.progress import publishable
+from protocol.errors import BadMessage, Forbidden, Refused
+from tests.test_coordinator import ScriptedWorker
+
+SPEC = RunSpec(run_id="claims", model=ModelConfig(n_layers=2, d_model=16, n_heads=2, seq_len=8), micro_batch=2,
+               n_microbatches=4)
+EPOCH = 1
+
+
+@pytest.mark.parametrize("loss", [math.nan, math.inf, -math.inf, 1e308, -2 * MAX_LOSS])
+def test_a_loss_that_is_not_a_usable_number_is_refused(loss: float) -> None:
+    with pytest.raises(BadMessage, match="loss"):
+        check_loss(loss, True, "peer")
+
+
+def test_a_loss_from_a_stage_that_is_not_last_is_refused_and_a_plain_one_is_taken() -> None:
+    with pytest.raises(Forbidden, match="last stage"):
+        check_loss(3.2, False, "peer")
+    check_loss(3.2, True, "peer")
+    check_loss(0.0, True, "peer")
+
+
+@pytest.fixture
+def two_stage() -> Iterator[Coordinator]:
+    """A coordinator whose plan is one pipeline of two scripted workers (stage 0 then stage 1)."""
+    coordinator = Coordinator(SPEC, liveness_interval_s=0.2)
+    coordinator.start()
+    workers = [ScriptedWorker(), ScriptedWorker()]
+    try:
+        endpoints = [w.start() for w in workers]
+        coordinator.assign(build_assignments(SPEC, [(0, 1), (1, 2)], [[0, 1]], endpoints, coordinator.endpoint,
+                                             EPOCH))
+        yield coordinator
+    finally:
+        coordinator.close()
+        for w in workers:
+            w.stop()
+
+
+def test_the_coordinator_refuses_bad_losses_and_commits_from_the_wrong_stage_with_a_status(two_stage) -> None:
+    coordinator = two_stage
+    cases = [  # (message, stage that sends it, status)
+        (ctl.Loss(0, 0, math.nan), 1, "INVALID_ARGUMENT"),
+        (ctl.Loss(0, 0, 1e308), 1, "INVALID_ARGUMENT"),
+        (ctl.Loss(0, 0, math.inf), 1, "INVALID_ARGUMENT"),
+        (ctl.Loss(0, 0, 2.5), 0, "PERMISSION_DENIED"),  # the first stage of two computes no loss
+    ]
+    with PeerClient(coordinator.endpoint, sender="member") as client:
+        for msg, stage, code in cases:
+            env = ctl.encode(msg, SPEC.run_id, EPOCH, 0, stage=stage, replica=0)
+            with pytest.raises(Refused) as err:
+                client.push(env, timeout_s=10)
+            assert err.value.code == code, (msg, err.value)
+        for op in (ctl.Op.COMMIT, ctl.Op.LEASE):  # the pool serves only the head of a pipeline
+            with pytest.raises(Refused) as err:
+                client.fetch(ctl.pool_kind(op), make_key(SPEC.run_id, EPOCH, 0, 0, 1, 0), timeout_s=10)
+            assert err.value.code == "PERMISSION_DENIED" and "first stage" in err.value.detail
+        # the first stage is still served (no step runs: it is told to wait)
+        reply = client.fetch(ctl.pool_kind(ctl.Op.LEASE), make_key(SPEC.run_id, EPOCH, 0, 0, 0, 0), timeout_s=10)
+        assert ctl.pool_status(reply) is ctl.PoolStatus.WAIT
+    assert coordinator.dead == frozenset()
+
+
+def test_a_progress_record_with_unknown_or_absurd_numbers_still_serialises() -> None:
+    payload = {"epoch": 2, "step": 5, "loss": math.nan, "step_s": math.inf,
+               "history": {"from": 0, "loss": [4.1, math.nan, -math.inf], "step_s": [0.5, 0.4, 0.3]}}
+    clean = publishable(payload)
+    text = json.dumps(clean, allow_nan=False)  # what peer.swarm.records does with a payload
+    assert json.loads(text) == {"epoch": 2, "step": 5, "loss": None, "step_s": None,
+                                "history": {"from": 0, "loss": [4.1, None, None], "step_s": [0.5, 0.4, 0.3]}}
