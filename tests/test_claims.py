@@ -12,6 +12,7 @@ import pytest
 
 from peer.compute.model import ModelConfig
 from peer.net import PeerClient
+from peer.node.leader_role import judge_claims
 from peer.runtime import control as ctl
 from peer.runtime.assign import build_assignments
 from peer.runtime.lead.coordinator import MAX_LOSS, Coordinator, check_loss
@@ -87,3 +88,40 @@ def test_a_progress_record_with_unknown_or_absurd_numbers_still_serialises() -> 
     text = json.dumps(clean, allow_nan=False)  # what peer.swarm.records does with a payload
     assert json.loads(text) == {"epoch": 2, "step": 5, "loss": None, "step_s": None,
                                 "history": {"from": 0, "loss": [4.1, None, None], "step_s": [0.5, 0.4, 0.3]}}
+
+
+STAGES = [(0, 1), (1, 2)]
+
+
+def _st(stage: int, trained: object, pending: object = None, layers: object = None) -> dict:
+    return {"stage": stage, "replica": 0, "epoch": 3, "layers": list(STAGES[stage]) if layers is None else layers,
+            "trained_steps": trained, "pending_apply": pending}
+
+
+def test_a_takeover_claim_beyond_the_recorded_step_is_a_lie_and_moves_nothing() -> None:
+    statuses = {"a": _st(0, 7), "b": _st(1, 7), "c": _st(1, 10**9), "d": _st(0, 7, layers=[0, 2]),
+                "e": _st(0, "7"), "f": _st(1, -1)}
+    judged = judge_claims(statuses, STAGES, recorded=7)
+    assert judged.top == 7 and judged.pending == []
+    assert set(judged.liars) == {"c", "d", "e", "f"}
+    assert "recorded 7" in judged.liars["c"]
+
+
+def test_a_takeover_finishes_a_half_applied_step_only_when_each_stage_majority_holds_it() -> None:
+    # the previous leader died while telling the workers to apply step 7: some applied, the rest hold its gradient
+    honest = {"a": _st(0, 8), "b": _st(0, 7, 7), "c": _st(1, 7, 7), "d": _st(1, 8)}
+    judged = judge_claims(honest, STAGES, recorded=7)
+    assert (judged.top, judged.pending, judged.liars) == (8, ["b", "c"], {})
+    # one worker claiming step 8 cannot make the others apply a step their stage never averaged
+    lone = {"a": _st(0, 7), "b": _st(0, 7), "c": _st(1, 7), "liar": _st(1, 8)}
+    judged = judge_claims(lone, STAGES, recorded=7)
+    assert (judged.top, judged.pending) == (7, [])
+    # a roll-back never goes forward: claims below the record leave the step at the record
+    assert judge_claims({"a": _st(0, 3), "b": _st(1, 3)}, STAGES, recorded=7).top == 7
+
+
+def test_without_a_record_a_takeover_takes_the_step_most_claims_reach() -> None:
+    statuses = {"a": _st(0, 5), "b": _st(0, 5), "c": _st(1, 5), "d": _st(1, 10**9)}
+    judged = judge_claims(statuses, STAGES, recorded=None)
+    assert judged.top == 5 and set(judged.liars) == {"d"}
+    assert judge_claims({"a": {"trained_steps": None}}, STAGES, recorded=3).top is None

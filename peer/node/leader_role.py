@@ -89,6 +89,7 @@ class LeaderRole:
         self.index: dict[str, int] = {}  # peer id -> device id (stable for the whole leadership)
         self._last_live: set[str] = set()  # live workers at the previous look
         self._ever_live: set[str] = set()
+        self.excluded: set[str] = set()  # endpoints whose takeover claims no honest state explains
         self.peer_of: dict[int, str] = {}
         self.driver: RunDriver | None = None
         self.thread = threading.Thread(target=self._run, name="leader", daemon=True)
@@ -275,6 +276,8 @@ class LeaderRole:
             epoch=board.next_epoch() - 1,
             on_replan=self._on_replan,
         )
+        for ep in self.excluded:
+            self.driver.banned.add(ep)
         if takeover is not None and takeover[0] >= self.config.run.steps:
             log.info("the run already reached step %d", takeover[0])
         else:
@@ -282,42 +285,48 @@ class LeaderRole:
         self._finish()
 
     def _takeover_point(self, plan: dict[str, Any] | None) -> tuple[int, Stages] | None:
-        """(trained steps, stages) of a run whose previous leader is gone, finishing an interrupted apply."""
+        """(trained steps, stages) of a run whose previous leader is gone, finishing an interrupted apply.
+
+        The workers' Status replies are claims: the step is bounded by the one the previous leader recorded and
+        signed in its progress record (``judge_claims``), and a worker whose claim no honest state explains is
+        left out of the plans (``self.excluded``)."""
         if not plan or "stages" not in plan:
             return None
         stages = [(int(a), int(b)) for a, b in plan["stages"]]
         statuses = self._statuses()
-        trained = [st.get("trained_steps") for st in statuses.values() if st.get("trained_steps") is not None]
-        if not trained:
+        recorded = self._recorded_step()
+        judged = judge_claims(statuses, stages, recorded)
+        for ep, why in judged.liars.items():
+            log.warning("takeover: %s is left out: %s", ep, why)
+        self.excluded |= set(judged.liars)
+        if judged.top is None:
             return None
-        top = max(trained)
-        pending = [
-            (ep, st)
-            for ep, st in statuses.items()
-            if st.get("trained_steps") == top - 1 and st.get("pending_apply") == top - 1
-        ]
-        for ep, st in pending:
+        top = judged.top
+        for ep in judged.pending:
+            st = statuses[ep]
             log.info("takeover: %s still has step %d to apply; applying it", ep, top - 1)
-            with PeerClient(ep, TransportConfig(tls=self.coordinator.tls), sender="leader") as client:
-                client.push(
-                    encode(
-                        Apply(top - 1),
-                        self.spec.run_id,
-                        int(st["epoch"]),
-                        top - 1,
-                        stage=int(st["stage"]),
-                        replica=int(st["replica"]),
-                    ),
-                    timeout_s=TAKEOVER_APPLY_TIMEOUT_S,
-                )
+            try:
+                with PeerClient(ep, TransportConfig(tls=self.coordinator.tls), sender="leader") as client:
+                    client.push(encode(Apply(top - 1), self.spec.run_id, int(st["epoch"]), top - 1,
+                                       stage=int(st["stage"]), replica=int(st["replica"])),
+                                timeout_s=TAKEOVER_APPLY_TIMEOUT_S)
+            except Exception as exc:  # it stays behind: not a holder of the step, it fetches the stage
+                log.warning("takeover: %s did not apply step %d: %s", ep, top - 1, exc)
         deadline = time.monotonic() + TAKEOVER_WAIT_S
-        while pending and time.monotonic() < deadline:
+        while judged.pending and time.monotonic() < deadline:
             statuses = self._statuses()
-            if all(statuses.get(ep, {}).get("trained_steps") == top for ep, _ in pending):
+            if all(statuses.get(ep, {}).get("trained_steps") == top for ep in judged.pending):
                 break
             time.sleep(0.2)
-        log.info("takeover at step %d with stages %s", top, stages)
+        log.info("takeover at step %d with stages %s (the previous leader recorded step %s)", top, stages, recorded)
         return top, stages
+
+    def _recorded_step(self) -> int | None:
+        """The trained step the previous plan's leader last recorded in its signed progress record (None: none)."""
+        previous = self.ctx.plan_board.latest()
+        progress = self.ctx.progress.read(previous.leader_id if previous else None) or {}
+        step = progress.get("step")
+        return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
 
     def _statuses(self) -> dict[str, dict[str, Any]]:
         out = {}
@@ -459,3 +468,55 @@ def _number(value: Any, none: bool = False) -> bool:
     if value is None:
         return none
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class Claims:
+    """What a new leader makes of the workers' Status replies: the step the run stands at (None: nobody holds
+    a stage), the workers to tell to apply the step the previous leader left half-applied, and the workers
+    whose claims cannot be true, with why."""
+
+    top: int | None
+    pending: list[str]
+    liars: dict[str, str]
+
+
+def judge_claims(statuses: dict[str, dict[str, Any]], stages: Stages, recorded: int | None) -> Claims:
+    """Decide the takeover step from the workers' claims, checked against the previous leader's record.
+
+    The record says the run had trained ``recorded`` steps; the only honest way past it is a leader that died
+    while telling the workers to apply step ``recorded``, so a claim beyond ``recorded + 1``, or of layers no
+    stage of the run has, is a lie (one below it is a laggard: it holds no stage at the run's step). The run
+    moves on to ``recorded + 1`` only when, in every stage, a strict majority of the workers that claim it
+    either applied that step or hold its averaged gradient (a lone claim cannot make others apply a step their
+    stage never averaged). Without a record, the step at least half of the claims reach stands in for it."""
+    liars: dict[str, str] = {}
+    claims: dict[str, tuple[int, int, Any]] = {}  # endpoint -> (stage index, trained steps, pending apply)
+    for ep, st in statuses.items():
+        t, layers = st.get("trained_steps"), st.get("layers")
+        if t is None:
+            continue  # holds no stage
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            liars[ep] = f"trained_steps {t!r} is not a step count"
+        elif not isinstance(layers, list) or len(layers) != 2 or tuple(layers) not in stages:
+            liars[ep] = f"it claims layers {layers!r}, which no stage of the run has"
+        elif recorded is not None and t > recorded + 1:
+            liars[ep] = f"it claims {t} trained steps; the leader recorded {recorded}"
+        else:
+            claims[ep] = (stages.index(tuple(layers)), t, st.get("pending_apply"))
+    if not claims:
+        return Claims(None, [], liars)
+    if recorded is None:
+        ordered = sorted(t for _, t, _ in claims.values())
+        recorded = ordered[(len(ordered) - 1) // 2]
+        for ep in [ep for ep, (_, t, _) in claims.items() if t > recorded + 1]:
+            liars[ep] = f"it claims {claims.pop(ep)[1]} trained steps; most peers claim at most {recorded}"
+    ahead = {ep for ep, (_, t, p) in claims.items() if t == recorded + 1 or (t == recorded and p == recorded)}
+    forward = any(t == recorded + 1 for _, t, _ in claims.values())
+    for stage in range(len(stages)):
+        group = [ep for ep, (s, _, _) in claims.items() if s == stage]
+        forward = forward and 2 * len(ahead & set(group)) > len(group)
+    if not forward:
+        return Claims(recorded, [], liars)
+    pending = sorted(ep for ep, (_, t, p) in claims.items() if t == recorded and p == recorded)
+    return Claims(recorded + 1, pending, liars)

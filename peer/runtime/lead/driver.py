@@ -20,6 +20,7 @@ logged and counted, never fatal.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import tempfile
 import threading
@@ -304,9 +305,7 @@ class RunDriver:
         with ThreadPoolExecutor(max_workers=16) as pool:
             answers = dict(pool.map(ask, sorted(assignments)))
         self._fresh_status = (self.trained, answers)  # the re-plan that may follow need not ask again
-        samples = {ep: (float(st.get("busy_s", 0.0)), int(st.get("forward", 0)) + int(st.get("backward", 0)),
-                        float(st.get("running_s", 0.0)), int(st.get("running_ops", 0)))
-                   for ep, st in answers.items() if st}
+        samples = {ep: sample for ep, st in answers.items() if st and (sample := _counters(st)) is not None}
         replan = False
         for ep, t, median, slow_steps in self.judge.observe(samples, {ep: a.stage for ep, a in assignments.items()}):
             if ep in self.slow:
@@ -424,11 +423,11 @@ class RunDriver:
         known = {ep: st for ep, st in fresh.items() if ep in live and st} if trained == self.trained else {}
         with ThreadPoolExecutor(max_workers=16) as pool:
             answers = [*known.items(), *pool.map(ask, sorted(live - set(known)))]
-        for ep, st in answers:
-            if st and st.get("trained_steps") == self.trained and st.get("layers") is not None and self.stages:
-                layers = tuple(st["layers"])
-                if layers in self.stages:
-                    out.setdefault(self.stages.index(layers), []).append(ep)
+        for ep, st in answers:  # a Status reply is a claim: only one naming a stage of the run at this step counts
+            layers = st.get("layers") if st else None
+            if (st and st.get("trained_steps") == self.trained and isinstance(layers, list) and self.stages
+                    and tuple(layers) in self.stages):
+                out.setdefault(self.stages.index(tuple(layers)), []).append(ep)
         return out
 
     def _sources(
@@ -596,3 +595,16 @@ class RunDriver:
         self.stages = stages  # type: ignore[assignment]
         self.coordinator.serve_checkpoint(ckpt.states)
         self.trained = step
+
+
+def _counters(status: dict[str, Any]) -> tuple[float, int, float, int] | None:
+    """A worker's compute counters from its Status reply (busy seconds, ops, the running op's seconds and op
+    count), or None when they are not finite non-negative numbers: the reply is the worker's claim."""
+    names = ("busy_s", "forward", "backward", "running_s", "running_ops")
+    values = [status.get(k, 0) for k in names]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+               for v in values):
+        log.warning("status of %s carries counters that are not numbers; ignored", status.get("peer_id", "a worker"))
+        return None
+    busy, fwd, bwd, running, ops = values
+    return float(busy), int(fwd) + int(bwd), float(running), int(ops)
