@@ -7,15 +7,19 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import torch
 
 from peer.compute.model import ModelConfig
 from peer.net import PeerClient
 from peer.node.leader_role import judge_claims
 from peer.runtime import control as ctl
 from peer.runtime.assign import build_assignments
+from peer.runtime.checkpoints import CheckpointError, CheckpointStore, store_copy
 from peer.runtime.lead.coordinator import MAX_LOSS, Coordinator, check_loss
+from peer.runtime.lead.driver import DriverConfig, RunDriver
 from peer.runtime.spec import RunSpec
 from peer.runtime.wire import make_key
 from peer.swarm.progress import publishable
@@ -125,3 +129,50 @@ def test_without_a_record_a_takeover_takes_the_step_most_claims_reach() -> None:
     judged = judge_claims(statuses, STAGES, recorded=None)
     assert judged.top == 5 and set(judged.liars) == {"d"}
     assert judge_claims({"a": {"trained_steps": None}}, STAGES, recorded=3).top is None
+
+
+def _ckpt_files(tmp_path: Path, step: int, meta_step: int | None = None) -> dict[str, bytes]:
+    """The files of a self-consistent checkpoint copy of ``step`` (manifest, checksums and all)."""
+    store = CheckpointStore(tmp_path / f"src-{step}-{meta_step}")
+    n = 8
+    states = {0: {"params": torch.full((n,), float(step)), "exp_avg": torch.zeros(n), "exp_avg_sq": torch.zeros(n),
+                  "step": step}}
+    store.write(step, states, {"run": SPEC.to_dict(), "stages": [[0, 2]],
+                               "step": step if meta_step is None else meta_step})
+    return store.read_files(step)
+
+
+class CopyHolders:
+    """The part of a coordinator a driver asks about checkpoint copies: peers answering what they hold."""
+
+    def __init__(self, copies: dict[str, dict[str, bytes]], steps: dict[str, int]) -> None:
+        self.copies, self.steps, self.fetched = copies, steps, []
+
+    def checkpoint_step(self, endpoint: str) -> int:
+        return self.steps[endpoint]
+
+    def fetch_checkpoint(self, endpoint: str) -> tuple[int, dict[str, bytes]]:
+        self.fetched.append(endpoint)
+        return self.steps[endpoint], self.copies[endpoint]
+
+
+def test_a_checkpoint_copy_beyond_the_recorded_step_is_not_believed(tmp_path: Path) -> None:
+    holders = CopyHolders({"liar:1": _ckpt_files(tmp_path, 10**6), "honest:1": _ckpt_files(tmp_path, 4)},
+                          {"liar:1": 10**6, "honest:1": 4})
+    driver = RunDriver(SPEC, holders, lambda: {0: "liar:1", 1: "honest:1"},  # type: ignore[arg-type]
+                       lambda d, s: ([(0, 2)], [d]), lambda *a: {}, DriverConfig(steps=10))
+    driver.recorded_step = 5
+    assert driver._latest_checkpoint(ask_peers=True) == 4
+    assert holders.fetched == ["honest:1"]  # the liar's copy was not even fetched
+    # a roll-back from step 3 never goes forward, whatever peers hold
+    driver.recorded_step = None
+    holders.fetched.clear()
+    assert driver._latest_checkpoint(ask_peers=True, at_most=3) is None and holders.fetched == []
+
+
+def test_a_copy_whose_metadata_names_another_step_does_not_verify(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "dest")
+    with pytest.raises(CheckpointError, match="metadata is of step"):
+        store_copy(store, 4, _ckpt_files(tmp_path, 4, meta_step=10**6))
+    store_copy(store, 4, _ckpt_files(tmp_path, 4))
+    assert store.newest_valid(at_most=3) is None and store.newest_valid(at_most=4).step == 4

@@ -276,6 +276,7 @@ class LeaderRole:
             epoch=board.next_epoch() - 1,
             on_replan=self._on_replan,
         )
+        self.driver.recorded_step = self._recorded_step() if previous else None
         for ep in self.excluded:
             self.driver.banned.add(ep)
         if takeover is not None and takeover[0] >= self.config.run.steps:

@@ -242,14 +242,17 @@ class CheckpointStore:
         files = self.read_files(step)
         try:
             meta = json.loads(files[RUN_META])
+            if meta.get("step") != step:  # a copy names its step twice (folder, metadata): both must agree
+                raise ValueError(f"its metadata is of step {meta.get('step')!r}")
             n_stages = len(meta["stages"])
             states = {s: _torch_load(files[f"stage-{s}.pt"]) for s in range(n_stages)}
         except Exception as exc:  # unpicklable, missing stage file, wrong layout: damaged, whatever the cause
             raise CheckpointDamagedError(f"{self.root / step_name(step)}: {exc}") from None
         return Checkpoint(step, meta, states)
 
-    def newest_valid(self) -> Checkpoint | None:
-        """The newest checkpoint whose every file verifies: ``latest`` first, then older folders, newest first.
+    def newest_valid(self, at_most: int | None = None) -> Checkpoint | None:
+        """The newest checkpoint whose every file verifies: ``latest`` first, then older folders, newest first;
+        only of steps up to ``at_most`` when given (a roll-back, or the step the run recorded).
 
         Damaged ones are skipped with a warning that names the one used instead; None when none is usable.
         """
@@ -257,6 +260,8 @@ class CheckpointStore:
         candidates = sorted(set(self.steps()) | ({pointed} if pointed is not None else set()), reverse=True)
         if pointed is not None:  # latest is authoritative for "newest"; folders past it were never finished
             candidates = [pointed] + [s for s in candidates if s < pointed]
+        if at_most is not None:
+            candidates = [s for s in candidates if s <= at_most]
         skipped: list[tuple[int, str]] = []
         for step in candidates:
             try:

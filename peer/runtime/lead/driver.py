@@ -217,6 +217,9 @@ class RunDriver:
         self.stop_event = threading.Event()  # set when this leader loses leadership: stop driving at once
         self.store = None if cfg.checkpoint_dir is None else CheckpointStore(cfg.checkpoint_dir, cfg.checkpoint_keep)
         self._loaded: Checkpoint | None = None  # the checkpoint _latest_checkpoint verified, until loaded
+        # the step the run's leader last recorded and signed (a new leader reads it from its predecessor's progress
+        # record): no checkpoint copy a peer offers is believed beyond it
+        self.recorded_step: int | None = None
         # on_checkpoint(step, folder): after each checkpoint is written (replication to other peers)
         self.on_checkpoint: Callable[[int, Path], None] | None = None
         self._replicating: threading.Thread | None = None
@@ -448,7 +451,7 @@ class RunDriver:
             elif self.trained == 0:
                 sources[ep] = StateSource.init()
             else:
-                latest = self._latest_checkpoint(ask_peers=True)
+                latest = self._latest_checkpoint(ask_peers=True, at_most=self.trained)  # back, never forward
                 if latest is None:
                     raise StepFailedError(f"stage {a.stage} lost every replica and there is no checkpoint")
                 return {}, latest
@@ -528,13 +531,15 @@ class RunDriver:
         if self._replicating is not None:
             self._replicating.join(timeout_s)
 
-    def _latest_checkpoint(self, ask_peers: bool = False) -> int | None:
-        """The step of the newest checkpoint that verifies (damaged newer ones are skipped, and logged).
-        ``ask_peers``: also the newest copy live peers hold, when newer than this disk's (a new leader on
-        another host, or one whose disk was lost)."""
-        ckpt = None if self.store is None else self.store.newest_valid()
+    def _latest_checkpoint(self, ask_peers: bool = False, at_most: int | None = None) -> int | None:
+        """The step of the newest checkpoint that verifies (damaged newer ones are skipped, and logged), of at
+        most ``at_most`` (a roll-back's: the trained step), else of at most the step the run recorded.
+        ``ask_peers``: also the newest copy live peers hold, when newer than this disk's (a new leader on another
+        host, or one whose disk was lost)."""
+        at_most = self.recorded_step if at_most is None else at_most
+        ckpt = None if self.store is None else self.store.newest_valid(at_most)
         if ask_peers:
-            fetched = self._fetch_copy(newer_than=-1 if ckpt is None else ckpt.step)
+            fetched = self._fetch_copy(newer_than=-1 if ckpt is None else ckpt.step, at_most=at_most)
             if fetched is not None:
                 ckpt = fetched
         if ckpt is None:
@@ -542,9 +547,10 @@ class RunDriver:
         self._loaded = ckpt
         return ckpt.step
 
-    def _fetch_copy(self, newer_than: int) -> Checkpoint | None:
+    def _fetch_copy(self, newer_than: int, at_most: int | None = None) -> Checkpoint | None:
         """The newest checkpoint copy of this run among live peers (verified), if newer than ``newer_than``;
-        stored on this leader's disk when it has a checkpoint folder."""
+        stored on this leader's disk when it has a checkpoint folder. A peer's step is a claim: one beyond
+        ``at_most`` (the run's recorded step, or the step a roll-back starts from) is not fetched."""
         steps: list[tuple[int, str]] = []
         for ep in sorted({ep for ep in self.live_devices().values() if ep not in self.banned}):
             try:
@@ -552,12 +558,19 @@ class RunDriver:
             except Exception as exc:  # no copy there, or unreachable
                 log.info("no checkpoint copy on %s: %s", ep, exc)
         for step, ep in sorted(steps, key=lambda x: (-x[0], x[1])):  # the newest first; fetch only what is used
+            if at_most is not None and step > at_most:
+                log.warning("%s offers a checkpoint copy of step %d, beyond step %d the run recorded; not used",
+                            ep, step, at_most)
+                continue
             if step <= newer_than:
                 return None
             try:
                 got, files = self.coordinator.fetch_checkpoint(ep)
             except Exception as exc:
                 log.warning("fetching the checkpoint copy of step %d from %s failed: %s", step, ep, exc)
+                continue
+            if got != step:
+                log.warning("%s offered a checkpoint copy of step %d and sent one of step %d; not used", ep, step, got)
                 continue
             ckpt = self._store_fetched(got, files, ep) if got > newer_than else None
             if ckpt is not None:
