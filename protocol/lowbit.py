@@ -23,8 +23,9 @@ Stochastic rounding is deterministic given a seed: ``seed=None`` derives it from
 so the same tensor always encodes the same way while different tensors get independent rounding noise.
 
 Decoding is hostile input: byte counts against the shape, block counts, scales (finite, >= 0), code ranges,
-padding bits, top-k indices (in range, strictly increasing so no duplicates) and values (finite) are checked
-before a tensor is built; each failure raises :class:`protocol.errors.BadMessage` naming the field.
+padding bits, the top-k entry count (exactly what the encoder keeps for the shape, so a shape the data does
+not pay for is refused), indices (in range, strictly increasing so no duplicates) and values (finite) are
+checked before a tensor is built; each failure raises :class:`protocol.errors.BadMessage` naming the field.
 """
 
 from __future__ import annotations
@@ -236,8 +237,9 @@ def decode_flat(msg: Any, label: str, numel: int, data: bytes | memoryview | Non
         if len(data) % 8:
             raise BadMessage(f"{label}.data", f"{len(data)} bytes is not a whole number of (index, value) pairs")
         k = len(data) // 8
-        if k > numel:
-            raise BadMessage(f"{label}.data", f"{k} entries for a tensor of {numel} elements")
+        if k != topk_count(numel, block_size):  # what the encoder keeps, exactly: numel is bounded by the data
+            raise BadMessage(f"{label}.data", f"{k} entries, but top-k of {numel} elements in blocks of "
+                             f"{block_size} keeps {topk_count(numel, block_size)}")
         if k == 0:
             return torch.zeros(numel, dtype=torch.float32)
         idx = torch.frombuffer(bytearray(data[: 4 * k]), dtype=torch.int32).to(torch.long)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from peer.compute.data import Corpus
 from peer.compute.model import ModelConfig
 from peer.net import PeerClient
 from peer.node.leader_role import judge_claims
@@ -23,8 +24,12 @@ from peer.runtime.lead.driver import DriverConfig, RunDriver
 from peer.runtime.spec import RunSpec
 from peer.runtime.wire import make_key
 from peer.swarm.progress import publishable
+from protocol import tasklet_pb2 as pb
+from protocol.codec import decode_tensor
 from protocol.errors import BadMessage, Forbidden, Refused
 from tests.test_coordinator import ScriptedWorker
+from tests.test_worker_step import ENDPOINTS, VirtualRun
+from tests.test_worker_step import SPEC as STEP_SPEC
 
 SPEC = RunSpec(run_id="claims", model=ModelConfig(n_layers=2, d_model=16, n_heads=2, seq_len=8), micro_batch=2,
                n_microbatches=4)
@@ -176,3 +181,45 @@ def test_a_copy_whose_metadata_names_another_step_does_not_verify(tmp_path: Path
         store_copy(store, 4, _ckpt_files(tmp_path, 4, meta_step=10**6))
     store_copy(store, 4, _ckpt_files(tmp_path, 4))
     assert store.newest_valid(at_most=3) is None and store.newest_valid(at_most=4).step == 4
+
+
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def _topk_bomb(shape: list[int], block_size: int, k: int) -> pb.Tensor:
+    """A TOPK tensor declaring ``shape`` and carrying ``k`` (index, value) pairs: a few hundred bytes."""
+    idx = torch.arange(k, dtype=torch.int32).numpy().tobytes()
+    vals = torch.ones(k, dtype=torch.float32).numpy().tobytes()
+    return pb.Tensor(name="grad", dtype="float32", shape=shape, compression=pb.TOPK, block_size=block_size,
+                     data=idx + vals)
+
+
+@pytest.mark.parametrize("compression", [pb.TOPK, pb.INT4_BLOCKWISE, pb.INT2_BLOCKWISE])
+def test_a_declared_shape_the_data_does_not_pay_for_is_refused_without_allocating(compression: int) -> None:
+    msg = _topk_bomb([1 << 33], 1 << 20, 25)  # 200 bytes declaring 2^33 elements (32 GiB of float32)
+    msg.compression = compression
+    before = _rss_bytes()
+    with pytest.raises(BadMessage):
+        decode_tensor(msg, expect_dtype=torch.float32)
+    assert _rss_bytes() - before < 64 << 20
+
+
+def test_a_shard_declaring_more_than_its_stage_is_refused_before_allocating() -> None:
+    run = VirtualRun(STEP_SPEC, Corpus.from_stdlib(max_bytes=1 << 16))
+    run.begin(0)
+    victim = run.nodes[ENDPOINTS[0]]
+    assert victim.t is not None
+    a = victim.t.assignment
+    other = next(r for r, ep in enumerate(a.group) if ep != ENDPOINTS[0])
+    # 2^26 elements (256 MiB decoded) in blocks of 2^20: the 64 entries top-k keeps for that shape, 512 bytes
+    env = pb.Envelope(kind=pb.GRAD_SHARD, key=make_key(STEP_SPEC.run_id, a.epoch, 0, stage=a.stage, replica=other),
+                      meta={"attempt": "0", "participants": "[0, 1]"}, sender=a.group[other])
+    env.tensors.append(_topk_bomb([1 << 26], 1 << 20, 64))
+    before = _rss_bytes()
+    with pytest.raises(BadMessage, match="more than the limit"):
+        victim.intake.grad_shard(env)
+    assert _rss_bytes() - before < 64 << 20

@@ -38,6 +38,9 @@ def state_envelope(state: dict[str, Any], run_id: str, epoch: int, stage: int, r
 def state_from_envelope(env: pb.Envelope) -> dict[str, Any]:
     """Inverse of :func:`state_envelope` (tensors checked: float32, finite)."""
     state: dict[str, Any] = dict(body_of(env))
+    for t in env.tensors:  # a state is sent as it is: each element paid for by 4 bytes of the bounded message
+        if t.compression != pb.NONE:
+            raise BadMessage(f"tensors[{t.name!r}].compression", "a stage state is sent uncompressed")
     for name in ("params", "exp_avg", "exp_avg_sq"):
         state[name] = decode_tensor(tensor_named(env, name), expect_dtype=torch.float32)
     for t in env.tensors:

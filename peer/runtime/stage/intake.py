@@ -184,7 +184,9 @@ class Intake:
             raise BadMessage("meta", "attempt and participants must be an integer and a JSON list") from None
         with self.cond:  # bounded mailbox: only the attempts that can follow the one this peer was told about
             self.step.check_shard(key.step, attempt)
-        return t, (key.step, attempt), participants, self._decode(t, env, "grad", expect_dtype=torch.float32)
+        # a shard is a slice of this stage: its declared shape is bounded by the stage before anything is allocated
+        shard = self._decode(t, env, "grad", expect_dtype=torch.float32, max_elements=t.compute.numel)
+        return t, (key.step, attempt), participants, shard
 
     def grad_shard(self, env: pb.Envelope) -> None:
         t, tag, participants, shard = self._shard_message(env)
