@@ -138,7 +138,7 @@ def formation(count: int, heartbeat_s: float = 2.0, timeout_s: float = 180.0) ->
         with ThreadPoolExecutor(max_workers=min(count, 16)) as pool:
             now = get_dht_time()
             adverts = [
-                Advert(identity.peer_id, "127.0.0.1:5000", DEVICE, now + k)
+                Advert(identity.peer_id, f"127.0.0.1:{5000 + k}", DEVICE, now + k)  # an endpoint is one peer's
                 for k, identity in enumerate(swarm.identities)
             ]
             list(pool.map(lambda pair: pair[0].announce(pair[1]), zip(members, adverts, strict=True)))

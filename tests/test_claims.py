@@ -23,6 +23,8 @@ from peer.runtime.lead.coordinator import MAX_LOSS, Coordinator, check_loss
 from peer.runtime.lead.driver import DriverConfig, RunDriver
 from peer.runtime.spec import RunSpec
 from peer.runtime.wire import make_key
+from peer.swarm.adverts import Advert, DeviceInfo
+from peer.swarm.membership import EndpointBinding, PeerEntry
 from peer.swarm.progress import publishable
 from protocol import tasklet_pb2 as pb
 from protocol.codec import decode_tensor
@@ -223,3 +225,26 @@ def test_a_shard_declaring_more_than_its_stage_is_refused_before_allocating() ->
     with pytest.raises(BadMessage, match="more than the limit"):
         victim.intake.grad_shard(env)
     assert _rss_bytes() - before < 64 << 20
+
+
+def _entry(peer_id: str, endpoint: str) -> PeerEntry:
+    device = DeviceInfo("emulated", "cpu", 2**33, 10.0, False, True)
+    return PeerEntry(Advert(peer_id, endpoint, device, started_at=1.0), heartbeat_at=1.0, expires_at=100.0)
+
+
+def test_an_endpoint_stays_with_its_first_advertiser_whatever_the_claimants_peer_id() -> None:
+    binding = EndpointBinding()
+    victim, other = _entry("peer-b", "10.0.0.1:5000"), _entry("peer-c", "10.0.0.2:5000")
+    assert binding.filter([victim, other]) == [victim, other]
+    # a member advertises the victim's endpoint: larger and smaller peer ids alike are ignored
+    for thief in (_entry("peer-z", "10.0.0.1:5000"), _entry("peer-a", "10.0.0.1:5000")):
+        assert binding.filter([victim, other, thief]) == [victim, other]
+    # claimed by two at first sight: held by neither; our own endpoint is always ours
+    fresh = EndpointBinding()
+    a, b = _entry("peer-a", "10.0.0.9:5000"), _entry("peer-b", "10.0.0.9:5000")
+    assert fresh.filter([a, b]) == []
+    assert fresh.filter([a, b], own=b.advert) == [b]
+    # a holder that left releases its endpoint to the next advertiser
+    assert binding.filter([other]) == [other]
+    newcomer = _entry("peer-n", "10.0.0.1:5000")
+    assert binding.filter([other, newcomer]) == [other, newcomer]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -22,6 +23,7 @@ pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (test
 HEARTBEAT_S = 0.5
 TTL_S = 1.5
 FAILOVER_DEADLINE_S = 15.0  # issue #4: a new leader publishes a new plan within 15 s of the old one dying
+PORTS = itertools.count(5000)  # an endpoint is its first advertiser's (peer.swarm.membership)
 DEVICE = DeviceInfo("emulated", "cpu", 2**33, 10.0, False, True)
 
 
@@ -67,7 +69,7 @@ class Peer:
             self.dht, run_id, self.identity, "s", heartbeat_s=HEARTBEAT_S, ttl_s=TTL_S
         )
         self.board = PlanBoard(self.dht, run_id, self.identity, "s", plan_ttl_s=60.0, elector=self.leader)
-        self.advert = Advert(self.identity.peer_id, "127.0.0.1:5000", DEVICE, started_at)
+        self.advert = Advert(self.identity.peer_id, f"127.0.0.1:{next(PORTS)}", DEVICE, started_at)  # one endpoint each
         self.alive = True
 
     @property

@@ -89,7 +89,7 @@ def make_swarm(n: int) -> list[Peer]:
     for index in range(n):
         if index:
             peers.append(Peer(bootstrap, run_id))
-        peers[-1].membership.announce(Advert(peers[-1].peer_id, "127.0.0.1:5000", DEVICE, now()))
+        peers[-1].membership.announce(Advert(peers[-1].peer_id, f"127.0.0.1:{5000 + index}", DEVICE, now()))
     return peers
 
 

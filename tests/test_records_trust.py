@@ -7,6 +7,7 @@ epochs, and MACs bound to the writer and the expiry.
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -29,6 +30,7 @@ pytestmark = pytest.mark.usefixtures("processes")
 SECRET = "correct horse battery staple"
 HEARTBEAT_S = 0.5
 TTL_S = 1.5
+PORTS = itertools.count(5000)  # an endpoint is its first advertiser's (peer.swarm.membership)
 DEVICE = DeviceInfo("emulated", "cpu", 2**33, 10.0, False, True)
 
 
@@ -41,7 +43,7 @@ class Member:
         self.membership = Membership(self.dht, run_id, self.identity, SECRET, heartbeat_s=HEARTBEAT_S, ttl_s=TTL_S)
         self.board = PlanBoard(self.dht, run_id, self.identity, SECRET, plan_ttl_s=60.0, elector=self.elected)
         self.progress = ProgressBoard(self.dht, run_id, self.identity, SECRET)
-        self.advert = Advert(self.identity.peer_id, "127.0.0.1:5000", DEVICE, started_at)
+        self.advert = Advert(self.identity.peer_id, f"127.0.0.1:{next(PORTS)}", DEVICE, started_at)  # one endpoint each
 
     @property
     def peer_id(self) -> str:

@@ -81,6 +81,41 @@ class PeerEntry:
         return max(0.0, (now() if at is None else at) - self.heartbeat_at)
 
 
+class EndpointBinding:
+    """An endpoint belongs to the first peer seen advertising it: a later advert naming it (another member
+    claiming a victim's address, so that whoever dials it pins the claimant's certificate and the victim looks
+    dead) is logged and ignored, whatever its peer id. An endpoint first seen with several claimants at once
+    is held by none of them until all but one are gone; this peer's own endpoint is always its own. A holder
+    whose advert is gone releases its endpoint (a peer restarted with a new identity at the same address)."""
+
+    def __init__(self) -> None:
+        self.holders: dict[str, str] = {}  # endpoint -> peer id
+        self._logged: set[tuple[str, str]] = set()
+
+    def filter(self, entries: list[PeerEntry], own: Advert | None = None) -> list[PeerEntry]:
+        """``entries`` without the adverts whose endpoint another peer holds."""
+        claims: dict[str, list[PeerEntry]] = {}
+        for entry in entries:
+            claims.setdefault(entry.advert.endpoint, []).append(entry)
+        live = {entry.advert.peer_id for entry in entries}
+        self.holders = {ep: pid for ep, pid in self.holders.items() if pid in live}
+        if own is not None:
+            self.holders[own.endpoint] = own.peer_id
+        kept: list[PeerEntry] = []
+        for endpoint, group in claims.items():
+            holder = self.holders.get(endpoint)
+            if holder is None and len({e.advert.peer_id for e in group}) == 1:
+                holder = self.holders[endpoint] = group[0].advert.peer_id
+            for entry in group:
+                if entry.advert.peer_id == holder:
+                    kept.append(entry)
+                elif (endpoint, entry.advert.peer_id) not in self._logged:
+                    self._logged.add((endpoint, entry.advert.peer_id))
+                    logger.warning("ignoring the advert of %s: endpoint %s is %s", entry.advert.peer_id, endpoint,
+                                   f"held by {holder}" if holder else "claimed by several peers at once")
+        return sorted(kept, key=lambda entry: entry.advert.peer_id)
+
+
 @dataclass(frozen=True)
 class RunRecord:
     """The run's configuration with who published it and when (the earliest publication wins)."""
@@ -130,6 +165,7 @@ class Membership:
         self._last_entries: list[PeerEntry] = []
         self._last_links: list[LinkReport] = []
         self._found: list[str] | None = None  # who was alive when we joined (read once, at the first announce)
+        self._endpoints = EndpointBinding()  # an endpoint is its first advertiser's
 
     @property
     def peer_id(self) -> str:
@@ -309,7 +345,9 @@ class Membership:
         seen = {entry.advert.peer_id for entry in entries}
         entries += [entry for entry in self._unexpired(at)
                     if entry.advert.peer_id not in seen and entry.advert.peer_id not in departed]
-        entries.sort(key=lambda entry: entry.advert.peer_id)
+        with self._lock:
+            own = self._advert
+        entries = self._endpoints.filter(entries, own)
         self._last_entries = entries
         return list(entries)
 
