@@ -15,6 +15,7 @@ import torch
 from peer.compute.data import Corpus
 from peer.compute.model import ModelConfig
 from peer.net import PeerClient
+from peer.node.daemon import PeerDaemon
 from peer.node.leader_role import judge_claims
 from peer.runtime import control as ctl
 from peer.runtime.assign import build_assignments
@@ -22,8 +23,10 @@ from peer.runtime.checkpoints import CheckpointError, CheckpointStore, store_cop
 from peer.runtime.lead.coordinator import MAX_LOSS, Coordinator, check_loss
 from peer.runtime.lead.driver import DriverConfig, RunDriver
 from peer.runtime.spec import RunSpec
+from peer.runtime.stage.assignment import require_named_leader
 from peer.runtime.wire import make_key
 from peer.swarm.adverts import Advert, DeviceInfo
+from peer.swarm.election import elect_leader
 from peer.swarm.membership import EndpointBinding, PeerEntry
 from peer.swarm.progress import publishable
 from protocol import tasklet_pb2 as pb
@@ -248,3 +251,33 @@ def test_an_endpoint_stays_with_its_first_advertiser_whatever_the_claimants_peer
     assert binding.filter([other]) == [other]
     newcomer = _entry("peer-n", "10.0.0.1:5000")
     assert binding.filter([other, newcomer]) == [other, newcomer]
+
+
+def test_an_assignment_in_another_leaders_name_is_refused() -> None:
+    a = build_assignments(SPEC, [(0, 2)], [[0]], ["10.0.0.1:1"], "10.0.0.9:1", EPOCH, leader="leader-id")["10.0.0.1:1"]
+    with pytest.raises(Forbidden, match="leader-id"):
+        require_named_leader(a, "member-id", "me")
+    require_named_leader(a, "leader-id", "me")
+    require_named_leader(a, "me", "me")  # the leader's own worker, from its own coordinator
+
+
+class _Unelected:
+    """What ``PeerDaemon._may_assign`` reads of its daemon, before the view's first complete read."""
+
+    def __init__(self, entries: list[PeerEntry], me: str) -> None:
+        self.view, self.identity = None, type("Id", (), {"peer_id": me})()
+        self.membership = type("M", (), {"live_entries": lambda _self: entries})()
+
+    def elected(self) -> None:
+        return None
+
+
+def test_before_a_leader_is_elected_an_assignment_is_taken_only_from_the_leader_the_worker_derives() -> None:
+    entries = [_entry("peer-a", "10.0.0.1:1"), _entry("peer-b", "10.0.0.2:1"), _entry("peer-c", "10.0.0.3:1")]
+    leader = elect_leader(entries)
+    others = [e.advert.peer_id for e in entries if e.advert.peer_id != leader]
+    daemon = _Unelected(entries, me=others[-1])
+    assert PeerDaemon._may_assign(daemon, leader)  # type: ignore[arg-type]
+    assert not any(PeerDaemon._may_assign(daemon, pid) for pid in others)  # type: ignore[arg-type]
+    # a read that misses this peer's own advert elects nobody: no assignment is taken on it
+    assert not PeerDaemon._may_assign(_Unelected(entries[:1], me="peer-z"), entries[0].advert.peer_id)  # type: ignore[arg-type]

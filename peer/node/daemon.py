@@ -39,6 +39,7 @@ from peer.observe.snapshot import SwarmSource
 from peer.runtime.stage.worker import StageWorker
 from peer.swarm.adverts import Advert
 from peer.swarm.dht import DHT_OPS, DHTConfig, DHTStartError, ops_delta, reconnect, start_dht, visible_maddrs
+from peer.swarm.election import elect_leader
 from peer.swarm.identity import Identity
 from peer.swarm.membership import ClockSkewError, Membership
 from peer.swarm.plans import PlanBoard, PlanRecord
@@ -439,14 +440,18 @@ class PeerDaemon:
         self.tls.trust.set_group("swarm", [cert for cert, _ in self._trusted.values()])
 
     def _may_assign(self, caller: str) -> bool:
-        """Assignments come from the leader this peer elects (any live member until it has elected one). An
-        assignment from another peer may mean the election moved (a healed partition): look again."""
+        """Assignments come from the leader this peer elects (before its first complete read, the leader it
+        derives from the adverts it reads now; never just any member). An assignment from another peer may mean
+        the election moved (a healed partition): look again."""
         elected = self.elected()
         if elected is not None:
             if caller != elected and self.view is not None:
                 self.view.suspect_leader(f"peer {caller} sent an assignment, but {elected} is the elected leader")
             return caller == elected
-        return any(a.peer_id == caller for a in self.live_adverts())
+        entries = [] if self.membership is None else self.membership.live_entries()
+        if not any(e.advert.peer_id == self.identity.peer_id for e in entries):
+            return False  # a read without our own advert is incomplete: it elects nobody
+        return caller == elect_leader(entries)
 
     def elected(self) -> str | None:
         """The leader this peer elects now (not yet confirmed): the only peer whose plans it accepts.

@@ -64,6 +64,13 @@ def fence(old: Tasklet | None, assignment: Assignment, lost_race: bool = False) 
     )
 
 
+def require_named_leader(assignment: Assignment, caller: str, own_id: str) -> None:
+    """An assignment naming a leader comes from that leader (or this process): a member the worker takes
+    control from cannot hand it a plan in another leader's name, which would order above that leader's own."""
+    if assignment.leader and caller not in (assignment.leader, own_id):
+        raise Forbidden(f"a plan of leader {assignment.leader} is taken only from it; peer {caller} sent it")
+
+
 class StageTaker:
     """Builds a worker's tasklets and holds its stages (module docstring).
 

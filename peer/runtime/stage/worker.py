@@ -57,7 +57,7 @@ from peer.runtime.checkpoints import (
     serve_copy,
 )
 from peer.runtime.spec import Assignment, RunSpec
-from peer.runtime.stage.assignment import StageTaker, fence
+from peer.runtime.stage.assignment import StageTaker, fence, require_named_leader
 from peer.runtime.stage.compute import ComputeLoop, Task
 from peer.runtime.stage.exchange import GradientExchange
 from peer.runtime.stage.intake import Intake
@@ -249,6 +249,7 @@ class StageWorker:
         self.intake.require_controller(env.sender, "a stage assignment")
         msg = ctl.StageAssignment.from_envelope(env)
         assignment = msg.assignment
+        require_named_leader(assignment, env.sender, self.tls.peer_id)
         old = self._tasklet
         fence(old, assignment)
         if old is not None:
