@@ -45,6 +45,7 @@ def gap_to_reference(save: Path, steps: int) -> ReferenceGap:
         raise AssertionError(f"saved tensors {sorted(got)[:4]}... differ from the model's {sorted(ref)[:4]}...")
     max_abs = max(float((v - ref[k]).abs().max()) for k, v in got.items())
     max_rel = max(float((v - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-12)) for k, v in got.items())
-    last = run["loss"][-1] if run.get("loss") else float("nan")
+    last = run["loss"][-1] if run.get("loss") else None
+    last = float("nan") if last is None else last  # a step whose loss reports were all refused has none
     loss_rel = abs(last - ref_losses[-1]) / max(abs(ref_losses[-1]), 1e-12)
     return ReferenceGap(max_abs=max_abs, max_rel=max_rel, loss_rel=loss_rel, run=run)
