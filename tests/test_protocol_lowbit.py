@@ -244,8 +244,13 @@ def test_topk_malformed_refused() -> None:
     m.block_size = 0
     _refused(m, "block_size")
     m = _good("topk")
-    m.data = b""  # zero entries is valid: an all-zero tensor
-    assert bool((decode_tensor(m) == 0).all())
+    m.data = b""  # zero entries for a non-empty shape: the encoder keeps ceil(numel / block_size), never none
+    _refused(m, "data")
+    m = _good("topk")
+    del m.shape[:]
+    m.shape.append(0)
+    m.data = b""  # an empty tensor keeps nothing
+    assert decode_tensor(m).numel() == 0
 
 
 def test_unknown_compression_id_still_refused() -> None:
