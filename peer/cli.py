@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from peer.config import ConfigError, RunConfig, example_toml, reference_markdown
-from peer.runtime.spec import PSEUDO_GRAD_COMPRESSIONS
+from peer.runtime.choices import PSEUDO_GRAD_COMPRESSIONS
 
 DESCRIPTION = """\
 Tasklet peer: train a transformer language model together with other volunteers' GPUs.
@@ -25,6 +25,7 @@ Tasklet peer: train a transformer language model together with other volunteers'
                                    the same in a browser: peers, plan, links, loss, events
   peer swarm --peers 4 --scenario worldwide_geo_distributed --steps 5
                                    a whole swarm on this machine, on an emulated network
+  peer doctor [--dht ADDR]         can this machine take part, and if not why (device, ports, verdict)
   peer init run.toml               write a run.toml with every option and its default
   peer swarm ... --model tiny-llama --tokenizer DIR --data FILE.jsonl
                                    train a Hugging Face model (preset, config.json or folder)
@@ -304,6 +305,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     p.add_argument("--temperature", type=_positive_float, default=1.0, help="sampling temperature (default: 1.0)")
 
+    p = sub.add_parser(
+        "doctor",
+        help="check whether this machine can take part in a run, and if not why",
+        description="Measure this machine (device, memory, disk, ports) and, with --dht, how the swarm reaches it "
+        "(dial-back through a relay, clock offset, connects to a few peers); then say which stages of the run's "
+        "model fit this device at the run's precision, or which stage does not, what it needs and what would help.",
+    )
+    p.add_argument("--dht", default=[], nargs="+", metavar="ADDR",
+                   help="multiaddr(s) of any peer: check against that swarm's run (default: the local run.toml)")
+    p.add_argument("--run", default="tasklet", help="run name with --dht (default: %(default)s)")
+    p.add_argument("--secret", default=None, help="the swarm's join secret, if it has one (default: none)")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="the run.toml to judge without --dht (default: ./run.toml if present, else the defaults)")
+    p.add_argument("--host", default="127.0.0.1", help="address the peer would listen on (default: %(default)s)")
+    p.add_argument("--port", type=_port, default=0, help="gRPC port to try; 0: any free one (default: 0)")
+    p.add_argument("--dht-port", type=_port, default=0, help="DHT port to try; 0: any free one (default: 0)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="compute device to check (default: %(default)s)")
+    p.add_argument("--measure-seconds", type=_positive_float, default=1.0,
+                   help="time spent measuring the device's matmul speed (default: %(default)s)")
+    p.add_argument("--max-vram", type=_positive_float, default=None, metavar="GB",
+                   help="judge as `peer join --max-vram GB` would plan (default: the whole device)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (default: a report)")
+    p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="logging detail on stderr (default: %(default)s)")
+
     p = sub.add_parser("init", help="write an example run.toml with every option and its default")
     p.add_argument("path", nargs="?", default="run.toml", help="file to write (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="overwrite an existing file (default: off)")
@@ -497,6 +524,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    import json
+
+    from peer.node.doctor import DoctorOptions, format_report, run_doctor
+
+    opts = DoctorOptions(dht=list(args.dht), run_id=args.run, secret=args.secret, config=args.config,
+                         host=args.host, port=args.port, dht_port=args.dht_port, device=args.device,
+                         measure_seconds=args.measure_seconds, max_vram_gb=args.max_vram)
+    try:
+        report = run_doctor(opts)
+    except ValueError as exc:  # a device that is not there (--device cuda on a CPU machine)
+        raise UserError(str(exc)) from None
+    print(json.dumps(report) if args.json else format_report(report), flush=True)
+    return 0 if report["verdict"]["ok"] else 1
+
+
 def cmd_init(args: argparse.Namespace) -> int:
     path = Path(args.path)
     if path.exists() and not args.force:
@@ -519,6 +562,7 @@ COMMANDS = {
     "swarm": cmd_swarm,
     "export": cmd_export,
     "generate": cmd_generate,
+    "doctor": cmd_doctor,
     "init": cmd_init,
     "config-reference": cmd_config_reference,
 }

@@ -12,15 +12,13 @@ import math
 import tomllib
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from peer.compute.hf import ModelSourceError
-from peer.compute.hf.resolve import resolve_model_cached
-from peer.compute.model import ModelConfig
-from peer.compute.stage import OptimConfig
-from peer.runtime.checkpoints import DEFAULT_KEEP
-from peer.runtime.spec import COMPRESSIONS, PRECISIONS, PSEUDO_GRAD_COMPRESSIONS, RunSpec, SpecError
+from peer.runtime.choices import COMPRESSIONS, DEFAULT_KEEP, PRECISIONS, PSEUDO_GRAD_COMPRESSIONS
 from peer.timing import ADVERT_TTL_HEARTBEATS, CHECKPOINT_COPIES, HEARTBEAT_S
+
+if TYPE_CHECKING:
+    from peer.runtime.spec import RunSpec
 
 
 class ConfigError(ValueError):
@@ -199,7 +197,13 @@ class RunConfig:
         return cls.from_dict(raw, str(p))
 
     def spec(self, corpus_fingerprint: str = "") -> RunSpec:
-        """The runtime's view of this configuration."""
+        """The runtime's view of this configuration (imports the model code here: declaring and writing a run.toml
+        must not load torch)."""
+        from peer.compute.hf.resolve import resolve_model_cached
+        from peer.compute.model import ModelConfig
+        from peer.compute.stage import OptimConfig
+        from peer.runtime.spec import RunSpec
+
         r, m, o = self.run, self.model, self.optim
         model: Any = (
             resolve_model_cached(m.config, m.seq_len, r.seed) if m.config
@@ -226,6 +230,9 @@ class RunConfig:
         )
 
     def validate(self, where: str = "config") -> None:
+        from peer.compute.hf import ModelSourceError
+        from peer.runtime.spec import SpecError
+
         try:
             spec = self.spec().validate()
         except ModelSourceError as exc:  # names its own file and field

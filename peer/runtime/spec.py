@@ -13,13 +13,8 @@ from typing import Any
 from peer.compute.hf.spec import HFModelSpec
 from peer.compute.model import ModelConfig
 from peer.compute.stage import OptimConfig
+from peer.runtime.choices import COMPRESSIONS, PRECISIONS, PSEUDO_GRAD_COMPRESSIONS
 from protocol.codec import COMPRESSIONS as WIRE_COMPRESSIONS
-
-COMPRESSIONS = ("none", "fp16", "int8", "int4", "int2")  # int4/int2: protocol/lowbit.py
-PRECISIONS = ("fp32", "bf16", "fp16")
-# of DiLoCo pseudo-gradients in the outer round (peer.runtime.outer); "topk" (with error feedback) only where the
-# wire codec has it (protocol.lowbit)
-PSEUDO_GRAD_COMPRESSIONS = ("none", "int8", "topk")
 
 
 class SpecError(ValueError):
