@@ -130,6 +130,15 @@ def _add_peer_options(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="time spent measuring the device's matmul speed (default: %(default)s)",
     )
+    g = p.add_argument_group("owner limits (the plan respects them; none is punished)")
+    g.add_argument("--max-vram", type=_positive_float, default=None, metavar="GB",
+                   help="plan at most this much of the device's memory for this peer (default: all of it)")
+    g.add_argument("--max-upload", type=_positive_float, default=None, metavar="MBIT",
+                   help="send at most this many Mbit/s in total (enforced by the transport; the plan prices this "
+                   "peer's links by it) (default: no limit)")
+    g.add_argument("--max-download", type=_positive_float, default=None, metavar="MBIT",
+                   help="announce this many Mbit/s as this peer's download limit: the plan prices links to it by "
+                   "it (default: no limit)")
     g = p.add_argument_group("monitoring")
     g.add_argument(
         "--metrics-port",
@@ -381,6 +390,9 @@ def _options(args: argparse.Namespace):  # noqa: ANN202 - PeerOptions, imported 
         dashboard_port=args.dashboard_port,
         progress=True,
         relay_port=args.relay_port,
+        max_vram_gb=args.max_vram,
+        max_upload_mbps=args.max_upload,
+        max_download_mbps=args.max_download,
     )
 
 

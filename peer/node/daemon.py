@@ -26,8 +26,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from peer.compute.device_probe import measure_device
+from peer.compute.device_probe import DeviceInfo, measure_device
 from peer.config import RunConfig
+from peer.net.shaping import set_upload_cap
 from peer.net.tls import TlsContext
 from peer.node.emulated_links import EmulatedLinks, Emulation, NetworkModel, emulated_device
 from peer.node.joining import JoinError, check_files, find_run
@@ -88,6 +89,10 @@ class PeerOptions:
     progress: bool = False  # live progress on stderr (a bar on a terminal, plain lines elsewhere)
     relay_port: int | None = None  # serve a relay for peers behind NAT on this port of --host; None: off
     bulk_port: int | None = 0  # the bulk lane's port on --host (peer.net.bulk_server); 0: a free one, None: off
+    # the owner's limits, honoured by the plan (advertised) and, for upload, by the transport's shaper
+    max_vram_gb: float | None = None
+    max_upload_mbps: float | None = None
+    max_download_mbps: float | None = None
 
 
 def bulk_lane_port(announce: str | None, bulk_port: int | None) -> int | None:
@@ -139,6 +144,7 @@ class PeerDaemon:
     def start(self) -> None:
         """Join the swarm; raise DaemonError (one line) when that is impossible."""
         o = self.opts
+        set_upload_cap(None if o.max_upload_mbps is None else o.max_upload_mbps * 1e6)
         phases: dict[str, float] = {"process": _process_age_s()}
         mark = time.monotonic()
 
@@ -269,6 +275,7 @@ class PeerDaemon:
         o = self.opts
         tflops, extra = self.declared_tflops, self._emulated_extra
         device = measure_device("cpu" if tflops else o.device, emulate_tflops=tflops, seconds=o.measure_seconds)
+        device, extra = owner_limits(device, extra, o)
         self.advert = Advert(
             peer_id=self.identity.peer_id,
             endpoint=self.endpoint,
@@ -539,6 +546,18 @@ class PeerDaemon:
                 self.dht.shutdown()
             except Exception as exc:  # the child process may be gone already
                 log.info("DHT shutdown: %s", exc)
+
+
+def owner_limits(device: DeviceInfo, extra: dict[str, Any], o: PeerOptions) -> tuple[DeviceInfo, dict[str, Any]]:
+    """The device and advert extras as the owner allows them to be planned: memory capped by --max-vram, the
+    upload/download caps announced (``peer.node.planning.apply_owner_caps`` prices links with them)."""
+    if o.max_vram_gb is not None:
+        device = replace(device, memory_bytes=min(device.memory_bytes, int(o.max_vram_gb * 1e9)))
+    extra = dict(extra)
+    for key, value in (("max_upload_mbps", o.max_upload_mbps), ("max_download_mbps", o.max_download_mbps)):
+        if value is not None:
+            extra[key] = float(value)
+    return device, extra
 
 
 def _ops_summary(delta: dict[str, int], heartbeats: float, role: str) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from peer.compute.device_probe import cpu_memory_bytes, cpu_name, measure_device
+from peer.compute.device_probe import cpu_memory_bytes, measure_device
 from peer.config import ConfigError, RunConfig
 from peer.node.planning import workload_for
 from peer.runtime.spec import RunSpec
@@ -143,14 +143,15 @@ def _listen(host: str, port: int) -> tuple[socket.socket | None, dict[str, Any]]
 
 # --------------------------------------------------------------------------------------------- verdict
 def _stage_row(spec: RunSpec, s: int, a: int, b: int, n_stages: int, usable: int) -> dict[str, Any]:
-    need = workload_for(spec).stage_memory_bytes(a, b, in_flight=n_stages)
+    # stage s holds n_stages - s micro-batches in flight under 1F1B, as the scheduler counts (memory_violations)
+    need = workload_for(spec).stage_memory_bytes(a, b, in_flight=n_stages - s)
     return {"stage": s, "layers": [a, b], "need_gb": round(need / GB, 3), "fits": need <= usable}
 
 
-def _need(spec: RunSpec, a: int, b: int, n_stages: int, **changes: Any) -> float:
+def _need(spec: RunSpec, s: int, a: int, b: int, n_stages: int, **changes: Any) -> float:
     from dataclasses import replace
 
-    return workload_for(replace(spec, **changes)).stage_memory_bytes(a, b, in_flight=n_stages)
+    return workload_for(replace(spec, **changes)).stage_memory_bytes(a, b, in_flight=n_stages - s)
 
 
 def verdict(spec: RunSpec, usable_bytes: int, stages: list[tuple[int, int]] | None = None,
@@ -186,23 +187,23 @@ def verdict(spec: RunSpec, usable_bytes: int, stages: list[tuple[int, int]] | No
     out["why_not"] = (f"stage {worst['stage']} (layers {a}..{b - 1}) needs {worst['need_gb']:.3g} GB at "
                       f"{spec.precision} with micro_batch {spec.micro_batch}; this device has "
                       f"{usable_bytes / GB:.3g} GB")
-    out["would_help"] = _remedies(spec, a, b, n, usable_bytes, worst["need_gb"])
+    out["would_help"] = _remedies(spec, worst["stage"], a, b, n, usable_bytes, worst["need_gb"])
     out["summary"] = out["why_not"]
     return out
 
 
-def _remedies(spec: RunSpec, a: int, b: int, n_stages: int, usable: int, need_gb: float) -> list[str]:
+def _remedies(spec: RunSpec, s: int, a: int, b: int, n_stages: int, usable: int, need_gb: float) -> list[str]:
     tips = []
     if spec.micro_batch > 1:
-        need = _need(spec, a, b, n_stages, micro_batch=1)
+        need = _need(spec, s, a, b, n_stages, micro_batch=1)
         tips.append(f"micro_batch 1: this stage would need {need / GB:.3g} GB"
                     + (" (fits)" if need <= usable else " (still too much)"))
     if spec.precision == "fp32":
-        need = _need(spec, a, b, n_stages, precision="bf16")
+        need = _need(spec, s, a, b, n_stages, precision="bf16")
         tips.append(f"precision bf16: this stage would need {need / GB:.3g} GB"
                     + (" (fits)" if need <= usable else " (still too much)"))
     if spec.micro_batch > 1 and spec.precision == "fp32":
-        need = _need(spec, a, b, n_stages, micro_batch=1, precision="bf16")
+        need = _need(spec, s, a, b, n_stages, micro_batch=1, precision="bf16")
         tips.append(f"both: {need / GB:.3g} GB" + (" (fits)" if need <= usable else " (still too much)"))
     if b - a > 1:
         tips.append("more stages (fewer layers each): [swarm] stages")

@@ -61,6 +61,27 @@ def check_model_fits(spec: RunSpec, memory_bytes: list[float]) -> None:
                                 f"{spec.precision}, the largest device has {largest / 1e9:.3g} GB")
 
 
+def owner_cap_bps(advert: Advert, key: str) -> float | None:
+    """An owner's cap from an advert's ``extra`` (``max_upload_mbps`` / ``max_download_mbps``) in bit/s; None
+    when absent or not a positive finite number (a bad value caps nothing: it could only hurt its own peer)."""
+    value = advert.extra.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (0 < value < 1e9):
+        return None
+    return float(value) * 1e6
+
+
+def apply_owner_caps(bw: np.ndarray, peers: list[Advert]) -> np.ndarray:
+    """Bandwidths no faster than each owner allows: row i at most i's upload cap, column j at most j's download
+    cap, so every plan is priced, and chosen, as the capped peers will really carry it."""
+    for i, p in enumerate(peers):
+        up, down = owner_cap_bps(p, "max_upload_mbps"), owner_cap_bps(p, "max_download_mbps")
+        if up is not None:
+            bw[i, :] = np.minimum(bw[i, :], up)
+        if down is not None:
+            bw[:, i] = np.minimum(bw[:, i], down)
+    return bw
+
+
 @dataclass
 class ClusterView:
     """The leader's picture: a Cluster over ``peers`` (in that order) and how much of it was measured."""
@@ -89,6 +110,7 @@ def build_cluster(peers: list[Advert], links: list[LinkReport], seed: int | str 
         delay = np.full((n, n), DEFAULT_DELAY_S)
         bw = np.full((n, n), DEFAULT_BANDWIDTH_BPS)
         measured = 0
+    bw = apply_owner_caps(np.array(bw, dtype=float), peers)
     np.fill_diagonal(bw, np.inf)
     np.fill_diagonal(delay, 0.0)
     cluster = Cluster(
