@@ -26,6 +26,7 @@ Tasklet peer: train a transformer language model together with other volunteers'
   peer swarm --peers 4 --scenario worldwide_geo_distributed --steps 5
                                    a whole swarm on this machine, on an emulated network
   peer doctor [--dht ADDR]         can this machine take part, and if not why (device, ports, verdict)
+  peer pause / peer resume         step this machine out of the swarm without penalty, and back in
   peer init run.toml               write a run.toml with every option and its default
   peer swarm ... --model tiny-llama --tokenizer DIR --data FILE.jsonl
                                    train a Hugging Face model (preset, config.json or folder)
@@ -139,6 +140,9 @@ def _add_peer_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-download", type=_positive_float, default=None, metavar="MBIT",
                    help="announce this many Mbit/s as this peer's download limit: the plan prices links to it by "
                    "it (default: no limit)")
+    g.add_argument("--state-dir", default=None, metavar="DIR",
+                   help="folder of this peer's owner-only control socket for `peer pause` / `peer resume` "
+                   "(default: the --identity file's folder; without --identity: no control socket)")
     g = p.add_argument_group("monitoring")
     g.add_argument(
         "--metrics-port",
@@ -340,6 +344,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="logging detail on stderr (default: %(default)s)")
 
+    for name, what in (("pause", "leave the swarm at the next step boundary, without penalty, until `peer resume`"),
+                       ("resume", "rejoin the swarm after `peer pause`")):
+        p = sub.add_parser(name, help=f"{what} (a peer running on this machine)",
+                           description=f"Ask the peer running on this machine, through its owner-only control "
+                           f"socket, to {what}.")
+        p.add_argument("--state-dir", default=None, metavar="DIR",
+                       help="the peer's state folder, as given to `peer join` (default: ~/.tasklet)")
+        p.add_argument("--peer", default=None, metavar="ID",
+                       help="which peer, when several run from that folder (default: the only one)")
+
     p = sub.add_parser("init", help="write an example run.toml with every option and its default")
     p.add_argument("path", nargs="?", default="run.toml", help="file to write (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="overwrite an existing file (default: off)")
@@ -393,6 +407,7 @@ def _options(args: argparse.Namespace):  # noqa: ANN202 - PeerOptions, imported 
         max_vram_gb=args.max_vram,
         max_upload_mbps=args.max_upload,
         max_download_mbps=args.max_download,
+        state_dir=args.state_dir,
     )
 
 
@@ -552,6 +567,22 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if report["verdict"]["ok"] else 1
 
 
+def cmd_control(args: argparse.Namespace) -> int:
+    from peer.node.control_socket import ControlError, ask, default_state_dir, find_socket
+
+    folder = Path(args.state_dir).expanduser() if args.state_dir else default_state_dir()
+    try:
+        answer = ask(find_socket(folder, args.peer), args.command)
+    except ControlError as exc:
+        raise UserError(str(exc)) from None
+    if not answer.get("ok"):
+        raise UserError(str(answer.get("error", "refused")))
+    state = "paused" if answer.get("paused") else "running"
+    note = f" ({answer['note']})" if answer.get("note") else ""
+    print(f"peer {state}{note}")
+    return 0
+
+
 def cmd_init(args: argparse.Namespace) -> int:
     path = Path(args.path)
     if path.exists() and not args.force:
@@ -575,6 +606,8 @@ COMMANDS = {
     "export": cmd_export,
     "generate": cmd_generate,
     "doctor": cmd_doctor,
+    "pause": cmd_control,
+    "resume": cmd_control,
     "init": cmd_init,
     "config-reference": cmd_config_reference,
 }

@@ -30,6 +30,7 @@ from peer.compute.device_probe import DeviceInfo, measure_device
 from peer.config import RunConfig
 from peer.net.shaping import set_upload_cap
 from peer.net.tls import TlsContext
+from peer.node.control_socket import OwnerControl, open_control
 from peer.node.emulated_links import EmulatedLinks, Emulation, NetworkModel, emulated_device
 from peer.node.joining import JoinError, check_files, find_run
 from peer.node.leader_role import LeaderContext, LeaderRole
@@ -93,6 +94,7 @@ class PeerOptions:
     max_vram_gb: float | None = None
     max_upload_mbps: float | None = None
     max_download_mbps: float | None = None
+    state_dir: str | None = None  # the control socket's folder; None: the --identity file's, or no socket
 
 
 def bulk_lane_port(announce: str | None, bulk_port: int | None) -> int | None:
@@ -138,6 +140,7 @@ class PeerDaemon:
         self._ops_mark: tuple[dict[str, int], int] = ({}, 0)  # DHT_OPS snapshot and tick of the last ops line
         self._announced_at = time.monotonic()
         self.exit_error: str | None = None
+        self.control: OwnerControl | None = None  # `peer pause` / `peer resume` (peer.node.control_socket)
         self.reach: Reach | None = None
 
     # ------------------------------------------------------------------------------------------- start-up
@@ -181,6 +184,7 @@ class PeerDaemon:
             self._announce()
             phase("announce")
             self._start_observer()
+            self.control = open_control(self)
             log.info("others can join through this peer: %s", self.join_line())
             # seconds of each start-up phase ("process": from the process's start to here, imports included)
             log.info("start-up phases %s", json.dumps({k: round(v, 2) for k, v in phases.items()}))
@@ -379,7 +383,8 @@ class PeerDaemon:
         self._ticks += 1
         if self.dht_peers and self._ticks % (TICKS_PER_HEARTBEAT * DHT_RECONNECT_HEARTBEATS) == 0:
             reconnect(self.dht, self.dht_peers)  # a partitioned DHT merges again once the network heals
-        if self._ticks % TICKS_PER_HEARTBEAT == 0 and self.reach is not None and self.reach.refresh():
+        paused = self.control is not None and self.control.paused  # a paused peer stays out until resumed
+        if self._ticks % TICKS_PER_HEARTBEAT == 0 and self.reach is not None and not paused and self.reach.refresh():
             self.endpoint = self.reach.endpoint  # our relay went away: publish one that still holds us
             self.advert = replace(self.advert, endpoint=self.endpoint)
             self.membership.announce(self.advert)
@@ -516,8 +521,9 @@ class PeerDaemon:
 
     def shutdown(self) -> None:
         """Leave gracefully: checkpoint (leader), departure record, stop serving, stop the DHT."""
-        if self.observer is not None:
-            self.observer.close()
+        for part in (self.observer, self.control):
+            if part is not None:
+                part.close()
         if self.role is not None:
             resigning = not self.role.finished.is_set()  # leaving before the end of the run
             if self.stop_requested.is_set() and self.role.driver is not None:
