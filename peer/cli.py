@@ -56,6 +56,15 @@ def _port(text: str) -> int:
     return value
 
 
+def _schedule(text: str):  # noqa: ANN202 - peer.node.schedule.Schedule (a small module: parsing stays fast)
+    from peer.node.schedule import ScheduleError, parse_schedule
+
+    try:
+        return parse_schedule(text)
+    except ScheduleError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _bulk_port(text: str) -> int | None:
     return None if text == "off" else _port(text)
 
@@ -140,6 +149,9 @@ def _add_peer_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-download", type=_positive_float, default=None, metavar="MBIT",
                    help="announce this many Mbit/s as this peer's download limit: the plan prices links to it by "
                    "it (default: no limit)")
+    g.add_argument("--schedule", type=_schedule, default=None, metavar="HH:MM-HH:MM[,...]",
+                   help="take part only in these daily windows of local time (e.g. 22:00-08:00): outside them the "
+                   "peer pauses as `peer pause` does and the leader plans around its leaving (default: always)")
     g.add_argument("--state-dir", default=None, metavar="DIR",
                    help="folder of this peer's owner-only control socket for `peer pause` / `peer resume` "
                    "(default: the --identity file's folder; without --identity: no control socket)")
@@ -408,6 +420,7 @@ def _options(args: argparse.Namespace):  # noqa: ANN202 - PeerOptions, imported 
         max_upload_mbps=args.max_upload,
         max_download_mbps=args.max_download,
         state_dir=args.state_dir,
+        schedule=args.schedule,
     )
 
 

@@ -24,9 +24,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from peer.node.schedule import Schedule, action, leaves_at
 from peer.timing import now
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,8 @@ MAX_REQUEST = 64
 REQUEST_TIMEOUT_S = 2.0
 ANSWER_TIMEOUT_S = 10.0
 COMMANDS = ("pause", "resume", "status")
+SCHEDULE_CHECK_S = 5.0  # how often the schedule is compared with the clock (a window ends this late at most)
+REFUSED_RETRY_S = 60.0  # after a refused pause (this peer leads), the schedule asks again this much later
 
 
 class ControlError(RuntimeError):
@@ -61,8 +65,10 @@ class PauseState:
         self._leave, self._rejoin, self._refusal = leave, rejoin, refusal
         self._lock = threading.Lock()
         self.paused = False
+        self.paused_by = ""  # "owner" (`peer pause`) or "schedule" (--schedule)
 
-    def handle(self, command: str) -> dict[str, Any]:
+    def handle(self, command: str, by: str = "owner") -> dict[str, Any]:
+        """``by``: who asks; the schedule resumes only what it paused, an owner's pause stays."""
         with self._lock:
             if command == "status":
                 return {"ok": True, "paused": self.paused}
@@ -73,15 +79,15 @@ class PauseState:
                 if why:
                     return {"ok": False, "paused": False, "error": why}
                 self._leave()
-                self.paused = True
-                log.warning("paused by the owner: left the swarm; the leader re-plans at its next step boundary")
+                self.paused, self.paused_by = True, by
+                log.warning("paused by the %s: left the swarm; the leader re-plans at its next step boundary", by)
                 return {"ok": True, "paused": True}
             if command == "resume":
                 if not self.paused:
                     return {"ok": True, "paused": False, "note": "not paused"}
                 self._rejoin()
-                self.paused = False
-                log.warning("resumed by the owner: announced again; the next plan that can use this peer will")
+                self.paused, self.paused_by = False, ""
+                log.warning("resumed by the %s: announced again; the next plan that can use this peer will", by)
                 return {"ok": True, "paused": False}
         return {"ok": False, "error": f"unknown command (one of {', '.join(COMMANDS)})"}
 
@@ -222,13 +228,37 @@ def ask(path: Path, command: str, timeout_s: float = ANSWER_TIMEOUT_S) -> dict[s
 
 
 class OwnerControl:
-    """A daemon's end of the control socket: pausing leaves the swarm like a departure, resuming announces the
-    peer again. ``daemon`` is the :class:`~peer.node.daemon.PeerDaemon` (its membership, advert and role)."""
+    """A daemon's owner controls: the control socket (when it has a state folder) and the schedule (when it has
+    one, followed on a thread of its own). Pausing leaves the swarm like a departure, resuming announces the
+    peer again. ``daemon`` is the :class:`~peer.node.daemon.PeerDaemon` (its options, membership, advert, role)."""
 
-    def __init__(self, daemon: Any, path: Path) -> None:
+    def __init__(self, daemon: Any, path: Path | None) -> None:
         self.daemon = daemon
+        self.schedule: Schedule | None = daemon.opts.schedule
         self.state = PauseState(self._leave, self._rejoin, self._refusal)
-        self.socket = ControlSocket(path, self.state)
+        self.socket = None if path is None else ControlSocket(path, self.state)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self.socket is not None:
+            self.socket.start()
+        if self.schedule is not None:
+            self._thread = threading.Thread(target=self._follow_schedule, name="schedule", daemon=True)
+            self._thread.start()
+
+    def _follow_schedule(self) -> None:
+        while True:  # at once (a peer started outside its hours leaves right after announcing), then periodically
+            todo = action(self.schedule, datetime.now().astimezone(), self.state.paused,
+                          self.state.paused_by == "schedule")
+            if todo is not None:
+                answer = self.state.handle(todo, by="schedule")
+                if not answer.get("ok"):
+                    log.warning("schedule: cannot %s: %s", todo, answer.get("error"))
+                    if self._stop.wait(REFUSED_RETRY_S):
+                        return
+            if self._stop.wait(SCHEDULE_CHECK_S):
+                return
 
     @property
     def paused(self) -> bool:
@@ -246,22 +276,30 @@ class OwnerControl:
 
     def _rejoin(self) -> None:
         d = self.daemon
-        d.advert = replace(d.advert, started_at=now())  # a newcomer: it does not take the lead back
+        extra = {k: v for k, v in d.advert.extra.items() if k != "leaves_at"}
+        end = leaves_at(self.schedule, datetime.now().astimezone())
+        if end is not None:
+            extra["leaves_at"] = end
+        d.advert = replace(d.advert, started_at=now(), extra=extra)  # a newcomer: it does not take the lead back
         d._announced_at = time.monotonic()  # the daemon's guard against leading too early restarts
         d.membership.announce(d.advert)
 
     def close(self) -> None:
-        self.socket.close()
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        if self.socket is not None:
+            self.socket.close()
 
 
-def open_control(daemon: Any) -> OwnerControl | None:
-    """The control socket of a daemon whose owner gave it a state folder (``--state-dir``, or the folder of
-    its ``--identity`` file); None for a peer with neither (a throwaway identity, e.g. in a local swarm)."""
+def open_control(daemon: Any) -> OwnerControl:
+    """A daemon's owner controls, started. The control socket exists when the owner gave the peer a state folder
+    (``--state-dir``, or the folder of its ``--identity`` file); a throwaway identity (a local swarm) has none."""
     o = daemon.opts
     folder = o.state_dir or (str(Path(o.identity).expanduser().parent) if o.identity else None)
-    if folder is None:
-        return None
-    control = OwnerControl(daemon, socket_path(Path(folder).expanduser(), daemon.identity.peer_id))
-    control.socket.start()
-    log.info("owner control: `peer pause` / `peer resume` reach this peer at %s", control.socket.path)
+    path = None if folder is None else socket_path(Path(folder).expanduser(), daemon.identity.peer_id)
+    control = OwnerControl(daemon, path)
+    control.start()
+    if path is not None:
+        log.info("owner control: `peer pause` / `peer resume` reach this peer at %s", path)
     return control

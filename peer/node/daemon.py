@@ -23,6 +23,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from peer.node.joining import JoinError, check_files, find_run
 from peer.node.leader_role import LeaderContext, LeaderRole
 from peer.node.prober import LinkProber, ProbeSources
 from peer.node.reachability import Reach, ReachabilityError, establish, refuse_undialable
+from peer.node.schedule import Schedule, leaves_at
 from peer.observe.node import NodeObserver, ObserveError, ObserveOptions
 from peer.observe.snapshot import SwarmSource
 from peer.runtime.stage.worker import StageWorker
@@ -95,6 +97,7 @@ class PeerOptions:
     max_upload_mbps: float | None = None
     max_download_mbps: float | None = None
     state_dir: str | None = None  # the control socket's folder; None: the --identity file's, or no socket
+    schedule: Schedule | None = None  # the owner's availability hours (peer.node.schedule); None: always
 
 
 def bulk_lane_port(announce: str | None, bulk_port: int | None) -> int | None:
@@ -140,7 +143,7 @@ class PeerDaemon:
         self._ops_mark: tuple[dict[str, int], int] = ({}, 0)  # DHT_OPS snapshot and tick of the last ops line
         self._announced_at = time.monotonic()
         self.exit_error: str | None = None
-        self.control: OwnerControl | None = None  # `peer pause` / `peer resume` (peer.node.control_socket)
+        self.control: OwnerControl | None = None  # pause, resume, schedule (peer.node.control_socket)
         self.reach: Reach | None = None
 
     # ------------------------------------------------------------------------------------------- start-up
@@ -556,11 +559,13 @@ class PeerDaemon:
 
 def owner_limits(device: DeviceInfo, extra: dict[str, Any], o: PeerOptions) -> tuple[DeviceInfo, dict[str, Any]]:
     """The device and advert extras as the owner allows them to be planned: memory capped by --max-vram, the
-    upload/download caps announced (``peer.node.planning.apply_owner_caps`` prices links with them)."""
+    upload/download caps announced (``peer.node.planning.apply_owner_caps`` prices links with them), and when the
+    owner's schedule ends the current window (``leaves_at``: the leader plans around it)."""
     if o.max_vram_gb is not None:
         device = replace(device, memory_bytes=min(device.memory_bytes, int(o.max_vram_gb * 1e9)))
     extra = dict(extra)
-    for key, value in (("max_upload_mbps", o.max_upload_mbps), ("max_download_mbps", o.max_download_mbps)):
+    for key, value in (("max_upload_mbps", o.max_upload_mbps), ("max_download_mbps", o.max_download_mbps),
+                       ("leaves_at", leaves_at(o.schedule, datetime.now().astimezone()))):
         if value is not None:
             extra[key] = float(value)
     return device, extra
