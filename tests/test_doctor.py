@@ -112,3 +112,9 @@ def test_verdict_on_the_runs_split(tmp_path: Path) -> None:
     assert v["split"] == "the run's plan"
     assert [r["fits"] for r in v["stages"]] == [n <= sum(needs) / 2 for n in needs]
     assert v["ok"] == any(r["fits"] for r in v["stages"])
+
+
+def test_asking_for_cuda_on_a_machine_without_it_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="no CUDA"):
+        doctor.check_device(DoctorOptions(device="cuda"))

@@ -90,6 +90,8 @@ def device_kind(device: str = "auto") -> str:
 
 def check_device(opts: DoctorOptions) -> dict[str, Any]:
     kind = device_kind(opts.device)
+    if opts.device == "cuda" and kind not in ("cuda", "rocm"):
+        raise ValueError("--device cuda: torch sees no CUDA (or ROCm) device on this machine")
     out: dict[str, Any] = {"kind": kind}
     if kind == "mps":  # the probe times CUDA or CPU matmuls; MPS shares the host's memory
         out.update(name="Apple MPS", memory_bytes=cpu_memory_bytes(), tflops=None,
