@@ -34,7 +34,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -178,7 +178,7 @@ class CappedLink(LinkShaper):
     its end, so the process's total upload never exceeds the cap's rate, however many links send at once.
     """
 
-    def __init__(self, rate_bps: float | None, delay_s: float = 0.0, *, cap: LinkShaper, **kwargs: float) -> None:
+    def __init__(self, rate_bps: float | None, delay_s: float = 0.0, *, cap: LinkShaper, **kwargs: Any) -> None:
         super().__init__(rate_bps, delay_s, **kwargs)
         if cap.rate_bps is None:
             raise ValueError("the cap of a CappedLink must have a rate")
