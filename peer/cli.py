@@ -27,6 +27,8 @@ Tasklet peer: train a transformer language model together with other volunteers'
                                    a whole swarm on this machine, on an emulated network
   peer doctor [--dht ADDR]         can this machine take part, and if not why (device, ports, verdict)
   peer pause / peer resume         step this machine out of the swarm without penalty, and back in
+  peer identity export --identity KEY --backup FILE
+                                   back the peer's key up (`peer identity import` restores it)
   peer init run.toml               write a run.toml with every option and its default
   peer swarm ... --model tiny-llama --tokenizer DIR --data FILE.jsonl
                                    train a Hugging Face model (preset, config.json or folder)
@@ -366,6 +368,20 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--peer", default=None, metavar="ID",
                        help="which peer, when several run from that folder (default: the only one)")
 
+    p = sub.add_parser("identity", help="show, back up or restore this peer's identity (its key and peer id)",
+                       description="A peer's id is its key's: back the --identity file up, and restore it after a "
+                       "reinstall, so the peer is the same peer to the swarm. The backup holds the private key "
+                       "unencrypted (readable by its owner only): keep it as secret as the key.")
+    p.add_argument("action", choices=["show", "export", "import"],
+                   help="show: print the identity's peer id; export: write a checked backup of it to --backup; "
+                   "import: restore it from --backup")
+    p.add_argument("--identity", required=True, metavar="FILE", help="the identity file (`peer join --identity`)")
+    p.add_argument("--backup", default=None, metavar="FILE",
+                   help="the backup file that export writes and import reads (default: none; needed by both)")
+    p.add_argument("--force", action="store_true",
+                   help="export: overwrite an existing backup; import: replace an identity file of another peer "
+                   "(default: off)")
+
     p = sub.add_parser("init", help="write an example run.toml with every option and its default")
     p.add_argument("path", nargs="?", default="run.toml", help="file to write (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="overwrite an existing file (default: off)")
@@ -596,6 +612,26 @@ def cmd_control(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_identity(args: argparse.Namespace) -> int:
+    from peer.node.identity_backup import BackupError, export_identity, import_identity
+    from peer.swarm.identity import Identity
+
+    if args.action != "show" and not args.backup:
+        raise UserError(f"peer identity {args.action} needs --backup FILE")
+    try:
+        if args.action == "show":
+            print(Identity.load(args.identity).peer_id)
+        elif args.action == "export":
+            peer_id = export_identity(args.identity, args.backup, args.force)
+            print(f"wrote a backup of peer {peer_id} to {args.backup} (it holds the private key: keep it secret)")
+        else:
+            peer_id = import_identity(args.backup, args.identity, args.force)
+            print(f"restored peer {peer_id} to {args.identity}; join with --identity {args.identity}")
+    except (BackupError, ValueError) as exc:
+        raise UserError(str(exc)) from None
+    return 0
+
+
 def cmd_init(args: argparse.Namespace) -> int:
     path = Path(args.path)
     if path.exists() and not args.force:
@@ -619,6 +655,7 @@ COMMANDS = {
     "export": cmd_export,
     "generate": cmd_generate,
     "doctor": cmd_doctor,
+    "identity": cmd_identity,
     "pause": cmd_control,
     "resume": cmd_control,
     "init": cmd_init,
