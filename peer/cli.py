@@ -372,9 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="A peer's id is its key's: back the --identity file up, and restore it after a "
                        "reinstall, so the peer is the same peer to the swarm. The backup holds the private key "
                        "unencrypted (readable by its owner only): keep it as secret as the key.")
-    p.add_argument("action", choices=["show", "export", "import"],
-                   help="show: print the identity's peer id; export: write a checked backup of it to --backup; "
-                   "import: restore it from --backup")
+    p.add_argument("action",
+                   help="show, export or import. show: print the identity's peer id; export: write a checked "
+                   "backup of it to --backup; import: restore it from --backup")
     p.add_argument("--identity", required=True, metavar="FILE", help="the identity file (`peer join --identity`)")
     p.add_argument("--backup", default=None, metavar="FILE",
                    help="the backup file that export writes and import reads (default: none; needed by both)")
@@ -616,6 +616,8 @@ def cmd_identity(args: argparse.Namespace) -> int:
     from peer.node.identity_backup import BackupError, export_identity, import_identity
     from peer.swarm.identity import Identity
 
+    if args.action not in ("show", "export", "import"):
+        raise UserError(f"peer identity {args.action[:40]!r}: expected show, export or import")
     if args.action != "show" and not args.backup:
         raise UserError(f"peer identity {args.action} needs --backup FILE")
     try:
