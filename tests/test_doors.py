@@ -301,3 +301,22 @@ def test_the_secret_from_a_flag_a_file_or_the_environment(tmp_path: Path) -> Non
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(ConfigError, match="empty"):
         resolve_secret(None, str(tmp_path / "empty"), {})
+
+
+# ------------------------------------------------------------------------------------------------ run record
+def test_a_run_record_without_fingerprints_is_refused() -> None:
+    from peer.config import RunConfig
+    from peer.node.joining import JoinError, check_files
+    from peer.swarm.membership import RunRecord
+
+    config = RunConfig.from_dict({"run": {"corpus": "stdlib"}}, where="test")
+    published = config.public_dict()
+    own = check_files(config, None)
+    good = {**published, "fingerprint": own.fingerprint, "model_fingerprint": own.model_fingerprint}
+    assert check_files(config, RunRecord(good, 0.0, "x")).fingerprint == own.fingerprint
+    for missing in ("fingerprint", "model_fingerprint"):
+        record = RunRecord({k: v for k, v in good.items() if k != missing}, 0.0, "x")
+        with pytest.raises(JoinError, match="no data or model fingerprint"):
+            check_files(config, record)
+    with pytest.raises(JoinError, match="no data or model fingerprint"):
+        check_files(config, RunRecord({**good, "fingerprint": ""}, 0.0, "x"))

