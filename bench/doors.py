@@ -94,6 +94,7 @@ def _scenario(bed: netbed.NetBed, peers: multihost.BedPeers, evil: netbed.Host, 
         peers.join(home, dht, *multihost.readme_flags(home, announce=False), *member,
                    "--identity", str(folder / f"home{i}.key"))
         join_s = _wait_for(peers, home.name, "reached through relay", 90)
+        _wait_for(peers, home.name, "start-up phases", 30)  # logged once the whole start-up is done
         phases = re.search(r"start-up phases (\{.*\})", peers.log(home.name))
         got = None
         if attack is not None:

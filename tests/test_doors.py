@@ -273,8 +273,8 @@ def test_bulk_lane_caps_connections_per_source() -> None:
     server.start()
     try:
         lane = server._lane
-        assert lane is not None and lane.max_connections == 4 and lane.max_per_source == 2
-        conns = [socket.create_connection(("127.0.0.1", server.bulk_port)) for _ in range(2)]
+        assert lane is not None and lane.max_connections == 4 and lane.max_per_source == 3
+        conns = [socket.create_connection(("127.0.0.1", server.bulk_port)) for _ in range(3)]
         time.sleep(0.2)
         extra = socket.create_connection(("127.0.0.1", server.bulk_port))
         assert _closed_within(extra, 1.0)

@@ -9,7 +9,7 @@ version, the Kind's limit and the caller's admission from the first bytes (befor
 the announced bytes, an Envelope of our version, a handler for its Kind; the handler's typed errors become the
 same status codes. A refusal is answered, then the connection is closed.
 
-What a stranger can make the lane hold: at most ``max_connections`` connections, ``max_per_source`` of them (half)
+What a stranger can make the lane hold: at most ``max_connections`` connections, ``max_per_source`` of them (3/4)
 from one address (a connection over a cap is closed at once, before its handshake), each given
 ``HANDSHAKE_TIMEOUT_S`` for its whole TLS handshake (one deadline however slowly the bytes come: Python's ssl
 times the whole call) and ``IDLE_TIMEOUT_S`` between requests; one thread per connection; a request's memory is
@@ -40,7 +40,7 @@ from protocol.errors import BadMessage
 
 logger = logging.getLogger(__name__)
 
-SOURCE_SHARE = 2  # one source address may hold at most 1/SOURCE_SHARE of the lane's connections
+SOURCE_SHARE = 0.75  # of the lane's connections, one source address may hold at most this share
 IDLE_TIMEOUT_S = 300.0  # between requests on an open connection (clients drop theirs sooner, see bulk_client)
 FIRST_PIECE_BYTES = 64 << 10  # read before the Kind's limit and the caller's admission are asked
 DRAIN_S = 1.0  # after a refusal: read (and drop) what the client still sends, so that it reads our reply
@@ -76,7 +76,7 @@ class BulkListener:
         self._owner = owner
         config = owner.config
         self.max_connections = 2 * config.max_concurrent_streams
-        self.max_per_source = max(1, self.max_connections // SOURCE_SHARE)
+        self.max_per_source = max(1, int(self.max_connections * SOURCE_SHARE))
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, socket.socket] = {}  # accepted socket -> what serves it (TLS-wrapped)

@@ -11,7 +11,7 @@ MIB = 1 << 20
 # The longest deadline a peer's server accepts: above every call timeout of peer.timing (a step's 600 s).
 MAX_CALL_S = 600.0
 HANDSHAKE_TIMEOUT_S = 20.0
-GRPC_DESCRIPTOR_SHARE = 0.4  # of the process's descriptor budget (peer.net.limits) its gRPC port may hold at most
+GRPC_DESCRIPTOR_SHARE = 0.3  # of the process's descriptor budget (peer.net.limits) its gRPC port may hold at most
 MAX_STREAMS_PER_CONNECTION = 128  # HTTP/2 streams one connection may open at once (the slots refuse most anyway)
 # Room for a Chunk's own fields and gRPC framing around a payload of chunk_bytes.
 CHUNK_OVERHEAD_BYTES = 1024

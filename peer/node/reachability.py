@@ -108,7 +108,7 @@ class Reach:
             self.server.close()
 
 
-RELAY_DESCRIPTOR_SHARE = 0.4  # of this process's descriptor budget the relay service may hold at most
+RELAY_DESCRIPTOR_SHARE = 0.3  # of this process's descriptor budget the relay service may hold at most
 
 
 def start_relay_service(host: str, relay_port: int, announce_host: str,
