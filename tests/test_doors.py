@@ -320,3 +320,46 @@ def test_a_run_record_without_fingerprints_is_refused() -> None:
             check_files(config, record)
     with pytest.raises(JoinError, match="no data or model fingerprint"):
         check_files(config, RunRecord({**good, "fingerprint": ""}, 0.0, "x"))
+
+
+# ------------------------------------------------------------------------------------------------ idle streams
+def test_idle_streams_are_cancelled_and_free_their_slots() -> None:
+    """Two pushes that open a stream and send nothing hold both stream slots of a server; after stream_idle_s
+    without a byte they are cancelled (their deadline was 60 s) and a real push is served again."""
+    import threading
+
+    import grpc
+
+    from protocol import tasklet_pb2 as pb
+
+    got: list[pb.Envelope] = []
+    server = PeerServer(TransportConfig(max_concurrent_streams=2, thread_pool_size=4, stream_idle_s=1.0,
+                                        bulk_port=None))
+    server.register_push(pb.OTHER, got.append)
+    server.start()
+    release = threading.Event()
+
+    def silent() -> object:
+        release.wait(30)
+        return
+        yield  # a generator that sends nothing
+
+    try:
+        with PeerClient(server.endpoint, TransportConfig(bulk_port=None)) as client:
+            call = client._channel.stream_unary("/tasklet.v1.Peer/Push", request_serializer=None,
+                                                response_deserializer=pb.Ack.FromString)
+            started = time.monotonic()
+            idle = [call.future(silent(), timeout=60) for _ in range(2)]
+            time.sleep(0.3)
+            assert server._per_peer, "the silent pushes hold no slot"
+            for future in idle:
+                with pytest.raises(grpc.RpcError) as info:
+                    future.result(timeout=10)
+                assert info.value.code() is grpc.StatusCode.CANCELLED
+            assert time.monotonic() - started < 5.0
+            assert server._idle.cancelled == 2 and not server._per_peer
+            client.push(pb.Envelope(kind=pb.OTHER, meta={"n": "1"}), timeout_s=10)
+            assert len(got) == 1
+    finally:
+        release.set()
+        server.stop()

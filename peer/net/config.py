@@ -42,6 +42,8 @@ class TransportConfig:
         ``port``, clients fall back to gRPC by themselves.
     bulk_min_bytes: pushes of at least this many serialized bytes take the bulk lane, smaller ones gRPC (the lane's
         gain is in the copies of large tensors; small messages keep gRPC's latency path).
+    stream_idle_s: a streaming call whose bytes did not move for this long (no chunk received, none taken by
+        the caller) is cancelled, whatever its deadline: an idle caller holds no stream slot for long.
     max_connections: connections the gRPC port holds at once (more are closed by gRPC before their handshake);
         None: a share of this process's descriptor budget (peer.net.limits.descriptor_budget).
     tls: this peer's key, certificate and trust store (peer.net.tls); mutual TLS on every connection, each
@@ -64,6 +66,7 @@ class TransportConfig:
     bulk_min_bytes: int = 256 << 10
     tls: TlsContext | None = field(default_factory=process_tls)
     max_connections: int | None = None
+    stream_idle_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -96,6 +99,8 @@ class TransportConfig:
             raise ValueError(f"max_streams_per_peer must be >= 1, got {self.max_streams_per_peer}")
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError(f"max_connections must be None or >= 1, got {self.max_connections}")
+        if not self.stream_idle_s > 0:
+            raise ValueError(f"stream_idle_s must be positive, got {self.stream_idle_s}")
         if not self.max_deadline_s > 0:
             raise ValueError(f"max_deadline_s must be positive, got {self.max_deadline_s}")
 
