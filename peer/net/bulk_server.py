@@ -76,7 +76,7 @@ class BulkListener:
         self._owner = owner
         config = owner.config
         self.max_connections = 2 * config.max_concurrent_streams
-        self.max_per_source = max(1, int(self.max_connections * SOURCE_SHARE))
+        self.max_per_source = max(2, int(self.max_connections * SOURCE_SHARE))
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, socket.socket] = {}  # accepted socket -> what serves it (TLS-wrapped)
