@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
 
-from peer.config import ConfigError, RunConfig, example_toml, reference_markdown
+from peer.config import SECRET_ENV, ConfigError, RunConfig, example_toml, reference_markdown, resolve_secret
 from peer.runtime.choices import PSEUDO_GRAD_COMPRESSIONS
 
 DESCRIPTION = """\
@@ -114,7 +115,8 @@ def _add_peer_options(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="private key file; created if missing, so a restarted peer keeps its id (default: a new key each run)",
     )
-    g.add_argument("--secret", default=None, help="the swarm's join secret, if it has one (default: none)")
+    g.add_argument("--secret", default=None, help=SECRET_HELP)
+    g.add_argument("--secret-file", default=None, metavar="FILE", help=SECRET_FILE_HELP)
     g = p.add_argument_group("device")
     g.add_argument(
         "--device",
@@ -219,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dht", required=True, nargs="+", metavar="ADDR", help="multiaddr(s) of any peer")
     p.add_argument("--run", default="tasklet", help="run name (default: %(default)s)")
-    p.add_argument("--secret", default=None, help="the swarm's join secret, if it has one (default: none)")
+    p.add_argument("--secret", default=None, help=SECRET_HELP)
+    p.add_argument("--secret-file", default=None, metavar="FILE", help=SECRET_FILE_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table (default: off)")
     p.add_argument(
         "--watch",
@@ -243,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--host", default="127.0.0.1", help="address to serve on; 0.0.0.0 for every interface (default: %(default)s)"
     )
     p.add_argument("--run", default="tasklet", help="run name (default: %(default)s)")
-    p.add_argument("--secret", default=None, help="the swarm's join secret, if it has one (default: none)")
+    p.add_argument("--secret", default=None, help=SECRET_HELP)
+    p.add_argument("--secret-file", default=None, metavar="FILE", help=SECRET_FILE_HELP)
     p.add_argument(
         "--interval", type=_positive_float, default=2.0, help="seconds between reads of the DHT (default: %(default)s)"
     )
@@ -398,12 +402,19 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("hivemind", "grpc"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(level)))
     try:
+        if hasattr(args, "secret"):  # --secret, --secret-file or TASKLET_SECRET, resolved once
+            args.secret = resolve_secret(args.secret, args.secret_file, os.environ)
         return COMMANDS[args.command](args)
     except (ConfigError, UserError) as exc:
         print(f"peer: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+SECRET_HELP = (f"the swarm's join secret, if it has one (default: none); other users of this machine can read "
+               f"a command line, so prefer --secret-file or {SECRET_ENV}")
+SECRET_FILE_HELP = f"read the join secret from FILE (its first line); or set {SECRET_ENV} (default: none)"
 
 
 class UserError(RuntimeError):

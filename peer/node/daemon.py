@@ -30,6 +30,8 @@ from typing import Any
 from peer.compute.device_probe import DeviceInfo, measure_device
 from peer.config import RunConfig
 from peer.net.shaping import set_upload_cap
+from peer.net.limits import raise_nofile
+from peer.net.relay import relay_key
 from peer.net.tls import TlsContext
 from peer.node.control_socket import OwnerControl, open_control
 from peer.node.emulated_links import EmulatedLinks, Emulation, NetworkModel, emulated_device
@@ -47,6 +49,7 @@ from peer.swarm.identity import Identity
 from peer.swarm.membership import ClockSkewError, Membership
 from peer.swarm.plans import PlanBoard, PlanRecord
 from peer.swarm.progress import ProgressBoard
+from peer.swarm.records import RunRecordValidator, record_key
 from peer.swarm.view import SwarmView
 from peer.timing import (
     ADVERT_TTL_HEARTBEATS,
@@ -159,15 +162,19 @@ class PeerDaemon:
             phases[name] = time.monotonic() - mark
             mark = time.monotonic()
 
+        raise_nofile()  # before any port opens: the listeners' connection caps are derived from this limit
         try:
             refuse_undialable(o.host, o.announce, self.dht_peers, self.config is not None, o.relay_port)
         except ReachabilityError as exc:
             raise DaemonError(str(exc)) from None
         config = DHTConfig(initial_peers=tuple(self.dht_peers), host=o.dht_host, port=o.dht_port,
                            announce_host=_host_of(o.announce))
+        run_id = self.config.run.run_id if self.config else o.run_id
+        secret = (self.config.swarm.secret if self.config else "") or o.secret or None
+        guard = RunRecordValidator(run_id, None if secret is None else record_key(secret, run_id))
         for attempt in range(DHT_JOIN_ATTEMPTS):
             try:
-                self.dht = start_dht(config, self.identity)
+                self.dht = start_dht(config, self.identity, [guard])
                 break
             except DHTStartError as exc:
                 # the node we join answered the connection but not the DHT's ping: busy (dozens of peers joining
@@ -272,8 +279,9 @@ class PeerDaemon:
             return [a.relay for a in others if a.relay] if others else None
 
         try:
+            key = relay_key(o.secret, self.config.run.run_id) if o.secret and self.config else None
             self.reach = establish(self.identity, o.host, self.worker.server.port, o.announce, o.relay_port, relays,
-                                   is_first=self.started_run)
+                                   is_first=self.started_run, key=key)
         except ReachabilityError as exc:
             raise DaemonError(str(exc)) from None
         self.endpoint = self.reach.endpoint
