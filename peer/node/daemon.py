@@ -29,9 +29,9 @@ from typing import Any
 
 from peer.compute.device_probe import DeviceInfo, measure_device
 from peer.config import RunConfig
-from peer.net.shaping import set_upload_cap
 from peer.net.limits import raise_nofile
 from peer.net.relay import relay_key
+from peer.net.shaping import set_upload_cap
 from peer.net.tls import TlsContext
 from peer.node.control_socket import OwnerControl, open_control
 from peer.node.emulated_links import EmulatedLinks, Emulation, NetworkModel, emulated_device
