@@ -172,17 +172,7 @@ class PeerDaemon:
         run_id = self.config.run.run_id if self.config else o.run_id
         secret = (self.config.swarm.secret if self.config else "") or o.secret or None
         guard = RunRecordValidator(run_id, None if secret is None else record_key(secret, run_id))
-        for attempt in range(DHT_JOIN_ATTEMPTS):
-            try:
-                self.dht = start_dht(config, self.identity, [guard])
-                break
-            except DHTStartError as exc:
-                # the node we join answered the connection but not the DHT's ping: busy (dozens of peers joining
-                # through it at once), not wrong; a refused or unparsable address fails at once
-                if BUSY_BOOTSTRAP not in str(exc) or attempt + 1 == DHT_JOIN_ATTEMPTS:
-                    raise DaemonError(str(exc)) from None
-                log.warning("joining the DHT: %s; trying again (%d of %d)", exc, attempt + 2, DHT_JOIN_ATTEMPTS)
-                time.sleep(random.uniform(1.0, 3.0))
+        self.dht = _join_dht(config, self.identity, guard)
         phase("dht")
         try:
             self._join_run()
@@ -609,3 +599,18 @@ def _host_of(announce: str | None) -> str | None:
         return None
     host, _, _ = announce.rpartition(":")
     return host or None
+
+
+def _join_dht(config: DHTConfig, identity: Identity, guard: RunRecordValidator) -> Any:
+    """Start this peer's DHT node with the run's validator, retrying a bootstrap node that is only busy."""
+    for attempt in range(DHT_JOIN_ATTEMPTS):
+        try:
+            return start_dht(config, identity, [guard])
+        except DHTStartError as exc:
+            # the node we join answered the connection but not the DHT's ping: busy (dozens of peers joining
+            # through it at once), not wrong; a refused or unparsable address fails at once
+            if BUSY_BOOTSTRAP not in str(exc) or attempt + 1 == DHT_JOIN_ATTEMPTS:
+                raise DaemonError(str(exc)) from None
+            log.warning("joining the DHT: %s; trying again (%d of %d)", exc, attempt + 2, DHT_JOIN_ATTEMPTS)
+            time.sleep(random.uniform(1.0, 3.0))
+    raise DaemonError("could not join the DHT")
