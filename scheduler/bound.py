@@ -81,6 +81,7 @@ import numpy as np
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import connected_components, maximum_bipartite_matching
 
+from .bound_cache import BOUNDS
 from .cluster import Cluster
 from .cost_dtfm import DtfmPairs
 from .workload import Workload
@@ -244,6 +245,41 @@ SEGMENT_THRESHOLDS = 24  # link thresholds tried (all distinct values when there
 SEGMENT_THRESHOLDS_LARGE = 8  # ... and above 256 devices, where each costs O(N^2 log N)
 
 
+class ThresholdComponents:
+    """Connected components of the graph of pairs costing <= t (or < t), for many t, from one spanning tree.
+
+    Why: the bounds sweep thresholds, and the components of every such graph are those of a minimum spanning
+    tree's edges <= t (every pair is an edge, so the tree spans all devices), so one O(N^2) tree (Prim's, dense)
+    replaces a dense graph per t. ``sym`` must be symmetric; its diagonal is ignored.
+    """
+
+    def __init__(self, sym: np.ndarray) -> None:
+        n = sym.shape[0]
+        self.n = n
+        self.vals = np.unique(sym[~np.eye(n, dtype=bool)])
+        w = np.asarray(sym, dtype=float)
+        inside = np.zeros(n, dtype=bool)
+        inside[0] = True
+        best, parent = w[0].copy(), np.zeros(n, dtype=int)
+        rows, cols, cost = np.zeros(n - 1, dtype=int), np.zeros(n - 1, dtype=int), np.zeros(n - 1)
+        for k in range(n - 1):
+            j = int(np.argmin(np.where(inside, np.inf, best)))
+            if inside[j]:  # every remaining candidate costs inf: the cheapest edge to one is still an edge
+                j = int(np.flatnonzero(~inside)[0])
+            rows[k], cols[k], cost[k] = j, parent[j], best[j]
+            inside[j] = True
+            closer = ~inside & (w[j] < best)
+            best = np.where(closer, w[j], best)
+            parent = np.where(closer, j, parent)
+        self.rows, self.cols, self.cost = rows, cols, cost
+
+    def labels(self, t: float, strict: bool = False) -> np.ndarray:
+        """Component label of every device in the graph of pairs ``< t`` (strict) or ``<= t``."""
+        keep = self.cost < t if strict else self.cost <= t
+        graph = csr_matrix((np.ones(int(keep.sum())), (self.rows[keep], self.cols[keep])), shape=(self.n, self.n))
+        return connected_components(graph, directed=False)[1]
+
+
 def _partitions(n: int, most: int | None = None) -> list[tuple[int, ...]]:
     """Every partition of n into non-increasing parts <= most."""
     most = n if most is None else most
@@ -301,12 +337,12 @@ def segment_bound(pairs: DtfmPairs, n_st: int, n_rep: int, dp_lb: float, pp_all:
     if len(vals) > tries:
         vals = np.unique(np.quantile(vals, np.linspace(0.0, 1.0, tries), method="lower"))
     parts_all = _partitions(n_st)
+    every = np.unique(pp[off])
+    comps = ThresholdComponents(np.minimum(pp, pp.T))  # a pair is joined when either direction is <= theta
     best = 0.0
     for theta in vals[:-1]:  # at the largest value every hop is fast: nothing new
-        above = pp[off & (pp > theta)]
-        nxt = float(above.min())
-        adj = off & ((pp <= theta) | (pp.T <= theta))  # noqa: SIM300
-        _, labels = connected_components(csr_matrix(adj), directed=False)
+        nxt = float(every[np.searchsorted(every, theta, side="right")])
+        labels = comps.labels(float(theta))
         sizes = np.bincount(labels)
         dp_of: dict[int, float] = {}
         lo = float("inf")
@@ -397,9 +433,10 @@ def _piece_phase(sym: np.ndarray, n_st: int, n_rep: int, n_mb: int, compute: flo
         # trip of the one holding the used device with the largest v (at least the (S x D)-th smallest)
         best = compute + float(v[n_st * n_rep - 1]) + (n_st - 2) * float(v[0])
     busiest = math.ceil(n_mb / n_rep)
+    comps = ThresholdComponents(sym)
     for theta in vals[:-1]:
-        slow = float(sym[off & (sym > theta)].min())
-        _, labels = connected_components(csr_matrix(off & (sym <= theta)), directed=False)
+        slow = float(comps.vals[np.searchsorted(comps.vals, theta, side="right")])
+        labels = comps.labels(float(theta))
         sizes = np.bincount(labels)
         own = math.ceil(n_st / int(sizes.max())) - 1  # slow hops of any one pipeline
         rtt_one = compute + own * slow + (n_st - 1 - own) * fast_min
@@ -477,9 +514,10 @@ def _sync_split(pair: np.ndarray, trip: np.ndarray, n_st: int, n_rep: int, n_mb:
     fast_min = float(trip[off].min())
     most = math.ceil(n_mb / n_rep)
     best = 0.0
+    comps = ThresholdComponents(sym)
     for t in vals[1:]:
         spread = phase + 2.0 * max(sync, float(t))  # some group has a pair >= t
-        _, labels = connected_components(csr_matrix(off & (sym < t)), directed=False)
+        labels = comps.labels(float(t), strict=True)
         sizes = np.bincount(labels)
         per = sizes // n_rep  # groups a component can hold
         if per.sum() < n_st or per.max() == 0:
@@ -495,11 +533,21 @@ def _sync_split(pair: np.ndarray, trip: np.ndarray, n_st: int, n_rep: int, n_mb:
 
 
 def lower_bound(cluster: Cluster, workload: Workload, n_st: int, n_rep: int, cost_model: str,
-                pairs: DtfmPairs | None = None, stages: list[tuple[int, int]] | None = None) -> float:
-    """The bound of ``cost_model`` for this split (see the module doc)."""
-    if cost_model == "dtfm":
-        return dtfm_lower_bound(pairs or DtfmPairs.build(cluster, workload, n_st, n_rep), n_st, n_rep)
-    return full_lower_bound(cluster, workload, n_st, n_rep, stages)
+                pairs: DtfmPairs | None = None, stages: list[tuple[int, int]] | None = None,
+                reuse: bool = True) -> float:
+    """The bound of ``cost_model`` for this split (see the module doc).
+
+    ``reuse``: take a cached bound of a cluster this one is part of (:mod:`scheduler.bound_cache`: after a
+    departure the bound is not recomputed) and cache the one computed here.
+    """
+    def compute() -> float:
+        if cost_model == "dtfm":
+            return dtfm_lower_bound(pairs or DtfmPairs.build(cluster, workload, n_st, n_rep), n_st, n_rep)
+        return full_lower_bound(cluster, workload, n_st, n_rep, stages)
+
+    if not reuse:
+        return compute()
+    return BOUNDS.get(cluster, workload, n_st, n_rep, cost_model, stages, compute)
 
 
 def gap(cost: float, bound: float) -> float:
