@@ -100,11 +100,17 @@ def _cheapest_sum(dp: np.ndarray, alive: np.ndarray, k: int) -> np.ndarray:
     return np.partition(sub, k - 1, axis=1)[:, :k].sum(axis=1)
 
 
-def dp_feasible(dp: np.ndarray, n_rep: int, t: float) -> np.ndarray:
-    """Devices that may belong to a data-parallel group all of whose row sums are <= t (a superset)."""
+def dp_feasible(dp: np.ndarray, n_rep: int, t: float, first: np.ndarray | None = None) -> np.ndarray:
+    """Devices that may belong to a data-parallel group all of whose row sums are <= t (a superset).
+
+    ``first``: ``_cheapest_sum`` over all devices when the caller has it (the first cut of every threshold).
+    """
     alive = np.arange(dp.shape[0])
     while len(alive) >= n_rep:
-        keep = _cheapest_sum(dp, alive, n_rep - 1) <= t
+        if first is not None and len(alive) == dp.shape[0]:
+            keep = first <= t
+        else:
+            keep = _cheapest_sum(dp, alive, n_rep - 1) <= t
         if keep.all():
             return alive
         alive = alive[keep]
@@ -116,16 +122,17 @@ def dp_lower_bound(dp: np.ndarray, n_st: int, n_rep: int) -> float:
     if n_rep < 2:
         return 0.0
     need = n_st * n_rep
-    first = np.sort(_cheapest_sum(dp, np.arange(dp.shape[0]), n_rep - 1))
+    cut = _cheapest_sum(dp, np.arange(dp.shape[0]), n_rep - 1)
+    first = np.sort(cut)
     lo = float(first[need - 1]) * (1.0 - 1e-12)  # below this fewer than S x D devices pass even the first cut
     hi = float(np.sort(dp, axis=1)[:, -(n_rep - 1):].sum(axis=1).max())
-    if len(dp_feasible(dp, n_rep, lo)) >= need:
+    if len(dp_feasible(dp, n_rep, lo, cut)) >= need:
         return lo
     for _ in range(BISECT_STEPS):
         if hi - lo <= 1e-9 * max(1.0, hi):
             break
         mid = 0.5 * (lo + hi)
-        if len(dp_feasible(dp, n_rep, mid)) >= need:
+        if len(dp_feasible(dp, n_rep, mid, cut)) >= need:
             hi = mid
         else:
             lo = mid
@@ -217,8 +224,9 @@ def _coupled_bound(pairs: DtfmPairs, n_st: int, n_rep: int, dp_lb: float, pp_all
     best = grid[-1] + 2.0 * pp_all
     prev_alive: np.ndarray | None = None
     prev_pp = pp_all
+    cut = _cheapest_sum(pairs.dp, np.arange(pairs.dp.shape[0]), n_rep - 1)
     for k in range(len(grid) - 1, 0, -1):  # from the loosest threshold down; PP only grows as F shrinks
-        alive = dp_feasible(pairs.dp, n_rep, float(grid[k]))
+        alive = dp_feasible(pairs.dp, n_rep, float(grid[k]), cut)
         if len(alive) < need:
             break
         if prev_alive is None or len(alive) != len(prev_alive):
@@ -256,7 +264,6 @@ class ThresholdComponents:
     def __init__(self, sym: np.ndarray) -> None:
         n = sym.shape[0]
         self.n = n
-        self.vals = np.unique(sym[~np.eye(n, dtype=bool)])
         w = np.asarray(sym, dtype=float)
         inside = np.zeros(n, dtype=bool)
         inside[0] = True
@@ -332,12 +339,12 @@ def segment_bound(pairs: DtfmPairs, n_st: int, n_rep: int, dp_lb: float, pp_all:
         return 0.0
     pp, n = pairs.pp, pairs.pp.shape[0]
     off = ~np.eye(n, dtype=bool)
-    vals = np.unique(pp[off])
+    every = np.unique(pp[off])
+    vals = every
     tries = SEGMENT_THRESHOLDS if n <= 256 else SEGMENT_THRESHOLDS_LARGE
     if len(vals) > tries:
         vals = np.unique(np.quantile(vals, np.linspace(0.0, 1.0, tries), method="lower"))
     parts_all = _partitions(n_st)
-    every = np.unique(pp[off])
     comps = ThresholdComponents(np.minimum(pp, pp.T))  # a pair is joined when either direction is <= theta
     best = 0.0
     for theta in vals[:-1]:  # at the largest value every hop is fast: nothing new
@@ -414,7 +421,7 @@ def _piece_phase(sym: np.ndarray, n_st: int, n_rep: int, n_mb: int, compute: flo
     """Phase bound from how many slow hops the fast clusters force on the pipelines (see the module doc)."""
     n = sym.shape[0]
     off = ~np.eye(n, dtype=bool)
-    vals = np.unique(sym[off])
+    every = vals = np.unique(sym[off])
     fast_min = float(vals[0])
     if len(vals) > SEGMENT_THRESHOLDS:
         vals = np.unique(np.quantile(vals, np.linspace(0.0, 1.0, SEGMENT_THRESHOLDS), method="lower"))
@@ -435,7 +442,7 @@ def _piece_phase(sym: np.ndarray, n_st: int, n_rep: int, n_mb: int, compute: flo
     busiest = math.ceil(n_mb / n_rep)
     comps = ThresholdComponents(sym)
     for theta in vals[:-1]:
-        slow = float(comps.vals[np.searchsorted(comps.vals, theta, side="right")])
+        slow = float(every[np.searchsorted(every, theta, side="right")])
         labels = comps.labels(float(theta))
         sizes = np.bincount(labels)
         own = math.ceil(n_st / int(sizes.max())) - 1  # slow hops of any one pipeline
