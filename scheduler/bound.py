@@ -29,11 +29,15 @@
   component (of the graph of links <= theta, either direction) of c devices, which holds at most floor(c / L)
   such pieces. So (i) the segment lengths must pack into the components (for every l: D x the summed length
   of segments >= l is at most the devices of components of size >= l, and D x their number at most
-  sum floor(c / l)), and (ii) a group of a stage in the longest segment (length L) has at most floor(c / L)
+  sum floor(c / l)), and (ii) a group of a stage in a segment of length L has at most floor(c / L)
   members in a component of size c: a member's row sum is at least its D - 1 cheapest partners with at most
-  floor(c / L) from each component (one fewer from its own), and L x D distinct devices are such members. Minimising
-  DP(L) + 2 max(PP, k theta' + (S - 1 - k) hop) over the partitions of S that pass (i) bounds every plan;
-  every theta gives a bound and the largest is kept. This is the bound that sees that the fast clusters of a
+  floor(c / l) from each component (one fewer from its own) for every l <= L, and the D x (summed length of the
+  segments >= l) devices of those segments are distinct such members, so DP(parts) is the largest over l of
+  that-many-th smallest capped row. Minimising DP(parts) + 2 max(PP, k theta' + (S - 1 - k) hop) over the
+  partitions of S that pass (i) bounds every plan; every theta gives a bound and the largest is kept. The same
+  holds with the hops cut where some link joins two components (instead of where some link exceeds theta):
+  the segments are coarser and each cut hop costs at least the cheapest link between components.
+  This is the bound that sees that the fast clusters of a
   datacenter can hold either the groups or the pipelines, and how many slow hops a set of small clusters forces.
 
 ``full`` (``total = pipeline phase + max_s sync_s``), the two parts bounded separately:
@@ -310,8 +314,8 @@ def _packs(parts: tuple[int, ...], n_rep: int, sizes: np.ndarray) -> bool:
     return True
 
 
-def _capped_dp(dp: np.ndarray, labels: np.ndarray, sizes: np.ndarray, n_rep: int, length: int) -> float:
-    """DP of a group inside a segment of ``length`` stages: the (L x D)-th smallest capped row bound.
+def _capped_rows(dp: np.ndarray, labels: np.ndarray, sizes: np.ndarray, n_rep: int, length: int) -> np.ndarray:
+    """Row sum bounds of members of groups inside segments of ``length`` stages, sorted ascending.
 
     Such a group has at most floor(c / L) members in a component of c devices, so a member's D - 1 mates are
     at most that many from each other component and one fewer from its own: the cheapest D - 1 under these
@@ -330,7 +334,7 @@ def _capped_dp(dp: np.ndarray, labels: np.ndarray, sizes: np.ndarray, n_rep: int
     k = n_rep - 1
     row = np.partition(d, k - 1, axis=1)[:, :k].sum(axis=1) if k < n else np.full(n, np.inf)
     row = np.where(cap[labels] >= 1, row, np.inf)
-    return float(np.sort(row)[length * n_rep - 1])
+    return np.sort(row)
 
 
 def segment_bound(pairs: DtfmPairs, n_st: int, n_rep: int, dp_lb: float, pp_all: float, hop: float) -> float:
@@ -351,18 +355,26 @@ def segment_bound(pairs: DtfmPairs, n_st: int, n_rep: int, dp_lb: float, pp_all:
         nxt = float(every[np.searchsorted(every, theta, side="right")])
         labels = comps.labels(float(theta))
         sizes = np.bincount(labels)
-        dp_of: dict[int, float] = {}
-        lo = float("inf")
-        for parts in parts_all:
-            k = len(parts) - 1
-            pp_lb = max(pp_all, k * nxt + (n_st - 1 - k) * hop)
-            if max(dp_lb, 0.0) + 2.0 * pp_lb >= lo or not _packs(parts, n_rep, sizes):
-                continue
-            longest = parts[0]
-            if longest not in dp_of:
-                dp_of[longest] = _capped_dp(pairs.dp, labels, sizes, n_rep, longest) if longest > 1 else dp_lb
-            lo = min(lo, max(dp_lb, dp_of[longest]) + 2.0 * pp_lb)
-        best = max(best, lo)
+        apart = labels[:, None] != labels[None, :]
+        cross = float(pp[apart].min()) if apart.any() else float("inf")
+        rows_of: dict[int, np.ndarray] = {}
+        # slow hops (some link > theta) cost >= the next value; cut hops (some link between components) cost
+        # >= the cheapest link between components: either cuts the stages into segments (see the module doc)
+        for slow in (nxt, cross):
+            lo = float("inf")
+            for parts in parts_all:
+                k = len(parts) - 1
+                pp_lb = max(pp_all, k * slow + (n_st - 1 - k) * hop)
+                if max(dp_lb, 0.0) + 2.0 * pp_lb >= lo or not _packs(parts, n_rep, sizes):
+                    continue
+                dp_seg = dp_lb
+                for length in set(parts) - {1}:  # members of segments >= l long obey the caps of length l
+                    if length not in rows_of:
+                        rows_of[length] = _capped_rows(pairs.dp, labels, sizes, n_rep, length)
+                    members = n_rep * sum(x for x in parts if x >= length)
+                    dp_seg = max(dp_seg, float(rows_of[length][members - 1]))
+                lo = min(lo, dp_seg + 2.0 * pp_lb)
+            best = max(best, lo)
     return best
 
 
