@@ -62,7 +62,9 @@
   devices' v but the smallest (the path lemma above), and the k-th largest pipeline minimum is at most the
   (k S)-th largest v, so on the D_a S devices with the smallest v the sum is at least their v less every S-th.
   With M >= D every pipeline starts a micro-batch at time 0 (the pull takes the M earliest starts), so D_a = D
-  and the phase is at least the round trip of the pipeline holding the used device of largest v.
+  and the phase is at least the round trip of the pipeline holding the used device of largest v. The compute
+  in those summed round trips is at least 3 (f_min x the S x D_a fastest devices' summed 1 / speed + the rest of
+  the model's FLOPs x the D_a fastest devices'): the split is shared, so every stage runs on D_a devices.
 * Sync and pipelines together. For a threshold t on the pair cost at the smallest stage's bytes: either some
   group has a pair >= t (sync >= 2 t), or every group lies inside a component of the graph of pairs < t; a
   component of c devices holds floor(c / D) groups, so every pipeline crosses between components at least
@@ -429,8 +431,14 @@ def _window_finish(c: int, rtt: float, period: float, window: int) -> float:
     return (q + 1) * rtt + r * period
 
 
-def _piece_phase(sym: np.ndarray, n_st: int, n_rep: int, n_mb: int, compute: float, period: float) -> float:
-    """Phase bound from how many slow hops the fast clusters force on the pipelines (see the module doc)."""
+def _piece_phase(sym: np.ndarray, n_st: int, n_rep: int, n_mb: int, compute: float, period: float,
+                 work: np.ndarray | None = None) -> float:
+    """Phase bound from how many slow hops the fast clusters force on the pipelines (see the module doc).
+
+    ``work[a - 1]``: the least compute time a pipelines' round trips hold together (``compute`` x a without it).
+    """
+    if work is None:
+        work = compute * np.arange(1, n_rep + 1)
     n = sym.shape[0]
     off = ~np.eye(n, dtype=bool)
     every = vals = np.unique(sym[off])
@@ -445,7 +453,7 @@ def _piece_phase(sym: np.ndarray, n_st: int, n_rep: int, n_mb: int, compute: flo
     access = []
     for active in range(1, n_rep + 1):
         used = v[: active * n_st][::-1]
-        access.append(active * compute + float(used.sum() - used[n_st - 1:: n_st].sum()))
+        access.append(float(work[active - 1]) + float(used.sum() - used[n_st - 1:: n_st].sum()))
     best = 0.0
     if n_mb >= n_rep and len(v) >= n_st * n_rep:
         # every pipeline starts a micro-batch at time 0, so all D are active and the phase is at least the round
@@ -465,11 +473,29 @@ def _piece_phase(sym: np.ndarray, n_st: int, n_rep: int, n_mb: int, compute: flo
         for active in (range(1, n_rep + 1) if n_mb < n_rep else (n_rep,)):
             hops = active * (n_st - 1)
             n_slow = max(active * own, hops - fast_cap)
-            rtts = max(active * compute + n_slow * slow + (hops - n_slow) * fast_min, access[active - 1])
+            rtts = max(float(work[active - 1]) + n_slow * slow + (hops - n_slow) * fast_min, access[active - 1])
             mean = min(mean, (rtts + max(0, n_mb - active) * period) / active)
         lo = max(lo, mean)
         best = max(best, lo)
     return best
+
+
+def _pipeline_work(workload: Workload, n_st: int, n_rep: int, speed: np.ndarray,
+                   stages: list[tuple[int, int]] | None) -> np.ndarray:
+    """Per a = 1..D: the least summed compute (forward + backward of all stages) of a pipelines' round trips.
+
+    The split is shared by all pipelines: stage s's layers (f_s FLOPs, at least f_min) run once on each of the
+    a pipelines' stage-s devices, so the sum is 3 sum_s f_s Q_s with Q_s the summed 1 / speed of those devices.
+    With Q_s >= the a fastest devices' and sum_s Q_s >= the S x a fastest devices', it is at least
+    3 (f_min sum_{S a fastest} 1 / speed + (F - S f_min) sum_{a fastest} 1 / speed).
+    """
+    n_lay = workload.n_layers
+    flops = workload.stage_forward_flops(0, n_lay)
+    f_min = (min(workload.stage_forward_flops(a, b) for a, b in stages) if stages is not None
+             else min(workload.stage_forward_flops(a, a + 1) for a in range(n_lay)))
+    inv = np.cumsum(1.0 / speed)
+    active = np.arange(1, n_rep + 1)
+    return 3.0 * (f_min * inv[active * n_st - 1] + (flops - n_st * f_min) * inv[active - 1])
 
 
 def full_lower_bound(cluster: Cluster, workload: Workload, n_st: int, n_rep: int,
@@ -498,7 +524,8 @@ def full_lower_bound(cluster: Cluster, workload: Workload, n_st: int, n_rep: int
     phase = max(f3 * n_mb / total_speed, rtt + extra * max(f3 / total_speed, period / n_rep),
                 _window_finish(most, rtt, period, n_st))
     if n_st > 1:
-        phase = max(phase, _piece_phase(link + link.T, n_st, n_rep, n_mb, f3 / speed[0], period))
+        phase = max(phase, _piece_phase(link + link.T, n_st, n_rep, n_mb, f3 / speed[0], period,
+                                        _pipeline_work(workload, n_st, n_rep, speed, stages)))
     if n_rep < 2:
         return float(phase)
     if stages is not None:
