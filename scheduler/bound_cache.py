@@ -11,7 +11,8 @@ A cached bound is reused only when the new cluster's every device is found in th
 workload, S, D and cost model are equal, and the cached bound holds for the requested layer split (it was
 computed for the same split, or for every split). A reused bound is looser than the part's own (the part
 cannot do better than the whole), never wrong. Joins (a device the cache has never seen) compute afresh.
-Memory: :data:`CACHE_ENTRIES` clusters of at most :data:`CACHE_MAX_DEVICES` devices, figures copied.
+Memory: :data:`CACHE_ENTRIES` clusters of at most :data:`CACHE_MAX_DEVICES` devices, figures copied (at most
+128 MiB; 32 MiB for two 1,024-device clusters).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from .cluster import Cluster
 from .workload import Workload
 
 CACHE_ENTRIES = 2  # the plan being run and the one before the last join
-CACHE_MAX_DEVICES = 4096  # larger clusters are not cached (three N x N float arrays each)
+CACHE_MAX_DEVICES = 2048  # larger clusters are not cached: two N x N float64 arrays each (64 MiB at 2,048)
 
 
 @dataclass
