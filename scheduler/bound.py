@@ -205,8 +205,11 @@ def device_lower_bound(pairs: DtfmPairs, n_st: int, n_rep: int, hop: float) -> f
     return float(np.sort(per)[n_st * n_rep - 1])
 
 
-def dtfm_lower_bound(pairs: DtfmPairs, n_st: int, n_rep: int) -> float:
-    """A lower bound on ``DP + 2 PP`` over every plan of S stages x D replicas on these devices."""
+def dtfm_lower_bound(pairs: DtfmPairs, n_st: int, n_rep: int, quick: bool = False) -> float:
+    """A lower bound on ``DP + 2 PP`` over every plan of S stages x D replicas on these devices.
+
+    ``quick``: without the segment bound (most of the time above a few hundred devices; a warm re-plan's).
+    """
     need = n_st * n_rep
     if pairs.dp.shape[0] < need:
         return float("inf")
@@ -214,9 +217,10 @@ def dtfm_lower_bound(pairs: DtfmPairs, n_st: int, n_rep: int) -> float:
     pp_all = max(pp_lower_bound(pairs.pp, n_st, n_rep), access_pp_bound(pairs.pp, n_st, n_rep))
     if n_rep < 2 or n_st < 2:
         return dp_lb + 2.0 * pp_all
-    hop = _hop_bound(pairs.pp, n_rep)
-    return max(_coupled_bound(pairs, n_st, n_rep, dp_lb, pp_all),
-               segment_bound(pairs, n_st, n_rep, dp_lb, pp_all, hop))
+    coupled = _coupled_bound(pairs, n_st, n_rep, dp_lb, pp_all)
+    if quick:
+        return coupled
+    return max(coupled, segment_bound(pairs, n_st, n_rep, dp_lb, pp_all, _hop_bound(pairs.pp, n_rep)))
 
 
 def _coupled_bound(pairs: DtfmPairs, n_st: int, n_rep: int, dp_lb: float, pp_all: float) -> float:
@@ -387,7 +391,7 @@ def _clique_threshold(cost: np.ndarray, size: int, need: int) -> float:
         return 0.0
     sym = np.maximum(cost, cost.T)
     off = ~np.eye(n, dtype=bool)
-    vals = np.unique(sym[off])
+    vals = np.unique(sym[np.triu_indices(n, 1)])  # symmetric: the upper triangle holds every value
 
     def ok(t: float) -> bool:
         adj = off & (sym <= t)
@@ -441,7 +445,7 @@ def _piece_phase(sym: np.ndarray, n_st: int, n_rep: int, n_mb: int, compute: flo
         work = compute * np.arange(1, n_rep + 1)
     n = sym.shape[0]
     off = ~np.eye(n, dtype=bool)
-    every = vals = np.unique(sym[off])
+    every = vals = np.unique(sym[np.triu_indices(n, 1)])  # symmetric: the upper triangle holds every value
     fast_min = float(vals[0])
     if len(vals) > SEGMENT_THRESHOLDS:
         vals = np.unique(np.quantile(vals, np.linspace(0.0, 1.0, SEGMENT_THRESHOLDS), method="lower"))
@@ -499,10 +503,11 @@ def _pipeline_work(workload: Workload, n_st: int, n_rep: int, speed: np.ndarray,
 
 
 def full_lower_bound(cluster: Cluster, workload: Workload, n_st: int, n_rep: int,
-                     stages: list[tuple[int, int]] | None = None) -> float:
+                     stages: list[tuple[int, int]] | None = None, quick: bool = False) -> float:
     """Bound of the ``full`` model: pipeline phase (work, round trip, window) + the largest sync (module doc).
 
-    ``stages``: the layer split when it is fixed; otherwise the bound holds for every split.
+    ``stages``: the layer split when it is fixed; otherwise the bound holds for every split. ``quick``: without
+    the sync split (a threshold sweep over the pairs).
     """
     need = n_st * n_rep
     if cluster.n < need:
@@ -541,7 +546,7 @@ def full_lower_bound(cluster: Cluster, workload: Workload, n_st: int, n_rep: int
 
     sync = max(_clique_threshold(pair_cost(small), n_rep, need), _clique_threshold(pair_cost(large), n_rep, n_rep))
     out = phase + 2.0 * sync
-    if n_st > 1:
+    if n_st > 1 and not quick:
         out = max(out, _sync_split(pair_cost(small), link + link.T, n_st, n_rep, n_mb, f3 / speed[0], period,
                                    phase, sync))
     return float(out)
@@ -553,7 +558,7 @@ def _sync_split(pair: np.ndarray, trip: np.ndarray, n_st: int, n_rep: int, n_mb:
     n = pair.shape[0]
     off = ~np.eye(n, dtype=bool)
     sym = np.maximum(pair, pair.T)
-    vals = np.unique(sym[off])
+    vals = np.unique(sym[np.triu_indices(n, 1)])  # symmetric: the upper triangle holds every value
     tries = SEGMENT_THRESHOLDS if n <= 256 else SEGMENT_THRESHOLDS_LARGE
     if len(vals) > tries:
         vals = np.unique(np.quantile(vals, np.linspace(0.0, 1.0, tries), method="lower"))
@@ -580,19 +585,23 @@ def _sync_split(pair: np.ndarray, trip: np.ndarray, n_st: int, n_rep: int, n_mb:
 
 def lower_bound(cluster: Cluster, workload: Workload, n_st: int, n_rep: int, cost_model: str,
                 pairs: DtfmPairs | None = None, stages: list[tuple[int, int]] | None = None,
-                reuse: bool = True) -> float:
+                reuse: bool = True, quick: bool = False) -> float:
     """The bound of ``cost_model`` for this split (see the module doc).
 
     ``reuse``: take a cached bound of a cluster this one is part of (:mod:`scheduler.bound_cache`: after a
-    departure the bound is not recomputed) and cache the one computed here.
+    departure the bound is not recomputed) and cache the one computed here. ``quick``: when none is cached,
+    compute the quick tier (valid, looser; not cached), as a warm re-plan after a join does.
     """
     def compute() -> float:
         if cost_model == "dtfm":
-            return dtfm_lower_bound(pairs or DtfmPairs.build(cluster, workload, n_st, n_rep), n_st, n_rep)
-        return full_lower_bound(cluster, workload, n_st, n_rep, stages)
+            return dtfm_lower_bound(pairs or DtfmPairs.build(cluster, workload, n_st, n_rep), n_st, n_rep, quick)
+        return full_lower_bound(cluster, workload, n_st, n_rep, stages, quick)
 
     if not reuse:
         return compute()
+    if quick:
+        got = BOUNDS.lookup(cluster, workload, n_st, n_rep, cost_model, stages)
+        return compute() if got is None else got
     return BOUNDS.get(cluster, workload, n_st, n_rep, cost_model, stages, compute)
 
 

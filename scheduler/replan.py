@@ -15,7 +15,8 @@ dropped. Warm (the default): the population is the repaired plan and kicked copi
 the from-scratch default time limit, at most :data:`WARM_TIME_MAX_S`. Why: after one peer left or joined, the
 running plan was already near the best and a better one is a few swaps away, while the swarm waits on the
 re-plan. The lower bound of a departure's re-plan is the cached bound of the cluster before it
-(:mod:`scheduler.bound_cache`), so the re-plan does not recompute it. ``warm=False`` adds the usual cold
+(:mod:`scheduler.bound_cache`), so the re-plan does not recompute it; where none covers the cluster (a join), a
+warm re-plan computes the bound's quick tier only (valid, looser). ``warm=False`` adds the usual cold
 seeds and budget, so a re-plan can still end far from the current plan when that pays.
 """
 
@@ -151,7 +152,8 @@ def replan(cluster: Cluster, workload: Workload, current: Plan, cost_model: str 
     cpu0 = time.process_time()
     m, _, res, bound, _ = search_layout(cluster, w, cost_model, seed, time_limit_s, config, algorithm, stages,
                                         slot_cost=move_weight * move, extra_starts=[("current", start)],
-                                        gap_stop=gap_stop, cold_seeds=not warm, canonical=canonical)
+                                        gap_stop=gap_stop, cold_seeds=not warm, canonical=canonical,
+                                        quick_bound=warm)
     out = Plan(stages=stages, pipelines=m.tolist())
     out.validate(cluster.n, w.n_layers)
     out.predicted = predict(cluster, w, out, cost_model)

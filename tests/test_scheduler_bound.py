@@ -63,6 +63,7 @@ def test_dtfm_bound_never_above_the_exhaustive_optimum(seed: int) -> None:
     costs = dtfm_costs(pairs, all_plans(n, n_st, n_rep))
     bound = dtfm_lower_bound(pairs, n_st, n_rep)
     assert 0 < bound <= costs.min() * (1 + 1e-12)
+    assert 0 < dtfm_lower_bound(pairs, n_st, n_rep, quick=True) <= bound
     if n_st > 1:  # the access bound alone is a bound on PP
         pp_only = pairs.pp[all_plans(n, n_st, n_rep)[:, :, :-1], all_plans(n, n_st, n_rep)[:, :, 1:]]
         assert access_pp_bound(pairs.pp, n_st, n_rep) <= pp_only.max(axis=1).sum(axis=1).min() * (1 + 1e-12)
@@ -133,6 +134,7 @@ def test_full_bound_never_above_the_exhaustive_optimum(seed: int, n_st: int, n_r
     best = full_costs(c, w, n_st, n_rep, splits)
     bound = full_lower_bound(c, w, n_st, n_rep)
     assert 0 < bound <= best * (1 + 1e-12)
+    assert 0 < full_lower_bound(c, w, n_st, n_rep, quick=True) <= bound
     fixed = splits[len(splits) // 2]
     assert full_lower_bound(c, w, n_st, n_rep, fixed) <= full_costs(c, w, n_st, n_rep, [fixed]) * (1 + 1e-12)
 

@@ -132,3 +132,20 @@ def test_memoised_group_syncs_give_the_same_cost() -> None:
         a, b = rng.integers(0, 5, size=2), rng.integers(0, 4, size=2)
         m[a[0], b[0]], m[a[1], b[1]] = m[a[1], b[1]], m[a[0], b[0]]
         assert f(m) == pytest.approx(predict(c, w, Plan(stages, m.tolist()))["total_s"], rel=1e-12)
+
+
+def test_a_warm_replan_after_a_join_computes_the_quick_bound_and_caches_nothing() -> None:
+    from scheduler import plan, replan
+
+    whole = region_cluster(7, 21)
+    w = Workload.preset("gpt3-xl-dtfm").with_split(4, 4)
+    before = whole.subset(list(range(1, whole.n)))  # device 0 joins later
+    BOUNDS.clear()
+    first = plan(before, w, cost_model="dtfm", seed=0, gap=0.5)
+    current = Plan(first.stages, [[d + 1 for d in row] for row in first.pipelines])
+    new = replan(whole, w, current, cost_model="dtfm")
+    assert BOUNDS.misses == 2 and BOUNDS.hits == 0  # the first plan's and the join's lookups
+    assert BOUNDS.lookup(whole, w, 4, 4, "dtfm", [tuple(s) for s in first.stages]) is None
+    quick = lower_bound(whole, w, 4, 4, "dtfm", reuse=False, quick=True)
+    assert new.search["lower_bound"] == quick <= lower_bound(whole, w, 4, 4, "dtfm", reuse=False)
+    assert quick <= new.predicted["total_s"]
