@@ -590,7 +590,7 @@ def lower_bound(cluster: Cluster, workload: Workload, n_st: int, n_rep: int, cos
 
     ``reuse``: take a cached bound of a cluster this one is part of (:mod:`scheduler.bound_cache`: after a
     departure the bound is not recomputed) and cache the one computed here. ``quick``: when none is cached,
-    compute the quick tier (valid, looser; not cached), as a warm re-plan after a join does.
+    compute the quick tier (valid, looser; cached for quick requests only), as a warm re-plan after a join does.
     """
     def compute() -> float:
         if cost_model == "dtfm":
@@ -599,10 +599,7 @@ def lower_bound(cluster: Cluster, workload: Workload, n_st: int, n_rep: int, cos
 
     if not reuse:
         return compute()
-    if quick:
-        got = BOUNDS.lookup(cluster, workload, n_st, n_rep, cost_model, stages)
-        return compute() if got is None else got
-    return BOUNDS.get(cluster, workload, n_st, n_rep, cost_model, stages, compute)
+    return BOUNDS.get(cluster, workload, n_st, n_rep, cost_model, stages, compute, quick)
 
 
 def gap(cost: float, bound: float) -> float:

@@ -10,7 +10,8 @@ A cached bound is reused only when the new cluster's every device is found in th
 *and* the delay, bandwidth and speed figures at those positions are identical (checked, not assumed), the
 workload, S, D and cost model are equal, and the cached bound holds for the requested layer split (it was
 computed for the same split, or for every split). A reused bound is looser than the part's own (the part
-cannot do better than the whole), never wrong. Joins (a device the cache has never seen) compute afresh.
+cannot do better than the whole), never wrong. Joins (a device the cache has never seen) compute afresh. A
+bound of the quick tier (a warm re-plan's) is cached too, but given only to requests that accept that tier.
 Memory: :data:`CACHE_ENTRIES` clusters of at most :data:`CACHE_MAX_DEVICES` devices, figures copied (at most
 128 MiB; 32 MiB for two 1,024-device clusters).
 """
@@ -39,6 +40,7 @@ class _Entry:
     bandwidth_bps: np.ndarray
     tflops: np.ndarray
     bound: float
+    quick: bool  # the quick tier: given only to quick requests
 
 
 def _key(workload: Workload, n_st: int, n_rep: int, cost_model: str) -> tuple:
@@ -68,13 +70,13 @@ class BoundCache:
                 and np.array_equal(e.bandwidth_bps[grid], cluster.bandwidth_bps))
 
     def lookup(self, cluster: Cluster, workload: Workload, n_st: int, n_rep: int, cost_model: str,
-               stages: list[tuple[int, int]] | None) -> float | None:
-        """A cached bound valid for this cluster and split, or None."""
+               stages: list[tuple[int, int]] | None, quick: bool = False) -> float | None:
+        """A cached bound valid for this cluster and split, or None; ``quick``: a quick-tier one will do."""
         key = _key(workload, n_st, n_rep, cost_model)
         want = None if stages is None else tuple((int(a), int(b)) for a, b in stages)
         with self._lock:
             for i, e in enumerate(self._entries):
-                if e.key != key or (e.stages is not None and e.stages != want):
+                if e.key != key or (e.stages is not None and e.stages != want) or (e.quick and not quick):
                     continue
                 if self._covers(e, cluster):
                     self._entries.insert(0, self._entries.pop(i))
@@ -84,7 +86,7 @@ class BoundCache:
         return None
 
     def store(self, cluster: Cluster, workload: Workload, n_st: int, n_rep: int, cost_model: str,
-              stages: list[tuple[int, int]] | None, bound: float) -> None:
+              stages: list[tuple[int, int]] | None, bound: float, quick: bool = False) -> None:
         if cluster.n > CACHE_MAX_DEVICES or len(set(cluster.labels)) != cluster.n:
             return
         e = _Entry(key=_key(workload, n_st, n_rep, cost_model),
@@ -92,19 +94,19 @@ class BoundCache:
                    index={label: i for i, label in enumerate(cluster.labels)},
                    delay_s=np.array(cluster.delay_s, dtype=float), bandwidth_bps=np.array(cluster.bandwidth_bps,
                                                                                         dtype=float),
-                   tflops=np.array(cluster.tflops, dtype=float), bound=float(bound))
+                   tflops=np.array(cluster.tflops, dtype=float), bound=float(bound), quick=quick)
         with self._lock:
             self._entries.insert(0, e)
             del self._entries[self.size:]
 
     def get(self, cluster: Cluster, workload: Workload, n_st: int, n_rep: int, cost_model: str,
-            stages: list[tuple[int, int]] | None, compute: Callable[[], float]) -> float:
-        """The cached bound if one covers this cluster, else ``compute()`` (then cached)."""
-        got = self.lookup(cluster, workload, n_st, n_rep, cost_model, stages)
+            stages: list[tuple[int, int]] | None, compute: Callable[[], float], quick: bool = False) -> float:
+        """The cached bound if one covers this cluster, else ``compute()`` (then cached, as quick or not)."""
+        got = self.lookup(cluster, workload, n_st, n_rep, cost_model, stages, quick)
         if got is not None:
             return got
         bound = compute()
-        self.store(cluster, workload, n_st, n_rep, cost_model, stages, bound)
+        self.store(cluster, workload, n_st, n_rep, cost_model, stages, bound, quick)
         return bound
 
     def clear(self) -> None:

@@ -16,8 +16,9 @@ the from-scratch default time limit, at most :data:`WARM_TIME_MAX_S`. Why: after
 running plan was already near the best and a better one is a few swaps away, while the swarm waits on the
 re-plan. The lower bound of a departure's re-plan is the cached bound of the cluster before it
 (:mod:`scheduler.bound_cache`), so the re-plan does not recompute it; where none covers the cluster (a join), a
-warm re-plan computes the bound's quick tier only (valid, looser). ``warm=False`` adds the usual cold
-seeds and budget, so a re-plan can still end far from the current plan when that pays.
+warm re-plan computes the bound's quick tier only (valid, looser), cached for the next warm re-plan.
+``warm=False`` adds the usual cold seeds and budget, so a re-plan can still end far from the current plan when
+that pays.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ DEPARTED = -1
 WARM = {"population": 2, "generations": 30, "stop_after": 3, "restart_after": 3, "child_kicks": 0,
         "stall_per_position": 0.75}
 WARM_TIME_FRACTION = 0.1  # of the from-scratch default time limit ...
-WARM_TIME_MAX_S = 0.4  # ... and at most this: above ~256 devices a tenth of the default is seconds
+WARM_TIME_MAX_S = 0.5  # ... and at most this: above ~256 devices a tenth of the default is seconds
 
 
 def state_bytes(workload: Workload, stages: list[tuple[int, int]]) -> np.ndarray:

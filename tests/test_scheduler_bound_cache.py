@@ -134,7 +134,7 @@ def test_memoised_group_syncs_give_the_same_cost() -> None:
         assert f(m) == pytest.approx(predict(c, w, Plan(stages, m.tolist()))["total_s"], rel=1e-12)
 
 
-def test_a_warm_replan_after_a_join_computes_the_quick_bound_and_caches_nothing() -> None:
+def test_a_warm_replan_after_a_join_computes_the_quick_bound_for_quick_requests_only() -> None:
     from scheduler import plan, replan
 
     whole = region_cluster(7, 21)
@@ -145,7 +145,10 @@ def test_a_warm_replan_after_a_join_computes_the_quick_bound_and_caches_nothing(
     current = Plan(first.stages, [[d + 1 for d in row] for row in first.pipelines])
     new = replan(whole, w, current, cost_model="dtfm")
     assert BOUNDS.misses == 2 and BOUNDS.hits == 0  # the first plan's and the join's lookups
-    assert BOUNDS.lookup(whole, w, 4, 4, "dtfm", [tuple(s) for s in first.stages]) is None
+    split = [tuple(s) for s in first.stages]
+    assert BOUNDS.lookup(whole, w, 4, 4, "dtfm", split) is None  # a plan from scratch computes the full bound
+    assert BOUNDS.lookup(whole.subset(list(range(1, 21))), w, 4, 4, "dtfm", split, quick=True) == \
+        new.search["lower_bound"]  # the next warm re-plan (a departure) reuses the quick one
     quick = lower_bound(whole, w, 4, 4, "dtfm", reuse=False, quick=True)
     assert new.search["lower_bound"] == quick <= lower_bound(whole, w, 4, 4, "dtfm", reuse=False)
     assert quick <= new.predicted["total_s"]
