@@ -98,8 +98,10 @@ def parse_digest(text: str, n: int) -> Digest:
               and len(seeds) == len(proj) == len(mag) == n
               and all(isinstance(x, str) and len(x) == 16 and all(c in "0123456789abcdef" for c in x)
                       for x in seeds))
-        rows = [[float(v) for v in row] for row in (*proj, *mag)] if ok else []
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        rows = [list(row) for row in (*proj, *mag)] if ok else []
+        ok = ok and all(isinstance(v, (int, float)) and not isinstance(v, bool) for row in rows for v in row)
+        rows = [[float(v) for v in row] for row in rows] if ok else []
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, RecursionError):
         ok, rows = False, []
     k = checks.DIGEST_K
     if not ok or any(len(row) != k or not all(math.isfinite(v) for v in row) for row in rows) or any(
@@ -298,7 +300,8 @@ class GradientExchange:
 
         Raises :class:`DigestMismatchError` naming the culprits: the owner of a shard that is not the sum (or
         that reached participants as different bytes), or, where this replica owns the shard, a contributor
-        whose digest is not of the contribution it sent."""
+        whose digest is not of the contribution it sent. An owner does not name a contributor whose digest is
+        seeded by other bytes than it holds: the other receivers can tell which owner sent what."""
         with self._cond:
             attempt = self._attempt(tag, participants)
         parts = attempt.participants
@@ -306,12 +309,16 @@ class GradientExchange:
         self._wait(tag, lambda: len(attempt.digests) == n, timeout_s,
                    lambda: f"attempt {tag}: {len(attempt.digests)}/{n} all-gather digests arrived")
         bad: dict[int, str] = {}
+        failed = False
         for j, owner in enumerate(parts):
             seed = attempt.digests[self.replica][0][j]
             if owner == self.replica:
                 for r in parts:
-                    if r != owner and not checks.digest_matches(attempt.contributions[r][0], seed,
-                                                                attempt.digests[r][1][j]):
+                    if r == owner:
+                        continue
+                    if attempt.digests[r][0][j] != seed:
+                        failed = True  # a contributor that saw other bytes: the receivers name whoever sent them
+                    elif not checks.digest_matches(attempt.contributions[r][0], seed, attempt.digests[r][1][j]):
                         bad[r] = f"its digest of shard {j} is not of the contribution it sent"
                 continue
             if any(attempt.digests[r][0][j] != seed for r in parts):
@@ -321,8 +328,9 @@ class GradientExchange:
             if not off <= 1.0:
                 bad[owner] = f"summed shard {j} is not the sum of the contributions ({off:.3g} x the tolerance)"
         self.forget_through(tag)
-        if bad:
-            raise DigestMismatchError(tag, sorted(bad), "; ".join(f"{r}: {w}" for r, w in sorted(bad.items())))
+        if bad or failed:
+            why = "; ".join(f"{r}: {w}" for r, w in sorted(bad.items())) or "a contributor saw other bytes of my shard"
+            raise DigestMismatchError(tag, sorted(bad), why)
 
     def abort_before(self, tag: Tag) -> None:
         """Abandon every attempt before ``tag``: waiters raise ExchangeAbortedError, their mail is dropped."""
