@@ -30,9 +30,10 @@ from protocol.errors import BadMessage
 NUMEL = 6_000
 
 
-def _group(n: int, grads: list[torch.Tensor], z: float = 0.0) -> dict[int, GradientExchange]:
+def _group(n: int, grads: list[torch.Tensor], z: float = 0.0, tokens: int = 0) -> dict[int, GradientExchange]:
     """Run reduce-scatter and all-gather of ``n`` replicas whose whole contributions are ``grads``."""
-    boxes = {r: GradientExchange(r, grads[0].numel(), outlier_factor=0, direction_z=z) for r in range(n)}
+    boxes = {r: GradientExchange(r, grads[0].numel(), outlier_factor=0, direction_z=z, tokens_per_microbatch=tokens)
+             for r in range(n)}
     parts, tag = list(range(n)), (0, 0)
     for sender in parts:
         for owner in parts:
@@ -138,8 +139,11 @@ MODELS = [ModelConfig(n_layers=4, d_model=32, n_heads=4, seq_len=32, seed=2),
           ModelConfig(n_layers=2, d_model=16, n_heads=2, seq_len=16, seed=1)]
 
 
+MB, SEQS = 16, 4  # micro-batches per step, sequences per micro-batch
+
+
 def _pipeline_grads(model: ModelConfig, pipelines: int, steps: int) -> list[list[torch.Tensor]]:
-    """Per step, each pipeline's gradient sum of its share of 8 micro-batches (round robin)."""
+    """Per step, each pipeline's gradient sum of its share of MB micro-batches (round robin)."""
     torch.manual_seed(0)
     corpus = Corpus.load(None)
     c = StageCompute(StageComputeConfig(model, 0, model.n_layers, OptimConfig(lr=3e-3, eps=1e-3)))
@@ -148,13 +152,13 @@ def _pipeline_grads(model: ModelConfig, pipelines: int, steps: int) -> list[list
         per = []
         for p in range(pipelines):
             c.reset_step()
-            for mb in range(p, 8, pipelines):
-                c.forward_loss(mb, *microbatch(corpus, 4, step, mb, 2, model.seq_len))
+            for mb in range(p, MB, pipelines):
+                c.forward_loss(mb, *microbatch(corpus, 4, step, mb, SEQS, model.seq_len))
             per.append(c.accumulated_grad())
         out.append(per)
         c.reset_step()
-        for mb in range(8):
-            c.forward_loss(mb, *microbatch(corpus, 4, step, mb, 2, model.seq_len))
+        for mb in range(MB):
+            c.forward_loss(mb, *microbatch(corpus, 4, step, mb, SEQS, model.seq_len))
         c.apply_update(c.accumulated_grad(), 8)
     return out
 
@@ -162,26 +166,33 @@ def _pipeline_grads(model: ModelConfig, pipelines: int, steps: int) -> list[list
 @pytest.mark.unit
 @pytest.mark.parametrize("model", MODELS, ids=["d32", "d16"])
 def test_honest_gradients_pass_the_direction_test_and_noise_of_their_norm_does_not(model: ModelConfig) -> None:
+    """Contributions of at least MIN_DIRECTION_TOKENS tokens (those the owner tests) clear the bar; smaller ones
+    are measured and printed (they are not tested: a 16-token one scored like noise)."""
     torch.set_num_threads(1)
-    z = 5.0
-    honest_margin, noise_margin, tested = math.inf, math.inf, 0
+    z, tokens_per_mb = 5.0, SEQS * model.seq_len
+    honest_margin, small_margin, noise_margin, tested = math.inf, math.inf, math.inf, 0
     for pipelines in (2, 3, 4, 8):
-        for per in _pipeline_grads(model, pipelines, 3):
+        for per in _pipeline_grads(model, pipelines, 2):
             total = sum(per)
             for lo, hi in shard_bounds(per[0].numel(), pipelines):
-                for g in per:
+                for p, g in enumerate(per):
                     found = checks.unrelatedness(g[lo:hi], (total - g)[lo:hi])
                     if found is None:
                         continue
+                    margin = found[0] - checks.direction_threshold(z, found[1])
+                    if len(range(p, MB, pipelines)) * tokens_per_mb < checks.MIN_DIRECTION_TOKENS:
+                        small_margin = min(small_margin, margin)
+                        continue
                     tested += 1
-                    honest_margin = min(honest_margin, found[0] - checks.direction_threshold(z, found[1]))
+                    honest_margin = min(honest_margin, margin)
                     noise = torch.randn(hi - lo) * (g[lo:hi].norm() / math.sqrt(hi - lo))
                     nz = checks.unrelatedness(noise, (total - g)[lo:hi])
                     assert nz is not None
                     noise_margin = min(noise_margin, checks.direction_threshold(z, nz[1]) - nz[0])
-    print(f"direction test, {tested} shards: honest clears the bar by >= {honest_margin:.2f}, noise misses it by "
-          f">= {noise_margin:.2f}")
-    assert tested > 50
+    print(f"direction test, {tested} shards tested: honest clears the bar by >= {honest_margin:.2f}, noise misses "
+          f"it by >= {noise_margin:.2f}; untested (under {checks.MIN_DIRECTION_TOKENS} tokens) honest margin "
+          f">= {small_margin:.2f}")
+    assert tested >= 20
     assert honest_margin > 0 and noise_margin > 0
 
 
@@ -191,5 +202,5 @@ def test_a_noise_contribution_of_honest_norm_is_refused_before_the_sum() -> None
     per = _pipeline_grads(MODELS[0], 3, 1)[0]
     per[1] = torch.randn_like(per[1]) * (per[1].norm() / math.sqrt(per[1].numel()))
     with pytest.raises(OutlierContributionError) as info:
-        _group(3, per, z=5.0)
+        _group(3, per, z=5.0, tokens=checks.MIN_DIRECTION_TOKENS)
     assert info.value.replicas == [1] and "unrelated" in str(info.value)

@@ -117,7 +117,7 @@ class StageTaker:
             assignment=assignment,
             compute=compute,
             exchange=GradientExchange(assignment.replica, compute.numel, spec.grad_outlier_factor,
-                                      spec.grad_direction_z),
+                                      spec.grad_direction_z, spec.micro_batch * spec.model.seq_len),
             corpus=self.corpus,
             roles=Roles.of(assignment, self.tls),
             outer=outer,

@@ -21,7 +21,8 @@ with the median of the other participants' (``outlier_factor``, k). One more tha
 refused (:class:`OutlierContributionError`, the worker reports its sender to the coordinator, which excludes
 it and starts a new attempt of the step). This stops a member from blowing up the model with a huge gradient;
 it does not stop a small, plausible poisoning (see docs/security.md). With ``direction_z`` above 0 the owner also
-refuses a contribution unrelated to the others' sum (noise of any norm; ``checks.unrelatedness``).
+refuses a contribution of enough tokens that is unrelated to the others' sum (noise of any norm;
+``checks.unrelatedness``).
 
 A lying owner: after the all-gather, every participant sends every other the digests of its own contributions
 (``checks.shard_digest``, seeded by each summed shard as received) and checks each summed shard against them
@@ -121,11 +122,13 @@ class _Attempt:
 class GradientExchange:
     """Mailbox for one stage replica's reduce-scatter and all-gather messages."""
 
-    def __init__(self, replica: int, numel: int, outlier_factor: float = 10.0, direction_z: float = 0.0) -> None:
+    def __init__(self, replica: int, numel: int, outlier_factor: float = 10.0, direction_z: float = 0.0,
+                 tokens_per_microbatch: int = 0) -> None:
         self.replica = replica
         self.numel = numel
         self.outlier_factor = outlier_factor  # 0: no check
         self.direction_z = direction_z  # 0: no direction test
+        self.tokens_per_microbatch = tokens_per_microbatch  # a contribution under MIN_DIRECTION_TOKENS: untested
         self._cond = threading.Condition()
         self._attempts: dict[Tag, _Attempt] = {}
         self._aborted_through: Tag = (-1, -1)
@@ -244,7 +247,9 @@ class GradientExchange:
         for shard, _ in attempt.contributions.values():
             total.add_(shard)
         scores: dict[int, tuple[float, float]] = {}  # replica -> (score, least score it needs)
-        for r, (shard, _) in attempt.contributions.items():
+        for r, (shard, mbs) in attempt.contributions.items():
+            if len(mbs) * self.tokens_per_microbatch < checks.MIN_DIRECTION_TOKENS:
+                continue
             found = checks.unrelatedness(shard, total - shard)
             if found is not None:
                 scores[r] = (found[0], checks.direction_threshold(z, found[1]))
