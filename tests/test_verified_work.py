@@ -201,6 +201,15 @@ def test_a_noise_contribution_of_honest_norm_is_refused_before_the_sum() -> None
     torch.set_num_threads(1)
     per = _pipeline_grads(MODELS[0], 3, 1)[0]
     per[1] = torch.randn_like(per[1]) * (per[1].norm() / math.sqrt(per[1].numel()))
-    with pytest.raises(OutlierContributionError) as info:
+    with pytest.raises(OutlierContributionError) as info:  # owner 0 finds it first
         _group(3, per, z=5.0, tokens=checks.MIN_DIRECTION_TOKENS)
     assert info.value.replicas == [1] and "unrelated" in str(info.value)
+    # two participants: the test is symmetric, so the honest owner names the other one, never itself
+    box = GradientExchange(0, per[0].numel(), outlier_factor=0, direction_z=5.0,
+                           tokens_per_microbatch=checks.MIN_DIRECTION_TOKENS)
+    lo, hi = box.shard_of([0, 1], 0)
+    for r in (0, 1):
+        box.put_contribution((0, 0), [0, 1], r, per[r][lo:hi].clone(), [r])
+    with pytest.raises(OutlierContributionError) as info:
+        box.reduce((0, 0), [0, 1], 2, 1.0)
+    assert info.value.replicas == [1]

@@ -253,7 +253,9 @@ class GradientExchange:
             found = checks.unrelatedness(shard, total - shard)
             if found is not None:
                 scores[r] = (found[0], checks.direction_threshold(z, found[1]))
-        bad = sorted(r for r, (v, floor) in scores.items() if v < floor)
+        # never this replica: it computed its own contribution (with two participants the test is symmetric, so
+        # the owner names the other one)
+        bad = sorted(r for r, (v, floor) in scores.items() if v < floor and r != self.replica)
         if bad:
             shown = ", ".join(f"{r}: {v:.2f} of {floor:.2f}" for r, (v, floor) in sorted(scores.items()))
             raise OutlierContributionError(tag, bad, f"is unrelated to the others' sum (mean scaled cosine "
