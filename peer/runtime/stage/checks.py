@@ -105,8 +105,10 @@ def sum_mismatch(summed: torch.Tensor, seed: str, contributions: list[tuple[list
     for k in range(DIGEST_K):
         claimed = sum(c[0][k] for c in contributions)
         others = sum(c[1][k] for i, c in enumerate(contributions) if i != owner_index)
-        # a D-term float32 sum is off by at most (D-1) eps per term's magnitude; |own| <= |sum| + |others|
-        tol = 4.0 * max(1, d - 1) * _EPS32 * (mag[k] + 2.0 * others) + 1e-30
+        # a D-term float32 sum (in order) is off by at most (D-1) u of its terms' magnitudes (u = eps / 2, the
+        # unit round-off), |own| <= |sum| + |others|; 1.5 covers that bound's second-order term and the float64
+        # projections' own rounding
+        tol = 1.5 * max(1, d - 1) * (_EPS32 / 2) * (mag[k] + 2.0 * others) + 1e-9 * (mag[k] + others) + 1e-30
         worst = max(worst, abs(proj[k] - claimed) / tol)
     return worst
 
