@@ -213,3 +213,14 @@ def test_a_noise_contribution_of_honest_norm_is_refused_before_the_sum() -> None
     with pytest.raises(OutlierContributionError) as info:
         box.reduce((0, 0), [0, 1], 2, 1.0)
     assert info.value.replicas == [1]
+
+
+@pytest.mark.unit
+def test_the_benchmark_measures_the_checks_and_catches_a_scaled_shard() -> None:
+    from bench.verify import measure
+
+    row = measure(50_000, 3, 2)
+    print(f"bench.verify at 50k parameters, 3 replicas: sum {row['sum_s'] * 1e3:.2f} ms, digest "
+          f"{row['digest_s'] * 1e3:.2f} ms, direction {row['direction_s'] * 1e3:.2f} ms, {row['digest_bytes']} B")
+    assert row["detected"]["scale_1000"]
+    assert 0 < row["digest_bytes"] < 2_000

@@ -34,7 +34,7 @@ import torch
 from peer.compute.stage import shard_bounds
 
 DIGEST_K = 4  # random projections per shard: a forger's chance per try is about (tolerance / change)^K
-_CHUNK = 1 << 20  # elements of weights generated at a time (bounds the digest's scratch memory)
+_CHUNK = 1 << 16  # elements of weights generated at a time (scratch memory stays in cache)
 _EPS32 = float(torch.finfo(torch.float32).eps)
 _MIN_BLOCK = 128  # elements per block of the direction test
 _MAX_BLOCKS = 64
