@@ -80,6 +80,8 @@ class RunSection:
     compression: str = _f("none", f"activations on the wire, one of {', '.join(COMPRESSIONS)}")
     grad_outlier_factor: float = _f(10.0, "a replica's gradient above this many times its group's median norm (per "
                                     "micro-batch) is refused and its sender excluded; 0 turns the check off")
+    grad_direction_z: float = _f(5.0, "a replica's gradient shard whose direction is unrelated to its group's (within "
+                                 "this many standard errors of noise) is refused and its sender excluded; 0: off")
     sync_period: int = _f(1, "data-parallel sync: 1 = exact gradient averaging every step; H > 1 = DiLoCo, each "
                           "pipeline takes H local AdamW steps, then the replicas average pseudo-gradients")
     outer_lr: float = _f(0.7, "DiLoCo outer learning rate (Nesterov SGD on the averaged pseudo-gradient)")
@@ -257,6 +259,7 @@ class RunConfig:
             precision=r.precision,
             compression=r.compression,
             grad_outlier_factor=float(r.grad_outlier_factor),
+            grad_direction_z=float(r.grad_direction_z),
             sync_period=r.sync_period,
             outer_lr=float(r.outer_lr),
             outer_momentum=float(r.outer_momentum),
