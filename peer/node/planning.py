@@ -149,6 +149,7 @@ def make_planner(
     stages_hint: int = 0,
     time_limit_s: float | None = 5.0,  # type: ignore[valid-type]
     seed: int = 0,
+    replan_time_limit_s: float | None = None,
     config: MemeticConfig | None = None,
 ) -> Planner:
     """A planner over live daemon device ids; ``view_of(ids)`` gives the ClusterView of those devices.
@@ -156,7 +157,9 @@ def make_planner(
     The first plan chooses the layer split; later plans keep it (``stages``) and start from the pipelines this
     planner returned last, charging every moved tasklet its state transfer (``scheduler.replan``), so a
     departure moves few tasklets instead of reshuffling the swarm. ``config`` bounds the search by evaluations
-    instead of time (the control-plane simulator does, to be deterministic).
+    instead of time (the control-plane simulator does, to be deterministic). ``time_limit_s`` bounds a plan
+    from scratch; a re-plan gets ``replan_time_limit_s`` (default: the scheduler's warm limit, at most 0.5 s,
+    because the swarm waits for it).
     """
     previous: dict[str, Pipelines] = {}  # the last pipelines this planner returned, in daemon device ids
 
@@ -179,7 +182,7 @@ def make_planner(
                            pipelines=[[index.get(d, -1) for d in row] for row in previous["pipelines"]])
             try:
                 p = replan(view.cluster, workload, current, cost_model="full", seed=seed,
-                           time_limit_s=time_limit_s, config=config, replicas=n // len(stages))
+                           time_limit_s=replan_time_limit_s, config=config, replicas=n // len(stages))
                 moves = p.predicted.get("moves", {})
                 log.info("re-plan from the current plan: %s tasklet(s) move, predicted state transfer %.2f s",
                          moves.get("moved_tasklets"), float(moves.get("transfer_s", 0.0)))
