@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
 
-from peer.config import ConfigError, RunConfig, example_toml, reference_markdown
-from peer.runtime.spec import PSEUDO_GRAD_COMPRESSIONS
+from peer.config import SECRET_ENV, ConfigError, RunConfig, example_toml, reference_markdown, resolve_secret
+from peer.runtime.choices import PSEUDO_GRAD_COMPRESSIONS
 
 DESCRIPTION = """\
 Tasklet peer: train a transformer language model together with other volunteers' GPUs.
@@ -25,6 +26,10 @@ Tasklet peer: train a transformer language model together with other volunteers'
                                    the same in a browser: peers, plan, links, loss, events
   peer swarm --peers 4 --scenario worldwide_geo_distributed --steps 5
                                    a whole swarm on this machine, on an emulated network
+  peer doctor [--dht ADDR]         can this machine take part, and if not why (device, ports, verdict)
+  peer pause / peer resume         step this machine out of the swarm without penalty, and back in
+  peer identity export --identity KEY --backup FILE
+                                   back the peer's key up (`peer identity import` restores it)
   peer init run.toml               write a run.toml with every option and its default
   peer swarm ... --model tiny-llama --tokenizer DIR --data FILE.jsonl
                                    train a Hugging Face model (preset, config.json or folder)
@@ -52,6 +57,15 @@ def _port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{value} is not in 0..65535")
     return value
+
+
+def _schedule(text: str):  # noqa: ANN202 - peer.node.schedule.Schedule (a small module: parsing stays fast)
+    from peer.node.schedule import ScheduleError, parse_schedule
+
+    try:
+        return parse_schedule(text)
+    except ScheduleError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _bulk_port(text: str) -> int | None:
@@ -101,7 +115,8 @@ def _add_peer_options(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="private key file; created if missing, so a restarted peer keeps its id (default: a new key each run)",
     )
-    g.add_argument("--secret", default=None, help="the swarm's join secret, if it has one (default: none)")
+    g.add_argument("--secret", default=None, help=SECRET_HELP)
+    g.add_argument("--secret-file", default=None, metavar="FILE", help=SECRET_FILE_HELP)
     g = p.add_argument_group("device")
     g.add_argument(
         "--device",
@@ -129,6 +144,21 @@ def _add_peer_options(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="time spent measuring the device's matmul speed (default: %(default)s)",
     )
+    g = p.add_argument_group("owner limits (the plan respects them; none is punished)")
+    g.add_argument("--max-vram", type=_positive_float, default=None, metavar="GB",
+                   help="plan at most this much of the device's memory for this peer (default: all of it)")
+    g.add_argument("--max-upload", type=_positive_float, default=None, metavar="MBIT",
+                   help="send at most this many Mbit/s in total (enforced by the transport; the plan prices this "
+                   "peer's links by it) (default: no limit)")
+    g.add_argument("--max-download", type=_positive_float, default=None, metavar="MBIT",
+                   help="announce this many Mbit/s as this peer's download limit: the plan prices links to it by "
+                   "it (default: no limit)")
+    g.add_argument("--schedule", type=_schedule, default=None, metavar="HH:MM-HH:MM[,...]",
+                   help="take part only in these daily windows of local time (e.g. 22:00-08:00): outside them the "
+                   "peer pauses as `peer pause` does and the leader plans around its leaving (default: always)")
+    g.add_argument("--state-dir", default=None, metavar="DIR",
+                   help="folder of this peer's owner-only control socket for `peer pause` / `peer resume` "
+                   "(default: the --identity file's folder; without --identity: no control socket)")
     g = p.add_argument_group("monitoring")
     g.add_argument(
         "--metrics-port",
@@ -191,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dht", required=True, nargs="+", metavar="ADDR", help="multiaddr(s) of any peer")
     p.add_argument("--run", default="tasklet", help="run name (default: %(default)s)")
-    p.add_argument("--secret", default=None, help="the swarm's join secret, if it has one (default: none)")
+    p.add_argument("--secret", default=None, help=SECRET_HELP)
+    p.add_argument("--secret-file", default=None, metavar="FILE", help=SECRET_FILE_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table (default: off)")
     p.add_argument(
         "--watch",
@@ -215,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--host", default="127.0.0.1", help="address to serve on; 0.0.0.0 for every interface (default: %(default)s)"
     )
     p.add_argument("--run", default="tasklet", help="run name (default: %(default)s)")
-    p.add_argument("--secret", default=None, help="the swarm's join secret, if it has one (default: none)")
+    p.add_argument("--secret", default=None, help=SECRET_HELP)
+    p.add_argument("--secret-file", default=None, metavar="FILE", help=SECRET_FILE_HELP)
     p.add_argument(
         "--interval", type=_positive_float, default=2.0, help="seconds between reads of the DHT (default: %(default)s)"
     )
@@ -304,6 +336,56 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     p.add_argument("--temperature", type=_positive_float, default=1.0, help="sampling temperature (default: 1.0)")
 
+    p = sub.add_parser(
+        "doctor",
+        help="check whether this machine can take part in a run, and if not why",
+        description="Measure this machine (device, memory, disk, ports) and, with --dht, how the swarm reaches it "
+        "(dial-back through a relay, clock offset, connects to a few peers); then say which stages of the run's "
+        "model fit this device at the run's precision, or which stage does not, what it needs and what would help.",
+    )
+    p.add_argument("--dht", default=[], nargs="+", metavar="ADDR",
+                   help="multiaddr(s) of any peer: check against that swarm's run (default: the local run.toml)")
+    p.add_argument("--run", default="tasklet", help="run name with --dht (default: %(default)s)")
+    p.add_argument("--secret", default=None, help="the swarm's join secret, if it has one (default: none)")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="the run.toml to judge without --dht (default: ./run.toml if present, else the defaults)")
+    p.add_argument("--host", default="127.0.0.1", help="address the peer would listen on (default: %(default)s)")
+    p.add_argument("--port", type=_port, default=0, help="gRPC port to try; 0: any free one (default: 0)")
+    p.add_argument("--dht-port", type=_port, default=0, help="DHT port to try; 0: any free one (default: 0)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="compute device to check (default: %(default)s)")
+    p.add_argument("--measure-seconds", type=_positive_float, default=1.0,
+                   help="time spent measuring the device's matmul speed (default: %(default)s)")
+    p.add_argument("--max-vram", type=_positive_float, default=None, metavar="GB",
+                   help="judge as `peer join --max-vram GB` would plan (default: the whole device)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (default: a report)")
+    p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="logging detail on stderr (default: %(default)s)")
+
+    for name, what in (("pause", "leave the swarm at the next step boundary, without penalty, until `peer resume`"),
+                       ("resume", "rejoin the swarm after `peer pause`")):
+        p = sub.add_parser(name, help=f"{what} (a peer running on this machine)",
+                           description=f"Ask the peer running on this machine, through its owner-only control "
+                           f"socket, to {what}.")
+        p.add_argument("--state-dir", default=None, metavar="DIR",
+                       help="the peer's state folder, as given to `peer join` (default: ~/.tasklet)")
+        p.add_argument("--peer", default=None, metavar="ID",
+                       help="which peer, when several run from that folder (default: the only one)")
+
+    p = sub.add_parser("identity", help="show, back up or restore this peer's identity (its key and peer id)",
+                       description="A peer's id is its key's: back the --identity file up, and restore it after a "
+                       "reinstall, so the peer is the same peer to the swarm. The backup holds the private key "
+                       "unencrypted (readable by its owner only): keep it as secret as the key.")
+    p.add_argument("action",
+                   help="show, export or import. show: print the identity's peer id; export: write a checked "
+                   "backup of it to --backup; import: restore it from --backup")
+    p.add_argument("--identity", required=True, metavar="FILE", help="the identity file (`peer join --identity`)")
+    p.add_argument("--backup", default=None, metavar="FILE",
+                   help="the backup file that export writes and import reads (default: none; needed by both)")
+    p.add_argument("--force", action="store_true",
+                   help="export: overwrite an existing backup; import: replace an identity file of another peer "
+                   "(default: off)")
+
     p = sub.add_parser("init", help="write an example run.toml with every option and its default")
     p.add_argument("path", nargs="?", default="run.toml", help="file to write (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="overwrite an existing file (default: off)")
@@ -320,12 +402,19 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("hivemind", "grpc"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(level)))
     try:
+        if hasattr(args, "secret"):  # --secret, --secret-file or TASKLET_SECRET, resolved once
+            args.secret = resolve_secret(args.secret, args.secret_file, os.environ)
         return COMMANDS[args.command](args)
     except (ConfigError, UserError) as exc:
         print(f"peer: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+SECRET_HELP = (f"the swarm's join secret, if it has one (default: none); other users of this machine can read "
+               f"a command line, so prefer --secret-file or {SECRET_ENV}")
+SECRET_FILE_HELP = f"read the join secret from FILE (its first line); or set {SECRET_ENV} (default: none)"
 
 
 class UserError(RuntimeError):
@@ -354,6 +443,11 @@ def _options(args: argparse.Namespace):  # noqa: ANN202 - PeerOptions, imported 
         dashboard_port=args.dashboard_port,
         progress=True,
         relay_port=args.relay_port,
+        max_vram_gb=args.max_vram,
+        max_upload_mbps=args.max_upload,
+        max_download_mbps=args.max_download,
+        state_dir=args.state_dir,
+        schedule=args.schedule,
     )
 
 
@@ -497,6 +591,60 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    import json
+
+    from peer.node.doctor import DoctorOptions, format_report, run_doctor
+
+    opts = DoctorOptions(dht=list(args.dht), run_id=args.run, secret=args.secret, config=args.config,
+                         host=args.host, port=args.port, dht_port=args.dht_port, device=args.device,
+                         measure_seconds=args.measure_seconds, max_vram_gb=args.max_vram)
+    try:
+        report = run_doctor(opts)
+    except ValueError as exc:  # a device that is not there (--device cuda on a CPU machine)
+        raise UserError(str(exc)) from None
+    print(json.dumps(report) if args.json else format_report(report), flush=True)
+    return 0 if report["verdict"]["ok"] else 1
+
+
+def cmd_control(args: argparse.Namespace) -> int:
+    from peer.node.control_socket import ControlError, ask, default_state_dir, find_socket
+
+    folder = Path(args.state_dir).expanduser() if args.state_dir else default_state_dir()
+    try:
+        answer = ask(find_socket(folder, args.peer), args.command)
+    except ControlError as exc:
+        raise UserError(str(exc)) from None
+    if not answer.get("ok"):
+        raise UserError(str(answer.get("error", "refused")))
+    state = "paused" if answer.get("paused") else "running"
+    note = f" ({answer['note']})" if answer.get("note") else ""
+    print(f"peer {state}{note}")
+    return 0
+
+
+def cmd_identity(args: argparse.Namespace) -> int:
+    from peer.node.identity_backup import BackupError, export_identity, import_identity
+    from peer.swarm.identity import Identity
+
+    if args.action not in ("show", "export", "import"):
+        raise UserError(f"peer identity {args.action[:40]!r}: expected show, export or import")
+    if args.action != "show" and not args.backup:
+        raise UserError(f"peer identity {args.action} needs --backup FILE")
+    try:
+        if args.action == "show":
+            print(Identity.load(args.identity).peer_id)
+        elif args.action == "export":
+            peer_id = export_identity(args.identity, args.backup, args.force)
+            print(f"wrote a backup of peer {peer_id} to {args.backup} (it holds the private key: keep it secret)")
+        else:
+            peer_id = import_identity(args.backup, args.identity, args.force)
+            print(f"restored peer {peer_id} to {args.identity}; join with --identity {args.identity}")
+    except (BackupError, ValueError) as exc:
+        raise UserError(str(exc)) from None
+    return 0
+
+
 def cmd_init(args: argparse.Namespace) -> int:
     path = Path(args.path)
     if path.exists() and not args.force:
@@ -519,6 +667,10 @@ COMMANDS = {
     "swarm": cmd_swarm,
     "export": cmd_export,
     "generate": cmd_generate,
+    "doctor": cmd_doctor,
+    "identity": cmd_identity,
+    "pause": cmd_control,
+    "resume": cmd_control,
     "init": cmd_init,
     "config-reference": cmd_config_reference,
 }

@@ -10,21 +10,53 @@ from __future__ import annotations
 import json
 import math
 import tomllib
+from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from peer.compute.hf import ModelSourceError
-from peer.compute.hf.resolve import resolve_model_cached
-from peer.compute.model import ModelConfig
-from peer.compute.stage import OptimConfig
-from peer.runtime.checkpoints import DEFAULT_KEEP
-from peer.runtime.spec import COMPRESSIONS, PRECISIONS, PSEUDO_GRAD_COMPRESSIONS, RunSpec, SpecError
-from peer.timing import ADVERT_TTL_HEARTBEATS, CHECKPOINT_COPIES, HEARTBEAT_S
+from peer.runtime.choices import COMPRESSIONS, DEFAULT_KEEP, PRECISIONS, PSEUDO_GRAD_COMPRESSIONS
+from peer.timing import ADVERT_TTL_HEARTBEATS, CHECKPOINT_COPIES, HEARTBEAT_S, MAX_HEARTBEAT_S
+
+if TYPE_CHECKING:
+    from peer.runtime.spec import RunSpec
 
 
 class ConfigError(ValueError):
     """A configuration value is missing or invalid; the message names the file, section and key."""
+
+
+SECRET_ENV = "TASKLET_SECRET"  # the join secret from the environment (not visible in /proc/PID/cmdline)
+MAX_SECRET_BYTES = 4096
+
+
+def resolve_secret(flag: str | None, path: str | None, environ: Mapping[str, str]) -> str | None:
+    """The join secret of a command: ``--secret``, else ``--secret-file`` (its first line), else the
+    :data:`SECRET_ENV` variable; None when none is given. Why a file or the environment: every user of the
+    machine can read a process's arguments in /proc, not its environment or a file of mode 0600."""
+    if flag is not None and path is not None:
+        raise ConfigError("give the join secret once: --secret or --secret-file, not both")
+    if flag is not None:
+        secret = flag
+    elif path is not None:
+        try:
+            with open(path, "rb") as handle:
+                raw = handle.read(MAX_SECRET_BYTES + 1)
+        except OSError as exc:
+            raise ConfigError(f"--secret-file {path}: {exc.strerror or exc}") from None
+        if len(raw) > MAX_SECRET_BYTES:
+            raise ConfigError(f"--secret-file {path}: longer than {MAX_SECRET_BYTES} bytes (not a secret file?)")
+        try:
+            lines = raw.decode("utf-8").splitlines()
+        except UnicodeDecodeError:
+            raise ConfigError(f"--secret-file {path}: not UTF-8 text") from None
+        secret = lines[0].strip() if lines else ""
+        if not secret:
+            raise ConfigError(f"--secret-file {path}: the first line is empty")
+    else:
+        secret = environ.get(SECRET_ENV, "")
+    return secret or None
+
 
 
 def _f(default: Any, help: str) -> Any:  # noqa: A002 - "help" reads best in the declarations below
@@ -48,6 +80,8 @@ class RunSection:
     compression: str = _f("none", f"activations on the wire, one of {', '.join(COMPRESSIONS)}")
     grad_outlier_factor: float = _f(10.0, "a replica's gradient above this many times its group's median norm (per "
                                     "micro-batch) is refused and its sender excluded; 0 turns the check off")
+    grad_direction_z: float = _f(5.0, "a replica's gradient shard whose direction is unrelated to its group's (within "
+                                 "this many standard errors of noise) is refused and its sender excluded; 0: off")
     sync_period: int = _f(1, "data-parallel sync: 1 = exact gradient averaging every step; H > 1 = DiLoCo, each "
                           "pipeline takes H local AdamW steps, then the replicas average pseudo-gradients")
     outer_lr: float = _f(0.7, "DiLoCo outer learning rate (Nesterov SGD on the averaged pseudo-gradient)")
@@ -199,7 +233,13 @@ class RunConfig:
         return cls.from_dict(raw, str(p))
 
     def spec(self, corpus_fingerprint: str = "") -> RunSpec:
-        """The runtime's view of this configuration."""
+        """The runtime's view of this configuration (imports the model code here: declaring and writing a run.toml
+        must not load torch)."""
+        from peer.compute.hf.resolve import resolve_model_cached
+        from peer.compute.model import ModelConfig
+        from peer.compute.stage import OptimConfig
+        from peer.runtime.spec import RunSpec
+
         r, m, o = self.run, self.model, self.optim
         model: Any = (
             resolve_model_cached(m.config, m.seq_len, r.seed) if m.config
@@ -219,6 +259,7 @@ class RunConfig:
             precision=r.precision,
             compression=r.compression,
             grad_outlier_factor=float(r.grad_outlier_factor),
+            grad_direction_z=float(r.grad_direction_z),
             sync_period=r.sync_period,
             outer_lr=float(r.outer_lr),
             outer_momentum=float(r.outer_momentum),
@@ -226,6 +267,9 @@ class RunConfig:
         )
 
     def validate(self, where: str = "config") -> None:
+        from peer.compute.hf import ModelSourceError
+        from peer.runtime.spec import SpecError
+
         try:
             spec = self.spec().validate()
         except ModelSourceError as exc:  # names its own file and field
@@ -239,8 +283,9 @@ class RunConfig:
             raise ConfigError(f"{where}: [swarm] min_peers must be >= 1")
         if s.stages < 0 or s.stages > spec.model.n_layers:
             raise ConfigError(f"{where}: [swarm] stages must be 0 (auto) or 1..n_layers")
-        if not s.heartbeat_s > 0:
-            raise ConfigError(f"{where}: [swarm] heartbeat_s must be > 0")
+        if not 0 < s.heartbeat_s <= MAX_HEARTBEAT_S:
+            raise ConfigError(f"{where}: [swarm] heartbeat_s must be in (0, {MAX_HEARTBEAT_S:g}] (the DHT refuses "
+                              "records that live longer than their kind's bound)")
         if s.checkpoint_keep < 1 or s.checkpoint_copies < 0:
             raise ConfigError(f"{where}: [swarm] checkpoint_keep must be >= 1 and checkpoint_copies >= 0")
         e = self.emulation

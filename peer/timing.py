@@ -122,6 +122,7 @@ def now() -> float:
 # -- liveness on the DHT ----------------------------------------------------------------------------------
 HEARTBEAT_S = 2.0  # advert renewal period, default of [swarm] heartbeat_s and of the coordinator's pings
 ADVERT_TTL_HEARTBEATS = 3  # advert (and link report) lifetime in heartbeats: two lost heartbeats tolerated
+MAX_HEARTBEAT_S = 60.0  # the longest [swarm] heartbeat_s: the DHT's validator bounds an advert's lifetime by it
 RUN_RECORD_MIN_TTL_S = 60.0  # the run record lives max(advert lifetime, this) and is renewed by the heartbeat
 DHT_CALL_TIMEOUT_S = 5.0  # every DHT get/put of a record store
 DHT_STARTUP_TIMEOUT_S = 60.0  # the DHT node must answer within this at start-up (dozens of peers starting

@@ -136,7 +136,7 @@ def search_layout(cluster: Cluster, workload: Workload, cost_model: str, seed: i
                   stages: list[tuple[int, int]] | None, slot_cost: np.ndarray | None = None,
                   extra_starts: list[tuple[str, np.ndarray]] | None = None,
                   compression: CompressionSpace | None = None, gap_stop: float | None = None,
-                  canonical: bool = True, cold_seeds: bool = True
+                  canonical: bool = True, cold_seeds: bool = True, quick_bound: bool = False
                   ) -> tuple[np.ndarray, list[tuple[int, int]], SearchResult, float, SplitCost | None]:
     """The search proper for a workload with S and D set: (matrix, layer split, result, bound, split model).
 
@@ -144,6 +144,7 @@ def search_layout(cluster: Cluster, workload: Workload, cost_model: str, seed: i
     that the same scenario under any numbering of its devices gets the same plan (up to exact ties).
     ``gap_stop``: the memetic search stops once its best is within this fraction of the lower bound.
     ``cold_seeds``: add the clustering seeds to ``extra_starts`` (a warm re-plan starts from its own only).
+    ``quick_bound``: a bound no cached one covers is the quick tier (:func:`bound.lower_bound`).
     The returned split model (``full`` with uneven splits) is over the canonically ordered devices.
     A wall-clock ``time_limit_s`` counts the whole call: the bound, the seeds and the ordering are taken from
     the search's share (which keeps at least :data:`MIN_SEARCH_S`).
@@ -151,14 +152,15 @@ def search_layout(cluster: Cluster, workload: Workload, cost_model: str, seed: i
     started = time.perf_counter()
     if not canonical:
         return _search_layout(cluster, workload, cost_model, seed, time_limit_s, config, algorithm, stages,
-                              slot_cost, extra_starts, compression, gap_stop, cold_seeds, started)
+                              slot_cost, extra_starts, compression, gap_stop, cold_seeds, started, quick_bound)
     perm = canonical_order(cluster)
     inv = np.empty_like(perm)
     inv[perm] = np.arange(len(perm))
     starts = [(name, inv[np.asarray(m, dtype=int)]) for name, m in (extra_starts or [])]
     m, layer_split, res, bound, split = _search_layout(
         cluster.subset(perm), workload, cost_model, seed, time_limit_s, config, algorithm, stages,
-        None if slot_cost is None else slot_cost[perm], starts, compression, gap_stop, cold_seeds, started)
+        None if slot_cost is None else slot_cost[perm], starts, compression, gap_stop, cold_seeds, started,
+        quick_bound)
     res.matrix, res.spares = perm[res.matrix], perm[res.spares]
     return perm[m], layer_split, res, bound, split
 
@@ -177,7 +179,8 @@ def _search_layout(cluster: Cluster, workload: Workload, cost_model: str, seed: 
                    config: SearchConfig | MemeticConfig | None, algorithm: str,
                    stages: list[tuple[int, int]] | None, slot_cost: np.ndarray | None,
                    extra_starts: list[tuple[str, np.ndarray]] | None, compression: CompressionSpace | None,
-                   gap_stop: float | None, cold_seeds: bool = True, started: float | None = None
+                   gap_stop: float | None, cold_seeds: bool = True, started: float | None = None,
+                   quick_bound: bool = False
                    ) -> tuple[np.ndarray, list[tuple[int, int]], SearchResult, float, SplitCost | None]:
     """:func:`search_layout` over the devices as listed.
 
@@ -210,7 +213,7 @@ def _search_layout(cluster: Cluster, workload: Workload, cost_model: str, seed: 
             obj = CallableObjective(fixed_split_cost(cluster, workload, layer_split), n_st, n_rep,
                                     mem_bad if mem_bad.any() else None, slot_cost)
     bound = lower_bound(cluster, workload, n_st, n_rep, cost_model,
-                        pairs if cost_model == "dtfm" else None, stages)
+                        pairs if cost_model == "dtfm" else None, stages, quick=quick_bound)
     if compression is not None:  # the bound is of uncompressed steps: compressed ones may beat it
         bound = 0.0
     starts = list(extra_starts or [])

@@ -29,11 +29,15 @@
   component (of the graph of links <= theta, either direction) of c devices, which holds at most floor(c / L)
   such pieces. So (i) the segment lengths must pack into the components (for every l: D x the summed length
   of segments >= l is at most the devices of components of size >= l, and D x their number at most
-  sum floor(c / l)), and (ii) a group of a stage in the longest segment (length L) has at most floor(c / L)
+  sum floor(c / l)), and (ii) a group of a stage in a segment of length L has at most floor(c / L)
   members in a component of size c: a member's row sum is at least its D - 1 cheapest partners with at most
-  floor(c / L) from each component (one fewer from its own), and L x D distinct devices are such members. Minimising
-  DP(L) + 2 max(PP, k theta' + (S - 1 - k) hop) over the partitions of S that pass (i) bounds every plan;
-  every theta gives a bound and the largest is kept. This is the bound that sees that the fast clusters of a
+  floor(c / l) from each component (one fewer from its own) for every l <= L, and the D x (summed length of the
+  segments >= l) devices of those segments are distinct such members, so DP(parts) is the largest over l of
+  that-many-th smallest capped row. Minimising DP(parts) + 2 max(PP, k theta' + (S - 1 - k) hop) over the
+  partitions of S that pass (i) bounds every plan; every theta gives a bound and the largest is kept. The same
+  holds with the hops cut where some link joins two components (instead of where some link exceeds theta):
+  the segments are coarser and each cut hop costs at least the cheapest link between components.
+  This is the bound that sees that the fast clusters of a
   datacenter can hold either the groups or the pipelines, and how many slow hops a set of small clusters forces.
 
 ``full`` (``total = pipeline phase + max_s sync_s``), the two parts bounded separately:
@@ -58,7 +62,9 @@
   devices' v but the smallest (the path lemma above), and the k-th largest pipeline minimum is at most the
   (k S)-th largest v, so on the D_a S devices with the smallest v the sum is at least their v less every S-th.
   With M >= D every pipeline starts a micro-batch at time 0 (the pull takes the M earliest starts), so D_a = D
-  and the phase is at least the round trip of the pipeline holding the used device of largest v.
+  and the phase is at least the round trip of the pipeline holding the used device of largest v. The compute
+  in those summed round trips is at least 3 (f_min x the S x D_a fastest devices' summed 1 / speed + the rest of
+  the model's FLOPs x the D_a fastest devices'): the split is shared, so every stage runs on D_a devices.
 * Sync and pipelines together. For a threshold t on the pair cost at the smallest stage's bytes: either some
   group has a pair >= t (sync >= 2 t), or every group lies inside a component of the graph of pairs < t; a
   component of c devices holds floor(c / D) groups, so every pipeline crosses between components at least
@@ -81,6 +87,7 @@ import numpy as np
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import connected_components, maximum_bipartite_matching
 
+from .bound_cache import BOUNDS
 from .cluster import Cluster
 from .cost_dtfm import DtfmPairs
 from .workload import Workload
@@ -99,11 +106,17 @@ def _cheapest_sum(dp: np.ndarray, alive: np.ndarray, k: int) -> np.ndarray:
     return np.partition(sub, k - 1, axis=1)[:, :k].sum(axis=1)
 
 
-def dp_feasible(dp: np.ndarray, n_rep: int, t: float) -> np.ndarray:
-    """Devices that may belong to a data-parallel group all of whose row sums are <= t (a superset)."""
+def dp_feasible(dp: np.ndarray, n_rep: int, t: float, first: np.ndarray | None = None) -> np.ndarray:
+    """Devices that may belong to a data-parallel group all of whose row sums are <= t (a superset).
+
+    ``first``: ``_cheapest_sum`` over all devices when the caller has it (the first cut of every threshold).
+    """
     alive = np.arange(dp.shape[0])
     while len(alive) >= n_rep:
-        keep = _cheapest_sum(dp, alive, n_rep - 1) <= t
+        if first is not None and len(alive) == dp.shape[0]:
+            keep = first <= t
+        else:
+            keep = _cheapest_sum(dp, alive, n_rep - 1) <= t
         if keep.all():
             return alive
         alive = alive[keep]
@@ -115,16 +128,17 @@ def dp_lower_bound(dp: np.ndarray, n_st: int, n_rep: int) -> float:
     if n_rep < 2:
         return 0.0
     need = n_st * n_rep
-    first = np.sort(_cheapest_sum(dp, np.arange(dp.shape[0]), n_rep - 1))
+    cut = _cheapest_sum(dp, np.arange(dp.shape[0]), n_rep - 1)
+    first = np.sort(cut)
     lo = float(first[need - 1]) * (1.0 - 1e-12)  # below this fewer than S x D devices pass even the first cut
     hi = float(np.sort(dp, axis=1)[:, -(n_rep - 1):].sum(axis=1).max())
-    if len(dp_feasible(dp, n_rep, lo)) >= need:
+    if len(dp_feasible(dp, n_rep, lo, cut)) >= need:
         return lo
     for _ in range(BISECT_STEPS):
         if hi - lo <= 1e-9 * max(1.0, hi):
             break
         mid = 0.5 * (lo + hi)
-        if len(dp_feasible(dp, n_rep, mid)) >= need:
+        if len(dp_feasible(dp, n_rep, mid, cut)) >= need:
             hi = mid
         else:
             lo = mid
@@ -191,8 +205,11 @@ def device_lower_bound(pairs: DtfmPairs, n_st: int, n_rep: int, hop: float) -> f
     return float(np.sort(per)[n_st * n_rep - 1])
 
 
-def dtfm_lower_bound(pairs: DtfmPairs, n_st: int, n_rep: int) -> float:
-    """A lower bound on ``DP + 2 PP`` over every plan of S stages x D replicas on these devices."""
+def dtfm_lower_bound(pairs: DtfmPairs, n_st: int, n_rep: int, quick: bool = False) -> float:
+    """A lower bound on ``DP + 2 PP`` over every plan of S stages x D replicas on these devices.
+
+    ``quick``: without the segment bound (most of the time above a few hundred devices; a warm re-plan's).
+    """
     need = n_st * n_rep
     if pairs.dp.shape[0] < need:
         return float("inf")
@@ -200,9 +217,10 @@ def dtfm_lower_bound(pairs: DtfmPairs, n_st: int, n_rep: int) -> float:
     pp_all = max(pp_lower_bound(pairs.pp, n_st, n_rep), access_pp_bound(pairs.pp, n_st, n_rep))
     if n_rep < 2 or n_st < 2:
         return dp_lb + 2.0 * pp_all
-    hop = _hop_bound(pairs.pp, n_rep)
-    return max(_coupled_bound(pairs, n_st, n_rep, dp_lb, pp_all),
-               segment_bound(pairs, n_st, n_rep, dp_lb, pp_all, hop))
+    coupled = _coupled_bound(pairs, n_st, n_rep, dp_lb, pp_all)
+    if quick:
+        return coupled
+    return max(coupled, segment_bound(pairs, n_st, n_rep, dp_lb, pp_all, _hop_bound(pairs.pp, n_rep)))
 
 
 def _coupled_bound(pairs: DtfmPairs, n_st: int, n_rep: int, dp_lb: float, pp_all: float) -> float:
@@ -216,8 +234,9 @@ def _coupled_bound(pairs: DtfmPairs, n_st: int, n_rep: int, dp_lb: float, pp_all
     best = grid[-1] + 2.0 * pp_all
     prev_alive: np.ndarray | None = None
     prev_pp = pp_all
+    cut = _cheapest_sum(pairs.dp, np.arange(pairs.dp.shape[0]), n_rep - 1)
     for k in range(len(grid) - 1, 0, -1):  # from the loosest threshold down; PP only grows as F shrinks
-        alive = dp_feasible(pairs.dp, n_rep, float(grid[k]))
+        alive = dp_feasible(pairs.dp, n_rep, float(grid[k]), cut)
         if len(alive) < need:
             break
         if prev_alive is None or len(alive) != len(prev_alive):
@@ -244,6 +263,40 @@ SEGMENT_THRESHOLDS = 24  # link thresholds tried (all distinct values when there
 SEGMENT_THRESHOLDS_LARGE = 8  # ... and above 256 devices, where each costs O(N^2 log N)
 
 
+class ThresholdComponents:
+    """Connected components of the graph of pairs costing <= t (or < t), for many t, from one spanning tree.
+
+    Why: the bounds sweep thresholds, and the components of every such graph are those of a minimum spanning
+    tree's edges <= t (every pair is an edge, so the tree spans all devices), so one O(N^2) tree (Prim's, dense)
+    replaces a dense graph per t. ``sym`` must be symmetric; its diagonal is ignored.
+    """
+
+    def __init__(self, sym: np.ndarray) -> None:
+        n = sym.shape[0]
+        self.n = n
+        w = np.asarray(sym, dtype=float)
+        inside = np.zeros(n, dtype=bool)
+        inside[0] = True
+        best, parent = w[0].copy(), np.zeros(n, dtype=int)
+        rows, cols, cost = np.zeros(n - 1, dtype=int), np.zeros(n - 1, dtype=int), np.zeros(n - 1)
+        for k in range(n - 1):
+            j = int(np.argmin(np.where(inside, np.inf, best)))
+            if inside[j]:  # every remaining candidate costs inf: the cheapest edge to one is still an edge
+                j = int(np.flatnonzero(~inside)[0])
+            rows[k], cols[k], cost[k] = j, parent[j], best[j]
+            inside[j] = True
+            closer = ~inside & (w[j] < best)
+            best = np.where(closer, w[j], best)
+            parent = np.where(closer, j, parent)
+        self.rows, self.cols, self.cost = rows, cols, cost
+
+    def labels(self, t: float, strict: bool = False) -> np.ndarray:
+        """Component label of every device in the graph of pairs ``< t`` (strict) or ``<= t``."""
+        keep = self.cost < t if strict else self.cost <= t
+        graph = csr_matrix((np.ones(int(keep.sum())), (self.rows[keep], self.cols[keep])), shape=(self.n, self.n))
+        return connected_components(graph, directed=False)[1]
+
+
 def _partitions(n: int, most: int | None = None) -> list[tuple[int, ...]]:
     """Every partition of n into non-increasing parts <= most."""
     most = n if most is None else most
@@ -267,8 +320,8 @@ def _packs(parts: tuple[int, ...], n_rep: int, sizes: np.ndarray) -> bool:
     return True
 
 
-def _capped_dp(dp: np.ndarray, labels: np.ndarray, sizes: np.ndarray, n_rep: int, length: int) -> float:
-    """DP of a group inside a segment of ``length`` stages: the (L x D)-th smallest capped row bound.
+def _capped_rows(dp: np.ndarray, labels: np.ndarray, sizes: np.ndarray, n_rep: int, length: int) -> np.ndarray:
+    """Row sum bounds of members of groups inside segments of ``length`` stages, sorted ascending.
 
     Such a group has at most floor(c / L) members in a component of c devices, so a member's D - 1 mates are
     at most that many from each other component and one fewer from its own: the cheapest D - 1 under these
@@ -287,7 +340,7 @@ def _capped_dp(dp: np.ndarray, labels: np.ndarray, sizes: np.ndarray, n_rep: int
     k = n_rep - 1
     row = np.partition(d, k - 1, axis=1)[:, :k].sum(axis=1) if k < n else np.full(n, np.inf)
     row = np.where(cap[labels] >= 1, row, np.inf)
-    return float(np.sort(row)[length * n_rep - 1])
+    return np.sort(row)
 
 
 def segment_bound(pairs: DtfmPairs, n_st: int, n_rep: int, dp_lb: float, pp_all: float, hop: float) -> float:
@@ -296,30 +349,38 @@ def segment_bound(pairs: DtfmPairs, n_st: int, n_rep: int, dp_lb: float, pp_all:
         return 0.0
     pp, n = pairs.pp, pairs.pp.shape[0]
     off = ~np.eye(n, dtype=bool)
-    vals = np.unique(pp[off])
+    every = np.unique(pp[off])
+    vals = every
     tries = SEGMENT_THRESHOLDS if n <= 256 else SEGMENT_THRESHOLDS_LARGE
     if len(vals) > tries:
         vals = np.unique(np.quantile(vals, np.linspace(0.0, 1.0, tries), method="lower"))
     parts_all = _partitions(n_st)
+    comps = ThresholdComponents(np.minimum(pp, pp.T))  # a pair is joined when either direction is <= theta
     best = 0.0
     for theta in vals[:-1]:  # at the largest value every hop is fast: nothing new
-        above = pp[off & (pp > theta)]
-        nxt = float(above.min())
-        adj = off & ((pp <= theta) | (pp.T <= theta))  # noqa: SIM300
-        _, labels = connected_components(csr_matrix(adj), directed=False)
+        nxt = float(every[np.searchsorted(every, theta, side="right")])
+        labels = comps.labels(float(theta))
         sizes = np.bincount(labels)
-        dp_of: dict[int, float] = {}
-        lo = float("inf")
-        for parts in parts_all:
-            k = len(parts) - 1
-            pp_lb = max(pp_all, k * nxt + (n_st - 1 - k) * hop)
-            if max(dp_lb, 0.0) + 2.0 * pp_lb >= lo or not _packs(parts, n_rep, sizes):
-                continue
-            longest = parts[0]
-            if longest not in dp_of:
-                dp_of[longest] = _capped_dp(pairs.dp, labels, sizes, n_rep, longest) if longest > 1 else dp_lb
-            lo = min(lo, max(dp_lb, dp_of[longest]) + 2.0 * pp_lb)
-        best = max(best, lo)
+        apart = labels[:, None] != labels[None, :]
+        cross = float(pp[apart].min()) if apart.any() else float("inf")
+        rows_of: dict[int, np.ndarray] = {}
+        # slow hops (some link > theta) cost >= the next value; cut hops (some link between components) cost
+        # >= the cheapest link between components: either cuts the stages into segments (see the module doc)
+        for slow in (nxt, cross):
+            lo = float("inf")
+            for parts in parts_all:
+                k = len(parts) - 1
+                pp_lb = max(pp_all, k * slow + (n_st - 1 - k) * hop)
+                if max(dp_lb, 0.0) + 2.0 * pp_lb >= lo or not _packs(parts, n_rep, sizes):
+                    continue
+                dp_seg = dp_lb
+                for length in set(parts) - {1}:  # members of segments >= l long obey the caps of length l
+                    if length not in rows_of:
+                        rows_of[length] = _capped_rows(pairs.dp, labels, sizes, n_rep, length)
+                    members = n_rep * sum(x for x in parts if x >= length)
+                    dp_seg = max(dp_seg, float(rows_of[length][members - 1]))
+                lo = min(lo, dp_seg + 2.0 * pp_lb)
+            best = max(best, lo)
     return best
 
 
@@ -330,7 +391,7 @@ def _clique_threshold(cost: np.ndarray, size: int, need: int) -> float:
         return 0.0
     sym = np.maximum(cost, cost.T)
     off = ~np.eye(n, dtype=bool)
-    vals = np.unique(sym[off])
+    vals = np.unique(sym[np.triu_indices(n, 1)])  # symmetric: the upper triangle holds every value
 
     def ok(t: float) -> bool:
         adj = off & (sym <= t)
@@ -374,11 +435,17 @@ def _window_finish(c: int, rtt: float, period: float, window: int) -> float:
     return (q + 1) * rtt + r * period
 
 
-def _piece_phase(sym: np.ndarray, n_st: int, n_rep: int, n_mb: int, compute: float, period: float) -> float:
-    """Phase bound from how many slow hops the fast clusters force on the pipelines (see the module doc)."""
+def _piece_phase(sym: np.ndarray, n_st: int, n_rep: int, n_mb: int, compute: float, period: float,
+                 work: np.ndarray | None = None) -> float:
+    """Phase bound from how many slow hops the fast clusters force on the pipelines (see the module doc).
+
+    ``work[a - 1]``: the least compute time a pipelines' round trips hold together (``compute`` x a without it).
+    """
+    if work is None:
+        work = compute * np.arange(1, n_rep + 1)
     n = sym.shape[0]
     off = ~np.eye(n, dtype=bool)
-    vals = np.unique(sym[off])
+    every = vals = np.unique(sym[np.triu_indices(n, 1)])  # symmetric: the upper triangle holds every value
     fast_min = float(vals[0])
     if len(vals) > SEGMENT_THRESHOLDS:
         vals = np.unique(np.quantile(vals, np.linspace(0.0, 1.0, SEGMENT_THRESHOLDS), method="lower"))
@@ -390,16 +457,17 @@ def _piece_phase(sym: np.ndarray, n_st: int, n_rep: int, n_mb: int, compute: flo
     access = []
     for active in range(1, n_rep + 1):
         used = v[: active * n_st][::-1]
-        access.append(active * compute + float(used.sum() - used[n_st - 1:: n_st].sum()))
+        access.append(float(work[active - 1]) + float(used.sum() - used[n_st - 1:: n_st].sum()))
     best = 0.0
     if n_mb >= n_rep and len(v) >= n_st * n_rep:
         # every pipeline starts a micro-batch at time 0, so all D are active and the phase is at least the round
         # trip of the one holding the used device with the largest v (at least the (S x D)-th smallest)
         best = compute + float(v[n_st * n_rep - 1]) + (n_st - 2) * float(v[0])
     busiest = math.ceil(n_mb / n_rep)
+    comps = ThresholdComponents(sym)
     for theta in vals[:-1]:
-        slow = float(sym[off & (sym > theta)].min())
-        _, labels = connected_components(csr_matrix(off & (sym <= theta)), directed=False)
+        slow = float(every[np.searchsorted(every, theta, side="right")])
+        labels = comps.labels(float(theta))
         sizes = np.bincount(labels)
         own = math.ceil(n_st / int(sizes.max())) - 1  # slow hops of any one pipeline
         rtt_one = compute + own * slow + (n_st - 1 - own) * fast_min
@@ -409,18 +477,37 @@ def _piece_phase(sym: np.ndarray, n_st: int, n_rep: int, n_mb: int, compute: flo
         for active in (range(1, n_rep + 1) if n_mb < n_rep else (n_rep,)):
             hops = active * (n_st - 1)
             n_slow = max(active * own, hops - fast_cap)
-            rtts = max(active * compute + n_slow * slow + (hops - n_slow) * fast_min, access[active - 1])
+            rtts = max(float(work[active - 1]) + n_slow * slow + (hops - n_slow) * fast_min, access[active - 1])
             mean = min(mean, (rtts + max(0, n_mb - active) * period) / active)
         lo = max(lo, mean)
         best = max(best, lo)
     return best
 
 
+def _pipeline_work(workload: Workload, n_st: int, n_rep: int, speed: np.ndarray,
+                   stages: list[tuple[int, int]] | None) -> np.ndarray:
+    """Per a = 1..D: the least summed compute (forward + backward of all stages) of a pipelines' round trips.
+
+    The split is shared by all pipelines: stage s's layers (f_s FLOPs, at least f_min) run once on each of the
+    a pipelines' stage-s devices, so the sum is 3 sum_s f_s Q_s with Q_s the summed 1 / speed of those devices.
+    With Q_s >= the a fastest devices' and sum_s Q_s >= the S x a fastest devices', it is at least
+    3 (f_min sum_{S a fastest} 1 / speed + (F - S f_min) sum_{a fastest} 1 / speed).
+    """
+    n_lay = workload.n_layers
+    flops = workload.stage_forward_flops(0, n_lay)
+    f_min = (min(workload.stage_forward_flops(a, b) for a, b in stages) if stages is not None
+             else min(workload.stage_forward_flops(a, a + 1) for a in range(n_lay)))
+    inv = np.cumsum(1.0 / speed)
+    active = np.arange(1, n_rep + 1)
+    return 3.0 * (f_min * inv[active * n_st - 1] + (flops - n_st * f_min) * inv[active - 1])
+
+
 def full_lower_bound(cluster: Cluster, workload: Workload, n_st: int, n_rep: int,
-                     stages: list[tuple[int, int]] | None = None) -> float:
+                     stages: list[tuple[int, int]] | None = None, quick: bool = False) -> float:
     """Bound of the ``full`` model: pipeline phase (work, round trip, window) + the largest sync (module doc).
 
-    ``stages``: the layer split when it is fixed; otherwise the bound holds for every split.
+    ``stages``: the layer split when it is fixed; otherwise the bound holds for every split. ``quick``: without
+    the sync split (a threshold sweep over the pairs).
     """
     need = n_st * n_rep
     if cluster.n < need:
@@ -442,7 +529,8 @@ def full_lower_bound(cluster: Cluster, workload: Workload, n_st: int, n_rep: int
     phase = max(f3 * n_mb / total_speed, rtt + extra * max(f3 / total_speed, period / n_rep),
                 _window_finish(most, rtt, period, n_st))
     if n_st > 1:
-        phase = max(phase, _piece_phase(link + link.T, n_st, n_rep, n_mb, f3 / speed[0], period))
+        phase = max(phase, _piece_phase(link + link.T, n_st, n_rep, n_mb, f3 / speed[0], period,
+                                        _pipeline_work(workload, n_st, n_rep, speed, stages)))
     if n_rep < 2:
         return float(phase)
     if stages is not None:
@@ -458,7 +546,7 @@ def full_lower_bound(cluster: Cluster, workload: Workload, n_st: int, n_rep: int
 
     sync = max(_clique_threshold(pair_cost(small), n_rep, need), _clique_threshold(pair_cost(large), n_rep, n_rep))
     out = phase + 2.0 * sync
-    if n_st > 1:
+    if n_st > 1 and not quick:
         out = max(out, _sync_split(pair_cost(small), link + link.T, n_st, n_rep, n_mb, f3 / speed[0], period,
                                    phase, sync))
     return float(out)
@@ -470,16 +558,17 @@ def _sync_split(pair: np.ndarray, trip: np.ndarray, n_st: int, n_rep: int, n_mb:
     n = pair.shape[0]
     off = ~np.eye(n, dtype=bool)
     sym = np.maximum(pair, pair.T)
-    vals = np.unique(sym[off])
+    vals = np.unique(sym[np.triu_indices(n, 1)])  # symmetric: the upper triangle holds every value
     tries = SEGMENT_THRESHOLDS if n <= 256 else SEGMENT_THRESHOLDS_LARGE
     if len(vals) > tries:
         vals = np.unique(np.quantile(vals, np.linspace(0.0, 1.0, tries), method="lower"))
     fast_min = float(trip[off].min())
     most = math.ceil(n_mb / n_rep)
     best = 0.0
+    comps = ThresholdComponents(sym)
     for t in vals[1:]:
         spread = phase + 2.0 * max(sync, float(t))  # some group has a pair >= t
-        _, labels = connected_components(csr_matrix(off & (sym < t)), directed=False)
+        labels = comps.labels(float(t), strict=True)
         sizes = np.bincount(labels)
         per = sizes // n_rep  # groups a component can hold
         if per.sum() < n_st or per.max() == 0:
@@ -495,11 +584,22 @@ def _sync_split(pair: np.ndarray, trip: np.ndarray, n_st: int, n_rep: int, n_mb:
 
 
 def lower_bound(cluster: Cluster, workload: Workload, n_st: int, n_rep: int, cost_model: str,
-                pairs: DtfmPairs | None = None, stages: list[tuple[int, int]] | None = None) -> float:
-    """The bound of ``cost_model`` for this split (see the module doc)."""
-    if cost_model == "dtfm":
-        return dtfm_lower_bound(pairs or DtfmPairs.build(cluster, workload, n_st, n_rep), n_st, n_rep)
-    return full_lower_bound(cluster, workload, n_st, n_rep, stages)
+                pairs: DtfmPairs | None = None, stages: list[tuple[int, int]] | None = None,
+                reuse: bool = True, quick: bool = False) -> float:
+    """The bound of ``cost_model`` for this split (see the module doc).
+
+    ``reuse``: take a cached bound of a cluster this one is part of (:mod:`scheduler.bound_cache`: after a
+    departure the bound is not recomputed) and cache the one computed here. ``quick``: when none is cached,
+    compute the quick tier (valid, looser; cached for quick requests only), as a warm re-plan after a join does.
+    """
+    def compute() -> float:
+        if cost_model == "dtfm":
+            return dtfm_lower_bound(pairs or DtfmPairs.build(cluster, workload, n_st, n_rep), n_st, n_rep, quick)
+        return full_lower_bound(cluster, workload, n_st, n_rep, stages, quick)
+
+    if not reuse:
+        return compute()
+    return BOUNDS.get(cluster, workload, n_st, n_rep, cost_model, stages, compute, quick)
 
 
 def gap(cost: float, bound: float) -> float:

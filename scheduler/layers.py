@@ -20,7 +20,7 @@ import numpy as np
 from . import cost_full
 from .cluster import Cluster
 from .plan import Plan, even_stages
-from .schedule import stage_flops, timing
+from .schedule import GroupSync, stage_flops, timing
 from .workload import Workload
 
 MEMORY_PENALTY = 1e6
@@ -76,6 +76,7 @@ class SplitCost:
         self.even_need = np.array([workload.stage_memory_bytes(a, b, in_flight=n_st - s)
                                    for s, (a, b) in enumerate(self.even)])
         self._splits: dict[bytes, list[list[tuple[int, int]]]] = {}
+        self.sync = GroupSync(cluster, workload)
 
     def candidates(self, m: np.ndarray) -> list[list[tuple[int, int]]]:
         t = self.cluster.tflops[m]
@@ -96,7 +97,7 @@ class SplitCost:
     def _cost(self, m: np.ndarray, stages: list[tuple[int, int]]) -> float:
         p = Plan(stages, m.tolist())
         return float(cost_full.predict_timing(timing(self.cluster, self.workload, p,
-                                                     stage_flops(self.workload, stages)))["total_s"])
+                                                     stage_flops(self.workload, stages), self.sync))["total_s"])
 
     def best(self, m: np.ndarray) -> tuple[float, list[tuple[int, int]]]:
         """(cost, layer split) of layout ``m``; the cost includes the memory penalty when nothing fits."""
@@ -115,9 +116,11 @@ def fixed_split_cost(cluster: Cluster, workload: Workload, stages: list[tuple[in
                      ) -> Callable[[np.ndarray], float]:
     """``f(m)`` of the ``full`` model with the layer split fixed (a re-plan keeps the run's split)."""
     flops = stage_flops(workload, stages)
+    sync = GroupSync(cluster, workload)
 
     def f(m: np.ndarray) -> float:
-        return float(cost_full.predict_timing(timing(cluster, workload, Plan(stages, m.tolist()), flops))["total_s"])
+        return float(cost_full.predict_timing(timing(cluster, workload, Plan(stages, m.tolist()), flops,
+                                                     sync))["total_s"])
 
     return f
 

@@ -166,7 +166,7 @@ class Memetic:
         stall = 0
         n_pos, n_slots = self.n, self.n_slots
         while stall < self.stall_limit:
-            if (self.evals & 255) == 0 and self.done():
+            if (self.evals & 15) == 0 and self.done():
                 break
             p = obj.critical(rng) if rng.random() < 0.7 else int(rng.integers(n_slots))
             q = int(rng.integers(n_pos - 1))

@@ -12,9 +12,13 @@ The search starts from the current plan, repaired: a departed device's tasklet g
 cheapest to bring there, and when the devices left no longer fill S x D the replica with the most holes is
 dropped. Warm (the default): the population is the repaired plan and kicked copies of it only, small
 (:data:`WARM`), and the search stops after a few generations without a new best, at the gap, or at a tenth of
-the from-scratch default time limit. Why: after one peer left or joined, the running plan was already near the best
-and a better one is a few swaps away, while the swarm waits on the re-plan. ``warm=False`` adds the usual cold
-seeds and budget, so a re-plan can still end far from the current plan when that pays.
+the from-scratch default time limit, at most :data:`WARM_TIME_MAX_S`. Why: after one peer left or joined, the
+running plan was already near the best and a better one is a few swaps away, while the swarm waits on the
+re-plan. The lower bound of a departure's re-plan is the cached bound of the cluster before it
+(:mod:`scheduler.bound_cache`), so the re-plan does not recompute it; where none covers the cluster (a join), a
+warm re-plan computes the bound's quick tier only (valid, looser), cached for the next warm re-plan.
+``warm=False`` adds the usual cold seeds and budget, so a re-plan can still end far from the current plan when
+that pays.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ DEPARTED = -1
 # a warm re-plan's search: a small population from the repaired plan, ended by a few idle generations
 WARM = {"population": 2, "generations": 30, "stop_after": 3, "restart_after": 3, "child_kicks": 0,
         "stall_per_position": 0.75}
-WARM_TIME_FRACTION = 0.1  # of the from-scratch default time limit
+WARM_TIME_FRACTION = 0.1  # of the from-scratch default time limit ...
+WARM_TIME_MAX_S = 0.5  # ... and at most this: above ~256 devices a tenth of the default is seconds
 
 
 def state_bytes(workload: Workload, stages: list[tuple[int, int]]) -> np.ndarray:
@@ -141,14 +146,15 @@ def replan(cluster: Cluster, workload: Workload, current: Plan, cost_model: str 
         canonical = config is None
     if warm and config is None and algorithm == "memetic":
         if time_limit_s is None:
-            time_limit_s = WARM_TIME_FRACTION * default_time_limit(cluster.n)
+            time_limit_s = min(WARM_TIME_MAX_S, WARM_TIME_FRACTION * default_time_limit(cluster.n))
         config = MemeticConfig(**WARM)
         gap = DEFAULT_GAP if gap is None else gap
     gap_stop, time_limit_s = stopping(cluster.n, config, gap, time_limit_s)
     cpu0 = time.process_time()
     m, _, res, bound, _ = search_layout(cluster, w, cost_model, seed, time_limit_s, config, algorithm, stages,
                                         slot_cost=move_weight * move, extra_starts=[("current", start)],
-                                        gap_stop=gap_stop, cold_seeds=not warm, canonical=canonical)
+                                        gap_stop=gap_stop, cold_seeds=not warm, canonical=canonical,
+                                        quick_bound=warm)
     out = Plan(stages=stages, pipelines=m.tolist())
     out.validate(cluster.n, w.n_layers)
     out.predicted = predict(cluster, w, out, cost_model)

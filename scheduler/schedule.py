@@ -69,7 +69,37 @@ def sync_times(cluster: Cluster, workload: Workload, stages: list[tuple[int, int
     return out
 
 
-def timing(cluster: Cluster, workload: Workload, plan: Plan, flops: np.ndarray | None = None) -> Timing:
+class GroupSync:
+    """:func:`sync_times` remembered per (stage layers, group members): a search's swap changes at most two
+    groups, so the other stages' syncs (O(D^2) each, most of a ``full`` evaluation at large D) are looked up."""
+
+    MAX_ENTRIES = 200_000
+
+    def __init__(self, cluster: Cluster, workload: Workload) -> None:
+        self.cluster, self.workload = cluster, workload
+        self._memo: dict[tuple[int, int, bytes], float] = {}
+
+    def __call__(self, stages: list[tuple[int, int]], m: np.ndarray) -> np.ndarray:
+        d = m.shape[0]
+        out = np.zeros(m.shape[1])
+        if d == 1:
+            return out
+        for s, (a, b) in enumerate(stages):
+            g = np.sort(m[:, s])  # the slowest pair does not depend on the members' order
+            key = (int(a), int(b), g.tobytes())
+            got = self._memo.get(key)
+            if got is None:
+                got = float(sync_times(self.cluster, self.workload, [(a, b)], g[:, None])[0])
+                if len(self._memo) >= self.MAX_ENTRIES:
+                    self._memo.clear()
+                self._memo[key] = got
+            out[s] = got
+        return out
+
+
+def timing(cluster: Cluster, workload: Workload, plan: Plan, flops: np.ndarray | None = None,
+           sync: GroupSync | None = None) -> Timing:
+    """The per-tasklet times of ``plan``; ``sync``: a memo of group syncs to use (a search's evaluations)."""
     m = plan.matrix()
     if flops is None:
         flops = stage_flops(workload, plan.stages)
@@ -88,7 +118,7 @@ def timing(cluster: Cluster, workload: Workload, plan: Plan, flops: np.ndarray |
         hop_bwd=hop_bwd,
         xfer_fwd=xfer_fwd,
         xfer_bwd=xfer_bwd,
-        sync=sync_times(cluster, workload, plan.stages, m),
+        sync=sync_times(cluster, workload, plan.stages, m) if sync is None else sync(plan.stages, m),
         n_microbatches=workload.n_microbatches,
         window=m.shape[1],
         activation_bytes=act,

@@ -481,10 +481,13 @@ def test_connections_over_the_cap_are_closed_at_once(lanes: Lanes, ids: Identiti
     server, inbox = lanes.start(ids.server, max_concurrent_streams=2, thread_pool_size=4)
     assert server._lane is not None and server._lane.max_connections == 4
     before = TRAFFIC.snapshot().refused.get("UNAVAILABLE", 0)
-    idle = [socket.create_connection(("127.0.0.1", server.bulk_port), timeout=5) for _ in range(4)]
+    # from four source addresses: one address may hold only half of the lane's connections
+    idle = [socket.create_connection(("127.0.0.1", server.bulk_port), timeout=5, source_address=(f"127.0.0.{i}", 0))
+            for i in range(1, 5)]
     try:
         wait_until(lambda: open_connections(server) == 4)
-        with socket.create_connection(("127.0.0.1", server.bulk_port), timeout=5) as extra:
+        with socket.create_connection(("127.0.0.1", server.bulk_port), timeout=5,
+                                      source_address=("127.0.0.5", 0)) as extra:
             extra.settimeout(2.0)
             with contextlib.suppress(ConnectionResetError):
                 assert extra.recv(1) == b""

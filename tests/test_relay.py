@@ -129,7 +129,7 @@ def test_registration_needs_the_peer_ids_key(relay: RelayServer, nated) -> None:
                 f.flush()
                 nonce = f.readline().decode().split()[1]
                 sig = sign_with.private_key.sign(b"tasklet-relay-register:" + nonce.encode())
-                f.write(b"KEY " + base64.b64encode(key) + b"\nSIG " + base64.b64encode(sig) + b"\n")
+                f.write(b"KEY " + base64.b64encode(key) + b"\nSIG " + base64.b64encode(sig) + b"\nPROOF -\n")
                 f.flush()
                 return f.readline().decode().strip()
 

@@ -63,6 +63,7 @@ def test_dtfm_bound_never_above_the_exhaustive_optimum(seed: int) -> None:
     costs = dtfm_costs(pairs, all_plans(n, n_st, n_rep))
     bound = dtfm_lower_bound(pairs, n_st, n_rep)
     assert 0 < bound <= costs.min() * (1 + 1e-12)
+    assert 0 < dtfm_lower_bound(pairs, n_st, n_rep, quick=True) <= bound
     if n_st > 1:  # the access bound alone is a bound on PP
         pp_only = pairs.pp[all_plans(n, n_st, n_rep)[:, :, :-1], all_plans(n, n_st, n_rep)[:, :, 1:]]
         assert access_pp_bound(pairs.pp, n_st, n_rep) <= pp_only.max(axis=1).sum(axis=1).min() * (1 + 1e-12)
@@ -133,6 +134,7 @@ def test_full_bound_never_above_the_exhaustive_optimum(seed: int, n_st: int, n_r
     best = full_costs(c, w, n_st, n_rep, splits)
     bound = full_lower_bound(c, w, n_st, n_rep)
     assert 0 < bound <= best * (1 + 1e-12)
+    assert 0 < full_lower_bound(c, w, n_st, n_rep, quick=True) <= bound
     fixed = splits[len(splits) // 2]
     assert full_lower_bound(c, w, n_st, n_rep, fixed) <= full_costs(c, w, n_st, n_rep, [fixed]) * (1 + 1e-12)
 
@@ -148,3 +150,27 @@ def test_full_bound_sees_the_slow_hop_two_gpu_machines_force() -> None:
     bound = full_lower_bound(c, w, 4, 1)
     assert bound <= best * (1 + 1e-12)
     assert bound >= 2 * 0.040  # at least the crossing hop's delay out and back
+
+
+def paired_regions(seed: int, n: int, size: int) -> Cluster:
+    """Regions of ``size`` devices (fast inside), the regions at uneven distances from each other."""
+    rng = np.random.default_rng(seed)
+    region = np.arange(n) // size
+    where = rng.uniform(0, 100, size=(n // size + 1, 2))[region]
+    far = np.sqrt(((where[:, None, :] - where[None, :, :]) ** 2).sum(axis=2))
+    same = region[:, None] == region[None, :]
+    delay = np.where(same, 0.5, 5.0 + far)
+    bw = np.where(same, 40.0, 20.0 / (1.0 + far / 10.0))
+    return Cluster.from_dict({"devices": n, "matrix_level": "device", "delay_ms": delay.tolist(),
+                              "bandwidth_gbps": bw.tolist()})
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dtfm_bound_below_the_optimum_when_pipelines_must_leave_small_regions(seed: int) -> None:
+    """Regions of 2-3 devices, 4-stage pipelines: every pipeline is cut into segments, of several lengths (the
+    segment bound's DP counts the members of every segment at least l long)."""
+    n_st, n_rep, n = (4, 2, 8) if seed % 2 == 0 else (2, 4, 8)
+    c = paired_regions(seed, n, 2 + seed % 2)
+    pairs = DtfmPairs.build(c, Workload.preset("gpt3-xl-dtfm").with_split(n_st, n_rep), n_st, n_rep)
+    best = dtfm_costs(pairs, all_plans(n, n_st, n_rep)).min()
+    assert 0 < dtfm_lower_bound(pairs, n_st, n_rep) <= best * (1 + 1e-12)

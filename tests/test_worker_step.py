@@ -361,7 +361,7 @@ class VirtualRun:
         restarted (its exchange aborted the attempt); on a dropped pipeline's replica it is simply not resumed."""
         for node in self.live():
             sync, t = node.sync_attempt, node.t
-            if sync is None or t is None or node.phases >= 3:
+            if sync is None or t is None or node.phases >= 4:
                 continue
             group = [n for n in self.live() if n.t is not None and n.t.assignment.stage == t.assignment.stage
                      and n.t.assignment.replica in sync.participants]
@@ -373,8 +373,8 @@ class VirtualRun:
             if not abandoned and any(n.sync_attempt is None or n.sync_attempt.tag != sync.tag or n.phases < node.phases
                                      for n in group):
                 continue
-            phase = node.sync.sum_shard if node.phases == 1 else node.sync.gather
-            node.phases = 3 if abandoned else node.phases + 1
+            phase = {1: node.sync.sum_shard, 2: node.sync.gather}.get(node.phases, node.sync.verify)
+            node.phases = 4 if abandoned else node.phases + 1
             node.loop.run(_task(t, sync.step), lambda t, step, s=sync, f=phase: f(t, s))
             return True
         return False
@@ -558,7 +558,9 @@ def test_a_clean_step_emits_the_expected_commands(corpus: Corpus, clean: dict[st
         for node in (first, last):
             assert [type(m).__name__ for m in node.outbox.reports if not isinstance(m, ctl.Loss)] == [
                 "Reduced", "Synced"]
-            assert [k for _, k, _, _ in node.outbox.sent if k.endswith("SHARD")] == ["GRAD_SHARD", "PARAM_SHARD"]
+            # the contribution, the summed shard, the all-gather digest
+            assert [k for _, k, _, _ in node.outbox.sent if k.endswith("SHARD")] == [
+                "GRAD_SHARD", "PARAM_SHARD", "PARAM_SHARD"]
     for stage in range(2):
         a, b = (run.nodes[ENDPOINTS[PIPELINES[p][stage]]] for p in range(2))
         assert run.synced[a.endpoint] == run.synced[b.endpoint] and run.synced[a.endpoint][0] == 1

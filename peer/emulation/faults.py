@@ -3,7 +3,8 @@
 The production :class:`~peer.runtime.stage.worker.StageWorker` knows nothing of faults; a fault is built from
 its seams, so the receivers' checks are exercised exactly as a real broken peer would exercise them. A
 tampering :class:`~peer.runtime.stage.outbox.Outbox` changes what the worker sends (:class:`NanGradOutbox`,
-:class:`HugeGradOutbox`); a slowing device clock stretches its emulated compute (:class:`BusyGpuClock`).
+:class:`HugeGradOutbox`, :class:`ScaleShardOutbox`, :class:`NoiseGradOutbox`); a slowing device clock stretches
+its emulated compute (:class:`BusyGpuClock`).
 :func:`worker_class` gives a factory of an otherwise unmodified worker.
 """
 
@@ -51,6 +52,28 @@ class HugeGradOutbox(Outbox):
         super().send(t, endpoint, env)
 
 
+class ScaleShardOutbox(Outbox):
+    """An owner that steers its shard: the summed shard it sends the other replicas in the all-gather is 1000 x
+    the true sum (its contributions are honest, so the reduce-scatter's checks pass). The receivers' all-gather
+    digest check must refuse it before anyone applies it and report the owner."""
+
+    def send(self, t: Tasklet, endpoint: str, env: pb.Envelope) -> None:
+        if env.kind == pb.PARAM_SHARD and env.tensors:
+            _retensor(env, lambda good: good * 1000.0)
+        super().send(t, endpoint, env)
+
+
+class NoiseGradOutbox(Outbox):
+    """Sends Gaussian noise of exactly its honest gradient shards' norm instead of them (passes the norm check):
+    the owners' direction test must refuse it and report the sender."""
+
+    def send(self, t: Tasklet, endpoint: str, env: pb.Envelope) -> None:
+        if env.kind == pb.GRAD_SHARD:
+            _retensor(env, lambda good: (lambda n: n * (good.norm() / n.norm().clamp_min(1e-30)))(
+                torch.randn_like(good)))
+        super().send(t, endpoint, env)
+
+
 class BusyGpuClock(DeclaredSpeedClock):
     """A volunteer whose GPU gets busy: from step ``BUSY_FROM_STEP`` on, every op takes ``BUSY_SLOWDOWN`` x its
     emulated time (an emulated device of a declared speed). It is healthy while the run warms up and the
@@ -75,6 +98,8 @@ def _busy_gpu(tflops: float | None) -> dict[str, Any]:
 FAULTS: dict[str, Callable[[float | None], dict[str, Any]]] = {
     "nan-grad": lambda tflops: {"outbox": NanGradOutbox},
     "huge-grad": lambda tflops: {"outbox": HugeGradOutbox},
+    "scale-shard": lambda tflops: {"outbox": ScaleShardOutbox},
+    "noise-grad": lambda tflops: {"outbox": NoiseGradOutbox},
     "busy-gpu": _busy_gpu,
 }
 

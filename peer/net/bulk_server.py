@@ -9,9 +9,11 @@ version, the Kind's limit and the caller's admission from the first bytes (befor
 the announced bytes, an Envelope of our version, a handler for its Kind; the handler's typed errors become the
 same status codes. A refusal is answered, then the connection is closed.
 
-What a stranger can make the lane hold: at most ``max_connections`` connections (a connection over the cap is
-closed at once, before its handshake), each given ``HANDSHAKE_TIMEOUT_S`` to finish TLS and ``IDLE_TIMEOUT_S``
-between requests; one thread per connection; a request's memory is what its checked bytes need, as on gRPC.
+What a stranger can make the lane hold: at most ``max_connections`` connections, ``max_per_source`` of them (3/4)
+from one address (a connection over a cap is closed at once, before its handshake), each given
+``HANDSHAKE_TIMEOUT_S`` for its whole TLS handshake (one deadline however slowly the bytes come: Python's ssl
+times the whole call) and ``IDLE_TIMEOUT_S`` between requests; one thread per connection; a request's memory is
+what its checked bytes need, as on gRPC.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from protocol.errors import BadMessage
 
 logger = logging.getLogger(__name__)
 
+SOURCE_SHARE = 0.75  # of the lane's connections, one source address may hold at most this share
 IDLE_TIMEOUT_S = 300.0  # between requests on an open connection (clients drop theirs sooner, see bulk_client)
 FIRST_PIECE_BYTES = 64 << 10  # read before the Kind's limit and the caller's admission are asked
 DRAIN_S = 1.0  # after a refusal: read (and drop) what the client still sends, so that it reads our reply
@@ -73,9 +76,12 @@ class BulkListener:
         self._owner = owner
         config = owner.config
         self.max_connections = 2 * config.max_concurrent_streams
+        self.max_per_source = max(2, int(self.max_connections * SOURCE_SHARE))
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, socket.socket] = {}  # accepted socket -> what serves it (TLS-wrapped)
+        self._sources: dict[socket.socket, str] = {}  # accepted socket -> its source address
+        self._per_source: dict[str, int] = {}  # _lock: connections open per source address
         self._busy: set[socket.socket] = set()  # accepted sockets with a request in progress
         self._idle = threading.Condition(self._lock)  # notified when a request ends
         self._stopped = threading.Event()
@@ -113,19 +119,40 @@ class BulkListener:
             if sock is None:
                 return
             try:
-                conn, _ = sock.accept()
+                conn, addr = sock.accept()
             except OSError:
                 return  # closed by stop()
+            source = str(addr[0])
             with self._lock:
-                full = len(self._conns) >= self.max_connections
+                crowded = self._per_source.get(source, 0) >= self.max_per_source
+                full = crowded or len(self._conns) >= self.max_connections
                 if not full:
                     self._conns[conn] = conn
+                    self._sources[conn] = source
+                    self._per_source[source] = self._per_source.get(source, 0) + 1
             if full:
                 TRAFFIC.refused("UNAVAILABLE")
-                logger.info("bulk lane: %d connections already open, one more closed", self.max_connections)
+                logger.info("bulk lane: connection cap reached (%d in all, %d per source), one more from %s closed",
+                            self.max_connections, self.max_per_source, source)
                 _close(conn)
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name="bulk-conn", daemon=True).start()
+            try:
+                threading.Thread(target=self._serve, args=(conn,), name="bulk-conn", daemon=True).start()
+            except RuntimeError:  # no thread to be had: refuse this connection, keep serving
+                with self._lock:
+                    self._conns.pop(conn, None)
+                    self._forget_source(conn)
+                _close(conn)
+
+    def _forget_source(self, raw: socket.socket) -> None:
+        """Give back ``raw``'s place in its source's count (call under ``_lock``)."""
+        source = self._sources.pop(raw, None)
+        if source is not None:
+            left = self._per_source.get(source, 0) - 1
+            if left > 0:
+                self._per_source[source] = left
+            else:
+                self._per_source.pop(source, None)
 
     def _serve(self, raw: socket.socket) -> None:
         conn: socket.socket = raw
@@ -150,6 +177,7 @@ class BulkListener:
         finally:
             with self._lock:
                 self._conns.pop(raw, None)
+                self._forget_source(raw)
                 self._busy.discard(raw)
                 self._idle.notify_all()
             _close(conn)

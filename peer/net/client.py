@@ -30,7 +30,7 @@ from peer.net.allocator import keep_freed_buffers
 from peer.net.bulk_client import BulkLane, LaneUnusableError, StaleConnectionError, mark_unusable, pieces, usable
 from peer.net.config import TransportConfig
 from peer.net.counters import TRAFFIC
-from peer.net.endpoint import EndpointError, dial_plan, parse_endpoint
+from peer.net.endpoint import EndpointError, dial_plan, parse_endpoint, proxy_url
 from peer.net.server import _kind_name, kind_value, service_name
 from peer.net.shaping import LinkShaper
 from peer.net.statuses import error_of_status
@@ -84,7 +84,7 @@ class PeerClient:
         target, route, proxy, self.path = dial_plan(endpoint)
         options: list[tuple[str, Any]] = list(self.config.grpc_options)
         if proxy is not None:
-            options += [("grpc.http_proxy", f"http://{proxy}"), ("grpc.enable_http_proxy", 1)]
+            options += [("grpc.http_proxy", proxy_url(proxy)), ("grpc.enable_http_proxy", 1)]
         self.expect_peer = expect_peer
         self._pinned: bytes | None = None  # the server certificate this client accepts (None: any trusted one)
         self._channel = self._open_channel(target, options, expect_peer or self._relayed_peer(endpoint))

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from peer.net.limits import descriptor_budget
 from peer.net.tls import TlsContext, process_tls
 
 MIB = 1 << 20
 # The longest deadline a peer's server accepts: above every call timeout of peer.timing (a step's 600 s).
 MAX_CALL_S = 600.0
 HANDSHAKE_TIMEOUT_S = 20.0
+GRPC_DESCRIPTOR_SHARE = 0.3  # of the process's descriptor budget (peer.net.limits) its gRPC port may hold at most
+MAX_STREAMS_PER_CONNECTION = 128  # HTTP/2 streams one connection may open at once (the slots refuse most anyway)
 # Room for a Chunk's own fields and gRPC framing around a payload of chunk_bytes.
 CHUNK_OVERHEAD_BYTES = 1024
 
@@ -39,6 +42,10 @@ class TransportConfig:
         ``port``, clients fall back to gRPC by themselves.
     bulk_min_bytes: pushes of at least this many serialized bytes take the bulk lane, smaller ones gRPC (the lane's
         gain is in the copies of large tensors; small messages keep gRPC's latency path).
+    stream_idle_s: a streaming call whose bytes did not move for this long (no chunk received, none taken by
+        the caller) is cancelled, whatever its deadline: an idle caller holds no stream slot for long.
+    max_connections: connections the gRPC port holds at once (more are closed by gRPC before their handshake);
+        None: a share of this process's descriptor budget (peer.net.limits.descriptor_budget).
     tls: this peer's key, certificate and trust store (peer.net.tls); mutual TLS on every connection, each
         call's caller authenticated by its certificate. The default is the process's own ephemeral identity
         (peer.net.tls.process_tls). None: plaintext and unauthenticated, only for benchmark baselines.
@@ -58,6 +65,8 @@ class TransportConfig:
     bulk_port: int | None = 0
     bulk_min_bytes: int = 256 << 10
     tls: TlsContext | None = field(default_factory=process_tls)
+    max_connections: int | None = None
+    stream_idle_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -88,6 +97,10 @@ class TransportConfig:
             raise ValueError(f"default_timeout_s must be positive, got {self.default_timeout_s}")
         if self.max_streams_per_peer is not None and self.max_streams_per_peer < 1:
             raise ValueError(f"max_streams_per_peer must be >= 1, got {self.max_streams_per_peer}")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"max_connections must be None or >= 1, got {self.max_connections}")
+        if not self.stream_idle_s > 0:
+            raise ValueError(f"stream_idle_s must be positive, got {self.stream_idle_s}")
         if not self.max_deadline_s > 0:
             raise ValueError(f"max_deadline_s must be positive, got {self.max_deadline_s}")
 
@@ -102,4 +115,13 @@ class TransportConfig:
             ("grpc.max_receive_message_length", self.max_message_bytes),
             # a connection that has not finished its TLS handshake by then is dropped (servers only)
             ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000)),
+            # a cap on the port's connections, so that a flood cannot take the descriptors the peer needs (servers)
+            ("grpc.max_allowed_incoming_connections", self.connection_cap),
+            ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
         ]
+
+    @property
+    def connection_cap(self) -> int:
+        if self.max_connections is not None:
+            return self.max_connections
+        return max(16, int(descriptor_budget() * GRPC_DESCRIPTOR_SHARE))

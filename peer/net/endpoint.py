@@ -86,6 +86,24 @@ def set_local_relay(lookup: Callable[[str], str | None] | None) -> None:
     _local_relay = lookup
 
 
+# The credentials this process's clients present to a relay's CONNECT (peer.net.relay.connect_credentials);
+# None: none (an open swarm's relay asks for none).
+_relay_credentials: str | None = None
+
+
+def set_relay_credentials(credentials: str | None) -> None:
+    """Install (or remove) the ``user:password`` this process's clients send in a relay CONNECT's
+    Proxy-Authorization: a sealed swarm's relay splices only members' connections."""
+    global _relay_credentials
+    _relay_credentials = credentials
+
+
+def proxy_url(proxy: str) -> str:
+    """The ``grpc.http_proxy`` value for a relay at ``proxy`` (HOST:PORT), with this process's credentials."""
+    creds = _relay_credentials
+    return f"http://{creds}@{proxy}" if creds else f"http://{proxy}"
+
+
 def dial_plan(endpoint: str) -> tuple[str, str, str | None, str]:
     """(gRPC target, service route, HTTP proxy address or None, path kind) for a client of ``endpoint``.
 

@@ -22,22 +22,35 @@ Roles (all TCP, one optional port on a public peer, ``--relay-port``):
   it) at that port and answers ``OPEN <ip>`` or ``CLOSED <ip>``: how a peer learns whether others can dial it
   (only the asker's own address, so the relay cannot be used to scan third parties).
 
-Bounds on what a stranger can make a relay hold: header lines and their count, the time to send them,
-unauthenticated connections at once, registrations, dials waiting for their dial-back, spliced connections
-per registered peer and in all, and an idle timeout on every spliced connection.
+Membership (a swarm with a join secret): the relay and its members derive a *relay key* from the secret
+(:func:`relay_key`, the secret itself never travels). A registration carries ``PROOF`` = HMAC(relay key,
+peer id | nonce), so only a member can be reached through the relay; a CONNECT carries the credentials of
+:func:`connect_credentials` in its ``Proxy-Authorization`` header (gRPC sends the user:password of its
+``grpc.http_proxy`` URL there), so only members can open tunnels (anyone else: ``407``). An open swarm's
+relay has no key and asks for neither.
+
+Bounds on what anyone can make a relay hold (:class:`RelayLimits`): one deadline for a connection's whole
+request (its lines and its answer to the nonce, however slowly the bytes come), request connections per
+source address and in all, registrations, dials waiting for their dial-back, CONNECTs per target and second,
+spliced connections per registered peer and in all, and an idle timeout on every spliced connection. So the
+relay's threads are at most ``max_pending_handshakes + max_waiting_total + max_registrations + 2 * max_splices``
++ 2 and its descriptors (:meth:`RelayLimits.descriptors`) at most ``max_pending_handshakes + max_waiting_total +
+max_registrations + 2 * max_splices`` + 1 whatever the load (:meth:`RelayLimits.within` fits them to a budget).
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
+import hmac
 import logging
 import secrets
 import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hivemind.utils.crypto import RSAPublicKey
 
@@ -48,6 +61,7 @@ log = logging.getLogger(__name__)
 
 MAGIC = "TASKLET-RELAY/1"
 SIGN_PREFIX = b"tasklet-relay-register:"
+CONNECT_USER = "tasklet"
 SPLICE_BUFFER = 256 * 1024
 
 
@@ -57,10 +71,13 @@ class RelayLimits:
 
     max_line_bytes: int = 1024
     max_header_lines: int = 16
-    handshake_timeout_s: float = 10.0  # to send the first lines / answer the nonce
+    handshake_timeout_s: float = 10.0  # for a connection's whole request (its lines, its answer to the nonce)
     max_pending_handshakes: int = 64  # connections that have not said what they want yet
+    max_handshakes_per_source: int = 16  # of those, from one source address
+    connects_per_s: float = 20.0  # CONNECTs to one registered peer per second (a burst of 2 s worth passes)
     max_registrations: int = 256
     max_waiting_dials: int = 16  # per registered peer: clients waiting for its dial-back
+    max_waiting_total: int = 64  # clients waiting for a dial-back, all peers together
     dial_back_timeout_s: float = 10.0
     max_splices_per_peer: int = 64
     max_splices: int = 1024
@@ -68,15 +85,49 @@ class RelayLimits:
     ping_interval_s: float = 15.0  # keepalive on control connections; a dead one ends the registration
     check_timeout_s: float = 3.0
 
+    def descriptors(self) -> int:
+        """The most file descriptors the relay holds at once (see the module docstring)."""
+        return (self.max_pending_handshakes + self.max_waiting_total + self.max_registrations
+                + 2 * self.max_splices + 1)
+
+    def within(self, budget: int) -> RelayLimits:
+        """These limits with the splices (then the registrations) cut so that :meth:`descriptors` <= ``budget``."""
+        fixed = self.max_pending_handshakes + self.max_waiting_total + 1
+        registrations = max(1, min(self.max_registrations, (budget - fixed) // 4))
+        splices = max(1, min(self.max_splices, (budget - fixed - registrations) // 2))
+        return replace(self, max_registrations=registrations, max_splices=splices,
+                       max_splices_per_peer=min(self.max_splices_per_peer, splices))
+
 
 class RelayProtocolError(ValueError):
     """The other side broke the relay protocol (the connection is closed)."""
 
 
-def _read_line(sock: socket.socket, limit: int) -> str:
-    """One line without its end, read byte-wise so nothing after it is consumed; bounded by ``limit``."""
+def relay_key(secret: str, run_id: str) -> bytes:
+    """The key a sealed swarm's relay and members share, derived from the join secret (never sent itself)."""
+    return hmac.new(secret.encode(), b"tasklet relay key\x00" + run_id.encode(), hashlib.sha256).digest()
+
+
+def registration_proof(key: bytes, peer_id: str, nonce: str) -> str:
+    """What a member sends with its registration: binds the peer id and the relay's fresh nonce."""
+    return hmac.new(key, f"register\x00{peer_id}\x00{nonce}".encode(), hashlib.sha256).hexdigest()
+
+
+def connect_credentials(key: bytes) -> str:
+    """``user:password`` a member's client sends with a CONNECT (peer.net.endpoint.set_relay_credentials)."""
+    return f"{CONNECT_USER}:{hmac.new(key, b'connect', hashlib.sha256).hexdigest()}"
+
+
+def _read_line(sock: socket.socket, limit: int, deadline: float | None = None) -> str:
+    """One line without its end, read byte-wise so nothing after it is consumed; bounded by ``limit`` and,
+    when given, by the monotonic ``deadline`` for the whole line however slowly its bytes come."""
     out = bytearray()
     while True:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RelayProtocolError("request deadline passed")
+            sock.settimeout(left)
         b = sock.recv(1)
         if not b:
             raise RelayProtocolError("connection closed")
@@ -163,17 +214,25 @@ class _Registration:
 class RelayServer:
     """The relay service of a public peer (see the module docstring); ``start()`` then ``close()``."""
 
-    def __init__(self, host: str, port: int, limits: RelayLimits | None = None) -> None:
+    def __init__(self, host: str, port: int, limits: RelayLimits | None = None, key: bytes | None = None) -> None:
+        """``key``: the swarm's :func:`relay_key` (None: an open swarm, registrations and CONNECTs unproven)."""
         self.host, self.port = host, port
         self.limits = limits or RelayLimits()
+        self._key = key
+        self._connect_auth = (
+            None if key is None else "Basic " + base64.b64encode(connect_credentials(key).encode()).decode()
+        )
         self._lock = threading.Lock()
+        self._per_source: dict[str, int] = {}  # _lock: request connections in progress per source address
+        self._buckets: dict[str, tuple[float, float]] = {}  # _lock: peer id -> (CONNECT tokens, at)
         self._registrations: dict[str, _Registration] = {}  # _lock
         self._pending: dict[str, tuple[str, threading.Event, list[socket.socket]]] = {}  # _lock: token -> dial
         self._handshakes = threading.BoundedSemaphore(self.limits.max_pending_handshakes)
         self._splices = 0  # _lock
+        self._waiting = 0  # _lock: clients waiting for a dial-back, all peers
         self._sock: socket.socket | None = None
         self._stop = threading.Event()
-        self.stats = {"connects": 0, "refused": 0, "registrations": 0, "checks": 0}
+        self.stats = {"connects": 0, "refused": 0, "registrations": 0, "checks": 0, "denied": 0}
 
     # ---- lifecycle --------------------------------------------------------------------------------------
     def start(self) -> int:
@@ -219,12 +278,33 @@ class RelayServer:
                 conn, addr = self._sock.accept()
             except OSError:
                 return
-            if not self._handshakes.acquire(blocking=False):
+            source = str(addr[0])
+            with self._lock:
+                crowded = self._per_source.get(source, 0) >= self.limits.max_handshakes_per_source
+                if not crowded:
+                    crowded = not self._handshakes.acquire(blocking=False)
+                if not crowded:
+                    self._per_source[source] = self._per_source.get(source, 0) + 1
+            if crowded:
                 self.stats["refused"] += 1
                 with contextlib.suppress(OSError):
                     conn.close()
                 continue
-            threading.Thread(target=self._handle, args=(conn, addr), name="relay-conn", daemon=True).start()
+            try:
+                threading.Thread(target=self._handle, args=(conn, addr), name="relay-conn", daemon=True).start()
+            except RuntimeError:  # no thread to be had: refuse this one, keep serving
+                self._release_slot(source)
+                with contextlib.suppress(OSError):
+                    conn.close()
+
+    def _release_slot(self, source: str) -> None:
+        with self._lock:
+            left = self._per_source.get(source, 0) - 1
+            if left > 0:
+                self._per_source[source] = left
+            else:
+                self._per_source.pop(source, None)
+            self._handshakes.release()
 
     def _handle(self, conn: socket.socket, addr: tuple) -> None:
         """Read what the connection wants (bounded in size and time) and hand it to the right role."""
@@ -235,15 +315,15 @@ class RelayServer:
             nonlocal released
             if not released:
                 released = True
-                self._handshakes.release()
+                self._release_slot(str(addr[0]))
 
+        deadline = time.monotonic() + self.limits.handshake_timeout_s
         try:
-            conn.settimeout(self.limits.handshake_timeout_s)
-            first = _read_line(conn, self.limits.max_line_bytes)
+            first = _read_line(conn, self.limits.max_line_bytes, deadline)
             if first.startswith("CONNECT "):
-                keep = self._on_connect(conn, first, release)
+                keep = self._on_connect(conn, first, release, deadline)
             elif first.startswith(MAGIC + " "):
-                keep = self._on_command(conn, addr, first[len(MAGIC) + 1 :], release)
+                keep = self._on_command(conn, addr, first[len(MAGIC) + 1 :], release, deadline)
             else:
                 raise RelayProtocolError(f"unknown request {first[:40]!r}")
         except (OSError, RelayProtocolError, ValueError) as exc:
@@ -254,10 +334,11 @@ class RelayServer:
                 with contextlib.suppress(OSError):
                     conn.close()
 
-    def _on_command(self, conn: socket.socket, addr: tuple, command: str, release: Callable[[], None]) -> bool:
+    def _on_command(self, conn: socket.socket, addr: tuple, command: str, release: Callable[[], None],
+                    deadline: float) -> bool:
         verb, _, arg = command.partition(" ")
         if verb == "REGISTER":
-            return self._on_register(conn, arg, release)
+            return self._on_register(conn, arg, release, deadline)
         if verb == "ACCEPT":
             return self._on_accept(conn, arg)
         if verb == "CHECK":
@@ -266,7 +347,7 @@ class RelayServer:
         raise RelayProtocolError(f"unknown command {verb[:20]!r}")
 
     def _on_check(self, conn: socket.socket, ip: str, arg: str) -> None:
-        if not arg.isdigit() or not 0 < int(arg) <= 65535:
+        if not arg.isdigit() or len(arg) > 5 or not 0 < int(arg) <= 65535:
             raise RelayProtocolError("CHECK needs a port")
         self.stats["checks"] += 1
         try:
@@ -276,14 +357,21 @@ class RelayServer:
         except OSError:
             _send_line(conn, f"CLOSED {ip}")
 
-    def _on_register(self, conn: socket.socket, arg: str, release: Callable[[], None]) -> bool:
+    def _on_register(self, conn: socket.socket, arg: str, release: Callable[[], None], deadline: float) -> bool:
         peer_id = arg.strip()
         nonce = secrets.token_hex(16)
         _send_line(conn, f"NONCE {nonce}")
-        key_line = _read_line(conn, 4 * self.limits.max_line_bytes)
-        sig_line = _read_line(conn, 4 * self.limits.max_line_bytes)
-        if not key_line.startswith("KEY ") or not sig_line.startswith("SIG "):
-            raise RelayProtocolError("expected KEY and SIG lines")
+        key_line = _read_line(conn, 4 * self.limits.max_line_bytes, deadline)
+        sig_line = _read_line(conn, 4 * self.limits.max_line_bytes, deadline)
+        proof_line = _read_line(conn, self.limits.max_line_bytes, deadline)
+        if not key_line.startswith("KEY ") or not sig_line.startswith("SIG ") or not proof_line.startswith("PROOF "):
+            raise RelayProtocolError("expected KEY, SIG and PROOF lines")
+        if self._key is not None:  # the cheap check first: a stranger costs an HMAC, not an RSA verification
+            expected = registration_proof(self._key, peer_id, nonce)
+            if not hmac.compare_digest(expected, proof_line[6:].strip()):
+                self.stats["denied"] += 1
+                _send_line(conn, "DENIED not a member of this swarm (wrong or missing join secret)")
+                return False
         public_key = base64.b64decode(key_line[4:], validate=True)
         signature = base64.b64decode(sig_line[4:], validate=True)
         if peer_id_from_public_key(public_key) != peer_id:
@@ -334,6 +422,7 @@ class RelayServer:
             with self._lock:
                 if self._registrations.get(reg.peer_id) is reg:
                     del self._registrations[reg.peer_id]
+                    self._buckets.pop(reg.peer_id, None)
                 reg.alive = False
             with contextlib.suppress(OSError):
                 reg.control.close()
@@ -355,17 +444,27 @@ class RelayServer:
         except OSError:
             return False
 
-    def _on_connect(self, conn: socket.socket, first: str, release: Callable[[], None]) -> bool:
+    def _on_connect(self, conn: socket.socket, first: str, release: Callable[[], None], deadline: float) -> bool:
         """An HTTP CONNECT from a client: have the target peer dial back, then splice."""
         parts = first.split()
         if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
             raise RelayProtocolError("malformed CONNECT line")
-        for _ in range(self.limits.max_header_lines):  # the rest of the request head, ignored
-            if _read_line(conn, self.limits.max_line_bytes) == "":
+        authorization = ""
+        for _ in range(self.limits.max_header_lines):  # the rest of the request head; only the proxy credentials
+            line = _read_line(conn, self.limits.max_line_bytes, deadline)
+            if line == "":
                 break
+            name, _, value = line.partition(":")
+            if name.strip().lower() == "proxy-authorization":
+                authorization = value.strip()
         else:
             raise RelayProtocolError("too many header lines")
         self.stats["connects"] += 1
+        if self._connect_auth is not None and not hmac.compare_digest(authorization.encode(),
+                                                                      self._connect_auth.encode()):
+            self.stats["denied"] += 1
+            conn.sendall(b"HTTP/1.1 407 Proxy Authentication Required\r\n\r\n")
+            return False
         authority = parts[1]
         peer_id = authority[: -len(RELAY_AUTHORITY_SUFFIX)] if authority.endswith(RELAY_AUTHORITY_SUFFIX) else ""
         token = secrets.token_hex(16)
@@ -376,11 +475,14 @@ class RelayServer:
             error = ""
             if reg is None or not reg.alive:
                 error = "404 Not Found"
+            elif not self._take_connect_token(peer_id):
+                error = "429 Too Many Requests"
             elif reg.waiting >= self.limits.max_waiting_dials or reg.splices >= self.limits.max_splices_per_peer \
-                    or self._splices >= self.limits.max_splices:
+                    or self._splices >= self.limits.max_splices or self._waiting >= self.limits.max_waiting_total:
                 error = "503 Service Unavailable"
             else:
                 reg.waiting += 1
+                self._waiting += 1
                 self._pending[token] = (peer_id, arrived, box)
         if error:
             self.stats["refused"] += 1
@@ -394,6 +496,7 @@ class RelayServer:
         finally:
             with self._lock:
                 reg.waiting -= 1
+                self._waiting -= 1
                 self._pending.pop(token, None)
         back = box[0]
         with self._lock:
@@ -408,6 +511,18 @@ class RelayServer:
         conn.settimeout(None)
         back.settimeout(None)
         splice(conn, back, self.limits.idle_timeout_s, lambda: self._splice_closed(reg), name="relay")
+        return True
+
+    def _take_connect_token(self, peer_id: str) -> bool:
+        """A token bucket per registered peer (call under ``_lock``): ``connects_per_s``, bursts of 2 s worth."""
+        rate = self.limits.connects_per_s
+        at = time.monotonic()
+        tokens, last = self._buckets.get(peer_id, (2 * rate, at))
+        tokens = min(2 * rate, tokens + (at - last) * rate)
+        if tokens < 1:
+            self._buckets[peer_id] = (tokens, at)
+            return False
+        self._buckets[peer_id] = (tokens - 1, at)
         return True
 
     def _splice_closed(self, reg: _Registration) -> None:
@@ -431,8 +546,11 @@ class RelayAgent:
     """The NAT'd side: registers with relays and answers their DIALs by splicing onto ``local_target``."""
 
     def __init__(self, identity: Identity, relays: list[str], local_target: str,
-                 max_splices: int = 64, idle_timeout_s: float = RelayLimits.idle_timeout_s) -> None:
+                 max_splices: int = 64, idle_timeout_s: float = RelayLimits.idle_timeout_s,
+                 key: bytes | None = None) -> None:
+        """``key``: the swarm's :func:`relay_key`, proving membership to the relays (None: an open swarm)."""
         self.identity = identity
+        self.key = key
         self.relays = list(relays)
         self.local_target = local_target
         self.max_splices = max_splices
@@ -493,6 +611,8 @@ class RelayAgent:
             signature = self.identity.private_key.sign(SIGN_PREFIX + nonce.encode())
             _send_line(sock, "KEY " + base64.b64encode(self.identity.public_key).decode())
             _send_line(sock, "SIG " + base64.b64encode(signature).decode())
+            proof = "-" if self.key is None else registration_proof(self.key, self.identity.peer_id, nonce)
+            _send_line(sock, "PROOF " + proof)
             answer = _read_line(sock, 1024)
             if answer != "OK":
                 raise RelayProtocolError(f"registration refused: {answer[:80]}")

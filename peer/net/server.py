@@ -41,6 +41,7 @@ from peer.net.allocator import keep_freed_buffers
 from peer.net.bulk_server import BulkListener
 from peer.net.config import TransportConfig
 from peer.net.counters import TRAFFIC
+from peer.net.idle import IdleWatch
 from peer.net.shaping import LinkShaper
 from peer.net.statuses import refusal_of
 from protocol import PROTOCOL_VERSION
@@ -155,9 +156,13 @@ class _Servicer:
     def Push(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> pb.Ack:  # noqa: N802
         caller = self._require_deadline(context, "Push")
         self._stream_slot(context, "Push", caller)
+        idle = self._owner._idle
+        token = idle.watch(context)
         try:
-            return _guarded(context, "Push", lambda: self._owner._deliver(_decoded(request_iterator), caller))
+            chunks = _decoded(idle.moving(token, request_iterator))
+            return _guarded(context, "Push", lambda: self._owner._deliver(chunks, caller))
         finally:
+            idle.done(token)
             self._owner._release(caller)
 
     def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[bytes]:  # noqa: N802
@@ -165,18 +170,21 @@ class _Servicer:
         if self._owner.config.tls is not None:
             request.sender = caller  # the authenticated caller, never what the request claims
         self._stream_slot(context, "Fetch", caller)
+        idle, token = self._owner._idle, -1
         try:
             segments, total = _guarded(context, "Fetch", lambda: self._owner._fetch(request))
             shaper = self._owner._reply_shaper(request.sender)
             chunk_bytes = self._owner.config.chunk_bytes
+            token = idle.watch(context)  # from here on the caller's reading is what moves the stream
             if shaper is None:
-                yield from iter_segment_chunks(segments, chunk_bytes)
+                yield from idle.moving(token, iter_segment_chunks(segments, chunk_bytes))
             else:
                 chunk_bytes = shaper.chunk_bytes(chunk_bytes)
                 sizes = chunk_payload_sizes(total, chunk_bytes)
                 chunks = iter_segment_chunks(segments, chunk_bytes)
-                yield from shaper.shape(chunks, lambda _: next(sizes), total_bytes=total)
+                yield from idle.moving(token, shaper.shape(chunks, lambda _: next(sizes), total_bytes=total))
         finally:
+            idle.done(token)
             self._owner._release(caller)
 
     def Ping(self, request: pb.PingRequest, context: grpc.ServicerContext) -> pb.PingReply:  # noqa: N802
@@ -194,9 +202,12 @@ class _Servicer:
     ) -> pb.ProbeReply:
         caller = self._require_deadline(context, "Probe")
         self._stream_slot(context, "Probe", caller)
+        idle = self._owner._idle
+        token = idle.watch(context)
         try:
-            return _guarded(context, "Probe", lambda: self._owner._probe(request_iterator))
+            return _guarded(context, "Probe", lambda: self._owner._probe(idle.moving(token, request_iterator)))
         finally:
+            idle.done(token)
             self._owner._release(caller)
 
     def BulkLane(self, request: pb.BulkLaneRequest, context: grpc.ServicerContext) -> pb.BulkLaneReply:  # noqa: N802
@@ -298,6 +309,7 @@ class PeerServer:
         self._handlers = _method_handlers(_Servicer(self))
         self._mounts: dict[str, PeerServer] = {}  # route -> server whose calls this one's port carries
         self._reserved_threads = 0
+        self._idle = IdleWatch(self.config.stream_idle_s)  # streams whose bytes stopped moving are cancelled
         self.route = ""  # set when this server is mounted on another one
         self._host: PeerServer | None = None
         self._lane: BulkListener | None = None
@@ -434,6 +446,7 @@ class PeerServer:
                 raise OSError(f"cannot listen on {where} (bulk lane): {exc}") from exc
             self._lane = lane
         server.start()
+        self._idle.start()
         self._server, self.port = server, port
         logger.info("peer server listening on %s (bulk lane on port %d)", self.endpoint, self.bulk_port)
         return port
@@ -451,6 +464,7 @@ class PeerServer:
         if server is None:
             return
         lane, self._lane = self._lane, None
+        self._idle.close()
         stopped = server.stop(grace)  # both paths get the same grace, side by side
         if lane is not None:
             lane.stop(grace)

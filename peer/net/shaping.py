@@ -34,7 +34,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -170,11 +170,94 @@ class LinkShaper:
         return self._clock()
 
 
+class CappedLink(LinkShaper):
+    """A link (rate and delay as :class:`LinkShaper`; rate None: unshaped) whose bytes also pass through a
+    ``cap`` shared by every destination: the owner's upload limit (``peer join --max-upload``).
+
+    Each message is booked on both clocks; a piece is released when both would have carried the bytes up to
+    its end, so the process's total upload never exceeds the cap's rate, however many links send at once.
+    """
+
+    def __init__(self, rate_bps: float | None, delay_s: float = 0.0, *, cap: LinkShaper, **kwargs: Any) -> None:
+        super().__init__(rate_bps, delay_s, **kwargs)
+        if cap.rate_bps is None:
+            raise ValueError("the cap of a CappedLink must have a rate")
+        self.cap = cap
+
+    def __repr__(self) -> str:
+        return f"CappedLink({super().__repr__()}, cap {self.cap.rate_bps / 1e6:g} Mbit/s)"  # type: ignore[operator]
+
+    def chunk_bytes(self, default: int) -> int:
+        return min(super().chunk_bytes(default), self.cap.chunk_bytes(default))
+
+    def book(self, n_bytes: int) -> tuple[float, float]:
+        start, end = super().book(n_bytes)
+        cap_start, cap_end = self.cap.book(n_bytes)
+        return min(start, cap_start), max(end, cap_end)
+
+    def shape(
+        self,
+        items: Iterable[T],
+        size_of: Callable[[T], int],
+        sent_at: float | None = None,
+        total_bytes: int | None = None,
+    ) -> Iterator[T]:
+        self.wait_delay(self._clock() if sent_at is None else sent_at)
+        if total_bytes is None:
+            for item in items:
+                self.transmit(size_of(item))
+                yield item
+            return
+        link_start, _ = LinkShaper.book(self, total_bytes)
+        cap_start, _ = self.cap.book(total_bytes)
+        cap_rate = self.cap.rate_bps
+        assert cap_rate is not None
+        done = 0
+        for item in items:
+            size = size_of(item)
+            within = max(0, min(size, total_bytes - done))
+            done += size
+            if size > within:  # under-announced: accounted on both clocks, not waited for (as LinkShaper.shape)
+                self.book(size - within)
+            sent = min(done, total_bytes)
+            release = cap_start + 8.0 * sent / cap_rate
+            if self.rate_bps is not None:
+                release = max(release, link_start + 8.0 * sent / self.rate_bps)
+            sleep_until(release, self._clock, self._sleep)
+            yield item
+
+
+_upload_cap: LinkShaper | None = None  # this process's upload limit, shared by every destination
+
+
+def set_upload_cap(rate_bps: float | None) -> None:
+    """Limit everything this process sends through shaped clients to ``rate_bps`` in total (None: no limit).
+    Set before the transport starts: links created earlier keep what they had."""
+    global _upload_cap
+    if rate_bps is not None and not (rate_bps > 0 and math.isfinite(rate_bps)):
+        raise ValueError(f"the upload cap must be a positive number of bit/s, got {rate_bps!r}")
+    _upload_cap = None if rate_bps is None else LinkShaper(rate_bps)
+
+
+def upload_cap() -> LinkShaper | None:
+    return _upload_cap
+
+
+def with_upload_cap(link: tuple[float | None, float] | None) -> LinkShaper | None:
+    """The shaper for a link ((rate_bps, delay_s), or None: unshaped) under this process's upload cap."""
+    cap = _upload_cap
+    if cap is None:
+        return None if link is None else LinkShaper(*link)
+    rate, delay = link if link is not None else (None, 0.0)
+    return CappedLink(rate, delay, cap=cap)
+
+
 class LinkTable:
     """One LinkShaper per destination of this process, created on first use from `link_of`.
 
     link_of(destination) returns (rate_bps, delay_s) for the directed link to that destination, or None for
-    an unshaped link. Pushes to the same destination from any thread share that destination's shaper.
+    an unshaped link. Pushes to the same destination from any thread share that destination's shaper. Under
+    an upload cap (:func:`set_upload_cap`) every destination's shaper also passes through the cap.
     """
 
     def __init__(self, link_of: Callable[[str], tuple[float | None, float] | None]) -> None:
@@ -185,6 +268,5 @@ class LinkTable:
     def get(self, destination: str) -> LinkShaper | None:
         with self._lock:
             if destination not in self._shapers:
-                link = self._link_of(destination)
-                self._shapers[destination] = None if link is None else LinkShaper(*link)
+                self._shapers[destination] = with_upload_cap(self._link_of(destination))
             return self._shapers[destination]

@@ -23,17 +23,23 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from peer.compute.device_probe import measure_device
+from peer.compute.device_probe import DeviceInfo, measure_device
 from peer.config import RunConfig
+from peer.net.limits import raise_nofile
+from peer.net.relay import relay_key
+from peer.net.shaping import set_upload_cap
 from peer.net.tls import TlsContext
+from peer.node.control_socket import OwnerControl, open_control
 from peer.node.emulated_links import EmulatedLinks, Emulation, NetworkModel, emulated_device
 from peer.node.joining import JoinError, check_files, find_run
 from peer.node.leader_role import LeaderContext, LeaderRole
 from peer.node.prober import LinkProber, ProbeSources
 from peer.node.reachability import Reach, ReachabilityError, establish, refuse_undialable
+from peer.node.schedule import Schedule, leaves_at
 from peer.observe.node import NodeObserver, ObserveError, ObserveOptions
 from peer.observe.snapshot import SwarmSource
 from peer.runtime.stage.worker import StageWorker
@@ -44,6 +50,7 @@ from peer.swarm.identity import Identity
 from peer.swarm.membership import ClockSkewError, Membership
 from peer.swarm.plans import PlanBoard, PlanRecord
 from peer.swarm.progress import ProgressBoard
+from peer.swarm.records import RunRecordValidator, record_key
 from peer.swarm.view import SwarmView
 from peer.timing import (
     ADVERT_TTL_HEARTBEATS,
@@ -89,6 +96,12 @@ class PeerOptions:
     progress: bool = False  # live progress on stderr (a bar on a terminal, plain lines elsewhere)
     relay_port: int | None = None  # serve a relay for peers behind NAT on this port of --host; None: off
     bulk_port: int | None = 0  # the bulk lane's port on --host (peer.net.bulk_server); 0: a free one, None: off
+    # the owner's limits, honoured by the plan (advertised) and, for upload, by the transport's shaper
+    max_vram_gb: float | None = None
+    max_upload_mbps: float | None = None
+    max_download_mbps: float | None = None
+    state_dir: str | None = None  # the control socket's folder; None: the --identity file's, or no socket
+    schedule: Schedule | None = None  # the owner's availability hours (peer.node.schedule); None: always
 
 
 def bulk_lane_port(announce: str | None, bulk_port: int | None) -> int | None:
@@ -134,12 +147,14 @@ class PeerDaemon:
         self._ops_mark: tuple[dict[str, int], int] = ({}, 0)  # DHT_OPS snapshot and tick of the last ops line
         self._announced_at = time.monotonic()
         self.exit_error: str | None = None
+        self.control: OwnerControl | None = None  # pause, resume, schedule (peer.node.control_socket)
         self.reach: Reach | None = None
 
     # ------------------------------------------------------------------------------------------- start-up
     def start(self) -> None:
         """Join the swarm; raise DaemonError (one line) when that is impossible."""
         o = self.opts
+        set_upload_cap(None if o.max_upload_mbps is None else o.max_upload_mbps * 1e6)
         phases: dict[str, float] = {"process": _process_age_s()}
         mark = time.monotonic()
 
@@ -148,23 +163,17 @@ class PeerDaemon:
             phases[name] = time.monotonic() - mark
             mark = time.monotonic()
 
+        raise_nofile()  # before any port opens: the listeners' connection caps are derived from this limit
         try:
             refuse_undialable(o.host, o.announce, self.dht_peers, self.config is not None, o.relay_port)
         except ReachabilityError as exc:
             raise DaemonError(str(exc)) from None
         config = DHTConfig(initial_peers=tuple(self.dht_peers), host=o.dht_host, port=o.dht_port,
                            announce_host=_host_of(o.announce))
-        for attempt in range(DHT_JOIN_ATTEMPTS):
-            try:
-                self.dht = start_dht(config, self.identity)
-                break
-            except DHTStartError as exc:
-                # the node we join answered the connection but not the DHT's ping: busy (dozens of peers joining
-                # through it at once), not wrong; a refused or unparsable address fails at once
-                if BUSY_BOOTSTRAP not in str(exc) or attempt + 1 == DHT_JOIN_ATTEMPTS:
-                    raise DaemonError(str(exc)) from None
-                log.warning("joining the DHT: %s; trying again (%d of %d)", exc, attempt + 2, DHT_JOIN_ATTEMPTS)
-                time.sleep(random.uniform(1.0, 3.0))
+        run_id = self.config.run.run_id if self.config else o.run_id
+        secret = (self.config.swarm.secret if self.config else "") or o.secret or None
+        guard = RunRecordValidator(run_id, None if secret is None else record_key(secret, run_id))
+        self.dht = _join_dht(config, self.identity, guard)
         phase("dht")
         try:
             self._join_run()
@@ -176,6 +185,7 @@ class PeerDaemon:
             self._announce()
             phase("announce")
             self._start_observer()
+            self.control = open_control(self)
             log.info("others can join through this peer: %s", self.join_line())
             # seconds of each start-up phase ("process": from the process's start to here, imports included)
             log.info("start-up phases %s", json.dumps({k: round(v, 2) for k, v in phases.items()}))
@@ -260,8 +270,9 @@ class PeerDaemon:
             return [a.relay for a in others if a.relay] if others else None
 
         try:
+            key = relay_key(o.secret, self.config.run.run_id) if o.secret and self.config else None
             self.reach = establish(self.identity, o.host, self.worker.server.port, o.announce, o.relay_port, relays,
-                                   is_first=self.started_run)
+                                   is_first=self.started_run, key=key)
         except ReachabilityError as exc:
             raise DaemonError(str(exc)) from None
         self.endpoint = self.reach.endpoint
@@ -270,6 +281,7 @@ class PeerDaemon:
         o = self.opts
         tflops, extra = self.declared_tflops, self._emulated_extra
         device = measure_device("cpu" if tflops else o.device, emulate_tflops=tflops, seconds=o.measure_seconds)
+        device, extra = owner_limits(device, extra, o)
         self.advert = Advert(
             peer_id=self.identity.peer_id,
             endpoint=self.endpoint,
@@ -373,7 +385,8 @@ class PeerDaemon:
         self._ticks += 1
         if self.dht_peers and self._ticks % (TICKS_PER_HEARTBEAT * DHT_RECONNECT_HEARTBEATS) == 0:
             reconnect(self.dht, self.dht_peers)  # a partitioned DHT merges again once the network heals
-        if self._ticks % TICKS_PER_HEARTBEAT == 0 and self.reach is not None and self.reach.refresh():
+        paused = self.control is not None and self.control.paused  # a paused peer stays out until resumed
+        if self._ticks % TICKS_PER_HEARTBEAT == 0 and self.reach is not None and not paused and self.reach.refresh():
             self.endpoint = self.reach.endpoint  # our relay went away: publish one that still holds us
             self.advert = replace(self.advert, endpoint=self.endpoint)
             self.membership.announce(self.advert)
@@ -514,8 +527,9 @@ class PeerDaemon:
 
     def shutdown(self) -> None:
         """Leave gracefully: checkpoint (leader), departure record, stop serving, stop the DHT."""
-        if self.observer is not None:
-            self.observer.close()
+        for part in (self.observer, self.control):
+            if part is not None:
+                part.close()
         if self.role is not None:
             resigning = not self.role.finished.is_set()  # leaving before the end of the run
             if self.stop_requested.is_set() and self.role.driver is not None:
@@ -544,6 +558,20 @@ class PeerDaemon:
                 self.dht.shutdown()
             except Exception as exc:  # the child process may be gone already
                 log.info("DHT shutdown: %s", exc)
+
+
+def owner_limits(device: DeviceInfo, extra: dict[str, Any], o: PeerOptions) -> tuple[DeviceInfo, dict[str, Any]]:
+    """The device and advert extras as the owner allows them to be planned: memory capped by --max-vram, the
+    upload/download caps announced (``peer.node.planning.apply_owner_caps`` prices links with them), and when the
+    owner's schedule ends the current window (``leaves_at``: the leader plans around it)."""
+    if o.max_vram_gb is not None:
+        device = replace(device, memory_bytes=min(device.memory_bytes, int(o.max_vram_gb * 1e9)))
+    extra = dict(extra)
+    for key, value in (("max_upload_mbps", o.max_upload_mbps), ("max_download_mbps", o.max_download_mbps),
+                       ("leaves_at", leaves_at(o.schedule, datetime.now().astimezone()))):
+        if value is not None:
+            extra[key] = float(value)
+    return device, extra
 
 
 def _ops_summary(delta: dict[str, int], heartbeats: float, role: str) -> dict[str, Any]:
@@ -576,3 +604,18 @@ def _host_of(announce: str | None) -> str | None:
         return None
     host, _, _ = announce.rpartition(":")
     return host or None
+
+
+def _join_dht(config: DHTConfig, identity: Identity, guard: RunRecordValidator) -> Any:
+    """Start this peer's DHT node with the run's validator, retrying a bootstrap node that is only busy."""
+    for attempt in range(DHT_JOIN_ATTEMPTS):
+        try:
+            return start_dht(config, identity, [guard])
+        except DHTStartError as exc:
+            # the node we join answered the connection but not the DHT's ping: busy (dozens of peers joining
+            # through it at once), not wrong; a refused or unparsable address fails at once
+            if BUSY_BOOTSTRAP not in str(exc) or attempt + 1 == DHT_JOIN_ATTEMPTS:
+                raise DaemonError(str(exc)) from None
+            log.warning("joining the DHT: %s; trying again (%d of %d)", exc, attempt + 2, DHT_JOIN_ATTEMPTS)
+            time.sleep(random.uniform(1.0, 3.0))
+    raise DaemonError("could not join the DHT")

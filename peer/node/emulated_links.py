@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from peer.config import EmulationSection
-from peer.net.shaping import LinkShaper
+from peer.net.shaping import LinkShaper, with_upload_cap
 from peer.runtime.stage.outbox import DeviceClock
 from peer.swarm.adverts import Advert
 
@@ -109,11 +109,11 @@ class EmulatedLinks:
         return found
 
     def reply_shaper(self, sender: str) -> LinkShaper | None:
-        """The shaper for replies to the peer ``sender`` (None: unshaped, or not seen yet)."""
+        """The shaper for replies to the peer ``sender`` (None: unshaped, or not seen yet), under the owner's
+        upload cap when there is one."""
         if sender not in self._reply_shapers:
             other = next((a for a in self._live_adverts() if a.peer_id == sender), None)
             if other is None:
-                return None
-            link = self.link(other)
-            self._reply_shapers[sender] = None if link is None else LinkShaper(*link)
+                return with_upload_cap(None)
+            self._reply_shapers[sender] = with_upload_cap(self.link(other))
         return self._reply_shapers[sender]

@@ -106,13 +106,18 @@ def check_files(config: RunConfig, existing: RunRecord | None) -> CheckedFiles:
     except ValueError as exc:  # a tokenizer that cannot be read or does not fit the model (names its file)
         raise JoinError(f"[run] tokenizer: {exc}") from None
     model_fingerprint = getattr(own.model, "fingerprint", "")
-    published_model = (existing.config.get("model_fingerprint") if existing else None) or model_fingerprint
+    published_model, published = model_fingerprint, corpus.fingerprint
+    if existing is not None:  # the run fixes both fingerprints; a record without them is refused, never adopted
+        published_model = existing.config.get("model_fingerprint")
+        published = existing.config.get("fingerprint")
+        if not isinstance(published, str) or not published or not isinstance(published_model, str):
+            raise JoinError("the published run record has no data or model fingerprint: refusing to train on "
+                            "files nobody can check (a run started by another version, or a forged record)")
     if model_fingerprint != published_model:
         raise JoinError(
             f"this peer's model files differ from the run's (fingerprint {model_fingerprint[:12]} vs "
             f"{published_model[:12]}): a different config.json or checkpoint at {own.model.source}"
         )
-    published = (existing.config.get("fingerprint") if existing else None) or corpus.fingerprint
     if corpus.fingerprint != published:
         raise JoinError(
             f"this peer's training data differs from the run's (fingerprint {corpus.fingerprint[:12]}"

@@ -30,6 +30,7 @@ from peer.compute.model import unflatten_stage
 from peer.config import RunConfig
 from peer.net import PeerClient, PeerServer, TransportConfig
 from peer.node.planning import ClusterView, build_cluster, make_planner, workload_for
+from peer.node.schedule import leaving_soon
 from peer.observe.scalars import ScalarWriter
 from peer.runtime.assign import build_assignments
 from peer.runtime.control import Apply, encode
@@ -46,6 +47,7 @@ from peer.timing import (
     TAKEOVER_APPLY_TIMEOUT_S,
     TAKEOVER_WAIT_S,
     TICKS_PER_HEARTBEAT,
+    now,
 )
 
 log = logging.getLogger(__name__)
@@ -117,8 +119,10 @@ class LeaderRole:
 
     # ----------------------------------------------------------------------------------------- membership
     def _workers(self) -> dict[str, Any]:
-        """Live worker adverts by peer id (the DHT's view, refreshed by the daemon)."""
-        return {a.peer_id: a for a in self.ctx.live_adverts() if a.role == "worker"}
+        """Live worker adverts by peer id (the DHT's view, refreshed by the daemon), less those whose owner's
+        schedule ends within SCHEDULE_NOTICE_S: they are planned around before they leave."""
+        at = now()
+        return {a.peer_id: a for a in self.ctx.live_adverts() if a.role == "worker" and not leaving_soon(a.extra, at)}
 
     def live_devices(self) -> dict[int, str]:
         live = self._workers()

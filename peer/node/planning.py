@@ -61,6 +61,27 @@ def check_model_fits(spec: RunSpec, memory_bytes: list[float]) -> None:
                                 f"{spec.precision}, the largest device has {largest / 1e9:.3g} GB")
 
 
+def owner_cap_bps(advert: Advert, key: str) -> float | None:
+    """An owner's cap from an advert's ``extra`` (``max_upload_mbps`` / ``max_download_mbps``) in bit/s; None
+    when absent or not a positive finite number (a bad value caps nothing: it could only hurt its own peer)."""
+    value = advert.extra.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (0 < value < 1e9):
+        return None
+    return float(value) * 1e6
+
+
+def apply_owner_caps(bw: np.ndarray, peers: list[Advert]) -> np.ndarray:
+    """Bandwidths no faster than each owner allows: row i at most i's upload cap, column j at most j's download
+    cap, so every plan is priced, and chosen, as the capped peers will really carry it."""
+    for i, p in enumerate(peers):
+        up, down = owner_cap_bps(p, "max_upload_mbps"), owner_cap_bps(p, "max_download_mbps")
+        if up is not None:
+            bw[i, :] = np.minimum(bw[i, :], up)
+        if down is not None:
+            bw[:, i] = np.minimum(bw[:, i], down)
+    return bw
+
+
 @dataclass
 class ClusterView:
     """The leader's picture: a Cluster over ``peers`` (in that order) and how much of it was measured."""
@@ -89,6 +110,7 @@ def build_cluster(peers: list[Advert], links: list[LinkReport], seed: int | str 
         delay = np.full((n, n), DEFAULT_DELAY_S)
         bw = np.full((n, n), DEFAULT_BANDWIDTH_BPS)
         measured = 0
+    bw = apply_owner_caps(np.array(bw, dtype=float), peers)
     np.fill_diagonal(bw, np.inf)
     np.fill_diagonal(delay, 0.0)
     cluster = Cluster(
@@ -127,6 +149,7 @@ def make_planner(
     stages_hint: int = 0,
     time_limit_s: float | None = 5.0,  # type: ignore[valid-type]
     seed: int = 0,
+    replan_time_limit_s: float | None = None,
     config: MemeticConfig | None = None,
 ) -> Planner:
     """A planner over live daemon device ids; ``view_of(ids)`` gives the ClusterView of those devices.
@@ -134,7 +157,9 @@ def make_planner(
     The first plan chooses the layer split; later plans keep it (``stages``) and start from the pipelines this
     planner returned last, charging every moved tasklet its state transfer (``scheduler.replan``), so a
     departure moves few tasklets instead of reshuffling the swarm. ``config`` bounds the search by evaluations
-    instead of time (the control-plane simulator does, to be deterministic).
+    instead of time (the control-plane simulator does, to be deterministic). ``time_limit_s`` bounds a plan
+    from scratch; a re-plan gets ``replan_time_limit_s`` (default: the scheduler's warm limit, at most 0.5 s,
+    because the swarm waits for it).
     """
     previous: dict[str, Pipelines] = {}  # the last pipelines this planner returned, in daemon device ids
 
@@ -157,7 +182,7 @@ def make_planner(
                            pipelines=[[index.get(d, -1) for d in row] for row in previous["pipelines"]])
             try:
                 p = replan(view.cluster, workload, current, cost_model="full", seed=seed,
-                           time_limit_s=time_limit_s, config=config, replicas=n // len(stages))
+                           time_limit_s=replan_time_limit_s, config=config, replicas=n // len(stages))
                 moves = p.predicted.get("moves", {})
                 log.info("re-plan from the current plan: %s tasklet(s) move, predicted state transfer %.2f s",
                          moves.get("moved_tasklets"), float(moves.get("transfer_s", 0.0)))

@@ -23,8 +23,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from peer.net.endpoint import set_local_relay
-from peer.net.relay import RelayAgent, RelayServer, check_reachable
+from peer.net.endpoint import set_local_relay, set_relay_credentials
+from peer.net.limits import descriptor_budget
+from peer.net.relay import RelayAgent, RelayLimits, RelayServer, check_reachable, connect_credentials
 from peer.swarm.identity import Identity
 
 log = logging.getLogger(__name__)
@@ -107,9 +108,16 @@ class Reach:
             self.server.close()
 
 
-def start_relay_service(host: str, relay_port: int, announce_host: str) -> tuple[RelayServer, str]:
-    """Run the relay service on ``host:relay_port``; (the server, the address others reach it at)."""
-    server = RelayServer(host, relay_port)
+RELAY_DESCRIPTOR_SHARE = 0.3  # of this process's descriptor budget the relay service may hold at most
+
+
+def start_relay_service(host: str, relay_port: int, announce_host: str,
+                        key: bytes | None = None) -> tuple[RelayServer, str]:
+    """Run the relay service on ``host:relay_port``; (the server, the address others reach it at). ``key``: the
+    swarm's relay key (peer.net.relay.relay_key; None in an open swarm). Its limits are cut to a share of
+    this process's descriptors, so a flood of the relay cannot take the descriptors the rest of the peer needs."""
+    limits = RelayLimits().within(int(descriptor_budget() * RELAY_DESCRIPTOR_SHARE))
+    server = RelayServer(host, relay_port, limits, key=key)
     try:
         port = server.start()
     except OSError as exc:
@@ -119,14 +127,16 @@ def start_relay_service(host: str, relay_port: int, announce_host: str) -> tuple
 
 
 def establish(identity: Identity, host: str, port: int, announce: str | None, relay_port: int | None,
-              relays: Callable[[], list[str] | None], is_first: bool) -> Reach:
+              relays: Callable[[], list[str] | None], is_first: bool, key: bytes | None = None) -> Reach:
     """Decide how this peer is reached (see the module docstring); ``relays()`` lists the swarm's relays (None
-    while it sees no other peer)."""
+    while it sees no other peer). ``key``: the swarm's relay key (peer.net.relay.relay_key, from the join
+    secret): relays then register and splice only members, and this process's clients prove membership."""
+    set_relay_credentials(None if key is None else connect_credentials(key))
     announced_host = announce.rpartition(":")[0] if announce else ("" if host in WILDCARDS else host)
     endpoint = announce or (f"{host}:{port}" if announced_host else "")
     reach = Reach(endpoint)
     if relay_port is not None:
-        reach.server, reach.relay_address = start_relay_service(host, relay_port, announced_host)
+        reach.server, reach.relay_address = start_relay_service(host, relay_port, announced_host, key)
     if is_first or reach.server is not None:
         return reach  # nobody to ask yet / a relay must be reachable itself (checked by whoever uses it)
     found = _wait_for_relays(relays, RELAY_WAIT_S if not endpoint else 3.0, settle=bool(endpoint))
@@ -154,7 +164,7 @@ def establish(identity: Identity, host: str, port: int, announce: str | None, re
                  reach.endpoint)
         return reach
     local_target = f"127.0.0.1:{port}" if host in WILDCARDS else f"{host}:{port}"
-    agent = RelayAgent(identity, found[:MAX_RELAYS], local_target)
+    agent = RelayAgent(identity, found[:MAX_RELAYS], local_target, key=key)
     agent.start()
     registered = agent.wait_registered(RELAY_WAIT_S)
     if not registered:

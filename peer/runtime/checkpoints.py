@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from peer.runtime.choices import DEFAULT_KEEP
 from protocol import tasklet_pb2 as pb
 from protocol.message import WireEnvelope
 
@@ -47,7 +48,6 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 RUN_META = "run.json"
 LATEST = "latest"
-DEFAULT_KEEP = 3
 
 
 class CheckpointError(RuntimeError):

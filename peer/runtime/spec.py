@@ -13,13 +13,8 @@ from typing import Any
 from peer.compute.hf.spec import HFModelSpec
 from peer.compute.model import ModelConfig
 from peer.compute.stage import OptimConfig
+from peer.runtime.choices import COMPRESSIONS, PRECISIONS, PSEUDO_GRAD_COMPRESSIONS
 from protocol.codec import COMPRESSIONS as WIRE_COMPRESSIONS
-
-COMPRESSIONS = ("none", "fp16", "int8", "int4", "int2")  # int4/int2: protocol/lowbit.py
-PRECISIONS = ("fp32", "bf16", "fp16")
-# of DiLoCo pseudo-gradients in the outer round (peer.runtime.outer); "topk" (with error feedback) only where the
-# wire codec has it (protocol.lowbit)
-PSEUDO_GRAD_COMPRESSIONS = ("none", "int8", "topk")
 
 
 class SpecError(ValueError):
@@ -61,6 +56,9 @@ class RunSpec:
     # a replica's gradient more than this many times the median of its group's (per micro-batch) is refused
     # and its sender excluded (peer.runtime.stage.exchange); 0 disables the check
     grad_outlier_factor: float = 10.0
+    # a replica's gradient shard whose direction is unrelated to its group's (this many standard errors within
+    # what noise scores, peer.runtime.stage.checks) is refused and its sender excluded; 0 disables the test
+    grad_direction_z: float = 5.0
     # Data-parallel sync (peer.runtime.outer): every ``sync_period`` inner steps, an outer round. 1 = exact
     # gradient averaging every step. Above 1, DiLoCo: each pipeline steps AdamW on its own micro-batches, and
     # every sync_period steps the replicas average their pseudo-gradients (round-start minus local parameters,
@@ -86,6 +84,8 @@ class RunSpec:
             raise SpecError(f"run.compression: must be one of {COMPRESSIONS}, got {self.compression!r}")
         if not (self.grad_outlier_factor == 0 or self.grad_outlier_factor > 1):
             raise SpecError(f"run.grad_outlier_factor: must be 0 (off) or above 1, got {self.grad_outlier_factor}")
+        if not (self.grad_direction_z == 0 or 1 <= self.grad_direction_z <= 100):
+            raise SpecError(f"run.grad_direction_z: must be 0 (off) or in [1, 100], got {self.grad_direction_z}")
         self._validate_sync()
         return self
 
@@ -138,6 +138,7 @@ class RunSpec:
                 precision=d.get("precision", "fp32"),
                 compression=d.get("compression", "none"),
                 grad_outlier_factor=float(d.get("grad_outlier_factor", 10.0)),
+                grad_direction_z=float(d.get("grad_direction_z", 5.0)),
                 sync_period=d.get("sync_period", 1),
                 outer_lr=float(d.get("outer_lr", 0.7)),
                 outer_momentum=float(d.get("outer_momentum", 0.9)),

@@ -21,6 +21,7 @@ from functools import partial
 from typing import Any
 
 import hivemind
+from hivemind.dht.validation import RecordValidatorBase
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
@@ -129,8 +130,10 @@ def _explain(config: DHTConfig, message: str) -> str:
     return f"cannot start the DHT: {message}"
 
 
-def start_dht(config: DHTConfig, identity: Identity) -> hivemind.DHT:
+def start_dht(config: DHTConfig, identity: Identity, validators: Sequence[RecordValidatorBase] = ()) -> hivemind.DHT:
     """A running DHT that signs this identity's records, or a :class:`DHTStartError` within the deadline.
+    ``validators`` join the signature validator (e.g. peer.swarm.records.RunRecordValidator, which refuses
+    what may not be stored under a run's keys before this node stores it).
 
     The caller owns the returned DHT and must ``shutdown()`` it.
 
@@ -146,7 +149,7 @@ def start_dht(config: DHTConfig, identity: Identity) -> hivemind.DHT:
     dht = hivemind.DHT(
         initial_peers=list(config.initial_peers) or None,
         start=False,
-        record_validators=[identity.signature_validator()],
+        record_validators=[identity.signature_validator(), *validators],
         client_mode=config.client_mode,
         host_maddrs=config.host_maddrs(),
         announce_maddrs=config.announce_maddrs(),

@@ -25,7 +25,13 @@ list/dict exactly (and the expiry is the same float64 on every node).
 
 Reading never trusts the network: a record that is not a well-formed envelope, whose MAC is wrong or
 missing, or that is too large is skipped with a log line; the payload of a record whose MAC fails is never
-returned. The caller's own schema check comes after.
+returned; a read looks at no more than :data:`MAX_ENTRIES_READ` entries of a key. The caller's own schema
+check comes after.
+
+Storing does not trust it either: :class:`RunRecordValidator`, in every DHT node of ours, refuses under the
+run's keys (before hivemind stores anything) an entry without an owner tag (hivemind's own signature check
+passes an untagged one), one whose MAC does not verify (a sealed swarm), a value over the size cap, an expiry
+beyond the lifetime of its kind of record, and a new subkey over the count caps per key and per owner.
 """
 
 from __future__ import annotations
@@ -39,14 +45,42 @@ from dataclasses import dataclass
 from enum import Enum
 
 import hivemind
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import MSGPackSerializer
 
 from peer.swarm.dht import DHT_OPS, DhtOps
 from peer.swarm.identity import Identity, split_owner_subkey
-from peer.timing import DHT_CALL_TIMEOUT_S, now
+from peer.timing import (
+    ADVERT_TTL_HEARTBEATS,
+    DHT_CALL_TIMEOUT_S,
+    MAX_CLOCK_SKEW_S,
+    MAX_HEARTBEAT_S,
+    PLAN_TTL_S,
+    PROGRESS_TTL_S,
+    RUN_RECORD_MIN_TTL_S,
+    now,
+)
 
 logger = logging.getLogger(__name__)
 
 MAX_PAYLOAD_BYTES = 256 * 1024
+MAX_VALUE_BYTES = MAX_PAYLOAD_BYTES + 1024  # a stored envelope: the payload, its MAC and msgpack framing
+MAX_SUBKEY_BYTES = 2048  # an owner tag (an RSA public key) and a short suffix
+MAX_ENTRIES_READ = 4096  # a read looks at no more entries of one key than this (see RunRecordValidator)
+MAX_SUBKEYS_PER_KEY = 4096  # live entries a DHT node of ours holds under one key of the run
+MAX_SUBKEYS_PER_OWNER = 64  # of those, from one writer (plans: one per epoch within a plan's lifetime)
+EXPIRY_SLACK_S = 30.0 + MAX_CLOCK_SKEW_S  # a writer's clock and the moment of its store may run ahead this much
+_ADVERT_TTL_MAX = ADVERT_TTL_HEARTBEATS * MAX_HEARTBEAT_S
+# the longest lifetime each kind of record is stored with (peer.swarm.membership, plans, progress)
+RECORD_TTL_S = {
+    "peers": _ADVERT_TTL_MAX,
+    "links": max(_ADVERT_TTL_MAX, 30.0),
+    "run": max(_ADVERT_TTL_MAX, RUN_RECORD_MIN_TTL_S),
+    "plans": PLAN_TTL_S,
+    "progress": PROGRESS_TTL_S,
+    "beat": PROGRESS_TTL_S,
+}
 _ENVELOPE_FIELDS = {"p", "mac"}
 
 
@@ -81,6 +115,27 @@ def canonical_json(payload: object) -> bytes:
 def record_key(secret: str, run_id: str) -> bytes:
     """The key that seals this run's records, derived from the join secret (which itself is never sent)."""
     return hmac.new(secret.encode(), b"tasklet record key\x00" + run_id.encode(), hashlib.sha256).digest()
+
+
+def seal(key: bytes, run_id: str, name: str, writer: str, suffix: bytes, expires_at: float, payload: dict) -> str:
+    """A record's MAC: binds run, key name, writer, suffix, expiry and payload (see the module docstring)."""
+    parts = [run_id.encode(), name.encode(), writer.encode(), suffix, repr(float(expires_at)).encode()]
+    message = b"\x00".join([b"tasklet record v2", *parts, canonical_json(payload)])
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+def open_envelope(value: object) -> tuple[dict, str | None]:
+    """(payload, mac) of a stored ``{p, mac}`` envelope; ValueError for anything else or a payload too large."""
+    if not isinstance(value, dict) or set(value) != _ENVELOPE_FIELDS:
+        raise ValueError("not a {p, mac} envelope")
+    payload, mac = value["p"], value["mac"]
+    if not isinstance(payload, dict):
+        raise ValueError("payload is not a dict")
+    if mac is not None and not (isinstance(mac, str) and len(mac) == 64):
+        raise ValueError("mac is not a 64-character hex string")
+    if len(canonical_json(payload)) > MAX_PAYLOAD_BYTES:
+        raise ValueError(f"payload larger than {MAX_PAYLOAD_BYTES} bytes")
+    return payload, mac
 
 
 class RecordStore:
@@ -118,9 +173,7 @@ class RecordStore:
         """The record's MAC (None in an open swarm): binds run, key name, writer, suffix, expiry and payload."""
         if self._record_key is None:
             return None
-        parts = [self.run_id.encode(), name.encode(), writer.encode(), suffix, repr(float(expires_at)).encode()]
-        message = b"\x00".join([b"tasklet record v2", *parts, canonical_json(payload)])
-        return hmac.new(self._record_key, message, hashlib.sha256).hexdigest()
+        return seal(self._record_key, self.run_id, name, writer, suffix, expires_at, payload)
 
     def put(self, name: str, payload: dict, expires_at: float, suffix: bytes = b"") -> bool:
         """Store ``payload`` under our own subkey; False when the DHT refused or did not answer in time.
@@ -178,7 +231,11 @@ class RecordStore:
         DHT_OPS.add(kind, name, n)
 
     def _parse(self, name: str, entries: dict, at: float) -> Iterator[SignedRecord]:
-        for subkey, item in entries.items():
+        for seen, (subkey, item) in enumerate(entries.items()):
+            if seen >= MAX_ENTRIES_READ:
+                logger.warning("%s holds more than %d entries; the rest are not read", self.key(name),
+                               MAX_ENTRIES_READ)
+                return
             owner = split_owner_subkey(subkey)
             if owner is None:
                 logger.debug("%s: skipping a record without an owner tag", self.key(name))
@@ -188,25 +245,12 @@ class RecordStore:
             if expires_at < at:
                 continue
             try:
-                payload, mac = self._open_envelope(item.value)
+                payload, mac = open_envelope(item.value)
                 status = self._check_mac(name, peer_id, suffix, expires_at, payload, mac)
             except ValueError as error:
                 logger.warning("%s: ignoring a malformed record from %s: %s", self.key(name), peer_id, error)
                 continue
             yield SignedRecord(peer_id, suffix, payload if status is MacStatus.OK else {}, expires_at, status)
-
-    @staticmethod
-    def _open_envelope(value: object) -> tuple[dict, str | None]:
-        if not isinstance(value, dict) or set(value) != _ENVELOPE_FIELDS:
-            raise ValueError("not a {p, mac} envelope")
-        payload, mac = value["p"], value["mac"]
-        if not isinstance(payload, dict):
-            raise ValueError("payload is not a dict")
-        if mac is not None and not (isinstance(mac, str) and len(mac) == 64):
-            raise ValueError("mac is not a 64-character hex string")
-        if len(canonical_json(payload)) > MAX_PAYLOAD_BYTES:
-            raise ValueError(f"payload larger than {MAX_PAYLOAD_BYTES} bytes")
-        return payload, mac
 
     def _check_mac(
         self, name: str, writer: str, suffix: bytes, expires_at: float, payload: dict, mac: str | None
@@ -228,3 +272,94 @@ class RecordStore:
             logger.debug("%s: dropped %d records with a missing or wrong join-secret MAC",
                          self.key(name), len(records) - len(accepted))
         return accepted
+
+
+class RunRecordValidator(RecordValidatorBase):
+    """What a DHT node of ours stores under one run's keys (see the module docstring); other keys pass.
+
+    hivemind runs it after its signature validator (``priority`` below that one's 10), on the value with the
+    signature stripped, both when a node asks us to store an entry and on the entries a lookup of ours returns.
+    The counts are this node's own view: the live subkeys it has validated per key (hashed, pruned of expired
+    ones when a cap is reached), so a flood of fresh subkeys costs at most the caps in memory. Picklable: it
+    travels to the DHT's child process with the record key, never the secret.
+    """
+
+    def __init__(self, run_id: str, key: bytes | None) -> None:
+        self.run_id, self._key = run_id, key
+        self._names = {DHTID.generate(source=f"{run_id}:{name}").to_bytes(): name for name in RECORD_TTL_S}
+        self._live: dict[bytes, dict[bytes, tuple[bytes, float]]] = {}  # key -> subkey hash -> (owner hash, expiry)
+        self._owners: dict[bytes, dict[bytes, int]] = {}  # key -> owner hash -> its live subkeys
+        self._pruned: dict[bytes, float] = {}  # key -> when its expired subkeys were last pruned
+        self.refused: dict[str, int] = {}
+
+    @property
+    def priority(self) -> int:
+        return 5
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return False
+
+    def validate(self, record: DHTRecord) -> bool:
+        name = self._names.get(record.key)
+        if name is None:
+            return True  # not this run's: another run's validator (or none) decides
+        reason = self._refusal(name, record)
+        if reason:
+            self.refused[reason] = self.refused.get(reason, 0) + 1
+            logger.debug("%s:%s: refused a record: %s", self.run_id, name, reason)
+            return False
+        return True
+
+    def _refusal(self, name: str, record: DHTRecord) -> str:
+        """Why ``record`` may not be stored under ``name`` ("" when it may)."""
+        if len(record.subkey) > MAX_SUBKEY_BYTES:
+            return "subkey too large"
+        if len(record.value) > MAX_VALUE_BYTES:
+            return "value too large"
+        at = now()
+        if record.expiration_time > at + RECORD_TTL_S[name] + EXPIRY_SLACK_S:
+            return "expiry beyond the record's lifetime"
+        try:
+            subkey = MSGPackSerializer.loads(record.subkey)
+        except Exception:
+            return "subkey does not decode"
+        owner = split_owner_subkey(subkey)
+        if owner is None:
+            return "no owner tag"
+        writer, suffix = owner
+        try:
+            payload, mac = open_envelope(MSGPackSerializer.loads(record.value))
+        except Exception:  # msgpack's own errors, ValueError of the envelope
+            return "not a record envelope"
+        if self._key is not None:
+            if mac is None:
+                return "no seal"
+            expected = seal(self._key, self.run_id, name, writer, suffix, record.expiration_time, payload)
+            if not hmac.compare_digest(expected, mac):
+                return "bad seal"
+        elif mac is not None:
+            return "a seal in an open swarm"
+        return self._count(record.key, hashlib.sha256(record.subkey).digest()[:16],
+                           hashlib.sha256(writer.encode()).digest()[:16], record.expiration_time, at)
+
+    def _count(self, key: bytes, subkey: bytes, owner: bytes, expires_at: float, at: float) -> str:
+        live = self._live.setdefault(key, {})
+        owners = self._owners.setdefault(key, {})
+        if subkey in live:
+            live[subkey] = (owner, max(expires_at, live[subkey][1]))
+            return ""
+        full = len(live) >= MAX_SUBKEYS_PER_KEY or owners.get(owner, 0) >= MAX_SUBKEYS_PER_OWNER
+        if full and at - self._pruned.get(key, float("-inf")) >= 1.0:  # a flood at the cap prunes once a second
+            self._pruned[key] = at
+            for stale in [k for k, (_, exp) in live.items() if exp < at]:
+                gone = live.pop(stale)[0]
+                owners[gone] -= 1
+                if not owners[gone]:
+                    del owners[gone]
+        if len(live) >= MAX_SUBKEYS_PER_KEY:
+            return "too many entries under this key"
+        if owners.get(owner, 0) >= MAX_SUBKEYS_PER_OWNER:
+            return "too many entries of this owner"
+        live[subkey] = (owner, expires_at)
+        owners[owner] = owners.get(owner, 0) + 1
+        return ""

@@ -338,6 +338,10 @@ class RunDriver:
         if self.coordinator.dead:
             self._ban_dead()
             return True
+        departed = planned - set(self.live_devices().values())  # left on purpose (a tombstone): no ban
+        if departed:
+            log.info("%d planned peer(s) left the swarm: re-planning without them", len(departed))
+            return True
         return bool(live - planned) and self._would_use_more(live)
 
     def _would_use_more(self, live: set[str]) -> bool:

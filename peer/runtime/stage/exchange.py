@@ -20,11 +20,20 @@ Plausible but wrong gradients: before summing, the owner compares each contribut
 with the median of the other participants' (``outlier_factor``, k). One more than k times that median is
 refused (:class:`OutlierContributionError`, the worker reports its sender to the coordinator, which excludes
 it and starts a new attempt of the step). This stops a member from blowing up the model with a huge gradient;
-it does not stop a small, plausible poisoning (see docs/security.md).
+it does not stop a small, plausible poisoning (see docs/security.md). With ``direction_z`` above 0 the owner also
+refuses a contribution of enough tokens that is unrelated to the others' sum (noise of any norm;
+``checks.unrelatedness``).
+
+A lying owner: after the all-gather, every participant sends every other the digests of its own contributions
+(``checks.shard_digest``, seeded by each summed shard as received) and checks each summed shard against them
+(:meth:`GradientExchange.verify`) before it reports the step reduced; the owner checks the contributors' digests
+against what they sent it. Nobody applies a shard that fails (:class:`DigestMismatchError` names the culprit).
 """
 
 from __future__ import annotations
 
+import json
+import math
 import statistics
 import threading
 import time
@@ -34,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from peer.compute.stage import shard_bounds
+from peer.runtime.stage import checks
 from protocol.errors import BadMessage
 
 Tag = tuple[int, int]  # (step, attempt)
@@ -48,15 +58,57 @@ class ExchangeAbortedError(RuntimeError):
 
 
 class OutlierContributionError(ExchangeAbortedError):
-    """Contributions whose norm per micro-batch exceeds k x the median of the others' (``replicas``)."""
+    """Contributions refused before the sum (``replicas``): a norm per micro-batch above k x the median of the
+    others', or a direction unrelated to the others' sum."""
 
-    def __init__(self, tag: Tag, replicas: list[int], norms: dict[int, float], factor: float) -> None:
+    def __init__(self, tag: Tag, replicas: list[int], why: str) -> None:
         self.replicas = replicas
-        shown = ", ".join(f"{r}: {v:.3g}" for r, v in sorted(norms.items()))
-        super().__init__(
-            f"attempt {tag}: gradient of replica(s) {replicas} exceeds {factor:g} x the median norm per "
-            f"micro-batch of the others (norms {shown})"
-        )
+        super().__init__(f"attempt {tag}: gradient of replica(s) {replicas} {why}")
+
+
+class DigestMismatchError(ExchangeAbortedError):
+    """The all-gather failed its digest check: ``replicas`` sent a summed shard that is not the sum of the
+    contributions, or a digest that is not of what they contributed."""
+
+    def __init__(self, tag: Tag, replicas: list[int], why: str) -> None:
+        self.replicas = replicas
+        super().__init__(f"attempt {tag}: replica(s) {replicas}: {why}")
+
+
+Digest = tuple[list[str], list[tuple[list[float], list[float]]]]  # per participant: seed; (projections, scales)
+
+
+DIGEST_META = "digest"  # a PARAM_SHARD with this meta carries all-gather digests, no tensor
+MAX_DIGEST_CHARS = 65_536  # of the meta text that carries a digest (a group of a few dozen replicas fits)
+
+
+def digest_text(digest: Digest) -> str:
+    """The wire form of a digest (``meta.digest``): JSON floats round-trip exactly."""
+    seeds, parts = digest
+    return json.dumps({"seeds": seeds, "proj": [p for p, _ in parts], "mag": [m for _, m in parts]})
+
+
+def parse_digest(text: str, n: int) -> Digest:
+    """A digest of ``n`` shards from its wire form; BadMessage for anything else (size, types, non-finite)."""
+    if len(text) > MAX_DIGEST_CHARS:
+        raise BadMessage("meta.digest", f"{len(text)} characters, more than {MAX_DIGEST_CHARS}")
+    try:
+        d = json.loads(text)
+        seeds, proj, mag = d["seeds"], d["proj"], d["mag"]
+        ok = (isinstance(seeds, list) and isinstance(proj, list) and isinstance(mag, list)
+              and len(seeds) == len(proj) == len(mag) == n
+              and all(isinstance(x, str) and len(x) == 16 and all(c in "0123456789abcdef" for c in x)
+                      for x in seeds))
+        rows = [list(row) for row in (*proj, *mag)] if ok else []
+        ok = ok and all(isinstance(v, (int, float)) and not isinstance(v, bool) for row in rows for v in row)
+        rows = [[float(v) for v in row] for row in rows] if ok else []
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, RecursionError):
+        ok, rows = False, []
+    k = checks.DIGEST_K
+    if not ok or any(len(row) != k or not all(math.isfinite(v) for v in row) for row in rows) or any(
+            v < 0 for row in rows[n:] for v in row):
+        raise BadMessage("meta.digest", f"expected {n} hex seeds and {n} x {k} finite projections and scales")
+    return list(seeds), [(rows[i], rows[n + i]) for i in range(n)]
 
 
 @dataclass
@@ -64,15 +116,19 @@ class _Attempt:
     participants: tuple[int, ...]
     contributions: dict[int, tuple[torch.Tensor, list[int]]] = field(default_factory=dict)
     reduced: dict[int, torch.Tensor] = field(default_factory=dict)
+    digests: dict[int, Digest] = field(default_factory=dict)
 
 
 class GradientExchange:
     """Mailbox for one stage replica's reduce-scatter and all-gather messages."""
 
-    def __init__(self, replica: int, numel: int, outlier_factor: float = 10.0) -> None:
+    def __init__(self, replica: int, numel: int, outlier_factor: float = 10.0, direction_z: float = 0.0,
+                 tokens_per_microbatch: int = 0) -> None:
         self.replica = replica
         self.numel = numel
         self.outlier_factor = outlier_factor  # 0: no check
+        self.direction_z = direction_z  # 0: no direction test
+        self.tokens_per_microbatch = tokens_per_microbatch  # a contribution under MIN_DIRECTION_TOKENS: untested
         self._cond = threading.Condition()
         self._attempts: dict[Tag, _Attempt] = {}
         self._aborted_through: Tag = (-1, -1)
@@ -168,27 +224,120 @@ class GradientExchange:
 
     def _check_outliers(self, tag: Tag, attempt: _Attempt) -> None:
         k = self.outlier_factor
-        if not k or len(attempt.contributions) < 2:
+        if len(attempt.contributions) < 2:
             return
         norms = {r: float(shard.norm()) / max(1, len(mbs)) for r, (shard, mbs) in attempt.contributions.items()}
         bad = []
         for r, norm in norms.items():
             median = statistics.median(v for q, v in norms.items() if q != r)
-            if median > 0 and norm > k * median:
+            if k and median > 0 and norm > k * median:
                 bad.append(r)
         if bad:
-            raise OutlierContributionError(tag, sorted(bad), norms, k)
+            shown = ", ".join(f"{r}: {v:.3g}" for r, v in sorted(norms.items()))
+            raise OutlierContributionError(tag, sorted(bad), f"exceeds {k:g} x the median norm per micro-batch "
+                                                             f"of the others (norms {shown})")
+        self._check_directions(tag, attempt)
+
+    def _check_directions(self, tag: Tag, attempt: _Attempt) -> None:
+        """Refuse a contribution unrelated to the others' sum (``checks.unrelatedness``)."""
+        z = self.direction_z
+        if not z:
+            return
+        total = torch.zeros_like(next(iter(attempt.contributions.values()))[0])
+        for shard, _ in attempt.contributions.values():
+            total.add_(shard)
+        scores: dict[int, tuple[float, float]] = {}  # replica -> (score, least score it needs)
+        for r, (shard, mbs) in attempt.contributions.items():
+            if len(mbs) * self.tokens_per_microbatch < checks.MIN_DIRECTION_TOKENS:
+                continue
+            found = checks.unrelatedness(shard, total - shard)
+            if found is not None:
+                scores[r] = (found[0], checks.direction_threshold(z, found[1]))
+        # never this replica: it computed its own contribution (with two participants the test is symmetric, so
+        # the owner names the other one)
+        bad = sorted(r for r, (v, floor) in scores.items() if v < floor and r != self.replica)
+        if bad:
+            shown = ", ".join(f"{r}: {v:.2f} of {floor:.2f}" for r, (v, floor) in sorted(scores.items()))
+            raise OutlierContributionError(tag, bad, f"is unrelated to the others' sum (mean scaled cosine "
+                                                     f"per block, of the least needed: {shown})")
 
     def gather(self, tag: Tag, participants: Sequence[int], timeout_s: float) -> torch.Tensor:
-        """Wait for every owner's summed shard; return the whole summed gradient and forget the attempt."""
+        """Wait for every owner's summed shard; return the whole summed gradient. The attempt's mail is kept
+        for :meth:`verify` (or dropped by :meth:`forget_through`)."""
         with self._cond:
             attempt = self._attempt(tag, participants)
         n = len(attempt.participants)
         self._wait(tag, lambda: len(attempt.reduced) == n, timeout_s,
                    lambda: f"attempt {tag}: {len(attempt.reduced)}/{n} summed shards arrived")
-        full = torch.cat([attempt.reduced[r] for r in attempt.participants])
+        return torch.cat([attempt.reduced[r] for r in attempt.participants])
+
+    def my_digest(self, tag: Tag, participants: Sequence[int], flat: torch.Tensor) -> Digest:
+        """This replica's digest of its own contribution ``flat`` (its whole accumulated gradient) to each
+        shard, seeded by each summed shard as it arrived here (call after :meth:`gather`)."""
+        with self._cond:
+            attempt = self._attempt(tag, participants)
+            reduced = dict(attempt.reduced)
+        seeds, digests = [], []
+        for r in attempt.participants:
+            lo, hi = self.shard_of(attempt.participants, r)
+            seed = checks.digest_seed(tag, r, reduced[r])
+            seeds.append(seed)
+            digests.append(checks.shard_digest(flat[lo:hi], seed))
+        return seeds, digests
+
+    def put_digest(self, tag: Tag, participants: Sequence[int], sender: int, digest: Digest) -> None:
+        """Participant ``sender``'s digests of its contributions to every shard."""
+        with self._cond:
+            attempt = self._attempt(tag, participants)
+            if sender not in attempt.participants:
+                raise BadMessage("key.replica", f"sender replica {sender} is not a participant")
+            seeds, digests = digest
+            n = len(attempt.participants)
+            if len(seeds) != n or len(digests) != n or not all(
+                    len(p) == checks.DIGEST_K and len(m) == checks.DIGEST_K for p, m in digests):
+                raise BadMessage("meta.digest", f"expected {n} seeds and {n} x {checks.DIGEST_K} projections")
+            if sender in attempt.digests:
+                raise BadMessage("key.replica", f"replica {sender} already sent its digest for attempt {tag}")
+            attempt.digests[sender] = digest
+            self._cond.notify_all()
+
+    def verify(self, tag: Tag, participants: Sequence[int], timeout_s: float) -> None:
+        """Wait for every participant's digest (this replica's own included, via :meth:`put_digest`) and check
+        each summed shard against the contributors' digests; then forget the attempt.
+
+        Raises :class:`DigestMismatchError` naming the culprits: the owner of a shard that is not the sum (or
+        that reached participants as different bytes), or, where this replica owns the shard, a contributor
+        whose digest is not of the contribution it sent. An owner does not name a contributor whose digest is
+        seeded by other bytes than it holds: the other receivers can tell which owner sent what."""
+        with self._cond:
+            attempt = self._attempt(tag, participants)
+        parts = attempt.participants
+        n = len(parts)
+        self._wait(tag, lambda: len(attempt.digests) == n, timeout_s,
+                   lambda: f"attempt {tag}: {len(attempt.digests)}/{n} all-gather digests arrived")
+        bad: dict[int, str] = {}
+        failed = False
+        for j, owner in enumerate(parts):
+            seed = attempt.digests[self.replica][0][j]
+            if owner == self.replica:
+                for r in parts:
+                    if r == owner:
+                        continue
+                    if attempt.digests[r][0][j] != seed:
+                        failed = True  # a contributor that saw other bytes: the receivers name whoever sent them
+                    elif not checks.digest_matches(attempt.contributions[r][0], seed, attempt.digests[r][1][j]):
+                        bad[r] = f"its digest of shard {j} is not of the contribution it sent"
+                continue
+            if any(attempt.digests[r][0][j] != seed for r in parts):
+                bad[owner] = f"summed shard {j} reached the participants as different bytes"
+                continue
+            off = checks.sum_mismatch(attempt.reduced[owner], seed, [attempt.digests[r][1][j] for r in parts], j)
+            if not off <= 1.0:
+                bad[owner] = f"summed shard {j} is not the sum of the contributions ({off:.3g} x the tolerance)"
         self.forget_through(tag)
-        return full
+        if bad or failed:
+            why = "; ".join(f"{r}: {w}" for r, w in sorted(bad.items())) or "a contributor saw other bytes of my shard"
+            raise DigestMismatchError(tag, sorted(bad), why)
 
     def abort_before(self, tag: Tag) -> None:
         """Abandon every attempt before ``tag``: waiters raise ExchangeAbortedError, their mail is dropped."""

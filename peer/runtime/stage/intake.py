@@ -24,7 +24,7 @@ from peer.runtime.checkpoints import copy_part_bound_bytes
 from peer.runtime.control import SPECULATIVE_META
 from peer.runtime.grants import read_grant
 from peer.runtime.stage.compute import Task
-from peer.runtime.stage.exchange import Tag
+from peer.runtime.stage.exchange import DIGEST_META, Tag, parse_digest
 from peer.runtime.stage.outbox import Outbox
 from peer.runtime.stage.snapshot import Tasklet
 from peer.runtime.stage.step import Work, WorkerStep
@@ -161,7 +161,8 @@ class Intake:
             self.step.take_grad(env.key.step, env.key.microbatch)
         self.put(Task(Work.BACKWARD, t, env.key.step, (env.key.microbatch, g)))
 
-    def _shard_message(self, env: pb.Envelope) -> tuple[Tasklet, Tag, list[int], torch.Tensor]:
+    def _shard_message(self, env: pb.Envelope, tensor: str | None = "grad"
+                       ) -> tuple[Tasklet, Tag, list[int], torch.Tensor | None]:
         key = env.key
         t = self.current()
         if key.run_id != t.spec.run_id or key.epoch != t.assignment.epoch:
@@ -184,14 +185,23 @@ class Intake:
             raise BadMessage("meta", "attempt and participants must be an integer and a JSON list") from None
         with self.cond:  # bounded mailbox: only the attempts that can follow the one this peer was told about
             self.step.check_shard(key.step, attempt)
+        if tensor is None:
+            return t, (key.step, attempt), participants, None
         # a shard is a slice of this stage: its declared shape is bounded by the stage before anything is allocated
-        shard = self._decode(t, env, "grad", expect_dtype=torch.float32, max_elements=t.compute.numel)
+        shard = self._decode(t, env, tensor, expect_dtype=torch.float32, max_elements=t.compute.numel)
         return t, (key.step, attempt), participants, shard
 
     def grad_shard(self, env: pb.Envelope) -> None:
         t, tag, participants, shard = self._shard_message(env)
+        assert shard is not None
         t.exchange.put_contribution(tag, participants, env.key.replica, shard, list(env.microbatches))
 
     def param_shard(self, env: pb.Envelope) -> None:
+        if DIGEST_META in env.meta:  # the all-gather's digests (peer.runtime.stage.exchange)
+            t, tag, participants, _ = self._shard_message(env, None)
+            digest = parse_digest(env.meta[DIGEST_META], len(participants))
+            t.exchange.put_digest(tag, participants, env.key.replica, digest)
+            return
         t, tag, participants, shard = self._shard_message(env)
+        assert shard is not None
         t.exchange.put_reduced(tag, participants, env.key.replica, shard)

@@ -20,7 +20,13 @@ from peer.compute.stage import StageCompute
 from peer.runtime import control as ctl
 from peer.runtime.outer import BLOCK_SIZE, OuterState, allgather_codec, is_round_end, roundtrip
 from peer.runtime.spec import Assignment, RunSpec
-from peer.runtime.stage.exchange import OutlierContributionError, Tag
+from peer.runtime.stage.exchange import (
+    DIGEST_META,
+    DigestMismatchError,
+    OutlierContributionError,
+    Tag,
+    digest_text,
+)
 from peer.runtime.stage.outbox import Outbox
 from peer.runtime.stage.snapshot import Tasklet
 from peer.runtime.stage.step import WorkerStep
@@ -47,6 +53,7 @@ class SyncAttempt:
     outer: bool = False  # DiLoCo's outer round: pseudo-gradients under ``codec``, ``residual`` kept after it
     codec: str = "none"
     residual: torch.Tensor | None = None
+    flat: torch.Tensor | None = None  # an exact step: this replica's whole contribution (for the digest)
 
     @property
     def tag(self) -> Tag:
@@ -69,9 +76,9 @@ class GradientSync:
         """Check exactly-once locally, then reduce-scatter + all-gather with the participants; keep the sum.
 
         DiLoCo (``t.outer``): an inner step keeps this pipeline's own sum and count instead (no averaging);
-        ``msg.outer`` averages the round's pseudo-gradients (:meth:`outer_reduce`). The three phases
-        (:meth:`contribute`, :meth:`sum_shard`, :meth:`gather`) run one after the other on the compute thread;
-        they are separate so that a test can interleave the replicas of a group without threads."""
+        ``msg.outer`` averages the round's pseudo-gradients (:meth:`outer_reduce`). The four phases
+        (:meth:`contribute`, :meth:`sum_shard`, :meth:`gather`, :meth:`verify`) run one after the other on the
+        compute thread; they are separate so that a test can interleave the replicas of a group without threads."""
         if msg.outer:
             self.outer_reduce(t, step, msg)
             return
@@ -79,6 +86,7 @@ class GradientSync:
         if sync is not None:
             self.sum_shard(t, sync)
             self.gather(t, sync)
+            self.verify(t, sync)
 
     def contribute(self, t: Tasklet, step: int, msg: ctl.Reduce) -> SyncAttempt | None:
         """Phase 1: the accumulator must hold exactly this pipeline's micro-batches of the commit record; send
@@ -103,8 +111,8 @@ class GradientSync:
             self.outbox.report(t, ctl.Reduced(step, attempt))
             return None
         meta = {"attempt": str(attempt), "participants": json.dumps(participants)}
-        sync = SyncAttempt(step, attempt, participants, meta)
         flat = compute.accumulated_grad()
+        sync = SyncAttempt(step, attempt, participants, meta, flat=flat)
         for r in participants:
             lo, hi = exchange.shard_of(participants, r)
             if r == a.replica:
@@ -125,7 +133,7 @@ class GradientSync:
                                       REDUCE_WAIT_S)
         except OutlierContributionError as exc:
             log.warning("%s %d: %s", "outer round of step" if sync.outer else "step", sync.step, exc)
-            self._report_outliers(t, exc)
+            self._report(t, exc.replicas, str(exc))
             raise
         codec, block = sync.codec, BLOCK_SIZE
         if sync.outer:
@@ -143,15 +151,43 @@ class GradientSync:
                 self.outbox.send(t, a.group[r], env)
 
     def gather(self, t: Tasklet, sync: SyncAttempt) -> None:
-        """Phase 3: wait for every owner's summed shard; keep the whole sum for apply (an outer round: the
-        participants' average) and report ``reduced``."""
+        """Phase 3: wait for every owner's summed shard. An exact step then sends every participant the
+        digests of this replica's contributions, seeded by the summed shards as they arrived (exchange module
+        docstring), and :meth:`verify` finishes; an outer round keeps the participants' average for the outer
+        apply and reports ``reduced``."""
         summed = t.exchange.gather(sync.tag, sync.participants, REDUCE_WAIT_S)
-        with self.cond:
-            if sync.outer:
-                assert sync.residual is not None
+        if sync.flat is None:
+            t.exchange.forget_through(sync.tag)
+            assert sync.residual is not None
+            with self.cond:
                 self.step.outer_reduced(sync.step, summed / len(sync.participants), sync.residual)
-            else:
-                self.step.reduced(sync.step, summed)
+            self.outbox.report(t, ctl.Reduced(sync.step, sync.attempt))
+            return
+        a, exchange = t.assignment, t.exchange
+        digest = exchange.my_digest(sync.tag, sync.participants, sync.flat)
+        exchange.put_digest(sync.tag, sync.participants, a.replica, digest)
+        for r in sync.participants:
+            if r != a.replica:
+                env = envelope(pb.PARAM_SHARD, t.key(sync.step))
+                env.meta.update(sync.meta)
+                env.meta[DIGEST_META] = digest_text(digest)
+                self.outbox.send(t, a.group[r], env)
+
+    def verify(self, t: Tasklet, sync: SyncAttempt) -> None:
+        """Phase 4 of an exact step: check every summed shard against the participants' digests, keep the whole
+        sum for apply and report ``reduced``. A failure is reported and raised: this replica does not report
+        ``reduced``, so no replica of the run applies the step."""
+        if sync.flat is None:
+            return  # an outer round finished in phase 3
+        summed = t.exchange.gather(sync.tag, sync.participants, REDUCE_WAIT_S)  # held since phase 3
+        try:
+            t.exchange.verify(sync.tag, sync.participants, REDUCE_WAIT_S)
+        except DigestMismatchError as exc:
+            log.warning("step %d: %s", sync.step, exc)
+            self._report(t, exc.replicas, str(exc))
+            raise
+        with self.cond:
+            self.step.reduced(sync.step, summed)
         self.outbox.report(t, ctl.Reduced(sync.step, sync.attempt))
 
     def apply(self, t: Tasklet, step: int, msg: ctl.Apply | None = None) -> None:
@@ -237,10 +273,10 @@ class GradientSync:
         log.warning("step %d: parameters differed from the group's majority; reloaded from %s", step, msg.source)
         self.outbox.report(t, ctl.Synced(step, compute.step, params_hash(compute)))
 
-    def _report_outliers(self, t: Tasklet, exc: OutlierContributionError) -> None:
+    def _report(self, t: Tasklet, replicas: list[int], why: str) -> None:
         a = t.assignment
-        for r in exc.replicas:
-            self.outbox.report(t, ctl.BadPeer(a.stage, r, t.roles.peer(a.group[r]) or "", str(exc)[:300]))
+        for r in replicas:
+            self.outbox.report(t, ctl.BadPeer(a.stage, r, t.roles.peer(a.group[r]) or "", why[:300]))
 
 
 def _shard_envelope(t: Tasklet, kind: int, step: int, x: torch.Tensor, codec: str, meta: dict[str, str],

@@ -1,0 +1,15 @@
+"""The run's named choices and defaults, in a module that imports nothing heavy.
+
+``peer.config`` declares run.toml from these, and ``peer init`` / ``peer --help`` must answer without loading
+torch, so they live apart from ``peer.runtime.spec`` (which validates against them) and
+``peer.runtime.checkpoints``.
+"""
+
+from __future__ import annotations
+
+COMPRESSIONS = ("none", "fp16", "int8", "int4", "int2")  # int4/int2: protocol/lowbit.py
+PRECISIONS = ("fp32", "bf16", "fp16")
+# of DiLoCo pseudo-gradients in the outer round (peer.runtime.outer); "topk" (with error feedback) only where the
+# wire codec has it (protocol.lowbit)
+PSEUDO_GRAD_COMPRESSIONS = ("none", "int8", "topk")
+DEFAULT_KEEP = 3  # checkpoints kept on the leader's disk

@@ -1,0 +1,50 @@
+"""A member that poisons the averaging is excluded before any replica applies its work.
+
+Real worker processes on loopback (LocalSwarm), one of them started with a fault of peer.emulation.faults, as a
+volunteer would run a modified client: ``scale-shard`` (an owner sends the others its summed shard x 1000 in the
+all-gather) and ``noise-grad`` (gradient shards replaced by noise of the honest norm). Each run must end with
+every honest worker alive, all steps trained, and parameters equal to single-process training of the honest work
+(which, the cheater's work being refused and redone, is the undisturbed run) within 1e-5 of each tensor's scale.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peer.compute.data import Corpus
+from peer.compute.reference import train_reference
+from peer.emulation.local import LocalSwarm
+from tests.test_fault_tolerance import FULL, SLOW, SPEC, STEPS, assert_matches_reference, flops
+
+pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[dict[str, torch.Tensor], list[float]]:
+    torch.set_num_threads(1)
+    corpus = Corpus.load(SPEC.corpus)
+    return train_reference(SPEC.model, SPEC.optim, corpus, SPEC.seed, STEPS, SPEC.n_microbatches,
+                           SPEC.micro_batch)
+
+
+@pytest.mark.parametrize(("fault", "device", "why"), [
+    ("scale-shard", 3, "summed shard 1"),  # stage 1 of pipeline 1: owns shard 1 of stage 1
+    ("noise-grad", 1, "unrelated to the others' sum"),  # stage 1 of pipeline 0
+])
+def test_a_poisoning_member_is_excluded_and_the_model_is_the_honest_one(reference, fault: str, device: int,
+                                                                       why: str) -> None:
+    deaths: list[dict] = []
+    with LocalSwarm(SPEC, 4, links=SLOW, forward_flops=flops, faults={device: fault}) as swarm:
+        swarm.coordinator.on_event = lambda name, info: deaths.append(info) if name == "dead" else None
+        result = swarm.train(FULL, STEPS)
+        alive = sorted(d for d in swarm.workers.live() if d != device)
+        cheater = swarm.workers.endpoints[device]
+    print(f"{fault}: excluded {[(d['endpoint'], d['reason'][:160]) for d in deaths]}")
+    assert_matches_reference(result, reference)
+    assert deaths and all(d["endpoint"] == cheater for d in deaths), "only the cheater is excluded"
+    assert why in deaths[0]["reason"]
+    assert alive == [d for d in range(4) if d != device], "every honest worker is alive"
+    assert result.reports[0].dropped_pipelines == [0 if device == 1 else 1]
+    last = result.events.replans[-1]
+    assert all(device not in p for p in last["pipelines"])

@@ -1,0 +1,365 @@
+"""The doors strangers knock on, in-process: the relay's membership proofs, request deadline, slots per source
+and CONNECT rate; the DHT validator of a run's keys; connection caps of the HTTP, bulk-lane and gRPC ports;
+the join secret from a file or the environment."""
+
+from __future__ import annotations
+
+import base64
+import socket
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils import MSGPackSerializer
+
+from peer.config import SECRET_ENV, ConfigError, resolve_secret
+from peer.net import PeerClient, PeerServer, TransportConfig
+from peer.net.endpoint import set_relay_credentials
+from peer.net.limits import ConnectionCap, raise_nofile
+from peer.net.relay import (
+    MAGIC,
+    RelayAgent,
+    RelayLimits,
+    RelayServer,
+    connect_credentials,
+    registration_proof,
+    relay_key,
+)
+from peer.observe import http as observe_http
+from peer.swarm.identity import Identity
+from peer.swarm.records import (
+    MAX_SUBKEYS_PER_OWNER,
+    MAX_VALUE_BYTES,
+    RECORD_TTL_S,
+    RunRecordValidator,
+    record_key,
+    seal,
+)
+from peer.timing import now
+from protocol.errors import PeerUnreachable
+
+RUN = "doors-run"
+KEY = relay_key("open sesame", RUN)
+
+
+def _closed_within(s: socket.socket, timeout_s: float) -> bool:
+    s.settimeout(timeout_s)
+    try:
+        return s.recv(100) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+@pytest.fixture(name="sealed_relay")
+def sealed_relay_fixture():
+    relay = RelayServer("127.0.0.1", 0, RelayLimits(handshake_timeout_s=1.0, dial_back_timeout_s=2.0,
+                                                    max_handshakes_per_source=3, connects_per_s=2.0), key=KEY)
+    relay.start()
+    yield relay
+    relay.close()
+
+
+@pytest.fixture(name="server")
+def server_fixture():
+    server = PeerServer(TransportConfig())
+    server.start()
+    yield server
+    server.stop()
+
+
+def _register_raw(relay: RelayServer, identity: Identity, proof_key: bytes | None) -> str:
+    with socket.create_connection(("127.0.0.1", relay.port), timeout=5) as s:
+        f = s.makefile("rwb")
+        f.write(f"{MAGIC} REGISTER {identity.peer_id}\n".encode())
+        f.flush()
+        nonce = f.readline().decode().split()[1]
+        sig = identity.private_key.sign(b"tasklet-relay-register:" + nonce.encode())
+        proof = "-" if proof_key is None else registration_proof(proof_key, identity.peer_id, nonce)
+        f.write(b"KEY " + base64.b64encode(identity.public_key) + b"\nSIG " + base64.b64encode(sig) + b"\n")
+        f.write(f"PROOF {proof}\n".encode())
+        f.flush()
+        return f.readline().decode().strip()
+
+
+def test_a_sealed_relay_registers_only_members(sealed_relay: RelayServer) -> None:
+    stranger = Identity.generate()
+    assert _register_raw(sealed_relay, stranger, None).startswith("DENIED not a member")
+    assert _register_raw(sealed_relay, stranger, relay_key("guess", RUN)).startswith("DENIED not a member")
+    assert _register_raw(sealed_relay, stranger, relay_key("open sesame", "other-run")).startswith("DENIED")
+    assert not sealed_relay.registered(stranger.peer_id)
+    assert sealed_relay.stats["denied"] == 3
+    member = Identity.generate()
+    assert _register_raw(sealed_relay, member, KEY) == "OK"
+
+
+def _connect(relay: RelayServer, peer_id: str, auth: str | None) -> str:
+    with socket.create_connection(("127.0.0.1", relay.port), timeout=5) as s:
+        head = f"CONNECT {peer_id}.tasklet:1 HTTP/1.1\r\nHost: x\r\n"
+        if auth is not None:
+            head += f"Proxy-Authorization: Basic {base64.b64encode(auth.encode()).decode()}\r\n"
+        s.sendall((head + "\r\n").encode())
+        return s.makefile("rb").readline().decode().strip()
+
+
+def test_connect_only_between_members_and_rate_limited_per_target(sealed_relay: RelayServer, server) -> None:
+    member = Identity.generate()
+    agent = RelayAgent(member, [sealed_relay.local_address], f"127.0.0.1:{server.port}", key=KEY)
+    agent.start()
+    try:
+        assert agent.wait_registered(10), "a member's agent did not register"
+        assert _connect(sealed_relay, member.peer_id, None).startswith("HTTP/1.1 407")
+        assert _connect(sealed_relay, member.peer_id, "tasklet:wrong").startswith("HTTP/1.1 407")
+        # a member's client through gRPC's own proxy support: the credentials ride in the proxy URL
+        set_relay_credentials(connect_credentials(KEY))
+        try:
+            with PeerClient(f"{member.peer_id}@{sealed_relay.local_address}") as client:
+                client.ping(timeout_s=10)
+        finally:
+            set_relay_credentials(None)
+        with PeerClient(f"{member.peer_id}@{sealed_relay.local_address}") as client, pytest.raises(PeerUnreachable):
+            client.ping(timeout_s=3)  # the same call without credentials
+        # 2 CONNECTs a second with bursts of 4: a flood is answered 429 and the relay keeps serving
+        answers = [_connect(sealed_relay, member.peer_id, connect_credentials(KEY)) for _ in range(12)]
+        assert any(a.startswith("HTTP/1.1 429") for a in answers), answers
+        time.sleep(1.5)
+        assert _connect(sealed_relay, member.peer_id, connect_credentials(KEY)).startswith("HTTP/1.1 200")
+    finally:
+        agent.close()
+
+
+def test_the_request_deadline_holds_however_slowly_bytes_come(sealed_relay: RelayServer) -> None:
+    """A byte every 0.3 s would reset a per-read timeout forever; the request's deadline (1 s) cuts it."""
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", sealed_relay.port), timeout=5) as s:
+        closed = False
+        for _ in range(20):
+            try:
+                s.sendall(b"C")
+            except OSError:
+                closed = True
+                break
+            if _closed_within(s, 0.3):
+                closed = True
+                break
+        assert closed, "a trickling request was held past its deadline"
+    assert time.monotonic() - started < 3.0
+
+
+def test_request_slots_per_source_address(sealed_relay: RelayServer) -> None:
+    silent = [socket.create_connection(("127.0.0.1", sealed_relay.port)) for _ in range(3)]
+    try:
+        time.sleep(0.2)
+        extra = socket.create_connection(("127.0.0.1", sealed_relay.port))
+        assert _closed_within(extra, 0.5), "a 4th request connection from one address was held"
+        extra.close()
+        assert sealed_relay.stats["refused"] >= 1
+        # another source address (127.0.0.2 is loopback too) still gets a slot
+        other = socket.create_connection(("127.0.0.1", sealed_relay.port), source_address=("127.0.0.2", 0))
+        assert not _closed_within(other, 0.3)
+        other.close()
+    finally:
+        for s in silent:
+            s.close()
+
+
+def test_relay_limits_fit_a_descriptor_budget() -> None:
+    limits = RelayLimits().within(600)
+    assert limits.descriptors() <= 600
+    assert limits.max_splices >= 1 and limits.max_registrations >= 1
+    assert RelayLimits().within(10**6) == RelayLimits()
+    assert raise_nofile() >= 1024 or raise_nofile() > 0
+
+
+# ------------------------------------------------------------------------------------------------ DHT
+def _record(name: str, writer: Identity | None, payload: dict, expires_at: float, key: bytes | None,
+            suffix: bytes = b"", mac: str | None = "auto") -> DHTRecord:
+    """A DHT entry as a hivemind node hands it to the validator (signature already stripped)."""
+    from hivemind.dht.routing import DHTID
+
+    owner = writer.peer_id if writer is not None else "x"
+    if mac == "auto":
+        mac = None if key is None else seal(key, RUN, name, owner, suffix, expires_at, payload)
+    subkey = (writer.owner_tag if writer is not None else b"") + suffix
+    return DHTRecord(DHTID.generate(source=f"{RUN}:{name}").to_bytes(), MSGPackSerializer.dumps(subkey),
+                     MSGPackSerializer.dumps({"p": payload, "mac": mac}), expires_at)
+
+
+def test_the_validator_refuses_what_may_not_be_stored_under_the_run_keys() -> None:
+    key = record_key("open sesame", RUN)
+    guard = RunRecordValidator(RUN, key)
+    writer = Identity.generate()
+    at = now()
+    assert guard.validate(_record("peers", writer, {"a": 1}, at + 6, key))
+    for name in RECORD_TTL_S:
+        assert not guard.validate(_record(name, None, {"a": 1}, at + 6, key)), f"untagged under {name}"
+    assert not guard.validate(_record("peers", writer, {"a": 1}, at + 6, key, mac=None))
+    assert not guard.validate(_record("peers", writer, {"a": 1}, at + 6, record_key("guess", RUN)))
+    assert not guard.validate(_record("peers", writer, {"a": "x" * MAX_VALUE_BYTES}, at + 6, key))
+    assert not guard.validate(_record("peers", writer, {"a": 1}, at + 10**6, key))
+    assert not guard.validate(_record("plans", writer, {"a": 1}, at + RECORD_TTL_S["plans"] + 3600, key))
+    assert guard.validate(_record("plans", writer, {"a": 1}, at + RECORD_TTL_S["plans"], key))
+    for i in range(MAX_SUBKEYS_PER_OWNER - 1):  # plans already holds one of this writer's
+        assert guard.validate(_record("plans", writer, {"e": i}, at + 60, key, suffix=b"|epoch=%d" % i))
+    assert not guard.validate(_record("plans", writer, {"e": -1}, at + 60, key, suffix=b"|epoch=-1"))
+    assert guard.validate(_record("plans", Identity.generate(), {"e": 0}, at + 60, key))  # another writer
+    assert guard.refused == {"no owner tag": len(RECORD_TTL_S), "no seal": 1, "bad seal": 1, "value too large": 1,
+                             "expiry beyond the record's lifetime": 2, "too many entries of this owner": 1}
+    other = _record("peers", None, {"a": 1}, at + 10**6, key)
+    assert guard.validate(DHTRecord(b"another key", other.subkey, other.value, other.expiration_time))
+
+
+def test_an_open_swarm_validator_still_requires_owner_tags_and_bounds() -> None:
+    guard = RunRecordValidator(RUN, None)
+    writer = Identity.generate()
+    at = now()
+    assert guard.validate(_record("peers", writer, {"a": 1}, at + 6, None))
+    assert not guard.validate(_record("peers", None, {"a": 1}, at + 6, None))
+    assert not guard.validate(_record("beat", writer, {"a": 1}, at + 10**5, None))
+
+
+# ------------------------------------------------------------------------------------------------ ports
+def test_connection_cap_per_source_and_in_total() -> None:
+    cap = ConnectionCap(total=3, per_source=2)
+    assert cap.admit("a") and cap.admit("a") and not cap.admit("a")
+    assert cap.admit("b") and not cap.admit("c")
+    cap.release("a")
+    assert cap.admit("c") and cap.held == 3 and cap.refused == 2
+
+
+def test_http_server_caps_connections_and_cuts_slow_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(observe_http, "REQUEST_DEADLINE_S", 1.0)
+    srv = observe_http.ObserveServer("127.0.0.1", 0, {"/": lambda: (b"ok", "text/plain")}, max_connections=6,
+                                     max_per_source=3)
+    try:
+        idle = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(3)]
+        extra = socket.create_connection(("127.0.0.1", srv.port))
+        assert _closed_within(extra, 1.0), "a 4th connection from one address was held"
+        extra.close()
+        # another address is served meanwhile
+        with socket.create_connection(("127.0.0.1", srv.port), source_address=("127.0.0.2", 0)) as other:
+            other.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            assert other.makefile("rb").readline().startswith(b"HTTP/1.0 200")
+        started = time.monotonic()
+        for s in idle:  # trickling or silent: cut at the request deadline
+            assert _closed_within(s, 3.0)
+            s.close()
+        assert time.monotonic() - started < 3.0
+        body = urllib.request.urlopen(srv.url, timeout=5).read()
+        assert body == b"ok"
+    finally:
+        srv.close()
+
+
+def test_grpc_port_closes_connections_over_its_cap() -> None:
+    server = PeerServer(TransportConfig(max_connections=4))
+    server.start()
+    try:
+        conns = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(10)]
+        time.sleep(0.5)
+        closed = sum(_closed_within(c, 0.5) for c in conns)
+        assert closed >= 6, f"only {closed} of 10 connections over a cap of 4 were closed"
+        for c in conns:
+            c.close()
+    finally:
+        server.stop()
+
+
+def test_bulk_lane_caps_connections_per_source() -> None:
+    server = PeerServer(TransportConfig(max_concurrent_streams=2, thread_pool_size=4))
+    server.start()
+    try:
+        lane = server._lane
+        assert lane is not None and lane.max_connections == 4 and lane.max_per_source == 3
+        conns = [socket.create_connection(("127.0.0.1", server.bulk_port)) for _ in range(3)]
+        time.sleep(0.2)
+        extra = socket.create_connection(("127.0.0.1", server.bulk_port))
+        assert _closed_within(extra, 1.0)
+        other = socket.create_connection(("127.0.0.1", server.bulk_port), source_address=("127.0.0.2", 0))
+        assert not _closed_within(other, 0.3)
+        for c in [*conns, extra, other]:
+            c.close()
+    finally:
+        server.stop()
+
+
+# ------------------------------------------------------------------------------------------------ secret
+def test_the_secret_from_a_flag_a_file_or_the_environment(tmp_path: Path) -> None:
+    path = tmp_path / "secret"
+    path.write_text("from file\nignored\n")
+    assert resolve_secret("flag", None, {SECRET_ENV: "env"}) == "flag"
+    assert resolve_secret(None, str(path), {SECRET_ENV: "env"}) == "from file"
+    assert resolve_secret(None, None, {SECRET_ENV: "env"}) == "env"
+    assert resolve_secret(None, None, {}) is None
+    with pytest.raises(ConfigError, match="not both"):
+        resolve_secret("flag", str(path), {})
+    with pytest.raises(ConfigError, match="missing"):
+        resolve_secret(None, str(tmp_path / "missing"), {})
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ConfigError, match="empty"):
+        resolve_secret(None, str(tmp_path / "empty"), {})
+
+
+# ------------------------------------------------------------------------------------------------ run record
+def test_a_run_record_without_fingerprints_is_refused() -> None:
+    from peer.config import RunConfig
+    from peer.node.joining import JoinError, check_files
+    from peer.swarm.membership import RunRecord
+
+    config = RunConfig.from_dict({"run": {"corpus": "stdlib"}}, where="test")
+    published = config.public_dict()
+    own = check_files(config, None)
+    good = {**published, "fingerprint": own.fingerprint, "model_fingerprint": own.model_fingerprint}
+    assert check_files(config, RunRecord(good, 0.0, "x")).fingerprint == own.fingerprint
+    for missing in ("fingerprint", "model_fingerprint"):
+        record = RunRecord({k: v for k, v in good.items() if k != missing}, 0.0, "x")
+        with pytest.raises(JoinError, match="no data or model fingerprint"):
+            check_files(config, record)
+    with pytest.raises(JoinError, match="no data or model fingerprint"):
+        check_files(config, RunRecord({**good, "fingerprint": ""}, 0.0, "x"))
+
+
+# ------------------------------------------------------------------------------------------------ idle streams
+def test_idle_streams_are_cancelled_and_free_their_slots() -> None:
+    """Two pushes that open a stream and send nothing hold both stream slots of a server; after stream_idle_s
+    without a byte they are cancelled (their deadline was 60 s) and a real push is served again."""
+    import threading
+
+    import grpc
+
+    from protocol import tasklet_pb2 as pb
+
+    got: list[pb.Envelope] = []
+    server = PeerServer(TransportConfig(max_concurrent_streams=2, thread_pool_size=4, stream_idle_s=1.0,
+                                        bulk_port=None))
+    server.register_push(pb.OTHER, got.append)
+    server.start()
+    release = threading.Event()
+
+    def silent() -> object:
+        release.wait(30)
+        return
+        yield  # a generator that sends nothing
+
+    try:
+        with PeerClient(server.endpoint, TransportConfig(bulk_port=None)) as client:
+            call = client._channel.stream_unary("/tasklet.v1.Peer/Push", request_serializer=None,
+                                                response_deserializer=pb.Ack.FromString)
+            started = time.monotonic()
+            idle = [call.future(silent(), timeout=60) for _ in range(2)]
+            time.sleep(0.3)
+            assert server._per_peer, "the silent pushes hold no slot"
+            for future in idle:
+                with pytest.raises(grpc.RpcError) as info:
+                    future.result(timeout=10)
+                assert info.value.code() is grpc.StatusCode.CANCELLED
+            assert time.monotonic() - started < 5.0
+            assert server._idle.cancelled == 2 and not server._per_peer
+            client.push(pb.Envelope(kind=pb.OTHER, meta={"n": "1"}), timeout_s=10)
+            assert len(got) == 1
+    finally:
+        release.set()
+        server.stop()
