@@ -16,7 +16,7 @@ from peer.compute.data import Corpus
 from peer.compute.model import ModelConfig
 from peer.net import PeerClient
 from peer.node.daemon import PeerDaemon
-from peer.node.leader_role import judge_claims
+from peer.node.leader_role import LeaderRole, judge_claims
 from peer.runtime import control as ctl
 from peer.runtime.assign import build_assignments
 from peer.runtime.checkpoints import CheckpointError, CheckpointStore, store_copy
@@ -281,3 +281,13 @@ def test_before_a_leader_is_elected_an_assignment_is_taken_only_from_the_leader_
     assert not any(PeerDaemon._may_assign(daemon, pid) for pid in others)  # type: ignore[arg-type]
     # a read that misses this peer's own advert elects nobody: no assignment is taken on it
     assert not PeerDaemon._may_assign(_Unelected(entries[:1], me="peer-z"), entries[0].advert.peer_id)  # type: ignore[arg-type]
+
+
+def test_a_step_the_dead_leader_applied_but_never_recorded_is_kept_without_a_loss() -> None:
+    record = {"step": 2, "history": {"from": 0, "loss": [4.5, None], "step_s": [1.0, 1.1]}}
+    ctx = type("Ctx", (), {"plan_board": type("B", (), {"latest": lambda _s: None})(),
+                           "progress": type("P", (), {"read": lambda _s, _leader: record})()})()
+    role = type("Role", (), {"ctx": ctx, "history": {}})()
+    LeaderRole._adopt_history(role, 3)  # type: ignore[arg-type]  # takeover one step past the record
+    assert sorted(role.history) == [0, 1, 2]
+    assert role.history[0] == (4.5, 1.0) and role.history[1] == (None, 1.1) and role.history[2][0] is None

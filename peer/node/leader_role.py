@@ -40,7 +40,7 @@ from peer.runtime.outer import assignment_record
 from peer.runtime.spec import Assignment, RunSpec
 from peer.swarm.adverts import Advert, LinkReport
 from peer.swarm.plans import PlanBoard, has_quorum
-from peer.swarm.progress import ProgressBoard
+from peer.swarm.progress import ProgressBoard, publishable
 from peer.timing import (
     LINK_REPORT_WAIT_HEARTBEATS,
     STATUS_TIMEOUT_S,
@@ -377,9 +377,12 @@ class LeaderRole:
         progress = self.ctx.progress.read(previous.leader_id if previous else None) or {}
         hist = progress.get("history") or {}
         first = hist.get("from", 0)
+        first = first if isinstance(first, int) and not isinstance(first, bool) and 0 <= first <= trained else 0
         for k, (loss, secs) in enumerate(zip(hist.get("loss", []), hist.get("step_s", []), strict=False)):
             if first + k < trained and _number(loss, none=True) and _number(secs):
                 self.history[first + k] = (None if loss is None else float(loss), float(secs))
+        for k in range(first, trained):  # a step the previous leader applied but died before recording
+            self.history.setdefault(k, (None, math.nan))
 
     def _history_payload(self, limit: int = 2000) -> dict[str, Any]:
         steps = sorted(self.history)[-limit:]
@@ -454,7 +457,7 @@ class LeaderRole:
             "microbatches_per_pipeline": [r.microbatches_per_pipeline for r in self.driver.reports],
             "record": assignment_record(self.driver.reports),  # replayable (peer.compute.reference)
         }
-        (folder / "run.json").write_text(json.dumps(run, indent=1, default=str))
+        (folder / "run.json").write_text(json.dumps(publishable(run), indent=1, default=str))
         log.info("saved %d stage(s) and run.json to %s", len(saved), folder)
 
 
