@@ -196,14 +196,14 @@ class PeerDaemon:
         self.membership = Membership(
             self.dht, run_id, self.identity, o.secret or None, heartbeat_s=self.config.swarm.heartbeat_s
         )
-        if existing is not None:
-            try:
-                self.membership.check_clock()
-            except ClockSkewError as exc:
-                raise DaemonError(str(exc)) from None
         self.plan_board = PlanBoard(self.dht, run_id, self.identity, o.secret or None, elector=self.elected)
         self.progress = ProgressBoard(self.dht, run_id, self.identity, o.secret or None)
         self.view = SwarmView(self.membership, self.plan_board, self.progress)
+        if existing is not None:
+            try:  # the median of the credited peers' clocks: free identities cannot refuse us
+                self.membership.check_clock(witnesses=self.view.credited(self.membership.live_entries()))
+            except ClockSkewError as exc:
+                raise DaemonError(str(exc)) from None
         if existing is None:
             self.membership.publish_run(files.record(self.config))
         else:

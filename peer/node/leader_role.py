@@ -37,6 +37,7 @@ from peer.runtime.lead.driver import DriverConfig, Pipelines, RunDriver, Stages
 from peer.runtime.outer import assignment_record
 from peer.runtime.spec import Assignment, RunSpec
 from peer.swarm.adverts import Advert, LinkReport
+from peer.swarm.election import MAX_CREDITED, credited_of
 from peer.swarm.plans import PlanBoard, has_quorum
 from peer.swarm.progress import ProgressBoard
 from peer.timing import (
@@ -97,6 +98,9 @@ class LeaderRole:
         # record the previous leader published), so run.json and status keep the full curve
         self.history: dict[int, tuple[float, float]] = {}
         self._last_progress: dict[str, Any] = {"epoch": 0, "step": 0, "state": "forming"}
+        # peers whose pipelines applied a step of the run (carried over from the previous leader's plan): the
+        # only witnesses of the election once there are some (peer.swarm.election), listed in every plan
+        self.credited: set[str] = set()
         self._tokens_per_step = self.spec.micro_batch * self.spec.n_microbatches * self.spec.model.seq_len
         logs = self.config.log  # TensorBoard / W&B scalars of each step (peer.observe.scalars)
         self.scalars = ScalarWriter(
@@ -240,6 +244,7 @@ class LeaderRole:
     def _lead(self) -> None:
         board = self.ctx.plan_board
         previous = board.latest()
+        self.credited = set(credited_of(previous.plan if previous else None))
         self._wait_for_peers(taking_over=previous is not None)
         self._wait_for_quorum()
         self.ctx.probe_links_now()
@@ -348,6 +353,7 @@ class LeaderRole:
             "step": info["step"],
             "reason": info["reason"][:200],
             "coordinator": self.coordinator.endpoint,
+            "credited": sorted(self.credited)[:MAX_CREDITED],
         }
         try:
             stored = self.ctx.plan_board.publish(info["epoch"], self.ctx.peer_id, plan, members=sorted(self._workers()))
@@ -376,6 +382,9 @@ class LeaderRole:
         tokens_per_s = self._tokens_per_step / report.seconds if report.seconds > 0 else 0.0
         log.info("step %d: loss %.4f, %.2f s, %.0f tokens/s", report.step, report.loss, report.seconds, tokens_per_s)
         assert self.driver is not None
+        for r in report.applied:  # accepted work: the peers of each pipeline that applied the step
+            if 0 <= r < len(self.driver.pipelines):
+                self.credited.update(self.peer_of[d] for d in self.driver.pipelines[r] if d in self.peer_of)
         self.scalars.add(report.step, {"train/loss": report.loss, "train/tokens_per_s": tokens_per_s,
                                        "train/step_s": report.seconds, "swarm/plan_epoch": self.driver.epoch,
                                        "swarm/peers": len(self._workers())})

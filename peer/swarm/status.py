@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from peer.swarm.dht import DHTConfig, start_dht
-from peer.swarm.election import elect_leader
+from peer.swarm.election import bootstrap_credited, credited_of, elect_leader
 from peer.swarm.identity import Identity
 from peer.swarm.membership import Membership, PeerEntry
 from peer.swarm.plans import PlanBoard, PlanRecord
@@ -77,8 +77,13 @@ class StatusReader:
         return list(entries)
 
     def elected(self) -> str | None:
-        """The leader as elected from the live records now."""
-        return elect_leader(self.live_entries())
+        """The leader as elected from the live records now, with the testimony of the credited peers only
+        (those of the plan followed, before any: of the newest self-consistent plan; ``peer.swarm.election``)."""
+        entries = self.live_entries()
+        followed = self.board.followed()
+        credited = credited_of(followed.plan) if followed is not None else bootstrap_credited(
+            entries, [(p.leader_id, p.plan) for p in self.board.plans()])
+        return elect_leader(entries, credited)
 
     def latest_plan(self) -> PlanRecord | None:
         return self.board.latest()

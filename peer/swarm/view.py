@@ -16,8 +16,9 @@ set read it (``Membership.live_entries``):
 A worker holding an assignment and following a live leader reads one small record a heartbeat: the leader's
 beat (plan epoch, step, state, DHT time). The plan itself is read only when the beat names a newer epoch; the
 full progress record (loss history) only on demand (`peer status`, the dashboard, a new leader); the
-certificates it needs are those its assignment names (``peer.runtime.stage``). The election is unchanged
-(``peer.swarm.election``): the same pure function of the live records, acted on only once it has been stable
+certificates it needs are those its assignment names (``peer.runtime.stage``). The election is the same
+everywhere (``peer.swarm.election``): a pure function of the live records and the followed plan's credited
+peers, acted on only once it has been stable
 for ``LEADER_CONFIRM_TICKS`` full reads, and plans and progress are accepted only from the elected leader
 (``peer.swarm.plans``), so the fencing by (epoch, leader id) and the quorum rule hold as before.
 """
@@ -28,7 +29,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from peer.swarm.election import elect_leader
+from peer.swarm.election import bootstrap_credited, credited_of, elect_leader
 from peer.swarm.membership import Membership, PeerEntry
 from peer.swarm.plans import PlanBoard, PlanRecord
 from peer.swarm.progress import ProgressBoard
@@ -64,6 +65,7 @@ class SwarmView:
         self.beat: dict[str, Any] | None = None  # the last beat of the leader whose progress counts
         self.ticks = 0
         self.full_reads = 0
+        self._bootstrap: frozenset[str] | None = None  # the credited set while no plan is followed
 
     @property
     def me(self) -> str:
@@ -106,12 +108,23 @@ class SwarmView:
         such a read is incomplete, and acting on it could make a follower believe it leads."""
         if not any(e.advert.peer_id == self.me for e in entries):
             return False
-        candidate = elect_leader(entries)
+        candidate = elect_leader(entries, self.credited(entries))
         if candidate == self.candidate:
             self.streak += 1
         else:
             self.candidate, self.streak = candidate, 1
         return True
+
+    def credited(self, entries: list[PeerEntry]) -> frozenset[str]:
+        """Whose testimony counts in the election (``peer.swarm.election``): the peers the followed plan credits
+        with accepted work; without a plan, those of the newest self-consistent plan in the DHT (read once a
+        heartbeat)."""
+        plan = self.plans.followed()
+        if plan is not None:
+            return credited_of(plan.plan)
+        if self._bootstrap is None or self.ticks % self.ticks_per_heartbeat == 0:
+            self._bootstrap = bootstrap_credited(entries, [(p.leader_id, p.plan) for p in self.plans.plans()])
+        return self._bootstrap
 
     def _look_at_leader(self) -> None:
         """Read the elected leader's beat: fresh clears suspicion, missing or stale raises it; a newer epoch

@@ -7,8 +7,10 @@ devices between (stage, replica) slots and change the number of replicas.
 
 Where a tasklet's state comes from after a re-plan, in order of preference: the device already holds it at
 the run's trained step (``keep``); a live replica of the stage at that step (``fetch``); otherwise the stage
-is lost with every replica, and the whole run rolls back to the last checkpoint (every stage ``fetch``es its
-checkpoint from the coordinator), redoing the steps since — the log says how many.
+is lost with every replica, and the whole run rolls back to the newest verified checkpoint, this leader's or
+a copy a live peer holds (every stage ``fetch``es it from the coordinator), or to step 0 when there is none (the
+seeded initial state, which every peer rebuilds), redoing the steps since — the log says how many. A wiped stage
+never ends the run.
 
 Checkpoints are written by the leader: every ``checkpoint_every`` steps (and on request, e.g. SIGTERM) it
 fetches each stage's state from one replica and writes it durably through
@@ -373,16 +375,20 @@ class RunDriver:
         sources, rollback = self._sources(assignments, holders, restore_step)
         if rollback is not None:
             redone = self.trained - rollback
+            seeded = rollback == 0 and self._loaded is None  # no checkpoint: the seeded initial state is step 0's
             log.warning(
-                "every replica of a stage is gone; rolling back to the checkpoint of step %d, redoing %d step(s)",
-                rollback,
+                "every replica of a stage is gone; rolling back to %s, redoing %d step(s)",
+                "step 0 (no checkpoint: the seeded initial state)" if seeded else f"the checkpoint of step {rollback}",
                 redone,
             )
             self.events.rollbacks.append({"from_step": self.trained, "to_step": rollback, "redone": redone})
-            self._load_checkpoint_stages(rollback)
+            if seeded:
+                sources = {ep: StateSource.init() for ep in assignments}
+            else:
+                self._load_checkpoint_stages(rollback)
+                sources = {ep: StateSource.fetch(self.coordinator.endpoint, rollback) for ep in assignments}
             self.trained = rollback
             self.reports = [r for r in self.reports if r.step < rollback]
-            sources = {ep: StateSource.fetch(self.coordinator.endpoint, rollback) for ep in assignments}
         self.coordinator.assign(assignments, sources)  # a new plan: the coordinator forgets the dead
         self.pipelines = pipelines
         info = {
@@ -449,10 +455,11 @@ class RunDriver:
             elif self.trained == 0:
                 sources[ep] = StateSource.init()
             else:
+                # a wiped stage never ends the run: the newest verified checkpoint (this disk's or a peer's copy),
+                # else step 0, whose state every peer rebuilds from the run's seed
+                self._loaded = None
                 latest = self._latest_checkpoint(ask_peers=True)
-                if latest is None:
-                    raise StepFailedError(f"stage {a.stage} lost every replica and there is no checkpoint")
-                return {}, latest
+                return {}, 0 if latest is None else latest
         return sources, None
 
     # ---------------------------------------------------------------------------------------- checkpoints
