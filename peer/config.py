@@ -20,7 +20,7 @@ from peer.compute.model import ModelConfig
 from peer.compute.stage import OptimConfig
 from peer.runtime.checkpoints import DEFAULT_KEEP
 from peer.runtime.spec import COMPRESSIONS, PRECISIONS, PSEUDO_GRAD_COMPRESSIONS, RunSpec, SpecError
-from peer.timing import ADVERT_TTL_HEARTBEATS, CHECKPOINT_COPIES, HEARTBEAT_S
+from peer.timing import ADVERT_TTL_HEARTBEATS, CHECKPOINT_COPIES, HEARTBEAT_S, QUORUM_WAIT_S
 
 
 class ConfigError(ValueError):
@@ -98,6 +98,8 @@ class SwarmSection:
         CHECKPOINT_COPIES, "other peers that keep a copy of every checkpoint (a new leader resumes from one)"
     )
     save_dir: str = _f("", "when set, the leader writes the final parameters of every stage and run.json here")
+    quorum_wait_s: float = _f(QUORUM_WAIT_S, "a leader without a majority of the last plan's members pauses this "
+                              "long, then goes on with those present in a new epoch")
 
 
 @dataclass
@@ -241,6 +243,8 @@ class RunConfig:
             raise ConfigError(f"{where}: [swarm] stages must be 0 (auto) or 1..n_layers")
         if not s.heartbeat_s > 0:
             raise ConfigError(f"{where}: [swarm] heartbeat_s must be > 0")
+        if not (s.quorum_wait_s >= 0 and math.isfinite(s.quorum_wait_s)):
+            raise ConfigError(f"{where}: [swarm] quorum_wait_s must be a number >= 0")
         if s.checkpoint_keep < 1 or s.checkpoint_copies < 0:
             raise ConfigError(f"{where}: [swarm] checkpoint_keep must be >= 1 and checkpoint_copies >= 0")
         e = self.emulation

@@ -28,6 +28,7 @@ from typing import Any
 
 from peer.compute.device_probe import measure_device
 from peer.config import RunConfig
+from peer.net import PeerClient, TransportConfig
 from peer.net.tls import TlsContext
 from peer.node.emulated_links import EmulatedLinks, Emulation, NetworkModel, emulated_device
 from peer.node.joining import JoinError, check_files, find_run
@@ -46,10 +47,13 @@ from peer.swarm.progress import ProgressBoard
 from peer.swarm.view import SwarmView
 from peer.timing import (
     ADVERT_TTL_HEARTBEATS,
+    COORDINATOR_LOST_HEARTBEATS,
+    DEPOSE_HEARTBEATS,
     DHT_RECONNECT_HEARTBEATS,
     EXIT_COPY_WAIT_S,
     HEARTBEAT_S,
     PLAN_RENEW_TICKS,
+    STATUS_TIMEOUT_S,
     TICKS_PER_HEARTBEAT,
     now,
 )
@@ -333,6 +337,7 @@ class PeerDaemon:
         assert self.config is not None
         period = self.config.swarm.heartbeat_s / TICKS_PER_HEARTBEAT
         prober = threading.Thread(target=self._probe_loop, name="prober", daemon=True)
+        threading.Thread(target=self._watch_coordinator, name="coordinator-watch", daemon=True).start()
         while not self.done.is_set() and not self.stop_requested.is_set():
             self._tick()
             if not prober.is_alive() and not prober.ident:
@@ -367,6 +372,11 @@ class PeerDaemon:
         if self.role is not None and self.role.finished.is_set():
             if self.role.error is not None:
                 self.exit_error = f"leader failed: {self.role.error}"
+                assert self.progress is not None
+                try:  # the followers elect again at once, as for a leader that died (peer.swarm.view)
+                    self.progress.resign()
+                except Exception as exc:  # the DHT may be unreachable; the advert's expiry does the same
+                    log.info("resign: %s", exc)
             self.done.set()
             return
         self._ticks += 1
@@ -476,6 +486,31 @@ class PeerDaemon:
         with self._live_lock:
             return list(self._live)
 
+
+    def _watch_coordinator(self) -> None:
+        """Once a heartbeat, a follower holding an assignment pings its coordinator; unreachable for
+        ``COORDINATOR_LOST_HEARTBEATS``, the leader is deposed (``SwarmView.depose``): the peer elects again
+        without it instead of retrying a dead coordinator (the feeder's leases) for as long as it beats."""
+        assert self.config is not None
+        heartbeat = self.config.swarm.heartbeat_s
+        lost_since: float | None = None
+        while not self.stop_requested.wait(heartbeat) and not self.done.is_set():
+            a = self.worker.assignment if self.worker is not None else None
+            if self.role is not None or a is None or not a.leader or self.view is None or a.leader != self.elected():
+                lost_since = None
+                continue
+            try:
+                with PeerClient(a.coordinator, TransportConfig(tls=self.tls), sender=self.identity.peer_id,
+                                expect_peer=a.leader) as client:
+                    client.ping(timeout_s=min(STATUS_TIMEOUT_S, heartbeat * COORDINATOR_LOST_HEARTBEATS))
+                lost_since = None
+            except Exception as exc:  # any failure to reach it counts
+                lost_since = time.monotonic() if lost_since is None else lost_since
+                if time.monotonic() - lost_since >= heartbeat * COORDINATOR_LOST_HEARTBEATS:
+                    self.view.depose(a.leader, heartbeat * DEPOSE_HEARTBEATS,
+                                     f"its coordinator {a.coordinator} has not answered for "
+                                     f"{time.monotonic() - lost_since:.0f} s ({str(exc)[:120]})")
+                    lost_since = None
 
     # ----------------------------------------------------------------------------------------- probing
     def _probe_loop(self) -> None:

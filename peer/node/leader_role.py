@@ -46,6 +46,7 @@ from peer.timing import (
     TAKEOVER_APPLY_TIMEOUT_S,
     TAKEOVER_WAIT_S,
     TICKS_PER_HEARTBEAT,
+    now,
 )
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,9 @@ class LeaderRole:
         # peers whose pipelines applied a step of the run (carried over from the previous leader's plan): the
         # only witnesses of the election once there are some (peer.swarm.election), listed in every plan
         self.credited: set[str] = set()
+        self.pause: dict[str, Any] | None = None  # why, since and until when (DHT time) the leader pauses
+        self.waive_epoch: int | None = None  # the plan epoch the next plan fences without its quorum
+        self.waived: dict[str, Any] | None = None  # what the quorum waiver of the next plan says
         self._tokens_per_step = self.spec.micro_batch * self.spec.n_microbatches * self.spec.model.seq_len
         logs = self.config.log  # TensorBoard / W&B scalars of each step (peer.observe.scalars)
         self.scalars = ScalarWriter(
@@ -203,12 +207,18 @@ class LeaderRole:
         raise InterruptedError("stopped while waiting for peers")
 
     def _wait_for_quorum(self) -> None:
-        """Pause until a quorum of the previous plan's members is live here (``peer.swarm.plans.has_quorum``).
+        """Pause until a quorum of the previous plan's members is live here (``peer.swarm.plans.has_quorum``),
+        for at most ``[swarm] quorum_wait_s``; then go on with the members present, in a new epoch whose plan
+        waives the quorum and fences the previous one (``PlanBoard.publish(waive_quorum=...)``).
 
-        On the minority side of a partition that never happens: its leader waits (its workers keep their state
-        and train nothing) until the partition heals and the majority's leader, elected again, takes them back.
+        A partition's minority side cannot tell a partition from a crash of the others: pausing forever would stop
+        a run that lost half its peers for good, never pausing would let both sides of every short partition
+        train apart. The bounded wait is the trade-off (docs/architecture.md, "Partitions"): a partition shorter
+        than ``quorum_wait_s`` costs nothing; a longer one lets both sides train, and when it heals the side with
+        the newer (epoch, trained step) wins and the other side's work since the split is discarded and reported.
         """
-        paused = False
+        paused_at: float | None = None
+        wait_s = self.config.swarm.quorum_wait_s
         while not self.stop_event.is_set():
             previous, live = self.ctx.plan_board.latest(), set(self._workers())
             elector = self.ctx.plan_board.elector
@@ -217,16 +227,30 @@ class LeaderRole:
                 # confirms it and stops this role, or elects us again
                 self.stop_event.wait(self.config.swarm.heartbeat_s / TICKS_PER_HEARTBEAT)
                 continue
-            if has_quorum(previous, live):
-                if paused:
+            if has_quorum(previous, live) or (previous is not None and self.waive_epoch == previous.epoch):
+                if paused_at is not None:
                     log.info("leader: a quorum of the previous plan's members is back; resuming")
+                    self.pause = None
                 return
-            if not paused:
-                assert previous is not None
-                members = set(previous.members) | {previous.leader_id}
-                log.warning("leader: paused, only %d of the %d members of plan %d are reachable (a majority is needed)",
-                            len(members & live), len(members), previous.epoch)
-                paused = True
+            assert previous is not None
+            members = set(previous.members) | {previous.leader_id}
+            if paused_at is None:
+                paused_at = time.monotonic()
+                reason = (f"only {len(members & live)} of the {len(members)} members of plan {previous.epoch} are "
+                          f"reachable (a majority is needed)")
+                self.pause = {"reason": reason, "since": now(), "until": now() + wait_s, "epoch": previous.epoch}
+                log.warning("leader: paused, %s; going on without them in %.0f s ([swarm] quorum_wait_s)",
+                            reason, wait_s)
+                self._publish({**self._last_progress, "state": "paused", "paused": dict(self.pause)})
+            elif time.monotonic() - paused_at >= wait_s:
+                log.warning("leader: no majority of plan %d's members for %.0f s; going on with the %d present in a "
+                            "new epoch that fences plan %d (quorum waived)", previous.epoch,
+                            time.monotonic() - paused_at, len(members & live), previous.epoch)
+                self.waive_epoch = previous.epoch
+                self.waived = {"fenced_epoch": previous.epoch, "waited_s": round(time.monotonic() - paused_at, 1),
+                               "present": len(members & live), "members": len(members)}
+                self.pause = None
+                return
             self.stop_event.wait(self.config.swarm.heartbeat_s / TICKS_PER_HEARTBEAT)
         raise InterruptedError("stopped while waiting for a quorum")
 
@@ -355,8 +379,12 @@ class LeaderRole:
             "coordinator": self.coordinator.endpoint,
             "credited": sorted(self.credited)[:MAX_CREDITED],
         }
+        waive = self.waived is not None and self.waive_epoch == self.ctx.plan_board.highest_epoch
+        if waive:
+            plan["quorum_waived"] = dict(self.waived or {})
         try:
-            stored = self.ctx.plan_board.publish(info["epoch"], self.ctx.peer_id, plan, members=sorted(self._workers()))
+            stored = self.ctx.plan_board.publish(info["epoch"], self.ctx.peer_id, plan, members=sorted(self._workers()),
+                                                 waive_quorum=waive)
         except ValueError as exc:  # a newer plan was accepted meanwhile, or the quorum was lost: stop leading
             raise InterruptedError(f"plan of epoch {info['epoch']} not published: {exc}") from None
         if not stored:

@@ -6,7 +6,10 @@ set read it (``Membership.live_entries``):
 
 * the **leader**, every tick: it plans from the adverts and must notice joins, deaths and a healed partition;
 * a peer **without a confirmed leader** (just joined, or the election is still settling), every tick;
-* a peer that **suspects the leader**: the leader's beat (``peer.swarm.progress``) was missing, older than
+* a peer that **suspects the leader**: its coordinator could not be reached for ``COORDINATOR_LOST_HEARTBEATS``
+  (the daemon deposes it: :meth:`SwarmView.depose` elects without it for ``DEPOSE_HEARTBEATS``, so a leader that
+  beats but does not coordinate, e.g. one that failed while taking over, is replaced like a dead one), or the
+  leader's beat (``peer.swarm.progress``) was missing, older than
   one advert lifetime or "resigned" (it stepped down) at the last look, or a peer other than the one it
   elected tried to assign it work
   (:meth:`SwarmView.suspect_leader`; the election may have moved, e.g. a partition healed), every tick;
@@ -26,6 +29,7 @@ for ``LEADER_CONFIRM_TICKS`` full reads, and plans and progress are accepted onl
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +70,7 @@ class SwarmView:
         self.ticks = 0
         self.full_reads = 0
         self._bootstrap: frozenset[str] | None = None  # the credited set while no plan is followed
+        self.deposed: dict[str, float] = {}  # peer id -> until when (monotonic) the election leaves it out
 
     @property
     def me(self) -> str:
@@ -83,6 +88,14 @@ class SwarmView:
         if not self.suspect:
             logger.info("reading every advert again: %s", why)
         self.suspect = True
+
+    def depose(self, peer_id: str, for_s: float, why: str) -> None:
+        """Elect without ``peer_id`` for ``for_s`` seconds (its coordinator cannot be reached: a leader that
+        beats but does not lead must not hold the run), and read every advert again."""
+        if self.deposed.get(peer_id, 0.0) <= time.monotonic():
+            logger.warning("electing a leader without %s for %.0f s: %s", peer_id, for_s, why)
+        self.deposed[peer_id] = time.monotonic() + for_s
+        self.suspect_leader(why)
 
     def needs_full_read(self, leading: bool) -> bool:
         if leading or self.suspect or self.confirmed() is None or self.candidate == self.me:
@@ -108,7 +121,8 @@ class SwarmView:
         such a read is incomplete, and acting on it could make a follower believe it leads."""
         if not any(e.advert.peer_id == self.me for e in entries):
             return False
-        candidate = elect_leader(entries, self.credited(entries))
+        deposed = {pid for pid, until in self.deposed.items() if until > time.monotonic()}
+        candidate = elect_leader([e for e in entries if e.advert.peer_id not in deposed], self.credited(entries))
         if candidate == self.candidate:
             self.streak += 1
         else:
