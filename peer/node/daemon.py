@@ -28,13 +28,13 @@ from typing import Any
 
 from peer.compute.device_probe import measure_device
 from peer.config import RunConfig
-from peer.net import PeerClient, TransportConfig
 from peer.net.tls import TlsContext
 from peer.node.emulated_links import EmulatedLinks, Emulation, NetworkModel, emulated_device
 from peer.node.joining import JoinError, check_files, find_run
 from peer.node.leader_role import LeaderContext, LeaderRole
 from peer.node.prober import LinkProber, ProbeSources
 from peer.node.reachability import Reach, ReachabilityError, establish, refuse_undialable
+from peer.node.watch import CoordinatorWatch
 from peer.observe.node import NodeObserver, ObserveError, ObserveOptions
 from peer.observe.snapshot import SwarmSource
 from peer.runtime.stage.worker import StageWorker
@@ -47,13 +47,10 @@ from peer.swarm.progress import ProgressBoard
 from peer.swarm.view import SwarmView
 from peer.timing import (
     ADVERT_TTL_HEARTBEATS,
-    COORDINATOR_LOST_HEARTBEATS,
-    DEPOSE_HEARTBEATS,
     DHT_RECONNECT_HEARTBEATS,
     EXIT_COPY_WAIT_S,
     HEARTBEAT_S,
     PLAN_RENEW_TICKS,
-    STATUS_TIMEOUT_S,
     TICKS_PER_HEARTBEAT,
     now,
 )
@@ -337,7 +334,11 @@ class PeerDaemon:
         assert self.config is not None
         period = self.config.swarm.heartbeat_s / TICKS_PER_HEARTBEAT
         prober = threading.Thread(target=self._probe_loop, name="prober", daemon=True)
-        threading.Thread(target=self._watch_coordinator, name="coordinator-watch", daemon=True).start()
+        assert self.view is not None
+        watch = CoordinatorWatch(self.config.swarm.heartbeat_s, self.tls, self.identity.peer_id,
+                                 lambda: self.worker.assignment if self.worker else None,
+                                 lambda: self.role is not None, self.elected, self.view.depose, self.stop_requested)
+        threading.Thread(target=watch.run, name="coordinator-watch", daemon=True).start()
         while not self.done.is_set() and not self.stop_requested.is_set():
             self._tick()
             if not prober.is_alive() and not prober.ident:
@@ -372,11 +373,7 @@ class PeerDaemon:
         if self.role is not None and self.role.finished.is_set():
             if self.role.error is not None:
                 self.exit_error = f"leader failed: {self.role.error}"
-                assert self.progress is not None
-                try:  # the followers elect again at once, as for a leader that died (peer.swarm.view)
-                    self.progress.resign()
-                except Exception as exc:  # the DHT may be unreachable; the advert's expiry does the same
-                    log.info("resign: %s", exc)
+                _resign(self.progress)  # the followers elect again at once, as for a leader that died
             self.done.set()
             return
         self._ticks += 1
@@ -487,31 +484,6 @@ class PeerDaemon:
             return list(self._live)
 
 
-    def _watch_coordinator(self) -> None:
-        """Once a heartbeat, a follower holding an assignment pings its coordinator; unreachable for
-        ``COORDINATOR_LOST_HEARTBEATS``, the leader is deposed (``SwarmView.depose``): the peer elects again
-        without it instead of retrying a dead coordinator (the feeder's leases) for as long as it beats."""
-        assert self.config is not None
-        heartbeat = self.config.swarm.heartbeat_s
-        lost_since: float | None = None
-        while not self.stop_requested.wait(heartbeat) and not self.done.is_set():
-            a = self.worker.assignment if self.worker is not None else None
-            if self.role is not None or a is None or not a.leader or self.view is None or a.leader != self.elected():
-                lost_since = None
-                continue
-            try:
-                with PeerClient(a.coordinator, TransportConfig(tls=self.tls), sender=self.identity.peer_id,
-                                expect_peer=a.leader) as client:
-                    client.ping(timeout_s=min(STATUS_TIMEOUT_S, heartbeat * COORDINATOR_LOST_HEARTBEATS))
-                lost_since = None
-            except Exception as exc:  # any failure to reach it counts
-                lost_since = time.monotonic() if lost_since is None else lost_since
-                if time.monotonic() - lost_since >= heartbeat * COORDINATOR_LOST_HEARTBEATS:
-                    self.view.depose(a.leader, heartbeat * DEPOSE_HEARTBEATS,
-                                     f"its coordinator {a.coordinator} has not answered for "
-                                     f"{time.monotonic() - lost_since:.0f} s ({str(exc)[:120]})")
-                    lost_since = None
-
     # ----------------------------------------------------------------------------------------- probing
     def _probe_loop(self) -> None:
         while not self.done.is_set() and not self.stop_requested.is_set():
@@ -555,11 +527,8 @@ class PeerDaemon:
                 except Exception as exc:  # leaving must not fail because a checkpoint did
                     log.warning("checkpoint on exit failed: %s", exc)
             self.role.stop()
-            if resigning and self.progress is not None:
-                try:
-                    self.progress.resign()  # the others elect a new leader at once (see peer.swarm.view)
-                except Exception as exc:  # the DHT may already be unreachable
-                    log.info("resign: %s", exc)
+            if resigning:
+                _resign(self.progress)  # the others elect a new leader at once (see peer.swarm.view)
         if self.membership is not None:
             try:
                 self.membership.leave()
@@ -574,6 +543,16 @@ class PeerDaemon:
                 self.dht.shutdown()
             except Exception as exc:  # the child process may be gone already
                 log.info("DHT shutdown: %s", exc)
+
+
+def _resign(progress: ProgressBoard | None) -> None:
+    """Tell the followers this peer leads no more (they elect again at once, ``peer.swarm.view``)."""
+    if progress is None:
+        return
+    try:
+        progress.resign()
+    except Exception as exc:  # the DHT may already be unreachable: the beat's age says the same, later
+        log.info("resign: %s", exc)
 
 
 def _ops_summary(delta: dict[str, int], heartbeats: float, role: str) -> dict[str, Any]:

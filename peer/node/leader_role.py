@@ -28,6 +28,7 @@ import torch
 from peer.compute.model import unflatten_stage
 from peer.config import RunConfig
 from peer.net import PeerClient, PeerServer, TransportConfig
+from peer.node.partition import find_rival, judge
 from peer.node.planning import ClusterView, build_cluster, make_planner, workload_for
 from peer.observe.scalars import ScalarWriter
 from peer.runtime.assign import build_assignments
@@ -105,6 +106,8 @@ class LeaderRole:
         self.pause: dict[str, Any] | None = None  # why, since and until when (DHT time) the leader pauses
         self.waive_epoch: int | None = None  # the plan epoch the next plan fences without its quorum
         self.waived: dict[str, Any] | None = None  # what the quorum waiver of the next plan says
+        self.discarded: dict[str, Any] | None = None  # the losing side of the last healed partition
+        self.start_epoch = 0  # the plan epoch this leadership began at: a later plan of another leader is a rival
         self._tokens_per_step = self.spec.micro_batch * self.spec.n_microbatches * self.spec.model.seq_len
         logs = self.config.log  # TensorBoard / W&B scalars of each step (peer.observe.scalars)
         self.scalars = ScalarWriter(
@@ -132,12 +135,14 @@ class LeaderRole:
             if pid not in self.index:
                 self.index[pid] = len(self.index)
                 self.peer_of[self.index[pid]] = pid
-        self._forgive_returning(live)
+        returning = self._forgive_returning(live)
+        if returning and self.driver is not None:
+            self._check_heal(returning, live)
         return {self.index[pid]: a.endpoint for pid, a in live.items()}
 
-    def _forgive_returning(self, live: dict[str, Advert]) -> None:
+    def _forgive_returning(self, live: dict[str, Advert]) -> set[str]:
         """A peer whose advert vanished and came back (a healed partition, a restart) may be planned again,
-        even if the driver banned its endpoint as dead while it was away."""
+        even if the driver banned its endpoint as dead while it was away. Returns the peers new in this view."""
         returning = set(live) - self._last_live
         self._last_live = set(live)
         if self.driver is not None:
@@ -146,6 +151,32 @@ class LeaderRole:
                     log.info("leader: %s is back; it may be planned again", pid)
                     self.driver.banned.discard(live[pid].endpoint)
         self._ever_live |= set(live)
+        return returning
+
+    def _check_heal(self, returning: set[str], live: dict[str, Advert]) -> None:
+        """Peers came into view: if they followed a rival plan (the other side of a partition that went on after
+        ``quorum_wait_s``), the side with the newer (epoch, step) wins (``peer.node.partition``); the loser's
+        work since the split is discarded, logged and published (``discarded``, shown by `peer status`)."""
+        assert self.driver is not None
+        rival = find_rival(self.ctx.plan_board.plans(), self.ctx.peer_id, self.start_epoch, returning)
+        if rival is None:
+            return
+        progress = self.ctx.progress.read(rival.leader_id) or {}
+        v = judge(rival, progress, self.ctx.peer_id, (self.driver.epoch, self.driver.trained), self.config.run.steps)
+        their_eps = {live[pid].endpoint for pid in v.their_peers if pid in live}
+        if v.theirs:
+            for k in [k for k in self.history if k >= v.split]:
+                del self.history[k]
+            self._adopt_history(v.step, progress, since=v.split)
+            self.driver.heal(v.step, v.epoch, keep=their_eps, discard=set())
+        else:
+            self.driver.heal(v.step, v.epoch, keep=None, discard=their_eps)
+        d = v.discarded
+        log.warning("leader: a partition healed; the side of %s (plan epoch %d, step %d) lost to the side of %s "
+                    "(epoch %d, step %d): its %d step(s) since step %d are discarded", d["leader"], d["epoch"],
+                    d["step"], d["kept_leader"], d["kept_epoch"], d["kept_step"], d["steps"], v.split)
+        self.discarded = d
+        self._publish({**self._last_progress, "discarded": dict(d)})
 
     def _view(self, devices: list[int]) -> ClusterView:
         live = self._workers()
@@ -247,8 +278,9 @@ class LeaderRole:
                             "new epoch that fences plan %d (quorum waived)", previous.epoch,
                             time.monotonic() - paused_at, len(members & live), previous.epoch)
                 self.waive_epoch = previous.epoch
+                step = self.driver.trained if self.driver is not None else self._last_progress.get("step", 0)
                 self.waived = {"fenced_epoch": previous.epoch, "waited_s": round(time.monotonic() - paused_at, 1),
-                               "present": len(members & live), "members": len(members)}
+                               "present": len(members & live), "members": len(members), "step": step}
                 self.pause = None
                 return
             self.stop_event.wait(self.config.swarm.heartbeat_s / TICKS_PER_HEARTBEAT)
@@ -269,6 +301,7 @@ class LeaderRole:
         board = self.ctx.plan_board
         previous = board.latest()
         self.credited = set(credited_of(previous.plan if previous else None))
+        self.start_epoch = board.highest_epoch
         self._wait_for_peers(taking_over=previous is not None)
         self._wait_for_quorum()
         self.ctx.probe_links_now()
@@ -362,6 +395,8 @@ class LeaderRole:
     def _publish(self, payload: dict[str, Any]) -> None:
         """Publish progress; every record carries the loss history, so a takeover at any moment keeps it."""
         self._last_progress = {**payload, "history": self._history_payload()}
+        if self.discarded is not None:  # the last healed partition's lost work stays in view
+            self._last_progress["discarded"] = dict(self.discarded)
         self.ctx.progress.publish(dict(self._last_progress))
 
     def beat(self) -> None:
@@ -391,13 +426,18 @@ class LeaderRole:
             log.warning("plan of epoch %d was not stored in the DHT", info["epoch"])
         self._publish({"epoch": info["epoch"], "step": info["step"], "state": "training"})
 
-    def _adopt_history(self, trained: int) -> None:
-        previous = self.ctx.plan_board.latest()
-        progress = self.ctx.progress.read(previous.leader_id if previous else None) or {}
+    def _adopt_history(self, trained: int, progress: dict[str, Any] | None = None, since: int = 0) -> None:
+        """Take the loss history of steps ``since`` .. ``trained`` - 1 from a progress record (default: that of
+        the previous plan's leader)."""
+        if progress is None:
+            previous = self.ctx.plan_board.latest()
+            progress = self.ctx.progress.read(previous.leader_id if previous else None) or {}
         hist = progress.get("history") or {}
         first = hist.get("from", 0)
+        if not isinstance(first, int) or isinstance(first, bool):
+            return
         for k, (loss, secs) in enumerate(zip(hist.get("loss", []), hist.get("step_s", []), strict=False)):
-            if first + k < trained and isinstance(loss, (int, float)) and isinstance(secs, (int, float)):
+            if since <= first + k < trained and isinstance(loss, (int, float)) and isinstance(secs, (int, float)):
                 self.history[first + k] = (float(loss), float(secs))
 
     def _history_payload(self, limit: int = 2000) -> dict[str, Any]:

@@ -221,6 +221,10 @@ class RunDriver:
         # on_checkpoint(step, folder): after each checkpoint is written (replication to other peers)
         self.on_checkpoint: Callable[[int, Path], None] | None = None
         self._replicating: threading.Thread | None = None
+        # a healed partition (peer.node.leader_role): the endpoints whose state the next plan keeps (None: any
+        # holder at the trained step), and those whose state it never keeps (the discarded side's)
+        self.keep_only: set[str] | None = None
+        self.discard: set[str] = set()
 
     def _check_stopped(self) -> None:
         if self.stop_event.is_set():
@@ -285,6 +289,16 @@ class RunDriver:
         middle of a round a pipeline that lost a member sits the round out; peer.runtime.outer)."""
         return self.trained % self.spec.sync_period == 0
 
+    def heal(self, step: int, epoch: int, keep: set[str] | None, discard: set[str]) -> None:
+        """A partition healed (between steps, on the driver's thread): train on from ``step`` with the state
+        of the peers in ``keep`` (None: this leader's own side), never keeping the state of ``discard`` (the
+        losing side, whose work is dropped); the next plan's epoch is above ``epoch`` (the other side's)."""
+        self.epoch = max(self.epoch, epoch)
+        if step != self.trained:
+            self.reports = [r for r in self.reports if r.step < min(step, self.trained)]
+            self.trained = step
+        self.keep_only, self.discard = keep, set(discard)
+
     def _ban_dead(self) -> None:
         self.banned |= set(self.coordinator.dead)
 
@@ -335,6 +349,8 @@ class RunDriver:
         """A worker died at a step boundary, or a new device joined."""
         live = {ep for ep in self.live_devices().values() if ep not in self.banned and ep not in self.slow}
         planned = set(self.coordinator.assignments)
+        if self.keep_only is not None or self.discard:  # a healed partition (seen while reading ``live``)
+            return True
         if self.coordinator.dead:
             self._ban_dead()
             return True
@@ -390,6 +406,7 @@ class RunDriver:
             self.trained = rollback
             self.reports = [r for r in self.reports if r.step < rollback]
         self.coordinator.assign(assignments, sources)  # a new plan: the coordinator forgets the dead
+        self.keep_only, self.discard = None, set()  # a healed partition's sides are one plan now
         self.pipelines = pipelines
         info = {
             "epoch": self.epoch,
@@ -430,7 +447,10 @@ class RunDriver:
         known = {ep: st for ep, st in fresh.items() if ep in live and st} if trained == self.trained else {}
         with ThreadPoolExecutor(max_workers=16) as pool:
             answers = [*known.items(), *pool.map(ask, sorted(live - set(known)))]
+        keep_only, discard = self.keep_only, self.discard
         for ep, st in answers:
+            if ep in discard or (keep_only is not None and ep not in keep_only):
+                continue  # a healed partition: the losing side's state is not kept
             if st and st.get("trained_steps") == self.trained and st.get("layers") is not None and self.stages:
                 layers = tuple(st["layers"])
                 if layers in self.stages:

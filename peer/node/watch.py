@@ -1,0 +1,55 @@
+"""A follower's watch on its coordinator: a leader that beats but does not coordinate is replaced like a dead one.
+
+The leader's beat (``peer.swarm.progress``) tells a dead leader from a live one, but not a leader whose
+coordinator is gone (it failed while taking over, its role crashed, its port is cut off while the DHT still
+reaches it). Once a heartbeat, a follower holding an assignment from the leader it elects pings the
+assignment's coordinator; unreachable for ``COORDINATOR_LOST_HEARTBEATS`` heartbeats, the follower deposes that
+leader (``SwarmView.depose``: elected without it for ``DEPOSE_HEARTBEATS``) and takes part in a new election,
+instead of its feeder retrying the dead coordinator for as long as the leader's advert lives.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from peer.net import PeerClient, TransportConfig
+from peer.net.tls import TlsContext
+from peer.runtime.spec import Assignment
+from peer.timing import COORDINATOR_LOST_HEARTBEATS, DEPOSE_HEARTBEATS, STATUS_TIMEOUT_S
+
+
+class CoordinatorWatch:
+    """The loop of the module docstring; ``run`` until ``stop`` is set."""
+
+    def __init__(self, heartbeat_s: float, tls: TlsContext, me: str, assignment: Callable[[], Assignment | None],
+                 leading: Callable[[], bool], elected: Callable[[], str | None],
+                 depose: Callable[[str, float, str], None], stop: threading.Event) -> None:
+        self.heartbeat_s, self.tls, self.me = heartbeat_s, tls, me
+        self.assignment, self.leading, self.elected, self.depose, self.stop = assignment, leading, elected, depose, stop
+        self.lost_since: float | None = None
+
+    def run(self) -> None:
+        while not self.stop.wait(self.heartbeat_s):
+            self.check()
+
+    def check(self) -> None:
+        a = self.assignment()
+        if self.leading() or a is None or not a.leader or a.leader != self.elected():
+            self.lost_since = None
+            return
+        lost_after = self.heartbeat_s * COORDINATOR_LOST_HEARTBEATS
+        try:
+            with PeerClient(a.coordinator, TransportConfig(tls=self.tls), sender=self.me,
+                            expect_peer=a.leader) as client:
+                client.ping(timeout_s=min(STATUS_TIMEOUT_S, lost_after))
+            self.lost_since = None
+        except Exception as exc:  # any failure to reach it counts
+            now = time.monotonic()
+            self.lost_since = now if self.lost_since is None else self.lost_since
+            if now - self.lost_since >= lost_after:
+                self.depose(a.leader, self.heartbeat_s * DEPOSE_HEARTBEATS,
+                            f"its coordinator {a.coordinator} has not answered for {now - self.lost_since:.0f} s "
+                            f"({str(exc)[:120]})")
+                self.lost_since = None
