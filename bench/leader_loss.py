@@ -204,6 +204,7 @@ class BedLeaderLoss:
     resume_s: float | None = None  # kill to the new leader's first finished step
     new_leader_kept_copy: bool = False
     gap: ReferenceGap | None = None
+    dead: list[str] = field(default_factory=list)  # the hosts killed (pub0, and its stage twin)
 
 
 def _stamp(stamp: str) -> float:
@@ -218,13 +219,28 @@ def _wait(what: str, timeout_s: float, check: Any) -> None:
         time.sleep(0.2)
 
 
-def run_bed_leader_loss(bed: NetBed, root: Path) -> BedLeaderLoss:
-    """Run the bed scenario (module docstring) in ``bed``; files under ``root``. Every peer is killed at the end."""
+def _twin_host(logs: dict[str, str], plan: list[list[int]]) -> str:
+    """The host holding the leader's (pub0's) stage in the other pipeline. Device ids are the peer ids' sorted
+    order (``LeaderRole.live_devices``; the first plan waits for all four peers)."""
+    ids = {name: re.search(r"peer (\w+) announced:", text) for name, text in logs.items()}
+    host_of = {m.group(1): name for name, m in ids.items() if m}
+    devices = sorted(host_of)
+    where = {devices[d]: (r, s) for r, pipe in enumerate(plan) for s, d in enumerate(pipe)}
+    r0, s0 = where[next(pid for pid, name in host_of.items() if name == "pub0")]
+    return next(host_of[pid] for pid, (r, s) in where.items() if s == s0 and r != r0)
+
+
+def run_bed_leader_loss(bed: NetBed, root: Path, twin: bool = False, quorum_wait_s: float = 300.0) -> BedLeaderLoss:
+    """Run the bed scenario (module docstring) in ``bed``; files under ``root``. Every peer is killed at the end.
+
+    ``twin``: half the swarm dies: two stages x two pipelines, and the other replica of the leader's stage dies
+    with it (process, link, disk). The two survivors hold no quorum of the plan's four members: they pause
+    ``quorum_wait_s`` (``[swarm] quorum_wait_s``) and go on in a new epoch from the newest copy."""
     save, mount, disks = root / "result", root / "disk", root / "disks"
     mount.mkdir(parents=True)
     extra = (f"save_dir = {json.dumps(str(save))}\ncheckpoint_dir = {json.dumps(str(mount / 'ckpt'))}\n"
-             f"checkpoint_every = {BED_CHECKPOINT_EVERY}\ncheckpoint_copies = 2\n")
-    cfg = write_small_config(root, steps=BED_STEPS, min_peers=4, stages=3, extra=extra)
+             f"checkpoint_every = {BED_CHECKPOINT_EVERY}\ncheckpoint_copies = 2\nquorum_wait_s = {quorum_wait_s}\n")
+    cfg = write_small_config(root, steps=BED_STEPS, min_peers=4, stages=2 if twin else 3, extra=extra)
     hosts = [bed.add_public(f"pub{i}") for i in range(4)]
     peers = DiskPeers(root / "logs", disks, mount)
     try:
@@ -238,17 +254,23 @@ def run_bed_leader_loss(bed: NetBed, root: Path) -> BedLeaderLoss:
         _wait("a step past the copied checkpoint", 120,
               lambda: any(int(s) > copied for _, s in _STEP.findall(leader_log())))
         plan = re.findall(r"plan epoch \d+ \(start\): stages .*, pipelines (\[.*\]), continuing", leader_log())
-        # the leader's host dies: process, link and disk
-        peers.kill("pub0")
+        # the leader's host dies: process, link and disk (and with ``twin`` the other replica of its stage)
+        dying = [hosts[0]]
+        if twin:
+            dying.append(bed.hosts[_twin_host({h.name: peers.log(h.name) for h in hosts}, json.loads(plan[0]))])
+        for host in dying:
+            peers.kill(host.name)
         t_dead = time.time()
         killed_at = max(int(s) for _, s in _STEP.findall(leader_log()))
-        hosts[0].run("ip", "link", "set", "eth0", "down")
-        shutil.rmtree(peers.disk(hosts[0]))
-        has_copy = any(any(peers.disk(h).glob("ckpt/copies/run-*/step-*")) for h in hosts[1:])
-        codes = peers.wait_all(240)
+        for host in dying:
+            host.run("ip", "link", "set", "eth0", "down")
+            shutil.rmtree(peers.disk(host))
+        survivors = [h for h in hosts if h not in dying]
+        has_copy = any(any(peers.disk(h).glob("ckpt/copies/run-*/step-*")) for h in survivors)
+        codes = peers.wait_all(240 + quorum_wait_s)
         out = BedLeaderLoss(json.loads(plan[0]) if plan else [], copied, killed_at, has_copy, codes,
-                            {h.name: peers.log(h.name) for h in hosts})
-        out.new_leader = next((h.name for h in hosts[1:] if "run finished" in out.logs[h.name]), None)
+                            {h.name: peers.log(h.name) for h in hosts}, dead=[h.name for h in dying])
+        out.new_leader = next((h.name for h in survivors if "run finished" in out.logs[h.name]), None)
         new_log = out.logs.get(out.new_leader or "", "")
         fetched = re.search(r"using the checkpoint copy of step (\d+) fetched from", new_log)
         rolled = re.search(r"rolling back to the checkpoint of step (\d+), redoing (\d+) step\(s\)", new_log)
