@@ -161,6 +161,7 @@ class LeaderRole:
         rival = find_rival(self.ctx.plan_board.plans(), self.ctx.peer_id, self.start_epoch, returning)
         if rival is None:
             return
+        self.start_epoch = max(self.start_epoch, rival.epoch)  # judged once: a flickering advert is no new heal
         progress = self.ctx.progress.read(rival.leader_id) or {}
         v = judge(rival, progress, self.ctx.peer_id, (self.driver.epoch, self.driver.trained), self.config.run.steps)
         their_eps = {live[pid].endpoint for pid in v.their_peers if pid in live}

@@ -15,9 +15,10 @@ work, only *credited* peers testify: the peers the leader's signed plan lists un
 pipelines applied at least one step of the run (``peer.node.leader_role`` keeps the list and carries it over
 takeovers). A credit costs a peer real, accepted work, and the list only comes from the leader the reader
 already follows, so new identities gain nothing until they have trained, and then each counts once, like any
-volunteer. Ties go to a credited peer, then to the smallest peer id (a ground-out small id buys nothing
-against a credited peer). Before the first credited plan (a forming swarm, no work to protect) every live
-worker testifies.
+volunteer. Ties go to a credited peer, then to the one the most live workers found (two sides of a healed
+partition credit different peers, and this keeps their elections alike where the credited testimony ties),
+then to the smallest peer id (a ground-out small id buys nothing against a credited peer). Before the first
+credited plan (a forming swarm, no work to protect) every live worker testifies.
 
 A self-reported start time (``Advert.started_at``) is shown in status but never used here: a newcomer that
 claims to have started first gains nothing.
@@ -54,12 +55,15 @@ def seniority(entries: Iterable[PeerEntry], credited: Collection[str] = ()) -> d
 
 
 def elect_leader(entries: Iterable[PeerEntry], credited: Collection[str] = ()) -> str | None:
-    """The live worker most witnesses found already there (ties: a credited one, then the smallest id); None
-    if there is no worker."""
+    """The live worker most witnesses found already there (ties: a credited one, then the one most live workers
+    found, then the smallest id); None if there is no worker."""
+    entries = list(entries)
     counts = seniority(entries, credited)
     if not counts:
         return None
-    return min(counts, key=lambda peer_id: (-counts[peer_id], bool(credited) and peer_id not in credited, peer_id))
+    plain = seniority(entries) if credited else counts
+    return min(counts, key=lambda peer_id: (-counts[peer_id], bool(credited) and peer_id not in credited,
+                                            -plain[peer_id], peer_id))
 
 
 def credited_of(plan: dict[str, Any] | None) -> frozenset[str]:
