@@ -72,6 +72,8 @@ def test_partition_longer_than_quorum_wait_both_sides_train_then_one_wins(tmp_pa
             discarded = st["discarded"]
             assert "a partition healed" in swarm.log("pub0")
             assert discarded["kept_leader"] == leader or discarded["leader"] == leader
+            # the loser's steps since the split, not the history both sides share (at least 3 steps)
+            assert min(major_steps, minor_steps) <= discarded["steps"] <= discarded["step"] - 3, discarded
             for name, proc in swarm.procs.items():
                 assert proc.wait(timeout=600) == 0, f"{name} failed:\n{swarm.log(name)[-3000:]}"
             assert "run finished" in swarm.log("pub0")

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from peer.compute.device_probe import DeviceInfo
-from peer.node.partition import bounded_step, find_rival, judge
+from peer.node.partition import bounded_step, find_rival, judge, split_step
 from peer.swarm.adverts import Advert
 from peer.swarm.election import elect_leader
 from peer.swarm.membership import PeerEntry
@@ -27,19 +27,25 @@ def test_a_waived_plan_fences_exactly_the_plan_followed():
 
 
 def test_the_newer_side_wins_and_the_losers_steps_since_the_split_are_reported():
-    rival = PlanRecord(5, "p2", {"pipelines": [["p2"], ["p3"]], "step": 10,
-                                 "quorum_waived": {"fenced_epoch": 3, "step": 10}}, ("p2", "p3"))
-    assert find_rival([rival, OLD], "p0", start_epoch=3, returning={"p3"}) == rival
+    first = PlanRecord(4, "p2", {"pipelines": [["p2"], ["p3"]], "step": 10, "quorum_waived": {"fenced_epoch": 3}},
+                       ("p2", "p3"))
+    rival = PlanRecord(5, "p2", {"pipelines": [["p2"], ["p3"]], "step": 12}, ("p2", "p3"))
+    assert split_step([rival, first, OLD], rival, 40) == 10  # where the rival lineage went on without a quorum
+    assert split_step([rival, OLD], rival, 40) is None
+    assert find_rival([rival, first, OLD], "p0", start_epoch=3, returning={"p3"}) == rival
     assert find_rival([rival, OLD], "p0", start_epoch=5, returning={"p3"}) is None  # judged already
     assert find_rival([rival], "p0", start_epoch=3, returning={"p1"}) is None  # nobody of that side came back
     assert find_rival([rival], "p2", start_epoch=3, returning={"p3"}) is None  # our own plan
-    ours_newer = judge(rival, {"step": 14}, "p0", (6, 20), steps=40)
+    ours_newer = judge(rival, {"step": 14}, "p0", (6, 20), steps=40, split=10)
     assert not ours_newer.theirs and ours_newer.step == 20 and ours_newer.their_peers == {"p2", "p3"}
     assert ours_newer.discarded == {"leader": "p2", "epoch": 5, "step": 14, "steps": 4, "kept_leader": "p0",
                                     "kept_epoch": 6, "kept_step": 20}
-    theirs_newer = judge(rival, {"step": 14}, "p0", (4, 20), steps=40)
+    theirs_newer = judge(rival, {"step": 14}, "p0", (4, 20), steps=40, split=10)
     assert theirs_newer.theirs and theirs_newer.step == 14
     assert theirs_newer.discarded["leader"] == "p0" and theirs_newer.discarded["steps"] == 10
+    # no split known: the lesser step; a split above either side's step is not believed
+    assert judge(rival, {"step": 14}, "p0", (6, 20), steps=40).discarded["steps"] == 0
+    assert judge(rival, {"step": 14}, "p0", (6, 20), steps=40, split=30).discarded["steps"] == 0
     # equal epochs: the step decides
     assert judge(rival, {"step": 14}, "p0", (5, 13), steps=40).theirs
     assert not judge(rival, {"step": 14}, "p0", (5, 15), steps=40).theirs

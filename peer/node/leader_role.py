@@ -28,7 +28,7 @@ import torch
 from peer.compute.model import unflatten_stage
 from peer.config import RunConfig
 from peer.net import PeerClient, PeerServer, TransportConfig
-from peer.node.partition import find_rival, judge
+from peer.node.partition import find_rival, judge, split_step
 from peer.node.planning import ClusterView, build_cluster, make_planner, workload_for
 from peer.observe.scalars import ScalarWriter
 from peer.runtime.assign import build_assignments
@@ -158,12 +158,15 @@ class LeaderRole:
         ``quorum_wait_s``), the side with the newer (epoch, step) wins (``peer.node.partition``); the loser's
         work since the split is discarded, logged and published (``discarded``, shown by `peer status`)."""
         assert self.driver is not None
-        rival = find_rival(self.ctx.plan_board.plans(), self.ctx.peer_id, self.start_epoch, returning)
+        plans = self.ctx.plan_board.plans()
+        rival = find_rival(plans, self.ctx.peer_id, self.start_epoch, returning)
         if rival is None:
             return
         self.start_epoch = max(self.start_epoch, rival.epoch)  # judged once: a flickering advert is no new heal
         progress = self.ctx.progress.read(rival.leader_id) or {}
-        v = judge(rival, progress, self.ctx.peer_id, (self.driver.epoch, self.driver.trained), self.config.run.steps)
+        steps = self.config.run.steps
+        v = judge(rival, progress, self.ctx.peer_id, (self.driver.epoch, self.driver.trained), steps,
+                  split_step(plans, rival, steps))
         their_eps = {live[pid].endpoint for pid in v.their_peers if pid in live}
         if v.theirs:
             for k in [k for k in self.history if k >= v.split]:
@@ -279,9 +282,8 @@ class LeaderRole:
                             "new epoch that fences plan %d (quorum waived)", previous.epoch,
                             time.monotonic() - paused_at, len(members & live), previous.epoch)
                 self.waive_epoch = previous.epoch
-                step = self.driver.trained if self.driver is not None else self._last_progress.get("step", 0)
                 self.waived = {"fenced_epoch": previous.epoch, "waited_s": round(time.monotonic() - paused_at, 1),
-                               "present": len(members & live), "members": len(members), "step": step}
+                               "present": len(members & live), "members": len(members)}
                 self.pause = None
                 return
             self.stop_event.wait(self.config.swarm.heartbeat_s / TICKS_PER_HEARTBEAT)

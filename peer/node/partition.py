@@ -45,15 +45,24 @@ def find_rival(plans: Iterable[PlanRecord], me: str, start_epoch: int, returning
                 None)
 
 
-def judge(rival: PlanRecord, progress: dict[str, Any], me: str, ours: tuple[int, int], steps: int) -> Verdict:
+def split_step(plans: Iterable[PlanRecord], rival: PlanRecord, steps: int) -> int | None:
+    """The step the sides parted at: where the rival's lineage went on without a quorum (the ``step`` of its
+    leader's plan that waived it), None when no such plan is found."""
+    for r in plans:
+        if r.leader_id == rival.leader_id and r.epoch <= rival.epoch and isinstance(r.plan.get("quorum_waived"), dict):
+            return bounded_step(r.plan.get("step"), steps)
+    return None
+
+
+def judge(rival: PlanRecord, progress: dict[str, Any], me: str, ours: tuple[int, int], steps: int,
+          split: int | None = None) -> Verdict:
     """The side with the newer (epoch, trained step) wins; ``ours`` is (our plan epoch, our trained step),
-    ``progress`` the other leader's progress record."""
+    ``progress`` the other leader's progress record, ``split`` the step the sides parted at (see
+    :func:`split_step`; None: the lesser of the two sides' steps)."""
     their_step = bounded_step(progress.get("step"), steps)
     if their_step is None:
         their_step = bounded_step(rival.plan.get("step"), steps) or 0
-    waived = rival.plan.get("quorum_waived")
-    split = bounded_step(waived.get("step") if isinstance(waived, dict) else None, steps)
-    if split is None:
+    if split is None or split > min(their_step, ours[1]):
         split = min(their_step, ours[1])
     theirs = (rival.epoch, their_step)
     peers = frozenset(pid for pipe in rival.plan.get("pipelines") or [] if isinstance(pipe, list)
