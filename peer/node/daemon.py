@@ -473,7 +473,9 @@ class PeerDaemon:
         if self.started_run is False and time.monotonic() - self._announced_at < ttl:
             return False
         beat = self.progress.read_beat(_progress_leader(self.plan_board.latest(), self.elected()))
-        if beat and beat.get("leader") != self.identity.peer_id and beat.get("state") not in ("done", "resigned"):
+        deposed = self.view is not None and self.view.is_deposed(str((beat or {}).get("leader")))
+        if beat and beat.get("leader") != self.identity.peer_id and beat.get("state") not in ("done", "resigned") \
+                and not deposed:  # a deposed leader's beat holds nobody back: its coordinator is gone
             age = now() - float(beat.get("at", 0.0))
             if age < ttl:
                 return False

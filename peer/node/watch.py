@@ -25,10 +25,18 @@ class CoordinatorWatch:
 
     def __init__(self, heartbeat_s: float, tls: TlsContext, me: str, assignment: Callable[[], Assignment | None],
                  leading: Callable[[], bool], elected: Callable[[], str | None],
-                 depose: Callable[[str, float, str], None], stop: threading.Event) -> None:
+                 depose: Callable[[str, float, str], None], stop: threading.Event,
+                 ping: Callable[[Assignment], None] | None = None) -> None:
+        """``ping(assignment)`` raises when the assignment's coordinator does not answer (default: a gRPC ping
+        over mutual TLS, expecting the leader's certificate)."""
         self.heartbeat_s, self.tls, self.me = heartbeat_s, tls, me
         self.assignment, self.leading, self.elected, self.depose, self.stop = assignment, leading, elected, depose, stop
+        self.ping = ping or self._ping
         self.lost_since: float | None = None
+
+    def _ping(self, a: Assignment) -> None:
+        with PeerClient(a.coordinator, TransportConfig(tls=self.tls), sender=self.me, expect_peer=a.leader) as client:
+            client.ping(timeout_s=min(STATUS_TIMEOUT_S, self.heartbeat_s * COORDINATOR_LOST_HEARTBEATS))
 
     def run(self) -> None:
         while not self.stop.wait(self.heartbeat_s):
@@ -41,9 +49,7 @@ class CoordinatorWatch:
             return
         lost_after = self.heartbeat_s * COORDINATOR_LOST_HEARTBEATS
         try:
-            with PeerClient(a.coordinator, TransportConfig(tls=self.tls), sender=self.me,
-                            expect_peer=a.leader) as client:
-                client.ping(timeout_s=min(STATUS_TIMEOUT_S, lost_after))
+            self.ping(a)
             self.lost_since = None
         except Exception as exc:  # any failure to reach it counts
             now = time.monotonic()

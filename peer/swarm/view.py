@@ -97,6 +97,9 @@ class SwarmView:
         self.deposed[peer_id] = time.monotonic() + for_s
         self.suspect_leader(why)
 
+    def is_deposed(self, peer_id: str) -> bool:
+        return self.deposed.get(peer_id, 0.0) > time.monotonic()
+
     def needs_full_read(self, leading: bool) -> bool:
         if leading or self.suspect or self.confirmed() is None or self.candidate == self.me:
             return True
@@ -121,7 +124,7 @@ class SwarmView:
         such a read is incomplete, and acting on it could make a follower believe it leads."""
         if not any(e.advert.peer_id == self.me for e in entries):
             return False
-        deposed = {pid for pid, until in self.deposed.items() if until > time.monotonic()}
+        deposed = {pid for pid in self.deposed if self.is_deposed(pid)}
         candidate = elect_leader([e for e in entries if e.advert.peer_id not in deposed], self.credited(entries))
         if candidate == self.candidate:
             self.streak += 1
