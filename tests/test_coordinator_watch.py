@@ -47,6 +47,15 @@ def test_an_unreachable_coordinator_deposes_its_leader_after_the_bound():
     assert deposed and deposed[0][0] == "lead"
     assert abs(deposed[0][1] - HEARTBEAT_S * DEPOSE_HEARTBEATS) < 1e-9
     assert "127.0.0.1:1/coordinator" in deposed[0][2]
+    # while it stays unreachable the deposition is renewed (quietly), even once the follower elects another
+    watch.elected = lambda: "other"
+    n = len(deposed)
+    watch.check()
+    assert len(deposed) == n + 1 and deposed[-1][:2] == ("lead", HEARTBEAT_S * DEPOSE_HEARTBEATS)
+    watch.ping = lambda a: None  # it answers again: let go
+    watch.check()
+    watch.check()
+    assert len(deposed) == n + 1 and watch.deposed == {}
 
 
 def test_a_reachable_coordinator_or_another_leader_is_left_alone():

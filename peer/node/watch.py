@@ -4,8 +4,9 @@ The leader's beat (``peer.swarm.progress``) tells a dead leader from a live one,
 coordinator is gone (it failed while taking over, its role crashed, its port is cut off while the DHT still
 reaches it). Once a heartbeat, a follower holding an assignment from the leader it elects pings the
 assignment's coordinator; unreachable for ``COORDINATOR_LOST_HEARTBEATS`` heartbeats, the follower deposes that
-leader (``SwarmView.depose``: elected without it for ``DEPOSE_HEARTBEATS``) and takes part in a new election,
-instead of its feeder retrying the dead coordinator for as long as the leader's advert lives.
+leader (``SwarmView.depose``: elected without it for ``DEPOSE_HEARTBEATS``, renewed while that coordinator stays
+unreachable) and takes part in a new election, instead of its feeder retrying the dead coordinator for as long
+as the leader's advert lives.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class CoordinatorWatch:
         self.assignment, self.leading, self.elected, self.depose, self.stop = assignment, leading, elected, depose, stop
         self.ping = ping or self._ping
         self.lost_since: float | None = None
+        self.deposed: dict[str, Assignment] = {}  # leaders deposed, with the assignment whose coordinator is gone
 
     def _ping(self, a: Assignment) -> None:
         with PeerClient(a.coordinator, TransportConfig(tls=self.tls), sender=self.me, expect_peer=a.leader) as client:
@@ -43,6 +45,7 @@ class CoordinatorWatch:
             self.check()
 
     def check(self) -> None:
+        self._renew()
         a = self.assignment()
         if self.leading() or a is None or not a.leader or a.leader != self.elected():
             self.lost_since = None
@@ -58,4 +61,17 @@ class CoordinatorWatch:
                 self.depose(a.leader, self.heartbeat_s * DEPOSE_HEARTBEATS,
                             f"its coordinator {a.coordinator} has not answered for {now - self.lost_since:.0f} s "
                             f"({str(exc)[:120]})")
+                self.deposed[a.leader] = a
                 self.lost_since = None
+
+    def _renew(self) -> None:
+        """A deposed leader stays out of the election while its coordinator stays unreachable (else, once the
+        deposition lapsed, the followers would elect it again and wait on it anew); one that answers again is
+        let go (its deposition lapses at its end)."""
+        for leader, a in list(self.deposed.items()):
+            try:
+                self.ping(a)
+            except Exception:
+                self.depose(leader, self.heartbeat_s * DEPOSE_HEARTBEATS, "")
+                continue
+            del self.deposed[leader]
