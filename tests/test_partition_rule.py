@@ -10,6 +10,8 @@ from peer.swarm.adverts import Advert
 from peer.swarm.election import elect_leader
 from peer.swarm.membership import PeerEntry
 from peer.swarm.plans import PlanRecord, has_quorum, waives
+from peer.swarm.status import SwarmStatus, format_status
+from peer.timing import now
 
 DEVICE = DeviceInfo("emulated", "cpu", 2**33, 10.0, False, True)
 OLD = PlanRecord(3, "p0", {"pipelines": [["p0"], ["p1"], ["p2"], ["p3"]]}, ("p0", "p1", "p2", "p3"))
@@ -73,3 +75,21 @@ def test_both_sides_of_a_healed_partition_elect_the_same_leader():
     minority = frozenset({ids["p2"], ids["p3"]})  # the other side credits its own two
     assert elect_leader(entries, majority) == ids["p0"]
     assert elect_leader(entries, minority) == ids["p0"]  # p0 and p1 tie on credited testimony; more found p0
+
+
+def test_status_says_why_the_swarm_is_paused_since_when_and_until_when():
+    at = now()
+    progress = {"step": 12, "state": "paused", "paused": {"reason": "only 2 of the 4 members of plan 3 are reachable "
+                                                          "(a majority is needed)", "since": at - 30, "until": at + 270,
+                                                          "epoch": 3},
+                "discarded": {"leader": "p2", "epoch": 5, "step": 14, "steps": 4, "kept_leader": "p0",
+                              "kept_epoch": 6, "kept_step": 20}}
+    links = {"measured": 0, "pairs": 0, "median_bandwidth_mbps": None, "median_rtt_ms": None, "by_path": {}}
+    st = SwarmStatus([], {"epoch": 3, "leader": "p2", "pipelines": [], "stages": []}, progress, links)
+    text = format_status(st)
+    assert "(paused)" in text
+    line = next(x for x in text.splitlines() if x.startswith("paused "))
+    assert "only 2 of the 4 members of plan 3" in line
+    assert "30 s ago" in line and ("in 270 s" in line or "in 269 s" in line)
+    assert "discarded 4 step(s) of the side of p2" in text
+    assert st.to_json()["paused"]["until"] == at + 270 and st.to_json()["discarded"]["steps"] == 4
