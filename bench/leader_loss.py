@@ -136,14 +136,16 @@ class HalfLossResult:
     max_param_rel_diff: float
 
 
-def run_half_loss(root: Path, n_peers: int, steps: int = 6, die_after: int = 3) -> HalfLossResult:
+def run_half_loss(root: Path, n_peers: int, steps: int = 6, die_after: int = 3,
+                  checkpoints: bool = True) -> HalfLossResult:
     """Half the swarm vanishes with the leader: ``n_peers`` workers train 2 stages x ``n_peers / 2`` pipelines
     under leader 1 (checkpoints every 2 steps, copied to every other worker); then leader 1's host and every
     replica of stage 0 (half the peers) die, and a new leader takes over with the other half: stage 0 is
     wiped, so it rolls back to the newest copy a survivor holds and trains to the end. In one process: the
     time counts the takeover (status queries, the copy fetched, the re-plan, the workers loading the
     checkpoint, one step), not failure detection, the election or ``quorum_wait_s`` (seconds each, on
-    real daemons: the bed test measures them)."""
+    real daemons: the bed test measures them). ``checkpoints=False``: leader 1 writes none, so the run rolls
+    back to step 0 (the seeded initial state)."""
     torch.set_num_threads(1)
     workers = {d: StageWorker(peer_id=f"w{d}", checkpoint_copies=root / f"w{d}-copies") for d in range(n_peers)}
     for w in workers.values():
@@ -151,25 +153,29 @@ def run_half_loss(root: Path, n_peers: int, steps: int = 6, die_after: int = 3) 
     try:
         plan1 = [[2 * r, 2 * r + 1] for r in range(n_peers // 2)]
         driver1, coordinator1 = _driver(workers, lambda live, stages: (list(STAGES), plan1),
-                                        DriverConfig(steps=die_after, checkpoint_dir=root / "leader1",
-                                                     checkpoint_every=2, checkpoint_copies=n_peers - 1))
+                                        DriverConfig(steps=die_after,
+                                                     checkpoint_dir=root / "leader1" if checkpoints else None,
+                                                     checkpoint_every=2 if checkpoints else 0,
+                                                     checkpoint_copies=n_peers - 1 if checkpoints else 0))
         try:
             driver1.run()
             driver1.wait_for_copies(300.0)
         finally:
             coordinator1.close()
         dying = [d for d in workers if d % 2 == 0]  # every replica of stage 0, the leader's host among them
-        _check_a_survivor_holds_a_copy(driver1, {workers[d].server.endpoint for d in workers if d not in dying})
+        if checkpoints:
+            _check_a_survivor_holds_a_copy(driver1, {workers[d].server.endpoint for d in workers if d not in dying})
         for d in dying:
             workers[d].stop()
-        shutil.rmtree(root / "leader1")
+        shutil.rmtree(root / "leader1", ignore_errors=True)
         survivors = {d: w for d, w in workers.items() if d not in dying}
 
         def planner(live: list[int], stages: Stages | None) -> tuple[Stages, Pipelines]:
             return chunk_planner(live, stages or STAGES, SPEC.model.n_layers, 2)
 
-        driver2, coordinator2 = _driver(survivors, planner, DriverConfig(steps=steps, checkpoint_dir=root / "leader2",
-                                                                         checkpoint_copies=0), epoch=driver1.epoch)
+        driver2, coordinator2 = _driver(survivors, planner, DriverConfig(
+            steps=steps, checkpoint_dir=root / "leader2" if checkpoints else None, checkpoint_copies=0),
+            epoch=driver1.epoch)
         started = time.monotonic()
         first_done: list[float] = []
         driver2.on_step = lambda report: first_done.append(time.monotonic()) if not first_done else None

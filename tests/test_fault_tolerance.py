@@ -120,16 +120,6 @@ def test_all_replicas_of_a_stage_killed_resumes_from_checkpoint(reference, tmp_p
     assert (tmp_path / "latest").read_text().strip() == "step-000004"
 
 
-def test_all_replicas_of_a_stage_killed_without_a_checkpoint_redo_from_step_0(reference) -> None:
-    """No checkpoint at all: a wiped stage rolls the run back to step 0 (the seeded initial state), not to an end."""
-    with LocalSwarm(SPEC, 4, links=SLOW, forward_flops=flops, heartbeat_s=1.0) as swarm:
-        kill_on(swarm, "lease", 3, [1, 3])  # both replicas of stage 1, during step 3
-        result = swarm.train(FULL, STEPS)
-    assert_matches_reference(result, reference)
-    assert result.events.rollbacks == [{"from_step": 3, "to_step": 0, "redone": 3}]
-    assert [r.step for r in result.reports] == list(range(STEPS)), "each step counted once"
-
-
 def test_peer_sending_nan_is_excluded(reference) -> None:
     with LocalSwarm(SPEC, 4, links=SLOW, forward_flops=flops, faults={3: "nan-grad"}) as swarm:
         result = swarm.train(FULL, STEPS)
