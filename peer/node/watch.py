@@ -5,8 +5,8 @@ coordinator is gone (it failed while taking over, its role crashed, its port is 
 reaches it). Once a heartbeat, a follower holding an assignment from the leader it elects pings the
 assignment's coordinator; unreachable for ``COORDINATOR_LOST_HEARTBEATS`` heartbeats, the follower deposes that
 leader (``SwarmView.depose``: elected without it for ``DEPOSE_HEARTBEATS``, renewed while that coordinator stays
-unreachable) and takes part in a new election, instead of its feeder retrying the dead coordinator for as long
-as the leader's advert lives.
+unreachable, lifted as soon as it answers) and takes part in a new election, instead of its feeder retrying
+the dead coordinator for as long as the leader's advert lives.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class CoordinatorWatch:
     def _renew(self) -> None:
         """A deposed leader stays out of the election while its coordinator stays unreachable (else, once the
         deposition lapsed, the followers would elect it again and wait on it anew); one that answers again is
-        let go (its deposition lapses at its end)."""
+        let go at once."""
         for leader, a in list(self.deposed.items()):
             try:
                 self.ping(a)
@@ -75,3 +75,4 @@ class CoordinatorWatch:
                 self.depose(leader, self.heartbeat_s * DEPOSE_HEARTBEATS, "")
                 continue
             del self.deposed[leader]
+            self.depose(leader, 0.0, f"the coordinator of {leader} answers again")  # e.g. a healed partition

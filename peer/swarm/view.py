@@ -92,10 +92,10 @@ class SwarmView:
     def depose(self, peer_id: str, for_s: float, why: str) -> None:
         """Elect without ``peer_id`` for ``for_s`` seconds (its coordinator cannot be reached: a leader that
         beats but does not lead must not hold the run), and read every advert again."""
-        if self.deposed.get(peer_id, 0.0) <= time.monotonic() and why:
+        if self.deposed.get(peer_id, 0.0) <= time.monotonic() and why and for_s > 0:
             logger.warning("electing a leader without %s for %.0f s: %s", peer_id, for_s, why)
         self.deposed[peer_id] = time.monotonic() + for_s
-        if why:  # a renewal ("") changes nothing else
+        if why:  # a renewal ("") changes nothing else; a lift (0 s) looks again, it may be elected again
             self.suspect_leader(why)
 
     def is_deposed(self, peer_id: str) -> bool:
