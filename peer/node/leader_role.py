@@ -103,6 +103,7 @@ class LeaderRole:
         # peers whose pipelines applied a step of the run (carried over from the previous leader's plan): the
         # only witnesses of the election once there are some (peer.swarm.election), listed in every plan
         self.credited: set[str] = set()
+        self.published_credited: set[str] = set()  # the credited list of the last plan published
         self.pause: dict[str, Any] | None = None  # why, since and until when (DHT time) the leader pauses
         self.waive_epoch: int | None = None  # the plan epoch the next plan fences without its quorum
         self.waived: dict[str, Any] | None = None  # what the quorum waiver of the next plan says
@@ -417,6 +418,7 @@ class LeaderRole:
             "coordinator": self.coordinator.endpoint,
             "credited": sorted(self.credited)[:MAX_CREDITED],
         }
+        self.published_credited = set(self.credited)
         waive = self.waived is not None and self.waive_epoch == self.ctx.plan_board.highest_epoch
         if waive:
             plan["quorum_waived"] = dict(self.waived or {})
@@ -456,6 +458,7 @@ class LeaderRole:
         for r in report.applied:  # accepted work: the peers of each pipeline that applied the step
             if 0 <= r < len(self.driver.pipelines):
                 self.credited.update(self.peer_of[d] for d in self.driver.pipelines[r] if d in self.peer_of)
+        self.driver.replan_on_join = bool(self.credited - self.published_credited)
         self.scalars.add(report.step, {"train/loss": report.loss, "train/tokens_per_s": tokens_per_s,
                                        "train/step_s": report.seconds, "swarm/plan_epoch": self.driver.epoch,
                                        "swarm/peers": len(self._workers())})

@@ -9,16 +9,17 @@ the one most likely to stay (peer lifetimes are heavy-tailed), and a newcomer, w
 displaces a working leader, so joins cause no leader churn. No clock is read, so clock skew cannot reorder
 the election.
 
-**Who may testify (Sybil weight).** Identities are free: a member holding the join secret can start forty of
-them, and forty records that found each other would out-vote every honest peer. So once the run has done
-work, only *credited* peers testify: the peers the leader's signed plan lists under ``credited``, those whose
-pipelines applied at least one step of the run (``peer.node.leader_role`` keeps the list and carries it over
-takeovers). A credit costs a peer real, accepted work, and the list only comes from the leader the reader
-already follows, so new identities gain nothing until they have trained, and then each counts once, like any
-volunteer. Ties go to a credited peer, then to the one the most live workers found (two sides of a healed
-partition credit different peers, and this keeps their elections alike where the credited testimony ties),
-then to the smallest peer id (a ground-out small id buys nothing against a credited peer). Before the first
-credited plan (a forming swarm, no work to protect) every live worker testifies.
+**Who may testify (Sybil weight).** Identities are free: a member holding the join secret can start forty of them,
+and forty records that found each other would out-vote every honest peer. So once the run has done work, only
+*credited* peers testify: the peers the leader's signed plan lists under ``credited``, those whose pipelines
+applied at least one step of the run (``peer.node.leader_role`` keeps the list and carries it over takeovers; the
+list travels with plans, so when peers were newly credited the leader re-plans as soon as any peer joins, and a new
+identity always meets a plan that says whose testimony counts). A credit costs a peer real, accepted work, and the
+list only comes from the leader the reader already follows, so new identities gain nothing until they have trained,
+and then each counts once, like any volunteer. Ties go to a credited peer, then to the one the most live workers
+found (two sides of a healed partition credit different peers, and this keeps their elections alike where the
+credited testimony ties), then to the smallest peer id (a ground-out small id buys nothing against a credited
+peer). Before the first credited plan (a forming swarm, no work to protect) every live worker testifies.
 
 A self-reported start time (``Advert.started_at``) is shown in status but never used here: a newcomer that
 claims to have started first gains nothing.

@@ -225,6 +225,9 @@ class RunDriver:
         # holder at the trained step), and those whose state it never keeps (the discarded side's)
         self.keep_only: set[str] | None = None
         self.discard: set[str] = set()
+        # the owner has news for the next plan (peers newly credited with work): re-plan when a peer joins, even
+        # one the plan will not use (a new identity must meet a plan that says whose testimony counts)
+        self.replan_on_join = False
 
     def _check_stopped(self) -> None:
         if self.stop_event.is_set():
@@ -350,6 +353,9 @@ class RunDriver:
         live = {ep for ep in self.live_devices().values() if ep not in self.banned and ep not in self.slow}
         planned = set(self.coordinator.assignments)
         if self.keep_only is not None or self.discard:  # a healed partition (seen while reading ``live``)
+            return True
+        if self.replan_on_join and live - planned:
+            self.replan_on_join = False
             return True
         if self.coordinator.dead:
             self._ban_dead()
