@@ -14,12 +14,13 @@ and forty records that found each other would out-vote every honest peer. So onc
 *credited* peers testify: the peers the leader's signed plan lists under ``credited``, those whose pipelines
 applied at least one step of the run (``peer.node.leader_role`` keeps the list and carries it over takeovers; the
 list travels with plans, so when peers were newly credited the leader re-plans as soon as any peer joins, and a new
-identity always meets a plan that says whose testimony counts). A credit costs a peer real, accepted work, and the
-list only comes from the leader the reader already follows, so new identities gain nothing until they have trained,
-and then each counts once, like any volunteer. Ties go to a credited peer, then to the one the most live workers
-found (two sides of a healed partition credit different peers, and this keeps their elections alike where the
-credited testimony ties), then to the smallest peer id (a ground-out small id buys nothing against a credited
-peer). Before the first credited plan (a forming swarm, no work to protect) every live worker testifies.
+identity meets, from the next step boundary on, a plan that says whose testimony counts). A credit costs a peer
+real, accepted work, and the list only comes from the leader the reader already follows, so new identities gain
+nothing until they have trained, and then each counts once, like any volunteer. Ties go to a credited peer, then to
+the one the most live workers found (two sides of a healed partition credit different peers, and this keeps their
+elections alike where the credited testimony ties), then to the smallest peer id (a ground-out small id buys
+nothing against a credited peer). Before the first credited plan (a forming swarm, no work to protect) every live
+worker testifies.
 
 A self-reported start time (``Advert.started_at``) is shown in status but never used here: a newcomer that
 claims to have started first gains nothing.
