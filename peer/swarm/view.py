@@ -13,6 +13,8 @@ set read it (``Membership.live_entries``):
   one advert lifetime or "resigned" (it stepped down) at the last look, or a peer other than the one it
   elected tried to assign it work
   (:meth:`SwarmView.suspect_leader`; the election may have moved, e.g. a partition healed), every tick;
+* a peer that **deposed a leader** (below), while the deposition lasts: it must see that leader's advert and
+  certificate come back to notice it answers again;
 * a peer **without an assignment** (forming, or a newcomer the leader has not planned yet), once a heartbeat:
   it needs the adverts to know whom to probe and whose TLS certificate to trust.
 
@@ -104,6 +106,8 @@ class SwarmView:
     def needs_full_read(self, leading: bool) -> bool:
         if leading or self.suspect or self.confirmed() is None or self.candidate == self.me:
             return True
+        if any(self.is_deposed(pid) for pid in self.deposed):
+            return True  # while it elects without someone: its advert (and certificate) must stay in view
         return not self.holding_plan and self.ticks % self.ticks_per_heartbeat == 0
 
     def tick(self, leading: bool) -> Tick:
