@@ -127,6 +127,98 @@ def run_leader_loss(root: Path, steps: int = 5, die_after: int = 3, checkpoint_e
             w.stop()
 
 
+@dataclass
+class HalfLossResult:
+    peers: int
+    resume_s: float  # leader 2's start to its first finished step
+    steps_redone: int
+    rolled_back_to: int | None
+    max_param_rel_diff: float
+
+
+def run_half_loss(root: Path, n_peers: int, steps: int = 6, die_after: int = 3,
+                  checkpoints: bool = True) -> HalfLossResult:
+    """Half the swarm vanishes with the leader: ``n_peers`` workers train 2 stages x ``n_peers / 2`` pipelines
+    under leader 1 (checkpoints every 2 steps, copied to every other worker); then leader 1's host and every
+    replica of stage 0 (half the peers) die, and a new leader takes over with the other half: stage 0 is
+    wiped, so it rolls back to the newest copy a survivor holds and trains to the end. In one process: the
+    time counts the takeover (status queries, the copy fetched, the re-plan, the workers loading the
+    checkpoint, one step), not failure detection, the election or ``quorum_wait_s`` (seconds each, on
+    real daemons: the bed test measures them). ``checkpoints=False``: leader 1 writes none, so the run rolls
+    back to step 0 (the seeded initial state)."""
+    torch.set_num_threads(1)
+    workers = {d: StageWorker(peer_id=f"w{d}", checkpoint_copies=root / f"w{d}-copies") for d in range(n_peers)}
+    for w in workers.values():
+        w.start()
+    try:
+        plan1 = [[2 * r, 2 * r + 1] for r in range(n_peers // 2)]
+        driver1, coordinator1 = _driver(workers, lambda live, stages: (list(STAGES), plan1),
+                                        DriverConfig(steps=die_after,
+                                                     checkpoint_dir=root / "leader1" if checkpoints else None,
+                                                     checkpoint_every=2 if checkpoints else 0,
+                                                     checkpoint_copies=n_peers - 1 if checkpoints else 0))
+        try:
+            driver1.run()
+            driver1.wait_for_copies(300.0)
+        finally:
+            coordinator1.close()
+        dying = [d for d in workers if d % 2 == 0]  # every replica of stage 0, the leader's host among them
+        if checkpoints:
+            _check_a_survivor_holds_a_copy(driver1, {workers[d].server.endpoint for d in workers if d not in dying})
+        for d in dying:
+            workers[d].stop()
+        shutil.rmtree(root / "leader1", ignore_errors=True)
+        survivors = {d: w for d, w in workers.items() if d not in dying}
+
+        def planner(live: list[int], stages: Stages | None) -> tuple[Stages, Pipelines]:
+            return chunk_planner(live, stages or STAGES, SPEC.model.n_layers, 2)
+
+        driver2, coordinator2 = _driver(survivors, planner, DriverConfig(
+            steps=steps, checkpoint_dir=root / "leader2" if checkpoints else None, checkpoint_copies=0),
+            epoch=driver1.epoch)
+        started = time.monotonic()
+        first_done: list[float] = []
+        driver2.on_step = lambda report: first_done.append(time.monotonic()) if not first_done else None
+        try:
+            driver2.run(takeover=(die_after, STAGES))
+            states = coordinator2.live_states(every_replica=True)
+        finally:
+            coordinator2.close()
+        rollback = driver2.events.rollbacks[0] if driver2.events.rollbacks else {}
+        return HalfLossResult(n_peers, first_done[0] - started, int(rollback.get("redone", 0)),
+                              rollback.get("to_step"), max_rel_diff(states, steps))
+    finally:
+        for w in workers.values():
+            w.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.leader_loss [--json] [--peers 4 8 16]``: the half-the-swarm case for each size."""
+    import argparse
+    import logging
+    import sys
+    import tempfile
+
+    parser = argparse.ArgumentParser(description=run_half_loss.__doc__)
+    parser.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
+    parser.add_argument("--peers", type=int, nargs="+", default=[4, 8, 16], help="swarm sizes (even)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR)
+    out: dict[str, Any] = {"half_the_swarm": []}
+    for n in args.peers:
+        with tempfile.TemporaryDirectory(prefix=f"bench-half-loss-{n}-") as tmp:
+            r = run_half_loss(Path(tmp), n)
+        row = {"peers": n, "takeover_to_step_s": round(r.resume_s, 3), "steps_redone": r.steps_redone,
+               "rolled_back_to": r.rolled_back_to, "max_param_rel_diff": r.max_param_rel_diff}
+        out["half_the_swarm"].append(row)
+        if not args.json:
+            print(f"{n} peers, half die with the leader: first step {r.resume_s:.2f} s after the takeover began, "
+                  f"{r.steps_redone} step(s) redone from the copy of step {r.rolled_back_to}, parameters within "
+                  f"{r.max_param_rel_diff:.1e} of single-process training", file=sys.stderr)
+    print(json.dumps(out))
+    return 0
+
+
 def _check_a_survivor_holds_a_copy(driver: RunDriver, survivors: set[str]) -> None:
     """The scenario needs a copy on a worker that outlives the host: copies go to the lowest-RTT workers, so
     with fewer than 3 copies both can land on w0 and w2, which die (a scenario error, not a recovery failure)."""
@@ -204,6 +296,7 @@ class BedLeaderLoss:
     resume_s: float | None = None  # kill to the new leader's first finished step
     new_leader_kept_copy: bool = False
     gap: ReferenceGap | None = None
+    dead: list[str] = field(default_factory=list)  # the hosts killed (pub0, and its stage twin)
 
 
 def _stamp(stamp: str) -> float:
@@ -218,13 +311,28 @@ def _wait(what: str, timeout_s: float, check: Any) -> None:
         time.sleep(0.2)
 
 
-def run_bed_leader_loss(bed: NetBed, root: Path) -> BedLeaderLoss:
-    """Run the bed scenario (module docstring) in ``bed``; files under ``root``. Every peer is killed at the end."""
+def _twin_host(logs: dict[str, str], plan: list[list[int]]) -> str:
+    """The host holding the leader's (pub0's) stage in the other pipeline. Device ids are the peer ids' sorted
+    order (``LeaderRole.live_devices``; the first plan waits for all four peers)."""
+    ids = {name: re.search(r"peer (\w+) announced:", text) for name, text in logs.items()}
+    host_of = {m.group(1): name for name, m in ids.items() if m}
+    devices = sorted(host_of)
+    where = {devices[d]: (r, s) for r, pipe in enumerate(plan) for s, d in enumerate(pipe)}
+    r0, s0 = where[next(pid for pid, name in host_of.items() if name == "pub0")]
+    return next(host_of[pid] for pid, (r, s) in where.items() if s == s0 and r != r0)
+
+
+def run_bed_leader_loss(bed: NetBed, root: Path, twin: bool = False, quorum_wait_s: float = 300.0) -> BedLeaderLoss:
+    """Run the bed scenario (module docstring) in ``bed``; files under ``root``. Every peer is killed at the end.
+
+    ``twin``: half the swarm dies: two stages x two pipelines, and the other replica of the leader's stage dies
+    with it (process, link, disk). The two survivors hold no quorum of the plan's four members: they pause
+    ``quorum_wait_s`` (``[swarm] quorum_wait_s``) and go on in a new epoch from the newest copy."""
     save, mount, disks = root / "result", root / "disk", root / "disks"
     mount.mkdir(parents=True)
     extra = (f"save_dir = {json.dumps(str(save))}\ncheckpoint_dir = {json.dumps(str(mount / 'ckpt'))}\n"
-             f"checkpoint_every = {BED_CHECKPOINT_EVERY}\ncheckpoint_copies = 2\n")
-    cfg = write_small_config(root, steps=BED_STEPS, min_peers=4, stages=3, extra=extra)
+             f"checkpoint_every = {BED_CHECKPOINT_EVERY}\ncheckpoint_copies = 2\nquorum_wait_s = {quorum_wait_s}\n")
+    cfg = write_small_config(root, steps=BED_STEPS, min_peers=4, stages=2 if twin else 3, extra=extra)
     hosts = [bed.add_public(f"pub{i}") for i in range(4)]
     peers = DiskPeers(root / "logs", disks, mount)
     try:
@@ -238,17 +346,23 @@ def run_bed_leader_loss(bed: NetBed, root: Path) -> BedLeaderLoss:
         _wait("a step past the copied checkpoint", 120,
               lambda: any(int(s) > copied for _, s in _STEP.findall(leader_log())))
         plan = re.findall(r"plan epoch \d+ \(start\): stages .*, pipelines (\[.*\]), continuing", leader_log())
-        # the leader's host dies: process, link and disk
-        peers.kill("pub0")
+        # the leader's host dies: process, link and disk (and with ``twin`` the other replica of its stage)
+        dying = [hosts[0]]
+        if twin:
+            dying.append(bed.hosts[_twin_host({h.name: peers.log(h.name) for h in hosts}, json.loads(plan[0]))])
+        for host in dying:
+            peers.kill(host.name)
         t_dead = time.time()
         killed_at = max(int(s) for _, s in _STEP.findall(leader_log()))
-        hosts[0].run("ip", "link", "set", "eth0", "down")
-        shutil.rmtree(peers.disk(hosts[0]))
-        has_copy = any(any(peers.disk(h).glob("ckpt/copies/run-*/step-*")) for h in hosts[1:])
-        codes = peers.wait_all(240)
+        for host in dying:
+            host.run("ip", "link", "set", "eth0", "down")
+            shutil.rmtree(peers.disk(host))
+        survivors = [h for h in hosts if h not in dying]
+        has_copy = any(any(peers.disk(h).glob("ckpt/copies/run-*/step-*")) for h in survivors)
+        codes = peers.wait_all(240 + quorum_wait_s)
         out = BedLeaderLoss(json.loads(plan[0]) if plan else [], copied, killed_at, has_copy, codes,
-                            {h.name: peers.log(h.name) for h in hosts})
-        out.new_leader = next((h.name for h in hosts[1:] if "run finished" in out.logs[h.name]), None)
+                            {h.name: peers.log(h.name) for h in hosts}, dead=[h.name for h in dying])
+        out.new_leader = next((h.name for h in survivors if "run finished" in out.logs[h.name]), None)
         new_log = out.logs.get(out.new_leader or "", "")
         fetched = re.search(r"using the checkpoint copy of step (\d+) fetched from", new_log)
         rolled = re.search(r"rolling back to the checkpoint of step (\d+), redoing (\d+) step\(s\)", new_log)
@@ -264,3 +378,7 @@ def run_bed_leader_loss(bed: NetBed, root: Path) -> BedLeaderLoss:
     if out.new_leader is not None and codes.get(out.new_leader) == 0 and (save / "run.json").exists():
         out.gap = gap_to_reference(save, BED_STEPS)
     return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -9,7 +9,10 @@ worker every 1-3 s and starts a fresh one in its place (a new peer joining). For
 time from the kill until a micro-batch of the lost work is committed again by someone else: the first commit
 of a requeued micro-batch, or — when the kill left nothing to requeue (between steps) — the first commit after
 the re-plan. It includes detection (a failed send confirmed by a ping, or two missed heartbeats), requeueing,
-re-planning and state hand-over. At the end the run's parameters are compared with plain single-process
+re-planning and state hand-over. Kills every 1-3 s can take every replica of a stage before a replacement
+holds its state (the replacement is still fetching it when its source dies): the run then rolls back to the
+newest checkpoint (written every ``CHECKPOINT_EVERY`` steps, copied to two peers) and redoes the steps since;
+``rollbacks`` and ``steps_redone`` count them. At the end the run's parameters are compared with plain single-process
 training on the same data: ``max_param_rel_diff`` (per tensor, relative to its largest entry).
 
 Leader lost with its disk (``leader_disk_*``; ``--leader-disk-only`` runs just this): bench.leader_loss's
@@ -56,6 +59,7 @@ INITIAL = (STAGES, [[0, 1], [2, 3], [4, 5]])
 FORWARD_FLOPS = 2.4e6
 SLOW = LinkModel(tflops=[2e-4] * 256)  # ~12 ms forward, ~24 ms backward per micro-batch
 HEARTBEAT_S = 2.0
+CHECKPOINT_EVERY = 10  # kill runs checkpoint this often: a wiped stage rolls back at most this many steps
 TOKENS_PER_STEP = SPEC.micro_batch * SPEC.n_microbatches * SPEC.model.seq_len
 
 
@@ -135,17 +139,21 @@ def max_rel_diff(result: RunResult, reference: dict[str, torch.Tensor]) -> float
 
 
 def kill_run(n_kills: int, steps: int, seed: int, reference: dict[str, torch.Tensor],
-             say: Any) -> tuple[list[float], float, bool]:
+             say: Any) -> tuple[list[float], float, bool, list[dict[str, Any]]]:
+    """One kill run; also the rollbacks it took (a stage whose every replica died before a replacement held its
+    state rolls back to the newest checkpoint, written every ``CHECKPOINT_EVERY`` steps and copied to peers)."""
     rec = Recorder()
     kills: list[tuple[float, int]] = []
     stop = threading.Event()
-    with LocalSwarm(SPEC, 6, links=SLOW, forward_flops=lambda a, b: FORWARD_FLOPS, heartbeat_s=HEARTBEAT_S) as swarm:
+    with (tempfile.TemporaryDirectory(prefix="bench-recovery-") as ckpt,
+          LocalSwarm(SPEC, 6, links=SLOW, forward_flops=lambda a, b: FORWARD_FLOPS, heartbeat_s=HEARTBEAT_S) as swarm):
         swarm.coordinator.on_event = rec
         thread = threading.Thread(target=killer, args=(swarm, rec, n_kills, random.Random(seed), steps, kills, stop),
                                   daemon=True)
         thread.start()
         try:
-            result = swarm.train(INITIAL, steps, on_replan=lambda info: rec("replan", info))
+            result = swarm.train(INITIAL, steps, on_replan=lambda info: rec("replan", info), checkpoint_dir=ckpt,
+                                 checkpoint_every=CHECKPOINT_EVERY)
         finally:
             stop.set()
             thread.join(timeout=120)
@@ -153,9 +161,11 @@ def kill_run(n_kills: int, steps: int, seed: int, reference: dict[str, torch.Ten
     if len(recoveries) < len(kills):
         say(f"  {len(kills) - len(recoveries)} kill(s) without a measurable recovery")
     diff = max_rel_diff(result, reference)
+    rollbacks = result.events.rollbacks
     say(f"  run {seed}: {len(kills)} kills, recoveries {', '.join(f'{r:.2f}' for r in recoveries)} s; "
-        f"{len(result.events.replans) - 1} re-plans; max param diff vs undisturbed {diff:.2e}")
-    return recoveries, diff, len(result.reports) == steps
+        f"{len(result.events.replans) - 1} re-plans; {len(rollbacks)} rollback(s) {rollbacks}; "
+        f"max param diff vs undisturbed {diff:.2e}")
+    return recoveries, diff, len(result.reports) == steps, rollbacks
 
 
 def churn_run(duration_s: float, period_s: float | None, say: Any) -> float:
@@ -202,12 +212,14 @@ def run(kills: int, runs: int, steps: int, churn_s: float, period_s: float, say:
     recoveries: list[float] = []
     diffs: list[float] = []
     completed = 0
+    rollbacks: list[dict[str, Any]] = []
     for r in range(runs):
         say(f"kill run {r + 1}/{runs}: {per_run} kills over {steps} steps")
-        rec, diff, ok = kill_run(per_run, steps, r, reference, say)
+        rec, diff, ok, rolled = kill_run(per_run, steps, r, reference, say)
         recoveries += rec
         diffs.append(diff)
         completed += ok
+        rollbacks += rolled
     say(f"churn: {churn_s:.0f} s without churn, then with a kill every {period_s:.0f} s")
     calm = churn_run(churn_s, None, say)
     churned = churn_run(churn_s, period_s, say)
@@ -219,6 +231,8 @@ def run(kills: int, runs: int, steps: int, churn_s: float, period_s: float, say:
         "runs_completed": completed,
         "max_param_rel_diff": max(diffs) if diffs else None,
         "heartbeat_s": HEARTBEAT_S,
+        "rollbacks": len(rollbacks),
+        "steps_redone": sum(int(r["redone"]) for r in rollbacks),
         "recoveries_s": recoveries,
         "tokens_per_s_no_churn": calm,
         "tokens_per_s_churn": churned,

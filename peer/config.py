@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from peer.runtime.choices import COMPRESSIONS, DEFAULT_KEEP, PRECISIONS, PSEUDO_GRAD_COMPRESSIONS
-from peer.timing import ADVERT_TTL_HEARTBEATS, CHECKPOINT_COPIES, HEARTBEAT_S, MAX_HEARTBEAT_S
+from peer.timing import ADVERT_TTL_HEARTBEATS, CHECKPOINT_COPIES, HEARTBEAT_S, MAX_HEARTBEAT_S, QUORUM_WAIT_S
 
 if TYPE_CHECKING:
     from peer.runtime.spec import RunSpec
@@ -132,6 +132,8 @@ class SwarmSection:
         CHECKPOINT_COPIES, "other peers that keep a copy of every checkpoint (a new leader resumes from one)"
     )
     save_dir: str = _f("", "when set, the leader writes the final parameters of every stage and run.json here")
+    quorum_wait_s: float = _f(QUORUM_WAIT_S, "a leader without a majority of the last plan's members pauses this "
+                              "long, then goes on with those present in a new epoch")
 
 
 @dataclass
@@ -286,6 +288,8 @@ class RunConfig:
         if not 0 < s.heartbeat_s <= MAX_HEARTBEAT_S:
             raise ConfigError(f"{where}: [swarm] heartbeat_s must be in (0, {MAX_HEARTBEAT_S:g}] (the DHT refuses "
                               "records that live longer than their kind's bound)")
+        if not (s.quorum_wait_s >= 0 and math.isfinite(s.quorum_wait_s)):
+            raise ConfigError(f"{where}: [swarm] quorum_wait_s must be a number >= 0")
         if s.checkpoint_keep < 1 or s.checkpoint_copies < 0:
             raise ConfigError(f"{where}: [swarm] checkpoint_keep must be >= 1 and checkpoint_copies >= 0")
         e = self.emulation

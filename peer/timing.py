@@ -173,6 +173,9 @@ COPY_TIMEOUT_S = 600.0  # sending one checkpoint copy (in the background; traini
 EXIT_COPY_WAIT_S = 30.0  # a leader leaving gracefully waits this long for its last checkpoint's copies
 TAKEOVER_APPLY_TIMEOUT_S = 10.0  # a new leader tells a worker to apply the step its predecessor left
 TAKEOVER_WAIT_S = 30.0  # ... and waits this long for every such worker to have applied it
+QUORUM_WAIT_S = 300.0  # [swarm] quorum_wait_s: a leader without a majority pauses this long, then goes on
+COORDINATOR_LOST_HEARTBEATS = 5  # a worker that cannot reach its coordinator this long suspects the leader ...
+DEPOSE_HEARTBEATS = 30  # ... and elects without it this long (renewed while it stays unreachable)
 
 # -- the worker ------------------------------------------------------------------------------------------
 SEND_TIMEOUT_S = 120.0  # pushing an activation or gradient to the next stage

@@ -40,6 +40,7 @@ from peer.node.leader_role import LeaderContext, LeaderRole
 from peer.node.prober import LinkProber, ProbeSources
 from peer.node.reachability import Reach, ReachabilityError, establish, refuse_undialable
 from peer.node.schedule import Schedule, leaves_at
+from peer.node.watch import CoordinatorWatch
 from peer.observe.node import NodeObserver, ObserveError, ObserveOptions
 from peer.observe.snapshot import SwarmSource
 from peer.runtime.stage.worker import StageWorker
@@ -108,7 +109,10 @@ def bulk_lane_port(announce: str | None, bulk_port: int | None) -> int | None:
     """The bulk lane's port for a peer's options: off (None) when an address is announced and no lane port was
     chosen, since the ports an announced address forwards are the user's choice, and a lane on a port picked
     now is not among them (peers outside would wait for it before falling back to gRPC)."""
-    return None if announce and bulk_port == 0 else bulk_port
+    if announce and bulk_port == 0:
+        log.info("--announce without --bulk-port: the bulk lane is off (give --bulk-port and forward it)")
+        return None
+    return bulk_port
 
 
 class PeerDaemon:
@@ -207,17 +211,16 @@ class PeerDaemon:
         self.membership = Membership(
             self.dht, run_id, self.identity, o.secret or None, heartbeat_s=self.config.swarm.heartbeat_s
         )
-        if existing is not None:
-            try:
-                self.membership.check_clock()
-            except ClockSkewError as exc:
-                raise DaemonError(str(exc)) from None
         self.plan_board = PlanBoard(self.dht, run_id, self.identity, o.secret or None, elector=self.elected)
         self.progress = ProgressBoard(self.dht, run_id, self.identity, o.secret or None)
         self.view = SwarmView(self.membership, self.plan_board, self.progress)
         if existing is None:
             self.membership.publish_run(files.record(self.config))
         else:
+            try:  # the median of the credited peers' clocks: free identities cannot refuse us
+                self.membership.check_clock(witnesses=self.view.credited(self.membership.live_entries()))
+            except ClockSkewError as exc:
+                raise DaemonError(str(exc)) from None
             self.membership.adopt_run(existing)
         try:
             self.network, self.declared_tflops, self._emulated_extra = emulated_device(
@@ -232,8 +235,6 @@ class PeerDaemon:
     def _start_worker(self) -> None:
         o = self.opts
         bulk_port = bulk_lane_port(o.announce, o.bulk_port)
-        if bulk_port is None and o.bulk_port is not None:
-            log.info("--announce without --bulk-port: the bulk lane is off (give --bulk-port and forward it)")
         self.worker = StageWorker(
             o.host,
             o.port,
@@ -346,6 +347,11 @@ class PeerDaemon:
         assert self.config is not None
         period = self.config.swarm.heartbeat_s / TICKS_PER_HEARTBEAT
         prober = threading.Thread(target=self._probe_loop, name="prober", daemon=True)
+        assert self.view is not None
+        watch = CoordinatorWatch(self.config.swarm.heartbeat_s, self.tls, self.identity.peer_id,
+                                 lambda: self.worker.assignment if self.worker else None,
+                                 lambda: self.role is not None, self.elected, self.view.depose, self.stop_requested)
+        threading.Thread(target=watch.run, name="coordinator-watch", daemon=True).start()
         while not self.done.is_set() and not self.stop_requested.is_set():
             self._tick()
             if not prober.is_alive() and not prober.ident:
@@ -380,6 +386,7 @@ class PeerDaemon:
         if self.role is not None and self.role.finished.is_set():
             if self.role.error is not None:
                 self.exit_error = f"leader failed: {self.role.error}"
+                _resign(self.progress)  # the followers elect again at once, as for a leader that died
             self.done.set()
             return
         self._ticks += 1
@@ -484,7 +491,9 @@ class PeerDaemon:
         if self.started_run is False and time.monotonic() - self._announced_at < ttl:
             return False
         beat = self.progress.read_beat(_progress_leader(self.plan_board.latest(), self.elected()))
-        if beat and beat.get("leader") != self.identity.peer_id and beat.get("state") not in ("done", "resigned"):
+        deposed = self.view is not None and self.view.is_deposed(str((beat or {}).get("leader")))
+        if beat and beat.get("leader") != self.identity.peer_id and beat.get("state") not in ("done", "resigned") \
+                and not deposed:  # a deposed leader's beat holds nobody back: its coordinator is gone
             age = now() - float(beat.get("at", 0.0))
             if age < ttl:
                 return False
@@ -539,11 +548,8 @@ class PeerDaemon:
                 except Exception as exc:  # leaving must not fail because a checkpoint did
                     log.warning("checkpoint on exit failed: %s", exc)
             self.role.stop()
-            if resigning and self.progress is not None:
-                try:
-                    self.progress.resign()  # the others elect a new leader at once (see peer.swarm.view)
-                except Exception as exc:  # the DHT may already be unreachable
-                    log.info("resign: %s", exc)
+            if resigning:
+                _resign(self.progress)  # the others elect a new leader at once (see peer.swarm.view)
         if self.membership is not None:
             try:
                 self.membership.leave()
@@ -572,6 +578,16 @@ def owner_limits(device: DeviceInfo, extra: dict[str, Any], o: PeerOptions) -> t
         if value is not None:
             extra[key] = float(value)
     return device, extra
+
+
+def _resign(progress: ProgressBoard | None) -> None:
+    """Tell the followers this peer leads no more (they elect again at once, ``peer.swarm.view``)."""
+    if progress is None:
+        return
+    try:
+        progress.resign()
+    except Exception as exc:  # the DHT may already be unreachable: the beat's age says the same, later
+        log.info("resign: %s", exc)
 
 
 def _ops_summary(delta: dict[str, int], heartbeats: float, role: str) -> dict[str, Any]:

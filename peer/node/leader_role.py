@@ -29,6 +29,7 @@ import torch
 from peer.compute.model import unflatten_stage
 from peer.config import RunConfig
 from peer.net import PeerClient, PeerServer, TransportConfig
+from peer.node.partition import find_rival, judge, split_step
 from peer.node.planning import ClusterView, build_cluster, make_planner, workload_for
 from peer.node.schedule import leaving_soon
 from peer.observe.scalars import ScalarWriter
@@ -39,6 +40,7 @@ from peer.runtime.lead.driver import DriverConfig, Pipelines, RunDriver, Stages
 from peer.runtime.outer import assignment_record
 from peer.runtime.spec import Assignment, RunSpec
 from peer.swarm.adverts import Advert, LinkReport
+from peer.swarm.election import MAX_CREDITED, credited_of
 from peer.swarm.plans import PlanBoard, has_quorum
 from peer.swarm.progress import ProgressBoard, publishable
 from peer.timing import (
@@ -101,6 +103,15 @@ class LeaderRole:
         # record the previous leader published), so run.json and status keep the full curve
         self.history: dict[int, tuple[float | None, float]] = {}  # loss None: no usable loss was reported
         self._last_progress: dict[str, Any] = {"epoch": 0, "step": 0, "state": "forming"}
+        # peers whose pipelines applied a step of the run (carried over from the previous leader's plan): the
+        # only witnesses of the election once there are some (peer.swarm.election), listed in every plan
+        self.credited: set[str] = set()
+        self.published_credited: set[str] = set()  # the credited list of the last plan published
+        self.pause: dict[str, Any] | None = None  # why, since and until when (DHT time) the leader pauses
+        self.waive_epoch: int | None = None  # the plan epoch the next plan fences without its quorum
+        self.waived: dict[str, Any] | None = None  # what the quorum waiver of the next plan says
+        self.discarded: dict[str, Any] | None = None  # the losing side of the last healed partition
+        self.start_epoch = 0  # the plan epoch this leadership began at: a later plan of another leader is a rival
         self._tokens_per_step = self.spec.micro_batch * self.spec.n_microbatches * self.spec.model.seq_len
         logs = self.config.log  # TensorBoard / W&B scalars of each step (peer.observe.scalars)
         self.scalars = ScalarWriter(
@@ -130,12 +141,14 @@ class LeaderRole:
             if pid not in self.index:
                 self.index[pid] = len(self.index)
                 self.peer_of[self.index[pid]] = pid
-        self._forgive_returning(live)
+        returning = self._forgive_returning(live)
+        if returning and self.driver is not None:
+            self._check_heal(returning, live)
         return {self.index[pid]: a.endpoint for pid, a in live.items()}
 
-    def _forgive_returning(self, live: dict[str, Advert]) -> None:
+    def _forgive_returning(self, live: dict[str, Advert]) -> set[str]:
         """A peer whose advert vanished and came back (a healed partition, a restart) may be planned again,
-        even if the driver banned its endpoint as dead while it was away."""
+        even if the driver banned its endpoint as dead while it was away. Returns the peers new in this view."""
         returning = set(live) - self._last_live
         self._last_live = set(live)
         if self.driver is not None:
@@ -144,6 +157,36 @@ class LeaderRole:
                     log.info("leader: %s is back; it may be planned again", pid)
                     self.driver.banned.discard(live[pid].endpoint)
         self._ever_live |= set(live)
+        return returning
+
+    def _check_heal(self, returning: set[str], live: dict[str, Advert]) -> None:
+        """Peers came into view: if they followed a rival plan (the other side of a partition that went on after
+        ``quorum_wait_s``), the side with the newer (epoch, step) wins (``peer.node.partition``); the loser's
+        work since the split is discarded, logged and published (``discarded``, shown by `peer status`)."""
+        assert self.driver is not None
+        plans = self.ctx.plan_board.plans()
+        rival = find_rival(plans, self.ctx.peer_id, self.start_epoch, returning)
+        if rival is None:
+            return
+        self.start_epoch = max(self.start_epoch, rival.epoch)  # judged once: a flickering advert is no new heal
+        progress = self.ctx.progress.read(rival.leader_id) or {}
+        steps = self.config.run.steps
+        v = judge(rival, progress, self.ctx.peer_id, (self.driver.epoch, self.driver.trained), steps,
+                  split_step(plans, rival, steps))
+        their_eps = {live[pid].endpoint for pid in v.their_peers if pid in live}
+        if v.theirs:
+            for k in [k for k in self.history if k >= v.split]:
+                del self.history[k]
+            self._adopt_history(v.step, progress, since=v.split)
+            self.driver.heal(v.step, v.epoch, keep=their_eps, discard=set())
+        else:
+            self.driver.heal(v.step, v.epoch, keep=None, discard=their_eps)
+        d = v.discarded
+        log.warning("leader: a partition healed; the side of %s (plan epoch %d, step %d) lost to the side of %s "
+                    "(epoch %d, step %d): its %d step(s) since step %d are discarded", d["leader"], d["epoch"],
+                    d["step"], d["kept_leader"], d["kept_epoch"], d["kept_step"], d["steps"], v.split)
+        self.discarded = d
+        self._publish({**self._last_progress, "discarded": dict(d)})
 
     def _view(self, devices: list[int]) -> ClusterView:
         live = self._workers()
@@ -205,12 +248,18 @@ class LeaderRole:
         raise InterruptedError("stopped while waiting for peers")
 
     def _wait_for_quorum(self) -> None:
-        """Pause until a quorum of the previous plan's members is live here (``peer.swarm.plans.has_quorum``).
+        """Pause until a quorum of the previous plan's members is live here (``peer.swarm.plans.has_quorum``),
+        for at most ``[swarm] quorum_wait_s``; then go on with the members present, in a new epoch whose plan
+        waives the quorum and fences the previous one (``PlanBoard.publish(waive_quorum=...)``).
 
-        On the minority side of a partition that never happens: its leader waits (its workers keep their state
-        and train nothing) until the partition heals and the majority's leader, elected again, takes them back.
+        A partition's minority side cannot tell a partition from a crash of the others: pausing forever would stop
+        a run that lost half its peers for good, never pausing would let both sides of every short partition
+        train apart. The bounded wait is the trade-off (docs/architecture.md, "Partitions"): a partition shorter
+        than ``quorum_wait_s`` costs nothing; a longer one lets both sides train, and when it heals the side with
+        the newer (epoch, trained step) wins and the other side's work since the split is discarded and reported.
         """
-        paused = False
+        paused_at: float | None = None
+        wait_s = self.config.swarm.quorum_wait_s
         while not self.stop_event.is_set():
             previous, live = self.ctx.plan_board.latest(), set(self._workers())
             elector = self.ctx.plan_board.elector
@@ -219,16 +268,30 @@ class LeaderRole:
                 # confirms it and stops this role, or elects us again
                 self.stop_event.wait(self.config.swarm.heartbeat_s / TICKS_PER_HEARTBEAT)
                 continue
-            if has_quorum(previous, live):
-                if paused:
+            if has_quorum(previous, live) or (previous is not None and self.waive_epoch == previous.epoch):
+                if paused_at is not None:
                     log.info("leader: a quorum of the previous plan's members is back; resuming")
+                    self.pause = None
                 return
-            if not paused:
-                assert previous is not None
-                members = set(previous.members) | {previous.leader_id}
-                log.warning("leader: paused, only %d of the %d members of plan %d are reachable (a majority is needed)",
-                            len(members & live), len(members), previous.epoch)
-                paused = True
+            assert previous is not None
+            members = set(previous.members) | {previous.leader_id}
+            if paused_at is None:
+                paused_at = time.monotonic()
+                reason = (f"only {len(members & live)} of the {len(members)} members of plan {previous.epoch} are "
+                          f"reachable (a majority is needed)")
+                self.pause = {"reason": reason, "since": now(), "until": now() + wait_s, "epoch": previous.epoch}
+                log.warning("leader: paused, %s; going on without them in %.0f s ([swarm] quorum_wait_s)",
+                            reason, wait_s)
+                self._publish({**self._last_progress, "state": "paused", "paused": dict(self.pause)})
+            elif time.monotonic() - paused_at >= wait_s:
+                log.warning("leader: no majority of plan %d's members for %.0f s; going on with the %d present in a "
+                            "new epoch that fences plan %d (quorum waived)", previous.epoch,
+                            time.monotonic() - paused_at, len(members & live), previous.epoch)
+                self.waive_epoch = previous.epoch
+                self.waived = {"fenced_epoch": previous.epoch, "waited_s": round(time.monotonic() - paused_at, 1),
+                               "present": len(members & live), "members": len(members)}
+                self.pause = None
+                return
             self.stop_event.wait(self.config.swarm.heartbeat_s / TICKS_PER_HEARTBEAT)
         raise InterruptedError("stopped while waiting for a quorum")
 
@@ -246,6 +309,8 @@ class LeaderRole:
     def _lead(self) -> None:
         board = self.ctx.plan_board
         previous = board.latest()
+        self.credited = set(credited_of(previous.plan if previous else None))
+        self.start_epoch = board.highest_epoch
         self._wait_for_peers(taking_over=previous is not None)
         self._wait_for_quorum()
         self.ctx.probe_links_now()
@@ -348,6 +413,8 @@ class LeaderRole:
     def _publish(self, payload: dict[str, Any]) -> None:
         """Publish progress; every record carries the loss history, so a takeover at any moment keeps it."""
         self._last_progress = {**payload, "history": self._history_payload()}
+        if self.discarded is not None:  # the last healed partition's lost work stays in view
+            self._last_progress["discarded"] = dict(self.discarded)
         self.ctx.progress.publish(dict(self._last_progress))
 
     def beat(self) -> None:
@@ -363,25 +430,34 @@ class LeaderRole:
             "step": info["step"],
             "reason": info["reason"][:200],
             "coordinator": self.coordinator.endpoint,
+            "credited": sorted(self.credited)[:MAX_CREDITED],
         }
+        self.published_credited = set(self.credited)
+        waive = self.waived is not None and self.waive_epoch == self.ctx.plan_board.highest_epoch
+        if waive:
+            plan["quorum_waived"] = dict(self.waived or {})
         try:
-            stored = self.ctx.plan_board.publish(info["epoch"], self.ctx.peer_id, plan, members=sorted(self._workers()))
+            stored = self.ctx.plan_board.publish(info["epoch"], self.ctx.peer_id, plan, members=sorted(self._workers()),
+                                                 waive_quorum=waive)
         except ValueError as exc:  # a newer plan was accepted meanwhile, or the quorum was lost: stop leading
             raise InterruptedError(f"plan of epoch {info['epoch']} not published: {exc}") from None
         if not stored:
             log.warning("plan of epoch %d was not stored in the DHT", info["epoch"])
         self._publish({"epoch": info["epoch"], "step": info["step"], "state": "training"})
 
-    def _adopt_history(self, trained: int) -> None:
-        previous = self.ctx.plan_board.latest()
-        progress = self.ctx.progress.read(previous.leader_id if previous else None) or {}
+    def _adopt_history(self, trained: int, progress: dict[str, Any] | None = None, since: int = 0) -> None:
+        """Take the loss history of steps ``since`` .. ``trained`` - 1 from a progress record (default: that of
+        the previous plan's leader)."""
+        if progress is None:
+            previous = self.ctx.plan_board.latest()
+            progress = self.ctx.progress.read(previous.leader_id if previous else None) or {}
         hist = progress.get("history") or {}
         first = hist.get("from", 0)
         first = first if isinstance(first, int) and not isinstance(first, bool) and 0 <= first <= trained else 0
         for k, (loss, secs) in enumerate(zip(hist.get("loss", []), hist.get("step_s", []), strict=False)):
-            if first + k < trained and _number(loss, none=True) and _number(secs):
+            if since <= first + k < trained and _number(loss, none=True) and _number(secs):
                 self.history[first + k] = (None if loss is None else float(loss), float(secs))
-        for k in range(first, trained):  # a step the previous leader applied but died before recording
+        for k in range(max(first, since), trained):  # a step the previous leader applied but died before recording
             self.history.setdefault(k, (None, math.nan))
 
     def _history_payload(self, limit: int = 2000) -> dict[str, Any]:
@@ -396,6 +472,10 @@ class LeaderRole:
         log.info("step %d: loss %s, %.2f s, %.0f tokens/s", report.step, "-" if loss is None else f"{loss:.4f}",
                  report.seconds, tokens_per_s)
         assert self.driver is not None
+        for r in report.applied:  # accepted work: the peers of each pipeline that applied the step
+            if 0 <= r < len(self.driver.pipelines):
+                self.credited.update(self.peer_of[d] for d in self.driver.pipelines[r] if d in self.peer_of)
+        self.driver.replan_on_join = bool(self.credited - self.published_credited)
         self.scalars.add(report.step, {"train/loss": report.loss, "train/tokens_per_s": tokens_per_s,
                                        "train/step_s": report.seconds, "swarm/plan_epoch": self.driver.epoch,
                                        "swarm/peers": len(self._workers())})

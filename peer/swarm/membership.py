@@ -31,6 +31,7 @@ import logging
 import statistics
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import hivemind
@@ -383,7 +384,8 @@ class Membership:
         self._last_links = reports
         return list(reports)
 
-    def check_clock(self, max_skew_s: float = MAX_CLOCK_SKEW_S, attempts: int = 3) -> float | None:
+    def check_clock(self, max_skew_s: float = MAX_CLOCK_SKEW_S, attempts: int = 3,
+                    witnesses: Collection[str] = ()) -> float | None:
         """Compare our clock with the live peers' heartbeat times; :class:`ClockSkewError` beyond ``max_skew_s``.
 
         Returns the median of (their heartbeat time - our clock when the read began), None when nobody else is
@@ -393,6 +395,8 @@ class Membership:
         a clock that looks ahead by less than ``LATE_HEARTBEAT_SLACK_S`` more than allowed is read again, up to
         ``attempts`` times half a heartbeat apart, and judged by the freshest reading; one that looks behind, or
         further ahead, is refused at once (lateness cannot make a record look newer, nor seconds older).
+        ``witnesses``: when given, only these peers' records count (the credited peers, ``peer.swarm.election``),
+        so free identities with skewed clocks cannot move the median and refuse an honest joiner.
         """
         best: float | None = None
         count = 0
@@ -405,6 +409,7 @@ class Membership:
                 float(record.payload["at"]) - started
                 for record in records or []
                 if record.owner != self.peer_id
+                and (not witnesses or record.owner in witnesses)
                 and isinstance(record.payload.get("at"), (int, float))
                 and not isinstance(record.payload.get("at"), bool)
                 and "advert" in record.payload

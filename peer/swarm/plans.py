@@ -16,7 +16,9 @@ What a reader accepts (:meth:`PlanBoard.latest`):
   of them are among the new plan's members, or exactly half including the previous leader). A leader checks
   that before it publishes (``peer.node.leader_role``), so the minority side of a partition pauses instead
   of training on its own. With two members, losing the leader pauses the survivor, losing the other peer
-  does not; with four, a 2 + 2 split keeps the side of the previous leader.
+  does not; with four, a 2 + 2 split keeps the side of the previous leader. The pause is bounded: after
+  ``[swarm] quorum_wait_s`` the leader publishes a plan that says it waives the quorum and fences the plan
+  followed (:func:`waives`), and readers accept it (``peer.node.leader_role``; docs/architecture.md).
 
 A board remembers the plan it follows, so epochs never go back even after old plans expire from the DHT;
 the leader renews its current plan with :meth:`PlanBoard.republish` well within ``plan_ttl_s``
@@ -74,6 +76,15 @@ def has_quorum(previous: PlanRecord | None, present: Iterable[str]) -> bool:
     return 2 * len(here) > len(members) or (2 * len(here) == len(members) and previous.leader_id in here)
 
 
+def waives(record: PlanRecord, current: PlanRecord | None) -> bool:
+    """Whether ``record`` goes on without a quorum of ``current``'s members by the bounded-pause rule: its plan
+    says so (``quorum_waived``: the epoch it fences, the seconds its leader waited) and fences exactly the plan
+    followed. Only the elected leader's plans get this far (:meth:`PlanBoard._accepts`)."""
+    waived = record.plan.get("quorum_waived")
+    return (current is not None and isinstance(waived, dict) and waived.get("fenced_epoch") == current.epoch
+            and record.epoch > current.epoch)
+
+
 class PlanBoard:
     """Publish plans (as leader) and follow the newest accepted one (as everyone).
 
@@ -104,8 +115,11 @@ class PlanBoard:
         """The epoch of the plan this board follows (0 before any); never decreases."""
         return 0 if self._latest is None else self._latest.epoch
 
-    def publish(self, epoch: int, leader_id: str, plan: dict, members: Iterable[str] = ()) -> bool:
-        """Publish ``plan`` at ``epoch`` signed by us; ValueError unless it is newer than the plan we follow."""
+    def publish(self, epoch: int, leader_id: str, plan: dict, members: Iterable[str] = (),
+                waive_quorum: bool = False) -> bool:
+        """Publish ``plan`` at ``epoch`` signed by us; ValueError unless it is newer than the plan we follow.
+        ``waive_quorum``: the leader waited ``[swarm] quorum_wait_s`` for a quorum in vain; the plan must say so
+        (``plan["quorum_waived"]``, see :func:`waives`)."""
         identity = self.store.identity
         if identity is None:
             raise ValueError("a read-only plan board cannot publish")
@@ -121,7 +135,7 @@ class PlanBoard:
         if not isinstance(plan, dict):
             raise ValueError(f"plan must be a dict, got {type(plan).__name__}")
         record = PlanRecord(epoch, leader_id, plan, tuple(sorted(set(members) | {leader_id})))
-        if not has_quorum(self._latest, record.members):
+        if not has_quorum(self._latest, record.members) and not (waive_quorum and waives(record, self._latest)):
             raise NoQuorumError(f"plan epoch {epoch} lacks a quorum of plan {self.highest_epoch}'s members")
         stored = self._store(record)
         if stored:
@@ -173,7 +187,7 @@ class PlanBoard:
             logger.warning("ignoring plan epoch %d from %s: more than %d above epoch %d", record.epoch,
                            record.leader_id, MAX_EPOCH_STEP, current.epoch)
             return False
-        if not has_quorum(current, record.members):
+        if not has_quorum(current, record.members) and not waives(record, current):
             logger.warning("ignoring plan epoch %d from %s: it lacks a quorum of plan %d's members", record.epoch,
                            record.leader_id, current.epoch)
             return False

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from peer.swarm.dht import DHTConfig, start_dht
-from peer.swarm.election import elect_leader
+from peer.swarm.election import bootstrap_credited, credited_of, elect_leader
 from peer.swarm.identity import Identity
 from peer.swarm.membership import Membership, PeerEntry
 from peer.swarm.plans import PlanBoard, PlanRecord
@@ -49,6 +49,9 @@ class SwarmStatus:
             "loss": self.progress.get("loss"),
             "tokens_per_s": self.progress.get("tokens_per_s"),
             "state": self.progress.get("state"),
+            # why the leader pauses, since and until when (DHT time), or None; work a healed partition discarded
+            "paused": self.progress.get("paused"),
+            "discarded": self.progress.get("discarded"),
             "links": self.links,
         }
 
@@ -77,8 +80,13 @@ class StatusReader:
         return list(entries)
 
     def elected(self) -> str | None:
-        """The leader as elected from the live records now."""
-        return elect_leader(self.live_entries())
+        """The leader as elected from the live records now, with the testimony of the credited peers only
+        (those of the plan followed, before any: of the newest self-consistent plan; ``peer.swarm.election``)."""
+        entries = self.live_entries()
+        followed = self.board.followed()
+        credited = credited_of(followed.plan) if followed is not None else bootstrap_credited(
+            entries, [(p.leader_id, p.plan) for p in self.board.plans()])
+        return elect_leader(entries, credited)
 
     def latest_plan(self) -> PlanRecord | None:
         return self.board.latest()
@@ -148,6 +156,12 @@ class StatusReader:
             "stages": plan.get("stages"),
         }
         progress = self.progress.read(latest.leader_id if latest is not None else self.elected())
+        elected = self.elected()
+        if latest is not None and elected not in (None, latest.leader_id):
+            # a new leader that has not planned yet (taking over, or paused without a quorum) says why
+            newer = self.progress.read(elected)
+            if newer and newer.get("state") == "paused":
+                progress = newer
         return SwarmStatus(peers, plan_out, progress or {}, link_summary)
 
 
@@ -177,6 +191,15 @@ def format_status(st: SwarmStatus) -> str:
     if p.get("tokens_per_s"):
         lines[-1] += f", {p['tokens_per_s']:.0f} tokens/s, {p.get('step_s', 0):.2f} s/step"
     lines[-1] += f" ({p.get('state', 'forming')})"
+    paused = p.get("paused")
+    if isinstance(paused, dict):
+        lines.append(_paused_line(paused))
+    discarded = p.get("discarded")
+    if isinstance(discarded, dict):
+        lines.append(f"healed partition: discarded {discarded.get('steps')} step(s) of the side of "
+                     f"{str(discarded.get('leader'))[:12]} (plan epoch {discarded.get('epoch')}, step "
+                     f"{discarded.get('step')}); kept epoch {discarded.get('kept_epoch')}, "
+                     f"step {discarded.get('kept_step')}")
     lines.append(
         f"plan: epoch {plan.get('epoch')}, leader {str(plan.get('leader'))[:12]}, "
         f"{len(plan.get('pipelines') or [])} pipeline(s) x {len(plan.get('stages') or [])} stage(s)"
@@ -203,6 +226,15 @@ def format_status(st: SwarmStatus) -> str:
     if any(peer["emulated"] for peer in st.peers):
         lines.append("* emulated TFLOP/s")
     return "\n".join(lines)
+
+
+def _paused_line(paused: dict[str, Any]) -> str:
+    """Why the swarm is paused, since when and when it goes on by itself (``[swarm] quorum_wait_s``)."""
+    at = now()
+    since, until = paused.get("since"), paused.get("until")
+    ago = f"{at - since:.0f} s ago" if isinstance(since, (int, float)) else "?"
+    left = f"in {max(0.0, until - at):.0f} s" if isinstance(until, (int, float)) else "?"
+    return f"paused {ago}: {paused.get('reason', '?')}; continues with the peers present {left}"
 
 
 def _reached(peer: dict[str, Any]) -> str:

@@ -6,18 +6,24 @@ set read it (``Membership.live_entries``):
 
 * the **leader**, every tick: it plans from the adverts and must notice joins, deaths and a healed partition;
 * a peer **without a confirmed leader** (just joined, or the election is still settling), every tick;
-* a peer that **suspects the leader**: the leader's beat (``peer.swarm.progress``) was missing, older than
+* a peer that **suspects the leader**: its coordinator could not be reached for ``COORDINATOR_LOST_HEARTBEATS``
+  (the daemon deposes it: :meth:`SwarmView.depose` elects without it for ``DEPOSE_HEARTBEATS``, so a leader that
+  beats but does not coordinate, e.g. one that failed while taking over, is replaced like a dead one), or the
+  leader's beat (``peer.swarm.progress``) was missing, older than
   one advert lifetime or "resigned" (it stepped down) at the last look, or a peer other than the one it
   elected tried to assign it work
   (:meth:`SwarmView.suspect_leader`; the election may have moved, e.g. a partition healed), every tick;
+* a peer that **deposed a leader** (below), while the deposition lasts: it must see that leader's advert and
+  certificate come back to notice it answers again;
 * a peer **without an assignment** (forming, or a newcomer the leader has not planned yet), once a heartbeat:
   it needs the adverts to know whom to probe and whose TLS certificate to trust.
 
 A worker holding an assignment and following a live leader reads one small record a heartbeat: the leader's
 beat (plan epoch, step, state, DHT time). The plan itself is read only when the beat names a newer epoch; the
 full progress record (loss history) only on demand (`peer status`, the dashboard, a new leader); the
-certificates it needs are those its assignment names (``peer.runtime.stage``). The election is unchanged
-(``peer.swarm.election``): the same pure function of the live records, acted on only once it has been stable
+certificates it needs are those its assignment names (``peer.runtime.stage``). The election is the same
+everywhere (``peer.swarm.election``): a pure function of the live records and the followed plan's credited
+peers, acted on only once it has been stable
 for ``LEADER_CONFIRM_TICKS`` full reads, and plans and progress are accepted only from the elected leader
 (``peer.swarm.plans``), so the fencing by (epoch, leader id) and the quorum rule hold as before.
 """
@@ -25,10 +31,11 @@ for ``LEADER_CONFIRM_TICKS`` full reads, and plans and progress are accepted onl
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
-from peer.swarm.election import elect_leader
+from peer.swarm.election import bootstrap_credited, credited_of, elect_leader
 from peer.swarm.membership import Membership, PeerEntry
 from peer.swarm.plans import PlanBoard, PlanRecord
 from peer.swarm.progress import ProgressBoard
@@ -64,6 +71,8 @@ class SwarmView:
         self.beat: dict[str, Any] | None = None  # the last beat of the leader whose progress counts
         self.ticks = 0
         self.full_reads = 0
+        self._bootstrap: frozenset[str] | None = None  # the credited set while no plan is followed
+        self.deposed: dict[str, float] = {}  # peer id -> until when (monotonic) the election leaves it out
 
     @property
     def me(self) -> str:
@@ -82,9 +91,23 @@ class SwarmView:
             logger.info("reading every advert again: %s", why)
         self.suspect = True
 
+    def depose(self, peer_id: str, for_s: float, why: str) -> None:
+        """Elect without ``peer_id`` for ``for_s`` seconds (its coordinator cannot be reached: a leader that
+        beats but does not lead must not hold the run), and read every advert again."""
+        if self.deposed.get(peer_id, 0.0) <= time.monotonic() and why and for_s > 0:
+            logger.warning("electing a leader without %s for %.0f s: %s", peer_id, for_s, why)
+        self.deposed[peer_id] = time.monotonic() + for_s
+        if why:  # a renewal ("") changes nothing else; a lift (0 s) looks again, it may be elected again
+            self.suspect_leader(why)
+
+    def is_deposed(self, peer_id: str) -> bool:
+        return self.deposed.get(peer_id, 0.0) > time.monotonic()
+
     def needs_full_read(self, leading: bool) -> bool:
         if leading or self.suspect or self.confirmed() is None or self.candidate == self.me:
             return True
+        if any(self.is_deposed(pid) for pid in self.deposed):
+            return True  # while it elects without someone: its advert (and certificate) must stay in view
         return not self.holding_plan and self.ticks % self.ticks_per_heartbeat == 0
 
     def tick(self, leading: bool) -> Tick:
@@ -106,12 +129,24 @@ class SwarmView:
         such a read is incomplete, and acting on it could make a follower believe it leads."""
         if not any(e.advert.peer_id == self.me for e in entries):
             return False
-        candidate = elect_leader(entries)
+        deposed = {pid for pid in self.deposed if self.is_deposed(pid)}
+        candidate = elect_leader([e for e in entries if e.advert.peer_id not in deposed], self.credited(entries))
         if candidate == self.candidate:
             self.streak += 1
         else:
             self.candidate, self.streak = candidate, 1
         return True
+
+    def credited(self, entries: list[PeerEntry]) -> frozenset[str]:
+        """Whose testimony counts in the election (``peer.swarm.election``): the peers the followed plan credits
+        with accepted work; without a plan, those of the newest self-consistent plan in the DHT (read once a
+        heartbeat)."""
+        plan = self.plans.followed()
+        if plan is not None:
+            return credited_of(plan.plan)
+        if self._bootstrap is None or self.ticks % self.ticks_per_heartbeat == 0:
+            self._bootstrap = bootstrap_credited(entries, [(p.leader_id, p.plan) for p in self.plans.plans()])
+        return self._bootstrap
 
     def _look_at_leader(self) -> None:
         """Read the elected leader's beat: fresh clears suspicion, missing or stale raises it; a newer epoch

@@ -35,7 +35,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,9 +180,11 @@ class SharedReads:
         self.parses += 1
         return value
 
-    def elect(self, entries: list[PeerEntry]) -> str | None:
+    def elect(self, entries: list[PeerEntry], credited: Collection[str] = ()) -> str | None:
         """``peer.swarm.election.elect_leader``, once per shared parse (it is a pure function of the entries)."""
         hit = self._memo.get("peers")
+        if credited:
+            return elect_leader(entries, credited)
         if hit is not None and len(entries) == len(hit[1]) and all(a is b for a, b in zip(entries, hit[1],
                                                                                          strict=True)):
             memo = self._memo.get("elect")

@@ -7,8 +7,10 @@ devices between (stage, replica) slots and change the number of replicas.
 
 Where a tasklet's state comes from after a re-plan, in order of preference: the device already holds it at
 the run's trained step (``keep``); a live replica of the stage at that step (``fetch``); otherwise the stage
-is lost with every replica, and the whole run rolls back to the last checkpoint (every stage ``fetch``es its
-checkpoint from the coordinator), redoing the steps since — the log says how many.
+is lost with every replica, and the whole run rolls back to the newest verified checkpoint, this leader's or
+a copy a live peer holds (every stage ``fetch``es it from the coordinator), or to step 0 when there is none (the
+seeded initial state, which every peer rebuilds), redoing the steps since — the log says how many. A wiped stage
+never ends the run.
 
 Checkpoints are written by the leader: every ``checkpoint_every`` steps (and on request, e.g. SIGTERM) it
 fetches each stage's state from one replica and writes it durably through
@@ -223,6 +225,13 @@ class RunDriver:
         # on_checkpoint(step, folder): after each checkpoint is written (replication to other peers)
         self.on_checkpoint: Callable[[int, Path], None] | None = None
         self._replicating: threading.Thread | None = None
+        # a healed partition (peer.node.leader_role): the endpoints whose state the next plan keeps (None: any
+        # holder at the trained step), and those whose state it never keeps (the discarded side's)
+        self.keep_only: set[str] | None = None
+        self.discard: set[str] = set()
+        # the owner has news for the next plan (peers newly credited with work): re-plan when a peer joins, even
+        # one the plan will not use (a new identity must meet a plan that says whose testimony counts)
+        self.replan_on_join = False
 
     def _check_stopped(self) -> None:
         if self.stop_event.is_set():
@@ -287,6 +296,16 @@ class RunDriver:
         middle of a round a pipeline that lost a member sits the round out; peer.runtime.outer)."""
         return self.trained % self.spec.sync_period == 0
 
+    def heal(self, step: int, epoch: int, keep: set[str] | None, discard: set[str]) -> None:
+        """A partition healed (between steps, on the driver's thread): train on from ``step`` with the state
+        of the peers in ``keep`` (None: this leader's own side), never keeping the state of ``discard`` (the
+        losing side, whose work is dropped); the next plan's epoch is above ``epoch`` (the other side's)."""
+        self.epoch = max(self.epoch, epoch)
+        if step != self.trained:
+            self.reports = [r for r in self.reports if r.step < min(step, self.trained)]
+            self.trained = step
+        self.keep_only, self.discard = keep, set(discard)
+
     def _ban_dead(self) -> None:
         self.banned |= set(self.coordinator.dead)
 
@@ -335,6 +354,11 @@ class RunDriver:
         """A worker died at a step boundary, or a new device joined."""
         live = {ep for ep in self.live_devices().values() if ep not in self.banned and ep not in self.slow}
         planned = set(self.coordinator.assignments)
+        if self.keep_only is not None or self.discard:  # a healed partition (seen while reading ``live``)
+            return True
+        if self.replan_on_join and live - planned:
+            self.replan_on_join = False
+            return True
         if self.coordinator.dead:
             self._ban_dead()
             return True
@@ -379,17 +403,22 @@ class RunDriver:
         sources, rollback = self._sources(assignments, holders, restore_step)
         if rollback is not None:
             redone = self.trained - rollback
+            seeded = rollback == 0 and self._loaded is None  # no checkpoint: the seeded initial state is step 0's
             log.warning(
-                "every replica of a stage is gone; rolling back to the checkpoint of step %d, redoing %d step(s)",
-                rollback,
+                "every replica of a stage is gone; rolling back to %s, redoing %d step(s)",
+                "step 0 (no checkpoint: the seeded initial state)" if seeded else f"the checkpoint of step {rollback}",
                 redone,
             )
             self.events.rollbacks.append({"from_step": self.trained, "to_step": rollback, "redone": redone})
-            self._load_checkpoint_stages(rollback)
+            if seeded:
+                sources = {ep: StateSource.init() for ep in assignments}
+            else:
+                self._load_checkpoint_stages(rollback)
+                sources = {ep: StateSource.fetch(self.coordinator.endpoint, rollback) for ep in assignments}
             self.trained = rollback
             self.reports = [r for r in self.reports if r.step < rollback]
-            sources = {ep: StateSource.fetch(self.coordinator.endpoint, rollback) for ep in assignments}
         self.coordinator.assign(assignments, sources)  # a new plan: the coordinator forgets the dead
+        self.keep_only, self.discard = None, set()  # a healed partition's sides are one plan now
         self.pipelines = pipelines
         info = {
             "epoch": self.epoch,
@@ -430,7 +459,10 @@ class RunDriver:
         known = {ep: st for ep, st in fresh.items() if ep in live and st} if trained == self.trained else {}
         with ThreadPoolExecutor(max_workers=16) as pool:
             answers = [*known.items(), *pool.map(ask, sorted(live - set(known)))]
+        keep_only, discard = self.keep_only, self.discard
         for ep, st in answers:  # a Status reply is a claim: only one naming a stage of the run at this step counts
+            if ep in discard or (keep_only is not None and ep not in keep_only):
+                continue  # a healed partition: the losing side's state is not kept
             layers = st.get("layers") if st else None
             if (st and st.get("trained_steps") == self.trained and isinstance(layers, list) and self.stages
                     and tuple(layers) in self.stages):
@@ -455,10 +487,11 @@ class RunDriver:
             elif self.trained == 0:
                 sources[ep] = StateSource.init()
             else:
-                latest = self._latest_checkpoint(ask_peers=True, at_most=self.trained)  # back, never forward
-                if latest is None:
-                    raise StepFailedError(f"stage {a.stage} lost every replica and there is no checkpoint")
-                return {}, latest
+                # a wiped stage never ends the run: the newest verified checkpoint (this disk's or a peer's copy, never
+                # past the trained step), else step 0, whose state every peer rebuilds from the run's seed
+                self._loaded = None
+                latest = self._latest_checkpoint(ask_peers=True, at_most=self.trained)
+                return {}, 0 if latest is None else latest
         return sources, None
 
     # ---------------------------------------------------------------------------------------- checkpoints

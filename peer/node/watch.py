@@ -1,0 +1,78 @@
+"""A follower's watch on its coordinator: a leader that beats but does not coordinate is replaced like a dead one.
+
+The leader's beat (``peer.swarm.progress``) tells a dead leader from a live one, but not a leader whose
+coordinator is gone (it failed while taking over, its role crashed, its port is cut off while the DHT still
+reaches it). Once a heartbeat, a follower holding an assignment from the leader it elects pings the
+assignment's coordinator; unreachable for ``COORDINATOR_LOST_HEARTBEATS`` heartbeats, the follower deposes that
+leader (``SwarmView.depose``: elected without it for ``DEPOSE_HEARTBEATS``, renewed while that coordinator stays
+unreachable, lifted as soon as it answers) and takes part in a new election, instead of its feeder retrying
+the dead coordinator for as long as the leader's advert lives.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from peer.net import PeerClient, TransportConfig
+from peer.net.tls import TlsContext
+from peer.runtime.spec import Assignment
+from peer.timing import COORDINATOR_LOST_HEARTBEATS, DEPOSE_HEARTBEATS, STATUS_TIMEOUT_S
+
+
+class CoordinatorWatch:
+    """The loop of the module docstring; ``run`` until ``stop`` is set."""
+
+    def __init__(self, heartbeat_s: float, tls: TlsContext, me: str, assignment: Callable[[], Assignment | None],
+                 leading: Callable[[], bool], elected: Callable[[], str | None],
+                 depose: Callable[[str, float, str], None], stop: threading.Event,
+                 ping: Callable[[Assignment], None] | None = None) -> None:
+        """``ping(assignment)`` raises when the assignment's coordinator does not answer (default: a gRPC ping
+        over mutual TLS, expecting the leader's certificate)."""
+        self.heartbeat_s, self.tls, self.me = heartbeat_s, tls, me
+        self.assignment, self.leading, self.elected, self.depose, self.stop = assignment, leading, elected, depose, stop
+        self.ping = ping or self._ping
+        self.lost_since: float | None = None
+        self.deposed: dict[str, Assignment] = {}  # leaders deposed, with the assignment whose coordinator is gone
+
+    def _ping(self, a: Assignment) -> None:
+        with PeerClient(a.coordinator, TransportConfig(tls=self.tls), sender=self.me, expect_peer=a.leader) as client:
+            client.ping(timeout_s=min(STATUS_TIMEOUT_S, self.heartbeat_s * COORDINATOR_LOST_HEARTBEATS))
+
+    def run(self) -> None:
+        while not self.stop.wait(self.heartbeat_s):
+            self.check()
+
+    def check(self) -> None:
+        self._renew()
+        a = self.assignment()
+        if self.leading() or a is None or not a.leader or a.leader != self.elected():
+            self.lost_since = None
+            return
+        lost_after = self.heartbeat_s * COORDINATOR_LOST_HEARTBEATS
+        try:
+            self.ping(a)
+            self.lost_since = None
+        except Exception as exc:  # any failure to reach it counts
+            now = time.monotonic()
+            self.lost_since = now if self.lost_since is None else self.lost_since
+            if now - self.lost_since >= lost_after:
+                self.depose(a.leader, self.heartbeat_s * DEPOSE_HEARTBEATS,
+                            f"its coordinator {a.coordinator} has not answered for {now - self.lost_since:.0f} s "
+                            f"({str(exc)[:120]})")
+                self.deposed[a.leader] = a
+                self.lost_since = None
+
+    def _renew(self) -> None:
+        """A deposed leader stays out of the election while its coordinator stays unreachable (else, once the
+        deposition lapsed, the followers would elect it again and wait on it anew); one that answers again is
+        let go at once."""
+        for leader, a in list(self.deposed.items()):
+            try:
+                self.ping(a)
+            except Exception:
+                self.depose(leader, self.heartbeat_s * DEPOSE_HEARTBEATS, "")
+                continue
+            del self.deposed[leader]
+            self.depose(leader, 0.0, f"the coordinator of {leader} answers again")  # e.g. a healed partition

@@ -1,0 +1,85 @@
+"""A 2 + 2 partition longer than ``[swarm] quorum_wait_s``, four real `peer` processes on the namespace bed.
+
+As in tests/test_partition.py, but the minority's leader pauses only ``QUORUM_WAIT_S`` and then goes on with
+its two peers in a new epoch whose plan waives the quorum: both sides train. When the partition heals, the
+leader the whole swarm elects finds the other side's plan, the side with the newer (epoch, trained step) wins,
+the loser's steps since the split are discarded (its log and `peer status` say so), every peer ends on one
+plan, and the final parameters equal single-process training of the winning side's history within 1e-5.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from peer.emulation.netbed import open_bed, unavailable_reason
+from peer.emulation.procs import JOIN_LINE_PREFIX, read_line, write_small_config
+from tests.test_partition import STEPS, Swarm, check_against_reference, cut, heal, in_plan, step_times, wait_status
+
+pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.slow]
+
+QUORUM_WAIT_S = 8.0
+PARTITION_S = 45.0  # detection (a few heartbeats) + the wait + a takeover, then several steps on the minority
+
+
+@pytest.mark.skipif(unavailable_reason() is not None, reason=f"network namespaces: {unavailable_reason()}")
+def test_partition_longer_than_quorum_wait_both_sides_train_then_one_wins(tmp_path: Path) -> None:
+    save = tmp_path / "result"
+    cfg = write_small_config(tmp_path, steps=STEPS, min_peers=4, stages=1,
+                             extra=f"save_dir = {json.dumps(str(save))}\nquorum_wait_s = {QUORUM_WAIT_S}\n")
+    swarm = Swarm(tmp_path)
+    with open_bed() as bed:
+        hosts = [bed.add_public(f"pub{i}") for i in range(4)]
+        majority, minority = hosts[:2], hosts[2:]
+        try:
+            starter = swarm.spawn(hosts[0], ["start", "--config", str(cfg)])
+            line = read_line(starter, 120, JOIN_LINE_PREFIX)
+            assert line, swarm.log("pub0")[-3000:]
+            dht0 = line.split()[3]
+            for host in hosts[1:]:
+                swarm.spawn(host, ["join", "--dht", dht0])
+                time.sleep(1.0)  # the join order is the seniority
+            deadline = time.monotonic() + 240
+            while len(step_times(swarm.log("pub0"))) < 3:
+                assert time.monotonic() < deadline, f"no training within 240 s:\n{swarm.log('pub0')[-3000:]}"
+                time.sleep(0.5)
+            leader = swarm.peer_id("pub0")
+
+            cut(bed, majority, minority)
+            cut(bed, minority, majority)
+            t_cut = time.time()
+            time.sleep(PARTITION_S)
+            heal(hosts)
+            t_heal = time.time()
+
+            major_steps = sum(1 for t in step_times(swarm.log("pub0")).values() if t_cut < t < t_heal)
+            minority_logs = {h.name: swarm.log(h.name) for h in minority}
+            paused_side = next((n for n, text in minority_logs.items() if "leader: paused, only 2 of the 4" in text),
+                               None)
+            assert paused_side is not None, "\n".join(t[-3000:] for t in minority_logs.values())
+            minor_log = minority_logs[paused_side]
+            assert "going on with the 2 present in a new epoch" in minor_log, minor_log[-3000:]
+            minor_steps = sum(1 for t in step_times(minor_log).values() if t_cut < t < t_heal)
+            assert major_steps >= 3 and minor_steps >= 1, (major_steps, minor_steps, minor_log[-3000:])
+
+            st = wait_status(hosts[0], dht0, lambda s: len(in_plan(s)) == 4 and s.get("discarded"), 180,
+                             "all four peers on one plan, the discarded side reported")
+            rejoin_s = time.time() - t_heal
+            assert st["plan"]["leader"] == leader
+            discarded = st["discarded"]
+            assert "a partition healed" in swarm.log("pub0")
+            assert discarded["kept_leader"] == leader or discarded["leader"] == leader
+            # the loser's steps since the split, not the history both sides share (at least 3 steps)
+            assert min(major_steps, minor_steps) <= discarded["steps"] <= discarded["step"] - 3, discarded
+            for name, proc in swarm.procs.items():
+                assert proc.wait(timeout=600) == 0, f"{name} failed:\n{swarm.log(name)[-3000:]}"
+            assert "run finished" in swarm.log("pub0")
+        finally:
+            swarm.close()
+    error = check_against_reference(save)
+    print(f"\nheal figures: during the {PARTITION_S:g} s partition the leader's side trained {major_steps} steps, the "
+          f"other {minor_steps} (after {QUORUM_WAIT_S:g} s paused); discarded {discarded}; one plan "
+          f"{rejoin_s:.1f} s after healing; final parameters within {error:.2e} of single-process training")
