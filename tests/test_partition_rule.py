@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from peer.compute.device_probe import DeviceInfo
-from peer.node.partition import bounded_step, find_rival, judge, split_step
+from peer.node.partition import QuorumWait, bounded_step, find_rival, judge, split_step
 from peer.swarm.adverts import Advert
 from peer.swarm.election import elect_leader
 from peer.swarm.membership import PeerEntry
@@ -93,3 +93,21 @@ def test_status_says_why_the_swarm_is_paused_since_when_and_until_when():
     assert "30 s ago" in line and ("in 270 s" in line or "in 269 s" in line)
     assert "discarded 4 step(s) of the side of p2" in text
     assert st.to_json()["paused"]["until"] == at + 270 and st.to_json()["discarded"]["steps"] == 4
+
+
+def test_the_pause_is_bounded_and_a_quorum_back_in_time_ends_it_at_no_cost():
+    live = {"p2", "p3"}
+    wait = QuorumWait(wait_s=10.0)
+    assert wait.step(OLD, live, quorum=False, now_s=100.0) == "paused"
+    assert wait.pause is not None and "only 2 of the 4 members of plan 3" in wait.pause["reason"]
+    assert abs(wait.pause["until"] - wait.pause["since"] - 10.0) < 0.01
+    assert wait.step(OLD, live, quorum=False, now_s=109.9) == "waiting"
+    assert wait.step(OLD, live | {"p0"}, quorum=True, now_s=109.95) == "go"
+    assert wait.pause is None and wait.waiver is None
+
+    wait = QuorumWait(wait_s=10.0)
+    assert wait.step(OLD, live, quorum=False, now_s=0.0) == "paused"
+    assert wait.step(OLD, live, quorum=False, now_s=10.0) == "waived"
+    assert wait.waiver == {"fenced_epoch": 3, "waited_s": 10.0, "present": 2, "members": 4}
+    assert wait.pause is None
+    assert QuorumWait(wait_s=10.0).step(OLD, set(OLD.members), quorum=True, now_s=0.0) == "go"

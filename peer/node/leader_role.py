@@ -29,7 +29,7 @@ import torch
 from peer.compute.model import unflatten_stage
 from peer.config import RunConfig
 from peer.net import PeerClient, PeerServer, TransportConfig
-from peer.node.partition import find_rival, judge, split_step
+from peer.node.partition import QuorumWait, find_rival, judge, split_step
 from peer.node.planning import ClusterView, build_cluster, make_planner, workload_for
 from peer.node.schedule import leaving_soon
 from peer.observe.scalars import ScalarWriter
@@ -258,40 +258,22 @@ class LeaderRole:
         than ``quorum_wait_s`` costs nothing; a longer one lets both sides train, and when it heals the side with
         the newer (epoch, trained step) wins and the other side's work since the split is discarded and reported.
         """
-        paused_at: float | None = None
-        wait_s = self.config.swarm.quorum_wait_s
+        wait = QuorumWait(self.config.swarm.quorum_wait_s)
         while not self.stop_event.is_set():
             previous, live = self.ctx.plan_board.latest(), set(self._workers())
             elector = self.ctx.plan_board.elector
-            if elector is not None and elector() != self.ctx.peer_id:
-                # the election already moved (e.g. the partition healed): act on nothing until the daemon
-                # confirms it and stops this role, or elects us again
-                self.stop_event.wait(self.config.swarm.heartbeat_s / TICKS_PER_HEARTBEAT)
-                continue
-            if has_quorum(previous, live) or (previous is not None and self.waive_epoch == previous.epoch):
-                if paused_at is not None:
-                    log.info("leader: a quorum of the previous plan's members is back; resuming")
-                    self.pause = None
-                return
-            assert previous is not None
-            members = set(previous.members) | {previous.leader_id}
-            if paused_at is None:
-                paused_at = time.monotonic()
-                reason = (f"only {len(members & live)} of the {len(members)} members of plan {previous.epoch} are "
-                          f"reachable (a majority is needed)")
-                self.pause = {"reason": reason, "since": now(), "until": now() + wait_s, "epoch": previous.epoch}
-                log.warning("leader: paused, %s; going on without them in %.0f s ([swarm] quorum_wait_s)",
-                            reason, wait_s)
-                self._publish({**self._last_progress, "state": "paused", "paused": dict(self.pause)})
-            elif time.monotonic() - paused_at >= wait_s:
-                log.warning("leader: no majority of plan %d's members for %.0f s; going on with the %d present in a "
-                            "new epoch that fences plan %d (quorum waived)", previous.epoch,
-                            time.monotonic() - paused_at, len(members & live), previous.epoch)
-                self.waive_epoch = previous.epoch
-                self.waived = {"fenced_epoch": previous.epoch, "waited_s": round(time.monotonic() - paused_at, 1),
-                               "present": len(members & live), "members": len(members)}
-                self.pause = None
-                return
+            if elector is None or elector() == self.ctx.peer_id:  # else the election moved (e.g. a healed
+                # partition): act on nothing until the daemon confirms it and stops this role, or elects us again
+                quorum = has_quorum(previous, live) or (previous is not None and self.waive_epoch == previous.epoch)
+                verdict = wait.step(previous, live, quorum, time.monotonic())
+                self.pause = wait.pause
+                if verdict == "paused":
+                    self._publish({**self._last_progress, "state": "paused", "paused": dict(self.pause or {})})
+                elif verdict in ("go", "waived"):
+                    if verdict == "waived":
+                        assert previous is not None
+                        self.waive_epoch, self.waived = previous.epoch, wait.waiver
+                    return
             self.stop_event.wait(self.config.swarm.heartbeat_s / TICKS_PER_HEARTBEAT)
         raise InterruptedError("stopped while waiting for a quorum")
 

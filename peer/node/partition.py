@@ -10,11 +10,15 @@ A step number read from the other side's records is believed only as an int with
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from peer.swarm.plans import PlanRecord
+from peer.timing import now
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -73,3 +77,44 @@ def judge(rival: PlanRecord, progress: dict[str, Any], me: str, ours: tuple[int,
                  "steps": max(0, loser[1] - split), "kept_leader": rival.leader_id if win else me,
                  "kept_epoch": kept[0], "kept_step": kept[1]}
     return Verdict(win, their_step if win else ours[1], split, rival.epoch, peers, discarded)
+
+
+class QuorumWait:
+    """A leader's bounded pause without a quorum of the previous plan's members, as a small state machine:
+    ``waiting`` -> ``paused`` (when first short of a quorum) -> ``go`` (a quorum is back) or ``waived`` (after
+    ``wait_s``: the leader goes on with the peers present, fencing the previous plan). ``now_s`` is monotonic
+    seconds; ``pause`` (why, since and until when, in DHT time) is what the progress record publishes."""
+
+    def __init__(self, wait_s: float) -> None:
+        self.wait_s = wait_s
+        self.paused_at: float | None = None
+        self.pause: dict[str, Any] | None = None
+        self.waiver: dict[str, Any] | None = None  # what the next plan's quorum waiver says, once waived
+
+    def step(self, previous: PlanRecord | None, live: set[str], quorum: bool, now_s: float) -> str:
+        """``go``, ``paused`` (just now: publish it), ``waiting`` (still paused) or ``waived``."""
+        if quorum:
+            if self.paused_at is not None:
+                log.info("leader: a quorum of the previous plan's members is back; resuming")
+            self.pause = None
+            return "go"
+        assert previous is not None  # no previous plan always has a quorum
+        members = set(previous.members) | {previous.leader_id}
+        present = len(members & live)
+        if self.paused_at is None:
+            self.paused_at = now_s
+            reason = (f"only {present} of the {len(members)} members of plan {previous.epoch} are reachable (a "
+                      "majority is needed)")
+            self.pause = {"reason": reason, "since": now(), "until": now() + self.wait_s, "epoch": previous.epoch}
+            log.warning("leader: paused, %s; going on without them in %.0f s ([swarm] quorum_wait_s)", reason,
+                        self.wait_s)
+            return "paused"
+        waited = now_s - self.paused_at
+        if waited < self.wait_s:
+            return "waiting"
+        log.warning("leader: no majority of plan %d's members for %.0f s; going on with the %d present in a new "
+                    "epoch that fences plan %d (quorum waived)", previous.epoch, waited, present, previous.epoch)
+        self.waiver = {"fenced_epoch": previous.epoch, "waited_s": round(waited, 1), "present": present,
+                       "members": len(members)}
+        self.pause = None
+        return "waived"

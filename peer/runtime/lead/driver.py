@@ -317,15 +317,7 @@ class RunDriver:
         if not self.cfg.straggler_factor:
             return False
         assignments = dict(self.coordinator.assignments)
-
-        def ask(ep: str) -> tuple[str, dict[str, Any] | None]:
-            try:
-                return ep, self.coordinator.worker_status(ep)
-            except Exception:  # unreachable: the liveness checks deal with it
-                return ep, None
-
-        with ThreadPoolExecutor(max_workers=16) as pool:
-            answers = dict(pool.map(ask, sorted(assignments)))
+        answers = dict(_ask_statuses(self.coordinator, sorted(assignments)))  # the unreachable: liveness's business
         self._fresh_status = (self.trained, answers)  # the re-plan that may follow need not ask again
         samples = {ep: sample for ep, st in answers.items() if st and (sample := _counters(st)) is not None}
         replan = False
@@ -443,22 +435,13 @@ class RunDriver:
 
     def _holders(self, live: set[str]) -> dict[int, list[str]]:
         """Stage index -> live endpoints holding that stage at the trained step (asked, not assumed)."""
-
-        def ask(ep: str) -> tuple[str, dict[str, Any] | None]:
-            try:
-                return ep, self.coordinator.worker_status(ep)
-            except Exception as exc:  # unreachable: not a holder
-                log.info("status of %s: %s", ep, exc)
-                return ep, None
-
         out: dict[int, list[str]] = {}
         # answers the straggler check got just after this very step are reused once (a re-plan for a straggler
         # then costs no second set of status queries); anyone else is asked
         trained, fresh = self._fresh_status
         self._fresh_status = (-1, {})
         known = {ep: st for ep, st in fresh.items() if ep in live and st} if trained == self.trained else {}
-        with ThreadPoolExecutor(max_workers=16) as pool:
-            answers = [*known.items(), *pool.map(ask, sorted(live - set(known)))]
+        answers = [*known.items(), *_ask_statuses(self.coordinator, sorted(live - set(known)))]  # unreachable: none
         keep_only, discard = self.keep_only, self.discard
         for ep, st in answers:  # a Status reply is a claim: only one naming a stage of the run at this step counts
             if ep in discard or (keep_only is not None and ep not in keep_only):
@@ -658,3 +641,17 @@ def _counters(status: dict[str, Any]) -> tuple[float, int, float, int] | None:
         return None
     busy, fwd, bwd, running, ops = values
     return float(busy), int(fwd) + int(bwd), float(running), int(ops)
+
+
+def _ask_statuses(coordinator: Coordinator, endpoints: list[str]) -> list[tuple[str, dict[str, Any] | None]]:
+    """Every endpoint's Status reply (a claim, checked by the caller), asked in parallel; None when unreachable."""
+
+    def ask(ep: str) -> tuple[str, dict[str, Any] | None]:
+        try:
+            return ep, coordinator.worker_status(ep)
+        except Exception as exc:
+            log.info("status of %s: %s", ep, exc)
+            return ep, None
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        return list(pool.map(ask, endpoints))
