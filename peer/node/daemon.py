@@ -22,7 +22,7 @@ import random
 import signal
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -101,6 +101,7 @@ class PeerOptions:
     max_download_mbps: float | None = None
     state_dir: str | None = None  # the control socket's folder; None: the --identity file's, or no socket
     schedule: Schedule | None = None  # the owner's availability hours (peer.node.schedule); None: always
+    local_paths: dict[tuple[str, str], str] = field(default_factory=dict)  # a joiner's own (peer.node.joining)
 
 
 def bulk_lane_port(announce: str | None, bulk_port: int | None) -> int | None:
@@ -196,7 +197,7 @@ class PeerDaemon:
         o = self.opts
         run_id = self.config.run.run_id if self.config else o.run_id
         try:
-            found = find_run(self.dht, run_id, o.secret or None, self.config)
+            found = find_run(self.dht, run_id, o.secret or None, self.config, o.local_paths)
             files = check_files(found.config, found.existing)
         except JoinError as exc:
             raise DaemonError(str(exc)) from None
