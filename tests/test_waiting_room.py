@@ -126,6 +126,7 @@ def test_idle_streams_of_many_identities_hold_no_slot_and_an_honest_push_gets_th
                 client.push(env, timeout_s=10)
             took = time.monotonic() - started
             client.probe(4096, timeout_s=10)  # a Probe waits in the same room and gets through the same way
+        print(f"3 honest pushes among {ATTACKERS} x {IDLE_PER_IDENTITY} idle streams: {took:.3f} s")
         assert len(got) == 3 and took < 5.0, took
         assert server._waiting_room.evicted >= 1  # the honest streams displaced idle ones
         # a member without a role that does send a first chunk is refused on it, and holds no slot either

@@ -87,7 +87,13 @@ def joiner_config(record: Mapping[str, Any], own_paths: Mapping[tuple[str, str],
     if dropped:
         log.warning("the run record names local paths (%s): not followed; this peer uses its own (peer join "
                     "--data/--tokenizer/--model/--checkpoint-dir/--save-dir, or --config)", ", ".join(dropped))
-    return RunConfig.from_dict(with_local_paths(published, own_paths), where=f"run {run_id!r} from the DHT")
+    try:
+        return RunConfig.from_dict(with_local_paths(published, own_paths), where=f"run {run_id!r} from the DHT")
+    except ConfigError as exc:
+        if not dropped:
+            raise
+        raise ConfigError(f"{exc} (with this peer's own paths in place of the record's {', '.join(dropped)}: "
+                          "name them with --model/--tokenizer/--data or --config)") from None
 
 
 def _read_run(dht: hivemind.DHT, run_id: str, secret: str | None, deadline: float,
