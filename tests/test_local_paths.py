@@ -125,3 +125,27 @@ def test_join_paths_come_from_flags_then_the_own_run_toml_then_the_state_folder(
     bare = join_paths(argparse.Namespace(**{**flags, "config": None, "identity": None, "model": None,
                                             "save_dir": None}))
     assert bare == {}
+
+
+def test_an_assignment_is_built_from_this_peers_own_files_not_the_leaders() -> None:
+    from dataclasses import replace
+
+    from peer.runtime.stage.assignment import with_local_files
+    from protocol.errors import Rejected
+
+    config = RunConfig()
+    config.model.config = "tiny-llama"
+    local = config.spec(corpus_fingerprint="f" * 64)
+    local = replace(local, corpus="/home/me/data.txt", tokenizer="/home/me/tok",
+                    model=replace(local.model, checkpoint="/home/me/model", source="/home/me/model/config.json"))
+    sent = replace(local, corpus="~/secret.txt", tokenizer="/etc/tok",
+                   model=replace(local.model, checkpoint="/etc/leader-model", source="/etc/x.json"))
+    built = with_local_files(sent, local)
+    assert (built.corpus, built.tokenizer) == ("/home/me/data.txt", "/home/me/tok")
+    assert built.model.checkpoint == "/home/me/model" and built.model.source == "/home/me/model/config.json"
+    assert built.model.config == sent.model.config and built.seed == sent.seed
+    assert with_local_files(sent, None) is sent  # a worker without a daemon (in-process tests) takes it as sent
+    with pytest.raises(Rejected, match="model"):
+        with_local_files(replace(sent, model=replace(sent.model, fingerprint="0" * 64)), local)
+    with pytest.raises(Rejected, match="data"):
+        with_local_files(replace(sent, corpus_fingerprint="0" * 64), local)

@@ -255,7 +255,7 @@ class PeerDaemon:
         except OSError as exc:
             raise DaemonError(f"{exc}: the address is in use or not available (--host/--port)") from None
         self.worker.server.set_reply_shaper(self.links.reply_shaper)
-        self.worker.preload_corpus(self._corpus)
+        self.worker.preload_corpus(self._corpus, self.spec)  # and this peer's own paths, not the leader's
         if o.announce:
             self.endpoint = o.announce
 
