@@ -201,6 +201,7 @@ class ForkedPeers:
         self.log_dir = log_dir
         self.emulate_tflops = emulate_tflops
         self.join_line = ""
+        self._own_paths: list[str] = []  # `--config RUN.TOML` of `start`, for joiners' local paths
         self.pids: dict[int, int] = {}  # peer index -> pid (= its process group)
         self.exits: dict[int, int] = {}  # pid -> exit status
         self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
@@ -265,6 +266,7 @@ class ForkedPeers:
 
     def start(self, config: Path, *extra: str, timeout_s: float = JOIN_LINE_TIMEOUT_S) -> str:
         """`peer start` as peer 0; return the DHT address of the join line it prints (kept in ``join_line``)."""
+        self._own_paths = ["--config", str(config)]
         pid = self.spawn(0, ["start", "--config", str(config), *extra])
         out = self.log_dir / "peer-0.out"
         deadline = time.monotonic() + timeout_s
@@ -279,8 +281,9 @@ class ForkedPeers:
                            f"(exit status {self.exits.get(pid)}); see {self.log_dir / 'peer-0.log'}")
 
     def join(self, addr: str, i: int, *extra: str) -> int:
-        """`peer join --dht ADDR` as peer ``i``."""
-        return self.spawn(i, ["join", "--dht", addr, *extra])
+        """`peer join --dht ADDR [--config RUN.TOML]` as peer ``i`` (the run.toml `start` was given names the
+        joiner's own paths on this machine)."""
+        return self.spawn(i, ["join", "--dht", addr, *self._own_paths, *extra])
 
     def alive(self) -> int:
         return sum(pid not in self.exits for pid in self.pids.values())

@@ -13,7 +13,15 @@ import sys
 import time
 from pathlib import Path
 
-from peer.config import SECRET_ENV, ConfigError, RunConfig, example_toml, reference_markdown, resolve_secret
+from peer.config import (
+    SECRET_ENV,
+    ConfigError,
+    RunConfig,
+    example_toml,
+    local_paths_from_toml,
+    reference_markdown,
+    resolve_secret,
+)
 from peer.runtime.choices import PSEUDO_GRAD_COMPRESSIONS
 
 DESCRIPTION = """\
@@ -212,6 +220,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="multiaddr(s) of any peer of the swarm, as printed by `peer start`",
     )
     p.add_argument("--run", default="tasklet", help="run name ([run] run_id) to join (default: %(default)s)")
+    g = p.add_argument_group("this peer's files (the run names none; it checks their fingerprints)")
+    g.add_argument("--config", default=None, metavar="FILE",
+                   help="a run.toml of which only the local paths are read ([run] corpus, tokenizer, [model] config, "
+                   "[swarm] checkpoint_dir, save_dir, [log] tensorboard_dir, [emulation] scenario); the flags "
+                   "below override it (default: none)")
+    g.add_argument("--data", default=None, metavar="PATH",
+                   help="training text: a text, JSONL or Parquet file or a folder (default: the standard library)")
+    g.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="a local tokenizer folder (AutoTokenizer) (default: byte-level)")
+    g.add_argument("--model", default=None, metavar="DIR|CONFIG|PRESET",
+                   help="this peer's copy of the run's Hugging Face model (default: the run's preset, or the byte GPT)")
+    g.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="where this peer keeps checkpoint copies, and writes checkpoints if it leads (default: "
+                   "STATE_DIR/checkpoints with a --state-dir or --identity, else none)")
+    g.add_argument("--save-dir", default=None, metavar="DIR",
+                   help="where this peer writes the final parameters if it leads at the end (default: none)")
     _add_peer_options(p)
 
     p = sub.add_parser(
@@ -451,7 +475,8 @@ def _options(args: argparse.Namespace):  # noqa: ANN202 - PeerOptions, imported 
     )
 
 
-def _run_daemon(args: argparse.Namespace, config: RunConfig | None, peers: list[str]) -> int:
+def _run_daemon(args: argparse.Namespace, config: RunConfig | None, peers: list[str],
+                local_paths: dict[tuple[str, str], str] | None = None) -> int:
     from peer.node.daemon import DaemonError, PeerDaemon
 
     if args.announce and ":" not in args.announce:
@@ -466,6 +491,7 @@ def _run_daemon(args: argparse.Namespace, config: RunConfig | None, peers: list[
             "add --announce HOST:PORT (this machine's public or LAN address)"
         )
     opts = _options(args)
+    opts.local_paths = local_paths or {}
     if config is not None and config.swarm.secret:
         opts.secret = config.swarm.secret
     from peer.emulation.network import ScenarioEmulation  # an emulated run's network and device clock
@@ -492,7 +518,20 @@ def cmd_start(args: argparse.Namespace) -> int:
 
 
 def cmd_join(args: argparse.Namespace) -> int:
-    return _run_daemon(args, None, list(args.dht))
+    return _run_daemon(args, None, list(args.dht), join_paths(args))
+
+
+def join_paths(args: argparse.Namespace) -> dict[tuple[str, str], str]:
+    """A joiner's own local paths: its flags, else its --config's, else a checkpoint folder in its state
+    folder (the run record names none)."""
+    paths = local_paths_from_toml(args.config) if args.config else {}
+    flags = {("run", "corpus"): args.data, ("run", "tokenizer"): args.tokenizer, ("model", "config"): args.model,
+             ("swarm", "checkpoint_dir"): args.checkpoint_dir, ("swarm", "save_dir"): args.save_dir}
+    paths.update({key: value for key, value in flags.items() if value is not None})
+    state_dir = args.state_dir or (os.path.dirname(os.path.abspath(args.identity)) if args.identity else None)
+    if ("swarm", "checkpoint_dir") not in paths and state_dir:
+        paths[("swarm", "checkpoint_dir")] = os.path.join(state_dir, "checkpoints")
+    return paths
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
@@ -191,6 +192,10 @@ class RunConfig:
         data["swarm"] = {key: value for key, value in data["swarm"].items() if key != "secret"}
         return data
 
+    def record_dict(self) -> dict[str, dict[str, Any]]:
+        """:meth:`public_dict` without this peer's local paths: what the run record carries."""
+        return strip_local_paths(self.public_dict())[0]
+
     def to_toml(self) -> str:
         """This configuration as a run.toml (every key spelled out; JSON scalars and lists are valid TOML)."""
         lines = []
@@ -297,6 +302,82 @@ class RunConfig:
             v = getattr(e, key)
             if not (v > 0 and math.isfinite(v)):
                 raise ConfigError(f"{where}: [emulation] {key} must be a positive number")
+
+
+# The keys that name files or folders on a peer's own machine. They are each peer's own configuration: a
+# joiner takes them from its command line or its own run.toml, never from the run record (a record naming
+# ``~/.ssh`` would otherwise have every joiner read, or a new leader write, there). The run fixes the
+# fingerprints of the data and model instead.
+LOCAL_PATH_KEYS: tuple[tuple[str, str], ...] = (
+    ("run", "corpus"), ("run", "tokenizer"), ("model", "config"), ("swarm", "checkpoint_dir"),
+    ("swarm", "save_dir"), ("log", "tensorboard_dir"), ("emulation", "scenario"),
+)
+_SCENARIO_NAME = re.compile(r"[A-Za-z0-9_-]{1,100}")
+
+
+def is_shared_name(section: str, key: str, value: Any) -> bool:
+    """Whether a value of a local-path key names no file, so every peer may take it from the record: the
+    standard-library corpus, a model preset, a bundled scenario's name, or empty."""
+    if value == "":
+        return True
+    if not isinstance(value, str):
+        return False
+    if (section, key) == ("run", "corpus"):
+        return value == "stdlib"
+    if (section, key) == ("model", "config"):
+        from peer.compute.hf.presets import PRESETS
+
+        return value in PRESETS
+    if (section, key) == ("emulation", "scenario"):
+        return _SCENARIO_NAME.fullmatch(value) is not None
+    return False
+
+
+def strip_local_paths(data: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A run record's configuration without the local paths it names (``[section] key``s of those dropped);
+    a value that names no file (:func:`is_shared_name`) is kept."""
+    out: dict[str, Any] = {name: dict(values) if isinstance(values, dict) else values
+                           for name, values in data.items()}
+    dropped = []
+    for section, key in LOCAL_PATH_KEYS:
+        values = out.get(section)
+        if isinstance(values, dict) and key in values and not is_shared_name(section, key, values[key]):
+            dropped.append(f"[{section}] {key}")
+            del values[key]
+    return out, dropped
+
+
+def local_paths_from_toml(path: str | Path) -> dict[tuple[str, str], str]:
+    """The local paths a joiner's own run.toml gives (every other key of it is the run's, read from the
+    record, and is ignored here)."""
+    p = Path(path)
+    try:
+        raw = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{p}: cannot read ({exc})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p}: not valid TOML ({exc})") from None
+    out: dict[tuple[str, str], str] = {}
+    for section, key in LOCAL_PATH_KEYS:
+        values = raw.get(section, {})
+        if isinstance(values, dict) and key in values:
+            if not isinstance(values[key], str):
+                raise ConfigError(f"{p}: [{section}] {key} must be str, got {values[key]!r}")
+            out[(section, key)] = values[key]
+    return out
+
+
+def with_local_paths(data: Mapping[str, Any], paths: Mapping[tuple[str, str], str]) -> dict[str, Any]:
+    """``data`` (a configuration as a dict of sections) with this peer's own ``paths`` set."""
+    out: dict[str, Any] = {name: dict(values) if isinstance(values, dict) else values
+                           for name, values in data.items()}
+    for (section, key), value in paths.items():
+        section_values = out.setdefault(section, {})
+        if isinstance(section_values, dict):
+            section_values[key] = value
+    return out
 
 
 def _section(cls: type, values: dict[str, Any], where: str) -> Any:

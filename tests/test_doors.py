@@ -324,8 +324,9 @@ def test_a_run_record_without_fingerprints_is_refused() -> None:
 
 # ------------------------------------------------------------------------------------------------ idle streams
 def test_idle_streams_are_cancelled_and_free_their_slots() -> None:
-    """Two pushes that open a stream and send nothing hold both stream slots of a server; after stream_idle_s
-    without a byte they are cancelled (their deadline was 60 s) and a real push is served again."""
+    """Two pushes that open a stream and send nothing wait for their first chunk (holding a place and a thread,
+    no stream slot); after stream_idle_s without a byte they are cancelled (their deadline was 60 s) and a real
+    push is served."""
     import threading
 
     import grpc
@@ -351,13 +352,13 @@ def test_idle_streams_are_cancelled_and_free_their_slots() -> None:
             started = time.monotonic()
             idle = [call.future(silent(), timeout=60) for _ in range(2)]
             time.sleep(0.3)
-            assert server._per_peer, "the silent pushes hold no slot"
+            assert server._waiting_room.waiting == 2 and not server._per_peer, "the silent pushes wait, slotless"
             for future in idle:
                 with pytest.raises(grpc.RpcError) as info:
                     future.result(timeout=10)
                 assert info.value.code() is grpc.StatusCode.CANCELLED
             assert time.monotonic() - started < 5.0
-            assert server._idle.cancelled == 2 and not server._per_peer
+            assert server._idle.cancelled == 2 and not server._per_peer and server._waiting_room.waiting == 0
             client.push(pb.Envelope(kind=pb.OTHER, meta={"n": "1"}), timeout_s=10)
             assert len(got) == 1
     finally:

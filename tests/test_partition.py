@@ -116,7 +116,7 @@ def test_partition_2_plus_2_minority_pauses_and_rejoins(tmp_path: Path) -> None:
             assert line, swarm.log("pub0")[-3000:]
             dht0 = line.split()[3]
             for host in hosts[1:]:
-                swarm.spawn(host, ["join", "--dht", dht0])
+                swarm.spawn(host, ["join", "--dht", dht0, "--config", str(cfg)])  # its own save_dir
                 time.sleep(1.0)  # join one after the other: the order is the seniority
             # four peers training (from the leader's log: `peer status` costs seconds on a loaded machine)
             deadline = time.monotonic() + 240

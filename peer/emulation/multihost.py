@@ -37,6 +37,7 @@ class BedPeers:
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen[str]] = {}
         self._logs: list[IO[str]] = []
+        self._own_paths: list[str] = []  # `--config RUN.TOML` of `start`: the joiners' local paths (shared disk)
 
     def spawn(self, host: Host, args: list[str]) -> subprocess.Popen[str]:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -49,6 +50,7 @@ class BedPeers:
 
     def start(self, host: Host, config: Path, *flags: str, timeout_s: float = 120) -> str:
         """`peer start` on ``host``; the DHT address of the join line it prints."""
+        self._own_paths = ["--config", str(config)]
         proc = self.spawn(host, ["start", "--config", str(config), *flags])
         line = read_line(proc, timeout_s, JOIN_LINE_PREFIX)
         if not line:
@@ -57,7 +59,7 @@ class BedPeers:
         return line.split()[3]
 
     def join(self, host: Host, dht: str, *flags: str) -> subprocess.Popen[str]:
-        return self.spawn(host, ["join", "--dht", dht, *flags])
+        return self.spawn(host, ["join", "--dht", dht, *self._own_paths, *flags])
 
     def log(self, name: str) -> str:
         path = self.log_dir / f"{name}.log"

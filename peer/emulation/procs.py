@@ -149,6 +149,7 @@ class PeerProcesses:
         self.emulate_tflops = emulate_tflops
         self.procs: list[subprocess.Popen[str]] = []
         self.join_line = ""  # what the first peer printed for others to run
+        self._own_paths: list[str] = []  # `--config RUN.TOML` of `start`, for joiners' local paths
         self._logs: list[IO[str]] = []
 
     def __enter__(self) -> PeerProcesses:
@@ -171,6 +172,7 @@ class PeerProcesses:
 
     def start(self, config: Path, *extra: str, timeout_s: float = JOIN_LINE_TIMEOUT_S) -> str:
         """`peer start` as peer 0; return the DHT address from the join line it prints (kept in ``join_line``)."""
+        self._own_paths = ["--config", str(config)]
         proc = self.spawn(0, ["start", "--config", str(config), *extra])
         line = read_line(proc, timeout_s, JOIN_LINE_PREFIX)
         if not line:
@@ -180,8 +182,9 @@ class PeerProcesses:
         return line.split()[3]
 
     def join(self, addr: str, i: int, *extra: str) -> subprocess.Popen[str]:
-        """`peer join --dht ADDR` as peer ``i``."""
-        return self.spawn(i, ["join", "--dht", addr, *extra])
+        """`peer join --dht ADDR [--config RUN.TOML]` as peer ``i``: the run.toml `start` was given names the
+        joiner's own paths (data, model, checkpoint folder) on this machine."""
+        return self.spawn(i, ["join", "--dht", addr, *self._own_paths, *extra])
 
     def kill(self, i: int) -> None:
         """SIGKILL peer ``i`` and everything it started: a machine that vanished."""

@@ -1,9 +1,13 @@
 """The gRPC server of a peer: takes chunked Envelopes and dispatches them to handlers the runtime registers.
 
-Order of checks on a Push, all before any handler sees the message: the call has a deadline, a stream slot
-is free, every chunk has our protocol version, chunk sequence numbers count up from 0, the announced total is
-within `max_envelope_bytes` (checked on the first chunk, before buffering), the stream carries exactly the
-announced bytes, the bytes parse as an Envelope of our protocol version, and a handler exists for its Kind.
+Order of checks on a Push, all before any handler sees the message: the call has a deadline, its caller is
+authenticated, a place is free among the streams waiting for their first chunk (peer.net.waiting: per caller
+and in total), the first chunk has our protocol version and its Kind is admitted from this caller within
+`max_envelope_bytes` (before buffering), only then a stream slot is free (in total and of the caller's
+quota), chunk sequence numbers count up from 0, the stream carries exactly the announced bytes, the bytes
+parse as an Envelope of our protocol version, and a handler exists for its Kind. A Probe waits for its first
+chunk the same way; a Fetch, whose request is whole when its handler runs, takes its slot first and its
+handler refuses a caller without a role at once.
 The handler gets the Envelope as a protocol.message.WireEnvelope (it reads like a pb.Envelope; each tensor's
 data arrived into a buffer of its own and decodes without a copy), validates the content (tensors via
 protocol.codec.decode_tensor, keys against its state) and may raise:
@@ -17,8 +21,9 @@ protocol.codec.decode_tensor, keys against its state) and may raise:
 Every call is authenticated first (mutual TLS, see peer.net.tls): the caller's certificate must be trusted
 now, and the caller's peer id replaces the self-declared ``Envelope.sender`` / ``FetchRequest.sender`` that
 handlers see. A call must carry a deadline of at most ``max_deadline_s``; a caller holds at most
-``max_streams_per_peer`` stream slots; a push is refused from its first chunk when it announces more than the
-limit of its Kind (``set_push_limit``), and its buffer grows only with the bytes that arrive.
+``max_streams_per_peer`` stream slots, and as many places among the streams waiting for a first chunk; a push
+is refused from its first chunk when it announces more than the limit of its Kind (``set_push_limit``), and
+its buffer grows only with the bytes that arrive.
 
 Any other exception is logged with its traceback and answered with INTERNAL; in every case the server keeps
 serving. Handlers run on the server's worker threads (up to `max_concurrent_streams` at once), so they must
@@ -44,6 +49,7 @@ from peer.net.counters import TRAFFIC
 from peer.net.idle import IdleWatch
 from peer.net.shaping import LinkShaper
 from peer.net.statuses import refusal_of
+from peer.net.waiting import RoomFullError, WaitingRoom
 from protocol import PROTOCOL_VERSION
 from protocol import tasklet_pb2 as pb
 from protocol.chunking import (
@@ -93,10 +99,20 @@ def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -
     raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
 
+class _SlotRefusedError(Exception):
+    """No stream slot for an admitted stream: the status to answer with (UNAVAILABLE or RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 def _guarded(context: grpc.ServicerContext, what: str, fn: Callable[[], R]) -> R:
     """Run fn, turning the protocol's typed errors into gRPC statuses (see module docstring)."""
     try:
         return fn()
+    except _SlotRefusedError as exc:
+        _abort(context, exc.code, str(exc))
     except grpc.RpcError:
         # The client went away (cancelled, deadline passed) while we were reading its stream.
         _abort(context, grpc.StatusCode.CANCELLED, f"{what}: the call ended before the message was complete")
@@ -153,17 +169,36 @@ class _Servicer:
         if refusal is not None:
             _abort(context, *refusal)
 
+    def _wait_for_first_chunk(self, context: grpc.ServicerContext, what: str, caller: str) -> tuple[WaitingRoom, int]:
+        """A place among the streams waiting for their first chunk (peer.net.waiting), or the call refused."""
+        room = self._owner._waiting_room
+        try:
+            return room, room.enter(caller, context)
+        except RoomFullError as exc:
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if exc.per_caller else grpc.StatusCode.UNAVAILABLE
+            _abort(context, code, f"{what}: {exc}")
+
     def Push(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> pb.Ack:  # noqa: N802
         caller = self._require_deadline(context, "Push")
-        self._stream_slot(context, "Push", caller)
-        idle = self._owner._idle
+        owner = self._owner
+        room, place = self._wait_for_first_chunk(context, "Push", caller)
+        held: list[bool] = []
+
+        def admitted() -> None:  # the first chunk's Kind is admitted from this caller: now a stream slot
+            room.leave(place)
+            owner._admit_stream("Push", caller)
+            held.append(True)
+
+        idle = owner._idle
         token = idle.watch(context)
         try:
             chunks = _decoded(idle.moving(token, request_iterator))
-            return _guarded(context, "Push", lambda: self._owner._deliver(chunks, caller))
+            return _guarded(context, "Push", lambda: owner._deliver(chunks, caller, admitted))
         finally:
             idle.done(token)
-            self._owner._release(caller)
+            room.leave(place)
+            if held:
+                owner._release(caller)
 
     def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[bytes]:  # noqa: N802
         caller = self._require_deadline(context, "Fetch")
@@ -201,14 +236,27 @@ class _Servicer:
         self, request_iterator: Iterator[pb.ProbeChunk], context: grpc.ServicerContext
     ) -> pb.ProbeReply:
         caller = self._require_deadline(context, "Probe")
-        self._stream_slot(context, "Probe", caller)
-        idle = self._owner._idle
+        owner = self._owner
+        room, place = self._wait_for_first_chunk(context, "Probe", caller)
+        held: list[bool] = []
+
+        def slotted(chunks: Iterator[pb.ProbeChunk]) -> Iterator[pb.ProbeChunk]:  # a slot from the first chunk
+            for chunk in chunks:
+                if not held:
+                    room.leave(place)
+                    owner._admit_stream("Probe", caller)
+                    held.append(True)
+                yield chunk
+
+        idle = owner._idle
         token = idle.watch(context)
         try:
-            return _guarded(context, "Probe", lambda: self._owner._probe(idle.moving(token, request_iterator)))
+            return _guarded(context, "Probe", lambda: owner._probe(slotted(idle.moving(token, request_iterator))))
         finally:
             idle.done(token)
-            self._owner._release(caller)
+            room.leave(place)
+            if held:
+                owner._release(caller)
 
     def BulkLane(self, request: pb.BulkLaneRequest, context: grpc.ServicerContext) -> pb.BulkLaneReply:  # noqa: N802
         self._require_deadline(context, "BulkLane")
@@ -310,6 +358,8 @@ class PeerServer:
         self._mounts: dict[str, PeerServer] = {}  # route -> server whose calls this one's port carries
         self._reserved_threads = 0
         self._idle = IdleWatch(self.config.stream_idle_s)  # streams whose bytes stopped moving are cancelled
+        # streams before their first chunk: each holds a server thread, so the pool has as many more threads
+        self._room = WaitingRoom(self.config.max_concurrent_streams, self.config.streams_per_peer)
         self.route = ""  # set when this server is mounted on another one
         self._host: PeerServer | None = None
         self._lane: BulkListener | None = None
@@ -372,6 +422,17 @@ class PeerServer:
         activation's bound from its run's model and admits it only from its upstream neighbour."""
         self._push_admission = admit
 
+    @property
+    def _waiting_room(self) -> WaitingRoom:
+        """The host's room when mounted: a mounted server's calls wait on the host's threads."""
+        return self._room if self._host is None else self._host._waiting_room
+
+    def _admit_stream(self, what: str, caller: str) -> None:
+        """Take a stream slot for an admitted stream (release with ``_release``), or raise _SlotRefusedError."""
+        refusal = self._take_stream_slot(what, caller)
+        if refusal is not None:
+            raise _SlotRefusedError(*refusal)
+
     def _take_stream_slot(self, what: str, caller: str) -> tuple[grpc.StatusCode, str] | None:
         """Take a stream slot and one of the caller's own quota (release with ``_release``); the refusal if none."""
         if not self._streams.acquire(blocking=False):
@@ -420,7 +481,7 @@ class PeerServer:
         if self._host is not None:
             raise RuntimeError(f"this server is mounted on {self._host.endpoint}; it is not started itself")
         keep_freed_buffers()  # received chunks reuse memory instead of faulting in fresh pages (peer.net.allocator)
-        threads = self.config.thread_pool_size + self._reserved_threads
+        threads = self.config.thread_pool_size + self._reserved_threads + self._room.total
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="peer-rpc")
         server = grpc.server(self._executor, options=self.config.grpc_options)
         server.add_generic_rpc_handlers((_Router(self),))
@@ -484,8 +545,11 @@ class PeerServer:
         self.stop()
 
     # --- call bodies (run on server threads) --------------------------------------------------------------
-    def _deliver(self, chunks: Iterator[ChunkView], caller: str = "") -> pb.Ack:
-        """Check, reassemble and hand over one pushed Envelope (chunks from gRPC or from the bulk lane)."""
+    def _deliver(self, chunks: Iterator[ChunkView], caller: str = "",
+                 admitted: Callable[[], None] | None = None) -> pb.Ack:
+        """Check, reassemble and hand over one pushed Envelope (chunks from gRPC or from the bulk lane).
+        ``admitted()`` is called once the first chunk's Kind is admitted from ``caller`` (gRPC takes the
+        stream's slot there; the bulk lane took it from the request's head)."""
         asm: Reassembler | None = None
         announced = pb.KIND_UNSPECIFIED
         for chunk in chunks:
@@ -497,6 +561,8 @@ class PeerServer:
                 if limit <= 0:
                     raise Rejected(f"envelope.kind: this peer takes no {_kind_name(announced)} messages now")
                 asm = Reassembler(limit, what=_kind_name(announced))
+                if admitted is not None:
+                    admitted()
             asm.add(chunk)
             del chunk  # its bytes are read: free them before the next chunk arrives (memory reused)
         if asm is None:

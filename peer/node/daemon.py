@@ -22,7 +22,7 @@ import random
 import signal
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -103,6 +103,7 @@ class PeerOptions:
     max_download_mbps: float | None = None
     state_dir: str | None = None  # the control socket's folder; None: the --identity file's, or no socket
     schedule: Schedule | None = None  # the owner's availability hours (peer.node.schedule); None: always
+    local_paths: dict[tuple[str, str], str] = field(default_factory=dict)  # a joiner's own (peer.node.joining)
 
 
 def bulk_lane_port(announce: str | None, bulk_port: int | None) -> int | None:
@@ -201,7 +202,7 @@ class PeerDaemon:
         o = self.opts
         run_id = self.config.run.run_id if self.config else o.run_id
         try:
-            found = find_run(self.dht, run_id, o.secret or None, self.config)
+            found = find_run(self.dht, run_id, o.secret or None, self.config, o.local_paths)
             files = check_files(found.config, found.existing)
         except JoinError as exc:
             raise DaemonError(str(exc)) from None
@@ -256,7 +257,7 @@ class PeerDaemon:
         except OSError as exc:
             raise DaemonError(f"{exc}: the address is in use or not available (--host/--port)") from None
         self.worker.server.set_reply_shaper(self.links.reply_shaper)
-        self.worker.preload_corpus(self._corpus)
+        self.worker.preload_corpus(self._corpus, self.spec)  # and this peer's own paths, not the leader's
         if o.announce:
             self.endpoint = o.announce
 

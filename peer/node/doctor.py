@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from peer.compute.device_probe import cpu_memory_bytes, measure_device
-from peer.config import ConfigError, RunConfig
+from peer.config import ConfigError, RunConfig, local_paths_from_toml
+from peer.node.joining import joiner_config
 from peer.node.planning import workload_for
 from peer.runtime.spec import RunSpec
 from scheduler.plan import even_stages
@@ -289,9 +290,9 @@ def _swarm(opts: DoctorOptions, grpc_port: int) -> tuple[dict[str, Any], RunConf
         except SwarmSecretError as exc:
             raise ConfigError(str(exc)) from None
         config = None
-        if record is not None:
-            published = {k: v for k, v in record.config.items() if k not in ("fingerprint", "model_fingerprint")}
-            config = RunConfig.from_dict(published, where=f"run {opts.run_id!r} from the DHT")
+        if record is not None:  # the record's settings with this machine's own paths (--config), never the record's
+            own = local_paths_from_toml(opts.config) if opts.config else {}
+            config = joiner_config(record.config, own, opts.run_id)
         entries = [e for e in reader.live_entries() if e.advert.role != "client"]
         latest = reader.latest_plan()
         stages = latest.plan.get("stages") if latest is not None else None

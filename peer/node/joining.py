@@ -1,14 +1,17 @@
 """Finding the run a peer joins and checking that this peer's files are the run's.
 
 The first peer (`peer start`) brings the run's configuration and must find no run of that name; a joiner
-waits for the published run and takes its configuration from it. Either way the peer's model files and
-training data must have the fingerprints the run published, or it would train on something else.
+waits for the published run and takes its configuration from it, except the local paths (data, tokenizer,
+model folder, checkpoint and save folders), which are each peer's own: a record is written by whoever
+started the run, and a path in it would make every joiner read or write there. Either way the peer's model
+files and training data must have the fingerprints the run published, or it would train on something else.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +19,7 @@ import hivemind
 
 from peer.compute.data import Corpus, CorpusError
 from peer.compute.textdata import load_corpus
-from peer.config import ConfigError, RunConfig
+from peer.config import ConfigError, RunConfig, strip_local_paths, with_local_paths
 from peer.runtime.spec import RunSpec
 from peer.swarm.membership import RunReadTimeoutError, RunRecord, SwarmSecretError, verify_swarm_secret
 from peer.timing import JOINER_RUN_WAIT_S
@@ -49,12 +52,14 @@ class CheckedFiles:
 
     def record(self, config: RunConfig) -> dict[str, Any]:
         """The run record a first peer publishes."""
-        return {**config.public_dict(), "fingerprint": self.fingerprint, "model_fingerprint": self.model_fingerprint}
+        return {**config.record_dict(), "fingerprint": self.fingerprint, "model_fingerprint": self.model_fingerprint}
 
 
-def find_run(dht: hivemind.DHT, run_id: str, secret: str | None, config: RunConfig | None) -> FoundRun:
+def find_run(dht: hivemind.DHT, run_id: str, secret: str | None, config: RunConfig | None,
+             own_paths: Mapping[tuple[str, str], str] | None = None) -> FoundRun:
     """The run to take part in: a new one from ``config`` (none of that name may exist) or, for a joiner
-    (``config`` None), the published one, waited for up to JOINER_RUN_WAIT_S."""
+    (``config`` None), the published one, waited for up to JOINER_RUN_WAIT_S, with the joiner's ``own_paths``
+    (``(section, key)`` -> path) in place of any the record names."""
     deadline = time.monotonic() + JOINER_RUN_WAIT_S
     existing = _read_run(dht, run_id, secret, deadline, wait_for_record=False)
     if config is not None:
@@ -67,11 +72,28 @@ def find_run(dht: hivemind.DHT, run_id: str, secret: str | None, config: RunConf
         raise JoinError(f"no run named {run_id!r} is published in this DHT (is `peer start` running? use --run "
                         "NAME for another run)")
     try:
-        published = {k: v for k, v in existing.config.items() if k not in ("fingerprint", "model_fingerprint")}
-        config = RunConfig.from_dict(published, where=f"run {run_id!r} from the DHT")
+        config = joiner_config(existing.config, own_paths or {}, run_id)
     except ConfigError as exc:
         raise JoinError(str(exc)) from None
     return FoundRun(config, existing, secret or None)
+
+
+def joiner_config(record: Mapping[str, Any], own_paths: Mapping[tuple[str, str], str], run_id: str) -> RunConfig:
+    """A joiner's configuration: the run record's, its local paths dropped (logged: a record written by
+    another version, or one meant to steer joiners to files of the attacker's choosing) and this peer's
+    ``own_paths`` set. Nothing the record names is opened here or later."""
+    published = {k: v for k, v in record.items() if k not in ("fingerprint", "model_fingerprint")}
+    published, dropped = strip_local_paths(published)
+    if dropped:
+        log.warning("the run record names local paths (%s): not followed; this peer uses its own (peer join "
+                    "--data/--tokenizer/--model/--checkpoint-dir/--save-dir, or --config)", ", ".join(dropped))
+    try:
+        return RunConfig.from_dict(with_local_paths(published, own_paths), where=f"run {run_id!r} from the DHT")
+    except ConfigError as exc:
+        if not dropped:
+            raise
+        raise ConfigError(f"{exc} (with this peer's own paths in place of the record's {', '.join(dropped)}: "
+                          "name them with --model/--tokenizer/--data or --config)") from None
 
 
 def _read_run(dht: hivemind.DHT, run_id: str, secret: str | None, deadline: float,
@@ -116,11 +138,12 @@ def check_files(config: RunConfig, existing: RunRecord | None) -> CheckedFiles:
     if model_fingerprint != published_model:
         raise JoinError(
             f"this peer's model files differ from the run's (fingerprint {model_fingerprint[:12]} vs "
-            f"{published_model[:12]}): a different config.json or checkpoint at {own.model.source}"
+            f"{published_model[:12]}): a different config.json or checkpoint at "
+            f"{getattr(own.model, 'source', '') or 'the byte GPT'} (a joiner names its model with --model)"
         )
     if corpus.fingerprint != published:
         raise JoinError(
             f"this peer's training data differs from the run's (fingerprint {corpus.fingerprint[:12]}"
-            f" vs {published[:12]}): a different Python version or --corpus path"
+            f" vs {published[:12]}): a different Python version or data (a joiner names its own with --data)"
         )
     return CheckedFiles(config.spec(corpus_fingerprint=published), corpus, published, published_model)

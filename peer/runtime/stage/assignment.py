@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -82,11 +83,12 @@ class StageTaker:
         self.config, self.tls, self.peer_id, self.device = config, tls, peer_id, device
         self.trust_group, self.lock, self.stopped = trust_group, lock, stopped
         self.corpus: Corpus | None = None  # the worker's state lock
+        self.local: RunSpec | None = None  # the worker's state lock: this peer's own files (with_local_files)
         self._holdings: dict[tuple[int, int], Held] = {}  # lock: the current stage and the one held before
 
     def build(self, msg: ctl.StageAssignment, old: Tasklet | None) -> Tasklet:
         """The tasklet of ``msg`` (call with the worker's state lock held: it may build or load a stage)."""
-        spec, assignment, source = msg.run, msg.assignment, msg.source
+        spec, assignment, source = with_local_files(msg.run, self.local), msg.assignment, msg.source
         if source.kind is ctl.SourceKind.KEEP:
             same_stage = old is not None and old.spec == spec and old.assignment.layers == assignment.layers
             if old is None or not same_stage or old.compute.step != source.step:
@@ -202,6 +204,25 @@ class StageTaker:
         compute, stage, outer = held
         outer = outer if request.meta.get("outer") == "1" else None
         return state_envelope(compute.state_dict(), t.spec.run_id, request.key.epoch, stage, outer=outer)
+
+
+def with_local_files(spec: RunSpec, local: RunSpec | None) -> RunSpec:
+    """An assignment's spec with this peer's own corpus, tokenizer and model checkpoint paths (``local``, the
+    daemon's spec; None: the assignment's as sent). Why: a leader's paths name files on its own disk, and
+    following them would let it make this peer read where it says. The fingerprints must agree."""
+    if local is None:
+        return spec
+    model = spec.model
+    if getattr(model, "kind", "") == "hf":
+        own_fingerprint = getattr(local.model, "fingerprint", None)
+        if own_fingerprint != model.fingerprint:
+            raise Rejected(f"the assignment's model (fingerprint {str(model.fingerprint)[:12]}) is not this "
+                           f"peer's ({str(own_fingerprint)[:12]})")
+        model = replace(model, checkpoint=local.model.checkpoint, source=local.model.source)
+    if spec.corpus_fingerprint != local.corpus_fingerprint:
+        raise Rejected(f"the assignment's data (fingerprint {spec.corpus_fingerprint[:12]}) is not this peer's "
+                       f"({local.corpus_fingerprint[:12]})")
+    return replace(spec, model=model, corpus=local.corpus, tokenizer=local.tokenizer)
 
 
 def _load_corpus(spec: RunSpec) -> Corpus:

@@ -234,10 +234,12 @@ class StageWorker:
             "running_ops": 0 if running is None else running[1],
         }
 
-    def preload_corpus(self, corpus: Any) -> None:
-        """Use an already loaded corpus (the daemon reads it at start-up to check its fingerprint)."""
+    def preload_corpus(self, corpus: Any, local: RunSpec | None = None) -> None:
+        """Use an already loaded corpus (the daemon reads it at start-up to check its fingerprint) and, with
+        ``local`` (the daemon's spec), this peer's own file paths in place of an assignment's."""
         with self._state_lock:
             self.taker.corpus = corpus
+            self.taker.local = local
 
     def _current_step(self) -> int:
         with self._lock:
