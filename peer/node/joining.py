@@ -69,8 +69,11 @@ def find_run(dht: hivemind.DHT, run_id: str, secret: str | None, config: RunConf
         return FoundRun(config, None, config.swarm.secret or secret or None)
     existing = existing or _read_run(dht, run_id, secret, deadline, wait_for_record=True)
     if existing is None:
-        raise JoinError(f"no run named {run_id!r} is published in this DHT (is `peer start` running? use --run "
-                        "NAME for another run)")
+        # this peer's DHT node refuses records sealed with another secret (or sealed when it has none) before
+        # anything reads them, so a wrong secret and a missing run look alike from here
+        raise JoinError(f"no run named {run_id!r} can be read in this DHT: none is published (is `peer start` "
+                        "running? use --run NAME for another run), or its records are sealed with another join "
+                        "secret than this peer's (--secret-file, TASKLET_SECRET)")
     try:
         config = joiner_config(existing.config, own_paths or {}, run_id)
     except ConfigError as exc:
