@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from peer.compute.device_probe import DeviceInfo
-from peer.node.partition import QuorumWait, bounded_step, find_rival, judge, split_step
+from peer.node.partition import QuorumWait, bounded_step, find_rival, judge, side_wins, split_step
 from peer.swarm.adverts import Advert
 from peer.swarm.election import elect_leader
 from peer.swarm.membership import PeerEntry
@@ -51,6 +51,32 @@ def test_the_newer_side_wins_and_the_losers_steps_since_the_split_are_reported()
     # equal epochs: the step decides
     assert judge(rival, {"step": 14}, "p0", (5, 13), steps=40).theirs
     assert not judge(rival, {"step": 14}, "p0", (5, 15), steps=40).theirs
+
+
+def test_both_leaders_of_a_heal_reach_the_same_verdict_including_on_an_exact_tie():
+    # each leader judges the other's plan and progress record against its own (epoch, step)
+    def both(a: tuple[int, int], b: tuple[int, int], split: int = 10) -> tuple[str, str]:
+        plan_a = PlanRecord(a[0], "pa", {"pipelines": [["pa"]], "step": a[1]}, ("pa",))
+        plan_b = PlanRecord(b[0], "pb", {"pipelines": [["pb"]], "step": b[1]}, ("pb",))
+        seen_by_a = judge(plan_b, {"step": b[1]}, "pa", a, steps=40, split=split)
+        seen_by_b = judge(plan_a, {"step": a[1]}, "pb", b, steps=40, split=split)
+        assert seen_by_a.discarded == seen_by_b.discarded  # the same loser, the same steps thrown away
+        assert seen_by_a.step == seen_by_b.step  # the run goes on from one step
+        return ("pb" if seen_by_a.theirs else "pa"), ("pa" if seen_by_b.theirs else "pb")
+
+    assert both((5, 14), (5, 14)) == ("pa", "pa")  # a tie: the smaller leader id wins on both sides
+    assert both((6, 12), (5, 14)) == ("pa", "pa")  # the newer epoch
+    assert both((5, 12), (6, 11)) == ("pb", "pb")
+    assert both((5, 13), (5, 14)) == ("pb", "pb")  # equal epochs: the step
+    assert both((5, 15), (5, 14)) == ("pa", "pa")
+    tie = judge(PlanRecord(5, "pa", {"pipelines": [["pa"]]}, ("pa",)), {"step": 14}, "pb", (5, 14), steps=40,
+                split=10)
+    assert tie.theirs and tie.discarded == {"leader": "pb", "epoch": 5, "step": 14, "steps": 4, "kept_leader": "pa",
+                                            "kept_epoch": 5, "kept_step": 14}
+    # the rule is a total order: for distinct leaders exactly one side wins
+    for a in [(4, 9), (5, 9), (5, 10)]:
+        for b in [(4, 9), (5, 9), (5, 10)]:
+            assert side_wins(a, "pa", b, "pb") != side_wins(b, "pb", a, "pa")
 
 
 def test_a_rivals_claimed_step_is_believed_only_within_the_run():

@@ -3,7 +3,8 @@
 A leader without a quorum goes on after ``[swarm] quorum_wait_s`` (``peer.node.leader_role``), so a long
 partition can leave two sides that both trained. When they meet again, the leader the whole swarm elects finds
 the other side's plan (signed by its leader, made after this leadership began, naming peers that just came back)
-and judges: the side with the newer (plan epoch, trained step) wins. The loser's steps since the split are
+and judges: the side with the newer (plan epoch, trained step) wins; on an exact tie the side whose leader id
+sorts first wins, so both leaders reach the same verdict from the same inputs. The loser's steps since the split are
 discarded: its peers fetch the winner's state at the next plan, and the leader logs and publishes what was lost.
 A step number read from the other side's records is believed only as an int within the run's steps.
 """
@@ -58,10 +59,19 @@ def split_step(plans: Iterable[PlanRecord], rival: PlanRecord, steps: int) -> in
     return None
 
 
+def side_wins(a: tuple[int, int], a_leader: str, b: tuple[int, int], b_leader: str) -> bool:
+    """Whether side ``a`` (its (plan epoch, trained step) and leader id) beats side ``b``: the newer (epoch,
+    step), then the smaller leader id; antisymmetric for distinct leaders, so either side computes the same."""
+    if a != b:
+        return a > b
+    return a_leader < b_leader
+
+
 def judge(rival: PlanRecord, progress: dict[str, Any], me: str, ours: tuple[int, int], steps: int,
           split: int | None = None) -> Verdict:
-    """The side with the newer (epoch, trained step) wins; ``ours`` is (our plan epoch, our trained step),
-    ``progress`` the other leader's progress record, ``split`` the step the sides parted at (see
+    """The side with the newer (epoch, trained step) wins, on a tie the side whose leader id sorts first: a total
+    order, so the two leaders judging each other reach one verdict. ``ours`` is (our plan epoch, our trained
+    step), ``progress`` the other leader's progress record, ``split`` the step the sides parted at (see
     :func:`split_step`; None: the lesser of the two sides' steps)."""
     their_step = bounded_step(progress.get("step"), steps)
     if their_step is None:
@@ -71,7 +81,7 @@ def judge(rival: PlanRecord, progress: dict[str, Any], me: str, ours: tuple[int,
     theirs = (rival.epoch, their_step)
     peers = frozenset(pid for pipe in rival.plan.get("pipelines") or [] if isinstance(pipe, list)
                       for pid in pipe if isinstance(pid, str))
-    win = theirs > ours
+    win = side_wins(theirs, rival.leader_id, ours, me)
     loser, kept = (ours, theirs) if win else (theirs, ours)
     discarded = {"leader": me if win else rival.leader_id, "epoch": loser[0], "step": loser[1],
                  "steps": max(0, loser[1] - split), "kept_leader": rival.leader_id if win else me,
