@@ -370,7 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dht", default=[], nargs="+", metavar="ADDR",
                    help="multiaddr(s) of any peer: check against that swarm's run (default: the local run.toml)")
     p.add_argument("--run", default="tasklet", help="run name with --dht (default: %(default)s)")
-    p.add_argument("--secret", default=None, help="the swarm's join secret, if it has one (default: none)")
+    p.add_argument("--secret", default=None, help=SECRET_HELP)
+    p.add_argument("--secret-file", default=None, metavar="FILE", help=SECRET_FILE_HELP)
     p.add_argument("--config", default=None, metavar="FILE",
                    help="the run.toml to judge without --dht (default: ./run.toml if present, else the defaults)")
     p.add_argument("--host", default="127.0.0.1", help="address the peer would listen on (default: %(default)s)")
