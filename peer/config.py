@@ -226,14 +226,7 @@ class RunConfig:
         """Read a run.toml. ``[run] run_id`` and ``[run] steps`` must be given: a run is named and sized on
         purpose, every other key has a default."""
         p = Path(path)
-        try:
-            raw = tomllib.loads(p.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{p}: no such file") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{p}: cannot read ({exc})") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{p}: not valid TOML ({exc})") from None
+        raw = _read_toml(p)
         for section, key in REQUIRED:
             if key not in raw.get(section, {}):
                 raise ConfigError(f"{p}: [{section}] {key} is missing (required)")
@@ -351,14 +344,7 @@ def local_paths_from_toml(path: str | Path) -> dict[tuple[str, str], str]:
     """The local paths a joiner's own run.toml gives (every other key of it is the run's, read from the
     record, and is ignored here)."""
     p = Path(path)
-    try:
-        raw = tomllib.loads(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{p}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{p}: cannot read ({exc})") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{p}: not valid TOML ({exc})") from None
+    raw = _read_toml(p)
     out: dict[tuple[str, str], str] = {}
     for section, key in LOCAL_PATH_KEYS:
         values = raw.get(section, {})
@@ -433,3 +419,15 @@ def example_toml() -> str:
             out.append(f"{f.name} = {value}  # {f.metadata['help']}")
         out.append("")
     return "\n".join(out)
+
+
+def _read_toml(p: Path) -> dict[str, Any]:
+    """A TOML file's table, or a :class:`ConfigError` naming the file and what is wrong with it."""
+    try:
+        return tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{p}: cannot read ({exc})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p}: not valid TOML ({exc})") from None
