@@ -39,7 +39,7 @@ def test_followers_reelect_when_the_coordinator_is_unreachable(tmp_path: Path) -
             line = read_line(starter, 120, JOIN_LINE_PREFIX)
             assert line, swarm.log("pub0")[-3000:]
             for host in hosts[1:]:
-                swarm.spawn(host, ["join", "--dht", line.split()[3]])
+                swarm.spawn(host, ["join", "--dht", line.split()[3], "--save-dir", str(save)])  # the next leader saves
                 time.sleep(1.0)
             deadline = time.monotonic() + 240
             while len(step_times(swarm.log("pub0"))) < 3:
