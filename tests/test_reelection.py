@@ -18,11 +18,10 @@ import pytest
 
 from peer.emulation.netbed import open_bed, unavailable_reason
 from peer.emulation.procs import JOIN_LINE_PREFIX, read_line, write_small_config
-from tests.test_partition import Swarm, check_against_reference, step_times
+from tests.test_partition import STEPS, Swarm, check_against_reference, step_times
 
 pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.slow]
 
-STEPS = 16  # the block comes after 3 steps; the next leader trains the rest
 REELECT_S = 90.0  # block to the new leader's first plan: 5 heartbeats of 1 s, the election, the takeover, load
 
 
