@@ -7,10 +7,14 @@ survivors keeping or handing over their state, checkpoints written and a run res
 
 from __future__ import annotations
 
+import threading
+
+import pytest
 import torch
 
-from peer.runtime.lead.coordinator import StepReport
-from peer.runtime.lead.driver import DriverConfig, StragglerJudge
+from peer.runtime.lead.coordinator import StepFailedError, StepReport
+from peer.runtime.lead.driver import DriverConfig, Pipelines, Stages, StragglerJudge
+from peer.runtime.lead.step import TooFewPeersError
 from tests.support.driver import SPEC, WHOLE_MODEL, FakePlanner, make_driver
 
 
@@ -111,3 +115,46 @@ def test_a_far_slower_worker_is_a_straggler_at_once_a_mildly_slower_one_after_tw
             ops[ep] += 4
     running = {ep: (busy[ep], ops[ep], 1.0, 2) if ep == "b" else (busy[ep], ops[ep], 0.0, 0) for ep in samples}
     assert [ep for ep, *_ in judge.observe(running, stage_of)] == ["b"]
+
+
+class _NeedsTwo(FakePlanner):
+    """Two replicas or nothing: fewer live devices cannot hold the plan."""
+
+    def __call__(self, live: list[int], stages: Stages | None) -> tuple[Stages, Pipelines]:
+        if len(live) < 2:
+            self.calls.append((list(live), None))
+            raise TooFewPeersError(f"{len(live)} live peer(s) cannot hold 2 replicas")
+        return super().__call__(live, stages)
+
+
+def test_a_plan_short_of_peers_pauses_until_one_comes_back_instead_of_failing(workers) -> None:
+    planner = _NeedsTwo()
+    live = {0: workers[0].server.endpoint}
+    driver, coordinator = make_driver(workers, planner, DriverConfig(steps=2, step_timeout_s=60, replan_wait_s=0.05),
+                                      live=live)
+    pauses: list[dict | None] = []
+    driver.on_pause = pauses.append
+    joiner = threading.Timer(0.6, lambda: live.__setitem__(1, workers[1].server.endpoint))
+    joiner.start()
+    try:
+        reports = driver.run()
+    finally:
+        joiner.cancel()
+        coordinator.close()
+    assert [r.step for r in reports] == [0, 1]
+    assert len(planner.calls) > 3, "it asked again while it waited"
+    assert pauses[0] is not None and "waiting for peers: 1 live peer(s) cannot hold 2 replicas" in pauses[0]["reason"]
+    assert pauses[0]["until"] is None and pauses[-1] is None and len(pauses) == 2, "one pause, then training on"
+    assert driver.events.replans[0]["devices"] == [0, 1]
+
+
+def test_a_plan_short_of_peers_for_longer_than_peers_wait_s_fails_with_the_reason(workers) -> None:
+    planner = _NeedsTwo()
+    cfg = DriverConfig(steps=2, step_timeout_s=60, replan_wait_s=0.05, peers_wait_s=0.3)
+    driver, coordinator = make_driver(workers, planner, cfg, live={0: workers[0].server.endpoint})
+    try:
+        with pytest.raises(StepFailedError, match="1 live peer.s. cannot hold 2 replicas for 0 s"):
+            driver.run()
+    finally:
+        coordinator.close()
+    assert driver.events.replans == []

@@ -27,13 +27,15 @@ from peer.emulation.network import LinkModel, loopback_device, loopback_host
 from peer.emulation.procs import launch, read_line
 from peer.net.tls import TlsContext
 from peer.runtime.assign import build_assignments
-from peer.runtime.lead.coordinator import Coordinator, ReplanNeededError, StepReport
+from peer.runtime.lead.coordinator import Coordinator, StepReport
 from peer.runtime.lead.driver import DriverConfig, Pipelines, Planner, RunDriver, RunEvents, Stages
+from peer.runtime.lead.step import TooFewPeersError
 from peer.runtime.spec import Assignment, RunSpec
 
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 120.0
+LOCAL_PEERS_WAIT_S = 60.0  # a local swarm short of devices waits this long for the test or bench to add some
 
 
 @dataclass
@@ -199,7 +201,7 @@ def chunk_planner(live: list[int], stages: Stages | None, n_layers: int, n_stage
     n_st = len(stages)
     n_rep = len(live) // n_st
     if n_rep < 1:
-        raise ReplanNeededError(f"{len(live)} live device(s) cannot hold {n_st} stages")
+        raise TooFewPeersError(f"{len(live)} live device(s) cannot hold {n_st} stages")
     return stages, [live[r * n_st : (r + 1) * n_st] for r in range(n_rep)]
 
 
@@ -305,6 +307,7 @@ class LocalSwarm:
             checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
             checkpoint_every=checkpoint_every,
             step_timeout_s=step_timeout_s,
+            peers_wait_s=LOCAL_PEERS_WAIT_S,
         )
         self.driver = RunDriver(
             self.spec,

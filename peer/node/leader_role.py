@@ -328,6 +328,7 @@ class LeaderRole:
             on_replan=self._on_replan,
         )
         self.driver.recorded_step = self._recorded_step() if previous else None
+        self.driver.on_pause = self._on_pause
         for ep in self.excluded:
             self.driver.banned.add(ep)
         if takeover is not None and takeover[0] >= self.config.run.steps:
@@ -399,6 +400,15 @@ class LeaderRole:
             self._last_progress["discarded"] = dict(self.discarded)
         self.ctx.progress.publish(dict(self._last_progress))
 
+    def _on_pause(self, pause: dict[str, Any] | None) -> None:
+        """The driver waits for enough live peers to hold the stages (``pause``), or trains on (None)."""
+        self.pause = pause
+        rest = {k: v for k, v in self._last_progress.items() if k not in ("paused", "history")}
+        if pause is None:
+            self._publish({**rest, "state": "training"})
+        else:
+            self._publish({**rest, "state": "paused", "paused": dict(pause)})
+
     def beat(self) -> None:
         """Renew the progress record (called every tick): followers see a live leader even between steps."""
         self.ctx.progress.publish(dict(self._last_progress))
@@ -461,30 +471,16 @@ class LeaderRole:
         self.scalars.add(report.step, {"train/loss": report.loss, "train/tokens_per_s": tokens_per_s,
                                        "train/step_s": report.seconds, "swarm/plan_epoch": self.driver.epoch,
                                        "swarm/peers": len(self._workers())})
-        self._publish(
-            {
-                "epoch": self.driver.epoch,
-                "step": report.step + 1,
-                "loss": loss,
-                "step_s": report.seconds,
-                "tokens_per_s": tokens_per_s,
-                "state": "training",
-            }
-        )
+        self._publish({"epoch": self.driver.epoch, "step": report.step + 1, "loss": loss, "step_s": report.seconds,
+                       "tokens_per_s": tokens_per_s, "state": "training"})
 
     def _finish(self) -> None:
         save = self.config.swarm.save_dir
         if save and self.driver is not None:
             self.save(Path(save))
         final = self.driver.reports[-1] if self.driver and self.driver.reports else None
-        self._publish(
-            {
-                "epoch": self.driver.epoch if self.driver else 0,
-                "step": self.config.run.steps,
-                "loss": final.loss if final else None,
-                "state": "done",
-            }
-        )
+        self._publish({"epoch": self.driver.epoch if self.driver else 0, "step": self.config.run.steps,
+                       "loss": final.loss if final else None, "state": "done"})
         log.info("run finished: %d steps", self.config.run.steps)
 
     def save(self, folder: Path) -> None:

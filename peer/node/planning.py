@@ -19,6 +19,7 @@ import numpy as np
 
 from peer.compute.hf import HFModelSpec
 from peer.runtime.lead.driver import Pipelines, Planner, Stages
+from peer.runtime.lead.step import TooFewPeersError
 from peer.runtime.spec import RunSpec
 from peer.swarm.adverts import Advert, LinkReport
 from scheduler import Cluster, MemeticConfig, Plan, PlanningError, Workload, plan, replan
@@ -173,7 +174,7 @@ def make_planner(
         else:
             n_st = 0
         if n_st and n // n_st < 1:
-            raise PlanningError("peers", f"{n} live peer(s) cannot hold {n_st} stages")
+            raise TooFewPeersError(f"{n} live peer(s) cannot hold {n_st} stages")
         workload: Workload = workload_for(spec, n_st or None, (n // n_st) if n_st else None)
         p = None
         if stages is not None and previous.get("pipelines"):

@@ -233,8 +233,10 @@ def _paused_line(paused: dict[str, Any]) -> str:
     at = now()
     since, until = paused.get("since"), paused.get("until")
     ago = f"{at - since:.0f} s ago" if isinstance(since, (int, float)) else "?"
-    left = f"in {max(0.0, until - at):.0f} s" if isinstance(until, (int, float)) else "?"
-    return f"paused {ago}: {paused.get('reason', '?')}; continues with the peers present {left}"
+    if not isinstance(until, (int, float)):  # waiting for enough peers to hold the stages: no deadline
+        return f"paused {ago}: {paused.get('reason', '?')}; continues when enough peers are live"
+    left = max(0.0, until - at)
+    return f"paused {ago}: {paused.get('reason', '?')}; continues with the peers present in {left:.0f} s"
 
 
 def _reached(peer: dict[str, Any]) -> str:

@@ -42,6 +42,7 @@ from peer.runtime.lead.coordinator import (
     StepFailedError,
     StepReport,
 )
+from peer.runtime.lead.step import TooFewPeersError
 from peer.runtime.spec import Assignment, RunSpec
 from peer.timing import (
     BAN_MAX_S,
@@ -52,6 +53,7 @@ from peer.timing import (
     STEP_TIMEOUT_S,
     STRAGGLER_FACTOR,
     STRAGGLER_STEPS,
+    now,
 )
 
 log = logging.getLogger(__name__)
@@ -164,6 +166,7 @@ class DriverConfig:
     step_timeout_s: float = STEP_TIMEOUT_S
     max_replans: int = 50
     replan_wait_s: float = REPLAN_WAIT_S
+    peers_wait_s: float = math.inf  # how long a plan waits for enough live peers to hold its stages
     ban_s: float = BAN_S
     straggler_factor: float = STRAGGLER_FACTOR  # 0: no straggler detection
     straggler_steps: int = STRAGGLER_STEPS
@@ -232,6 +235,8 @@ class RunDriver:
         # the owner has news for the next plan (peers newly credited with work): re-plan when a peer joins, even
         # one the plan will not use (a new identity must meet a plan that says whose testimony counts)
         self.replan_on_join = False
+        # on_pause(why or None): the run waits for peers (the leader publishes it for `peer status`), or goes on
+        self.on_pause: Callable[[dict[str, Any] | None], None] | None = None
 
     def _check_stopped(self) -> None:
         if self.stop_event.is_set():
@@ -367,18 +372,39 @@ class RunDriver:
 
     # --------------------------------------------------------------------------------------------- replan
     def _replan_until_done(self, reason: str, restore_step: int | None = None) -> None:
-        """Re-plan; when a worker fails to take its assignment (it died meanwhile), exclude it and try again."""
-        for attempt in range(self.cfg.max_replans):
+        """Re-plan; when a worker fails to take its assignment (it died meanwhile), exclude it and try again.
+        When too few peers are live to hold the stages, wait for more (``cfg.peers_wait_s``), said in the log
+        and, through ``on_pause``, in the progress record."""
+        attempt, short_since = 0, None
+        while True:
             self._check_stopped()
             try:
                 self._replan(reason=reason if attempt == 0 else f"{reason} (retry {attempt})",
                              restore_step=restore_step)
+                if short_since is not None:
+                    log.info("enough live peers again after %.0f s: training on", time.monotonic() - short_since)
+                    self._paused(None)
                 return
+            except TooFewPeersError as exc:
+                self._ban_dead()
+                if short_since is None:
+                    short_since = time.monotonic()
+                    log.warning("paused: %s; planning again as soon as enough peers are live (a peer left out as "
+                                "dead comes back after %.0f s)", exc, self.cfg.ban_s)
+                    self._paused({"reason": f"waiting for peers: {exc}", "since": now(), "until": None})
+                if time.monotonic() - short_since > self.cfg.peers_wait_s:
+                    raise StepFailedError(f"{exc} for {self.cfg.peers_wait_s:.0f} s") from exc
             except ReplanNeededError as exc:
+                attempt += 1
+                if attempt >= self.cfg.max_replans:
+                    raise StepFailedError(f"could not form a plan after {self.cfg.max_replans} attempts") from exc
                 log.warning("re-plan failed: %s", exc)
                 self._ban_dead()
-                time.sleep(self.cfg.replan_wait_s)
-        raise StepFailedError(f"could not form a plan after {self.cfg.max_replans} attempts")
+            time.sleep(self.cfg.replan_wait_s)
+
+    def _paused(self, pause: dict[str, Any] | None) -> None:
+        if self.on_pause is not None:
+            self.on_pause(pause)
 
     def _replan(self, reason: str = "start", restore_step: int | None = None) -> None:
         live = {d: ep for d, ep in self.live_devices().items() if ep not in self.banned and ep not in self.slow}

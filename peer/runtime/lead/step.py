@@ -21,6 +21,11 @@ class ReplanNeededError(StepFailedError):
     """No pipeline of the plan is intact any more (or a worker is gone at a step boundary): re-plan."""
 
 
+class TooFewPeersError(ReplanNeededError):
+    """The live peers cannot hold the plan's stages: the leader waits for more (a banned peer's ban ends, a
+    volunteer joins) instead of giving up, since a leader that gives up hands the same swarm to the next one."""
+
+
 class OuterRoundFailedError(ReplanNeededError):
     """DiLoCo: the inner step was applied everywhere, but its outer round could not finish (no pipeline left
     whole, an error, a timeout). The step counts as trained without the outer step: the replicas keep their
