@@ -10,11 +10,18 @@
 
 A test can also carry a layer marker explicitly (``@pytest.mark.integration`` for a long in-process run); a test
 with no layer marker from either is ``unit``.
+
+The suite runs on two workers (pytest-xdist, ``--dist loadgroup``, see scripts/test.sh): most swarm tests wait on
+emulated devices and links more than they compute. Tests that share a machine-wide resource run on one worker, in
+one ``xdist_group``: the network-namespace bed (fixed namespace names and subnet, stale beds are swept when a bed
+opens) and the container engine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +41,14 @@ FIXTURE_MARKERS: dict[str, tuple[str, ...]] = {
     PROCESSES: ("integration",),
 }
 LAYER_MARKERS = ("unit", "integration", "slow")
+# a test module naming one of these shares a machine-wide resource: its tests run on one worker, one at a time
+SHARED_RESOURCES = {"netbed": ("netbed", "open_bed", "bed: NetBed"), "containers": ("podman", "container")}
+
+
+@cache
+def _shared_resource(module: Path) -> str | None:
+    text = module.read_text(encoding="utf-8", errors="replace")
+    return next((group for group, words in SHARED_RESOURCES.items() if any(w in text for w in words)), None)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -46,6 +61,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(getattr(pytest.mark, name))
         if not any(item.get_closest_marker(m) for m in LAYER_MARKERS):
             item.add_marker(pytest.mark.unit)
+        group = _shared_resource(Path(str(item.fspath))) if item.get_closest_marker("integration") else None
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(autouse=True)
