@@ -121,6 +121,17 @@ def test_status_says_why_the_swarm_is_paused_since_when_and_until_when():
     assert st.to_json()["paused"]["until"] == at + 270 and st.to_json()["discarded"]["steps"] == 4
 
 
+def test_status_says_a_swarm_short_of_peers_waits_for_them_without_a_deadline():
+    at = now()
+    progress = {"step": 5, "state": "paused", "paused": {"reason": "waiting for peers: 2 live peer(s) cannot hold 3 "
+                                                         "stages", "since": at - 12, "until": None}}
+    links = {"measured": 0, "pairs": 0, "median_bandwidth_mbps": None, "median_rtt_ms": None, "by_path": {}}
+    text = format_status(SwarmStatus([], {"epoch": 3, "leader": "p2", "pipelines": [], "stages": []}, progress, links))
+    line = next(x for x in text.splitlines() if x.startswith("paused "))
+    assert "12 s ago" in line and "2 live peer(s) cannot hold 3 stages" in line
+    assert line.endswith("continues when enough peers are live")
+
+
 def test_the_pause_is_bounded_and_a_quorum_back_in_time_ends_it_at_no_cost():
     live = {"p2", "p3"}
     wait = QuorumWait(wait_s=10.0)
