@@ -159,8 +159,9 @@ def _add_peer_options(p: argparse.ArgumentParser) -> None:
                    help="send at most this many Mbit/s in total (enforced by the transport; the plan prices this "
                    "peer's links by it) (default: no limit)")
     g.add_argument("--max-download", type=_positive_float, default=None, metavar="MBIT",
-                   help="announce this many Mbit/s as this peer's download limit: the plan prices links to it by "
-                   "it (default: no limit)")
+                   help="take in at most this many Mbit/s in total (enforced by the transport: it reads the next "
+                   "chunk when the limit allows, and flow control holds the senders back; the plan prices links to "
+                   "this peer by it) (default: no limit)")
     g.add_argument("--schedule", type=_schedule, default=None, metavar="HH:MM-HH:MM[,...]",
                    help="take part only in these daily windows of local time (e.g. 22:00-08:00): outside them the "
                    "peer pauses as `peer pause` does and the leader plans around its leaving (default: always)")

@@ -18,7 +18,7 @@ import torch
 
 from peer.net import PeerClient, PeerServer, TransportConfig
 from peer.net.bulk_client import BulkLane
-from peer.net.shaping import LinkShaper
+from peer.net.shaping import LinkShaper, download_cap, set_download_cap
 from peer.net.tls import process_tls
 from protocol import PROTOCOL_VERSION
 from protocol import tasklet_pb2 as pb
@@ -291,6 +291,39 @@ def test_shaped_link_delays_push_and_both_ping_directions(server: PeerServer, pa
         assert time.monotonic() - start >= 0.05  # request one way + reply one way
         assert torch.equal(decode_tensor(env.tensors[0]), state)
         assert back.bytes_sent >= 200_000  # the reply went through the server's shaper for this sender
+
+
+@both_paths
+def test_the_download_cap_paces_what_this_process_takes_in(server: PeerServer, client: PeerClient, path: str) -> None:
+    """``--max-download``: pushes received (gRPC or bulk lane) and fetch replies pass one token bucket; the push's
+    ack waits for the last chunk to be taken in, so the sender is held to the cap too."""
+    inbox = Inbox()
+    server.register_push("ACTIVATION", inbox)
+    state = torch.randn(1 << 19)  # 2 MiB
+    server.register_fetch("STAGE_STATE", lambda req: pb.Envelope(tensors=[encode_tensor("w", state)]))
+    rate = 64e6  # 8 MB/s
+    set_download_cap(rate)
+    try:
+        cap = download_cap()
+        assert cap is not None
+        t = torch.randn(1 << 20)  # 4 MiB
+        start = time.monotonic()
+        client.push(_activation(t), timeout_s=30)
+        pushed_s = time.monotonic() - start
+        start = time.monotonic()
+        env = client.fetch("STAGE_STATE", timeout_s=30)
+        fetched_s = time.monotonic() - start
+        taken = cap.bytes_sent
+    finally:
+        set_download_cap(None)
+    assert torch.equal(decode_tensor(inbox.got[0].tensors[0]), t)
+    assert torch.equal(decode_tensor(env.tensors[0]), state)
+    assert taken >= (4 << 20) + (2 << 20)
+    assert pushed_s >= (4 << 20) * 8 / rate and fetched_s >= (2 << 20) * 8 / rate, (pushed_s, fetched_s)
+    assert_path(client, server, path)
+    with pytest.raises(ValueError):
+        set_download_cap(float("inf"))
+    assert download_cap() is None
 
 
 def test_config_validation() -> None:

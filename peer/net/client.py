@@ -32,7 +32,7 @@ from peer.net.config import TransportConfig
 from peer.net.counters import TRAFFIC
 from peer.net.endpoint import EndpointError, dial_plan, parse_endpoint, proxy_url
 from peer.net.server import _kind_name, kind_value, service_name
-from peer.net.shaping import LinkShaper
+from peer.net.shaping import LinkShaper, take_in
 from peer.net.statuses import error_of_status
 from protocol import PROTOCOL_VERSION
 from protocol import tasklet_pb2 as pb
@@ -326,6 +326,7 @@ class PeerClient:
         try:
             for raw in stream:
                 asm.add(decode_chunk(raw))
+                take_in(len(raw))  # the owner's download cap
                 del raw  # read: free it before gRPC makes the next chunk (memory reused)
         except grpc.RpcError as exc:
             raise map_rpc_error(exc, self.endpoint) from None

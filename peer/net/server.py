@@ -47,7 +47,7 @@ from peer.net.bulk_server import BulkListener
 from peer.net.config import TransportConfig
 from peer.net.counters import TRAFFIC
 from peer.net.idle import IdleWatch
-from peer.net.shaping import LinkShaper
+from peer.net.shaping import LinkShaper, take_in
 from peer.net.statuses import refusal_of
 from peer.net.waiting import RoomFullError, WaitingRoom
 from protocol import PROTOCOL_VERSION
@@ -564,6 +564,7 @@ class PeerServer:
                 if admitted is not None:
                     admitted()
             asm.add(chunk)
+            take_in(len(chunk.payload))  # the owner's download cap: the next chunk is read when it allows
             del chunk  # its bytes are read: free them before the next chunk arrives (memory reused)
         if asm is None:
             raise BadMessage("chunk", "the stream carried no chunk")
@@ -614,6 +615,7 @@ class PeerServer:
                 reply.first_chunk_bytes = size
             reply.last_recv_ns = now
             reply.bytes_received += size
+            take_in(size)  # a probe measures the link as the download cap lets it be used
         TRAFFIC.received("PROBE", reply.bytes_received)
         with self._lock:
             self.stats["probes"] += 1

@@ -228,6 +228,7 @@ class CappedLink(LinkShaper):
 
 
 _upload_cap: LinkShaper | None = None  # this process's upload limit, shared by every destination
+_download_cap: LinkShaper | None = None  # this process's download limit, shared by every source
 
 
 def set_upload_cap(rate_bps: float | None) -> None:
@@ -241,6 +242,28 @@ def set_upload_cap(rate_bps: float | None) -> None:
 
 def upload_cap() -> LinkShaper | None:
     return _upload_cap
+
+
+def set_download_cap(rate_bps: float | None) -> None:
+    """Limit what this process takes in (pushes, fetch replies and probes it receives) to ``rate_bps`` in total
+    (None: no limit): a receiver reads the next chunk only when the cap has carried the previous ones, so
+    HTTP/2's flow control (and the bulk lane's TCP window) holds the senders back to the cap, a window's worth
+    of bytes ahead at most."""
+    global _download_cap
+    if rate_bps is not None and not (rate_bps > 0 and math.isfinite(rate_bps)):
+        raise ValueError(f"the download cap must be a positive number of bit/s, got {rate_bps!r}")
+    _download_cap = None if rate_bps is None else LinkShaper(rate_bps)
+
+
+def download_cap() -> LinkShaper | None:
+    return _download_cap
+
+
+def take_in(n_bytes: int) -> None:
+    """Account ``n_bytes`` received by this process on its download cap (block until the cap carried them)."""
+    cap = _download_cap
+    if cap is not None:
+        cap.transmit(n_bytes)
 
 
 def with_upload_cap(link: tuple[float | None, float] | None) -> LinkShaper | None:

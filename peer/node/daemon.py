@@ -31,7 +31,7 @@ from peer.compute.device_probe import DeviceInfo, measure_device
 from peer.config import RunConfig
 from peer.net.limits import raise_nofile
 from peer.net.relay import relay_key
-from peer.net.shaping import set_upload_cap
+from peer.net.shaping import set_download_cap, set_upload_cap
 from peer.net.tls import TlsContext
 from peer.node.control_socket import OwnerControl, open_control
 from peer.node.emulated_links import EmulatedLinks, Emulation, NetworkModel, emulated_device
@@ -160,6 +160,7 @@ class PeerDaemon:
         """Join the swarm; raise DaemonError (one line) when that is impossible."""
         o = self.opts
         set_upload_cap(None if o.max_upload_mbps is None else o.max_upload_mbps * 1e6)
+        set_download_cap(None if o.max_download_mbps is None else o.max_download_mbps * 1e6)
         phases: dict[str, float] = {"process": _process_age_s()}
         mark = time.monotonic()
 
