@@ -125,6 +125,10 @@ ADVERT_TTL_HEARTBEATS = 3  # advert (and link report) lifetime in heartbeats: tw
 MAX_HEARTBEAT_S = 60.0  # the longest [swarm] heartbeat_s: the DHT's validator bounds an advert's lifetime by it
 RUN_RECORD_MIN_TTL_S = 60.0  # the run record lives max(advert lifetime, this) and is renewed by the heartbeat
 DHT_CALL_TIMEOUT_S = 5.0  # every DHT get/put of a record store
+# a peer's certificate stays trusted this long (at least) after its advert was last read: DHT reads and stores
+# that time out while a DHT node is dead (DHT_CALL_TIMEOUT_S each) must not cut a live peer's connections, which
+# an advert lifetime of a few short heartbeats would
+TRUST_KEEP_MIN_S = 30.0
 DHT_STARTUP_TIMEOUT_S = 60.0  # the DHT node must answer within this at start-up (dozens of peers starting
 # at once on one busy machine took over 10 s; a bad address or a busy port still fails at once)
 MAX_CLOCK_SKEW_S = 1.0  # a joiner whose clock differs from the swarm's by more than this is refused

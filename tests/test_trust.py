@@ -304,3 +304,32 @@ def test_a_gradient_far_above_the_groups_median_is_refused_and_its_sender_exclud
         assert torch.equal(r.workers[0].compute.flat_params(), r.workers[2].compute.flat_params())
     finally:
         r.close()
+
+
+@pytest.mark.unit
+def test_a_peer_stays_trusted_through_dht_reads_that_miss_its_advert(tmp_path, monkeypatch) -> None:
+    """A daemon trusts the certificates of the adverts it reads, and keeps one for at least TRUST_KEEP_MIN_S
+    after the advert was last read: while a dead DHT node makes reads and stores time out (5 s each), a live
+    peer's connections must not be refused, even with heartbeats of 1 s (adverts living 3 s)."""
+    from peer.compute.device_probe import DeviceInfo
+    from peer.config import RunConfig
+    from peer.node import daemon as daemon_module
+    from peer.node.daemon import PeerDaemon, PeerOptions
+    from peer.timing import TRUST_KEEP_MIN_S
+
+    config = RunConfig()
+    config.swarm.heartbeat_s = 1.0
+    peer = PeerDaemon(PeerOptions(identity=str(tmp_path / "id.key")), [], config)
+    other = Identity.generate()
+    device = DeviceInfo("cpu", "cpu", 1 << 30, 1.0, measured=True, emulated=False)
+    advert = Advert(other.peer_id, "127.0.0.1:5000", device, 1.0, cert=pem_to_text(make_certificate(other)))
+    clock = [1000.0]
+    monkeypatch.setattr(daemon_module.time, "monotonic", lambda: clock[0])
+    peer._trust_adverts([advert])
+    assert other.peer_id in peer.tls.trust.peers()
+    clock[0] += 10.0  # several missed reads: far past the advert's 3 s lifetime
+    peer._trust_adverts([])
+    assert other.peer_id in peer.tls.trust.peers()
+    clock[0] += TRUST_KEEP_MIN_S
+    peer._trust_adverts([])
+    assert other.peer_id not in peer.tls.trust.peers(), "a peer gone for good is trusted no longer"

@@ -60,6 +60,7 @@ from peer.timing import (
     HEARTBEAT_S,
     PLAN_RENEW_TICKS,
     TICKS_PER_HEARTBEAT,
+    TRUST_KEEP_MIN_S,
     now,
 )
 
@@ -450,11 +451,11 @@ class PeerDaemon:
 
     def _trust_adverts(self, entries: list[Advert]) -> None:
         """Trust the certificates of live adverts (each checked against its signer's key when read). A peer
-        stays trusted for an advert lifetime after its last sighting, so one DHT read that misses an advert
-        does not cut a live peer off."""
+        stays trusted for an advert lifetime (at least TRUST_KEEP_MIN_S) after its last sighting, so DHT reads
+        that miss an advert for a while (a DHT node died) do not cut a live peer off."""
         assert self.config is not None
         now_s = time.monotonic()
-        keep_s = self.config.swarm.heartbeat_s * ADVERT_TTL_HEARTBEATS
+        keep_s = max(TRUST_KEEP_MIN_S, self.config.swarm.heartbeat_s * ADVERT_TTL_HEARTBEATS)
         for a in entries:
             if a.cert:
                 self._trusted[a.peer_id] = (a.cert, now_s + keep_s)
