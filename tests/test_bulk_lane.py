@@ -360,16 +360,30 @@ def _slot_held(holder: RawLane, inbox: Inbox) -> Iterator[bytes]:
 
 
 def test_busy_server_answers_unavailable(lanes: Lanes, ids: Identities) -> None:
-    """With every stream slot taken, a request is refused from its head, before its body is read."""
+    """With every stream slot taken, a request is refused at its first chunk (a slot is taken only once the chunk's
+    Kind is admitted from the caller, as on gRPC), before the rest is buffered."""
     server, inbox = lanes.start(ids.server, max_concurrent_streams=1, thread_pool_size=3)
     with RawLane(server.bulk_port, ids.client) as holder:
         with _slot_held(holder, inbox) as first, RawLane(server.bulk_port, ids.other) as late:
             late.head(len(first))
+            late.send(first)
             code, _, message = late.reply()
             assert code == grpc.StatusCode.UNAVAILABLE and "busy" in message
         second = body(step=2)
         assert holder.push(second) == (OK, len(second), "")  # the same connection serves the next request
     assert inbox.steps == [1, 2]
+
+
+def test_a_request_silent_after_its_head_holds_no_stream_slot(lanes: Lanes, ids: Identities) -> None:
+    """A caller that sends a head and then nothing (or a Kind it has no role for) holds no stream slot: the only
+    slot stays free for an honest push."""
+    server, inbox = lanes.start(ids.server, max_concurrent_streams=1, thread_pool_size=3)
+    with RawLane(server.bulk_port, ids.other) as silent, RawLane(server.bulk_port, ids.client) as honest:
+        silent.head(1 << 20)
+        time.sleep(0.2)  # the server has read the head and waits for the first chunk
+        pushed = body(step=4)
+        assert honest.push(pushed) == (OK, len(pushed), "")
+    assert inbox.steps == [4]
 
 
 def test_per_peer_quota_answers_resource_exhausted(lanes: Lanes, ids: Identities) -> None:
@@ -378,6 +392,7 @@ def test_per_peer_quota_answers_resource_exhausted(lanes: Lanes, ids: Identities
     with RawLane(server.bulk_port, ids.client) as holder, _slot_held(holder, inbox) as first:
         with RawLane(server.bulk_port, ids.client) as again:
             again.head(len(first))
+            again.send(first)
             code, _, message = again.reply()
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "quota is 1" in message
         with RawLane(server.bulk_port, ids.other) as other:

@@ -4,7 +4,8 @@ Why and the wire format: peer.net.bulk_wire. What stays the same as a gRPC push,
 same code (peer.net.server): the caller is authenticated by its certificate (mutual TLS, peer.net.tls) and must be
 trusted *at each request*, not only at the handshake; the request must carry a deadline of at most
 ``max_deadline_s`` and is cut off when it passes; it takes one of the server's stream slots and one of its caller's
-quota, refused with UNAVAILABLE / RESOURCE_EXHAUSTED as on gRPC; then ``PeerServer._deliver`` reads it: protocol
+quota once its first chunk's Kind is admitted from the caller (a caller without a role for it never holds one),
+refused with UNAVAILABLE / RESOURCE_EXHAUSTED as on gRPC; ``PeerServer._deliver`` reads it: protocol
 version, the Kind's limit and the caller's admission from the first bytes (before anything is buffered), exactly
 the announced bytes, an Envelope of our version, a handler for its Kind; the handler's typed errors become the
 same status codes. A refusal is answered, then the connection is closed.
@@ -24,7 +25,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import grpc
@@ -58,11 +59,12 @@ class LaneOwner(Protocol):
 
     config: TransportConfig
 
-    def _take_stream_slot(self, what: str, caller: str) -> tuple[grpc.StatusCode, str] | None: ...
+    def _admit_stream(self, what: str, caller: str) -> None: ...
 
     def _release(self, caller: str) -> None: ...
 
-    def _deliver(self, chunks: Iterator[ChunkView], caller: str = "") -> pb.Ack: ...
+    def _deliver(self, chunks: Iterator[ChunkView], caller: str = "",
+                 admitted: Callable[[], None] | None = None) -> pb.Ack: ...
 
 
 class _Cut(Exception):  # noqa: N818 - a control-flow signal
@@ -230,12 +232,14 @@ class BulkListener:
                 check_version("chunk.protocol_version", version)
             except BadMessage as exc:
                 raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-            refusal = owner._take_stream_slot("Push", caller)
-            if refusal is not None:
-                raise _Refusal(*refusal)
-            slot = True
+
+            def admitted() -> None:  # the first chunk's Kind is admitted from this caller: now a stream slot
+                nonlocal slot
+                owner._admit_stream("Push", caller)
+                slot = True
+
             try:
-                ack = owner._deliver(self._pieces(conn, version, total, deadline), caller)
+                ack = owner._deliver(self._pieces(conn, version, total, deadline), caller, admitted)
             except _Cut as exc:
                 logger.info("bulk push from %s cut off: %s", caller or "a plaintext client", exc.__cause__)
                 return False

@@ -48,7 +48,7 @@ from peer.net.config import TransportConfig
 from peer.net.counters import TRAFFIC
 from peer.net.idle import IdleWatch
 from peer.net.shaping import LinkShaper, take_in
-from peer.net.statuses import refusal_of
+from peer.net.statuses import SlotRefusedError, refusal_of
 from peer.net.waiting import RoomFullError, WaitingRoom
 from protocol import PROTOCOL_VERSION
 from protocol import tasklet_pb2 as pb
@@ -99,19 +99,11 @@ def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -
     raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
 
-class _SlotRefusedError(Exception):
-    """No stream slot for an admitted stream: the status to answer with (UNAVAILABLE or RESOURCE_EXHAUSTED)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
 def _guarded(context: grpc.ServicerContext, what: str, fn: Callable[[], R]) -> R:
     """Run fn, turning the protocol's typed errors into gRPC statuses (see module docstring)."""
     try:
         return fn()
-    except _SlotRefusedError as exc:
+    except SlotRefusedError as exc:
         _abort(context, exc.code, str(exc))
     except grpc.RpcError:
         # The client went away (cancelled, deadline passed) while we were reading its stream.
@@ -428,10 +420,10 @@ class PeerServer:
         return self._room if self._host is None else self._host._waiting_room
 
     def _admit_stream(self, what: str, caller: str) -> None:
-        """Take a stream slot for an admitted stream (release with ``_release``), or raise _SlotRefusedError."""
+        """Take a stream slot for an admitted stream (release with ``_release``), or raise SlotRefusedError."""
         refusal = self._take_stream_slot(what, caller)
         if refusal is not None:
-            raise _SlotRefusedError(*refusal)
+            raise SlotRefusedError(*refusal)
 
     def _take_stream_slot(self, what: str, caller: str) -> tuple[grpc.StatusCode, str] | None:
         """Take a stream slot and one of the caller's own quota (release with ``_release``); the refusal if none."""

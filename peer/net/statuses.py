@@ -30,9 +30,19 @@ ERROR_CODES: list[tuple[type[Exception], grpc.StatusCode]] = [
 ]
 
 
+class SlotRefusedError(Exception):
+    """No stream slot for an admitted stream: the status to answer with (UNAVAILABLE or RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 def refusal_of(what: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
     """The status answering an exception of a call body: a typed error's code (module docstring), else INTERNAL
     (logged with its traceback). Shared by gRPC calls and the bulk lane (peer.net.bulk_server)."""
+    if isinstance(exc, SlotRefusedError):
+        return exc.code, str(exc)
     for cls, code in ERROR_CODES:
         if isinstance(exc, cls):
             logger.info("%s refused (%s): %s", what, code.name, exc)
