@@ -4,13 +4,14 @@ A volunteer asks this before joining, so every section is a measurement or a rea
 as a fact: the device (kind, name, memory, matmul TFLOP/s measured by ``peer.compute.device_probe``, the CUDA
 driver against the CUDA torch was built for), the free disk where checkpoints go, whether the ports can be
 listened on, and with ``--dht``: whether a relay of the swarm can dial this machine back (``CHECK``,
-``peer.net.relay``), the clock offset bounded from the peers' heartbeat times, and a TCP connect to a few peers.
+``peer.net.relay``), the clock offset bounded from the peers' heartbeat times, and the bandwidth to a few peers.
 The verdict takes the run's model and precision (the published run record with ``--dht``, else the local
 run.toml or the defaults) and says which stages fit this device's memory, by the scheduler's own estimate
 (``stage_memory_bytes``), or which stage does not, what it needs, and what would change that.
 
-Bandwidth to peers is not measured here: a peer's gRPC server serves only peers whose verified advert it
-trusts, which a doctor that publishes nothing is not; the prober measures it once the peer has joined.
+Bandwidth to peers: a peer's gRPC server serves only peers whose verified advert it trusts, so the doctor
+publishes a ``client`` advert (no role, no work: planners, provers and the election read only workers) with its
+certificate for the time it measures, then the same timed stream the prober uses (``PeerClient.probe``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ from scheduler.plan import even_stages
 GB = 1e9
 LINK_PEERS = 3  # peers a doctor connects to
 CONNECT_TIMEOUT_S = 3.0
+PROBE_BYTES = 256 * 1024  # as the prober's (peer.node.prober)
+PROBE_TIMEOUT_S = 20.0
+BANDWIDTH_WAIT_HEARTBEATS = 4  # the peers read adverts every heartbeat: trusted within two, four with DHT delays
 CLOCK_READS = 3  # reads of the heartbeats, a heartbeat apart at most, to narrow the offset bound
 CLOCK_TOLERANCE_S = 2.0  # an offset beyond this delays a peer's adverts and link reports noticeably
 
@@ -241,24 +245,60 @@ def _clock(reader: Any, heartbeat_s: float) -> dict[str, Any]:
             "ok": abs(offset) <= CLOCK_TOLERANCE_S + (high - low) / 2}
 
 
-def _links(entries: list[Any]) -> list[dict[str, Any]]:
-    out = []
+def _links(entries: list[Any], reader: Any, endpoint: str, heartbeat_s: float) -> list[dict[str, Any]]:
+    """A TCP connect, then the bandwidth, to up to LINK_PEERS directly reachable peers."""
+    out, direct = [], []
     for e in entries[:LINK_PEERS]:
         a = e.advert
         row: dict[str, Any] = {"peer_id": a.peer_id, "endpoint": a.endpoint, "bandwidth_mbps": None}
+        out.append(row)
         if "@" in a.endpoint:
             row.update(ok=None, why="reached through a relay; no direct connect to time")
-            out.append(row)
             continue
         host, _, port = a.endpoint.rpartition(":")
         started = time.perf_counter()
         try:
             with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S):
                 row.update(ok=True, connect_ms=round((time.perf_counter() - started) * 1e3, 2))
+            direct.append((row, a))
         except (OSError, ValueError) as exc:
             row.update(ok=False, error=str(exc))
-        out.append(row)
+    if direct:
+        _bandwidths(direct, reader, endpoint, heartbeat_s)
     return out
+
+
+def _bandwidths(rows: list[tuple[dict[str, Any], Any]], reader: Any, endpoint: str, heartbeat_s: float) -> None:
+    """Publish a ``client`` advert (so the peers trust this doctor's certificate), probe each peer's link, leave."""
+    from peer.compute.device_probe import DeviceInfo
+    from peer.net import PeerClient, TransportConfig
+    from peer.net.tls import TlsContext
+    from peer.swarm.adverts import Advert
+    from peer.timing import now
+    from protocol.errors import TransportError
+
+    tls = TlsContext(reader.identity)
+    tls.trust.set_group("swarm", [a.cert for _, a in rows if a.cert])
+    device = DeviceInfo("peer doctor", "cpu", max(1, cpu_memory_bytes()), 0.0, measured=False, emulated=False)
+    advert = Advert(reader.identity.peer_id, endpoint, device, now(), role="client", cert=tls.certificate_text)
+    reader.membership.announce(advert)
+    try:
+        deadline = time.monotonic() + BANDWIDTH_WAIT_HEARTBEATS * heartbeat_s + PROBE_TIMEOUT_S
+        for row, a in rows:
+            config = TransportConfig(tls=tls, bulk_port=None)
+            with PeerClient(a.endpoint, config, sender=reader.identity.peer_id, expect_peer=a.peer_id) as client:
+                while True:  # refused until the peer has read our advert (a heartbeat or two)
+                    try:
+                        bps = client.probe(PROBE_BYTES, timeout_s=max(1.0, deadline - time.monotonic()))
+                        row["bandwidth_mbps"] = round(bps / 1e6, 2)
+                        break
+                    except TransportError as exc:
+                        if time.monotonic() + heartbeat_s / 2 > deadline:
+                            row["bandwidth_error"] = str(exc)[:300]
+                            break
+                        time.sleep(heartbeat_s / 2)
+    finally:
+        reader.membership.leave()
 
 
 def _reachability(relays: list[str], port: int) -> dict[str, Any]:
@@ -299,7 +339,7 @@ def _swarm(opts: DoctorOptions, grpc_port: int) -> tuple[dict[str, Any], RunConf
         heartbeat = config.swarm.heartbeat_s if config is not None else RunConfig().swarm.heartbeat_s
         relays = [e.advert.relay for e in entries if e.advert.relay]
         found = {"reachability": _reachability(relays, grpc_port), "clock": _clock(reader, heartbeat),
-                 "links": _links(entries), "peers": len(entries)}
+                 "links": _links(entries, reader, f"{opts.host}:{grpc_port}", heartbeat), "peers": len(entries)}
     return found, config, stages
 
 
@@ -370,8 +410,11 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append("clock         " + (f"offset {c['offset_s']:+.3f} s (+-{c['bound_s']:.3f})"
                                       if c.get("offset_s") is not None else f"not checked: {c.get('why')}"))
     for link in report["links"]:
+        bw = link.get("bandwidth_mbps")
+        speed = f", {bw} Mbit/s" if bw is not None else f", bandwidth not measured: {link.get('bandwidth_error')}"
         lines.append(f"link          {link['peer_id'][:12]} {link['endpoint']}: "
-                     + (f"connect {link['connect_ms']} ms" if link.get("ok") else link.get("error") or link.get("why")))
+                     + (f"connect {link['connect_ms']} ms{speed}" if link.get("ok")
+                        else link.get("error") or link.get("why")))
     lines.append(f"verdict       {v['summary']} ({v['model']}, {v['precision']}; config: {v['config']})")
     for row in v["stages"]:
         lines.append(f"  stage {row['stage']} layers {row['layers'][0]}..{row['layers'][1] - 1}: needs "
