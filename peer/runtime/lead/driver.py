@@ -186,6 +186,33 @@ class RunEvents:
     fetched_copy: dict[str, Any] | None = None  # a checkpoint this leader fetched from a peer (its disk had none)
 
 
+class PeerShortage:
+    """A plan's wait for enough live peers to hold its stages: said once in the log and, through ``on_pause``, in
+    the progress record; over after ``wait_s`` (math.inf: never)."""
+
+    def __init__(self, wait_s: float, ban_s: float, on_pause: Callable[[dict[str, Any] | None], None] | None) -> None:
+        self.wait_s, self.ban_s, self.on_pause = wait_s, ban_s, on_pause
+        self.since: float | None = None
+
+    def short(self, exc: TooFewPeersError) -> None:
+        """Too few live peers now; raise StepFailedError once the wait is over."""
+        if self.since is None:
+            self.since = time.monotonic()
+            log.warning("paused: %s; planning again as soon as enough peers are live (a peer left out as dead comes "
+                        "back after %.0f s)", exc, self.ban_s)
+            if self.on_pause is not None:
+                self.on_pause({"reason": f"waiting for peers: {exc}", "since": now(), "until": None})
+        if time.monotonic() - self.since > self.wait_s:
+            raise StepFailedError(f"{exc} for {self.wait_s:.0f} s") from exc
+
+    def over(self) -> None:
+        """A plan was made: end the pause, if there was one."""
+        if self.since is not None:
+            log.info("enough live peers again after %.0f s: training on", time.monotonic() - self.since)
+            if self.on_pause is not None:
+                self.on_pause(None)
+
+
 class RunDriver:
     """Runs ``cfg.steps`` steps of ``spec`` over whatever devices ``live_devices()`` reports."""
 
@@ -296,9 +323,8 @@ class RunDriver:
         return self.reports
 
     def _at_round_start(self) -> bool:
-        """DiLoCo (``sync_period > 1``): whether the next step starts an outer round. Re-plans for membership
-        and stragglers, and checkpoints, wait for it: only there do all replicas of a stage agree (in the
-        middle of a round a pipeline that lost a member sits the round out; peer.runtime.outer)."""
+        """DiLoCo (``sync_period > 1``): whether the next step starts an outer round, where re-plans and
+        checkpoints wait: only there do all replicas of a stage agree (peer.runtime.outer)."""
         return self.trained % self.spec.sync_period == 0
 
     def heal(self, step: int, epoch: int, keep: set[str] | None, discard: set[str]) -> None:
@@ -363,37 +389,23 @@ class RunDriver:
         if departed:
             log.info("%d planned peer(s) left the swarm: re-planning without them", len(departed))
             return True
-        return bool(live - planned) and self._would_use_more(live)
-
-    def _would_use_more(self, live: set[str]) -> bool:
-        """A newcomer matters only if it lets the plan grow by a replica (else it stays a spare)."""
-        assert self.stages is not None
-        return len(live) // len(self.stages) > len(self.pipelines)
+        # a newcomer matters only if it lets the plan grow by a replica (else it stays a spare)
+        return bool(live - planned) and len(live) // len(self.stages or [()]) > len(self.pipelines)
 
     # --------------------------------------------------------------------------------------------- replan
     def _replan_until_done(self, reason: str, restore_step: int | None = None) -> None:
-        """Re-plan; when a worker fails to take its assignment (it died meanwhile), exclude it and try again.
-        When too few peers are live to hold the stages, wait for more (``cfg.peers_wait_s``), said in the log
-        and, through ``on_pause``, in the progress record."""
-        attempt, short_since = 0, None
+        """Re-plan; when a worker fails to take its assignment (it died meanwhile), exclude it and try again;
+        when too few peers are live to hold the stages, wait for more (:class:`PeerShortage`)."""
+        attempt, shortage = 0, PeerShortage(self.cfg.peers_wait_s, self.cfg.ban_s, self.on_pause)
         while True:
             self._check_stopped()
             try:
                 self._replan(reason=reason if attempt == 0 else f"{reason} (retry {attempt})",
                              restore_step=restore_step)
-                if short_since is not None:
-                    log.info("enough live peers again after %.0f s: training on", time.monotonic() - short_since)
-                    self._paused(None)
-                return
+                return shortage.over()
             except TooFewPeersError as exc:
                 self._ban_dead()
-                if short_since is None:
-                    short_since = time.monotonic()
-                    log.warning("paused: %s; planning again as soon as enough peers are live (a peer left out as "
-                                "dead comes back after %.0f s)", exc, self.cfg.ban_s)
-                    self._paused({"reason": f"waiting for peers: {exc}", "since": now(), "until": None})
-                if time.monotonic() - short_since > self.cfg.peers_wait_s:
-                    raise StepFailedError(f"{exc} for {self.cfg.peers_wait_s:.0f} s") from exc
+                shortage.short(exc)
             except ReplanNeededError as exc:
                 attempt += 1
                 if attempt >= self.cfg.max_replans:
@@ -401,10 +413,6 @@ class RunDriver:
                 log.warning("re-plan failed: %s", exc)
                 self._ban_dead()
             time.sleep(self.cfg.replan_wait_s)
-
-    def _paused(self, pause: dict[str, Any] | None) -> None:
-        if self.on_pause is not None:
-            self.on_pause(pause)
 
     def _replan(self, reason: str = "start", restore_step: int | None = None) -> None:
         live = {d: ep for d, ep in self.live_devices().items() if ep not in self.banned and ep not in self.slow}
