@@ -27,6 +27,7 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -68,6 +69,7 @@ WAKE_S = 0.2  # the step loop ticks the machine at least this often (deadlines, 
 # a reported loss beyond this is refused: a language model's cross-entropy at init is ln(vocab) (~11 for 64k
 # tokens), so nothing an honest stage computes comes near it, and the step's mean of such values stays finite
 MAX_LOSS = 1e6
+MAX_EXCLUSIONS = 1024  # exclusions kept until the leader takes them (bounded whatever a swarm reports)
 
 
 class Coordinator:
@@ -124,6 +126,8 @@ class Coordinator:
         # "divergent" as they happen; called without the coordinator's lock, must not block for long (tests use
         # it to kill a worker at a chosen moment, benchmarks to time recovery)
         self.on_event: Callable[[str, dict[str, Any]], None] | None = None
+        # (plan epoch, peer id, reason) of every worker excluded, until the leader takes them (its credit record)
+        self._exclusions: deque[tuple[int, str, str]] = deque(maxlen=MAX_EXCLUSIONS)
 
     @property
     def endpoint(self) -> str:
@@ -353,8 +357,17 @@ class Coordinator:
                 return
             if self._machine is not None:
                 self._machine.died(endpoint)
+            self._exclusions.append((self.epoch, self._peer_of(endpoint) or "", reason))
             self._cond.notify_all()
         self._emit([("dead", {"endpoint": endpoint, "reason": reason})])
+
+    def take_exclusions(self) -> list[tuple[int, str, str]]:
+        """The (plan epoch, peer id, reason) of the workers excluded since the last call (at most
+        ``MAX_EXCLUSIONS``, the newest)."""
+        with self._cond:
+            out = list(self._exclusions)
+            self._exclusions.clear()
+        return out
 
     def wait_in_sync(self, timeout_s: float = SYNC_LIMIT_S) -> bool:
         """Wait until no laggard is left reloading its stage (the end of a run, before its states are read)."""
