@@ -22,6 +22,7 @@ from peer.runtime.assign import build_assignments
 from peer.runtime.checkpoints import CheckpointError, CheckpointStore, store_copy
 from peer.runtime.lead.coordinator import MAX_LOSS, Coordinator, check_loss
 from peer.runtime.lead.driver import DriverConfig, RunDriver
+from peer.runtime.lead.machine import StepMachine
 from peer.runtime.lead.referee import MAX_TRACKED, Referee, Verdict
 from peer.runtime.spec import RunSpec
 from peer.runtime.stage.assignment import require_named_leader
@@ -34,6 +35,7 @@ from protocol import tasklet_pb2 as pb
 from protocol.codec import decode_tensor
 from protocol.errors import BadMessage, Forbidden, Refused
 from tests.test_coordinator import ScriptedWorker
+from tests.test_step_machine import make_roster
 from tests.test_worker_step import ENDPOINTS, VirtualRun
 from tests.test_worker_step import SPEC as STEP_SPEC
 
@@ -374,3 +376,18 @@ def test_the_coordinator_excludes_on_corroborated_reports_only(three_pipelines: 
     taken = coordinator.take_exclusions()
     assert [(e, who) for e, who, _ in taken] == [(EPOCH, accused), (EPOCH, neighbour)]
     assert coordinator.take_exclusions() == []
+
+
+def test_a_set_aside_takes_effect_after_its_grace_unless_corroboration_keeps_the_pipeline() -> None:
+    machine = StepMachine(0, make_roster(3), 4, now=0.0, timeout_s=100.0, lease_timeout_s=50.0)
+    machine.start()
+    machine.set_aside(1, at=2.0)
+    machine.set_aside(2, at=2.0)
+    machine.set_aside(7, at=0.0)  # no such pipeline: ignored
+    machine.tick(1.0)
+    assert machine.intact() == [0, 1, 2]
+    machine.keep(2)  # another reporter corroborated pipeline 2's report within the grace
+    machine.tick(2.5)
+    assert machine.intact() == [0, 2] and machine.state.dropped == {1}
+    machine.keep(1)  # too late: a dropped pipeline stays out of the step
+    assert machine.intact() == [0, 2]

@@ -41,7 +41,7 @@ from peer.runtime.grants import sign_grant
 from peer.runtime.lead.liveness import Liveness
 from peer.runtime.lead.machine import Command, Done, Emit, Fail, Send, StepMachine
 from peer.runtime.lead.pacing import Pacing
-from peer.runtime.lead.referee import Referee, Verdict, witnesses
+from peer.runtime.lead.referee import SET_ASIDE_GRACE_S, Referee, Verdict, witnesses
 from peer.runtime.lead.resync import SYNC_LIMIT_S, Resync
 from peer.runtime.lead.roster import Roster
 from peer.runtime.lead.states import StageStates
@@ -367,8 +367,7 @@ class Coordinator:
         self._emit([("dead", {"endpoint": endpoint, "reason": reason})])
 
     def take_exclusions(self) -> list[tuple[int, str, str]]:
-        """The (plan epoch, peer id, reason) of the workers excluded since the last call (at most
-        ``MAX_EXCLUSIONS``, the newest)."""
+        """(plan epoch, identity, reason) of the workers excluded since the last call (the newest ones)."""
         with self._cond:
             out = list(self._exclusions)
             self._exclusions.clear()
@@ -445,10 +444,11 @@ class Coordinator:
             out = set(self.liveness.dead) | set(roster.members(machine.state.dropped if machine else ()))
             seen_by = witnesses(roster, reporter, accused, out)
             verdict = self.referee.report(self._who(reporter), self._who(accused), seen_by, step)
-            if machine is not None:
-                for ep in roster.assignments:
-                    if self._who(ep) in verdict.set_aside:
-                        machine.set_aside(roster.assignments[ep].replica)
+            for ep, a in roster.assignments.items() if machine is not None else ():
+                if self._who(ep) in verdict.set_aside:
+                    machine.set_aside(a.replica, time.monotonic() + SET_ASIDE_GRACE_S)  # type: ignore[union-attr]
+                elif self._who(ep) in verdict.kept:
+                    machine.keep(a.replica)  # type: ignore[union-attr]
         log.warning("bad-peer report by %s against %s (%s): %s", reporter, accused, error[:200], verdict.reason)
         self._exclude(roster, verdict, f"sent data {reporter} refused ({error}); {verdict.reason}")
 

@@ -208,12 +208,17 @@ class StepMachine:
         if endpoint in self.roster.assignments:
             self.dead.add(endpoint)
 
-    def set_aside(self, pipeline: int) -> None:
-        """Drop ``pipeline`` from this step at the next ``tick`` without declaring anyone dead (a reporter whose
-        report nobody corroborated, ``peer.runtime.lead.referee``): the intact pipelines redo its work, and its
-        workers catch up after the apply like an overtaken pipeline's."""
+    def set_aside(self, pipeline: int, at: float) -> None:
+        """Drop ``pipeline`` from this step at the first ``tick`` from ``at`` on, without declaring anyone dead (a
+        reporter whose report nobody corroborated yet, ``peer.runtime.lead.referee``): the intact pipelines redo its
+        work, and its workers catch up after the apply like an overtaken pipeline's."""
         if 0 <= pipeline < self.roster.n_pipelines:
-            self.state.aside.add(pipeline)
+            self.state.aside.setdefault(pipeline, at)
+
+    def keep(self, pipeline: int) -> None:
+        """Cancel a set-aside that has not taken effect (its report was corroborated meanwhile)."""
+        if pipeline not in self.state.dropped:
+            self.state.aside.pop(pipeline, None)
 
     def error(self, sender: str, pipeline: int, what: str, error: str, now: float) -> bool:
         """A worker's task failed. Judged ``judge_after_s`` later (``tick``): an error during averaging or apply
@@ -369,9 +374,10 @@ class StepMachine:
         st, pool = self.state, self.state.pool
         pool.expire()
         dead = self.roster.pipelines_of(self.dead)
-        broken = sorted((dead | pool.failed() | set(pool.losers()) | st.aside) - st.dropped)
+        aside = {r for r, at in st.aside.items() if at <= self.now}
+        broken = sorted((dead | pool.failed() | set(pool.losers()) | aside) - st.dropped)
         for r in broken:
-            why = ("lost a member" if r in dead else "was set aside by the referee" if r in st.aside
+            why = ("lost a member" if r in dead else "was set aside by the referee" if r in aside
                    else "is late with nothing committed; its work goes to the others" if r in pool.abandoned
                    else "was overtaken by a speculative copy" if r in pool.losers()
                    else "held a lease past its deadline")

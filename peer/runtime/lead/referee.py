@@ -9,9 +9,10 @@ other witnesses. Per report (:meth:`Referee.report`):
 * **Corroborated**: the accused has been named by two or more distinct reporters (identities, over the run).
   It is excluded from the plan, and those reporters' accusations of it count as true.
 * **A lone report that others could have corroborated** (the accused's data reached two or more witnesses of
-  its kind: the other participants of a replica group of three or more): the reporter's own pipeline is set
-  aside for this step (its work is redone by the others; nobody is excluded or banned, and it catches up after
-  the apply). The accused stays: the other witnesses checked the same shard. A second reporter corroborates.
+  its kind: the other participants of a replica group of three or more): unless another reporter corroborates it
+  within ``SET_ASIDE_GRACE_S``, the reporter's own pipeline is set aside for this step (its work is redone by
+  the others; nobody is excluded or banned, and it catches up after the apply). The accused stays: the other
+  witnesses checked the same data.
 * **A lone report nobody else could have made** (a pipeline neighbour's activations, a group of two): the
   leader cannot tell the two apart, and the step must not use data one of them refuses, so the accused is
   excluded from the plan as before, and the accusation is remembered.
@@ -34,17 +35,22 @@ from dataclasses import dataclass, field
 from peer.runtime.lead.roster import Roster
 
 FALSE_REPORTS = 2  # contradicted accusations that make a reporter a false one
+# a lone reporter's pipeline is set aside only this long after its report: the other witnesses of the same data
+# check it at about the same moment, and a report they corroborate meanwhile costs the reporter nothing
+SET_ASIDE_GRACE_S = 2.0
 MAX_TRACKED = 4096  # identities remembered (reporters and accused): bounded whatever the swarm reports
 
 
 @dataclass(frozen=True)
 class Verdict:
     """What a report does: identities to exclude from the plan, reporters' pipelines to set aside for the step
-    (identities), and why (for the log and the exclusion's reason)."""
+    (identities; after ``SET_ASIDE_GRACE_S``, time for a second reporter), and why (the log, the exclusion's
+    reason)."""
 
     exclude: tuple[str, ...] = ()
     set_aside: tuple[str, ...] = ()
     reason: str = ""
+    kept: tuple[str, ...] = ()  # reporters whose pending set-aside is cancelled: another reporter corroborated them
 
 
 @dataclass
@@ -70,7 +76,8 @@ class Referee:
         if len(reporters) >= 2:
             for r in reporters:  # their accusations were true
                 self.lone.get(r, {}).pop(accused, None)
-            return Verdict(exclude=(accused,), reason=f"named by {len(reporters)} peers")
+            return Verdict(exclude=(accused,), reason=f"named by {len(reporters)} peers",
+                           kept=tuple(sorted(reporters - {reporter})))
         if len(self.lone) < MAX_TRACKED or reporter in self.lone:
             self.lone.setdefault(reporter, {})[accused] = step
         if witnesses >= 2:

@@ -82,7 +82,7 @@ class StepState:
     hashes: dict[str, tuple[int, str]] = field(default_factory=dict)  # endpoint -> (trained steps, params hash)
     dropped: set[int] = field(default_factory=set)
     syncing: set[int] = field(default_factory=set)  # pipelines left out until their workers reloaded the stage
-    aside: set[int] = field(default_factory=set)  # pipelines the referee set aside for this step (no one excluded)
+    aside: dict[int, float] = field(default_factory=dict)  # pipeline -> when the referee's set-aside takes effect
     errors: list[str] = field(default_factory=list)
     leased_at: dict[tuple[int, int], float] = field(default_factory=dict)  # (micro-batch, pipeline) -> when
     members: list[str] = field(default_factory=list)  # the workers the last reduce or apply went to
