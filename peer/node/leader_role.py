@@ -294,6 +294,8 @@ class LeaderRole:
         board = self.ctx.plan_board
         previous = board.latest()
         self.credited = set(credited_of(previous.plan if previous else None))
+        self.credit = CreditBook.from_record((self.ctx.progress.read(previous.leader_id) or {}).get("credit")) \
+            if previous else self.credit  # the record the previous leader signed, whether or not it takes over
         self.start_epoch = board.highest_epoch
         self._wait_for_peers(taking_over=previous is not None)
         self._wait_for_quorum()
