@@ -294,8 +294,6 @@ class LeaderRole:
         board = self.ctx.plan_board
         previous = board.latest()
         self.credited = set(credited_of(previous.plan if previous else None))
-        self.credit = CreditBook.from_record((self.ctx.progress.read(previous.leader_id) or {}).get("credit")) \
-            if previous else self.credit  # the record the previous leader signed, whether or not it takes over
         self.start_epoch = board.highest_epoch
         self._wait_for_peers(taking_over=previous is not None)
         self._wait_for_quorum()
@@ -303,8 +301,8 @@ class LeaderRole:
         self._wait_for_link_reports()
         self._wait_for_quorum()  # again: the election or the membership may have changed while we waited
         takeover = self._takeover_point(previous.plan if previous else None) if previous else None
-        if takeover is not None:
-            self._adopt_history(takeover[0])
+        if previous is not None:  # the loss history up to the takeover step (none without one) and the credit
+            self._adopt_history(takeover[0] if takeover is not None else 0)
         planner = make_planner(
             self.spec,
             self._view,
@@ -443,8 +441,8 @@ class LeaderRole:
         self._publish({"epoch": info["epoch"], "step": info["step"], "state": "training"})
 
     def _adopt_history(self, trained: int, progress: dict[str, Any] | None = None, since: int = 0) -> None:
-        """Take the loss history of steps ``since`` .. ``trained`` - 1 from a progress record (default: that of
-        the previous plan's leader)."""
+        """Take the loss history of steps ``since`` .. ``trained`` - 1 and the contribution record from a progress
+        record (default: that of the previous plan's leader)."""
         if progress is None:
             previous = self.ctx.plan_board.latest()
             progress = self.ctx.progress.read(previous.leader_id if previous else None) or {}
