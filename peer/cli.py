@@ -30,6 +30,7 @@ Tasklet peer: train a transformer language model together with other volunteers'
   peer start --config run.toml     be the first peer of a new swarm (prints the join line)
   peer join --dht ADDR             give this machine's GPU (or CPU) to a running swarm
   peer status --dht ADDR           show the swarm: peers, plan, step, loss, throughput
+  peer credits --dht ADDR          each identity's verified work, as the leader signed it (--me: only yours)
   peer dashboard --dht ADDR --port 8080
                                    the same in a browser: peers, plan, links, loss, events
   peer swarm --peers 4 --scenario worldwide_geo_distributed --steps 5
@@ -258,6 +259,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="refresh every SECONDS until interrupted (default: print once; bare --watch: 2 s)",
     )
+    p.add_argument("--me", default=None, metavar="IDENTITY|PEER_ID", help=ME_HELP)
+
+    p = sub.add_parser(
+        "credits",
+        help="each peer identity's verified contribution, as the leader signed it",
+        description="Join the DHT as a read-only client and print the leader's signed contribution record: per "
+        "identity, the micro-batches of applied steps its pipelines committed, steps, plans, training seconds "
+        "and exclusions. The leader is believed: it signs the record, and it can lie.",
+    )
+    p.add_argument("--dht", required=True, nargs="+", metavar="ADDR", help="multiaddr(s) of any peer")
+    p.add_argument("--run", default="tasklet", help="run name (default: %(default)s)")
+    p.add_argument("--secret", default=None, help=SECRET_HELP)
+    p.add_argument("--secret-file", default=None, metavar="FILE", help=SECRET_FILE_HELP)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table (default: off)")
+    p.add_argument("--me", default=None, metavar="IDENTITY|PEER_ID", help=ME_HELP)
 
     p = sub.add_parser(
         "dashboard",
@@ -440,6 +456,8 @@ def main(argv: list[str] | None = None) -> int:
 
 SECRET_HELP = (f"the swarm's join secret, if it has one (default: none); other users of this machine can read "
                f"a command line, so prefer --secret-file or {SECRET_ENV}")
+ME_HELP = ("show only this identity's credit: an identity file (`peer join --identity`) or a peer id "
+           "(default: every peer)")
 SECRET_FILE_HELP = f"read the join secret from FILE (its first line); or set {SECRET_ENV} (default: none)"
 
 
@@ -536,25 +554,71 @@ def join_paths(args: argparse.Namespace) -> dict[tuple[str, str], str]:
     return paths
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    from peer.swarm.dht import DHTStartError
-    from peer.swarm.status import StatusReader, format_status, status_json
+def _me(value: str | None) -> str | None:
+    """--me: the peer id of an identity file, or the value itself when it is no file (a peer id)."""
+    if value is None or not os.path.exists(value):
+        return value
+    from peer.swarm.identity import Identity
 
     try:
-        reader = StatusReader(list(args.dht), args.run, args.secret)
+        return Identity.load(value).peer_id
+    except Exception as exc:  # not a key file: say so rather than show nobody's credit
+        raise UserError(f"--me {value}: not an identity file ({exc})") from None
+
+
+def _status_reader(args: argparse.Namespace):  # noqa: ANN202 - StatusReader, imported lazily (hivemind)
+    from peer.swarm.dht import DHTStartError
+    from peer.swarm.status import StatusReader
+
+    try:
+        return StatusReader(list(args.dht), args.run, args.secret)
     except DHTStartError as exc:
         raise UserError(str(exc)) from None
-    with reader:
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import json
+
+    from peer.swarm.status import credit_summary, format_credits, format_status, status_json
+
+    me = _me(args.me)
+    with _status_reader(args) as reader:
         while True:
             st = reader.read()
             if not st.peers and not st.plan.get("epoch"):
                 raise UserError(f"no run named {args.run!r} is visible in this DHT (wrong --run or --secret?)")
-            print(status_json(st) if args.json else format_status(st), flush=True)
+            if me is not None:  # this identity only: where it is in the plan, and its credit
+                summary = credit_summary(st.progress)
+                peer = next((p for p in st.peers if p["peer_id"] == me), None)
+                row = next((r for r in summary["peers"] if r["peer_id"] == me), None)
+                text = (json.dumps({"peer_id": me, "peer": peer, "credit": row, "step": st.progress.get("step")},
+                                   indent=1) if args.json else format_credits(summary, me))
+                print(text, flush=True)
+            else:
+                print(status_json(st) if args.json else format_status(st), flush=True)
             if args.watch is None:
                 return 0
             time.sleep(args.watch)
             if not args.json:
                 print()
+
+
+def cmd_credits(args: argparse.Namespace) -> int:
+    import json
+
+    from peer.swarm.status import credit_summary, format_credits
+
+    me = _me(args.me)
+    with _status_reader(args) as reader:
+        progress = reader.read_progress()
+    if progress is None:
+        raise UserError(f"no progress record of run {args.run!r} is visible in this DHT (wrong --run or --secret, "
+                        "or no leader has published yet?)")
+    summary = credit_summary(progress)
+    if me is not None:
+        summary["peers"] = [r for r in summary["peers"] if r["peer_id"] == me]
+    print(json.dumps(summary, indent=1) if args.json else format_credits(summary, me), flush=True)
+    return 0
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
@@ -704,6 +768,7 @@ COMMANDS = {
     "start": cmd_start,
     "join": cmd_join,
     "status": cmd_status,
+    "credits": cmd_credits,
     "dashboard": cmd_dashboard,
     "swarm": cmd_swarm,
     "export": cmd_export,

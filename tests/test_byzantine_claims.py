@@ -12,6 +12,9 @@ One swarm of four peers (one stage each: every peer holds the whole model, so an
   of ending the run at "step 10^9".
 
 The honest survivor finishes every step, and the saved parameters equal single-process training within 1e-5.
+The contribution record survives the leader's death: while the new leader trains, `peer credits --json --me
+KEY` shows the dead leader's identity (which the new leader never planned) credited in a record the new leader
+signed, and run.json's record adds up to the micro-batches of the steps it credits.
 The same swarm without liars, through the same leader death, is tests/test_swarm_daemon.py (the control run).
 """
 
@@ -27,13 +30,15 @@ from pathlib import Path
 
 import pytest
 
-from peer.emulation.procs import PeerProcesses, child_env, launch, poll_until, write_small_config
+from peer.emulation.procs import PEER_COMMAND, PeerProcesses, child_env, launch, poll_until, write_small_config
 from peer.emulation.reference_check import gap_to_reference
+from peer.swarm.identity import Identity
 
 pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
 
 SECRET = "byzantine-claims-secret"
 STEPS = 16
+MICROBATCHES = 8  # n_microbatches of write_small_config
 PATCHED = '''\
 """A volunteer's modified client: one method of the real one replaced, then the ordinary CLI."""
 import dataclasses
@@ -83,14 +88,23 @@ def join_patched(procs: PeerProcesses, script: Path, lie: str, addr: str, i: int
     return proc
 
 
+def credits_of(addr: str, me: Path) -> dict:
+    """`peer credits --json --me KEY` against a live swarm (a real CLI process)."""
+    out = subprocess.run([*PEER_COMMAND, "credits", "--dht", addr, "--secret", SECRET, "--json", "--me", str(me)],
+                         capture_output=True, text=True, timeout=60, env=child_env())
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
 def test_a_nan_loss_liar_and_a_trained_steps_liar_neither_crash_nor_end_the_run(tmp_path: Path) -> None:
     save = tmp_path / "result"
+    key0 = tmp_path / "peer0.key"
     script = tmp_path / "patched_peer.py"
     script.write_text(PATCHED)
     cfg = write_small_config(tmp_path, steps=STEPS, secret=SECRET, min_peers=4, stages=1,
                              extra=f"save_dir = {json.dumps(str(save))}\n")
     with PeerProcesses(tmp_path, emulate_tflops=0.00003) as procs:  # about 2 s a step: time for a takeover
-        addr = procs.start(cfg)
+        addr = procs.start(cfg, "--identity", str(key0))
         procs.join(addr, 1, "--secret", SECRET)
         time.sleep(1.0)  # peer 1 is found by the later joiners: the oldest after peer 0, it leads next
         join_patched(procs, script, "nan-loss", addr, 2)
@@ -100,6 +114,12 @@ def test_a_nan_loss_liar_and_a_trained_steps_liar_neither_crash_nor_end_the_run(
                              "four peers training three steps")
         procs.kill(0)  # the leader dies; its successor asks the workers how far they got
         killed_at = trained["steps"]
+        dead_leader = Identity.load(key0).peer_id
+        # the new leader's signed record carries the dead leader's credit (it never planned that peer itself)
+        mine = poll_until(lambda: credits_of(procs.join_address(1), key0),
+                          lambda c: c.get("leader") not in (None, dead_leader), 120, "the new leader's credit record")
+        assert [r["peer_id"] for r in mine["peers"]] == [dead_leader], mine
+        assert mine["peers"][0]["microbatches"] > 0, mine
         assert procs.procs[1].wait(timeout=400) == 0, "the honest survivor failed"
         assert procs.procs[2].poll() in (None, 0), "the NaN liar's client crashed"
         logs = {i: procs.log_text(i) for i in range(4)}
@@ -121,3 +141,13 @@ def test_a_nan_loss_liar_and_a_trained_steps_liar_neither_crash_nor_end_the_run(
     assert len(losses) == STEPS, losses
     assert all(x is None or math.isfinite(x) for x in losses), losses
     assert gap.max_abs < 1e-5, f"{gap.max_abs:.2e} off single-process training (relative {gap.max_rel:.2e})"
+    # credit adds up: one stage, so every credited micro-batch is one identity's; a step the dead leader left
+    # half-applied (finished by its successor) is the only one that may go uncredited
+    credit = gap.run["credit"]
+    assert STEPS - 1 <= credit["steps"] <= STEPS, credit
+    assert credit["total_microbatches"] == MICROBATCHES * credit["steps"], credit
+    peers = credit["peers"]
+    assert sum(p["microbatches"] for p in peers.values()) + credit["evicted_microbatches"] == \
+        credit["total_microbatches"], credit
+    assert peers[dead_leader]["microbatches"] >= mine["peers"][0]["microbatches"], credit
+    assert peers[dead_leader]["last_step"] < killed_at + 1, credit  # nothing after its death

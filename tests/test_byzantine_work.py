@@ -5,6 +5,8 @@ volunteer would run a modified client: ``scale-shard`` (an owner sends the other
 all-gather) and ``noise-grad`` (gradient shards replaced by noise of the honest norm). Each run must end with
 every honest worker alive, all steps trained, and parameters equal to single-process training of the honest work
 (which, the cheater's work being refused and redone, is the undisturbed run) within 1e-5 of each tensor's scale.
+The contribution record built from the run's step reports (as the leader builds it) gives the cheater nothing
+for the step it poisoned and adds up to the micro-batches trained.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from peer.compute.data import Corpus
 from peer.compute.reference import train_reference
 from peer.emulation.local import LocalSwarm
+from peer.swarm.credit import CreditBook
 from tests.test_fault_tolerance import FULL, SLOW, SPEC, STEPS, assert_matches_reference, flops
 
 pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
@@ -48,3 +51,14 @@ def test_a_poisoning_member_is_excluded_and_the_model_is_the_honest_one(referenc
     assert result.reports[0].dropped_pipelines == [0 if device == 1 else 1]
     last = result.events.replans[-1]
     assert all(device not in p for p in last["pipelines"])
+    # credit, as the leader keeps it (peer.node.leader_role.credit_step), from the real step reports
+    book = CreditBook()
+    for report in result.reports:
+        plan = [p for p in result.events.replans if p["step"] <= report.step][-1]
+        devices = [[f"device{d}" for d in pipe] for pipe in plan["pipelines"]]
+        book.step(report.step, report.seconds, {r: report.microbatches_per_pipeline.get(r, 0)
+                                                for r in report.applied}, devices)
+    credit = book.to_record()
+    assert credit["peers"].get(f"device{device}", {}).get("microbatches", 0) == 0, credit
+    assert credit["total_microbatches"] == STEPS * SPEC.n_microbatches
+    assert sum(p["microbatches"] for p in credit["peers"].values()) == len(FULL[0]) * credit["total_microbatches"]

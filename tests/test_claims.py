@@ -22,6 +22,8 @@ from peer.runtime.assign import build_assignments
 from peer.runtime.checkpoints import CheckpointError, CheckpointStore, store_copy
 from peer.runtime.lead.coordinator import MAX_LOSS, Coordinator, check_loss
 from peer.runtime.lead.driver import DriverConfig, RunDriver
+from peer.runtime.lead.machine import StepMachine
+from peer.runtime.lead.referee import MAX_TRACKED, Referee, Verdict
 from peer.runtime.spec import RunSpec
 from peer.runtime.stage.assignment import require_named_leader
 from peer.runtime.wire import make_key
@@ -33,6 +35,7 @@ from protocol import tasklet_pb2 as pb
 from protocol.codec import decode_tensor
 from protocol.errors import BadMessage, Forbidden, Refused
 from tests.test_coordinator import ScriptedWorker
+from tests.test_step_machine import make_roster
 from tests.test_worker_step import ENDPOINTS, VirtualRun
 from tests.test_worker_step import SPEC as STEP_SPEC
 
@@ -291,3 +294,100 @@ def test_a_step_the_dead_leader_applied_but_never_recorded_is_kept_without_a_los
     LeaderRole._adopt_history(role, 3)  # type: ignore[arg-type]  # takeover one step past the record
     assert sorted(role.history) == [0, 1, 2]
     assert role.history[0] == (4.5, 1.0) and role.history[1] == (None, 1.1) and role.history[2][0] is None
+
+
+# ------------------------------------------------------------------------------------ the bad-peer referee
+def test_a_lone_report_excludes_nobody_where_others_saw_the_same_data_and_a_second_reporter_does() -> None:
+    ref = Referee()
+    v = ref.report("a", "b", witnesses=2, step=0)
+    assert v.exclude == () and v.set_aside == ("a",), v
+    v = ref.report("c", "b", witnesses=2, step=0)
+    assert v.exclude == ("b",) and "named by 2 peers" in v.reason
+    assert not ref.lone.get("a") and not ref.lone.get("c")  # corroborated: neither accusation was false
+    assert ref.report("a", "a", witnesses=2, step=0) == Verdict(reason="a peer cannot report itself")
+
+
+def test_a_reporter_whose_accusations_are_contradicted_twice_is_the_one_excluded_and_then_ignored() -> None:
+    ref = Referee()
+    # a pipeline neighbour: nobody else could see the data, so the accused is excluded from that plan
+    assert ref.report("liar", "h1", witnesses=1, step=3).exclude == ("h1",)
+    assert ref.vindicate({"h1", "x"}, step=2) == Verdict()  # work from before the accusation proves nothing
+    assert ref.vindicate({"h1", "x"}, step=9).exclude == ()  # h1's work passed the others' checks: one contradiction
+    assert ref.report("liar", "h2", witnesses=2, step=10).set_aside == ("liar",)
+    v = ref.vindicate({"h2"}, step=10)
+    assert v.exclude == ("liar",) and "passed every other witness" in v.reason
+    assert ref.report("liar", "h3", witnesses=1, step=11) == Verdict(
+        reason="liar made false reports before; its report is ignored")
+    # the contradicted accusations no longer corroborate anyone else's
+    assert ref.report("other", "h1", witnesses=1, step=12).exclude == ("h1",)
+    assert ref.named_by["h1"] == {"other"}
+
+
+def test_an_accusation_corroborated_later_is_never_counted_against_its_reporter() -> None:
+    ref = Referee()
+    ref.report("a", "cheat", witnesses=1, step=0)
+    ref.report("b", "cheat", witnesses=1, step=1)
+    assert ref.vindicate({"cheat"}, step=5) == Verdict() and ref.contradicted == {}
+
+
+def test_the_referee_tracks_a_bounded_number_of_identities() -> None:
+    ref = Referee()
+    for k in range(MAX_TRACKED + 50):
+        ref.report(f"r{k}", f"v{k}", witnesses=2, step=k)
+    assert len(ref.named_by) == MAX_TRACKED and len(ref.lone) <= MAX_TRACKED
+    assert ref.report("late", "new", witnesses=1, step=0).exclude == ()
+
+
+@pytest.fixture
+def three_pipelines() -> Iterator[Coordinator]:
+    """A coordinator over 2 stages x 3 pipelines of scripted workers (no step running)."""
+    coordinator = Coordinator(SPEC, liveness_interval_s=30)
+    coordinator.start()
+    workers = [ScriptedWorker() for _ in range(6)]
+    try:
+        endpoints = [w.start() for w in workers]
+        coordinator.assign(build_assignments(SPEC, [(0, 1), (1, 2)], [[0, 1], [2, 3], [4, 5]], endpoints,
+                                             coordinator.endpoint, EPOCH))
+        yield coordinator
+    finally:
+        coordinator.close()
+        for w in workers:
+            w.stop()
+
+
+def test_the_coordinator_excludes_on_corroborated_reports_only(three_pipelines: Coordinator) -> None:
+    coordinator = three_pipelines
+
+    def report(stage: int, replica: int, accused: tuple[int, int]) -> None:
+        env = ctl.encode(ctl.BadPeer(accused[0], accused[1], "", "refused"), SPEC.run_id, EPOCH, 0, stage=stage,
+                         replica=replica)
+        with PeerClient(coordinator.endpoint, sender="member") as client:
+            client.push(env, timeout_s=10)
+
+    accused = coordinator.roster.endpoint_of(1, 1)
+    report(1, 0, (1, 1))  # a replica of its group, while another replica checked the same shards
+    assert coordinator.dead == frozenset()
+    report(1, 2, (1, 1))  # the third replica of the group names it too
+    assert coordinator.dead == {accused}
+    assert "named by 2 peers" in coordinator.dead_reasons[accused]
+    neighbour = coordinator.roster.endpoint_of(1, 2)
+    report(0, 2, (1, 2))  # its upstream neighbour, the only worker that receives its activation gradients
+    assert coordinator.dead == {accused, neighbour}
+    taken = coordinator.take_exclusions()
+    assert [(e, who) for e, who, _ in taken] == [(EPOCH, accused), (EPOCH, neighbour)]
+    assert coordinator.take_exclusions() == []
+
+
+def test_a_set_aside_takes_effect_after_its_grace_unless_corroboration_keeps_the_pipeline() -> None:
+    machine = StepMachine(0, make_roster(3), 4, now=0.0, timeout_s=100.0, lease_timeout_s=50.0)
+    machine.start()
+    machine.set_aside(1, at=2.0)
+    machine.set_aside(2, at=2.0)
+    machine.set_aside(7, at=0.0)  # no such pipeline: ignored
+    machine.tick(1.0)
+    assert machine.intact() == [0, 1, 2]
+    machine.keep(2)  # another reporter corroborated pipeline 2's report within the grace
+    machine.tick(2.5)
+    assert machine.intact() == [0, 2] and machine.state.dropped == {1}
+    machine.keep(1)  # too late: a dropped pipeline stays out of the step
+    assert machine.intact() == [0, 2]

@@ -36,6 +36,7 @@ def test_parsing_help_and_init_import_nothing_heavy(tmp_path: Path) -> None:
     cases = {
         "help": ["--help"],
         "status_help": ["status", "--help"],
+        "credits_help": ["credits", "--help"],
         "doctor_help": ["doctor", "--help"],
         "argument_error": ["join"],
         "init": ["init", str(tmp_path / "run.toml")],
@@ -48,6 +49,7 @@ def test_parsing_help_and_init_import_nothing_heavy(tmp_path: Path) -> None:
     for name in cases:
         assert out[name]["heavy"] == [], f"{name} loaded {out[name]['heavy']}"
     assert out["help"]["code"] == 0 and out["status_help"]["code"] == 0 and out["doctor_help"]["code"] == 0
+    assert out["credits_help"]["code"] == 0
     assert out["argument_error"]["code"] == 2
     assert out["init"]["code"] == 0
     assert "[run]" in (tmp_path / "run.toml").read_text()

@@ -40,6 +40,7 @@ from peer.runtime.lead.driver import DriverConfig, Pipelines, RunDriver, Stages
 from peer.runtime.outer import assignment_record
 from peer.runtime.spec import Assignment, RunSpec
 from peer.swarm.adverts import Advert, LinkReport
+from peer.swarm.credit import CreditBook
 from peer.swarm.election import MAX_CREDITED, credited_of
 from peer.swarm.plans import PlanBoard, has_quorum
 from peer.swarm.progress import ProgressBoard, publishable
@@ -107,6 +108,7 @@ class LeaderRole:
         # only witnesses of the election once there are some (peer.swarm.election), listed in every plan
         self.credited: set[str] = set()
         self.published_credited: set[str] = set()  # the credited list of the last plan published
+        self.credit = CreditBook()  # each identity's verified work (peer.swarm.credit), signed in every progress
         self.pause: dict[str, Any] | None = None  # why, since and until when (DHT time) the leader pauses
         self.waive_epoch: int | None = None  # the plan epoch the next plan fences without its quorum
         self.waived: dict[str, Any] | None = None  # what the quorum waiver of the next plan says
@@ -299,8 +301,8 @@ class LeaderRole:
         self._wait_for_link_reports()
         self._wait_for_quorum()  # again: the election or the membership may have changed while we waited
         takeover = self._takeover_point(previous.plan if previous else None) if previous else None
-        if takeover is not None:
-            self._adopt_history(takeover[0])
+        if previous is not None:  # the loss history up to the takeover step (none without one) and the credit
+            self._adopt_history(takeover[0] if takeover is not None else 0)
         planner = make_planner(
             self.spec,
             self._view,
@@ -395,7 +397,7 @@ class LeaderRole:
     # -------------------------------------------------------------------------------------- publication
     def _publish(self, payload: dict[str, Any]) -> None:
         """Publish progress; every record carries the loss history, so a takeover at any moment keeps it."""
-        self._last_progress = {**payload, "history": self._history_payload()}
+        self._last_progress = {**payload, "history": self._history_payload(), "credit": self.credit.to_record()}
         if self.discarded is not None:  # the last healed partition's lost work stays in view
             self._last_progress["discarded"] = dict(self.discarded)
         self.ctx.progress.publish(dict(self._last_progress))
@@ -425,6 +427,7 @@ class LeaderRole:
             "credited": sorted(self.credited)[:MAX_CREDITED],
         }
         self.published_credited = set(self.credited)
+        self.credit.plan(pid for pipe in plan["pipelines"] for pid in pipe)
         waive = self.waived is not None and self.waive_epoch == self.ctx.plan_board.highest_epoch
         if waive:
             plan["quorum_waived"] = dict(self.waived or {})
@@ -438,11 +441,12 @@ class LeaderRole:
         self._publish({"epoch": info["epoch"], "step": info["step"], "state": "training"})
 
     def _adopt_history(self, trained: int, progress: dict[str, Any] | None = None, since: int = 0) -> None:
-        """Take the loss history of steps ``since`` .. ``trained`` - 1 from a progress record (default: that of
-        the previous plan's leader)."""
+        """Take the loss history of steps ``since`` .. ``trained`` - 1 and the contribution record from a progress
+        record (default: that of the previous plan's leader)."""
         if progress is None:
             previous = self.ctx.plan_board.latest()
             progress = self.ctx.progress.read(previous.leader_id if previous else None) or {}
+        self.credit = CreditBook.from_record(progress.get("credit"))  # signed by that leader: no worker wrote it
         hist = progress.get("history") or {}
         first = hist.get("from", 0)
         first = first if isinstance(first, int) and not isinstance(first, bool) and 0 <= first <= trained else 0
@@ -468,6 +472,7 @@ class LeaderRole:
             if 0 <= r < len(self.driver.pipelines):
                 self.credited.update(self.peer_of[d] for d in self.driver.pipelines[r] if d in self.peer_of)
         self.driver.replan_on_join = bool(self.credited - self.published_credited)
+        credit_step(self.credit, report, self.driver.pipelines, self.peer_of, self.coordinator)
         self.scalars.add(report.step, {"train/loss": report.loss, "train/tokens_per_s": tokens_per_s,
                                        "train/step_s": report.seconds, "swarm/plan_epoch": self.driver.epoch,
                                        "swarm/peers": len(self._workers())})
@@ -514,9 +519,20 @@ class LeaderRole:
             "step_s": [self.history[k][1] for k in sorted(self.history)],
             "microbatches_per_pipeline": [r.microbatches_per_pipeline for r in self.driver.reports],
             "record": assignment_record(self.driver.reports),  # replayable (peer.compute.reference)
+            "credit": self.credit.to_record(),  # each identity's verified work (peer.swarm.credit)
         }
         (folder / "run.json").write_text(json.dumps(publishable(run), indent=1, default=str))
         log.info("saved %d stage(s) and run.json to %s", len(saved), folder)
+
+
+def credit_step(book: CreditBook, report: StepReport, pipelines: Pipelines, peer_of: dict[int, str],
+                coordinator: Coordinator) -> None:
+    """Credit an applied step to the peers of the pipelines in its commit record, and record the exclusions the
+    coordinator made since the last step (a culprit named by the checks earns nothing for the work redone)."""
+    committed = {r: report.microbatches_per_pipeline.get(r, 0) for r in report.applied}
+    book.step(report.step, report.seconds, committed, [[peer_of.get(d, "") for d in p] for p in pipelines])
+    for plan_epoch, peer, reason in coordinator.take_exclusions():
+        book.exclude(plan_epoch, peer, reason)
 
 
 def _slowest_measured(peer_of: dict[str, str], reports: list[LinkReport]) -> Callable[[str], float | None]:

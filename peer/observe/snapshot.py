@@ -18,6 +18,7 @@ from typing import Any
 from hivemind.utils import get_dht_time
 
 from peer.swarm.adverts import LinkReport
+from peer.swarm.credit import credit_rows
 from peer.swarm.membership import PeerEntry
 from peer.swarm.plans import PlanRecord
 from peer.swarm.status import StatusReader
@@ -180,4 +181,12 @@ def build_snapshot(source: SwarmSource, run_id: str) -> dict[str, Any]:
         "plan": plan,
         "links": link_rows,
         "history": _history(progress, tokens_per_step(run_config)),
+        "credit": _credit(progress.get("credit")),
     }
+
+
+def _credit(record: object) -> list[dict[str, Any]]:
+    """The leader's contribution record (``peer.swarm.credit``), checked and bounded like the rest of the page's
+    input: one row per identity, most verified micro-batches first."""
+    return [{k: row[k] for k in ("peer_id", "microbatches", "steps", "plans", "train_s", "excluded",
+                                 "last_exclusion")} for row in credit_rows(record)]

@@ -7,8 +7,9 @@ The leader publishes two records (signed, like every record of the run), both on
   worker reads it once a heartbeat (``peer.swarm.view``): it tells a live leader from a dead one by its age
   (``at``, DHT time), carries the plan epoch (a newer one makes the worker read the plan) and "done". Its
   size does not grow with the run or the swarm, so a worker's reads per heartbeat stay O(1).
-* the **full record** under ``f"{run_id}:progress"``, with the loss history: stored only when it changed or
-  every ``FULL_RENEW_S``, read on demand (`peer status`, the dashboard, a new leader adopting the history).
+* the **full record** under ``f"{run_id}:progress"``, with the loss history and the contribution record
+  (``peer.swarm.credit``): stored only when it changed or every ``FULL_RENEW_S``, read on demand (`peer status`,
+  the dashboard, a new leader adopting the history and the credit).
 
 Both live ``PROGRESS_TTL_S`` (much longer than the takeover guard, see ``peer.timing``) so a new leader and
 `peer status` still read the last step and the loss history after the leader died.
@@ -31,6 +32,9 @@ from peer.swarm.identity import Identity
 from peer.swarm.records import RecordStore
 from peer.timing import DHT_CALL_TIMEOUT_S, PROGRESS_TTL_S, now
 
+# what only the full record carries: the loss history and the contribution record (peer.swarm.credit), which grow
+# with the run and the swarm, so a beat stays a few hundred bytes
+FULL_ONLY = frozenset({"history", "credit"})
 FULL_RENEW_S = 20.0  # an unchanged full record is stored again this often (it lives PROGRESS_TTL_S)
 
 
@@ -75,7 +79,7 @@ class ProgressBoard:
         payload = publishable(dict(payload))
         self._last = dict(payload)
         body = {**payload, "leader": identity.peer_id, "at": at}
-        beat = {k: v for k, v in body.items() if k != "history"}
+        beat = {k: v for k, v in body.items() if k not in FULL_ONLY}
         stored = self.store.put("beat", beat, at + self.ttl_s)
         if self._full is None or self._full[0] != payload or now() - self._full[1] > FULL_RENEW_S:
             if self.store.put("progress", body, at + self.ttl_s):
@@ -91,7 +95,7 @@ class ProgressBoard:
         if identity is None or not self._last:
             return False
         at = now()
-        beat = {k: v for k, v in self._last.items() if k != "history"}
+        beat = {k: v for k, v in self._last.items() if k not in FULL_ONLY}
         return self.store.put("beat", {**beat, "state": "resigned", "leader": identity.peer_id, "at": at},
                               at + self.ttl_s)
 

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from peer.swarm.credit import credit_rows
 from peer.swarm.dht import DHTConfig, start_dht
 from peer.swarm.election import bootstrap_credited, credited_of, elect_leader
 from peer.swarm.identity import Identity
@@ -53,6 +54,7 @@ class SwarmStatus:
             "paused": self.progress.get("paused"),
             "discarded": self.progress.get("discarded"),
             "links": self.links,
+            "credit": credit_summary(self.progress),
         }
 
 
@@ -162,6 +164,9 @@ class StatusReader:
             newer = self.progress.read(elected)
             if newer and newer.get("state") == "paused":
                 progress = newer
+        credited = {row["peer_id"]: row["microbatches"] for row in credit_rows((progress or {}).get("credit"))}
+        for peer in peers:  # each live peer's verified micro-batches, from the leader's signed record
+            peer["credit_microbatches"] = credited.get(peer["peer_id"], 0)
         return SwarmStatus(peers, plan_out, progress or {}, link_summary)
 
 
@@ -214,17 +219,56 @@ def format_status(st: SwarmStatus) -> str:
             f"{kind} {v['links']} ({v['median_bandwidth_mbps']} Mbit/s, {v['median_rtt_ms']} ms)"
             for kind, v in lk["by_path"].items()))
     lines.append(f"{'peer':<14}{'device':<22}{'TFLOP/s':>9}  {'stage':>5} {'repl':>4}  {'seen':>6}  "
-                 f"{'reached':<22}region")
+                 f"{'credit':>7}  {'reached':<22}region")
     for peer in st.peers:
         tf = f"{peer['tflops']:.4g}" + ("*" if peer["emulated"] else "")
         stage = "-" if peer["stage"] is None else str(peer["stage"])
         rep = "-" if peer["replica"] is None else str(peer["replica"])
         lines.append(
             f"{peer['peer_id'][:12]:<14}{peer['device'][:21]:<22}{tf:>9}  {stage:>5} {rep:>4}  "
-            f"{peer['last_seen_s']:>5.1f}s  {_reached(peer):<22}{peer['region'] or '-'}"
+            f"{peer['last_seen_s']:>5.1f}s  {peer.get('credit_microbatches', 0):>7}  {_reached(peer):<22}"
+            f"{peer['region'] or '-'}"
         )
     if any(peer["emulated"] for peer in st.peers):
         lines.append("* emulated TFLOP/s")
+    lines.append("credit: verified micro-batches in the leader's signed record (`peer credits` lists every identity)")
+    return "\n".join(lines)
+
+
+def credit_summary(progress: dict[str, Any]) -> dict[str, Any]:
+    """The contribution record of a progress record, checked (``peer.swarm.credit``): per identity, most credited
+    first, and the run's totals. What `peer status --json` and `peer credits --json` print."""
+    record = progress.get("credit")
+    rows = credit_rows(record)
+    totals = record if isinstance(record, dict) else {}
+
+    def count(key: str) -> int:
+        value = totals.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+    return {"leader": progress.get("leader"), "step": progress.get("step"), "peers": rows,
+            "total_microbatches": count("total_microbatches"), "steps": count("steps"),
+            "evicted_microbatches": count("evicted_microbatches")}
+
+
+def format_credits(summary: dict[str, Any], me: str | None = None) -> str:
+    """The contribution record as a table (only ``me``'s row when given): verified micro-batches, their share of
+    all credited work, steps, plans, training seconds, exclusions and the last one's reason."""
+    rows = summary["peers"]
+    credited = sum(r["microbatches"] for r in rows) + summary["evicted_microbatches"]
+    lines = [f"credit signed by leader {str(summary.get('leader'))[:12]} at step {summary.get('step')}: "
+             f"{summary['total_microbatches']} micro-batches in {summary['steps']} applied steps, "
+             f"{len(rows)} identities"]
+    if me is not None:
+        rows = [r for r in rows if r["peer_id"] == me]
+        if not rows:
+            return "\n".join([*lines, f"{me[:46]}: no credit in the record (no verified work yet, or not this run)"])
+    lines.append(f"{'peer':<48}{'micro-batches':>14}{'share':>8}{'steps':>7}{'plans':>7}{'train s':>10}"
+                 f"{'excluded':>10}  last exclusion")
+    for r in rows:
+        share = f"{100 * r['microbatches'] / credited:.1f}%" if credited else "-"
+        lines.append(f"{r['peer_id'][:46]:<48}{r['microbatches']:>14}{share:>8}{r['steps']:>7}{r['plans']:>7}"
+                     f"{r['train_s']:>10.1f}{r['excluded']:>10}  {r['last_exclusion'] or '-'}")
     return "\n".join(lines)
 
 

@@ -138,6 +138,25 @@ function renderPeers(s) {
   }
 }
 
+function renderCredit(s) {
+  const body = document.querySelector("#credit tbody");
+  body.replaceChildren();
+  const rows = s.credit || [];
+  const total = rows.reduce((sum, r) => sum + r.microbatches, 0);
+  for (const r of rows) {
+    const row = el("tr", { "data-peer-id": r.peer_id, class: "credit" });
+    row.appendChild(el("td", { title: r.peer_id }, short(r.peer_id)));
+    row.appendChild(el("td", { class: "num" }, String(r.microbatches)));
+    row.appendChild(el("td", { class: "num" }, total ? `${fmt(100 * r.microbatches / total, 1)} %` : "-"));
+    row.appendChild(el("td", { class: "num" }, String(r.steps)));
+    row.appendChild(el("td", { class: "num" }, String(r.plans)));
+    row.appendChild(el("td", { class: "num" }, `${fmt(r.train_s, 1)} s`));
+    row.appendChild(el("td", { class: "num" }, String(r.excluded)));
+    row.appendChild(el("td", {}, r.last_exclusion || "-"));
+    body.appendChild(row);
+  }
+}
+
 function renderLinks(s) {
   const table = document.getElementById("links");
   table.replaceChildren();
@@ -207,6 +226,7 @@ function render(s) {
   lineChart(document.getElementById("tps-chart"), h.step, h.tokens_per_s, "tokens/s");
   renderPlan(s, byId);
   renderPeers(s);
+  renderCredit(s);
   renderLinks(s);
   renderEvents(s);
   document.body.setAttribute("data-rendered-at", String(s.time || ""));

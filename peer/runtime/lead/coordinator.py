@@ -27,6 +27,7 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -40,6 +41,7 @@ from peer.runtime.grants import sign_grant
 from peer.runtime.lead.liveness import Liveness
 from peer.runtime.lead.machine import Command, Done, Emit, Fail, Send, StepMachine
 from peer.runtime.lead.pacing import Pacing
+from peer.runtime.lead.referee import SET_ASIDE_GRACE_S, Referee, Verdict, witnesses
 from peer.runtime.lead.resync import SYNC_LIMIT_S, Resync
 from peer.runtime.lead.roster import Roster
 from peer.runtime.lead.states import StageStates
@@ -68,6 +70,7 @@ WAKE_S = 0.2  # the step loop ticks the machine at least this often (deadlines, 
 # a reported loss beyond this is refused: a language model's cross-entropy at init is ln(vocab) (~11 for 64k
 # tokens), so nothing an honest stage computes comes near it, and the step's mean of such values stays finite
 MAX_LOSS = 1e6
+MAX_EXCLUSIONS = 1024  # exclusions kept until the leader takes them (bounded whatever a swarm reports)
 
 
 class Coordinator:
@@ -124,6 +127,9 @@ class Coordinator:
         # "divergent" as they happen; called without the coordinator's lock, must not block for long (tests use
         # it to kill a worker at a chosen moment, benchmarks to time recovery)
         self.on_event: Callable[[str, dict[str, Any]], None] | None = None
+        # (plan epoch, peer id, reason) of every worker excluded, until the leader takes them (its credit record)
+        self._exclusions: deque[tuple[int, str, str]] = deque(maxlen=MAX_EXCLUSIONS)
+        self.referee = Referee()  # weighs bad-peer reports: no single one excludes a peer (_cond)
 
     @property
     def endpoint(self) -> str:
@@ -272,6 +278,9 @@ class Coordinator:
         with self._cond:
             machine.tick(time.monotonic())
             report = machine.report()
+            applied = {self._who(ep) for ep in roster.members(report.applied)}
+            verdict = self.referee.vindicate(applied, step)  # their work passed every other witness's checks
+        self._exclude(roster, verdict, verdict.reason)
         self._finish(epoch, machine, report)
         return report
 
@@ -353,8 +362,16 @@ class Coordinator:
                 return
             if self._machine is not None:
                 self._machine.died(endpoint)
+            self._exclusions.append((self.epoch, self._who(endpoint), reason))
             self._cond.notify_all()
         self._emit([("dead", {"endpoint": endpoint, "reason": reason})])
+
+    def take_exclusions(self) -> list[tuple[int, str, str]]:
+        """(plan epoch, identity, reason) of the workers excluded since the last call (the newest ones)."""
+        with self._cond:
+            out = list(self._exclusions)
+            self._exclusions.clear()
+        return out
 
     def wait_in_sync(self, timeout_s: float = SYNC_LIMIT_S) -> bool:
         """Wait until no laggard is left reloading its stage (the end of a run, before its states are read)."""
@@ -405,7 +422,7 @@ class Coordinator:
             if culprit is not None and mine is not None and culprit not in (mine.prev, mine.next, *mine.group):
                 raise Forbidden(f"stage {msg.stage} of pipeline {msg.replica} sends nothing to {sender}")
             if culprit is not None and culprit != sender:
-                self.declare_dead(culprit, f"sent malformed data to {sender}: {msg.error}")
+                self._refer(roster, sender, culprit, env.key.step, msg.error)
             return
         with self._cond:
             machine, laggard, commands = self._machine, False, []
@@ -418,6 +435,32 @@ class Coordinator:
             self._cond.notify_all()
         if machine is not None:
             self._carry_out(machine, commands)
+
+    def _refer(self, roster: Roster, reporter: str, accused: str, step: int, error: str) -> None:
+        """A bad-peer report goes to the referee (``peer.runtime.lead.referee``); its verdict excludes peers from
+        the plan or sets the reporter's pipeline aside for the step."""
+        with self._cond:
+            machine = self._machine
+            out = set(self.liveness.dead) | set(roster.members(machine.state.dropped if machine else ()))
+            seen_by = witnesses(roster, reporter, accused, out)
+            verdict = self.referee.report(self._who(reporter), self._who(accused), seen_by, step)
+            for ep, a in roster.assignments.items() if machine is not None else ():
+                if self._who(ep) in verdict.set_aside:
+                    machine.set_aside(a.replica, time.monotonic() + SET_ASIDE_GRACE_S)  # type: ignore[union-attr]
+                elif self._who(ep) in verdict.kept:
+                    machine.keep(a.replica)  # type: ignore[union-attr]
+        log.warning("bad-peer report by %s against %s (%s): %s", reporter, accused, error[:200], verdict.reason)
+        self._exclude(roster, verdict, f"sent data {reporter} refused ({error}); {verdict.reason}")
+
+    def _who(self, endpoint: str) -> str:
+        """The identity the referee and the credit record know a worker by: its peer id (its endpoint in a local
+        run whose workers share this process's certificate)."""
+        return self.roster.peer_ids.get(endpoint, endpoint)
+
+    def _exclude(self, roster: Roster, verdict: Verdict, reason: str) -> None:
+        for ep in roster.assignments:
+            if self._who(ep) in verdict.exclude:
+                self.declare_dead(ep, reason)
 
     def _step_report(self, machine: StepMachine | None, key: pb.Key, sender: str, msg: ctl.Message) -> None:
         """A report of the running step, to its machine (``_cond`` held)."""

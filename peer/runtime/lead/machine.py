@@ -208,6 +208,18 @@ class StepMachine:
         if endpoint in self.roster.assignments:
             self.dead.add(endpoint)
 
+    def set_aside(self, pipeline: int, at: float) -> None:
+        """Drop ``pipeline`` from this step at the first ``tick`` from ``at`` on, without declaring anyone dead (a
+        reporter whose report nobody corroborated yet, ``peer.runtime.lead.referee``): the intact pipelines redo its
+        work, and its workers catch up after the apply like an overtaken pipeline's."""
+        if 0 <= pipeline < self.roster.n_pipelines:
+            self.state.aside.setdefault(pipeline, at)
+
+    def keep(self, pipeline: int) -> None:
+        """Cancel a set-aside that has not taken effect (its report was corroborated meanwhile)."""
+        if pipeline not in self.state.dropped:
+            self.state.aside.pop(pipeline, None)
+
     def error(self, sender: str, pipeline: int, what: str, error: str, now: float) -> bool:
         """A worker's task failed. Judged ``judge_after_s`` later (``tick``): an error during averaging or apply
         with the sender still alive fails the step; anything else shows up as a death or finishes. False: ignored
@@ -357,16 +369,18 @@ class StepMachine:
         out.append(Send(tuple(st.members), ctl.Reduce(self.step, st.attempt, tuple(self._outer), {}, outer=True), True))
 
     def _drop_broken(self, out: list[Command]) -> list[int]:
-        """Drop from the step the pipelines with a dead member, a lease past its deadline, or a micro-batch a
-        speculative copy won; return them."""
+        """Drop from the step the pipelines with a dead member, a lease past its deadline, a micro-batch a
+        speculative copy won, or that the referee set aside; return them."""
         st, pool = self.state, self.state.pool
         pool.expire()
         dead = self.roster.pipelines_of(self.dead)
-        broken = sorted((dead | pool.failed() | set(pool.losers())) - st.dropped)
+        aside = {r for r, at in st.aside.items() if at <= self.now}
+        broken = sorted((dead | pool.failed() | set(pool.losers()) | aside) - st.dropped)
         for r in broken:
-            why = ("lost a member" if r in dead else "is late with nothing committed; its work goes to the others"
-                   if r in pool.abandoned else "was overtaken by a speculative copy"
-                   if r in pool.losers() else "held a lease past its deadline")
+            why = ("lost a member" if r in dead else "was set aside by the referee" if r in aside
+                   else "is late with nothing committed; its work goes to the others" if r in pool.abandoned
+                   else "was overtaken by a speculative copy" if r in pool.losers()
+                   else "held a lease past its deadline")
             lost = pool.fail_pipeline(r)
             out.append(Emit("requeue", {"step": self.step, "pipeline": r, "microbatches": lost}))
             st.dropped.add(r)

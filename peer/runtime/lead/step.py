@@ -82,6 +82,7 @@ class StepState:
     hashes: dict[str, tuple[int, str]] = field(default_factory=dict)  # endpoint -> (trained steps, params hash)
     dropped: set[int] = field(default_factory=set)
     syncing: set[int] = field(default_factory=set)  # pipelines left out until their workers reloaded the stage
+    aside: dict[int, float] = field(default_factory=dict)  # pipeline -> when the referee's set-aside takes effect
     errors: list[str] = field(default_factory=list)
     leased_at: dict[tuple[int, int], float] = field(default_factory=dict)  # (micro-batch, pipeline) -> when
     members: list[str] = field(default_factory=list)  # the workers the last reduce or apply went to
