@@ -242,7 +242,7 @@ class RunConfig:
 
         r, m, o = self.run, self.model, self.optim
         model: Any = (
-            resolve_model_cached(m.config, m.seq_len, r.seed) if m.config
+            resolve_model_cached(m.config, m.seq_len, r.seed, tie=r.sync_period == 1) if m.config
             else ModelConfig(n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, seq_len=m.seq_len, seed=r.seed)
         )
         return RunSpec(

@@ -29,6 +29,7 @@ class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CHECKPOINT: _ClassVar[Kind]
     LEASE: _ClassVar[Kind]
     CONTROL: _ClassVar[Kind]
+    TIED_GRAD: _ClassVar[Kind]
     OTHER: _ClassVar[Kind]
 
 class PoolStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
@@ -57,6 +58,7 @@ COMMIT: Kind
 CHECKPOINT: Kind
 LEASE: Kind
 CONTROL: Kind
+TIED_GRAD: Kind
 OTHER: Kind
 POOL_STATUS_UNSPECIFIED: PoolStatus
 POOL_WAIT: PoolStatus

@@ -55,5 +55,6 @@ def build_assignments(
                 leader=leader,
                 peers=peers,
                 plan=plan,
+                pipeline=tuple(endpoints[d] for d in pipe),
             ).validate()
     return out

@@ -28,6 +28,8 @@ def push_limits(spec: RunSpec | None, stage_numel: int) -> dict[int, int]:
     limits[pb.ACTIVATION_GRAD] = hidden + ENVELOPE_SLACK_BYTES
     limits[pb.GRAD_SHARD] = shard + ENVELOPE_SLACK_BYTES + 16 * spec.n_microbatches
     limits[pb.PARAM_SHARD] = shard + ENVELOPE_SLACK_BYTES
+    if getattr(spec.model, "keep_tied", False):  # the tied weight's gradient, first <-> last stage
+        limits[pb.TIED_GRAD] = spec.model.vocab_size * spec.model.d_model * 4 + ENVELOPE_SLACK_BYTES
     return limits
 
 

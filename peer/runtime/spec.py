@@ -87,6 +87,9 @@ class RunSpec:
         if not (self.grad_direction_z == 0 or 1 <= self.grad_direction_z <= 100):
             raise SpecError(f"run.grad_direction_z: must be 0 (off) or in [1, 100], got {self.grad_direction_z}")
         self._validate_sync()
+        if getattr(self.model, "keep_tied", False) and self.sync_period > 1:
+            raise SpecError("run.sync_period: a model that keeps its embeddings tied trains with exact averaging "
+                            "(sync_period 1) only")
         return self
 
     def _validate_sync(self) -> None:
@@ -187,6 +190,7 @@ class Assignment:
     peers: dict[str, str] = field(default_factory=dict)
     plan: dict[str, tuple[int, int]] = field(default_factory=dict)
     leader: str = ""  # peer id of the leader whose plan this is: workers order plans by (epoch, leader)
+    pipeline: tuple[str, ...] = ()  # this pipeline's worker endpoints by stage (first and last: tied embeddings)
 
     def validate(self) -> Assignment:
         if not 0 <= self.epoch <= MAX_PLAN_EPOCH:
@@ -203,6 +207,12 @@ class Assignment:
             raise SpecError("assignment.prev: required exactly when stage > 0")
         if (self.stage < self.n_stages - 1) != (self.next is not None):
             raise SpecError("assignment.next: required exactly when stage < n_stages - 1")
+        if self.pipeline and (len(self.pipeline) != self.n_stages or self.pipeline[self.stage] != self.group[
+                self.replica] or (self.prev, self.next) != (
+                self.pipeline[self.stage - 1] if self.stage > 0 else None,
+                self.pipeline[self.stage + 1] if self.stage < self.n_stages - 1 else None)):
+            raise SpecError("assignment.pipeline: must list this pipeline's n_stages endpoints, this worker's and "
+                            "its neighbours' in their places")
         if not (self.forward_flops >= 0 and math.isfinite(self.forward_flops)):
             raise SpecError(f"assignment.forward_flops: must be a finite number >= 0, got {self.forward_flops}")
         return self
@@ -219,6 +229,7 @@ class Assignment:
         d = asdict(self)
         d["layers"] = list(self.layers)
         d["group"] = list(self.group)
+        d["pipeline"] = list(self.pipeline)
         d["plan"] = {k: list(v) for k, v in self.plan.items()}
         return d
 
@@ -244,6 +255,7 @@ class Assignment:
                 peers={str(k): str(v) for k, v in d.get("peers", {}).items()},
                 plan={str(k): (int(v[0]), int(v[1])) for k, v in d.get("plan", {}).items()},
                 leader=str(d.get("leader", "")),
+                pipeline=tuple(str(x) for x in d.get("pipeline", [])),
             )
         except (IndexError, TypeError, ValueError) as exc:
             if isinstance(exc, SpecError):

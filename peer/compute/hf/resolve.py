@@ -17,9 +17,9 @@ from peer.compute.hf.spec import HFModelSpec, normalise_config, read_config
 
 
 @functools.lru_cache(maxsize=16)
-def resolve_model_cached(source: str, seq_len: int, seed: int = 0) -> HFModelSpec:
+def resolve_model_cached(source: str, seq_len: int, seed: int = 0, tie: bool = False) -> HFModelSpec:
     """:func:`resolve_model`, once per process for the same arguments (a run config derives its spec often)."""
-    return resolve_model(source, seq_len, seed)
+    return resolve_model(source, seq_len, seed, tie)
 
 
 def resolve_model(source: str, seq_len: int, seed: int = 0, tie: bool = False) -> HFModelSpec:

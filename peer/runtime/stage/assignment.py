@@ -32,6 +32,7 @@ from peer.runtime.roles import Roles
 from peer.runtime.spec import Assignment, RunSpec
 from peer.runtime.stage.exchange import GradientExchange
 from peer.runtime.stage.snapshot import Tasklet
+from peer.runtime.stage.tied import tied_end
 from peer.runtime.tasklet import state_envelope, state_from_envelope
 from peer.runtime.wire import make_key
 from peer.timing import WORKER_FETCH_STATE_TIMEOUT_S
@@ -126,7 +127,8 @@ class StageTaker:
             assignment=assignment,
             compute=compute,
             exchange=GradientExchange(assignment.replica, compute.numel, spec.grad_outlier_factor,
-                                      spec.grad_direction_z, spec.micro_batch * spec.model.seq_len),
+                                      spec.grad_direction_z, spec.micro_batch * spec.model.seq_len,
+                                      tied_end(spec, assignment)),
             corpus=self.corpus,
             roles=Roles.of(assignment, self.tls),
             outer=outer,

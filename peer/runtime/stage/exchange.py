@@ -44,6 +44,7 @@ import torch
 
 from peer.compute.stage import shard_bounds
 from peer.runtime.stage import checks
+from peer.runtime.stage.tied import TiedEnd
 from protocol.errors import BadMessage
 
 Tag = tuple[int, int]  # (step, attempt)
@@ -123,9 +124,11 @@ class GradientExchange:
     """Mailbox for one stage replica's reduce-scatter and all-gather messages."""
 
     def __init__(self, replica: int, numel: int, outlier_factor: float = 10.0, direction_z: float = 0.0,
-                 tokens_per_microbatch: int = 0) -> None:
+                 tokens_per_microbatch: int = 0, tied: TiedEnd | None = None) -> None:
         self.replica = replica
         self.numel = numel
+        self.tied = tied  # this stage's end of a tied weight (peer.runtime.stage.tied), None: nothing to sum
+        self._tied_mail: dict[Tag, torch.Tensor] = {}  # the other end's tied gradient, per attempt
         self.outlier_factor = outlier_factor  # 0: no check
         self.direction_z = direction_z  # 0: no direction test
         self.tokens_per_microbatch = tokens_per_microbatch  # a contribution under MIN_DIRECTION_TOKENS: untested
@@ -339,11 +342,44 @@ class GradientExchange:
             why = "; ".join(f"{r}: {w}" for r, w in sorted(bad.items())) or "a contributor saw other bytes of my shard"
             raise DigestMismatchError(tag, sorted(bad), why)
 
+    def put_tied(self, tag: Tag, grad: torch.Tensor) -> None:
+        """The other end's summed gradient of the tied weight for ``tag``: float32 of exactly the tied weight's
+        size, finite, one per attempt; mail of earlier steps is dropped (at most one step's attempts held)."""
+        end = self.tied
+        if end is None:
+            raise BadMessage("kind", "this stage holds no tied weight")
+        if grad.dim() != 1 or grad.numel() != end.numel or grad.dtype != torch.float32:
+            raise BadMessage("tensors.grad", f"expected float32[{end.numel}] (the tied weight), got "
+                                             f"{grad.dtype}{list(grad.shape)}")
+        if not bool(torch.isfinite(grad).all()):
+            raise BadMessage("tensors.grad", "the tied gradient holds NaN or inf values")
+        with self._cond:
+            if tag <= self._aborted_through:
+                raise BadMessage("meta.attempt", f"attempt {tag} was abandoned")
+            if tag in self._tied_mail:
+                raise BadMessage("meta.attempt", f"the tied gradient of attempt {tag} already arrived")
+            for old in [t for t in self._tied_mail if t[0] < tag[0]]:
+                del self._tied_mail[old]
+            self._tied_mail[tag] = grad
+            self._cond.notify_all()
+
+    def take_tied(self, tag: Tag, timeout_s: float) -> torch.Tensor:
+        """Wait for the other end's tied gradient of ``tag``; take it and drop the mail of earlier attempts."""
+        self._wait(tag, lambda: tag in self._tied_mail, timeout_s,
+                   lambda: f"attempt {tag}: the tied gradient from the other end of the pipeline did not arrive")
+        with self._cond:
+            grad = self._tied_mail[tag]
+            for t in [t for t in self._tied_mail if t <= tag]:
+                del self._tied_mail[t]
+            return grad
+
     def abort_before(self, tag: Tag) -> None:
         """Abandon every attempt before ``tag``: waiters raise ExchangeAbortedError, their mail is dropped."""
         with self._cond:
             for t in [t for t in self._attempts if t < tag]:
                 del self._attempts[t]
+            for t in [t for t in self._tied_mail if t < tag]:
+                del self._tied_mail[t]
             self._aborted_through = max(self._aborted_through, (tag[0], tag[1] - 1))
             self._cond.notify_all()
 

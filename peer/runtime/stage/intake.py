@@ -28,10 +28,13 @@ from peer.runtime.stage.exchange import DIGEST_META, Tag, parse_digest
 from peer.runtime.stage.outbox import Outbox
 from peer.runtime.stage.snapshot import Tasklet
 from peer.runtime.stage.step import Work, WorkerStep
+from peer.runtime.stage.tied import ATTEMPT_META
 from peer.runtime.wire import tensor_named
 from protocol import tasklet_pb2 as pb
 from protocol.codec import decode_tensor
 from protocol.errors import BadMessage, Forbidden, Rejected
+
+TIED_ROLE = "the other end of this pipeline's tied embedding"
 
 
 class Intake:
@@ -83,7 +86,8 @@ class Intake:
             senders = {pb.ACTIVATION: ([a.prev], "the upstream neighbour"),
                        pb.ACTIVATION_GRAD: ([a.next], "the downstream neighbour"),
                        pb.GRAD_SHARD: (list(a.group), "this stage's group"),
-                       pb.PARAM_SHARD: (list(a.group), "this stage's group")}.get(kind)
+                       pb.PARAM_SHARD: (list(a.group), "this stage's group"),
+                       pb.TIED_GRAD: ([t.exchange.tied.partner] if t.exchange.tied else [], TIED_ROLE)}.get(kind)
             if senders is not None:
                 t.roles.require(caller, senders[0], senders[1], what)
         return push_limits(None if t is None else t.spec, 0 if t is None else t.compute.numel).get(kind, 0)
@@ -195,6 +199,27 @@ class Intake:
         t, tag, participants, shard = self._shard_message(env)
         assert shard is not None
         t.exchange.put_contribution(tag, participants, env.key.replica, shard, list(env.microbatches))
+
+    def tied_grad(self, env: pb.Envelope) -> None:
+        """The other end's summed gradient of the tied weight (peer.runtime.stage.tied), for this pipeline."""
+        key, t = env.key, self.current()
+        end = t.exchange.tied
+        if end is None:
+            raise Rejected("this stage holds no tied weight (an untied model, a middle stage or one stage)")
+        t.roles.require(env.sender, [end.partner], TIED_ROLE, "a tied gradient")
+        if key.run_id != t.spec.run_id or key.epoch != t.assignment.epoch:
+            raise Rejected(f"run/epoch {key.run_id!r}/{key.epoch} is not this peer's")
+        if key.stage != end.partner_stage or key.replica != t.assignment.replica:
+            raise Rejected(f"stage {key.stage} of pipeline {key.replica} is not the other end of this pipeline's "
+                           f"tie (stage {end.partner_stage} of pipeline {t.assignment.replica})")
+        try:
+            attempt = int(env.meta.get(ATTEMPT_META, ""))
+        except ValueError:
+            raise BadMessage("meta.attempt", "must be an integer") from None
+        with self.cond:  # bounded mailbox: the current step, attempts that can follow the one this peer knows
+            self.step.check_shard(key.step, attempt)
+        grad = self._decode(t, env, "grad", expect_shape=(end.numel,), expect_dtype=torch.float32)
+        t.exchange.put_tied((key.step, attempt), grad)
 
     def param_shard(self, env: pb.Envelope) -> None:
         if DIGEST_META in env.meta:  # the all-gather's digests (peer.runtime.stage.exchange)

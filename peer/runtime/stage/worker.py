@@ -141,6 +141,7 @@ class StageWorker:
         self.server.register_push(pb.ACTIVATION_GRAD, self.intake.activation_grad)
         self.server.register_push(pb.GRAD_SHARD, self.intake.grad_shard)
         self.server.register_push(pb.PARAM_SHARD, self.intake.param_shard)
+        self.server.register_push(pb.TIED_GRAD, self.intake.tied_grad)
         self.server.register_fetch(pb.STAGE_STATE, self._on_fetch_state)
         self.server.register_push(pb.CHECKPOINT, self._on_checkpoint_copy)
         self.server.register_fetch(pb.CHECKPOINT, self._on_fetch_checkpoint)
