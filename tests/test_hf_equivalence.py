@@ -3,7 +3,11 @@ SwiGLU), Mistral (sliding window), GPT-2 (learned positions, tied embeddings), G
 alternating sliding/full attention, logit soft-capping, tied), OLMo-2 (post-norms, QK-norm) and Granite
 (embedding/residual/attention/logit multipliers, tied) — trained by 4 worker processes (2 stages x 2 replicas,
 gRPC on loopback) for 5 steps, against single-process training of transformers' own ``AutoModelForCausalLM``;
-then exported, loaded with ``from_pretrained``, whose logits must equal the trained stages' forward."""
+then exported, loaded with ``from_pretrained``, whose logits must equal the trained stages' forward.
+
+Gemma-2 and Granite keep their embeddings tied (the first and the last stage of each pipeline sum their
+gradients of the one weight, peer.runtime.stage.tied), against transformers' tied model: both copies must equal
+its one weight, and each other bitwise. GPT-2 is trained untied (its head starts as a copy of the embedding)."""
 
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ STEPS = 5
 STAGES = [(0, 2), (2, 4)]
 PIPELINES = [[0, 1], [2, 3]]
 FAMILIES = ["tiny-llama", "tiny-gpt2", "tiny-mistral", "tiny-gemma2", "tiny-olmo2", "tiny-granite"]
+TIED = {"tiny-gemma2", "tiny-granite"}  # kept tied in the swarm; the others (GPT-2 too) untied
 
 
 # The exchange refuses a replica whose gradient shard per micro-batch is > k x the others' (a faulty peer). With
@@ -36,7 +41,7 @@ OUTLIER_FACTOR = 50.0
 
 
 def spec_for(preset: str) -> RunSpec:
-    return RunSpec(run_id=f"hf-{preset}", model=resolve_model(preset, seq_len=32, seed=5),
+    return RunSpec(run_id=f"hf-{preset}", model=resolve_model(preset, seq_len=32, seed=5, tie=preset in TIED),
                    optim=OptimConfig(lr=3e-3, eps=1e-3), seed=11, micro_batch=2, n_microbatches=4,
                    grad_outlier_factor=OUTLIER_FACTOR)
 
@@ -66,6 +71,9 @@ def test_hf_family_two_stages_two_replicas_match_transformers(preset: str, tmp_p
     torch.set_num_threads(1)
     spec = RunSpec.from_dict(spec_for(preset).to_dict())  # as the workers receive it: through JSON
     assert spec == spec_for(preset)
+    model = spec.model
+    emb = f"{model.layout.base}.{model.layout.token_embedding}.weight"
+    assert model.keep_tied == (preset in TIED) and model.config["tie_word_embeddings"] == (preset in TIED)
     ref_params, ref_losses = train_reference(spec.model, spec.optim, Corpus.load(spec.corpus), spec.seed, STEPS,
                                              spec.n_microbatches, spec.micro_batch)
     result = train_plan(spec, STAGES, PIPELINES, STEPS)
@@ -77,12 +85,15 @@ def test_hf_family_two_stages_two_replicas_match_transformers(preset: str, tmp_p
         assert torch.equal(replicas[0]["params"], replicas[1]["params"]), f"stage {s}: replicas differ"
         trained[s] = unflatten_stage(spec.model, a, b, replicas[0]["params"])
         for name, value in trained[s].items():
-            ref = ref_params[name]
+            ref = ref_params[emb if model.keep_tied and name == "lm_head.weight" else name]
             err = float((value - ref).abs().max())
             assert err < 1e-5, f"{preset} {name}: differs from transformers' training by {err:.2e}"
             worst = max(worst, err)
             seen.add(name)
-    assert seen == set(ref_params)
+    assert seen == set(ref_params) | ({"lm_head.weight"} if model.keep_tied else set())
+    if model.keep_tied:  # transformers' tied model has one weight; the swarm's two copies stayed bitwise equal
+        assert "lm_head.weight" not in ref_params
+        assert torch.equal(trained[0][emb], trained[1]["lm_head.weight"]), f"{preset}: the tied copies differ"
     for got, want in zip(result.losses, ref_losses, strict=True):
         assert got == pytest.approx(want, rel=1e-5)
     assert ref_losses[-1] < ref_losses[0]

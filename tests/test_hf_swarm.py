@@ -1,6 +1,7 @@
 """End to end through whole daemons, as a new user would: a tiny Gemma-2 built by transformers from a config and
 saved as a sharded pretrained folder (tied embeddings), a locally trained tokenizer and a JSONL file;
-`peer swarm --model DIR --tokenizer DIR --data FILE.jsonl` fine-tunes it, `peer export` writes a folder that
+`peer swarm --model DIR --tokenizer DIR --data FILE.jsonl` fine-tunes it (tied: the first stage's embedding and the
+last stage's head stay one weight, over emulated world-wide links), `peer export` writes a folder that
 transformers loads, whose logits equal the trained stages' forward, and `peer generate` prints text from it."""
 
 from __future__ import annotations
@@ -44,7 +45,10 @@ def test_swarm_trains_a_hugging_face_model_that_exports_and_generates(tmp_path: 
     spec_dict, params = read_result(result)
     spec = RunSpec.from_dict(spec_dict)
     assert spec.tokenizer == str(tok.resolve()) and spec.model.source == str(pretrained / "config.json")
-    assert spec.model.checkpoint == str(pretrained.resolve()) and spec.model.tied
+    assert spec.model.checkpoint == str(pretrained.resolve()) and spec.model.tied and spec.model.keep_tied
+    # trained tied: the first stage's embedding and the last stage's head stayed one weight
+    assert torch.equal(params["model.embed_tokens.weight"], params["lm_head.weight"])
+    assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
     ids = torch.tensor([AutoTokenizer.from_pretrained(str(exported))("Document 7: the swarm")["input_ids"]])
     x = ids
     with torch.no_grad():

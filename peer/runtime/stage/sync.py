@@ -30,7 +30,7 @@ from peer.runtime.stage.exchange import (
 from peer.runtime.stage.outbox import Outbox
 from peer.runtime.stage.snapshot import Tasklet
 from peer.runtime.stage.step import WorkerStep
-from peer.runtime.stage.tied import combine, tied_envelope
+from peer.runtime.stage.tied import sum_with_other_end
 from peer.runtime.tasklet import params_hash
 from peer.runtime.wire import envelope
 from peer.timing import REDUCE_WAIT_S
@@ -189,8 +189,9 @@ class GradientSync:
             raise
         end = t.exchange.tied
         if end is not None:  # tied embeddings: the first and the last stage add each other's gradient of it
-            self.outbox.send(t, end.partner, tied_envelope(t.key(sync.step), sync.attempt, summed[end.lo:end.hi]))
-            combine(end, summed, t.exchange.take_tied(sync.tag, REDUCE_WAIT_S))
+            sum_with_other_end(end, t.key(sync.step), sync.attempt, summed,
+                               lambda env: self.outbox.send(t, end.partner, env),
+                               lambda: t.exchange.take_tied(sync.tag, REDUCE_WAIT_S))
         with self.cond:
             self.step.reduced(sync.step, summed)
         self.outbox.report(t, ctl.Reduced(sync.step, sync.attempt))

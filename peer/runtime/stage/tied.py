@@ -15,6 +15,7 @@ tensor must be float32 of exactly the tied weight's size and finite, and at most
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -68,3 +69,12 @@ def combine(end: TiedEnd, summed: torch.Tensor, theirs: torch.Tensor) -> None:
     mine = summed[end.lo:end.hi]
     total = mine + theirs if end.first else theirs + mine
     mine.copy_(total)
+
+
+def sum_with_other_end(end: TiedEnd, key: pb.Key, attempt: int, summed: torch.Tensor,
+                       send: Callable[[pb.Envelope], None], take: Callable[[], torch.Tensor]) -> None:
+    """Send this end's tied slice of ``summed`` to the other end, ``take`` the other end's (it waits with a
+    deadline), and leave ``first + last`` in ``summed``. The slice sent is a copy: a message is sent from its
+    tensor's own storage, possibly after :func:`combine` has rewritten ``summed``."""
+    send(tied_envelope(key, attempt, summed[end.lo:end.hi].clone()))
+    combine(end, summed, take())
