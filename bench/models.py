@@ -7,7 +7,9 @@
    loopback — 2 stages x 2 replicas, gRPC between them, no link shaping or compute emulation — against
    single-process training of transformers' own ``*ForCausalLM`` on the same batches, on this machine. Tokens per
    step = micro_batch x n_microbatches x seq_len; the first step is a warm-up and not counted. Both use torch's
-   default thread count. On a small CPU box the comparison says how much the pipeline's transport and
+   default thread count. Families that tie their embeddings (GPT-2, Gemma-2, Granite) train tied, as a run file
+   has them: the first and the last stage of each pipeline exchange the tied weight's gradient every step
+   (``tied`` in the output). On a small CPU box the comparison says how much the pipeline's transport and
    bookkeeping cost against the parallelism of four processes, nothing about GPUs; under load from other work
    the figures are noisy.
 2. **1B-class plans.** The ``llama-3.2-1b`` and ``olmo-2-1b`` shapes (bf16, 2048-token sequences, 128
@@ -41,8 +43,9 @@ FAMILIES = ["llama", "mistral", "gpt2", "gemma2", "olmo2", "granite", "qwen3"]
 PLANNED = ["llama-3.2-1b", "olmo-2-1b"]
 
 
-def tiny_family(family: str, steps: int) -> dict[str, float | str]:
-    spec = RunSpec(run_id=f"bench-models-{family}", model=resolve_model(f"tiny-{family}", seq_len=SEQ_LEN, seed=0),
+def tiny_family(family: str, steps: int) -> dict[str, float | str | bool]:
+    model = resolve_model(f"tiny-{family}", seq_len=SEQ_LEN, seed=0, tie=True)
+    spec = RunSpec(run_id=f"bench-models-{family}", model=model,
                    optim=OptimConfig(lr=1e-3), seed=0, micro_batch=MICRO_BATCH, n_microbatches=N_MICROBATCHES)
     tokens = MICRO_BATCH * N_MICROBATCHES * SEQ_LEN
     result = train_plan(spec, STAGES, PIPELINES, steps, collect_states=False)
@@ -54,6 +57,7 @@ def tiny_family(family: str, steps: int) -> dict[str, float | str]:
     single_step = (time.perf_counter() - started) / (steps - 1)
     return {
         "architecture": spec.model.config["architectures"][0],
+        "tied": spec.model.keep_tied,
         "params_m": sum(p.numel() for p in spec.model.build_stage(0, spec.model.n_layers).parameters()) / 1e6,
         "swarm_step_s": swarm_step,
         "swarm_tokens_per_s": tokens / swarm_step,
@@ -104,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print("tiny models, 2 stages x 2 replicas on loopback, against one process of transformers' model:")
     for family, t in out["tiny_4_peers"].items():
-        print(f"  {family:8s} {t['architecture']:20s} {t['params_m']:.2f} M params: "
+        print(f"  {family:8s} {t['architecture']:20s} {t['params_m']:.2f} M params{' tied' if t['tied'] else ''}: "
               f"swarm {t['swarm_step_s']:.3f} s/step {t['swarm_tokens_per_s']:.0f} tokens/s "
               f"(loss {t['swarm_loss_first']:.3f} -> {t['swarm_loss_last']:.3f}); single process "
               f"{t['single_process_step_s']:.3f} s/step {t['single_process_tokens_per_s']:.0f} tokens/s")

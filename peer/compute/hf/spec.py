@@ -10,9 +10,9 @@ What :func:`resolve_model` changes in a config, and why (each logged once): drop
 must be a deterministic function of parameters and input, or a redone task would differ); tied input/output
 embeddings are untied unless ``tie=True`` (they live on different stages; the head starts as a copy of the
 embedding, so the model is the same at step 0, and the exported config says ``tie_word_embeddings: false``).
-With ``tie=True`` the config stays tied: the first stage's embedding and the last stage's head are two copies of
-one weight whose gradients are summed (``peer.compute.hf.tied``), which the runtime has to do between the two
-stages.
+With ``tie=True`` — what a run file asks for unless it runs DiLoCo — the config stays tied: the first stage's
+embedding and the last stage's head are two copies of one weight whose gradients are summed
+(``peer.compute.hf.tied``; between the stages by ``peer.runtime.stage.tied``).
 """
 
 from __future__ import annotations
@@ -205,8 +205,8 @@ def normalise_config(raw: dict[str, Any], where: str, tie: bool = False) -> tupl
     find_layout(meta, config, where)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     if tied and not tie:
-        log.warning("%s: input and output embeddings are untied for training (they live on different stages); "
-                    "the head starts as a copy of the embedding and the exported model is untied", where)
+        log.warning("%s: input and output embeddings are untied for training (asked for: a DiLoCo run); the head "
+                    "starts as a copy of the embedding and the exported model is untied", where)
         config.tie_word_embeddings = False
     for key, value in sorted(config.to_dict().items()):
         if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float) and value:

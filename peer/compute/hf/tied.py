@@ -8,7 +8,9 @@ gradient from the same state, and the copies stay identical (bitwise: same arith
 gradient clipping the tied weight counts once in the global norm, not once per copy.
 
 This module is the compute side: which slice of each stage's flat vector is tied, the sum, the norm correction.
-Moving the slice between the first and the last stage is the runtime's (one extra message per step).
+Moving the slice between the first and the last stage is the runtime's (``peer.runtime.stage.tied``: one
+message each way per step). The swarm does not clip gradients yet, so ``tied_sq_norm`` serves the one-process
+path only.
 """
 
 from __future__ import annotations
