@@ -4,7 +4,8 @@ No per-family formula: :func:`shapes_of` builds the config's ``*ForCausalLM`` on
 whatever its size) and reads, from its parameters, what the scheduler needs per decoder layer — its parameters,
 the parameters of its matrices (2 FLOPs each per token forward), the width of its attention (``4 b s^2 a``
 FLOPs for QK^T and AV) and the outputs of its linear layers (what autograd keeps) — plus the embeddings (token
-and learned positions) and the head (final norm and LM head, counted untied: tied models are trained untied).
+and learned positions) and the head (final norm and LM head, counted as its own tensor: a tied head is a second
+copy of the embedding on the last stage, as the runtime holds it).
 :class:`DecoderWorkload` is a :class:`~scheduler.workload.Workload` with those figures; the search and the cost
 models only call its methods. The module imports nothing at load time; torch and transformers are imported by
 :func:`shapes_of`, once per config (cached).
