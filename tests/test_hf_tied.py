@@ -89,3 +89,23 @@ def test_without_the_sum_the_tied_copies_part() -> None:
         s.apply_update(s.accumulated_grad(), 1)
     first = unflatten_stage(model, 0, 2, stages[0].flat_params())["transformer.wte.weight"]
     assert not torch.equal(first, unflatten_stage(model, 2, 4, stages[1].flat_params())["lm_head.weight"])
+
+
+def test_one_stage_holds_the_tied_weight_once_and_trains_like_transformers() -> None:
+    """A one-stage plan exchanges nothing: the stage keeps the embedding and the head one parameter (as the model
+    does), so autograd sums both uses' gradients itself."""
+    torch.set_num_threads(1)
+    model = resolve_model("tiny-gemma2", seq_len=32, seed=2, tie=True)
+    optim, corpus = OptimConfig(lr=3e-3, eps=1e-3), load_corpus(None)
+    stage = StageCompute(StageComputeConfig(model, 0, model.n_layers, optim))
+    assert "lm_head.weight" not in stage.names and tied_slice(model, 0, model.n_layers) is None
+    for step in range(STEPS):
+        for mb in range(N_MB):
+            x, y = microbatch(corpus, 3, step, mb, MB, model.seq_len)
+            stage.forward_loss(mb, x, y)
+        stage.apply_update(stage.accumulated_grad(), N_MB)
+    ref, _ = train_reference(model, optim, corpus, 3, STEPS, N_MB, MB)
+    got = unflatten_stage(model, 0, model.n_layers, stage.flat_params())
+    assert set(got) == set(ref)
+    for name, value in got.items():
+        assert float((value - ref[name]).abs().max()) < 1e-5, name

@@ -144,6 +144,7 @@ class HFStageModule(nn.Module):
         """Keep buffers in fp32 when the stage is cast to bf16/fp16 (as transformers computes rotary frequencies):
         rounding ``inv_freq`` to 8 bits of mantissa would shift every position's angle."""
         super()._apply(fn, recurse)
+        self._tie()
         if self.__dict__.get("_init_buffers") is not None and any(
                 b.is_floating_point() and b.dtype != torch.float32 for b in self.buffers()):
             device = next(self.buffers()).device
@@ -153,6 +154,13 @@ class HFStageModule(nn.Module):
             with torch.device(device):
                 self._recompute_buffers()
         return self
+
+    def _tie(self) -> None:
+        """A stage holding both ends of tied embeddings (a one-stage plan) keeps them one parameter, as the model
+        does: moving the modules (``to_empty`` off the meta device) gives each module a parameter of its own, and
+        two copies trained apart would part."""
+        if getattr(self.spec, "keep_tied", False) and self.is_first and self.is_last:
+            getattr(self, self.layout.lm_head).weight = getattr(self._base(), self.layout.token_embedding).weight
 
     # --------------------------------------------------------------------------------------------- forward
     def _masks(self, h: torch.Tensor, positions: torch.Tensor) -> dict[str, Any]:

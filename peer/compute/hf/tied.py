@@ -34,7 +34,7 @@ def tied_slice(spec: Any, first_layer: int, last_layer: int) -> tuple[int, int] 
     embedding on the first stage, the head on the last; ``None`` on other stages, on a stage holding both (one
     parameter there: nothing to sum) and for an untied model."""
     names = tied_names(spec)
-    if names is None:
+    if names is None or (first_layer == 0 and last_layer == spec.n_layers):
         return None
     offset = 0
     found: list[tuple[int, int]] = []
