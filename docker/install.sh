@@ -32,6 +32,18 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 pip_install() { "$VENV/bin/python" -m pip install --no-cache-dir --disable-pip-version-check "$@"; }
+# Which torch arrived is checked, not assumed: an index that lacks the wanted build falls back to another one
+# (PyPI's Linux wheel is the multi-GB CUDA build; a local +cpu wheel satisfies torch==X too) without a word.
+check_torch() {
+  local cuda
+  cuda=$("$VENV/bin/python" -c 'import torch; print(torch.version.cuda or "none")')
+  if [ "$TORCH_BUILD" = cpu ] && [ "$cuda" != none ]; then
+    echo "[install] FAILED: wanted a CPU torch, got a CUDA $cuda build (check TORCH_SPEC/TORCH_INDEX)" >&2; exit 1
+  fi
+  if [ "$TORCH_BUILD" = cuda ] && [ "$cuda" = none ]; then
+    echo "[install] FAILED: wanted a CUDA torch, got a CPU build (check TORCH_SPEC/TORCH_INDEX)" >&2; exit 1
+  fi
+}
 
 if [ "$STEP" != project ]; then
   echo "[install] $TORCH_SPEC${TORCH_INDEX:+ from $TORCH_INDEX}" >&2
@@ -40,6 +52,7 @@ if [ "$STEP" != project ]; then
   else
     pip_install "$TORCH_SPEC"
   fi
+  check_torch
   echo "[install] the dependencies in $SRC/pyproject.toml" >&2
   "$VENV/bin/python" -c 'import sys, tomllib; print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]))' \
     "$SRC/pyproject.toml" >"$VENV/tasklet-requirements.txt"
@@ -57,13 +70,5 @@ pip_install "$SRC"
 # Fail the build here, not on a volunteer's machine: every import the daemon needs, and the entry point.
 "$VENV/bin/python" -c 'import torch, hivemind, grpc, scheduler, peer, protocol'
 "$VENV/bin/peer" --help >/dev/null
-# Which torch arrived is checked, not assumed: an index that lacks the wanted build falls back to another one
-# (PyPI's Linux wheel is the multi-GB CUDA build) without a word.
-cuda=$("$VENV/bin/python" -c 'import torch; print(torch.version.cuda or "none")')
-if [ "$TORCH_BUILD" = cpu ] && [ "$cuda" != none ]; then
-  echo "[install] FAILED: wanted a CPU torch, got a CUDA $cuda build (check TORCH_SPEC/TORCH_INDEX)" >&2; exit 1
-fi
-if [ "$TORCH_BUILD" = cuda ] && [ "$cuda" = none ]; then
-  echo "[install] FAILED: wanted a CUDA torch, got a CPU build (check TORCH_SPEC/TORCH_INDEX)" >&2; exit 1
-fi
+check_torch
 echo "[install] done: $("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda)')" >&2

@@ -13,6 +13,8 @@ with the reason.
   parameters equal single-process training (computed in the image, on the image's own corpus).
 * A volunteer container joins a swarm started outside containers, with the README's ``docker run
   --network host`` line; the run's parameters equal single-process training.
+* A volunteer container behind the network-namespace bed's NAT (peer/emulation/netbed.py), started with the
+  entry point's defaults: reached through the first peer's relay, it trains a stage.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from pathlib import Path
 import pytest
 
 from peer.emulation import procs
+from peer.emulation.multihost import RELAY_PORT, BedPeers, readme_flags
+from peer.emulation.netbed import NetBed
 from peer.emulation.reference_check import gap_to_reference
 from tests.support.containers import Images, compose_project, container_images_fixture, read_json_from
 
@@ -189,15 +193,16 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def test_volunteer_container_joins_a_host_swarm(container_images: Images, tmp_path: Path,
-                                                request: pytest.FixtureRequest) -> None:
-    """The README's `docker run --network host ... join` next to a `peer start` outside any container. The
-    two Pythons differ, and so do their standard libraries: the run trains a text file both mount."""
-    engine = container_images.engine
+def _shared_corpus(tmp_path: Path) -> Path:
+    """A text file for both sides: the image's Python differs from this one, and so do their standard
+    libraries (the default corpus), which peers would refuse each other for."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text((Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text())
-    corpus.chmod(0o644)
-    save = tmp_path / "save"
+    corpus.chmod(0o644)  # read by the container's unprivileged user
+    return corpus
+
+
+def _host_run(tmp_path: Path, corpus: Path, save: Path, extra_swarm: str = "") -> Path:
     config = tmp_path / "run.toml"
     config.write_text(f"""\
 [run]
@@ -215,7 +220,18 @@ min_peers = 2
 heartbeat_s = 1.0
 plan_time_limit_s = 1.0
 save_dir = {json.dumps(str(save))}
+{extra_swarm}
 """)
+    return config
+
+
+def test_volunteer_container_joins_a_host_swarm(container_images: Images, tmp_path: Path,
+                                                request: pytest.FixtureRequest) -> None:
+    """The README's `docker run --network host ... join` next to a `peer start` outside any container. The
+    two Pythons differ, and so do their standard libraries: the run trains a text file both mount."""
+    engine = container_images.engine
+    corpus, save = _shared_corpus(tmp_path), tmp_path / "save"
+    config = _host_run(tmp_path, corpus, save)
     host_ip, box_ip = "127.0.0.81", "127.0.0.82"
     flags = ["--log-level", "INFO"]
     name = f"tasklet-volunteer-{os.getpid()}"
@@ -258,3 +274,44 @@ save_dir = {json.dumps(str(save))}
     assert gap.max_abs < TOLERANCE, f"parameters {gap.max_abs:.2e} off single-process training"
     report(request, f"container volunteer ({engine.name}): peer listening {startup_s:.1f} s after `run -d`")
 
+
+
+def test_volunteer_container_behind_nat(container_images: Images, bed: NetBed, tmp_path: Path,
+                                        request: pytest.FixtureRequest) -> None:
+    """A home volunteer's Docker: the container runs in a host of the network-namespace bed behind a NAT
+    router that forwards nothing, started with the entry point's defaults and no --announce. The first peer
+    on a public host offers a relay; the container's peer is reached through it and holds a stage."""
+    engine = container_images.engine
+    corpus, save = _shared_corpus(tmp_path), tmp_path / "save"
+    config = _host_run(tmp_path, corpus, save, extra_swarm="stages = 2")
+    pub, home = bed.add_public("pub0"), bed.add_home("home0")
+    name = f"tasklet-nat-{os.getpid()}"
+    with BedPeers(tmp_path / "logs") as peers:
+        dht = peers.start(pub, config, *readme_flags(pub), "--relay-port", str(RELAY_PORT))
+        try:
+            engine.run("run", "-d", "--name", name, "--network", f"ns:/run/netns/{home.ns}", "--init",
+                       "-v", f"{corpus}:/tasklet/corpus.txt:ro", container_images.cpu,
+                       "join", "--dht", dht, "--data", "/tasklet/corpus.txt", "--log-level", "INFO")
+
+            def box_log() -> str:
+                proc = engine.run("logs", name, check=False)
+                return proc.stdout + proc.stderr
+
+            def state() -> tuple[str, str]:
+                status, code = engine.run("inspect", "--format", "{{.State.Status}} {{.State.ExitCode}}",
+                                          name).stdout.split()
+                return status, code
+
+            # both end when the run does; a container that fails early ends the wait at once
+            wait_for("the run ends", lambda: state()[0] == "exited", 400, box_log)
+            code = state()[1]
+            codes = peers.wait_all(120)
+            log = box_log()
+        finally:
+            engine.remove(name)
+    assert codes == {"pub0": 0}, f"{codes}\n{peers.log('pub0')[-3000:]}"
+    assert code == "0", log[-3000:]
+    assert "reached through relay" in log, log[-3000:]
+    assert "assigned stage" in log, "the container behind NAT trained a stage"
+    gap = gap_to_reference(save, HOST_STEPS)
+    assert gap.max_abs < TOLERANCE, f"parameters {gap.max_abs:.2e} off single-process training"

@@ -165,6 +165,7 @@ def build_cpu_image(engine: Engine, log: Path) -> tuple[float, str]:
             "--build-arg", "TORCH_INDEX="]
     if engine.name == "podman":
         args += pip_mounts()
+    before = engine.run("image", "inspect", "--format", "{{.Id}}", CPU_IMAGE, check=False, timeout=60).stdout.strip()
     start = time.monotonic()
     with log.open("w") as out:
         proc = subprocess.run([engine.path, *args, str(REPO)], stdout=out, stderr=subprocess.STDOUT, text=True,
@@ -173,6 +174,9 @@ def build_cpu_image(engine: Engine, log: Path) -> tuple[float, str]:
     text = log.read_text(errors="replace")
     if proc.returncode != 0:
         raise AssertionError(f"the CPU image did not build (exit {proc.returncode}); end of {log}:\n{text[-4000:]}")
+    after = engine.run("image", "inspect", "--format", "{{.Id}}", CPU_IMAGE, timeout=60).stdout.strip()
+    if before and before != after:  # the image the tag named before: replaced, untagged, of no further use
+        engine.run("rmi", before, check=False, timeout=300)
     done = [line for line in text.splitlines() if line.startswith("[install] done:")]
     return seconds, done[-1] if done else ""
 
