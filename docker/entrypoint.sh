@@ -6,7 +6,8 @@
 #   --port $TASKLET_PORT --dht-port $TASKLET_DHT_PORT             (default 31400 and 31401: fixed, so that they
 #                                                                  can be published with `-p` and announced)
 #   --bulk-port $TASKLET_BULK_PORT                                 (default 31403: the bulk lane, fixed for `-p`)
-#   --announce HOST:PORT    HOST = $TASKLET_ANNOUNCE_HOST, else this container's own address. That is the
+#   --announce HOST:PORT    HOST = $TASKLET_ANNOUNCE_HOST, else this container's own address (none when its
+#                           hostname has no address, e.g. `--network ns:...`: the peer then finds out). That is the
 #                           bridge address (172.17.x.x) under Docker's default networking: right for peers on
 #                           the same Docker network (compose), unreachable from anywhere else. Volunteers on
 #                           the internet pass --announce PUBLIC_IP:PORT (and forward both ports) or run with
@@ -48,10 +49,11 @@ option_value() {
 
 has_option() { option_value "$@" >/dev/null; }
 
-# This container's address as other containers on its network see it (first address of its hostname).
+# This container's address as other containers on its network see it (first address of its hostname); empty
+# when its hostname has none (a container in another network namespace: `--network ns:...`, some host setups).
 own_address() {
   python3 -c 'import socket; print(socket.gethostbyname(socket.gethostname()))' 2>/dev/null \
-    || hostname -i 2>/dev/null | awk '{print $1}'
+    || { hostname -i 2>/dev/null | awk '{print $1}'; } || true
 }
 
 wait_for_join_file() {
@@ -96,12 +98,13 @@ case $command in
     has_option --identity "$@" || extra+=(--identity "$TASKLET_IDENTITY")
     if ! has_option --announce "$@"; then
       host=${TASKLET_ANNOUNCE_HOST:-$(own_address)}
-      [ -n "$host" ] || die "cannot find this container's address; pass --announce HOST:PORT"
       case ${TASKLET_ANNOUNCE_HOST:+given:}$host in  # warn only about an address found here, not one given
+        "") echo "entrypoint: no address of this container's own to announce; the peer finds out how it is" \
+          "reached (a relay dials it back, else it goes through relays). Pass --announce HOST:PORT to choose" >&2 ;;
         127.*) echo "entrypoint: warning: announcing $host, a loopback address no other machine can reach;" \
           "pass --announce HOST:PORT (see docs/operating.md: Docker)" >&2 ;;
       esac
-      extra+=(--announce "$host:$port")
+      [ -z "$host" ] || extra+=(--announce "$host:$port")
     fi
     if [ "$command" = join ] && [ -n "$TASKLET_JOIN_FILE" ] && ! has_option --dht "$@"; then
       addr=$(wait_for_join_file)

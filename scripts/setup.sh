@@ -27,6 +27,47 @@ if [ "$(id -u)" -eq 0 ] && [ -z "${SKIP_APT:-}" ] && command -v apt-get >/dev/nu
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null 2>&1 \
     || echo "[setup] apt-get could not install chromium; the dashboard's browser test will skip" >&2
 fi
+# The container tests (tests/test_docker_containers.py) build the images and run them with podman; as root on
+# Debian, install podman, runc and mmdebstrap (the base image is made from Debian's packages: no image registry
+# is needed). Where the kernel refuses to raise rlimits (some sandboxes), runc fails to start any container, so
+# podman gets a runc wrapper that drops `process.rlimits` from the container's config.json, as its default
+# runtime. Tolerant like the above: without them those tests skip with the reason.
+if [ "$(id -u)" -eq 0 ] && [ -z "${SKIP_APT:-}" ] && command -v apt-get >/dev/null; then
+  if ! { command -v podman && command -v runc && command -v mmdebstrap; } >/dev/null 2>&1; then
+    echo "[setup] installing podman, runc and mmdebstrap for the container tests" >&2
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc mmdebstrap; } \
+      >/dev/null 2>&1 || echo "[setup] apt-get could not install podman; the container tests will skip" >&2
+  fi
+  if command -v podman >/dev/null && command -v runc >/dev/null && [ ! -e /etc/containers/containers.conf ]; then
+    echo "[setup] podman: runc without rlimits (/usr/local/bin/tasklet-runc) as the default runtime" >&2
+    cat >/usr/local/bin/tasklet-runc <<EOF
+#!/bin/sh
+# runc for podman on hosts that refuse to raise rlimits: drops process.rlimits from the bundle's config.json
+# (written by Tasklet's scripts/setup.sh).
+bundle=.
+prev=
+for arg in "\$@"; do
+  case \$prev in --bundle | -b) bundle=\$arg ;; esac
+  case \$arg in --bundle=*) bundle=\${arg#--bundle=} ;; esac
+  prev=\$arg
+done
+if [ -f "\$bundle/config.json" ]; then
+  python3 -c 'import json, sys
+path = sys.argv[1]
+with open(path) as f:
+    config = json.load(f)
+if config.get("process", {}).pop("rlimits", None) is not None:
+    with open(path, "w") as f:
+        json.dump(config, f)' "\$bundle/config.json" || exit 1
+fi
+exec $(command -v runc) "\$@"
+EOF
+    chmod 0755 /usr/local/bin/tasklet-runc
+    mkdir -p /etc/containers
+    printf '[engine]\nruntime = "tasklet-runc"\n\n[engine.runtimes]\ntasklet-runc = ["/usr/local/bin/tasklet-runc"]\n' \
+      >/etc/containers/containers.conf
+  fi
+fi
 pip_q() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v '^WARNING: Location' || true; }
 if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
   echo "[setup] installing $TORCH_SPEC" >&2
@@ -34,5 +75,9 @@ if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
   pip_q $TORCH_SPEC
 fi
 pip_q -e '.[dev]'
+# compose for podman (>= 1.6: earlier ones start one replica of a service whatever deploy.replicas says)
+if command -v podman >/dev/null && [ ! -x "$VENV/bin/podman-compose" ]; then
+  pip_q 'podman-compose>=1.6'
+fi
 "$VENV/bin/python" -c 'import torch, hivemind, grpc, scheduler, peer, protocol' \
   || { echo "[setup] FAILED: the virtualenv $VENV cannot import Tasklet's dependencies" >&2; exit 1; }

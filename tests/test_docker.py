@@ -216,6 +216,10 @@ def test_compose_swarm(tmp_path: Path) -> None:
     networks = {tuple(s["networks"]) for s in services.values()}
     assert networks == {("swarm",)}, "all services on one network"
     assert int(compose_env(str(services["volunteer"]["deploy"]["replicas"]))) >= 2
+    # podman-compose starts the replicas only when the mode is written out (docker compose assumes it)
+    assert services["volunteer"]["deploy"]["mode"] == "replicated"
+    # a restarted first peer continues from the checkpoint on its volume
+    assert "--resume" in services["first"]["command"]
     for name in ("volunteer", "status"):
         assert services[name]["depends_on"]["first"]["condition"] == "service_healthy"
     for name, svc in services.items():
@@ -223,13 +227,13 @@ def test_compose_swarm(tmp_path: Path) -> None:
         build = svc["build"]
         assert (DOCKER / build["context"] / build["dockerfile"]).is_file()
         join_file = svc["environment"]["TASKLET_JOIN_FILE"]
-        mounts = {m.split(":")[1]: m.split(":")[0] for m in svc["volumes"]}
+        mounts = {compose_env(m).split(":")[1]: compose_env(m).split(":")[0] for m in svc["volumes"]}
         assert mounts.get(str(Path(join_file).parent)) == "swarm", f"{name}: the join file must be on the shared volume"
     health = services["first"]["healthcheck"]["test"]
     assert health[-1] == services["first"]["environment"]["TASKLET_JOIN_FILE"]
 
     # the run file the first peer trains: mounted, valid, checkpointing to a volume
-    first_mounts = {m.split(":")[1]: m.split(":")[0] for m in services["first"]["volumes"]}
+    first_mounts = {compose_env(m).split(":")[1]: compose_env(m).split(":")[0] for m in services["first"]["volumes"]}
     config_path = services["first"]["command"][services["first"]["command"].index("--config") + 1]
     config = RunConfig.load(DOCKER / first_mounts[config_path])
     assert first_mounts[config.swarm.checkpoint_dir] == "checkpoints"
@@ -248,6 +252,7 @@ def test_compose_swarm(tmp_path: Path) -> None:
             assert ns.dht == ["/ip4/127.0.0.2/tcp/31401/p2p/12D3KooWTest"]
 
     gpu = yaml.safe_load((DOCKER / "compose.gpu.yml").read_text())["services"]["volunteer"]
+    assert gpu["deploy"]["mode"] == "replicated"
     assert (DOCKER / gpu["build"]["context"] / gpu["build"]["dockerfile"]).resolve() == DOCKERFILES[0].resolve()
     assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
 
