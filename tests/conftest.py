@@ -42,7 +42,7 @@ FIXTURE_MARKERS: dict[str, tuple[str, ...]] = {
 }
 LAYER_MARKERS = ("unit", "integration", "slow")
 # a test module naming one of these shares a machine-wide resource: its tests run on one worker, one at a time
-SHARED_RESOURCES = {"netbed": ("netbed", "open_bed", "bed: NetBed"), "containers": ("podman", "container")}
+SHARED_RESOURCES = {"containers": ("podman", "container"), "netbed": ("netbed", "open_bed", "bed: NetBed")}
 
 
 @cache
@@ -51,6 +51,7 @@ def _shared_resource(module: Path) -> str | None:
     return next((group for group, words in SHARED_RESOURCES.items() if any(w in text for w in words)), None)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks set here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         used = set(getattr(item, "fixturenames", ()))
@@ -64,6 +65,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         group = _shared_resource(Path(str(item.fspath))) if item.get_closest_marker("integration") else None
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+            _join_group(config, item, group)
+
+
+def _join_group(config: pytest.Config, item: pytest.Item, group: str) -> None:
+    """On an xdist worker with ``--dist loadgroup``: the ``@group`` suffix of the item's node id, which is what
+    xdist's scheduler groups by. xdist 3.8 writes it to ``Node._nodeid``, which pytest 9 no longer reads, so its
+    groups are silently ignored there; set here the way this pytest stores node ids."""
+    if getattr(config, "workerinput", None) is None or not config.getvalue("loadgroup") or "@" in item.nodeid:
+        return
+    try:
+        from _pytest.nodeid import coerce_node_id
+    except ImportError:  # pytest 8: xdist's own suffix works
+        return
+    item._id = coerce_node_id(f"{item.nodeid}@{group}")
 
 
 @pytest.fixture(autouse=True)
