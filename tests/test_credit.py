@@ -33,6 +33,19 @@ def test_credit_adds_up_to_stages_times_the_microbatches_applied() -> None:
     assert list(rec["peers"])[:2] == [A, B]  # most credited first
 
 
+def test_bytes_served_count_each_stage_hop_of_the_credited_microbatches() -> None:
+    """A first stage sends activations forward, a last one gradients back, a middle one both; a record written
+    before bytes were counted reads as zero."""
+    book = CreditBook()
+    book.step(0, 1.0, {0: 4, 1: 2}, [[A, B, C], [D, D]], activation_bytes=1000)  # D holds both stages of pipeline 1
+    rec = book.to_record()["peers"]
+    assert (rec[A]["bytes_served"], rec[B]["bytes_served"], rec[C]["bytes_served"]) == (4000, 8000, 4000)
+    assert rec[D]["bytes_served"] == 2 * 2000
+    old = {"microbatches": 1, "steps": 1, "plans": 1, "train_s": 1.0, "excluded": 0, "last_exclusion": None,
+           "last_step": 0}
+    assert CreditBook.from_record({"peers": {A: old}}).peers[A].bytes_served == 0
+
+
 def test_a_pipeline_outside_the_commit_record_earns_nothing() -> None:
     """The step's report gives micro-batches only to the pipelines of the commit record it was applied with; a
     culprit's pipeline, dropped and redone by the others, is not among them (nor is an out-of-range index)."""
@@ -99,6 +112,8 @@ def hostile_records() -> list[Any]:
         {"peers": {A: {**good, "train_s": float("nan")}}},
         {"peers": {A: {**good, "train_s": "1"}}},
         {"peers": {A: {**good, "last_step": -7}}},
+        {"peers": {A: {**good, "bytes_served": -1}}},
+        {"peers": {A: {**good, "bytes_served": 1.5}}},
         {"peers": {A: {**good, "last_exclusion": 5}, "bad id with spaces": good, "x" * 500: good, "": good}},
         {"peers": {f"Qm{k}": good for k in range(5000)}},
     ]
@@ -151,8 +166,8 @@ def test_the_dashboard_snapshot_carries_checked_rows() -> None:
     book = CreditBook()
     book.step(0, 1.0, {0: 3}, [[A]])
     rows = _credit({**book.to_record(), "peers": {**book.to_record()["peers"], "<script>": {"microbatches": 1}}})
-    assert rows == [{"peer_id": A, "microbatches": 3, "steps": 1, "plans": 0, "train_s": 1.0, "excluded": 0,
-                     "last_exclusion": None}]
+    assert rows == [{"peer_id": A, "microbatches": 3, "steps": 1, "plans": 0, "train_s": 1.0, "bytes_served": 0,
+                     "excluded": 0, "last_exclusion": None}]
 
 
 def test_the_beat_leaves_the_credit_to_the_full_record() -> None:

@@ -115,6 +115,7 @@ class LeaderRole:
         self.discarded: dict[str, Any] | None = None  # the losing side of the last healed partition
         self.start_epoch = 0  # the plan epoch this leadership began at: a later plan of another leader is a rival
         self._tokens_per_step = self.spec.micro_batch * self.spec.n_microbatches * self.spec.model.seq_len
+        self._act_bytes = activation_bytes(self.spec)
         logs = self.config.log  # TensorBoard / W&B scalars of each step (peer.observe.scalars)
         self.scalars = ScalarWriter(
             logs.tensorboard_dir, logs.wandb_project, self.spec.run_id, self.config.public_dict()
@@ -472,7 +473,7 @@ class LeaderRole:
             if 0 <= r < len(self.driver.pipelines):
                 self.credited.update(self.peer_of[d] for d in self.driver.pipelines[r] if d in self.peer_of)
         self.driver.replan_on_join = bool(self.credited - self.published_credited)
-        credit_step(self.credit, report, self.driver.pipelines, self.peer_of, self.coordinator)
+        credit_step(self.credit, report, self.driver.pipelines, self.peer_of, self.coordinator, self._act_bytes)
         self.scalars.add(report.step, {"train/loss": report.loss, "train/tokens_per_s": tokens_per_s,
                                        "train/step_s": report.seconds, "swarm/plan_epoch": self.driver.epoch,
                                        "swarm/peers": len(self._workers())})
@@ -525,12 +526,18 @@ class LeaderRole:
         log.info("saved %d stage(s) and run.json to %s", len(saved), folder)
 
 
+def activation_bytes(spec: RunSpec) -> int:
+    """One micro-batch's activation between two stages, uncompressed (what ``bytes_served`` credits per hop)."""
+    w = workload_for(spec)
+    return w.micro_batch * w.seq_len * w.d_model * w.act_bytes
+
+
 def credit_step(book: CreditBook, report: StepReport, pipelines: Pipelines, peer_of: dict[int, str],
-                coordinator: Coordinator) -> None:
+                coordinator: Coordinator, act_bytes: int = 0) -> None:
     """Credit an applied step to the peers of the pipelines in its commit record, and record the exclusions the
     coordinator made since the last step (a culprit named by the checks earns nothing for the work redone)."""
     committed = {r: report.microbatches_per_pipeline.get(r, 0) for r in report.applied}
-    book.step(report.step, report.seconds, committed, [[peer_of.get(d, "") for d in p] for p in pipelines])
+    book.step(report.step, report.seconds, committed, [[peer_of.get(d, "") for d in p] for p in pipelines], act_bytes)
     for plan_epoch, peer, reason in coordinator.take_exclusions():
         book.exclude(plan_epoch, peer, reason)
 

@@ -188,5 +188,5 @@ def build_snapshot(source: SwarmSource, run_id: str) -> dict[str, Any]:
 def _credit(record: object) -> list[dict[str, Any]]:
     """The leader's contribution record (``peer.swarm.credit``), checked and bounded like the rest of the page's
     input: one row per identity, most verified micro-batches first."""
-    return [{k: row[k] for k in ("peer_id", "microbatches", "steps", "plans", "train_s", "excluded",
-                                 "last_exclusion")} for row in credit_rows(record)]
+    return [{k: row[k] for k in ("peer_id", "microbatches", "steps", "plans", "train_s", "bytes_served",
+                                 "excluded", "last_exclusion")} for row in credit_rows(record)]

@@ -10,6 +10,9 @@ Counted per peer id (the hash of the peer's key, so credit follows the identity 
   record adds up to ``stages x`` the micro-batches the run applied (``total_microbatches``).
 * ``steps``: applied steps in which the peer's pipeline committed at least one micro-batch.
 * ``train_s``: the wall seconds of those steps; ``plans``: the plans that gave the peer a tasklet (uptime in plans).
+* ``bytes_served``: the activations (to the next stage) and activation gradients (to the previous one) of those
+  micro-batches, at their uncompressed size from the run's shapes: what the pipeline had to carry for the credited
+  work, not a count of bytes on the wire (compression, retries and the replicas' gradient averaging are left out).
 * ``excluded`` and ``last_exclusion``: how often the leader excluded the peer from a plan, and why the last time.
 
 The leader publishes the record in every progress record (signed by its key, read only from the leader of the plan
@@ -46,6 +49,7 @@ class Credit:
     excluded: int = 0
     last_exclusion: str | None = None
     last_step: int = -1  # the last step credited (-1: none), which identity a full record evicts first
+    bytes_served: int = 0
 
     def weight(self) -> tuple[int, int]:
         return (self.microbatches, self.last_step)
@@ -88,9 +92,11 @@ class CreditBook:
             if entry is not None:
                 entry.plans += 1
 
-    def step(self, step: int, seconds: float, committed: Mapping[int, int], pipelines: Sequence[Sequence[str]]) -> None:
+    def step(self, step: int, seconds: float, committed: Mapping[int, int], pipelines: Sequence[Sequence[str]],
+             activation_bytes: int = 0) -> None:
         """Credit an applied step: ``committed`` maps each pipeline to the micro-batches it committed in the commit
-        record the step was applied with; ``pipelines[r]`` are the peer ids of pipeline ``r``'s stages."""
+        record the step was applied with; ``pipelines[r]`` are the peer ids of pipeline ``r``'s stages;
+        ``activation_bytes``: one micro-batch's activation (and activation gradient) between two stages."""
         secs = seconds if isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0 else 0.0
         for r, n in committed.items():
             if not (0 <= r < len(pipelines)) or n <= 0:
@@ -104,6 +110,11 @@ class CreditBook:
                 entry.steps += 1
                 entry.train_s += secs
                 entry.last_step = max(entry.last_step, step)
+            last = len(pipelines[r]) - 1
+            for s_index, peer in enumerate(pipelines[r]):  # forward to the next stage, backward to the previous
+                entry = self.peers.get(peer) if isinstance(peer, str) else None
+                if entry is not None:
+                    entry.bytes_served += n * activation_bytes * ((s_index < last) + (s_index > 0))
         self.steps += 1
 
     def exclude(self, epoch: int, peer: str, reason: str) -> None:
@@ -157,8 +168,9 @@ def _parse_entry(raw: object) -> Credit | None:
     if not isinstance(raw, dict):
         return None
     counts = [_count(raw.get(k)) for k in ("microbatches", "steps", "plans", "excluded")]
+    served = _count(raw.get("bytes_served", 0))  # absent from a record written before it was counted
     train_s, last_step, why = raw.get("train_s"), raw.get("last_step"), raw.get("last_exclusion")
-    if any(c is None for c in counts):
+    if any(c is None for c in counts) or served is None:
         return None
     if isinstance(train_s, bool) or not isinstance(train_s, (int, float)) or not 0 <= train_s < 1e12:
         return None
@@ -166,7 +178,7 @@ def _parse_entry(raw: object) -> Credit | None:
         return None
     mbs, steps, plans, excluded = counts
     return Credit(mbs, steps, plans, float(train_s), excluded,  # type: ignore[arg-type]
-                  why[:MAX_REASON] if isinstance(why, str) else None, last_step)
+                  why[:MAX_REASON] if isinstance(why, str) else None, last_step, served)
 
 
 def credit_rows(record: object, limit: int = MAX_IDENTITIES) -> list[dict[str, Any]]:

@@ -253,7 +253,7 @@ def credit_summary(progress: dict[str, Any]) -> dict[str, Any]:
 
 def format_credits(summary: dict[str, Any], me: str | None = None) -> str:
     """The contribution record as a table (only ``me``'s row when given): verified micro-batches, their share of
-    all credited work, steps, plans, training seconds, exclusions and the last one's reason."""
+    all credited work, steps, plans, training seconds, activation bytes served, exclusions and the last one's reason."""
     rows = summary["peers"]
     credited = sum(r["microbatches"] for r in rows) + summary["evicted_microbatches"]
     lines = [f"credit signed by leader {str(summary.get('leader'))[:12]} at step {summary.get('step')}: "
@@ -264,11 +264,12 @@ def format_credits(summary: dict[str, Any], me: str | None = None) -> str:
         if not rows:
             return "\n".join([*lines, f"{me[:46]}: no credit in the record (no verified work yet, or not this run)"])
     lines.append(f"{'peer':<48}{'micro-batches':>14}{'share':>8}{'steps':>7}{'plans':>7}{'train s':>10}"
-                 f"{'excluded':>10}  last exclusion")
+                 f"{'served MB':>11}{'excluded':>10}  last exclusion")
     for r in rows:
         share = f"{100 * r['microbatches'] / credited:.1f}%" if credited else "-"
         lines.append(f"{r['peer_id'][:46]:<48}{r['microbatches']:>14}{share:>8}{r['steps']:>7}{r['plans']:>7}"
-                     f"{r['train_s']:>10.1f}{r['excluded']:>10}  {r['last_exclusion'] or '-'}")
+                     f"{r['train_s']:>10.1f}{r['bytes_served'] / 1e6:>11.1f}{r['excluded']:>10}  "
+                     f"{r['last_exclusion'] or '-'}")
     return "\n".join(lines)
 
 

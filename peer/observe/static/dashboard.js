@@ -151,6 +151,7 @@ function renderCredit(s) {
     row.appendChild(el("td", { class: "num" }, String(r.steps)));
     row.appendChild(el("td", { class: "num" }, String(r.plans)));
     row.appendChild(el("td", { class: "num" }, `${fmt(r.train_s, 1)} s`));
+    row.appendChild(el("td", { class: "num" }, `${fmt(r.bytes_served / 1e6, 1)} MB`));
     row.appendChild(el("td", { class: "num" }, String(r.excluded)));
     row.appendChild(el("td", {}, r.last_exclusion || "-"));
     body.appendChild(row);
