@@ -11,10 +11,9 @@
 A test can also carry a layer marker explicitly (``@pytest.mark.integration`` for a long in-process run); a test
 with no layer marker from either is ``unit``.
 
-The suite runs on two workers (pytest-xdist, ``--dist loadgroup``, see scripts/test.sh): most swarm tests wait on
-emulated devices and links more than they compute. Tests that share a machine-wide resource run on one worker, in
-one ``xdist_group``: the network-namespace bed (fixed namespace names and subnet, stale beds are swept when a bed
-opens) and the container engine.
+With ``TASKLET_TEST_WORKERS=N`` (pytest-xdist, ``--dist loadgroup``, see scripts/test.sh), tests that share a
+machine-wide resource run on one worker, in one ``xdist_group``: the network-namespace bed (fixed subnet, stale
+beds swept when a bed opens) and the container engine.
 """
 
 from __future__ import annotations
