@@ -254,18 +254,34 @@ def test_http_server_caps_connections_and_cuts_slow_requests(monkeypatch: pytest
         srv.close()
 
 
-def test_grpc_port_closes_connections_over_its_cap() -> None:
+def test_grpc_port_caps_connections_per_source_and_in_total() -> None:
     server = PeerServer(TransportConfig(max_connections=4))
     server.start()
+    front = server._front
     try:
-        conns = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(10)]
-        time.sleep(0.5)
-        closed = sum(_closed_within(c, 0.5) for c in conns)
-        assert closed >= 6, f"only {closed} of 10 connections over a cap of 4 were closed"
-        for c in conns:
+        assert front is not None and front.cap.total == 4 and front.cap.per_source == 3
+        conns = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(3)]
+        time.sleep(0.3)
+        extra = socket.create_connection(("127.0.0.1", server.port))
+        assert _closed_within(extra, 1.0), "a fourth connection from one address was kept (per-source cap 3)"
+        other = socket.create_connection(("127.0.0.1", server.port), source_address=("127.0.0.2", 0))
+        assert not _closed_within(other, 0.3), "another address was refused while the port had room"
+        flood = [socket.create_connection(("127.0.0.1", server.port),
+                                          source_address=("127.0.0.3", 0)) for _ in range(3)]
+        assert sum(_closed_within(c, 0.5) for c in flood) == 3, "the total cap of 4 let more in"
+        for c in [*conns, extra, *flood]:
             c.close()
+        deadline = time.monotonic() + 5
+        while front.held > 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert front.held == 1, f"{front.held} connections still counted after their sockets closed"
+        # what the front admits reaches gRPC: an authenticated call works through it
+        with PeerClient(f"127.0.0.1:{server.port}") as client:
+            assert client.ping(timeout_s=10) >= 0
+        other.close()
     finally:
         server.stop()
+    assert not Path(front.socket_path).parent.exists(), "the front's private socket folder was left behind"
 
 
 def test_bulk_lane_caps_connections_per_source() -> None:

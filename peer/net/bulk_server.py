@@ -32,7 +32,7 @@ import grpc
 import numpy as np
 
 from peer.net.bulk_wire import HEAD, HEAD_MAGIC, LaneClosedError, encode_reply, recv_exact
-from peer.net.config import HANDSHAKE_TIMEOUT_S, TransportConfig
+from peer.net.config import HANDSHAKE_TIMEOUT_S, SOURCE_SHARE, TransportConfig
 from peer.net.counters import TRAFFIC
 from peer.net.statuses import refusal_of
 from protocol import tasklet_pb2 as pb
@@ -41,7 +41,6 @@ from protocol.errors import BadMessage
 
 logger = logging.getLogger(__name__)
 
-SOURCE_SHARE = 0.75  # of the lane's connections, one source address may hold at most this share
 IDLE_TIMEOUT_S = 300.0  # between requests on an open connection (clients drop theirs sooner, see bulk_client)
 FIRST_PIECE_BYTES = 64 << 10  # read before the Kind's limit and the caller's admission are asked
 DRAIN_S = 1.0  # after a refusal: read (and drop) what the client still sends, so that it reads our reply

@@ -12,6 +12,8 @@ MIB = 1 << 20
 MAX_CALL_S = 600.0
 HANDSHAKE_TIMEOUT_S = 20.0
 GRPC_DESCRIPTOR_SHARE = 0.3  # of the process's descriptor budget (peer.net.limits) its gRPC port may hold at most
+FRONT_DESCRIPTORS = 3  # one connection through the gRPC front (peer.net.front) holds: outside, inside, gRPC's end
+SOURCE_SHARE = 0.75  # of a port's connections, one source address may hold at most this share
 MAX_STREAMS_PER_CONNECTION = 128  # HTTP/2 streams one connection may open at once (the slots refuse most anyway)
 # Room for a Chunk's own fields and gRPC framing around a payload of chunk_bytes.
 CHUNK_OVERHEAD_BYTES = 1024
@@ -44,8 +46,11 @@ class TransportConfig:
         gain is in the copies of large tensors; small messages keep gRPC's latency path).
     stream_idle_s: a streaming call whose bytes did not move for this long (no chunk received, none taken by
         the caller) is cancelled, whatever its deadline: an idle caller holds no stream slot for long.
-    max_connections: connections the gRPC port holds at once (more are closed by gRPC before their handshake);
-        None: a share of this process's descriptor budget (peer.net.limits.descriptor_budget).
+    max_connections: connections the gRPC port holds at once, ``SOURCE_SHARE`` of them from one source address
+        (more are closed before their handshake); None: a share of this process's descriptor budget
+        (peer.net.limits.descriptor_budget).
+    front: put the port's front door (peer.net.front) before gRPC, which is what enforces the per-source cap;
+        False leaves only gRPC's own total cap (benchmark baselines).
     tls: this peer's key, certificate and trust store (peer.net.tls); mutual TLS on every connection, each
         call's caller authenticated by its certificate. The default is the process's own ephemeral identity
         (peer.net.tls.process_tls). None: plaintext and unauthenticated, only for benchmark baselines.
@@ -67,6 +72,7 @@ class TransportConfig:
     tls: TlsContext | None = field(default_factory=process_tls)
     max_connections: int | None = None
     stream_idle_s: float = 60.0
+    front: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -124,4 +130,8 @@ class TransportConfig:
     def connection_cap(self) -> int:
         if self.max_connections is not None:
             return self.max_connections
-        return max(16, int(descriptor_budget() * GRPC_DESCRIPTOR_SHARE))
+        return max(16, int(descriptor_budget() * GRPC_DESCRIPTOR_SHARE) // FRONT_DESCRIPTORS)
+
+    @property
+    def connections_per_source(self) -> int:
+        return max(1, int(self.connection_cap * SOURCE_SHARE))

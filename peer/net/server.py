@@ -46,7 +46,9 @@ from peer.net.allocator import keep_freed_buffers
 from peer.net.bulk_server import BulkListener
 from peer.net.config import TransportConfig
 from peer.net.counters import TRAFFIC
+from peer.net.front import GrpcFront
 from peer.net.idle import IdleWatch
+from peer.net.limits import ConnectionCap
 from peer.net.shaping import LinkShaper, take_in
 from peer.net.statuses import SlotRefusedError, refusal_of
 from peer.net.waiting import RoomFullError, WaitingRoom
@@ -354,6 +356,7 @@ class PeerServer:
         self._room = WaitingRoom(self.config.max_concurrent_streams, self.config.streams_per_peer)
         self.route = ""  # set when this server is mounted on another one
         self._host: PeerServer | None = None
+        self._front: GrpcFront | None = None  # the port's front door (peer.net.front), while started
         self._lane: BulkListener | None = None
 
     # --- registration -------------------------------------------------------------------------------------
@@ -477,7 +480,9 @@ class PeerServer:
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="peer-rpc")
         server = grpc.server(self._executor, options=self.config.grpc_options)
         server.add_generic_rpc_handlers((_Router(self),))
-        address = f"{self.config.host}:{self.config.port}"
+        front = GrpcFront(ConnectionCap(self.config.connection_cap, self.config.connections_per_source)) \
+            if self.config.front else None
+        address = f"{self.config.host}:{self.config.port}" if front is None else front.inner_address
         try:
             if self.config.tls is None:
                 port = server.add_insecure_port(address)
@@ -487,7 +492,18 @@ class PeerServer:
             port = 0
         if port == 0:
             self._executor.shutdown(wait=False)
-            raise OSError(f"cannot listen on {self.config.host}:{self.config.port}")
+            if front is not None:
+                front.stop()
+            raise OSError(f"cannot listen on {address}")
+        if front is not None:
+            try:
+                port = front.start(self.config.host, self.config.port)
+            except OSError as exc:
+                server.stop(None)
+                self._executor.shutdown(wait=False)
+                front.stop()
+                raise OSError(f"cannot listen on {self.config.host}:{self.config.port}: {exc}") from exc
+        self._front = front
         if self.config.bulk_port is not None:
             lane = BulkListener(self)
             try:
@@ -495,6 +511,8 @@ class PeerServer:
             except OSError as exc:
                 server.stop(None)
                 self._executor.shutdown(wait=False)
+                if front is not None:
+                    front.stop()
                 where = f"{self.config.host}:{self.config.bulk_port}"
                 raise OSError(f"cannot listen on {where} (bulk lane): {exc}") from exc
             self._lane = lane
@@ -523,6 +541,9 @@ class PeerServer:
             lane.stop(grace)
         if not stopped.wait(timeout=grace + 5.0):
             logger.warning("peer server on port %s: calls still running %.1f s after stop", self.port, grace + 5)
+        front, self._front = self._front, None
+        if front is not None:
+            front.stop()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
