@@ -33,39 +33,50 @@ fi
 # podman gets a runc wrapper that drops `process.rlimits` from the container's config.json, as its default
 # runtime. Tolerant like the above: without them those tests skip with the reason.
 if [ "$(id -u)" -eq 0 ] && [ -z "${SKIP_APT:-}" ] && command -v apt-get >/dev/null; then
-  if ! { command -v podman && command -v runc && command -v mmdebstrap; } >/dev/null 2>&1; then
-    echo "[setup] installing podman, runc and mmdebstrap for the container tests" >&2
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc mmdebstrap; } \
+  if ! { command -v podman && command -v runc && command -v mmdebstrap && command -v docker-compose; } >/dev/null 2>&1
+  then
+    # docker-compose (Compose 1.29, Debian's) runs the compose file against podman's Docker API in one test
+    echo "[setup] installing podman, runc, mmdebstrap and docker-compose for the container tests" >&2
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        podman runc mmdebstrap docker-compose; } \
       >/dev/null 2>&1 || echo "[setup] apt-get could not install podman; the container tests will skip" >&2
   fi
-  if command -v podman >/dev/null && command -v runc >/dev/null && [ ! -e /etc/containers/containers.conf ]; then
+  # The wrapper is (re)written on every set-up (it is ours); containers.conf only when there is none.
+  if command -v podman >/dev/null && command -v runc >/dev/null \
+     && { [ ! -e /etc/containers/containers.conf ] || grep -q tasklet-runc /etc/containers/containers.conf; }; then
     echo "[setup] podman: runc without rlimits (/usr/local/bin/tasklet-runc) as the default runtime" >&2
     cat >/usr/local/bin/tasklet-runc <<EOF
 #!/bin/sh
-# runc for podman on hosts that refuse to raise rlimits: drops process.rlimits from the bundle's config.json
-# (written by Tasklet's scripts/setup.sh).
+# runc for podman on hosts that refuse to raise rlimits: drops the rlimits from the bundle's config.json
+# (containers) and from the process file of "runc exec --process FILE" (podman exec, healthchecks).
+# Written by Tasklet's scripts/setup.sh.
 bundle=.
+process=
 prev=
 for arg in "\$@"; do
-  case \$prev in --bundle | -b) bundle=\$arg ;; esac
-  case \$arg in --bundle=*) bundle=\${arg#--bundle=} ;; esac
+  case \$prev in --bundle | -b) bundle=\$arg ;; --process) process=\$arg ;; esac
+  case \$arg in --bundle=*) bundle=\${arg#--bundle=} ;; --process=*) process=\${arg#--process=} ;; esac
   prev=\$arg
 done
-if [ -f "\$bundle/config.json" ]; then
+drop() {
   python3 -c 'import json, sys
-path = sys.argv[1]
+path, nested = sys.argv[1], sys.argv[2] == "nested"
 with open(path) as f:
-    config = json.load(f)
-if config.get("process", {}).pop("rlimits", None) is not None:
+    spec = json.load(f)
+if (spec.get("process", {}) if nested else spec).pop("rlimits", None) is not None:
     with open(path, "w") as f:
-        json.dump(config, f)' "\$bundle/config.json" || exit 1
-fi
+        json.dump(spec, f)' "\$1" "\$2" || exit 1
+}
+if [ -n "\$process" ] && [ -f "\$process" ]; then drop "\$process" top; fi
+if [ -f "\$bundle/config.json" ]; then drop "\$bundle/config.json" nested; fi
 exec $(command -v runc) "\$@"
 EOF
     chmod 0755 /usr/local/bin/tasklet-runc
-    mkdir -p /etc/containers
-    printf '[engine]\nruntime = "tasklet-runc"\n\n[engine.runtimes]\ntasklet-runc = ["/usr/local/bin/tasklet-runc"]\n' \
-      >/etc/containers/containers.conf
+    if [ ! -e /etc/containers/containers.conf ]; then
+      mkdir -p /etc/containers
+      printf '[engine]\nruntime = "tasklet-runc"\n\n[engine.runtimes]\ntasklet-runc = ["/usr/local/bin/tasklet-runc"]\n' \
+        >/etc/containers/containers.conf
+    fi
   fi
 fi
 pip_q() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v '^WARNING: Location' || true; }

@@ -138,6 +138,22 @@ def test_both_images_share_one_python() -> None:
     assert re.fullmatch(r"python:3\.11\.\d+-slim-\w+", bases.pop())
 
 
+def test_both_images_build_with_the_same_stage() -> None:
+    """The build stage of the CPU image is the GPU image's, instruction for instruction (only ARG defaults
+    differ): one builder's cache serves both, and the container tests' build of docker/Dockerfile with a CPU
+    torch is a build of the GPU image's own stages."""
+
+    def build_stage(dockerfile: Path) -> list[tuple[str, str]]:
+        ins = instructions(dockerfile)
+        froms = [i for i, (kind, _) in enumerate(ins) if kind == "FROM"]
+        assert len(froms) == 2, f"{dockerfile.name}: a build stage and a runtime stage, got {len(froms)} FROMs"
+        return [(kind, arg.split("=", 1)[0] if kind == "ARG" else arg) for kind, arg in ins[: froms[1]]]
+
+    gpu, cpu = (build_stage(DOCKER / name) for name in ("Dockerfile", "Dockerfile.cpu"))
+    assert gpu == cpu, "\n".join(f"{a} | {b}" for a, b in zip(gpu, cpu, strict=False) if a != b)
+    assert ("ARG", "TORCH_BUILD") in gpu and any("TORCH_BUILD=\"${TORCH_BUILD}\"" in arg for _, arg in gpu)
+
+
 def test_dockerignore_keeps_the_build_context_small() -> None:
     for path in (".git", ".venv", "tests", "peer/__pycache__", "tasklet.egg-info"):
         assert dockerignored(path), path

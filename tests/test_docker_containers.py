@@ -4,13 +4,16 @@ Where podman or docker can run containers (``bash scripts/setup.sh`` installs po
 session builds ``docker/Dockerfile.cpu`` once (``tests/support/containers.py``); elsewhere these tests skip
 with the reason.
 
-* The image: a CPU torch, the unprivileged user, ``peer`` as its entry point.
+* The image: a CPU torch, the unprivileged user, ``peer`` as its entry point; the GPU image's Dockerfile builds
+  and runs with the same CPU torch (its CUDA build is ``python -m bench.images --gpu``).
 * ``docker/compose.yml`` as an organiser runs it (one compose run): the first peer, the 3 volunteers it says
   and the status screen. Stopping the first peer mid-run (``podman stop``/``docker stop``) writes its
   checkpoint on the ``checkpoints`` volume and ends it cleanly; the volunteers elect a leader among themselves
   and finish the run. Then, with fresh volunteers (so nobody holds a copy of a checkpoint), ``up`` again: the
   restarted first peer resumes from the checkpoint on its volume, trains to the end and saves; the saved
   parameters equal single-process training (computed in the image, on the image's own corpus).
+* The same file under Compose 1.x (``docker-compose``, through podman's Docker API here) starts the 3 volunteers
+  it says, and the 4 peers train.
 * A volunteer container joins a swarm started outside containers, with the README's ``docker run
   --network host`` line; the run's parameters equal single-process training.
 * A volunteer container behind the network-namespace bed's NAT (peer/emulation/netbed.py), started with the
@@ -19,21 +22,25 @@ with the reason.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import shutil
 import socket
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from bench.images import CPU_TORCH, GPU_STAGES_CPU_IMAGE, build_image, probe_torch
 from peer.emulation import procs
 from peer.emulation.multihost import RELAY_PORT, BedPeers, readme_flags
 from peer.emulation.netbed import NetBed
 from peer.emulation.reference_check import gap_to_reference
-from tests.support.containers import Images, compose_project, container_images_fixture, read_json_from
+from tests.support.containers import REPO, Engine, Images, compose_project, container_images_fixture, read_json_from
 
 # the first test also waits for the image build (a cold one: minutes), whichever test that is
 pytestmark = [pytest.mark.container, pytest.mark.usefixtures("processes"), pytest.mark.timeout(1800)]
@@ -111,6 +118,28 @@ def test_cpu_image(container_images: Images) -> None:
     assert "peer" in helped and "join" in helped
     # at most a few GB: a CUDA torch would add several
     assert container_images.size_bytes < 2.5e9, f"{container_images.size_bytes / 1e9:.2f} GB"
+
+
+def test_gpu_dockerfile_builds_and_runs_with_a_cpu_torch(container_images: Images, tmp_path: Path,
+                                                          request: pytest.FixtureRequest) -> None:
+    """docker/Dockerfile's own stages with the CPU torch (its CUDA build is several GB more; bench.images builds
+    it): its build stage is the CPU image's (the cache serves it), its runtime stage is its own, and the image
+    runs the peer unprivileged with the NVIDIA toolkit's variables set."""
+    engine = container_images.engine
+    built = build_image(engine, "docker/Dockerfile", GPU_STAGES_CPU_IMAGE, CPU_TORCH, tmp_path / "build.log")
+    try:
+        facts = probe_torch(engine, GPU_STAGES_CPU_IMAGE)
+        assert facts["cuda"] is None and facts["torch"].startswith("2.13.0"), facts
+        assert facts["uid"] == 10001 and facts["nvidia"] == "all", facts
+        layers = {tag: engine.run("image", "inspect", "--format", "{{json .RootFS.Layers}}", tag).stdout
+                  for tag in (container_images.cpu, GPU_STAGES_CPU_IMAGE)}
+        venv_layer = json.loads(layers[container_images.cpu])[2]  # base, user and folders, /opt/tasklet
+        assert venv_layer in json.loads(layers[GPU_STAGES_CPU_IMAGE]), "the two images do not share the venv layer"
+        assert "join" in engine.run("run", "--rm", GPU_STAGES_CPU_IMAGE, "--help").stdout
+    finally:
+        engine.run("rmi", GPU_STAGES_CPU_IMAGE, check=False, timeout=300)
+    report(request, f"docker/Dockerfile with a CPU torch built in {built.seconds:.0f} s, "
+                    f"{built.size_bytes / 1e9:.2f} GB")
 
 
 def test_compose_swarm_trains_survives_stop_and_resumes(container_images: Images, tmp_path: Path,
@@ -223,6 +252,78 @@ save_dir = {json.dumps(str(save))}
 {extra_swarm}
 """)
     return config
+
+
+@contextlib.contextmanager
+def docker_api(engine: Engine, folder: Path) -> Iterator[str]:
+    """A Docker API socket for Compose 1.x: docker's own, or podman's (``podman system service``) for the test."""
+    if engine.name == "docker":
+        yield os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
+        return
+    sock = folder / "docker.sock"
+    service = subprocess.Popen([engine.path, "system", "service", "--time=0", f"unix://{sock}"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not sock.exists():
+            assert service.poll() is None and time.monotonic() < deadline, "podman's Docker API did not start"
+            time.sleep(0.2)
+        yield f"unix://{sock}"
+    finally:
+        service.terminate()
+        try:
+            service.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            service.kill()
+            service.wait(timeout=10)
+        if service.stderr:
+            service.stderr.close()
+
+
+def test_compose_1_starts_the_volunteers_the_file_says(container_images: Images, tmp_path: Path,
+                                                       request: pytest.FixtureRequest) -> None:
+    """Compose 1.x (``docker-compose``, Debian's 1.29) runs the same file through the Docker API (podman's here):
+    ``up`` starts the first peer, the 3 volunteers of ``deploy.replicas`` and the status screen, and the first
+    peer trains with all 4."""
+    compose_1 = shutil.which("docker-compose")
+    if compose_1 is None:
+        pytest.skip("no docker-compose (bash scripts/setup.sh installs Debian's as root)")
+    engine = container_images.engine
+    run_file = tmp_path / "run.toml"
+    run_file.write_text(COMPOSE_RUN.replace("min_peers = 2", "min_peers = 4"))
+    run_file.chmod(0o644)
+    with docker_api(engine, tmp_path) as host, compose_project(
+            engine, f"tasklet-dc-{os.getpid()}", {"TASKLET_RUN_FILE": str(run_file), "DOCKER_HOST": host},
+            command=[compose_1]) as project:
+        start = time.monotonic()
+        up = subprocess.Popen([*project.base, "up", "-d", "--no-build"], env=project.env, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            # docker-compose starts the volunteers once the first peer is healthy; podman without systemd runs
+            # no healthcheck by itself, so the test runs it, as docker's engine would every `interval`
+            while up.poll() is None and time.monotonic() - start < 300:
+                for first in project.containers("first") if engine.name == "podman" else []:
+                    engine.run("healthcheck", "run", first, check=False, timeout=60)
+                time.sleep(1.0)
+            out, _ = up.communicate(timeout=10)
+        finally:
+            if up.poll() is None:
+                up.kill()
+                up.wait(timeout=10)
+        assert up.returncode == 0, f"docker-compose up exited {up.returncode}:\n{out[-3000:]}"
+        volunteers = project.containers("volunteer")
+        assert len(volunteers) == 3, f"docker-compose started {volunteers}, not the 3 volunteers the file says"
+        assert len(project.containers("first")) == len(project.containers("status")) == 1
+        [first] = project.containers("first")
+
+        def everything() -> str:
+            return "\n".join(f"--- {c}\n{project.logs(c)[-2500:]}" for c in project.containers())
+
+        wait_for("a step over 4 peers", lambda: bool(STEP_LINE.search(project.logs(first))), 300, everything)
+        log = project.logs(first)
+        assert "4 peers live" in log or "over 4 peers" in log, log[-3000:]
+    report(request, f"docker-compose 1.29 (Docker API of {engine.name}): 4 peers trained "
+                    f"{time.monotonic() - start:.0f} s after `up -d`")
 
 
 def test_volunteer_container_joins_a_host_swarm(container_images: Images, tmp_path: Path,

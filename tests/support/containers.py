@@ -6,10 +6,11 @@ Dockerfiles' ``PYTHON_IMAGE``), builds the CPU image from this checkout once per
 layer cache makes a rerun fast) and reports its facts: build time, size. A test that uses it skips, with the
 reason, where no engine can run a container; ``bash scripts/setup.sh`` installs podman as root on Debian.
 
-pip inside the build sees what pip sees here: this machine's pip configuration files, and the wheel folders,
-local indexes, constraints and CA bundle they name, mounted read-only into the build (``podman build -v``;
-docker's builder takes no mounts and uses the public indexes). The CPU image's torch is the local
-``torch==2.13.0+cpu`` wheel where there is one; the build itself fails on any other torch (``TORCH_BUILD=cpu``).
+The engine and the builds are bench/images.py's (``python -m bench.images`` measures the same images): pip
+inside the build sees what pip sees here, this machine's pip configuration files and the wheel folders, local
+indexes, constraints and CA bundle they name, mounted read-only (``podman build -v``; docker's builder takes no
+mounts and uses the public indexes). The CPU image's torch is the local ``torch==2.13.0+cpu`` wheel where there is
+one; the build itself fails on any other torch (``TORCH_BUILD=cpu``).
 
 :class:`ComposeProject` runs ``docker/compose.yml`` under a project name of the test's own with
 ``podman-compose`` or ``docker compose``, and removes every container, volume (named and anonymous) and
@@ -18,132 +19,29 @@ network of that project when closed.
 
 from __future__ import annotations
 
-import configparser
 import contextlib
 import json
 import os
-import shutil
 import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-BASE_IMAGE = "localhost/tasklet-base:bookworm"
-CPU_IMAGE = "localhost/tasklet:cpu"
-# what the base image holds: the Python that the Dockerfiles' python:3.11-slim base would give, from Debian
-BASE_PACKAGES = "python3,python3-venv,ca-certificates"
-PIP_CONFIG_FILES = ("/etc/pip.conf", "/etc/xdg/pip/pip.conf", "~/.config/pip/pip.conf", "~/.pip/pip.conf")
-PIP_PATH_KEYS = ("cert", "client-cert", "find-links", "index-url", "extra-index-url", "constraint")
+from bench.images import (
+    BASE_IMAGE,
+    CPU_IMAGE,
+    CPU_TORCH,
+    REPO,
+    Engine,
+    EngineError,
+    build_base,
+    build_image,
+    find_engine,
+)
 
-
-@dataclass(frozen=True)
-class Engine:
-    """A container engine's command line (``podman`` or ``docker``)."""
-
-    name: str
-    path: str
-
-    def run(self, *args: str, timeout: float = 120, check: bool = True,
-            env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run([self.path, *args], capture_output=True, text=True, timeout=timeout,
-                              env=None if env is None else dict(env))
-        if check and proc.returncode != 0:
-            raise RuntimeError(f"{self.name} {' '.join(args[:6])} exited {proc.returncode}:\n"
-                               f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-        return proc
-
-    def has_image(self, image: str) -> bool:
-        return self.run("image", "inspect", image, check=False, timeout=60).returncode == 0
-
-    def compose_command(self) -> list[str]:
-        """``podman-compose`` (the project's virtualenv first, then PATH) or ``docker compose``."""
-        if self.name == "docker":
-            return [self.path, "compose"]
-        beside = Path(sys.executable).parent / "podman-compose"
-        found = str(beside) if beside.exists() else shutil.which("podman-compose")
-        if not found:
-            pytest.skip("podman-compose is not installed (bash scripts/setup.sh installs it into .venv)")
-        return [found]
-
-    def remove(self, *containers: str) -> None:
-        """Remove containers, running or not, with their anonymous volumes."""
-        if containers:
-            self.run("rm", "-f", "-v", *containers, check=False, timeout=120)
-
-
-def find_engine() -> tuple[Engine | None, str]:
-    """The first engine that answers ``info``, or ``None`` and why there is none."""
-    reasons = []
-    for name in ("podman", "docker"):
-        path = shutil.which(name)
-        if not path:
-            reasons.append(f"no {name} on PATH")
-            continue
-        try:
-            proc = subprocess.run([path, "info"], capture_output=True, text=True, timeout=60)
-        except subprocess.TimeoutExpired:
-            reasons.append(f"`{name} info` did not answer in 60 s")
-            continue
-        if proc.returncode == 0:
-            return Engine(name, path), ""
-        reasons.append(f"`{name} info` failed: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}")
-    return None, "; ".join(reasons) + " (bash scripts/setup.sh installs podman as root on Debian)"
-
-
-def build_base(engine: Engine) -> float:
-    """Make :data:`BASE_IMAGE` from Debian's packages (``mmdebstrap``); the seconds it took."""
-    mmdebstrap = shutil.which("mmdebstrap")
-    if not mmdebstrap:
-        pytest.skip(f"no {BASE_IMAGE} and no mmdebstrap to make it (bash scripts/setup.sh installs it)")
-    start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="tasklet-base-") as tmp:
-        tar = Path(tmp) / "base.tar"
-        proc = subprocess.run([mmdebstrap, "--variant=minbase", f"--include={BASE_PACKAGES}", "bookworm", str(tar)],
-                              capture_output=True, text=True, timeout=900)
-        if proc.returncode != 0:
-            pytest.skip(f"mmdebstrap could not make the base image: {proc.stderr.strip()[-500:]}")
-        engine.run("import", str(tar), BASE_IMAGE, timeout=300)
-    return time.monotonic() - start
-
-
-def _paths_in(value: str) -> list[Path]:
-    """Local paths in a pip setting; for a local index (``.../simple``) the folder above, which also holds the
-    files its pages link to (``../files/...``)."""
-    paths = []
-    for word in value.split():
-        word = word.removeprefix("file://").rstrip("/")
-        path = Path(word)
-        if word.startswith("/") and path.exists():
-            paths.append(path.parent if path.name == "simple" else path)
-    return paths
-
-
-def pip_mounts() -> list[str]:
-    """``-v`` arguments that give pip in a build this machine's pip configuration: its files, and every local
-    path they or the ``PIP_*`` variables name (wheel folders, local indexes, constraints, the CA bundle)."""
-    mounts: dict[str, str] = {}
-    values = [v for k, v in os.environ.items() if k.startswith("PIP_")]
-    for name in PIP_CONFIG_FILES:
-        path = Path(name).expanduser()
-        if not path.is_file():
-            continue
-        inside = "/root/" + str(path.relative_to(Path.home())) if name.startswith("~") else str(path)
-        mounts[str(path)] = inside
-        parser = configparser.ConfigParser(interpolation=None)
-        with contextlib.suppress(configparser.Error):
-            parser.read(path)
-        for section in parser.sections():
-            values += [parser[section][k] for k in PIP_PATH_KEYS if k in parser[section]]
-    for value in values:
-        for path in _paths_in(value):
-            mounts.setdefault(str(path), str(path))
-    return [arg for host, inside in sorted(mounts.items()) for arg in ("-v", f"{host}:{inside}:ro")]
+__all__ = ["BASE_IMAGE", "CPU_IMAGE", "Engine", "find_engine"]
 
 
 @dataclass(frozen=True)
@@ -158,39 +56,18 @@ class Images:
     torch_line: str  # docker/install.sh's "[install] done: torch ..." line, empty when the layer was cached
 
 
-def build_cpu_image(engine: Engine, log: Path) -> tuple[float, str]:
-    """Build :data:`CPU_IMAGE` from the checkout; the seconds it took and install.sh's last line."""
-    args = ["build", "-f", "docker/Dockerfile.cpu", "-t", CPU_IMAGE, "--build-arg", f"PYTHON_IMAGE={BASE_IMAGE}",
-            # the machine's own indexes (pip configuration), not PyTorch's CPU index: it is not reachable here
-            "--build-arg", "TORCH_INDEX="]
-    if engine.name == "podman":
-        args += pip_mounts()
-    before = engine.run("image", "inspect", "--format", "{{.Id}}", CPU_IMAGE, check=False, timeout=60).stdout.strip()
-    start = time.monotonic()
-    with log.open("w") as out:
-        proc = subprocess.run([engine.path, *args, str(REPO)], stdout=out, stderr=subprocess.STDOUT, text=True,
-                              timeout=1800, cwd=REPO)
-    seconds = time.monotonic() - start
-    text = log.read_text(errors="replace")
-    if proc.returncode != 0:
-        raise AssertionError(f"the CPU image did not build (exit {proc.returncode}); end of {log}:\n{text[-4000:]}")
-    after = engine.run("image", "inspect", "--format", "{{.Id}}", CPU_IMAGE, timeout=60).stdout.strip()
-    if before and before != after:  # the image the tag named before: replaced, untagged, of no further use
-        engine.run("rmi", before, check=False, timeout=300)
-    done = [line for line in text.splitlines() if line.startswith("[install] done:")]
-    return seconds, done[-1] if done else ""
-
-
 def images(engine: Engine, log_dir: Path) -> Images:
     """The base image (made when missing) and the CPU image, built from the checkout; skips where the engine
     cannot run a container."""
-    base_s = None if engine.has_image(BASE_IMAGE) else build_base(engine)
+    try:
+        base_s = None if engine.has_image(BASE_IMAGE) else build_base(engine)
+    except EngineError as exc:
+        pytest.skip(str(exc))
     probe = engine.run("run", "--rm", BASE_IMAGE, "true", check=False, timeout=120)
     if probe.returncode != 0:
         pytest.skip(f"{engine.name} cannot run a container: {probe.stderr.strip()[-500:]}")
-    build_s, torch_line = build_cpu_image(engine, log_dir / "build-cpu.log")
-    size = int(engine.run("image", "inspect", "--format", "{{.Size}}", CPU_IMAGE).stdout.strip())
-    return Images(engine, CPU_IMAGE, base_s, build_s, size, torch_line)
+    built = build_image(engine, "docker/Dockerfile.cpu", CPU_IMAGE, CPU_TORCH, log_dir / "build-cpu.log")
+    return Images(engine, CPU_IMAGE, base_s, built.seconds, built.size_bytes, built.torch_line)
 
 
 @pytest.fixture(scope="session", name="container_images")
@@ -215,11 +92,15 @@ def container_images_fixture(processes: None, tmp_path_factory: pytest.TempPathF
 class ComposeProject:
     """``docker/compose.yml`` under a project name of its own; :meth:`close` removes all it made."""
 
-    def __init__(self, engine: Engine, name: str, env: Mapping[str, str], files: tuple[str, ...] = ("compose.yml",)):
+    def __init__(self, engine: Engine, name: str, env: Mapping[str, str], files: tuple[str, ...] = ("compose.yml",),
+                 command: list[str] | None = None):
         self.engine = engine
         self.name = name
         self.env = dict(os.environ, **env)
-        self.base = [*engine.compose_command(), "-p", name]
+        try:
+            self.base = [*(command or engine.compose_command()), "-p", name]
+        except EngineError as exc:
+            pytest.skip(str(exc))
         for f in files:
             self.base += ["-f", str(REPO / "docker" / f)]
 
@@ -263,8 +144,9 @@ class ComposeProject:
 
 
 @contextlib.contextmanager
-def compose_project(engine: Engine, name: str, env: Mapping[str, str]) -> Iterator[ComposeProject]:
-    project = ComposeProject(engine, name, env)
+def compose_project(engine: Engine, name: str, env: Mapping[str, str],
+                    command: list[str] | None = None) -> Iterator[ComposeProject]:
+    project = ComposeProject(engine, name, env, command=command)
     try:
         yield project
     finally:
