@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -261,8 +262,9 @@ def docker_api(engine: Engine, folder: Path) -> Iterator[str]:
         yield os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
         return
     sock = folder / "docker.sock"
-    service = subprocess.Popen([engine.path, "system", "service", "--time=0", f"unix://{sock}"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    with (folder / "podman-service.log").open("w") as log:
+        service = subprocess.Popen([engine.path, "system", "service", "--time=0", f"unix://{sock}"],
+                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 30
         while not sock.exists():
@@ -272,12 +274,10 @@ def docker_api(engine: Engine, folder: Path) -> Iterator[str]:
     finally:
         service.terminate()
         try:
-            service.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            service.kill()
             service.wait(timeout=10)
-        if service.stderr:
-            service.stderr.close()
+        except subprocess.TimeoutExpired:
+            os.killpg(service.pid, signal.SIGKILL)
+            service.wait(timeout=10)
 
 
 def test_compose_1_starts_the_volunteers_the_file_says(container_images: Images, tmp_path: Path,
