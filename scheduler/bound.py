@@ -66,10 +66,25 @@
   in those summed round trips is at least 3 (f_min x the S x D_a fastest devices' summed 1 / speed + the rest of
   the model's FLOPs x the D_a fastest devices'): the split is shared, so every stage runs on D_a devices.
 * Sync and pipelines together. For a threshold t on the pair cost at the smallest stage's bytes: either some
-  group has a pair >= t (sync >= 2 t), or every group lies inside a component of the graph of pairs < t; a
-  component of c devices holds floor(c / D) groups, so every pipeline crosses between components at least
-  ceil(S / max floor(c / D)) - 1 times, each crossing a round trip >= the cheapest between components, and the
-  phase bounds above apply to that round trip. The smaller of the two cases bounds every plan, for every t.
+  group has a pair >= t (sync >= 2 t), or every group lies inside a component of the graph of pairs < t. Then
+  every pipeline's stage-s device lies in group s's component, so all pipelines visit the same components, at
+  least k of them (the fewest that hold S groups, a component of c devices holding floor(c / D)); their crossing
+  hops join those k, so they contain a spanning tree of them, and by the greedy property of spanning trees its
+  i-th cheapest edge is at least the i-th cheapest edge of a minimum spanning forest of all components that can
+  hold a group (an edge weighing the cheapest pair between two components). So every pipeline's hops cost at
+  least the k - 1 cheapest forest edges (round trips) plus S - k cheapest round trips, and its period is at least
+  the (k - 1)-th cheapest forest edge of link occupancy (bits / bandwidth, the larger direction); the phase
+  bounds above apply to that round trip and period. The smaller of the two cases bounds every plan, for every t.
+* Periods. Every pipeline's period is at least its slowest hop's link occupancy, so at least the cheapest
+  pair's (the larger direction).
+* Split classes. Without a fixed split, the plans are classed by their largest stage's FLOPs phi (every
+  distinct value of a layer range, from the least a split allows): a plan of class phi has period >= 3 phi over
+  the fastest device, and its smallest stage holds at least the fewest bytes of a stage of any split whose
+  stages are all <= phi (a range is such a stage iff the layers before and after it split into the remaining
+  stage counts, each <= phi). The bound is the least over the classes: computed for the class where that
+  smallest stage shrinks (a class of smaller phi and no larger smallest stage already bounds the others'
+  plans), stopped once the phase alone reaches the least so far, and the classes after the first 12 bounded
+  together (their least phi, any split's smallest stage).
 * Sync. A group's sync is twice its slowest pair's ``delay + 8 (P_s / D) / bw``; every group is a D-set whose
   pairs all cost <= its max, so its members keep D - 1 partners in the fixed point of "drop devices with fewer
   than D - 1 partners at cost <= t". All S groups need S x D such devices at the smallest stage's bytes, and
