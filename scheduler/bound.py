@@ -62,7 +62,11 @@
   devices' v but the smallest (the path lemma above), and the k-th largest pipeline minimum is at most the
   (k S)-th largest v, so on the D_a S devices with the smallest v the sum is at least their v less every S-th.
   With M >= D every pipeline starts a micro-batch at time 0 (the pull takes the M earliest starts), so D_a = D
-  and the phase is at least the round trip of the pipeline holding the used device of largest v. The compute
+  and the phase is at least the round trip of the pipeline holding the used device of largest v. Then also, with
+  the D round trips' least value and sum bounded, the phase T must let them end M micro-batches: pipeline r ends
+  at most cap(T, rtt_r) of them by T (its window finish and its period), and the sum of cap over the pipelines is
+  at most D x the least concave majorant of cap(T, .) at their mean round trip (Jensen; it is non-increasing),
+  so the least T where that reaches M bounds the phase. The compute
   in those summed round trips is at least 3 (f_min x the S x D_a fastest devices' summed 1 / speed + the rest of
   the model's FLOPs x the D_a fastest devices'): the split is shared, so every stage runs on D_a devices.
 * Sync and pipelines together. For a threshold t on the pair cost at the smallest stage's bytes: either some
@@ -495,8 +499,60 @@ def _piece_phase(sym: np.ndarray, n_st: int, n_rep: int, n_mb: int, compute: flo
             rtts = max(float(work[active - 1]) + n_slow * slow + (hops - n_slow) * fast_min, access[active - 1])
             mean = min(mean, (rtts + max(0, n_mb - active) * period) / active)
         lo = max(lo, mean)
+        if n_mb >= n_rep:  # rtts: the D pipelines' round trips, summed
+            lo = max(lo, _window_spread(n_mb, n_rep, n_st, rtt_one, rtts, period))
         best = max(best, lo)
     return best
+
+
+def _window_spread(n_mb: int, n_rep: int, window: int, rtt_min: float, rtt_sum: float, period: float) -> float:
+    """Least phase T at which D active pipelines, round trips >= ``rtt_min`` summing to >= ``rtt_sum``, can end
+    all M micro-batches.
+
+    Pipeline r ends its c_r-th micro-batch no sooner than ``W(c_r, rtt_r)`` = max(window finish, rtt_r + (c_r - 1)
+    period), so c_r <= cap(T, rtt_r) = max{c : x_c >= rtt_r}, x_c the largest round trip with W(c, x) <= T; and
+    rtt_r <= T (every pipeline has a micro-batch). cap(T, .) is non-increasing, so its least concave majorant g is
+    too, and sum_r cap(T, rtt_r) <= D g(mean rtt) <= D g(max(rtt_sum / D, rtt_min)) (Jensen). T is feasible only
+    if that reaches M; feasibility grows with T, so bisection finds the least such T.
+    """
+    mean = max(rtt_sum / n_rep, rtt_min)
+    c = np.arange(1, n_mb + 1)
+    q, r = np.divmod(c - 1, window)
+
+    def capacity(t: float) -> float:
+        if mean > t:
+            return 0.0
+        x = np.minimum((t - r * period) / (q + 1), t - (c - 1) * period)
+        keep = x >= rtt_min
+        if not keep.any():
+            return 0.0
+        xs, cs = x[keep], c[keep].astype(float)
+        pts = sorted({(float(rtt_min), float(cs.max()))} | set(zip(xs.tolist(), cs.tolist(), strict=True)))
+        hull: list[tuple[float, float]] = []  # upper hull, x ascending
+        for pt in pts:
+            while len(hull) >= 2 and ((hull[-1][0] - hull[-2][0]) * (pt[1] - hull[-2][1])
+                                      - (hull[-1][1] - hull[-2][1]) * (pt[0] - hull[-2][0])) >= 0:
+                hull.pop()
+            hull.append(pt)
+        hx = np.array([h[0] for h in hull])
+        hy = np.array([h[1] for h in hull])
+        if mean >= hx[-1]:
+            return n_rep * float(hy[-1]) if mean == hx[-1] else 0.0
+        return n_rep * float(np.interp(mean, hx, hy))
+
+    lo = mean
+    hi = _window_finish(math.ceil(n_mb / n_rep), mean, period, window) + (math.ceil(n_mb / n_rep) - 1) * period
+    if capacity(lo) >= n_mb:
+        return lo
+    for _ in range(BISECT_STEPS):
+        if hi - lo <= 1e-9 * max(1.0, hi):
+            break
+        mid = 0.5 * (lo + hi)
+        if capacity(mid) >= n_mb:
+            hi = mid
+        else:
+            lo = mid
+    return lo
 
 
 def _pipeline_work(workload: Workload, n_st: int, n_rep: int, speed: np.ndarray,
@@ -698,7 +754,9 @@ def _sync_split(pair: np.ndarray, trip: np.ndarray, xsym: np.ndarray, n_st: int,
         rtt = compute + rtt_hops
         mean = rtt + max(0, n_mb - n_rep) * per_in / n_rep
         if work is not None and n_mb >= n_rep:  # all D pipelines active: their round trips hold the work
-            mean = max(mean, float(work[n_rep - 1]) / n_rep + rtt_hops + (n_mb - n_rep) * per_in / n_rep)
+            rtt_sum = float(work[n_rep - 1]) + n_rep * rtt_hops
+            mean = max(mean, rtt_sum / n_rep + (n_mb - n_rep) * per_in / n_rep,
+                       _window_spread(n_mb, n_rep, n_st, rtt, rtt_sum, per_in))
         inside = max(phase, _window_finish(most, rtt, per_in, n_st), mean)
         best = max(best, min(spread, inside + 2.0 * sync))
     return best

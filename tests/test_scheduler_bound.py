@@ -13,7 +13,14 @@ import numpy as np
 import pytest
 
 from scheduler import Cluster, Workload
-from scheduler.bound import _partitions, access_pp_bound, dtfm_lower_bound, full_lower_bound
+from scheduler.bound import (
+    _partitions,
+    _window_finish,
+    _window_spread,
+    access_pp_bound,
+    dtfm_lower_bound,
+    full_lower_bound,
+)
 from scheduler.cost_dtfm import DtfmPairs
 from scheduler.cost_full import predict
 from scheduler.plan import Plan
@@ -205,3 +212,22 @@ def test_full_bound_proves_the_optimum_when_groups_inside_regions_force_a_thin_c
     w = Workload.gpt(4, 256, 4, 128, 2000, 2, 16, stages=3, replicas=2)
     best = full_costs(c, w, 3, 2, layer_splits(4, 3))
     assert best * (1 - 1e-9) <= full_lower_bound(c, w, 3, 2) <= best * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_window_spread_never_above_the_best_assignment_of_micro_batches(seed: int) -> None:
+    """Pipelines of given round trips, every split of M micro-batches among them (each >= 1): the least phase
+    over the splits is never below the bound from the round trips' least value and sum."""
+    rng = np.random.default_rng(seed)
+    n_rep, window = int(rng.integers(1, 4)), int(rng.integers(1, 5))
+    n_mb = int(rng.integers(n_rep, 13))
+    period = float(rng.uniform(0.1, 1.0))
+    rtt = rng.uniform(0.2, 8.0, size=n_rep) * (1.0 if seed % 2 else rng.choice([1.0, 5.0], size=n_rep))
+
+    def end(c: int, x: float) -> float:
+        return max(_window_finish(c, x, period, window), x + (c - 1) * period)
+
+    best = min(max(end(c, x) for c, x in zip(split, rtt, strict=True))
+               for split in itertools.product(range(1, n_mb + 1), repeat=n_rep) if sum(split) == n_mb)
+    bound = _window_spread(n_mb, n_rep, window, float(rtt.min()), float(rtt.sum()), period)
+    assert float(rtt.mean()) <= bound <= best * (1 + 1e-9)
