@@ -62,14 +62,33 @@
   devices' v but the smallest (the path lemma above), and the k-th largest pipeline minimum is at most the
   (k S)-th largest v, so on the D_a S devices with the smallest v the sum is at least their v less every S-th.
   With M >= D every pipeline starts a micro-batch at time 0 (the pull takes the M earliest starts), so D_a = D
-  and the phase is at least the round trip of the pipeline holding the used device of largest v. The compute
+  and the phase is at least the round trip of the pipeline holding the used device of largest v. Then also, with
+  the D round trips' least value and sum bounded, the phase T must let them end M micro-batches: pipeline r ends
+  at most cap(T, rtt_r) of them by T (its window finish and its period), and the sum of cap over the pipelines is
+  at most D x the least concave majorant of cap(T, .) at their mean round trip (Jensen; it is non-increasing),
+  so the least T where that reaches M bounds the phase. The compute
   in those summed round trips is at least 3 (f_min x the S x D_a fastest devices' summed 1 / speed + the rest of
   the model's FLOPs x the D_a fastest devices'): the split is shared, so every stage runs on D_a devices.
 * Sync and pipelines together. For a threshold t on the pair cost at the smallest stage's bytes: either some
-  group has a pair >= t (sync >= 2 t), or every group lies inside a component of the graph of pairs < t; a
-  component of c devices holds floor(c / D) groups, so every pipeline crosses between components at least
-  ceil(S / max floor(c / D)) - 1 times, each crossing a round trip >= the cheapest between components, and the
-  phase bounds above apply to that round trip. The smaller of the two cases bounds every plan, for every t.
+  group has a pair >= t (sync >= 2 t), or every group lies inside a component of the graph of pairs < t. Then
+  every pipeline's stage-s device lies in group s's component, so all pipelines visit the same components, at
+  least k of them (the fewest that hold S groups, a component of c devices holding floor(c / D)); their crossing
+  hops join those k, so they contain a spanning tree of them, and by the greedy property of spanning trees its
+  i-th cheapest edge is at least the i-th cheapest edge of a minimum spanning forest of all components that can
+  hold a group (an edge weighing the cheapest pair between two components). So every pipeline's hops cost at
+  least the k - 1 cheapest forest edges (round trips) plus S - k cheapest round trips, and its period is at least
+  the (k - 1)-th cheapest forest edge of link occupancy (bits / bandwidth, the larger direction); the phase
+  bounds above apply to that round trip and period. The smaller of the two cases bounds every plan, for every t.
+* Periods. Every pipeline's period is at least its slowest hop's link occupancy, so at least the cheapest
+  pair's (the larger direction).
+* Split classes. Without a fixed split, the plans are classed by their largest stage's FLOPs phi (every
+  distinct value of a layer range, from the least a split allows): a plan of class phi has period >= 3 phi over
+  the fastest device, and its smallest stage holds at least the fewest bytes of a stage of any split whose
+  stages are all <= phi (a range is such a stage iff the layers before and after it split into the remaining
+  stage counts, each <= phi). The bound is the least over the classes: computed for the class where that
+  smallest stage shrinks (a class of smaller phi and no larger smallest stage already bounds the others'
+  plans), stopped once the phase alone reaches the least so far, and the classes after the first 12 bounded
+  together (their least phi, any split's smallest stage).
 * Sync. A group's sync is twice its slowest pair's ``delay + 8 (P_s / D) / bw``; every group is a D-set whose
   pairs all cost <= its max, so its members keep D - 1 partners in the fixed point of "drop devices with fewer
   than D - 1 partners at cost <= t". All S groups need S x D such devices at the smallest stage's bytes, and
@@ -480,8 +499,60 @@ def _piece_phase(sym: np.ndarray, n_st: int, n_rep: int, n_mb: int, compute: flo
             rtts = max(float(work[active - 1]) + n_slow * slow + (hops - n_slow) * fast_min, access[active - 1])
             mean = min(mean, (rtts + max(0, n_mb - active) * period) / active)
         lo = max(lo, mean)
+        if n_mb >= n_rep:  # rtts: the D pipelines' round trips, summed
+            lo = max(lo, _window_spread(n_mb, n_rep, n_st, rtt_one, rtts, period))
         best = max(best, lo)
     return best
+
+
+def _window_spread(n_mb: int, n_rep: int, window: int, rtt_min: float, rtt_sum: float, period: float) -> float:
+    """Least phase T at which D active pipelines, round trips >= ``rtt_min`` summing to >= ``rtt_sum``, can end
+    all M micro-batches.
+
+    Pipeline r ends its c_r-th micro-batch no sooner than ``W(c_r, rtt_r)`` = max(window finish, rtt_r + (c_r - 1)
+    period), so c_r <= cap(T, rtt_r) = max{c : x_c >= rtt_r}, x_c the largest round trip with W(c, x) <= T; and
+    rtt_r <= T (every pipeline has a micro-batch). cap(T, .) is non-increasing, so its least concave majorant g is
+    too, and sum_r cap(T, rtt_r) <= D g(mean rtt) <= D g(max(rtt_sum / D, rtt_min)) (Jensen). T is feasible only
+    if that reaches M; feasibility grows with T, so bisection finds the least such T.
+    """
+    mean = max(rtt_sum / n_rep, rtt_min)
+    c = np.arange(1, n_mb + 1)
+    q, r = np.divmod(c - 1, window)
+
+    def capacity(t: float) -> float:
+        if mean > t:
+            return 0.0
+        x = np.minimum((t - r * period) / (q + 1), t - (c - 1) * period)
+        keep = x >= rtt_min
+        if not keep.any():
+            return 0.0
+        xs, cs = x[keep], c[keep].astype(float)
+        pts = sorted({(float(rtt_min), float(cs.max()))} | set(zip(xs.tolist(), cs.tolist(), strict=True)))
+        hull: list[tuple[float, float]] = []  # upper hull, x ascending
+        for pt in pts:
+            while len(hull) >= 2 and ((hull[-1][0] - hull[-2][0]) * (pt[1] - hull[-2][1])
+                                      - (hull[-1][1] - hull[-2][1]) * (pt[0] - hull[-2][0])) >= 0:
+                hull.pop()
+            hull.append(pt)
+        hx = np.array([h[0] for h in hull])
+        hy = np.array([h[1] for h in hull])
+        if mean >= hx[-1]:
+            return n_rep * float(hy[-1]) if mean == hx[-1] else 0.0
+        return n_rep * float(np.interp(mean, hx, hy))
+
+    lo = mean
+    hi = _window_finish(math.ceil(n_mb / n_rep), mean, period, window) + (math.ceil(n_mb / n_rep) - 1) * period
+    if capacity(lo) >= n_mb:
+        return lo
+    for _ in range(BISECT_STEPS):
+        if hi - lo <= 1e-9 * max(1.0, hi):
+            break
+        mid = 0.5 * (lo + hi)
+        if capacity(mid) >= n_mb:
+            hi = mid
+        else:
+            lo = mid
+    return lo
 
 
 def _pipeline_work(workload: Workload, n_st: int, n_rep: int, speed: np.ndarray,
@@ -502,12 +573,54 @@ def _pipeline_work(workload: Workload, n_st: int, n_rep: int, speed: np.ndarray,
     return 3.0 * (f_min * inv[active * n_st - 1] + (flops - n_st * f_min) * inv[active - 1])
 
 
+PHI_MAX_TRIES = 12  # split classes (largest stage's FLOPs) bounded one by one; the rest are bounded together
+
+
+def _split_tables(workload: Workload) -> tuple[np.ndarray, np.ndarray]:
+    """Forward FLOPs and parameter bytes of every layer range [a, b) (inf / nan where b <= a)."""
+    n_lay = workload.n_layers
+    flops = np.full((n_lay + 1, n_lay + 1), np.inf)
+    size = np.full((n_lay + 1, n_lay + 1), np.inf)
+    for a in range(n_lay):
+        for b in range(a + 1, n_lay + 1):
+            flops[a, b] = workload.stage_forward_flops(a, b)
+            size[a, b] = workload.stage_param_bytes(a, b)
+    return flops, size
+
+
+def _smallest_stage_bytes(flops: np.ndarray, size: np.ndarray, n_st: int, phi: float) -> float:
+    """Least parameter bytes of a stage of any contiguous split into S stages of at most ``phi`` FLOPs each.
+
+    A range [a, b) is a stage of such a split iff the a layers before it split into s1 stages and the layers
+    after it into S - 1 - s1, each <= phi: a prefix of a layers splits into any count from the fewest (a DP)
+    to a (splitting a stage never raises its FLOPs), and likewise a suffix.
+    """
+    n_lay = flops.shape[0] - 1
+    ok = flops <= phi
+    pre = np.full(n_lay + 1, n_lay + 1)
+    pre[0] = 0
+    for b in range(1, n_lay + 1):
+        cand = pre[:b][ok[:b, b]]
+        pre[b] = cand.min() + 1 if len(cand) else n_lay + 1
+    suf = np.full(n_lay + 1, n_lay + 1)
+    suf[n_lay] = 0
+    for a in range(n_lay - 1, -1, -1):
+        cand = suf[a + 1:][ok[a, a + 1:]]
+        suf[a] = cand.min() + 1 if len(cand) else n_lay + 1
+    a_idx, b_idx = np.nonzero(ok)
+    lo = np.maximum(pre[a_idx], n_st - 1 - (n_lay - b_idx))
+    hi = np.minimum(a_idx, n_st - 1 - suf[b_idx])
+    fit = lo <= hi
+    return float(size[a_idx[fit], b_idx[fit]].min()) if fit.any() else float("inf")
+
+
 def full_lower_bound(cluster: Cluster, workload: Workload, n_st: int, n_rep: int,
                      stages: list[tuple[int, int]] | None = None, quick: bool = False) -> float:
     """Bound of the ``full`` model: pipeline phase (work, round trip, window) + the largest sync (module doc).
 
-    ``stages``: the layer split when it is fixed; otherwise the bound holds for every split. ``quick``: without
-    the sync split (a threshold sweep over the pairs).
+    ``stages``: the layer split when it is fixed; otherwise the bound is the least over the split classes
+    (largest stage's FLOPs phi, which sets the period, and the smallest stage's bytes such splits allow, which
+    prices the sync), so it holds for every split. ``quick``: without the sync split (a threshold sweep).
     """
     need = n_st * n_rep
     if cluster.n < need:
@@ -515,46 +628,103 @@ def full_lower_bound(cluster: Cluster, workload: Workload, n_st: int, n_rep: int
     n_lay, n_mb = workload.n_layers, workload.n_microbatches
     f3 = 3.0 * workload.stage_forward_flops(0, n_lay)  # forward FLOPs add up over any split
     speed = np.sort(cluster.tflops)[::-1] * 1e12
-    total_speed = speed[:need].sum()
-    walk = 0.0
-    if n_st > 1:
-        link = cluster.transfer_s(workload.activation_bytes())
-        walk = _walk_bound(link + link.T, n_st, 1)
-    rtt = f3 / speed[0] + walk
-    biggest = (max(workload.stage_forward_flops(a, b) for a, b in stages) if stages is not None
-               else _min_max_stage_flops(workload, n_st))
-    period = 3.0 * biggest / speed[0]  # every pipeline's slowest stage takes at least this per micro-batch
-    most = math.ceil(n_mb / n_rep)  # micro-batches of the busiest pipeline, at least
-    extra = max(0, n_mb - n_rep)
-    phase = max(f3 * n_mb / total_speed, rtt + extra * max(f3 / total_speed, period / n_rep),
-                _window_finish(most, rtt, period, n_st))
-    if n_st > 1:
-        phase = max(phase, _piece_phase(link + link.T, n_st, n_rep, n_mb, f3 / speed[0], period,
-                                        _pipeline_work(workload, n_st, n_rep, speed, stages)))
-    if n_rep < 2:
-        return float(phase)
+    link = cluster.transfer_s(workload.activation_bytes())
+    xfer = 8.0 * workload.activation_bytes() / cluster.bandwidth_bps
+    np.fill_diagonal(xfer, 0.0)
+    trip, xsym = link + link.T, np.maximum(xfer, xfer.T)
+    work = _pipeline_work(workload, n_st, n_rep, speed, stages) if n_st > 1 else None
     if stages is not None:
-        sizes = [workload.stage_param_bytes(a, b) for a, b in stages]
-        small, large = min(sizes), max(sizes)
+        classes = [(max(workload.stage_forward_flops(a, b) for a, b in stages),
+                    min(workload.stage_param_bytes(a, b) for a, b in stages))]
+        large = max(workload.stage_param_bytes(a, b) for a, b in stages)
     else:
+        ftab, btab = _split_tables(workload)
+        phi0 = _min_max_stage_flops(workload, n_st)
+        phis = np.unique(ftab[np.isfinite(ftab) & (ftab >= phi0 * (1 - 1e-12))])
+        classes = [(float(p), _smallest_stage_bytes(ftab, btab, n_st, float(p))) for p in phis[:PHI_MAX_TRIES]]
+        if len(phis) > PHI_MAX_TRIES:  # every larger phi together: its least period, any split's smallest stage
+            classes.append((float(phis[PHI_MAX_TRIES]), float(np.nanmin(np.where(np.isfinite(ftab), btab, np.nan)))))
         width = -(-n_lay // n_st)
-        small = min(workload.stage_param_bytes(a, a + 1) for a in range(n_lay))
         large = min(workload.stage_param_bytes(a, a + width) for a in range(n_lay - width + 1))
 
     def pair_cost(nbytes: float) -> np.ndarray:
         return cluster.delay_s + 8.0 * (nbytes / n_rep) / cluster.bandwidth_bps
 
-    sync = max(_clique_threshold(pair_cost(small), n_rep, need), _clique_threshold(pair_cost(large), n_rep, n_rep))
-    out = phase + 2.0 * sync
-    if n_st > 1 and not quick:
-        out = max(out, _sync_split(pair_cost(small), link + link.T, n_st, n_rep, n_mb, f3 / speed[0], period,
-                                   phase, sync))
-    return float(out)
+    sync_large = _clique_threshold(pair_cost(large), n_rep, n_rep) if n_rep > 1 else 0.0
+    walk = _walk_bound(trip, n_st, 1) if n_st > 1 else 0.0
+    hop_x = float(xsym[~np.eye(cluster.n, dtype=bool)].min()) if n_st > 1 else 0.0
+    best, covered = float("inf"), float("inf")
+    for phi, small in classes:  # ascending phi: the phase only grows, so stop once it alone reaches the best
+        if small >= covered:  # a class of smaller phi and no larger smallest stage already bounds these plans
+            continue
+        covered = small
+        # every pipeline's period is at least its slowest stage (>= 3 phi on the fastest device) and its
+        # slowest hop's link occupancy
+        period = max(3.0 * phi / speed[0], hop_x)
+        phase = _phase_bound(f3, speed, need, n_mb, n_rep, n_st, f3 / speed[0] + walk, period)
+        if phase + 2.0 * sync_large >= best:
+            break
+        if n_st > 1:
+            phase = max(phase, _piece_phase(trip, n_st, n_rep, n_mb, f3 / speed[0], period, work))
+        if n_rep < 2:
+            best = min(best, phase)
+            continue
+        sync = max(_clique_threshold(pair_cost(small), n_rep, need), sync_large)
+        out = phase + 2.0 * sync
+        if n_st > 1 and not quick:
+            out = max(out, _sync_split(pair_cost(small), trip, xsym, n_st, n_rep, n_mb, f3 / speed[0], period,
+                                       phase, sync, work))
+        best = min(best, out)
+    return float(best)
 
 
-def _sync_split(pair: np.ndarray, trip: np.ndarray, n_st: int, n_rep: int, n_mb: int, compute: float,
-                period: float, phase: float, sync: float) -> float:
-    """Max over t of min(sync >= 2 t, or every group inside a component of pairs < t) (see the module doc)."""
+def _phase_bound(f3: float, speed: np.ndarray, need: int, n_mb: int, n_rep: int, n_st: int, rtt: float,
+                 period: float) -> float:
+    """Work over the S x D fastest devices; round trip + (M - D) periods shared; the busiest pipeline's window."""
+    total_speed = speed[:need].sum()
+    extra = max(0, n_mb - n_rep)
+    return max(f3 * n_mb / total_speed, rtt + extra * max(f3 / total_speed, period / n_rep),
+               _window_finish(math.ceil(n_mb / n_rep), rtt, period, n_st))
+
+
+def _component_tree(labels: np.ndarray, hosts: np.ndarray, weights: list[np.ndarray]) -> list[np.ndarray]:
+    """Per weight matrix: the sorted edge weights of a minimum spanning forest of the hosting components, an
+    edge between two components weighing the cheapest pair between them."""
+    out = []
+    keep = np.isin(labels, hosts)
+    lab = labels[keep]
+    order = np.argsort(lab, kind="stable")
+    lab = lab[order]
+    starts = np.flatnonzero(np.r_[True, lab[1:] != lab[:-1]])
+    for w in weights:
+        sub = w[np.ix_(np.flatnonzero(keep)[order], np.flatnonzero(keep)[order])]
+        comp = np.minimum.reduceat(np.minimum.reduceat(sub, starts, axis=0), starts, axis=1)
+        np.fill_diagonal(comp, np.inf)
+        k = comp.shape[0]
+        edges = []
+        if k > 1:
+            inside = np.zeros(k, dtype=bool)
+            inside[0] = True
+            near = comp[0].copy()
+            for _ in range(k - 1):
+                j = int(np.argmin(np.where(inside, np.inf, near)))
+                edges.append(float(near[j]))
+                inside[j] = True
+                near = np.minimum(near, comp[j])
+        out.append(np.sort(np.array(edges)))
+    return out
+
+
+def _sync_split(pair: np.ndarray, trip: np.ndarray, xsym: np.ndarray, n_st: int, n_rep: int, n_mb: int,
+                compute: float, period: float, phase: float, sync: float, work: np.ndarray | None) -> float:
+    """Max over t of min(sync >= 2 t, or every group inside a component of pairs < t) (see the module doc).
+
+    Inside: every pipeline's stage-s device lies in the component of group s, so all pipelines visit the same
+    components, at least k of them (the fewest hosting components that hold S groups), joined by crossing hops
+    that contain a spanning tree of those k: by the greedy property of spanning trees, their i-th cheapest is at
+    least the i-th cheapest edge of a minimum spanning forest of all hosting components (round trips for the
+    round trip, link occupancy for the period).
+    """
     n = pair.shape[0]
     off = ~np.eye(n, dtype=bool)
     sym = np.maximum(pair, pair.T)
@@ -574,11 +744,20 @@ def _sync_split(pair: np.ndarray, trip: np.ndarray, n_st: int, n_rep: int, n_mb:
         if per.sum() < n_st or per.max() == 0:
             best = max(best, spread)  # the groups cannot all stay inside components
             continue
-        cross = math.ceil(n_st / int(per.max())) - 1  # hops of every pipeline between components
-        apart = labels[:, None] != labels[None, :]
-        hop = float(trip[apart].min()) if apart.any() else fast_min
-        rtt = compute + cross * hop + (n_st - 1 - cross) * fast_min
-        inside = max(phase, _window_finish(most, rtt, period, n_st), rtt + max(0, n_mb - n_rep) * period / n_rep)
+        visit = int(np.searchsorted(np.cumsum(np.sort(per)[::-1]), n_st)) + 1  # components every pipeline visits
+        rtt_hops = (n_st - visit) * fast_min
+        per_in = period
+        if visit > 1:
+            tree_trip, tree_x = _component_tree(labels, np.flatnonzero(per > 0), [trip, xsym])
+            rtt_hops += float(tree_trip[: visit - 1].sum())
+            per_in = max(period, float(tree_x[visit - 2]))
+        rtt = compute + rtt_hops
+        mean = rtt + max(0, n_mb - n_rep) * per_in / n_rep
+        if work is not None and n_mb >= n_rep:  # all D pipelines active: their round trips hold the work
+            rtt_sum = float(work[n_rep - 1]) + n_rep * rtt_hops
+            mean = max(mean, rtt_sum / n_rep + (n_mb - n_rep) * per_in / n_rep,
+                       _window_spread(n_mb, n_rep, n_st, rtt, rtt_sum, per_in))
+        inside = max(phase, _window_finish(most, rtt, per_in, n_st), mean)
         best = max(best, min(spread, inside + 2.0 * sync))
     return best
 
