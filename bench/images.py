@@ -229,6 +229,12 @@ def startup_seconds(engine: Engine, image: str) -> float:
         engine.remove(name)
 
 
+def dangling(engine: Engine) -> list[str]:
+    """Ids of untagged images (build stages kept as the builder's cache)."""
+    out = engine.run("images", "-q", "--filter", "dangling=true", check=False, timeout=60).stdout
+    return out.split()
+
+
 def measure(gpu: bool, log_dir: Path) -> dict[str, Any]:
     engine, reason = find_engine()
     if engine is None:
@@ -241,7 +247,11 @@ def measure(gpu: bool, log_dir: Path) -> dict[str, Any]:
     result: dict[str, Any] = {"engine": engine.name, "base_image_s": base_s, "images": {}}
     for key, dockerfile, tag, torch_args, local in wanted:
         print(f"[images] building {tag} from {dockerfile} ...", file=sys.stderr, flush=True)
+        before = set(dangling(engine))
         built = build_image(engine, dockerfile, tag, torch_args, log_dir / f"build-{key}.log", local_wheels=local)
+        if key == "gpu":  # its build stage (several GB) serves no other image: not kept as cache
+            result["gpu_build_stage_removed"] = [i for i in dangling(engine) if i not in before]
+            engine.run("rmi", *result["gpu_build_stage_removed"], check=False, timeout=300)
         facts = probe_torch(engine, tag)
         result["images"][key] = {"tag": tag, "dockerfile": dockerfile, "build_s": round(built.seconds, 1),
                                  "size_gb": round(built.size_bytes / 1e9, 2), "torch": facts["torch"],
