@@ -679,12 +679,27 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"where to write the loss-penalty table (default {PENALTY_PATH}; quick: not written)")
     parser.add_argument("--plot", type=Path, default=None, help=f"plot file (default {DEFAULT_PLOT}; quick: none)")
     parser.add_argument("--search-seconds", type=float, default=20.0, help="time limit of each placement search")
+    parser.add_argument("--measured", action="store_true",
+                        help="instead: the scheduler's choice against exact training on the emulated 8-peer swarm "
+                        "of real processes, to exact training's loss (bench.bandwidth_measured)")
     parser.add_argument("--validate", action="store_true",
                         help="instead: real runtime steps on the scaled world-wide network vs the modeled step time")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     if args.validate:
         print(json.dumps(validate(args.steps or 8)))
+        return 0
+    if args.measured:
+        from bench.bandwidth_measured import MeasuredConfig, measured
+
+        mcfg = MeasuredConfig().small() if args.quick else MeasuredConfig()
+        if args.steps is not None:
+            mcfg = replace(mcfg, steps=max(2, args.steps))
+        got = measured(mcfg)
+        print(json.dumps(got) if args.json else
+              f"chosen {got['chosen']['compression']} + {got['chosen']['sync']}: measured speed-up "
+              f"{got['measured_speedup']}, modeled {got['modeled_speedup']}, final loss gap "
+              f"{got['final_loss_gap']:+.2%}, bytes/step {got['bytes_per_step']}")
         return 0
     cfg = QUICK if args.quick else TrainConfig()
     if args.steps is not None:
