@@ -12,8 +12,8 @@ placements of its 4 stages x N/4 replicas:
 * ``random``: ``scheduler.baselines.random_plan`` (seed ``random_seed``), exact training;
 * ``exact``: ``scheduler.plan`` without compression: the best exact plan the search finds.
 
-Each row carries the measured seconds per step (mean over the steps after warm-up, in whole sync periods so
-that a DiLoCo run counts its outer rounds), tokens/s, the cost model's prediction of that run
+Each row carries the measured seconds per step (after warm-up, the median over whole sync periods of each
+period's mean, so that a DiLoCo run counts its outer rounds), tokens/s, the cost model's prediction of that run
 (``scheduler.compression.predict``, which is ``cost_full`` for exact training), the ``full`` model's lower bound
 for exact training of that split (``scheduler.bound.lower_bound``), and ``efficiency``: measured tokens/s over
 the sum of the devices' emulated throughput (each device's TFLOP/s over the model's training FLOPs per token,
@@ -55,7 +55,7 @@ from scheduler import Cluster, Plan, Workload, plan
 from scheduler.baselines import random_plan
 from scheduler.bound import lower_bound
 from scheduler.cluster import load_scenario
-from scheduler.compression import Choice, CompressionSpace, PenaltyTable, SyncOption
+from scheduler.compression import Choice, CompressionSpace, PenaltyTable, SyncOption, timing_for
 from scheduler.compression import predict as choice_predict
 
 log = logging.getLogger("bench.scaling")
@@ -175,6 +175,40 @@ def _choice_from_dict(d: dict[str, Any]) -> Choice:
     return Choice(tuple(d["activation"]), SyncOption.parse(d["sync"]))
 
 
+def profile(cluster: Cluster, workload: Workload, c: Candidate) -> dict[str, Any]:
+    """Where one step's time goes, by the ``full`` model's timing of this plan (seconds per step).
+
+    The pipeline phase of the slowest pipeline is split into its first micro-batch's round trip (compute on
+    each stage, link serialisation, one-way delays) and what the micro-batches behind it add (``queue_s``: waiting
+    on the slowest op or link, or on the window of ``stages`` in flight); ``averaging_s`` is the data-parallel
+    phase (amortised over a DiLoCo period). ``control_s`` is *not* emulated here (the coordinator sits on an
+    unshaped loopback address): the feeder holds a window slot until the micro-batch's commit returns, and
+    leases the next one after, so each window turn after the first pays a commit and a lease round trip to the
+    leader, and the first lease one; the estimate puts the leader at the median one-way delay from the
+    pipeline's first stage.
+    """
+    t = timing_for(cluster, workload, c.plan, c.choice)
+    pred = c.predicted
+    r = int(max(range(t.replicas), key=lambda i: pred["round_trip_s"][i]))
+    k = int(pred["microbatches"][r])
+    compute = float((t.fwd[r] + t.bwd[r]).sum())
+    wire = float((t.xfer_fwd[r] + t.xfer_bwd[r]).sum()) if t.stages > 1 else 0.0
+    delay = float((t.hop_fwd[r] + t.hop_bwd[r]).sum()) - wire if t.stages > 1 else 0.0
+    head = int(c.plan.pipelines[r][0])
+    others = [float(cluster.delay_s[head, j]) for j in range(cluster.n) if j != head]
+    leader_rtt = 2.0 * float(sorted(others)[len(others) // 2]) if others else 0.0
+    turns = max(0, -(-k // t.window) - 1)
+    return {
+        "pipeline": r, "microbatches": k, "window": int(t.window),
+        "round_trip": {"compute_s": compute, "wire_s": wire, "delay_s": delay},
+        "queue_s": float(pred["pipeline_s"]) - (compute + wire + delay),
+        "averaging_s": float(pred["dp_s"]),
+        "control_s_not_emulated": leader_rtt * (1 + 2 * turns),
+        "leader_rtt_s": leader_rtt,
+        "compute_share": float(pred["compute_s"]) / float(pred["total_s"]),
+    }
+
+
 def device_tokens_per_s(cluster: Cluster, workload: Workload) -> float:
     """Sum over devices of the tokens/s each would train alone at its emulated speed (3 x forward FLOPs)."""
     tokens = workload.micro_batch * workload.seq_len
@@ -183,11 +217,12 @@ def device_tokens_per_s(cluster: Cluster, workload: Workload) -> float:
 
 
 def measured_step_s(run: PlanRun, warmup: int, period: int) -> float:
-    """Mean seconds per step after warm-up, over whole sync periods (a DiLoCo step's time depends on whether
-    its outer round falls in it); the median is not used for that reason."""
+    """Median over the whole sync periods after warm-up of each period's mean seconds per step: a DiLoCo
+    step's time depends on whether its outer round falls in it, and the median keeps one step disturbed by
+    this machine's load (a straggler copy, a late worker) from moving the figure; period 1: the median step."""
     kept = run.step_seconds[warmup:]
-    whole = len(kept) - len(kept) % period if len(kept) >= period else len(kept)
-    return float(statistics.fmean(kept[:whole]))
+    chunks = [kept[i:i + period] for i in range(0, len(kept) - period + 1, period)] or [kept]
+    return float(statistics.median(statistics.fmean(c) for c in chunks))
 
 
 def _run(cfg: ScalingConfig, cluster: Cluster, workload: Workload, c: Candidate, replicas: int,
@@ -230,6 +265,7 @@ def measure_size(cfg: ScalingConfig, n: int, log_dir: str | None = None) -> list
             "predicted_step_s": float(c.predicted["total_s"]), "lower_bound_step_s": bound,
             "predicted_pipeline_s": float(c.predicted["pipeline_s"]), "predicted_dp_s": float(c.predicted["dp_s"]),
             "tokens_per_step": tokens_per_step, "device_tokens_per_s_sum": ideal, "attempts": attempts,
+            "profile": profile(cluster, workload, c),
             "load_before": round(load_before, 2),
         }
         if run is None:

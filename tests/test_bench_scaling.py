@@ -43,10 +43,11 @@ def test_bad_settings_name_the_setting(change: dict, needle: str) -> None:
         replace(ScalingConfig(), **change).validate()
 
 
-def test_step_time_is_the_mean_over_whole_sync_periods() -> None:
-    run = PlanRun(step_seconds=[9.0, 1.0, 3.0, 1.0, 3.0, 1.0], losses=[0.0] * 6, ended_at_s=[0.0] * 6)
-    assert measured_step_s(run, warmup=1, period=1) == pytest.approx(9.0 / 5)
-    assert measured_step_s(run, warmup=1, period=2) == pytest.approx(2.0)  # the odd last step is left out
+def test_step_time_is_the_median_over_whole_sync_periods() -> None:
+    run = PlanRun(step_seconds=[9.0, 1.0, 3.0, 1.0, 3.0, 1.0, 7.0, 5.0], losses=[0.0] * 8, ended_at_s=[0.0] * 8)
+    assert measured_step_s(run, warmup=1, period=1) == pytest.approx(3.0)  # median of 1, 3, 1, 3, 1, 7, 5
+    # periods (1, 3), (1, 3), (1, 7): means 2, 2, 4; the odd last step is left out
+    assert measured_step_s(run, warmup=1, period=2) == pytest.approx(2.0)
 
 
 def test_headline_divides_random_by_scheduled() -> None:
