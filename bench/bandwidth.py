@@ -606,10 +606,14 @@ VALIDATE_BANDWIDTH_SCALE = 1e-3  # world-wide links of 0.34-1.16 Gbit/s become 0
 VALIDATE_FWD_S = 0.02  # emulated forward time of a middle stage per micro-batch
 
 
-def validate(steps: int = 8) -> dict[str, Any]:
+VALIDATE_OPTIONS = (("none", EXACT), ("int4", EXACT), ("none", SyncOption(4, "int8")))
+
+
+def validate(steps: int = 8, options: tuple[tuple[str, SyncOption], ...] = VALIDATE_OPTIONS) -> dict[str, Any]:
     """Real steps of the runtime (8 worker processes on loopback, links shaped to the scaled world-wide
-    scenario, compute emulated) for exact training, int4 activations, and DiLoCo H=4 with int8
-    pseudo-gradients, against the ``full`` model's prediction of the same scaled run."""
+    scenario, compute emulated) for each (activation codec, sync) of ``options`` (default: exact training,
+    int4 activations, and DiLoCo H=4 with int8 pseudo-gradients), against the ``full`` model's prediction of
+    the same scaled run."""
     from peer.compute.stage import OptimConfig
     from peer.emulation.local import LocalSwarm
     from peer.emulation.network import link_model, scaled_cluster
@@ -625,7 +629,7 @@ def validate(steps: int = 8) -> dict[str, Any]:
     model = ModelConfig(n_layers=w.n_layers, d_model=w.d_model, n_heads=w.n_heads, seq_len=w.seq_len, seed=1)
     out: dict[str, Any] = {"bandwidth_scale": VALIDATE_BANDWIDTH_SCALE, "tflops_per_device": 50.0 * tflops_scale,
                            "pipelines": pipelines, "steps": steps}
-    for act, sync in (("none", EXACT), ("int4", EXACT), ("none", SyncOption(4, "int8"))):
+    for act, sync in options:
         choice = Choice((act,) * 3, sync)
         spec = RunSpec(run_id="bench-bandwidth", model=model, optim=OptimConfig(lr=3e-3, eps=1e-3), seed=3,
                        micro_batch=w.micro_batch, n_microbatches=w.n_microbatches, compression=act,
@@ -679,12 +683,27 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"where to write the loss-penalty table (default {PENALTY_PATH}; quick: not written)")
     parser.add_argument("--plot", type=Path, default=None, help=f"plot file (default {DEFAULT_PLOT}; quick: none)")
     parser.add_argument("--search-seconds", type=float, default=20.0, help="time limit of each placement search")
+    parser.add_argument("--measured", action="store_true",
+                        help="instead: the scheduler's choice against exact training on the emulated 8-peer swarm "
+                        "of real processes, to exact training's loss (bench.bandwidth_measured)")
     parser.add_argument("--validate", action="store_true",
                         help="instead: real runtime steps on the scaled world-wide network vs the modeled step time")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     if args.validate:
         print(json.dumps(validate(args.steps or 8)))
+        return 0
+    if args.measured:
+        from bench.bandwidth_measured import MeasuredConfig, measured
+
+        mcfg = MeasuredConfig().small() if args.quick else MeasuredConfig()
+        if args.steps is not None:
+            mcfg = replace(mcfg, steps=max(2, args.steps))
+        got = measured(mcfg)
+        print(json.dumps(got) if args.json else
+              f"chosen {got['chosen']['compression']} + {got['chosen']['sync']}: measured speed-up "
+              f"{got['measured_speedup']}, modeled {got['modeled_speedup']}, final loss gap "
+              f"{got['final_loss_gap']:+.2%}, bytes/step {got['bytes_per_step']}")
         return 0
     cfg = QUICK if args.quick else TrainConfig()
     if args.steps is not None:

@@ -250,7 +250,8 @@ def timing_for(cluster: Cluster, workload: Workload, plan: Plan, choice: Choice,
     t = _with_activation(cluster, workload, timing(cluster, workload, plan, flops), choice.activation)
     if choice.sync != EXACT:
         factor = bytes_per_element(choice.sync.pseudo_grad_compression, workload.param_bytes) / workload.param_bytes
-        t = replace(t, sync=sync_times(cluster, workload, plan.stages, t.m, factor) / choice.sync.period)
+        t = replace(t, sync=sync_times(cluster, workload, plan.stages, t.m, factor, digests=False)
+                  / choice.sync.period)
     return t
 
 

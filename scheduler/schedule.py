@@ -48,13 +48,17 @@ def stage_flops(workload: Workload, stages: list[tuple[int, int]]) -> np.ndarray
 
 
 def sync_times(cluster: Cluster, workload: Workload, stages: list[tuple[int, int]], m: np.ndarray,
-               bytes_factor: float = 1.0) -> np.ndarray:
-    """Per stage: 2 phases x max over ordered member pairs of (delay + 8 (P_s / D) / bw).
+               bytes_factor: float = 1.0, digests: bool = True) -> np.ndarray:
+    """Per stage: 2 phases x max over ordered member pairs of (delay + 8 (P_s / D) / bw), plus, with
+    ``digests``, the largest one-way delay between members.
 
     ``bytes_factor`` scales the bytes sent (a compressed pseudo-gradient, :mod:`scheduler.compression`).
 
     Reduce-scatter then all-gather: in each phase every member sends a 1/D shard of the stage gradient to
-    every other member at once, over independent links, so a phase lasts as long as its slowest pair.
+    every other member at once, over independent links, so a phase lasts as long as its slowest pair. An exact
+    step then checks the all-gather: every member sends every other one the digests of its contributions and
+    waits for theirs (``peer.runtime.stage.sync``, phase 4), a third exchange whose bytes are negligible but
+    whose slowest delay is not; a DiLoCo outer round ends with the all-gather (``digests=False``).
     """
     d = m.shape[0]
     out = np.zeros(m.shape[1])
@@ -63,9 +67,11 @@ def sync_times(cluster: Cluster, workload: Workload, stages: list[tuple[int, int
     for s, (a, b) in enumerate(stages):
         g = m[:, s]
         shard = bytes_factor * workload.stage_param_bytes(a, b) / d
-        t = cluster.delay_s[np.ix_(g, g)] + 8.0 * shard / cluster.bandwidth_bps[np.ix_(g, g)]
+        delay = cluster.delay_s[np.ix_(g, g)].copy()
+        t = delay + 8.0 * shard / cluster.bandwidth_bps[np.ix_(g, g)]
         np.fill_diagonal(t, 0.0)
-        out[s] = 2.0 * t.max()
+        np.fill_diagonal(delay, 0.0)
+        out[s] = 2.0 * t.max() + (delay.max() if digests else 0.0)
     return out
 
 
