@@ -92,7 +92,9 @@
 * Sync. A group's sync is twice its slowest pair's ``delay + 8 (P_s / D) / bw``; every group is a D-set whose
   pairs all cost <= its max, so its members keep D - 1 partners in the fixed point of "drop devices with fewer
   than D - 1 partners at cost <= t". All S groups need S x D such devices at the smallest stage's bytes, and
-  the largest stage (at least ceil(L / S) layers, or the given split's) needs D at its bytes.
+  the largest stage (at least ceil(L / S) layers, or the given split's) needs D at its bytes. An exact step
+  then waits for the digest round, the group's largest one-way delay: at least the same fixed point's threshold
+  on the delays alone, for any one group, so it adds to every sync term.
 
 All are relaxations: valid by construction, exact only on some instances; ``gap`` is an upper bound on how far
 a plan is from optimal. ``tests/test_scheduler_bound.py`` checks every bound against exhaustive search.
@@ -651,6 +653,8 @@ def full_lower_bound(cluster: Cluster, workload: Workload, n_st: int, n_rep: int
         return cluster.delay_s + 8.0 * (nbytes / n_rep) / cluster.bandwidth_bps
 
     sync_large = _clique_threshold(pair_cost(large), n_rep, n_rep) if n_rep > 1 else 0.0
+    # an exact step's digest round: every group waits for its largest one-way delay (schedule.sync_times)
+    digest = _clique_threshold(cluster.delay_s, n_rep, n_rep) if n_rep > 1 else 0.0
     walk = _walk_bound(trip, n_st, 1) if n_st > 1 else 0.0
     hop_x = float(xsym[~np.eye(cluster.n, dtype=bool)].min()) if n_st > 1 else 0.0
     best, covered = float("inf"), float("inf")
@@ -662,7 +666,7 @@ def full_lower_bound(cluster: Cluster, workload: Workload, n_st: int, n_rep: int
         # slowest hop's link occupancy
         period = max(3.0 * phi / speed[0], hop_x)
         phase = _phase_bound(f3, speed, need, n_mb, n_rep, n_st, f3 / speed[0] + walk, period)
-        if phase + 2.0 * sync_large >= best:
+        if phase + 2.0 * sync_large + digest >= best:
             break
         if n_st > 1:
             phase = max(phase, _piece_phase(trip, n_st, n_rep, n_mb, f3 / speed[0], period, work))
@@ -670,10 +674,10 @@ def full_lower_bound(cluster: Cluster, workload: Workload, n_st: int, n_rep: int
             best = min(best, phase)
             continue
         sync = max(_clique_threshold(pair_cost(small), n_rep, need), sync_large)
-        out = phase + 2.0 * sync
-        if n_st > 1 and not quick:
-            out = max(out, _sync_split(pair_cost(small), trip, xsym, n_st, n_rep, n_mb, f3 / speed[0], period,
-                                       phase, sync, work))
+        out = phase + 2.0 * sync + digest
+        if n_st > 1 and not quick:  # every sync term of the split's bound pays the same digest round
+            out = max(out, digest + _sync_split(pair_cost(small), trip, xsym, n_st, n_rep, n_mb, f3 / speed[0],
+                                                period, phase, sync, work))
         best = min(best, out)
     return float(best)
 
