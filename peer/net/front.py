@@ -39,7 +39,7 @@ class _End(asyncio.Protocol):
         self.front, self.source = front, source
         self.transport: asyncio.Transport | None = None
         self.other: _End | None = None
-        self.early: list[bytes] = []  # outside bytes that came before the inside connection was made
+        self.early: list[bytes] = []  # bytes that came before the two sides were linked (a few frames at most)
         self.closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -179,9 +179,11 @@ class GrpcFront:
             return
         inside.other, outside.other = outside, inside
         assert inside.transport is not None
-        for data in outside.early:
-            inside.transport.write(data)
-        outside.early.clear()
+        # either side may have spoken before they were linked (an HTTP/2 server sends its SETTINGS at once)
+        for src, dst in ((outside, inside.transport), (inside, outside.transport)):
+            for data in src.early:
+                dst.write(data)
+            src.early.clear()
         outside.transport.resume_reading()
 
 
