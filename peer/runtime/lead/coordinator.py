@@ -39,13 +39,14 @@ from peer.runtime import control as ctl
 from peer.runtime.bounds import CONTROL_BYTES
 from peer.runtime.grants import sign_grant
 from peer.runtime.lead.liveness import Liveness
-from peer.runtime.lead.machine import Command, Done, Emit, Fail, Send, StepMachine
+from peer.runtime.lead.machine import Command, Done, Emit, Fail, Send, Spot, StepMachine
 from peer.runtime.lead.pacing import Pacing
 from peer.runtime.lead.referee import SET_ASIDE_GRACE_S, Referee, Verdict, witnesses
 from peer.runtime.lead.resync import SYNC_LIMIT_S, Resync
 from peer.runtime.lead.roster import Roster
 from peer.runtime.lead.states import StageStates
 from peer.runtime.lead.step import Event, OuterRoundFailedError, ReplanNeededError, StepFailedError, StepReport
+from peer.runtime.lead.verify import Verification
 from peer.runtime.spec import Assignment, RunSpec
 from peer.timing import (
     ASSIGN_TIMEOUT_S,
@@ -130,6 +131,7 @@ class Coordinator:
         # (plan epoch, peer id, reason) of every worker excluded, until the leader takes them (its credit record)
         self._exclusions: deque[tuple[int, str, str]] = deque(maxlen=MAX_EXCLUSIONS)
         self.referee = Referee()  # weighs bad-peer reports: no single one excludes a peer (_cond)
+        self.verification = Verification(self.spec, self._who, self.declare_dead, self._refer)  # spot checks
 
     @property
     def endpoint(self) -> str:
@@ -255,11 +257,13 @@ class Coordinator:
                 raise RuntimeError("assign() the workers first")
             now, roster, epoch = time.monotonic(), self.roster, self.epoch
             syncing = self.resync.syncing_pipelines(roster, now)  # may declare a laggard dead
+            lease_timeout_s = self.pacing.lease_timeout_s(timeout_s)
             machine = StepMachine(
                 step, roster, self.spec.n_microbatches, now=now, timeout_s=timeout_s,
-                lease_timeout_s=self.pacing.lease_timeout_s(timeout_s), sync_period=self.spec.sync_period,
+                lease_timeout_s=lease_timeout_s, sync_period=self.spec.sync_period,
                 dead=sorted(self.liveness.dead), syncing=syncing, service_s=self.pacing.service_s(epoch),
-                speculate_after=self.pacing.speculate_after_s(), judge_after_s=self.liveness.interval_s)
+                speculate_after=self.pacing.speculate_after_s(), judge_after_s=self.liveness.interval_s,
+                spot=self.verification.checks(step, roster, lease_timeout_s))
             self._machine = machine
             commands = machine.start()
         while (done := self._carry_out(machine, commands)) is None:
@@ -304,6 +308,8 @@ class Coordinator:
                 if isinstance(c.error, OuterRoundFailedError):  # the inner step stands: it counts as a step
                     self._finish(self.epoch, machine, c.error.report)
                 raise c.error
+            elif isinstance(c, Spot):
+                self.verification.act(self.roster, machine.step, c.finding)
             elif isinstance(c, Done):
                 return c
         return None
@@ -468,6 +474,9 @@ class Coordinator:
             raise Rejected(f"report for step {key.step}, which is not running")
         if isinstance(msg, ctl.Loss):
             machine.loss(sender, key.replica, msg.microbatch, msg.loss, time.monotonic())
+        elif isinstance(msg, ctl.Sketch):
+            if not machine.sketch(key.replica, key.stage, msg.microbatch, msg.parsed()):
+                raise Rejected(f"sketches of points {list(msg.points)} do not fit stage {key.stage}")
         elif isinstance(msg, ctl.Reduced):
             machine.reduced(sender, msg.attempt)
         elif isinstance(msg, ctl.Synced):

@@ -1,0 +1,67 @@
+"""The coordinator's side of the spot checks: each step's :class:`~peer.runtime.lead.spot.SpotChecks`, sampled
+at rates from the leader's probation record, and what a finding does (credit, exclusion, the referee, probation).
+
+Kept out of the coordinator so its shell stays a shell; the rules themselves are in ``peer.runtime.lead.spot``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from peer.runtime.lead.roster import Roster
+from peer.runtime.lead.spot import Finding, Probation, SpotChecks
+from peer.runtime.spec import RunSpec
+
+log = logging.getLogger(__name__)
+
+
+class Verification:
+    """Spot checks across a leadership. ``who(endpoint)``: the identity of a worker; ``exclude(endpoint, reason)``
+    excludes it (the coordinator's declare_dead, which records the reason for the credit record);
+    ``refer(roster, reporter, accused, step, error)`` hands a report to the referee."""
+
+    def __init__(self, spec: RunSpec, who: Callable[[str], str], exclude: Callable[[str, str], None],
+                 refer: Callable[[Roster, str, str, int, str], None]) -> None:
+        self.spec = spec
+        self.probation = Probation(spec.probation_check, spec.probation_microbatches)
+        self.who, self.exclude, self.refer = who, exclude, refer
+        self.totals = {"sampled": 0, "verified": 0, "excluded": 0, "unchecked": 0}
+
+    def checks(self, step: int, roster: Roster, lease_timeout_s: float) -> SpotChecks | None:
+        """The spot checks of one step (None when the run has them off, or trains DiLoCo, whose pipelines apply
+        their own shares and are not compared micro-batch by micro-batch)."""
+        if not self.spec.sketches or self.spec.sync_period != 1:
+            return None
+        n_stages = max((a.n_stages for a in roster.assignments.values()), default=1)
+
+        def rate_of(pipeline: int) -> float:
+            members = [self.who(ep) for ep in roster.members([pipeline])]
+            if any(self.probation.on_probation(m) for m in members):
+                return max(self.spec.spot_check, self.spec.probation_check)
+            return self.spec.spot_check
+
+        return SpotChecks(step, n_stages, rate_of, self.spec.precision, self.spec.compression, lease_timeout_s)
+
+    def act(self, roster: Roster, step: int, finding: Finding) -> None:
+        """Carry out a finding (the machine already set aside what the step must not use)."""
+        f = finding
+        members = roster.members(f.pipelines)
+        if f.kind == "verified":
+            self.probation.credit(self.who(ep) for ep in members)
+            return
+        if f.kind == "aside":
+            self.probation.suspect(self.who(ep) for ep in members)
+            log.warning("step %d: pipelines %s set aside: %s", step, list(f.pipelines), f.reason)
+        elif f.kind == "late":
+            log.warning("step %d: pipeline %d set aside: %s", step, f.pipelines[0], f.reason)
+        elif f.kind == "exclude":
+            culprit = roster.endpoint_of(f.stage, f.pipelines[0])
+            if culprit is not None:
+                log.warning("step %d: excluding %s: %s", step, culprit, f.reason)
+                self.exclude(culprit, f.reason)
+        elif f.kind == "link":
+            sender, receiver = roster.endpoint_of(f.stage, f.pipelines[0]), roster.endpoint_of(f.receiver,
+                                                                                             f.pipelines[0])
+            if sender is not None and receiver is not None:
+                self.refer(roster, receiver, sender, step, f.reason)
