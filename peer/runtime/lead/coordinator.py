@@ -125,11 +125,9 @@ class Coordinator:
         self.push_checkpoint, self.checkpoint_step, self.fetch_checkpoint = (
             self.states.push_checkpoint, self.states.checkpoint_step, self.states.fetch_checkpoint)
         # on_event(name, info): "lease", "commit", "reduce", "apply", "outer", "dead", "requeue", "resync",
-        # "divergent" as they happen; called without the coordinator's lock, must not block for long (tests use
-        # it to kill a worker at a chosen moment, benchmarks to time recovery)
+        # "divergent" as they happen; called without the coordinator's lock, must not block for long
         self.on_event: Callable[[str, dict[str, Any]], None] | None = None
-        # (plan epoch, peer id, reason) of every worker excluded, until the leader takes them (its credit record)
-        self._exclusions: deque[tuple[int, str, str]] = deque(maxlen=MAX_EXCLUSIONS)
+        self._exclusions: deque[tuple[int, str, str]] = deque(maxlen=MAX_EXCLUSIONS)  # (epoch, id, reason): credit
         self.referee = Referee()  # weighs bad-peer reports: no single one excludes a peer (_cond)
         self.verification = Verification(self.spec, self._who, self.declare_dead, self._refer)  # spot checks
 
@@ -259,8 +257,8 @@ class Coordinator:
             syncing = self.resync.syncing_pipelines(roster, now)  # may declare a laggard dead
             lease_timeout_s = self.pacing.lease_timeout_s(timeout_s)
             machine = StepMachine(
-                step, roster, self.spec.n_microbatches, now=now, timeout_s=timeout_s,
-                lease_timeout_s=lease_timeout_s, sync_period=self.spec.sync_period,
+                step, roster, self.spec.n_microbatches, now=now, timeout_s=timeout_s, lease_timeout_s=lease_timeout_s,
+                sync_period=self.spec.sync_period,
                 dead=sorted(self.liveness.dead), syncing=syncing, service_s=self.pacing.service_s(epoch),
                 speculate_after=self.pacing.speculate_after_s(), judge_after_s=self.liveness.interval_s,
                 spot=self.verification.checks(step, roster, lease_timeout_s))
@@ -316,7 +314,10 @@ class Coordinator:
 
     def _send_later(self, machine: StepMachine, send: Send) -> None:
         """A background send (drop notices, a restarted attempt, a pipeline rejoining), then what follows it."""
-        self._broadcast_quietly(send.endpoints, send.msg, machine.step)
+        try:
+            self._broadcast(send.endpoints, send.msg, machine.step)
+        except Exception as exc:  # background notice; the step loop notices real failures itself
+            log.info("%s broadcast: %s", send.msg.op.value, exc)
         if send.rejoin is not None and isinstance(send.msg, ctl.StartStep):
             with self._cond:
                 commands = machine.rejoined(send.rejoin, send.msg.attempt)
@@ -354,12 +355,6 @@ class Coordinator:
                     log.warning("%s to %s failed: %s", msg.op.value, ep, exc)
                     self.liveness.confirm(ep, f"{msg.op.value} failed: {exc}")
                 break
-
-    def _broadcast_quietly(self, endpoints: Sequence[str], msg: ctl.Message, step: int) -> None:
-        try:
-            self._broadcast(endpoints, msg, step)
-        except Exception as exc:  # background notice; the step loop notices real failures itself
-            log.info("%s broadcast: %s", msg.op.value, exc)
 
     def declare_dead(self, endpoint: str, reason: str) -> None:
         """Exclude a worker for the rest of this plan (its pipeline is dropped from the running step)."""
@@ -475,8 +470,7 @@ class Coordinator:
         if isinstance(msg, ctl.Loss):
             machine.loss(sender, key.replica, msg.microbatch, msg.loss, time.monotonic())
         elif isinstance(msg, ctl.Sketch):
-            if not machine.sketch(key.replica, key.stage, msg.microbatch, msg.parsed()):
-                raise Rejected(f"sketches of points {list(msg.points)} do not fit stage {key.stage}")
+            self.verification.sketch(machine, key, msg)
         elif isinstance(msg, ctl.Reduced):
             machine.reduced(sender, msg.attempt)
         elif isinstance(msg, ctl.Synced):

@@ -9,9 +9,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from peer.runtime import control as ctl
+from peer.runtime.lead.machine import StepMachine
 from peer.runtime.lead.roster import Roster
 from peer.runtime.lead.spot import Finding, Probation, SpotChecks
 from peer.runtime.spec import RunSpec
+from protocol import tasklet_pb2 as pb
+from protocol.errors import Rejected
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +46,13 @@ class Verification:
             return self.spec.spot_check
 
         return SpotChecks(step, n_stages, rate_of, self.spec.precision, self.spec.compression, lease_timeout_s)
+
+    @staticmethod
+    def sketch(machine: StepMachine, key: pb.Key, msg: ctl.Sketch) -> None:
+        """A stage's sketches (the sender is the plan's worker at the key's stage and pipeline): to the step."""
+        if not machine.sketch(key.replica, key.stage, msg.microbatch, msg.parsed()):
+            raise Rejected(f"sketches of points {list(msg.points)} do not fit stage {key.stage}, or spot checks "
+                           "are off")
 
     def act(self, roster: Roster, step: int, finding: Finding) -> None:
         """Carry out a finding (the machine already set aside what the step must not use)."""
