@@ -208,3 +208,13 @@ def test_missing_sketches_set_the_pipeline_aside_after_the_wait() -> None:
     assert not machine.tick(5.0) or 2 not in machine.state.dropped
     findings = [c.finding for c in machine.tick(12.0) if isinstance(c, Spot)]
     assert [f.kind for f in findings] == ["late"] and 2 in machine.state.dropped
+
+
+def test_sketches_of_micro_batches_or_pipelines_the_step_does_not_have_are_not_kept() -> None:
+    machine, spot = make_machine(3, cheater=None)
+    points = {name: v for (s, name), v in honest(0).items() if s == 0}
+    assert not machine.sketch(0, 0, 10**9, points)
+    assert not machine.sketch(7, 0, 0, points)
+    assert not machine.sketch(0, 0, 0, {"act_out": points["act_out"]}), "stage 0 reports act_out and grad_in"
+    assert machine.sketch(0, 0, 0, points)
+    assert list(spot.sketches) == [(0, 0)]

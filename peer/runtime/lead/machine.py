@@ -213,13 +213,15 @@ class StepMachine:
     def loss(self, sender: str, pipeline: int, microbatch: int, loss: float, now: float) -> None:
         self.now = now
         self.state.losses[(microbatch, pipeline)] = loss
-        if self.spot is not None:
+        if self.spot is not None and 0 <= microbatch < self.pool.n_microbatches:
             self.spot.loss(microbatch, pipeline, loss)
         if self.roster.is_last(sender):
             self.state.pool.progress(microbatch, pipeline)  # its forward crossed every stage (stragglers)
 
     def sketch(self, pipeline: int, stage: int, microbatch: int, points: dict[str, tuple[float, ...]]) -> bool:
         """A stage's sketches of a micro-batch (spot checks); False when they were not taken."""
+        if not (0 <= microbatch < self.pool.n_microbatches and 0 <= pipeline < self.roster.n_pipelines):
+            return False  # bounded: nothing is kept for a micro-batch or pipeline the step does not have
         return self.spot is not None and self.spot.sketch(microbatch, pipeline, stage, points)
 
     def _shadow(self, pipeline: int) -> PoolAnswer | None:
@@ -442,7 +444,12 @@ class StepMachine:
                    else "was overtaken by a speculative copy" if r in pool.losers()
                    else "held a lease past its deadline")
             lost = pool.fail_pipeline(r)
-            if self.spot is not None:
+            if self.spot is not None:  # a finished shadow of a lost micro-batch counts instead of a redo
+                for mb in lost:
+                    adopter = next((p for p in self.spot.done_copies(mb) if p not in broken and p in self.intact()),
+                                   None)
+                    if adopter is not None and pool.adopt(mb, adopter):
+                        self.spot.commit(mb, adopter, self.now)
                 self.spot.forget(r)
             out.append(Emit("requeue", {"step": self.step, "pipeline": r, "microbatches": lost}))
             st.dropped.add(r)

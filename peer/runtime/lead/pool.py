@@ -327,6 +327,16 @@ class TaskPool:
         if owner is not None and owner != pipeline and pipeline not in self._failed:
             self._backups.setdefault(microbatch, pipeline)
 
+    def adopt(self, microbatch: int, pipeline: int) -> bool:
+        """Commit free ``microbatch`` to ``pipeline``, whose finished shadow copy holds its gradient apart (its
+        original pipeline was failed): it is not redone. False when it is not free or ``pipeline`` is failed."""
+        if microbatch not in self._free or pipeline in self._failed:
+            return False
+        self._free.remove(microbatch)
+        self._committed[microbatch] = pipeline
+        self.backups_used += 1
+        return True
+
     def is_speculative(self, microbatch: int, pipeline: int) -> bool:
         """True when ``pipeline`` holds ``microbatch`` as a speculative copy (its gradient is kept apart)."""
         copy = self._copies.get(microbatch)

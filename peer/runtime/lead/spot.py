@@ -226,6 +226,11 @@ class SpotChecks:
     def loss(self, mb: int, pipeline: int, loss: float) -> None:
         self.sketches.setdefault((mb, pipeline), {}).setdefault((self.n_stages - 1, "loss"), (loss, abs(loss)))
 
+    def done_copies(self, mb: int) -> list[int]:
+        """The pipelines whose shadow of ``mb`` finished (their stages hold its gradient apart)."""
+        check = self.checks.get(mb)
+        return [] if check is None else [p for p in check.copies[1:] if p in check.done]
+
     def forget(self, pipeline: int) -> None:
         """``pipeline`` left the step (dropped): its own micro-batches go back to the pool (their checks are
         cancelled, a new lease draws again); the checks it was a copy of want another copy."""
