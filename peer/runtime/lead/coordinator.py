@@ -46,7 +46,7 @@ from peer.runtime.lead.resync import SYNC_LIMIT_S, Resync
 from peer.runtime.lead.roster import Roster
 from peer.runtime.lead.states import StageStates
 from peer.runtime.lead.step import Event, OuterRoundFailedError, ReplanNeededError, StepFailedError, StepReport
-from peer.runtime.lead.verify import Verification
+from peer.runtime.lead.verify import MAX_LOSS, Verification, check_loss
 from peer.runtime.spec import Assignment, RunSpec
 from peer.timing import (
     ASSIGN_TIMEOUT_S,
@@ -58,19 +58,16 @@ from peer.timing import (
     STEP_TIMEOUT_S,
 )
 from protocol import tasklet_pb2 as pb
-from protocol.errors import BadMessage, Forbidden, Rejected, TransportError
+from protocol.errors import Forbidden, Rejected, TransportError
 
 # the step's outcomes, named from here by the coordinator's callers (driver, local swarm, benchmarks)
-__all__ = ["COORDINATOR_ROUTE", "Coordinator", "OuterRoundFailedError", "ReplanNeededError", "StepFailedError",
-           "StepReport"]
+__all__ = ["COORDINATOR_ROUTE", "MAX_LOSS", "Coordinator", "OuterRoundFailedError", "ReplanNeededError",
+           "StepFailedError", "StepReport", "check_loss"]
 
 log = logging.getLogger(__name__)
 
 COORDINATOR_ROUTE = "coordinator"  # a daemon's coordinator is served on its worker's port under this route
 WAKE_S = 0.2  # the step loop ticks the machine at least this often (deadlines, leases, errors to judge)
-# a reported loss beyond this is refused: a language model's cross-entropy at init is ln(vocab) (~11 for 64k
-# tokens), so nothing an honest stage computes comes near it, and the step's mean of such values stays finite
-MAX_LOSS = 1e6
 MAX_EXCLUSIONS = 1024  # exclusions kept until the leader takes them (bounded whatever a swarm reports)
 
 
@@ -413,7 +410,7 @@ class Coordinator:
             raise Rejected(f"report of epoch {env.key.epoch}, the plan is at epoch {epoch}")
         sender = self._require_member(env.sender, env.key.stage, env.key.replica, f"a {msg.op.value} report")
         if isinstance(msg, ctl.Loss):
-            check_loss(msg.loss, roster.is_last(sender), env.sender)
+            self.verification.check_loss(self._cond, self._machine, env.key, msg, roster.is_last(sender), env.sender)
         if isinstance(msg, ctl.PeerError):
             self._submit(self.liveness.confirm, msg.endpoint, f"reported by {sender}")
             return
@@ -524,15 +521,3 @@ class Coordinator:
 
     def worker_status(self, endpoint: str, timeout_s: float = STATUS_TIMEOUT_S) -> dict[str, Any]:
         return self._client(endpoint).status(timeout_s=timeout_s)
-
-
-def check_loss(loss: float, from_last_stage: bool, sender: str) -> None:
-    """Refuse a loss report the run cannot use: only a pipeline's last stage computes a loss, and it is a finite
-    number within ``MAX_LOSS`` (a NaN, an infinity or 1e308 would make the step's loss, and the progress record
-    published from it, unusable)."""
-    if not from_last_stage:
-        raise Forbidden(f"a loss is taken only from the last stage of a pipeline; {sender} is not one")
-    if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not math.isfinite(loss):
-        raise BadMessage("loss", f"{loss!r} is not a finite number")
-    if abs(loss) > MAX_LOSS:
-        raise BadMessage("loss", f"{loss:g} is outside [-{MAX_LOSS:g}, {MAX_LOSS:g}]")

@@ -7,6 +7,8 @@ Kept out of the coordinator so its shell stays a shell; the rules themselves are
 from __future__ import annotations
 
 import logging
+import math
+import threading
 from collections.abc import Callable
 
 from peer.runtime import control as ctl
@@ -15,9 +17,13 @@ from peer.runtime.lead.roster import Roster
 from peer.runtime.lead.spot import Finding, Probation, SpotChecks
 from peer.runtime.spec import RunSpec
 from protocol import tasklet_pb2 as pb
-from protocol.errors import Rejected
+from protocol.errors import BadMessage, Forbidden, Rejected
 
 log = logging.getLogger(__name__)
+
+# a reported loss beyond this is refused: a language model's cross-entropy at init is ln(vocab) (~11 for 64k
+# tokens), so nothing an honest stage computes comes near it, and the step's mean of such values stays finite
+MAX_LOSS = 1e6
 
 
 class Verification:
@@ -54,6 +60,20 @@ class Verification:
             raise Rejected(f"sketches of points {list(msg.points)} do not fit stage {key.stage}, or spot checks "
                            "are off")
 
+    @staticmethod
+    def check_loss(cond: threading.Condition, machine: StepMachine | None, key: pb.Key, msg: ctl.Loss,
+                   from_last_stage: bool, sender: str) -> None:
+        """:func:`check_loss`; a refused loss of the last stage still tells the spot checks that this copy of the
+        micro-batch has no usable loss (it disagrees with any other copy at once, instead of being waited for)."""
+        try:
+            check_loss(msg.loss, from_last_stage, sender)
+        except BadMessage:
+            with cond:
+                if machine is not None and machine.spot is not None and key.step == machine.step \
+                        and 0 <= msg.microbatch < machine.pool.n_microbatches:
+                    machine.spot.loss(msg.microbatch, key.replica, math.nan)
+            raise
+
     def act(self, roster: Roster, step: int, finding: Finding) -> None:
         """Carry out a finding (the machine already set aside what the step must not use)."""
         f = finding
@@ -76,3 +96,15 @@ class Verification:
                                                                                              f.pipelines[0])
             if sender is not None and receiver is not None:
                 self.refer(roster, receiver, sender, step, f.reason)
+
+
+def check_loss(loss: float, from_last_stage: bool, sender: str) -> None:
+    """Refuse a loss report the run cannot use: only a pipeline's last stage computes a loss, and it is a finite
+    number within ``MAX_LOSS`` (a NaN, an infinity or 1e308 would make the step's loss, and the progress record
+    published from it, unusable)."""
+    if not from_last_stage:
+        raise Forbidden(f"a loss is taken only from the last stage of a pipeline; {sender} is not one")
+    if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not math.isfinite(loss):
+        raise BadMessage("loss", f"{loss!r} is not a finite number")
+    if abs(loss) > MAX_LOSS:
+        raise BadMessage("loss", f"{loss:g} is outside [-{MAX_LOSS:g}, {MAX_LOSS:g}]")
