@@ -218,3 +218,15 @@ def test_sketches_of_micro_batches_or_pipelines_the_step_does_not_have_are_not_k
     assert not machine.sketch(0, 0, 0, {"act_out": points["act_out"]}), "stage 0 reports act_out and grad_in"
     assert machine.sketch(0, 0, 0, points)
     assert list(spot.sketches) == [(0, 0)]
+
+
+def test_link_tolerance_covers_the_wire_codecs_error_and_skips_the_integer_codecs() -> None:
+    from peer.runtime.sketch import link_tolerance
+    from protocol.codec import decode_tensor, encode_tensor
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 32, 32) * 3 + 0.5
+    for codec in ("none", "fp16"):
+        sent = decode_tensor(encode_tensor("h", x, codec))
+        assert agree(sketch(x, 5), sketch(sent, 5), link_tolerance("fp32", codec)), codec
+    assert link_tolerance("fp32", "int4") == float("inf")
