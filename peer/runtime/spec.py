@@ -171,8 +171,10 @@ class RunSpec:
 
     @property
     def sketches(self) -> bool:
-        """Whether stages report sketches of their micro-batches (spot checks on)."""
-        return self.spot_check > 0 or (self.probation_check > 0 and self.probation_microbatches > 0)
+        """Whether stages report sketches of their micro-batches (spot checks on; DiLoCo's pipelines apply their
+        own shares and are not compared micro-batch by micro-batch)."""
+        on = self.spot_check > 0 or (self.probation_check > 0 and self.probation_microbatches > 0)
+        return on and self.sync_period == 1
 
 
 MAX_PLAN_EPOCH = 2**31 - 1  # as on the plan board (peer.swarm.plans.MAX_EPOCH)

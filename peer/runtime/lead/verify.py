@@ -41,7 +41,7 @@ class Verification:
     def checks(self, step: int, roster: Roster, lease_timeout_s: float) -> SpotChecks | None:
         """The spot checks of one step (None when the run has them off, or trains DiLoCo, whose pipelines apply
         their own shares and are not compared micro-batch by micro-batch)."""
-        if not self.spec.sketches or self.spec.sync_period != 1:
+        if not self.spec.sketches:
             return None
         n_stages = max((a.n_stages for a in roster.assignments.values()), default=1)
 
