@@ -11,8 +11,16 @@ digest message (one is sent to each other replica, one extra message round after
 ``gradient_bytes`` the reduce-scatter + all-gather traffic of the same replica, for comparison. ``detected``:
 whether a summed shard scaled by 1000, or a single value moved by one unit, fails the check (a steering owner is
 caught in the step it steers: the check is deterministic, steps to exclusion = 1).
-The spot checks of micro-batches (re-issuing a fraction of the work to another pipeline) are not built, so their
-overhead and detection probability per step are not measured here.
+
+Spot checks (``[trust] spot_check``, peer.runtime.lead.spot), in the same run: ``spot.overhead`` is the mean step
+time of real steps (8 worker processes on loopback, links shaped to the world-wide scenario scaled as in
+``bench.bandwidth --validate``, compute emulated, 4 stages x 2 pipelines) with the run file's default spot checks
+against the same run with them off, four runs in the order off, on, on, off (step 0, the processes' warm-up and
+the newcomers' probation, is left out and reported apart). ``spot.detection``: for a cheater corrupting a
+fraction ``q`` of its micro-batches, the probability that a step catches it and the steps until it is excluded,
+simulated with the leader's own sampler and probation record (``--trials`` runs of ``--sim-steps`` steps; its
+pipeline leases ``n_microbatches / pipelines`` micro-batches a step), for a cheater from its first task and for
+a patient one that passes its probation clean first.
 """
 
 from __future__ import annotations
@@ -86,6 +94,85 @@ def measure(numel: int, replicas: int, repeats: int) -> dict[str, Any]:
     }
 
 
+DEFAULT_TRUST = {"spot_check": 0.05, "probation_check": 1.0, "probation_microbatches": 1}  # peer.config's [trust]
+
+
+def overhead(steps: int) -> dict[str, Any]:
+    """Mean step time with the default spot checks and without, on the emulated world-wide swarm (module doc)."""
+    import dataclasses
+
+    from bench.bandwidth import VALIDATE_BANDWIDTH_SCALE, VALIDATE_FWD_S, VALIDATE_WORKLOAD, world
+    from peer.compute.model import ModelConfig
+    from peer.compute.stage import OptimConfig
+    from peer.emulation.local import LocalSwarm
+    from peer.emulation.network import link_model, scaled_cluster
+    from peer.runtime.spec import RunSpec
+    from scheduler.plan import even_stages
+
+    w = VALIDATE_WORKLOAD
+    cluster = scaled_cluster(world(), VALIDATE_BANDWIDTH_SCALE, w.stage_forward_flops(1, 2) / VALIDATE_FWD_S / 5e13)
+    model = ModelConfig(n_layers=w.n_layers, d_model=w.d_model, n_heads=w.n_heads, seq_len=w.seq_len, seed=1)
+    base = RunSpec(run_id="bench-verify", model=model, optim=OptimConfig(lr=3e-3, eps=1e-3), seed=3,
+                   micro_batch=w.micro_batch, n_microbatches=w.n_microbatches)
+    out: dict[str, Any] = {"steps": steps, "layout": "4 stages x 2 pipelines", "order": "off, on, on, off",
+                           **DEFAULT_TRUST}
+    runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    for name in ("off", "on", "on", "off"):  # ABBA: a drift of the machine's load weighs on both alike
+        spec = base if name == "off" else dataclasses.replace(base, **DEFAULT_TRUST)
+        with LocalSwarm(spec, 8, links=link_model(cluster), forward_flops=w.stage_forward_flops,
+                        heartbeat_s=2.0) as swarm:
+            result = swarm.train((even_stages(w.n_layers, 4), [[0, 1, 2, 3], [4, 5, 6, 7]]), steps,
+                                 collect_states=False)
+        secs = result.step_seconds
+        runs[name].append({"step0_s": round(secs[0], 3), "mean_step_s": round(sum(secs[1:]) / len(secs[1:]), 3),
+                           "checked": sum(r.spot_checked for r in result.reports),
+                           "verified": sum(r.spot_verified for r in result.reports)})
+    for name, rs in runs.items():
+        out[name] = {"runs": rs, "mean_step_s": round(sum(r["mean_step_s"] for r in rs) / len(rs), 3)}
+    out["overhead"] = round(out["on"]["mean_step_s"] / out["off"]["mean_step_s"] - 1.0, 3)
+    return out
+
+
+def detection(q: float, patient: bool, trials: int, steps: int, per_step: int = 4) -> dict[str, Any]:
+    """How soon the leader's sampler catches a cheater corrupting a fraction ``q`` of its micro-batches (module
+    doc); ``patient``: it works honestly until its probation is over."""
+    import random
+
+    from peer.runtime.lead.spot import Probation, SpotChecks
+
+    rng = random.Random(11)
+    caught_at: list[int] = []
+    applied: list[int] = []  # corrupted micro-batches of the steps before the one that caught it (they were applied)
+    for _ in range(trials):
+        probation = Probation(DEFAULT_TRUST["probation_check"], DEFAULT_TRUST["probation_microbatches"])
+
+        def rate(pipeline: int, record: Probation = probation) -> float:
+            return DEFAULT_TRUST["probation_check"] if record.on_probation("c") else DEFAULT_TRUST["spot_check"]
+
+        reached = 0
+        for step in range(steps):
+            spot = SpotChecks(step, 2, rate, rng=rng)
+            caught, corrupted = False, 0
+            for mb in range(per_step):
+                cheats = rng.random() < q and not (patient and probation.on_probation("c"))
+                corrupted += cheats
+                if spot.sample(mb, 0):
+                    if cheats:
+                        caught = True  # its pipeline's whole step is dropped: nothing of this step is applied
+                        break
+                    probation.credit(["c"])
+            if caught:
+                caught_at.append(step + 1)
+                applied.append(reached)
+                break
+            reached += corrupted
+    per_step_p = 1 - (1 - DEFAULT_TRUST["spot_check"] * q) ** per_step
+    return {"q": q, "patient": patient, "caught": round(len(caught_at) / trials, 4),
+            "mean_steps_to_exclusion": round(sum(caught_at) / len(caught_at), 2) if caught_at else None,
+            "mean_corrupted_microbatches_applied": round(sum(applied) / len(applied), 2) if applied else None,
+            "detection_per_step_after_probation": round(per_step_p, 4)}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.verify", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -93,12 +180,23 @@ def main(argv: list[str] | None = None) -> None:
                         help="stage sizes in parameters (default: %(default)s)")
     parser.add_argument("--replicas", type=int, nargs="+", default=[2, 4], help="group sizes (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="best of this many timings (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=6, help="steps of each spot-check swarm run (default: "
+                        "%(default)s)")
+    parser.add_argument("--trials", type=int, default=2000, help="simulated cheaters per q (default: %(default)s)")
+    parser.add_argument("--sim-steps", type=int, default=500, help="steps a simulated cheater runs (default: "
+                        "%(default)s)")
+    parser.add_argument("--no-swarm", action="store_true", help="skip the spot checks' step-time overhead run")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rows = [measure(n, d, args.repeats) for n in args.numel for d in args.replicas]
+    spot = {"detection": [detection(q, patient, args.trials, args.sim_steps)
+                          for q in (0.05, 0.2, 1.0) for patient in (False, True)]}
+    if not args.no_swarm:
+        spot["overhead"] = overhead(args.steps)
     if args.json:
-        print(json.dumps({"rows": rows}))
+        print(json.dumps({"rows": rows, "spot": spot}))
         return
+    print(json.dumps(spot, indent=1))
     for r in rows:
         print(f"numel {r['numel']:>10,}  D {r['replicas']}  sum {r['sum_s'] * 1e3:8.2f} ms  digest "
               f"{r['digest_s'] * 1e3:8.2f} ms  direction {r['direction_s'] * 1e3:8.2f} ms  digest "

@@ -149,6 +149,16 @@ class EmulationSection:
 
 
 @dataclass
+class TrustSection:
+    """[trust] — verified work: how much of the swarm's work is re-run on another pipeline and compared."""
+
+    spot_check: float = _f(0.05, "fraction of micro-batches re-run on another pipeline as a shadow copy and compared "
+                           "stage by stage (a cheater is excluded by the majority of three copies); 0: off")
+    probation_check: float = _f(1.0, "fraction of a newcomer's micro-batches checked while it is on probation")
+    probation_microbatches: int = _f(1, "verified micro-batches that end a peer's probation")
+
+
+@dataclass
 class LogSection:
     """[log] — where the leader writes training scalars (loss, tokens/s, s/step, plan epoch)."""
 
@@ -163,6 +173,7 @@ SECTIONS: dict[str, type] = {
     "optim": OptimSection,
     "swarm": SwarmSection,
     "emulation": EmulationSection,
+    "trust": TrustSection,
     "log": LogSection,
 }
 
@@ -178,6 +189,7 @@ class RunConfig:
     optim: OptimSection = field(default_factory=OptimSection)
     swarm: SwarmSection = field(default_factory=SwarmSection)
     emulation: EmulationSection = field(default_factory=EmulationSection)
+    trust: TrustSection = field(default_factory=TrustSection)
     log: LogSection = field(default_factory=LogSection)
 
     # --------------------------------------------------------------------------------------- conversions
@@ -264,6 +276,9 @@ class RunConfig:
             outer_lr=float(r.outer_lr),
             outer_momentum=float(r.outer_momentum),
             pseudo_grad_compression=r.pseudo_grad_compression,
+            spot_check=float(self.trust.spot_check),
+            probation_check=float(self.trust.probation_check),
+            probation_microbatches=int(self.trust.probation_microbatches),
         )
 
     def validate(self, where: str = "config") -> None:

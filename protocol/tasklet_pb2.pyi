@@ -246,6 +246,18 @@ class BadPeer(_message.Message):
     error: str
     def __init__(self, stage: _Optional[int] = ..., replica: _Optional[int] = ..., sender: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
+class Sketch(_message.Message):
+    __slots__ = ("step", "microbatch", "points", "values")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    POINTS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    microbatch: int
+    points: _containers.RepeatedScalarFieldContainer[str]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, step: _Optional[int] = ..., microbatch: _Optional[int] = ..., points: _Optional[_Iterable[str]] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
+
 class PoolReply(_message.Message):
     __slots__ = ("status", "speculative")
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -255,7 +267,7 @@ class PoolReply(_message.Message):
     def __init__(self, status: _Optional[_Union[PoolStatus, str]] = ..., speculative: _Optional[bool] = ...) -> None: ...
 
 class Control(_message.Message):
-    __slots__ = ("stop", "start_step", "drop_step", "reduce", "apply", "resync", "loss", "reduced", "synced", "error", "peer_error", "bad_peer", "pool_reply")
+    __slots__ = ("stop", "start_step", "drop_step", "reduce", "apply", "resync", "loss", "reduced", "synced", "error", "peer_error", "bad_peer", "pool_reply", "sketch")
     STOP_FIELD_NUMBER: _ClassVar[int]
     START_STEP_FIELD_NUMBER: _ClassVar[int]
     DROP_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +281,7 @@ class Control(_message.Message):
     PEER_ERROR_FIELD_NUMBER: _ClassVar[int]
     BAD_PEER_FIELD_NUMBER: _ClassVar[int]
     POOL_REPLY_FIELD_NUMBER: _ClassVar[int]
+    SKETCH_FIELD_NUMBER: _ClassVar[int]
     stop: Stop
     start_step: StartStep
     drop_step: DropStep
@@ -282,7 +295,8 @@ class Control(_message.Message):
     peer_error: PeerError
     bad_peer: BadPeer
     pool_reply: PoolReply
-    def __init__(self, stop: _Optional[_Union[Stop, _Mapping]] = ..., start_step: _Optional[_Union[StartStep, _Mapping]] = ..., drop_step: _Optional[_Union[DropStep, _Mapping]] = ..., reduce: _Optional[_Union[Reduce, _Mapping]] = ..., apply: _Optional[_Union[Apply, _Mapping]] = ..., resync: _Optional[_Union[Resync, _Mapping]] = ..., loss: _Optional[_Union[Loss, _Mapping]] = ..., reduced: _Optional[_Union[Reduced, _Mapping]] = ..., synced: _Optional[_Union[Synced, _Mapping]] = ..., error: _Optional[_Union[TaskError, _Mapping]] = ..., peer_error: _Optional[_Union[PeerError, _Mapping]] = ..., bad_peer: _Optional[_Union[BadPeer, _Mapping]] = ..., pool_reply: _Optional[_Union[PoolReply, _Mapping]] = ...) -> None: ...
+    sketch: Sketch
+    def __init__(self, stop: _Optional[_Union[Stop, _Mapping]] = ..., start_step: _Optional[_Union[StartStep, _Mapping]] = ..., drop_step: _Optional[_Union[DropStep, _Mapping]] = ..., reduce: _Optional[_Union[Reduce, _Mapping]] = ..., apply: _Optional[_Union[Apply, _Mapping]] = ..., resync: _Optional[_Union[Resync, _Mapping]] = ..., loss: _Optional[_Union[Loss, _Mapping]] = ..., reduced: _Optional[_Union[Reduced, _Mapping]] = ..., synced: _Optional[_Union[Synced, _Mapping]] = ..., error: _Optional[_Union[TaskError, _Mapping]] = ..., peer_error: _Optional[_Union[PeerError, _Mapping]] = ..., bad_peer: _Optional[_Union[BadPeer, _Mapping]] = ..., pool_reply: _Optional[_Union[PoolReply, _Mapping]] = ..., sketch: _Optional[_Union[Sketch, _Mapping]] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("protocol_version", "total_bytes", "seq", "payload")

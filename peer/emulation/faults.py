@@ -3,20 +3,24 @@
 The production :class:`~peer.runtime.stage.worker.StageWorker` knows nothing of faults; a fault is built from
 its seams, so the receivers' checks are exercised exactly as a real broken peer would exercise them. A
 tampering :class:`~peer.runtime.stage.outbox.Outbox` changes what the worker sends (:class:`NanGradOutbox`,
-:class:`HugeGradOutbox`, :class:`ScaleShardOutbox`, :class:`NoiseGradOutbox`); a slowing device clock stretches
-its emulated compute (:class:`BusyGpuClock`).
+:class:`HugeGradOutbox`, :class:`ScaleShardOutbox`, :class:`NoiseGradOutbox`,
+:class:`WrongActivationsOutbox`); a slowing device clock stretches its emulated compute (:class:`BusyGpuClock`).
 :func:`worker_class` gives a factory of an otherwise unmodified worker.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
 from peer.emulation.network import DeclaredSpeedClock
+from peer.runtime import control as ctl
+from peer.runtime.sketch import PER_POINT, seed_of, sketch
 from peer.runtime.spec import Assignment
 from peer.runtime.stage.outbox import Outbox
 from peer.runtime.stage.snapshot import Tasklet
@@ -74,6 +78,35 @@ class NoiseGradOutbox(Outbox):
         super().send(t, endpoint, env)
 
 
+class WrongActivationsOutbox(Outbox):
+    """Sends its output activations x 1.1 (finite, of a plausible size, wrong) and reports the sketch of what it
+    actually sent, as a patched client that knows the spot checks would: its own pipeline's sketches agree with
+    each other, so only a copy of the micro-batch on another pipeline shows it (``peer.runtime.lead.spot``)."""
+
+    FACTOR = 1.1
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._sent: dict[tuple[int, int], tuple[float, ...]] = {}  # (step, mb) -> sketch of what it sent
+
+    def send(self, t: Tasklet, endpoint: str, env: pb.Envelope) -> None:
+        if env.kind == pb.ACTIVATION and env.tensors:
+            def wrong(good: torch.Tensor) -> torch.Tensor:
+                bad = good * self.FACTOR
+                seed = seed_of(t.spec.run_id, env.key.step, env.key.microbatch, "act_out", t.assignment.stage)
+                self._sent[(env.key.step, env.key.microbatch)] = sketch(bad, seed)
+                return bad
+            _retensor(env, wrong)
+        super().send(t, endpoint, env)
+
+    def report(self, t: Tasklet, msg: ctl.Message) -> Future[None]:
+        lie = self._sent.pop((msg.step, msg.microbatch), None) if isinstance(msg, ctl.Sketch) else None
+        if lie is not None and "act_out" in msg.points:
+            at = msg.points.index("act_out") * PER_POINT
+            msg = dataclasses.replace(msg, values=(*msg.values[:at], *lie, *msg.values[at + PER_POINT:]))
+        return super().report(t, msg)
+
+
 class BusyGpuClock(DeclaredSpeedClock):
     """A volunteer whose GPU gets busy: from step ``BUSY_FROM_STEP`` on, every op takes ``BUSY_SLOWDOWN`` x its
     emulated time (an emulated device of a declared speed). It is healthy while the run warms up and the
@@ -100,6 +133,7 @@ FAULTS: dict[str, Callable[[float | None], dict[str, Any]]] = {
     "huge-grad": lambda tflops: {"outbox": HugeGradOutbox},
     "scale-shard": lambda tflops: {"outbox": ScaleShardOutbox},
     "noise-grad": lambda tflops: {"outbox": NoiseGradOutbox},
+    "wrong-activations": lambda tflops: {"outbox": WrongActivationsOutbox},
     "busy-gpu": _busy_gpu,
 }
 

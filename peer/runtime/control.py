@@ -23,6 +23,7 @@ it (a reduce of an older attempt is stale).
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
@@ -55,6 +56,7 @@ class Op(enum.Enum):
     ERROR = "error"
     PEER_ERROR = "peer_error"
     BAD_PEER = "bad_peer"
+    SKETCH = "sketch"
     # worker -> coordinator task pool (Fetch, Kind LEASE or COMMIT)
     LEASE = "lease"
     COMMIT = "commit"
@@ -249,12 +251,39 @@ class BadPeer(Message):
     error: str
 
 
+@dataclass(frozen=True)
+class Sketch(Message):
+    """This stage's sketches of one micro-batch (peer.runtime.sketch): ``values`` holds K + 1 numbers per point
+    of ``points``, in that order. :meth:`parsed` checks the shape; the coordinator refuses what does not fit."""
+
+    op: ClassVar[Op] = Op.SKETCH
+    step: int
+    microbatch: int
+    points: tuple[str, ...]
+    values: tuple[float, ...]
+
+    def parsed(self) -> dict[str, tuple[float, ...]]:
+        """Point -> its sketch; BadMessage when the points are unknown or repeated, or the values do not fit."""
+        from peer.runtime.sketch import PER_POINT, POINTS  # noqa: PLC0415 - torch only where sketches are read
+
+        if len(self.points) > len(POINTS) or len(set(self.points)) != len(self.points):
+            raise BadMessage("sketch.points", f"{list(self.points)[:8]} are not distinct points")
+        if any(p not in POINTS for p in self.points):
+            raise BadMessage("sketch.points", f"{list(self.points)[:8]}: known points are {list(POINTS)}")
+        if len(self.values) != PER_POINT * len(self.points):
+            raise BadMessage("sketch.values", f"{len(self.values)} values for {len(self.points)} points")
+        if not all(math.isfinite(v) for v in self.values):
+            raise BadMessage("sketch.values", "a value is not finite")
+        return {p: tuple(self.values[i * PER_POINT:(i + 1) * PER_POINT]) for i, p in enumerate(self.points)}
+
+
 MESSAGES: dict[Op, type[Message]] = {
     m.op: m
-    for m in (Stop, StartStep, DropStep, Reduce, Apply, Resync, Loss, Reduced, Synced, TaskError, PeerError, BadPeer)
+    for m in (Stop, StartStep, DropStep, Reduce, Apply, Resync, Loss, Reduced, Synced, TaskError, PeerError, BadPeer,
+              Sketch)
 }
 TO_WORKER = frozenset({Op.STOP, Op.START_STEP, Op.DROP_STEP, Op.REDUCE, Op.APPLY, Op.RESYNC})
-REPORTS = frozenset({Op.LOSS, Op.REDUCED, Op.SYNCED, Op.ERROR, Op.PEER_ERROR, Op.BAD_PEER})
+REPORTS = frozenset({Op.LOSS, Op.REDUCED, Op.SYNCED, Op.ERROR, Op.PEER_ERROR, Op.BAD_PEER, Op.SKETCH})
 POOL_OPS = frozenset({Op.LEASE, Op.COMMIT})
 
 

@@ -67,6 +67,12 @@ class RunSpec:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     pseudo_grad_compression: str = "none"
+    # verified work (peer.runtime.lead.spot): the fraction of micro-batches re-run on another pipeline and
+    # compared, the fraction while a member is on probation, and the verified micro-batches that end it. Off in
+    # the runtime's default; the run file's [trust] turns it on
+    spot_check: float = 0.0
+    probation_check: float = 0.0
+    probation_microbatches: int = 0
 
     def validate(self) -> RunSpec:
         self.model.validate()
@@ -87,6 +93,13 @@ class RunSpec:
         if not (self.grad_direction_z == 0 or 1 <= self.grad_direction_z <= 100):
             raise SpecError(f"run.grad_direction_z: must be 0 (off) or in [1, 100], got {self.grad_direction_z}")
         self._validate_sync()
+        for name in ("spot_check", "probation_check"):
+            rate = getattr(self, name)
+            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
+                raise SpecError(f"trust.{name}: must be a fraction in [0, 1], got {rate!r}")
+        count = self.probation_microbatches
+        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= 1_000_000:
+            raise SpecError(f"trust.probation_microbatches: must be an integer in [0, 1000000], got {count!r}")
         if getattr(self.model, "keep_tied", False) and self.sync_period > 1:
             raise SpecError("run.sync_period: a model that keeps its embeddings tied trains with exact averaging "
                             "(sync_period 1) only")
@@ -146,12 +159,22 @@ class RunSpec:
                 outer_lr=float(d.get("outer_lr", 0.7)),
                 outer_momentum=float(d.get("outer_momentum", 0.9)),
                 pseudo_grad_compression=d.get("pseudo_grad_compression", "none"),
+                spot_check=float(d.get("spot_check", 0.0)),
+                probation_check=float(d.get("probation_check", 0.0)),
+                probation_microbatches=d.get("probation_microbatches", 0),
             )
         except TypeError as exc:  # an unknown key inside model/optim
             raise SpecError(f"run: {exc}") from None
         except ValueError as exc:  # a bad HF model spec
             raise SpecError(f"run.{exc}") from None
         return spec.validate()
+
+    @property
+    def sketches(self) -> bool:
+        """Whether stages report sketches of their micro-batches (spot checks on; DiLoCo's pipelines apply their
+        own shares and are not compared micro-batch by micro-batch)."""
+        on = self.spot_check > 0 or (self.probation_check > 0 and self.probation_microbatches > 0)
+        return on and self.sync_period == 1
 
 
 MAX_PLAN_EPOCH = 2**31 - 1  # as on the plan board (peer.swarm.plans.MAX_EPOCH)

@@ -39,13 +39,14 @@ from peer.runtime import control as ctl
 from peer.runtime.bounds import CONTROL_BYTES
 from peer.runtime.grants import sign_grant
 from peer.runtime.lead.liveness import Liveness
-from peer.runtime.lead.machine import Command, Done, Emit, Fail, Send, StepMachine
+from peer.runtime.lead.machine import Command, Done, Emit, Fail, Send, Spot, StepMachine
 from peer.runtime.lead.pacing import Pacing
 from peer.runtime.lead.referee import SET_ASIDE_GRACE_S, Referee, Verdict, witnesses
 from peer.runtime.lead.resync import SYNC_LIMIT_S, Resync
 from peer.runtime.lead.roster import Roster
 from peer.runtime.lead.states import StageStates
 from peer.runtime.lead.step import Event, OuterRoundFailedError, ReplanNeededError, StepFailedError, StepReport
+from peer.runtime.lead.verify import MAX_LOSS, Verification, check_loss
 from peer.runtime.spec import Assignment, RunSpec
 from peer.timing import (
     ASSIGN_TIMEOUT_S,
@@ -57,19 +58,16 @@ from peer.timing import (
     STEP_TIMEOUT_S,
 )
 from protocol import tasklet_pb2 as pb
-from protocol.errors import BadMessage, Forbidden, Rejected, TransportError
+from protocol.errors import Forbidden, Rejected, TransportError
 
 # the step's outcomes, named from here by the coordinator's callers (driver, local swarm, benchmarks)
-__all__ = ["COORDINATOR_ROUTE", "Coordinator", "OuterRoundFailedError", "ReplanNeededError", "StepFailedError",
-           "StepReport"]
+__all__ = ["COORDINATOR_ROUTE", "MAX_LOSS", "Coordinator", "OuterRoundFailedError", "ReplanNeededError",
+           "StepFailedError", "StepReport", "check_loss"]
 
 log = logging.getLogger(__name__)
 
 COORDINATOR_ROUTE = "coordinator"  # a daemon's coordinator is served on its worker's port under this route
 WAKE_S = 0.2  # the step loop ticks the machine at least this often (deadlines, leases, errors to judge)
-# a reported loss beyond this is refused: a language model's cross-entropy at init is ln(vocab) (~11 for 64k
-# tokens), so nothing an honest stage computes comes near it, and the step's mean of such values stays finite
-MAX_LOSS = 1e6
 MAX_EXCLUSIONS = 1024  # exclusions kept until the leader takes them (bounded whatever a swarm reports)
 
 
@@ -124,12 +122,11 @@ class Coordinator:
         self.push_checkpoint, self.checkpoint_step, self.fetch_checkpoint = (
             self.states.push_checkpoint, self.states.checkpoint_step, self.states.fetch_checkpoint)
         # on_event(name, info): "lease", "commit", "reduce", "apply", "outer", "dead", "requeue", "resync",
-        # "divergent" as they happen; called without the coordinator's lock, must not block for long (tests use
-        # it to kill a worker at a chosen moment, benchmarks to time recovery)
+        # "divergent" as they happen; called without the coordinator's lock, must not block for long
         self.on_event: Callable[[str, dict[str, Any]], None] | None = None
-        # (plan epoch, peer id, reason) of every worker excluded, until the leader takes them (its credit record)
-        self._exclusions: deque[tuple[int, str, str]] = deque(maxlen=MAX_EXCLUSIONS)
+        self._exclusions: deque[tuple[int, str, str]] = deque(maxlen=MAX_EXCLUSIONS)  # (epoch, id, reason): credit
         self.referee = Referee()  # weighs bad-peer reports: no single one excludes a peer (_cond)
+        self.verification = Verification(self.spec, self._who, self.declare_dead, self._refer)  # spot checks
 
     @property
     def endpoint(self) -> str:
@@ -255,11 +252,13 @@ class Coordinator:
                 raise RuntimeError("assign() the workers first")
             now, roster, epoch = time.monotonic(), self.roster, self.epoch
             syncing = self.resync.syncing_pipelines(roster, now)  # may declare a laggard dead
+            lease_timeout_s = self.pacing.lease_timeout_s(timeout_s)
             machine = StepMachine(
-                step, roster, self.spec.n_microbatches, now=now, timeout_s=timeout_s,
-                lease_timeout_s=self.pacing.lease_timeout_s(timeout_s), sync_period=self.spec.sync_period,
+                step, roster, self.spec.n_microbatches, now=now, timeout_s=timeout_s, lease_timeout_s=lease_timeout_s,
+                sync_period=self.spec.sync_period,
                 dead=sorted(self.liveness.dead), syncing=syncing, service_s=self.pacing.service_s(epoch),
-                speculate_after=self.pacing.speculate_after_s(), judge_after_s=self.liveness.interval_s)
+                speculate_after=self.pacing.speculate_after_s(), judge_after_s=self.liveness.interval_s,
+                spot=self.verification.checks(step, roster, lease_timeout_s))
             self._machine = machine
             commands = machine.start()
         while (done := self._carry_out(machine, commands)) is None:
@@ -304,13 +303,18 @@ class Coordinator:
                 if isinstance(c.error, OuterRoundFailedError):  # the inner step stands: it counts as a step
                     self._finish(self.epoch, machine, c.error.report)
                 raise c.error
+            elif isinstance(c, Spot):
+                self.verification.act(self.roster, machine.step, c.finding)
             elif isinstance(c, Done):
                 return c
         return None
 
     def _send_later(self, machine: StepMachine, send: Send) -> None:
         """A background send (drop notices, a restarted attempt, a pipeline rejoining), then what follows it."""
-        self._broadcast_quietly(send.endpoints, send.msg, machine.step)
+        try:
+            self._broadcast(send.endpoints, send.msg, machine.step)
+        except Exception as exc:  # background notice; the step loop notices real failures itself
+            log.info("%s broadcast: %s", send.msg.op.value, exc)
         if send.rejoin is not None and isinstance(send.msg, ctl.StartStep):
             with self._cond:
                 commands = machine.rejoined(send.rejoin, send.msg.attempt)
@@ -348,12 +352,6 @@ class Coordinator:
                     log.warning("%s to %s failed: %s", msg.op.value, ep, exc)
                     self.liveness.confirm(ep, f"{msg.op.value} failed: {exc}")
                 break
-
-    def _broadcast_quietly(self, endpoints: Sequence[str], msg: ctl.Message, step: int) -> None:
-        try:
-            self._broadcast(endpoints, msg, step)
-        except Exception as exc:  # background notice; the step loop notices real failures itself
-            log.info("%s broadcast: %s", msg.op.value, exc)
 
     def declare_dead(self, endpoint: str, reason: str) -> None:
         """Exclude a worker for the rest of this plan (its pipeline is dropped from the running step)."""
@@ -412,7 +410,7 @@ class Coordinator:
             raise Rejected(f"report of epoch {env.key.epoch}, the plan is at epoch {epoch}")
         sender = self._require_member(env.sender, env.key.stage, env.key.replica, f"a {msg.op.value} report")
         if isinstance(msg, ctl.Loss):
-            check_loss(msg.loss, roster.is_last(sender), env.sender)
+            self.verification.check_loss(self._cond, self._machine, env.key, msg, roster.is_last(sender), env.sender)
         if isinstance(msg, ctl.PeerError):
             self._submit(self.liveness.confirm, msg.endpoint, f"reported by {sender}")
             return
@@ -468,6 +466,8 @@ class Coordinator:
             raise Rejected(f"report for step {key.step}, which is not running")
         if isinstance(msg, ctl.Loss):
             machine.loss(sender, key.replica, msg.microbatch, msg.loss, time.monotonic())
+        elif isinstance(msg, ctl.Sketch):
+            self.verification.sketch(machine, key, msg)
         elif isinstance(msg, ctl.Reduced):
             machine.reduced(sender, msg.attempt)
         elif isinstance(msg, ctl.Synced):
@@ -521,15 +521,3 @@ class Coordinator:
 
     def worker_status(self, endpoint: str, timeout_s: float = STATUS_TIMEOUT_S) -> dict[str, Any]:
         return self._client(endpoint).status(timeout_s=timeout_s)
-
-
-def check_loss(loss: float, from_last_stage: bool, sender: str) -> None:
-    """Refuse a loss report the run cannot use: only a pipeline's last stage computes a loss, and it is a finite
-    number within ``MAX_LOSS`` (a NaN, an infinity or 1e308 would make the step's loss, and the progress record
-    published from it, unusable)."""
-    if not from_last_stage:
-        raise Forbidden(f"a loss is taken only from the last stage of a pipeline; {sender} is not one")
-    if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not math.isfinite(loss):
-        raise BadMessage("loss", f"{loss!r} is not a finite number")
-    if abs(loss) > MAX_LOSS:
-        raise BadMessage("loss", f"{loss:g} is outside [-{MAX_LOSS:g}, {MAX_LOSS:g}]")

@@ -33,6 +33,7 @@ from typing import Any
 from peer.runtime import control as ctl
 from peer.runtime.lead.pool import CommitResult, TaskPool
 from peer.runtime.lead.roster import Roster
+from peer.runtime.lead.spot import Finding, SpotChecks
 from peer.runtime.lead.step import (
     OuterRoundFailedError,
     ReplanNeededError,
@@ -84,7 +85,15 @@ class Done:
     catch_up: bool
 
 
-Command = Send | Emit | Fail | Done
+@dataclass(frozen=True)
+class Spot:
+    """A spot check's finding (``peer.runtime.lead.spot``) for the owner to act on: credit, exclusion, a report to
+    the referee, probation. The machine has already set the pipelines it names aside where the step needs it."""
+
+    finding: Finding
+
+
+Command = Send | Emit | Fail | Done | Spot
 
 
 @dataclass
@@ -108,7 +117,7 @@ class StepMachine:
                  lease_timeout_s: float, sync_period: int = 1, dead: Sequence[str] = (),
                  syncing: set[int] | None = None, service_s: dict[int, float] | None = None,
                  speculate_after: tuple[float | None, float | None] = (None, None),
-                 judge_after_s: float = 0.0) -> None:
+                 judge_after_s: float = 0.0, spot: SpotChecks | None = None) -> None:
         self.step, self.roster, self.sync_period = step, roster, sync_period
         self.now = self.started = now
         self.deadline = now + timeout_s
@@ -118,6 +127,7 @@ class StepMachine:
                         service_s=service_s)
         self.state = StepState(pool=pool, syncing=set(syncing or ()))
         self._outer: list[int] = []
+        self.spot = spot  # spot checks of this step (None: off)
 
     @property
     def phase(self) -> StepPhase:
@@ -154,7 +164,11 @@ class StepMachine:
         st, pool = self.state, self.state.pool
         if st.phase is StepPhase.FAILED:
             return PoolAnswer(ctl.PoolStatus.WAIT)
+        if (shadow := self._shadow(pipeline)) is not None:
+            return shadow
         if pool.complete():
+            if self.spot is not None and not self.spot.settled(pool.assignment()):
+                return PoolAnswer(ctl.PoolStatus.WAIT)  # a check may still want a copy: the feeders stay
             st.feeders_done = True
             return PoolAnswer(ctl.PoolStatus.DONE)
         if pipeline in st.syncing:  # not in sync (a start_step of before it was dropped): no work
@@ -170,6 +184,8 @@ class StepMachine:
         speculative = pool.is_speculative(mb, pipeline)
         if speculative:
             log.info("step %d: micro-batch %d copied to pipeline %d (a straggler holds it)", self.step, mb, pipeline)
+        elif self.spot is not None:
+            self.spot.sample(mb, pipeline)
         st.leased_at[(mb, pipeline)] = now
         out.append(Emit("lease", {"step": self.step, "microbatch": mb, "pipeline": pipeline,
                                   "speculative": speculative}))
@@ -179,7 +195,13 @@ class StepMachine:
         """``pipeline`` finished ``microbatch`` on every stage (the first commit wins)."""
         self.now = now
         st = self.state
+        if self.spot is not None and self.spot.is_copy(microbatch, pipeline):
+            self.spot.commit(microbatch, pipeline, now)  # a shadow: compared, never summed
+            return PoolAnswer(ctl.PoolStatus.DUPLICATE, microbatch, commands=[Emit("commit", {
+                "step": self.step, "microbatch": microbatch, "pipeline": pipeline, "result": "shadow"})])
         result = st.pool.commit(microbatch, pipeline)
+        if self.spot is not None and result is CommitResult.COMMITTED:
+            self.spot.commit(microbatch, pipeline, now)
         leased = st.leased_at.get((microbatch, pipeline))
         seconds = now - leased if result is CommitResult.COMMITTED and leased is not None else None
         out: list[Command] = [Emit("commit", {"step": self.step, "microbatch": microbatch, "pipeline": pipeline,
@@ -191,8 +213,46 @@ class StepMachine:
     def loss(self, sender: str, pipeline: int, microbatch: int, loss: float, now: float) -> None:
         self.now = now
         self.state.losses[(microbatch, pipeline)] = loss
+        if self.spot is not None and 0 <= microbatch < self.pool.n_microbatches:
+            self.spot.loss(microbatch, pipeline, loss)
         if self.roster.is_last(sender):
             self.state.pool.progress(microbatch, pipeline)  # its forward crossed every stage (stragglers)
+
+    def sketch(self, pipeline: int, stage: int, microbatch: int, points: dict[str, tuple[float, ...]]) -> bool:
+        """A stage's sketches of a micro-batch (spot checks); False when they were not taken."""
+        if not (0 <= microbatch < self.pool.n_microbatches and 0 <= pipeline < self.roster.n_pipelines):
+            return False  # bounded: nothing is kept for a micro-batch or pipeline the step does not have
+        return self.spot is not None and self.spot.sketch(microbatch, pipeline, stage, points)
+
+    def _shadow(self, pipeline: int) -> PoolAnswer | None:
+        """A shadow copy of a checked micro-batch for ``pipeline``'s feeder, before any free work (spot checks)."""
+        st, pool, spot = self.state, self.state.pool, self.spot
+        if spot is None or st.phase is not StepPhase.COMPUTE or pipeline not in self.intact():
+            return None
+        mb = spot.shadow_for(pipeline, lambda m: pipeline not in pool.held_by(m), self.now)
+        if mb is None:
+            return None
+        pool.hold(mb, pipeline)
+        log.info("step %d: micro-batch %d shadowed on pipeline %d (spot check)", self.step, mb, pipeline)
+        return PoolAnswer(ctl.PoolStatus.LEASE, mb, True, commands=[Emit("lease", {
+            "step": self.step, "microbatch": mb, "pipeline": pipeline, "speculative": True, "shadow": True})])
+
+    def _spot_judge(self, out: list[Command]) -> None:
+        """Decide what the spot checks can decide now; set aside the pipelines a finding puts out of the step
+        before anything else is judged (so a pipeline to be excluded never reaches the reduce)."""
+        spot, pool = self.spot, self.state.pool
+        if spot is None or self.state.phase is not StepPhase.COMPUTE:
+            return
+        intact = self.intact()
+        free = lambda mb, copies: any(p not in copies and p not in pool.held_by(mb) for p in intact)  # noqa: E731
+        for f in spot.judge(self.now, pool.assignment(), free):
+            if f.kind == "verified":
+                for p in f.pipelines:
+                    pool.backup(f.microbatch, p)
+            else:
+                for p in f.pipelines:
+                    self.set_aside(p, self.now)
+            out.append(Spot(f))
 
     def reduced(self, sender: str, attempt: int) -> None:
         if attempt == self.state.attempt:
@@ -258,6 +318,7 @@ class StepMachine:
             return out
         try:
             self._judge()
+            self._spot_judge(out)
             while self._advance(out):
                 pass
         except StepFailedError as exc:
@@ -280,7 +341,8 @@ class StepMachine:
             broken = self._drop_broken(out)
             if not self.intact():  # also when a lease or commit dropped the last
                 raise ReplanNeededError(f"{what}: no intact pipeline left (dead: {sorted(self.dead)})")
-            if st.phase is StepPhase.COMPUTE and st.pool.complete():
+            if st.phase is StepPhase.COMPUTE and st.pool.complete() and (
+                    self.spot is None or self.spot.settled(st.pool.assignment())):
                 self._begin_reduce(out)
                 return True
             if broken and st.feeders_done:  # the feeders had stopped (pool complete): a new attempt restarts them
@@ -382,6 +444,13 @@ class StepMachine:
                    else "was overtaken by a speculative copy" if r in pool.losers()
                    else "held a lease past its deadline")
             lost = pool.fail_pipeline(r)
+            if self.spot is not None:  # a finished shadow of a lost micro-batch counts instead of a redo
+                for mb in lost:
+                    adopter = next((p for p in self.spot.done_copies(mb) if p not in broken and p in self.intact()),
+                                   None)
+                    if adopter is not None and pool.adopt(mb, adopter):
+                        self.spot.commit(mb, adopter, self.now)
+                self.spot.forget(r)
             out.append(Emit("requeue", {"step": self.step, "pipeline": r, "microbatches": lost}))
             st.dropped.add(r)
             log.warning("step %d: pipeline %d %s; %d micro-batches go back to the pool", self.step, r, why, len(lost))
@@ -431,4 +500,5 @@ class StepMachine:
             counts[p] = counts.get(p, 0) + 1
         return StepReport(self.step, sum(losses) / len(losses) if losses else math.nan, self.now - self.started,
                           counts, st.pool.requeued, sorted(st.dropped), st.pool.speculated, st.pool.speculation_won,
-                          dict(st.commits), sorted(st.participants), st.outer)
+                          dict(st.commits), sorted(st.participants), st.outer,
+                          self.spot.sampled if self.spot else 0, self.spot.verified if self.spot else 0)

@@ -311,6 +311,32 @@ class TaskPool:
         self.speculated += 1
         return mb
 
+    def hold(self, microbatch: int, pipeline: int) -> None:
+        """``pipeline`` runs a shadow copy of ``microbatch`` (a spot check, ``peer.runtime.lead.spot``): never
+        summed, but its stages know the micro-batch now, so it is never leased to it again in this step."""
+        self._held_by.setdefault(microbatch, set()).add(pipeline)
+
+    def held_by(self, microbatch: int) -> frozenset[int]:
+        """Pipelines that held ``microbatch`` in this step (leased, copied or shadowed)."""
+        return frozenset(self._held_by.get(microbatch, ()))
+
+    def backup(self, microbatch: int, pipeline: int) -> None:
+        """``pipeline``'s verified shadow of committed ``microbatch`` holds its gradient apart: if the committing
+        pipeline is failed before the reduce, the micro-batch goes to ``pipeline`` instead of being redone."""
+        owner = self._committed.get(microbatch)
+        if owner is not None and owner != pipeline and pipeline not in self._failed:
+            self._backups.setdefault(microbatch, pipeline)
+
+    def adopt(self, microbatch: int, pipeline: int) -> bool:
+        """Commit free ``microbatch`` to ``pipeline``, whose finished shadow copy holds its gradient apart (its
+        original pipeline was failed): it is not redone. False when it is not free or ``pipeline`` is failed."""
+        if microbatch not in self._free or pipeline in self._failed:
+            return False
+        self._free.remove(microbatch)
+        self._committed[microbatch] = pipeline
+        self.backups_used += 1
+        return True
+
     def is_speculative(self, microbatch: int, pipeline: int) -> bool:
         """True when ``pipeline`` holds ``microbatch`` as a speculative copy (its gradient is kept apart)."""
         copy = self._copies.get(microbatch)

@@ -65,6 +65,8 @@ class StepReport:
     commits: dict[int, int] = field(default_factory=dict)
     applied: list[int] = field(default_factory=list)
     outer: list[int] | None = None
+    spot_checked: int = 0  # micro-batches sampled for a spot check (peer.runtime.lead.spot)
+    spot_verified: int = 0  # ... whose copies agreed (or two of three did)
 
 
 @dataclass

@@ -26,6 +26,7 @@ import torch
 from peer.compute.data import microbatch
 from peer.runtime import control as ctl
 from peer.runtime.control import SPECULATIVE_META
+from peer.runtime.sketch import POINTS, seed_of, sketch
 from peer.runtime.stage.exchange import ExchangeAbortedError
 from peer.runtime.stage.outbox import DeviceClock, Outbox
 from peer.runtime.stage.snapshot import Tasklet
@@ -63,6 +64,7 @@ class ComputeLoop:
         self._seq = itertools.count()
         self.stats = {"forward": 0, "backward": 0, "busy_s": 0.0, "overrun_ops": 0}  # written by compute only
         self.running: tuple[float, int] | None = None  # compute op in progress: (started, ops it counts)
+        self.sketches = SketchReporter(outbox)
         self._handlers: dict[Work, Callable[..., None]] = {
             Work.FORWARD: self.forward,
             Work.BACKWARD: self.backward,
@@ -154,10 +156,13 @@ class ComputeLoop:
         self.stats["forward"] += 1
         if speculative:
             compute.mark_tentative(mb)
+        if not a.is_first:
+            self.sketches.keep(t, step, mb, "act_in", x)
         if not a.is_last:
             out = compute.forward(mb, x)
             self._timed(t, step, started, 1.0)
             assert a.next is not None
+            self.sketches.keep(t, step, mb, "act_out", out)
             env = envelope(pb.ACTIVATION, t.key(step, mb), {"hidden": out}, compression=spec.compression)
             if speculative:
                 env.meta[SPECULATIVE_META] = "1"
@@ -173,6 +178,7 @@ class ComputeLoop:
 
     def backward(self, t: Tasklet, step: int, mb: int, grad_out: torch.Tensor) -> None:
         started = self.clock.now()
+        self.sketches.keep(t, step, mb, "grad_in", grad_out)
         grad_in = t.compute.backward(mb, grad_out)
         self._timed(t, step, started, 2.0)
         self.stats["backward"] += 1
@@ -182,9 +188,12 @@ class ComputeLoop:
         a = t.assignment
         if not a.is_first:
             assert grad_in is not None and a.prev is not None
+            self.sketches.keep(t, step, mb, "grad_out", grad_in)
+            self.sketches.send(t, step, mb)
             env = envelope(pb.ACTIVATION_GRAD, t.key(step, mb), {"grad": grad_in}, compression=t.spec.compression)
             self.outbox.send(t, a.prev, env)
             return
+        self.sketches.send(t, step, mb)
         self.outbox.submit(self.commit, t, step, mb)
 
     def commit(self, t: Tasklet, step: int, mb: int) -> None:
@@ -207,6 +216,34 @@ class ComputeLoop:
             self.cond.notify_all()
         t.compute.reset_step()
         log.info("pipeline dropped from step %d; its work is discarded", step)
+
+
+class SketchReporter:
+    """Keeps the tensors a stage received and sent for each micro-batch and, once its backward is done, reports
+    their sketches (peer.runtime.sketch) to the coordinator, computed off the compute thread. Only when the
+    run's spot checks are on; every micro-batch is reported, so a stage cannot tell which ones are checked."""
+
+    def __init__(self, outbox: Outbox) -> None:
+        self.outbox = outbox
+        self._kept: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (step, mb) -> point -> tensor
+
+    def keep(self, t: Tasklet, step: int, mb: int, point: str, tensor: torch.Tensor) -> None:
+        if not t.spec.sketches:
+            return
+        for key in [k for k in self._kept if k[0] != step]:  # an earlier step's leftovers (a dropped pipeline)
+            del self._kept[key]
+        self._kept.setdefault((step, mb), {})[point] = tensor
+
+    def send(self, t: Tasklet, step: int, mb: int) -> None:
+        kept = self._kept.pop((step, mb), None)
+        if kept:
+            self.outbox.submit(self._report, t, step, mb, kept)
+
+    def _report(self, t: Tasklet, step: int, mb: int, kept: dict[str, torch.Tensor]) -> None:
+        points = tuple(p for p in POINTS if p in kept)
+        stage = t.assignment.stage
+        values = tuple(v for p in points for v in sketch(kept[p], seed_of(t.spec.run_id, step, mb, p, stage)))
+        self.outbox.report(t, ctl.Sketch(step, mb, points, values))
 
 
 class Feeder:

@@ -1,0 +1,110 @@
+"""The coordinator's side of the spot checks: each step's :class:`~peer.runtime.lead.spot.SpotChecks`, sampled
+at rates from the leader's probation record, and what a finding does (credit, exclusion, the referee, probation).
+
+Kept out of the coordinator so its shell stays a shell; the rules themselves are in ``peer.runtime.lead.spot``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable
+
+from peer.runtime import control as ctl
+from peer.runtime.lead.machine import StepMachine
+from peer.runtime.lead.roster import Roster
+from peer.runtime.lead.spot import Finding, Probation, SpotChecks
+from peer.runtime.spec import RunSpec
+from protocol import tasklet_pb2 as pb
+from protocol.errors import BadMessage, Forbidden, Rejected
+
+log = logging.getLogger(__name__)
+
+# a reported loss beyond this is refused: a language model's cross-entropy at init is ln(vocab) (~11 for 64k
+# tokens), so nothing an honest stage computes comes near it, and the step's mean of such values stays finite
+MAX_LOSS = 1e6
+
+
+class Verification:
+    """Spot checks across a leadership. ``who(endpoint)``: the identity of a worker; ``exclude(endpoint, reason)``
+    excludes it (the coordinator's declare_dead, which records the reason for the credit record);
+    ``refer(roster, reporter, accused, step, error)`` hands a report to the referee."""
+
+    def __init__(self, spec: RunSpec, who: Callable[[str], str], exclude: Callable[[str, str], None],
+                 refer: Callable[[Roster, str, str, int, str], None]) -> None:
+        self.spec = spec
+        self.probation = Probation(spec.probation_check, spec.probation_microbatches)
+        self.who, self.exclude, self.refer = who, exclude, refer
+        self.totals = {"sampled": 0, "verified": 0, "excluded": 0, "unchecked": 0}
+
+    def checks(self, step: int, roster: Roster, lease_timeout_s: float) -> SpotChecks | None:
+        """The spot checks of one step (None when the run has them off, or trains DiLoCo, whose pipelines apply
+        their own shares and are not compared micro-batch by micro-batch)."""
+        if not self.spec.sketches:
+            return None
+        n_stages = max((a.n_stages for a in roster.assignments.values()), default=1)
+
+        def rate_of(pipeline: int) -> float:
+            members = [self.who(ep) for ep in roster.members([pipeline])]
+            if any(self.probation.on_probation(m) for m in members):
+                return max(self.spec.spot_check, self.spec.probation_check)
+            return self.spec.spot_check
+
+        return SpotChecks(step, n_stages, rate_of, self.spec.precision, self.spec.compression, lease_timeout_s)
+
+    @staticmethod
+    def sketch(machine: StepMachine, key: pb.Key, msg: ctl.Sketch) -> None:
+        """A stage's sketches (the sender is the plan's worker at the key's stage and pipeline): to the step."""
+        if not machine.sketch(key.replica, key.stage, msg.microbatch, msg.parsed()):
+            raise Rejected(f"sketches of points {list(msg.points)} do not fit stage {key.stage}, or spot checks "
+                           "are off")
+
+    @staticmethod
+    def check_loss(cond: threading.Condition, machine: StepMachine | None, key: pb.Key, msg: ctl.Loss,
+                   from_last_stage: bool, sender: str) -> None:
+        """:func:`check_loss`; a refused loss of the last stage still tells the spot checks that this copy of the
+        micro-batch has no usable loss (it disagrees with any other copy at once, instead of being waited for)."""
+        try:
+            check_loss(msg.loss, from_last_stage, sender)
+        except BadMessage:
+            with cond:
+                if machine is not None and machine.spot is not None and key.step == machine.step \
+                        and 0 <= msg.microbatch < machine.pool.n_microbatches:
+                    machine.spot.loss(msg.microbatch, key.replica, math.nan)
+            raise
+
+    def act(self, roster: Roster, step: int, finding: Finding) -> None:
+        """Carry out a finding (the machine already set aside what the step must not use)."""
+        f = finding
+        members = roster.members(f.pipelines)
+        if f.kind == "verified":
+            self.probation.credit(self.who(ep) for ep in members)
+            return
+        if f.kind == "aside":
+            self.probation.suspect(self.who(ep) for ep in members)
+            log.warning("step %d: pipelines %s set aside: %s", step, list(f.pipelines), f.reason)
+        elif f.kind == "late":
+            log.warning("step %d: pipeline %d set aside: %s", step, f.pipelines[0], f.reason)
+        elif f.kind == "exclude":
+            culprit = roster.endpoint_of(f.stage, f.pipelines[0])
+            if culprit is not None:
+                log.warning("step %d: excluding %s: %s", step, culprit, f.reason)
+                self.exclude(culprit, f.reason)
+        elif f.kind == "link":
+            sender, receiver = roster.endpoint_of(f.stage, f.pipelines[0]), roster.endpoint_of(f.receiver,
+                                                                                             f.pipelines[0])
+            if sender is not None and receiver is not None:
+                self.refer(roster, receiver, sender, step, f.reason)
+
+
+def check_loss(loss: float, from_last_stage: bool, sender: str) -> None:
+    """Refuse a loss report the run cannot use: only a pipeline's last stage computes a loss, and it is a finite
+    number within ``MAX_LOSS`` (a NaN, an infinity or 1e308 would make the step's loss, and the progress record
+    published from it, unusable)."""
+    if not from_last_stage:
+        raise Forbidden(f"a loss is taken only from the last stage of a pipeline; {sender} is not one")
+    if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not math.isfinite(loss):
+        raise BadMessage("loss", f"{loss!r} is not a finite number")
+    if abs(loss) > MAX_LOSS:
+        raise BadMessage("loss", f"{loss:g} is outside [-{MAX_LOSS:g}, {MAX_LOSS:g}]")

@@ -1,0 +1,92 @@
+"""Spot checks against a member that sends wrong activations, with real worker processes on loopback.
+
+The cheater (``wrong-activations`` of peer.emulation.faults: stage 0 of pipeline 0 sends its activations x 1.1
+and reports the sketch of what it sent, so its own pipeline's sketches agree) reaches the model when spot checks
+are off; with them on (probation: every newcomer's first micro-batch is checked) a shadow copy disagrees, a third
+copy decides, the cheater is excluded with the reason in its exclusion, and the saved parameters equal
+single-process training of the honest work (the undisturbed run) within 1e-5, every honest worker alive, every
+step trained.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from peer.compute.data import Corpus
+from peer.compute.model import unflatten_stage
+from peer.compute.reference import train_reference
+from peer.emulation.local import LocalSwarm, RunResult
+from tests.test_fault_tolerance import SLOW, SPEC, STAGES, flops
+
+pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
+
+STEPS = 3
+CHECKED = dataclasses.replace(SPEC, spot_check=0.05, probation_check=1.0, probation_microbatches=1)
+CHEATER = 0  # stage 0 of pipeline 0
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[dict[str, torch.Tensor], list[float]]:
+    torch.set_num_threads(1)
+    corpus = Corpus.load(SPEC.corpus)
+    return train_reference(SPEC.model, SPEC.optim, corpus, SPEC.seed, STEPS, SPEC.n_microbatches, SPEC.micro_batch)
+
+
+def worst_error(result: RunResult, reference: tuple[dict[str, torch.Tensor], list[float]]) -> float:
+    """The largest error, relative to each tensor's scale, of the saved parameters against the reference; every
+    stage's replicas must be equal and at step ``STEPS``."""
+    ref_params, _ = reference
+    by_stage: dict[int, dict] = {}
+    for (stage, _), state in result.states.items():
+        assert state["step"] == STEPS
+        if stage in by_stage:
+            assert torch.equal(by_stage[stage]["params"], state["params"]), "replicas of a stage differ"
+        by_stage[stage] = state
+    assert sorted(by_stage) == list(range(len(STAGES)))
+    worst = 0.0
+    for s, (a, b) in enumerate(STAGES):
+        for name, got in unflatten_stage(SPEC.model, a, b, by_stage[s]["params"]).items():
+            ref = ref_params[name]
+            worst = max(worst, float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12)))
+    return worst
+
+
+def test_wrong_activations_reach_the_model_without_spot_checks(reference) -> None:
+    with LocalSwarm(SPEC, 4, links=SLOW, forward_flops=flops, faults={CHEATER: "wrong-activations"}) as swarm:
+        result = swarm.train((STAGES, [[0, 1], [2, 3]]), STEPS)
+    assert len(result.reports) == STEPS
+    assert worst_error(result, reference) > 1e-3, "the cheater's activations did not reach the model"
+
+
+def test_spot_checks_exclude_the_cheater_and_the_model_is_the_honest_one(reference) -> None:
+    deaths: list[dict] = []
+    shadows: list[dict] = []
+
+    def watch(name: str, info: dict) -> None:
+        if name == "dead":
+            deaths.append(info)
+        elif name == "lease" and info.get("shadow"):
+            shadows.append(info)
+
+    with LocalSwarm(CHECKED, 6, links=SLOW, forward_flops=flops, faults={CHEATER: "wrong-activations"}) as swarm:
+        swarm.coordinator.on_event = watch
+        result = swarm.train((STAGES, [[0, 1], [2, 3], [4, 5]]), STEPS)
+        alive = sorted(d for d in swarm.workers.live() if d != CHEATER)
+        cheater = swarm.workers.endpoints[CHEATER]
+    print(f"excluded {[(d['endpoint'], d['reason'][:200]) for d in deaths]}; {len(shadows)} shadow copies; "
+          f"checked {[r.spot_checked for r in result.reports]}, verified {[r.spot_verified for r in result.reports]}")
+    assert deaths and all(d["endpoint"] == cheater for d in deaths), "only the cheater is excluded"
+    assert "spot check" in deaths[0]["reason"] and "disagreed with the two other copies" in deaths[0]["reason"]
+    assert alive == [d for d in range(6) if d != CHEATER], "every honest worker is alive"
+    assert len(result.reports) == STEPS
+    assert "(step 0)" in deaths[0]["reason"], "caught in its first step, before any apply"
+    assert result.reports[0].dropped_pipelines == [0], "step 0 finished without the cheater's pipeline"
+    assert shadows and sum(r.spot_verified for r in result.reports) >= 1
+    assert all(CHEATER not in p for p in result.events.replans[-1]["pipelines"])
+    err = worst_error(result, reference)
+    assert err < 1e-5, f"{err:.2e} of a tensor's scale off single-process training of the honest work"
+    for step, (got, want) in enumerate(zip(result.losses, reference[1], strict=True)):
+        assert got == pytest.approx(want, rel=1e-5), f"step {step}: loss {got} vs {want}"
