@@ -83,7 +83,9 @@ def test_spot_checks_exclude_the_cheater_and_the_model_is_the_honest_one(referen
     assert alive == [d for d in range(6) if d != CHEATER], "every honest worker is alive"
     assert len(result.reports) == STEPS
     assert "(step 0)" in deaths[0]["reason"], "caught in its first step, before any apply"
-    assert result.reports[0].dropped_pipelines == [0], "step 0 finished without the cheater's pipeline"
+    # step 0 either finishes without the cheater's pipeline or is redone without it, depending on when the
+    # third copy's sketch arrives: either way nothing of the cheater's is applied (the model check below)
+    assert result.reports[0].dropped_pipelines in ([], [0])
     assert shadows and sum(r.spot_verified for r in result.reports) >= 1
     assert all(CHEATER not in p for p in result.events.replans[-1]["pipelines"])
     err = worst_error(result, reference)
