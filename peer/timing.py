@@ -174,6 +174,7 @@ STRAGGLER_FACTOR = 2.0  # compute time per op above this x the stage's median ..
 STRAGGLER_STEPS = 2  # ... this many steps in a row: reported to the planner as a straggler
 CHECKPOINT_COPIES = 2  # other peers that get a copy of every checkpoint
 COPY_TIMEOUT_S = 600.0  # sending one checkpoint copy (in the background; training goes on)
+EXIT_STEP_WAIT_S = 20.0  # a leader leaving gracefully lets the step in flight end this long before its checkpoint
 EXIT_COPY_WAIT_S = 30.0  # a leader leaving gracefully waits this long for its last checkpoint's copies
 TAKEOVER_APPLY_TIMEOUT_S = 10.0  # a new leader tells a worker to apply the step its predecessor left
 TAKEOVER_WAIT_S = 30.0  # ... and waits this long for every such worker to have applied it

@@ -20,8 +20,8 @@ from peer.runtime.lead.driver import DriverConfig
 from tests.support.driver import FakePlanner, make_driver
 
 
-def state(step: int, n: int = 64) -> dict:
-    g = torch.Generator().manual_seed(step)
+def state(step: int, n: int = 64, seed: int | None = None) -> dict:
+    g = torch.Generator().manual_seed(step if seed is None else seed)
     return {"params": torch.randn(n, generator=g), "exp_avg": torch.zeros(n), "exp_avg_sq": torch.zeros(n),
             "step": step}
 
@@ -31,7 +31,7 @@ def meta(step: int) -> dict:
 
 
 def write(store: CheckpointStore, step: int) -> Path:
-    return store.write(step, {0: state(step), 1: state(step + 1000)}, meta(step))
+    return store.write(step, {0: state(step), 1: state(step, seed=step + 1000)}, meta(step))
 
 
 def test_write_read_prune_and_latest_pointer(tmp_path) -> None:
@@ -62,6 +62,19 @@ def test_damaged_newest_falls_back_to_the_previous_and_says_so(tmp_path, caplog)
     flipped[-1] ^= 0xFF
     (newest / "stage-1.pt").write_bytes(bytes(flipped))
     with pytest.raises(CheckpointDamagedError, match="checksum"):
+        store.load(4)
+
+
+def test_a_checkpoint_whose_stage_states_are_of_another_step_is_damaged(tmp_path, caplog) -> None:
+    """A folder of step 4 holding a stage trained to step 3 (read while a step was ending) is never served as
+    step 4: the previous checkpoint is used instead."""
+    store = CheckpointStore(tmp_path)
+    write(store, 2)
+    store.write(4, {0: state(4), 1: state(3)}, meta(4))
+    with caplog.at_level(logging.WARNING):
+        ckpt = store.newest_valid()
+    assert ckpt is not None and ckpt.step == 2 and [s for s, _ in ckpt.skipped] == [4]
+    with pytest.raises(CheckpointDamagedError, match="other steps"):
         store.load(4)
 
 

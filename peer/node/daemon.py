@@ -57,6 +57,7 @@ from peer.timing import (
     ADVERT_TTL_HEARTBEATS,
     DHT_RECONNECT_HEARTBEATS,
     EXIT_COPY_WAIT_S,
+    EXIT_STEP_WAIT_S,
     HEARTBEAT_S,
     PLAN_RENEW_TICKS,
     TICKS_PER_HEARTBEAT,
@@ -546,6 +547,11 @@ class PeerDaemon:
             resigning = not self.role.finished.is_set()  # leaving before the end of the run
             if self.stop_requested.is_set() and self.role.driver is not None:
                 try:
+                    # the step in flight ends first: the checkpoint then holds one step's states, all of them
+                    self.role.driver.stop_event.set()
+                    if not self.role.finished.wait(EXIT_STEP_WAIT_S):
+                        log.warning("the step in flight did not end within %.0f s; checkpointing what answers",
+                                    EXIT_STEP_WAIT_S)
                     self.role.driver.checkpoint()
                     self.role.driver.wait_for_copies(EXIT_COPY_WAIT_S)  # the peers' copies outlive this host
                 except Exception as exc:  # leaving must not fail because a checkpoint did

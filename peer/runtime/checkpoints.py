@@ -246,6 +246,9 @@ class CheckpointStore:
                 raise ValueError(f"its metadata is of step {meta.get('step')!r}")
             n_stages = len(meta["stages"])
             states = {s: _torch_load(files[f"stage-{s}.pt"]) for s in range(n_stages)}
+            wrong = {s: st.get("step") for s, st in states.items() if isinstance(st, dict) and st.get("step") != step}
+            if wrong:  # a stage's own step counter must agree with the folder's
+                raise ValueError(f"stage states of other steps: {wrong}")
         except Exception as exc:  # unpicklable, missing stage file, wrong layout: damaged, whatever the cause
             raise CheckpointDamagedError(f"{self.root / step_name(step)}: {exc}") from None
         return Checkpoint(step, meta, states)

@@ -519,26 +519,27 @@ class RunDriver:
         ``events.checkpoint_errors``; it never stops training."""
         if self.store is None or not self.stages:
             return None
+        step, stages = self.trained, list(self.stages)  # read once: another thread (a peer leaving) may call this
         try:
-            states = self.coordinator.live_states(at_step=self.trained)
+            states = self.coordinator.live_states(at_step=step)
             saved = {stage for stage, _ in states}
-            if saved != set(range(len(self.stages))):
-                raise CheckpointError(f"stages {sorted(set(range(len(self.stages))) - saved)} did not answer")
-            meta = {"run": self.spec.to_dict(), "stages": self.stages, "step": self.trained}
-            step_dir = self.store.write(self.trained, {stage: st for (stage, _), st in states.items()}, meta)
+            if saved != set(range(len(stages))):
+                raise CheckpointError(f"stages {sorted(set(range(len(stages))) - saved)} did not answer at step {step}")
+            meta = {"run": self.spec.to_dict(), "stages": stages, "step": step}
+            step_dir = self.store.write(step, {stage: st for (stage, _), st in states.items()}, meta)
         except Exception as exc:  # a checkpoint error must not kill the leader
-            log.error("checkpoint of step %d failed: %s", self.trained, exc)
-            self.events.checkpoint_errors.append({"step": self.trained, "error": str(exc)[:500]})
+            log.error("checkpoint of step %d failed: %s", step, exc)
+            self.events.checkpoint_errors.append({"step": step, "error": str(exc)[:500]})
             return None
-        self.events.checkpoints.append(self.trained)
-        log.info("checkpoint of step %d written to %s", self.trained, step_dir)
+        self.events.checkpoints.append(step)
+        log.info("checkpoint of step %d written to %s", step, step_dir)
         if self.cfg.checkpoint_copies > 0:
-            self._replicate(self.trained)
+            self._replicate(step)
         if self.on_checkpoint is not None:
             try:
-                self.on_checkpoint(self.trained, step_dir)
+                self.on_checkpoint(step, step_dir)
             except Exception as exc:  # replication failing is reported, never fatal
-                log.error("after the checkpoint of step %d: %s", self.trained, exc)
+                log.error("after the checkpoint of step %d: %s", step, exc)
         return step_dir
 
     def _replicate(self, step: int) -> None:
