@@ -142,3 +142,29 @@ def test_duplicate_and_inconsistent_messages_are_refused() -> None:
         box.put_contribution((0, 1), [0, 1], 1, torch.zeros(hi - lo), [0])
     with pytest.raises(BadMessage, match="participants"):  # same attempt, other participants
         box.put_contribution((0, 1), [0, 1, 2], 2, torch.zeros(4), [0])
+
+def test_a_sparse_shard_of_two_honest_replicas_passes_and_a_scaled_one_does_not() -> None:
+    """Two participants: the owner's part of a token-embedding shard is almost zero (its micro-batches' tokens
+    hit other rows), the other's is of honest size. The owner's whole gradient floors the comparison, so the honest
+    part passes; the same part x1000 is refused, naming its sender, never the owner."""
+    from peer.runtime.stage.exchange import OutlierContributionError
+
+    n, participants, tag = 64, [0, 1], (3, 1)
+    owner = GradientExchange(0, n)
+    lo, hi = owner.shard_of(participants, 0)
+    own = torch.zeros(n)
+    own[hi:] = torch.randn(n - hi, generator=torch.Generator().manual_seed(1))  # its weight lands on shard 1
+    own[lo] = 1e-4
+    other = torch.randn(hi - lo, generator=torch.Generator().manual_seed(2))
+    assert float(other.norm()) > 10 * 1e-4, "without the floor this part would be an outlier of the owner's"
+    owner.put_contribution(tag, participants, 0, own[lo:hi].clone(), [0, 1], whole_norm=float(own.norm()))
+    owner.put_contribution(tag, participants, 1, other.clone(), [2, 3])
+    summed = owner.reduce(tag, participants, 4, 1.0)
+    assert torch.equal(summed, own[lo:hi] + other)
+
+    scaled = GradientExchange(0, n)
+    scaled.put_contribution(tag, participants, 0, own[lo:hi].clone(), [0, 1], whole_norm=float(own.norm()))
+    scaled.put_contribution(tag, participants, 1, other * 1000, [2, 3])
+    with pytest.raises(OutlierContributionError) as info:
+        scaled.reduce(tag, participants, 4, 1.0)
+    assert info.value.replicas == [1] and "whole gradient" in str(info.value)

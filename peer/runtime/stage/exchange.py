@@ -17,9 +17,11 @@ itself been told to synchronise. This class only holds what arrives (server thre
 waits); sending is the worker's job.
 
 Plausible but wrong gradients: before summing, the owner compares each contribution's norm per micro-batch
-with the median of the other participants' (``outlier_factor``, k). One more than k times that median is
-refused (:class:`OutlierContributionError`, the worker reports its sender to the coordinator, which excludes
-it and starts a new attempt of the step). This stops a member from blowing up the model with a huge gradient;
+with the median of the other participants' (``outlier_factor``, k), floored by the norm per micro-batch of its own
+whole gradient (a shard of token-embedding rows is sparse: honest replicas' parts can differ by more than k, but
+no honest part exceeds k whole honest gradients). One more than k times that is refused
+(:class:`OutlierContributionError`, the worker reports its sender to the coordinator, which excludes it and
+starts a new attempt of the step). This stops a member from blowing up the model with a huge gradient;
 it does not stop a small, plausible poisoning (see docs/security.md). With ``direction_z`` above 0 the owner also
 refuses a contribution of enough tokens that is unrelated to the others' sum (noise of any norm;
 ``checks.unrelatedness``).
@@ -118,6 +120,7 @@ class _Attempt:
     contributions: dict[int, tuple[torch.Tensor, list[int]]] = field(default_factory=dict)
     reduced: dict[int, torch.Tensor] = field(default_factory=dict)
     digests: dict[int, Digest] = field(default_factory=dict)
+    own_scale: float = 0.0  # this replica's whole-gradient norm per micro-batch (the outlier check's floor)
 
 
 class GradientExchange:
@@ -160,9 +163,11 @@ class GradientExchange:
         return shard_bounds(self.numel, len(participants))[list(participants).index(owner)]
 
     def put_contribution(
-        self, tag: Tag, participants: Sequence[int], sender: int, shard: torch.Tensor, microbatches: list[int]
+        self, tag: Tag, participants: Sequence[int], sender: int, shard: torch.Tensor, microbatches: list[int],
+        whole_norm: float = 0.0,
     ) -> None:
-        """Participant ``sender``'s part of *my* shard."""
+        """Participant ``sender``'s part of *my* shard. ``whole_norm``: with this replica's own part, the norm of
+        its whole gradient (the outlier check's floor; never taken from another sender)."""
         with self._cond:
             attempt = self._attempt(tag, participants)
             if sender not in attempt.participants:
@@ -171,6 +176,8 @@ class GradientExchange:
             if sender in attempt.contributions:
                 raise BadMessage("key.replica", f"replica {sender} already sent its shard for attempt {tag}")
             attempt.contributions[sender] = (shard, list(microbatches))
+            if sender == self.replica and math.isfinite(whole_norm):
+                attempt.own_scale = whole_norm / max(1, len(microbatches))
             self._cond.notify_all()
 
     def put_reduced(self, tag: Tag, participants: Sequence[int], owner: int, shard: torch.Tensor) -> None:
@@ -232,13 +239,16 @@ class GradientExchange:
         norms = {r: float(shard.norm()) / max(1, len(mbs)) for r, (shard, mbs) in attempt.contributions.items()}
         bad = []
         for r, norm in norms.items():
-            median = statistics.median(v for q, v in norms.items() if q != r)
-            if k and median > 0 and norm > k * median:
+            # the floor: a shard of sparse rows (token embeddings) can be near zero in one honest replica and not in
+            # another, but no honest part exceeds a whole honest gradient; this replica's own never counts as bad
+            scale = max(statistics.median(v for q, v in norms.items() if q != r), attempt.own_scale)
+            if k and r != self.replica and (not math.isfinite(norm) or (scale > 0 and norm > k * scale)):
                 bad.append(r)
         if bad:
             shown = ", ".join(f"{r}: {v:.3g}" for r, v in sorted(norms.items()))
-            raise OutlierContributionError(tag, sorted(bad), f"exceeds {k:g} x the median norm per micro-batch "
-                                                             f"of the others (norms {shown})")
+            raise OutlierContributionError(
+                tag, sorted(bad), f"exceeds {k:g} x the larger of the others' median norm per micro-batch and this "
+                                  f"replica's whole gradient's ({attempt.own_scale:.3g}) (norms {shown})")
         self._check_directions(tag, attempt)
 
     def _check_directions(self, tag: Tag, attempt: _Attempt) -> None:

@@ -117,7 +117,8 @@ class GradientSync:
         for r in participants:
             lo, hi = exchange.shard_of(participants, r)
             if r == a.replica:
-                exchange.put_contribution(sync.tag, participants, r, flat[lo:hi].clone(), mine)
+                exchange.put_contribution(sync.tag, participants, r, flat[lo:hi].clone(), mine,
+                                          whole_norm=float(flat.norm()))
             else:
                 env = envelope(pb.GRAD_SHARD, t.key(step), {"grad": flat[lo:hi]}, microbatches=mine)
                 env.meta.update(sync.meta)
