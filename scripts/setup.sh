@@ -33,12 +33,14 @@ fi
 # podman gets a runc wrapper that drops `process.rlimits` from the container's config.json, as its default
 # runtime. Tolerant like the above: without them those tests skip with the reason.
 if [ "$(id -u)" -eq 0 ] && [ -z "${SKIP_APT:-}" ] && command -v apt-get >/dev/null; then
-  if ! { command -v podman && command -v runc && command -v mmdebstrap && command -v docker-compose; } >/dev/null 2>&1
+  if ! { command -v podman && command -v runc && command -v mmdebstrap && command -v docker-compose \
+         && [ -x /usr/libexec/podman/catatonit ]; } >/dev/null 2>&1
   then
-    # docker-compose (Compose 1.29, Debian's) runs the compose file against podman's Docker API in one test
-    echo "[setup] installing podman, runc, mmdebstrap and docker-compose for the container tests" >&2
+    # docker-compose (Compose 1.29, Debian's) runs the compose file against podman's Docker API in one test;
+    # catatonit is podman's init for `init: true` (compose.yml), only a recommendation of the podman package
+    echo "[setup] installing podman, runc, catatonit, mmdebstrap and docker-compose for the container tests" >&2
     { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-        podman runc mmdebstrap docker-compose; } \
+        podman runc catatonit mmdebstrap docker-compose; } \
       >/dev/null 2>&1 || echo "[setup] apt-get could not install podman; the container tests will skip" >&2
   fi
   # The wrapper is (re)written on every set-up (it is ours); containers.conf only when there is none.
