@@ -43,6 +43,7 @@ from peer.node.schedule import Schedule, leaves_at
 from peer.node.watch import CoordinatorWatch
 from peer.observe.node import NodeObserver, ObserveError, ObserveOptions
 from peer.observe.snapshot import SwarmSource
+from peer.runtime.lead.driver import RunDriver
 from peer.runtime.stage.worker import StageWorker
 from peer.swarm.adverts import Advert
 from peer.swarm.dht import DHT_OPS, DHTConfig, DHTStartError, ops_delta, reconnect, start_dht, visible_maddrs
@@ -546,16 +547,7 @@ class PeerDaemon:
         if self.role is not None:
             resigning = not self.role.finished.is_set()  # leaving before the end of the run
             if self.stop_requested.is_set() and self.role.driver is not None:
-                try:
-                    # the step in flight ends first: the checkpoint then holds one step's states, all of them
-                    self.role.driver.stop_event.set()
-                    if not self.role.finished.wait(EXIT_STEP_WAIT_S):
-                        log.warning("the step in flight did not end within %.0f s; checkpointing what answers",
-                                    EXIT_STEP_WAIT_S)
-                    self.role.driver.checkpoint()
-                    self.role.driver.wait_for_copies(EXIT_COPY_WAIT_S)  # the peers' copies outlive this host
-                except Exception as exc:  # leaving must not fail because a checkpoint did
-                    log.warning("checkpoint on exit failed: %s", exc)
+                _checkpoint_on_exit(self.role.driver, self.role.finished)
             self.role.stop()
             if resigning:
                 _resign(self.progress)  # the others elect a new leader at once (see peer.swarm.view)
@@ -587,6 +579,19 @@ def owner_limits(device: DeviceInfo, extra: dict[str, Any], o: PeerOptions) -> t
         if value is not None:
             extra[key] = float(value)
     return device, extra
+
+
+def _checkpoint_on_exit(driver: RunDriver, finished: threading.Event) -> None:
+    """A leader leaving before the end: the step in flight ends first (the checkpoint then holds one step's states,
+    all of them), then the checkpoint and its copies to peers, which outlive this host. Never raises."""
+    try:
+        driver.stop_event.set()
+        if not finished.wait(EXIT_STEP_WAIT_S):
+            log.warning("the step in flight did not end within %.0f s; checkpointing what answers", EXIT_STEP_WAIT_S)
+        driver.checkpoint()
+        driver.wait_for_copies(EXIT_COPY_WAIT_S)
+    except Exception as exc:  # leaving must not fail because a checkpoint did
+        log.warning("checkpoint on exit failed: %s", exc)
 
 
 def _resign(progress: ProgressBoard | None) -> None:

@@ -36,7 +36,7 @@ class Verification:
         self.spec = spec
         self.probation = Probation(spec.probation_check, spec.probation_microbatches)
         self.who, self.exclude, self.refer = who, exclude, refer
-        self.totals = {"sampled": 0, "verified": 0, "excluded": 0, "unchecked": 0}
+        self.totals = {"verified": 0, "excluded": 0}  # findings over the leadership (a redone step's included)
 
     def checks(self, step: int, roster: Roster, lease_timeout_s: float) -> SpotChecks | None:
         """The spot checks of one step (None when the run has them off, or trains DiLoCo, whose pipelines apply
@@ -79,6 +79,7 @@ class Verification:
         f = finding
         members = roster.members(f.pipelines)
         if f.kind == "verified":
+            self.totals["verified"] += 1
             self.probation.credit(self.who(ep) for ep in members)
             return
         if f.kind == "aside":
@@ -89,6 +90,7 @@ class Verification:
         elif f.kind == "exclude":
             culprit = roster.endpoint_of(f.stage, f.pipelines[0])
             if culprit is not None:
+                self.totals["excluded"] += 1
                 log.warning("step %d: excluding %s: %s", step, culprit, f.reason)
                 self.exclude(culprit, f.reason)
         elif f.kind == "link":
