@@ -49,8 +49,8 @@ pytestmark = [pytest.mark.container, pytest.mark.usefixtures("processes"), pytes
 __all__ = ["container_images_fixture"]  # the session fixture, registered by being a name of this module
 
 TOLERANCE = 1e-5
-COMPOSE_STEPS = 30
-STOP_AFTER_STEP = 8
+COMPOSE_STEPS = 18
+STOP_AFTER_STEP = 6
 HOST_STEPS = 10
 
 # checkpoint_every beyond the run: the only checkpoint on the volume is the one `docker stop` makes
