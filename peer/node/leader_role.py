@@ -263,10 +263,7 @@ class LeaderRole:
         """
         wait = QuorumWait(self.config.swarm.quorum_wait_s)
         while not self.stop_event.is_set():
-            previous = self.ctx.plan_board.latest()
-            # a peer this leader found dead does not count, even while its advert outlives it in the DHT
-            banned = self.driver.banned if self.driver is not None else ()
-            live = {pid for pid, a in self._workers().items() if a.endpoint not in banned}
+            previous, live = self.ctx.plan_board.latest(), set(self._workers())
             elector = self.ctx.plan_board.elector
             if elector is None or elector() == self.ctx.peer_id:  # else the election moved (e.g. a healed
                 # partition): act on nothing until the daemon confirms it and stops this role, or elects us again
