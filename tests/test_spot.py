@@ -230,32 +230,3 @@ def test_link_tolerance_covers_the_wire_codecs_error_and_skips_the_integer_codec
         sent = decode_tensor(encode_tensor("h", x, codec))
         assert agree(sketch(x, 5), sketch(sent, 5), link_tolerance("fp32", codec)), codec
     assert link_tolerance("fp32", "int4") == float("inf")
-
-
-def test_the_ledger_asks_to_roll_back_to_a_cheaters_first_unverified_step() -> None:
-    """Applied work no check verified marks its pipeline's members from that step; a spot-check exclusion of one
-    of them asks for a roll-back to that step (once), an honest exclusion without unverified work asks nothing,
-    and a roll-back forgets the marks of the steps it discards."""
-    from peer.runtime.lead.spot import Finding
-    from peer.runtime.lead.verify import Verification
-    from peer.runtime.spec import RunSpec
-
-    machine, spot = make_machine(3, cheater=None)
-    roster = machine.roster
-    excluded: list[str] = []
-    v = Verification(RunSpec(run_id="ledger"), who=lambda e: f"id-{e}", exclude=lambda e, why: excluded.append(e),
-                     refer=lambda *a: None)
-    spot.agreed = {(0, 0), (1, 0)}  # step 3: pipeline 0's micro-batches were verified, pipeline 1's were not
-    v.applied(3, roster, {0: 0, 1: 0, 2: 1, 3: 1}, [0, 1], spot)
-    v.applied(4, roster, {0: 0, 1: 1}, [0, 1], None)  # step 4: nothing checked
-    assert v.unverified_from == {f"id-{ep(s, 1)}": 3 for s in range(N_STAGES)} | \
-        {f"id-{ep(s, 0)}": 4 for s in range(N_STAGES)}
-    v.act(roster, 5, Finding("exclude", 0, (1,), "spot check: disagreed", stage=1))
-    assert excluded == [ep(1, 1)]
-    back = v.take_rollback()
-    assert back is not None and back[0] == 3 and ep(1, 1) in back[1]
-    assert v.take_rollback() is None, "asked once"
-    v.rolled_back(4)
-    assert v.unverified_from == {f"id-{ep(0, 1)}": 3}, "marks of steps >= 4 go with the work"
-    v.act(roster, 5, Finding("exclude", 0, (2,), "spot check: disagreed", stage=0))
-    assert v.take_rollback() is None, "a peer without unverified work asks for no roll-back"

@@ -107,19 +107,6 @@ class WrongActivationsOutbox(Outbox):
         return super().report(t, msg)
 
 
-class PatientWrongActivationsOutbox(WrongActivationsOutbox):
-    """:class:`WrongActivationsOutbox` from step ``FROM_STEP`` on: honest while it is on probation (its first
-    step's work is all checked), wrong once the checks are sampled."""
-
-    FROM_STEP = 1
-
-    def send(self, t: Tasklet, endpoint: str, env: pb.Envelope) -> None:
-        if env.key.step < self.FROM_STEP:
-            Outbox.send(self, t, endpoint, env)
-        else:
-            super().send(t, endpoint, env)
-
-
 class BusyGpuClock(DeclaredSpeedClock):
     """A volunteer whose GPU gets busy: from step ``BUSY_FROM_STEP`` on, every op takes ``BUSY_SLOWDOWN`` x its
     emulated time (an emulated device of a declared speed). It is healthy while the run warms up and the
@@ -147,7 +134,6 @@ FAULTS: dict[str, Callable[[float | None], dict[str, Any]]] = {
     "scale-shard": lambda tflops: {"outbox": ScaleShardOutbox},
     "noise-grad": lambda tflops: {"outbox": NoiseGradOutbox},
     "wrong-activations": lambda tflops: {"outbox": WrongActivationsOutbox},
-    "patient-wrong-activations": lambda tflops: {"outbox": PatientWrongActivationsOutbox},
     "busy-gpu": _busy_gpu,
 }
 

@@ -264,7 +264,6 @@ class RunDriver:
         self.replan_on_join = False
         # on_pause(why or None): the run waits for peers (the leader publishes it for `peer status`), or goes on
         self.on_pause: Callable[[dict[str, Any] | None], None] | None = None
-        self._rollback: tuple[int, str] | None = None  # (step at most, why): the next plan rolls back to it
 
     def _check_stopped(self) -> None:
         if self.stop_event.is_set():
@@ -292,8 +291,6 @@ class RunDriver:
         replans = 0
         while self.trained < self.cfg.steps:
             self._check_stopped()
-            if self._take_rollback():
-                self._replan_until_done(reason=f"roll-back: {self._rollback[1] if self._rollback else ''}")
             if self._at_round_start() and self._membership_changed():
                 self._replan_until_done(reason="membership changed")
             self._fresh_status = (-1, {})  # what a step may change is asked again after it
@@ -324,16 +321,6 @@ class RunDriver:
         if not self.coordinator.wait_in_sync():  # laggards reload in the background: the run's states are read next
             log.warning("some workers did not reload their stage after the last step: %s", self.coordinator.dead)
         return self.reports
-
-    def _take_rollback(self) -> bool:
-        """Whether a spot check's exclusion asks the run to go back before work it did not verify (the request
-        is kept for the next plan, ``_sources``). A roll-back never goes forward."""
-        verification = getattr(self.coordinator, "verification", None)
-        asked = verification.take_rollback() if verification is not None else None
-        if asked is None or asked[0] >= self.trained:
-            return False
-        self._rollback = asked
-        return True
 
     def _at_round_start(self) -> bool:
         """DiLoCo (``sync_period > 1``): whether the next step starts an outer round, where re-plans and
@@ -443,18 +430,12 @@ class RunDriver:
         if rollback is not None:
             redone = self.trained - rollback
             seeded = rollback == 0 and self._loaded is None  # no checkpoint: the seeded initial state is step 0's
-            why = self._rollback[1] if self._rollback is not None else "every replica of a stage is gone"
-            self._rollback = None
             log.warning(
-                "%s; rolling back to %s, redoing %d step(s)", why,
+                "every replica of a stage is gone; rolling back to %s, redoing %d step(s)",
                 "step 0 (no checkpoint: the seeded initial state)" if seeded else f"the checkpoint of step {rollback}",
                 redone,
             )
-            self.events.rollbacks.append({"from_step": self.trained, "to_step": rollback, "redone": redone,
-                                          "reason": why})
-            verification = getattr(self.coordinator, "verification", None)
-            if verification is not None:
-                verification.rolled_back(rollback)
+            self.events.rollbacks.append({"from_step": self.trained, "to_step": rollback, "redone": redone})
             if seeded:
                 sources = {ep: StateSource.init() for ep in assignments}
             else:
@@ -511,10 +492,6 @@ class RunDriver:
         """Where each assignee gets its state; the checkpoint step to roll back to when a stage is lost."""
         if restore_step is not None:
             return {ep: StateSource.fetch(self.coordinator.endpoint, restore_step) for ep in assignments}, None
-        if self._rollback is not None:  # a cheater's unverified work: back to a checkpoint before it, else step 0
-            self._loaded = None
-            latest = self._latest_checkpoint(ask_peers=True, at_most=min(self._rollback[0], self.trained))
-            return {}, 0 if latest is None else latest
         if self.trained == 0 and not holders:
             return {ep: StateSource.init() for ep in assignments}, None
         sources: dict[str, StateSource] = {}

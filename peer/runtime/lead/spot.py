@@ -177,7 +177,6 @@ class SpotChecks:
         self.sketches: dict[tuple[int, int], Sketches] = {}  # (mb, pipeline) -> its points
         self.committed: dict[tuple[int, int], float] = {}  # (mb, pipeline) -> when its first stage committed
         self.linked: set[tuple[int, int]] = set()  # (mb, pipeline) whose links were checked and agree
-        self.agreed: set[tuple[int, int]] = set()  # (mb, pipeline) whose copy agreed with the majority of its check
         self.sampled = self.unchecked = self.verified = 0
 
     # ------------------------------------------------------------------------------------------ events
@@ -304,7 +303,6 @@ class SpotChecks:
             if k is None:
                 check.decided = True
                 self.verified += 1
-                self.agreed.update((mb, p) for p in check.copies[:2])
                 return [Finding("verified", mb, tuple(check.copies), f"micro-batch {mb}: two copies agree")]
             if len(check.copies) >= MAX_COPIES:
                 return []
@@ -319,7 +317,6 @@ class SpotChecks:
         point = path(self.n_stages)[first_difference(copies[0], copies[1], self.n_stages, self.tol) or 0][1]
         winners = tuple(p for i, p in enumerate(check.copies[:3]) if i != loser)
         self.verified += 1
-        self.agreed.update((mb, p) for p in winners)
         return [Finding("exclude", mb, (check.copies[loser],),
                         f"spot check: its stage {stage} {point} of micro-batch {mb} (step {self.step}) disagreed "
                         f"with the two other copies (pipelines {list(winners)})", stage=stage),

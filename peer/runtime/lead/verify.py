@@ -14,7 +14,7 @@ from collections.abc import Callable
 from peer.runtime import control as ctl
 from peer.runtime.lead.machine import StepMachine
 from peer.runtime.lead.roster import Roster
-from peer.runtime.lead.spot import MAX_PROBATION_RECORDS, Finding, Probation, SpotChecks
+from peer.runtime.lead.spot import Finding, Probation, SpotChecks
 from peer.runtime.spec import RunSpec
 from protocol import tasklet_pb2 as pb
 from protocol.errors import BadMessage, Forbidden, Rejected
@@ -37,10 +37,6 @@ class Verification:
         self.probation = Probation(spec.probation_check, spec.probation_microbatches)
         self.who, self.exclude, self.refer = who, exclude, refer
         self.totals = {"verified": 0, "excluded": 0}  # findings over the leadership (a redone step's included)
-        # identity -> the first step whose applied work of its pipelines was not verified (the roll-back point
-        # should it be caught later); bounded like the probation record
-        self.unverified_from: dict[str, int] = {}
-        self.rollback: tuple[int, str] | None = None  # (step to roll back to, why), taken by the driver
 
     def checks(self, step: int, roster: Roster, lease_timeout_s: float) -> SpotChecks | None:
         """The spot checks of one step (None when the run has them off, or trains DiLoCo, whose pipelines apply
@@ -78,26 +74,6 @@ class Verification:
                     machine.spot.loss(msg.microbatch, key.replica, math.nan)
             raise
 
-    def applied(self, step: int, roster: Roster, commits: dict[int, int], applied: list[int],
-                spot: SpotChecks | None) -> None:
-        """Step ``step`` was applied with the commit record ``commits`` (micro-batch -> pipeline) by the pipelines
-        ``applied``: the members of a pipeline with a micro-batch no check verified get ``step`` as their first
-        unverified step, unless they have an earlier one."""
-        agreed = spot.agreed if spot is not None else set()
-        for p in sorted({p for mb, p in commits.items() if p in applied and (mb, p) not in agreed}):
-            for who in (self.who(ep) for ep in roster.members([p])):
-                if who in self.unverified_from or len(self.unverified_from) < MAX_PROBATION_RECORDS:
-                    self.unverified_from.setdefault(who, step)
-
-    def take_rollback(self) -> tuple[int, str] | None:
-        """The roll-back an exclusion asks for (once), or None."""
-        out, self.rollback = self.rollback, None
-        return out
-
-    def rolled_back(self, step: int) -> None:
-        """The run is back at ``step``: work of later steps is gone, and so is its unverified mark."""
-        self.unverified_from = {who: s for who, s in self.unverified_from.items() if s < step}
-
     def act(self, roster: Roster, step: int, finding: Finding) -> None:
         """Carry out a finding (the machine already set aside what the step must not use)."""
         f = finding
@@ -117,11 +93,6 @@ class Verification:
                 self.totals["excluded"] += 1
                 log.warning("step %d: excluding %s: %s", step, culprit, f.reason)
                 self.exclude(culprit, f.reason)
-                since = self.unverified_from.pop(self.who(culprit), None)
-                # its unchecked work since then is in the model: the run goes back before it
-                if since is not None and (self.rollback is None or since < self.rollback[0]):
-                    self.rollback = (since, f"{culprit} was excluded by a spot check; its work since step {since} "
-                                            "was not verified")
         elif f.kind == "link":
             sender, receiver = roster.endpoint_of(f.stage, f.pipelines[0]), roster.endpoint_of(f.receiver,
                                                                                              f.pipelines[0])
