@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from peer.runtime import control as ctl
+from peer.runtime.lead import spot as spot_module
 from peer.runtime.lead.machine import Emit, Spot, StepMachine
 from peer.runtime.lead.roster import Roster
-from peer.runtime.lead import spot as spot_module
 from peer.runtime.lead.spot import (
     Finding,
     Ledger,
@@ -23,8 +23,8 @@ from peer.runtime.lead.spot import (
     majority,
     path,
 )
-from peer.runtime.lead.verify import Verification
 from peer.runtime.lead.step import ReplanNeededError
+from peer.runtime.lead.verify import Verification
 from peer.runtime.sketch import PER_POINT, agree, seed_of, sketch, tolerance
 from peer.runtime.spec import Assignment, RunSpec
 from protocol.errors import BadMessage
