@@ -10,7 +10,10 @@ the run's trained step (``keep``); a live replica of the stage at that step (``f
 is lost with every replica, and the whole run rolls back to the newest verified checkpoint, this leader's or
 a copy a live peer holds (every stage ``fetch``es it from the coordinator), or to step 0 when there is none (the
 seeded initial state, which every peer rebuilds), redoing the steps since — the log says how many. A wiped stage
-never ends the run.
+never ends the run. The same roll-back undoes a cheater's work: when a spot check excludes a peer whose work no
+check verified was applied (the ledger of ``peer.runtime.lead.verify.Verification``), the run goes back to the
+newest verified checkpoint of at most the first such step (never forward), the peer is banned for good, and the
+steps since are redone without it (``_discard_cheats``).
 
 Checkpoints are written by the leader: every ``checkpoint_every`` steps (and on request, e.g. SIGTERM) it
 fetches each stage's state from one replica and writes it durably through
