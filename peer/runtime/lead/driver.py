@@ -344,6 +344,7 @@ class RunDriver:
         self.epoch = max(self.epoch, epoch)
         if step != self.trained:
             self.reports = [r for r in self.reports if r.step < min(step, self.trained)]
+            self.coordinator.verification.rolled_back(min(step, self.trained))  # the work after it is not ours
             self.trained = step
         self.keep_only, self.discard = keep, set(discard)
 
