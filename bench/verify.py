@@ -20,7 +20,8 @@ the newcomers' probation, is left out and reported apart). ``spot.detection``: f
 fraction ``q`` of its micro-batches, the probability that a step catches it and the steps until it is excluded,
 simulated with the leader's own sampler and probation record (``--trials`` runs of ``--sim-steps`` steps; its
 pipeline leases ``n_microbatches / pipelines`` micro-batches a step), for a cheater from its first task and for
-a patient one that passes its probation clean first.
+a patient one that passes its probation clean first, and the steps the roll-back that follows its exclusion redoes
+(with a checkpoint every step: from its first step with unverified applied work).
 """
 
 from __future__ import annotations
@@ -143,16 +144,17 @@ def detection(q: float, patient: bool, trials: int, steps: int, per_step: int = 
     rng = random.Random(11)
     caught_at: list[int] = []
     applied: list[int] = []  # corrupted micro-batches of the steps before the one that caught it (they were applied)
+    redone: list[int] = []  # steps the roll-back redoes (a checkpoint every step): since its first unverified work
     for _ in range(trials):
         probation = Probation(DEFAULT_TRUST["probation_check"], DEFAULT_TRUST["probation_microbatches"])
 
         def rate(pipeline: int, record: Probation = probation) -> float:
             return DEFAULT_TRUST["probation_check"] if record.on_probation("c") else DEFAULT_TRUST["spot_check"]
 
-        reached = 0
+        reached, first_unverified = 0, None
         for step in range(steps):
             spot = SpotChecks(step, 2, rate, rng=rng)
-            caught, corrupted = False, 0
+            caught, corrupted, unverified = False, 0, False
             for mb in range(per_step):
                 cheats = rng.random() < q and not (patient and probation.on_probation("c"))
                 corrupted += cheats
@@ -161,15 +163,23 @@ def detection(q: float, patient: bool, trials: int, steps: int, per_step: int = 
                         caught = True  # its pipeline's whole step is dropped: nothing of this step is applied
                         break
                     probation.credit(["c"])
+                else:
+                    unverified = True
             if caught:
                 caught_at.append(step + 1)
                 applied.append(reached)
+                # the catching step ends without it (step + 1 applied); back to the checkpoint of its first
+                # unverified step, or nothing to redo when all its applied work was verified
+                redone.append(0 if first_unverified is None else step + 1 - first_unverified)
                 break
             reached += corrupted
+            if unverified and first_unverified is None:
+                first_unverified = step
     per_step_p = 1 - (1 - DEFAULT_TRUST["spot_check"] * q) ** per_step
     return {"q": q, "patient": patient, "caught": round(len(caught_at) / trials, 4),
             "mean_steps_to_exclusion": round(sum(caught_at) / len(caught_at), 2) if caught_at else None,
             "mean_corrupted_microbatches_applied": round(sum(applied) / len(applied), 2) if applied else None,
+            "mean_steps_redone": round(sum(redone) / len(redone), 2) if redone else None,
             "detection_per_step_after_probation": round(per_step_p, 4)}
 
 

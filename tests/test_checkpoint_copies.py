@@ -33,7 +33,8 @@ def test_leader_host_and_disk_lost_run_finishes_from_a_replicated_checkpoint(tmp
         result = run_leader_loss(tmp_path, steps=5, die_after=3, checkpoint_every=2, copies=3)
     events = result.events
     assert events.fetched_copy is not None and events.fetched_copy["step"] == 2
-    assert events.rollbacks == [{"from_step": 3, "to_step": 2, "redone": 1}]
+    assert events.rollbacks == [{"from_step": 3, "to_step": 2, "redone": 1,
+                                 "reason": "every replica of a stage is gone"}]
     assert "rolling back to the checkpoint of step 2, redoing 1 step(s)" in caplog.text
     assert "using the checkpoint copy of step 2 fetched from" in caplog.text
     assert all(state["step"] == 5 for state in result.states.values())

@@ -158,3 +158,14 @@ def test_a_checkpoint_error_does_not_stop_the_run(workers, tmp_path) -> None:  #
     assert [r.step for r in reports] == [0, 1, 2]
     assert [e["step"] for e in driver.events.checkpoint_errors] == [1, 2, 3]
     assert driver.events.checkpoints == []
+
+
+def test_the_checkpoint_a_roll_back_may_need_is_kept_beyond_keep(tmp_path) -> None:
+    store = CheckpointStore(tmp_path, keep=2)
+    store.pin = 3  # a live worker's first unverified work was applied in step 3: the checkpoint of step 2 is clean
+    for step in (1, 2, 4, 5, 6):
+        write(store, step)
+    assert store.steps() == [2, 5, 6], "the newest two and the newest at or before the pin; one extra at most"
+    store.pin = None
+    write(store, 7)
+    assert store.steps() == [6, 7]

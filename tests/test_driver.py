@@ -12,8 +12,12 @@ import threading
 import pytest
 import torch
 
+from peer.compute.data import Corpus
+from peer.compute.model import unflatten_stage
+from peer.compute.reference import train_reference
 from peer.runtime.lead.coordinator import StepFailedError, StepReport
 from peer.runtime.lead.driver import DriverConfig, Pipelines, Stages, StragglerJudge
+from peer.runtime.lead.spot import Finding
 from peer.runtime.lead.step import TooFewPeersError
 from tests.support.driver import SPEC, WHOLE_MODEL, FakePlanner, make_driver
 
@@ -158,3 +162,51 @@ def test_a_plan_short_of_peers_for_longer_than_peers_wait_s_fails_with_the_reaso
     finally:
         coordinator.close()
     assert driver.events.replans == []
+
+
+@pytest.mark.parametrize("checkpoints", [True, False], ids=["to-the-pinned-checkpoint", "to-step-0"])
+def test_a_cheater_excluded_by_a_spot_check_has_its_unverified_work_rolled_back(workers, tmp_path,
+                                                                                 checkpoints) -> None:
+    """Worker 2 had unverified work applied from step 1 on (the ledger, filled by hand: the spot checks' own tests
+    fill it for real) and is excluded by a spot check after step 3: the run goes back to the checkpoint of step 1
+    (kept although ``checkpoint_keep`` is 1, because a live worker's work since is unverified), or to the seeded
+    step 0 without checkpoints, redoes the steps without worker 2, and ends where single-process training does."""
+    planner = FakePlanner()
+    cfg = DriverConfig(steps=5, step_timeout_s=60, replan_wait_s=0.05, checkpoint_copies=0,
+                       checkpoint_dir=tmp_path if checkpoints else None, checkpoint_every=1, checkpoint_keep=1)
+    cheater = workers[2].server.endpoint
+    caught: list[int] = []
+
+    def cheat(report: StepReport) -> None:
+        v = coordinator.verification
+        if report.step == 1 and not caught:
+            v.ledger.applied(1, [v.who(cheater)])
+        if report.step == 3 and not caught:
+            caught.append(report.step)
+            pipeline = coordinator.roster.assignments[cheater].replica
+            v.act(coordinator.roster, 3, Finding("exclude", 0, (pipeline,), "its stage 0 disagreed", stage=0))
+
+    driver, coordinator = make_driver(workers, planner, cfg, cheat)
+    try:
+        reports = driver.run()
+        states = coordinator.live_states(every_replica=True)
+    finally:
+        coordinator.close()
+    to = 1 if checkpoints else 0
+    assert [{k: v for k, v in r.items() if k != "reason"} for r in driver.events.rollbacks] == [
+        {"from_step": 4, "to_step": to, "redone": 4 - to}]
+    assert "no spot check verified was applied from step 1 on (" in driver.events.rollbacks[0]["reason"]
+    assert [r.step for r in reports] == [0, 1, 2, 3, 4], "the discarded steps' reports are trimmed"
+    assert cheater in driver.banned and planner.calls[-1] == ([0, 1], WHOLE_MODEL), "never planned again"
+    assert driver.events.replans[-1]["step"] == to and "spot check excluded" in driver.events.replans[-1]["reason"]
+    assert coordinator.verification.ledger.first == {}, "the discarded work is forgotten"
+    if checkpoints:
+        assert driver.events.checkpoints[:3] == [1, 2, 3]
+    ref, _ = train_reference(SPEC.model, SPEC.optim, Corpus.load(SPEC.corpus), SPEC.seed, 5, SPEC.n_microbatches,
+                             SPEC.micro_batch)
+    assert sorted(states) == [(0, 0), (0, 1)]
+    for state in states.values():
+        assert state["step"] == 5
+        for name, got in unflatten_stage(SPEC.model, 0, 2, state["params"]).items():
+            err = float((got - ref[name]).abs().max() / ref[name].abs().max().clamp_min(1e-12))
+            assert err < 1e-5, f"{name}: {err:.2e} off single-process training"

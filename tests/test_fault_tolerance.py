@@ -115,7 +115,8 @@ def test_all_replicas_of_a_stage_killed_resumes_from_checkpoint(reference, tmp_p
         kill_on(swarm, "lease", 3, [1, 3])  # both replicas of stage 1, during step 3
         result = swarm.train(FULL, STEPS, checkpoint_dir=tmp_path, checkpoint_every=2)
     assert_matches_reference(result, reference)
-    assert result.events.rollbacks == [{"from_step": 3, "to_step": 2, "redone": 1}]
+    assert result.events.rollbacks == [{"from_step": 3, "to_step": 2, "redone": 1,
+                                        "reason": "every replica of a stage is gone"}]
     assert (tmp_path / "step-000002" / "stage-1.pt").exists()
     assert (tmp_path / "latest").read_text().strip() == "step-000004"
 

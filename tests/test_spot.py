@@ -10,12 +10,23 @@ import pytest
 import torch
 
 from peer.runtime import control as ctl
+from peer.runtime.lead import spot as spot_module
 from peer.runtime.lead.machine import Emit, Spot, StepMachine
 from peer.runtime.lead.roster import Roster
-from peer.runtime.lead.spot import Probation, SpotChecks, broken_link, first_difference, majority, path
+from peer.runtime.lead.spot import (
+    Finding,
+    Ledger,
+    Probation,
+    SpotChecks,
+    broken_link,
+    first_difference,
+    majority,
+    path,
+)
 from peer.runtime.lead.step import ReplanNeededError
+from peer.runtime.lead.verify import Verification
 from peer.runtime.sketch import PER_POINT, agree, seed_of, sketch, tolerance
-from peer.runtime.spec import Assignment
+from peer.runtime.spec import Assignment, RunSpec
 from protocol.errors import BadMessage
 
 pytestmark = pytest.mark.unit
@@ -230,3 +241,45 @@ def test_link_tolerance_covers_the_wire_codecs_error_and_skips_the_integer_codec
         sent = decode_tensor(encode_tensor("h", x, codec))
         assert agree(sketch(x, 5), sketch(sent, 5), link_tolerance("fp32", codec)), codec
     assert link_tolerance("fp32", "int4") == float("inf")
+
+
+# ------------------------------------------------------------------------------------- the roll-back ledger
+def test_the_ledger_records_only_unverified_applied_work_and_an_exclusion_asks_for_a_roll_back() -> None:
+    machine, spot = make_machine(3, cheater=None)
+    machine.lease(0, 0.1)
+    machine.lease(1, 0.2)  # the shadow of micro-batch 0
+    machine.lease(2, 0.3)
+    run_copy(machine, 0, 0, wrong=False, now=1.0)
+    run_copy(machine, 1, 2, wrong=False, now=1.0)
+    run_copy(machine, 0, 1, wrong=False, now=1.5)
+    machine.tick(1.6)
+    assert spot.passed == {(0, 0), (0, 1)} and machine.state.commits == {0: 0, 1: 2}
+    excluded: list[str] = []
+    v = Verification(RunSpec(spot_check=0.1), lambda e: f"id-{e}", lambda e, why: excluded.append(e),
+                     lambda *a: None)
+    v.applied(4, machine.roster, machine.state.commits, spot)
+    v.applied(6, machine.roster, {0: 0, 1: 1}, spot)  # a later step: pipeline 1 with unverified work
+    assert v.ledger.first == {"id-s0p2": 4, "id-s1p2": 4, "id-s0p1": 6, "id-s1p1": 6}, \
+        "pipeline 0's verified copy does not count; the first unverified step is kept"
+    assert v.earliest_unverified([ep(0, 0), ep(1, 1)]) == 6 and v.earliest_unverified([ep(0, 0)]) is None
+    v.act(machine.roster, 7, Finding("exclude", 1, (0,), "stage 0 disagreed", stage=0))
+    assert excluded == [ep(0, 0)] and v.take_rollback() is None, "nothing of its reached the model unverified"
+    v.act(machine.roster, 7, Finding("exclude", 1, (2,), "stage 1 disagreed", stage=1))
+    assert excluded[-1] == ep(1, 2)
+    assert v.take_rollback() == (4, [ep(1, 2)], f"{ep(1, 2)}: stage 1 disagreed")
+    assert v.take_rollback() is None, "taken once"
+    v.rolled_back(5)  # the checkpoint of step 5: step 6's work is gone, step 4's stays
+    assert v.ledger.first == {"id-s0p2": 4, "id-s1p2": 4}
+
+
+def test_a_full_ledger_rolls_back_further_never_less(monkeypatch) -> None:
+    monkeypatch.setattr(spot_module, "MAX_PROBATION_RECORDS", 2)
+    ledger = Ledger()
+    ledger.applied(3, ["a", "b"])
+    ledger.applied(5, ["c"])
+    ledger.applied(4, ["d", "a"])
+    assert ledger.first == {"a": 3, "b": 3} and ledger.overflow == 4
+    assert ledger.first_unverified("c") == 4 and ledger.first_unverified("a") == 3
+    assert ledger.earliest(["c", "zz"]) == 4
+    ledger.rolled_back(4)
+    assert ledger.overflow is None and ledger.first_unverified("c") is None and ledger.first == {"a": 3, "b": 3}

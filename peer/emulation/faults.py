@@ -4,7 +4,8 @@ The production :class:`~peer.runtime.stage.worker.StageWorker` knows nothing of 
 its seams, so the receivers' checks are exercised exactly as a real broken peer would exercise them. A
 tampering :class:`~peer.runtime.stage.outbox.Outbox` changes what the worker sends (:class:`NanGradOutbox`,
 :class:`HugeGradOutbox`, :class:`ScaleShardOutbox`, :class:`NoiseGradOutbox`,
-:class:`WrongActivationsOutbox`); a slowing device clock stretches its emulated compute (:class:`BusyGpuClock`).
+:class:`WrongActivationsOutbox`, :class:`LateWrongActivationsOutbox`); a slowing device clock stretches its
+emulated compute (:class:`BusyGpuClock`).
 :func:`worker_class` gives a factory of an otherwise unmodified worker.
 """
 
@@ -107,6 +108,21 @@ class WrongActivationsOutbox(Outbox):
         return super().report(t, msg)
 
 
+class LateWrongActivationsOutbox(WrongActivationsOutbox):
+    """A patient cheater: honest in its first ``HONEST_STEPS`` steps (it waits out its probation, when every
+    micro-batch of its pipeline is checked), then :class:`WrongActivationsOutbox` on every micro-batch. Spot
+    checks at a low rate let some of its corrupted work through before one catches it: the run must roll back
+    to before that work (``peer.runtime.lead.driver``)."""
+
+    HONEST_STEPS = 1
+
+    def send(self, t: Tasklet, endpoint: str, env: pb.Envelope) -> None:
+        if env.key.step < self.HONEST_STEPS:
+            Outbox.send(self, t, endpoint, env)
+        else:
+            super().send(t, endpoint, env)
+
+
 class BusyGpuClock(DeclaredSpeedClock):
     """A volunteer whose GPU gets busy: from step ``BUSY_FROM_STEP`` on, every op takes ``BUSY_SLOWDOWN`` x its
     emulated time (an emulated device of a declared speed). It is healthy while the run warms up and the
@@ -134,6 +150,7 @@ FAULTS: dict[str, Callable[[float | None], dict[str, Any]]] = {
     "scale-shard": lambda tflops: {"outbox": ScaleShardOutbox},
     "noise-grad": lambda tflops: {"outbox": NoiseGradOutbox},
     "wrong-activations": lambda tflops: {"outbox": WrongActivationsOutbox},
+    "late-wrong-activations": lambda tflops: {"outbox": LateWrongActivationsOutbox},
     "busy-gpu": _busy_gpu,
 }
 

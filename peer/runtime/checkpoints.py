@@ -114,6 +114,9 @@ class CheckpointStore:
             raise ValueError(f"keep: must be at least 1, got {keep}")
         self.root = Path(root)
         self.keep = keep
+        # a step whose newest checkpoint at or before it is kept beyond ``keep`` (None: none): the one a roll-back
+        # for a cheater's unverified work would go to (peer.runtime.lead.driver); one extra checkpoint at most
+        self.pin: int | None = None
 
     # ------------------------------------------------------------------------------------------- writing
     def write(self, step: int, states: dict[int, dict[str, Any]], meta: dict[str, Any]) -> Path:
@@ -156,15 +159,21 @@ class CheckpointStore:
         fsync_dir(self.root)
 
     def prune(self) -> list[int]:
-        """Keep the newest ``keep`` checkpoints; remove older ones and leftovers of interrupted writes."""
+        """Keep the newest ``keep`` checkpoints and the newest at or before ``pin``; remove older ones and
+        leftovers of interrupted writes."""
         removed = []
-        for step in self.steps()[: -self.keep]:
+        steps = self.steps()
+        pinned = max((s for s in steps if self.pin is not None and s <= self.pin), default=None)
+        for step in steps[: -self.keep]:
+            if step == pinned:
+                continue
             shutil.rmtree(self.root / step_name(step), ignore_errors=True)
             removed.append(step)
         for leftover in self.root.glob(".tmp-*"):
             shutil.rmtree(leftover, ignore_errors=True)
         if removed:
-            log.info("checkpoints pruned to the newest %d (removed steps %s)", self.keep, removed)
+            log.info("checkpoints pruned to the newest %d%s (removed steps %s)", self.keep,
+                     "" if pinned is None else f" and step {pinned} (a roll-back may need it)", removed)
         return removed
 
     # ------------------------------------------------------------------------------------------- reading

@@ -277,6 +277,7 @@ class Coordinator:
         with self._cond:
             machine.tick(time.monotonic())
             report = machine.report()
+            self.verification.applied(step, roster, report.commits, machine.spot)
             applied = {self._who(ep) for ep in roster.members(report.applied)}
             verdict = self.referee.vindicate(applied, step)  # their work passed every other witness's checks
         self._exclude(roster, verdict, verdict.reason)

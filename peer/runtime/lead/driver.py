@@ -10,7 +10,10 @@ the run's trained step (``keep``); a live replica of the stage at that step (``f
 is lost with every replica, and the whole run rolls back to the newest verified checkpoint, this leader's or
 a copy a live peer holds (every stage ``fetch``es it from the coordinator), or to step 0 when there is none (the
 seeded initial state, which every peer rebuilds), redoing the steps since — the log says how many. A wiped stage
-never ends the run.
+never ends the run. The same roll-back undoes a cheater's work: when a spot check excludes a peer whose work no
+check verified was applied (the ledger of ``peer.runtime.lead.verify.Verification``), the run goes back to the
+newest verified checkpoint of at most the first such step (never forward), the peer is banned for good, and the
+steps since are redone without it (``_discard_cheats``).
 
 Checkpoints are written by the leader: every ``checkpoint_every`` steps (and on request, e.g. SIGTERM) it
 fetches each stage's state from one replica and writes it durably through
@@ -89,6 +92,10 @@ class ExpiringBans(MutableSet[str]):
         n = self._count.get(value, 0)
         self._count[value] = n + 1
         self._until[value] = self._clock() + min(self.max_s, self.ban_s * 2**n)
+
+    def forever(self, value: str) -> None:
+        """Ban ``value`` for good (a peer a spot check caught cheating: it never comes back in this leadership)."""
+        self._until[value] = math.inf
 
     def discard(self, value: str) -> None:
         self._until.pop(value, None)
@@ -308,12 +315,15 @@ class RunDriver:
                 log.warning("step %d did not finish (%s); re-planning", self.trained, exc)
                 self._ban_dead()
                 time.sleep(self.cfg.replan_wait_s)
-                self._replan_until_done(reason=str(exc))
+                if not self._discard_cheats():
+                    self._replan_until_done(reason=str(exc))
                 continue
             self.trained += 1
             self.reports.append(report)
             if self.on_step:
                 self.on_step(report)
+            if self._discard_cheats():
+                continue
             if self.trained < self.cfg.steps and self._at_round_start() and self._check_stragglers():
                 self._replan_until_done(reason="straggler")
             if self.cfg.checkpoint_every and self.trained % self.cfg.checkpoint_every == 0 and self._at_round_start():
@@ -334,11 +344,29 @@ class RunDriver:
         self.epoch = max(self.epoch, epoch)
         if step != self.trained:
             self.reports = [r for r in self.reports if r.step < min(step, self.trained)]
+            self.coordinator.verification.rolled_back(min(step, self.trained))  # the work after it is not ours
             self.trained = step
         self.keep_only, self.discard = keep, set(discard)
 
     def _ban_dead(self) -> None:
         self.banned |= set(self.coordinator.dead)
+
+    def _discard_cheats(self) -> bool:
+        """After a step: when a spot check excluded a peer whose unverified work reached the model (the ledger of
+        ``peer.runtime.lead.verify.Verification``), ban it for good and roll the run back to the newest verified
+        checkpoint of at most its first unverified step (step 0 without one), redoing the steps since. True when
+        it re-planned."""
+        undo = self.coordinator.verification.take_rollback()
+        if undo is None:
+            return False
+        first, culprits, why = undo
+        for ep in culprits:
+            self.banned.forever(ep)
+        self._ban_dead()
+        if first >= self.trained:  # a roll-back never goes forward: nothing it touched is applied
+            return False
+        self._replan_until_done(reason=f"spot check excluded {', '.join(culprits)}", undo=(first, why))
+        return True
 
     # ------------------------------------------------------------------------------------------ stragglers
     def _check_stragglers(self) -> bool:
@@ -393,15 +421,17 @@ class RunDriver:
         return bool(live - planned) and len(live) // len(self.stages or [()]) > len(self.pipelines)
 
     # --------------------------------------------------------------------------------------------- replan
-    def _replan_until_done(self, reason: str, restore_step: int | None = None) -> None:
+    def _replan_until_done(self, reason: str, restore_step: int | None = None,
+                           undo: tuple[int, str] | None = None) -> None:
         """Re-plan; when a worker fails to take its assignment (it died meanwhile), exclude it and try again;
-        when too few peers are live to hold the stages, wait for more (:class:`PeerShortage`)."""
+        when too few peers are live to hold the stages, wait for more (:class:`PeerShortage`). ``undo=(step,
+        why)``: roll back to a checkpoint of at most ``step`` (:meth:`_discard_cheats`)."""
         attempt, shortage = 0, PeerShortage(self.cfg.peers_wait_s, self.cfg.ban_s, self.on_pause)
         while True:
             self._check_stopped()
             try:
                 self._replan(reason=reason if attempt == 0 else f"{reason} (retry {attempt})",
-                             restore_step=restore_step)
+                             restore_step=restore_step, undo=undo)
                 return shortage.over()
             except TooFewPeersError as exc:
                 self._ban_dead()
@@ -414,7 +444,8 @@ class RunDriver:
                 self._ban_dead()
             time.sleep(self.cfg.replan_wait_s)
 
-    def _replan(self, reason: str = "start", restore_step: int | None = None) -> None:
+    def _replan(self, reason: str = "start", restore_step: int | None = None,
+                undo: tuple[int, str] | None = None) -> None:
         live = {d: ep for d, ep in self.live_devices().items() if ep not in self.banned and ep not in self.slow}
         stages, pipelines = self.planner(sorted(live), self.stages)
         predicted = getattr(self.planner, "last_predicted", None) or {}
@@ -425,17 +456,27 @@ class RunDriver:
         self.epoch += 1
         assignments = self.build_assignments(stages, pipelines, self.epoch)
         # at step 0 every stage starts from the seeded initialiser: nobody needs to be asked
-        holders = self._holders(set(live.values())) if self.trained > 0 or restore_step is not None else {}
-        sources, rollback = self._sources(assignments, holders, restore_step)
+        why = "every replica of a stage is gone"
+        if undo is not None and undo[0] < self.trained:
+            # an excluded cheater's unverified work: the newest verified checkpoint from before it (never forward)
+            self._loaded = None
+            latest = self._latest_checkpoint(ask_peers=True, at_most=undo[0])
+            sources, rollback = {}, 0 if latest is None else latest
+            why = f"work of an excluded peer no spot check verified was applied from step {undo[0]} on ({undo[1]})"
+        else:
+            holders = self._holders(set(live.values())) if self.trained > 0 or restore_step is not None else {}
+            sources, rollback = self._sources(assignments, holders, restore_step)
         if rollback is not None:
             redone = self.trained - rollback
             seeded = rollback == 0 and self._loaded is None  # no checkpoint: the seeded initial state is step 0's
             log.warning(
-                "every replica of a stage is gone; rolling back to %s, redoing %d step(s)",
+                "%s; rolling back to %s, redoing %d step(s)", why,
                 "step 0 (no checkpoint: the seeded initial state)" if seeded else f"the checkpoint of step {rollback}",
                 redone,
             )
-            self.events.rollbacks.append({"from_step": self.trained, "to_step": rollback, "redone": redone})
+            self.events.rollbacks.append({"from_step": self.trained, "to_step": rollback, "redone": redone,
+                                          "reason": why[:500]})
+            self.coordinator.verification.rolled_back(rollback)
             if seeded:
                 sources = {ep: StateSource.init() for ep in assignments}
             else:
@@ -526,6 +567,9 @@ class RunDriver:
             if saved != set(range(len(stages))):
                 raise CheckpointError(f"stages {sorted(set(range(len(stages))) - saved)} did not answer at step {step}")
             meta = {"run": self.spec.to_dict(), "stages": stages, "step": step}
+            # the checkpoint a roll-back for a live worker's unverified work would need is kept (one at most)
+            self.store.pin = self.coordinator.verification.earliest_unverified(
+                [ep for ep in self.coordinator.assignments if ep not in self.coordinator.dead])
             step_dir = self.store.write(step, {stage: st for (stage, _), st in states.items()}, meta)
         except Exception as exc:  # a checkpoint error must not kill the leader
             log.error("checkpoint of step %d failed: %s", step, exc)

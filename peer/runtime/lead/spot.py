@@ -22,7 +22,9 @@ and why:
   witness's report excludes the sender, a receiver contradicted twice is excluded itself).
 * **Majority.** A disagreement goes to a third copy on a third pipeline; the copy that disagrees with the other
   two at the first differing point names its stage's peer, which is excluded (``Finding`` "exclude"); its pipeline
-  is dropped from the step and its work requeued, so nothing it touched in the step reaches the model. Three
+  is dropped from the step and its work requeued, so nothing it touched in the step reaches the model. Its
+  unverified work of earlier steps (:class:`Ledger`) is discarded too: the run rolls back to a checkpoint from
+  before it and redoes the steps since (``peer.runtime.lead.driver``). Three
   copies that all differ decide nothing: the first two pipelines are set aside for the step (redone by others)
   and their members go back on probation.
 * **Two pipelines.** Without a third pipeline there is no majority: both are set aside for the step ("aside"),
@@ -136,6 +138,47 @@ class Probation:
             self.verified.pop(who, None)
 
 
+class Ledger:
+    """The leader's record of unverified work that reached the model: per identity, the first step (0-based) in
+    which a micro-batch of a committed step ran on a pipeline it was a member of and no spot check verified that
+    copy. When a spot check later excludes the identity, everything from that step on may hold its corrupted
+    work, so the run rolls back to a checkpoint of that step or earlier (``RunDriver``; the checkpoint "of step
+    N" holds N applied steps). A verified copy does not count: it is the honest result.
+
+    Bounded like :class:`Probation`: beyond ``MAX_PROBATION_RECORDS`` identities, a new one's step is folded into
+    ``overflow`` (the earliest such step), which every identity without a record of its own is taken to have:
+    a full ledger rolls back further than needed, never less."""
+
+    def __init__(self) -> None:
+        self.first: dict[str, int] = {}
+        self.overflow: int | None = None
+
+    def applied(self, step: int, identities: Iterable[str]) -> None:
+        """``identities`` had unverified work applied in ``step``."""
+        for who in identities:
+            if who in self.first:
+                continue
+            if len(self.first) < MAX_PROBATION_RECORDS:
+                self.first[who] = step
+            elif self.overflow is None or step < self.overflow:
+                self.overflow = step
+
+    def first_unverified(self, identity: str) -> int | None:
+        """The first step with unverified applied work of ``identity`` (None: none)."""
+        return self.first.get(identity, self.overflow)
+
+    def earliest(self, identities: Iterable[str]) -> int | None:
+        """The earliest first-unverified step among ``identities`` (the checkpoint a roll-back may need)."""
+        steps = [s for who in identities if (s := self.first_unverified(who)) is not None]
+        return min(steps, default=None)
+
+    def rolled_back(self, step: int) -> None:
+        """The run went back to the checkpoint of ``step``: the work of ``step`` on is discarded."""
+        self.first = {who: s for who, s in self.first.items() if s < step}
+        if self.overflow is not None and self.overflow >= step:
+            self.overflow = None
+
+
 @dataclass(frozen=True)
 class Finding:
     """What a check found, for the coordinator to act on: ``verified`` (credit the members of ``pipelines``),
@@ -177,6 +220,7 @@ class SpotChecks:
         self.sketches: dict[tuple[int, int], Sketches] = {}  # (mb, pipeline) -> its points
         self.committed: dict[tuple[int, int], float] = {}  # (mb, pipeline) -> when its first stage committed
         self.linked: set[tuple[int, int]] = set()  # (mb, pipeline) whose links were checked and agree
+        self.passed: set[tuple[int, int]] = set()  # (mb, pipeline) whose copy a check verified (Ledger)
         self.sampled = self.unchecked = self.verified = 0
 
     # ------------------------------------------------------------------------------------------ events
@@ -303,6 +347,7 @@ class SpotChecks:
             if k is None:
                 check.decided = True
                 self.verified += 1
+                self.passed.update((mb, p) for p in check.copies)
                 return [Finding("verified", mb, tuple(check.copies), f"micro-batch {mb}: two copies agree")]
             if len(check.copies) >= MAX_COPIES:
                 return []
@@ -317,6 +362,7 @@ class SpotChecks:
         point = path(self.n_stages)[first_difference(copies[0], copies[1], self.n_stages, self.tol) or 0][1]
         winners = tuple(p for i, p in enumerate(check.copies[:3]) if i != loser)
         self.verified += 1
+        self.passed.update((mb, p) for p in winners)
         return [Finding("exclude", mb, (check.copies[loser],),
                         f"spot check: its stage {stage} {point} of micro-batch {mb} (step {self.step}) disagreed "
                         f"with the two other copies (pipelines {list(winners)})", stage=stage),

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from peer.runtime import control as ctl
 from peer.runtime.lead.machine import StepMachine
 from peer.runtime.lead.roster import Roster
-from peer.runtime.lead.spot import Finding, Probation, SpotChecks
+from peer.runtime.lead.spot import Finding, Ledger, Probation, SpotChecks
 from peer.runtime.spec import RunSpec
 from protocol import tasklet_pb2 as pb
 from protocol.errors import BadMessage, Forbidden, Rejected
@@ -37,6 +37,40 @@ class Verification:
         self.probation = Probation(spec.probation_check, spec.probation_microbatches)
         self.who, self.exclude, self.refer = who, exclude, refer
         self.totals = {"verified": 0, "excluded": 0}  # findings over the leadership (a redone step's included)
+        self.ledger = Ledger()  # unverified work applied, per identity: what an exclusion rolls back
+        # endpoint -> (first unverified step, reason) of the excluded peers whose applied work must be discarded,
+        # until the driver takes them after the step (bounded: only a worker of the plan is excluded, once)
+        self._undo: dict[str, tuple[int, str]] = {}
+        self._lock = threading.Lock()  # act() runs on the threads that carry out commands, the rest on the driver's
+
+    def applied(self, step: int, roster: Roster, commits: dict[int, int], spot: SpotChecks | None) -> None:
+        """A step was applied with ``commits`` (micro-batch -> pipeline): record, per identity, the work no spot
+        check verified (``Ledger``)."""
+        if spot is None:
+            return
+        unverified = {p for mb, p in commits.items() if (mb, p) not in spot.passed}
+        with self._lock:
+            self.ledger.applied(step, [self.who(ep) for ep in roster.members(unverified)])
+
+    def take_rollback(self) -> tuple[int, list[str], str] | None:
+        """(the earliest first-unverified step, the endpoints, the reasons) of the peers excluded by a spot check
+        since the last call whose unverified work reached the model; None when there are none."""
+        with self._lock:
+            undo, self._undo = self._undo, {}
+        if not undo:
+            return None
+        step = min(s for s, _ in undo.values())
+        return step, sorted(undo), "; ".join(f"{ep}: {why}" for ep, (_, why) in sorted(undo.items()))
+
+    def rolled_back(self, step: int) -> None:
+        """The run went back to the checkpoint of ``step``: the ledger forgets the discarded work."""
+        with self._lock:
+            self.ledger.rolled_back(step)
+
+    def earliest_unverified(self, endpoints: list[str]) -> int | None:
+        """The earliest first-unverified step of these workers (the checkpoint to keep for a roll-back)."""
+        with self._lock:
+            return self.ledger.earliest(self.who(ep) for ep in endpoints)
 
     def checks(self, step: int, roster: Roster, lease_timeout_s: float) -> SpotChecks | None:
         """The spot checks of one step (None when the run has them off, or trains DiLoCo, whose pipelines apply
@@ -93,6 +127,12 @@ class Verification:
                 self.totals["excluded"] += 1
                 log.warning("step %d: excluding %s: %s", step, culprit, f.reason)
                 self.exclude(culprit, f.reason)
+                with self._lock:
+                    first = self.ledger.first_unverified(self.who(culprit))
+                    if first is not None:
+                        self._undo[culprit] = (min(first, self._undo.get(culprit, (first, ""))[0]), f.reason)
+                if first is not None:
+                    log.warning("%s had unverified work applied from step %d on: it is discarded", culprit, first)
         elif f.kind == "link":
             sender, receiver = roster.endpoint_of(f.stage, f.pipelines[0]), roster.endpoint_of(f.receiver,
                                                                                              f.pipelines[0])
