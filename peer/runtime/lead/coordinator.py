@@ -452,8 +452,7 @@ class Coordinator:
         self._exclude(roster, verdict, f"sent data {reporter} refused ({error}); {verdict.reason}")
 
     def _who(self, endpoint: str) -> str:
-        """The identity the referee and the credit record know a worker by: its peer id (its endpoint in a local
-        run whose workers share this process's certificate)."""
+        """A worker's identity for the referee and the credit record: its peer id (else, locally, its endpoint)."""
         return self.roster.peer_ids.get(endpoint, endpoint)
 
     def _exclude(self, roster: Roster, verdict: Verdict, reason: str) -> None:

@@ -510,22 +510,15 @@ class RunDriver:
 
     def _holders(self, live: set[str]) -> dict[int, list[str]]:
         """Stage index -> live endpoints holding that stage at the trained step (asked, not assumed)."""
-        out: dict[int, list[str]] = {}
         # answers the straggler check got just after this very step are reused once (a re-plan for a straggler
         # then costs no second set of status queries); anyone else is asked
         trained, fresh = self._fresh_status
         self._fresh_status = (-1, {})
         known = {ep: st for ep, st in fresh.items() if ep in live and st} if trained == self.trained else {}
         answers = [*known.items(), *_ask_statuses(self.coordinator, sorted(live - set(known)))]  # unreachable: none
-        keep_only, discard = self.keep_only, self.discard
-        for ep, st in answers:  # a Status reply is a claim: only one naming a stage of the run at this step counts
-            if ep in discard or (keep_only is not None and ep not in keep_only):
-                continue  # a healed partition: the losing side's state is not kept
-            layers = st.get("layers") if st else None
-            if (st and st.get("trained_steps") == self.trained and isinstance(layers, list) and self.stages
-                    and tuple(layers) in self.stages):
-                out.setdefault(self.stages.index(tuple(layers)), []).append(ep)
-        return out
+        kept = [(ep, st) for ep, st in answers if ep not in self.discard  # a healed partition: the losing side's
+                and (self.keep_only is None or ep in self.keep_only)]  # state is not kept
+        return _stage_holders(kept, self.stages or [], self.trained)
 
     def _sources(
         self, assignments: dict[str, Assignment], holders: dict[int, list[str]], restore_step: int | None
@@ -587,42 +580,12 @@ class RunDriver:
         return step_dir
 
     def _replicate(self, step: int) -> None:
-        """Copy the checkpoint of ``step`` to ``checkpoint_copies`` other peers, in the background (one
-        replication at a time: a new one waits for the previous). Failures are logged and recorded."""
+        """Copy the checkpoint of ``step`` to ``checkpoint_copies`` peers in the background (:func:`_send_copies`)."""
         assert self.store is not None
-        previous = self._replicating
-        store, n = self.store, self.cfg.checkpoint_copies
-
-        def send() -> None:
-            if previous is not None:
-                previous.join()
-            record: dict[str, Any] = {"step": step, "peers": [], "errors": {}}
-            try:
-                files = store.read_files(step)
-            except CheckpointError as exc:
-                record["errors"]["local"] = str(exc)
-                self.events.copies.append(record)
-                return
-            tried: list[str] = []
-            while len(record["peers"]) < n:
-                targets = self.coordinator.copy_targets(n - len(record["peers"]), exclude=tried)
-                if not targets:
-                    break
-                for ep in targets:
-                    tried.append(ep)
-                    try:
-                        self.coordinator.push_checkpoint(ep, step, files, COPY_TIMEOUT_S)
-                        record["peers"].append(ep)
-                    except Exception as exc:  # another peer is tried; the leader trains on regardless
-                        record["errors"][ep] = str(exc)[:300]
-            self.events.copies.append(record)
-            if len(record["peers"]) < n:
-                log.error("checkpoint of step %d: copied to %d peer(s) of %d wanted (%s)", step,
-                          len(record["peers"]), n, record["errors"] or "no other live worker")
-            else:
-                log.info("checkpoint of step %d copied to %s", step, record["peers"])
-
-        self._replicating = threading.Thread(target=send, name=f"copy-{step}", daemon=True)
+        self._replicating = threading.Thread(
+            target=_send_copies, name=f"copy-{step}", daemon=True,
+            args=(self.coordinator, self.store, step, self.cfg.checkpoint_copies, self._replicating,
+                  self.events.copies))
         self._replicating.start()
 
     def wait_for_copies(self, timeout_s: float | None = None) -> None:
@@ -707,6 +670,51 @@ class RunDriver:
         self.stages = stages  # type: ignore[assignment]
         self.coordinator.serve_checkpoint(ckpt.states)
         self.trained = step
+
+
+def _send_copies(coordinator: Coordinator, store: CheckpointStore, step: int, n: int,
+                  previous: threading.Thread | None, copies: list[dict[str, Any]]) -> None:
+    """Copy the checkpoint of ``step`` to ``n`` live peers (after ``previous`` replication ends); the record of
+    what went where is appended to ``copies``."""
+    if previous is not None:
+        previous.join()
+    record: dict[str, Any] = {"step": step, "peers": [], "errors": {}}
+    try:
+        files = store.read_files(step)
+    except CheckpointError as exc:
+        record["errors"]["local"] = str(exc)
+        copies.append(record)
+        return
+    tried: list[str] = []
+    while len(record["peers"]) < n:
+        targets = coordinator.copy_targets(n - len(record["peers"]), exclude=tried)
+        if not targets:
+            break
+        for ep in targets:
+            tried.append(ep)
+            try:
+                coordinator.push_checkpoint(ep, step, files, COPY_TIMEOUT_S)
+                record["peers"].append(ep)
+            except Exception as exc:  # another peer is tried; the leader trains on regardless
+                record["errors"][ep] = str(exc)[:300]
+    copies.append(record)
+    if len(record["peers"]) < n:
+        log.error("checkpoint of step %d: copied to %d peer(s) of %d wanted (%s)", step,
+                  len(record["peers"]), n, record["errors"] or "no other live worker")
+    else:
+        log.info("checkpoint of step %d copied to %s", step, record["peers"])
+
+
+def _stage_holders(answers: list[tuple[str, dict[str, Any] | None]], stages: Stages,
+                   trained: int) -> dict[int, list[str]]:
+    """Stage index -> the endpoints whose Status reply names a stage of the run at the ``trained`` step. A reply is
+    a claim: anything else (another step, layers no stage has, no reply) holds nothing."""
+    out: dict[int, list[str]] = {}
+    for ep, st in answers:
+        layers = st.get("layers") if st else None
+        if st and st.get("trained_steps") == trained and isinstance(layers, list) and tuple(layers) in stages:
+            out.setdefault(stages.index(tuple(layers)), []).append(ep)
+    return out
 
 
 def _counters(status: dict[str, Any]) -> tuple[float, int, float, int] | None:
