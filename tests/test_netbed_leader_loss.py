@@ -10,6 +10,7 @@ twice across the rollback).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -58,7 +59,8 @@ def test_half_the_swarm_dies_with_the_leader_survivors_pause_then_finish(bed: Ne
     assert alive == dict.fromkeys(alive, 0) and len(alive) == 2, logs
     assert r.new_leader is not None, logs
     new_log = r.logs[r.new_leader]
-    assert "leader: paused, only 2 of the 4 members" in new_log, logs
+    # at the moment it pauses the new leader may not see the other survivor's advert yet: 1 or 2 of the 4
+    assert re.search(r"leader: paused, only [12] of the 4 members", new_log), logs
     assert "going on with the 2 present in a new epoch" in new_log, logs
     assert r.fetched_step is not None and r.rolled_back_to == r.fetched_step, logs
     assert r.steps_redone is not None and r.rolled_back_to + r.steps_redone >= r.killed_after_step
