@@ -459,9 +459,7 @@ class RunDriver:
         why = "every replica of a stage is gone"
         if undo is not None and undo[0] < self.trained:
             # an excluded cheater's unverified work: the newest verified checkpoint from before it (never forward)
-            self._loaded = None
-            latest = self._latest_checkpoint(ask_peers=True, at_most=undo[0])
-            sources, rollback = {}, 0 if latest is None else latest
+            sources, rollback = {}, self._rollback_point(undo[0])
             why = f"work of an excluded peer no spot check verified was applied from step {undo[0]} on ({undo[1]})"
         else:
             holders = self._holders(set(live.values())) if self.trained > 0 or restore_step is not None else {}
@@ -538,12 +536,13 @@ class RunDriver:
             elif self.trained == 0:
                 sources[ep] = StateSource.init()
             else:
-                # a wiped stage never ends the run: the newest verified checkpoint (this disk's or a peer's copy, never
-                # past the trained step), else step 0, whose state every peer rebuilds from the run's seed
-                self._loaded = None
-                latest = self._latest_checkpoint(ask_peers=True, at_most=self.trained)
-                return {}, 0 if latest is None else latest
+                return {}, self._rollback_point(self.trained)  # a wiped stage never ends the run
         return sources, None
+
+    def _rollback_point(self, at_most: int) -> int:
+        """Where a roll-back goes: the newest verified checkpoint (a peer's copy too) of at most ``at_most``, else 0."""
+        self._loaded = None
+        return self._latest_checkpoint(ask_peers=True, at_most=at_most) or 0  # 0: every peer rebuilds it from the seed
 
     # ---------------------------------------------------------------------------------------- checkpoints
     def checkpoint(self) -> Path | None:
