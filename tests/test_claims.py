@@ -16,7 +16,7 @@ from peer.compute.data import Corpus
 from peer.compute.model import ModelConfig
 from peer.net import PeerClient
 from peer.node.daemon import PeerDaemon
-from peer.node.leader_role import LeaderRole, judge_claims
+from peer.node.leader_role import MAX_RECORDED_STAGES, LeaderRole, judge_claims, recorded_progress
 from peer.runtime import control as ctl
 from peer.runtime.assign import build_assignments
 from peer.runtime.checkpoints import CheckpointError, CheckpointStore, store_copy
@@ -142,6 +142,32 @@ def test_without_a_record_a_takeover_takes_the_step_most_claims_reach() -> None:
     judged = judge_claims(statuses, STAGES, recorded=None)
     assert judged.top == 5 and set(judged.liars) == {"d"}
     assert judge_claims({"a": {"trained_steps": None}}, STAGES, recorded=3).top is None
+
+
+def test_a_takeover_claim_whose_parameters_differ_from_the_signed_record_is_a_lie() -> None:
+    digests = {STAGES[0]: "a" * 32, STAGES[1]: "b" * 32}
+    statuses = {"a": {**_st(0, 7), "params_hash": "a" * 32}, "b": {**_st(1, 7), "params_hash": "b" * 32},
+                "poisoned": {**_st(1, 7), "params_hash": "c" * 32},  # holds other parameters at the recorded step
+                "unhashed": {**_st(0, 7), "params_hash": None},  # cannot show what it holds: a laggard, no liar
+                "ahead": {**_st(0, 8), "params_hash": "d" * 32}}  # past the record: no hash was recorded for it
+    judged = judge_claims(statuses, STAGES, recorded=7, digests=digests)
+    assert set(judged.liars) == {"poisoned"}
+    assert "the leader recorded " + "b" * 32 in judged.liars["poisoned"]
+    assert judged.top == 7, "one claim of step 8 in stage 0 of three is no majority"
+    # no hash recorded for a stage: its claims are judged on the step alone, as before
+    assert judge_claims(statuses, STAGES, recorded=7, digests={STAGES[0]: "a" * 32}).liars == {}
+
+
+def test_the_signed_record_is_read_as_hostile() -> None:
+    assert recorded_progress({"step": 4, "stage_hashes": [[0, 1, "a" * 32], [1, 2, "b" * 32]]}) == \
+        (4, {(0, 1): "a" * 32, (1, 2): "b" * 32})
+    junk = [[0, 1], [0, "1", "x"], [True, 1, "x"], [1, 2, ""], [1, 2, "x" * 65], "0,1,x", None, [2, 3, 7]]
+    assert recorded_progress({"step": 4, "stage_hashes": junk}) == (4, {})
+    assert recorded_progress({"step": 4, "stage_hashes": {"0": "x"}}) == (4, {})
+    assert recorded_progress({"step": True, "stage_hashes": [[0, 1, "a"]]}) == (None, {})
+    assert recorded_progress({"step": -1}) == (None, {}) and recorded_progress({}) == (None, {})
+    many = [[i, i + 1, "a"] for i in range(10**4)]
+    assert len(recorded_progress({"step": 1, "stage_hashes": many})[1]) == MAX_RECORDED_STAGES
 
 
 def _ckpt_files(tmp_path: Path, step: int, meta_step: int | None = None) -> dict[str, bytes]:

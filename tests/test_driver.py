@@ -16,7 +16,7 @@ from peer.compute.data import Corpus
 from peer.compute.model import unflatten_stage
 from peer.compute.reference import train_reference
 from peer.runtime.lead.coordinator import StepFailedError, StepReport
-from peer.runtime.lead.driver import DriverConfig, Pipelines, Stages, StragglerJudge
+from peer.runtime.lead.driver import DriverConfig, Pipelines, Stages, StragglerJudge, _stage_holders
 from peer.runtime.lead.spot import Finding
 from peer.runtime.lead.step import TooFewPeersError
 from tests.support.driver import SPEC, WHOLE_MODEL, FakePlanner, make_driver
@@ -210,3 +210,93 @@ def test_a_cheater_excluded_by_a_spot_check_has_its_unverified_work_rolled_back(
         for name, got in unflatten_stage(SPEC.model, 0, 2, state["params"]).items():
             err = float((got - ref[name]).abs().max() / ref[name].abs().max().clamp_min(1e-12))
             assert err < 1e-5, f"{name}: {err:.2e} off single-process training"
+
+
+def test_a_holder_is_a_claim_that_matches_the_agreed_parameters_hash() -> None:
+    stages = [(0, 1), (1, 2)]
+
+    def st(layers: tuple[int, int], h: object, trained: int = 5) -> dict:
+        return {"layers": list(layers), "trained_steps": trained, "params_hash": h}
+
+    answers = [("a", st((0, 1), "x")), ("b", st((0, 1), "y")), ("c", st((0, 1), "x")), ("d", st((1, 2), "z")),
+               ("e", st((1, 2), None)), ("f", st((1, 2), "z", trained=4)), ("g", None)]
+    # what the replicas agreed on (or the previous leader recorded) decides, for the stages it names
+    assert _stage_holders(answers, stages, 5, {(0, 1): "y"}) == {0: ["b"], 1: ["d", "e"]}
+    # without a record, a strict majority of the claims decides where the replicas must agree
+    assert _stage_holders(answers, stages, 5, {}, majority=True) == {0: ["a", "c"], 1: ["d", "e"]}
+    assert _stage_holders(answers[:2], stages, 5, {}, majority=True) == {0: ["a", "b"]}, "1 against 1: no majority"
+    # a DiLoCo replica mid-round holds its own parameters: no majority is asked for
+    assert _stage_holders(answers, stages, 5) == {0: ["a", "b", "c"], 1: ["d", "e"]}
+
+
+def test_a_survivor_whose_status_does_not_match_the_agreed_hash_holds_nothing(workers) -> None:
+    """Worker 0 survives worker 1's death but its Status names parameters its stage's replicas never agreed on:
+    it is no holder of the stage (its claim is not believed), so the run goes back to the seeded step 0 instead of
+    keeping or handing over that state, and still ends where single-process training does."""
+    planner = FakePlanner()
+    live = {0: workers[0].server.endpoint, 1: workers[1].server.endpoint}
+    honest = workers[0].status
+
+    def churn(report: StepReport) -> None:
+        if report.step == 1:
+            workers[0].server.set_status_provider(lambda: {**honest(), "params_hash": "f" * 32})
+            workers[1].stop()
+        if report.step == 2:
+            live[2] = workers[2].server.endpoint
+
+    cfg = DriverConfig(steps=4, step_timeout_s=60, replan_wait_s=0.05, checkpoint_copies=0)
+    driver, coordinator = make_driver(workers, planner, cfg, churn, live)
+    try:
+        reports = driver.run()
+        states = coordinator.live_states(every_replica=True)
+    finally:
+        coordinator.close()
+    assert driver.digests.step == 4 and set(driver.digests.by_layers) == {(0, 2)}
+    assert [{k: v for k, v in r.items() if k != "reason"} for r in driver.events.rollbacks] == [
+        {"from_step": 3, "to_step": 0, "redone": 3}]
+    assert "every replica of a stage is gone" in driver.events.rollbacks[0]["reason"]
+    assert [r.step for r in reports] == [0, 1, 2, 3]
+    ref, _ = train_reference(SPEC.model, SPEC.optim, Corpus.load(SPEC.corpus), SPEC.seed, 4, SPEC.n_microbatches,
+                             SPEC.micro_batch)
+    assert sorted(states) == [(0, 0), (0, 1)]
+    for state in states.values():
+        for name, got in unflatten_stage(SPEC.model, 0, 2, state["params"]).items():
+            err = float((got - ref[name]).abs().max() / ref[name].abs().max().clamp_min(1e-12))
+            assert err < 1e-5, f"{name}: {err:.2e} off single-process training"
+
+
+def test_a_source_that_serves_other_parameters_than_it_claims_is_refused_and_banned(workers) -> None:
+    """Worker 0, the last holder of the stage, changes its parameters after the replicas agreed on them while its
+    Status still names the agreed hash (a patched client). The newcomer fetching from it refuses what it serves;
+    the leader fetches and hashes that state itself, bans worker 0 for good, and the run goes back to the seeded
+    step 0 with the newcomer alone, ending where single-process training does: the poisoned state never loads."""
+    planner = FakePlanner()
+    live = {0: workers[0].server.endpoint, 1: workers[1].server.endpoint}
+
+    def churn(report: StepReport) -> None:
+        if report.step == 1:
+            workers[1].stop()
+        if report.step == 2:
+            compute = workers[0].compute
+            assert compute is not None and compute.known_digest is not None
+            compute._master.mul_(1.01)  # the cached digest stays: the Status reply goes on naming the agreed one
+            live[2] = workers[2].server.endpoint
+
+    cfg = DriverConfig(steps=4, step_timeout_s=60, replan_wait_s=0.05, checkpoint_copies=0)
+    driver, coordinator = make_driver(workers, planner, cfg, churn, live)
+    poisoner = workers[0].server.endpoint
+    try:
+        reports = driver.run()
+        states = coordinator.live_states(every_replica=True)
+    finally:
+        coordinator.close()
+    assert poisoner in driver.banned and planner.calls[-1] == ([2], WHOLE_MODEL)
+    assert [{k: v for k, v in r.items() if k != "reason"} for r in driver.events.rollbacks] == [
+        {"from_step": 3, "to_step": 0, "redone": 3}]
+    assert [r.step for r in reports] == [0, 1, 2, 3]
+    ref, _ = train_reference(SPEC.model, SPEC.optim, Corpus.load(SPEC.corpus), SPEC.seed, 4, SPEC.n_microbatches,
+                             SPEC.micro_batch)
+    assert sorted(states) == [(0, 0)]
+    for name, got in unflatten_stage(SPEC.model, 0, 2, states[(0, 0)]["params"]).items():
+        err = float((got - ref[name]).abs().max() / ref[name].abs().max().clamp_min(1e-12))
+        assert err < 1e-5, f"{name}: {err:.2e} off single-process training"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 
@@ -181,6 +183,22 @@ def test_state_dict_hand_over_resumes_bit_identically(corpus: Corpus) -> None:
         joiner.load_state_dict(broken)
     with pytest.raises(StageConfigError, match="model config"):
         joiner.load_state_dict(dict(state, model={**MODEL.to_dict(), "seed": 9}))
+
+
+def test_the_parameters_digest_is_cached_until_the_parameters_change(corpus: Corpus) -> None:
+    def fresh(c: StageCompute) -> str:
+        return hashlib.sha256(c.flat_params().numpy().tobytes()).hexdigest()[:32]
+
+    c = make(0, 4)
+    assert c.known_digest is None, "never computed unasked (a Status reply reads it)"
+    first = c.params_digest()
+    assert first == fresh(c) and c.known_digest == first
+    train_steps(c, corpus, range(1))  # apply_update
+    assert c.known_digest is None and c.params_digest() == fresh(c) != first
+    c.set_params(c.flat_params() * 2)
+    assert c.known_digest is None and c.params_digest() == fresh(c)
+    c.load_state_dict(make(0, 4).state_dict())
+    assert c.known_digest is None and c.params_digest() == first
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

@@ -38,6 +38,7 @@ it is the same code with ``device=cuda`` (no device-specific branches except in 
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import math
@@ -149,6 +150,12 @@ class _Stash:
     out: torch.Tensor
 
 
+def flat_digest(flat: torch.Tensor) -> str:
+    """sha256 (32 hex digits) of a flat parameter vector's fp32 bytes: :meth:`StageCompute.params_digest`, and
+    what a leader computes of a stage state it fetched."""
+    return hashlib.sha256(flat.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()).hexdigest()[:32]
+
+
 class StageCompute:
     """Compute state of one replica of one pipeline stage (see the module docstring for the protocol)."""
 
@@ -169,6 +176,7 @@ class StageCompute:
         self.numel = self._offsets[-1]
 
         self._master = torch.cat([p.detach().reshape(-1) for _, p in named]).to(self.device, torch.float32)
+        self._digest: str | None = None  # params_digest() of the master as it is now; cleared on every change
         self._master_grad = torch.zeros_like(self._master)
         self._master_views = [nn.Parameter(v) for v in self._views(self._master)]
         for param, grad_view in zip(self._master_views, self._views(self._master_grad), strict=True):
@@ -216,7 +224,9 @@ class StageCompute:
                 zip(self._offsets[:-1], self._offsets[1:], self._shapes, strict=True)]
 
     def _sync_compute_weights(self) -> None:
-        """Copy (and cast) the fp32 master into the low-precision compute weights; no-op when aliased."""
+        """Copy (and cast) the fp32 master into the low-precision compute weights (no-op when aliased); every
+        change of the master passes here, so the cached digest is dropped here."""
+        self._digest = None
         if self._aliased:
             return
         with torch.no_grad():
@@ -423,6 +433,19 @@ class StageCompute:
     def flat_params(self) -> torch.Tensor:
         """The fp32 master parameters as one flat host vector (a copy), in ``self.names`` order."""
         return self._master.detach().cpu().clone()
+
+    def params_digest(self) -> str:
+        """A short hash (sha256, 32 hex digits) of the fp32 master parameters: replicas that applied the same
+        steps agree bitwise. Computed once per change of the parameters (a hash of a large stage takes seconds)."""
+        digest = self._digest
+        if digest is None:
+            digest = self._digest = flat_digest(self._master)
+        return digest
+
+    @property
+    def known_digest(self) -> str | None:
+        """:meth:`params_digest` if it was computed since the last change, else None (never computes)."""
+        return self._digest
 
     def named_params(self) -> dict[str, torch.Tensor]:
         """fp32 master parameters by name; names are those of the full model (global layer indices)."""

@@ -34,9 +34,10 @@ from peer.node.planning import ClusterView, build_cluster, make_planner, workloa
 from peer.node.schedule import leaving_soon
 from peer.observe.scalars import ScalarWriter
 from peer.runtime.assign import build_assignments
-from peer.runtime.control import Apply, encode
+from peer.runtime.control import MAX_HASH, Apply, encode
 from peer.runtime.lead.coordinator import Coordinator, StepReport
 from peer.runtime.lead.driver import DriverConfig, Pipelines, RunDriver, Stages
+from peer.runtime.lead.resync import Digests
 from peer.runtime.outer import assignment_record
 from peer.runtime.spec import Assignment, RunSpec
 from peer.swarm.adverts import Advert, LinkReport
@@ -54,6 +55,8 @@ from peer.timing import (
 )
 
 log = logging.getLogger(__name__)
+
+MAX_RECORDED_STAGES = 1024  # parameters hashes read from a progress record (more stages than any plan has)
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,7 @@ class LeaderRole:
         # only witnesses of the election once there are some (peer.swarm.election), listed in every plan
         self.credited: set[str] = set()
         self.published_credited: set[str] = set()  # the credited list of the last plan published
+        self._takeover_digests = Digests()  # what the previous leader signed for the step a takeover starts from
         self.credit = CreditBook()  # each identity's verified work (peer.swarm.credit), signed in every progress
         self.pause: dict[str, Any] | None = None  # why, since and until when (DHT time) the leader pauses
         self.waive_epoch: int | None = None  # the plan epoch the next plan fences without its quorum
@@ -330,7 +334,9 @@ class LeaderRole:
             epoch=board.next_epoch() - 1,
             on_replan=self._on_replan,
         )
-        self.driver.recorded_step = self._recorded_step() if previous else None
+        self.driver.recorded_step = self._recorded()[0] if previous else None
+        if takeover is not None and takeover[0] == self._takeover_digests.step:
+            self.driver.digests = self._takeover_digests  # holders must match what the previous leader signed
         self.driver.on_pause = self._on_pause
         for ep in self.excluded:
             self.driver.banned.add(ep)
@@ -350,8 +356,9 @@ class LeaderRole:
             return None
         stages = [(int(a), int(b)) for a, b in plan["stages"]]
         statuses = self._statuses()
-        recorded = self._recorded_step()
-        judged = judge_claims(statuses, stages, recorded)
+        recorded, digests = self._recorded()
+        judged = judge_claims(statuses, stages, recorded, digests)
+        self._takeover_digests = Digests(recorded, digests) if recorded is not None else Digests()
         for ep, why in judged.liars.items():
             log.warning("takeover: %s is left out: %s", ep, why)
         self.excluded |= set(judged.liars)
@@ -377,12 +384,11 @@ class LeaderRole:
         log.info("takeover at step %d with stages %s (the previous leader recorded step %s)", top, stages, recorded)
         return top, stages
 
-    def _recorded_step(self) -> int | None:
-        """The trained step the previous plan's leader last recorded in its signed progress record (None: none)."""
+    def _recorded(self) -> tuple[int | None, dict[tuple[int, int], str]]:
+        """What the previous plan's leader last signed in its progress record: the trained step (None: none) and
+        the parameters hash per stage it recorded for that step (``recorded_progress``)."""
         previous = self.ctx.plan_board.latest()
-        progress = self.ctx.progress.read(previous.leader_id if previous else None) or {}
-        step = progress.get("step")
-        return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+        return recorded_progress(self.ctx.progress.read(previous.leader_id if previous else None) or {})
 
     def _statuses(self) -> dict[str, dict[str, Any]]:
         out = {}
@@ -477,8 +483,10 @@ class LeaderRole:
         self.scalars.add(report.step, {"train/loss": report.loss, "train/tokens_per_s": tokens_per_s,
                                        "train/step_s": report.seconds, "swarm/plan_epoch": self.driver.epoch,
                                        "swarm/peers": len(self._workers())})
+        digests = self.driver.digests.at(report.step + 1)
+        signed = {"stage_hashes": [[a, b, h] for (a, b), h in sorted(digests.items())]} if digests else {}
         self._publish({"epoch": self.driver.epoch, "step": report.step + 1, "loss": loss, "step_s": report.seconds,
-                       "tokens_per_s": tokens_per_s, "state": "training"})
+                       "tokens_per_s": tokens_per_s, "state": "training", **signed})
 
     def _finish(self) -> None:
         save = self.config.swarm.save_dir
@@ -493,12 +501,7 @@ class LeaderRole:
         """Final parameters of every stage (torch state dicts by parameter name) and run.json."""
         assert self.driver is not None and self.driver.stages is not None
         folder.mkdir(parents=True, exist_ok=True)
-        saved: set[int] = set()
-        for (stage, _), state in self.coordinator.live_states().items():
-            first, last = state["layers"]
-            named = unflatten_stage(self.spec.model, first, last, state["params"])
-            torch.save({name: t.clone() for name, t in named.items()}, folder / f"stage-{stage}.pt")
-            saved.add(stage)
+        saved = save_stages(self.coordinator.live_states(), self.spec, folder)
         live = self._workers()
         peers = {
             d: {
@@ -570,19 +573,48 @@ class Claims:
     liars: dict[str, str]
 
 
-def judge_claims(statuses: dict[str, dict[str, Any]], stages: Stages, recorded: int | None) -> Claims:
+def save_stages(states: dict[tuple[int, int], dict[str, Any]], spec: RunSpec, folder: Path) -> set[int]:
+    """Write each stage's final parameters (a torch state dict by parameter name) as ``stage-<i>.pt``."""
+    for (stage, _), state in states.items():
+        first, last = state["layers"]
+        named = unflatten_stage(spec.model, first, last, state["params"])
+        torch.save({name: t.clone() for name, t in named.items()}, folder / f"stage-{stage}.pt")
+    return {stage for stage, _ in states}
+
+
+def recorded_progress(progress: dict[str, Any]) -> tuple[int | None, dict[tuple[int, int], str]]:
+    """A progress record's trained ``step`` (None: not a step count) and its ``stage_hashes`` ([[first, last,
+    hash], ...]) as layers -> hash; anything malformed is dropped (signed by the leader, read as hostile all the
+    same)."""
+    step, value = progress.get("step"), progress.get("stage_hashes")
+    if not (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
+        return None, {}
+    out: dict[tuple[int, int], str] = {}
+    if not isinstance(value, list):
+        return step, out
+    for item in value[:MAX_RECORDED_STAGES]:
+        if (isinstance(item, list) and len(item) == 3 and all(type(x) is int for x in item[:2])
+                and isinstance(item[2], str) and 0 < len(item[2]) <= MAX_HASH):
+            out[(item[0], item[1])] = item[2]
+    return step, out
+
+
+def judge_claims(statuses: dict[str, dict[str, Any]], stages: Stages, recorded: int | None,
+                 digests: dict[tuple[int, int], str] | None = None) -> Claims:
     """Decide the takeover step from the workers' claims, checked against the previous leader's record.
 
     The record says the run had trained ``recorded`` steps; the only honest way past it is a leader that died
     while telling the workers to apply step ``recorded``, so a claim beyond ``recorded + 1``, or of layers no
-    stage of the run has, is a lie (one below it is a laggard: it holds no stage at the run's step). The run
-    moves on to ``recorded + 1`` only when, in every stage, a strict majority of the workers that claim it
-    either applied that step or hold its averaged gradient (a lone claim cannot make others apply a step their
-    stage never averaged). Without a record, the step at least half of the claims reach stands in for it."""
+    stage of the run has, is a lie (one below it is a laggard: it holds no stage at the run's step). With the
+    record's parameters hash of a stage (``digests``), a claim of that stage at ``recorded`` whose hash differs
+    is a lie too (one without a hash is a laggard). The run moves on to ``recorded + 1`` only when, in every
+    stage, a strict majority of the workers that claim it either applied that step or hold its averaged
+    gradient (a lone claim cannot make others apply a step their stage never averaged). Without a record, the
+    step at least half of the claims reach stands in for it."""
     liars: dict[str, str] = {}
     claims: dict[str, tuple[int, int, Any]] = {}  # endpoint -> (stage index, trained steps, pending apply)
     for ep, st in statuses.items():
-        t, layers = st.get("trained_steps"), st.get("layers")
+        t, layers, h = st.get("trained_steps"), st.get("layers"), st.get("params_hash")
         if t is None:
             continue  # holds no stage
         if not isinstance(t, int) or isinstance(t, bool) or t < 0:
@@ -591,6 +623,9 @@ def judge_claims(statuses: dict[str, dict[str, Any]], stages: Stages, recorded: 
             liars[ep] = f"it claims layers {layers!r}, which no stage of the run has"
         elif recorded is not None and t > recorded + 1:
             liars[ep] = f"it claims {t} trained steps; the leader recorded {recorded}"
+        elif t == recorded and (want := (digests or {}).get(tuple(layers))) is not None and h != want:
+            if isinstance(h, str) and h:
+                liars[ep] = f"its stage {layers} at step {t} hashes {h[:MAX_HASH]!r}; the leader recorded {want}"
         else:
             claims[ep] = (stages.index(tuple(layers)), t, st.get("pending_apply"))
     if not claims:

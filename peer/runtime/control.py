@@ -378,6 +378,7 @@ class StateSource:
     step: int = 0
     endpoint: str | None = None
     grant: str = ""  # fetch only: the coordinator's signed permission to read the state (peer.runtime.grants)
+    params_hash: str = ""  # fetch only: the hash the fetched parameters must have ("": the leader knows none)
 
     def __post_init__(self) -> None:
         if self.step < 0:
@@ -396,8 +397,8 @@ class StateSource:
         return cls(SourceKind.KEEP, step)
 
     @classmethod
-    def fetch(cls, endpoint: str, step: int) -> StateSource:
-        return cls(SourceKind.FETCH, step, endpoint)
+    def fetch(cls, endpoint: str, step: int, params_hash: str = "") -> StateSource:
+        return cls(SourceKind.FETCH, step, endpoint, params_hash=params_hash)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"source": self.kind.value, "step": self.step}
@@ -405,6 +406,8 @@ class StateSource:
             d["endpoint"] = self.endpoint
         if self.grant:
             d["grant"] = self.grant
+        if self.params_hash:
+            d["params_hash"] = self.params_hash
         return d
 
     @classmethod
@@ -420,8 +423,9 @@ class StateSource:
         if endpoint is not None and not (isinstance(endpoint, str) and 0 < len(endpoint) <= 300):
             raise BadMessage("meta.body.state.endpoint", f"expected host:port, got {endpoint!r}")
         grant = _str(d, "grant", "", limit=4096)
+        expected = _str(d, "params_hash", "", limit=MAX_HASH)
         try:
-            return cls(kind, step, endpoint if kind is SourceKind.FETCH else None, grant)
+            return cls(kind, step, endpoint if kind is SourceKind.FETCH else None, grant, expected)
         except ValueError as exc:
             raise BadMessage("meta.body.state", f"state source {kind.value!r} at step {step} is not valid ({exc})") \
                 from None

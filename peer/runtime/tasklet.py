@@ -4,7 +4,6 @@ assignment, :class:`peer.runtime.stage.snapshot.Tasklet`, is the peer side's own
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import torch
@@ -19,8 +18,7 @@ from protocol.errors import BadMessage
 
 def params_hash(compute: StageCompute) -> str:
     """A short hash of a stage's parameters: replicas that applied the same steps agree bitwise."""
-    data = compute.flat_params().detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
-    return hashlib.sha256(data).hexdigest()[:32]
+    return compute.params_digest()
 
 
 def state_envelope(state: dict[str, Any], run_id: str, epoch: int, stage: int, replica: int = -1,

@@ -266,17 +266,17 @@ class Coordinator:
                 while not (commands := machine.tick(time.monotonic())):
                     self._cond.wait(max(0.001, min(WAKE_S, machine.deadline - time.monotonic())))
         hashes = machine.state.hashes
-        if done.check:
-            live = [m for m in done.members if m not in self.dead]
-            self.resync.check_replicas(roster, epoch, step, live, hashes, machine.deadline)
+        live = [m for m in done.members if m not in self.dead]
+        digests = self.resync.check_replicas(roster, epoch, step, live, hashes, machine.deadline) if done.check else {}
         if done.catch_up:
             with self._cond:
                 left_out = machine.state.dropped | machine.state.syncing
-            live = [m for m in done.members if m not in self.dead]
+            live = [m for m in done.members if m not in self.dead]  # again: the check may have found the dead
             self.resync.catch_up(roster, epoch, step, live, left_out, hashes)
         with self._cond:
             machine.tick(time.monotonic())
             report = machine.report()
+            report.stage_hashes = digests
             self.verification.applied(step, roster, report.commits, machine.spot)
             applied = {self._who(ep) for ep in roster.members(report.applied)}
             verdict = self.referee.vindicate(applied, step)  # their work passed every other witness's checks

@@ -30,14 +30,16 @@ import statistics
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, MutableSet
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from peer.compute.stage import flat_digest
 from peer.runtime.checkpoints import DEFAULT_KEEP, Checkpoint, CheckpointError, CheckpointStore, store_copy
-from peer.runtime.control import StateSource
+from peer.runtime.control import SourceKind, StateSource
 from peer.runtime.lead.coordinator import (
     Coordinator,
     OuterRoundFailedError,
@@ -45,6 +47,7 @@ from peer.runtime.lead.coordinator import (
     StepFailedError,
     StepReport,
 )
+from peer.runtime.lead.resync import Digests
 from peer.runtime.lead.step import TooFewPeersError
 from peer.runtime.spec import Assignment, RunSpec
 from peer.timing import (
@@ -223,25 +226,12 @@ class PeerShortage:
 class RunDriver:
     """Runs ``cfg.steps`` steps of ``spec`` over whatever devices ``live_devices()`` reports."""
 
-    def __init__(
-        self,
-        spec: RunSpec,
-        coordinator: Coordinator,
-        live_devices: Callable[[], dict[int, str]],
-        planner: Planner,
-        build_assignments: AssignmentBuilder,
-        cfg: DriverConfig,
-        on_step: Callable[[StepReport], None] | None = None,
-        epoch: int = 0,
-        on_replan: Callable[[dict[str, Any]], None] | None = None,
-    ) -> None:
-        self.spec = spec
-        self.coordinator = coordinator
-        self.live_devices = live_devices
-        self.planner = planner
-        self.build_assignments = build_assignments
-        self.cfg = cfg
-        self.on_step = on_step
+    def __init__(self, spec: RunSpec, coordinator: Coordinator, live_devices: Callable[[], dict[int, str]],
+                 planner: Planner, build_assignments: AssignmentBuilder, cfg: DriverConfig,
+                 on_step: Callable[[StepReport], None] | None = None, epoch: int = 0,
+                 on_replan: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.spec, self.coordinator, self.live_devices, self.planner = spec, coordinator, live_devices, planner
+        self.build_assignments, self.cfg, self.on_step = build_assignments, cfg, on_step
         self.events = RunEvents()
         self.stages: Stages | None = None
         self.pipelines: Pipelines = []
@@ -259,6 +249,8 @@ class RunDriver:
         # the step the run's leader last recorded and signed (a new leader reads it from its predecessor's progress
         # record): no checkpoint copy a peer offers is believed beyond it
         self.recorded_step: int | None = None
+        # what a peer's claim to hold a stage must match: its replicas' agreed hash, or the previous leader's record
+        self.digests = Digests()
         # on_checkpoint(step, folder): after each checkpoint is written (replication to other peers)
         self.on_checkpoint: Callable[[int, Path], None] | None = None
         self._replicating: threading.Thread | None = None
@@ -320,6 +312,8 @@ class RunDriver:
                 continue
             self.trained += 1
             self.reports.append(report)
+            if report.stage_hashes:
+                self.digests = Digests(self.trained, dict(report.stage_hashes))
             if self.on_step:
                 self.on_step(report)
             if self._discard_cheats():
@@ -342,6 +336,7 @@ class RunDriver:
         of the peers in ``keep`` (None: this leader's own side), never keeping the state of ``discard`` (the
         losing side, whose work is dropped); the next plan's epoch is above ``epoch`` (the other side's)."""
         self.epoch = max(self.epoch, epoch)
+        self.digests = Digests()  # the kept side's parameters were never compared with this side's record
         if step != self.trained:
             self.reports = [r for r in self.reports if r.step < min(step, self.trained)]
             self.coordinator.verification.rolled_back(min(step, self.trained))  # the work after it is not ours
@@ -482,7 +477,11 @@ class RunDriver:
                 sources = {ep: StateSource.fetch(self.coordinator.endpoint, rollback) for ep in assignments}
             self.trained = rollback
             self.reports = [r for r in self.reports if r.step < rollback]
-        self.coordinator.assign(assignments, sources)  # a new plan: the coordinator forgets the dead
+        try:
+            self.coordinator.assign(assignments, sources)  # a new plan: the coordinator forgets the dead
+        except ReplanNeededError:  # a fetcher refused its source's state, maybe: was the source lying?
+            _ban_lying_sources(self.coordinator, sources, self.banned)
+            raise
         self.keep_only, self.discard = None, set()  # a healed partition's sides are one plan now
         self.pipelines = pipelines
         info = {
@@ -497,14 +496,8 @@ class RunDriver:
         self.events.replans.append(info)
         if self.on_replan:
             self.on_replan(info)
-        log.info(
-            "plan epoch %d (%s): stages %s, pipelines %s, continuing at step %d",
-            self.epoch,
-            reason,
-            stages,
-            pipelines,
-            self.trained,
-        )
+        log.info("plan epoch %d (%s): stages %s, pipelines %s, continuing at step %d", self.epoch, reason, stages,
+                 pipelines, self.trained)
 
     def _holders(self, live: set[str]) -> dict[int, list[str]]:
         """Stage index -> live endpoints holding that stage at the trained step (asked, not assumed)."""
@@ -516,7 +509,8 @@ class RunDriver:
         answers = [*known.items(), *_ask_statuses(self.coordinator, sorted(live - set(known)))]  # unreachable: none
         kept = [(ep, st) for ep, st in answers if ep not in self.discard  # a healed partition: the losing side's
                 and (self.keep_only is None or ep in self.keep_only)]  # state is not kept
-        return _stage_holders(kept, self.stages or [], self.trained)
+        return _stage_holders(kept, self.stages or [], self.trained, self.digests.at(self.trained),
+                              majority=self._at_round_start())
 
     def _sources(
         self, assignments: dict[str, Assignment], holders: dict[int, list[str]], restore_step: int | None
@@ -527,12 +521,13 @@ class RunDriver:
         if self.trained == 0 and not holders:
             return {ep: StateSource.init() for ep in assignments}, None
         sources: dict[str, StateSource] = {}
+        expected = self.digests.at(self.trained)
         for ep, a in assignments.items():
             have = holders.get(a.stage, [])
             if ep in have:
                 sources[ep] = StateSource.keep(self.trained)
             elif have:
-                sources[ep] = StateSource.fetch(have[0], self.trained)
+                sources[ep] = StateSource.fetch(have[0], self.trained, expected.get(tuple(a.layers), ""))
             elif self.trained == 0:
                 sources[ep] = StateSource.init()
             else:
@@ -704,16 +699,54 @@ def _send_copies(coordinator: Coordinator, store: CheckpointStore, step: int, n:
         log.info("checkpoint of step %d copied to %s", step, record["peers"])
 
 
-def _stage_holders(answers: list[tuple[str, dict[str, Any] | None]], stages: Stages,
-                   trained: int) -> dict[int, list[str]]:
+def _stage_holders(answers: list[tuple[str, dict[str, Any] | None]], stages: Stages, trained: int,
+                   expected: dict[tuple[int, int], str] | None = None,
+                   majority: bool = False) -> dict[int, list[str]]:
     """Stage index -> the endpoints whose Status reply names a stage of the run at the ``trained`` step. A reply is
-    a claim: anything else (another step, layers no stage has, no reply) holds nothing."""
-    out: dict[int, list[str]] = {}
+    a claim: anything else (another step, layers no stage has, no reply) holds nothing. Where ``expected`` has the
+    stage's parameters hash (what its replicas agreed on, or the previous leader recorded), only a claim carrying
+    that hash holds it; otherwise, with ``majority`` (the replicas must agree: exact training or a DiLoCo round's
+    start), a hash a strict majority of the claims share excludes the others."""
+    claims: dict[int, list[tuple[str, Any]]] = {}
     for ep, st in answers:
         layers = st.get("layers") if st else None
         if st and st.get("trained_steps") == trained and isinstance(layers, list) and tuple(layers) in stages:
-            out.setdefault(stages.index(tuple(layers)), []).append(ep)
+            claims.setdefault(stages.index(tuple(layers)), []).append((ep, st.get("params_hash")))
+    out: dict[int, list[str]] = {}
+    for stage, group in claims.items():
+        want = (expected or {}).get(stages[stage])
+        if want is None and majority:
+            tally = Counter(h for _, h in group if isinstance(h, str) and h)
+            top = tally.most_common(1)
+            want = top[0][0] if top and 2 * top[0][1] > len(group) else None
+        kept = [ep for ep, h in group if want is None or h == want]
+        for ep, h in group:
+            if ep not in kept:
+                log.warning("%s claims stage %s at step %d with parameters hashing %r, not %s: it holds nothing",
+                            ep, list(stages[stage]), trained, h if isinstance(h, str) else None, want)
+        if kept:
+            out[stage] = kept
     return out
+
+
+def _ban_lying_sources(coordinator: Coordinator, sources: dict[str, StateSource], banned: ExpiringBans) -> set[str]:
+    """After a plan failed: the fetch sources whose state does not hash to what the leader expected for it (its
+    fetcher would have refused it). The fetcher's refusal is a claim too, so the leader fetches and hashes the
+    source's state itself; a source that serves it other parameters than it claimed is banned for good."""
+    liars: set[str] = set()
+    for src in {s.endpoint for s in sources.values() if s.kind is SourceKind.FETCH and s.params_hash} - {None}:
+        want = next(s.params_hash for s in sources.values() if s.endpoint == src)
+        try:
+            params = coordinator.fetch_state(src)["params"]  # type: ignore[index]
+        except Exception as exc:  # unreachable or refusing: the re-plan's own checks handle that
+            log.info("could not check the state %s serves: %s", src, exc)
+            continue
+        got = flat_digest(params)
+        if got != want:
+            log.error("%s serves stage parameters hashing %s, not the %s it claimed: banned for good", src, got, want)
+            banned.forever(src)  # type: ignore[arg-type]
+            liars.add(src)  # type: ignore[arg-type]
+    return liars
 
 
 def _counters(status: dict[str, Any]) -> tuple[float, int, float, int] | None:

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 from peer.net import PeerClient
@@ -32,6 +33,42 @@ log = logging.getLogger(__name__)
 
 SYNC_LIMIT_S = CONTROL_TIMEOUT_S + WORKER_FETCH_STATE_TIMEOUT_S  # a laggard told to resync reports in sync within this
 Hashes = dict[str, tuple[int, str]]  # endpoint -> (trained steps, params hash), as the running step received them
+Layers = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Digests:
+    """The parameters hash per stage (layers) the run's replicas agreed on after ``step`` trained steps (or the
+    previous leader recorded): a peer's claim to hold a stage at that step must match it."""
+
+    step: int = -1
+    by_layers: dict[Layers, str] = field(default_factory=dict)
+
+    def at(self, trained: int) -> dict[Layers, str]:
+        """The hashes if they describe ``trained`` steps, else none."""
+        return self.by_layers if trained == self.step else {}
+
+
+def stage_digests(roster: Roster, members: Sequence[str], hashes: Hashes, trained: int) -> dict[Layers, str]:
+    """Layers -> the parameters hash a strict majority of the stage's replicas among ``members`` reported at
+    ``trained`` steps (a stage without one is left out). The leader signs these in its progress record: a later
+    claim to hold the stage at that step must match them (peer.node.leader_role.judge_claims)."""
+    votes: dict[Layers, dict[str, int]] = {}
+    counts: dict[Layers, int] = {}
+    for ep in members:
+        a = roster.assignments.get(ep)
+        if a is None:
+            continue
+        counts[a.layers] = counts.get(a.layers, 0) + 1
+        seen = hashes.get(ep)
+        if seen is not None and seen[0] == trained:
+            votes.setdefault(a.layers, {})[seen[1]] = votes.get(a.layers, {}).get(seen[1], 0) + 1
+    out = {}
+    for layers, tally in votes.items():
+        digest, n = max(tally.items(), key=lambda kv: kv[1])
+        if 2 * n > counts[layers]:
+            out[layers] = digest
+    return out
 
 
 class Resync:
@@ -79,12 +116,13 @@ class Resync:
         return all(ep in self._liveness.dead for ep in self.pending)
 
     def check_replicas(self, roster: Roster, epoch: int, step: int, members: list[str], hashes: Hashes,
-                       deadline: float) -> None:
+                       deadline: float) -> dict[Layers, str]:
         """After an apply, the replicas of each stage must hold bitwise the same parameters. A replica whose
         hash differs from its group's strict majority reloads the stage from a replica in the majority; one
         that still differs afterwards is excluded. Without a strict majority (two replicas disagreeing) the
         leader cannot tell who is right: it logs the divergence and goes on. ``hashes``: the step's, filled
-        under ``_lock`` as Synced reports arrive."""
+        under ``_lock`` as Synced reports arrive. Returns the hash each stage's live replicas then agree on
+        (:func:`stage_digests`)."""
         with self._lock:
             seen = {ep: hashes.get(ep) for ep in members}
         stages = {ep: roster.assignments[ep].stage for ep in members if ep in roster.assignments}
@@ -108,6 +146,8 @@ class Resync:
                     resyncs[ep] = (winner[0], holders[0])
         self._resync(epoch, step, resyncs, seen, hashes, deadline,
                      f"stage parameters still differ from the group's majority after step {step}")
+        with self._lock:
+            return stage_digests(roster, [m for m in members if m not in self._liveness.dead], hashes, step + 1)
 
     def catch_up(self, roster: Roster, epoch: int, step: int, members: list[str], left_out: set[int],
                  hashes: Hashes) -> None:

@@ -67,6 +67,9 @@ class StepReport:
     outer: list[int] | None = None
     spot_checked: int = 0  # micro-batches sampled for a spot check (peer.runtime.lead.spot)
     spot_verified: int = 0  # ... whose copies agreed (or two of three did)
+    # layers -> the parameters hash a strict majority of the stage's replicas reported after the step (steps
+    # whose replicas must agree: exact ones and DiLoCo's outer steps; empty otherwise)
+    stage_hashes: dict[tuple[int, int], str] = field(default_factory=dict)
 
 
 @dataclass

@@ -118,7 +118,8 @@ class StageTaker:
             outer = None
             if source.kind is ctl.SourceKind.FETCH:
                 assert source.endpoint is not None
-                outer = self.load_from(compute, source.endpoint, spec, assignment, source.step, source.grant)
+                outer = self.load_from(compute, source.endpoint, spec, assignment, source.step, source.grant,
+                                       source.params_hash)
         outer = _outer_state(spec, compute, outer)
         if (assignment.is_first or assignment.is_last) and self.corpus is None:
             self.corpus = _load_corpus(spec)
@@ -140,10 +141,13 @@ class StageTaker:
         self._holdings = {**previous, new.assignment.layers: (new.compute, new.assignment.stage, new.outer)}
 
     def load_from(
-        self, compute: StageCompute, endpoint: str, spec: RunSpec, a: Assignment, step: int, grant: str = ""
+        self, compute: StageCompute, endpoint: str, spec: RunSpec, a: Assignment, step: int, grant: str = "",
+        params_hash: str = "",
     ) -> OuterState | None:
         """Fetch a stage's state from a live replica (or a checkpoint server) and load it; with DiLoCo, also the
-        replica's outer state (round-start parameters, Nesterov buffer) when it has one (a checkpoint has not)."""
+        replica's outer state (round-start parameters, Nesterov buffer) when it has one (a checkpoint has not).
+        With ``params_hash`` (what the leader recorded for the stage at ``step``) the parameters must hash to it:
+        a source that claimed the stage and serves other parameters is refused, not loaded."""
         want_outer = {"outer": "1"} if spec.sync_period > 1 else {}
         roles = Roles.of(a, self.tls)
         self.tls.trust.add(self.trust_group, a.peers.values())  # the source must be trusted to be dialled
@@ -172,6 +176,10 @@ class StageTaker:
             compute.load_state_dict(state)
         except ValueError as exc:
             raise BadMessage("stage_state", str(exc)) from None
+        got = compute.params_digest()  # once per load: the Status reply then carries it
+        if params_hash and got != params_hash:
+            raise Rejected(f"{endpoint} served stage {a.layers} at step {step} with parameters hashing {got}; "
+                           f"the leader recorded {params_hash}")
         if "outer_anchor" not in state or "outer_momentum" not in state:
             return None
         for name in ("outer_anchor", "outer_momentum"):

@@ -229,6 +229,8 @@ class StageWorker:
             "step": step,
             "trained_steps": None if t is None else t.compute.step,  # an int, read without the state lock
             "pending_apply": pending,
+            # the parameters' hash at trained_steps, when known (never computed here: a status answers at once)
+            "params_hash": None if t is None else t.compute.known_digest,
             **self.stats,
             # the compute op in progress (a straggler judged before its slow op ends): seconds so far, its op count
             "running_s": 0.0 if running is None else self.loop.clock.now() - running[0],
