@@ -268,6 +268,9 @@ def test_the_ledger_records_only_unverified_applied_work_and_an_exclusion_asks_f
     assert excluded[-1] == ep(1, 2)
     assert v.take_rollback() == (4, [ep(1, 2)], f"{ep(1, 2)}: stage 1 disagreed")
     assert v.take_rollback() is None, "taken once"
+    # the referee's exclusion (a disputed link, judged by witnesses) discards the same way
+    v.discard(ep(0, 1), "sent data its receiver refused")
+    assert v.take_rollback() == (6, [ep(0, 1)], f"{ep(0, 1)}: sent data its receiver refused")
     v.rolled_back(5)  # the checkpoint of step 5: step 6's work is gone, step 4's stays
     assert v.ledger.first == {"id-s0p2": 4, "id-s1p2": 4}
 

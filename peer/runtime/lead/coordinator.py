@@ -200,12 +200,8 @@ class Coordinator:
                 log.exception("on_event(%s) failed", name)
 
     # ---------------------------------------------------------------------------------------------- assign
-    def assign(
-        self,
-        assignments: dict[str, Assignment],
-        sources: dict[str, ctl.StateSource] | None = None,
-        timeout_s: float = ASSIGN_TIMEOUT_S,
-    ) -> None:
+    def assign(self, assignments: dict[str, Assignment], sources: dict[str, ctl.StateSource] | None = None,
+               timeout_s: float = ASSIGN_TIMEOUT_S) -> None:
         """Send every worker (by endpoint) its assignment and state source; wait until all accepted.
 
         A new plan starts with no dead workers (the driver left the dead ones out of it). ``sources[endpoint]``
@@ -459,6 +455,7 @@ class Coordinator:
         for ep in roster.assignments:
             if self._who(ep) in verdict.exclude:
                 self.declare_dead(ep, reason)
+                self.verification.discard(ep, reason)  # its unverified work that reached the model is rolled back
 
     def _step_report(self, machine: StepMachine | None, key: pb.Key, sender: str, msg: ctl.Message) -> None:
         """A report of the running step, to its machine (``_cond`` held)."""

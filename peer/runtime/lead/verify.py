@@ -52,8 +52,18 @@ class Verification:
         with self._lock:
             self.ledger.applied(step, [self.who(ep) for ep in roster.members(unverified)])
 
+    def discard(self, culprit: str, reason: str) -> None:
+        """``culprit`` was excluded (by a spot check or the referee): its applied work no spot check verified
+        (the ledger) is to be rolled back by the driver after the step (:meth:`take_rollback`)."""
+        with self._lock:
+            first = self.ledger.first_unverified(self.who(culprit))
+            if first is not None:
+                self._undo[culprit] = (min(first, self._undo.get(culprit, (first, ""))[0]), reason)
+        if first is not None:
+            log.warning("%s had unverified work applied from step %d on: it is discarded", culprit, first)
+
     def take_rollback(self) -> tuple[int, list[str], str] | None:
-        """(the earliest first-unverified step, the endpoints, the reasons) of the peers excluded by a spot check
+        """(the earliest first-unverified step, the endpoints, the reasons) of the peers excluded (:meth:`discard`)
         since the last call whose unverified work reached the model; None when there are none."""
         with self._lock:
             undo, self._undo = self._undo, {}
@@ -127,12 +137,7 @@ class Verification:
                 self.totals["excluded"] += 1
                 log.warning("step %d: excluding %s: %s", step, culprit, f.reason)
                 self.exclude(culprit, f.reason)
-                with self._lock:
-                    first = self.ledger.first_unverified(self.who(culprit))
-                    if first is not None:
-                        self._undo[culprit] = (min(first, self._undo.get(culprit, (first, ""))[0]), f.reason)
-                if first is not None:
-                    log.warning("%s had unverified work applied from step %d on: it is discarded", culprit, first)
+                self.discard(culprit, f.reason)
         elif f.kind == "link":
             sender, receiver = roster.endpoint_of(f.stage, f.pipelines[0]), roster.endpoint_of(f.receiver,
                                                                                              f.pipelines[0])
