@@ -1,7 +1,7 @@
 """Members that lie about themselves, as real `peer` processes with the join secret: neither can crash, stall
 or end the run, and the model is the one single-process training gives.
 
-One swarm of four peers (one stage each: every peer holds the whole model, so any survivor holds it):
+One swarm of five peers (one stage each: every peer holds the whole model, so any survivor holds it):
 
 * peer 2 runs a patched client whose every loss report is NaN (``Outbox.report`` replaced): the coordinator
   refuses each with INVALID_ARGUMENT and publishes those steps without a loss, instead of failing to serialise
@@ -9,7 +9,9 @@ One swarm of four peers (one stage each: every peer holds the whole model, so an
 * peer 3 runs a patched client whose Status reply claims 10^9 trained steps (``StageWorker.status``
   replaced). The leader (peer 0) is killed mid-run; the new leader asks every worker how far it got, finds the
   claim beyond the step its predecessor signed in the progress record, leaves peer 3 out and goes on, instead
-  of ending the run at "step 10^9".
+  of ending the run at "step 10^9";
+* peer 4's Status reply names parameters (a hash) that are not those the dead leader signed for the stage at
+  that step: the new leader does not count it as a holder of the stage.
 
 The honest survivor finishes every step, and the saved parameters equal single-process training within 1e-5.
 The contribution record survives the leader's death: while the new leader trains, `peer credits --json --me
@@ -61,6 +63,9 @@ if LIE == "nan-loss":
 elif LIE == "trained-steps":
     honest_status = StageWorker.status
     StageWorker.status = lambda self: {**honest_status(self), "trained_steps": 10**9}
+elif LIE == "params-hash":
+    honest_status = StageWorker.status
+    StageWorker.status = lambda self: {**honest_status(self), "params_hash": "f" * 32}
 else:
     raise SystemExit(f"unknown lie {LIE!r}")
 
@@ -70,9 +75,9 @@ sys.exit(main())
 '''
 
 
-def _steps_of_four(log: str) -> int:
-    """Steps the leader logged as done in a plan of four pipelines (0 before it planned all four)."""
-    if not re.search(r"plan epoch \d+ \(.*pipelines \[\[\d+\], \[\d+\], \[\d+\], \[\d+\]\]", log):
+def _steps_of_five(log: str) -> int:
+    """Steps the leader logged as done in a plan of five pipelines (0 before it planned all five)."""
+    if not re.search(r"plan epoch \d+ \(.*pipelines \[(\[\d+\], ){4}\[\d+\]\]", log):
         return 0
     return len(re.findall(r"leader_role: step \d+:", log))
 
@@ -101,7 +106,7 @@ def test_a_nan_loss_liar_and_a_trained_steps_liar_neither_crash_nor_end_the_run(
     key0 = tmp_path / "peer0.key"
     script = tmp_path / "patched_peer.py"
     script.write_text(PATCHED)
-    cfg = write_small_config(tmp_path, steps=STEPS, secret=SECRET, min_peers=4, stages=1,
+    cfg = write_small_config(tmp_path, steps=STEPS, secret=SECRET, min_peers=5, stages=1,
                              extra=f"save_dir = {json.dumps(str(save))}\n")
     with PeerProcesses(tmp_path, emulate_tflops=0.00003) as procs:  # about 2 s a step: time for a takeover
         addr = procs.start(cfg, "--identity", str(key0))
@@ -109,9 +114,10 @@ def test_a_nan_loss_liar_and_a_trained_steps_liar_neither_crash_nor_end_the_run(
         time.sleep(1.0)  # peer 1 is found by the later joiners: the oldest after peer 0, it leads next
         join_patched(procs, script, "nan-loss", addr, 2)
         join_patched(procs, script, "trained-steps", addr, 3)
-        # the leader's own log says when it finished step 3 of a plan with all four (a status query is slower)
-        trained = poll_until(lambda: {"steps": _steps_of_four(procs.log_text(0))}, lambda s: s["steps"] >= 3, 240,
-                             "four peers training three steps")
+        join_patched(procs, script, "params-hash", addr, 4)
+        # the leader's own log says when it finished step 3 of a plan with all five (a status query is slower)
+        trained = poll_until(lambda: {"steps": _steps_of_five(procs.log_text(0))}, lambda s: s["steps"] >= 3, 240,
+                             "five peers training three steps")
         procs.kill(0)  # the leader dies; its successor asks the workers how far they got
         killed_at = trained["steps"]
         dead_leader = Identity.load(key0).peer_id
@@ -122,7 +128,7 @@ def test_a_nan_loss_liar_and_a_trained_steps_liar_neither_crash_nor_end_the_run(
         assert mine["peers"][0]["microbatches"] > 0, mine
         assert procs.procs[1].wait(timeout=400) == 0, "the honest survivor failed"
         assert procs.procs[2].poll() in (None, 0), "the NaN liar's client crashed"
-        logs = {i: procs.log_text(i) for i in range(4)}
+        logs = {i: procs.log_text(i) for i in range(5)}
     leading = logs[0] + logs[1]
     # the NaN reports were refused with a status, and no leader failed on its progress record
     assert "loss: nan is not a finite number" in leading
@@ -133,6 +139,11 @@ def test_a_nan_loss_liar_and_a_trained_steps_liar_neither_crash_nor_end_the_run(
     assert took is not None, logs[1][-3000:]
     assert int(took.group(2)) <= int(took.group(1)) <= int(took.group(2)) + 1 and int(took.group(1)) >= killed_at - 1
     assert re.search(r"takeover: 127\.0\.0\.5:\d+ is left out: it claims 1000000000 trained steps", logs[1])
+    # the state peer 4 claims is not the one the dead leader signed (or, past the record, the replicas share): it is
+    # left out of the takeover, or holds nothing and fetches the stage from an honest holder
+    assert re.search(r"127\.0\.0\.6:\d+ (is left out: its stage \[0, 4\] at step \d+ hashes 'f{32}'; the leader "
+                     r"recorded [0-9a-f]{32}|claims stage \[0, 4\] at step \d+ with parameters hashing 'f{32}')",
+                     logs[1]), logs[1][-3000:]
     assert "the run already reached step" not in logs[1]
     assert re.search(r"plan epoch \d+ \(takeover\)", logs[1])
     assert "run finished" in logs[1]

@@ -5,6 +5,7 @@ time, no processes)."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -137,13 +138,14 @@ def ep(stage: int, pipeline: int) -> str:
     return f"s{stage}p{pipeline}"
 
 
-def make_machine(n_pipelines: int, cheater: int | None) -> tuple[StepMachine, SpotChecks]:
+def make_machine(n_pipelines: int, cheater: int | None,
+                 own: Callable[[int, int], bool] | None = None) -> tuple[StepMachine, SpotChecks]:
     assignments = {ep(s, r): Assignment(
         epoch=1, stage=s, replica=r, n_stages=N_STAGES, n_replicas=n_pipelines, layers=(s, s + 1),
         group=tuple(ep(s, q) for q in range(n_pipelines)), coordinator="lead",
         prev=ep(s - 1, r) if s > 0 else None, next=ep(s + 1, r) if s < N_STAGES - 1 else None)
         for r in range(n_pipelines) for s in range(N_STAGES)}
-    spot = SpotChecks(0, N_STAGES, lambda p: 1.0 if p == 0 else 0.0, rng=random.Random(3))
+    spot = SpotChecks(0, N_STAGES, lambda p: 1.0 if p == 0 else 0.0, rng=random.Random(3), own=own)
     machine = StepMachine(0, Roster(assignments), 2, now=0.0, timeout_s=600.0, lease_timeout_s=60.0, spot=spot)
     machine.start()
     return machine, spot
@@ -181,6 +183,28 @@ def test_a_shadow_copy_a_third_copy_and_the_cheater_is_excluded() -> None:
     assert 0 in machine.state.dropped, "the cheater's pipeline is out of the step at once"
     assert machine.pool.assignment().get(0) == 1, "the verified shadow's gradient counts instead of a redo"
     assert spot.verified == 1
+
+
+@pytest.mark.parametrize("leader_at", [None, (1, 0), (1, 1)])
+def test_two_pipelines_that_differ_are_decided_by_the_leaders_own_copy_else_set_aside(leader_at) -> None:
+    """Pipeline 0 corrupts micro-batch 0 from stage 0 on; pipeline 1 is the only other. Where the leader's own worker
+    is pipeline 1's stage 0 (the first stage whose output differs), its copy decides: pipeline 0's stage-0 peer is
+    excluded at once. Where the leader is elsewhere (pipeline 1's stage 1, or not in the plan), nobody can
+    decide and both pipelines are set aside for the step."""
+    own = None if leader_at is None else (lambda p, s: (p, s) == leader_at)
+    machine, spot = make_machine(2, cheater=0, own=own)
+    assert machine.lease(0, 0.1).microbatch == 0
+    assert machine.lease(1, 0.2).speculative, "the shadow of micro-batch 0"
+    run_copy(machine, 0, 0, wrong=True, now=1.0)
+    run_copy(machine, 0, 1, wrong=False, now=1.1)
+    findings = [c.finding for c in machine.tick(1.2) if isinstance(c, Spot)]
+    if leader_at == (1, 0):
+        assert [(f.kind, f.pipelines, f.stage) for f in findings] == [("exclude", (0,), 0), ("verified", (1,), -1)]
+        assert "disagreed with the leader's own copy (pipeline 1)" in findings[0].reason
+        assert 0 in machine.state.dropped and spot.passed == {(0, 1)}
+    else:
+        assert [(f.kind, f.pipelines) for f in findings] == [("aside", (0, 1))]
+        assert "no third pipeline can decide" in findings[0].reason
 
 
 def test_agreeing_copies_verify_and_the_reduce_waits_for_them() -> None:

@@ -299,6 +299,8 @@ class LeaderRole:
         board = self.ctx.plan_board
         previous = board.latest()
         self.credited = set(credited_of(previous.plan if previous else None))
+        if previous is not None:  # the records published while this leader waits keep the predecessor's credit
+            self.credit = CreditBook.from_record((self.ctx.progress.read(previous.leader_id) or {}).get("credit"))
         self.start_epoch = board.highest_epoch
         self._wait_for_peers(taking_over=previous is not None)
         self._wait_for_quorum()

@@ -126,7 +126,7 @@ class Coordinator:
         self.on_event: Callable[[str, dict[str, Any]], None] | None = None
         self._exclusions: deque[tuple[int, str, str]] = deque(maxlen=MAX_EXCLUSIONS)  # (epoch, id, reason): credit
         self.referee = Referee()  # weighs bad-peer reports: no single one excludes a peer (_cond)
-        self.verification = Verification(self.spec, self._who, self.declare_dead, self._refer)  # spot checks
+        self.verification = Verification(self.spec, self._who, self.declare_dead, self._refer, self.tls.peer_id)
 
     @property
     def endpoint(self) -> str:

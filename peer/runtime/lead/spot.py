@@ -27,9 +27,13 @@ and why:
   before it and redoes the steps since (``peer.runtime.lead.driver``). Three
   copies that all differ decide nothing: the first two pipelines are set aside for the step (redone by others)
   and their members go back on probation.
-* **Two pipelines.** Without a third pipeline there is no majority: both are set aside for the step ("aside"),
-  which leaves no intact pipeline, so the step is re-planned and redone, and their members are on probation again,
-  so the repeated step checks them again. A cheater that keeps corrupting stalls such a run; it never poisons it.
+* **The leader's own copy.** Where one of the two suspects of a disagreement is the leader's own worker, the
+  leader believes its own computation: the other suspect is excluded at once, no third copy needed (the leader
+  is the arbiter of everything else too).
+* **Two pipelines.** Otherwise, without a third pipeline there is no majority: both are set aside for the step
+  ("aside"), which leaves no intact pipeline, so the step is re-planned and redone, and their members are on
+  probation again, so the repeated step checks them again. A cheater that keeps corrupting, in a run of two
+  pipelines neither of which holds the leader at the stage it corrupts, stalls that run; it never poisons it.
 * **Waiting.** The reduce waits until every committed micro-batch's pipeline sent all its sketches and every
   check is decided. A pipeline whose sketches are still missing ``SKETCH_WAIT_S`` after its commit, or whose
   shadow is not done within its lease time, is set aside for the step (its work is redone, nobody is excluded).
@@ -211,8 +215,9 @@ class SpotChecks:
 
     def __init__(self, step: int, n_stages: int, rate_of: Callable[[int], float], precision: str = "fp32",
                  compression: str = "none", lease_timeout_s: float = 60.0,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, own: Callable[[int, int], bool] | None = None) -> None:
         self.step, self.n_stages, self.rate_of = step, n_stages, rate_of
+        self.own = own or (lambda pipeline, stage: False)  # whether the leader's own worker is there
         self.tol, self.link_tol = tolerance(precision), link_tolerance(precision, compression)
         self.lease_timeout_s = lease_timeout_s
         self.rng = rng or random.SystemRandom()
@@ -349,6 +354,17 @@ class SpotChecks:
                 self.verified += 1
                 self.passed.update((mb, p) for p in check.copies)
                 return [Finding("verified", mb, tuple(check.copies), f"micro-batch {mb}: two copies agree")]
+            stage, point = path(self.n_stages)[k]
+            mine = [i for i in (0, 1) if self.own(check.copies[i], stage)]
+            if len(mine) == 1:  # one suspect is the leader's own worker: it trusts its own copy
+                check.decided = True
+                winner, loser = check.copies[mine[0]], check.copies[1 - mine[0]]
+                self.verified += 1
+                self.passed.add((mb, winner))
+                return [Finding("exclude", mb, (loser,), f"spot check: its stage {stage} {point} of micro-batch "
+                                f"{mb} (step {self.step}) disagreed with the leader's own copy (pipeline {winner})",
+                                stage=stage),
+                        Finding("verified", mb, (winner,), f"micro-batch {mb}: the leader's own copy")]
             if len(check.copies) >= MAX_COPIES:
                 return []
             check.wanted = 3  # a third copy decides (or, if none can run, the two are set aside now)

@@ -29,11 +29,12 @@ MAX_LOSS = 1e6
 class Verification:
     """Spot checks across a leadership. ``who(endpoint)``: the identity of a worker; ``exclude(endpoint, reason)``
     excludes it (the coordinator's declare_dead, which records the reason for the credit record);
-    ``refer(roster, reporter, accused, step, error)`` hands a report to the referee."""
+    ``refer(roster, reporter, accused, step, error)`` hands a report to the referee; ``own_id``: the leader's
+    peer id, whose own worker's copy decides a disagreement it is part of (it trusts its own computation)."""
 
     def __init__(self, spec: RunSpec, who: Callable[[str], str], exclude: Callable[[str, str], None],
-                 refer: Callable[[Roster, str, str, int, str], None]) -> None:
-        self.spec = spec
+                 refer: Callable[[Roster, str, str, int, str], None], own_id: str = "") -> None:
+        self.spec, self.own_id = spec, own_id
         self.probation = Probation(spec.probation_check, spec.probation_microbatches)
         self.who, self.exclude, self.refer = who, exclude, refer
         self.totals = {"verified": 0, "excluded": 0}  # findings over the leadership (a redone step's included)
@@ -95,7 +96,12 @@ class Verification:
                 return max(self.spec.spot_check, self.spec.probation_check)
             return self.spec.spot_check
 
-        return SpotChecks(step, n_stages, rate_of, self.spec.precision, self.spec.compression, lease_timeout_s)
+        def own(pipeline: int, stage: int) -> bool:
+            ep = roster.endpoint_of(stage, pipeline)
+            return bool(self.own_id) and ep is not None and roster.peer_ids.get(ep) == self.own_id
+
+        return SpotChecks(step, n_stages, rate_of, self.spec.precision, self.spec.compression, lease_timeout_s,
+                          own=own)
 
     @staticmethod
     def sketch(machine: StepMachine, key: pb.Key, msg: ctl.Sketch) -> None:
