@@ -14,9 +14,17 @@ import torch
 
 from peer.compute.data import Corpus
 from peer.compute.model import ModelConfig
+from peer.compute.stage import flat_digest
 from peer.net import PeerClient
 from peer.node.daemon import PeerDaemon
-from peer.node.leader_role import MAX_RECORDED_STAGES, LeaderRole, judge_claims, recorded_progress
+from peer.node.leader_role import (
+    MAX_RECORDED_STAGES,
+    LeaderRole,
+    judge_claims,
+    recorded_checkpoints,
+    recorded_progress,
+    signed_hashes,
+)
 from peer.runtime import control as ctl
 from peer.runtime.assign import build_assignments
 from peer.runtime.checkpoints import CheckpointError, CheckpointStore, store_copy
@@ -207,6 +215,33 @@ def test_a_checkpoint_copy_beyond_the_recorded_step_is_not_believed(tmp_path: Pa
     driver.recorded_step = None
     holders.fetched.clear()
     assert driver._latest_checkpoint(ask_peers=True, at_most=3) is None and holders.fetched == []
+
+
+def test_a_checkpoint_copy_whose_parameters_are_not_the_recorded_ones_is_refused(tmp_path: Path) -> None:
+    """A self-consistent copy (manifest, checksums and all) of a step the leader recorded, but with other
+    parameters than the stage hashes it signed for that step: not used, and never stored on the leader's disk."""
+    forged, honest = _ckpt_files(tmp_path, 4), _ckpt_files(tmp_path, 3)
+    holders = CopyHolders({"liar:1": forged, "honest:1": honest}, {"liar:1": 4, "honest:1": 3})
+    store_dir = tmp_path / "leader"
+    driver = RunDriver(SPEC, holders, lambda: {0: "liar:1", 1: "honest:1"},  # type: ignore[arg-type]
+                       lambda d, s: ([(0, 2)], [d]), lambda *a: {}, DriverConfig(steps=10, checkpoint_dir=store_dir))
+    driver.recorded_step = 5
+    driver.checkpoint_digests = recorded_checkpoints(
+        [[4, 0, 2, flat_digest(torch.full((8,), 4.5))], [3, 0, 2, flat_digest(torch.full((8,), 3.0))]])
+    assert driver._latest_checkpoint(ask_peers=True) == 3, "step 4's copy holds other parameters"
+    assert holders.fetched == ["liar:1", "honest:1"]
+    assert CheckpointStore(store_dir).newest_valid(at_most=10).step == 3, "the forged copy was not stored"
+
+
+def test_the_signed_checkpoint_hashes_round_trip_and_are_read_as_hostile() -> None:
+    driver = RunDriver(SPEC, None, dict, lambda d, s: ([(0, 2)], [d]), lambda *a: {},  # type: ignore[arg-type]
+                       DriverConfig(steps=10))
+    driver.checkpoint_digests = {2: {(0, 1): "a" * 32, (1, 2): "b" * 32}, 4: {(0, 1): "c" * 32}}
+    record = json.loads(json.dumps(signed_hashes(driver, 5)))  # through JSON, as the record is published
+    assert record["stage_hashes"] is None, "no hashes agreed at step 5"
+    assert recorded_checkpoints(record["checkpoint_hashes"]) == driver.checkpoint_digests
+    junk = [[2, 0, 1], [2, 0, 1, 5], ["2", 0, 1, "a"], [2, 0, 1, "x" * 65], None, "2,0,1,a"]
+    assert recorded_checkpoints(junk) == {} and recorded_checkpoints({"2": []}) == {}
 
 
 def test_a_copy_whose_metadata_names_another_step_does_not_verify(tmp_path: Path) -> None:

@@ -15,6 +15,8 @@ import torch
 from peer.compute.data import Corpus
 from peer.compute.model import unflatten_stage
 from peer.compute.reference import train_reference
+from peer.compute.stage import flat_digest
+from peer.runtime.checkpoints import CheckpointStore
 from peer.runtime.lead.coordinator import StepFailedError, StepReport
 from peer.runtime.lead.driver import DriverConfig, Pipelines, Stages, StragglerJudge, _stage_holders
 from peer.runtime.lead.spot import Finding
@@ -300,3 +302,28 @@ def test_a_source_that_serves_other_parameters_than_it_claims_is_refused_and_ban
     for name, got in unflatten_stage(SPEC.model, 0, 2, states[(0, 0)]["params"]).items():
         err = float((got - ref[name]).abs().max() / ref[name].abs().max().clamp_min(1e-12))
         assert err < 1e-5, f"{name}: {err:.2e} off single-process training"
+
+
+def test_a_checkpoint_passes_over_a_replica_that_serves_other_parameters(workers, tmp_path) -> None:
+    """Replica 0 (worker 0) changes its parameters after the last step's replicas agreed on them: the checkpoint
+    of that step takes the stage from replica 1, whose parameters hash to the agreed value."""
+    planner = FakePlanner()
+
+    def poison(report: StepReport) -> None:
+        if report.step == 1:
+            compute = workers[0].compute
+            assert compute is not None
+            compute._master.mul_(1.01)
+
+    cfg = DriverConfig(steps=2, step_timeout_s=60, checkpoint_dir=tmp_path, checkpoint_every=2, checkpoint_copies=0)
+    driver, coordinator = make_driver(workers, planner, cfg, poison, {0: workers[0].server.endpoint,
+                                                                        1: workers[1].server.endpoint})
+    try:
+        driver.run()
+    finally:
+        coordinator.close()
+    assert driver.events.checkpoints == [2] and driver.checkpoint_digests == {2: driver.digests.at(2)}
+    saved = CheckpointStore(tmp_path).load(2).states[0]["params"]
+    honest = workers[1].compute
+    assert honest is not None and torch.equal(saved, honest.flat_params())
+    assert flat_digest(saved) == driver.digests.at(2)[(0, 2)]

@@ -36,7 +36,7 @@ from peer.observe.scalars import ScalarWriter
 from peer.runtime.assign import build_assignments
 from peer.runtime.control import MAX_HASH, Apply, encode
 from peer.runtime.lead.coordinator import Coordinator, StepReport
-from peer.runtime.lead.driver import DriverConfig, Pipelines, RunDriver, Stages
+from peer.runtime.lead.driver import KEPT_DIGESTS, DriverConfig, Pipelines, RunDriver, Stages, verified_states
 from peer.runtime.lead.resync import Digests
 from peer.runtime.outer import assignment_record
 from peer.runtime.spec import Assignment, RunSpec
@@ -299,8 +299,8 @@ class LeaderRole:
         board = self.ctx.plan_board
         previous = board.latest()
         self.credited = set(credited_of(previous.plan if previous else None))
-        if previous is not None:  # the records published while this leader waits keep the predecessor's credit
-            self.credit = CreditBook.from_record((self.ctx.progress.read(previous.leader_id) or {}).get("credit"))
+        record = (self.ctx.progress.read(previous.leader_id) if previous else None) or {}
+        self.credit = CreditBook.from_record(record.get("credit"))  # kept in the records published while it waits
         self.start_epoch = board.highest_epoch
         self._wait_for_peers(taking_over=previous is not None)
         self._wait_for_quorum()
@@ -337,6 +337,7 @@ class LeaderRole:
             on_replan=self._on_replan,
         )
         self.driver.recorded_step = self._recorded()[0] if previous else None
+        self.driver.checkpoint_digests = recorded_checkpoints(record.get("checkpoint_hashes"))
         if takeover is not None and takeover[0] == self._takeover_digests.step:
             self.driver.digests = self._takeover_digests  # holders must match what the previous leader signed
         self.driver.on_pause = self._on_pause
@@ -387,8 +388,7 @@ class LeaderRole:
         return top, stages
 
     def _recorded(self) -> tuple[int | None, dict[tuple[int, int], str]]:
-        """What the previous plan's leader last signed in its progress record: the trained step (None: none) and
-        the parameters hash per stage it recorded for that step (``recorded_progress``)."""
+        """The trained step and stage hashes the previous plan's leader last signed (``recorded_progress``)."""
         previous = self.ctx.plan_board.latest()
         return recorded_progress(self.ctx.progress.read(previous.leader_id if previous else None) or {})
 
@@ -485,10 +485,9 @@ class LeaderRole:
         self.scalars.add(report.step, {"train/loss": report.loss, "train/tokens_per_s": tokens_per_s,
                                        "train/step_s": report.seconds, "swarm/plan_epoch": self.driver.epoch,
                                        "swarm/peers": len(self._workers())})
-        digests = self.driver.digests.at(report.step + 1)
-        signed = {"stage_hashes": [[a, b, h] for (a, b), h in sorted(digests.items())]} if digests else {}
         self._publish({"epoch": self.driver.epoch, "step": report.step + 1, "loss": loss, "step_s": report.seconds,
-                       "tokens_per_s": tokens_per_s, "state": "training", **signed})
+                       "tokens_per_s": tokens_per_s, "state": "training",
+                       **signed_hashes(self.driver, report.step + 1)})
 
     def _finish(self) -> None:
         save = self.config.swarm.save_dir
@@ -503,7 +502,8 @@ class LeaderRole:
         """Final parameters of every stage (torch state dicts by parameter name) and run.json."""
         assert self.driver is not None and self.driver.stages is not None
         folder.mkdir(parents=True, exist_ok=True)
-        saved = save_stages(self.coordinator.live_states(), self.spec, folder)
+        saved = save_stages(verified_states(self.coordinator, self.driver.stages, self.driver.digests,
+                                            self.driver.trained), self.spec, folder)
         live = self._workers()
         peers = {
             d: {
@@ -599,6 +599,27 @@ def recorded_progress(progress: dict[str, Any]) -> tuple[int | None, dict[tuple[
                 and isinstance(item[2], str) and 0 < len(item[2]) <= MAX_HASH):
             out[(item[0], item[1])] = item[2]
     return step, out
+
+
+def signed_hashes(driver: RunDriver, trained: int) -> dict[str, Any]:
+    """The parameters hashes a leader signs in its progress record: per stage at ``trained`` (when the replicas
+    agreed on them) and per stage of its newest checkpoints (read back by ``recorded_progress`` and
+    ``recorded_checkpoints``)."""
+    digests = driver.digests.at(trained)
+    return {"stage_hashes": [[a, b, h] for (a, b), h in sorted(digests.items())] if digests else None,
+            "checkpoint_hashes": [[t, a, b, h] for t, d in sorted(driver.checkpoint_digests.items())
+                                  for (a, b), h in sorted(d.items())]}
+
+
+def recorded_checkpoints(value: Any) -> dict[int, dict[tuple[int, int], str]]:
+    """A progress record's ``checkpoint_hashes`` ([[step, first, last, hash], ...]) as step -> layers -> hash
+    (what a peer's checkpoint copy of that step must match); anything malformed is dropped."""
+    out: dict[int, dict[tuple[int, int], str]] = {}
+    for item in value[:KEPT_DIGESTS * MAX_RECORDED_STAGES] if isinstance(value, list) else []:
+        if (isinstance(item, list) and len(item) == 4 and all(type(x) is int for x in item[:3])
+                and isinstance(item[3], str) and 0 < len(item[3]) <= MAX_HASH):
+            out.setdefault(item[0], {})[(item[1], item[2])] = item[3]
+    return out
 
 
 def judge_claims(statuses: dict[str, dict[str, Any]], stages: Stages, recorded: int | None,

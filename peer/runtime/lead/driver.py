@@ -64,6 +64,8 @@ from peer.timing import (
 
 log = logging.getLogger(__name__)
 
+KEPT_DIGESTS = 4  # checkpoints whose stage hashes the leader keeps and signs in its progress record
+
 Stages = list[tuple[int, int]]
 Pipelines = list[list[int]]
 # planner(live device ids, fixed stages or None) -> (stages, pipelines of device ids)
@@ -251,6 +253,8 @@ class RunDriver:
         self.recorded_step: int | None = None
         # what a peer's claim to hold a stage must match: its replicas' agreed hash, or the previous leader's record
         self.digests = Digests()
+        # step -> the stage hashes of the checkpoints written (or the previous leader recorded): a copy must match
+        self.checkpoint_digests: dict[int, dict[tuple[int, int], str]] = {}
         # on_checkpoint(step, folder): after each checkpoint is written (replication to other peers)
         self.on_checkpoint: Callable[[int, Path], None] | None = None
         self._replicating: threading.Thread | None = None
@@ -549,7 +553,7 @@ class RunDriver:
             return None
         step, stages = self.trained, list(self.stages)  # read once: another thread (a peer leaving) may call this
         try:
-            states = self.coordinator.live_states(at_step=step)
+            states = verified_states(self.coordinator, stages, self.digests, step)
             saved = {stage for stage, _ in states}
             if saved != set(range(len(stages))):
                 raise CheckpointError(f"stages {sorted(set(range(len(stages))) - saved)} did not answer at step {step}")
@@ -563,6 +567,8 @@ class RunDriver:
             self.events.checkpoint_errors.append({"step": step, "error": str(exc)[:500]})
             return None
         self.events.checkpoints.append(step)
+        if digests := self.digests.at(step):  # the newest few, for the progress record
+            self.checkpoint_digests = dict(sorted({**self.checkpoint_digests, step: digests}.items())[-KEPT_DIGESTS:])
         log.info("checkpoint of step %d written to %s", step, step_dir)
         if self.cfg.checkpoint_copies > 0:
             self._replicate(step)
@@ -636,10 +642,12 @@ class RunDriver:
     def _store_fetched(self, step: int, files: dict[str, bytes], source: str) -> Checkpoint | None:
         """Verify a fetched copy (and keep it on this leader's disk when it has a checkpoint folder)."""
         with tempfile.TemporaryDirectory(prefix="tasklet-copy-") as tmp:
-            store = self.store if self.store is not None else CheckpointStore(Path(tmp))
-            try:
-                store_copy(store, step, files)
-                ckpt = store.load(step)
+            try:  # verified apart first: a copy that fails never lands among this disk's checkpoints
+                store_copy(CheckpointStore(Path(tmp)), step, files)
+                ckpt = CheckpointStore(Path(tmp)).load(step)
+                _match_digests(ckpt, self.checkpoint_digests.get(step, {}))
+                if self.store is not None:
+                    store_copy(self.store, step, files)
             except CheckpointError as exc:
                 log.error("the checkpoint copy of step %d from %s does not verify: %s", step, source, exc)
                 return None
@@ -697,6 +705,29 @@ def _send_copies(coordinator: Coordinator, store: CheckpointStore, step: int, n:
                   len(record["peers"]), n, record["errors"] or "no other live worker")
     else:
         log.info("checkpoint of step %d copied to %s", step, record["peers"])
+
+
+def verified_states(coordinator: Coordinator, stages: Stages, digests: Digests,
+                    step: int) -> dict[tuple[int, int], dict[str, Any]]:
+    """One state per stage at ``step`` (for a checkpoint or the final save) whose parameters hash to what the
+    stage's replicas agreed on, when that is known: a replica serving the leader other parameters than it
+    reported is passed over for another."""
+    want = digests.at(step)
+
+    def accept(stage: int, state: dict[str, Any]) -> bool:
+        h = want.get(tuple(stages[stage])) if 0 <= stage < len(stages) else None  # type: ignore[arg-type]
+        return h is None or flat_digest(state["params"]) == h
+
+    return coordinator.live_states(at_step=step, accept=accept)
+
+
+def _match_digests(ckpt: Checkpoint, want: dict[tuple[int, int], str]) -> None:
+    """A checkpoint copy's stage parameters must hash to what the leader recorded for its step (when it did)."""
+    for stage, layers in enumerate(tuple(x) for x in ckpt.meta.get("stages", [])):
+        h = want.get(layers)  # type: ignore[arg-type]
+        if h is not None and stage in ckpt.states and flat_digest(ckpt.states[stage]["params"]) != h:
+            raise CheckpointError(f"stage {stage}'s parameters are not the ones the leader recorded for step "
+                                  f"{ckpt.step} ({h})")
 
 
 def _stage_holders(answers: list[tuple[str, dict[str, Any] | None]], stages: Stages, trained: int,

@@ -73,10 +73,12 @@ class StageStates:
         return state_from_envelope(env)
 
     def live_states(
-        self, *, every_replica: bool = False, at_step: int | None = None
+        self, *, every_replica: bool = False, at_step: int | None = None,
+        accept: Callable[[int, dict[str, Any]], bool] | None = None,
     ) -> dict[tuple[int, int], dict[str, Any]]:
         """States of the live workers by (stage, replica): one per stage (the lowest replica that answers, at
-        ``at_step`` when given), or with ``every_replica`` every live worker's (a failed fetch then raises).
+        ``at_step`` when given, and whose state ``accept(stage, state)`` takes), or with ``every_replica`` every
+        live worker's (a failed fetch then raises).
 
         The one way checkpoints, the leader's final save and local runs read the trained stages.
         """
@@ -97,6 +99,9 @@ class StageStates:
                 continue
             if at_step is not None and state["step"] != at_step:
                 log.info("%s holds stage %d at step %d, not %d", ep, stage, state["step"], at_step)
+                continue
+            if accept is not None and not accept(stage, state):
+                log.warning("%s serves stage %d with other parameters than its replicas agreed on; not used", ep, stage)
                 continue
             out[(stage, replica)] = state
             done.add(stage)
