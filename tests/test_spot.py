@@ -4,6 +4,7 @@ time, no processes)."""
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable
 
@@ -297,6 +298,22 @@ def test_the_ledger_records_only_unverified_applied_work_and_an_exclusion_asks_f
     assert v.take_rollback() == (6, [ep(0, 1)], f"{ep(0, 1)}: sent data its receiver refused")
     v.rolled_back(5)  # the checkpoint of step 5: step 6's work is gone, step 4's stays
     assert v.ledger.first == {"id-s0p2": 4, "id-s1p2": 4}
+
+
+def test_the_ledger_goes_to_the_next_leader_through_the_record_folded_never_less() -> None:
+    ledger = Ledger()
+    ledger.applied(3, ["a", "b"])
+    ledger.applied(5, ["c"])
+    ledger.applied(7, ["d"])
+    record = json.loads(json.dumps(ledger.to_record(limit=2)))  # through JSON, as the record is published
+    assert record == {"first": {"a": 3, "b": 3}, "overflow": 5}, "the later entries are folded into overflow"
+    again = Ledger.from_record(record)
+    assert [again.first_unverified(w) for w in "abcde"] == [3, 3, 5, 5, 5], "c and d roll back further, never less"
+    assert Ledger.from_record(ledger.to_record()).first == ledger.first
+    hostile = Ledger.from_record({"first": {"x": -1, "y": "3", "z": True, "": 2, "k" * 200: 1, "ok": 4},
+                                  "overflow": "0"})
+    assert (hostile.first, hostile.overflow) == ({"ok": 4}, None)
+    assert Ledger.from_record([1, 2]).first == {} and Ledger.from_record({"first": [1]}).first == {}
 
 
 def test_a_full_ledger_rolls_back_further_never_less(monkeypatch) -> None:

@@ -38,6 +38,7 @@ from peer.runtime.control import MAX_HASH, Apply, encode
 from peer.runtime.lead.coordinator import Coordinator, StepReport
 from peer.runtime.lead.driver import KEPT_DIGESTS, DriverConfig, Pipelines, RunDriver, Stages, verified_states
 from peer.runtime.lead.resync import Digests
+from peer.runtime.lead.spot import Ledger
 from peer.runtime.outer import assignment_record
 from peer.runtime.spec import Assignment, RunSpec
 from peer.swarm.adverts import Advert, LinkReport
@@ -84,16 +85,10 @@ class LeaderRole:
     """Runs in a thread of the leader's daemon until the run ends or leadership is lost."""
 
     def __init__(self, ctx: LeaderContext) -> None:
-        self.ctx = ctx
-        self.config = ctx.config
-        self.spec = ctx.spec
+        self.ctx, self.config, self.spec = ctx, ctx.config, ctx.spec
         self.stop_event = threading.Event()
-        self.coordinator = Coordinator(
-            self.spec,
-            liveness_interval_s=self.config.swarm.heartbeat_s,
-            host_server=ctx.worker_server,
-            public_endpoint=ctx.worker_endpoint,
-        )
+        self.coordinator = Coordinator(self.spec, liveness_interval_s=self.config.swarm.heartbeat_s,
+                                       host_server=ctx.worker_server, public_endpoint=ctx.worker_endpoint)
         self.index: dict[str, int] = {}  # peer id -> device id (stable for the whole leadership)
         self._last_live: set[str] = set()  # live workers at the previous look
         self._ever_live: set[str] = set()
@@ -301,6 +296,7 @@ class LeaderRole:
         self.credited = set(credited_of(previous.plan if previous else None))
         record = (self.ctx.progress.read(previous.leader_id) if previous else None) or {}
         self.credit = CreditBook.from_record(record.get("credit"))  # kept in the records published while it waits
+        self.coordinator.verification.ledger = Ledger.from_record(record.get("unverified"))  # its roll-backs too
         self.start_epoch = board.highest_epoch
         self._wait_for_peers(taking_over=previous is not None)
         self._wait_for_quorum()
@@ -406,7 +402,8 @@ class LeaderRole:
     # -------------------------------------------------------------------------------------- publication
     def _publish(self, payload: dict[str, Any]) -> None:
         """Publish progress; every record carries the loss history, so a takeover at any moment keeps it."""
-        self._last_progress = {**payload, "history": self._history_payload(), "credit": self.credit.to_record()}
+        self._last_progress = {**payload, "history": self._history_payload(), "credit": self.credit.to_record(),
+                               "unverified": self.coordinator.verification.ledger.to_record()}
         if self.discarded is not None:  # the last healed partition's lost work stays in view
             self._last_progress["discarded"] = dict(self.discarded)
         self.ctx.progress.publish(dict(self._last_progress))

@@ -46,11 +46,13 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from peer.runtime.sketch import agree, link_tolerance, tolerance
 
 SKETCH_WAIT_S = 10.0  # after a commit, how long its pipeline's sketches may take to arrive
 MAX_PROBATION_RECORDS = 4096  # identities whose verified work the leader counts (bounded whatever joins)
+MAX_PUBLISHED_LEDGER = 512  # ledger entries a progress record carries (about 30 bytes each)
 MAX_COPIES = 3  # the original, a shadow, and the third copy that decides
 
 Point = tuple[int, str]  # (stage, point name)
@@ -181,6 +183,29 @@ class Ledger:
         self.first = {who: s for who, s in self.first.items() if s < step}
         if self.overflow is not None and self.overflow >= step:
             self.overflow = None
+
+    def to_record(self, limit: int = MAX_PUBLISHED_LEDGER) -> dict[str, Any]:
+        """The ledger for the leader's signed progress record, so a new leader can roll back its predecessor's
+        unverified work: the ``limit`` earliest entries; the rest are folded into ``overflow`` (further, never
+        less)."""
+        ordered = sorted(self.first.items(), key=lambda kv: (kv[1], kv[0]))
+        rest = [s for _, s in ordered[limit:]] + ([] if self.overflow is None else [self.overflow])
+        return {"first": dict(ordered[:limit]), "overflow": min(rest, default=None)}
+
+    @classmethod
+    def from_record(cls, value: Any) -> Ledger:
+        """A ledger read from a progress record (signed by the previous leader, read as hostile all the same:
+        malformed entries are dropped, at most ``MAX_PUBLISHED_LEDGER`` kept)."""
+        ledger = cls()
+        if not isinstance(value, dict):
+            return ledger
+        first = value.get("first")
+        for who, step in list(first.items())[:MAX_PUBLISHED_LEDGER] if isinstance(first, dict) else []:
+            if isinstance(who, str) and 0 < len(who) <= 128 and type(step) is int and step >= 0:
+                ledger.first[who] = step
+        overflow = value.get("overflow")
+        ledger.overflow = overflow if type(overflow) is int and overflow >= 0 else None
+        return ledger
 
 
 @dataclass(frozen=True)
