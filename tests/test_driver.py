@@ -8,6 +8,7 @@ survivors keeping or handing over their state, checkpoints written and a run res
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -24,18 +25,35 @@ from peer.runtime.lead.step import TooFewPeersError
 from tests.support.driver import SPEC, WHOLE_MODEL, FakePlanner, make_driver
 
 
-def test_death_is_replanned_without_the_dead_worker_and_state_is_handed_over(workers) -> None:
-    planner = FakePlanner()
-    # devices 0 and 1 to begin with; 1 dies after step 1 (its advert stays: the membership still lists it);
-    # device 2 joins after step 2
-    live = {0: workers[0].server.endpoint, 1: workers[1].server.endpoint}
+def assert_reference(params: torch.Tensor, steps: int) -> None:
+    """A stage state's parameters (the whole model) equal single-process training of ``steps`` steps within 1e-5."""
+    ref, _ = train_reference(SPEC.model, SPEC.optim, Corpus.load(SPEC.corpus), SPEC.seed, steps, SPEC.n_microbatches,
+                             SPEC.micro_batch)
+    for name, got in unflatten_stage(SPEC.model, 0, 2, params).items():
+        err = float((got - ref[name]).abs().max() / ref[name].abs().max().clamp_min(1e-12))
+        assert err < 1e-5, f"{name}: {err:.2e} off single-process training"
+
+
+def death_then_join(workers, live: dict[int, str], at_death: Callable[[], None] = lambda: None,
+                    at_join: Callable[[], None] = lambda: None) -> Callable[[StepReport], None]:
+    """The churn of a run over devices 0 and 1: worker 1 dies after step 1 (its advert stays: the membership still
+    lists it) and device 2 joins after step 2; ``at_death`` / ``at_join`` run just before each."""
 
     def churn(report: StepReport) -> None:
         if report.step == 1:
+            at_death()
             workers[1].stop()
         if report.step == 2:
+            at_join()
             live[2] = workers[2].server.endpoint
 
+    return churn
+
+
+def test_death_is_replanned_without_the_dead_worker_and_state_is_handed_over(workers) -> None:
+    planner = FakePlanner()
+    live = {0: workers[0].server.endpoint, 1: workers[1].server.endpoint}
+    churn = death_then_join(workers, live)
     driver, coordinator = make_driver(workers, planner, DriverConfig(steps=4, step_timeout_s=60), churn, live)
     try:
         reports = driver.run()
@@ -204,14 +222,10 @@ def test_a_cheater_excluded_by_a_spot_check_has_its_unverified_work_rolled_back(
     assert coordinator.verification.ledger.first == {}, "the discarded work is forgotten"
     if checkpoints:
         assert driver.events.checkpoints[:3] == [1, 2, 3]
-    ref, _ = train_reference(SPEC.model, SPEC.optim, Corpus.load(SPEC.corpus), SPEC.seed, 5, SPEC.n_microbatches,
-                             SPEC.micro_batch)
     assert sorted(states) == [(0, 0), (0, 1)]
     for state in states.values():
         assert state["step"] == 5
-        for name, got in unflatten_stage(SPEC.model, 0, 2, state["params"]).items():
-            err = float((got - ref[name]).abs().max() / ref[name].abs().max().clamp_min(1e-12))
-            assert err < 1e-5, f"{name}: {err:.2e} off single-process training"
+        assert_reference(state["params"], 5)
 
 
 def test_a_holder_is_a_claim_that_matches_the_agreed_parameters_hash() -> None:
@@ -238,14 +252,8 @@ def test_a_survivor_whose_status_does_not_match_the_agreed_hash_holds_nothing(wo
     planner = FakePlanner()
     live = {0: workers[0].server.endpoint, 1: workers[1].server.endpoint}
     honest = workers[0].status
-
-    def churn(report: StepReport) -> None:
-        if report.step == 1:
-            workers[0].server.set_status_provider(lambda: {**honest(), "params_hash": "f" * 32})
-            workers[1].stop()
-        if report.step == 2:
-            live[2] = workers[2].server.endpoint
-
+    churn = death_then_join(workers, live, at_death=lambda: workers[0].server.set_status_provider(
+        lambda: {**honest(), "params_hash": "f" * 32}))
     cfg = DriverConfig(steps=4, step_timeout_s=60, replan_wait_s=0.05, checkpoint_copies=0)
     driver, coordinator = make_driver(workers, planner, cfg, churn, live)
     try:
@@ -258,13 +266,9 @@ def test_a_survivor_whose_status_does_not_match_the_agreed_hash_holds_nothing(wo
         {"from_step": 3, "to_step": 0, "redone": 3}]
     assert "every replica of a stage is gone" in driver.events.rollbacks[0]["reason"]
     assert [r.step for r in reports] == [0, 1, 2, 3]
-    ref, _ = train_reference(SPEC.model, SPEC.optim, Corpus.load(SPEC.corpus), SPEC.seed, 4, SPEC.n_microbatches,
-                             SPEC.micro_batch)
     assert sorted(states) == [(0, 0), (0, 1)]
     for state in states.values():
-        for name, got in unflatten_stage(SPEC.model, 0, 2, state["params"]).items():
-            err = float((got - ref[name]).abs().max() / ref[name].abs().max().clamp_min(1e-12))
-            assert err < 1e-5, f"{name}: {err:.2e} off single-process training"
+        assert_reference(state["params"], 4)
 
 
 def test_a_source_that_serves_other_parameters_than_it_claims_is_refused_and_banned(workers) -> None:
@@ -275,15 +279,12 @@ def test_a_source_that_serves_other_parameters_than_it_claims_is_refused_and_ban
     planner = FakePlanner()
     live = {0: workers[0].server.endpoint, 1: workers[1].server.endpoint}
 
-    def churn(report: StepReport) -> None:
-        if report.step == 1:
-            workers[1].stop()
-        if report.step == 2:
-            compute = workers[0].compute
-            assert compute is not None and compute.known_digest is not None
-            compute._master.mul_(1.01)  # the cached digest stays: the Status reply goes on naming the agreed one
-            live[2] = workers[2].server.endpoint
+    def poison() -> None:
+        compute = workers[0].compute
+        assert compute is not None and compute.known_digest is not None
+        compute._master.mul_(1.01)  # the cached digest stays: the Status reply goes on naming the agreed one
 
+    churn = death_then_join(workers, live, at_join=poison)
     cfg = DriverConfig(steps=4, step_timeout_s=60, replan_wait_s=0.05, checkpoint_copies=0)
     driver, coordinator = make_driver(workers, planner, cfg, churn, live)
     poisoner = workers[0].server.endpoint
@@ -296,12 +297,8 @@ def test_a_source_that_serves_other_parameters_than_it_claims_is_refused_and_ban
     assert [{k: v for k, v in r.items() if k != "reason"} for r in driver.events.rollbacks] == [
         {"from_step": 3, "to_step": 0, "redone": 3}]
     assert [r.step for r in reports] == [0, 1, 2, 3]
-    ref, _ = train_reference(SPEC.model, SPEC.optim, Corpus.load(SPEC.corpus), SPEC.seed, 4, SPEC.n_microbatches,
-                             SPEC.micro_batch)
     assert sorted(states) == [(0, 0)]
-    for name, got in unflatten_stage(SPEC.model, 0, 2, states[(0, 0)]["params"]).items():
-        err = float((got - ref[name]).abs().max() / ref[name].abs().max().clamp_min(1e-12))
-        assert err < 1e-5, f"{name}: {err:.2e} off single-process training"
+    assert_reference(states[(0, 0)]["params"], 4)
 
 
 def test_a_checkpoint_passes_over_a_replica_that_serves_other_parameters(workers, tmp_path) -> None:
