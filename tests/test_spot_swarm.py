@@ -26,6 +26,7 @@ pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (test
 STEPS = 3
 CHECKED = dataclasses.replace(SPEC, spot_check=0.05, probation_check=1.0, probation_microbatches=1)
 CHEATER = 0  # stage 0 of pipeline 0
+CHEATER_PIPELINE = 0
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +86,10 @@ def test_spot_checks_exclude_the_cheater_and_the_model_is_the_honest_one(referen
     assert len(result.reports) == STEPS
     assert "(step 0)" in deaths[0]["reason"], "caught in its first step, before any apply"
     # step 0 either finishes without the cheater's pipeline or is redone without it, depending on when the
-    # third copy's sketch arrives: either way nothing of the cheater's is applied (the model check below)
-    assert result.reports[0].dropped_pipelines in ([], [0])
+    # third copy's sketch arrives (under load an honest pipeline whose sketches come late may be set aside as well):
+    # either way nothing of the cheater's is applied (the model check below)
+    redone = any(r["step"] == 0 and r["reason"] != "start" for r in result.events.replans)
+    assert redone or CHEATER_PIPELINE in result.reports[0].dropped_pipelines, result.reports[0]
     # the step's own counters are those of its last attempt (a redone step 0 may sample nothing); the
     # leadership's totals keep the checks that agreed before the exclusion
     assert shadows and totals["verified"] >= 1 and totals["excluded"] == 1, totals
