@@ -18,8 +18,10 @@ from peer.compute.model import unflatten_stage
 from peer.compute.reference import train_reference
 from peer.compute.stage import flat_digest
 from peer.runtime.checkpoints import CheckpointStore
+from peer.runtime.assign import build_assignments
+from peer.runtime.control import SourceKind
 from peer.runtime.lead.coordinator import StepFailedError, StepReport
-from peer.runtime.lead.driver import DriverConfig, Pipelines, Stages, StragglerJudge, _stage_holders
+from peer.runtime.lead.driver import DriverConfig, Pipelines, RunDriver, Stages, StragglerJudge, _stage_holders
 from peer.runtime.lead.spot import Finding
 from peer.runtime.lead.step import TooFewPeersError
 from tests.support.driver import SPEC, WHOLE_MODEL, FakePlanner, make_driver
@@ -324,3 +326,19 @@ def test_a_checkpoint_passes_over_a_replica_that_serves_other_parameters(workers
     honest = workers[1].compute
     assert honest is not None and torch.equal(saved, honest.flat_params())
     assert flat_digest(saved) == driver.digests.at(2)[(0, 2)]
+
+
+def test_a_retried_plan_fetches_from_another_holder() -> None:
+    """A holder may serve one fetcher other bytes than it serves the leader (the fetcher refuses, the leader's own
+    check passes): each retry of the plan takes the next holder of the stage as the source."""
+    endpoints = ["h0:1", "h1:1", "new:1"]
+    assignments = build_assignments(SPEC, WHOLE_MODEL, [[0], [1], [2]], endpoints, "lead:1", 1)
+    driver = RunDriver(SPEC, None, dict, FakePlanner(), lambda *a: {}, DriverConfig(steps=4))  # type: ignore[arg-type]
+    driver.trained = 3
+    picked = []
+    for attempt in range(3):
+        driver._attempt = attempt
+        sources, rollback = driver._sources(assignments, {0: ["h0:1", "h1:1"]}, None)
+        assert rollback is None and sources["h0:1"].kind is SourceKind.KEEP
+        picked.append(sources["new:1"].endpoint)
+    assert picked == ["h0:1", "h1:1", "h0:1"]

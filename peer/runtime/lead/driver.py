@@ -255,6 +255,7 @@ class RunDriver:
         self.digests = Digests()
         # step -> the stage hashes of the checkpoints written (or the previous leader recorded): a copy must match
         self.checkpoint_digests: dict[int, dict[tuple[int, int], str]] = {}
+        self._attempt = 0  # of the re-plan running now
         # on_checkpoint(step, folder): after each checkpoint is written (replication to other peers)
         self.on_checkpoint: Callable[[int, Path], None] | None = None
         self._replicating: threading.Thread | None = None
@@ -429,6 +430,7 @@ class RunDriver:
         while True:
             self._check_stopped()
             try:
+                self._attempt = attempt  # a retry fetches from another holder (one may serve a fetcher other bytes)
                 self._replan(reason=reason if attempt == 0 else f"{reason} (retry {attempt})",
                              restore_step=restore_step, undo=undo)
                 return shortage.over()
@@ -531,7 +533,8 @@ class RunDriver:
             if ep in have:
                 sources[ep] = StateSource.keep(self.trained)
             elif have:
-                sources[ep] = StateSource.fetch(have[0], self.trained, expected.get(tuple(a.layers), ""))
+                src = have[self._attempt % len(have)]
+                sources[ep] = StateSource.fetch(src, self.trained, expected.get(tuple(a.layers), ""))
             elif self.trained == 0:
                 sources[ep] = StateSource.init()
             else:
