@@ -17,8 +17,8 @@ from peer.compute.data import Corpus
 from peer.compute.model import unflatten_stage
 from peer.compute.reference import train_reference
 from peer.compute.stage import flat_digest
-from peer.runtime.checkpoints import CheckpointStore
 from peer.runtime.assign import build_assignments
+from peer.runtime.checkpoints import CheckpointStore
 from peer.runtime.control import SourceKind
 from peer.runtime.lead.coordinator import StepFailedError, StepReport
 from peer.runtime.lead.driver import DriverConfig, Pipelines, RunDriver, Stages, StragglerJudge, _stage_holders
