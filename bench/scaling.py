@@ -181,11 +181,12 @@ def profile(cluster: Cluster, workload: Workload, c: Candidate) -> dict[str, Any
     The pipeline phase of the slowest pipeline is split into its first micro-batch's round trip (compute on
     each stage, link serialisation, one-way delays) and what the micro-batches behind it add (``queue_s``: waiting
     on the slowest op or link, or on the window of ``stages`` in flight); ``averaging_s`` is the data-parallel
-    phase (amortised over a DiLoCo period). ``control_s`` is *not* emulated here (the coordinator sits on an
-    unshaped loopback address): the feeder holds a window slot until the micro-batch's commit returns, and
-    leases the next one after, so each window turn after the first pays a commit and a lease round trip to the
-    leader, and the first lease one; the estimate puts the leader at the median one-way delay from the
-    pipeline's first stage.
+    phase (amortised over a DiLoCo period); ``control_rounds_s`` the model's leader rounds (their cost on this
+    machine, ``scheduler.schedule.control_time``). ``control_s_not_emulated`` is *not* emulated here (the
+    coordinator sits on an unshaped loopback address): the feeder holds a window slot until the micro-batch's
+    commit returns, and leases the next one after, so each window turn after the first pays a commit and a
+    lease round trip to the leader, and the first lease one; the estimate puts the leader at the median one-way
+    delay from the pipeline's first stage.
     """
     t = timing_for(cluster, workload, c.plan, c.choice)
     pred = c.predicted
@@ -203,6 +204,7 @@ def profile(cluster: Cluster, workload: Workload, c: Candidate) -> dict[str, Any
         "round_trip": {"compute_s": compute, "wire_s": wire, "delay_s": delay},
         "queue_s": float(pred["pipeline_s"]) - (compute + wire + delay),
         "averaging_s": float(pred["dp_s"]),
+        "control_rounds_s": float(pred.get("control_s", 0.0)),
         "control_s_not_emulated": leader_rtt * (1 + 2 * turns),
         "leader_rtt_s": leader_rtt,
         "compute_share": float(pred["compute_s"]) / float(pred["total_s"]),

@@ -150,7 +150,7 @@ class DropStep(_message.Message):
     def __init__(self, step: _Optional[int] = ...) -> None: ...
 
 class Reduce(_message.Message):
-    __slots__ = ("step", "attempt", "participants", "commits", "outer")
+    __slots__ = ("step", "attempt", "participants", "commits", "outer", "apply")
     class CommitsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -163,12 +163,14 @@ class Reduce(_message.Message):
     PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
     COMMITS_FIELD_NUMBER: _ClassVar[int]
     OUTER_FIELD_NUMBER: _ClassVar[int]
+    APPLY_FIELD_NUMBER: _ClassVar[int]
     step: int
     attempt: int
     participants: _containers.RepeatedScalarFieldContainer[int]
     commits: _containers.ScalarMap[int, int]
     outer: bool
-    def __init__(self, step: _Optional[int] = ..., attempt: _Optional[int] = ..., participants: _Optional[_Iterable[int]] = ..., commits: _Optional[_Mapping[int, int]] = ..., outer: _Optional[bool] = ...) -> None: ...
+    apply: bool
+    def __init__(self, step: _Optional[int] = ..., attempt: _Optional[int] = ..., participants: _Optional[_Iterable[int]] = ..., commits: _Optional[_Mapping[int, int]] = ..., outer: _Optional[bool] = ..., apply: _Optional[bool] = ...) -> None: ...
 
 class Apply(_message.Message):
     __slots__ = ("step", "outer")

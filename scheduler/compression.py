@@ -22,8 +22,11 @@ compressed activations with DiLoCo needs its ``joint`` entry. Anything unmeasure
 keeps the penalty under ``CompressionSpace.max_loss_penalty``.
 
 Per layout the cheapest feasible choice is exact and cheap: the pipeline phase depends only on the activation
-option and the sync phase only on the sync option (``total = pipeline_s + dp_s``), so each uniform activation
-option costs one pipeline prediction and each pseudo-gradient encoding one sync computation. The search uses
+option, and the sync phase and the control rounds only on the sync option (``total = pipeline_s + dp_s +
+control``), so each uniform activation option costs one pipeline prediction and each pseudo-gradient encoding
+one sync computation. The search's objective counts an option's control rounds beyond exact training's only
+(the exact ones are a constant of the split, left out so that the lower bound stays tight); a prediction
+(:func:`predict`) counts them all. The search uses
 that; on the final layout :func:`refine` then sets each boundary on its own (a fast hop need not compress).
 """
 
@@ -41,13 +44,21 @@ from . import cost_full
 from .cluster import Cluster
 from .errors import PlanningError
 from .plan import Plan
-from .schedule import Timing, stage_flops, sync_times, timing
+from .schedule import EXACT_ROUNDS, Timing, control_time, stage_flops, sync_times, timing
 from .workload import Workload
 
 ACTIVATION_OPTIONS = ("none", "fp16", "int8", "int4", "int2")
 PSEUDO_GRAD_OPTIONS = ("none", "int8", "topk")
 BLOCK_SIZE = 64
 CODEC_FLOPS_PER_ELEMENT = 8.0  # absmax, scale, noise, round, pack (and the inverse): a few ops per element
+# An outer round's pseudo-gradient codec runs on the worker's CPU, not the emulated device: int8 encode + decode
+# measured at 13-25 ns per element (peer.runtime.outer.roundtrip, one thread, 50 k-1 M elements, load ~4.7).
+# Each member encodes its pseudo-gradient and the summed shard and decodes what it receives: about 2 round trips
+# of its stage's parameters per round.
+CODEC_S_PER_ELEMENT = 25e-9
+OUTER_CODEC_PASSES = 2.0
+DILOCO_ROUND_END_ROUNDS = 2  # the outer round's reduce and its apply, once per H steps
+DILOCO_INNER_ROUNDS = 2  # start_step and the inner step's merged reduce-and-apply, every step
 PENALTY_PATH = Path(__file__).with_name("data") / "loss_penalties.json"
 
 
@@ -248,11 +259,26 @@ def timing_for(cluster: Cluster, workload: Workload, plan: Plan, choice: Choice,
                flops: np.ndarray | None = None) -> Timing:
     """The ``full`` model's timing facts with ``choice`` applied (hop bytes, codec compute, amortised sync)."""
     t = _with_activation(cluster, workload, timing(cluster, workload, plan, flops), choice.activation)
+    control = control_s(workload, plan.stages, t.m.size, choice.sync)
     if choice.sync != EXACT:
         factor = bytes_per_element(choice.sync.pseudo_grad_compression, workload.param_bytes) / workload.param_bytes
         t = replace(t, sync=sync_times(cluster, workload, plan.stages, t.m, factor, digests=False)
                   / choice.sync.period)
-    return t
+    return replace(t, control=control)
+
+
+def control_s(workload: Workload, stages: list[tuple[int, int]], n_workers: int, sync: SyncOption) -> float:
+    """Seconds per step outside the pipeline and the averaging. Exact: the leader's start, reduce and apply
+    rounds. DiLoCo: start and the merged inner reduce-and-apply every step, the outer reduce and apply once per
+    round, and the outer round's codec on the workers' CPU (the largest stage's), amortised over the period."""
+    if sync == EXACT:
+        return control_time(n_workers, EXACT_ROUNDS)
+    rounds = DILOCO_INNER_ROUNDS + DILOCO_ROUND_END_ROUNDS / sync.period
+    codec = 0.0
+    if sync.pseudo_grad_compression != "none":
+        elems = max(workload.stage_params(a, b) for a, b in stages)
+        codec = OUTER_CODEC_PASSES * elems * CODEC_S_PER_ELEMENT / sync.period
+    return control_time(n_workers, rounds) + codec
 
 
 def _with_activation(cluster: Cluster, workload: Workload, t: Timing, activation: tuple[str, ...]) -> Timing:
@@ -338,6 +364,7 @@ class CompressedCost:
         base = replace(base, sync=np.zeros_like(base.sync))
         pipe: dict[str, float] = {}
         dp: dict[float, float] = {}
+        extra: dict[SyncOption, float] = {}
         pairs = self._sync(m) if d > 1 else None
         eye = np.eye(d, dtype=bool)
         scored: list[tuple[float, float, str, SyncOption]] = []
@@ -352,7 +379,10 @@ class CompressedCost:
                     x = pairs[0] + pairs[1] * (f * self.shard_bytes / d)[:, None, None]
                     x[:, eye] = 0.0
                     dp[f] = 2.0 * float(x.max())
-            scored.append((pipe[a] + dp[f] / s.period, p, a, s))
+            if s not in extra:  # the option's control rounds beyond exact training's (module docstring)
+                extra[s] = (control_s(self.workload, self.stages, m.size, s)
+                            - control_s(self.workload, self.stages, m.size, EXACT))
+            scored.append((pipe[a] + dp[f] / s.period + extra[s], p, a, s))
         fastest = min(t for t, *_ in scored)
         # the least penalty among the choices within min_gain of the fastest (then the faster of those)
         t, _, a, s = min((x for x in scored if x[0] <= fastest * (1 + self.space.min_gain)),

@@ -21,7 +21,8 @@ micro-batches reproduces the pull (faster pipelines do more). Stage s of pipelin
 ``sum_{s' < s} (b_s' + c'_s')`` before the pipeline's last completion. The runtime averages gradients only when
 the task pool is complete — every micro-batch committed at stage 0, which is the last backward of all — and
 every stage then synchronises at once (``schedule.sync_times``; a two-phase reduce-then-apply, so a death during
-averaging never leaves some stages updated): total = max_r finish_0 + max_s sync_s.
+averaging never leaves some stages updated), and the step also waits on the leader's control rounds
+(``schedule.control_time``: start, reduce, apply): total = max_r finish_0 + max_s sync_s + control.
 Agreement with :mod:`scheduler.simulate` is checked by the tests (within 5 % on varied plans).
 """
 
@@ -66,9 +67,10 @@ def predict_timing(t: Timing) -> dict[str, Any]:
     finish = np.where(active[:, None], last[:, None] - tail, 0.0).max(axis=0)
     ends = finish.max() + t.sync
     return {
-        "total_s": float(ends.max()),
+        "total_s": float(ends.max()) + t.control,
         "pipeline_s": float(finish.max()),
         "dp_s": float(t.sync.max()),
+        "control_s": t.control,
         "stage_finish_s": [float(x) for x in finish],
         "sync_s": [float(x) for x in t.sync],
         "microbatches": [int(c) for c in counts],

@@ -16,6 +16,13 @@ from .plan import Plan
 from .workload import Workload
 
 BACKWARD_FACTOR = 2.0
+# The leader's control rounds (``peer.runtime.lead.machine``): each broadcast the step waits on, answered by a
+# report from every worker of the plan. Measured on the local emulated swarm (``bench.scaling``, 8 and 16 worker
+# processes on 2 shared cores, the coordinator unshaped on loopback): 0.03-0.04 s a round at 8 workers,
+# 0.07-0.09 s at 16, about this much per worker (gRPC and the worker's task queue on a shared CPU). A swarm whose
+# leader sits across a link adds that link's round trip per round (``control_time``'s ``leader_rtt_s``).
+CONTROL_S_PER_WORKER = 0.005
+EXACT_ROUNDS = 3  # start_step, reduce, apply
 
 
 @dataclass
@@ -33,6 +40,10 @@ class Timing:
     n_microbatches: int
     window: int
     activation_bytes: float
+    # the leader's control rounds per step, outside the pipeline and averaging phases: 0 in the search's
+    # objective (for a given split it is a constant, and the lower bound stays tight without it); a prediction of
+    # a run sets it (compression.timing_for)
+    control: float = 0.0
 
     @property
     def replicas(self) -> int:
@@ -41,6 +52,12 @@ class Timing:
     @property
     def stages(self) -> int:
         return int(self.m.shape[1])
+
+
+def control_time(n_workers: int, rounds: float, leader_rtt_s: float = 0.0) -> float:
+    """Seconds per step of ``rounds`` control rounds over ``n_workers`` workers (``CONTROL_S_PER_WORKER``):
+    a step waits on each round, so it is paid on top of the pipeline and averaging phases."""
+    return float(rounds) * (CONTROL_S_PER_WORKER * n_workers + leader_rtt_s)
 
 
 def stage_flops(workload: Workload, stages: list[tuple[int, int]]) -> np.ndarray:

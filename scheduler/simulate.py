@@ -10,7 +10,8 @@ Rules (the runtime's, see ``docs/scheduler.md``):
    each directed link carries one transfer at a time, FIFO; a transfer occupies it for bits / bw and arrives
    one-way delay after it left the link (delay is latency, not occupancy); sending never blocks the sender.
 4. When every micro-batch has finished backward at stage 0 (the task pool is complete), every stage's
-   data-parallel group synchronises (``schedule.sync_times``); the iteration ends when the last group has.
+   data-parallel group synchronises (``schedule.sync_times``); the iteration ends when the last group has,
+   plus the leader's control rounds (``Timing.control``, not simulated event by event).
 """
 
 from __future__ import annotations
@@ -115,9 +116,8 @@ def simulate_timing(t: Timing, cluster: Cluster) -> SimResult:
                 in_flight[r] -= 1  # the window slot is free again: try_start below may pull
         try_start(now, r, s)
     pool_complete = stage_done[0]
-    return SimResult(total_s=pool_complete + float(np.max(t.sync)), stage_done_s=stage_done, microbatches=counts,
-                     events=events,
-                     busy_s=busy_s)
+    return SimResult(total_s=pool_complete + float(np.max(t.sync)) + t.control, stage_done_s=stage_done,
+                     microbatches=counts, events=events, busy_s=busy_s)
 
 
 def simulate(cluster: Cluster, workload: Workload, plan: Plan) -> SimResult:

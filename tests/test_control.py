@@ -9,6 +9,7 @@ from protocol import tasklet_pb2 as pb
 from protocol.errors import BadMessage
 
 MESSAGES = [ctl.Stop(), ctl.StartStep(3, 1, True), ctl.DropStep(2), ctl.Reduce(4, 2, (0, 1), {0: 1, 5: 0}, True),
+            ctl.Reduce(4, 3, (1,), {2: 1}, apply=True),
             ctl.Apply(1, True), ctl.Resync(1, 2, "h:1"), ctl.Loss(1, 2, 3.5), ctl.Reduced(1, 2),
             ctl.Synced(1, 2, "ab"), ctl.TaskError("forward", 1, "x"), ctl.PeerError("h:2", "x"),
             ctl.BadPeer(1, 0, "s", "e")]

@@ -11,7 +11,9 @@ import pytest
 from scheduler import Cluster, Plan, Workload, cost_full
 from scheduler.api import plan
 from scheduler.compression import (
+    CODEC_S_PER_ELEMENT,
     EXACT,
+    OUTER_CODEC_PASSES,
     PENALTY_PATH,
     Choice,
     CompressedCost,
@@ -21,9 +23,12 @@ from scheduler.compression import (
     bytes_per_element,
     bytes_per_step,
     predict,
+    timing_for,
 )
 from scheduler.errors import PlanningError
 from scheduler.memetic import MemeticConfig
+from scheduler.schedule import CONTROL_S_PER_WORKER
+from scheduler.simulate import simulate_timing
 
 QUICK = MemeticConfig(generations=4, max_evaluations=400, population=2)  # 4 devices: a tiny search space
 
@@ -113,11 +118,29 @@ def test_penalties_are_looked_up_never_summed() -> None:
     assert Choice(("int8",), h8).to_dict(again)["outer_momentum"] == 0.8
 
 
-def test_exact_choice_is_the_plain_full_model() -> None:
+def test_exact_choice_is_the_plain_full_model_and_the_leaders_three_rounds() -> None:
     c, w = uniform_cluster(4, 1.0), workload()
     p = Plan([(0, 4), (4, 8)], [[0, 1], [2, 3]])
     got = predict(c, w, p, Choice.exact(2))
-    assert got["total_s"] == pytest.approx(cost_full.predict(c, w, p)["total_s"], rel=1e-12)
+    rounds = 3 * 4 * CONTROL_S_PER_WORKER  # start, reduce, apply; each over the plan's 4 workers
+    assert got["control_s"] == pytest.approx(rounds)
+    assert got["total_s"] == pytest.approx(cost_full.predict(c, w, p)["total_s"] + rounds, rel=1e-12)
+
+
+def test_diloco_control_counts_its_rounds_and_the_outer_codec_per_step() -> None:
+    c, w = uniform_cluster(4, 0.1), workload()
+    p = Plan([(0, 4), (4, 8)], [[0, 1], [2, 3]])
+    elems = max(w.stage_params(a, b) for a, b in p.stages)
+    for h in (2, 8):
+        for comp, codec in (("none", 0.0), ("int8", OUTER_CODEC_PASSES * elems * CODEC_S_PER_ELEMENT)):
+            got = predict(c, w, p, Choice(("none",), SyncOption(h, comp)))
+            # start and the merged inner reduce-and-apply every step; the outer reduce and apply once per round
+            want = (2 + 2 / h) * 4 * CONTROL_S_PER_WORKER + codec / h
+            assert got["control_s"] == pytest.approx(want)
+            assert got["total_s"] == pytest.approx(got["pipeline_s"] + got["dp_s"] + want)
+    # the simulator charges the same rounds
+    t = timing_for(c, w, p, Choice(("none",), SyncOption(2, "int8")))
+    assert simulate_timing(t, c).total_s == pytest.approx(cost_full.predict_timing(t)["total_s"], rel=0.05)
 
 
 def test_sync_period_amortises_the_compressed_dp_term() -> None:
@@ -144,7 +167,10 @@ def test_uniform_search_objective_matches_the_prediction_of_its_choice() -> None
     cost = CompressedCost(c, w, stages, CompressionSpace(PENALTIES, 0.02))
     m = np.array([[0, 1], [2, 3]])
     total, choice = cost.best(m)
-    assert total == pytest.approx(predict(c, w, Plan(stages, m.tolist()), choice)["total_s"], rel=1e-9)
+    # the objective leaves out exact training's control rounds, a constant of the split (the bound stays tight)
+    exact_rounds = 3 * m.size * CONTROL_S_PER_WORKER
+    got = predict(c, w, Plan(stages, m.tolist()), choice)
+    assert total + exact_rounds == pytest.approx(got["total_s"], rel=1e-9)
 
 
 def test_bytes_per_step_counts_both_phases() -> None:

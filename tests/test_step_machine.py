@@ -85,8 +85,13 @@ class Sim:
 
     # -- the workers' side ---------------------------------------------------------------------------------
     def _sent(self) -> list[str]:
-        return [type(c.msg).__name__ + ("/outer" if getattr(c.msg, "outer", False) else "")
-                for c in self.commands if isinstance(c, Send)]
+        out = []
+        for c in self.commands:
+            if isinstance(c, Send):
+                out.append(type(c.msg).__name__ + ("/outer" if getattr(c.msg, "outer", False) else ""))
+                if getattr(c.msg, "apply", False):  # a DiLoCo inner step's reduce carries its apply
+                    out.append("Apply")
+        return out
 
     def _kill(self, when: str) -> None:
         for k in self.kills:
@@ -125,6 +130,8 @@ class Sim:
             elif isinstance(msg, ctl.DropStep):
                 self.feeding.discard(replica)
                 self.held[replica] = []
+            elif isinstance(msg, ctl.Reduce) and msg.apply:  # reduce and apply in one task: one report
+                self.inbox.append((e, "synced", 0))
             elif isinstance(msg, ctl.Reduce):
                 self.inbox.append((e, "reduced", msg.attempt))
             elif isinstance(msg, ctl.Apply):
@@ -187,6 +194,11 @@ class Sim:
         return [c.info for c in self.commands if isinstance(c, Emit) and c.name == name]
 
 
+def inner_applies(sim: Sim) -> list[Send]:
+    """The sends that carry the inner step's apply: ``Apply``, or a DiLoCo inner step's ``Reduce(apply=True)``."""
+    return sim.sends(ctl.Apply, outer=False) + [r for r in sim.sends(ctl.Reduce, outer=False) if r.msg.apply]
+
+
 def points(sim: Sim) -> list[tuple[int, str]]:
     """The points of a run worth a death: every call but the ticks that change nothing."""
     return [(i, label) for i, label in enumerate(sim.labels) if label != "tick"]
@@ -225,7 +237,7 @@ def check(sim: Sim, n_pipelines: int, victim: str, diloco: bool = False) -> None
         assert not dropped and not sim.sends(ctl.DropStep), "nothing is dropped once apply went out"
     if isinstance(sim.outcome, Fail):
         error = sim.outcome.error
-        if diloco and sim.sends(ctl.Apply, outer=False):  # the inner step was applied
+        if diloco and inner_applies(sim):  # the inner step was applied
             assert isinstance(error, OuterRoundFailedError) and n_pipelines == 1
             assert sorted(error.report.commits) == list(range(N_MB)), "the inner step stands"
             return
@@ -242,7 +254,9 @@ def check(sim: Sim, n_pipelines: int, victim: str, diloco: bool = False) -> None
     assert last_reduce.msg.assignment == report.commits, "the workers averaged the reported record"
     assert set(report.applied) == set(last_reduce.msg.participants)
     reported = sim.reduced_by.get(last_reduce.msg.attempt, set())
-    assert set(sim.sends(ctl.Apply, outer=False)[0].endpoints) <= reported | {victim}, "apply before reduced"
+    assert last_reduce.msg.apply == diloco, "only a DiLoCo inner step's reduce carries its apply"
+    if not diloco:
+        assert set(sim.sends(ctl.Apply, outer=False)[0].endpoints) <= reported | {victim}, "apply before reduced"
     if pipeline in report.applied and "Apply" not in sent:  # it died after its average was in: apply goes on
         assert victim in reported and not dropped
     if pipeline not in report.applied:
@@ -374,3 +388,22 @@ def test_a_syncing_pipeline_gets_no_work_and_rejoins_only_while_the_step_compute
     assert feed.endpoints == (ep(0, 1),) and feed.msg.feed
     assert m.lease(1, 0.0).status is ctl.PoolStatus.LEASE
     assert m.rejoined(1, start.msg.attempt) == [], "only once"
+
+
+def test_a_diloco_inner_step_reduces_and_applies_in_one_round() -> None:
+    """A DiLoCo inner step's reduce is local: one round (``Reduce(apply=True)``, answered by ``synced``) instead
+    of a reduce and an apply; the round's end still averages and applies the outer step in two."""
+    mid = Sim(2, step=0, sync_period=2).run()
+    assert isinstance(mid.outcome, Done) and not mid.outcome.check
+    assert [label for label in mid.labels if label.startswith(("start", "tick:"))] == [
+        "start", "tick:compute->apply", "tick:apply->done"]
+    (reduce,) = mid.sends(ctl.Reduce)
+    assert reduce.msg.apply and not mid.sends(ctl.Apply) and not mid.reduced_by
+    assert reduce.msg.assignment == mid.machine.report().commits and mid.machine.report().applied == [0, 1]
+    end = Sim(2, step=1, sync_period=2).run()
+    assert [label for label in end.labels if label.startswith(("start", "tick:"))] == [
+        "start", "tick:compute->apply", "tick:apply->outer", "tick:outer->outer_apply", "tick:outer_apply->done"]
+    assert [r.msg.apply for r in end.sends(ctl.Reduce)] == [True, False]
+    assert [a.msg.outer for a in end.sends(ctl.Apply)] == [True]
+    exact = Sim(2).run()
+    assert [r.msg.apply for r in exact.sends(ctl.Reduce)] == [False], "an exact step keeps its two phases"

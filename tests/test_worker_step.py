@@ -4,7 +4,8 @@ steps of 2 pipelines x 2 stages in virtual time with a death injected at every b
 The virtual run wires the real parts of a worker — :class:`Intake`, :class:`ComputeLoop`, :class:`GradientSync`,
 :class:`WorkerStep` and a tiny real :class:`StageCompute` — through a fake outbox that delivers each message to
 its receiver's intake at once, and plays the coordinator's side (task pool, drop, new attempt, reduce, apply, a
-new leader's assignment) itself. One transition is one queued task run, one reduce phase of one replica, or one
+new leader's assignment; a DiLoCo inner step's reduce and apply as one round, as the step machine sends them)
+itself. One transition is one queued task run, one reduce phase of one replica, or one
 coordinator action; a death of each participant (every worker, and the coordinator) is injected right before
 and right after each of them. Whatever the moment, the run must account every micro-batch exactly once: no
 replica reports an error, the replicas of a stage agree bitwise, and their parameters match a clean run's.
@@ -243,6 +244,8 @@ class Node:
         sync = self.sync
         self.sync_attempt = sync.contribute_outer(t, step, msg) if msg.outer else sync.contribute(t, step, msg)
         self.phases = 1
+        if msg.apply and self.sync_attempt is None:  # a DiLoCo inner step: applied in the same task
+            sync.apply(t, step)
 
 
 def _no_load(*args: Any) -> None:
@@ -282,6 +285,7 @@ class VirtualRun:
             outer = OuterState.start(compute.flat_params()) if spec.sync_period > 1 else None
             node.assign(a, compute, outer)
         self.out: set[int] = set()  # pipelines that lost a member (DiLoCo: for the rest of the round)
+        self.merged = spec.sync_period > 1  # a DiLoCo inner step's reduce carries its apply (one round)
         self.log: list[tuple[str, Any]] = []
         self.records: list[dict[str, Any]] = []
         self.failed = False
@@ -398,6 +402,11 @@ class VirtualRun:
             return False
         if self.phase == "reduce":
             want = {n.endpoint for p in self.intact() for n in self.pipeline_nodes(p)}
+            if self.merged:  # DiLoCo inner step: one round, answered by synced
+                if want <= set(self.synced):
+                    self.phase = "apply"
+                    return True
+                return False
             if want and want <= self.reduced:
                 self.phase, self.applying = "apply", self.intact()
                 for p in self.applying:
@@ -426,10 +435,12 @@ class VirtualRun:
 
     def _send_reduce(self) -> None:
         participants = tuple(self.intact())
+        self.applying = list(participants)  # merged: from here the commit record is final
         for p in participants:
             for node in self.pipeline_nodes(p):
                 assert node.t is not None
-                node.loop.reduce(node.t, ctl.Reduce(self.step, self.attempt, participants, dict(self.pool.record)))
+                node.loop.reduce(node.t, ctl.Reduce(self.step, self.attempt, participants, dict(self.pool.record),
+                                                    apply=self.merged))
 
     def _outer_round(self) -> bool:
         participants = tuple(self.intact())
@@ -455,7 +466,7 @@ class VirtualRun:
         node.alive = False
         assert node.t is not None
         p = node.t.assignment.replica
-        if self.phase in ("pool", "reduce"):
+        if self.phase == "pool" or (self.phase == "reduce" and not self.merged):  # merged: nothing is redone
             self.out.add(p)
             for other in self.pipeline_nodes(p):
                 if other.alive and other.t is not None:
@@ -480,7 +491,7 @@ class VirtualRun:
     def _new_leader(self) -> None:
         """The coordinator died; a new leader assigns every live worker its stage again (keep) and restarts
         the step. Only before the first apply: afterwards replicas differ in trained steps, a re-plan's case."""
-        if self.phase not in ("pool", "reduce"):
+        if self.phase not in ("pool", "reduce") or (self.phase == "reduce" and self.merged):
             return
         self.epoch += 1
         for node in self.live():

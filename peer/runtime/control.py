@@ -155,7 +155,9 @@ class DropStep(Message):
 class Reduce(Message):
     """Average the step's gradient with ``participants``; ``assignment`` is the pool's commit record
     (micro-batch -> pipeline), so each replica checks its accumulator holds exactly its pipeline's share.
-    ``outer``: average the DiLoCo pseudo-gradients of the round that ``step`` ends instead (peer.runtime.outer)."""
+    ``outer``: average the DiLoCo pseudo-gradients of the round that ``step`` ends instead (peer.runtime.outer).
+    ``apply``: a DiLoCo inner step, whose reduce is local: apply right after it and report ``synced`` (one round
+    instead of a reduce and an apply)."""
 
     op: ClassVar[Op] = Op.REDUCE
     _renamed: ClassVar[dict[str, str]] = {"assignment": "commits"}
@@ -164,6 +166,7 @@ class Reduce(Message):
     participants: tuple[int, ...]
     assignment: dict[int, int] = field(default_factory=dict)
     outer: bool = False
+    apply: bool = False
 
 
 @dataclass(frozen=True)

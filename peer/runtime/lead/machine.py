@@ -4,9 +4,11 @@ A step (docs/architecture.md, "One step") goes compute -> reduce -> apply -> [ou
 
 * compute: ``start`` tells every worker of an intact pipeline the step (the other stages first, then the
   first stages, which start leasing). ``lease`` and ``commit`` answer the feeders from the task pool.
-* reduce: once the pool is complete, the commit record goes to every live worker of an intact pipeline (DiLoCo:
-  of every live pipeline) and the machine waits for each one's ``reduced`` of that attempt.
-* apply: then ``apply``, and the machine waits for every live one's ``synced``.
+* reduce: once the pool is complete, the commit record goes to every live worker of an intact pipeline and the
+  machine waits for each one's ``reduced`` of that attempt.
+* apply: then ``apply``, and the machine waits for every live one's ``synced``. A DiLoCo inner step's reduce is
+  local (each pipeline applies its own share), so it goes to every worker of every live pipeline as one round
+  with its apply (``Reduce(apply=True)``): the machine goes straight to apply and waits for ``synced``.
 * outer (DiLoCo, the last inner step of a round): the live pipelines average their pseudo-gradients (a death
   restarts the averaging without that pipeline), then the outer step, as a second reduce and apply.
 
@@ -390,7 +392,14 @@ class StepMachine:
         st.members = self.roster.members(st.participants, self.dead)
         st.expected = set(st.members)
         out.append(Emit("reduce", {"step": self.step, "attempt": st.attempt, "participants": st.participants}))
-        out.append(Send(tuple(st.members), ctl.Reduce(self.step, st.attempt, tuple(st.participants), st.commits), True))
+        if self.sync_period > 1:
+            # DiLoCo inner step: each pipeline's update is its own (nothing crosses replicas), so the reduce and
+            # the apply are one round; from here the commit record is final, as once an apply went out
+            st.phase = StepPhase.APPLY
+            st.synced.clear()
+            out.append(Emit("apply", {"step": self.step, "merged": True}))
+        out.append(Send(tuple(st.members), ctl.Reduce(self.step, st.attempt, tuple(st.participants), st.commits,
+                                                      apply=self.sync_period > 1), True))
 
     def _begin_apply(self, out: list[Command]) -> None:
         st = self.state

@@ -77,14 +77,17 @@ class GradientSync:
         """Check exactly-once locally, then reduce-scatter + all-gather with the participants; keep the sum.
 
         DiLoCo (``t.outer``): an inner step keeps this pipeline's own sum and count instead (no averaging);
-        ``msg.outer`` averages the round's pseudo-gradients (:meth:`outer_reduce`). The four phases
+        ``msg.outer`` averages the round's pseudo-gradients (:meth:`outer_reduce`); ``msg.apply`` (an inner step)
+        applies it right after, in the same task (:meth:`apply`). The four phases
         (:meth:`contribute`, :meth:`sum_shard`, :meth:`gather`, :meth:`verify`) run one after the other on the
         compute thread; they are separate so that a test can interleave the replicas of a group without threads."""
         if msg.outer:
             self.outer_reduce(t, step, msg)
             return
         sync = self.contribute(t, step, msg)
-        if sync is not None:
+        if sync is None and msg.apply:  # DiLoCo inner step: nothing crosses replicas, so apply at once
+            self.apply(t, step)
+        elif sync is not None:
             self.sum_shard(t, sync)
             self.gather(t, sync)
             self.verify(t, sync)
@@ -109,7 +112,8 @@ class GradientSync:
         if t.outer is not None:
             with self.cond:
                 self.step.reduced(step, compute.accumulated_grad(), len(expected))
-            self.outbox.report(t, ctl.Reduced(step, attempt))
+            if not msg.apply:  # merged with the apply: its ``synced`` is the one report the leader waits for
+                self.outbox.report(t, ctl.Reduced(step, attempt))
             return None
         meta = {"attempt": str(attempt), "participants": json.dumps(participants)}
         flat = compute.accumulated_grad()
