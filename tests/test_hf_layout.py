@@ -50,9 +50,9 @@ REFUSED = {
                   "Qwen3MoeForCausalLM cannot be cut into pipeline stages: mixture-of-experts layers "
                   "(Qwen3MoeSparseMoeBlock) are not supported yet (the router's auxiliary loss is not carried "
                   "between stages)"),
-    "falcon": ({"model_type": "falcon", **SMALL, "alibi": True},
-               "self-check: FalconForCausalLM fails as pipeline stages (TypeError: FalconDecoderLayer.forward() "
-               "missing 1 required positional argument: 'alibi')"),
+    # ALiBi is computed outside Falcon's layers; the self-check refuses the cut. How it shows depends on the
+    # transformers release (5.24: the layer demands the alibi tensor; 5.25: it runs without it, logits are off).
+    "falcon": ({"model_type": "falcon", **SMALL, "alibi": True}, "self-check: FalconForCausalLM "),
     "gemma3": ({"model_type": "gemma3"},
                "Gemma3ForConditionalGeneration cannot be cut into pipeline stages: a vision tower (vision_config) is "
                "not supported; use the text-only model"),
