@@ -30,6 +30,13 @@ micro-batches per step, so the global batch grows with N.
 Every figure depends on this machine's load: the workers' real compute must stay under the emulated time
 (``overrun_ops`` counts the ops that did not), and the shapers and gRPC share the cores. Each row records the
 load average before and after its run.
+
+Time dilation (``--dilation K``, per size with ``--dilation 32=8``): the emulated world runs K times slower
+(bandwidth and device speed / K, one-way delays x K), so that N processes on few cores can keep every emulated
+op; every figure is then reported in the emulated world's seconds (wall seconds / K; ``wall_step_s`` keeps the
+wall figure), so rows of different K compare. What is not dilated: the leader's control rounds and each
+message's real handling (loopback gRPC), which weigh 1/K as much in a dilated row; the prediction's control
+term is real seconds too, so measured over predicted stays a like-for-like ratio.
 """
 
 from __future__ import annotations
@@ -89,6 +96,10 @@ class ScalingConfig:
     search_time_limit_s: float = 10.0
     placements: tuple[str, ...] = PLACEMENTS
     step_timeout_s: float = 300.0
+    dilation: tuple[tuple[int, float], ...] = ()  # (N, K): run N peers' world K times slower (default 1)
+
+    def dilation_for(self, n: int) -> float:
+        return dict(self.dilation).get(n, 1.0)
 
     def validate(self) -> ScalingConfig:
         if not self.peers or any(n < self.stages or n % self.stages for n in self.peers):
@@ -100,6 +111,8 @@ class ScalingConfig:
             raise ScalingConfigError("bandwidth_scale/tflops_scale: must be positive")
         if self.warmup_steps < 0 or self.steps <= self.warmup_steps:
             raise ScalingConfigError(f"steps: need more than the {self.warmup_steps} warm-up step(s)")
+        if any(k < 1.0 or not math.isfinite(k) for _, k in self.dilation):
+            raise ScalingConfigError(f"dilation: each K must be a finite number >= 1, got {list(self.dilation)}")
         bad = [p for p in self.placements if p not in PLACEMENTS]
         if bad or not self.placements:
             raise ScalingConfigError(f"placements: must be among {PLACEMENTS}, got {list(self.placements)}")
@@ -131,8 +144,34 @@ def city_devices(world: Cluster, n: int) -> list[int]:
 
 
 def build_cluster(cfg: ScalingConfig, n: int) -> Cluster:
+    """The ``n`` peers' world as emulated: scaled, and slowed ``cfg.dilation_for(n)`` times."""
     world = load_scenario(SCENARIO)
-    return scaled_cluster(world.subset(city_devices(world, n)), cfg.bandwidth_scale, cfg.tflops_scale)
+    k = cfg.dilation_for(n)
+    return scaled_cluster(world.subset(city_devices(world, n)), cfg.bandwidth_scale / k, cfg.tflops_scale / k,
+                          delay_scale=k)
+
+
+SECONDS_KEYS = ("predicted_step_s", "lower_bound_step_s", "predicted_pipeline_s", "predicted_dp_s",
+                "measured_step_s", "measured_pipeline_s", "measured_dp_s")
+
+
+def undilated(row: dict[str, Any], k: float) -> dict[str, Any]:
+    """A row measured in a world ``k`` times slower, in the emulated world's seconds (``wall_step_s`` kept)."""
+    out = dict(row, time_dilation=k, wall_step_s=row.get("measured_step_s"))
+    if k == 1.0:
+        return out
+    for key in SECONDS_KEYS:
+        if out.get(key) is not None:
+            out[key] = out[key] / k
+    if out.get("tokens_per_s") is not None:
+        out["tokens_per_s"] = out["tokens_per_s"] * k
+    out["device_tokens_per_s_sum"] = out["device_tokens_per_s_sum"] * k
+    prof = dict(out["profile"])
+    prof["round_trip"] = {key: v / k for key, v in prof["round_trip"].items()}
+    for key in ("queue_s", "averaging_s", "control_rounds_s", "control_s_not_emulated", "leader_rtt_s"):
+        prof[key] = prof[key] / k
+    out["profile"] = prof
+    return out
 
 
 @dataclass
@@ -227,13 +266,13 @@ def measured_step_s(run: PlanRun, warmup: int, period: int) -> float:
     return float(statistics.median(statistics.fmean(c) for c in chunks))
 
 
-def _run(cfg: ScalingConfig, cluster: Cluster, workload: Workload, c: Candidate, replicas: int,
+def _run(cfg: ScalingConfig, cluster: Cluster, workload: Workload, c: Candidate, replicas: int, k: float,
          log_dir: str | None) -> tuple[PlanRun | None, int, str]:
     spec = cfg.spec(replicas, c.choice, PenaltyTable.load() if not c.choice.is_exact else None)
     error = ""
     for attempt in range(1, RUN_ATTEMPTS + 1):
         try:
-            return run_plan(spec, cluster, workload, c.plan, cfg.steps, step_timeout_s=cfg.step_timeout_s,
+            return run_plan(spec, cluster, workload, c.plan, cfg.steps, step_timeout_s=cfg.step_timeout_s * k,
                             log_dir=log_dir,
                             on_step=lambda r: log.info("  step %d: %.2f s, loss %.4f", r.step + 1, r.seconds,
                                                        r.loss)), attempt, ""
@@ -245,8 +284,9 @@ def _run(cfg: ScalingConfig, cluster: Cluster, workload: Workload, c: Candidate,
 
 
 def measure_size(cfg: ScalingConfig, n: int, log_dir: str | None = None) -> list[dict[str, Any]]:
-    """Every placement at ``n`` peers: one row each."""
+    """Every placement at ``n`` peers: one row each (in the emulated world's seconds, see ``undilated``)."""
     replicas = n // cfg.stages
+    k = cfg.dilation_for(n)
     spec = cfg.spec(replicas)
     cluster = build_cluster(cfg, n)
     workload = workload_for(spec, stages=cfg.stages, replicas=replicas)
@@ -255,11 +295,11 @@ def measure_size(cfg: ScalingConfig, n: int, log_dir: str | None = None) -> list
     tokens_per_step = spec.n_microbatches * spec.micro_batch * spec.model.seq_len
     rows: list[dict[str, Any]] = []
     for c in candidates(cfg, cluster, workload):
-        log.info("%d peers, %s: %s %s predicts %.2f s/step", n, c.placement, c.plan.pipelines,
-                 c.choice.to_dict()["sync"], c.predicted["total_s"])
+        log.info("%d peers, %s: %s %s predicts %.2f s/step (wall, dilation x%g)", n, c.placement,
+                 c.plan.pipelines, c.choice.to_dict()["sync"], c.predicted["total_s"], k)
         load_before = os.getloadavg()[0]
         started = time.monotonic()
-        run, attempts, error = _run(cfg, cluster, workload, c, replicas,
+        run, attempts, error = _run(cfg, cluster, workload, c, replicas, k,
                                     None if log_dir is None else f"{log_dir}/n{n}-{c.placement}")
         row: dict[str, Any] = {
             "peers": n, "placement": c.placement, "pipelines": c.plan.pipelines,
@@ -288,6 +328,7 @@ def measure_size(cfg: ScalingConfig, n: int, log_dir: str | None = None) -> list
             })
         row["load_after"] = round(os.getloadavg()[0], 2)
         row["run_s"] = round(time.monotonic() - started, 1)
+        row = undilated(row, k)
         rows.append(row)
         log.info("%d peers, %s: %s", n, c.placement, _row_text(row))
     return rows
@@ -337,12 +378,47 @@ def run(cfg: ScalingConfig, png: Path | None = None, log_dir: str | None = None)
         "microbatches_per_pipeline": cfg.microbatches_per_pipeline,
         "steps": cfg.steps,
         "warmup_steps": cfg.warmup_steps,
+        "dilation": {str(n): cfg.dilation_for(n) for n in cfg.peers},
         "cpu_count": os.cpu_count(),
         "seconds": round(time.monotonic() - started, 1),
     }
     if png is not None:
         out["png"] = str(write_png(png, out))
     return out
+
+
+def merge(outputs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Saved outputs as one: rows by (peers, placement), the last output's row kept; settings must agree."""
+    if not outputs:
+        raise ValueError("no outputs to merge")
+    same = ("scenario", "bandwidth_scale", "tflops_scale", "model", "stages", "micro_batch",
+            "microbatches_per_pipeline")
+    for o in outputs[1:]:
+        differ = [k for k in same if o.get(k) != outputs[0].get(k)]
+        if differ:
+            raise ValueError(f"the outputs differ in {', '.join(differ)}: their rows do not compare")
+    rows: dict[tuple[int, str], dict[str, Any]] = {}
+    for o in outputs:
+        for r in o["rows"]:
+            rows[(int(r["peers"]), str(r["placement"]))] = r
+    kept = [rows[k] for k in sorted(rows, key=lambda k: (k[0], PLACEMENTS.index(k[1])))]
+    out = dict(outputs[-1], rows=kept, headline_16=headline(kept), merged_from=len(outputs))
+    dilation: dict[str, float] = {}
+    for r in kept:  # a size whose rows came from runs of different K: the largest (the table has each row's)
+        dilation[str(r["peers"])] = max(dilation.get(str(r["peers"]), 1.0), float(r.get("time_dilation", 1.0)))
+    out["dilation"] = dilation
+    out["seconds"] = sum(float(o.get("seconds", 0.0)) for o in outputs)
+    return out
+
+
+def _dilation_text(dilation: dict[str, float]) -> str:
+    """The figure title's note on time dilation: one K for all sizes, or each dilated size's."""
+    ks = set(dilation.values())
+    if ks <= {1.0}:
+        return ""
+    if len(ks) == 1:
+        return f"; time-dilated x{ks.pop():g}"
+    return "; time-dilated " + ", ".join(f"x{k:g} at {n}" for n, k in dilation.items() if k != 1.0)
 
 
 def write_png(path: Path, out: dict[str, Any]) -> Path:
@@ -373,7 +449,8 @@ def write_png(path: Path, out: dict[str, Any]) -> Path:
     ax.set_ylabel("tokens/s")
     eff.set_ylabel("efficiency: tokens/s over the devices' sum (%)")
     fig.suptitle(f"bench.scaling: {out['scenario']}, bandwidth x{out['bandwidth_scale']:g}, "
-                 f"TFLOP/s x{out['tflops_scale']:g}, real processes on {out['cpu_count']} shared cores", fontsize=9)
+                 f"TFLOP/s x{out['tflops_scale']:g}, real processes on {out['cpu_count']} shared cores"
+                 + _dilation_text(out.get("dilation", {})), fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -382,12 +459,13 @@ def write_png(path: Path, out: dict[str, Any]) -> Path:
 
 
 def table(out: dict[str, Any]) -> str:
-    lines = ["| peers | placement | choice | measured s/step | predicted | lower bound | tokens/s | efficiency | "
-             "overruns | load |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| peers | dilation | placement | choice | measured s/step | predicted | lower bound | tokens/s | "
+             "efficiency | overruns | load |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in out["rows"]:
         ok = r.get("measured_step_s") is not None
         lines.append(
-            f"| {r['peers']} | {r['placement']} | {r['choice']['compression']}, {r['choice']['sync']} | "
+            f"| {r['peers']} | x{r.get('time_dilation', 1.0):g} | {r['placement']} | "
+            f"{r['choice']['compression']}, {r['choice']['sync']} | "
             + (f"{r['measured_step_s']:.2f} | " if ok else "failed | ")
             + f"{r['predicted_step_s']:.2f} | {r['lower_bound_step_s']:.2f} | "
             + (f"{r['tokens_per_s']:.0f} | {r['efficiency']:.1%} | {r['overrun_ops']}/{r['compute_ops']} | "
@@ -409,6 +487,16 @@ def _peers(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}") from None
 
 
+def _dilation(text: str) -> tuple[tuple[int, float], ...]:
+    """``K`` (every size: returned as N = 0) or ``N=K,N=K``."""
+    try:
+        if "=" not in text:
+            return ((0, float(text)),)
+        return tuple((int(n), float(k)) for n, k in (part.split("=", 1) for part in text.split(",") if part.strip()))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected K or N=K,N=K (e.g. 32=8), got {text!r}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Tokens/s of real peer processes on the emulated world-wide "
                                      "network for N peers: scheduled, random and exact placement")
@@ -418,13 +506,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="4 peers, 3 steps (for tests)")
     parser.add_argument("--png", type=Path, default=None, help=f"draw the figure (e.g. {DEFAULT_PNG})")
     parser.add_argument("--log-dir", default=None, help="keep each worker's log here")
+    parser.add_argument("--dilation", type=_dilation, default=None,
+                        help="run the emulated world K times slower so that many processes keep up on few cores: "
+                        "K for every size, or N=K,N=K per size (default 1; the published figures used 8, see "
+                        "docs/benchmarks/scaling.md); figures are reported in the emulated world's seconds")
+    parser.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
+                        help="run nothing: join the rows of saved --json outputs (later files win a (peers, "
+                        "placement) both hold), print them and draw --png")
     args = parser.parse_args(argv)
+    if args.merge is not None:
+        try:
+            out = merge([json.loads(path.read_text()) for path in args.merge])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            parser.error(f"--merge: {exc}")
+        if args.png is not None:
+            out["png"] = str(write_png(args.png, out))
+        print(json.dumps(out) if args.json else table(out))
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     cfg = ScalingConfig().quick() if args.quick else ScalingConfig()
     if args.peers is not None:
         cfg = replace(cfg, peers=args.peers)
     if args.steps is not None:
         cfg = replace(cfg, steps=args.steps)
+    if args.dilation is not None:
+        every = dict(args.dilation).get(0)
+        cfg = replace(cfg, dilation=tuple((n, every) for n in cfg.peers) if every is not None else args.dilation)
     try:
         cfg.validate()
     except ScalingConfigError as exc:

@@ -114,11 +114,12 @@ def loopback_device(endpoint: str) -> int | None:
     return parts[2] * 250 + parts[3] - 2
 
 
-def scaled_cluster(cluster: Cluster, bandwidth_scale: float = 1.0, tflops_scale: float = 1.0) -> Cluster:
-    """The same cluster with every bandwidth and device speed multiplied (delays unchanged)."""
-    if not (bandwidth_scale > 0 and tflops_scale > 0):
-        raise ValueError("bandwidth_scale and tflops_scale must be positive")
-    return Cluster(delay_s=cluster.delay_s.copy(), bandwidth_bps=cluster.bandwidth_bps * bandwidth_scale,
+def scaled_cluster(cluster: Cluster, bandwidth_scale: float = 1.0, tflops_scale: float = 1.0,
+                   delay_scale: float = 1.0) -> Cluster:
+    """The same cluster with every bandwidth, device speed and one-way delay multiplied (delays: 1 unless told)."""
+    if not (bandwidth_scale > 0 and tflops_scale > 0 and delay_scale > 0):
+        raise ValueError("bandwidth_scale, tflops_scale and delay_scale must be positive")
+    return Cluster(delay_s=cluster.delay_s * delay_scale, bandwidth_bps=cluster.bandwidth_bps * bandwidth_scale,
                    tflops=cluster.tflops * tflops_scale, memory_bytes=cluster.memory_bytes.copy(),
                    regions=list(cluster.regions), labels=list(cluster.labels), name=cluster.name)
 
