@@ -163,6 +163,8 @@ def undilated(row: dict[str, Any], k: float) -> dict[str, Any]:
     for key in SECONDS_KEYS:
         if out.get(key) is not None:
             out[key] = out[key] / k
+    if out.get("step_seconds"):
+        out["step_seconds"] = [seconds / k for seconds in out["step_seconds"]]
     if out.get("tokens_per_s") is not None:
         out["tokens_per_s"] = out["tokens_per_s"] * k
     out["device_tokens_per_s_sum"] = out["device_tokens_per_s_sum"] * k

@@ -46,10 +46,11 @@ def test_a_dilated_world_is_k_times_slower_and_its_rows_come_back_in_emulated_se
     prof = {"round_trip": {"compute_s": 8.0, "wire_s": 4.0, "delay_s": 2.0}, "queue_s": 8.0, "averaging_s": 8.0,
             "control_rounds_s": 0.8, "control_s_not_emulated": 1.6, "leader_rtt_s": 0.8, "pipeline": 1}
     row = {"measured_step_s": 16.0, "predicted_step_s": 8.0, "lower_bound_step_s": 4.0, "tokens_per_s": 100.0,
-           "device_tokens_per_s_sum": 1000.0, "efficiency": 0.1, "measured_pipeline_s": None, "profile": prof}
+           "device_tokens_per_s_sum": 1000.0, "efficiency": 0.1, "measured_pipeline_s": None, "profile": prof,
+           "step_seconds": [24.0, 8.0]}
     out = scaling.undilated(row, 8.0)
     assert (out["measured_step_s"], out["predicted_step_s"], out["lower_bound_step_s"]) == (2.0, 1.0, 0.5)
-    assert out["wall_step_s"] == 16.0 and out["time_dilation"] == 8.0
+    assert out["wall_step_s"] == 16.0 and out["time_dilation"] == 8.0 and out["step_seconds"] == [3.0, 1.0]
     assert out["tokens_per_s"] == 800.0 and out["device_tokens_per_s_sum"] == 8000.0
     assert out["efficiency"] == pytest.approx(out["tokens_per_s"] / out["device_tokens_per_s_sum"])
     assert out["profile"]["round_trip"]["compute_s"] == 1.0 and out["profile"]["pipeline"] == 1
