@@ -129,3 +129,13 @@ def test_balanced_pipelines_are_not_paced() -> None:
     pool = TaskPool(step=1, n_microbatches=8, service_s={0: 0.22, 1: 0.2})
     leased = [pool.lease(p) for p in (0, 1, 0, 1)]  # window 2 each, as the feeders do
     assert leased == [0, 1, 2, 3] and pool.paced == 0
+
+
+def test_a_slower_pipeline_is_not_paced_for_work_only_it_can_take() -> None:
+    """The faster pipeline already held the last free micro-batch (a shadow copy whose original was lost with
+    its pipeline): its stages refuse a repeat, so waiting for it would stall the step until its deadline."""
+    pool = TaskPool(step=2, n_microbatches=2, service_s={1: 0.13, 2: 0.12})
+    assert pool.lease(2) == 0 and pool.commit(0, 2) is CommitResult.COMMITTED
+    pool.hold(1, 2)  # pipeline 2 shadowed micro-batch 1; it is free again
+    assert pool.lease(2) is None, "a repeat is refused"
+    assert pool.lease(1) == 1, "the only pipeline that can take it is not paced behind one that cannot"

@@ -64,7 +64,9 @@ Rules, and why:
   slower than the others takes one micro-batch where it used to take its share, and the step does not wait for
   it, nor does a speculative copy have to overtake it (which fails its whole share of the step). Without a
   measurement, or with no other pipeline leasing in this step (after one of its own micro-batch times), every
-  pipeline is served.
+  pipeline is served. Only pipelines that can take a free micro-batch count as others (a stage refuses a
+  micro-batch it held in this step, e.g. a spot check's shadow copy whose original pipeline was then lost), and
+  a free micro-batch nobody else can take is never held back from the one pipeline that can.
 * The step may synchronise gradients only when ``complete()``: every micro-batch committed. The commit record
   (``assignment()``) tells each stage replica exactly which micro-batches its accumulator must hold, so the
   reduction can verify "each micro-batch once" instead of trusting it.
@@ -215,8 +217,11 @@ class TaskPool:
         others = {p: s for p, s in self.service_s.items()  # an overdue one takes no new work: it is no help
                   if p != pipeline and p not in self._failed and p not in self.overdue
                   and (p in self._first_lease or young)}
-        if not others:
-            return False
+        # nor is one whose stages held every free micro-batch already (they refuse a repeat)
+        others = {p: s for p, s in others.items() if any(p not in self._held_by.get(mb, ()) for mb in self._free)}
+        if not others or any(pipeline not in (held := self._held_by.get(mb, set())) and others.keys() <= held
+                             for mb in self._free):
+            return False  # a free micro-batch only this pipeline can take: nobody else would
         own_finish = (self._held(pipeline) + 1) * own
         fluid = (sum(self._held(p) for p in others) + len(self._free)) / sum(1 / s for s in others.values())
         # a micro-batch is not divisible: no other pipeline finishes one more before (its held + 1) x its time.
