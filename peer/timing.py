@@ -22,8 +22,11 @@ Progress and plan records (peer.swarm.progress, peer.swarm.plans)
     leader, ``peer.swarm.view``). The takeover guard looks at the beat's age, not its expiry: nobody takes
     over while another leader's beat is younger than one advert lifetime. Both records live
     ``PROGRESS_TTL_S`` (much longer) so that ``peer status`` and a new leader still read the last step and
-    the loss history after the leader died. A plan record lives ``PLAN_TTL_S``; the leader
-    renews it every ``PLAN_RENEW_TICKS`` ticks (10 heartbeats, 20 s at the default), far within.
+    the loss history after the leader died; a new leader looks for its predecessor's record for up to
+    ``PREDECESSOR_READ_HEARTBEATS`` heartbeats (one lookup right after a death can miss a record the next
+    one finds, and a takeover without it would believe the workers' claims). A plan record lives
+    ``PLAN_TTL_S``; the leader renews it every ``PLAN_RENEW_TICKS`` ticks (10 heartbeats, 20 s at the
+    default), far within.
 
 The coordinator's view of its workers (peer.runtime.lead.liveness)
     It pings every assigned worker once a heartbeat, concurrently and with at most one ping outstanding per
@@ -139,6 +142,7 @@ TICKS_PER_HEARTBEAT = 2  # the control loop ticks every heartbeat / 2
 LEADER_CONFIRM_TICKS = 3  # the same election result this many ticks in a row before roles change
 JOINER_RUN_WAIT_S = 15.0  # a joiner waits this long for the run record to appear in the DHT
 LINK_REPORT_WAIT_HEARTBEATS = 3  # the first plan waits this many heartbeats for every peer's link reports
+PREDECESSOR_READ_HEARTBEATS = 3  # a new leader looks this long for the previous leader's progress record
 
 # -- progress and plan records ---------------------------------------------------------------------------
 PROGRESS_TTL_S = 120.0  # lifetime of a progress record and of a beat (the beat renewed every tick by the leader)

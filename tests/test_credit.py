@@ -180,3 +180,21 @@ def test_the_beat_leaves_the_credit_to_the_full_record() -> None:
     assert board.publish({"epoch": 1, "step": 2, "history": {"loss": [1.0]}, "credit": CreditBook().to_record()})
     assert "credit" in FULL_ONLY and "credit" not in stored["beat"] and "history" not in stored["beat"]
     assert stored["progress"]["credit"]["steps"] == 0
+
+
+def test_a_new_leader_reads_its_predecessors_record_again_until_a_lookup_finds_it() -> None:
+    """One lookup right after a leader's death can miss its record: the new leader's first records would carry
+    no credit, and its takeover no signed step. It reads again (and never takes an older record after a newer)."""
+    record = {"epoch": 2, "step": 3, "leader": A, "at": 1.0, "credit": CreditBook().to_record()}
+    answers = [[], None, [SimpleNamespace(owner=A, payload=record)]]  # nothing, a timeout, then the record
+    board = ProgressBoard.__new__(ProgressBoard)
+    board.store = SimpleNamespace(get_all=lambda name: answers.pop(0) if answers else [])  # type: ignore[assignment]
+    waits: list[float] = []
+    found = board.read_patiently(A, 10.0, lambda s: waits.append(s) or False)
+    assert found == record and len(waits) == 2, (found, waits)
+    assert board.read_patiently(A, 0.0, lambda s: False) is None, "no patience: one lookup"
+    assert board.read_patiently(A, 10.0, lambda s: False, seen=record) == record, "a miss keeps what was read"
+    older = {**record, "step": 2}
+    answers.append([SimpleNamespace(owner=A, payload=older)])
+    assert board.read_patiently(A, 10.0, lambda s: False, seen=record) == record, "never an older record"
+    assert board.read_patiently(A, 10.0, lambda s: True) is None, "a stop ends the wait"

@@ -48,6 +48,7 @@ from peer.swarm.plans import PlanBoard, has_quorum
 from peer.swarm.progress import ProgressBoard, publishable
 from peer.timing import (
     LINK_REPORT_WAIT_HEARTBEATS,
+    PREDECESSOR_READ_HEARTBEATS,
     STATUS_TIMEOUT_S,
     TAKEOVER_APPLY_TIMEOUT_S,
     TAKEOVER_WAIT_S,
@@ -93,6 +94,7 @@ class LeaderRole:
         self._last_live: set[str] = set()  # live workers at the previous look
         self._ever_live: set[str] = set()
         self.excluded: set[str] = set()  # endpoints whose takeover claims no honest state explains
+        self._predecessors: dict[str, dict[str, Any]] = {}  # leader id -> its newest progress record read
         self.peer_of: dict[int, str] = {}
         self.driver: RunDriver | None = None
         self.thread = threading.Thread(target=self._run, name="leader", daemon=True)
@@ -294,7 +296,7 @@ class LeaderRole:
         board = self.ctx.plan_board
         previous = board.latest()
         self.credited = set(credited_of(previous.plan if previous else None))
-        record = (self.ctx.progress.read(previous.leader_id) if previous else None) or {}
+        record = self._predecessor_progress()
         self.credit = CreditBook.from_record(record.get("credit"))  # kept in the records published while it waits
         self.coordinator.verification.ledger = Ledger.from_record(record.get("unverified"))  # its roll-backs too
         self.start_epoch = board.highest_epoch
@@ -385,8 +387,20 @@ class LeaderRole:
 
     def _recorded(self) -> tuple[int | None, dict[tuple[int, int], str]]:
         """The trained step and stage hashes the previous plan's leader last signed (``recorded_progress``)."""
+        return recorded_progress(self._predecessor_progress())
+
+    def _predecessor_progress(self) -> dict[str, Any]:
+        """The newest progress record the previous plan's leader signed ({} without one): read patiently the
+        first time (``ProgressBoard.read_patiently``), never older than one read before."""
         previous = self.ctx.plan_board.latest()
-        return recorded_progress(self.ctx.progress.read(previous.leader_id if previous else None) or {})
+        if previous is None:
+            return {}
+        seen = self._predecessors.get(previous.leader_id)
+        found = self.ctx.progress.read_patiently(previous.leader_id, PREDECESSOR_READ_HEARTBEATS
+                                                 * self.config.swarm.heartbeat_s, self.stop_event.wait, seen)
+        if found:
+            self._predecessors[previous.leader_id] = found
+        return dict(found or {})
 
     def _statuses(self) -> dict[str, dict[str, Any]]:
         out = {}
@@ -450,8 +464,7 @@ class LeaderRole:
         """Take the loss history of steps ``since`` .. ``trained`` - 1 and the contribution record from a progress
         record (default: that of the previous plan's leader)."""
         if progress is None:
-            previous = self.ctx.plan_board.latest()
-            progress = self.ctx.progress.read(previous.leader_id if previous else None) or {}
+            progress = self._predecessor_progress()
         self.credit = CreditBook.from_record(progress.get("credit"))  # signed by that leader: no worker wrote it
         hist = progress.get("history") or {}
         first = hist.get("from", 0)

@@ -24,6 +24,8 @@ records the newest wins: highest plan epoch, then highest step.
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from typing import Any
 
 import hivemind
@@ -36,6 +38,7 @@ from peer.timing import DHT_CALL_TIMEOUT_S, PROGRESS_TTL_S, now
 # with the run and the swarm, so a beat stays a few hundred bytes
 FULL_ONLY = frozenset({"history", "credit"})
 FULL_RENEW_S = 20.0  # an unchanged full record is stored again this often (it lives PROGRESS_TTL_S)
+RETRY_S = 0.5  # read_patiently's pause between lookups
 
 
 def publishable(value: Any) -> Any:
@@ -103,6 +106,20 @@ class ProgressBoard:
         """The newest progress record (highest epoch, then step) written by ``leader``, with the loss history;
         None when there is none (or when ``leader`` is None: nobody is accepted)."""
         return self._newest("progress", leader)
+
+    def read_patiently(self, leader: str | None, patience_s: float, wait: Callable[[float], bool],
+                       seen: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """:meth:`read`, tried again every ``RETRY_S`` for up to ``patience_s`` while a lookup finds nothing, and
+        never older than ``seen`` (a record of ``leader`` read before): right after a leader's death one lookup
+        can miss its record and the next one find it, and a takeover must not go on without it. ``wait(s)``
+        sleeps (True: stop now)."""
+        deadline = time.monotonic() + patience_s
+        found = self.read(leader)
+        while found is None and seen is None and time.monotonic() < deadline and not wait(RETRY_S):
+            found = self.read(leader)
+        if seen is not None and (found is None or (seen["epoch"], seen["step"]) > (found["epoch"], found["step"])):
+            return seen
+        return found
 
     def read_beat(self, leader: str | None) -> dict[str, Any] | None:
         """The newest beat of ``leader``: its progress without the history, ``at`` renewed on every publish."""
