@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -349,9 +351,11 @@ def test_before_a_leader_is_elected_an_assignment_is_taken_only_from_the_leader_
 
 def test_a_step_the_dead_leader_applied_but_never_recorded_is_kept_without_a_loss() -> None:
     record = {"step": 2, "history": {"from": 0, "loss": [4.5, None], "step_s": [1.0, 1.1]}}
-    ctx = type("Ctx", (), {"plan_board": type("B", (), {"latest": lambda _s: None})(),
-                           "progress": type("P", (), {"read": lambda _s, _leader: record})()})()
-    role = type("Role", (), {"ctx": ctx, "history": {}})()
+    read = lambda leader, patience_s, wait: record if leader == "dead" else None  # noqa: E731
+    ctx = SimpleNamespace(plan_board=SimpleNamespace(latest=lambda: SimpleNamespace(leader_id="dead")),
+                          progress=SimpleNamespace(read_patiently=read),
+                          config=SimpleNamespace(swarm=SimpleNamespace(heartbeat_s=1.0)))
+    role = SimpleNamespace(ctx=ctx, history={}, stop_event=threading.Event())
     LeaderRole._adopt_history(role, 3)  # type: ignore[arg-type]  # takeover one step past the record
     assert sorted(role.history) == [0, 1, 2]
     assert role.history[0] == (4.5, 1.0) and role.history[1] == (None, 1.1) and role.history[2][0] is None

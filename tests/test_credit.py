@@ -189,12 +189,13 @@ def test_a_new_leader_reads_its_predecessors_record_again_until_a_lookup_finds_i
     answers = [[], None, [SimpleNamespace(owner=A, payload=record)]]  # nothing, a timeout, then the record
     board = ProgressBoard.__new__(ProgressBoard)
     board.store = SimpleNamespace(get_all=lambda name: answers.pop(0) if answers else [])  # type: ignore[assignment]
+    board._seen = {}
+    assert board.read_patiently(B, 0.0, lambda s: False) is None and answers, "no patience: one lookup"
+    answers.insert(0, [])
     waits: list[float] = []
     found = board.read_patiently(A, 10.0, lambda s: waits.append(s) or False)
     assert found == record and len(waits) == 2, (found, waits)
-    assert board.read_patiently(A, 0.0, lambda s: False) is None, "no patience: one lookup"
-    assert board.read_patiently(A, 10.0, lambda s: False, seen=record) == record, "a miss keeps what was read"
-    older = {**record, "step": 2}
-    answers.append([SimpleNamespace(owner=A, payload=older)])
-    assert board.read_patiently(A, 10.0, lambda s: False, seen=record) == record, "never an older record"
-    assert board.read_patiently(A, 10.0, lambda s: True) is None, "a stop ends the wait"
+    assert board.read_patiently(A, 10.0, lambda s: False) == record, "a miss later keeps what was read"
+    answers.append([SimpleNamespace(owner=A, payload={**record, "step": 2})])
+    assert board.read_patiently(A, 10.0, lambda s: False) == record, "never an older record"
+    assert board.read_patiently(B, 10.0, lambda s: True) is None, "a stop ends the wait"

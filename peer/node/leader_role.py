@@ -94,7 +94,6 @@ class LeaderRole:
         self._last_live: set[str] = set()  # live workers at the previous look
         self._ever_live: set[str] = set()
         self.excluded: set[str] = set()  # endpoints whose takeover claims no honest state explains
-        self._predecessors: dict[str, dict[str, Any]] = {}  # leader id -> its newest progress record read
         self.peer_of: dict[int, str] = {}
         self.driver: RunDriver | None = None
         self.thread = threading.Thread(target=self._run, name="leader", daemon=True)
@@ -296,7 +295,7 @@ class LeaderRole:
         board = self.ctx.plan_board
         previous = board.latest()
         self.credited = set(credited_of(previous.plan if previous else None))
-        record = self._predecessor_progress()
+        record = predecessor_progress(self.ctx, self.stop_event)
         self.credit = CreditBook.from_record(record.get("credit"))  # kept in the records published while it waits
         self.coordinator.verification.ledger = Ledger.from_record(record.get("unverified"))  # its roll-backs too
         self.start_epoch = board.highest_epoch
@@ -387,20 +386,7 @@ class LeaderRole:
 
     def _recorded(self) -> tuple[int | None, dict[tuple[int, int], str]]:
         """The trained step and stage hashes the previous plan's leader last signed (``recorded_progress``)."""
-        return recorded_progress(self._predecessor_progress())
-
-    def _predecessor_progress(self) -> dict[str, Any]:
-        """The newest progress record the previous plan's leader signed ({} without one): read patiently the
-        first time (``ProgressBoard.read_patiently``), never older than one read before."""
-        previous = self.ctx.plan_board.latest()
-        if previous is None:
-            return {}
-        seen = self._predecessors.get(previous.leader_id)
-        found = self.ctx.progress.read_patiently(previous.leader_id, PREDECESSOR_READ_HEARTBEATS
-                                                 * self.config.swarm.heartbeat_s, self.stop_event.wait, seen)
-        if found:
-            self._predecessors[previous.leader_id] = found
-        return dict(found or {})
+        return recorded_progress(predecessor_progress(self.ctx, self.stop_event))
 
     def _statuses(self) -> dict[str, dict[str, Any]]:
         out = {}
@@ -464,7 +450,7 @@ class LeaderRole:
         """Take the loss history of steps ``since`` .. ``trained`` - 1 and the contribution record from a progress
         record (default: that of the previous plan's leader)."""
         if progress is None:
-            progress = self._predecessor_progress()
+            progress = predecessor_progress(self.ctx, self.stop_event)
         self.credit = CreditBook.from_record(progress.get("credit"))  # signed by that leader: no worker wrote it
         hist = progress.get("history") or {}
         first = hist.get("from", 0)
@@ -677,3 +663,13 @@ def judge_claims(statuses: dict[str, dict[str, Any]], stages: Stages, recorded: 
         return Claims(recorded, [], liars)
     pending = sorted(ep for ep, (_, t, p) in claims.items() if t == recorded and p == recorded)
     return Claims(recorded + 1, pending, liars)
+
+
+def predecessor_progress(ctx: LeaderContext, stop: threading.Event) -> dict[str, Any]:
+    """The newest progress record the previous plan's leader signed ({} without a previous plan), read patiently
+    (``ProgressBoard.read_patiently``: a lookup right after a leader's death can miss it)."""
+    previous = ctx.plan_board.latest()
+    if previous is None:
+        return {}
+    patience_s = PREDECESSOR_READ_HEARTBEATS * ctx.config.swarm.heartbeat_s
+    return dict(ctx.progress.read_patiently(previous.leader_id, patience_s, stop.wait) or {})

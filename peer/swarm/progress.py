@@ -39,6 +39,7 @@ from peer.timing import DHT_CALL_TIMEOUT_S, PROGRESS_TTL_S, now
 FULL_ONLY = frozenset({"history", "credit"})
 FULL_RENEW_S = 20.0  # an unchanged full record is stored again this often (it lives PROGRESS_TTL_S)
 RETRY_S = 0.5  # read_patiently's pause between lookups
+MAX_SEEN_LEADERS = 16  # the leaders whose newest record read_patiently keeps
 
 
 def publishable(value: Any) -> Any:
@@ -71,6 +72,7 @@ class ProgressBoard:
         self.ttl_s = ttl_s
         self._last: dict[str, Any] = {}  # the last payload published (what a resignation repeats)
         self._full: tuple[dict[str, Any], float] | None = None  # the last full payload stored, when (DHT time)
+        self._seen: dict[str, dict[str, Any]] = {}  # leader -> the newest record read_patiently returned
 
     def publish(self, payload: dict[str, Any]) -> bool:
         """Store ``payload`` stamped with our peer id (``leader``) and the DHT time (``at``): the beat always,
@@ -107,18 +109,24 @@ class ProgressBoard:
         None when there is none (or when ``leader`` is None: nobody is accepted)."""
         return self._newest("progress", leader)
 
-    def read_patiently(self, leader: str | None, patience_s: float, wait: Callable[[float], bool],
-                       seen: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    def read_patiently(self, leader: str | None, patience_s: float,
+                       wait: Callable[[float], bool]) -> dict[str, Any] | None:
         """:meth:`read`, tried again every ``RETRY_S`` for up to ``patience_s`` while a lookup finds nothing, and
-        never older than ``seen`` (a record of ``leader`` read before): right after a leader's death one lookup
-        can miss its record and the next one find it, and a takeover must not go on without it. ``wait(s)``
-        sleeps (True: stop now)."""
+        never older than a record of ``leader`` this method returned before: right after a leader's death one
+        lookup can miss its record and the next one find it, and a takeover must not go on without it.
+        ``wait(s)`` sleeps (True: stop now)."""
+        seen = self._seen.get(leader) if leader is not None else None
         deadline = time.monotonic() + patience_s
         found = self.read(leader)
         while found is None and seen is None and time.monotonic() < deadline and not wait(RETRY_S):
             found = self.read(leader)
         if seen is not None and (found is None or (seen["epoch"], seen["step"]) > (found["epoch"], found["step"])):
-            return seen
+            return dict(seen)
+        if found is not None and leader is not None:
+            self._seen.pop(leader, None)
+            self._seen[leader] = dict(found)
+            while len(self._seen) > MAX_SEEN_LEADERS:
+                self._seen.pop(next(iter(self._seen)))
         return found
 
     def read_beat(self, leader: str | None) -> dict[str, Any] | None:
