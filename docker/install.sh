@@ -8,8 +8,10 @@
 #   TORCH_SPEC   torch requirement, installed first and pinned   (default torch==2.13.0)
 #   TORCH_INDEX  wheel index for torch; empty = the configured one (PyPI: on Linux that is the CUDA build)
 #   STEP         deps: torch and the dependencies pyproject.toml lists, not Tasklet (an image layer that stays
-#                cached until pyproject.toml or this script changes); project: Tasklet (after deps); all: both
-#                                                                 (default all)
+#                cached until pyproject.toml or this script changes); wheel: build Tasklet's wheel into WHEELS;
+#                project: Tasklet (after deps; the wheel in WHEELS when that is set, else SRC); all: deps and
+#                project                                          (default all)
+#   WHEELS       folder of Tasklet's wheel (STEP=wheel writes it, STEP=project installs it)   (default empty)
 #   TORCH_BUILD  cpu: fail unless the installed torch is a CPU build; cuda: fail unless it is a CUDA build;
 #                empty: either                                    (default empty)
 #
@@ -24,7 +26,9 @@ TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 TORCH_INDEX=${TORCH_INDEX:-}
 TORCH_BUILD=${TORCH_BUILD:-}
 STEP=${STEP:-all}
-case $STEP in deps | project | all) ;; *) echo "[install] STEP must be deps, project or all, not '$STEP'" >&2; exit 2 ;; esac
+WHEELS=${WHEELS:-}
+case $STEP in deps | wheel | project | all) ;; *) echo "[install] STEP must be deps, wheel, project or all, not '$STEP'" >&2; exit 2 ;; esac
+if [ "$STEP" = wheel ] && [ -z "$WHEELS" ]; then echo "[install] STEP=wheel needs WHEELS, the folder to write to" >&2; exit 2; fi
 case $TORCH_BUILD in "" | cpu | cuda) ;; *) echo "[install] TORCH_BUILD must be cpu, cuda or empty, not '$TORCH_BUILD'" >&2; exit 2 ;; esac
 
 if [ ! -x "$VENV/bin/python" ]; then
@@ -45,7 +49,7 @@ check_torch() {
   fi
 }
 
-if [ "$STEP" != project ]; then
+if [ "$STEP" = deps ] || [ "$STEP" = all ]; then
   echo "[install] $TORCH_SPEC${TORCH_INDEX:+ from $TORCH_INDEX}" >&2
   if [ -n "$TORCH_INDEX" ]; then
     pip_install "$TORCH_SPEC" --index-url "$TORCH_INDEX"
@@ -64,8 +68,23 @@ if [ "$STEP" = deps ]; then
   echo "[install] done: dependencies only" >&2
   exit 0
 fi
-echo "[install] tasklet from $SRC" >&2
-pip_install "$SRC"
+if [ "$STEP" = wheel ]; then
+  # The image's runtime stage installs this wheel on top of the dependencies' stage: no compiler there, and a
+  # change to Tasklet's code adds a layer of a few MB instead of a second copy of the whole virtualenv.
+  echo "[install] building Tasklet's wheel from $SRC into $WHEELS" >&2
+  "$VENV/bin/python" -m pip wheel --no-cache-dir --disable-pip-version-check --no-deps -w "$WHEELS" "$SRC"
+  echo "[install] done: $(cd "$WHEELS" && ls tasklet-*.whl)" >&2
+  exit 0
+fi
+if [ -n "$WHEELS" ]; then
+  wheel=$(find "$WHEELS" -maxdepth 1 -name 'tasklet-*.whl' | sort | tail -n 1)
+  if [ -z "$wheel" ]; then echo "[install] no tasklet-*.whl in $WHEELS (run STEP=wheel first)" >&2; exit 1; fi
+  echo "[install] tasklet from $wheel" >&2
+  pip_install --no-deps "$wheel"
+else
+  echo "[install] tasklet from $SRC" >&2
+  pip_install "$SRC"
+fi
 
 # Fail the build here, not on a volunteer's machine: every import the daemon needs, and the entry point.
 "$VENV/bin/python" -c 'import torch, hivemind, grpc, scheduler, peer, protocol'

@@ -131,23 +131,31 @@ def test_both_images_share_one_python() -> None:
     for dockerfile in DOCKERFILES:
         ins = instructions(dockerfile)
         args = dict(a.split("=", 1) for k, a in ins if k == "ARG" and "=" in a)
-        froms = [a.split()[0] for k, a in ins if k == "FROM"]
-        assert all(f == "${PYTHON_IMAGE}" for f in froms), froms
+        froms = [a.split() for k, a in ins if k == "FROM"]
+        stages = {f[-1] for f in froms if len(f) == 3 and f[1].upper() == "AS"}
+        assert froms[0][0] == "${PYTHON_IMAGE}", froms
+        assert all(f[0] in ("${PYTHON_IMAGE}", *stages) for f in froms), froms  # every stage builds on that base
         bases.add(args["PYTHON_IMAGE"])
     assert len(bases) == 1, bases
     assert re.fullmatch(r"python:3\.11\.\d+-slim-\w+", bases.pop())
 
 
 def test_both_images_build_with_the_same_stage() -> None:
-    """The build stage of the CPU image is the GPU image's, instruction for instruction (only ARG defaults
-    differ): one builder's cache serves both, and the container tests' build of docker/Dockerfile with a CPU
-    torch is a build of the GPU image's own stages."""
+    """The dependencies' and build stages of the CPU image are the GPU image's, instruction for instruction
+    (only ARG defaults differ): one builder's cache serves both, and the container tests' build of
+    docker/Dockerfile with a CPU torch is a build of the GPU image's own stages. The runtime stage builds on
+    the dependencies' stage and gets Tasklet as a wheel, not a copy of the virtualenv."""
 
     def build_stage(dockerfile: Path) -> list[tuple[str, str]]:
         ins = instructions(dockerfile)
         froms = [i for i, (kind, _) in enumerate(ins) if kind == "FROM"]
-        assert len(froms) == 2, f"{dockerfile.name}: a build stage and a runtime stage, got {len(froms)} FROMs"
-        return [(kind, arg.split("=", 1)[0] if kind == "ARG" else arg) for kind, arg in ins[: froms[1]]]
+        assert len(froms) == 3, f"{dockerfile.name}: deps, build and runtime stages, got {len(froms)} FROMs"
+        assert ins[froms[0]][1].endswith(" AS deps") and ins[froms[1]][1] == "deps AS build", ins
+        assert ins[froms[2]][1] == "deps", "the runtime stage builds on the dependencies' stage"
+        runtime = ins[froms[2]:]
+        assert not any(k == "COPY" and a.startswith("--from=build /opt") for k, a in runtime), "no venv copy"
+        assert any("STEP=project" in a and "WHEELS=" in a for k, a in runtime if k == "RUN"), runtime
+        return [(kind, arg.split("=", 1)[0] if kind == "ARG" else arg) for kind, arg in ins[: froms[2]]]
 
     gpu, cpu = (build_stage(DOCKER / name) for name in ("Dockerfile", "Dockerfile.cpu"))
     assert gpu == cpu, "\n".join(f"{a} | {b}" for a, b in zip(gpu, cpu, strict=False) if a != b)
