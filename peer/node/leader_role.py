@@ -93,7 +93,7 @@ class LeaderRole:
         self.index: dict[str, int] = {}  # peer id -> device id (stable for the whole leadership)
         self._last_live: set[str] = set()  # live workers at the previous look
         self._ever_live: set[str] = set()
-        self.excluded: set[str] = set()  # endpoints whose takeover claims no honest state explains
+        self.excluded: set[str] = set()  # left out of a takeover's plans: no answer, or a claim no state explains
         self.peer_of: dict[int, str] = {}
         self.driver: RunDriver | None = None
         self.thread = threading.Thread(target=self._run, name="leader", daemon=True)
@@ -350,12 +350,16 @@ class LeaderRole:
         """(trained steps, stages) of a run whose previous leader is gone, finishing an interrupted apply.
 
         The workers' Status replies are claims: the step is bounded by the one the previous leader recorded and
-        signed in its progress record (``judge_claims``), and a worker whose claim no honest state explains is
-        left out of the plans (``self.excluded``)."""
+        signed in its progress record (``judge_claims``). A worker whose claim no honest state explains, or that
+        does not answer, is left out of the plans for a ban's time (``self.excluded``)."""
         if not plan or "stages" not in plan:
             return None
         stages = [(int(a), int(b)) for a, b in plan["stages"]]
         statuses = self._statuses()
+        silent = set() if not statuses else {a.endpoint for a in self._workers().values()} - set(statuses)
+        for ep in sorted(silent):  # planning it would stall the first assignment on it (the old leader, often)
+            log.warning("takeover: %s is left out of the first plan: it did not answer its status query", ep)
+        self.excluded |= silent
         recorded, digests = self._recorded()
         judged = judge_claims(statuses, stages, recorded, digests)
         self._takeover_digests = Digests(recorded, digests) if recorded is not None else Digests()
