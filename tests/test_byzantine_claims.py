@@ -39,7 +39,7 @@ from peer.swarm.identity import Identity
 pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
 
 SECRET = "byzantine-claims-secret"
-STEPS = 16
+STEPS = 8
 MICROBATCHES = 8  # n_microbatches of write_small_config
 PATCHED = '''\
 """A volunteer's modified client: one method of the real one replaced, then the ordinary CLI."""
@@ -108,7 +108,7 @@ def test_a_nan_loss_liar_and_a_trained_steps_liar_neither_crash_nor_end_the_run(
     script.write_text(PATCHED)
     cfg = write_small_config(tmp_path, steps=STEPS, secret=SECRET, min_peers=5, stages=1,
                              extra=f"save_dir = {json.dumps(str(save))}\n")
-    with PeerProcesses(tmp_path, emulate_tflops=0.00003) as procs:  # about 2 s a step: time for a takeover
+    with PeerProcesses(tmp_path, emulate_tflops=0.00004) as procs:  # about 2 s a step: time for a takeover
         addr = procs.start(cfg, "--identity", str(key0))
         procs.join(addr, 1, "--secret", SECRET)
         time.sleep(1.0)  # peer 1 is found by the later joiners: the oldest after peer 0, it leads next

@@ -21,9 +21,9 @@ from tests.test_partition import Swarm, check_against_reference, cut, heal, in_p
 
 pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.slow]
 
-STEPS = 40  # both sides train through the 45 s partition; the merged run goes on after it heals
+STEPS = 30  # both sides train through the 30 s partition (the majority ~15 steps); the merged run goes on after
 QUORUM_WAIT_S = 8.0
-PARTITION_S = 45.0  # detection (a few heartbeats) + the wait + a takeover, then several steps on the minority
+PARTITION_S = 30.0  # detection (~7 s) + the 8 s wait + a takeover, then ~7 steps on the minority
 
 
 @pytest.mark.skipif(unavailable_reason() is not None, reason=f"network namespaces: {unavailable_reason()}")

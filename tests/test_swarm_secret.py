@@ -66,7 +66,7 @@ def raw_records(addr: str) -> dict[str, object]:
 
 def test_the_secret_is_in_no_record_log_status_or_run_json_and_skew_is_refused(tmp_path: Path) -> None:
     save = tmp_path / "result"
-    cfg = write_small_config(tmp_path, steps=24, secret=SECRET, min_peers=2, stages=1,
+    cfg = write_small_config(tmp_path, steps=16, secret=SECRET, min_peers=2, stages=1,
                              extra=f"save_dir = {json.dumps(str(save))}\n")
     with PeerProcesses(tmp_path, emulate_tflops=0.0001) as procs:  # about 1.4 s a step: time to look
         addr = procs.start(cfg)
