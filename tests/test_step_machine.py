@@ -377,6 +377,22 @@ def test_the_step_times_out_at_its_deadline() -> None:
     assert isinstance(fail, Fail) and str(fail.error) == "step 0: micro-batches: timed out"
 
 
+def test_a_step_where_nothing_moves_for_a_lease_time_is_re_planned_not_left_to_its_deadline() -> None:
+    """Free work, nothing leased or in flight, a pipeline able to take it: a stall (a feeder that stopped
+    asking, or a pool that kept refusing it) ends with a re-plan after one lease time, not the step's deadline."""
+    m = StepMachine(0, make_roster(2), N_MB, now=0.0, timeout_s=100.0, lease_timeout_s=5.0)
+    m.start()
+    assert m.lease(0, 1.0).microbatch == 0 and m.commit(0, 0, 2.0).status is ctl.PoolStatus.COMMITTED
+    assert m.tick(6.9) == [], "idle counts from the last commit, not from the step's start"
+    [fail] = m.tick(7.0)
+    assert isinstance(fail, Fail) and type(fail.error) is ReplanNeededError
+    assert "nothing leased, committed or in flight for 5 s" in str(fail.error)
+    # work in flight is no stall, however long (its lease's deadline is the judge of that)
+    busy = StepMachine(0, make_roster(2), N_MB, now=0.0, timeout_s=100.0, lease_timeout_s=5.0)
+    busy.start()
+    assert busy.lease(0, 0.0).microbatch == 0 and busy.tick(4.9) == []
+
+
 def test_a_syncing_pipeline_gets_no_work_and_rejoins_only_while_the_step_computes() -> None:
     m = StepMachine(0, make_roster(2), N_MB, now=0.0, timeout_s=100.0, lease_timeout_s=50.0, syncing={1})
     [others, firsts] = m.start()

@@ -302,3 +302,22 @@ def test_pipelines_a_few_per_cent_apart_copy_each_others_work() -> None:
     assert pool.commit(1, 1) is CommitResult.COMMITTED
     clock.now = 1.0
     assert pool.lease(1, speculate_after_s=0.5) == 0 and pool.is_speculative(0, 1)
+
+
+def test_an_idle_pool_counts_only_while_free_work_has_a_taker_and_nothing_is_in_flight() -> None:
+    clock = FakeClock()
+    pool = TaskPool(step=0, n_microbatches=2, clock=clock)
+    clock.now = 3.0
+    assert pool.idle_s({0, 1}) == 3.0, "nothing leased since the step began"
+    assert pool.lease(0) == 0
+    clock.now = 10.0
+    assert pool.idle_s({0, 1}) == 0.0, "a lease is in flight"
+    assert pool.commit(0, 0) is CommitResult.COMMITTED
+    clock.now = 12.0
+    assert pool.idle_s({0, 1}) == 2.0, "counted from the last commit"
+    assert pool.idle_s(set()) == 0.0, "no pipeline could take the free work: not a stall of the pool's making"
+    assert pool.lease(1) == 1 and pool.fail_pipeline(1) == [1]
+    clock.now = 13.0
+    assert pool.idle_s({0, 1}) == 1.0, "counted from the requeue; pipeline 1 failed, pipeline 0 can take it"
+    pool.hold(1, 0)
+    assert pool.idle_s({0, 1}) == 0.0, "every live pipeline held the free micro-batch: unleasable's case"

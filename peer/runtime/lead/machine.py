@@ -340,6 +340,10 @@ class StepMachine:
             if st.phase is StepPhase.COMPUTE and (stuck := st.pool.unleasable(set(self.intact()) | st.syncing)):
                 raise ReplanNeededError(f"{what}: micro-batches {stuck} were held by every pipeline left, whose "
                                         "stages refuse a repeat")
+            if st.phase is StepPhase.COMPUTE and (idle := st.pool.idle_s(set(self.intact()))) >= \
+                    st.pool.lease_timeout_s:  # a stall: free work nobody leases, nothing in flight, for a lease's time
+                raise ReplanNeededError(f"{what}: nothing leased, committed or in flight for {idle:.0f} s while "
+                                        "pipelines that could take the free micro-batches were in the step")
             broken = self._drop_broken(out)
             if not self.intact():  # also when a lease or commit dropped the last
                 raise ReplanNeededError(f"{what}: no intact pipeline left (dead: {sorted(self.dead)})")

@@ -143,6 +143,7 @@ class TaskPool:
         self.service_s = {p: s for p, s in (service_s or {}).items() if 0 < s < float("inf")}
         self.paced = 0  # lease requests answered "wait" because another pipeline finishes sooner
         self._started = clock()
+        self._moved = self._started  # the last lease, commit or requeue (``idle_s``)
         self._first_lease: dict[int, float] = {}
         self._busy: dict[int, list[tuple[float, float]]] = {}  # pipeline -> (leased, committed) of its commits
         self._last_commit: dict[int, float] = {}  # pipeline -> when it last committed (its head's start)
@@ -186,6 +187,7 @@ class TaskPool:
         self._leases[mb] = Lease(mb, pipeline, now + self.lease_timeout_s, at=now)
         self._held_by.setdefault(mb, set()).add(pipeline)
         self._first_lease.setdefault(pipeline, now)
+        self._moved = now
         return mb
 
     def _better_alive(self, pipeline: int) -> bool:
@@ -301,6 +303,19 @@ class TaskPool:
             return []
         return sorted(mb for mb in self._free if able <= self._held_by.get(mb, set()))
 
+    def idle_s(self, able: set[int]) -> float:
+        """Seconds the pool has stood still with work that one of ``able`` could take: micro-batches free,
+        none leased or copied, nothing leased, committed or requeued since, and a pipeline of ``able`` (not
+        failed) whose stages never held one of the free micro-batches; 0 while any of that is false. A healthy
+        step is never idle for long (a free micro-batch is leased within a round trip); a long idle is a stall
+        that no deadline short of the step's own would end (the coordinator re-plans, ``StepMachine``)."""
+        if self._leases or self._copies or not self._free:
+            return 0.0
+        takers = able - self._failed
+        if not any(p not in self._held_by.get(mb, ()) for mb in self._free for p in takers):
+            return 0.0  # nobody can take it: a refused repeat (``unleasable``) or no pipeline at all
+        return max(0.0, self._clock() - self._moved)
+
     def _speculate(self, pipeline: int, now: float) -> int | None:
         if self._held(pipeline) > 1:
             return None  # a copy queued behind more than one micro-batch may lose the race (module docstring)
@@ -314,6 +329,7 @@ class TaskPool:
         self._copies[mb] = Lease(mb, pipeline, now + self.lease_timeout_s, at=now, speculative=True)
         self._held_by.setdefault(mb, set()).add(pipeline)
         self.speculated += 1
+        self._moved = now
         return mb
 
     def hold(self, microbatch: int, pipeline: int) -> None:
@@ -360,7 +376,7 @@ class TaskPool:
         if self.is_speculative(microbatch, pipeline):
             copy = self._copies.pop(microbatch)
             self._busy.setdefault(pipeline, []).append((copy.at, self._clock()))
-            self._last_commit[pipeline] = self._clock()
+            self._last_commit[pipeline] = self._moved = self._clock()
             original = self._leases.pop(microbatch, None)
             if original is not None:
                 self._losers.add(original.pipeline)
@@ -375,7 +391,7 @@ class TaskPool:
         now = self._clock()
         self._busy.setdefault(pipeline, []).append((lease.at, now))
         self.head_latencies.append(now - max(lease.at, self._last_commit.get(pipeline, -float("inf"))))
-        self._last_commit[pipeline] = now
+        self._last_commit[pipeline] = self._moved = now
         return CommitResult.COMMITTED
 
     def failed(self) -> set[int]:
@@ -414,6 +430,8 @@ class TaskPool:
         requeued = sorted(mb for mb in lost if mb not in self._leases)
         self._free.extend(requeued)
         self.requeued += len(requeued)
+        if requeued:
+            self._moved = self._clock()
         return requeued
 
     def expire(self) -> list[int]:
