@@ -161,6 +161,7 @@ CONTROL_TIMEOUT_S = 30.0  # a control message (assign, reduce, apply, stop, leas
 CONTROL_SLACK_S = 5.0  # a broadcast waits CONTROL_TIMEOUT_S + this for the last answer
 BROADCAST_POLL_S = 0.25  # ... checking this often whether a peer it waits for was declared dead (then it stops)
 ASSIGN_TIMEOUT_S = 180.0  # every worker accepts its assignment (it may fetch a state first)
+ASSIGN_RETRY_HEARTBEATS = 3  # an assignment refused at once is sent again once a heartbeat, this many times
 FETCH_STATE_TIMEOUT_S = 60.0  # the coordinator fetches a stage's state
 STEP_TIMEOUT_S = 600.0  # one optimizer step; also the lease of a micro-batch in the coordinator's pool
 LEASE_TIMEOUT_S = 60.0  # default lease of a micro-batch in a TaskPool built without one

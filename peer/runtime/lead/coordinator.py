@@ -49,6 +49,7 @@ from peer.runtime.lead.step import Event, OuterRoundFailedError, ReplanNeededErr
 from peer.runtime.lead.verify import MAX_LOSS, Verification, check_loss
 from peer.runtime.spec import Assignment, RunSpec
 from peer.timing import (
+    ASSIGN_RETRY_HEARTBEATS,
     ASSIGN_TIMEOUT_S,
     BROADCAST_POLL_S,
     CONTROL_SLACK_S,
@@ -58,7 +59,7 @@ from peer.timing import (
     STEP_TIMEOUT_S,
 )
 from protocol import tasklet_pb2 as pb
-from protocol.errors import Forbidden, Rejected, TransportError
+from protocol.errors import Forbidden, PeerUnreachable, Refused, Rejected, TransportError
 
 # the step's outcomes, named from here by the coordinator's callers (driver, local swarm, benchmarks)
 __all__ = ["COORDINATOR_ROUTE", "MAX_LOSS", "Coordinator", "OuterRoundFailedError", "ReplanNeededError",
@@ -219,18 +220,20 @@ class Coordinator:
             self.liveness.reset(self.roster.assignments)
             self.resync.pending.clear()  # the new plan's state sources say who holds what
         sources = {ep: self._granted(ep, a, src) for ep, src in (sources or {}).items() if (a := assignments.get(ep))}
-        futures = {
-            ep: self._client(ep).push_async(
-                ctl.StageAssignment(self.spec, a, sources.get(ep, ctl.StateSource.init())).to_envelope(), timeout_s
-            )
-            for ep, a in assignments.items()
-        }
+        envelopes = {ep: ctl.StageAssignment(self.spec, a, sources.get(ep, ctl.StateSource.init())).to_envelope()
+                     for ep, a in assignments.items()}
+        deadline = time.monotonic() + timeout_s
+        futures = {ep: self._client(ep).push_async(env, timeout_s) for ep, env in envelopes.items()}
         for ep, f in futures.items():
             try:
                 f.result(timeout=timeout_s + CONTROL_SLACK_S)
             except TransportError as exc:
-                self.liveness.confirm(ep, f"did not take its assignment: {exc}")
-                raise ReplanNeededError(f"worker {ep} did not take its assignment: {exc}") from exc
+                last = send_again(lambda env, t, ep=ep: self._client(ep).push(env, timeout_s=t), envelopes[ep], exc,
+                                  self.liveness.interval_s, deadline)
+                if last is not None:
+                    self.liveness.confirm(ep, f"did not take its assignment: {last}")
+                    raise ReplanNeededError(f"worker {ep} did not take its assignment: {last}") from last
+
 
     def _granted(self, endpoint: str, a: Assignment, source: ctl.StateSource) -> ctl.StateSource:
         """A fetch source with our signed permission for the worker at ``endpoint`` to read those layers (the
@@ -518,3 +521,32 @@ class Coordinator:
 
     def worker_status(self, endpoint: str, timeout_s: float = STATUS_TIMEOUT_S) -> dict[str, Any]:
         return self._client(endpoint).status(timeout_s=timeout_s)
+
+
+def _passing_refusal(exc: TransportError) -> bool:
+    """A refusal that the next heartbeat may end: no connection (refused, TLS handshake failed, reconnect
+    backoff: UNAVAILABLE at once) or the worker's intake not yet following this leader (PERMISSION_DENIED).
+    A timeout is no such refusal: the peer may be gone, and waiting again would only hold the plan longer."""
+    if isinstance(exc, Refused):
+        return exc.code == "PERMISSION_DENIED"
+    return isinstance(exc, PeerUnreachable) and exc.detail.startswith("UNAVAILABLE")
+
+
+def send_again(push: Callable[[pb.Envelope, float], None], envelope: pb.Envelope, exc: TransportError,
+               interval_s: float, deadline: float) -> TransportError | None:
+    """Send a refused assignment again once a heartbeat (``interval_s``), ``ASSIGN_RETRY_HEARTBEATS`` times, while
+    the refusal is one a heartbeat can end (``_passing_refusal``): a peer back from a partition trusts our
+    certificate and follows us only once it has read our advert again, and until then its TLS handshake or its
+    intake refuses us at once. None once it took it; else the last error (the caller declares it dead)."""
+    for _ in range(ASSIGN_RETRY_HEARTBEATS):
+        if not _passing_refusal(exc) or time.monotonic() + interval_s >= deadline:
+            return exc
+        log.info("assignment refused (%s); sending it again in %.1f s", exc, interval_s)
+        time.sleep(interval_s)
+        try:
+            push(envelope, max(1.0, deadline - time.monotonic()))
+            return None
+        except TransportError as again:
+            exc = again
+    return exc
+
