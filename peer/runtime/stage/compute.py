@@ -225,17 +225,25 @@ class SketchReporter:
 
     def __init__(self, outbox: Outbox) -> None:
         self.outbox = outbox
-        self._kept: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (step, mb) -> point -> tensor
+        # (epoch, stage, step, mb) -> point -> tensor. The plan's epoch and stage belong to the key: a step redone
+        # after a re-plan that moved this peer to another stage must not mix the old stage's points into the new
+        # stage's report (the coordinator refuses such a report, and the pipeline was set aside for "missing" it)
+        self._kept: dict[tuple[int, int, int, int], dict[str, torch.Tensor]] = {}
+
+    @staticmethod
+    def _key(t: Tasklet, step: int, mb: int) -> tuple[int, int, int, int]:
+        return t.assignment.epoch, t.assignment.stage, step, mb
 
     def keep(self, t: Tasklet, step: int, mb: int, point: str, tensor: torch.Tensor) -> None:
         if not t.spec.sketches:
             return
-        for key in [k for k in self._kept if k[0] != step]:  # an earlier step's leftovers (a dropped pipeline)
-            del self._kept[key]
-        self._kept.setdefault((step, mb), {})[point] = tensor
+        key = self._key(t, step, mb)
+        for old in [k for k in self._kept if k[:3] != key[:3]]:  # leftovers of another plan, stage or step
+            del self._kept[old]
+        self._kept.setdefault(key, {})[point] = tensor
 
     def send(self, t: Tasklet, step: int, mb: int) -> None:
-        kept = self._kept.pop((step, mb), None)
+        kept = self._kept.pop(self._key(t, step, mb), None)
         if kept:
             self.outbox.submit(self._report, t, step, mb, kept)
 
