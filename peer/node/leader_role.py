@@ -355,8 +355,9 @@ class LeaderRole:
         if not plan or "stages" not in plan:
             return None
         stages = [(int(a), int(b)) for a, b in plan["stages"]]
-        statuses = self._statuses()
-        silent = set() if not statuses else {a.endpoint for a in self._workers().values()} - set(statuses)
+        asked = list(self._workers().values())  # one view: a worker seen only later was not asked, not silent
+        statuses = self._statuses(asked)
+        silent = set() if not statuses else {a.endpoint for a in asked} - set(statuses)
         for ep in sorted(silent):  # planning it would stall the first assignment on it (the old leader, often)
             log.warning("takeover: %s is left out of the first plan: it did not answer its status query", ep)
         self.excluded |= silent
@@ -392,9 +393,9 @@ class LeaderRole:
         """The trained step and stage hashes the previous plan's leader last signed (``recorded_progress``)."""
         return recorded_progress(predecessor_progress(self.ctx, self.stop_event))
 
-    def _statuses(self) -> dict[str, dict[str, Any]]:
+    def _statuses(self, adverts: list[Any] | None = None) -> dict[str, dict[str, Any]]:
         out = {}
-        for a in self._workers().values():
+        for a in self._workers().values() if adverts is None else adverts:
             try:
                 with PeerClient(a.endpoint, TransportConfig(tls=self.coordinator.tls), sender="leader",
                                 expect_peer=a.peer_id) as client:

@@ -234,7 +234,6 @@ class Coordinator:
                     self.liveness.confirm(ep, f"did not take its assignment: {last}")
                     raise ReplanNeededError(f"worker {ep} did not take its assignment: {last}") from last
 
-
     def _granted(self, endpoint: str, a: Assignment, source: ctl.StateSource) -> ctl.StateSource:
         """A fetch source with our signed permission for the worker at ``endpoint`` to read those layers (the
         source may not be in the new plan, so it cannot know the fetcher's role otherwise)."""
@@ -549,4 +548,3 @@ def send_again(push: Callable[[pb.Envelope, float], None], envelope: pb.Envelope
         except TransportError as again:
             exc = again
     return exc
-
