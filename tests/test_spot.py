@@ -237,6 +237,39 @@ def test_with_two_pipelines_a_disagreement_sets_both_aside_and_the_step_is_repla
     assert failed and isinstance(failed[0].error, ReplanNeededError)
 
 
+def test_a_check_the_excluded_cheater_shadowed_is_decided_by_the_honest_copies_not_set_aside() -> None:
+    """Pipeline 0 corrupts. It shadows micro-batch 1, whose original (pipeline 2) is honest: the two differ, so a
+    third copy is wanted. Then pipeline 0 is excluded through micro-batch 0's check. Its copy of micro-batch 1 is
+    forgotten, and what is left are honest copies: they must be compared with each other and verified, not set
+    aside as "two copies differ" (they never did; the difference was the cheater's)."""
+    assignments = make_machine(3, cheater=0)[0].roster.assignments
+    spot = SpotChecks(0, N_STAGES, lambda p: 1.0, rng=random.Random(3))  # every lease is checked
+    machine = StepMachine(0, Roster(assignments), 3, now=0.0, timeout_s=600.0, lease_timeout_s=60.0, spot=spot)
+    machine.start()
+    assert machine.lease(0, 0.1).microbatch == 0  # original on the cheater
+    assert machine.lease(1, 0.2).microbatch == 0  # its shadow
+    assert machine.lease(2, 0.3).microbatch == 1  # original on an honest pipeline
+    shadow = machine.lease(0, 0.4)
+    assert (shadow.microbatch, shadow.speculative) == (1, True), "the cheater shadows micro-batch 1"
+    run_copy(machine, 0, 0, wrong=True, now=1.0)
+    run_copy(machine, 0, 1, wrong=False, now=1.0)
+    run_copy(machine, 1, 2, wrong=False, now=1.0)
+    run_copy(machine, 1, 0, wrong=True, now=1.0)
+    assert not [c for c in machine.tick(1.1) if isinstance(c, Spot)], "both checks want a third copy"
+    third = machine.lease(2, 1.2)
+    assert (third.microbatch, third.speculative) == (0, True)
+    run_copy(machine, 0, 2, wrong=False, now=2.0)
+    findings = [c.finding for c in machine.tick(2.1) if isinstance(c, Spot)]
+    assert [(f.kind, f.pipelines) for f in findings if f.kind == "exclude"] == [("exclude", (0,))]
+    assert 0 in machine.state.dropped
+    copy = machine.lease(1, 2.2)
+    assert (copy.microbatch, copy.speculative) == (1, True), "micro-batch 1 still wants a second honest copy"
+    run_copy(machine, 1, 1, wrong=False, now=3.0)
+    findings = [c.finding for c in machine.tick(3.1) if isinstance(c, Spot)]
+    assert [(f.kind, f.pipelines) for f in findings] == [("verified", (2, 1))], findings
+    assert set(machine.state.aside) == {0} and machine.state.dropped == {0}, "only the cheater is out"
+
+
 def test_missing_sketches_set_the_pipeline_aside_after_the_wait() -> None:
     machine, _ = make_machine(3, cheater=None)
     assert machine.lease(2, 0.1).microbatch == 0  # pipeline 2 is not on probation: not sampled

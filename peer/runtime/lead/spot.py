@@ -307,7 +307,8 @@ class SpotChecks:
 
     def forget(self, pipeline: int) -> None:
         """``pipeline`` left the step (dropped): its own micro-batches go back to the pool (their checks are
-        cancelled, a new lease draws again); the checks it was a copy of want another copy."""
+        cancelled, a new lease draws again); the checks it was a copy of want another copy, and judge the copies
+        left as a fresh pair."""
         for key in [k for k in self.committed if k[1] == pipeline]:
             del self.committed[key]
         for mb, check in list(self.checks.items()):
@@ -319,6 +320,9 @@ class SpotChecks:
                 check.copies.remove(pipeline)
                 check.leased.pop(pipeline, None)
                 check.done.pop(pipeline, None)
+                # the disagreement that asked for a third copy may have been this copy's: the ones left are
+                # compared afresh (two that differ ask for a third again)
+                check.wanted = 2
 
     # ------------------------------------------------------------------------------------------ judging
     def complete(self, key: tuple[int, int]) -> bool:
