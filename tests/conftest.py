@@ -27,7 +27,7 @@ import pytest
 from peer.emulation.netbed import NetBed, open_bed, unavailable_reason
 from tests.support.driver import workers_fixture
 from tests.support.equivalence import reference_fixture
-from tests.support.newcomer import newcomer_fixture
+from tests.support.newcomer import newcomer_fixture, prepare_in_background, stop_background
 from tests.support.processes import FIXTURE as PROCESSES
 from tests.support.processes import processes_fixture, refuse_processes
 
@@ -65,6 +65,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
             _join_group(config, item, group)
+    # the in-process tests first (in their order, then the others in theirs): the fresh clone's set-up runs
+    # beside them (pytest_collection_finish), and a broken build fails in the first minutes
+    items.sort(key=lambda item: 0 if item.get_closest_marker("unit") else 1)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the fresh clone's set-up now when a selected test will use it, in one process only (no xdist)."""
+    config = session.config
+    if getattr(config, "workerinput", None) is not None or config.getoption("numprocesses", default=0) or \
+            config.option.collectonly:
+        return
+    factory = getattr(config, "_tmp_path_factory", None)  # pytest's own tmp_path_factory (the fixture's)
+    if factory is not None and any("newcomer" in getattr(item, "fixturenames", ()) for item in session.items):
+        prepare_in_background(factory.getbasetemp() / "newcomer")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    stop_background()  # a set-up the session did not wait for (stopped early, or the test deselected later)
 
 
 def _join_group(config: pytest.Config, item: pytest.Item, group: str) -> None:
