@@ -11,16 +11,17 @@
 A test can also carry a layer marker explicitly (``@pytest.mark.integration`` for a long in-process run); a test
 with no layer marker from either is ``unit``.
 
-With ``TASKLET_TEST_WORKERS=N`` (pytest-xdist, ``--dist loadgroup``, see scripts/test.sh), tests that share a
-machine-wide resource run on one worker, in one ``xdist_group``: the network-namespace bed (fixed subnet, stale
-beds swept when a bed opens) and the container engine.
+Order: the in-process tests first, then the fresh clone's tests, then the other integration tests. With
+pytest-xdist (``TASKLET_TEST_WORKERS``, 2 by default, ``--dist loadgroup``, see scripts/test.sh) every test with
+processes runs on one worker, one at a time, in one ``xdist_group`` (two swarms at once on 2 cores only wait on
+each other; the network-namespace bed and the container engine are machine-wide), and the in-process tests run on
+the other worker beside them. In one process, the fresh clone's set-up starts in the background when the tests
+are collected (tests/support/newcomer.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from functools import cache
-from pathlib import Path
 
 import pytest
 
@@ -40,14 +41,9 @@ FIXTURE_MARKERS: dict[str, tuple[str, ...]] = {
     PROCESSES: ("integration",),
 }
 LAYER_MARKERS = ("unit", "integration", "slow")
-# a test module naming one of these shares a machine-wide resource: its tests run on one worker, one at a time
-SHARED_RESOURCES = {"containers": ("podman", "container"), "netbed": ("netbed", "open_bed", "bed: NetBed")}
-
-
-@cache
-def _shared_resource(module: Path) -> str | None:
-    text = module.read_text(encoding="utf-8", errors="replace")
-    return next((group for group, words in SHARED_RESOURCES.items() if any(w in text for w in words)), None)
+# xdist groups: every test with processes on one worker, one at a time (two swarms at once on 2 cores only wait on
+# each other, and the namespace bed and the container engine are machine-wide); the in-process tests on another
+UNIT, INTEGRATION = "unit", "integration"
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks set here
@@ -61,23 +57,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(getattr(pytest.mark, name))
         if not any(item.get_closest_marker(m) for m in LAYER_MARKERS):
             item.add_marker(pytest.mark.unit)
-        group = _shared_resource(Path(str(item.fspath))) if item.get_closest_marker("integration") else None
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
-            _join_group(config, item, group)
-    # the in-process tests first (in their order, then the others in theirs): the fresh clone's set-up runs
-    # beside them (pytest_collection_finish), and a broken build fails in the first minutes
-    items.sort(key=lambda item: 0 if item.get_closest_marker("unit") else 1)
+        item.add_marker(pytest.mark.xdist_group(_group(item)))
+    # the in-process tests first, then the tests of the fresh clone (its set-up runs beside the in-process tests:
+    # pytest_collection_finish, or the other xdist worker), then the rest, each in its order
+    items.sort(key=lambda item: 0 if _group(item) == UNIT else 1 if "newcomer" in _fixtures(item) else 2)
 
 
+def _group(item: pytest.Item) -> str:
+    return INTEGRATION if item.get_closest_marker("integration") else UNIT
+
+
+def _fixtures(item: pytest.Item) -> tuple[str, ...]:
+    return tuple(getattr(item, "fixturenames", ()))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker sends the collected node ids
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the fresh clone's set-up now when a selected test will use it, in one process only (no xdist)."""
-    config = session.config
-    if getattr(config, "workerinput", None) is not None or config.getoption("numprocesses", default=0) or \
-            config.option.collectonly:
+    """xdist: the groups of the selected tests (in-process tests spread over the workers when no other test is
+    selected). One process: start the fresh clone's set-up now when a selected test will use it."""
+    config, items = session.config, session.items
+    if getattr(config, "workerinput", None) is not None:
+        spread = not any(_group(item) == INTEGRATION for item in items)
+        for item in items:
+            if not (spread and _group(item) == UNIT):
+                _join_group(config, item, _group(item))
+        return
+    if config.getoption("numprocesses", default=0) or config.option.collectonly:
         return
     factory = getattr(config, "_tmp_path_factory", None)  # pytest's own tmp_path_factory (the fixture's)
-    if factory is not None and any("newcomer" in getattr(item, "fixturenames", ()) for item in session.items):
+    if factory is not None and any("newcomer" in _fixtures(item) for item in items):
         prepare_in_background(factory.getbasetemp() / "newcomer")
 
 
