@@ -91,3 +91,23 @@ def test_find_socket(tmp_path: Path, served: tuple[Calls, Path]) -> None:
         find_socket(tmp_path / "empty")
     with pytest.raises(ControlError, match="cannot reach"):
         ask(socket_path(folder, "peerDead"), "status")
+
+
+def test_a_state_folder_deeper_than_a_unix_socket_address_still_serves(tmp_path: Path) -> None:
+    """A unix socket's address holds 107 bytes; a deep --state-dir (a CI worker's temporary folder, a long home)
+    made `peer join` fail at start with "AF_UNIX path too long". The socket is bound and reached through an open
+    handle on its folder instead."""
+    folder = tmp_path / ("deep-" * 12) / "state"
+    path = socket_path(folder, "peer" + "0" * 20)
+    assert len(str(path).encode()) > 107
+    calls = Calls()
+    control = ControlSocket(path, calls.state())
+    control.start()
+    try:
+        assert path.exists() and stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert find_socket(folder) == path
+        assert ask(path, "pause") == {"ok": True, "paused": True}
+        assert calls.log == ["leave"]
+    finally:
+        control.close()
+    assert not path.exists()

@@ -15,6 +15,7 @@ to whoever takes its place), and nothing is held against it. Resuming announces 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
@@ -51,6 +52,28 @@ def default_state_dir() -> Path:
 
 def socket_path(state_dir: Path, peer_id: str) -> Path:
     return state_dir / f"control-{peer_id}.sock"
+
+
+MAX_SUN_PATH = 107  # bytes of a unix socket's address (sockaddr_un.sun_path, 108 with its NUL)
+
+
+@contextlib.contextmanager
+def _address(path: Path) -> Iterator[str]:
+    """The address to bind or connect ``path`` by: itself, or, when it is longer than a unix socket's address
+    may be (a deep ``--state-dir``), the same file through an open handle on its folder (``/proc/self/fd/N/NAME``,
+    Linux), valid while the block runs."""
+    if len(os.fsencode(path)) <= MAX_SUN_PATH:
+        yield str(path)
+        return
+    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)
+    try:
+        short = f"/proc/self/fd/{fd}/{path.name}"
+        if len(os.fsencode(short)) > MAX_SUN_PATH or not os.path.isdir(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENAMETOOLONG, f"the path is {len(os.fsencode(path))} bytes, over a unix socket's "
+                                              f"{MAX_SUN_PATH}; give a shorter --state-dir")
+        yield short
+    finally:
+        os.close(fd)
 
 
 class PauseState:
@@ -108,7 +131,8 @@ class ControlSocket:
             if self.path.exists() or self.path.is_symlink():
                 self.path.unlink()  # a stale socket of an earlier run of this identity
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.bind(str(self.path))
+            with _address(self.path) as address:
+                sock.bind(address)
             os.chmod(self.path, 0o600)
             sock.listen(4)
         except OSError as exc:
@@ -197,7 +221,8 @@ def _answers(path: Path) -> bool:
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(REQUEST_TIMEOUT_S)
-            sock.connect(str(path))
+            with _address(path) as address:
+                sock.connect(address)
         return True
     except OSError:
         return False
@@ -208,7 +233,8 @@ def ask(path: Path, command: str, timeout_s: float = ANSWER_TIMEOUT_S) -> dict[s
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout_s)
-            sock.connect(str(path))
+            with _address(path) as address:
+                sock.connect(address)
             sock.sendall(command.encode("ascii") + b"\n")
             data = b""
             while not data.endswith(b"\n") and len(data) < 4096:
