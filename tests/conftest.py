@@ -12,11 +12,12 @@ A test can also carry a layer marker explicitly (``@pytest.mark.integration`` fo
 with no layer marker from either is ``unit``.
 
 Order: the in-process tests first, then the fresh clone's tests, then the other integration tests. With
-pytest-xdist (``TASKLET_TEST_WORKERS``, 2 by default, ``--dist loadgroup``, see scripts/test.sh) every test with
-processes runs on one worker, one at a time, in one ``xdist_group`` (two swarms at once on 2 cores only wait on
-each other; the network-namespace bed and the container engine are machine-wide), and the in-process tests run on
-the other worker beside them. In one process, the fresh clone's set-up starts in the background when the tests
-are collected (tests/support/newcomer.py).
+pytest-xdist (``TASKLET_TEST_WORKERS``, 2 by default, ``--dist loadgroup``, see scripts/test.sh) they run in two
+lanes, an ``xdist_group`` each, so one worker each: lane 1 the in-process tests, then the fresh clone's (its
+set-up, the README's first command, the install script); lane 2 every other test with processes, one at a time
+(two swarms at once on 2 cores only wait on each other; the network-namespace bed and the container engine are
+machine-wide). Lane 1 is over in about 6 minutes, lane 2 sets the suite's time. In one process, the fresh clone's
+set-up starts in the background when the tests are collected (tests/support/newcomer.py).
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ FIXTURE_MARKERS: dict[str, tuple[str, ...]] = {
     PROCESSES: ("integration",),
 }
 LAYER_MARKERS = ("unit", "integration", "slow")
-# xdist groups: every test with processes on one worker, one at a time (two swarms at once on 2 cores only wait on
-# each other, and the namespace bed and the container engine are machine-wide); the in-process tests on another
-UNIT, INTEGRATION = "unit", "integration"
+# xdist groups, one per worker (module docstring): lane 1 the in-process tests, then the fresh clone's; lane 2 every
+# other test with processes, one at a time (two swarms at once on 2 cores only wait on each other, and the namespace
+# bed and the container engine are machine-wide)
+LANE1, LANE2 = "lane1", "lane2"
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks set here
@@ -58,13 +60,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if not any(item.get_closest_marker(m) for m in LAYER_MARKERS):
             item.add_marker(pytest.mark.unit)
         item.add_marker(pytest.mark.xdist_group(_group(item)))
-    # the in-process tests first, then the tests of the fresh clone (its set-up runs beside the in-process tests:
-    # pytest_collection_finish, or the other xdist worker), then the rest, each in its order
-    items.sort(key=lambda item: 0 if _group(item) == UNIT else 1 if "newcomer" in _fixtures(item) else 2)
+    # the in-process tests first, then the fresh clone's tests (in one process its set-up runs in the background
+    # beside the in-process tests: pytest_collection_finish), then the rest, each in its order
+    items.sort(key=lambda item: 0 if not _with_processes(item) else 1 if "newcomer" in _fixtures(item) else 2)
+
+
+def _with_processes(item: pytest.Item) -> bool:
+    return item.get_closest_marker("integration") is not None
 
 
 def _group(item: pytest.Item) -> str:
-    return INTEGRATION if item.get_closest_marker("integration") else UNIT
+    return LANE1 if not _with_processes(item) or "newcomer" in _fixtures(item) else LANE2
 
 
 def _fixtures(item: pytest.Item) -> tuple[str, ...]:
@@ -73,13 +79,12 @@ def _fixtures(item: pytest.Item) -> tuple[str, ...]:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's worker sends the collected node ids
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """xdist: the groups of the selected tests (in-process tests spread over the workers when no other test is
-    selected). One process: start the fresh clone's set-up now when a selected test will use it."""
+    """xdist: the lanes of the selected tests (the in-process tests spread over the workers when they are all that
+    is selected). One process: start the fresh clone's set-up now when a selected test will use it."""
     config, items = session.config, session.items
     if getattr(config, "workerinput", None) is not None:
-        spread = not any(_group(item) == INTEGRATION for item in items)
-        for item in items:
-            if not (spread and _group(item) == UNIT):
+        if any(_with_processes(item) for item in items):
+            for item in items:
                 _join_group(config, item, _group(item))
         return
     if config.getoption("numprocesses", default=0) or config.option.collectonly:
