@@ -12,7 +12,7 @@ import torch
 
 from peer.compute.model import ModelConfig
 from peer.net import PeerClient
-from peer.runtime.control import StartStep, encode
+from peer.runtime.control import Reduce, StartStep, encode
 from peer.runtime.lead.coordinator import Coordinator
 from peer.runtime.spec import Assignment, RunSpec
 from peer.runtime.stage.worker import StageWorker
@@ -128,3 +128,33 @@ def test_plans_are_fenced_by_epoch_then_leader(stage) -> None:
         assert (worker.assignment.epoch, worker.assignment.leader) == (5, "bbbb")
     coordinator.assign(plan(5, "cccc"))  # equal epoch, larger leader id: newer
     assert (worker.assignment.epoch, worker.assignment.leader) == (5, "cccc")
+
+
+def test_stop_lets_go_of_a_reduce_waiting_for_a_replica_that_never_sends() -> None:
+    """A reduce waits up to REDUCE_WAIT_S (120 s) for the other replicas' shards. Stopping the worker (the peer
+    shuts down) abandons it at once: the compute thread ends within the stop, instead of waking two minutes later
+    to report through an outbox already closed."""
+    torch.set_num_threads(1)
+    coordinator = Coordinator(SPEC)
+    coordinator.start()
+    worker = StageWorker(max_envelope_bytes=LIMIT)
+    worker.start()
+    client = PeerClient(worker.server.endpoint, sender="upstream")
+    try:
+        a = Assignment(epoch=3, stage=0, replica=0, n_stages=1, n_replicas=2, layers=(0, 4),
+                       group=(worker.server.endpoint, "127.0.0.1:9"), coordinator=coordinator.endpoint)
+        coordinator.assign({worker.server.endpoint: a})
+        client.push(encode(StartStep(0, 0), SPEC.run_id, 3, 0), timeout_s=10)
+        client.push(encode(Reduce(0, 1, (0, 1), {}), SPEC.run_id, 3, 0), timeout_s=10)
+        deadline = time.monotonic() + 10
+        while worker.exchange is None or (0, 1) not in worker.exchange._attempts:  # its own shard is in: it waits
+            assert time.monotonic() < deadline, "the reduce did not start"
+            time.sleep(0.05)
+    finally:
+        client.close()
+        started = time.monotonic()
+        worker.stop()
+        stopped_s = time.monotonic() - started
+        coordinator.close()
+    assert not worker._compute_thread.is_alive(), "the compute thread still waits for shards"
+    assert stopped_s < 5.0, f"stop took {stopped_s:.1f} s"

@@ -167,6 +167,9 @@ class StageWorker:
         self.stopped.set()
         with self._cond:
             self._cond.notify_all()
+        t = self._tasklet
+        if t is not None:  # a reduce waiting (up to REDUCE_WAIT_S) for shards lets go now, not after we are gone
+            t.exchange.abort_before((ALL_ATTEMPTS, 0))
         if self._compute_thread.is_alive():
             self._compute_thread.join(timeout=5.0)
         self.outbox.close()
