@@ -3,6 +3,7 @@ clear message, keeps serving, and its state is untouched; and it follows only th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Iterator
@@ -32,8 +33,9 @@ def assignment(worker: StageWorker, coordinator: Coordinator, epoch: int) -> Ass
                       group=(worker.server.endpoint,), coordinator=coordinator.endpoint, prev="127.0.0.1:9")
 
 
-@pytest.fixture
-def stage() -> Iterator[tuple[StageWorker, Coordinator, PeerClient]]:
+@contextlib.contextmanager
+def running() -> Iterator[tuple[StageWorker, Coordinator, PeerClient]]:
+    """A coordinator, a worker and a client pushing to it, all closed after the block."""
     torch.set_num_threads(1)
     coordinator = Coordinator(SPEC)
     coordinator.start()
@@ -41,13 +43,19 @@ def stage() -> Iterator[tuple[StageWorker, Coordinator, PeerClient]]:
     worker.start()
     client = PeerClient(worker.server.endpoint, sender="upstream")
     try:
-        coordinator.assign({worker.server.endpoint: assignment(worker, coordinator, epoch=3)})
-        client.push(encode(StartStep(0, 0), SPEC.run_id, 3, 0), timeout_s=10)
         yield worker, coordinator, client
     finally:
         client.close()
         worker.stop()
         coordinator.close()
+
+
+@pytest.fixture
+def stage() -> Iterator[tuple[StageWorker, Coordinator, PeerClient]]:
+    with running() as (worker, coordinator, client):
+        coordinator.assign({worker.server.endpoint: assignment(worker, coordinator, epoch=3)})
+        client.push(encode(StartStep(0, 0), SPEC.run_id, 3, 0), timeout_s=10)
+        yield worker, coordinator, client
 
 
 def activation(t: torch.Tensor, step: int = 0, mb: int = 0) -> pb.Envelope:
@@ -134,13 +142,7 @@ def test_stop_lets_go_of_a_reduce_waiting_for_a_replica_that_never_sends() -> No
     """A reduce waits up to REDUCE_WAIT_S (120 s) for the other replicas' shards. Stopping the worker (the peer
     shuts down) abandons it at once: the compute thread ends within the stop, instead of waking two minutes later
     to report through an outbox already closed."""
-    torch.set_num_threads(1)
-    coordinator = Coordinator(SPEC)
-    coordinator.start()
-    worker = StageWorker(max_envelope_bytes=LIMIT)
-    worker.start()
-    client = PeerClient(worker.server.endpoint, sender="upstream")
-    try:
+    with running() as (worker, coordinator, client):
         a = Assignment(epoch=3, stage=0, replica=0, n_stages=1, n_replicas=2, layers=(0, 4),
                        group=(worker.server.endpoint, "127.0.0.1:9"), coordinator=coordinator.endpoint)
         coordinator.assign({worker.server.endpoint: a})
@@ -150,11 +152,7 @@ def test_stop_lets_go_of_a_reduce_waiting_for_a_replica_that_never_sends() -> No
         while worker.exchange is None or (0, 1) not in worker.exchange._attempts:  # its own shard is in: it waits
             assert time.monotonic() < deadline, "the reduce did not start"
             time.sleep(0.05)
-    finally:
-        client.close()
         started = time.monotonic()
-        worker.stop()
-        stopped_s = time.monotonic() - started
-        coordinator.close()
+    stopped_s = time.monotonic() - started  # the block's end stops the worker
     assert not worker._compute_thread.is_alive(), "the compute thread still waits for shards"
     assert stopped_s < 5.0, f"stop took {stopped_s:.1f} s"
