@@ -16,7 +16,7 @@ pytest-xdist (``TASKLET_TEST_WORKERS``, 2 by default, ``--dist loadgroup``, see 
 lanes, an ``xdist_group`` each, so one worker each: lane 1 the in-process tests, then the fresh clone's (its
 set-up, the README's first command, the install script); lane 2 every other test with processes, one at a time
 (two swarms at once on 2 cores only wait on each other; the network-namespace bed and the container engine are
-machine-wide). Lane 1 is over in about 6 minutes, lane 2 sets the suite's time. In one process, the fresh clone's
+machine-wide). Lane 1 is over in about 8 minutes, lane 2 sets the suite's time. In one process, the fresh clone's
 set-up starts in the background when the tests are collected (tests/support/newcomer.py).
 """
 
