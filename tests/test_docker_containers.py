@@ -53,7 +53,8 @@ COMPOSE_STEPS = 18
 STOP_AFTER_STEP = 6
 HOST_STEPS = 10
 
-# checkpoint_every beyond the run: the only checkpoint on the volume is the one `docker stop` makes
+# checkpoint_every beyond the run: the only checkpoint on the volume is the one `docker stop` makes; min_peers
+# is the first peer and compose's 3 volunteers, so all four train from the first plan however slowly they start
 COMPOSE_RUN = f"""\
 [run]
 run_id = "tasklet"
@@ -68,7 +69,7 @@ n_heads = 4
 seq_len = 32
 
 [swarm]
-min_peers = 2
+min_peers = 4
 heartbeat_s = 1.0
 plan_time_limit_s = 1.0
 checkpoint_dir = "/tasklet/checkpoints"
@@ -290,7 +291,7 @@ def test_compose_1_starts_the_volunteers_the_file_says(container_images: Images,
         pytest.skip("no docker-compose (bash scripts/setup.sh installs Debian's as root)")
     engine = container_images.engine
     run_file = tmp_path / "run.toml"
-    run_file.write_text(COMPOSE_RUN.replace("min_peers = 2", "min_peers = 4"))
+    run_file.write_text(COMPOSE_RUN)
     run_file.chmod(0o644)
     with docker_api(engine, tmp_path) as host, compose_project(
             engine, f"tasklet-dc-{os.getpid()}", {"TASKLET_RUN_FILE": str(run_file), "DOCKER_HOST": host},
