@@ -48,6 +48,12 @@ LAYER_MARKERS = ("unit", "integration", "slow")
 LANE1, LANE2 = "lane1", "lane2"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist registers it too; without xdist (-p no:xdist) the marks set below would warn as unknown. Here
+    # and not in pyproject.toml, whose every change rebuilds the container images' dependency layer.
+    config.addinivalue_line("markers", "xdist_group(name): the lane a test runs in (set here, not by hand)")
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks set here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
