@@ -51,11 +51,12 @@ ACTIVATION_OPTIONS = ("none", "fp16", "int8", "int4", "int2")
 PSEUDO_GRAD_OPTIONS = ("none", "int8", "topk")
 BLOCK_SIZE = 64
 CODEC_FLOPS_PER_ELEMENT = 8.0  # absmax, scale, noise, round, pack (and the inverse): a few ops per element
-# An outer round's pseudo-gradient codec runs on the worker's CPU, not the emulated device: int8 encode + decode
-# measured at 13-25 ns per element (peer.runtime.outer.roundtrip, one thread, 50 k-1 M elements, load ~4.7).
-# Each member encodes its pseudo-gradient and the summed shard and decodes what it receives: about 2 round trips
-# of its stage's parameters per round.
-CODEC_S_PER_ELEMENT = 25e-9
+# An outer round's pseudo-gradient codec runs on the worker's CPU, not the emulated device: encode + decode per
+# element on one thread at the sizes where it matters (16 M elements, out of cache; `python -m bench.codec`):
+# int8 24 ns, top-k 36-42 ns (a member's blocks of 64 and the all-gather's small blocks alike); in cache both are
+# 2-4x faster. Each member encodes its pseudo-gradient and the summed shard and decodes what it receives: about
+# 2 round trips of its stage's parameters per round.
+CODEC_S_PER_ELEMENT = {"int8": 25e-9, "topk": 40e-9}
 OUTER_CODEC_PASSES = 2.0
 DILOCO_ROUND_END_ROUNDS = 2  # the outer round's reduce and its apply, once per H steps
 DILOCO_INNER_ROUNDS = 2  # start_step and the inner step's merged reduce-and-apply, every step
@@ -277,7 +278,7 @@ def control_s(workload: Workload, stages: list[tuple[int, int]], n_workers: int,
     codec = 0.0
     if sync.pseudo_grad_compression != "none":
         elems = max(workload.stage_params(a, b) for a, b in stages)
-        codec = OUTER_CODEC_PASSES * elems * CODEC_S_PER_ELEMENT / sync.period
+        codec = OUTER_CODEC_PASSES * elems * CODEC_S_PER_ELEMENT[sync.pseudo_grad_compression] / sync.period
     return control_time(n_workers, rounds) + codec
 
 

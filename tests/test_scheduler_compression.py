@@ -132,7 +132,7 @@ def test_diloco_control_counts_its_rounds_and_the_outer_codec_per_step() -> None
     p = Plan([(0, 4), (4, 8)], [[0, 1], [2, 3]])
     elems = max(w.stage_params(a, b) for a, b in p.stages)
     for h in (2, 8):
-        for comp, codec in (("none", 0.0), ("int8", OUTER_CODEC_PASSES * elems * CODEC_S_PER_ELEMENT)):
+        for comp, codec in (("none", 0.0), ("int8", OUTER_CODEC_PASSES * elems * CODEC_S_PER_ELEMENT["int8"])):
             got = predict(c, w, p, Choice(("none",), SyncOption(h, comp)))
             # start and the merged inner reduce-and-apply every step; the outer reduce and apply once per round
             want = (2 + 2 / h) * 4 * CONTROL_S_PER_WORKER + codec / h
