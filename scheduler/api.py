@@ -119,8 +119,31 @@ def default_time_limit(n_devices: int) -> float:
     return DEFAULT_TIME_S_64 * float(np.sqrt(max(n_devices, 1) / 64.0))
 
 
+# Evaluations of the memetic search per CPU second of one core (N devices, 8 x N/8 tasklets), measured on the
+# machine the defaults were set on (docs/scheduler.md, "Device numbering"); between the points, log-linear in N.
+EVALUATION_RATE: dict[str, tuple[tuple[int, float], ...]] = {
+    "dtfm": ((64, 190e3), (256, 245e3), (1024, 57e3)),
+    "full": ((64, 3.9e3), (256, 1.1e3), (1024, 0.55e3)),
+}
+BUDGET_SHARE = 0.6  # of a time limit, spent at those rates: the rest is the bound, the seeds and a slower machine
+
+
+def evaluation_budget(n_devices: int, cost_model: str, time_limit_s: float) -> int:
+    """The evaluations a default search may make under ``time_limit_s``: :data:`BUDGET_SHARE` of it at
+    :data:`EVALUATION_RATE`.
+
+    Why a count and not only the clock: the search is deterministic up to its stop, so a count makes the same
+    scenario give the same plan on every run and under every numbering of its devices (the canonical order);
+    the time limit stays the guard on a slower or loaded machine, and then the plan depends on when it fell.
+    """
+    points = EVALUATION_RATE[cost_model]
+    x = float(np.log2(max(n_devices, 1)))
+    rate = float(np.interp(x, [np.log2(n) for n, _ in points], [r for _, r in points]))
+    return max(1000, int(BUDGET_SHARE * time_limit_s * rate))
+
+
 def _memetic_config(cfg: MemeticConfig | None, seed: int, time_limit_s: float | None, cost_model: str,
-                    gap_stop: float | None = None) -> MemeticConfig:
+                    gap_stop: float | None = None, n_devices: int = 0) -> MemeticConfig:
     base = cfg or MemeticConfig()
     out = MemeticConfig(**{**base.__dict__, "seed": seed,
                            "time_limit_s": time_limit_s if time_limit_s is not None else base.time_limit_s})
@@ -128,6 +151,8 @@ def _memetic_config(cfg: MemeticConfig | None, seed: int, time_limit_s: float | 
         out.gap = gap_stop
     if cost_model == "full" and cfg is None:  # every evaluation is a full prediction: a smaller budget
         out.max_evaluations, out.population = min(out.max_evaluations, 6000), min(out.population, 4)
+    if cfg is None and time_limit_s is not None and n_devices:
+        out.max_evaluations = min(out.max_evaluations, evaluation_budget(n_devices, cost_model, time_limit_s))
     return out
 
 
@@ -229,7 +254,7 @@ def _search_layout(cluster: Cluster, workload: Workload, cost_model: str, seed: 
         res = run_search(obj, starts, cluster.n, cfg)
     else:
         mcfg = _memetic_config(config if isinstance(config, MemeticConfig) else None, seed, time_limit_s,
-                               cost_model, gap_stop)
+                               cost_model, gap_stop, cluster.n)
         mcfg.cold_seeds = mcfg.cold_seeds and cold_seeds
         mcfg.time_limit_s = _remaining(mcfg.time_limit_s, mcfg.cpu_clock, started)
         # per-slot costs (moves, memory penalties) are >= 0, so the bound of the cost bounds the objective too
@@ -268,8 +293,9 @@ def plan(cluster: Cluster, workload: Workload, cost_model: str = "full", seed: i
     choice is ``plan.predicted["choice"]`` and the prediction is of a step under it.
 
     Stopping: the search ends once its plan is proven within ``gap`` of optimal by the lower bound (default
-    :data:`DEFAULT_GAP`, or ``config.gap`` when a config is given) or at ``time_limit_s`` (default, when no
-    config is given either: :func:`default_time_limit`); ``plan.search["stopped_by"]`` says which rule did.
+    :data:`DEFAULT_GAP`, or ``config.gap`` when a config is given), at the evaluation budget of ``time_limit_s``
+    (:func:`evaluation_budget`; without a config) or at ``time_limit_s`` itself (default, when no config is given
+    either: :func:`default_time_limit`); ``plan.search["stopped_by"]`` says which rule did.
     ``canonical``: search the devices in a canonical order, so that their numbering does not change the plan
     (default: yes unless a config is given -- an explicit budget keeps reproducing the listed-order search).
     """

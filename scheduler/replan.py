@@ -11,8 +11,9 @@ extra per swap.
 The search starts from the current plan, repaired: a departed device's tasklet goes to the idle device
 cheapest to bring there, and when the devices left no longer fill S x D the replica with the most holes is
 dropped. Warm (the default): the population is the repaired plan and kicked copies of it only, small
-(:data:`WARM`), and the search stops after a few generations without a new best, at the gap, or at a tenth of
-the from-scratch default time limit, at most :data:`WARM_TIME_MAX_S`. Why: after one peer left or joined, the
+(:data:`WARM`), and the search stops after a few generations without a new best, at the gap, or at the evaluation
+budget (:func:`scheduler.api.evaluation_budget`) of a tenth of the from-scratch default time limit, at most
+:data:`WARM_TIME_MAX_S`, which is also its time limit. Why: after one peer left or joined, the
 running plan was already near the best and a better one is a few swaps away, while the swarm waits on the
 re-plan. The lower bound of a departure's re-plan is the cached bound of the cluster before it
 (:mod:`scheduler.bound_cache`), so the re-plan does not recompute it; where none covers the cluster (a join), a
@@ -28,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from .api import COST_MODELS, DEFAULT_GAP, default_time_limit, predict, search_layout, stopping
+from .api import COST_MODELS, DEFAULT_GAP, default_time_limit, evaluation_budget, predict, search_layout, stopping
 from .bound import gap as gap_of
 from .cluster import Cluster
 from .errors import PlanningError
@@ -147,7 +148,7 @@ def replan(cluster: Cluster, workload: Workload, current: Plan, cost_model: str 
     if warm and config is None and algorithm == "memetic":
         if time_limit_s is None:
             time_limit_s = min(WARM_TIME_MAX_S, WARM_TIME_FRACTION * default_time_limit(cluster.n))
-        config = MemeticConfig(**WARM)
+        config = MemeticConfig(**WARM, max_evaluations=evaluation_budget(cluster.n, cost_model, time_limit_s))
         gap = DEFAULT_GAP if gap is None else gap
     gap_stop, time_limit_s = stopping(cluster.n, config, gap, time_limit_s)
     cpu0 = time.process_time()

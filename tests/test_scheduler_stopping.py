@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scheduler import Cluster, MemeticConfig, Plan, Workload, plan, replan
-from scheduler.api import default_time_limit, stopping
+from scheduler import Cluster, MemeticConfig, Plan, Workload, api, plan, replan
+from scheduler.api import default_time_limit, evaluation_budget, stopping
 from scheduler.bench import synthetic
 from scheduler.canonical import canonical_order
 from scheduler.cluster import PACKAGED_SCENARIOS
@@ -63,6 +63,32 @@ def test_same_cost_under_any_device_numbering() -> None:
             perm = np.random.default_rng(k).permutation(c.n) if k else np.arange(c.n)
             costs.append(plan(c.subset(perm), w, cost_model="dtfm", config=SMALL, canonical=True).predicted["total_s"])
         assert max(costs) <= min(costs) * 1.005, (c.name, costs)
+
+
+def test_evaluation_budget_scales_with_the_time_limit_and_the_measured_rates() -> None:
+    assert evaluation_budget(64, "dtfm", 5.0) == int(api.BUDGET_SHARE * 5.0 * 190e3)
+    assert evaluation_budget(64, "dtfm", 10.0) == 2 * evaluation_budget(64, "dtfm", 5.0)
+    assert evaluation_budget(128, "dtfm", 5.0) == int(api.BUDGET_SHARE * 5.0 * (190e3 + 245e3) / 2)  # log-linear
+    assert evaluation_budget(4096, "full", 1.0) == evaluation_budget(1024, "full", 1.0)  # flat beyond the table
+    assert evaluation_budget(64, "full", 1e-3) == 1000  # a floor: a tiny limit is the time limit's to end
+
+
+def test_a_default_search_ends_on_its_evaluation_budget_with_one_plan_for_every_numbering(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The budget, not the clock, ends a default search that the gap does not: renumbered devices (searched in
+    the canonical order) give the same plan. Rates are lowered so that the budget is small and a minute-long
+    limit cannot be what ends it."""
+    monkeypatch.setitem(api.EVALUATION_RATE, "dtfm", ((64, 50.0),))
+    c, w = synthetic("hetero64_1"), Workload.preset("gpt3-xl-dtfm")
+    budget = evaluation_budget(c.n, "dtfm", 60.0)
+    assert budget == int(api.BUDGET_SHARE * 60.0 * 50.0)
+    plans = []
+    for k in range(3):
+        perm = np.random.default_rng(k).permutation(c.n) if k else np.arange(c.n)
+        p = plan(c.subset(perm), w, cost_model="dtfm", time_limit_s=60.0)
+        assert p.search["stopped_by"] == "evaluations" and budget <= p.search["evaluations"] < budget + 200
+        plans.append((p.predicted["total_s"], sorted(sorted(perm[d] for d in row) for row in p.pipelines)))
+    assert plans[1] == plans[0] and plans[2] == plans[0]
 
 
 def test_canonical_order_ignores_the_numbering() -> None:
