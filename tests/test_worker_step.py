@@ -102,6 +102,9 @@ def test_activations_and_gradients_are_taken_once_per_micro_batch_and_never_for_
         s.take_activation(2, 3)
     assert not s.runs(Work.FORWARD, 2) and not s.runs(Work.BACKWARD, 2) and s.runs(Work.REDUCE, 2)
     assert not s.runs(Work.APPLY, 1)
+    # left out of steps 3 and 4 (no start_step while syncing), it is told to reload their results
+    assert s.runs(Work.RESYNC, 3) and s.runs(Work.RESYNC, 4) and s.runs(Work.RESYNC, 2)
+    assert not s.runs(Work.RESYNC, 1) and not s.runs(Work.REDUCE, 3)
 
 
 def test_shards_of_a_stale_or_far_round_are_refused() -> None:

@@ -188,7 +188,10 @@ class WorkerStep:
 
     def runs(self, work: Work, step: int) -> bool:
         """Whether queued work of ``step`` still runs: stale work (another step; forward or backward of a
-        dropped step) is thrown away."""
+        dropped step) is thrown away. A resync of a later step runs: a pipeline left out of steps gets no
+        ``start_step`` until in sync, so its step stays the one it missed while the leader tells it newer ones."""
+        if work is Work.RESYNC and step > self.step:
+            return True
         if step != self.step:
             return False
         return not (self.dropped and work in (Work.FORWARD, Work.BACKWARD))
