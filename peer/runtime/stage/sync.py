@@ -276,7 +276,7 @@ class GradientSync:
         a, compute = t.assignment, t.compute
         if msg.source not in a.group or msg.source == self.endpoint():
             raise Rejected(f"resync source {msg.source} is not another replica of this stage")
-        if compute.step not in (msg.trained_steps, msg.trained_steps - 1):  # -1: its pipeline missed the step
+        if compute.step > msg.trained_steps:  # behind by any number: a laggard whose reloads outlasted steps
             raise Rejected(f"resync to step {msg.trained_steps}, this stage has trained {compute.step} steps")
         outer = self.load(compute, msg.source, t.spec, a, msg.trained_steps)
         if t.outer is not None and outer is not None:  # DiLoCo: resyncs happen after an outer step (at an anchor)
