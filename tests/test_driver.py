@@ -8,6 +8,7 @@ survivors keeping or handing over their state, checkpoints written and a run res
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -24,6 +25,7 @@ from peer.runtime.lead.coordinator import StepFailedError, StepReport
 from peer.runtime.lead.driver import DriverConfig, Pipelines, RunDriver, Stages, StragglerJudge, _stage_holders
 from peer.runtime.lead.spot import Finding
 from peer.runtime.lead.step import TooFewPeersError
+from peer.runtime.stage.step import Work
 from tests.support.driver import SPEC, WHOLE_MODEL, FakePlanner, make_driver
 
 
@@ -342,3 +344,41 @@ def test_a_retried_plan_fetches_from_another_holder() -> None:
         assert rollback is None and sources["h0:1"].kind is SourceKind.KEEP
         picked.append(sources["new:1"].endpoint)
     assert picked == ["h0:1", "h1:1", "h0:1"]
+
+
+def test_a_pipeline_whose_reloads_outlast_steps_is_in_sync_when_the_run_ends(workers) -> None:
+    """Worker 1 turns slow at step 1, so its pipeline is overtaken and dropped, and each of its reloads takes longer
+    than the steps the other pipeline runs meanwhile: it is told newer and newer steps, runs each (not dropped as
+    stale, however far behind it is), and the last one, after the run's last step, leaves it in sync: the run ends
+    without waiting out the resync limit (150 s)."""
+    gen = workers[1].loop
+    forward, resync = gen._handlers[Work.FORWARD], gen._handlers[Work.RESYNC]
+    told: list[int] = []
+
+    def slow_forward(t, step, *args) -> None:  # noqa: ANN001
+        if step >= 1:
+            time.sleep(0.4)
+        forward(t, step, *args)
+
+    def slow_resync(t, step, *args) -> None:  # noqa: ANN001
+        told.append(step)
+        time.sleep(1.0)
+        resync(t, step, *args)
+
+    gen._handlers[Work.FORWARD], gen._handlers[Work.RESYNC] = slow_forward, slow_resync
+    driver, coordinator = make_driver(workers[:2], FakePlanner(), DriverConfig(steps=5, straggler_factor=0))
+    in_sync: list[bool] = []
+    wait = coordinator.wait_in_sync
+    coordinator.wait_in_sync = lambda timeout_s=20.0: in_sync.append(wait(timeout_s=20.0)) or in_sync[-1]
+    try:
+        reports = driver.run()
+        pending = dict(coordinator.resync.pending)
+        states = coordinator.live_states(every_replica=True)
+    finally:
+        coordinator.close()
+    dropped = [r.step for r in reports if 1 in r.dropped_pipelines]
+    assert dropped and dropped[0] == 1, [r.dropped_pipelines for r in reports]
+    assert len(told) >= 2 and told[-1] == 4, f"resyncs run for steps {told}: the newer ones were dropped"
+    assert in_sync == [True] and not pending, f"still reloading when the run ended: {pending}"
+    assert states[(0, 0)]["step"] == states[(0, 1)]["step"] == 5
+    assert torch.equal(states[(0, 0)]["params"], states[(0, 1)]["params"])
