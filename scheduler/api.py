@@ -144,7 +144,7 @@ def evaluation_budget(n_devices: int, cost_model: str, time_limit_s: float) -> i
 
 
 def _memetic_config(cfg: MemeticConfig | None, seed: int, time_limit_s: float | None, cost_model: str,
-                    gap_stop: float | None = None, n_devices: int = 0) -> MemeticConfig:
+                    gap_stop: float | None, n_devices: int) -> MemeticConfig:
     base = cfg or MemeticConfig()
     out = MemeticConfig(**{**base.__dict__, "seed": seed,
                            "time_limit_s": time_limit_s if time_limit_s is not None else base.time_limit_s})
@@ -152,7 +152,7 @@ def _memetic_config(cfg: MemeticConfig | None, seed: int, time_limit_s: float | 
         out.gap = gap_stop
     if cost_model == "full" and cfg is None:  # every evaluation is a full prediction: a smaller budget
         out.max_evaluations, out.population = min(out.max_evaluations, 6000), min(out.population, 4)
-    if cfg is None and time_limit_s is not None and n_devices:
+    if cfg is None and time_limit_s is not None:
         out.max_evaluations = min(out.max_evaluations, evaluation_budget(n_devices, cost_model, time_limit_s))
     return out
 

@@ -351,8 +351,8 @@ def test_a_pipeline_whose_reloads_outlast_steps_is_in_sync_when_the_run_ends(wor
     than the steps the other pipeline runs meanwhile: it is told newer and newer steps, runs each (not dropped as
     stale, however far behind it is), and the last one, after the run's last step, leaves it in sync: the run ends
     without waiting out the resync limit (150 s)."""
-    gen = workers[1].loop
-    forward, resync = gen._handlers[Work.FORWARD], gen._handlers[Work.RESYNC]
+    loop = workers[1].loop
+    forward, resync = loop._handlers[Work.FORWARD], loop._handlers[Work.RESYNC]
     told: list[int] = []
 
     def slow_forward(t, step, *args) -> None:  # noqa: ANN001
@@ -365,7 +365,7 @@ def test_a_pipeline_whose_reloads_outlast_steps_is_in_sync_when_the_run_ends(wor
         time.sleep(1.0)
         resync(t, step, *args)
 
-    gen._handlers[Work.FORWARD], gen._handlers[Work.RESYNC] = slow_forward, slow_resync
+    loop._handlers[Work.FORWARD], loop._handlers[Work.RESYNC] = slow_forward, slow_resync
     driver, coordinator = make_driver(workers[:2], FakePlanner(), DriverConfig(steps=5, straggler_factor=0))
     in_sync: list[bool] = []
     wait = coordinator.wait_in_sync

@@ -722,14 +722,6 @@ def test_a_tampering_outbox_changes_only_the_gradients_it_sends() -> None:
             assert check(x) if env.kind in kinds else torch.equal(x, torch.full((4,), 2.0)), (cls, env.kind)
 
 
-class _Reports:
-    def __init__(self) -> None:
-        self.sent: list[object] = []
-
-    def report(self, _t: object, msg: object) -> None:
-        self.sent.append(msg)
-
-
 def test_a_laggard_several_steps_behind_reloads_the_told_step_and_never_goes_back() -> None:
     """Its earlier reloads outlasted steps: told the newest step, it loads that state whatever it holds now; a
     resync to a step older than its own is refused."""
@@ -741,12 +733,13 @@ def test_a_laggard_several_steps_behind_reloads_the_told_step_and_never_goes_bac
         loads.append((source, trained))
         c.step = trained
 
-    reports = _Reports()
-    sync = GradientSync(WorkerStep(), threading.Condition(), reports, lambda: "me", load)  # type: ignore[arg-type]
+    sent: list[ctl.Message] = []
+    outbox = SimpleNamespace(report=lambda _t, msg: sent.append(msg))
+    sync = GradientSync(WorkerStep(), threading.Condition(), outbox, lambda: "me", load)  # type: ignore[arg-type]
     t = SimpleNamespace(assignment=SimpleNamespace(group=["me", "other"]), compute=compute, spec=None, outer=None)
     sync.resync(t, 4, ctl.Resync(4, 5, "other"))  # type: ignore[arg-type]
     assert loads == [("other", 5)] and compute.step == 5
-    [synced] = reports.sent
+    [synced] = sent
     assert isinstance(synced, ctl.Synced) and synced.trained_steps == 5
     with pytest.raises(Rejected, match="this stage has trained 5 steps"):
         sync.resync(t, 3, ctl.Resync(3, 4, "other"))  # type: ignore[arg-type]
