@@ -79,14 +79,37 @@ def test_honest_all_gather_passes_the_digest_check() -> None:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("change", ["scale", "one_value"])
+def test_the_digest_projects_by_product_weights_over_rows_and_a_shorter_last_row() -> None:
+    """``shard_digest`` is the projection by weights ``a[i] * b[j]`` (column ``i``, row ``j`` of rows of
+    ``DIGEST_ROW``), written out here element by element, for a shard of two whole rows and a partial one."""
+    n = 2 * checks.DIGEST_ROW + 77
+    x = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    seed = "0123456789abcdef"
+    g = torch.Generator().manual_seed(int(seed, 16) & ((1 << 63) - 1))
+    a = torch.randn(checks.DIGEST_ROW, checks.DIGEST_K, generator=g).double()
+    b = torch.randn(3, checks.DIGEST_K, generator=g).double()
+    i = torch.arange(n)
+    w = a[i % checks.DIGEST_ROW] * b[i // checks.DIGEST_ROW]  # [n, K]
+    proj, mag = checks.shard_digest(x, seed)
+    want_proj, want_mag = (w.T @ x.double()).tolist(), (w.abs().T @ x.double().abs()).tolist()
+    assert all(abs(p - q) <= 1e-12 * m for p, q, m in zip(proj, want_proj, want_mag, strict=True))
+    assert all(abs(p - q) <= 1e-12 * q for p, q in zip(mag, want_mag, strict=True))
+    assert checks.shard_digest(x, seed) == (proj, mag)  # deterministic: both ends compute it alike
+    assert checks.shard_digest(x, "fedcba9876543210")[0] != proj  # another seed, other weights
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("change", ["scale", "one_value", "one_value_late_row"])
 def test_a_steering_owner_is_named_by_every_other_replica(change: str) -> None:
+    """``one_value_late_row``: shards of several rows of the digest's weights, one value of the last row moved."""
     torch.manual_seed(1)
-    grads = [torch.randn(NUMEL) for _ in range(3)]
+    numel = 3 * (2 * checks.DIGEST_ROW + 300) if change == "one_value_late_row" else NUMEL
+    grads = [torch.randn(numel) for _ in range(3)]
     boxes = _group(3, grads)
     tag = (0, 0)
     true = boxes[0]._attempts[tag].reduced[1]
-    wrong = true * 1000.0 if change == "scale" else true.clone().index_add_(0, torch.tensor([7]), torch.tensor([1.0]))
+    at = true.numel() - 5 if change == "one_value_late_row" else 7
+    wrong = true * 1000.0 if change == "scale" else true.clone().index_add_(0, torch.tensor([at]), torch.tensor([1.0]))
     for r in (0, 2):  # owner 1 sends the others a shard that is not the sum
         boxes[r]._attempts[tag].reduced[1] = wrong
     _digests(boxes, grads)

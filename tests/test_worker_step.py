@@ -745,3 +745,34 @@ def test_a_laggard_several_steps_behind_reloads_the_told_step_and_never_goes_bac
         sync.resync(t, 3, ctl.Resync(3, 4, "other"))  # type: ignore[arg-type]
     with pytest.raises(Rejected, match="not another replica"):
         sync.resync(t, 5, ctl.Resync(5, 6, "me"))  # type: ignore[arg-type]
+
+
+def test_a_group_of_one_keeps_its_own_sum_without_computing_or_sending_a_digest(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One replica of a stage: the reduce-scatter and all-gather stay local and the digest phase, O(stage size)
+    of host work with nobody to check it against, is skipped: the sum kept is the replica's own gradient."""
+    from peer.runtime.stage import checks
+
+    def no_digest(*_args: object) -> None:
+        raise AssertionError("a group of one computed a digest")
+
+    monkeypatch.setattr(checks, "shard_digest", no_digest)
+    monkeypatch.setattr(checks, "digest_seed", no_digest)
+    compute = StageCompute(StageComputeConfig(ModelConfig(n_layers=1, d_model=8, n_heads=2, seq_len=4), 0, 1))
+    tokens = torch.randint(0, 256, (2, 4))
+    compute.forward_loss(0, tokens, torch.roll(tokens, -1, 1))
+    step = WorkerStep()
+    step.reset(pipeline=0)
+    step.start_step(0, 0, trained_steps=0)
+    reports: list[ctl.Message] = []
+    sends: list[object] = []
+    outbox = SimpleNamespace(report=lambda _t, msg: reports.append(msg), send=lambda *a: sends.append(a))
+    sync = GradientSync(step, threading.Condition(), outbox, lambda: "me", _no_load)  # type: ignore[arg-type]
+    t = SimpleNamespace(assignment=SimpleNamespace(replica=0, group=["me"]), compute=compute, outer=None,
+                        exchange=GradientExchange(0, compute.numel, 10.0), spec=SimpleNamespace(n_microbatches=1),
+                        key=lambda s, mb=-1: pb.Key(run_id="r", step=s, microbatch=mb))
+    own = compute.accumulated_grad()
+    sync.reduce(t, 0, ctl.Reduce(0, 0, [0], {0: 0}))  # type: ignore[arg-type]
+    assert sends == [] and [type(m) for m in reports] == [ctl.Reduced]
+    summed, _count = step.apply(0, compute.step) or (None, 0)
+    assert summed is not None and torch.equal(summed, own)

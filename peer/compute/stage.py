@@ -42,6 +42,8 @@ import hashlib
 import itertools
 import logging
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,10 +152,31 @@ class _Stash:
     out: torch.Tensor
 
 
+HASH_PART_BYTES = 64 << 20  # a digest hashes parts of this size in parallel threads (hashlib frees the GIL)
+
+
+def bytes_digest(data: memoryview, label: bytes) -> str:
+    """sha256 of ``label`` and the sha256 of each ``HASH_PART_BYTES`` part of ``data`` (a tree of one level,
+    hex): the parts are hashed on up to 8 threads, so a stage of hundreds of MB hashes in a fraction of the
+    time one sha256 over it takes."""
+    parts = [data[i:i + HASH_PART_BYTES] for i in range(0, max(1, len(data)), HASH_PART_BYTES)]
+    threads = min(len(parts), 8, os.cpu_count() or 1)
+    if threads > 1:
+        with ThreadPoolExecutor(threads) as pool:
+            sums = list(pool.map(lambda part: hashlib.sha256(part).digest(), parts))
+    else:
+        sums = [hashlib.sha256(part).digest() for part in parts]
+    h = hashlib.sha256(label)
+    for d in sums:
+        h.update(d)
+    return h.hexdigest()
+
+
 def flat_digest(flat: torch.Tensor) -> str:
-    """sha256 (32 hex digits) of a flat parameter vector's fp32 bytes: :meth:`StageCompute.params_digest`, and
-    what a leader computes of a stage state it fetched."""
-    return hashlib.sha256(flat.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()).hexdigest()[:32]
+    """The digest (32 hex digits, :func:`bytes_digest`) of a flat parameter vector's fp32 bytes:
+    :meth:`StageCompute.params_digest`, and what a leader computes of a stage state it fetched."""
+    host = flat.detach().to("cpu", torch.float32).contiguous().numpy()
+    return bytes_digest(memoryview(host).cast("B"), b"tasklet/params")[:32]  # hashed in place: no copy
 
 
 class StageCompute:
@@ -348,10 +371,12 @@ class StageCompute:
 
     def accumulated_grad(self) -> torch.Tensor:
         """The step's accumulated gradient sum, flat fp32 on the host (a copy)."""
-        return self._accum.detach().cpu().clone()
+        return self._accum.detach().to("cpu", copy=True)  # one copy, from a GPU or on the host
 
     # ------------------------------------------------------------------------------------- optimizer step
-    def _check_flat(self, flat: torch.Tensor, what: str) -> None:
+    def _check_flat(self, flat: torch.Tensor, what: str, finite: bool = True) -> None:
+        """Shape and dtype, and (``finite``) no NaN or inf; a caller passing ``finite=False`` checks that on
+        the compute device, where it is a fraction of the host pass."""
         if not isinstance(flat, torch.Tensor):
             raise GradientError(f"{what} must be a tensor, got {type(flat).__name__}")
         if flat.dim() != 1 or flat.numel() != self.numel:
@@ -359,7 +384,7 @@ class StageCompute:
                                 f"{tuple(flat.shape)}")
         if flat.dtype != torch.float32:
             raise GradientError(f"{what} must be float32, got {flat.dtype}")
-        if not bool(torch.isfinite(flat).all()):
+        if finite and not bool(torch.isfinite(flat).all()):
             raise GradientError(f"{what} holds NaN or inf values")
 
     def grad_sq_norm(self, summed_grad: torch.Tensor, n_microbatches: int) -> float:
@@ -377,10 +402,14 @@ class StageCompute:
         same optimisation as clipping the full model; a stage holding the whole model computes it itself.
         Bad input raises :class:`GradientError` and leaves the state untouched.
         """
-        self._check_flat(summed_grad, "summed_grad")
+        self._check_flat(summed_grad, "summed_grad", finite=False)
         if not (isinstance(n_microbatches, int) and n_microbatches >= 1):
             raise GradientError(f"n_microbatches must be a positive integer, got {n_microbatches!r}")
-        grad = summed_grad.to(self.device) / n_microbatches
+        grad = self._master_grad  # the optimizer's gradient buffer, overwritten each step: no new allocation
+        grad.copy_(summed_grad)
+        grad.div_(n_microbatches)
+        if not math.isfinite(float(grad.sum())):  # NaN or inf anywhere makes the sum so: one pass, on the device
+            raise GradientError("summed_grad holds NaN or inf values")
         clip = self.cfg.optim.grad_clip
         if clip is not None:
             if global_grad_norm is None:
@@ -391,8 +420,7 @@ class StageCompute:
                 raise GradientError(f"global_grad_norm must be finite and >= 0, got {global_grad_norm!r}")
             coef = clip_coefficient(global_grad_norm, clip)
             if coef < 1.0:
-                grad = grad * coef
-        self._master_grad.copy_(grad)
+                grad.mul_(coef)
         self.optimizer.step()
         self._sync_compute_weights()
         self._clear_step_state()
@@ -435,8 +463,8 @@ class StageCompute:
         return self._master.detach().cpu().clone()
 
     def params_digest(self) -> str:
-        """A short hash (sha256, 32 hex digits) of the fp32 master parameters: replicas that applied the same
-        steps agree bitwise. Computed once per change of the parameters (a hash of a large stage takes seconds)."""
+        """A short hash (:func:`flat_digest`, 32 hex digits) of the fp32 master parameters: replicas that applied
+        the same steps agree bitwise. Computed once per change of the parameters (a large stage's takes a while)."""
         digest = self._digest
         if digest is None:
             digest = self._digest = flat_digest(self._master)

@@ -2,9 +2,10 @@
 the all-gather digest of a summed shard. Pure functions of tensors, so both ends compute them bitwise alike.
 
 **Direction** (:func:`unrelatedness`). Before an owner sums the contributions to its shard it asks, of each, whether
-it bears any relation to the others' sum: the shard's common support (where both are non-zero: an embedding row
-only one side's tokens touched is no evidence either way) is cut into blocks, and in each block the cosine between the
-contribution and the others' sum is scaled by ``sqrt(block size)``. For a contribution independent of the others
+it bears any relation to the others' sum: the shard is cut into blocks of positions, and in each block the cosine
+between the contribution and the others' sum over the block's common support (where both are non-zero: an embedding
+row only one side's tokens touched is no evidence either way; a block with under 128 such elements is left out) is
+scaled by ``sqrt(support size)``. For a contribution independent of the others
 (noise, whatever its norm) each scaled cosine is about a standard normal, so their mean magnitude is
 ``sqrt(2/pi)`` = 0.80 with a spread of ``0.60 / sqrt(blocks)``. An honest gradient is correlated with the
 others' (positively or negatively: small pipelines' gradients can point away from each other) in most blocks,
@@ -17,24 +18,27 @@ bounds the rescaling).
 **All-gather digest** (:func:`shard_digest`). After the all-gather every participant holds the owners' summed
 shards. For each shard it sends every participant ``K`` random projections of *its own contribution* to that
 shard, with weights seeded by a hash of the summed shard as received: the owner had to fix the sum before the
-weights existed. A receiver then checks that the projections of the summed shard equal the sum of the
-contributors' projections within the float32 rounding bound of a ``D``-term sum; the owner checks each
-contributor's projections against the contribution it actually received, so a contributor that lies about its
-digest is caught by an honest owner.
+weights existed. Each projection's weights are a product ``a[i] * b[j]`` of two seeded Gaussian vectors, with the
+shard read as rows of ``DIGEST_ROW`` elements (``i`` the column, ``j`` the row): ``b . (X a)``, so generating
+them costs ``K (DIGEST_ROW + rows)`` random numbers instead of ``K`` per element, and the projection is one
+float64 matrix product (docs/security.md gives what the product weights cost a forger). A receiver then checks
+that the projections of the summed shard equal the sum of the contributors' projections within the float32
+rounding bound of a ``D``-term sum; the owner checks each contributor's projections against the contribution it
+actually received, so a contributor that lies about its digest is caught by an honest owner.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import struct
 
 import torch
 
-from peer.compute.stage import shard_bounds
+from peer.compute.stage import bytes_digest, shard_bounds
 
 DIGEST_K = 4  # random projections per shard: a forger's chance per try is about (tolerance / change)^K
-_CHUNK = 1 << 16  # elements of weights generated at a time (scratch memory stays in cache)
+DIGEST_ROW = 4096  # elements per row of a shard's product weights
+_ROWS_PER_BLOCK = 16  # rows converted to float64 at a time (scratch memory stays in cache)
 _EPS32 = float(torch.finfo(torch.float32).eps)
 _MIN_BLOCK = 128  # elements per block of the direction test
 _MAX_BLOCKS = 64
@@ -46,20 +50,23 @@ _NULL_MEAN, _NULL_SD = math.sqrt(2 / math.pi), math.sqrt(1 - 2 / math.pi)
 
 
 def unrelatedness(x: torch.Tensor, others: torch.Tensor) -> tuple[float, int] | None:
-    """The mean over blocks of the common support of ``|cos(x_b, others_b)| * sqrt(len_b)`` and the blocks it is
-    over; None when there are too few of them for the test. See the module docstring for its meaning."""
-    both = (x != 0) & (others != 0)  # the common support: rows of an embedding only one side used say nothing
-    x, others = x[both], others[both]
+    """The mean over blocks of ``|cos(x_b, others_b)| * sqrt(len_b)``, each block's cosine over its common
+    support (``len_b`` elements), and the blocks it is over; None when there are too few of them for the test.
+    See the module docstring for its meaning."""
     n = x.numel()
-    blocks = min(_MAX_BLOCKS, n // _MIN_BLOCK)
-    if blocks < MIN_BLOCKS:
-        return None
     scaled = []
-    for lo, hi in shard_bounds(n, blocks):
-        a, b = x[lo:hi].double(), others[lo:hi].double()
-        den = float(a.norm() * b.norm())
+    for lo, hi in shard_bounds(n, max(1, min(_MAX_BLOCKS, n // _MIN_BLOCK))):
+        a, b = x[lo:hi], others[lo:hi]
+        a_nz, b_nz = a != 0, b != 0
+        if not (bool(a_nz.all()) and bool(b_nz.all())):  # rows of an embedding only one side used say nothing
+            both = a_nz & b_nz
+            a, b = a[both], b[both]  # compacted only where the support is partial: 5x the cost of a dense block
+        if a.numel() < _MIN_BLOCK:
+            continue
+        a, b = a.double(), b.double()
+        den = math.sqrt(float(a @ a) * float(b @ b))
         if den > 0 and math.isfinite(den):
-            scaled.append(abs(float(a @ b)) / den * math.sqrt(hi - lo))
+            scaled.append(abs(float(a @ b)) / den * math.sqrt(a.numel()))
     if len(scaled) < MIN_BLOCKS:
         return None
     return sum(scaled) / len(scaled), len(scaled)
@@ -73,24 +80,37 @@ def direction_threshold(z: float, blocks: int) -> float:
 
 def digest_seed(tag: tuple[int, int], owner: int, summed: torch.Tensor) -> str:
     """The hex seed of shard ``owner``'s digest: a hash of the attempt, the owner and the summed shard's bytes."""
-    h = hashlib.sha256(b"tasklet/allgather-digest")
-    h.update(struct.pack("<qqq", tag[0], tag[1], owner))
-    h.update(summed.detach().cpu().contiguous().to(torch.float32).numpy().tobytes())
-    return h.hexdigest()[:16]
+    host = summed.detach().cpu().to(torch.float32).contiguous().numpy()
+    label = b"tasklet/allgather-digest" + struct.pack("<qqq", tag[0], tag[1], owner)
+    return bytes_digest(memoryview(host).cast("B"), label)[:16]  # hashed in place: no copy
 
 
 def shard_digest(x: torch.Tensor, seed: str) -> tuple[list[float], list[float]]:
-    """``K`` random projections of ``x`` (Gaussian weights seeded by ``seed``, float64 sums) and the same
-    projections of ``|x|`` with ``|weights|`` (the scale that bounds a float32 sum's rounding)."""
+    """``K`` random projections of ``x`` (product Gaussian weights seeded by ``seed``, float64 sums; module
+    docstring) and the same projections of ``|x|`` with ``|weights|`` (the scale that bounds a float32 sum's
+    rounding)."""
     g = torch.Generator().manual_seed(int(seed, 16) & ((1 << 63) - 1))
-    proj = torch.zeros(DIGEST_K, dtype=torch.float64)
-    mag = torch.zeros(DIGEST_K, dtype=torch.float64)
     flat = x.detach().cpu().reshape(-1)
-    for lo in range(0, flat.numel(), _CHUNK):
-        part = flat[lo:lo + _CHUNK].double()
-        w = torch.randn(DIGEST_K, part.numel(), generator=g, dtype=torch.float32).double()
-        proj += w @ part
-        mag += w.abs() @ part.abs()
+    n = flat.numel()
+    width = max(1, min(DIGEST_ROW, n))
+    rows = -(-n // width)
+    cols = torch.randn(width, DIGEST_K, generator=g, dtype=torch.float32).double()  # a_k, one column each
+    row_w = torch.randn(rows, DIGEST_K, generator=g, dtype=torch.float32).double()  # b_k
+    cols_abs = cols.abs()
+    xa = torch.empty(rows, DIGEST_K, dtype=torch.float64)  # row j: X[j] . a_k
+    xa_mag = torch.empty(rows, DIGEST_K, dtype=torch.float64)  # |X[j]| . |a_k|
+    whole = n // width
+    for r0 in range(0, whole, _ROWS_PER_BLOCK):
+        r1 = min(whole, r0 + _ROWS_PER_BLOCK)
+        block = flat[r0 * width:r1 * width].view(r1 - r0, width).double()
+        torch.mm(block, cols, out=xa[r0:r1])
+        torch.mm(block.abs_(), cols_abs, out=xa_mag[r0:r1])
+    if whole < rows:  # a last, shorter row
+        tail = flat[whole * width:].double()
+        xa[whole] = tail @ cols[:tail.numel()]
+        xa_mag[whole] = tail.abs() @ cols_abs[:tail.numel()]
+    proj = (xa * row_w).sum(0)
+    mag = (xa_mag * row_w.abs()).sum(0)
     return proj.tolist(), mag.tolist()
 
 

@@ -121,6 +121,7 @@ class _Attempt:
     reduced: dict[int, torch.Tensor] = field(default_factory=dict)
     digests: dict[int, Digest] = field(default_factory=dict)
     own_scale: float = 0.0  # this replica's whole-gradient norm per micro-batch (the outlier check's floor)
+    whole: torch.Tensor | None = None  # the summed shards joined, once all arrived (gather is asked twice)
 
 
 class GradientExchange:
@@ -222,7 +223,10 @@ class GradientExchange:
         for r in attempt.participants:
             shard, mbs = attempt.contributions[r]
             seen += mbs
-            total = shard.clone() if total is None else total.add_(shard)
+            if total is None:  # a group of one: its own shard is the sum (nothing is added to it in place)
+                total = shard if n == 1 else shard.clone()
+            else:
+                total.add_(shard)
         if n_microbatches is not None and sorted(seen) != list(range(n_microbatches)):
             raise BadMessage(
                 "microbatches",
@@ -256,19 +260,21 @@ class GradientExchange:
         z = self.direction_z
         if not z:
             return
-        total = torch.zeros_like(next(iter(attempt.contributions.values()))[0])
-        for shard, _ in attempt.contributions.values():
-            total.add_(shard)
+        shards = {r: shard for r, (shard, _) in attempt.contributions.items()}
+        total: torch.Tensor | None = None
+        if len(shards) > 2:  # with two, the others' sum of one is the other's shard itself
+            total = sum(shards.values(), torch.zeros_like(next(iter(shards.values()))))
         scores: dict[int, tuple[float, float]] = {}  # replica -> (score, least score it needs)
         for r, (shard, mbs) in attempt.contributions.items():
-            if len(mbs) * self.tokens_per_microbatch < checks.MIN_DIRECTION_TOKENS:
-                continue
-            found = checks.unrelatedness(shard, total - shard)
+            if r == self.replica or len(mbs) * self.tokens_per_microbatch < checks.MIN_DIRECTION_TOKENS:
+                continue  # this replica's own is never refused (below), so it is not scored
+            others = total - shard if total is not None else next(s for q, s in shards.items() if q != r)
+            found = checks.unrelatedness(shard, others)
             if found is not None:
                 scores[r] = (found[0], checks.direction_threshold(z, found[1]))
         # never this replica: it computed its own contribution (with two participants the test is symmetric, so
         # the owner names the other one)
-        bad = sorted(r for r, (v, floor) in scores.items() if v < floor and r != self.replica)
+        bad = sorted(r for r, (v, floor) in scores.items() if v < floor)
         if bad:
             shown = ", ".join(f"{r}: {v:.2f} of {floor:.2f}" for r, (v, floor) in sorted(scores.items()))
             raise OutlierContributionError(tag, bad, f"is unrelated to the others' sum (mean scaled cosine "
@@ -282,7 +288,11 @@ class GradientExchange:
         n = len(attempt.participants)
         self._wait(tag, lambda: len(attempt.reduced) == n, timeout_s,
                    lambda: f"attempt {tag}: {len(attempt.reduced)}/{n} summed shards arrived")
-        return torch.cat([attempt.reduced[r] for r in attempt.participants])
+        if attempt.whole is None:  # joined once (a copy of the stage's whole gradient), outside the lock
+            with self._cond:
+                shards = [attempt.reduced[r] for r in attempt.participants]
+            attempt.whole = shards[0] if n == 1 else torch.cat(shards)
+        return attempt.whole
 
     def my_digest(self, tag: Tag, participants: Sequence[int], flat: torch.Tensor) -> Digest:
         """This replica's digest of its own contribution ``flat`` (its whole accumulated gradient) to each

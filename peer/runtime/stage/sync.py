@@ -121,7 +121,7 @@ class GradientSync:
         for r in participants:
             lo, hi = exchange.shard_of(participants, r)
             if r == a.replica:
-                exchange.put_contribution(sync.tag, participants, r, flat[lo:hi].clone(), mine,
+                exchange.put_contribution(sync.tag, participants, r, flat[lo:hi], mine,  # flat is never changed
                                           whole_norm=float(flat.norm()))
             else:
                 env = envelope(pb.GRAD_SHARD, t.key(step), {"grad": flat[lo:hi]}, microbatches=mine)
@@ -157,10 +157,10 @@ class GradientSync:
                 self.outbox.send(t, a.group[r], env)
 
     def gather(self, t: Tasklet, sync: SyncAttempt) -> None:
-        """Phase 3: wait for every owner's summed shard. An exact step then sends every participant the
-        digests of this replica's contributions, seeded by the summed shards as they arrived (exchange module
-        docstring), and :meth:`verify` finishes; an outer round keeps the participants' average for the outer
-        apply and reports ``reduced``."""
+        """Phase 3: wait for every owner's summed shard. An exact step of a group of two or more then sends every
+        participant the digests of this replica's contributions, seeded by the summed shards as they arrived
+        (exchange module docstring), and :meth:`verify` finishes; an outer round keeps the participants' average
+        for the outer apply and reports ``reduced``."""
         summed = t.exchange.gather(sync.tag, sync.participants, REDUCE_WAIT_S)
         if sync.flat is None:
             t.exchange.forget_through(sync.tag)
@@ -169,6 +169,8 @@ class GradientSync:
                 self.step.outer_reduced(sync.step, summed / len(sync.participants), sync.residual)
             self.outbox.report(t, ctl.Reduced(sync.step, sync.attempt))
             return
+        if len(sync.participants) == 1:
+            return  # a group of one: its sum is its own contribution, nobody to check it against
         a, exchange = t.assignment, t.exchange
         digest = exchange.my_digest(sync.tag, sync.participants, sync.flat)
         exchange.put_digest(sync.tag, sync.participants, a.replica, digest)
@@ -187,7 +189,10 @@ class GradientSync:
             return  # an outer round finished in phase 3
         summed = t.exchange.gather(sync.tag, sync.participants, REDUCE_WAIT_S)  # held since phase 3
         try:
-            t.exchange.verify(sync.tag, sync.participants, REDUCE_WAIT_S)
+            if len(sync.participants) == 1:
+                t.exchange.forget_through(sync.tag)
+            else:
+                t.exchange.verify(sync.tag, sync.participants, REDUCE_WAIT_S)
         except DigestMismatchError as exc:
             log.warning("step %d: %s", sync.step, exc)
             self._report(t, exc.replicas, str(exc))
