@@ -23,7 +23,7 @@ from peer.net.tls import process_tls
 from protocol import PROTOCOL_VERSION
 from protocol import tasklet_pb2 as pb
 from protocol.codec import decode_tensor, encode_tensor
-from protocol.errors import Backpressure, PeerUnreachable, Refused
+from protocol.errors import Backpressure, BadMessage, PeerUnreachable, Refused
 from protocol.message import WireEnvelope
 
 CONFIG = TransportConfig(max_message_bytes=2 << 20, chunk_bytes=1 << 20, max_envelope_bytes=64 << 20)
@@ -142,6 +142,31 @@ def test_fetch_stage_state(server: PeerServer, client: PeerClient) -> None:
     with pytest.raises(Refused) as info:
         client.fetch("GRAD_SHARD", key, timeout_s=5)
     assert info.value.code == "FAILED_PRECONDITION" and "GRAD_SHARD" in info.value.detail
+
+
+def test_a_fetch_of_known_size_is_bounded_by_it_not_by_the_transport_default(server: PeerServer,
+                                                                              path: str) -> None:
+    """A stage's state may exceed ``max_envelope_bytes`` (a 1 GiB default; ~50M parameters of state): the
+    fetcher that knows its size bounds it by that size instead, and a reply over that bound is refused."""
+    from peer.compute.model import ModelConfig
+    from peer.runtime.bounds import stage_numel, state_bytes
+
+    model = ModelConfig(n_layers=2, d_model=64, n_heads=4, seq_len=16)
+    numel = stage_numel(model, (0, 2))
+    assert numel == sum(p.numel() for p in model.build_stage(0, 2).parameters())
+    params = torch.randn(numel)
+    server.register_fetch("STAGE_STATE", lambda request: pb.Envelope(
+        kind=pb.STAGE_STATE, key=request.key, tensors=[encode_tensor(n, params) for n in ("a", "b", "c", "d")]))
+    small = PeerClient(server.endpoint, on_path(path, max_envelope_bytes=numel * 4), sender="tester")
+    try:
+        with pytest.raises(BadMessage, match="exceeds this peer's limit"):
+            small.fetch("STAGE_STATE", pb.Key(run_id="r"), timeout_s=30)  # four vectors over the default
+        env = small.fetch("STAGE_STATE", pb.Key(run_id="r"), timeout_s=30, max_bytes=state_bytes(numel))
+        assert torch.equal(decode_tensor(env.tensors[3]), params)
+        with pytest.raises(BadMessage, match="exceeds this peer's limit"):
+            small.fetch("STAGE_STATE", pb.Key(run_id="r"), timeout_s=30, max_bytes=3 * numel * 4)
+    finally:
+        small.close()
 
 
 def test_control_calls(server: PeerServer, client: PeerClient) -> None:

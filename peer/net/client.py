@@ -303,9 +303,12 @@ class PeerClient:
         *,
         meta: Mapping[str, str] | None = None,
         timeout_s: float | None = None,
+        max_bytes: int | None = None,
     ) -> WireEnvelope:
         """Ask the peer for an Envelope of `kind` (e.g. STAGE_STATE) about `key`; checked like a push, and
         received like one (a WireEnvelope: read like a pb.Envelope, its tensors decode without a copy).
+        `max_bytes`: the largest reply accepted, for a caller that knows the size (a stage's state); default
+        the transport's `max_envelope_bytes`.
 
         Raises Refused/PeerUnreachable, or protocol.errors.BadMessage if the reply stream is malformed.
         """
@@ -321,7 +324,7 @@ class PeerClient:
         start = time.monotonic()
         if self.shaper is not None:
             self.shaper.wait_delay(start)
-        asm = Reassembler(self.config.max_envelope_bytes)
+        asm = Reassembler(self.config.max_envelope_bytes if max_bytes is None else max_bytes)
         stream = self._fetch(request, timeout=max(1e-3, timeout - (time.monotonic() - start)))
         try:
             for raw in stream:

@@ -3,10 +3,14 @@
 A push is refused from its first chunk when it announces more than its Kind's bound here (peer.net.server
 checks, before buffering), and buffers grow only with the bytes that arrive. The bounds are tight multiples
 of the real sizes: an activation is at most ``micro_batch x seq_len x d_model x 4`` bytes (float32, the
-widest dtype on the wire), a gradient or parameter shard at most the stage's parameter count x 4.
+widest dtype on the wire), a gradient or parameter shard at most the stage's parameter count x 4, and a fetched
+stage state (:func:`state_bytes`) its five float32 vectors at most, whatever the transport's default.
 """
 
 from __future__ import annotations
+
+import math
+from typing import Any
 
 from peer.runtime.spec import RunSpec
 from protocol import tasklet_pb2 as pb
@@ -37,3 +41,18 @@ def _mb_bytes(spec: RunSpec | None) -> int:
     """A reduce carries the commit record: one entry per micro-batch."""
     return 0 if spec is None else spec.n_microbatches
 
+
+
+STATE_VECTORS = 5  # a STAGE_STATE's float32 vectors: parameters, two AdamW moments, DiLoCo's anchor and momentum
+
+
+def stage_numel(model: Any, layers: tuple[int, int]) -> int:
+    """Parameters of the stage holding ``layers`` of ``model`` (a ModelConfig or a Hugging Face spec), from
+    their shapes alone: nothing is allocated."""
+    return sum(math.prod(shape) for _, shape in model.stage_shapes(*layers))
+
+
+def state_bytes(stage_params: int) -> int:
+    """The largest STAGE_STATE of a stage of ``stage_params`` parameters: what a fetch of it may buffer (a
+    stage over ~50M parameters exceeds the transport's 1 GiB default)."""
+    return STATE_VECTORS * 4 * stage_params + ENVELOPE_SLACK_BYTES

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from peer.net import PeerClient
+from peer.runtime.bounds import stage_numel, state_bytes
 from peer.runtime.checkpoints import copy_bound_bytes, copy_parts, fetch_copy_files
 from peer.runtime.lead.roster import Roster
 from peer.runtime.spec import RunSpec
@@ -33,6 +34,7 @@ class StageStates:
     def __init__(self, spec: RunSpec, lock: threading.Condition, plan: Callable[[], tuple[Roster, int]],
                  dead: set[str], client: Callable[[str], PeerClient], own_peer_id: str) -> None:
         self.spec, self._lock, self._plan, self._dead = spec, lock, plan, dead
+        self._numel: dict[tuple[int, int], int] = {}  # stage layers -> parameters
         self._client, self._own = client, own_peer_id
         self._serving: dict[int, dict[str, Any]] = {}  # stage -> state; replaced whole
 
@@ -60,6 +62,13 @@ class StageStates:
             raise Rejected(f"the coordinator serves no checkpoint of stage {request.key.stage}")
         return state_envelope(state, self.spec.run_id, epoch, request.key.stage)
 
+    def _state_bytes(self, layers: tuple[int, int]) -> int:
+        """The bound of a fetched state of the stage holding ``layers`` (its size, from the model's shapes)."""
+        key = (int(layers[0]), int(layers[1]))
+        if key not in self._numel:
+            self._numel[key] = stage_numel(self.spec.model, key)
+        return state_bytes(self._numel[key])
+
     def fetch_state(self, endpoint: str, timeout_s: float = FETCH_STATE_TIMEOUT_S) -> dict[str, Any]:
         """A worker's stage state (params, AdamW moments, step) as a plain dict of tensors and numbers."""
         with self._lock:
@@ -69,6 +78,7 @@ class StageStates:
             make_key(self.spec.run_id, a.epoch, -1, stage=a.stage),
             meta={"layers": json.dumps(list(a.layers))},
             timeout_s=timeout_s,
+            max_bytes=self._state_bytes(a.layers),
         )
         return state_from_envelope(env)
 

@@ -27,6 +27,7 @@ from peer.compute.textdata import load_corpus
 from peer.net import PeerClient, TransportConfig
 from peer.net.tls import TlsContext
 from peer.runtime import control as ctl
+from peer.runtime.bounds import state_bytes
 from peer.runtime.outer import OuterState
 from peer.runtime.roles import Roles
 from peer.runtime.spec import Assignment, RunSpec
@@ -160,6 +161,7 @@ class StageTaker:
                     make_key(spec.run_id, a.epoch, step, stage=a.stage),
                     meta={"layers": json.dumps(list(a.layers)), **({"grant": grant} if grant else {}), **want_outer},
                     timeout_s=WORKER_FETCH_STATE_TIMEOUT_S,
+                    max_bytes=state_bytes(compute.numel),
                 )
                 break
             except TransportError as exc:
