@@ -16,6 +16,7 @@ certificate for the time it measures, then the same timed stream the prober uses
 
 from __future__ import annotations
 
+import ctypes
 import math
 import shutil
 import socket
@@ -68,14 +69,29 @@ def _version(text: str | None) -> tuple[int, int] | None:
         return None
 
 
+def _driver_version() -> int:
+    """The CUDA driver's version as the driver API gives it (12040 for 12.4), or 0 when it cannot be read:
+    from torch where its build exposes it, else from ``libcuda`` itself (``cuDriverGetVersion``)."""
+    try:
+        raw = int(torch._C._cuda_getDriverVersion())  # noqa: SLF001 - not in every torch build
+        if raw > 0:
+            return raw
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        pass
+    try:
+        out = ctypes.c_int(0)
+        if ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(out)) == 0:
+            return int(out.value)
+    except (OSError, AttributeError):
+        pass
+    return 0
+
+
 def cuda_versions() -> dict[str, Any]:
     """The CUDA version torch was built for, the driver's, and whether the driver can run it (driver >= build)."""
     built = torch.version.cuda
-    try:
-        raw = int(torch._C._cuda_getDriverVersion())  # noqa: SLF001 - torch exposes the driver version only here
-        driver = f"{raw // 1000}.{raw % 1000 // 10}" if raw > 0 else None
-    except (AttributeError, RuntimeError, TypeError, ValueError):
-        driver = None
+    raw = _driver_version()
+    driver = f"{raw // 1000}.{raw % 1000 // 10}" if raw > 0 else None
     b, d = _version(built), _version(driver)
     match = None if b is None or d is None else d >= b
     return {"torch_cuda": built, "driver_cuda": driver, "match": match}
