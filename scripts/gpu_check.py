@@ -26,8 +26,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from peer.emulation import procs as _procs  # noqa: E402
+from peer.compute.model import ModelConfig  # noqa: E402
 from peer.emulation.procs import PEER_COMMAND, PeerProcesses, child_env  # noqa: E402
+from peer.runtime.bounds import stage_numel  # noqa: E402
 
 STEP_LINE = re.compile(r"step (\d+): loss ([0-9.]+|-), ([0-9.]+) s, ([0-9.]+) tokens/s")
 
@@ -55,10 +56,13 @@ def steps_of(log: str) -> list[dict[str, float | None]]:
     return rows
 
 
+PEER_ENV: dict[str, str] | None = None  # the peers' environment: None, one torch thread each (``--one-thread``)
+
+
 def swarm(folder: Path, cfg: Path, peers: int, device: str, deadline_s: float) -> dict[str, Any]:
     """Run ``peers`` peers on ``cfg`` until the first one exits (the run's end) or ``deadline_s``."""
     t0 = time.monotonic()
-    with PeerProcesses(folder / "logs") as procs:
+    with PeerProcesses(folder / "logs", env=PEER_ENV) as procs:
         addr = procs.start(cfg, "--device", device)
         for i in range(1, peers):
             procs.join(addr, i, "--device", device)
@@ -112,13 +116,14 @@ def part_throughput(out: Path, device: str, quick: bool, peers: int = 1, steps: 
     if peers == 1:
         saved = sorted((folder / "save").glob("stage-*.pt"))
         result["saved"] = {f.name: f.stat().st_size for f in saved}
-    params = layers * 12 * width * width + 2 * 256 * width  # blocks + byte embedding and head
+    params = stage_numel(ModelConfig(n_layers=layers, d_model=width, n_heads=4 if quick else 16, seq_len=seq),
+                         (0, layers))
     timed = [r for r in result["steps"] if r["step"] >= 2]  # the first steps warm kernels and caches
     if timed:
         tps = sorted(r["tokens_per_s"] for r in timed)[len(timed) // 2]
         result["median_tokens_per_s"] = tps
         result["median_step_s"] = sorted(r["s"] for r in timed)[len(timed) // 2]
-        result["approx_params"] = params
+        result["params"] = params
         result["model_tflops"] = 6 * params * tps / 1e12  # forward + backward, attention not counted
     print(json.dumps(result, indent=1), flush=True)
     return result
@@ -136,8 +141,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="which parts, comma-separated (default: %(default)s)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    global PEER_ENV
     if not args.one_thread:  # a volunteer's peer has the machine's cores; the launcher's default is one thread
-        _procs.child_env = lambda extra=None: dict(os.environ, PYTHONUNBUFFERED="1", **(extra or {}))
+        PEER_ENV = dict(os.environ, PYTHONUNBUFFERED="1")
     parts: dict[str, Callable[[Path, str, bool], dict[str, Any]]] = {
         "doctor": part_doctor, "exact": part_exact,
         "throughput1": lambda o, d, q: part_throughput(o, d, q, steps=args.steps),

@@ -141,12 +141,16 @@ class PeerProcesses:
     """`peer` processes on loopback, peer ``i`` on 127.0.0.{i+2} logging to ``log_dir/peer-{i}.log``.
 
     ``emulate_tflops``: every peer emulates a device of that speed (``--emulate-tflops``), else none is passed.
+    ``env``: the peers' environment (default :func:`child_env`: one compute thread each, as peers sharing a
+    machine's cores need).
     ``close()`` (or ``with``) ends whatever is still running, with everything it started.
     """
 
-    def __init__(self, log_dir: Path, emulate_tflops: float | None = None) -> None:
+    def __init__(self, log_dir: Path, emulate_tflops: float | None = None,
+                 env: Mapping[str, str] | None = None) -> None:
         self.log_dir = log_dir
         self.emulate_tflops = emulate_tflops
+        self.env = env
         self.procs: list[subprocess.Popen[str]] = []
         self.join_line = ""  # what the first peer printed for others to run
         self._own_paths: list[str] = []  # `--config RUN.TOML` of `start`, for joiners' local paths
@@ -164,7 +168,7 @@ class PeerProcesses:
         cmd = [*PEER_COMMAND, *args, "--host", f"127.0.0.{i + 2}", "--log-level", "INFO"]
         if self.emulate_tflops is not None:
             cmd += ["--emulate-tflops", str(self.emulate_tflops)]
-        proc, log = launch(cmd, self.log_dir / f"peer-{i}.log")
+        proc, log = launch(cmd, self.log_dir / f"peer-{i}.log", env=self.env)
         assert log is not None
         self._logs.append(log)
         self.procs.append(proc)

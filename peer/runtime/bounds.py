@@ -42,7 +42,6 @@ def _mb_bytes(spec: RunSpec | None) -> int:
     return 0 if spec is None else spec.n_microbatches
 
 
-
 STATE_VECTORS = 5  # a STAGE_STATE's float32 vectors: parameters, two AdamW moments, DiLoCo's anchor and momentum
 
 
@@ -53,6 +52,6 @@ def stage_numel(model: Any, layers: tuple[int, int]) -> int:
 
 
 def state_bytes(stage_params: int) -> int:
-    """The largest STAGE_STATE of a stage of ``stage_params`` parameters: what a fetch of it may buffer (a
-    stage over ~50M parameters exceeds the transport's 1 GiB default)."""
+    """The largest STAGE_STATE of a stage of ``stage_params`` parameters: what a fetch of it may buffer (the
+    state of a stage over ~89M parameters, 53M with DiLoCo's vectors, exceeds the transport's 1 GiB default)."""
     return STATE_VECTORS * 4 * stage_params + ENVELOPE_SLACK_BYTES

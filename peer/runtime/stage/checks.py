@@ -36,7 +36,7 @@ import torch
 
 from peer.compute.stage import bytes_digest, shard_bounds
 
-DIGEST_K = 4  # random projections per shard: a forger's chance per try is about (tolerance / change)^K
+DIGEST_K = 4  # projections per shard: a forger's chance per try is about (r ln(1/r))^K, r = tolerance / change
 DIGEST_ROW = 4096  # elements per row of a shard's product weights
 _ROWS_PER_BLOCK = 16  # rows converted to float64 at a time (scratch memory stays in cache)
 _EPS32 = float(torch.finfo(torch.float32).eps)
@@ -54,8 +54,10 @@ def unrelatedness(x: torch.Tensor, others: torch.Tensor) -> tuple[float, int] | 
     support (``len_b`` elements), and the blocks it is over; None when there are too few of them for the test.
     See the module docstring for its meaning."""
     n = x.numel()
+    if n // _MIN_BLOCK < MIN_BLOCKS:
+        return None
     scaled = []
-    for lo, hi in shard_bounds(n, max(1, min(_MAX_BLOCKS, n // _MIN_BLOCK))):
+    for lo, hi in shard_bounds(n, min(_MAX_BLOCKS, n // _MIN_BLOCK)):
         a, b = x[lo:hi], others[lo:hi]
         a_nz, b_nz = a != 0, b != 0
         if not (bool(a_nz.all()) and bool(b_nz.all())):  # rows of an embedding only one side used say nothing

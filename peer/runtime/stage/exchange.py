@@ -263,7 +263,10 @@ class GradientExchange:
         shards = {r: shard for r, (shard, _) in attempt.contributions.items()}
         total: torch.Tensor | None = None
         if len(shards) > 2:  # with two, the others' sum of one is the other's shard itself
-            total = sum(shards.values(), torch.zeros_like(next(iter(shards.values()))))
+            first, *rest = shards.values()
+            total = first.clone()
+            for shard in rest:
+                total.add_(shard)
         scores: dict[int, tuple[float, float]] = {}  # replica -> (score, least score it needs)
         for r, (shard, mbs) in attempt.contributions.items():
             if r == self.replica or len(mbs) * self.tokens_per_microbatch < checks.MIN_DIRECTION_TOKENS:
