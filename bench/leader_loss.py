@@ -332,7 +332,7 @@ def run_bed_leader_loss(bed: NetBed, root: Path, twin: bool = False, quorum_wait
     mount.mkdir(parents=True)
     extra = (f"save_dir = {json.dumps(str(save))}\ncheckpoint_dir = {json.dumps(str(mount / 'ckpt'))}\n"
              f"checkpoint_every = {BED_CHECKPOINT_EVERY}\ncheckpoint_copies = 2\nquorum_wait_s = {quorum_wait_s}\n")
-    cfg = write_small_config(root, steps=BED_STEPS, min_peers=4, stages=2 if twin else 3, extra=extra)
+    cfg = write_small_config(root, steps=BED_STEPS, min_peers=4, stages=2 if twin else 3, leaders="any", extra=extra)
     hosts = [bed.add_public(f"pub{i}") for i in range(4)]
     peers = DiskPeers(root / "logs", disks, mount)
     try:

@@ -222,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="multiaddr(s) of any peer of the swarm, as printed by `peer start`",
     )
     p.add_argument("--run", default="tasklet", help="run name ([run] run_id) to join (default: %(default)s)")
+    p.add_argument("--organiser", default=None, metavar="PEER_ID",
+                   help="the organiser's peer id, as the join line names it: only a run record that this peer "
+                   "signed is accepted (default: the only organiser the DHT names, trusted at first sight)")
     g = p.add_argument_group("this peer's files (the run names none; it checks their fingerprints)")
     g.add_argument("--config", default=None, metavar="FILE",
                    help="a run.toml of which only the local paths are read ([run] corpus, tokenizer, [model] config, "
@@ -428,6 +431,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="export: overwrite an existing backup; import: replace an identity file of another peer "
                    "(default: off)")
 
+    p = sub.add_parser("stewards", help="the organiser names peers that may lead its running swarm",
+                       description="Sign, with the organiser's key, a record that adds stewards: peers that may lead "
+                       "the run (by default only the organiser's own peer may). The swarm reads it within a few "
+                       "heartbeats; while no steward is live the swarm waits, nothing lost. Stewards cannot be "
+                       "removed from a running swarm (start a new run).")
+    p.add_argument("action", choices=["add"], help="add: name more stewards")
+    p.add_argument("peer_ids", nargs="+", metavar="PEER_ID", help="the stewards' peer ids (`peer identity show`)")
+    p.add_argument("--identity", required=True, metavar="FILE",
+                   help="the organiser's identity file, as given to `peer start --identity`")
+    p.add_argument("--dht", required=True, nargs="+", metavar="ADDR", help="multiaddr(s) of any peer of the swarm")
+    p.add_argument("--run", default="tasklet", help="run name (default: %(default)s)")
+    p.add_argument("--secret", default=None, help=SECRET_HELP)
+    p.add_argument("--secret-file", default=None, metavar="FILE", help=SECRET_FILE_HELP)
+
     p = sub.add_parser("init", help="write an example run.toml with every option and its default")
     p.add_argument("path", nargs="?", default="run.toml", help="file to write (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="overwrite an existing file (default: off)")
@@ -492,6 +509,7 @@ def _options(args: argparse.Namespace):  # noqa: ANN202 - PeerOptions, imported 
         max_download_mbps=args.max_download,
         state_dir=args.state_dir,
         schedule=args.schedule,
+        organiser=getattr(args, "organiser", None),
     )
 
 
@@ -750,6 +768,26 @@ def cmd_identity(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_stewards(args: argparse.Namespace) -> int:
+    from peer.node.stewards import StewardsError, add_stewards
+    from peer.swarm.adverts import check_peer_id
+    from peer.swarm.dht import DHTStartError
+    from peer.swarm.identity import Identity
+
+    try:
+        ids = [check_peer_id(p, "PEER_ID") for p in args.peer_ids]
+        identity = Identity.load(args.identity)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    try:
+        revision, stewards = add_stewards(list(args.dht), args.run, args.secret, identity, ids)
+    except (StewardsError, DHTStartError) as exc:
+        raise UserError(str(exc)) from None
+    print(f"stewards of run {args.run!r} (record {revision}, signed by the organiser {identity.peer_id}): "
+          f"{', '.join(stewards)}; the swarm reads it within a few heartbeats")
+    return 0
+
+
 def cmd_init(args: argparse.Namespace) -> int:
     path = Path(args.path)
     if path.exists() and not args.force:
@@ -767,6 +805,7 @@ def cmd_config_reference(args: argparse.Namespace) -> int:
 COMMANDS = {
     "start": cmd_start,
     "join": cmd_join,
+    "stewards": cmd_stewards,
     "status": cmd_status,
     "credits": cmd_credits,
     "dashboard": cmd_dashboard,

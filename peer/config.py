@@ -136,6 +136,9 @@ class SwarmSection:
     save_dir: str = _f("", "when set, the leader writes the final parameters of every stage and run.json here")
     quorum_wait_s: float = _f(QUORUM_WAIT_S, "a leader without a majority of the last plan's members pauses this "
                               "long, then goes on with those present in a new epoch")
+    leaders: Any = _f(None, "who may lead: a list of stewards' peer ids in order of preference (empty: the "
+                      "organiser's own peer); \"any\" lets the credited members elect one (an opt-in: an elected "
+                      "member's orders are checked, but it can still stall the run; docs/security.md)")
 
 
 @dataclass
@@ -391,7 +394,9 @@ def _section(cls: type, values: dict[str, Any], where: str) -> Any:
     for name, value in values.items():
         default = known[name].default
         expected = type(default) if default is not None and default is not MISSING else None
-        if name == "devices":
+        if name == "leaders":
+            _check_leaders(value, where)
+        elif name == "devices":
             if value is not None and not (isinstance(value, list) and all(isinstance(v, int) for v in value)):
                 raise ConfigError(f"{where}: {name} must be a list of integers")
         elif expected is float and isinstance(value, int) and not isinstance(value, bool):
@@ -402,6 +407,17 @@ def _section(cls: type, values: dict[str, Any], where: str) -> Any:
             raise ConfigError(f"{where}: {name} must be {expected.__name__}, got {value!r}")
         kwargs[name] = value
     return cls(**kwargs)
+
+
+def _check_leaders(value: Any, where: str) -> None:
+    """``[swarm] leaders``: None, "any", or a list of peer ids (peer.swarm.charter)."""
+    if value is None or value == "any":
+        return
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value) or len(value) > 64:
+        raise ConfigError(f'{where}: leaders must be "any" or a list of at most 64 peer ids, got {value!r}')
+    bad = [v for v in value if not all(c.isalnum() or c in "._-" for c in v) or len(v) > 64]
+    if bad:
+        raise ConfigError(f"{where}: leaders: {bad[0]!r} is not a peer id (`peer identity show` prints one)")
 
 
 def reference_markdown() -> str:

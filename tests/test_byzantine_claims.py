@@ -106,7 +106,7 @@ def test_a_nan_loss_liar_and_a_trained_steps_liar_neither_crash_nor_end_the_run(
     key0 = tmp_path / "peer0.key"
     script = tmp_path / "patched_peer.py"
     script.write_text(PATCHED)
-    cfg = write_small_config(tmp_path, steps=STEPS, secret=SECRET, min_peers=5, stages=1,
+    cfg = write_small_config(tmp_path, steps=STEPS, secret=SECRET, min_peers=5, stages=1, leaders="any",
                              extra=f"save_dir = {json.dumps(str(save))}\n")
     with PeerProcesses(tmp_path, emulate_tflops=0.00004) as procs:  # about 2 s a step: time for a takeover
         addr = procs.start(cfg, "--identity", str(key0))

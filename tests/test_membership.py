@@ -15,9 +15,10 @@ from hivemind.utils import get_dht_time
 
 from peer.compute.device_probe import DeviceInfo
 from peer.swarm.adverts import Advert, LinkReport
+from peer.swarm.charter import CharterError, run_organiser
 from peer.swarm.dht import DHTConfig, start_dht, visible_maddrs
 from peer.swarm.identity import Identity
-from peer.swarm.membership import Membership, SwarmSecretError, verify_swarm_secret
+from peer.swarm.membership import Membership, OrganiserError, SwarmSecretError, organisers_run, verify_swarm_secret
 
 pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
 
@@ -187,17 +188,28 @@ def test_links_are_reported_and_read_back(nodes, run_id, members):
     assert b.links() == sorted([report, estimate], key=lambda r: (r.src, r.dst))
 
 
-def test_run_is_published_and_earliest_wins(nodes, run_id, members):
-    first, second, reader = (node.membership(run_id) for node in nodes[:3])
-    members.extend([first, second, reader])
+def test_the_run_is_the_organisers_and_a_forged_earlier_record_is_ignored(nodes, run_id, members):
+    first, second, reader, forger = (node.membership(run_id) for node in nodes[:4])
+    members.extend([first, second, reader, forger])
     assert reader.get_run() is None
     published = first.publish_run({"model": {"n_layers": 4}, "steps": 10})
-    second.publish_run({"model": "a later, different run"})
-    assert reader.get_run() == {"model": {"n_layers": 4}, "steps": 10}
+    organiser = nodes[0].identity.peer_id
+    assert reader.get_run() == {"model": {"n_layers": 4}, "steps": 10}  # the only organiser in the DHT
     record = reader.get_run_record()
-    assert record.publisher == nodes[0].identity.peer_id and record.created_at == published.created_at
-    second.adopt_run(record)
-    assert reader.get_run() == {"model": {"n_layers": 4}, "steps": 10}
+    assert record.organiser == organiser and record.created_at == published.created_at
+    second.adopt_run(record)  # kept alive under the second peer's subkey, with the organiser's signature
+    forger.publish_run({"model": "forged"}, created_at=published.created_at - 1000)  # earlier, signed by itself
+    records = reader.store.get_all("run")
+    assert len(records) == 3
+    assert organisers_run(records, run_id, organiser).config == {"model": {"n_layers": 4}, "steps": 10}
+    with pytest.raises(OrganiserError, match="2 organisers"):
+        organisers_run(records, run_id, None)
+    assert verify_swarm_secret(nodes[2].dht, run_id, None, organiser=organiser).organiser == organiser
+    assert reader.get_run() == {"model": {"n_layers": 4}, "steps": 10}  # a display: the run most members keep
+    # a record that claims the organiser's signature over another config does not verify
+    tampered = {"config": {"model": "forged"}, "created_at": published.created_at, "organiser": published.seal}
+    with pytest.raises(CharterError, match="does not verify"):
+        run_organiser(run_id, tampered)
 
 
 def test_wrong_secret_makes_records_invisible_and_check_fails(nodes, run_id, members):

@@ -104,7 +104,7 @@ def heal(hosts: list[Host]) -> None:
 @pytest.mark.skipif(unavailable_reason() is not None, reason=f"network namespaces: {unavailable_reason()}")
 def test_partition_2_plus_2_minority_pauses_and_rejoins(tmp_path: Path) -> None:
     save = tmp_path / "result"
-    cfg = write_small_config(tmp_path, steps=STEPS, min_peers=4, stages=1,
+    cfg = write_small_config(tmp_path, steps=STEPS, min_peers=4, stages=1, leaders="any",
                              extra=f"save_dir = {json.dumps(str(save))}\n")
     swarm = Swarm(tmp_path)
     with open_bed() as bed:

@@ -29,7 +29,7 @@ PARTITION_S = 30.0  # detection (~7 s) + the 8 s wait + a takeover, then ~7 step
 @pytest.mark.skipif(unavailable_reason() is not None, reason=f"network namespaces: {unavailable_reason()}")
 def test_partition_longer_than_quorum_wait_both_sides_train_then_one_wins(tmp_path: Path) -> None:
     save = tmp_path / "result"
-    cfg = write_small_config(tmp_path, steps=STEPS, min_peers=4, stages=1,
+    cfg = write_small_config(tmp_path, steps=STEPS, min_peers=4, stages=1, leaders="any",
                              extra=f"save_dir = {json.dumps(str(save))}\nquorum_wait_s = {QUORUM_WAIT_S}\n")
     swarm = Swarm(tmp_path)
     with open_bed() as bed:

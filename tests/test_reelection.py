@@ -29,7 +29,7 @@ REELECT_S = 90.0  # block to the new leader's first plan: 5 heartbeats of 1 s, t
 @pytest.mark.skipif(unavailable_reason() is not None, reason=f"network namespaces: {unavailable_reason()}")
 def test_followers_reelect_when_the_coordinator_is_unreachable(tmp_path: Path) -> None:
     save = tmp_path / "result"
-    cfg = write_small_config(tmp_path, steps=STEPS, min_peers=4, stages=1,
+    cfg = write_small_config(tmp_path, steps=STEPS, min_peers=4, stages=1, leaders="any",
                              extra=f"save_dir = {json.dumps(str(save))}\n")
     swarm = Swarm(tmp_path)
     with open_bed() as bed:

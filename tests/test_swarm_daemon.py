@@ -39,7 +39,7 @@ def wait_for(predicate, timeout: float, what: str, addr: str) -> dict:
 def test_swarm_forms_trains_and_survives_leader_death(tmp_path: Path) -> None:
     save = tmp_path / "result"
     extra = f"save_dir = {json.dumps(str(save))}\n"
-    cfg = write_small_config(tmp_path, steps=STEPS, min_peers=N_PEERS, stages=2, extra=extra)
+    cfg = write_small_config(tmp_path, steps=STEPS, min_peers=N_PEERS, stages=2, leaders="any", extra=extra)
     with PeerProcesses(tmp_path, emulate_tflops=0.0001) as procs:  # ~1 s steps: time to watch a takeover
         addr = procs.start(cfg)
         for i in range(1, N_PEERS):

@@ -86,7 +86,8 @@ def test_a_leader_failing_in_its_takeover_is_replaced_and_the_run_finishes_exact
     save = tmp_path / "result"
     script = tmp_path / "failing_leader.py"
     script.write_text(PATCHED)
-    cfg = write_small_config(tmp_path, steps=STEPS, secret=SECRET, min_peers=4, stages=1, heartbeat_s=HEARTBEAT_S,
+    cfg = write_small_config(tmp_path, steps=STEPS, secret=SECRET, min_peers=4, stages=1, leaders="any",
+                             heartbeat_s=HEARTBEAT_S,
                              extra=f"save_dir = {json.dumps(str(save))}\nquorum_wait_s = {QUORUM_WAIT_S}\n")
     with PeerProcesses(tmp_path, emulate_tflops=0.00003) as procs:  # about 2 s a step: time for two takeovers
         addr = procs.start(cfg)

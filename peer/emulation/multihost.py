@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import IO
 
 from peer.emulation.netbed import Host
-from peer.emulation.procs import JOIN_LINE_PREFIX, PEER_COMMAND, child_env, kill_group, launch, read_line
+from peer.emulation.procs import (
+    JOIN_LINE_PREFIX,
+    PEER_COMMAND,
+    child_env,
+    kill_group,
+    launch,
+    organiser_flag,
+    read_line,
+)
 from peer.emulation.reference_check import gap_to_reference
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,6 +46,7 @@ class BedPeers:
         self.procs: dict[str, subprocess.Popen[str]] = {}
         self._logs: list[IO[str]] = []
         self._own_paths: list[str] = []  # `--config RUN.TOML` of `start`: the joiners' local paths (shared disk)
+        self.join_line = ""  # what `peer start` printed (its --organiser goes to every joiner)
 
     def spawn(self, host: Host, args: list[str]) -> subprocess.Popen[str]:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -56,10 +65,11 @@ class BedPeers:
         if not line:
             raise RuntimeError(f"peer start on {host.name} printed no join line (exit {proc.poll()}):\n"
                                f"{self.log(host.name)[-3000:]}")
+        self.join_line = line
         return line.split()[3]
 
     def join(self, host: Host, dht: str, *flags: str) -> subprocess.Popen[str]:
-        return self.spawn(host, ["join", "--dht", dht, *self._own_paths, *flags])
+        return self.spawn(host, ["join", "--dht", dht, *organiser_flag(self.join_line), *self._own_paths, *flags])
 
     def log(self, name: str) -> str:
         path = self.log_dir / f"{name}.log"

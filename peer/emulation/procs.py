@@ -55,6 +55,12 @@ def launch(
     return proc, log
 
 
+def organiser_flag(join_line: str) -> list[str]:
+    """``["--organiser", ID]`` as a join line names it (nothing for a line without one)."""
+    words = join_line.split()
+    return words[words.index("--organiser"):][:2] if "--organiser" in words[:-1] else []
+
+
 def read_line(proc: subprocess.Popen[str], timeout_s: float, prefix: str = "") -> str:
     """The first line of ``proc``'s stdout that starts with ``prefix`` (stripped), or "" after ``timeout_s``.
 
@@ -125,13 +131,16 @@ def poll_until(read: Callable[[], dict], predicate: Callable[[dict], bool], time
 
 
 def write_small_config(folder: Path, steps: int, *, secret: str = "", min_peers: int = 1, stages: int = 0,
-                       heartbeat_s: float = 1.0, extra: str = "") -> Path:
+                       heartbeat_s: float = 1.0, extra: str = "", leaders: str | list[str] | None = None) -> Path:
     """``folder/run.toml`` of a small run (4-layer GPT, 8 micro-batches of 2 sequences of 32 tokens) that a few
-    CPU peers train in seconds a step; ``extra`` is appended TOML."""
+    CPU peers train in seconds a step; ``extra`` is appended TOML (to [swarm] unless it opens a section).
+    ``leaders``: ``[swarm] leaders`` ("any": a run whose organiser dies goes on under an elected member)."""
     lines = ["[run]", 'run_id = "tasklet"', f"steps = {steps}", "micro_batch = 2", "n_microbatches = 8",
              "[model]", "n_layers = 4", "d_model = 32", "seq_len = 32",
              "[swarm]", f"min_peers = {min_peers}", f"stages = {stages}", f"heartbeat_s = {heartbeat_s}",
              f"secret = {json.dumps(secret)}", "plan_time_limit_s = 1.0"]
+    if leaders is not None:
+        lines.append(f"leaders = {json.dumps(leaders)}")
     path = folder / "run.toml"
     path.write_text("\n".join(lines) + "\n" + extra)
     return path
@@ -188,7 +197,7 @@ class PeerProcesses:
     def join(self, addr: str, i: int, *extra: str) -> subprocess.Popen[str]:
         """`peer join --dht ADDR [--config RUN.TOML]` as peer ``i``: the run.toml `start` was given names the
         joiner's own paths (data, model, checkpoint folder) on this machine."""
-        return self.spawn(i, ["join", "--dht", addr, *self._own_paths, *extra])
+        return self.spawn(i, ["join", "--dht", addr, *organiser_flag(self.join_line), *self._own_paths, *extra])
 
     def kill(self, i: int) -> None:
         """SIGKILL peer ``i`` and everything it started: a machine that vanished."""

@@ -39,6 +39,7 @@ from peer.node.joining import JoinError, check_files, find_run
 from peer.node.leader_role import LeaderContext, LeaderRole
 from peer.node.prober import LinkProber, ProbeSources
 from peer.node.reachability import Reach, ReachabilityError, establish, refuse_undialable
+from peer.node.roles import Action, Observed, State, transition
 from peer.node.schedule import Schedule, leaves_at
 from peer.node.watch import CoordinatorWatch
 from peer.observe.node import NodeObserver, ObserveError, ObserveOptions
@@ -46,8 +47,9 @@ from peer.observe.snapshot import SwarmSource
 from peer.runtime.lead.driver import RunDriver
 from peer.runtime.stage.worker import StageWorker
 from peer.swarm.adverts import Advert
+from peer.swarm.charter import LeaderPolicy, waiting_line
 from peer.swarm.dht import DHT_OPS, DHTConfig, DHTStartError, ops_delta, reconnect, start_dht, visible_maddrs
-from peer.swarm.election import elect_leader
+from peer.swarm.election import elect
 from peer.swarm.identity import Identity
 from peer.swarm.membership import ClockSkewError, Membership
 from peer.swarm.plans import PlanBoard, PlanRecord
@@ -56,6 +58,7 @@ from peer.swarm.records import RunRecordValidator, record_key
 from peer.swarm.view import SwarmView
 from peer.timing import (
     ADVERT_TTL_HEARTBEATS,
+    DEPOSE_HEARTBEATS,
     DHT_RECONNECT_HEARTBEATS,
     EXIT_COPY_WAIT_S,
     EXIT_STEP_WAIT_S,
@@ -72,6 +75,7 @@ COORDINATOR_THREADS = 64  # extra worker-server threads for a coordinator mounte
 DHT_JOIN_ATTEMPTS = 4  # joining through a node too busy to answer the DHT's ping is tried this often
 BUSY_BOOTSTRAP = "none of the initial_peers responded to a ping"  # hivemind's words for that
 OPS_LOG_HEARTBEATS = 5  # the daemon logs its DHT gets and stores per heartbeat this often
+STEWARDS_READ_HEARTBEATS = 2  # the organiser's steward records are read this often
 
 
 class DaemonError(RuntimeError):
@@ -107,6 +111,7 @@ class PeerOptions:
     state_dir: str | None = None  # the control socket's folder; None: the --identity file's, or no socket
     schedule: Schedule | None = None  # the owner's availability hours (peer.node.schedule); None: always
     local_paths: dict[tuple[str, str], str] = field(default_factory=dict)  # a joiner's own (peer.node.joining)
+    organiser: str | None = None  # the organiser's peer id of the join line; None: the only one the DHT names
 
 
 def bulk_lane_port(announce: str | None, bulk_port: int | None) -> int | None:
@@ -143,6 +148,9 @@ class PeerDaemon:
         self.declared_tflops: float | None = None  # this peer's emulated speed (None: measured)
         self._emulated_extra: dict[str, Any] = {}  # the advert's emulated device and region
         self.role: LeaderRole | None = None
+        self.state = State.FOLLOWER  # the role machine's (peer.node.roles)
+        self._run_done = False  # the followed leader reported "done" at the signed last step
+        self._refused_done: tuple[str, object] | None = None  # the last "done" refused (logged once)
         self.observer: NodeObserver | None = None
         self.done = threading.Event()
         self.stop_requested = threading.Event()
@@ -157,6 +165,7 @@ class PeerDaemon:
         self.exit_error: str | None = None
         self.control: OwnerControl | None = None  # pause, resume, schedule (peer.node.control_socket)
         self.reach: Reach | None = None
+        self.organiser = ""  # the run's organiser (its signature is the run record's root of trust)
 
     # ------------------------------------------------------------------------------------------- start-up
     def start(self) -> None:
@@ -206,7 +215,7 @@ class PeerDaemon:
         o = self.opts
         run_id = self.config.run.run_id if self.config else o.run_id
         try:
-            found = find_run(self.dht, run_id, o.secret or None, self.config, o.local_paths)
+            found = find_run(self.dht, run_id, o.secret or None, self.config, o.local_paths, o.organiser)
             files = check_files(found.config, found.existing)
         except JoinError as exc:
             raise DaemonError(str(exc)) from None
@@ -220,13 +229,17 @@ class PeerDaemon:
         self.progress = ProgressBoard(self.dht, run_id, self.identity, o.secret or None)
         self.view = SwarmView(self.membership, self.plan_board, self.progress)
         if existing is None:
-            self.membership.publish_run(files.record(self.config))
+            record = self.membership.publish_run(files.record(self.config))
         else:
             try:  # the median of the credited peers' clocks: free identities cannot refuse us
                 self.membership.check_clock(witnesses=self.view.credited(self.membership.live_entries()))
             except ClockSkewError as exc:
                 raise DaemonError(str(exc)) from None
             self.membership.adopt_run(existing)
+            record = existing
+        self.organiser = record.organiser
+        self.view.policy = LeaderPolicy.from_record(record.organiser, record.config.get("swarm", {}).get("leaders"))
+        log.info("run %s of organiser %s; who may lead: %s", run_id, record.organiser, self.view.policy.describe())
         try:
             self.network, self.declared_tflops, self._emulated_extra = emulated_device(
                 self.emulation, self.config.emulation, o.emulate_tflops, o.emulate_device)
@@ -325,6 +338,7 @@ class PeerDaemon:
             plans.latest,
             lambda: progress.read(_progress_leader(plans.latest(), self.elected())),
             self.membership.get_run,
+            self._leadership,
         )
         opts = ObserveOptions(o.host, o.metrics_port, o.dashboard_port, o.progress, self.config.run.steps,
                               max(2.0, self.config.swarm.heartbeat_s))
@@ -336,12 +350,22 @@ class PeerDaemon:
             if url:
                 log.info("%s at %s", what, url)
 
+    def _leadership(self) -> dict[str, Any] | None:
+        """Who may lead, for this peer's dashboard and /metrics (the view's policy; "waiting" while none is live)."""
+        policy = self.view.policy if self.view is not None else None
+        if policy is None:
+            return None
+        waiting = self.view is not None and self.view.waiting_for_steward()
+        return {"organiser": policy.organiser, "leaders": "any" if policy.any else list(policy.stewards),
+                "waiting": waiting_line(policy) if waiting else None}
+
     def join_line(self) -> str:
         """The command others run to join this swarm."""
         addrs = visible_maddrs(self.dht)
         line = f"peer join --dht {addrs[0]}"
         if self.spec.run_id != "tasklet":
             line += f" --run {self.spec.run_id}"
+        line += f" --organiser {self.organiser}"
         if self.opts.secret:
             line += " --secret <the swarm's secret>"
         return line
@@ -374,25 +398,8 @@ class PeerDaemon:
             with self._live_lock:
                 self._live = entries
             self._trust_adverts(entries)
-        me = self.identity.peer_id
-        leader = tick.leader
-        if leader == me and self.role is None and self._may_lead():
-            log.info("this peer (%s) leads the swarm", me)
-            self.role = LeaderRole(self._leader_context())
-            self.role.start()
-        elif leader not in (None, me) and self.role is not None and not self.role.finished.is_set():
-            log.warning("leadership moved to %s; stepping down", leader)
-            self.role.stop()
-            self.role = None
-            assert self.progress is not None
-            self.progress.resign()  # our followers look for the new leader now, not when our beat has aged
-        if self.role is not None and not self.role.finished.is_set():
-            self.role.beat()
-        if self.role is not None and self.role.finished.is_set():
-            if self.role.error is not None:
-                self.exit_error = f"leader failed: {self.role.error}"
-                _resign(self.progress)  # the followers elect again at once, as for a leader that died
-            self.done.set()
+        self._role_tick(tick.leader)
+        if self.state is State.DONE:
             return
         self._ticks += 1
         if self.dht_peers and self._ticks % (TICKS_PER_HEARTBEAT * DHT_RECONNECT_HEARTBEATS) == 0:
@@ -406,13 +413,84 @@ class PeerDaemon:
             progress = self.view.beat  # the leader's beat, read by the view once a heartbeat
             if self.observer is not None:
                 self.observer.on_progress(progress, peers_live=self._peers_live(), is_leader=self.role is not None)
-            if progress and progress.get("state") == "done":
-                log.info("the run is done (step %s); leaving", progress.get("step"))
-                self.done.set()
+            self._run_done = self._run_done or self._accept_done(progress)
+            if self._ticks % (TICKS_PER_HEARTBEAT * STEWARDS_READ_HEARTBEATS) == 0:
+                self._read_stewards()
         if self.role is not None and self._ticks % PLAN_RENEW_TICKS == 0 and self.plan_board is not None:
             self.plan_board.republish()  # the plan record lives PLAN_TTL_S; renew it well before (peer.timing)
         if self._ticks % (TICKS_PER_HEARTBEAT * OPS_LOG_HEARTBEATS) == 0:
             self._log_ops()
+
+    def _role_tick(self, leader: str | None) -> None:
+        """One step of the role machine (peer.node.roles) and its actions."""
+        me = self.identity.peer_id
+        role = self.role
+        seen = Observed(
+            me=me, leader=leader, waiting=self.view is not None and self.view.waiting_for_steward(),
+            may_lead=leader == me and self.state is not State.LEADER and self._may_lead(),
+            role_finished=role is not None and role.finished.is_set(),
+            role_failed=role is not None and role.finished.is_set() and role.error is not None,
+            run_done=self._run_done)
+        state, actions = transition(self.state, seen)
+        if state is not self.state:
+            log.info("role: %s -> %s%s", self.state.value, state.value, self._role_reason(state, leader))
+            self.state = state
+        for action in actions:
+            if action is Action.START_ROLE:
+                log.info("this peer (%s) leads the swarm", me)
+                self.role = LeaderRole(self._leader_context())
+                self.role.start()
+            elif action is Action.STOP_ROLE and self.role is not None:
+                log.warning("leadership moved to %s; stepping down", leader)
+                self.role.stop()
+                self.role = None
+            elif action is Action.RESIGN:
+                _resign(self.progress)  # our followers look for the new leader now, not when our beat has aged
+            elif action is Action.LEAVE:
+                if role is not None and role.error is not None:
+                    self.exit_error = f"leader failed: {role.error}"
+                self.done.set()
+        if self.state is State.LEADER and self.role is not None and not self.role.finished.is_set():
+            self.role.beat()
+
+    def _role_reason(self, state: State, leader: str | None) -> str:
+        if state is State.WAITING and self.view is not None and self.view.policy is not None:
+            return f" ({waiting_line(self.view.policy)})"
+        if state is State.FOLLOWER and leader:
+            return f" (leader {leader})"
+        return ""
+
+    def _accept_done(self, progress: dict[str, Any] | None) -> bool:
+        """A leader's "done" ends this peer's run only at the signed last step; any other is refused, logged, and
+        its leader deposed (a leader ordering everyone home early is stopping the run, not finishing it)."""
+        if not progress or progress.get("state") != "done":
+            return False
+        assert self.config is not None
+        step, last = progress.get("step"), self.config.run.steps
+        if isinstance(step, int) and not isinstance(step, bool) and step == last:
+            log.info("the run is done (step %s); leaving", step)
+            return True
+        leader = str(progress.get("leader", ""))[:64]
+        if self._refused_done != (leader, step):
+            self._refused_done = (leader, step)
+            log.warning("refused a \"done\" from %s at step %r: the run's signed last step is %d", leader, step, last)
+            if self.view is not None and leader and leader != self.identity.peer_id:
+                self.view.depose(leader, self.config.swarm.heartbeat_s * DEPOSE_HEARTBEATS,
+                                 f"it reported the run done at step {step!r}, not at the signed step {last}")
+        return False
+
+    def _read_stewards(self) -> None:
+        """The stewards the organiser added while the run goes on (``peer stewards add``)."""
+        if self.membership is None or self.view is None or self.view.policy is None or self.view.policy.any:
+            return
+        policy = self.view.policy
+        added = self.membership.read_stewards(policy.organiser)
+        if added is None:
+            return
+        new = LeaderPolicy.from_record(policy.organiser, self.config.swarm.leaders if self.config else None, added)
+        if new != policy:
+            log.info("the organiser's stewards: %s", ", ".join(new.stewards))
+            self.view.policy = new
 
     def _peers_live(self) -> int:
         """Live peers as far as this peer knows: its last full read, or the members of the plan it follows."""
@@ -476,7 +554,7 @@ class PeerDaemon:
         entries = [] if self.membership is None else self.membership.live_entries()
         if not any(e.advert.peer_id == self.identity.peer_id for e in entries):
             return False  # a read without our own advert is incomplete: it elects nobody
-        return caller == elect_leader(entries)
+        return caller == elect(entries, (), self.view.policy if self.view is not None else None)
 
     def elected(self) -> str | None:
         """The leader this peer elects now (not yet confirmed): the only peer whose plans it accepts.

@@ -56,18 +56,23 @@ class CheckedFiles:
 
 
 def find_run(dht: hivemind.DHT, run_id: str, secret: str | None, config: RunConfig | None,
-             own_paths: Mapping[tuple[str, str], str] | None = None) -> FoundRun:
+             own_paths: Mapping[tuple[str, str], str] | None = None, organiser: str | None = None) -> FoundRun:
     """The run to take part in: a new one from ``config`` (none of that name may exist) or, for a joiner
-    (``config`` None), the published one, waited for up to JOINER_RUN_WAIT_S, with the joiner's ``own_paths``
-    (``(section, key)`` -> path) in place of any the record names."""
+    (``config`` None), the one ``organiser`` signed (the join line's ``--organiser``; None: the only organiser
+    any record names), waited for up to JOINER_RUN_WAIT_S, with the joiner's ``own_paths`` (``(section, key)``
+    -> path) in place of any the record names."""
     deadline = time.monotonic() + JOINER_RUN_WAIT_S
-    existing = _read_run(dht, run_id, secret, deadline, wait_for_record=False)
+    existing = _read_run(dht, run_id, secret, deadline, wait_for_record=False,
+                         organiser=None if config is not None else organiser)
     if config is not None:
         if existing is not None:
             raise JoinError(f"a run named {run_id!r} already exists in this DHT; use `peer join` or another "
                             "[run] run_id")
         return FoundRun(config, None, config.swarm.secret or secret or None)
-    existing = existing or _read_run(dht, run_id, secret, deadline, wait_for_record=True)
+    existing = existing or _read_run(dht, run_id, secret, deadline, wait_for_record=True, organiser=organiser)
+    if existing is None and organiser is not None:
+        raise JoinError(f"no run named {run_id!r} signed by the organiser {organiser} can be read in this DHT "
+                        "(check --organiser against the join line `peer start` printed, and --run/--secret)")
     if existing is None:
         # this peer's DHT node refuses records sealed with another secret (or sealed when it has none) before
         # anything reads them, so a wrong secret and a missing run look alike from here
@@ -78,6 +83,9 @@ def find_run(dht: hivemind.DHT, run_id: str, secret: str | None, config: RunConf
         config = joiner_config(existing.config, own_paths or {}, run_id)
     except ConfigError as exc:
         raise JoinError(str(exc)) from None
+    if organiser is None:
+        log.warning("joining run %r of organiser %s, the only one it names: pass --organiser %s (the join line's) "
+                    "to accept no other", run_id, existing.organiser, existing.organiser)
     return FoundRun(config, existing, secret or None)
 
 
@@ -100,14 +108,14 @@ def joiner_config(record: Mapping[str, Any], own_paths: Mapping[tuple[str, str],
 
 
 def _read_run(dht: hivemind.DHT, run_id: str, secret: str | None, deadline: float,
-              wait_for_record: bool) -> RunRecord | None:
+              wait_for_record: bool, organiser: str | None = None) -> RunRecord | None:
     """The published run, read until one is there (``wait_for_record``) or one read answers, until
     ``deadline``; a read that times out (a busy DHT) is tried again, a wrong secret is final."""
     while True:
         if wait_for_record:
             time.sleep(0.5)
         try:
-            existing = verify_swarm_secret(dht, run_id, secret or None)
+            existing = verify_swarm_secret(dht, run_id, secret or None, organiser=organiser)
         except RunReadTimeoutError as exc:
             if time.monotonic() >= deadline:
                 if wait_for_record:

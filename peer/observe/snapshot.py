@@ -37,11 +37,14 @@ class SwarmSource:
     plan: Callable[[], PlanRecord | None]
     progress: Callable[[], dict[str, Any] | None]
     run_config: Callable[[], dict[str, Any] | None]
+    # who may lead and whether the swarm waits for a steward (peer.swarm.status.StatusReader.leadership)
+    leadership: Callable[[], dict[str, Any] | None] = lambda: None
 
     @classmethod
     def from_reader(cls, reader: StatusReader) -> SwarmSource:
         m = reader.membership
-        return cls(reader.live_entries, m.links, reader.latest_plan, reader.read_progress, m.get_run)
+        return cls(reader.live_entries, m.links, reader.latest_plan, reader.read_progress, m.get_run,
+                   lambda: reader.leadership(reader.live_entries()))
 
 
 def _num(value: object) -> float | None:
@@ -168,10 +171,13 @@ def build_snapshot(source: SwarmSource, run_id: str) -> dict[str, Any]:
         if r.src in live and r.dst in live
     ]
     run_section = run_config.get("run") if isinstance(run_config, dict) else None
+    leadership = source.leadership() or {}
+    waiting = _str(leadership.get("waiting"), 200)
     return {
         "run": run_id,
         "time": time.time(),
-        "state": _str(progress.get("state"), 32) or ("forming" if entries else "unknown"),
+        "state": "waiting" if waiting else _str(progress.get("state"), 32) or ("forming" if entries else "unknown"),
+        "waiting": waiting,
         "step": _int(progress.get("step")),
         "steps": _int(run_section.get("steps")) if isinstance(run_section, dict) else None,
         "loss": _num(progress.get("loss")),

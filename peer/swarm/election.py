@@ -1,4 +1,10 @@
-"""Leader election without messages, from what the credited peers observed.
+"""Leader election without messages: the organiser's stewards, or (opted in) what the credited peers observed.
+
+**The organiser decides who may lead** (``peer.swarm.charter.LeaderPolicy``, from the run record it signed): by
+default only its own peer, or the stewards ``[swarm] leaders`` names, first live one in its order, and an incumbent
+steward keeps the lead; while no steward is live nobody leads and the swarm waits (:func:`elect`). What follows
+is the members' election, used only where the organiser opted in with ``leaders = "any"``; there too a live
+leader keeps the lead (a joiner's testimony moves nothing while it works).
 
 Every peer reads the same live peer records from the DHT, so a pure function of them picks the same leader
 everywhere. Each record carries ``found``: the peers its writer saw alive when it joined
@@ -36,6 +42,7 @@ from collections.abc import Collection, Iterable
 from typing import Any
 
 from peer.swarm.adverts import check_peer_id
+from peer.swarm.charter import LeaderPolicy
 from peer.swarm.membership import PeerEntry
 
 MAX_CREDITED = 4096  # peer ids one plan may credit (the plan board's member bound)
@@ -66,6 +73,27 @@ def elect_leader(entries: Iterable[PeerEntry], credited: Collection[str] = ()) -
     plain = seniority(entries) if credited else counts
     return min(counts, key=lambda peer_id: (-counts[peer_id], bool(credited) and peer_id not in credited,
                                             -plain[peer_id], peer_id))
+
+
+def elect(entries: Iterable[PeerEntry], credited: Collection[str], policy: LeaderPolicy | None,
+          incumbent: str | None = None) -> str | None:
+    """The leader under the organiser's ``policy`` (None: the members' election, as before any policy is known).
+
+    Stewards: the ``incumbent`` (the leader of the plan the reader follows) while it is a live steward, else the
+    first live steward in the organiser's order; None while no steward is live (the swarm waits). ``any``: the
+    incumbent while it is live (no testimony moves a working leader), else the members' election. A deposed or
+    resigned leader is not passed as ``incumbent`` (``peer.swarm.view``)."""
+    entries = list(entries)
+    live = [entry.advert.peer_id for entry in entries if entry.advert.role == "worker"]
+    if policy is None:
+        return elect_leader(entries, credited)
+    if not policy.any:
+        if incumbent in live and policy.may_lead(incumbent):
+            return incumbent
+        return next((p for p in policy.stewards if p in live), None)
+    if incumbent is not None and incumbent in live:
+        return incumbent
+    return elect_leader(entries, credited)
 
 
 def credited_of(plan: dict[str, Any] | None) -> frozenset[str]:

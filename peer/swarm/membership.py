@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import hivemind
 
 from peer.swarm.adverts import Advert, LinkReport, check_peer_id
+from peer.swarm.charter import CharterError, run_organiser, sign_run, stewards_of
 from peer.swarm.identity import Identity
 from peer.swarm.records import MacStatus, RecordStore
 from peer.timing import (
@@ -119,11 +120,14 @@ class EndpointBinding:
 
 @dataclass(frozen=True)
 class RunRecord:
-    """The run's configuration with who published it and when (the earliest publication wins)."""
+    """The run's configuration, who stored this copy and when the run was created, and the organiser who signed
+    it (``peer.swarm.charter``: only the organiser's signature makes a record the run's)."""
 
     config: dict
     created_at: float
     publisher: str
+    organiser: str = ""
+    seal: dict | None = None  # the organiser's {"key", "sig"} over config and created_at
 
 
 class Membership:
@@ -158,6 +162,7 @@ class Membership:
         self._advert: Advert | None = None
         self._links: list[LinkReport] = []
         self._run: RunRecord | None = None
+        self._stewards: dict[int, dict] = {}  # revision -> the organiser's signed stewards record, kept alive
         self._run_renew_at = 0.0  # DHT time after which the heartbeat stores the run record again
         self._links_renew_at = 0.0  # the same for the link reports
         self._last_expiry = 0.0
@@ -267,11 +272,11 @@ class Membership:
             self._links_renew_at = at + max(self.heartbeat_s, ttl - 2 * self.ttl_s)
         return stored
 
-    def publish_run(self, run_config: dict, created_at: float | None = None) -> RunRecord:
-        """Publish the run configuration (first peer) and keep it alive with our heartbeat.
+    def publish_run(self, run_config: dict, created_at: float | None = None, seal: dict | None = None) -> RunRecord:
+        """Publish the run configuration (the organiser, which signs it) and keep it alive with our heartbeat.
 
-        Joiners may re-publish what they read with its original ``created_at`` (:meth:`adopt_run`) so the
-        run outlives its first peer; readers take the earliest publication.
+        Joiners re-publish what they read, with its original ``created_at`` and the organiser's ``seal``
+        (:meth:`adopt_run`), so the run outlives the organiser's peer; readers take only the organiser's.
         """
         if not isinstance(run_config, dict):
             raise ValueError(f"run config must be a dict, got {type(run_config).__name__}")
@@ -279,7 +284,10 @@ class Membership:
         if isinstance(swarm, dict) and swarm.get("secret"):
             raise ValueError("the run record must not hold the join secret (publish RunConfig.public_dict())")
         created_at = now() if created_at is None else float(created_at)
-        record = RunRecord(dict(run_config), created_at, self.peer_id)
+        if seal is None:
+            seal = sign_run(self.identity, self.run_id, dict(run_config), created_at)
+        organiser = run_organiser(self.run_id, {"config": run_config, "created_at": created_at, "organiser": seal})
+        record = RunRecord(dict(run_config), created_at, self.peer_id, organiser, seal)
         with self._lock:
             self._run = record
         if not self._store_run(record):
@@ -287,16 +295,22 @@ class Membership:
         return record
 
     def adopt_run(self, record: RunRecord) -> None:
-        """Keep an existing run alive under our own key too (same config, same ``created_at``)."""
-        self.publish_run(record.config, record.created_at)
+        """Keep an existing run alive under our own key too (same config, ``created_at`` and signature)."""
+        if record.seal is None:
+            raise ValueError("a run record without the organiser's signature cannot be adopted")
+        self.publish_run(record.config, record.created_at, record.seal)
 
     def _store_run(self, record: RunRecord) -> bool:
         """Store the run record; the heartbeat renews it only when less than two advert lifetimes are left (it
         lives much longer than an advert, and every peer keeps it: one store per heartbeat each is waste)."""
         at = now()
         ttl = max(self.ttl_s, RUN_RECORD_MIN_TTL_S)
-        payload = {"config": record.config, "created_at": record.created_at}
+        payload = {"config": record.config, "created_at": record.created_at, "organiser": record.seal}
         stored = self.store.put("run", payload, at + ttl)
+        with self._lock:
+            stewards = dict(self._stewards)
+        for revision, signed in stewards.items():  # the organiser's additions outlive its peer like the run
+            self.store.put("stewards", signed, at + ttl, suffix=b"/%d" % revision)
         if stored:
             self._run_renew_at = at + max(self.heartbeat_s, ttl - 2 * self.ttl_s)
         return stored
@@ -433,10 +447,42 @@ class Membership:
             f"({count} peers; at most {max_skew_s:g} s allowed): synchronise it (e.g. enable NTP) and join again"
         )
 
+    @property
+    def organiser(self) -> str | None:
+        """The organiser of the run this peer published or adopted (None before either)."""
+        with self._lock:
+            return None if self._run is None else self._run.organiser
+
+    def read_stewards(self, organiser: str) -> tuple[str, ...] | None:
+        """The stewards ``organiser`` added to the run by signed records (``peer stewards add``), in revision order;
+        None when the read timed out. Every record that verifies is also kept alive under our own subkey."""
+        records = self.store.get_all("stewards")
+        if records is None:
+            return None
+        found: dict[int, tuple[dict, tuple[str, ...]]] = {}
+        for record in records[:MAX_STEWARD_RECORDS * 8]:
+            try:
+                ids = stewards_of(self.run_id, organiser, record.payload)
+            except CharterError:
+                continue
+            found[record.payload["revision"]] = (record.payload, ids)
+        revisions = sorted(found)[:MAX_STEWARD_RECORDS]
+        with self._lock:
+            new = [r for r in revisions if r not in self._stewards]
+            for r in revisions:
+                self._stewards[r] = found[r][0]
+        if new and self._run is not None:
+            self._run_renew_at = 0.0  # store them at the next heartbeat
+        return tuple(dict.fromkeys(p for r in revisions for p in found[r][1]))
+
     def get_run_record(self) -> RunRecord | None:
-        """The earliest valid publication of the run, or None when nobody (with our secret) published it."""
-        records = self.store.get_all("run")
-        return _earliest_run(records or [])
+        """The run as its organiser signed it (the organiser of the run this peer took part in; before that, the
+        only organiser any record names), or None when nobody (with our secret) published it."""
+        records = self.store.get_all("run") or []
+        try:
+            return organisers_run(records, self.run_id, self.organiser)
+        except OrganiserError:  # a reader that took part in no run (peer status): the run most members keep
+            return most_kept_run(records, self.run_id)
 
     def get_run(self) -> dict | None:
         record = self.get_run_record()
@@ -452,23 +498,63 @@ def _check_found(value: object, owner: str) -> frozenset[str]:
     return found
 
 
-def _earliest_run(records: list) -> RunRecord | None:
-    runs = []
+MAX_STEWARD_RECORDS = 16  # the organiser's stewards records a peer reads and keeps alive
+
+
+class OrganiserError(SwarmSecretError):
+    """The run's records name several organisers and the joiner named none (or none is the one it named)."""
+
+
+def organisers_run(records: list, run_id: str, organiser: str | None) -> RunRecord | None:
+    """The run as ``organiser`` signed it (the join line's ``--organiser``); None when no record of it is there.
+    Without ``organiser``, the run of the only organiser any valid record names: a joiner that trusts its first
+    sight (it says so in the log); OrganiserError when records of several organisers are there. A record
+    without a valid signature is ignored, whatever its ``created_at``."""
+    runs: dict[str, RunRecord] = {}
     for record in records:
         payload = record.payload
         config, created_at = payload.get("config"), payload.get("created_at")
-        if set(payload) != {"config", "created_at"} or not isinstance(config, dict):
+        if set(payload) != {"config", "created_at", "organiser"} or not isinstance(config, dict):
             logger.warning("ignoring a malformed run record from %s", record.owner)
             continue
         if isinstance(created_at, bool) or not isinstance(created_at, (int, float)):
             logger.warning("ignoring a run record from %s without a numeric created_at", record.owner)
             continue
-        runs.append(RunRecord(config, float(created_at), record.owner))
-    return min(runs, key=lambda run: (run.created_at, run.publisher), default=None)
+        try:
+            signer = run_organiser(run_id, payload)
+        except CharterError as exc:
+            logger.warning("ignoring a run record stored by %s: %s", record.owner, exc)
+            continue
+        if organiser is not None and signer != organiser:
+            logger.warning("ignoring a run record signed by %s: the organiser is %s", signer, organiser)
+            continue
+        run = RunRecord(config, float(created_at), record.owner, signer, payload["organiser"])
+        if signer not in runs or (run.created_at, run.publisher) < (runs[signer].created_at, runs[signer].publisher):
+            runs[signer] = run
+    if len(runs) > 1:
+        raise OrganiserError(f"run {run_id!r} is claimed by {len(runs)} organisers ({', '.join(sorted(runs))}): "
+                             "join with the --organiser PEER_ID of the join line `peer start` printed")
+    return next(iter(runs.values()), None)
+
+
+def most_kept_run(records: list, run_id: str) -> RunRecord | None:
+    """Among several organisers' runs, the one the most distinct members keep alive (a display's best guess for a
+    reader that names no organiser; never used to join or to lead)."""
+    keepers: dict[str, set[str]] = {}
+    for record in records:
+        try:
+            keepers.setdefault(run_organiser(run_id, record.payload), set()).add(record.owner)
+        except CharterError:
+            continue
+    if not keepers:
+        return None
+    best = max(keepers, key=lambda organiser: (len(keepers[organiser]), organiser))
+    return organisers_run(records, run_id, best)
 
 
 def verify_swarm_secret(
-    dht: hivemind.DHT, run_id: str, secret: str | None, timeout_s: float = DHT_CALL_TIMEOUT_S
+    dht: hivemind.DHT, run_id: str, secret: str | None, timeout_s: float = DHT_CALL_TIMEOUT_S,
+    organiser: str | None = None,
 ) -> RunRecord | None:
     """Check our join secret against the published run before announcing anything.
 
@@ -480,8 +566,8 @@ def verify_swarm_secret(
     if records is None:
         raise RunReadTimeoutError(f"could not read run {run_id!r} from the DHT within {timeout_s:g} s")
     accepted = [record for record in records if record.mac_status is MacStatus.OK]
-    run = _earliest_run(accepted)
-    if run is not None or not records:
+    run = organisers_run(accepted, run_id, organiser)
+    if run is not None or not records or accepted:
         return run
     statuses = {record.mac_status for record in records}
     if secret is None:

@@ -80,6 +80,7 @@ RECORD_TTL_S = {
     "plans": PLAN_TTL_S,
     "progress": PROGRESS_TTL_S,
     "beat": PROGRESS_TTL_S,
+    "stewards": max(_ADVERT_TTL_MAX, RUN_RECORD_MIN_TTL_S),  # the organiser's additions (peer.swarm.charter)
 }
 _ENVELOPE_FIELDS = {"p", "mac"}
 

@@ -15,9 +15,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from peer.swarm.charter import LeaderPolicy, waiting_line
 from peer.swarm.credit import credit_rows
 from peer.swarm.dht import DHTConfig, start_dht
-from peer.swarm.election import bootstrap_credited, credited_of, elect_leader
+from peer.swarm.election import bootstrap_credited, credited_of, elect
 from peer.swarm.identity import Identity
 from peer.swarm.membership import Membership, PeerEntry
 from peer.swarm.plans import PlanBoard, PlanRecord
@@ -27,7 +28,7 @@ from peer.timing import now
 VIEW_REUSE_S = 1.0
 
 
-def _listen_host(dht_peers: list[str]) -> str:
+def listen_host(dht_peers: list[str]) -> str:
     """127.0.0.1 when every multiaddr to join is a loopback one, else 0.0.0.0."""
     hosts = [m.split("/")[2] for m in dht_peers if m.count("/") >= 2]
     return "127.0.0.1" if hosts and all(h.startswith("127.") or h == "::1" for h in hosts) else "0.0.0.0"
@@ -41,6 +42,7 @@ class SwarmStatus:
     plan: dict[str, Any]
     progress: dict[str, Any]
     links: dict[str, Any]
+    leadership: dict[str, Any] | None = None  # the organiser, who may lead, and "waiting" while no steward lives
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -55,6 +57,7 @@ class SwarmStatus:
             "discarded": self.progress.get("discarded"),
             "links": self.links,
             "credit": credit_summary(self.progress),
+            "leadership": self.leadership,
         }
 
 
@@ -65,12 +68,13 @@ class StatusReader:
         self.identity = Identity.generate()
         # libp2p dials out from its listen address: a client bound to loopback cannot reach a swarm on another
         # machine, so it listens on every interface unless the swarm it joins is on this machine.
-        config = DHTConfig(initial_peers=tuple(dht_peers), host=_listen_host(dht_peers), client_mode=True)
+        config = DHTConfig(initial_peers=tuple(dht_peers), host=listen_host(dht_peers), client_mode=True)
         self.dht = start_dht(config, self.identity)
         self.membership = Membership(self.dht, run_id, self.identity, secret)
         self.board = PlanBoard(self.dht, run_id, None, secret, elector=self.elected)
         self.progress = ProgressBoard(self.dht, run_id, None, secret)
         self._view: tuple[float, list[PeerEntry]] = (-1.0, [])
+        self._policy: tuple[float, LeaderPolicy | None] = (-1.0, None)
 
     def live_entries(self) -> list[PeerEntry]:
         """The live peers; one DHT read serves every caller within ``VIEW_REUSE_S`` (a status screen asks
@@ -88,7 +92,31 @@ class StatusReader:
         followed = self.board.followed()
         credited = credited_of(followed.plan) if followed is not None else bootstrap_credited(
             entries, [(p.leader_id, p.plan) for p in self.board.plans()])
-        return elect_leader(entries, credited)
+        return elect(entries, credited, self.policy(), followed.leader_id if followed is not None else None)
+
+    def policy(self) -> LeaderPolicy | None:
+        """Who may lead, from the organiser's signed run record and stewards records (read at most every few
+        seconds; None while no run record is readable)."""
+        at, policy = self._policy
+        if time.monotonic() - at > VIEW_REUSE_S * 5:
+            record = self.membership.get_run_record()
+            if record is not None:
+                swarm = record.config.get("swarm")
+                leaders = swarm.get("leaders") if isinstance(swarm, dict) else None
+                added = self.membership.read_stewards(record.organiser) or ()
+                policy = LeaderPolicy.from_record(record.organiser, leaders, added)
+            self._policy = (time.monotonic(), policy)
+        return policy
+
+    def leadership(self, entries: list[PeerEntry]) -> dict[str, Any] | None:
+        policy = self.policy()
+        if policy is None:
+            return None
+        live = {e.advert.peer_id for e in entries if e.advert.role == "worker"}
+        waiting = not policy.any and bool(live) and not live & set(policy.stewards)
+        return {"organiser": policy.organiser, "leaders": "any" if policy.any else list(policy.stewards),
+                "live_stewards": sorted(live & set(policy.stewards)),
+                "waiting": waiting_line(policy) if waiting else None}
 
     def latest_plan(self) -> PlanRecord | None:
         return self.board.latest()
@@ -167,7 +195,7 @@ class StatusReader:
         credited = {row["peer_id"]: row["microbatches"] for row in credit_rows((progress or {}).get("credit"))}
         for peer in peers:  # each live peer's verified micro-batches, from the leader's signed record
             peer["credit_microbatches"] = credited.get(peer["peer_id"], 0)
-        return SwarmStatus(peers, plan_out, progress or {}, link_summary)
+        return SwarmStatus(peers, plan_out, progress or {}, link_summary, self.leadership(entries))
 
 
 def _by_path(links: list) -> dict[str, dict[str, Any]]:
@@ -196,6 +224,8 @@ def format_status(st: SwarmStatus) -> str:
     if p.get("tokens_per_s"):
         lines[-1] += f", {p['tokens_per_s']:.0f} tokens/s, {p.get('step_s', 0):.2f} s/step"
     lines[-1] += f" ({p.get('state', 'forming')})"
+    if st.leadership and st.leadership.get("waiting"):
+        lines.append(str(st.leadership["waiting"]))
     paused = p.get("paused")
     if isinstance(paused, dict):
         lines.append(_paused_line(paused))

@@ -32,16 +32,19 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from peer.swarm.election import bootstrap_credited, credited_of, elect_leader
+from peer.swarm.charter import LeaderPolicy
+from peer.swarm.election import bootstrap_credited, credited_of, elect
 from peer.swarm.membership import Membership, PeerEntry
 from peer.swarm.plans import PlanBoard, PlanRecord
 from peer.swarm.progress import ProgressBoard
 from peer.timing import LEADER_CONFIRM_TICKS, TICKS_PER_HEARTBEAT, now
 
 logger = logging.getLogger(__name__)
+
+MAX_PINNED = 65536  # peers whose first-seen testimony one reader remembers
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,9 @@ class SwarmView:
         self.full_reads = 0
         self._bootstrap: frozenset[str] | None = None  # the credited set while no plan is followed
         self.deposed: dict[str, float] = {}  # peer id -> until when (monotonic) the election leaves it out
+        self.policy: LeaderPolicy | None = None  # who may lead (the organiser's signed choice; set by the daemon)
+        self.live_ids: frozenset[str] = frozenset()  # the live workers at the last complete read
+        self._pinned: dict[str, frozenset[str]] = {}  # peer id -> its testimony (found) as first seen
 
     @property
     def me(self) -> str:
@@ -130,12 +136,39 @@ class SwarmView:
         if not any(e.advert.peer_id == self.me for e in entries):
             return False
         deposed = {pid for pid in self.deposed if self.is_deposed(pid)}
-        candidate = elect_leader([e for e in entries if e.advert.peer_id not in deposed], self.credited(entries))
+        kept = [self._pin(e) for e in entries if e.advert.peer_id not in deposed]
+        self.live_ids = frozenset(e.advert.peer_id for e in entries if e.advert.role == "worker")
+        candidate = elect(kept, self.credited(entries), self.policy, self._incumbent(deposed))
         if candidate == self.candidate:
             self.streak += 1
         else:
             self.candidate, self.streak = candidate, 1
         return True
+
+    def _pin(self, entry: PeerEntry) -> PeerEntry:
+        """The entry with its writer's testimony as this reader first saw it: ``found`` is fixed for a peer's
+        lifetime, so a later change is a lie aimed at the election (bounded: one set per peer id read)."""
+        pid = entry.advert.peer_id
+        if pid not in self._pinned and len(self._pinned) < MAX_PINNED:
+            self._pinned[pid] = entry.found
+        pinned = self._pinned.get(pid, entry.found)
+        return entry if pinned == entry.found else replace(entry, found=pinned)
+
+    def _incumbent(self, deposed: set[str]) -> str | None:
+        """The leader of the plan this peer follows, unless deposed or resigned: it keeps the lead."""
+        plan = self.plans.followed()
+        if plan is None or plan.leader_id in deposed:
+            return None
+        beat = self.beat
+        if beat is not None and beat.get("leader") == plan.leader_id and beat.get("state") in ("resigned", "done"):
+            return None
+        return plan.leader_id
+
+    def waiting_for_steward(self) -> bool:
+        """True while the organiser's stewards are the only ones who may lead and none is live."""
+        policy = self.policy
+        return policy is not None and not policy.any and not (self.live_ids & set(policy.stewards)) \
+            and bool(self.live_ids)
 
     def credited(self, entries: list[PeerEntry]) -> frozenset[str]:
         """Whose testimony counts in the election (``peer.swarm.election``): the peers the followed plan credits

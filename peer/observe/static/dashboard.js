@@ -73,7 +73,7 @@ function bandwidthColour(mbps, lo, hi) {
 function renderSummary(s) {
   setText("run-name", s.run ? `run ${s.run}` : "");
   const state = document.getElementById("state");
-  state.textContent = s.state || "unknown";
+  state.textContent = s.waiting || s.state || "unknown";
   state.className = `badge ${s.state || ""}`;
   setText("step", s.step === null || s.step === undefined ? "-" : (s.steps ? `${s.step}/${s.steps}` : `${s.step}`));
   setText("loss", fmt(s.loss, 4));
