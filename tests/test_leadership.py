@@ -1,0 +1,189 @@
+"""Who may lead, in process: the organiser's signatures, the stewards policy, the members' election with an incumbent
+and pinned testimony, and the daemon's role machine (peer.swarm.charter, peer.swarm.election, peer.node.roles)."""
+
+from __future__ import annotations
+
+import pytest
+
+from peer.compute.device_probe import DeviceInfo
+from peer.config import ConfigError, RunConfig
+from peer.node.roles import Action, Observed, State, transition
+from peer.swarm.adverts import Advert
+from peer.swarm.charter import (
+    CharterError,
+    LeaderPolicy,
+    run_organiser,
+    sign_run,
+    sign_stewards,
+    stewards_of,
+    waiting_line,
+)
+from peer.swarm.election import elect
+from peer.swarm.identity import Identity
+from peer.swarm.membership import PeerEntry
+from peer.swarm.records import SignedRecord
+from peer.swarm.view import SwarmView
+
+pytestmark = pytest.mark.unit
+
+DEVICE = DeviceInfo("emulated", "cpu", 2**33, 10.0, False, True)
+ORGANISER, MEMBER = Identity.generate(), Identity.generate()
+RUN = "run-x"
+
+
+def entry(peer_id: str, found: set[str] = frozenset()) -> PeerEntry:
+    return PeerEntry(Advert(peer_id, "127.0.0.1:5000", DEVICE, 0.0), 0.0, 0.0, frozenset(found))
+
+
+# ---- signatures ------------------------------------------------------------------------------------------------
+def test_the_run_record_verifies_only_as_the_organiser_signed_it() -> None:
+    config = {"run": {"steps": 10}, "optim": {"lr": 0.001}}
+    seal = sign_run(ORGANISER, RUN, config, 100.0)
+    payload = {"config": config, "created_at": 100.0, "organiser": seal}
+    assert run_organiser(RUN, payload) == ORGANISER.peer_id
+    for changed in ({**payload, "config": {**config, "optim": {"lr": 1.0}}},  # a 1000x learning rate
+                    {**payload, "created_at": 1.0},  # an earlier creation
+                    {**payload, "organiser": {**seal, "key": MEMBER.public_key.decode()}}):  # another key
+        with pytest.raises(CharterError):
+            run_organiser(RUN, changed)
+    with pytest.raises(CharterError):
+        run_organiser("another-run", payload)  # a record moved to another run
+    for bad in (None, {}, {"key": 3, "sig": "x"}, {"key": "ssh-rsa AAAA", "sig": "!!"}, {"key": "x" * 9999, "sig": ""}):
+        with pytest.raises(CharterError):
+            run_organiser(RUN, {**payload, "organiser": bad})
+
+
+def test_a_stewards_record_counts_only_when_the_organiser_signed_it() -> None:
+    signed = sign_stewards(ORGANISER, RUN, ["steward-a", "steward-b"], 1)
+    assert stewards_of(RUN, ORGANISER.peer_id, signed) == ("steward-a", "steward-b")
+    forged = sign_stewards(MEMBER, RUN, ["member"], 2)
+    with pytest.raises(CharterError, match="not by the organiser"):
+        stewards_of(RUN, ORGANISER.peer_id, forged)
+    with pytest.raises(CharterError):
+        stewards_of(RUN, ORGANISER.peer_id, {**signed, "stewards": ["member"]})
+    for bad in ({**signed, "revision": True}, {**signed, "stewards": []}, {**signed, "extra": 1}, [1]):
+        with pytest.raises(CharterError):
+            stewards_of(RUN, ORGANISER.peer_id, bad)
+
+
+def test_leaders_in_the_run_file() -> None:
+    base = {"run": {"run_id": "r", "steps": 2}}
+    assert RunConfig.from_dict(base).swarm.leaders is None
+    assert RunConfig.from_dict({**base, "swarm": {"leaders": "any"}}).swarm.leaders == "any"
+    assert RunConfig.from_dict({**base, "swarm": {"leaders": ["abc", "d-e"]}}).swarm.leaders == ["abc", "d-e"]
+    for bad in ("all", ["bad id!"], [3], "", {"a": 1}):
+        with pytest.raises(ConfigError, match="leaders"):
+            RunConfig.from_dict({**base, "swarm": {"leaders": bad}})
+
+
+# ---- the policy and the election -------------------------------------------------------------------------------
+def test_stewards_lead_in_the_organisers_order_and_a_live_incumbent_steward_keeps_the_lead() -> None:
+    policy = LeaderPolicy.from_record("org", None, ("s1",))
+    assert policy.stewards == ("org", "s1") and not policy.any
+    live = [entry("org"), entry("s1"), entry("0-ground-small-id", {"s1"})]
+    assert elect(live, (), policy) == "org"
+    assert elect(live, (), policy, incumbent="s1") == "s1"  # s1 led while the organiser was away: it keeps it
+    assert elect(live, (), policy, incumbent="0-ground-small-id") == "org"  # a non-steward is no incumbent
+    assert elect(live[1:], (), policy) == "s1"
+    assert elect(live[2:], (), policy) is None  # nobody the organiser trusts: the swarm waits
+    assert waiting_line(policy) == "waiting for a leader the organiser trusts: 2 stewards, none live"
+    named = LeaderPolicy.from_record("org", ["s2", "s1"], ("s3", "s1"))
+    assert named.stewards == ("s2", "s1", "s3")  # a named list replaces the organiser's default place
+    assert LeaderPolicy.from_record("org", ["bad id!"]).stewards == ("org",)  # malformed: the organiser alone
+
+
+def test_an_early_member_lying_in_found_with_a_small_id_never_leads_while_a_steward_lives() -> None:
+    """The attack the issue names: the second peer leaves the organiser out of ``found`` and grinds a small id."""
+    org, liar = "f" * 20, "0" * 20
+    entries = [entry(org), entry(liar), entry("h-2", {org, liar}), entry("h-3", {org, liar, "h-2"})]
+    entries[1] = entry(liar, set())  # testifies for nobody, and nobody's testimony is needed
+    policy = LeaderPolicy.from_record(org, None)
+    assert elect(entries, (), policy) == org
+    assert elect(entries, (), policy, incumbent=liar) == org
+
+
+def test_under_any_a_live_incumbent_keeps_the_lead_whatever_the_testimony() -> None:
+    policy = LeaderPolicy.from_record("org", "any")
+    assert policy.any and policy.may_lead("whoever")
+    entries = [entry("a-sybil", {"b"}), entry("b", set()), entry("org", {"b"})]
+    assert elect(entries, (), policy) == "b"  # the members' election: most found
+    assert elect(entries, (), policy, incumbent="org") == "org"
+    assert elect([e for e in entries if e.advert.peer_id != "org"], (), policy, incumbent="org") == "b"  # gone
+
+
+class _Plans:
+    def __init__(self) -> None:
+        self.followed_plan = None
+
+    def followed(self):  # noqa: ANN201 - a PlanRecord or None
+        return self.followed_plan
+
+    def plans(self) -> list:
+        return []
+
+
+class _Membership:
+    peer_id = "me"
+    ttl_s = 3.0
+
+    def __init__(self, entries: list[PeerEntry]) -> None:
+        self.entries = entries
+
+    def live_entries(self) -> list[PeerEntry]:
+        return list(self.entries)
+
+
+class _Progress:
+    def read_beat(self, leader: str | None) -> None:
+        return None
+
+
+def test_each_reader_pins_a_peers_testimony_at_first_sight() -> None:
+    """Under "any": a member that rewrites ``found`` later (to move the election) is read as it first testified."""
+    members = [entry("me", {"old"}), entry("old"), entry("x", {"old"}), entry("y", {"old"})]
+    membership = _Membership(members)
+    view = SwarmView(membership, _Plans(), _Progress(), confirm_ticks=1)  # type: ignore[arg-type]
+    view.policy = LeaderPolicy.from_record("old", "any")
+    view.tick(leading=False)
+    assert view.elected() == "old"
+    membership.entries = [entry("me", {"old"}), entry("old"), entry("x", {"y"}), entry("y", {"x"})]  # rewritten
+    view.tick(leading=False)
+    assert view.elected() == "old"  # x and y still count for "old", as first seen
+
+
+def test_the_view_says_when_it_waits_for_a_steward() -> None:
+    membership = _Membership([entry("me"), entry("other")])
+    view = SwarmView(membership, _Plans(), _Progress(), confirm_ticks=1)  # type: ignore[arg-type]
+    view.policy = LeaderPolicy.from_record("gone-organiser", None)
+    tick = view.tick(leading=False)
+    assert tick.leader is None and view.waiting_for_steward()
+    membership.entries.append(entry("gone-organiser"))
+    assert view.tick(leading=False).leader == "gone-organiser" and not view.waiting_for_steward()
+
+
+# ---- the role machine ------------------------------------------------------------------------------------------
+def test_roles_follow_wait_lead_resign_and_finish() -> None:
+    s, acts = transition(State.FOLLOWER, Observed("me", None, waiting=True))
+    assert (s, acts) == (State.WAITING, ())
+    s, acts = transition(s, Observed("me", "me", may_lead=False))
+    assert (s, acts) == (State.CANDIDATE, ())  # elected, but another leader's beat is still fresh
+    s, acts = transition(s, Observed("me", "me", may_lead=True))
+    assert (s, acts) == (State.LEADER, (Action.START_ROLE,))
+    assert transition(s, Observed("me", None)) == (State.LEADER, ())  # an unsettled election moves nobody
+    assert transition(s, Observed("me", "me", run_done=True)) == (State.LEADER, ())  # its own role decides
+    s, acts = transition(s, Observed("me", "other"))
+    assert (s, acts) == (State.RESIGNED, (Action.STOP_ROLE, Action.RESIGN))
+    assert transition(s, Observed("me", "other")) == (State.FOLLOWER, ())
+    assert transition(State.FOLLOWER, Observed("me", "other", run_done=True)) == (State.DONE, (Action.LEAVE,))
+    assert transition(State.LEADER, Observed("me", "me", role_finished=True)) == (State.DONE, (Action.LEAVE,))
+    assert transition(State.LEADER, Observed("me", "me", role_finished=True, role_failed=True)) == \
+        (State.DONE, (Action.RESIGN, Action.LEAVE))
+    assert transition(State.DONE, Observed("me", "me")) == (State.DONE, ())
+
+
+def test_a_stored_record_payload_is_what_is_verified() -> None:
+    """The reader verifies the payload exactly as stored (a SignedRecord's), not a re-encoding of it."""
+    config = {"run": {"steps": 3}, "model": {"d_model": 64}}
+    payload = {"config": config, "created_at": 5.0, "organiser": sign_run(ORGANISER, RUN, config, 5.0)}
+    record = SignedRecord("someone", b"", payload, 0.0, None)  # type: ignore[arg-type]
+    assert run_organiser(RUN, record.payload) == ORGANISER.peer_id
