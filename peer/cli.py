@@ -431,13 +431,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="export: overwrite an existing backup; import: replace an identity file of another peer "
                    "(default: off)")
 
-    p = sub.add_parser("stewards", help="the organiser names peers that may lead its running swarm",
+    p = sub.add_parser("stewards", help="the organiser adds peers that may lead its running swarm",
                        description="Sign, with the organiser's key, a record that adds stewards: peers that may lead "
                        "the run (by default only the organiser's own peer may). The swarm reads it within a few "
                        "heartbeats; while no steward is live the swarm waits, nothing lost. Stewards cannot be "
                        "removed from a running swarm (start a new run).")
-    p.add_argument("action", choices=["add"], help="add: name more stewards")
-    p.add_argument("peer_ids", nargs="+", metavar="PEER_ID", help="the stewards' peer ids (`peer identity show`)")
+    p.add_argument("peer_id", nargs="+", help="the peer ids to add as stewards, in order of preference (`peer "
+                   "identity show --identity FILE` prints a peer's)")
     p.add_argument("--identity", required=True, metavar="FILE",
                    help="the organiser's identity file, as given to `peer start --identity`")
     p.add_argument("--dht", required=True, nargs="+", metavar="ADDR", help="multiaddr(s) of any peer of the swarm")
@@ -775,7 +775,7 @@ def cmd_stewards(args: argparse.Namespace) -> int:
     from peer.swarm.identity import Identity
 
     try:
-        ids = [check_peer_id(p, "PEER_ID") for p in args.peer_ids]
+        ids = [check_peer_id(p, "peer_id") for p in args.peer_id]
         identity = Identity.load(args.identity)
     except ValueError as exc:
         raise UserError(str(exc)) from None

@@ -9,8 +9,8 @@ organiser's own peer only):
 * peer 3 joins after that forgery with the join line's ``--organiser``: it trains the organiser's run.
 
 The attacker never leads while the organiser lives. The organiser is then killed: the survivors wait, alive, and
-`peer status` says why; the attacker still never leads. The organiser names a steward with its key (`peer stewards
-add`), the steward joins, takes over and the run finishes: the saved parameters equal single-process training.
+`peer status` says why; the attacker still never leads. The organiser names a steward with its key (`peer
+stewards`), the steward joins, takes over and the run finishes: the saved parameters equal single-process training.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def test_a_lying_early_member_never_leads_the_swarm_waits_for_a_steward_and_fini
         assert st["leadership"]["waiting"] == "waiting for a leader the organiser trusts: 1 steward, none live"
         time.sleep(8)  # waiting is not leaving: every survivor stays, nobody takes the lead
         assert all(p.poll() is None for p in procs.procs[1:]), "a survivor left while waiting"
-        out = subprocess.run([*PEER_COMMAND, "stewards", "add", steward.peer_id, "--identity", str(organiser_key),
+        out = subprocess.run([*PEER_COMMAND, "stewards", steward.peer_id, "--identity", str(organiser_key),
                               "--dht", addr], capture_output=True, text=True, timeout=90, env=child_env())
         assert out.returncode == 0, out.stderr[-2000:]
         assert steward.peer_id in out.stdout

@@ -7,6 +7,7 @@ import pytest
 
 from peer.compute.device_probe import DeviceInfo
 from peer.config import ConfigError, RunConfig
+from peer.node.leadership import Leadership
 from peer.node.roles import Action, Observed, State, transition
 from peer.swarm.adverts import Advert
 from peer.swarm.charter import (
@@ -21,6 +22,7 @@ from peer.swarm.charter import (
 from peer.swarm.election import elect
 from peer.swarm.identity import Identity
 from peer.swarm.membership import PeerEntry
+from peer.swarm.plans import check_plan_body
 from peer.swarm.records import SignedRecord
 from peer.swarm.view import SwarmView
 
@@ -187,3 +189,46 @@ def test_a_stored_record_payload_is_what_is_verified() -> None:
     payload = {"config": config, "created_at": 5.0, "organiser": sign_run(ORGANISER, RUN, config, 5.0)}
     record = SignedRecord("someone", b"", payload, 0.0, None)  # type: ignore[arg-type]
     assert run_organiser(RUN, record.payload) == ORGANISER.peer_id
+
+
+# ---- a leader's records are claims -----------------------------------------------------------------------------
+def test_a_malformed_plan_is_refused_at_the_door() -> None:
+    good = {"stages": [[0, 2], [2, 4]], "pipelines": [["a", "b"], ["c", "d"]], "step": 3, "reason": "join",
+            "coordinator": "127.0.0.1:5000", "credited": ["a"]}
+    check_plan_body(good)
+    check_plan_body({"by": "a peer"})  # what a reader does not use is not its business
+    for bad in ({"stages": "0-4"}, {"stages": [[0]]}, {"stages": [[0, 2], [3, 4]]}, {"stages": [[1, 4]]},
+                {"stages": [["0", 4]]}, {"stages": [[0, True]]}, {"stages": [[0, 2]] * 2000},
+                {**good, "pipelines": [["a"]]}, {**good, "pipelines": [["a", "bad id!"], ["c", "d"]]},
+                {**good, "pipelines": "a,b"}, {**good, "step": -1}, {**good, "step": 1.5},
+                {**good, "reason": 7}, {**good, "coordinator": "x" * 5000}, {**good, "credited": "a"},
+                {**good, "quorum_waived": []}):
+        with pytest.raises(ValueError):
+            check_plan_body(bad)
+
+
+class _DoneView:
+    def __init__(self, policy: LeaderPolicy) -> None:
+        self.policy = policy
+        self.deposed: list[str] = []
+
+    def depose(self, peer_id: str, for_s: float, why: str) -> None:
+        self.deposed.append(peer_id)
+
+    def waiting_for_steward(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("leaders", [None, "any"])
+def test_done_is_accepted_only_at_the_signed_last_step_and_a_false_one_deposes_an_elected_leader(leaders) -> None:
+    view = _DoneView(LeaderPolicy.from_record("org", leaders))
+    keeper = Leadership("me", 10, 1.0, leaders, view, None)  # type: ignore[arg-type]
+    keeper.on_progress({"state": "training", "step": 10, "leader": "l"})
+    for step in (1, 9, 11, "10", True, None):
+        keeper.on_progress({"state": "done", "step": step, "leader": "liar"})
+        assert not keeper.run_done
+    # an elected leader is deposed for it; a steward (the organiser's choice) keeps the lead, its order refused
+    assert view.deposed == (["liar"] * 6 if leaders == "any" else [])
+    keeper.on_progress({"state": "done", "step": 10, "leader": "honest"})
+    assert keeper.run_done
+    assert keeper.step("other", False, False, False) == (Action.LEAVE,) and keeper.state is State.DONE

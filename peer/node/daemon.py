@@ -37,9 +37,10 @@ from peer.node.control_socket import OwnerControl, open_control
 from peer.node.emulated_links import EmulatedLinks, Emulation, NetworkModel, emulated_device
 from peer.node.joining import JoinError, check_files, find_run
 from peer.node.leader_role import LeaderContext, LeaderRole
+from peer.node.leadership import Leadership
 from peer.node.prober import LinkProber, ProbeSources
 from peer.node.reachability import Reach, ReachabilityError, establish, refuse_undialable
-from peer.node.roles import Action, Observed, State, transition
+from peer.node.roles import Action, State
 from peer.node.schedule import Schedule, leaves_at
 from peer.node.watch import CoordinatorWatch
 from peer.observe.node import NodeObserver, ObserveError, ObserveOptions
@@ -47,7 +48,6 @@ from peer.observe.snapshot import SwarmSource
 from peer.runtime.lead.driver import RunDriver
 from peer.runtime.stage.worker import StageWorker
 from peer.swarm.adverts import Advert
-from peer.swarm.charter import LeaderPolicy, waiting_line
 from peer.swarm.dht import DHT_OPS, DHTConfig, DHTStartError, ops_delta, reconnect, start_dht, visible_maddrs
 from peer.swarm.election import elect
 from peer.swarm.identity import Identity
@@ -58,7 +58,6 @@ from peer.swarm.records import RunRecordValidator, record_key
 from peer.swarm.view import SwarmView
 from peer.timing import (
     ADVERT_TTL_HEARTBEATS,
-    DEPOSE_HEARTBEATS,
     DHT_RECONNECT_HEARTBEATS,
     EXIT_COPY_WAIT_S,
     EXIT_STEP_WAIT_S,
@@ -148,9 +147,7 @@ class PeerDaemon:
         self.declared_tflops: float | None = None  # this peer's emulated speed (None: measured)
         self._emulated_extra: dict[str, Any] = {}  # the advert's emulated device and region
         self.role: LeaderRole | None = None
-        self.state = State.FOLLOWER  # the role machine's (peer.node.roles)
-        self._run_done = False  # the followed leader reported "done" at the signed last step
-        self._refused_done: tuple[str, object] | None = None  # the last "done" refused (logged once)
+        self.leadership: Leadership | None = None  # the organiser's policy and this peer's role (from _join_run)
         self.observer: NodeObserver | None = None
         self.done = threading.Event()
         self.stop_requested = threading.Event()
@@ -238,8 +235,9 @@ class PeerDaemon:
             self.membership.adopt_run(existing)
             record = existing
         self.organiser = record.organiser
-        self.view.policy = LeaderPolicy.from_record(record.organiser, record.config.get("swarm", {}).get("leaders"))
-        log.info("run %s of organiser %s; who may lead: %s", run_id, record.organiser, self.view.policy.describe())
+        self.leadership = Leadership(self.identity.peer_id, self.config.run.steps, self.config.swarm.heartbeat_s,
+                                     self.config.swarm.leaders, self.view, self.membership)
+        self.leadership.adopt(record.organiser)
         try:
             self.network, self.declared_tflops, self._emulated_extra = emulated_device(
                 self.emulation, self.config.emulation, o.emulate_tflops, o.emulate_device)
@@ -338,7 +336,7 @@ class PeerDaemon:
             plans.latest,
             lambda: progress.read(_progress_leader(plans.latest(), self.elected())),
             self.membership.get_run,
-            self._leadership,
+            lambda: self.leadership.summary() if self.leadership is not None else None,
         )
         opts = ObserveOptions(o.host, o.metrics_port, o.dashboard_port, o.progress, self.config.run.steps,
                               max(2.0, self.config.swarm.heartbeat_s))
@@ -350,25 +348,9 @@ class PeerDaemon:
             if url:
                 log.info("%s at %s", what, url)
 
-    def _leadership(self) -> dict[str, Any] | None:
-        """Who may lead, for this peer's dashboard and /metrics (the view's policy; "waiting" while none is live)."""
-        policy = self.view.policy if self.view is not None else None
-        if policy is None:
-            return None
-        waiting = self.view is not None and self.view.waiting_for_steward()
-        return {"organiser": policy.organiser, "leaders": "any" if policy.any else list(policy.stewards),
-                "waiting": waiting_line(policy) if waiting else None}
-
     def join_line(self) -> str:
         """The command others run to join this swarm."""
-        addrs = visible_maddrs(self.dht)
-        line = f"peer join --dht {addrs[0]}"
-        if self.spec.run_id != "tasklet":
-            line += f" --run {self.spec.run_id}"
-        line += f" --organiser {self.organiser}"
-        if self.opts.secret:
-            line += " --secret <the swarm's secret>"
-        return line
+        return format_join_line(visible_maddrs(self.dht)[0], self.spec.run_id, self.organiser, bool(self.opts.secret))
 
     # ------------------------------------------------------------------------------------------ main loop
     def run(self) -> int:
@@ -399,7 +381,7 @@ class PeerDaemon:
                 self._live = entries
             self._trust_adverts(entries)
         self._role_tick(tick.leader)
-        if self.state is State.DONE:
+        if self.leadership is not None and self.leadership.state is State.DONE:
             return
         self._ticks += 1
         if self.dht_peers and self._ticks % (TICKS_PER_HEARTBEAT * DHT_RECONNECT_HEARTBEATS) == 0:
@@ -413,29 +395,22 @@ class PeerDaemon:
             progress = self.view.beat  # the leader's beat, read by the view once a heartbeat
             if self.observer is not None:
                 self.observer.on_progress(progress, peers_live=self._peers_live(), is_leader=self.role is not None)
-            self._run_done = self._run_done or self._accept_done(progress)
+            assert self.leadership is not None
+            self.leadership.on_progress(progress)
             if self._ticks % (TICKS_PER_HEARTBEAT * STEWARDS_READ_HEARTBEATS) == 0:
-                self._read_stewards()
+                self.leadership.read_stewards()
         if self.role is not None and self._ticks % PLAN_RENEW_TICKS == 0 and self.plan_board is not None:
             self.plan_board.republish()  # the plan record lives PLAN_TTL_S; renew it well before (peer.timing)
         if self._ticks % (TICKS_PER_HEARTBEAT * OPS_LOG_HEARTBEATS) == 0:
             self._log_ops()
 
     def _role_tick(self, leader: str | None) -> None:
-        """One step of the role machine (peer.node.roles) and its actions."""
-        me = self.identity.peer_id
-        role = self.role
-        seen = Observed(
-            me=me, leader=leader, waiting=self.view is not None and self.view.waiting_for_steward(),
-            may_lead=leader == me and self.state is not State.LEADER and self._may_lead(),
-            role_finished=role is not None and role.finished.is_set(),
-            role_failed=role is not None and role.finished.is_set() and role.error is not None,
-            run_done=self._run_done)
-        state, actions = transition(self.state, seen)
-        if state is not self.state:
-            log.info("role: %s -> %s%s", self.state.value, state.value, self._role_reason(state, leader))
-            self.state = state
-        for action in actions:
+        """One step of the role machine (peer.node.leadership, peer.node.roles) and its actions."""
+        assert self.leadership is not None
+        me, role = self.identity.peer_id, self.role
+        finished = role is not None and role.finished.is_set()
+        may_lead = leader == me and self.leadership.state is not State.LEADER and self._may_lead()
+        for action in self.leadership.step(leader, may_lead, finished, finished and role.error is not None):
             if action is Action.START_ROLE:
                 log.info("this peer (%s) leads the swarm", me)
                 self.role = LeaderRole(self._leader_context())
@@ -450,47 +425,8 @@ class PeerDaemon:
                 if role is not None and role.error is not None:
                     self.exit_error = f"leader failed: {role.error}"
                 self.done.set()
-        if self.state is State.LEADER and self.role is not None and not self.role.finished.is_set():
+        if self.leadership.state is State.LEADER and self.role is not None and not self.role.finished.is_set():
             self.role.beat()
-
-    def _role_reason(self, state: State, leader: str | None) -> str:
-        if state is State.WAITING and self.view is not None and self.view.policy is not None:
-            return f" ({waiting_line(self.view.policy)})"
-        if state is State.FOLLOWER and leader:
-            return f" (leader {leader})"
-        return ""
-
-    def _accept_done(self, progress: dict[str, Any] | None) -> bool:
-        """A leader's "done" ends this peer's run only at the signed last step; any other is refused, logged, and
-        its leader deposed (a leader ordering everyone home early is stopping the run, not finishing it)."""
-        if not progress or progress.get("state") != "done":
-            return False
-        assert self.config is not None
-        step, last = progress.get("step"), self.config.run.steps
-        if isinstance(step, int) and not isinstance(step, bool) and step == last:
-            log.info("the run is done (step %s); leaving", step)
-            return True
-        leader = str(progress.get("leader", ""))[:64]
-        if self._refused_done != (leader, step):
-            self._refused_done = (leader, step)
-            log.warning("refused a \"done\" from %s at step %r: the run's signed last step is %d", leader, step, last)
-            if self.view is not None and leader and leader != self.identity.peer_id:
-                self.view.depose(leader, self.config.swarm.heartbeat_s * DEPOSE_HEARTBEATS,
-                                 f"it reported the run done at step {step!r}, not at the signed step {last}")
-        return False
-
-    def _read_stewards(self) -> None:
-        """The stewards the organiser added while the run goes on (``peer stewards add``)."""
-        if self.membership is None or self.view is None or self.view.policy is None or self.view.policy.any:
-            return
-        policy = self.view.policy
-        added = self.membership.read_stewards(policy.organiser)
-        if added is None:
-            return
-        new = LeaderPolicy.from_record(policy.organiser, self.config.swarm.leaders if self.config else None, added)
-        if new != policy:
-            log.info("the organiser's stewards: %s", ", ".join(new.stewards))
-            self.view.policy = new
 
     def _peers_live(self) -> int:
         """Live peers as far as this peer knows: its last full read, or the members of the plan it follows."""
@@ -502,14 +438,8 @@ class PeerDaemon:
     def _log_ops(self) -> None:
         """One line of this peer's DHT gets and stores per heartbeat since the last line (bench.formation reads
         it): what the control plane costs the swarm, by role."""
-        before, tick = self._ops_mark
-        after = DHT_OPS.snapshot()
-        heartbeats = (self._ticks - tick) / TICKS_PER_HEARTBEAT
-        self._ops_mark = (after, self._ticks)
-        if heartbeats <= 0:
-            return
         role = "leader" if self.role is not None else ("worker" if self.view and self.view.holding_plan else "idle")
-        log.info("dht ops per heartbeat %s", json.dumps(_ops_summary(ops_delta(before, after), heartbeats, role)))
+        self._ops_mark = _log_ops(self._ops_mark, self._ticks, role)
 
     def _leader_context(self) -> LeaderContext:
         """What the leader role may use of this daemon, and nothing more."""
@@ -680,6 +610,25 @@ def _resign(progress: ProgressBoard | None) -> None:
         progress.resign()
     except Exception as exc:  # the DHT may already be unreachable: the beat's age says the same, later
         log.info("resign: %s", exc)
+
+
+def format_join_line(addr: str, run_id: str, organiser: str, sealed: bool) -> str:
+    """The command others run to join a swarm: it names the organiser, whose signed run is the only one accepted."""
+    line = f"peer join --dht {addr}"
+    if run_id != "tasklet":
+        line += f" --run {run_id}"
+    line += f" --organiser {organiser}"
+    return line + (" --secret <the swarm's secret>" if sealed else "")
+
+
+def _log_ops(mark: tuple[dict[str, int], int], ticks: int, role: str) -> tuple[dict[str, int], int]:
+    """Log the DHT gets and stores per heartbeat since ``mark`` (DHT_OPS snapshot, tick); the new mark."""
+    before, tick = mark
+    after = DHT_OPS.snapshot()
+    heartbeats = (ticks - tick) / TICKS_PER_HEARTBEAT
+    if heartbeats > 0:
+        log.info("dht ops per heartbeat %s", json.dumps(_ops_summary(ops_delta(before, after), heartbeats, role)))
+    return after, ticks
 
 
 def _ops_summary(delta: dict[str, int], heartbeats: float, role: str) -> dict[str, Any]:

@@ -454,7 +454,7 @@ class Membership:
             return None if self._run is None else self._run.organiser
 
     def read_stewards(self, organiser: str) -> tuple[str, ...] | None:
-        """The stewards ``organiser`` added to the run by signed records (``peer stewards add``), in revision order;
+        """The stewards ``organiser`` added to the run by signed records (``peer stewards``), in revision order;
         None when the read timed out. Every record that verifies is also kept alive under our own subkey."""
         records = self.store.get_all("stewards")
         if records is None:

@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 MAX_EPOCH = 2**31 - 1
 MAX_EPOCH_STEP = 64  # a plan is at most this many epochs above the one its readers follow
 MAX_MEMBERS = 4096
+MAX_STAGES = 1024  # layer ranges one plan may name
+MAX_LAYERS = 1 << 20
 _SUFFIX_RE = re.compile(rb"^\|epoch=(\d{1,10})$")
 _FIELDS = {"epoch", "leader", "plan", "members", "at"}
 
@@ -217,4 +219,45 @@ def _parse_plan(owner: str, suffix: bytes, payload: dict) -> PlanRecord:
     members = payload["members"]
     if not isinstance(members, list) or len(members) > MAX_MEMBERS:
         raise ValueError(f"members: expected a list of at most {MAX_MEMBERS} peer ids")
+    check_plan_body(payload["plan"])
     return PlanRecord(epoch, owner, payload["plan"], tuple(check_peer_id(m, "members[]") for m in members))
+
+
+def _int(value: object, name: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name}: expected an integer in {low}..{high}")
+    return value
+
+
+def check_plan_body(plan: dict) -> None:
+    """The fields a plan's readers use, each of the type and size they expect (ValueError otherwise): a leader's
+    malformed plan is refused at the door, never a crash in a follower or in the leader that takes over from it.
+    ``stages`` are contiguous layer ranges from 0; ``pipelines`` rows of at most one peer id per stage."""
+    stages = plan.get("stages", [])
+    if not isinstance(stages, list) or len(stages) > MAX_STAGES:
+        raise ValueError(f"stages: expected a list of at most {MAX_STAGES} layer ranges")
+    end = 0
+    for i, layers in enumerate(stages):
+        if not isinstance(layers, list) or len(layers) != 2:
+            raise ValueError(f"stages[{i}]: expected [first, last)")
+        first, last = _int(layers[0], f"stages[{i}]", 0, MAX_LAYERS), _int(layers[1], f"stages[{i}]", 1, MAX_LAYERS)
+        if first != end or last <= first:
+            raise ValueError(f"stages[{i}]: {layers} does not follow the stage before it")
+        end = last
+    pipelines = plan.get("pipelines", [])
+    if not isinstance(pipelines, list) or len(pipelines) > MAX_MEMBERS:
+        raise ValueError(f"pipelines: expected a list of at most {MAX_MEMBERS} rows")
+    for r, row in enumerate(pipelines):
+        if not isinstance(row, list) or (stages and len(row) != len(stages)) or len(row) > MAX_STAGES:
+            raise ValueError(f"pipelines[{r}]: expected one peer id per stage")
+        for pid in row:
+            check_peer_id(pid, f"pipelines[{r}][]")
+    if "step" in plan:
+        _int(plan["step"], "step", 0, MAX_EPOCH)
+    for key, limit in (("reason", 1000), ("coordinator", 400)):
+        if key in plan and not (isinstance(plan[key], str) and len(plan[key]) <= limit):
+            raise ValueError(f"{key}: expected a string of at most {limit} characters")
+    if "credited" in plan and not isinstance(plan["credited"], list):
+        raise ValueError("credited: expected a list")
+    if "quorum_waived" in plan and not isinstance(plan["quorum_waived"], dict):
+        raise ValueError("quorum_waived: expected a table")

@@ -1,0 +1,109 @@
+"""This peer's standing in the run's leadership: the organiser's policy, the role machine, the leader's claims.
+
+The daemon's control loop hands each tick's election to :meth:`Leadership.step` and carries out the actions the
+role machine (``peer.node.roles``) returns. What a leader orders that this peer can check on its own is checked
+here: a "done" counts only at the run's signed last step, and where the organiser opted in to elected leaders
+(``leaders = "any"``) a leader whose orders this peer refused is deposed (``SwarmView.depose``) for
+``ORDER_DEPOSE_HEARTBEATS``, so the members elect another. A steward is the organiser's choice: its refused
+orders are refused, and it keeps the lead (deposing it could leave the swarm with nobody allowed to lead).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from peer.node.roles import Action, Observed, State, transition
+from peer.swarm.charter import LeaderPolicy, waiting_line
+from peer.swarm.membership import Membership
+from peer.swarm.view import SwarmView
+
+log = logging.getLogger(__name__)
+
+ORDER_DEPOSE_HEARTBEATS = 600  # an elected leader whose orders were refused stays out of the election this long
+
+
+class Leadership:
+    """The organiser's policy (kept current from its signed stewards records), this peer's role state, and the
+    checks of a leader's claims. ``last_step``: the signed run's last step; ``leaders``: its ``[swarm] leaders``."""
+
+    def __init__(self, me: str, last_step: int, heartbeat_s: float, leaders: object, view: SwarmView,
+                 membership: Membership) -> None:
+        self.me, self.last_step, self.heartbeat_s, self.leaders = me, last_step, heartbeat_s, leaders
+        self.view, self.membership = view, membership
+        self.state = State.FOLLOWER
+        self.run_done = False  # the followed leader reported "done" at the signed last step
+        self._refused: set[tuple[str, str]] = set()  # (leader, what) refusals already logged
+
+    @property
+    def policy(self) -> LeaderPolicy | None:
+        return self.view.policy
+
+    def adopt(self, organiser: str) -> None:
+        """The run this peer takes part in is ``organiser``'s: who may lead is its signed choice."""
+        self.view.policy = LeaderPolicy.from_record(organiser, self.leaders)
+        log.info("run of organiser %s; who may lead: %s", organiser, self.view.policy.describe())
+
+    def step(self, leader: str | None, may_lead: bool, role_finished: bool, role_failed: bool) -> tuple[Action, ...]:
+        """One tick of the role machine; the actions for the daemon, in order."""
+        seen = Observed(me=self.me, leader=leader, waiting=self.view.waiting_for_steward(), may_lead=may_lead,
+                        role_finished=role_finished, role_failed=role_failed, run_done=self.run_done)
+        state, actions = transition(self.state, seen)
+        if state is not self.state:
+            log.info("role: %s -> %s%s", self.state.value, state.value, self._reason(state, leader))
+            self.state = state
+        return actions
+
+    def _reason(self, state: State, leader: str | None) -> str:
+        if state is State.WAITING and self.policy is not None:
+            return f" ({waiting_line(self.policy)})"
+        if state is State.FOLLOWER and leader:
+            return f" (leader {leader})"
+        return ""
+
+    def on_progress(self, progress: dict[str, Any] | None) -> None:
+        """A leader's beat, read once a heartbeat: its "done" ends this peer's run only at the signed last step;
+        any other "done" is refused (a leader ordering everyone home early is stopping the run, not ending it)."""
+        if self.run_done or not progress or progress.get("state") != "done":
+            return
+        step = progress.get("step")
+        if isinstance(step, int) and not isinstance(step, bool) and step == self.last_step:
+            log.info("the run is done (step %s); leaving", step)
+            self.run_done = True
+            return
+        leader = str(progress.get("leader", ""))[:64]
+        self.refuse(leader, f"it reported the run done at step {str(step)[:32]}, not at the signed step "
+                    f"{self.last_step}")
+
+    def refuse(self, leader: str, why: str) -> None:
+        """An order of ``leader`` this peer refused (logged once per kind); an elected leader is deposed."""
+        if not leader or leader == self.me:
+            return
+        key = (leader, why[:80])
+        if key not in self._refused and len(self._refused) < 4096:
+            self._refused.add(key)
+            log.warning("refused an order of the leader %s: %s", leader, why)
+        if self.policy is not None and self.policy.any:
+            self.view.depose(leader, self.heartbeat_s * ORDER_DEPOSE_HEARTBEATS, f"its orders were refused: {why}")
+
+    def read_stewards(self) -> None:
+        """The stewards the organiser added while the run goes on (``peer stewards``)."""
+        policy = self.policy
+        if policy is None or policy.any:
+            return
+        added = self.membership.read_stewards(policy.organiser)
+        if added is None:
+            return
+        new = LeaderPolicy.from_record(policy.organiser, self.leaders, added)
+        if new != policy:
+            log.info("the organiser's stewards: %s", ", ".join(new.stewards))
+            self.view.policy = new
+
+    def summary(self) -> dict[str, Any] | None:
+        """Who may lead and whether the swarm waits for a steward (the dashboard, /metrics)."""
+        policy = self.policy
+        if policy is None:
+            return None
+        waiting = self.view.waiting_for_steward()
+        return {"organiser": policy.organiser, "leaders": "any" if policy.any else list(policy.stewards),
+                "waiting": waiting_line(policy) if waiting else None}
