@@ -232,3 +232,26 @@ def test_done_is_accepted_only_at_the_signed_last_step_and_a_false_one_deposes_a
     keeper.on_progress({"state": "done", "step": 10, "leader": "honest"})
     assert keeper.run_done
     assert keeper.step("other", False, False, False) == (Action.LEAVE,) and keeper.state is State.DONE
+
+
+def test_an_elected_leader_that_trains_no_step_for_long_is_deposed() -> None:
+    from peer.node.leadership import NO_PROGRESS_MIN_S
+
+    t = [0.0]
+    view = _DoneView(LeaderPolicy.from_record("org", "any"))
+    keeper = Leadership("me", 10, 1.0, "any", view, None, clock=lambda: t[0])  # type: ignore[arg-type]
+    beat = {"state": "training", "epoch": 2, "step": 3, "leader": "slow", "step_s": 5.0}
+    for t[0] in (0.0, 100.0, NO_PROGRESS_MIN_S - 1):
+        keeper.on_progress(beat)
+    assert view.deposed == []
+    keeper.on_progress({**beat, "state": "paused"})  # a pause (no quorum, too few peers) is no stall
+    t[0] = 2 * NO_PROGRESS_MIN_S
+    keeper.on_progress(beat)
+    assert view.deposed == []  # the clock restarts after the pause
+    t[0] = 3 * NO_PROGRESS_MIN_S
+    keeper.on_progress(beat)
+    assert view.deposed == ["slow"]
+    keeper.on_progress({**beat, "step": 4})
+    t[0] = 4 * NO_PROGRESS_MIN_S - 1
+    keeper.on_progress({**beat, "step": 4})
+    assert view.deposed == ["slow"]  # it moved: a new wait

@@ -11,6 +11,9 @@ orders are refused, and it keeps the lead (deposing it could leave the swarm wit
 from __future__ import annotations
 
 import logging
+import math
+import time
+from collections.abc import Callable
 from typing import Any
 
 from peer.node.roles import Action, Observed, State, transition
@@ -21,6 +24,10 @@ from peer.swarm.view import SwarmView
 log = logging.getLogger(__name__)
 
 ORDER_DEPOSE_HEARTBEATS = 600  # an elected leader whose orders were refused stays out of the election this long
+# an elected leader whose beat says "training" but whose (epoch, step) has not moved for this long, or for this many
+# of its slowest steps seen, whichever is longer, makes no progress: it is deposed
+NO_PROGRESS_MIN_S = 600.0
+NO_PROGRESS_STEPS = 10
 
 
 class Leadership:
@@ -28,9 +35,11 @@ class Leadership:
     checks of a leader's claims. ``last_step``: the signed run's last step; ``leaders``: its ``[swarm] leaders``."""
 
     def __init__(self, me: str, last_step: int, heartbeat_s: float, leaders: object, view: SwarmView,
-                 membership: Membership) -> None:
+                 membership: Membership, clock: Callable[[], float] = time.monotonic) -> None:
         self.me, self.last_step, self.heartbeat_s, self.leaders = me, last_step, heartbeat_s, leaders
-        self.view, self.membership = view, membership
+        self.view, self.membership, self.clock = view, membership, clock
+        self._moved: tuple[str, object, object, object, float] | None = None  # leader, epoch, step, state, since
+        self._slowest_step_s = 0.0
         self.state = State.FOLLOWER
         self.run_done = False  # the followed leader reported "done" at the signed last step
         self._refused: set[tuple[str, str]] = set()  # (leader, what) refusals already logged
@@ -64,7 +73,10 @@ class Leadership:
     def on_progress(self, progress: dict[str, Any] | None) -> None:
         """A leader's beat, read once a heartbeat: its "done" ends this peer's run only at the signed last step;
         any other "done" is refused (a leader ordering everyone home early is stopping the run, not ending it)."""
-        if self.run_done or not progress or progress.get("state") != "done":
+        if self.run_done or not progress:
+            return
+        self._watch_progress(progress)
+        if progress.get("state") != "done":
             return
         step = progress.get("step")
         if isinstance(step, int) and not isinstance(step, bool) and step == self.last_step:
@@ -74,6 +86,22 @@ class Leadership:
         leader = str(progress.get("leader", ""))[:64]
         self.refuse(leader, f"it reported the run done at step {str(step)[:32]}, not at the signed step "
                     f"{self.last_step}")
+
+    def _watch_progress(self, progress: dict[str, Any]) -> None:
+        """An elected leader that beats "training" but moves no step for long is stalling the run: deposed."""
+        leader = str(progress.get("leader", ""))[:64]
+        mark = (leader, progress.get("epoch"), progress.get("step"), progress.get("state"))
+        step_s = progress.get("step_s")
+        if isinstance(step_s, (int, float)) and not isinstance(step_s, bool) and math.isfinite(step_s):
+            self._slowest_step_s = max(self._slowest_step_s, min(float(step_s), 86400.0))
+        at = self.clock()
+        if self._moved is None or self._moved[:4] != mark or progress.get("state") != "training":
+            self._moved = (*mark, at)
+            return
+        limit = max(NO_PROGRESS_MIN_S, NO_PROGRESS_STEPS * self._slowest_step_s)
+        if at - self._moved[4] >= limit and self.policy is not None and self.policy.any:
+            self.refuse(leader, f"no step for {at - self._moved[4]:.0f} s while it says it trains")
+            self._moved = (*mark, at)
 
     def refuse(self, leader: str, why: str) -> None:
         """An order of ``leader`` this peer refused (logged once per kind); an elected leader is deposed."""
