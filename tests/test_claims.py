@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,7 +19,7 @@ from peer.net import PeerClient
 from peer.node.daemon import PeerDaemon
 from peer.node.leader_role import (
     MAX_RECORDED_STAGES,
-    LeaderRole,
+    adopt_history,
     judge_claims,
     recorded_checkpoints,
     recorded_progress,
@@ -351,40 +349,37 @@ def test_before_a_leader_is_elected_an_assignment_is_taken_only_from_the_leader_
 
 def test_a_step_the_dead_leader_applied_but_never_recorded_is_kept_without_a_loss() -> None:
     record = {"step": 2, "history": {"from": 0, "loss": [4.5, None], "step_s": [1.0, 1.1]}}
-    read = lambda leader, patience_s, wait: record if leader == "dead" else None  # noqa: E731
-    ctx = SimpleNamespace(plan_board=SimpleNamespace(latest=lambda: SimpleNamespace(leader_id="dead")),
-                          progress=SimpleNamespace(read_patiently=read),
-                          config=SimpleNamespace(swarm=SimpleNamespace(heartbeat_s=1.0)))
-    role = SimpleNamespace(ctx=ctx, history={}, stop_event=threading.Event())
-    LeaderRole._adopt_history(role, 3)  # type: ignore[arg-type]  # takeover one step past the record
-    assert sorted(role.history) == [0, 1, 2]
-    assert role.history[0] == (4.5, 1.0) and role.history[1] == (None, 1.1) and role.history[2][0] is None
+    history, missing = adopt_history(record, 3)  # takeover one step past the record
+    assert sorted(history) == [0, 1, 2]
+    assert history[0] == (4.5, 1.0) and history[1] == (None, 1.1) and history[2][0] is None
+    assert sorted(missing) == [1, 2] and "died before publishing" in missing[2]
 
 
 # ------------------------------------------------------------------------------------ the bad-peer referee
-def test_a_lone_report_excludes_nobody_where_others_saw_the_same_data_and_a_second_reporter_does() -> None:
+def test_a_lone_report_excludes_nobody_where_others_saw_the_same_data_and_a_second_reporter_sets_it_aside() -> None:
     ref = Referee()
     v = ref.report("a", "b", witnesses=2, step=0)
     assert v.exclude == () and v.set_aside == ("a",), v
     v = ref.report("c", "b", witnesses=2, step=0)
-    assert v.exclude == ("b",) and "named by 2 peers" in v.reason
+    assert v.exclude == () and v.drop == ("b",) and v.kept == ("a",) and "named by 2 peers" in v.reason
     assert not ref.lone.get("a") and not ref.lone.get("c")  # corroborated: neither accusation was false
     assert ref.report("a", "a", witnesses=2, step=0) == Verdict(reason="a peer cannot report itself")
 
 
-def test_a_reporter_whose_accusations_are_contradicted_twice_is_the_one_excluded_and_then_ignored() -> None:
+def test_a_reporter_whose_accusations_are_contradicted_twice_is_then_ignored() -> None:
     ref = Referee()
-    # a pipeline neighbour: nobody else could see the data, so the accused is excluded from that plan
-    assert ref.report("liar", "h1", witnesses=1, step=3).exclude == ("h1",)
+    # a pipeline neighbour: nobody else could see the data, so both are set aside for the step, nobody excluded
+    v = ref.report("liar", "h1", witnesses=1, step=3)
+    assert v.exclude == () and v.drop == ("h1", "liar")
     assert ref.vindicate({"h1", "x"}, step=2) == Verdict()  # work from before the accusation proves nothing
     assert ref.vindicate({"h1", "x"}, step=9).exclude == ()  # h1's work passed the others' checks: one contradiction
     assert ref.report("liar", "h2", witnesses=2, step=10).set_aside == ("liar",)
     v = ref.vindicate({"h2"}, step=10)
-    assert v.exclude == ("liar",) and "passed every other witness" in v.reason
+    assert v.exclude == () and "passed every other witness" in v.reason and ref.false_reporters == {"liar"}
     assert ref.report("liar", "h3", witnesses=1, step=11) == Verdict(
         reason="liar made false reports before; its report is ignored")
     # the contradicted accusations no longer corroborate anyone else's
-    assert ref.report("other", "h1", witnesses=1, step=12).exclude == ("h1",)
+    assert ref.report("other", "h1", witnesses=1, step=12).drop == ("h1", "other")
     assert ref.named_by["h1"] == {"other"}
 
 
@@ -420,7 +415,7 @@ def three_pipelines() -> Iterator[Coordinator]:
             w.stop()
 
 
-def test_the_coordinator_excludes_on_corroborated_reports_only(three_pipelines: Coordinator) -> None:
+def test_the_coordinator_excludes_nobody_on_reports(three_pipelines: Coordinator) -> None:
     coordinator = three_pipelines
 
     def report(stage: int, replica: int, accused: tuple[int, int]) -> None:
@@ -431,16 +426,11 @@ def test_the_coordinator_excludes_on_corroborated_reports_only(three_pipelines: 
 
     accused = coordinator.roster.endpoint_of(1, 1)
     report(1, 0, (1, 1))  # a replica of its group, while another replica checked the same shards
-    assert coordinator.dead == frozenset()
-    report(1, 2, (1, 1))  # the third replica of the group names it too
-    assert coordinator.dead == {accused}
-    assert "named by 2 peers" in coordinator.dead_reasons[accused]
-    neighbour = coordinator.roster.endpoint_of(1, 2)
+    report(1, 2, (1, 1))  # the third replica of the group names it too: corroborated, still testimony
     report(0, 2, (1, 2))  # its upstream neighbour, the only worker that receives its activation gradients
-    assert coordinator.dead == {accused, neighbour}
-    taken = coordinator.take_exclusions()
-    assert [(e, who) for e, who, _ in taken] == [(EPOCH, accused), (EPOCH, neighbour)]
-    assert coordinator.take_exclusions() == []
+    assert coordinator.dead == frozenset() and coordinator.take_exclusions() == []
+    assert coordinator.referee.named_by[accused] == {coordinator.roster.endpoint_of(1, 0),
+                                                     coordinator.roster.endpoint_of(1, 2)}
 
 
 def test_a_set_aside_takes_effect_after_its_grace_unless_corroboration_keeps_the_pipeline() -> None:

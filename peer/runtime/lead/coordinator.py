@@ -113,7 +113,9 @@ class Coordinator:
         self.pacing = Pacing()  # set predicted_mb_s, speculation there
         self.liveness = Liveness(liveness_interval_s, self._cond, self._ping, self.declare_dead, self.spec.model,
                                  self.spec.micro_batch)
-        self.resync = Resync(self.spec.run_id, self._cond, self.liveness, self._client, self._submit, self._emit)
+        self.resync = Resync(self.spec.run_id, self._cond, self.liveness, self._client, self._submit, self._emit,
+                             fetch=lambda ep: self.states.fetch_state(ep),
+                             own=lambda ep: self.roster.peer_ids.get(ep) == self.tls.peer_id)
         self.states = StageStates(self.spec, self._cond, lambda: (self.roster, self.epoch), self.liveness.dead,
                                   self._client, self.tls.peer_id)
         self.server.register_fetch(pb.STAGE_STATE, self.states.on_state_request)
@@ -123,10 +125,10 @@ class Coordinator:
         self.push_checkpoint, self.checkpoint_step, self.fetch_checkpoint = (
             self.states.push_checkpoint, self.states.checkpoint_step, self.states.fetch_checkpoint)
         # on_event(name, info): "lease", "commit", "reduce", "apply", "outer", "dead", "requeue", "resync",
-        # "divergent" as they happen; called without the coordinator's lock, must not block for long
+        # "disputed", "divergent" as they happen; called without the coordinator's lock, must not block for long
         self.on_event: Callable[[str, dict[str, Any]], None] | None = None
         self._exclusions: deque[tuple[int, str, str]] = deque(maxlen=MAX_EXCLUSIONS)  # (epoch, id, reason): credit
-        self.referee = Referee()  # weighs bad-peer reports: no single one excludes a peer (_cond)
+        self.referee = Referee(own=self.tls.peer_id)  # weighs bad-peer reports: testimony excludes nobody (_cond)
         self.verification = Verification(self.spec, self._who, self.declare_dead, self._refer, self.tls.peer_id)
 
     @property
@@ -278,7 +280,8 @@ class Coordinator:
             self.verification.applied(step, roster, report.commits, machine.spot)
             applied = {self._who(ep) for ep in roster.members(report.applied)}
             verdict = self.referee.vindicate(applied, step)  # their work passed every other witness's checks
-        self._exclude(roster, verdict, verdict.reason)
+        if verdict.reason:
+            log.warning("step %d: %s", step, verdict.reason)
         self._finish(epoch, machine, report)
         return report
 
@@ -441,11 +444,17 @@ class Coordinator:
             out = set(self.liveness.dead) | set(roster.members(machine.state.dropped if machine else ()))
             seen_by = witnesses(roster, reporter, accused, out)
             verdict = self.referee.report(self._who(reporter), self._who(accused), seen_by, step)
+            now = time.monotonic()
             for ep, a in roster.assignments.items() if machine is not None else ():
-                if self._who(ep) in verdict.set_aside:
-                    machine.set_aside(a.replica, time.monotonic() + SET_ASIDE_GRACE_S)  # type: ignore[union-attr]
+                if self._who(ep) in verdict.drop:
+                    machine.keep(a.replica)  # type: ignore[union-attr]  # a pending grace gives way to "at once"
+                    machine.set_aside(a.replica, now)  # type: ignore[union-attr]
+                elif self._who(ep) in verdict.set_aside:
+                    machine.set_aside(a.replica, now + SET_ASIDE_GRACE_S)  # type: ignore[union-attr]
                 elif self._who(ep) in verdict.kept:
                     machine.keep(a.replica)  # type: ignore[union-attr]
+            self.verification.probation.suspect(verdict.suspects)  # the spot checks look at them harder
+            self._cond.notify_all()
         log.warning("bad-peer report by %s against %s (%s): %s", reporter, accused, error[:200], verdict.reason)
         self._exclude(roster, verdict, f"sent data {reporter} refused ({error}); {verdict.reason}")
 
@@ -454,6 +463,8 @@ class Coordinator:
         return self.roster.peer_ids.get(endpoint, endpoint)
 
     def _exclude(self, roster: Roster, verdict: Verdict, reason: str) -> None:
+        """Exclude whom the verdict names (only on the leader's own evidence, ``peer.runtime.lead.referee``); its
+        unverified applied work is rolled back."""
         for ep in roster.assignments:
             if self._who(ep) in verdict.exclude:
                 self.declare_dead(ep, reason)

@@ -1,30 +1,41 @@
-"""The referee of bad-peer reports: a report is a member's claim, and no single claim excludes a peer.
+"""The referee of bad-peer reports: a report is a member's testimony, and testimony alone never excludes.
 
 A worker that refuses data (malformed, an outlier, unrelated to the others' sum, a summed shard its digests do
-not explain) names the sender in a ``BadPeer`` report. The reporter may be lying, to get an honest neighbour
-excluded. The leader cannot look at the data itself, so it weighs what it can check: how many distinct identities
-name the accused, how many could have seen the data, and whether the accused's work later passed the checks of
-other witnesses. Per report (:meth:`Referee.report`):
+not explain) names the sender in a ``BadPeer`` report; a link whose two ends report different sketches of the
+same bytes comes here too, as the receiver's report of the sender. The reporter may be lying, to get an honest
+neighbour excluded, and an exclusion also rolls back the excluded peer's unverified applied work
+(``peer.runtime.lead.verify``), which can reach back to step 0. So the rule is: **an exclusion (and the roll-back
+it brings) needs evidence the leader computed itself** — a spot check's majority of copies or the leader's own
+copy (``peer.runtime.lead.spot``), or a refusal by the leader's own worker — and **testimony costs at most the
+current step**: the pipelines that must not use the disputed data are set aside for that step (their work is
+redone by the others, their members catch up after the apply and go back on probation, so the spot checks look
+at them harder), and nobody is excluded, banned or rolled back. Per report (:meth:`Referee.report`):
 
-* **Corroborated**: the accused has been named by two or more distinct reporters (identities, over the run).
-  It is excluded from the plan, and those reporters' accusations of it count as true.
+* **The leader's own worker reported it**: the leader made that check itself; the accused is excluded.
+* **The accused is the leader's own worker**: the leader knows what its worker sent; the reporter's pipeline is
+  set aside at once and the accusation counts as false.
+* **Corroborated**: two or more distinct identities named the accused (over the leadership). The accused's
+  pipeline is set aside at once (every witness refused its data), and the reporters' own pending set-asides are
+  cancelled (``kept``). Two colluders can do this to an honest peer, one step per report.
 * **A lone report that others could have corroborated** (the accused's data reached two or more witnesses of
   its kind: the other participants of a replica group of three or more): unless another reporter corroborates it
-  within ``SET_ASIDE_GRACE_S``, the reporter's own pipeline is set aside for this step (its work is redone by
-  the others; nobody is excluded or banned, and it catches up after the apply). The accused stays: the other
-  witnesses checked the same data.
-* **A lone report nobody else could have made** (a pipeline neighbour's activations, a group of two): the
-  leader cannot tell the two apart, and the step must not use data one of them refuses, so the accused is
-  excluded from the plan as before, and the accusation is remembered.
+  within ``SET_ASIDE_GRACE_S``, the reporter's own pipeline is set aside for this step. The accused stays: the
+  other witnesses checked the same data.
+* **A lone report nobody else could have made** (a pipeline neighbour's activations, a group of two): the leader
+  cannot tell the two apart, and the step must not use data one of them refuses, so both pipelines (one, for
+  pipeline neighbours) are set aside at once. Two pipelines set aside leave none intact: the step is re-planned
+  and redone, as for a spot check between two pipelines.
 * **Found false**: an accusation is contradicted when the accused's pipeline applies a step at or after it (its
   work passed every check of the other witnesses: :meth:`vindicate`) and nobody else has named it. A reporter
-  with ``FALSE_REPORTS`` contradicted accusations is excluded itself, and its reports are ignored for the rest
-  of the leadership. So a false accuser costs the run at most ``FALSE_REPORTS - 1`` honest plan exclusions (or
-  steps of its own pipeline set aside) before it is the one excluded.
+  with ``FALSE_REPORTS`` contradicted accusations is a false reporter: its reports are ignored for the rest of
+  the leadership (it is not excluded: that too would rest on testimony).
 
-Limits: two colluding identities in witness positions corroborate each other; a cheater that sends bad bytes to
-one receiver only gets that receiver's pipeline set aside for the step (and counted against it if the cheater then
-behaves); identities are remembered for the leadership (``MAX_TRACKED``), not across leader changes.
+So one false report costs at most the current step of one or two pipelines
+(``tests/test_lead_evidence.py``). Limits: a real cheater in a single-witness position, or in a group of two, is
+not excluded by its victims' reports: each step it corrupts is redone without it, and only a spot check (its
+activations) or the leader's own worker (in its group) can exclude it; in a run of two pipelines such a cheater
+stalls the run, never poisons it. An honest receiver framed by a cheater that then behaves is counted as a
+false reporter. Identities are remembered for the leadership (``MAX_TRACKED``), not across leader changes.
 """
 
 from __future__ import annotations
@@ -43,24 +54,32 @@ MAX_TRACKED = 4096  # identities remembered (reporters and accused): bounded wha
 
 @dataclass(frozen=True)
 class Verdict:
-    """What a report does: identities to exclude from the plan, reporters' pipelines to set aside for the step
-    (identities; after ``SET_ASIDE_GRACE_S``, time for a second reporter), and why (the log, the exclusion's
-    reason)."""
+    """What a report does: identities to exclude from the plan (evidence only), identities whose pipelines are set
+    aside for the step at once (``drop``) or after ``SET_ASIDE_GRACE_S`` (``set_aside``: a lone reporter, time for
+    a second one), and why (the log, the exclusion's reason)."""
 
     exclude: tuple[str, ...] = ()
     set_aside: tuple[str, ...] = ()
     reason: str = ""
     kept: tuple[str, ...] = ()  # reporters whose pending set-aside is cancelled: another reporter corroborated them
+    drop: tuple[str, ...] = ()
+
+    @property
+    def suspects(self) -> tuple[str, ...]:
+        """Identities whose pipelines the verdict sets aside: back on probation, so spot checks look at them."""
+        return tuple(sorted({*self.set_aside, *self.drop}))
 
 
 @dataclass
 class Referee:
-    """Weighs bad-peer reports by identity (a peer id; an endpoint where a local run has no certificates)."""
+    """Weighs bad-peer reports by identity (a peer id; an endpoint where a local run has no certificates).
+    ``own``: the leader's own identity, whose worker's checks are the leader's own evidence."""
 
     named_by: dict[str, set[str]] = field(default_factory=dict)  # accused -> distinct reporters, over the run
     lone: dict[str, dict[str, int]] = field(default_factory=dict)  # reporter -> accused -> step of the accusation
     contradicted: dict[str, int] = field(default_factory=dict)  # reporter -> its accusations found false
     false_reporters: set[str] = field(default_factory=set)
+    own: str = ""
 
     def report(self, reporter: str, accused: str, witnesses: int, step: int) -> Verdict:
         """``reporter`` names ``accused`` in ``step``; ``witnesses``: how many workers of the plan receive the
@@ -69,6 +88,12 @@ class Referee:
             return Verdict(reason=f"{reporter} made false reports before; its report is ignored")
         if reporter == accused:
             return Verdict(reason="a peer cannot report itself")
+        if self.own and reporter == self.own:
+            return Verdict(exclude=(accused,), reason="refused by the leader's own worker")
+        if self.own and accused == self.own:
+            self._contradict(reporter)
+            return Verdict(drop=(reporter,), reason="it named the leader's own worker, whose data the leader "
+                           "computed itself; the reporter's pipeline is set aside for the step")
         if accused not in self.named_by and len(self.named_by) >= MAX_TRACKED:
             return Verdict(set_aside=(reporter,), reason="too many identities accused; the reporter is set aside")
         reporters = self.named_by.setdefault(accused, set())
@@ -76,33 +101,42 @@ class Referee:
         if len(reporters) >= 2:
             for r in reporters:  # their accusations were true
                 self.lone.get(r, {}).pop(accused, None)
-            return Verdict(exclude=(accused,), reason=f"named by {len(reporters)} peers",
-                           kept=tuple(sorted(reporters - {reporter})))
+            return Verdict(drop=(accused,), kept=tuple(sorted(reporters - {reporter})),
+                           reason=f"named by {len(reporters)} peers; its pipeline is set aside for the step")
         if len(self.lone) < MAX_TRACKED or reporter in self.lone:
             self.lone.setdefault(reporter, {})[accused] = step
         if witnesses >= 2:
             return Verdict(set_aside=(reporter,), reason=f"named by {reporter} alone while {witnesses - 1} other "
                            "witness(es) saw the same data; the reporter's pipeline is set aside for the step")
-        return Verdict(exclude=(accused,), reason=f"named by its only witness {reporter}")
+        return Verdict(drop=tuple(sorted({reporter, accused})), reason=f"named by its only witness {reporter}; "
+                       "both pipelines are set aside for the step (testimony alone excludes nobody)")
 
     def vindicate(self, applied: set[str], step: int) -> Verdict:
         """The pipelines of ``applied`` (identities) applied ``step``: their work passed every check of the other
         witnesses. Each accusation of one of them made at or before ``step`` that nobody corroborated is
-        contradicted; a reporter with ``FALSE_REPORTS`` of them is excluded."""
+        contradicted; a reporter with ``FALSE_REPORTS`` of them is a false reporter from then on (ignored)."""
         false: list[str] = []
         for reporter, accused in self.lone.items():
             for peer, at in list(accused.items()):
                 if peer in applied and at <= step and len(self.named_by.get(peer, ())) < 2:
                     del accused[peer]
                     self.named_by.get(peer, set()).discard(reporter)  # no longer counts toward corroboration
-                    self.contradicted[reporter] = self.contradicted.get(reporter, 0) + 1
-                    if self.contradicted[reporter] >= FALSE_REPORTS and reporter not in self.false_reporters:
-                        self.false_reporters.add(reporter)
+                    if self._contradict(reporter):
                         false.append(reporter)
         if not false:
             return Verdict()
-        return Verdict(exclude=tuple(false), reason=f"{FALSE_REPORTS} of its reports named peers whose work then "
-                       "passed every other witness's checks")
+        return Verdict(reason=f"{', '.join(false)}: {FALSE_REPORTS} of its reports named peers whose work then "
+                       "passed every other witness's checks; its reports are ignored from now on")
+
+    def _contradict(self, reporter: str) -> bool:
+        """One more of ``reporter``'s accusations was false; True when that makes it a false reporter."""
+        if reporter not in self.contradicted and len(self.contradicted) >= MAX_TRACKED:
+            return False
+        self.contradicted[reporter] = self.contradicted.get(reporter, 0) + 1
+        if self.contradicted[reporter] >= FALSE_REPORTS and reporter not in self.false_reporters:
+            self.false_reporters.add(reporter)
+            return True
+        return False
 
 
 def witnesses(roster: Roster, reporter: str, accused: str, out: Collection[str]) -> int:

@@ -7,8 +7,20 @@ Until every member of such a pipeline reports the replica's parameters hash, the
 gets no ``start_step``, no lease and no place in a reduce, so a pipeline out of sync never commits work; once
 in sync it joins the running step (``start_step`` while the step still computes) or the next one.
 
-After every apply the replicas of a stage are also compared by parameters hash: one that differs from its
-group's strict majority reloads from the majority, and is excluded if it still differs.
+After every apply the replicas of a stage are also compared by parameters hash (:func:`judge_stage`). A stage's
+parameters change only through the apply every replica computes, or through a reload the leader decided by its
+own computation, never by counting reports alone, since two colluders are a majority of three:
+
+* the leader holds a replica of the stage (its own worker): its own apply decides; the others reload from it;
+* otherwise the leader fetches the disputed replicas' states and hashes their bytes itself. A replica whose bytes
+  do not hash to what it reported lied about its parameters: it is excluded and counts for nothing (so colluders
+  that report one false hash neither rewrite the honest replica nor get it excluded for not reaching it). Among
+  the rest, a hash that the leader verified and that a strict majority of at least 3 replicas holds is the one the
+  others reload (a replica that alone applied something else: a fault, a wrong tied-embedding gradient);
+* anything else (two replicas, a tie, verified hashes without such a majority) is **disputed**: nobody is rewritten,
+  the stage is logged, emitted (``disputed``) and left out of the hashes the leader signs for the step.
+
+Tests: ``tests/test_lead_evidence.py``.
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from peer.compute.stage import flat_digest
 from peer.net import PeerClient
 from peer.runtime import control as ctl
 from peer.runtime.lead.liveness import Liveness
@@ -71,18 +84,64 @@ def stage_digests(roster: Roster, members: Sequence[str], hashes: Hashes, traine
     return out
 
 
+@dataclass(frozen=True)
+class StageJudgement:
+    """What the leader makes of one stage's replica hashes after an apply (:func:`judge_stage`)."""
+
+    how: str  # "agree", "own" (the leader's replica decided), "majority" (verified), "disputed"
+    agreed: tuple[int, str] | None = None  # (trained steps, hash) the stage ends on; None when disputed
+    resync: dict[str, str] = field(default_factory=dict)  # endpoint -> the replica it reloads from
+    liars: dict[str, str] = field(default_factory=dict)  # endpoint -> why: its bytes are not what it reported
+    computed: dict[str, str | None] = field(default_factory=dict)  # endpoint -> the hash the leader computed
+
+
+def judge_stage(reported: dict[str, tuple[int, str]], own: str | None = None,
+                served: Callable[[str], str | None] | None = None) -> StageJudgement:
+    """Judge one stage's replicas by their reported ``(trained steps, params hash)`` (module docstring).
+
+    ``own``: the leader's own replica of the stage, if it holds one; ``served(endpoint)``: the hash the leader
+    computes from the state that replica serves it (None: it could not be fetched), asked only when the reports
+    disagree and the leader holds no replica."""
+    values = set(reported.values())
+    if len(values) < 2:
+        return StageJudgement("agree", next(iter(values), None))
+    if own is not None and own in reported:
+        truth = reported[own]
+        return StageJudgement("own", truth, {ep: own for ep, v in reported.items() if v != truth})
+    computed = {ep: served(ep) if served is not None else None for ep in sorted(reported)}
+    liars = {ep: f"it reported parameters hashing to {reported[ep][1]}, and served the leader parameters hashing "
+                 f"to {h}" for ep, h in computed.items() if h is not None and h != reported[ep][1]}
+    rest = {ep: v for ep, v in reported.items() if ep not in liars}
+    votes: dict[tuple[int, str], list[str]] = {}
+    for ep, v in sorted(rest.items()):
+        if computed[ep] == v[1]:  # only a hash the leader computed itself counts
+            votes.setdefault(v, []).append(ep)
+    if len(set(rest.values())) == 1:  # the liars were the whole disagreement
+        return StageJudgement("agree", next(iter(rest.values())), liars=liars, computed=computed)
+    if votes:
+        value, holders = max(votes.items(), key=lambda kv: len(kv[1]))
+        if len(rest) >= 3 and 2 * len(holders) > len(rest):
+            return StageJudgement("majority", value, {ep: holders[0] for ep, v in rest.items() if v != value},
+                                  liars, computed)
+    return StageJudgement("disputed", None, liars=liars, computed=computed)
+
+
 class Resync:
     """Resyncing replicas that missed a step or diverged (module docstring).
 
     Given the run's id, the owner's lock (which guards ``pending``, the running step's hashes and the dead
     set), the liveness (pings, deaths), a client per worker, a way to run work in the background and the
-    observer's ``emit``."""
+    observer's ``emit``; ``fetch(endpoint)``: a worker's stage state (the leader hashes disputed replicas' bytes
+    itself), ``own(endpoint)``: whether that worker is the leader's own."""
 
     def __init__(self, run_id: str, lock: threading.Condition, liveness: Liveness,
                  client: Callable[[str], PeerClient], submit: Callable[..., None],
-                 emit: Callable[[Sequence[Event]], None]) -> None:
+                 emit: Callable[[Sequence[Event]], None], *,
+                 fetch: Callable[[str], dict[str, Any]] | None = None,
+                 own: Callable[[str], bool] | None = None) -> None:
         self.run_id, self._lock, self._liveness = run_id, lock, liveness
         self._client, self._submit, self._emit = client, submit, emit
+        self._fetch, self._own = fetch, own
         # endpoint -> ((trained steps, params hash) it must reach, when told); _lock
         self.pending: dict[str, tuple[tuple[int, str], float]] = {}
 
@@ -117,37 +176,59 @@ class Resync:
 
     def check_replicas(self, roster: Roster, epoch: int, step: int, members: list[str], hashes: Hashes,
                        deadline: float) -> dict[Layers, str]:
-        """After an apply, the replicas of each stage must hold bitwise the same parameters. A replica whose
-        hash differs from its group's strict majority reloads the stage from a replica in the majority; one
-        that still differs afterwards is excluded. Without a strict majority (two replicas disagreeing) the
-        leader cannot tell who is right: it logs the divergence and goes on. ``hashes``: the step's, filled
-        under ``_lock`` as Synced reports arrive. Returns the hash each stage's live replicas then agree on
+        """After an apply, the replicas of each stage must hold bitwise the same parameters; where they do not,
+        :func:`judge_stage` decides (the leader's own replica, or hashes the leader computed from the served
+        bytes with a strict majority of at least 3; never a count of reports alone). A replica it names reloads
+        the stage, and is excluded if it still differs afterwards; one that lied about its parameters is
+        excluded; a disputed stage is logged and emitted. ``hashes``: the step's, filled under ``_lock`` as
+        Synced reports arrive. Returns the hash each undisputed stage's live replicas then agree on
         (:func:`stage_digests`)."""
         with self._lock:
             seen = {ep: hashes.get(ep) for ep in members}
         stages = {ep: roster.assignments[ep].stage for ep in members if ep in roster.assignments}
         resyncs: dict[str, tuple[int, str]] = {}
+        disputed: set[int] = set()
         for stage in sorted(set(stages.values())):
-            group = [ep for ep, s in stages.items() if s == stage and seen.get(ep) is not None]
-            votes: dict[tuple[int, str], list[str]] = {}
-            for ep in group:
-                votes.setdefault(seen[ep], []).append(ep)  # type: ignore[arg-type]
-            if len(votes) < 2:
+            reported = {ep: v for ep, s in stages.items() if s == stage and (v := seen.get(ep)) is not None}
+            own = next((ep for ep in reported if self._own is not None and self._own(ep)), None)
+            j = judge_stage(reported, own, self._served)
+            for ep, why in j.liars.items():
+                log.error("step %d: %s lied about its stage %d parameters: %s", step, ep, stage, why)
+                self._liveness.declare(ep, f"step {step}: {why}")
+            if j.how == "agree" and not j.liars:
                 continue
-            winner, holders = max(votes.items(), key=lambda kv: len(kv[1]))
-            if 2 * len(holders) <= len(group):
-                log.error("step %d: replicas of stage %d disagree with no majority: %s", step, stage, votes)
+            info = {"step": step, "stage": stage, "how": j.how,
+                    "reported": {ep: v[1] for ep, v in sorted(reported.items())},
+                    "computed": dict(j.computed), "liars": sorted(j.liars)}
+            self._emit([("disputed", info)])
+            if j.how == "disputed":
+                disputed.add(stage)
+                log.error("step %d: replicas of stage %d disagree and the leader cannot decide by its own "
+                          "computation; nobody is rewritten: %s", step, stage, info)
                 self._emit([("divergent", {"step": step, "stage": stage})])
                 continue
-            for ep in group:
-                if seen[ep] != winner:
-                    log.warning("step %d: %s's stage %d parameters differ from the majority's; resyncing from %s",
-                                step, ep, stage, holders[0])
-                    resyncs[ep] = (winner[0], holders[0])
+            for ep, source in j.resync.items():
+                log.warning("step %d: %s's stage %d parameters differ from %s's (%s); resyncing from it",
+                            step, ep, stage, source, "the leader's own replica" if j.how == "own"
+                            else "a strict majority the leader verified")
+                resyncs[ep] = (reported[source][0], source)
         self._resync(epoch, step, resyncs, seen, hashes, deadline,
-                     f"stage parameters still differ from the group's majority after step {step}")
+                     f"stage parameters still differ from the decided ones after step {step}")
         with self._lock:
-            return stage_digests(roster, [m for m in members if m not in self._liveness.dead], hashes, step + 1)
+            live = [m for m in members if m not in self._liveness.dead]
+            digests = stage_digests(roster, live, hashes, step + 1)
+        held = {roster.assignments[m].layers for m in members if stages.get(m) in disputed}
+        return {layers: h for layers, h in digests.items() if layers not in held}
+
+    def _served(self, endpoint: str) -> str | None:
+        """The parameters hash the leader computes from the state ``endpoint`` serves it (None: not fetched)."""
+        if self._fetch is None:
+            return None
+        try:
+            return flat_digest(self._fetch(endpoint)["params"])
+        except Exception as exc:  # no answer is no evidence either way
+            log.warning("fetching %s's stage state to check its parameters failed: %s", endpoint, exc)
+            return None
 
     def catch_up(self, roster: Roster, epoch: int, step: int, members: list[str], left_out: set[int],
                  hashes: Hashes) -> None:

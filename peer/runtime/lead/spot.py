@@ -18,8 +18,9 @@ and why:
   where they differ by more than the tolerance names the stage whose inputs still agreed: the pair of suspects
   is that stage's peer in each copy. Within one copy, what a sender says it sent and what its receiver says it
   received must agree (:func:`broken_link`); they are the same bytes, so a difference means one of the two lies,
-  and it is handed to the referee as the receiver's report of the sender (``peer.runtime.lead.referee``: a lone
-  witness's report excludes the sender, a receiver contradicted twice is excluded itself).
+  and it is handed to the referee as the receiver's report of the sender (``peer.runtime.lead.referee``: the
+  leader cannot tell which of the two lies, so the pipeline is set aside for the step and its members go back on
+  probation; only the leader's own worker at one end makes it evidence that excludes).
 * **Majority.** A disagreement goes to a third copy on a third pipeline; the copy that disagrees with the other
   two at the first differing point names its stage's peer, which is excluded (``Finding`` "exclude"); its pipeline
   is dropped from the step and its work requeued, so nothing it touched in the step reaches the model. Its
