@@ -5,13 +5,19 @@ checks, before buffering), and buffers grow only with the bytes that arrive. The
 of the real sizes: an activation is at most ``micro_batch x seq_len x d_model x 4`` bytes (float32, the
 widest dtype on the wire), a gradient or parameter shard at most the stage's parameter count x 4, and a fetched
 stage state (:func:`state_bytes`) its five float32 vectors at most, whatever the transport's default.
+
+What an order may make a worker allocate is bounded from the run's own (organiser-signed) spec as well: a
+checkpoint copy (:func:`checkpoint_bytes`) and a stage's device memory (:func:`stage_memory_bytes`), so a
+leader cannot make a peer write or allocate more than the run it joined needs.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
+from peer.compute.model import ModelConfig
 from peer.runtime.spec import RunSpec
 from protocol import tasklet_pb2 as pb
 
@@ -55,3 +61,35 @@ def state_bytes(stage_params: int) -> int:
     """The largest STAGE_STATE of a stage of ``stage_params`` parameters: what a fetch of it may buffer (the
     state of a stage over ~89M parameters, 53M with DiLoCo's vectors, exceeds the transport's 1 GiB default)."""
     return STATE_VECTORS * 4 * stage_params + ENVELOPE_SLACK_BYTES
+
+
+def model_numel(model: Any) -> int:
+    """Parameters of the whole model, from its shapes alone (nothing is allocated): the GPT's closed form, or
+    a Hugging Face spec's stage shapes of every layer."""
+    if isinstance(model, ModelConfig):
+        return model.n_layers * model.params_per_layer() + model.params_embedding() + model.params_head()
+    return stage_numel(model, (0, model.n_layers))
+
+
+def checkpoint_bytes(spec: RunSpec) -> int:
+    """The largest checkpoint (every file a copy lists) of a run of ``spec``: each stage's state is at most
+    :func:`state_bytes`, so the whole model's parameters in :data:`STATE_VECTORS` float32 vectors (a checkpoint
+    stores three: parameters and AdamW's moments), with a second copy of a tied weight (kept by the first and the
+    last stage), and per file (at most one per layer, and ``run.json``) the envelope slack and the run's own
+    description, which every stage file and ``run.json`` repeat."""
+    model = spec.model
+    numel = model_numel(model)
+    if getattr(model, "keep_tied", False):
+        numel += model.vocab_size * model.d_model
+    files = model.n_layers + 1
+    described = len(json.dumps(spec.to_dict()))
+    return STATE_VECTORS * 4 * numel + files * (ENVELOPE_SLACK_BYTES + described)
+
+
+def stage_memory_bytes(spec: RunSpec, layers: tuple[int, int], in_flight: int) -> float:
+    """The device memory a stage of ``layers`` needs with ``in_flight`` micro-batches in flight (1F1B: stage
+    ``s`` of ``n`` holds ``n - s``): weights, gradients, AdamW's moments and stashed activations, the scheduler's
+    estimate from the spec's shapes (``peer.node.planning.workload_for``); nothing is allocated."""
+    from peer.node.planning import workload_for  # the planner's own figure; imported late: it pulls in the leader
+
+    return workload_for(spec).stage_memory_bytes(layers[0], layers[1], in_flight=in_flight)

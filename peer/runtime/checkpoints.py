@@ -30,6 +30,7 @@ import io
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -319,12 +320,21 @@ def _torch_load(data: bytes) -> dict[str, Any]:
 # Fetched by a new leader (FetchRequest meta): "probe" (which step), "manifest" (the manifest of that step), and
 # "file"/"offset"/"length"/"step" (a range of one file); the fetcher checks sizes and checksums against the
 # manifest before it uses the copy (fetch_copy_files).
+# A worker keeps each run's copies in their own folder (copies_folder), at most ``keep`` of them (the newest), each
+# no larger than the run's checkpoint (peer.runtime.bounds.checkpoint_bytes) and leaving the disk above its floor
+# (disk_floor_bytes); prune_copies removes a finished run's. A copy's files are checked against its manifest's
+# sizes and checksums before anything deserialises them (CheckpointStore.read_files, fetch_copy_files), and then
+# only with torch's weights-only loader.
 MAX_FILES = 1024
 COPY_CHUNK_BYTES = 16 << 20  # file bytes per part; a receiver accepts parts of at most this (+ envelope slack)
 COPY_PART_SLACK_BYTES = 64 * 1024  # an Envelope's key, names and meta on top of its data
 MANIFEST_MAX_BYTES = 1 << 20
 UNKNOWN_MODEL_COPY_BYTES = 1 << 40  # no size from the model (Hugging Face config): only the free disk bounds it
-DISK_HEADROOM_BYTES = 256 << 20  # a copy must leave this much of the receiver's disk free
+# A copy must leave the receiver's disk at least this free: the larger of a fixed floor and a share of the disk,
+# so a leader's copies never fill a member's disk (the owner's other files, logs and our own state need room).
+DISK_FLOOR_BYTES = 1 << 30
+DISK_FLOOR_FRACTION = 0.05
+COPIES_KEEP = 2  # copies of a run a worker keeps when its swarm's checkpoint_keep is not given
 
 
 def copy_part_bound_bytes() -> int:
@@ -438,9 +448,11 @@ class CopyReceiver:
         if total > bound_bytes:
             raise CheckpointError(f"a copy of {total} bytes is over this peer's bound of {bound_bytes}")
         store.root.mkdir(parents=True, exist_ok=True)
-        free = shutil.disk_usage(store.root).free
-        if total + DISK_HEADROOM_BYTES > free:
-            raise CheckpointError(f"a copy of {total} bytes does not fit this peer's free disk ({free} bytes)")
+        usage = shutil.disk_usage(store.root)
+        floor = disk_floor_bytes(usage.total)
+        if usage.free - total < floor:
+            raise CheckpointError(f"a copy of {total} bytes would leave {usage.free - total} bytes of this peer's "
+                                  f"disk free, under its floor of {floor}")
         folder = store.root / f".tmp-recv-{step_name(step)}-{os.getpid()}"
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir()
@@ -480,10 +492,43 @@ class CopyReceiver:
         write_file_durably(incoming.folder / MANIFEST, incoming.manifest)
         store.install(incoming.folder, incoming.step)
 
+    def abandon(self) -> None:
+        """Drop the copy in flight, if any (its run is done and its folder is about to go)."""
+        with self._lock:
+            self._drop()
+
     def _drop(self) -> None:
         if self._incoming is not None:
             shutil.rmtree(self._incoming.folder, ignore_errors=True)
             self._incoming = None
+
+
+def disk_floor_bytes(disk_total: int) -> int:
+    """The free bytes a received copy must leave on a disk of ``disk_total`` bytes (see DISK_FLOOR_BYTES)."""
+    return max(DISK_FLOOR_BYTES, int(disk_total * DISK_FLOOR_FRACTION))
+
+
+_PLAIN_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def copies_folder(root: Path, run_id: str) -> Path:
+    """The folder under ``root`` holding one run's checkpoint copies: ``root/<run_id>`` for a run id that is one
+    plain path component; any other run id (slashes, dots only, spaces...) is named by its hash, behind a ``~``
+    that no plain run id has, so a run id can neither point outside ``root`` nor share another run's folder."""
+    if _PLAIN_RUN_ID.fullmatch(run_id):  # never "." or "..": it starts with a letter or digit
+        return Path(root) / run_id
+    return Path(root) / ("~" + hashlib.sha256(run_id.encode()).hexdigest()[:32])
+
+
+def prune_copies(root: Path, run_id: str) -> bool:
+    """Remove every checkpoint copy of ``run_id`` kept under ``root`` (the run is done: no future leader of it
+    needs them); whether there was anything to remove."""
+    folder = copies_folder(root, run_id)
+    if not folder.exists():
+        return False
+    shutil.rmtree(folder, ignore_errors=True)
+    log.info("removed the checkpoint copies of run %r (%s)", run_id, folder)
+    return True
 
 
 def serve_copy(store: CheckpointStore, run_id: str, epoch: int, meta: Mapping[str, str]) -> WireEnvelope:

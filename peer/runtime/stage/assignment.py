@@ -7,6 +7,13 @@ the run's trained step), ``init`` (step 0: the seeded initialiser, identical eve
 endpoint (a live replica of the stage, or the coordinator serving a checkpoint) — checked to be at the expected
 step before it is accepted. The stage held before the last assignment is kept for hand-over: during a re-plan
 two peers may fetch from each other while each takes its new assignment (a swap of stages).
+
+A leader's order is a claim, checked before anything is allocated or dialled (:meth:`StageTaker.check`): its
+run spec must be this peer's own signed one field for field (the leader only adds grants to a state source, so
+any other difference, a learning rate, a trust setting or a shape, is a lie); the stage must fit this peer's
+memory limit; and every endpoint the order makes this worker dial (neighbours, replicas, the coordinator, a
+state source, a resync source) must pass ``may_dial``: the daemon's check that it is a live advert of the run
+with the certificate the order names for it. A refusal is :class:`~protocol.errors.Rejected`, one line.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -27,7 +35,7 @@ from peer.compute.textdata import load_corpus
 from peer.net import PeerClient, TransportConfig
 from peer.net.tls import TlsContext
 from peer.runtime import control as ctl
-from peer.runtime.bounds import state_bytes
+from peer.runtime.bounds import stage_memory_bytes, state_bytes
 from peer.runtime.outer import OuterState
 from peer.runtime.roles import Roles
 from peer.runtime.spec import Assignment, RunSpec
@@ -47,6 +55,8 @@ log = logging.getLogger(__name__)
 FETCH_STATE_RETRY_S = 15.0
 
 Held = tuple[StageCompute, int, "OuterState | None"]  # (compute, stage index, outer state)
+# (endpoint, peer id the order names for it, "" when none) -> whether this worker may dial it
+DialCheck = Callable[[str, str], bool]
 
 
 def plan_order(assignment: Assignment) -> tuple[int, str]:
@@ -78,19 +88,51 @@ class StageTaker:
     """Builds a worker's tasklets and holds its stages (module docstring).
 
     ``lock`` is the worker's step lock: the held stages change under it together with the current snapshot;
-    ``trust_group`` names this worker's plan peers in the TLS trust store; ``stopped`` ends a fetch's retries."""
+    ``trust_group`` names this worker's plan peers in the TLS trust store; ``stopped`` ends a fetch's retries.
+
+    What an order is checked against (module docstring): ``local``, this peer's own signed spec (None: the
+    order's spec is taken as sent, as in-process tests do); ``memory_limit_bytes``, the most device memory a
+    stage may need here (None: no bound); ``may_dial`` (None: any endpoint may be dialled)."""
 
     def __init__(self, config: TransportConfig, tls: TlsContext, peer_id: str, device: str, trust_group: str,
-                 lock: threading.Lock, stopped: threading.Event) -> None:
+                 lock: threading.Lock, stopped: threading.Event, memory_limit_bytes: int | None = None) -> None:
         self.config, self.tls, self.peer_id, self.device = config, tls, peer_id, device
         self.trust_group, self.lock, self.stopped = trust_group, lock, stopped
         self.corpus: Corpus | None = None  # the worker's state lock
         self.local: RunSpec | None = None  # the worker's state lock: this peer's own files (with_local_files)
+        self.memory_limit_bytes = memory_limit_bytes
+        self.may_dial: DialCheck | None = None
         self._holdings: dict[tuple[int, int], Held] = {}  # lock: the current stage and the one held before
 
-    def build(self, msg: ctl.StageAssignment, old: Tasklet | None) -> Tasklet:
-        """The tasklet of ``msg`` (call with the worker's state lock held: it may build or load a stage)."""
-        spec, assignment, source = with_local_files(msg.run, self.local), msg.assignment, msg.source
+    def check(self, msg: ctl.StageAssignment) -> RunSpec:
+        """The spec ``msg`` is taken with (this peer's own files), once every claim of the order is checked;
+        nothing is allocated or dialled here. Raises Rejected naming what does not fit."""
+        spec, a, source = with_local_files(msg.run, self.local), msg.assignment, msg.source
+        if self.local is not None:
+            require_signed_spec(spec, self.local)
+        if self.may_dial is not None:
+            ids = Roles.of(a, self.tls).ids
+            for endpoint, role in order_endpoints(spec, a, source):
+                self.require_dialable(endpoint, ids.get(endpoint, ""), role)
+        if source.kind is not ctl.SourceKind.KEEP and self.memory_limit_bytes is not None:
+            need = stage_memory_bytes(spec, a.layers, in_flight=a.n_stages - a.stage)
+            if need > self.memory_limit_bytes:
+                raise Rejected(f"stage {a.stage} (layers {list(a.layers)}) needs about {need / 2**30:.3g} GiB, over "
+                               f"this peer's memory limit of {self.memory_limit_bytes / 2**30:.3g} GiB")
+        return spec
+
+    def require_dialable(self, endpoint: str, peer_id: str, role: str) -> None:
+        """Refuse (Rejected) an order that would make this worker dial ``endpoint`` as ``role`` when ``may_dial``
+        does not vouch for it (with the peer id the order names for it), before any connection is attempted."""
+        if self.may_dial is not None and not self.may_dial(endpoint, peer_id):
+            raise Rejected(f"the order names {endpoint[:MAX_SHOWN]} as {role}, which is not a live advert of this "
+                           f"run with the certificate the order names for it (peer {peer_id[:16] or 'none'}); "
+                           "refused before dialling it")
+
+    def build(self, msg: ctl.StageAssignment, old: Tasklet | None, checked: RunSpec | None = None) -> Tasklet:
+        """The tasklet of ``msg`` (call with the worker's state lock held: it may build or load a stage);
+        ``checked``: what :meth:`check` returned for ``msg`` (None: it is checked here)."""
+        spec, assignment, source = checked or self.check(msg), msg.assignment, msg.source
         if source.kind is ctl.SourceKind.KEEP:
             same_stage = old is not None and old.spec == spec and old.assignment.layers == assignment.layers
             if old is None or not same_stage or old.compute.step != source.step:
@@ -151,6 +193,7 @@ class StageTaker:
         a source that claimed the stage and serves other parameters is refused, not loaded."""
         want_outer = {"outer": "1"} if spec.sync_period > 1 else {}
         roles = Roles.of(a, self.tls)
+        self.require_dialable(endpoint, roles.ids.get(endpoint, ""), "a state source")  # a resync's source too
         self.tls.trust.add(self.trust_group, a.peers.values())  # the source must be trusted to be dialled
         deadline = time.monotonic() + FETCH_STATE_RETRY_S
         while True:
@@ -216,6 +259,65 @@ class StageTaker:
         compute, stage, outer = held
         outer = outer if request.meta.get("outer") == "1" else None
         return state_envelope(compute.state_dict(), t.spec.run_id, request.key.epoch, stage, outer=outer)
+
+
+MAX_SHOWN = 60  # characters of a value or an endpoint a refusal quotes
+
+
+def order_endpoints(spec: RunSpec, a: Assignment, source: ctl.StateSource) -> list[tuple[str, str]]:
+    """(endpoint, role) of every peer an assignment makes this worker dial: the coordinator (reports, leases),
+    its neighbours (activations and their gradients), its stage's other replicas (shards, resyncs), the other end
+    of its pipeline (a tied weight's gradient) and the state source; never its own endpoint."""
+    own = a.group[a.replica]
+    named: list[tuple[str | None, str]] = [(a.coordinator, "the coordinator"), (a.prev, "the upstream neighbour"),
+                                           (a.next, "the downstream neighbour")]
+    named += [(ep, f"replica {r} of this stage") for r, ep in enumerate(a.group) if r != a.replica]
+    end = tied_end(spec, a)
+    if end is not None:
+        named.append((end.partner, "the other end of this pipeline"))
+    if source.kind is ctl.SourceKind.FETCH:
+        named.append((source.endpoint, "the state source"))
+    seen: set[str] = set()
+    out: list[tuple[str, str]] = []
+    for endpoint, role in named:
+        if endpoint is not None and endpoint != own and endpoint not in seen:
+            seen.add(endpoint)
+            out.append((endpoint, role))
+    return out
+
+
+def spec_differences(sent: RunSpec, own: RunSpec) -> list[str]:
+    """The fields (``optim.lr``, ``spot_check``, ``model.config``...) where ``sent`` differs from ``own``, each
+    with both values; compared as their JSON, the form a spec travels in (a tuple and a list agree)."""
+    a, b = _plain(sent.to_dict()), _plain(own.to_dict())
+    out: list[str] = []
+    for key in sorted(a.keys() | b.keys()):
+        x, y = a.get(key), b.get(key)
+        if x == y:
+            continue
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += [_shown(f"{key}.{k}", x.get(k), y.get(k))
+                    for k in sorted(x.keys() | y.keys()) if x.get(k) != y.get(k)]
+        else:
+            out.append(_shown(key, x, y))
+    return out
+
+
+def require_signed_spec(spec: RunSpec, own: RunSpec) -> None:
+    """Refuse (Rejected, one line naming the fields) an order whose run spec, with this peer's own files, is not
+    this peer's signed spec: the leader never changes a field of it, so any difference is not the run joined."""
+    differ = spec_differences(spec, own)
+    if differ:
+        more = f" and {len(differ) - 4} more" if len(differ) > 4 else ""
+        raise Rejected(f"the order's run spec differs from this peer's signed run in {'; '.join(differ[:4])}{more}")
+
+
+def _plain(d: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(d, sort_keys=True))
+
+
+def _shown(name: str, sent: Any, own: Any) -> str:
+    return f"{name} {json.dumps(sent)[:MAX_SHOWN]} (signed {json.dumps(own)[:MAX_SHOWN]})"
 
 
 def with_local_files(spec: RunSpec, local: RunSpec | None) -> RunSpec:

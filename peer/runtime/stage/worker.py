@@ -36,7 +36,6 @@ are the typed ones of :mod:`peer.runtime.control`; docs/architecture.md ("One st
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 from collections.abc import Callable
@@ -49,15 +48,18 @@ from peer.compute.stage import StageCompute, StageComputeConfig
 from peer.net import PeerServer, TransportConfig
 from peer.net.tls import TlsContext, process_tls
 from peer.runtime import control as ctl
+from peer.runtime.bounds import checkpoint_bytes
 from peer.runtime.checkpoints import (
+    COPIES_KEEP,
     CheckpointError,
     CheckpointStore,
     CopyReceiver,
-    copy_bound_bytes,
+    copies_folder,
+    prune_copies,
     serve_copy,
 )
 from peer.runtime.spec import Assignment, RunSpec
-from peer.runtime.stage.assignment import StageTaker, fence, require_named_leader
+from peer.runtime.stage.assignment import DialCheck, StageTaker, fence, require_named_leader
 from peer.runtime.stage.compute import ComputeLoop, Task
 from peer.runtime.stage.exchange import GradientExchange
 from peer.runtime.stage.intake import Intake
@@ -100,11 +102,15 @@ class StageWorker:
         outbox: OutboxFactory = Outbox,
         clock: DeviceClock | None = None,
         links: LinkSource | None = None,
+        memory_limit_bytes: int | None = None,
+        copy_keep: int = COPIES_KEEP,
     ) -> None:
         """``checkpoint_copies``: a folder where this peer keeps copies of the leader's checkpoints (None: it
-        refuses them). ``outbox`` builds what every message leaves through, ``clock`` times every compute op:
-        the seams a test or an emulated fault replaces (defaults: the real sender, the real clock). ``links``:
-        how an emulated network shapes the link to each endpoint (None: unshaped)."""
+        refuses them), one folder per run, the newest ``copy_keep`` of each. ``outbox`` builds what every message
+        leaves through, ``clock`` times every compute op: the seams a test or an emulated fault replaces
+        (defaults: the real sender, the real clock). ``links``: how an emulated network shapes the link to each
+        endpoint (None: unshaped). ``memory_limit_bytes``: the most device memory a stage may need here; an
+        assignment of a larger stage is refused before anything is allocated (None: no bound)."""
         limits = {} if max_envelope_bytes is None else {"max_envelope_bytes": max_envelope_bytes}
         self.tls = tls or process_tls()
         self.config = TransportConfig(
@@ -112,6 +118,9 @@ class StageWorker:
         )
         self.peer_id = peer_id
         self.checkpoint_copies = checkpoint_copies
+        if copy_keep < 1:
+            raise ValueError(f"copy_keep: must be at least 1, got {copy_keep}")
+        self.copy_keep = copy_keep
         self.stopped = threading.Event()
         self._trust_group = f"assignment:{id(self)}"
         self._state_lock = threading.Lock()  # compute tasks vs. taking an assignment (see the module docstring)
@@ -122,7 +131,8 @@ class StageWorker:
 
         self.outbox = outbox(self.config, peer_id, lambda: self._tasklet, self._current_step, self.stopped)
         self.outbox.link_source = links
-        self.taker = StageTaker(self.config, self.tls, peer_id, device, self._trust_group, self._lock, self.stopped)
+        self.taker = StageTaker(self.config, self.tls, peer_id, device, self._trust_group, self._lock, self.stopped,
+                                memory_limit_bytes)
         sync = GradientSync(self._step, self._cond, self.outbox, lambda: self.server.endpoint, self.taker.load_from)
         self.loop = ComputeLoop(self._step, self._state_lock, self._cond, lambda: self._tasklet, self.outbox,
                                 clock or DeviceClock(), sync, self.stopped)
@@ -132,6 +142,7 @@ class StageWorker:
         self.intake = Intake(self.tls, frozenset(controllers), checkpoint_copies is not None, lambda: self._tasklet,
                              self._step, self._cond, self.outbox, self.loop.put)
         self._copy_receiver = CopyReceiver()  # checkpoint copies arrive in bounded parts (peer.runtime.checkpoints)
+        self._copy_bound_of: tuple[RunSpec, int] | None = None  # (signed spec, its largest copy): see _copy_bound
         self._compute_thread = threading.Thread(target=self.loop.serve, name="compute", daemon=True)
 
         self.server = PeerServer(self.config)
@@ -219,6 +230,28 @@ class StageWorker:
     def may_assign(self, accept: Callable[[str], bool] | None) -> None:
         self.intake.may_assign = accept
 
+    @property
+    def may_dial(self) -> DialCheck | None:
+        """``(endpoint, peer id) -> bool``: whether an order may make this worker dial ``endpoint`` (the daemon:
+        a live advert of the run at that endpoint, of that peer id, the one the order's certificate names; ""
+        when the order names no certificate for it). Checked for every endpoint an assignment names and every
+        fetch or resync source, before any connection; None: any endpoint (in-process runs)."""
+        return self.taker.may_dial
+
+    @may_dial.setter
+    def may_dial(self, check: DialCheck | None) -> None:
+        self.taker.may_dial = check
+
+    @property
+    def memory_limit_bytes(self) -> int | None:
+        """The most device memory a stage may need on this peer (the daemon: its advertised device memory);
+        a larger stage's assignment is refused before it is built. None: no bound."""
+        return self.taker.memory_limit_bytes
+
+    @memory_limit_bytes.setter
+    def memory_limit_bytes(self, limit: int | None) -> None:
+        self.taker.memory_limit_bytes = limit
+
     def status(self) -> dict[str, Any]:
         with self._lock:
             t, step, pending = self._tasklet, self._step.step, self._step.pending_apply
@@ -253,13 +286,23 @@ class StageWorker:
 
     # ------------------------------------------------------------------------------------------ assignment
     def _on_assignment(self, env: pb.Envelope) -> None:
-        """Take a (new) tasklet (peer.runtime.stage.assignment): fenced by plan order, then built or kept."""
+        """Take a (new) tasklet (peer.runtime.stage.assignment): fenced by plan order, its claims checked (signed
+        spec, memory, endpoints) before the current plan is disturbed, then built or kept. A refusal is logged
+        here and answered to the sender (FAILED_PRECONDITION)."""
         self.intake.require_controller(env.sender, "a stage assignment")
         msg = ctl.StageAssignment.from_envelope(env)
+        try:
+            self._take(msg, env.sender)
+        except Rejected as exc:
+            log.warning("refused an assignment from peer %s: %s", env.sender[:16], exc)
+            raise
+
+    def _take(self, msg: ctl.StageAssignment, sender: str) -> None:
         assignment = msg.assignment
-        require_named_leader(assignment, env.sender, self.tls.peer_id)
+        require_named_leader(assignment, sender, self.tls.peer_id)
         old = self._tasklet
         fence(old, assignment)
+        spec = self.taker.check(msg)  # before the current plan is disturbed
         if old is not None:
             # The compute thread may hold _state_lock in a reduce of the old plan, waiting (up to REDUCE_WAIT_S)
             # for a shard from a peer that died: abandon the old plan's attempts so that it lets go. The new plan
@@ -268,7 +311,7 @@ class StageWorker:
         with self._state_lock:
             old = self._tasklet
             fence(old, assignment, lost_race=True)
-            tasklet = self.taker.build(msg, old)
+            tasklet = self.taker.build(msg, old, spec)
             self.tls.trust.set_group(self._trust_group, assignment.peers.values())
             with self._lock:
                 self.taker.hold(old, tasklet)
@@ -301,22 +344,41 @@ class StageWorker:
             threading.Thread(target=feeder.run, name=f"feeder-{msg.step}.{msg.attempt}", daemon=True).start()
 
     # ---------------------------------------------------------------------------------- checkpoint copies
+    def _signed_spec(self) -> RunSpec | None:
+        """The run this peer joined (the daemon's organiser-signed spec), else the current assignment's (a worker
+        without a daemon), else None (no run yet)."""
+        t = self._tasklet
+        return self.taker.local or (None if t is None else t.spec)
+
     def _copies(self, run_id: str) -> CheckpointStore:
+        """This run's copy store (a folder of its own, the newest ``copy_keep`` kept); a run id other than the
+        signed run's is refused: a leader cannot make this peer keep (or serve) another run's checkpoints."""
         if self.checkpoint_copies is None:
             raise Rejected("this peer keeps no checkpoint copies")
-        folder = "run-" + hashlib.sha256(run_id.encode()).hexdigest()[:16]
-        return CheckpointStore(self.checkpoint_copies / folder)
+        signed = self._signed_spec()
+        if signed is not None and run_id != signed.run_id:
+            raise Rejected(f"a checkpoint of run {run_id[:60]!r}; this peer trains {signed.run_id!r}")
+        return CheckpointStore(copies_folder(self.checkpoint_copies, run_id), keep=self.copy_keep)
+
+    def _copy_bound(self, spec: RunSpec) -> int:
+        """The largest copy of ``spec``'s run (peer.runtime.bounds.checkpoint_bytes), computed once per run."""
+        cached = self._copy_bound_of
+        if cached is None or cached[0] is not spec:
+            cached = self._copy_bound_of = (spec, checkpoint_bytes(spec))
+        return cached[1]
 
     def _on_checkpoint_copy(self, env: pb.Envelope) -> None:
-        """The leader's checkpoint: stored durably and verified against the leader's manifest."""
+        """The leader's checkpoint: stored durably and verified against the leader's manifest, no larger than
+        the signed run's checkpoint and leaving this peer's disk above its floor."""
         self.intake.require_controller(env.sender, "a checkpoint copy")
-        t = self.intake.current()
-        if env.key.run_id != t.spec.run_id:
-            raise Rejected(f"a checkpoint of run {env.key.run_id!r}; this peer trains {t.spec.run_id!r}")
-        store = self._copies(t.spec.run_id)
+        self.intake.current()  # copies are taken only while this peer has a stage of the run
+        spec = self._signed_spec()
+        assert spec is not None
+        store = self._copies(env.key.run_id)
         try:
-            step = self._copy_receiver.receive(env, store, copy_bound_bytes(t.spec.model))
+            step = self._copy_receiver.receive(env, store, self._copy_bound(spec))
         except CheckpointError as exc:
+            log.warning("refused a checkpoint copy from peer %s: %s", env.sender[:16], exc)
             raise BadMessage("checkpoint", str(exc)) from None
         if step is not None:
             log.info("stored a copy of the leader's checkpoint of step %d in %s", step, store.root)
@@ -329,6 +391,14 @@ class StageWorker:
             return serve_copy(store, request.key.run_id, request.key.epoch, request.meta)
         except (CheckpointError, OSError) as exc:
             raise Rejected(f"checkpoint copy: {exc}") from None
+
+    def prune_copies(self, run_id: str) -> bool:
+        """Remove every checkpoint copy of ``run_id`` this peer keeps (the daemon calls it when the run is done);
+        whether there was anything to remove. A copy of it still arriving is dropped."""
+        if self.checkpoint_copies is None:
+            return False
+        self._copy_receiver.abandon()
+        return prune_copies(self.checkpoint_copies, run_id)
 
 
 def _warm_up() -> None:
