@@ -130,8 +130,9 @@ def _add_peer_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--device",
         default="auto",
-        choices=["auto", "cpu", "cuda"],
-        help="compute device; auto uses CUDA when available (default: %(default)s)",
+        choices=["auto", "cuda", "rocm", "mps", "cpu"],  # device_choice.DEVICE_CHOICES (kept torch-free here)
+        help="compute device: cuda (NVIDIA), rocm (AMD, torch's ROCm build), mps (Apple) or cpu; auto takes the "
+        "first of cuda/rocm, mps, cpu present (default: %(default)s)",
     )
     g.add_argument(
         "--emulate-tflops",
@@ -397,8 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address the peer would listen on (default: %(default)s)")
     p.add_argument("--port", type=_port, default=0, help="gRPC port to try; 0: any free one (default: 0)")
     p.add_argument("--dht-port", type=_port, default=0, help="DHT port to try; 0: any free one (default: 0)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="compute device to check (default: %(default)s)")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "rocm", "mps", "cpu"],
+                   help="compute device to check, as peer start takes it (default: %(default)s)")
     p.add_argument("--measure-seconds", type=_positive_float, default=1.0,
                    help="time spent measuring the device's matmul speed (default: %(default)s)")
     p.add_argument("--max-vram", type=_positive_float, default=None, metavar="GB",

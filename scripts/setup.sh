@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Create (or reuse) the project's virtualenv in .venv and install Tasklet into it.
+# Create (or reuse) the project's virtualenv (.venv, or $VENV) and install Tasklet into it. It changes nothing
+# outside the checkout but pip's own download cache: no system package, nothing under /etc or /usr/local, root or
+# not (scripts/demo.sh runs only this). The system tools only the test suite needs are scripts/setup-test-tools.sh.
 # torch is installed first and pinned: an unpinned `torch` from PyPI pulls the multi-GB CUDA build.
 # Override with TORCH_SPEC (e.g. TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu124").
 set -euo pipefail
@@ -10,76 +12,6 @@ TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating virtualenv $VENV" >&2
   "$PY" -m venv "$VENV"
-fi
-# The multi-host test bed (peer/emulation/netbed.py) needs `ip` and `nft`; as root on Debian, install them when missing.
-# Quiet and tolerant: when apt fails, those tests skip with the reason. SKIP_APT=1 leaves the system alone.
-if [ "$(id -u)" -eq 0 ] && [ -z "${SKIP_APT:-}" ] && command -v apt-get >/dev/null \
-   && ! { command -v nft && command -v ip && command -v tc; } >/dev/null 2>&1; then
-  echo "[setup] installing nftables and iproute2 for the network-namespace tests" >&2
-  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables iproute2; } >/dev/null 2>&1 \
-    || echo "[setup] apt-get could not install nftables/iproute2; the network-namespace tests will skip" >&2
-fi
-# The dashboard test renders the page in headless Chromium; as root on Debian, install it when missing
-# (tolerant like the above: without it that test skips with the reason).
-if [ "$(id -u)" -eq 0 ] && [ -z "${SKIP_APT:-}" ] && command -v apt-get >/dev/null \
-   && ! command -v chromium >/dev/null 2>&1; then
-  echo "[setup] installing chromium for the dashboard test" >&2
-  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null 2>&1 \
-    || echo "[setup] apt-get could not install chromium; the dashboard's browser test will skip" >&2
-fi
-# The container tests (tests/test_docker_containers.py) build the images and run them with podman; as root on
-# Debian, install podman, runc and mmdebstrap (the base image is made from Debian's packages: no image registry
-# is needed). Where the kernel refuses to raise rlimits (some sandboxes), runc fails to start any container, so
-# podman gets a runc wrapper that drops `process.rlimits` from the container's config.json, as its default
-# runtime. Tolerant like the above: without them those tests skip with the reason.
-if [ "$(id -u)" -eq 0 ] && [ -z "${SKIP_APT:-}" ] && command -v apt-get >/dev/null; then
-  if ! { command -v podman && command -v runc && command -v mmdebstrap && command -v docker-compose \
-         && [ -x /usr/libexec/podman/catatonit ]; } >/dev/null 2>&1
-  then
-    # docker-compose (Compose 1.29, Debian's) runs the compose file against podman's Docker API in one test;
-    # catatonit is podman's init for `init: true` (compose.yml), only a recommendation of the podman package
-    echo "[setup] installing podman, runc, catatonit, mmdebstrap and docker-compose for the container tests" >&2
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-        podman runc catatonit mmdebstrap docker-compose; } \
-      >/dev/null 2>&1 || echo "[setup] apt-get could not install podman; the container tests will skip" >&2
-  fi
-  # The wrapper is (re)written on every set-up (it is ours); containers.conf only when there is none.
-  if command -v podman >/dev/null && command -v runc >/dev/null \
-     && { [ ! -e /etc/containers/containers.conf ] || grep -q tasklet-runc /etc/containers/containers.conf; }; then
-    echo "[setup] podman: runc without rlimits (/usr/local/bin/tasklet-runc) as the default runtime" >&2
-    cat >/usr/local/bin/tasklet-runc <<EOF
-#!/bin/sh
-# runc for podman on hosts that refuse to raise rlimits: drops the rlimits from the bundle's config.json
-# (containers) and from the process file of "runc exec --process FILE" (podman exec, healthchecks).
-# Written by Tasklet's scripts/setup.sh.
-bundle=.
-process=
-prev=
-for arg in "\$@"; do
-  case \$prev in --bundle | -b) bundle=\$arg ;; --process) process=\$arg ;; esac
-  case \$arg in --bundle=*) bundle=\${arg#--bundle=} ;; --process=*) process=\${arg#--process=} ;; esac
-  prev=\$arg
-done
-drop() {
-  python3 -c 'import json, sys
-path, nested = sys.argv[1], sys.argv[2] == "nested"
-with open(path) as f:
-    spec = json.load(f)
-if (spec.get("process", {}) if nested else spec).pop("rlimits", None) is not None:
-    with open(path, "w") as f:
-        json.dump(spec, f)' "\$1" "\$2" || exit 1
-}
-if [ -n "\$process" ] && [ -f "\$process" ]; then drop "\$process" top; fi
-if [ -f "\$bundle/config.json" ]; then drop "\$bundle/config.json" nested; fi
-exec $(command -v runc) "\$@"
-EOF
-    chmod 0755 /usr/local/bin/tasklet-runc
-    if [ ! -e /etc/containers/containers.conf ]; then
-      mkdir -p /etc/containers
-      printf '[engine]\nruntime = "tasklet-runc"\n\n[engine.runtimes]\ntasklet-runc = ["/usr/local/bin/tasklet-runc"]\n' \
-        >/etc/containers/containers.conf
-    fi
-  fi
 fi
 pip_q() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v '^WARNING: Location' || true; }
 if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then

@@ -1,4 +1,6 @@
-"""Device measurement: the real CPU path, the emulated figure, the CLI, and the CUDA glue on a mocked GPU."""
+"""Device measurement: the real CPU path, the emulated figure, the CLI, and the CUDA glue on a mocked GPU.
+
+The other backends (ROCm, MPS) and the choice between them: tests/test_device_backends.py (in-process)."""
 
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ def test_bad_arguments(kwargs, message):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_cuda_requested_without_cuda_is_a_clear_error():
-    with pytest.raises(ValueError, match="CUDA is not available"):
+    with pytest.raises(ValueError, match="no CUDA GPU is available"):
         measure_device("cuda")
 
 
@@ -89,6 +91,8 @@ def test_cuda_path_with_a_mocked_gpu(monkeypatch):
             return False
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "device", NullContext)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
@@ -121,4 +125,4 @@ def test_cli_bad_device_is_one_line_error():
         capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 2
-    assert result.stderr.strip().startswith("error: device must be") and "Traceback" not in result.stderr
+    assert result.stderr.strip().startswith("error: --device must be") and "Traceback" not in result.stderr

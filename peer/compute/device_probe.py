@@ -9,9 +9,14 @@ does, not the vendor's peak. We time square matrix multiplications: an ``n x n``
 Small matrices under-use a GPU (launch overhead and too few tiles to fill the SMs), large ones may not fit,
 so several sizes are tried and the best figure kept; each size is warmed up first (kernel selection, clock
 ramp-up, allocator) and timed over a few runs of which the best is kept, because interference from other
-processes only ever makes a run slower. On CUDA the dtype is bf16 when the device supports it (fp16
-otherwise): that is what transformer training runs in. On CPU it is fp32 with the torch thread count
-currently set (peers of a local swarm use one thread each).
+processes only ever makes a run slower. On a GPU (CUDA, ROCm or Apple's MPS) the dtype is bf16 when the
+device supports it (fp16 otherwise): that is what transformer training runs in. On CPU it is fp32 with the
+torch thread count currently set (peers of a local swarm use one thread each).
+
+``DeviceInfo.kind`` names the backend (``peer.compute.device_choice``): cuda, rocm, mps or cpu. A ROCm GPU is
+driven through ``torch.cuda`` like an NVIDIA one, so the CUDA timing path measures both. An Apple GPU shares
+the host's memory: its figure is what Metal recommends a process use (``torch.mps.recommended_max_memory``),
+or the host's memory where torch is too old to say (``mps_memory`` gives the note).
 
 ``emulate_tflops`` replaces the measurement by a declared figure, for local swarms where many peers share a
 few cores and a measurement would say nothing about the GPU being emulated; the result is marked so.
@@ -28,23 +33,26 @@ import logging
 import math
 import os
 import platform
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
 
 import torch
 
+from peer.compute.device_choice import BACKENDS, backend_of, mps_bf16_refusal, torch_device
+
 logger = logging.getLogger(__name__)
 
-DEVICE_KINDS = ("cuda", "cpu")
+DEVICE_KINDS = BACKENDS  # what an advert's device kind may be: cuda, rocm, mps, cpu
 
 
 @dataclass(frozen=True)
 class DeviceInfo:
-    """What a peer knows about its compute device."""
+    """What a peer knows about its compute device; this is what its advert carries."""
 
     name: str
-    kind: str  # "cuda" | "cpu"
+    kind: str  # the backend: "cuda" | "rocm" | "mps" | "cpu" (DEVICE_KINDS)
     memory_bytes: int
     tflops: float
     measured: bool  # tflops comes from a timed matmul on this device
@@ -156,34 +164,91 @@ def _measure_cuda(device: torch.device, seconds: float) -> tuple[str, int, Matmu
     return props.name, int(props.total_memory), timing
 
 
+def mps_name() -> str:
+    """The Apple GPU's name as Metal gives it (newer torch), else the chip's from sysctl, else a generic one."""
+    get_name = getattr(torch.backends.mps, "get_name", None)
+    if get_name is not None:
+        try:
+            return str(get_name()) or "Apple GPU"
+        except RuntimeError:
+            pass
+    try:
+        chip = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                              timeout=5, check=False).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        chip = ""
+    return f"{chip} GPU" if chip else "Apple GPU"
+
+
+def mps_memory() -> tuple[int, str | None]:
+    """Bytes of memory an MPS peer may plan with, and a note when that is a fallback.
+
+    MPS shares the host's memory; Metal recommends how much of it one process should use (the working-set
+    size), which torch exposes as ``torch.mps.recommended_max_memory`` in newer releases. Without it the
+    host's memory is the only figure, larger than what the GPU will be given: the note says so.
+    """
+    recommended = getattr(torch.mps, "recommended_max_memory", None)
+    if recommended is not None:
+        try:
+            return int(recommended()), None
+        except RuntimeError:
+            pass
+    return cpu_memory_bytes(), (f"torch {torch.__version__} cannot query Metal's recommended working set "
+                                "(torch.mps.recommended_max_memory); the host's memory, which MPS shares, is shown")
+
+
+def _time_mps(size: int, repeats: int, dtype: torch.dtype) -> float:
+    a = torch.randn(size, size, dtype=dtype, device="mps")
+    b = torch.randn(size, size, dtype=dtype, device="mps")
+    out = torch.empty(size, size, dtype=dtype, device="mps")
+    for _ in range(3):  # warm-up: kernel compilation, allocator
+        torch.mm(a, b, out=out)
+    torch.mps.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        torch.mm(a, b, out=out)
+    torch.mps.synchronize()  # the products are queued; the clock stops when the GPU is done
+    return time.perf_counter() - start
+
+
+def _measure_mps(seconds: float) -> tuple[str, int, MatmulTiming]:
+    dtype = torch.bfloat16 if mps_bf16_refusal() is None else torch.float16
+    memory, _note = mps_memory()
+    sizes = _cuda_sizes(memory, torch.finfo(dtype).bits // 8)  # unified memory: the same quarter rule
+    timing = _best_over(sizes, 3, seconds, lambda n, r: _time_mps(n, r, dtype))
+    name = mps_name()
+    logger.info("mps %s: best %.1f TFLOP/s (%s, n=%d)", name, timing.tflops, dtype, timing.size)
+    return name, memory, timing
+
+
 def measure_device(
     device: str = "auto", emulate_tflops: float | None = None, seconds: float = 1.0
 ) -> DeviceInfo:
-    """Measure the compute device: ``device`` is "auto", "cpu", "cuda" or "cuda:N".
+    """Measure the compute device: ``device`` is a ``--device`` value (auto, cuda[:N], rocm[:N], mps, cpu).
 
     ``seconds`` bounds the time spent timing matmuls (roughly; warm-ups come on top). With
-    ``emulate_tflops`` no timing is done: the figure is declared and marked ``emulated``.
+    ``emulate_tflops`` no timing is done: the figure is declared and marked ``emulated``. A device that is
+    not there raises ``DeviceError`` (a ValueError) saying which and what to pass instead.
     """
     if emulate_tflops is not None and (not math.isfinite(emulate_tflops) or emulate_tflops <= 0):
         raise ValueError(f"emulate_tflops must be a positive number, got {emulate_tflops!r}")
     if seconds <= 0:
         raise ValueError(f"seconds must be positive, got {seconds!r}")
-    kind = device.split(":", 1)[0]
-    if device == "auto":
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
-        device = kind
-    if kind not in DEVICE_KINDS:
-        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    kind = backend_of(device)
 
-    if kind == "cuda":
-        torch_device = torch.device(device)
+    if kind in ("cuda", "rocm"):  # a ROCm GPU answers through torch.cuda too
+        target = torch_device(kind, device)
         if emulate_tflops is not None:
-            props = torch.cuda.get_device_properties(torch_device)
-            return DeviceInfo(props.name, "cuda", int(props.total_memory), float(emulate_tflops), False, True)
-        name, memory, timing = _measure_cuda(torch_device, seconds)
-        return DeviceInfo(name, "cuda", memory, round(timing.tflops, 4), True, False)
+            props = torch.cuda.get_device_properties(target)
+            return DeviceInfo(props.name, kind, int(props.total_memory), float(emulate_tflops), False, True)
+        name, memory, timing = _measure_cuda(target, seconds)
+        return DeviceInfo(name, kind, memory, round(timing.tflops, 4), True, False)
+
+    if kind == "mps":
+        if emulate_tflops is not None:
+            return DeviceInfo(mps_name(), "mps", mps_memory()[0], float(emulate_tflops), False, True)
+        name, memory, timing = _measure_mps(seconds)
+        return DeviceInfo(name, "mps", memory, round(timing.tflops, 4), True, False)
 
     name, memory = cpu_name(), cpu_memory_bytes()
     if emulate_tflops is not None:
@@ -196,7 +261,8 @@ def measure_device(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m peer.compute.device_probe",
                                      description="Measure this device's speed.")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    parser.add_argument("--device", default="auto",
+                        help="auto, cuda[:N], rocm[:N], mps or cpu (default: auto)")
     parser.add_argument("--seconds", type=float, default=2.0, help="time budget for the matmul timing")
     parser.add_argument("--emulate-tflops", type=float, default=None, help="declare this figure instead")
     parser.add_argument("--json", action="store_true", help="print JSON")

@@ -1,10 +1,13 @@
 """`peer doctor`: can this machine take part in a run, and if not, exactly why not.
 
 A volunteer asks this before joining, so every section is a measurement or a reading, never a guess presented
-as a fact: the device (kind, name, memory, matmul TFLOP/s measured by ``peer.compute.device_probe``, the CUDA
-driver against the CUDA torch was built for), the free disk where checkpoints go, whether the ports can be
-listened on, and with ``--dht``: whether a relay of the swarm can dial this machine back (``CHECK``,
-``peer.net.relay``), the clock offset bounded from the peers' heartbeat times, and the bandwidth to a few peers.
+as a fact: the device (its backend, cuda, rocm, mps or cpu, chosen as ``--device`` chooses it; name, memory,
+matmul TFLOP/s measured by ``peer.compute.device_probe``; the runtime: the CUDA driver against the CUDA torch
+was built for, the HIP version of a ROCm build, macOS for MPS; a line for each feature the backend lacks, e.g.
+bf16 on MPS before macOS 14, so the volunteer reads a refusal instead of meeting it mid-run), the free disk
+where checkpoints go, whether the ports can be listened on, and with ``--dht``: whether a relay of the swarm
+can dial this machine back (``CHECK``, ``peer.net.relay``), the clock offset bounded from the peers' heartbeat
+times, and the bandwidth to a few peers.
 The verdict takes the run's model and precision (the published run record with ``--dht``, else the local
 run.toml or the defaults) and says which stages fit this device's memory, by the scheduler's own estimate
 (``stage_memory_bytes``), or which stage does not, what it needs, and what would change that.
@@ -27,7 +30,8 @@ from typing import Any
 
 import torch
 
-from peer.compute.device_probe import cpu_memory_bytes, measure_device
+from peer.compute.device_choice import PRECISIONS, backend_of, precision_refusal, runtime_version, torch_device
+from peer.compute.device_probe import cpu_memory_bytes, measure_device, mps_memory
 from peer.config import ConfigError, RunConfig, local_paths_from_toml
 from peer.node.joining import joiner_config
 from peer.node.planning import workload_for
@@ -97,33 +101,30 @@ def cuda_versions() -> dict[str, Any]:
     return {"torch_cuda": built, "driver_cuda": driver, "match": match}
 
 
-def device_kind(device: str = "auto") -> str:
-    """cuda, rocm (a CUDA-API AMD build), mps or cpu; ``device`` cpu forces the CPU."""
-    if device == "cpu":
-        return "cpu"
-    if torch.cuda.is_available():
-        return "rocm" if getattr(torch.version, "hip", None) else "cuda"
-    mps = getattr(torch.backends, "mps", None)
-    if device == "auto" and mps is not None and mps.is_available():
-        return "mps"
-    return "cpu"
-
-
 def check_device(opts: DoctorOptions) -> dict[str, Any]:
-    kind = device_kind(opts.device)
-    if opts.device == "cuda" and kind not in ("cuda", "rocm"):
-        raise ValueError("--device cuda: torch sees no CUDA (or ROCm) device on this machine")
-    out: dict[str, Any] = {"kind": kind}
-    if kind == "mps":  # the probe times CUDA or CPU matmuls; MPS shares the host's memory
-        out.update(name="Apple MPS", memory_bytes=cpu_memory_bytes(), tflops=None,
-                   note="the matmul probe does not run on MPS; a peer trains on the CPU path here")
-        return out
-    info = measure_device("cuda" if kind in ("cuda", "rocm") else "cpu", seconds=opts.measure_seconds)
-    out.update(name=info.name, memory_bytes=info.memory_bytes, tflops=info.tflops)
+    """The device ``--device`` names: its backend (``kind``), name, memory, measured TFLOP/s and runtime, with a
+    line per feature it lacks (``refused``: a precision, a memory query) so the volunteer sees why, not a fallback.
+
+    Raises DeviceError (a ValueError) when the backend asked for is not on this machine.
+    """
+    kind = backend_of(opts.device)
+    info = measure_device(opts.device, seconds=opts.measure_seconds)
+    out: dict[str, Any] = {"kind": info.kind, "name": info.name, "memory_bytes": info.memory_bytes,
+                           "tflops": info.tflops, "runtime": runtime_version(kind)}
     if kind == "cuda":
         out["cuda"] = cuda_versions()
     elif kind == "rocm":
         out["rocm"] = {"hip": torch.version.hip}
+    notes: list[str] = []
+    if kind == "mps":
+        _memory, note = mps_memory()
+        if note:
+            notes.append(f"memory: {note}")
+    target = torch_device(kind, opts.device)
+    refused = {p: why for p in PRECISIONS if (why := precision_refusal(p, target)) is not None}
+    out["precisions"] = {p: refused.get(p, "ok") for p in PRECISIONS}
+    notes += [f"precision {p}: {why}" for p, why in refused.items()]
+    out["notes"] = notes
     return out
 
 
@@ -401,15 +402,21 @@ def run_doctor(opts: DoctorOptions) -> dict[str, Any]:
     split = [(int(a), int(b)) for a, b in stages] if stages else (
         even_stages(workload_for(spec).n_layers, config.swarm.stages) if config.swarm.stages else None)
     source = getattr(spec.model, "source", "") or f"byte GPT, {workload_for(spec).n_layers} layers"
-    report.update(device=device, memory=memory, disk=check_disk(config, spec),
-                  verdict={**verdict(spec, memory["usable_bytes"], split, source), "config": where})
+    judged = verdict(spec, memory["usable_bytes"], split, source)
+    refusal = device["precisions"].get(spec.precision, "ok")
+    if refusal != "ok":  # the memory may suffice, but this device cannot compute in the run's precision at all
+        judged.update(ok=False, fits=[], summary=f"this device cannot run precision {spec.precision}: {refusal}")
+    report.update(device=device, memory=memory, disk=check_disk(config, spec), verdict={**judged, "config": where})
     return {k: report[k] for k in ("device", "memory", "disk", "ports", "reachability", "clock", "links", "verdict")}
 
 
 def format_report(report: dict[str, Any]) -> str:
     d, m, disk, v = report["device"], report["memory"], report["disk"], report["verdict"]
     tf = "not measured" if d.get("tflops") is None else f"{d['tflops']:.4g} TFLOP/s (measured)"
-    lines = [f"device        {d['kind']}: {d['name']}, {m['device_gb']:.3g} GB, {tf}"]
+    lines = [f"device        {d['kind']}: {d['name']}, {m['device_gb']:.3g} GB, {tf}",
+             f"runtime       {d['runtime']}"]
+    lines += [f"refused       {note}" if note.startswith("precision") else f"note          {note}"
+              for note in d.get("notes", [])]
     if "cuda" in d:
         c = d["cuda"]
         lines.append(f"cuda          torch built for {c['torch_cuda']}, driver {c['driver_cuda']}: "
