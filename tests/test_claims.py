@@ -17,9 +17,9 @@ from peer.compute.model import ModelConfig
 from peer.compute.stage import flat_digest
 from peer.net import PeerClient
 from peer.node.daemon import PeerDaemon
+from peer.node.history import adopt_history
 from peer.node.leader_role import (
     MAX_RECORDED_STAGES,
-    adopt_history,
     judge_claims,
     recorded_checkpoints,
     recorded_progress,
@@ -356,21 +356,21 @@ def test_a_step_the_dead_leader_applied_but_never_recorded_is_kept_without_a_los
 
 
 # ------------------------------------------------------------------------------------ the bad-peer referee
-def test_a_lone_report_excludes_nobody_where_others_saw_the_same_data_and_a_second_reporter_sets_it_aside() -> None:
+def test_a_lone_report_excludes_nobody_where_others_saw_the_same_data_and_a_second_reporter_sidelines() -> None:
     ref = Referee()
     v = ref.report("a", "b", witnesses=2, step=0)
     assert v.exclude == () and v.set_aside == ("a",), v
     v = ref.report("c", "b", witnesses=2, step=0)
-    assert v.exclude == () and v.drop == ("b",) and v.kept == ("a",) and "named by 2 peers" in v.reason
+    assert v.exclude == () and v.sideline == ("b",) and v.kept == ("a",) and "named by 2 peers" in v.reason
     assert not ref.lone.get("a") and not ref.lone.get("c")  # corroborated: neither accusation was false
     assert ref.report("a", "a", witnesses=2, step=0) == Verdict(reason="a peer cannot report itself")
 
 
 def test_a_reporter_whose_accusations_are_contradicted_twice_is_then_ignored() -> None:
     ref = Referee()
-    # a pipeline neighbour: nobody else could see the data, so both are set aside for the step, nobody excluded
+    # a pipeline neighbour: nobody else could see the data, so the accused is sidelined, nothing rolled back
     v = ref.report("liar", "h1", witnesses=1, step=3)
-    assert v.exclude == () and v.drop == ("h1", "liar")
+    assert v.exclude == () and v.sideline == ("h1",)
     assert ref.vindicate({"h1", "x"}, step=2) == Verdict()  # work from before the accusation proves nothing
     assert ref.vindicate({"h1", "x"}, step=9).exclude == ()  # h1's work passed the others' checks: one contradiction
     assert ref.report("liar", "h2", witnesses=2, step=10).set_aside == ("liar",)
@@ -379,7 +379,7 @@ def test_a_reporter_whose_accusations_are_contradicted_twice_is_then_ignored() -
     assert ref.report("liar", "h3", witnesses=1, step=11) == Verdict(
         reason="liar made false reports before; its report is ignored")
     # the contradicted accusations no longer corroborate anyone else's
-    assert ref.report("other", "h1", witnesses=1, step=12).drop == ("h1", "other")
+    assert ref.report("other", "h1", witnesses=1, step=12).sideline == ("h1",)
     assert ref.named_by["h1"] == {"other"}
 
 
@@ -415,7 +415,7 @@ def three_pipelines() -> Iterator[Coordinator]:
             w.stop()
 
 
-def test_the_coordinator_excludes_nobody_on_reports(three_pipelines: Coordinator) -> None:
+def test_the_coordinator_sidelines_on_reports_and_rolls_nothing_back(three_pipelines: Coordinator) -> None:
     coordinator = three_pipelines
 
     def report(stage: int, replica: int, accused: tuple[int, int]) -> None:
@@ -428,7 +428,8 @@ def test_the_coordinator_excludes_nobody_on_reports(three_pipelines: Coordinator
     report(1, 0, (1, 1))  # a replica of its group, while another replica checked the same shards
     report(1, 2, (1, 1))  # the third replica of the group names it too: corroborated, still testimony
     report(0, 2, (1, 2))  # its upstream neighbour, the only worker that receives its activation gradients
-    assert coordinator.dead == frozenset() and coordinator.take_exclusions() == []
+    assert coordinator.dead == {accused, coordinator.roster.endpoint_of(1, 2)}  # left out of the plan, a ban each
+    assert coordinator.verification.take_rollback() is None, "testimony rolls nothing back"
     assert coordinator.referee.named_by[accused] == {coordinator.roster.endpoint_of(1, 0),
                                                      coordinator.roster.endpoint_of(1, 2)}
 

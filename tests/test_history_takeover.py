@@ -19,16 +19,16 @@ from typing import Any
 import pytest
 
 from peer.config import RunConfig
-from peer.node.leader_role import (
+from peer.node.history import (
     HISTORY_STEPS,
     MAX_REASON,
     NO_LOSS,
     NOT_IN_RECORD,
     UNRECORDED,
-    LeaderRole,
     adopt_history,
     newest_record,
 )
+from peer.node.leader_role import LeaderRole
 from peer.runtime.spec import RunSpec
 
 pytestmark = pytest.mark.unit

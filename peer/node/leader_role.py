@@ -29,6 +29,7 @@ import torch
 from peer.compute.model import unflatten_stage
 from peer.config import RunConfig
 from peer.net import PeerClient, PeerServer, TransportConfig
+from peer.node.history import LossHistory, newest_record
 from peer.node.partition import QuorumWait, find_rival, judge, split_step
 from peer.node.planning import ClusterView, build_cluster, make_planner, workload_for
 from peer.node.schedule import leaving_soon
@@ -59,12 +60,6 @@ from peer.timing import (
 log = logging.getLogger(__name__)
 
 MAX_RECORDED_STAGES = 1024  # parameters hashes read from a progress record (more stages than any plan has)
-HISTORY_STEPS = 2000  # steps of loss history a progress record carries (the newest)
-MAX_MISSING = 256  # steps without a loss whose reason a progress record carries (the newest)
-MAX_REASON = 200  # characters of one such reason
-NO_LOSS = "no usable loss was reported (a micro-batch's loss was refused or lost)"
-UNRECORDED = "applied under the previous leader, which died before publishing it: its loss died with it"
-NOT_IN_RECORD = "not in the previous leader's progress record"
 
 
 @dataclass(frozen=True)
@@ -107,8 +102,8 @@ class LeaderRole:
         self.finished = threading.Event()
         # step -> (loss, seconds) of the whole run, also the steps before a takeover (read from the progress
         # record the previous leader published), so run.json and status keep the full curve
-        self.history: dict[int, tuple[float | None, float]] = {}  # loss None: no usable loss was reported
-        self.missing: dict[int, str] = {}  # step -> why its loss is not in the history (published, and in run.json)
+        self.losses = LossHistory(ctx.config.run.steps)
+        self.history, self.missing = self.losses.steps, self.losses.missing  # the same dicts, read by tests
         self._predecessor: dict[str, Any] = {}  # the newest progress record of the previous leader read so far
         self._last_progress: dict[str, Any] = {"epoch": 0, "step": 0, "state": "forming"}
         # peers whose pipelines applied a step of the run (carried over from the previous leader's plan): the
@@ -186,9 +181,7 @@ class LeaderRole:
                   split_step(plans, rival, steps))
         their_eps = {live[pid].endpoint for pid in v.their_peers if pid in live}
         if v.theirs:
-            for k in [k for k in self.history if k >= v.split]:
-                del self.history[k]
-                self.missing.pop(k, None)
+            self.losses.forget_from(v.split)
             self._adopt_history(v.step, progress, since=v.split)
             self.driver.heal(v.step, v.epoch, keep=their_eps, discard=set())
         else:
@@ -443,9 +436,7 @@ class LeaderRole:
         self.ctx.progress.publish(dict(self._last_progress))
 
     def _on_replan(self, info: dict[str, Any]) -> None:
-        for k in [k for k in self.history if k >= info["step"]]:
-            del self.history[k]  # a rollback redoes these steps
-            self.missing.pop(k, None)
+        self.losses.forget_from(info["step"])  # a rollback redoes these steps
         plan = {
             "stages": info["stages"],
             "pipelines": [[self.peer_of[dv] for dv in p] for p in info["pipelines"]],
@@ -475,27 +466,14 @@ class LeaderRole:
         if progress is None:
             progress = self._read_predecessor()
         self.credit = CreditBook.from_record(progress.get("credit"))  # signed by that leader: no worker wrote it
-        history, missing = adopt_history(progress, trained, since)
-        self.history.update(history)
-        self.missing.update(missing)
-        if missing:
-            log.warning("leader: %d step(s) of the adopted history have no loss: %s", len(missing),
-                        {k: missing[k] for k in sorted(missing)[-8:]})
+        self.losses.adopt(progress, trained, since)
 
-    def _history_payload(self, limit: int = HISTORY_STEPS) -> dict[str, Any]:
-        steps = sorted(self.history)[-limit:]
-        lacking = sorted(k for k in self.missing if not steps or k >= steps[0])[-MAX_MISSING:]
-        return {"from": steps[0] if steps else 0, "loss": [self.history[k][0] for k in steps],
-                "step_s": [round(self.history[k][1], 4) for k in steps],
-                "missing": {str(k): self.missing[k] for k in lacking}}
+    def _history_payload(self) -> dict[str, Any]:
+        return self.losses.payload()
 
     def _on_step(self, report: StepReport) -> None:
         loss = report.loss if math.isfinite(report.loss) else None  # a micro-batch's loss report was refused or lost
-        self.history[report.step] = (loss, report.seconds)
-        if loss is None:
-            self.missing[report.step] = NO_LOSS
-        else:
-            self.missing.pop(report.step, None)
+        self.losses.record(report.step, loss, report.seconds)
         tokens_per_s = self._tokens_per_step / report.seconds if report.seconds > 0 else 0.0
         log.info("step %d: loss %s, %.2f s, %.0f tokens/s", report.step, "-" if loss is None else f"{loss:.4f}",
                  report.seconds, tokens_per_s)
@@ -544,9 +522,7 @@ class LeaderRole:
             "plan": self.driver.events.replans[-1] if self.driver.events.replans else None,
             "plans": self.driver.events.replans,
             "rollbacks": self.driver.events.rollbacks,
-            "loss": [self.history[k][0] for k in sorted(self.history)],
-            "step_s": [self.history[k][1] for k in sorted(self.history)],
-            "loss_missing": {str(k): self.missing[k] for k in sorted(self.missing)},  # why a loss above is null
+            **self.losses.run_fields(),  # loss, step_s, and loss_missing: why a loss there is null
             "microbatches_per_pipeline": [r.microbatches_per_pipeline for r in self.driver.reports],
             "record": assignment_record(self.driver.reports),  # replayable (peer.compute.reference)
             "credit": self.credit.to_record(),  # each identity's verified work (peer.swarm.credit)
@@ -606,54 +582,6 @@ def save_stages(states: dict[tuple[int, int], dict[str, Any]], spec: RunSpec, fo
         named = unflatten_stage(spec.model, first, last, state["params"])
         torch.save({name: t.clone() for name, t in named.items()}, folder / f"stage-{stage}.pt")
     return {stage for stage, _ in states}
-
-
-def newest_record(*records: dict[str, Any]) -> dict[str, Any]:
-    """Of progress records of one leader, the one with the highest trained ``step`` (the later one on a tie;
-    a record without a step count ranks lowest)."""
-    def rank(record: dict[str, Any]) -> int:
-        step = record.get("step")
-        return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else -1
-
-    best: dict[str, Any] = {}
-    for record in records:
-        if record and rank(record) >= rank(best):
-            best = record
-    return best
-
-
-def adopt_history(progress: dict[str, Any], trained: int,
-                  since: int = 0) -> tuple[dict[int, tuple[float | None, float]], dict[int, str]]:
-    """The loss history of steps ``since`` .. ``trained`` - 1 in a previous leader's progress record, as step ->
-    (loss, seconds), and step -> why for every step of that range without a loss: the reason the record gives, or
-    the step was applied after the record (its leader died before publishing it), or the record lacks it. Every
-    step of the range is in the history (a loss of None where none is known), so a list of losses by step stays
-    aligned. Read as hostile: only numbers, bounded reasons, steps within the range."""
-    hist = progress.get("history") if isinstance(progress.get("history"), dict) else {}
-    recorded = progress.get("step")
-    recorded = recorded if isinstance(recorded, int) and not isinstance(recorded, bool) else None
-    first = hist.get("from", 0)
-    first = first if isinstance(first, int) and not isinstance(first, bool) and 0 <= first <= trained else 0
-    losses, secs = hist.get("loss"), hist.get("step_s")
-    history: dict[int, tuple[float | None, float]] = {}
-    if isinstance(losses, list) and isinstance(secs, list):
-        for k, (loss, s) in enumerate(zip(losses, secs, strict=False)):
-            if since <= first + k < trained and _number(loss, none=True) and _number(s):
-                history[first + k] = (None if loss is None else float(loss), float(s))
-    given = hist.get("missing") if isinstance(hist.get("missing"), dict) else {}
-    reasons: dict[int, str] = {}
-    for key, why in list(given.items())[:MAX_MISSING]:
-        if isinstance(key, str) and key.isdigit() and isinstance(why, str) and since <= int(key) < trained:
-            reasons[int(key)] = why[:MAX_REASON]
-    missing: dict[int, str] = {}
-    for k in range(since, trained):
-        if k in history:  # in the record: a null loss there is one nobody reported
-            if history[k][0] is None:
-                missing[k] = reasons.get(k, NO_LOSS)
-            continue
-        history[k] = (None, math.nan)
-        missing[k] = UNRECORDED if recorded is not None and k >= recorded else reasons.get(k, NOT_IN_RECORD)
-    return history, missing
 
 
 def recorded_progress(progress: dict[str, Any]) -> tuple[int | None, dict[tuple[int, int], str]]:

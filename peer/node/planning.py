@@ -17,14 +17,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from peer.compute.hf import HFModelSpec
+from peer.compute.workload import workload_for
 from peer.runtime.lead.driver import Pipelines, Planner, Stages
 from peer.runtime.lead.step import TooFewPeersError
 from peer.runtime.spec import RunSpec
 from peer.swarm.adverts import Advert, LinkReport
 from scheduler import Cluster, MemeticConfig, Plan, PlanningError, Workload, plan, replan
 from scheduler.coords import Sample, estimate_links, probe_targets
-from scheduler.model_workload import from_hf_config
 
 log = logging.getLogger(__name__)
 
@@ -32,19 +31,6 @@ DEFAULT_BANDWIDTH_BPS = 100e6
 DEFAULT_DELAY_S = 0.02
 PROBE_K = 6  # relevant peers a peer measures (plan neighbours first)
 PROBE_RANDOM = 2  # ... and this many more at random, so the estimates keep seeing the whole swarm
-
-
-def workload_for(spec: RunSpec, stages: int | None = None, replicas: int | None = None) -> Workload:
-    """The scheduler's description of the run's model and batch (4-byte params, activations in fp32/bf16);
-    a Hugging Face model's figures come from its config (``scheduler.model_workload``)."""
-    m = spec.model
-    if isinstance(m, HFModelSpec):
-        return from_hf_config(m.config, m.seq_len, spec.micro_batch, spec.n_microbatches, spec.precision,
-                              stages, replicas, name=m.source)
-    act_bytes = 4 if spec.precision == "fp32" else 2
-    return Workload.gpt(n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, seq_len=m.seq_len,
-                        vocab=m.vocab_size, micro_batch=spec.micro_batch, n_microbatches=spec.n_microbatches,
-                        stages=stages, replicas=replicas, param_bytes=4, act_bytes=act_bytes)
 
 
 def check_model_fits(spec: RunSpec, memory_bytes: list[float]) -> None:

@@ -18,6 +18,7 @@ import math
 from typing import Any
 
 from peer.compute.model import ModelConfig
+from peer.compute.workload import workload_for
 from peer.runtime.spec import RunSpec
 from protocol import tasklet_pb2 as pb
 
@@ -90,6 +91,4 @@ def stage_memory_bytes(spec: RunSpec, layers: tuple[int, int], in_flight: int) -
     """The device memory a stage of ``layers`` needs with ``in_flight`` micro-batches in flight (1F1B: stage
     ``s`` of ``n`` holds ``n - s``): weights, gradients, AdamW's moments and stashed activations, the scheduler's
     estimate from the spec's shapes (``peer.node.planning.workload_for``); nothing is allocated."""
-    from peer.node.planning import workload_for  # the planner's own figure; imported late: it pulls in the leader
-
     return workload_for(spec).stage_memory_bytes(layers[0], layers[1], in_flight=in_flight)

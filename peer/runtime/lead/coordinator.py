@@ -41,7 +41,7 @@ from peer.runtime.grants import sign_grant
 from peer.runtime.lead.liveness import Liveness
 from peer.runtime.lead.machine import Command, Done, Emit, Fail, Send, Spot, StepMachine
 from peer.runtime.lead.pacing import Pacing
-from peer.runtime.lead.referee import SET_ASIDE_GRACE_S, Referee, Verdict, witnesses
+from peer.runtime.lead.referee import Referee, Verdict, set_aside, witnesses
 from peer.runtime.lead.resync import SYNC_LIMIT_S, Resync
 from peer.runtime.lead.roster import Roster
 from peer.runtime.lead.states import StageStates
@@ -119,13 +119,11 @@ class Coordinator:
         self.states = StageStates(self.spec, self._cond, lambda: (self.roster, self.epoch), self.liveness.dead,
                                   self._client, self.tls.peer_id)
         self.server.register_fetch(pb.STAGE_STATE, self.states.on_state_request)
-        # stage states and checkpoint copies (peer.runtime.lead.states), as the coordinator's own API
-        self.serve_checkpoint, self.fetch_state, self.live_states = (
-            self.states.serve_checkpoint, self.states.fetch_state, self.states.live_states)
+        st = self.states  # stage states and checkpoint copies (peer.runtime.lead.states), as the coordinator's own API
+        self.serve_checkpoint, self.fetch_state, self.live_states = st.serve_checkpoint, st.fetch_state, st.live_states
         self.push_checkpoint, self.checkpoint_step, self.fetch_checkpoint = (
             self.states.push_checkpoint, self.states.checkpoint_step, self.states.fetch_checkpoint)
-        # on_event(name, info): "lease", "commit", "reduce", "apply", "outer", "dead", "requeue", "resync",
-        # "disputed", "divergent" as they happen; called without the coordinator's lock, must not block for long
+        # on_event(name, info), as they happen (lease commit reduce apply outer dead requeue resync disputed divergent)
         self.on_event: Callable[[str, dict[str, Any]], None] | None = None
         self._exclusions: deque[tuple[int, str, str]] = deque(maxlen=MAX_EXCLUSIONS)  # (epoch, id, reason): credit
         self.referee = Referee(own=self.tls.peer_id)  # weighs bad-peer reports: testimony excludes nobody (_cond)
@@ -444,15 +442,8 @@ class Coordinator:
             out = set(self.liveness.dead) | set(roster.members(machine.state.dropped if machine else ()))
             seen_by = witnesses(roster, reporter, accused, out)
             verdict = self.referee.report(self._who(reporter), self._who(accused), seen_by, step)
-            now = time.monotonic()
-            for ep, a in roster.assignments.items() if machine is not None else ():
-                if self._who(ep) in verdict.drop:
-                    machine.keep(a.replica)  # type: ignore[union-attr]  # a pending grace gives way to "at once"
-                    machine.set_aside(a.replica, now)  # type: ignore[union-attr]
-                elif self._who(ep) in verdict.set_aside:
-                    machine.set_aside(a.replica, now + SET_ASIDE_GRACE_S)  # type: ignore[union-attr]
-                elif self._who(ep) in verdict.kept:
-                    machine.keep(a.replica)  # type: ignore[union-attr]
+            if machine is not None:
+                set_aside(machine, roster, verdict, self._who, time.monotonic())
             self.verification.probation.suspect(verdict.suspects)  # the spot checks look at them harder
             self._cond.notify_all()
         log.warning("bad-peer report by %s against %s (%s): %s", reporter, accused, error[:200], verdict.reason)
@@ -463,12 +454,12 @@ class Coordinator:
         return self.roster.peer_ids.get(endpoint, endpoint)
 
     def _exclude(self, roster: Roster, verdict: Verdict, reason: str) -> None:
-        """Exclude whom the verdict names (only on the leader's own evidence, ``peer.runtime.lead.referee``); its
-        unverified applied work is rolled back."""
-        for ep in roster.assignments:
-            if self._who(ep) in verdict.exclude:
-                self.declare_dead(ep, reason)
-                self.verification.discard(ep, reason)  # its unverified work that reached the model is rolled back
+        """Exclude whom the verdict names: on the leader's own evidence its unverified applied work is rolled back;
+        a peer testimony sidelines is only left out of the plan (``peer.runtime.lead.referee``)."""
+        for ep in (ep for ep in roster.assignments if self._who(ep) in {*verdict.exclude, *verdict.sideline}):
+            self.declare_dead(ep, reason)
+            if self._who(ep) in verdict.exclude:  # the leader's own evidence: its unverified applied work goes too
+                self.verification.discard(ep, reason)
 
     def _step_report(self, machine: StepMachine | None, key: pb.Key, sender: str, msg: ctl.Message) -> None:
         """A report of the running step, to its machine (``_cond`` held)."""

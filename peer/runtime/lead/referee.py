@@ -1,4 +1,4 @@
-"""The referee of bad-peer reports: a report is a member's testimony, and testimony alone never excludes.
+"""The referee of bad-peer reports: a report is a member's testimony, and testimony alone never rolls back.
 
 A worker that refuses data (malformed, an outlier, unrelated to the others' sum, a summed shard its digests do
 not explain) names the sender in a ``BadPeer`` report; a link whose two ends report different sketches of the
@@ -6,43 +6,46 @@ same bytes comes here too, as the receiver's report of the sender. The reporter 
 neighbour excluded, and an exclusion also rolls back the excluded peer's unverified applied work
 (``peer.runtime.lead.verify``), which can reach back to step 0. So the rule is: **an exclusion (and the roll-back
 it brings) needs evidence the leader computed itself** — a spot check's majority of copies or the leader's own
-copy (``peer.runtime.lead.spot``), or a refusal by the leader's own worker — and **testimony costs at most the
-current step**: the pipelines that must not use the disputed data are set aside for that step (their work is
-redone by the others, their members catch up after the apply and go back on probation, so the spot checks look
-at them harder), and nobody is excluded, banned or rolled back. Per report (:meth:`Referee.report`):
+copy (``peer.runtime.lead.spot``), or a refusal by the leader's own worker — and **testimony costs the run at most
+the current step**: the pipelines that must not use the disputed data sit out that step (their work is redone by
+the others, their members go back on probation, so the spot checks look at them harder), an accused that no
+other witness can clear is left out of the plan for a ban's time, and nothing is rolled back. Per report
+(:meth:`Referee.report`):
 
 * **The leader's own worker reported it**: the leader made that check itself; the accused is excluded.
 * **The accused is the leader's own worker**: the leader knows what its worker sent; the reporter's pipeline is
   set aside at once and the accusation counts as false.
-* **Corroborated**: two or more distinct identities named the accused (over the leadership). The accused's
-  pipeline is set aside at once (every witness refused its data), and the reporters' own pending set-asides are
-  cancelled (``kept``). Two colluders can do this to an honest peer, one step per report.
+* **Corroborated**: two or more distinct identities named the accused (over the leadership). The accused is
+  *sidelined*: left out of the plan for a ban's time, the step redone without it, its applied work kept (no
+  roll-back), and the reporters' own pending set-asides are cancelled (``kept``). Two colluders can do this to an
+  honest peer; it costs the run the current step and the victim one ban.
 * **A lone report that others could have corroborated** (the accused's data reached two or more witnesses of
   its kind: the other participants of a replica group of three or more): unless another reporter corroborates it
   within ``SET_ASIDE_GRACE_S``, the reporter's own pipeline is set aside for this step. The accused stays: the
   other witnesses checked the same data.
 * **A lone report nobody else could have made** (a pipeline neighbour's activations, a group of two): the leader
-  cannot tell the two apart, and the step must not use data one of them refuses, so both pipelines (one, for
-  pipeline neighbours) are set aside at once. Two pipelines set aside leave none intact: the step is re-planned
-  and redone, as for a spot check between two pipelines.
+  cannot tell the two apart, and the step must not use data one of them refuses, so the accused is sidelined
+  (as above: no roll-back). Setting both aside instead would leave a run of two pipelines with none intact, step
+  after step, while a cheater keeps sending; sidelining keeps it training, and a reporter whose accusations are
+  then contradicted is found false (below).
 * **Found false**: an accusation is contradicted when the accused's pipeline applies a step at or after it (its
   work passed every check of the other witnesses: :meth:`vindicate`) and nobody else has named it. A reporter
   with ``FALSE_REPORTS`` contradicted accusations is a false reporter: its reports are ignored for the rest of
   the leadership (it is not excluded: that too would rest on testimony).
 
-So one false report costs at most the current step of one or two pipelines
-(``tests/test_lead_evidence.py``). Limits: a real cheater in a single-witness position, or in a group of two, is
-not excluded by its victims' reports: each step it corrupts is redone without it, and only a spot check (its
-activations) or the leader's own worker (in its group) can exclude it; in a run of two pipelines such a cheater
-stalls the run, never poisons it. An honest receiver framed by a cheater that then behaves is counted as a
-false reporter. Identities are remembered for the leadership (``MAX_TRACKED``), not across leader changes.
+So one false report costs the run at most the current step (redone) and its victim one ban, never a roll-back
+(``tests/test_lead_evidence.py``). Limits: only the leader's own evidence rolls back a cheater's applied work; a
+cheater's work that passed every check is kept when testimony sidelines it. An honest receiver framed by a
+cheater that then behaves is counted as a false reporter.
+Identities are remembered for the leadership (``MAX_TRACKED``), not across leader changes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
+from peer.runtime.lead.machine import StepMachine
 from peer.runtime.lead.roster import Roster
 
 FALSE_REPORTS = 2  # contradicted accusations that make a reporter a false one
@@ -63,11 +66,13 @@ class Verdict:
     reason: str = ""
     kept: tuple[str, ...] = ()  # reporters whose pending set-aside is cancelled: another reporter corroborated them
     drop: tuple[str, ...] = ()
+    # identities left out of the plan for a ban's time, their applied work kept (no roll-back): testimony's most
+    sideline: tuple[str, ...] = ()
 
     @property
     def suspects(self) -> tuple[str, ...]:
         """Identities whose pipelines the verdict sets aside: back on probation, so spot checks look at them."""
-        return tuple(sorted({*self.set_aside, *self.drop}))
+        return tuple(sorted({*self.set_aside, *self.drop, *self.sideline}))
 
 
 @dataclass
@@ -101,15 +106,16 @@ class Referee:
         if len(reporters) >= 2:
             for r in reporters:  # their accusations were true
                 self.lone.get(r, {}).pop(accused, None)
-            return Verdict(drop=(accused,), kept=tuple(sorted(reporters - {reporter})),
-                           reason=f"named by {len(reporters)} peers; its pipeline is set aside for the step")
+            return Verdict(sideline=(accused,), kept=tuple(sorted(reporters - {reporter})),
+                           reason=f"named by {len(reporters)} peers; left out of the plan for a ban's time, its "
+                           "applied work kept")
         if len(self.lone) < MAX_TRACKED or reporter in self.lone:
             self.lone.setdefault(reporter, {})[accused] = step
         if witnesses >= 2:
             return Verdict(set_aside=(reporter,), reason=f"named by {reporter} alone while {witnesses - 1} other "
                            "witness(es) saw the same data; the reporter's pipeline is set aside for the step")
-        return Verdict(drop=tuple(sorted({reporter, accused})), reason=f"named by its only witness {reporter}; "
-                       "both pipelines are set aside for the step (testimony alone excludes nobody)")
+        return Verdict(sideline=(accused,), reason=f"named by its only witness {reporter}; left out of the plan for "
+                       "a ban's time, its applied work kept (testimony rolls nothing back)")
 
     def vindicate(self, applied: set[str], step: int) -> Verdict:
         """The pipelines of ``applied`` (identities) applied ``step``: their work passed every check of the other
@@ -137,6 +143,19 @@ class Referee:
             self.false_reporters.add(reporter)
             return True
         return False
+
+
+def set_aside(machine: StepMachine, roster: Roster, verdict: Verdict, who: Callable[[str], str], now: float) -> None:
+    """Carry a verdict's set-asides into the running step (``who``: a worker's endpoint -> its identity): ``drop``
+    at once (a pending grace gives way), ``set_aside`` after the grace, ``kept`` cancels a pending one."""
+    for ep, a in roster.assignments.items():
+        if who(ep) in verdict.drop:
+            machine.keep(a.replica)
+            machine.set_aside(a.replica, now)
+        elif who(ep) in verdict.set_aside:
+            machine.set_aside(a.replica, now + SET_ASIDE_GRACE_S)
+        elif who(ep) in verdict.kept:
+            machine.keep(a.replica)
 
 
 def witnesses(roster: Roster, reporter: str, accused: str, out: Collection[str]) -> int:
