@@ -16,7 +16,6 @@ from peer.compute.data import Corpus
 from peer.compute.model import ModelConfig
 from peer.compute.stage import flat_digest
 from peer.net import PeerClient
-from peer.node.daemon import PeerDaemon
 from peer.node.history import adopt_history
 from peer.node.leader_role import (
     MAX_RECORDED_STAGES,
@@ -25,6 +24,7 @@ from peer.node.leader_role import (
     recorded_progress,
     signed_hashes,
 )
+from peer.node.leadership import Leadership
 from peer.runtime import control as ctl
 from peer.runtime.assign import build_assignments
 from peer.runtime.checkpoints import CheckpointError, CheckpointStore, store_copy
@@ -36,6 +36,7 @@ from peer.runtime.spec import RunSpec
 from peer.runtime.stage.assignment import require_named_leader
 from peer.runtime.wire import make_key
 from peer.swarm.adverts import Advert, DeviceInfo
+from peer.swarm.charter import LeaderPolicy
 from peer.swarm.election import elect_leader
 from peer.swarm.membership import EndpointBinding, PeerEntry
 from peer.swarm.progress import publishable
@@ -326,25 +327,35 @@ def test_an_assignment_in_another_leaders_name_is_refused() -> None:
 
 
 class _Unelected:
-    """What ``PeerDaemon._may_assign`` reads of its daemon, before the view's first complete read."""
+    """The view and membership ``Leadership.may_assign`` reads before the view's first complete read."""
 
-    def __init__(self, entries: list[PeerEntry], me: str) -> None:
-        self.view, self.identity = None, type("Id", (), {"peer_id": me})()
-        self.membership = type("M", (), {"live_entries": lambda _self: entries})()
+    def __init__(self, entries: list[PeerEntry], policy: LeaderPolicy | None = None) -> None:
+        self.policy, self.entries = policy, entries
 
     def elected(self) -> None:
         return None
+
+    def live_entries(self) -> list[PeerEntry]:
+        return self.entries
+
+
+def _gate(entries: list[PeerEntry], me: str, policy: LeaderPolicy | None = None) -> Leadership:
+    fake = _Unelected(entries, policy)
+    return Leadership(me, 10, 1.0, None, fake, fake)  # type: ignore[arg-type]
 
 
 def test_before_a_leader_is_elected_an_assignment_is_taken_only_from_the_leader_the_worker_derives() -> None:
     entries = [_entry("peer-a", "10.0.0.1:1"), _entry("peer-b", "10.0.0.2:1"), _entry("peer-c", "10.0.0.3:1")]
     leader = elect_leader(entries)
     others = [e.advert.peer_id for e in entries if e.advert.peer_id != leader]
-    daemon = _Unelected(entries, me=others[-1])
-    assert PeerDaemon._may_assign(daemon, leader)  # type: ignore[arg-type]
-    assert not any(PeerDaemon._may_assign(daemon, pid) for pid in others)  # type: ignore[arg-type]
+    gate = _gate(entries, me=others[-1])
+    assert gate.may_assign(leader)
+    assert not any(gate.may_assign(pid) for pid in others)
     # a read that misses this peer's own advert elects nobody: no assignment is taken on it
-    assert not PeerDaemon._may_assign(_Unelected(entries[:1], me="peer-z"), entries[0].advert.peer_id)  # type: ignore[arg-type]
+    assert not _gate(entries[:1], me="peer-z").may_assign(entries[0].advert.peer_id)
+    # under the organiser's policy only its steward's assignment is taken, whoever the testimony favours
+    stewards = _gate(entries, me="peer-c", policy=LeaderPolicy.from_record("peer-b", None))
+    assert stewards.may_assign("peer-b") and not stewards.may_assign(leader if leader != "peer-b" else "peer-a")
 
 
 def test_a_step_the_dead_leader_applied_but_never_recorded_is_kept_without_a_loss() -> None:

@@ -49,7 +49,6 @@ from peer.runtime.lead.driver import RunDriver
 from peer.runtime.stage.worker import StageWorker
 from peer.swarm.adverts import Advert
 from peer.swarm.dht import DHT_OPS, DHTConfig, DHTStartError, ops_delta, reconnect, start_dht, visible_maddrs
-from peer.swarm.election import elect
 from peer.swarm.identity import Identity
 from peer.swarm.membership import ClockSkewError, Membership
 from peer.swarm.plans import PlanBoard, PlanRecord
@@ -236,7 +235,7 @@ class PeerDaemon:
             record = existing
         self.organiser = record.organiser
         self.leadership = Leadership(self.identity.peer_id, self.config.run.steps, self.config.swarm.heartbeat_s,
-                                     self.config.swarm.leaders, self.view, self.membership)
+                                     self.config.swarm.leaders, self.view, self.membership, self.live_adverts)
         self.leadership.adopt(record.organiser)
         try:
             self.network, self.declared_tflops, self._emulated_extra = emulated_device(
@@ -265,7 +264,10 @@ class PeerDaemon:
             checkpoint_copies=(Path(self.config.swarm.checkpoint_dir) / "copies"
                                if self.config.swarm.checkpoint_dir else None),
         )
-        self.worker.may_assign = self._may_assign
+        assert self.leadership is not None
+        self.worker.may_assign = self.leadership.may_assign  # the elected leader's orders only
+        self.worker.may_dial = self.leadership.may_dial  # naming only live peers of the run
+        self.worker.on_refused = self.leadership.refuse  # and keeping to the signed run
         self.worker.server.reserve_threads(COORDINATOR_THREADS)  # in case this peer leads (coordinator mounted)
         try:
             self.endpoint = self.worker.start()
@@ -299,6 +301,8 @@ class PeerDaemon:
         tflops, extra = self.declared_tflops, self._emulated_extra
         device = measure_device("cpu" if tflops else o.device, emulate_tflops=tflops, seconds=o.measure_seconds)
         device, extra = owner_limits(device, extra, o)
+        assert self.worker is not None
+        self.worker.memory_limit_bytes = device.memory_bytes  # what the plan may give this peer, and no more
         self.advert = Advert(
             peer_id=self.identity.peer_id,
             endpoint=self.endpoint,
@@ -424,6 +428,8 @@ class PeerDaemon:
             elif action is Action.LEAVE:
                 if role is not None and role.error is not None:
                     self.exit_error = f"leader failed: {role.error}"
+                elif self.worker is not None and self.worker.prune_copies(self.spec.run_id):
+                    log.info("the run is over: its checkpoint copies on this peer are removed")
                 self.done.set()
         if self.leadership.state is State.LEADER and self.role is not None and not self.role.finished.is_set():
             self.role.beat()
@@ -471,20 +477,6 @@ class PeerDaemon:
                 self._trusted[a.peer_id] = (a.cert, now_s + keep_s)
         self._trusted = {pid: v for pid, v in self._trusted.items() if v[1] > now_s}
         self.tls.trust.set_group("swarm", [cert for cert, _ in self._trusted.values()])
-
-    def _may_assign(self, caller: str) -> bool:
-        """Assignments come from the leader this peer elects (before its first complete read, the leader it
-        derives from the adverts it reads now; never just any member). An assignment from another peer may mean
-        the election moved (a healed partition): look again."""
-        elected = self.elected()
-        if elected is not None:
-            if caller != elected and self.view is not None:
-                self.view.suspect_leader(f"peer {caller} sent an assignment, but {elected} is the elected leader")
-            return caller == elected
-        entries = [] if self.membership is None else self.membership.live_entries()
-        if not any(e.advert.peer_id == self.identity.peer_id for e in entries):
-            return False  # a read without our own advert is incomplete: it elects nobody
-        return caller == elect(entries, (), self.view.policy if self.view is not None else None)
 
     def elected(self) -> str | None:
         """The leader this peer elects now (not yet confirmed): the only peer whose plans it accepts.

@@ -17,7 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 from peer.node.roles import Action, Observed, State, transition
+from peer.swarm.adverts import Advert
 from peer.swarm.charter import LeaderPolicy, waiting_line
+from peer.swarm.election import elect
 from peer.swarm.membership import Membership
 from peer.swarm.view import SwarmView
 
@@ -35,9 +37,10 @@ class Leadership:
     checks of a leader's claims. ``last_step``: the signed run's last step; ``leaders``: its ``[swarm] leaders``."""
 
     def __init__(self, me: str, last_step: int, heartbeat_s: float, leaders: object, view: SwarmView,
-                 membership: Membership, clock: Callable[[], float] = time.monotonic) -> None:
+                 membership: Membership, live_adverts: Callable[[], list[Advert]] = list,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.me, self.last_step, self.heartbeat_s, self.leaders = me, last_step, heartbeat_s, leaders
-        self.view, self.membership, self.clock = view, membership, clock
+        self.view, self.membership, self.live_adverts, self.clock = view, membership, live_adverts, clock
         self._moved: tuple[str, object, object, object, float] | None = None  # leader, epoch, step, state, since
         self._slowest_step_s = 0.0
         self.state = State.FOLLOWER
@@ -113,6 +116,29 @@ class Leadership:
             log.warning("refused an order of the leader %s: %s", leader, why)
         if self.policy is not None and self.policy.any:
             self.view.depose(leader, self.heartbeat_s * ORDER_DEPOSE_HEARTBEATS, f"its orders were refused: {why}")
+
+    def may_assign(self, caller: str) -> bool:
+        """Assignments come from the leader this peer elects (before its first complete read, the leader it
+        derives from the adverts it reads now; never just any member). An assignment from another peer may mean
+        the election moved (a healed partition): look again."""
+        elected = self.view.elected()
+        if elected is not None:
+            if caller != elected:
+                self.view.suspect_leader(f"peer {caller} sent an assignment, but {elected} is the elected leader")
+            return caller == elected
+        entries = self.membership.live_entries()
+        if not any(e.advert.peer_id == self.me for e in entries):
+            return False  # a read without our own advert is incomplete: it elects nobody
+        return caller == elect(entries, (), self.policy)
+
+    def may_dial(self, endpoint: str, peer_id: str) -> bool:
+        """Whether an order may make the worker dial ``endpoint`` (named for ``peer_id``, "" for none): a live
+        advert of the run holds it, and its peer (so its certificate) is the one named. A peer the last read
+        missed (a joiner of the plan) is looked up once more before the order is refused."""
+        def known(adverts: list[Advert]) -> bool:
+            return any(a.endpoint == endpoint and (not peer_id or a.peer_id == peer_id) for a in adverts)
+
+        return known(self.live_adverts()) or known([e.advert for e in self.membership.live_entries()])
 
     def read_stewards(self) -> None:
         """The stewards the organiser added while the run goes on (``peer stewards``)."""

@@ -121,6 +121,8 @@ class StageWorker:
         if copy_keep < 1:
             raise ValueError(f"copy_keep: must be at least 1, got {copy_keep}")
         self.copy_keep = copy_keep
+        # (leader's peer id, reason) of an order refused for breaking the signed run (spec, memory, endpoints)
+        self.on_refused: Callable[[str, str], None] | None = None
         self.stopped = threading.Event()
         self._trust_group = f"assignment:{id(self)}"
         self._state_lock = threading.Lock()  # compute tasks vs. taking an assignment (see the module docstring)
@@ -302,7 +304,12 @@ class StageWorker:
         require_named_leader(assignment, sender, self.tls.peer_id)
         old = self._tasklet
         fence(old, assignment)
-        spec = self.taker.check(msg)  # before the current plan is disturbed
+        try:
+            spec = self.taker.check(msg)  # before the current plan is disturbed
+        except Rejected as exc:
+            if self.on_refused is not None:  # an order that breaks the signed run: the daemon weighs its leader
+                self.on_refused(sender, str(exc))
+            raise
         if old is not None:
             # The compute thread may hold _state_lock in a reduce of the old plan, waiting (up to REDUCE_WAIT_S)
             # for a shard from a peer that died: abandon the old plan's attempts so that it lets go. The new plan
