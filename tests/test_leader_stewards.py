@@ -15,7 +15,6 @@ stewards`), the steward joins, takes over and the run finishes: the saved parame
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -23,7 +22,15 @@ from pathlib import Path
 
 import pytest
 
-from peer.emulation.procs import PEER_COMMAND, PeerProcesses, child_env, launch, poll_until, write_small_config
+from peer.emulation.procs import (
+    PEER_COMMAND,
+    PeerProcesses,
+    child_env,
+    launch,
+    poll_until,
+    status_json,
+    write_small_config,
+)
 from peer.emulation.reference_check import gap_to_reference
 from peer.swarm.identity import Identity
 
@@ -61,13 +68,6 @@ sys.exit(main())
 '''
 
 
-def status(addr: str) -> dict:
-    proc = subprocess.run([*PEER_COMMAND, "status", "--dht", addr, "--json"], capture_output=True, text=True,
-                          timeout=60, env=child_env())
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout)
-
-
 def small_id_identity(path: Path) -> Identity:
     """A key generated until its peer id starts with "0" (the attacker grinds for the members' tie-break)."""
     while True:
@@ -98,13 +98,13 @@ def test_a_lying_early_member_never_leads_the_swarm_waits_for_a_steward_and_fini
                    "the attacker's forged run record")
         procs.join(addr, 2)
         procs.join(addr, 3)  # after the forgery, with the join line's --organiser
-        st = poll_until(lambda: status(addr), lambda s: len(s["peers"]) == 4 and (s["step"] or 0) >= 2, 180,
+        st = poll_until(lambda: status_json(addr), lambda s: len(s["peers"]) == 4 and (s["step"] or 0) >= 2, 180,
                         "four peers training")
         assert st["plan"]["leader"] == organiser and st["leadership"]["leaders"] == [organiser]
         assert f"of organiser {organiser}" in procs.log_text(3)
         procs.kill(0)  # the organiser's peer dies: nobody else may lead
         addr = procs.join_address(2)
-        st = poll_until(lambda: status(addr), lambda s: bool((s.get("leadership") or {}).get("waiting")), 60,
+        st = poll_until(lambda: status_json(addr), lambda s: bool((s.get("leadership") or {}).get("waiting")), 60,
                         "the swarm to say it waits for a steward")
         assert st["leadership"]["waiting"] == "waiting for a leader the organiser trusts: 1 steward, none live"
         time.sleep(8)  # waiting is not leaving: every survivor stays, nobody takes the lead

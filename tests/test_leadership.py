@@ -255,3 +255,22 @@ def test_an_elected_leader_that_trains_no_step_for_long_is_deposed() -> None:
     t[0] = 4 * NO_PROGRESS_MIN_S - 1
     keeper.on_progress({**beat, "step": 4})
     assert view.deposed == ["slow"]  # it moved: a new wait
+
+
+def test_an_order_may_name_only_live_peers_of_the_run_with_their_own_certificates() -> None:
+    relayed = "0123456789abcdef0123@127.0.0.9:7000"
+    adverts = [Advert("leader", "127.0.0.2:5000", DEVICE, 0.0), Advert("w1", relayed, DEVICE, 0.0, reachable=False)]
+    fresh: list[PeerEntry] = []
+
+    class _Members:
+        def live_entries(self) -> list[PeerEntry]:
+            return fresh
+
+    keeper = Leadership("me", 10, 1.0, None, None, _Members(), lambda: adverts)  # type: ignore[arg-type]
+    assert keeper.may_dial("127.0.0.2:5000/coordinator", "leader")  # its coordinator, under a route
+    assert keeper.may_dial(relayed, "w1")  # relayed
+    assert not keeper.may_dial("127.0.0.2:5000", "w1"), "the endpoint of another peer's advert"
+    assert not keeper.may_dial("127.0.0.1:9", "leader"), "an address no advert holds (a canary)"
+    assert not keeper.may_dial("not an endpoint", "")
+    fresh.append(entry("joiner"))  # a peer the last read missed is looked up once more
+    assert keeper.may_dial("127.0.0.1:5000", "joiner")

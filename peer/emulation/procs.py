@@ -114,6 +114,14 @@ def stop_all(procs: list[subprocess.Popen[str]], grace_s: float, *, ask_first: b
             p.stdout.close()
 
 
+def status_json(addr: str, *extra: str) -> dict:
+    """`peer status --dht ADDR --json` (a real CLI process), parsed; AssertionError when it fails."""
+    proc = subprocess.run([*PEER_COMMAND, "status", "--dht", addr, "--json", *extra], capture_output=True, text=True,
+                          timeout=60, env=child_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)
+
+
 def poll_until(read: Callable[[], dict], predicate: Callable[[dict], bool], timeout_s: float, what: str) -> dict:
     """Call ``read`` (e.g. a `peer status --json`) about once a second until ``predicate`` holds; a read that
     fails (a status call timing out on a busy machine, a half-written answer) is retried, not fatal."""

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from peer.net.endpoint import EndpointError, with_route
 from peer.node.roles import Action, Observed, State, transition
 from peer.swarm.adverts import Advert
 from peer.swarm.charter import LeaderPolicy, waiting_line
@@ -135,8 +136,13 @@ class Leadership:
         """Whether an order may make the worker dial ``endpoint`` (named for ``peer_id``, "" for none): a live
         advert of the run holds it, and its peer (so its certificate) is the one named. A peer the last read
         missed (a joiner of the plan) is looked up once more before the order is refused."""
+        try:
+            base = with_route(endpoint, "")  # a server mounted under a route (the leader's /coordinator) is its peer's
+        except EndpointError:
+            return False
+
         def known(adverts: list[Advert]) -> bool:
-            return any(a.endpoint == endpoint and (not peer_id or a.peer_id == peer_id) for a in adverts)
+            return any(a.endpoint == base and (not peer_id or a.peer_id == peer_id) for a in adverts)
 
         return known(self.live_adverts()) or known([e.advert for e in self.membership.live_entries()])
 
