@@ -1,14 +1,14 @@
-"""An elected member that leads to harm: every honest worker refuses its orders and the run ends as it should.
+"""Elected members that lead to harm: every honest worker refuses their orders and the run ends as it should.
 
-Real `peer` processes with the organiser's opt-in ``[swarm] leaders = "any"``; the attacker is a real `peer join`
-with patched methods, as a volunteer running a modified client would. It joins second, so once the organiser's
-peer is killed the members elect it (the oldest by the others' testimony). As leader it orders, in every
-assignment, a learning rate 1,000x the signed one, spot checks off, a model twice as wide (over twice the memory
-of the signed one), and its stage state fetched from a canary port; and its beat says the run is "done" at the
-step it took over. Every honest worker refuses each order (the fields named in its log), never dials the canary,
-deposes the attacker, and none leaves before the signed last step: an honest survivor takes over and the saved
-parameters equal single-process training within 1e-5. The honest peers' peak resident memory is measured and
-bounded. The test fails loudly if the attacker never led.
+Real `peer` processes with the organiser's opt-in ``[swarm] leaders = "any"``; the attackers are real `peer join`s
+with patched methods, as volunteers running a modified client would. Attacker A joins second, attacker B third,
+so once the organiser's peer is killed the members elect A (the oldest by the others' testimony), and B after it.
+As leader, A orders in every assignment a learning rate 1,000x the signed one, spot checks off, a model twice as
+wide (over twice the memory of the signed one), and its stage state fetched from a canary port; B's beats say the
+run is "done" at the step it took over, and it never plans. Every honest worker refuses each order (the fields named in its log) and
+the early "done", never dials the canary, deposes each attacker in turn, and none leaves before the signed last
+step: an honest survivor takes over and the saved parameters equal single-process training within 1e-5. The
+honest peers' peak resident memory is measured and bounded. The test fails loudly if either attacker never led.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from peer.emulation.reference_check import gap_to_reference
 pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
 
 STEPS = 10
+HONEST = (3, 4)  # peers 1 and 2 are the attackers A and B
 RSS_LIMIT_MB = 2500  # a tiny model's peer (torch, gRPC, the DHT's child process not counted) stays far below
 PATCHED = '''\
 """A volunteer's modified client that, once it leads, orders harm; then the ordinary CLI."""
@@ -35,8 +36,9 @@ import sys
 
 from peer.node.leader_role import LeaderRole
 from peer.runtime import control as ctl
+from peer.swarm.progress import ProgressBoard
 
-CANARY = sys.argv.pop(1)
+MODE, CANARY = sys.argv.pop(1), sys.argv.pop(1)
 honest_envelope = ctl.StageAssignment.to_envelope
 
 
@@ -48,16 +50,18 @@ def to_envelope(self):
     return honest_envelope(dataclasses.replace(self, run=bad, source=source))
 
 
-honest_publish = LeaderRole._publish
+honest_publish = ProgressBoard.publish
 
 
 def publish(self, payload):
-    print("LEADER-HARM", payload.get("step"), file=sys.stderr, flush=True)
-    honest_publish(self, {**payload, "state": "done"})  # "done" at whatever step it is at
+    return honest_publish(self, {**payload, "state": "done"})  # its beats say "done" at whatever step it is at
 
 
-ctl.StageAssignment.to_envelope = to_envelope
-LeaderRole._publish = publish
+if MODE == "orders":
+    ctl.StageAssignment.to_envelope = to_envelope
+else:  # it leads without ever planning: its beat is all the followers see of it
+    ProgressBoard.publish = publish
+    LeaderRole._lead = lambda self: self.stop_event.wait()
 
 from peer.cli import main
 
@@ -106,49 +110,53 @@ def peak_rss_mb(pid: int) -> float:
 
 
 def test_an_elected_member_ordering_harm_is_refused_by_every_honest_worker(tmp_path: Path) -> None:
-    cfg = write_small_config(tmp_path, steps=STEPS, min_peers=4, stages=1, leaders="any")
+    cfg = write_small_config(tmp_path, steps=STEPS, min_peers=5, stages=1, leaders="any")
     script = tmp_path / "patched_peer.py"
     script.write_text(PATCHED)
     canary = Canary()
-    saves = {i: tmp_path / f"result-{i}" for i in (2, 3)}
+    saves = {i: tmp_path / f"result-{i}" for i in HONEST}
     peaks: dict[int, float] = {}
     try:
         with PeerProcesses(tmp_path, emulate_tflops=0.0001) as procs:  # about a second a step
             addr = procs.start(cfg)
-            cmd = [sys.executable, str(script), canary.endpoint, "join", "--dht", addr, "--config", str(cfg),
-                   "--host", "127.0.0.3", "--log-level", "INFO", "--emulate-tflops", "0.0001"]
-            proc, log = launch(cmd, procs.log_dir / "peer-1.log", env=child_env())
-            procs._logs.append(log)
-            procs.procs.append(proc)
-            poll_until(lambda: {"up": "announced" in procs.log_text(1)}, lambda s: s["up"], 60, "the attacker's join")
-            for i in (2, 3):
+            for i, mode in ((1, "orders"), (2, "done")):  # A, then B: the order of their seniority
+                cmd = [sys.executable, str(script), mode, canary.endpoint, "join", "--dht", addr, "--config", str(cfg),
+                       "--host", f"127.0.0.{i + 2}", "--log-level", "INFO", "--emulate-tflops", "0.0001"]
+                proc, log = launch(cmd, procs.log_dir / f"peer-{i}.log", env=child_env())
+                procs._logs.append(log)
+                procs.procs.append(proc)
+                poll_until(lambda i=i: {"up": "announced" in procs.log_text(i)}, lambda s: s["up"], 60, "a join")
+            for i in HONEST:
                 procs.join(addr, i, "--save-dir", str(saves[i]))
-            poll_until(lambda: status_json(addr), lambda s: len(s["peers"]) == 4 and (s["step"] or 0) >= 3, 180,
-                       "four peers training")
-            procs.kill(0)  # the organiser's peer dies: under "any" the members elect the oldest, the attacker
-            poll_until(lambda: {"led": "LEADER-HARM" in procs.log_text(1)}, lambda s: s["led"], 90,
-                       "the attacker to lead (it never reached its position)")
-            honest = {i: procs.procs[i] for i in (2, 3)}
+            poll_until(lambda: status_json(addr), lambda s: len(s["peers"]) == 5 and (s["step"] or 0) >= 3, 180,
+                       "five peers training")
+            procs.kill(0)  # the organiser's peer dies: under "any" the members elect the oldest, attacker A
+            for i in (1, 2):
+                poll_until(lambda i=i: {"led": "leads the swarm" in procs.log_text(i)}, lambda s: s["led"], 90,
+                           f"attacker {'AB'[i - 1]} to lead (it never reached its position)")
+            honest = {i: procs.procs[i] for i in HONEST}
             deadline = time.monotonic() + 300
             while any(p.poll() is None for p in honest.values()) and time.monotonic() < deadline:
                 for i, p in honest.items():  # sampled until they exit: the peak of the whole run
                     peaks[i] = max(peaks.get(i, 0.0), peak_rss_mb(p.pid))
                 time.sleep(1.0)
             codes = {i: p.wait(timeout=30) for i, p in honest.items()}
-            logs = {i: procs.log_text(i) for i in (1, 2, 3)}
+            logs = {i: procs.log_text(i) for i in (1, 2, *HONEST)}
     finally:
         canary.close()
-    attacker = next(line.split("peer ")[1].split()[0] for line in logs[1].splitlines() if "announced:" in line)
-    assert f"this peer ({attacker}) leads the swarm" in logs[1], "the attacker never led: the test proves nothing"
-    assert codes == {2: 0, 3: 0}, {i: logs[i][-3000:] for i in (2, 3)}
+    a, b = (next(line.split("peer ")[1].split()[0] for line in logs[i].splitlines() if "announced:" in line)
+            for i in (1, 2))
+    assert f"this peer ({a}) leads the swarm" in logs[1] and f"this peer ({b}) leads the swarm" in logs[2]
+    assert codes == dict.fromkeys(HONEST, 0), {i: logs[i][-3000:] for i in HONEST}
     print(f"\nhonest peers' peak resident memory: {peaks} MB; canary connections: {canary.connections}")
     assert canary.connections == 0, "an honest worker dialled the address the attacker named"
-    for i in (2, 3):
-        refusals = [line for line in logs[i].splitlines() if f"refused an assignment from peer {attacker[:16]}" in line]
-        assert refusals, f"peer {i} took the attacker's assignment:\n{logs[i][-3000:]}"
+    for i in HONEST:
+        refusals = [line for line in logs[i].splitlines() if f"refused an assignment from peer {a[:16]}" in line]
+        assert refusals, f"peer {i} took attacker A's assignment:\n{logs[i][-3000:]}"
         assert all(field in refusals[0] for field in ("optim.lr", "spot_check", "model.")), refusals[0]
-        assert f"refused an order of the leader {attacker}" in logs[i]
-        assert f"the run is done (step {STEPS})" in logs[i], "left before the signed last step"
+        assert f"refused an order of the leader {a}" in logs[i]
+        assert f"refused an order of the leader {b}: it reported the run done at step" in logs[i]
+        assert f"the run is done (step {STEPS})" in logs[i] or f"run finished: {STEPS} steps" in logs[i]
         assert 0 < peaks[i] < RSS_LIMIT_MB, peaks
     saved = [save for save in saves.values() if (save / "run.json").exists()]
     assert len(saved) == 1, "one honest survivor led to the end and saved"

@@ -244,7 +244,7 @@ def test_an_elected_leader_that_trains_no_step_for_long_is_deposed() -> None:
     for t[0] in (0.0, 100.0, NO_PROGRESS_MIN_S - 1):
         keeper.on_progress(beat)
     assert view.deposed == []
-    keeper.on_progress({**beat, "state": "paused"})  # a pause (no quorum, too few peers) is no stall
+    keeper.on_progress({**beat, "state": "paused"})  # news (a pause: no quorum, too few peers) starts anew
     t[0] = 2 * NO_PROGRESS_MIN_S
     keeper.on_progress(beat)
     assert view.deposed == []  # the clock restarts after the pause

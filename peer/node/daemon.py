@@ -401,6 +401,8 @@ class PeerDaemon:
                 self.observer.on_progress(progress, peers_live=self._peers_live(), is_leader=self.role is not None)
             assert self.leadership is not None
             self.leadership.on_progress(progress)
+            if self.view.elected_beat is not progress:  # a leader elected but not yet planning is watched too
+                self.leadership.on_progress(self.view.elected_beat)
             if self._ticks % (TICKS_PER_HEARTBEAT * STEWARDS_READ_HEARTBEATS) == 0:
                 self.leadership.read_stewards()
         if self.role is not None and self._ticks % PLAN_RENEW_TICKS == 0 and self.plan_board is not None:

@@ -342,10 +342,9 @@ class LeaderRole:
         self.driver.on_pause = self._on_pause
         for ep in self.excluded:
             self.driver.banned.add(ep)
-        if takeover is not None and takeover[0] >= self.config.run.steps:
+        if takeover is not None and takeover[0] >= self.config.run.steps:  # planned only to save the final state
             log.info("the run already reached step %d", takeover[0])
-        else:
-            self.driver.run(resume=self.ctx.resume, takeover=takeover)
+        self.driver.run(resume=self.ctx.resume, takeover=takeover)
         self._finish()
 
     def _takeover_point(self, plan: dict[str, Any] | None) -> tuple[int, Stages] | None:

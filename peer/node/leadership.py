@@ -27,8 +27,8 @@ from peer.swarm.view import SwarmView
 log = logging.getLogger(__name__)
 
 ORDER_DEPOSE_HEARTBEATS = 600  # an elected leader whose orders were refused stays out of the election this long
-# an elected leader whose beat says "training" but whose (epoch, step) has not moved for this long, or for this many
-# of its slowest steps seen, whichever is longer, makes no progress: it is deposed
+# an elected leader whose beat (epoch, step, state) has not changed for this long, or for this many of its slowest
+# steps seen, whichever is longer, makes no progress: it is deposed
 NO_PROGRESS_MIN_S = 600.0
 NO_PROGRESS_STEPS = 10
 
@@ -92,19 +92,20 @@ class Leadership:
                     f"{self.last_step}")
 
     def _watch_progress(self, progress: dict[str, Any]) -> None:
-        """An elected leader that beats "training" but moves no step for long is stalling the run: deposed."""
+        """An elected leader whose beat moves no step, and says nothing new, for long is stalling the run: deposed
+        (one that waits for peers or a quorum waits long under it too, and another leader would wait as well)."""
         leader = str(progress.get("leader", ""))[:64]
         mark = (leader, progress.get("epoch"), progress.get("step"), progress.get("state"))
         step_s = progress.get("step_s")
         if isinstance(step_s, (int, float)) and not isinstance(step_s, bool) and math.isfinite(step_s):
             self._slowest_step_s = max(self._slowest_step_s, min(float(step_s), 86400.0))
         at = self.clock()
-        if self._moved is None or self._moved[:4] != mark or progress.get("state") != "training":
+        if self._moved is None or self._moved[:4] != mark or progress.get("state") in ("done", "resigned"):
             self._moved = (*mark, at)
             return
         limit = max(NO_PROGRESS_MIN_S, NO_PROGRESS_STEPS * self._slowest_step_s)
         if at - self._moved[4] >= limit and self.policy is not None and self.policy.any:
-            self.refuse(leader, f"no step for {at - self._moved[4]:.0f} s while it says it trains")
+            self.refuse(leader, f"no step for {at - self._moved[4]:.0f} s (it says it is {str(mark[3])[:16]})")
             self._moved = (*mark, at)
 
     def refuse(self, leader: str, why: str) -> None:

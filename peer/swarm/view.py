@@ -72,6 +72,7 @@ class SwarmView:
         self.suspect = True  # read everything until a confirmed leader is seen beating
         self.holding_plan = False
         self.beat: dict[str, Any] | None = None  # the last beat of the leader whose progress counts
+        self.elected_beat: dict[str, Any] | None = None  # the last beat of the leader elected (before it plans)
         self.ticks = 0
         self.full_reads = 0
         self._bootstrap: frozenset[str] | None = None  # the credited set while no plan is followed
@@ -188,6 +189,7 @@ class SwarmView:
         if leader is None:
             return
         beat = self.progress.read_beat(leader)
+        self.elected_beat = beat
         if beat is None or now() - float(beat["at"]) >= self.membership.ttl_s or beat.get("state") == "resigned":
             if leader != self.me:
                 self.suspect_leader(f"no fresh beat from the leader {leader}")

@@ -230,8 +230,8 @@ class Coordinator:
             except TransportError as exc:
                 last = send_again(lambda env, t, ep=ep: self._client(ep).push(env, timeout_s=t), envelopes[ep], exc,
                                   self.liveness.interval_s, deadline)
-                if last is not None:
-                    self.liveness.confirm(ep, f"did not take its assignment: {last}")
+                if last is not None:  # a worker that answers "no" (it follows another leader) is out as a dead one
+                    (self.declare_dead if isinstance(last, Refused) else self.liveness.confirm)(ep, f"refused: {last}")
                     raise ReplanNeededError(f"worker {ep} did not take its assignment: {last}") from last
 
     def _granted(self, endpoint: str, a: Assignment, source: ctl.StateSource) -> ctl.StateSource:
