@@ -12,6 +12,9 @@ digest message (one is sent to each other replica, one extra message round after
 whether a summed shard scaled by 1000, or a single value moved by one unit, fails the check (a steering owner is
 caught in the step it steers: the check is deterministic, steps to exclusion = 1).
 
+A leader's orders (``orders``): what a worker's checks of one assignment cost (the spec against the signed one,
+the stage's memory bound, every endpoint the order names against the live adverts), per assignment.
+
 Spot checks (``[trust] spot_check``, peer.runtime.lead.spot), in the same run: ``spot.overhead`` is the mean step
 time of real steps (8 worker processes on loopback, links shaped to the world-wide scenario scaled as in
 ``bench.bandwidth --validate``, compute emulated, 4 stages x 2 pipelines) with the run file's default spot checks
@@ -183,6 +186,44 @@ def detection(q: float, patient: bool, trials: int, steps: int, per_step: int = 
             "detection_per_step_after_probation": round(per_step_p, 4)}
 
 
+def order_checks(repeats: int, peers: int = 256) -> list[dict[str, Any]]:
+    """What a worker's checks of one leader's order cost (``peer.runtime.stage.assignment``,
+    ``peer.node.leadership``), per assignment: the spec compared field by field with the signed one, the stage's
+    memory bound from its shapes, and every endpoint the order names looked up among ``peers`` live adverts."""
+    from peer.compute.device_probe import DeviceInfo
+    from peer.compute.model import ModelConfig
+    from peer.node.leadership import Leadership
+    from peer.runtime import control as ctl
+    from peer.runtime.assign import build_assignments
+    from peer.runtime.bounds import stage_memory_bytes
+    from peer.runtime.spec import RunSpec
+    from peer.runtime.stage.assignment import order_endpoints, require_signed_spec
+    from peer.swarm.adverts import Advert
+
+    device = DeviceInfo("bench", "cpu", 2**34, 1.0, False, True)
+    adverts = [Advert(f"p{i:04d}", f"127.0.{i // 250}.{i % 250 + 1}:5000", device, 0.0) for i in range(peers)]
+    gate = Leadership("me", 1, 1.0, "any", None, None, lambda: adverts)  # type: ignore[arg-type]
+    rows = []
+    for name, model in (("byte GPT 4 x 64", ModelConfig()),
+                        ("byte GPT 12 x 1024 (152M)", ModelConfig(n_layers=12, d_model=1024, n_heads=16, seq_len=512))):
+        spec = RunSpec(model=model)
+        eps = [a.endpoint for a in adverts[:8]]
+        assignments = build_assignments(spec, [(0, model.n_layers // 2), (model.n_layers // 2, model.n_layers)],
+                                        [[0, 1], [2, 3], [4, 5], [6, 7]], eps, eps[0] + "/coordinator", leader="p0000")
+        a = assignments[eps[3]]
+        source = ctl.StateSource(kind=ctl.SourceKind.FETCH, step=3, endpoint=eps[1], grant="g")
+        ids = {ep: f"p{i:04d}" for i, ep in enumerate(eps)}
+        best = float("inf")
+        for _ in range(max(1, repeats) * 20):
+            t0 = time.perf_counter()
+            require_signed_spec(spec, spec)
+            stage_memory_bytes(spec, a.layers, in_flight=a.n_stages - a.stage)
+            assert all(gate.may_dial(ep, ids[ep.split("/")[0]]) for ep, _ in order_endpoints(spec, a, source))
+            best = min(best, time.perf_counter() - t0)
+        rows.append({"model": name, "adverts": peers, "check_ms": round(best * 1e3, 3)})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.verify", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -203,10 +244,14 @@ def main(argv: list[str] | None = None) -> None:
                           for q in (0.05, 0.2, 1.0) for patient in (False, True)]}
     if not args.no_swarm:
         spot["overhead"] = overhead(args.steps)
+    orders = order_checks(args.repeats)
     if args.json:
-        print(json.dumps({"rows": rows, "spot": spot}))
+        print(json.dumps({"rows": rows, "spot": spot, "orders": orders}))
         return
     print(json.dumps(spot, indent=1))
+    for o in orders:
+        print(f"a leader's order checked by a worker: {o['check_ms']:.3f} ms per assignment ({o['model']}, "
+              f"{o['adverts']} live adverts)")
     for r in rows:
         print(f"numel {r['numel']:>10,}  D {r['replicas']}  sum {r['sum_s'] * 1e3:8.2f} ms  digest "
               f"{r['digest_s'] * 1e3:8.2f} ms  direction {r['direction_s'] * 1e3:8.2f} ms  digest "
