@@ -7,8 +7,9 @@ As leader, A orders in every assignment a learning rate 1,000x the signed one, s
 wide (over twice the memory of the signed one), and its stage state fetched from a canary port; B never plans,
 and its beats say the run is "done" at the step it took over. Every honest worker refuses each order (the fields
 named in its log) and the early "done", never dials the canary, deposes each attacker in turn, and none leaves
-before the signed last step: an honest survivor takes over and the saved parameters equal single-process training within 1e-5. The
-honest peers' peak resident memory is measured and bounded. The test fails loudly if either attacker never led.
+before the signed last step: an honest survivor takes over and the saved parameters equal single-process training
+within 1e-5. The honest peers' peak resident memory is measured and bounded. The test fails loudly if either
+attacker never led.
 """
 
 from __future__ import annotations
