@@ -274,3 +274,28 @@ def test_an_order_may_name_only_live_peers_of_the_run_with_their_own_certificate
     assert not keeper.may_dial("not an endpoint", "")
     fresh.append(entry("joiner"))  # a peer the last read missed is looked up once more
     assert keeper.may_dial("127.0.0.1:5000", "joiner")
+
+
+def test_the_dashboard_says_the_swarm_waits_for_a_steward() -> None:
+    from peer.observe.snapshot import SwarmSource, build_snapshot
+
+    policy = LeaderPolicy.from_record("org", ["s1", "s2"])
+    waiting = {"organiser": "org", "leaders": list(policy.stewards), "waiting": waiting_line(policy)}
+    source = SwarmSource(lambda: [entry("w1")], list, lambda: None, lambda: {"state": "training", "step": 3},
+                         lambda: None, lambda: waiting)
+    snap = build_snapshot(source, "run-x")
+    assert snap["state"] == "waiting"
+    assert snap["waiting"] == "waiting for a leader the organiser trusts: 2 stewards, none live"
+    assert build_snapshot(SwarmSource(lambda: [entry("w1")], list, lambda: None, lambda: {"state": "training"},
+                                      lambda: None), "run-x")["state"] == "training"
+
+
+def test_peer_status_says_the_swarm_waits_for_a_steward() -> None:
+    from peer.swarm.status import SwarmStatus, format_status
+
+    line = waiting_line(LeaderPolicy.from_record("org", None))
+    st = SwarmStatus([], {"epoch": 3, "leader": "org", "pipelines": [], "stages": []}, {"step": 4, "state": "training"},
+                     {"measured": 0, "pairs": 0, "median_bandwidth_mbps": None, "median_rtt_ms": None, "by_path": {}},
+                     {"organiser": "org", "leaders": ["org"], "live_stewards": [], "waiting": line})
+    assert line in format_status(st)
+    assert st.to_json()["leadership"]["waiting"] == line
