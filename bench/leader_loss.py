@@ -358,7 +358,7 @@ def run_bed_leader_loss(bed: NetBed, root: Path, twin: bool = False, quorum_wait
             host.run("ip", "link", "set", "eth0", "down")
             shutil.rmtree(peers.disk(host))
         survivors = [h for h in hosts if h not in dying]
-        has_copy = any(any(peers.disk(h).glob("ckpt/copies/run-*/step-*")) for h in survivors)
+        has_copy = any(any(peers.disk(h).glob("ckpt/copies/*/step-*")) for h in survivors)
         codes = peers.wait_all(240 + quorum_wait_s)
         out = BedLeaderLoss(json.loads(plan[0]) if plan else [], copied, killed_at, has_copy, codes,
                             {h.name: peers.log(h.name) for h in hosts}, dead=[h.name for h in dying])

@@ -75,6 +75,7 @@ plan_time_limit_s = 1.0
 checkpoint_dir = "/tasklet/checkpoints"
 checkpoint_every = 1000
 save_dir = "/tasklet/checkpoints/final"
+leaders = "any"  # the volunteers go on without the first peer (by default they would wait for it)
 """
 
 GAP_SCRIPT = """\

@@ -127,9 +127,10 @@ def test_all_peers_elect_the_same_leader_and_follow_its_plan(swarm):
     epoch = leader.board.next_epoch()
     assert epoch == 1
     members = sorted(peer.peer_id for peer in swarm)
-    assert leader.board.publish(epoch, leader.peer_id, {"pipelines": [[0, 1], [2, 3]]}, members)
+    assert leader.board.publish(epoch, leader.peer_id, {"pipelines": [["p0", "p1"], ["p2", "p3"]]}, members)
     for peer in swarm:
-        assert peer.board.latest() == PlanRecord(1, leader.peer_id, {"pipelines": [[0, 1], [2, 3]]}, tuple(members))
+        want = PlanRecord(1, leader.peer_id, {"pipelines": [["p0", "p1"], ["p2", "p3"]]}, tuple(members))
+        assert peer.board.latest() == want
     epoch, leader_id, plan, members = swarm[3].board.latest()  # unpacks as a 4-tuple
     assert (epoch, leader_id) == (1, leader.peer_id)
     assert leader.board.republish()

@@ -104,13 +104,18 @@ def test_an_early_member_lying_in_found_with_a_small_id_never_leads_while_a_stew
     assert elect(entries, (), policy, incumbent=liar) == org
 
 
-def test_under_any_a_live_incumbent_keeps_the_lead_whatever_the_testimony() -> None:
+def test_under_any_a_live_incumbent_wins_every_tie_of_testimony() -> None:
+    """The liar of the issue under "any": it testifies for nobody and grinds a small id; the organiser and it are
+    then found by the same witnesses, a tie that the smallest id would win; the incumbent wins it instead."""
     policy = LeaderPolicy.from_record("org", "any")
     assert policy.any and policy.may_lead("whoever")
-    entries = [entry("a-sybil", {"b"}), entry("b", set()), entry("org", {"b"})]
-    assert elect(entries, (), policy) == "b"  # the members' election: most found
+    liar, witnesses = "0" * 20, {"org", "0" * 20}
+    entries = [entry("org"), entry(liar), entry("h-2", witnesses), entry("h-3", {*witnesses, "h-2"})]
+    assert elect(entries, (), policy) == liar  # no incumbent (forming): the tie goes to the smallest id
     assert elect(entries, (), policy, incumbent="org") == "org"
-    assert elect([e for e in entries if e.advert.peer_id != "org"], (), policy, incumbent="org") == "b"  # gone
+    # strictly more witnesses still move the lead: a healed partition reaches one leader everywhere
+    assert elect(entries, (), policy, incumbent="h-2") == liar  # h-2 has 1 witness, the top two have 2
+    assert elect([e for e in entries if e.advert.peer_id != "org"], (), policy, incumbent="org") == liar  # gone
 
 
 class _Plans:

@@ -3,8 +3,8 @@
 **The organiser decides who may lead** (``peer.swarm.charter.LeaderPolicy``, from the run record it signed): by
 default only its own peer, or the stewards ``[swarm] leaders`` names, first live one in its order, and an incumbent
 steward keeps the lead; while no steward is live nobody leads and the swarm waits (:func:`elect`). What follows
-is the members' election, used only where the organiser opted in with ``leaders = "any"``; there too a live
-leader keeps the lead (a joiner's testimony moves nothing while it works).
+is the members' election, used only where the organiser opted in with ``leaders = "any"``; there a live leader
+wins every tie of testimony, so only strictly more credited witnesses move it.
 
 Every peer reads the same live peer records from the DHT, so a pure function of them picks the same leader
 everywhere. Each record carries ``found``: the peers its writer saw alive when it joined
@@ -63,16 +63,17 @@ def seniority(entries: Iterable[PeerEntry], credited: Collection[str] = ()) -> d
     return counts
 
 
-def elect_leader(entries: Iterable[PeerEntry], credited: Collection[str] = ()) -> str | None:
-    """The live worker most witnesses found already there (ties: a credited one, then the one most live workers
-    found, then the smallest id); None if there is no worker."""
+def elect_leader(entries: Iterable[PeerEntry], credited: Collection[str] = (),
+                 incumbent: str | None = None) -> str | None:
+    """The live worker most witnesses found already there (ties: the ``incumbent``, the leader the reader follows;
+    then a credited one, then the one most live workers found, then the smallest id); None if there is no worker."""
     entries = list(entries)
     counts = seniority(entries, credited)
     if not counts:
         return None
     plain = seniority(entries) if credited else counts
-    return min(counts, key=lambda peer_id: (-counts[peer_id], bool(credited) and peer_id not in credited,
-                                            -plain[peer_id], peer_id))
+    return min(counts, key=lambda peer_id: (-counts[peer_id], peer_id != incumbent,
+                                            bool(credited) and peer_id not in credited, -plain[peer_id], peer_id))
 
 
 def elect(entries: Iterable[PeerEntry], credited: Collection[str], policy: LeaderPolicy | None,
@@ -91,9 +92,7 @@ def elect(entries: Iterable[PeerEntry], credited: Collection[str], policy: Leade
         if incumbent in live and policy.may_lead(incumbent):
             return incumbent
         return next((p for p in policy.stewards if p in live), None)
-    if incumbent is not None and incumbent in live:
-        return incumbent
-    return elect_leader(entries, credited)
+    return elect_leader(entries, credited, incumbent if incumbent in live else None)
 
 
 def credited_of(plan: dict[str, Any] | None) -> frozenset[str]:

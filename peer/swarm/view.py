@@ -45,6 +45,7 @@ from peer.timing import LEADER_CONFIRM_TICKS, TICKS_PER_HEARTBEAT, now
 logger = logging.getLogger(__name__)
 
 MAX_PINNED = 65536  # peers whose first-seen testimony one reader remembers
+WATCHED_STEWARDS = 4  # stewards whose beats a peer waiting for one reads for the run's end
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,7 @@ class SwarmView:
         than the plan followed (or a new leader) makes us read the plan."""
         leader = self.candidate
         if leader is None:
+            self._look_for_an_end()
             return
         beat = self.progress.read_beat(leader)
         self.elected_beat = beat
@@ -201,6 +203,18 @@ class SwarmView:
         counted = leader if plan is None else plan.leader_id  # progress counts only from the plan's leader
         # in a takeover the plan's leader is not (yet) the one we elect: its "done" still ends the run
         self.beat = beat if counted == leader else self.progress.read_beat(counted)
+
+    def _look_for_an_end(self) -> None:
+        """While no steward is live: the run may be over (a peer that joined as the last leader left), so the first
+        stewards' beats are read for a "done" (the daemon believes it only at the signed last step)."""
+        policy = self.policy
+        if policy is None or policy.any or not self.live_ids:
+            return
+        for steward in policy.stewards[:WATCHED_STEWARDS]:
+            beat = self.progress.read_beat(steward)
+            if beat is not None and beat.get("state") == "done":
+                self.beat = beat
+                return
 
     def followed_plan(self) -> PlanRecord | None:
         """The plan this peer follows, without reading the DHT."""

@@ -113,11 +113,10 @@ class Coordinator:
         self.pacing = Pacing()  # set predicted_mb_s, speculation there
         self.liveness = Liveness(liveness_interval_s, self._cond, self._ping, self.declare_dead, self.spec.model,
                                  self.spec.micro_batch)
-        self.resync = Resync(self.spec.run_id, self._cond, self.liveness, self._client, self._submit, self._emit,
-                             fetch=lambda ep: self.states.fetch_state(ep),
-                             own=lambda ep: self.roster.peer_ids.get(ep) == self.tls.peer_id)
         self.states = StageStates(self.spec, self._cond, lambda: (self.roster, self.epoch), self.liveness.dead,
                                   self._client, self.tls.peer_id)
+        self.resync = Resync(self.spec.run_id, self._cond, self.liveness, self._client, self._submit, self._emit,
+                             fetch=self.states.fetch_state, own=lambda ep: self._who(ep) == self.tls.peer_id)
         self.server.register_fetch(pb.STAGE_STATE, self.states.on_state_request)
         st = self.states  # stage states and checkpoint copies (peer.runtime.lead.states), as the coordinator's own API
         self.serve_checkpoint, self.fetch_state, self.live_states = st.serve_checkpoint, st.fetch_state, st.live_states
@@ -230,8 +229,9 @@ class Coordinator:
             except TransportError as exc:
                 last = send_again(lambda env, t, ep=ep: self._client(ep).push(env, timeout_s=t), envelopes[ep], exc,
                                   self.liveness.interval_s, deadline)
-                if last is not None:  # a worker that answers "no" (it follows another leader) is out as a dead one
-                    (self.declare_dead if isinstance(last, Refused) else self.liveness.confirm)(ep, f"refused: {last}")
+                if last is not None:  # a worker that follows another leader (PERMISSION_DENIED) is out as a dead one
+                    follows_another = isinstance(last, Refused) and last.code == "PERMISSION_DENIED"
+                    (self.declare_dead if follows_another else self.liveness.confirm)(ep, f"refused: {last}")
                     raise ReplanNeededError(f"worker {ep} did not take its assignment: {last}") from last
 
     def _granted(self, endpoint: str, a: Assignment, source: ctl.StateSource) -> ctl.StateSource:
