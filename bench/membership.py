@@ -162,7 +162,7 @@ def formation(count: int, heartbeat_s: float = 2.0, timeout_s: float = 180.0) ->
             index = [i.peer_id for i in swarm.identities].index(leader)
             boards = [PlanBoard(dht, run_id, None) for dht in swarm.dhts]
             writer = PlanBoard(swarm.dhts[index], run_id, swarm.identities[index])
-            writer.publish(writer.next_epoch(), leader, {"pipelines": [list(range(count))]})
+            writer.publish(writer.next_epoch(), leader, {"pipelines": [[f"p{i}" for i in range(count)]]})
             plan_waits = list(pool.map(sees_plan, boards))
             first_plan = time.perf_counter() - begin if max(plan_waits) < math.inf else math.inf
     finally:
