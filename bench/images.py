@@ -106,7 +106,7 @@ def find_engine() -> tuple[Engine | None, str]:
         if proc.returncode == 0:
             return Engine(name, path), ""
         reasons.append(f"`{name} info` failed: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}")
-    return None, "; ".join(reasons) + " (bash scripts/setup.sh installs podman as root on Debian)"
+    return None, "; ".join(reasons) + " (bash scripts/setup-test-tools.sh installs podman as root on Debian)"
 
 
 
@@ -115,7 +115,8 @@ def build_base(engine: Engine) -> float:
     """Make :data:`BASE_IMAGE` from Debian's packages (``mmdebstrap``); the seconds it took."""
     mmdebstrap = shutil.which("mmdebstrap")
     if not mmdebstrap:
-        raise EngineError(f"no {BASE_IMAGE} and no mmdebstrap to make it (bash scripts/setup.sh installs it)")
+        raise EngineError(f"no {BASE_IMAGE} and no mmdebstrap to make it "
+                          "(bash scripts/setup-test-tools.sh installs it)")
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tasklet-base-") as tmp:
         tar = Path(tmp) / "base.tar"

@@ -1,7 +1,7 @@
 """The images for real: the CPU image built from the checkout, a compose swarm and a container volunteer train.
 
-Where podman or docker can run containers (``bash scripts/setup.sh`` installs podman as root on Debian) the
-session builds ``docker/Dockerfile.cpu`` once (``tests/support/containers.py``); elsewhere these tests skip
+Where podman or docker can run containers (``bash scripts/setup-test-tools.sh`` installs podman as root on
+Debian) the session builds ``docker/Dockerfile.cpu`` once (``tests/support/containers.py``); elsewhere these tests skip
 with the reason.
 
 * The image: a CPU torch, the unprivileged user, ``peer`` as its entry point; the GPU image's Dockerfile builds
@@ -289,7 +289,7 @@ def test_compose_1_starts_the_volunteers_the_file_says(container_images: Images,
     peer trains with all 4."""
     compose_1 = shutil.which("docker-compose")
     if compose_1 is None:
-        pytest.skip("no docker-compose (bash scripts/setup.sh installs Debian's as root)")
+        pytest.skip("no docker-compose (bash scripts/setup-test-tools.sh installs Debian's as root)")
     engine = container_images.engine
     run_file = tmp_path / "run.toml"
     run_file.write_text(COMPOSE_RUN)

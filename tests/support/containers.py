@@ -4,7 +4,8 @@
 image registry is reachable on these machines: Debian bookworm from ``mmdebstrap``, then ``import``; the
 Dockerfiles' ``PYTHON_IMAGE``), builds the CPU image from this checkout once per test session (the engine's
 layer cache makes a rerun fast) and reports its facts: build time, size. A test that uses it skips, with the
-reason, where no engine can run a container; ``bash scripts/setup.sh`` installs podman as root on Debian.
+reason, where no engine can run a container; ``bash scripts/setup-test-tools.sh`` installs podman as root on
+Debian.
 
 The engine and the builds are bench/images.py's (``python -m bench.images`` measures the same images): pip
 inside the build sees what pip sees here, this machine's pip configuration files and the wheel folders, local
