@@ -229,9 +229,9 @@ class Coordinator:
             except TransportError as exc:
                 last = send_again(lambda env, t, ep=ep: self._client(ep).push(env, timeout_s=t), envelopes[ep], exc,
                                   self.liveness.interval_s, deadline)
-                if last is not None:  # a worker that follows another leader (PERMISSION_DENIED) is out as a dead one
-                    follows_another = isinstance(last, Refused) and last.code == "PERMISSION_DENIED"
-                    (self.declare_dead if follows_another else self.liveness.confirm)(ep, f"refused: {last}")
+                if last is not None:  # a worker that keeps following another leader is out as a dead one
+                    again = self.liveness.refused_again(ep, getattr(last, "code", "") == "PERMISSION_DENIED")
+                    (self.declare_dead if again else self.liveness.confirm)(ep, f"refused: {last}")
                     raise ReplanNeededError(f"worker {ep} did not take its assignment: {last}") from last
 
     def _granted(self, endpoint: str, a: Assignment, source: ctl.StateSource) -> ctl.StateSource:

@@ -38,6 +38,7 @@ class Liveness:
         self._model, self._micro_batch = model, micro_batch
         self.assignments: dict[str, Assignment] = {}  # the plan's workers; replaced whole (reset)
         self.dead: set[str] = set()  # _lock
+        self._refusing: set[str] = set()  # workers that refused the last plan's assignment as not ours (kept by reset)
         self.reasons: dict[str, str] = {}  # _lock
         self.rtt: dict[str, float] = {}  # moving average per worker
         # endpoint -> the slowest link (bit/s) known from that worker: measured (a leader's link reports),
@@ -57,6 +58,17 @@ class Liveness:
         if self._thread.is_alive():
             self._thread.join(timeout=5.0)
         self._pinger.shutdown(wait=False, cancel_futures=True)
+
+    def refused_again(self, endpoint: str, not_ours: bool) -> bool:
+        """Record whether ``endpoint`` refused its assignment as not its leader's (PERMISSION_DENIED); True when it
+        did so for the previous plan too: it follows another leader for good, whereas a peer back from a partition
+        follows us within a plan or two (it must read our advert first)."""
+        again = not_ours and endpoint in self._refusing
+        if not_ours and len(self._refusing) < 4096:
+            self._refusing.add(endpoint)
+        elif not not_ours:
+            self._refusing.discard(endpoint)
+        return again
 
     def reset(self, assignments: dict[str, Assignment]) -> None:
         """A new plan: nobody is dead (the driver left the dead out of it). ``_lock`` held."""
