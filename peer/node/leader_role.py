@@ -556,13 +556,6 @@ def _slowest_measured(peer_of: dict[str, str], reports: list[LinkReport]) -> Cal
     return lambda endpoint: slowest.get(peer_of.get(endpoint, ""))
 
 
-def _number(value: Any, none: bool = False) -> bool:
-    """A finite int or float from a record (None too when ``none``)."""
-    if value is None:
-        return none
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 @dataclass(frozen=True)
 class Claims:
     """What a new leader makes of the workers' Status replies: the step the run stands at (None: nobody holds

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,11 +132,6 @@ class LeaderPolicy:
 
     def describe(self) -> str:
         return "any credited member (elected)" if self.any else f"{len(self.stewards)} steward(s)"
-
-
-def config_digest(config: dict[str, Any]) -> str:
-    """A short digest of a run configuration (logs and status: which signed run this is)."""
-    return hashlib.sha256(canonical_json(config)).hexdigest()[:12]
 
 
 def waiting_line(policy: LeaderPolicy) -> str:
