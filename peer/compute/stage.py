@@ -43,6 +43,7 @@ import itertools
 import logging
 import math
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -229,6 +230,9 @@ class StageCompute:
         self._stash: dict[int, _Stash] = {}
         self._accumulated: set[int] = set()  # micro-batches whose gradient is in _accum
         self._accum = torch.zeros_like(self._master)
+        self._accum_views = self._views(self._accum)
+        self.optimizer_s = 0.0  # seconds in AdamW's step (the arithmetic any training loop does)
+        self.accumulate_s = 0.0  # host seconds spent adding micro-batch gradients to the sum (peer.runtime timing)
         # speculative copies (runtime pool, stragglers): their gradient is held apart until settle()
         self._tentative: set[int] = set()
         self._held: dict[int, torch.Tensor] = {}
@@ -335,19 +339,38 @@ class StageCompute:
                        grad: torch.Tensor | None) -> torch.Tensor | None:
         inputs = list(self._compute_params) + ([] if self.is_first else [stash.inp])
         grads = torch.autograd.grad(root, inputs, grad_outputs=grad, allow_unused=True)
+        t0 = time.perf_counter()
         if mb in self._accumulated:
             log.info("micro-batch %d already accumulated this step; duplicate ignored", mb)
         elif mb in self._tentative:
             self._held[mb] = self._flatten_grads(grads[: len(self._compute_params)])
         else:
-            self._accum += self._flatten_grads(grads[: len(self._compute_params)])
+            self._accumulate(grads[: len(self._compute_params)])
             self._accumulated.add(mb)
+        self.accumulate_s += time.perf_counter() - t0
         if self.is_first:
             return None
         grad_input = grads[-1]
         if grad_input is None:  # cannot happen for a real stage; keep the contract anyway
             grad_input = torch.zeros_like(stash.inp)
         return grad_input.detach().cpu()
+
+    def _accumulate(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        """Add one micro-batch's parameter gradient to the step's sum, tensor by tensor into the sum's views.
+
+        The same values as adding :meth:`_flatten_grads` (each element ``sum + float(g)``, in fp32), without
+        a flat temporary of the stage's size: no allocation, one pass less. With a loss scale other than 1 the
+        division comes first, as there."""
+        if self.loss_scale != 1.0:
+            self._accum += self._flatten_grads(grads)
+            return
+        pairs = [(view, g) for view, g in zip(self._accum_views, grads, strict=True) if g is not None]
+        same = [(v, g) for v, g in pairs if g.dtype == torch.float32]
+        if same:
+            torch._foreach_add_([v for v, _ in same], [g for _, g in same])
+        for view, g in pairs:
+            if g.dtype != torch.float32:
+                view.add_(g)  # fp32 += bf16/fp16: promoted to fp32 before the add, as g.float() would be
 
     # ------------------------------------------------------------------------------- exactly-once bookkeeping
     def accumulated(self) -> set[int]:
@@ -372,6 +395,12 @@ class StageCompute:
     def accumulated_grad(self) -> torch.Tensor:
         """The step's accumulated gradient sum, flat fp32 on the host (a copy)."""
         return self._accum.detach().to("cpu", copy=True)  # one copy, from a GPU or on the host
+
+    def accumulated_view(self) -> torch.Tensor:
+        """The step's accumulated gradient sum itself, on the compute device (no copy): for a caller that hands
+        it back to :meth:`apply_update` before anything else is added to the sum (a group of one replica). It
+        changes with every micro-batch added and is zeroed when the step ends."""
+        return self._accum.detach()
 
     # ------------------------------------------------------------------------------------- optimizer step
     def _check_flat(self, flat: torch.Tensor, what: str, finite: bool = True) -> None:
@@ -406,8 +435,11 @@ class StageCompute:
         if not (isinstance(n_microbatches, int) and n_microbatches >= 1):
             raise GradientError(f"n_microbatches must be a positive integer, got {n_microbatches!r}")
         grad = self._master_grad  # the optimizer's gradient buffer, overwritten each step: no new allocation
-        grad.copy_(summed_grad)
-        grad.div_(n_microbatches)
+        if summed_grad.device == grad.device:
+            torch.div(summed_grad, n_microbatches, out=grad)  # bitwise copy_ then div_, in one pass
+        else:
+            grad.copy_(summed_grad)  # from the host
+            grad.div_(n_microbatches)
         if not math.isfinite(float(grad.sum())):  # NaN or inf anywhere makes the sum so: one pass, on the device
             raise GradientError("summed_grad holds NaN or inf values")
         clip = self.cfg.optim.grad_clip
@@ -421,7 +453,9 @@ class StageCompute:
             coef = clip_coefficient(global_grad_norm, clip)
             if coef < 1.0:
                 grad.mul_(coef)
+        t0 = time.perf_counter()
         self.optimizer.step()
+        self.optimizer_s += time.perf_counter() - t0
         self._sync_compute_weights()
         self._clear_step_state()
         self.step += 1

@@ -121,9 +121,14 @@ class ComputeLoop:
             log.exception("%s of step %d failed", task.kind.value, task.step)
             self.outbox.report(task.tasklet, ctl.TaskError(task.kind.value, task.step, str(exc)[:500]))
 
-    def _timed(self, t: Tasklet, step: int, started: float, forward_units: float) -> None:
+    def _timed(self, t: Tasklet, step: int, started: float, forward_units: float, summed_s: float = 0.0) -> None:
+        """An op ends: its busy time counts as compute, but for the ``summed_s`` seconds of it that adding its
+        gradient to the step's sum took on the host."""
         busy, overran = self.clock.finish(t.assignment, step, started, forward_units)
         self.stats["busy_s"] += busy
+        summed_s = min(busy, summed_s)
+        self.sync.times.add("compute", busy - summed_s)
+        self.sync.times.add("host", summed_s)
         if overran:
             self.stats["overrun_ops"] += 1
 
@@ -137,6 +142,7 @@ class ComputeLoop:
             if self.current() is not t:
                 raise Rejected("this peer took a new assignment meanwhile")
             self.step.start_step(msg.step, msg.attempt, t.compute.step, feed=msg.feed)
+        self.sync.times.begin(msg.step)
         t.exchange.abort_before((msg.step, msg.attempt))
         return Feeder(self, t, msg.step, msg.attempt) if msg.feed else None
 
@@ -170,8 +176,9 @@ class ComputeLoop:
             return
         assert t.corpus is not None
         _, targets = microbatch(t.corpus, spec.seed, step, mb, spec.micro_batch, spec.model.seq_len)
+        summed = compute.accumulate_s
         loss, grad_in = compute.forward_loss(mb, x, targets)
-        self._timed(t, step, started, 3.0)
+        self._timed(t, step, started, 3.0, compute.accumulate_s - summed)
         self.stats["backward"] += 1
         self.outbox.report(t, ctl.Loss(step, mb, loss))
         self._after_backward(t, step, mb, grad_in)
@@ -179,8 +186,9 @@ class ComputeLoop:
     def backward(self, t: Tasklet, step: int, mb: int, grad_out: torch.Tensor) -> None:
         started = self.clock.now()
         self.sketches.keep(t, step, mb, "grad_in", grad_out)
+        summed = t.compute.accumulate_s
         grad_in = t.compute.backward(mb, grad_out)
-        self._timed(t, step, started, 2.0)
+        self._timed(t, step, started, 2.0, t.compute.accumulate_s - summed)
         self.stats["backward"] += 1
         self._after_backward(t, step, mb, grad_in)
 
@@ -194,20 +202,20 @@ class ComputeLoop:
             self.outbox.send(t, a.prev, env)
             return
         self.sketches.send(t, step, mb)
+        with self.cond:  # it holds no memory here any more: the feeder may let the next one in at once
+            self.step.finished()
+            self.cond.notify_all()
         self.outbox.submit(self.commit, t, step, mb)
 
     def commit(self, t: Tasklet, step: int, mb: int) -> None:
         """Commit a first stage's finished micro-batch to the pool (off the compute thread)."""
         try:
-            reply = self.outbox.call(t, t.key(step, mb), ctl.Op.COMMIT)
+            with self.sync.times.timed("control"):
+                reply = self.outbox.call(t, t.key(step, mb), ctl.Op.COMMIT)
             if ctl.pool_status(reply) is not ctl.PoolStatus.COMMITTED:
                 log.warning("micro-batch %d of step %d: pool answered %s", mb, step, ctl.pool_status(reply))
         except TransportError as exc:
             log.warning("commit of micro-batch %d of step %d failed: %s", mb, step, exc)
-        finally:
-            with self.cond:
-                self.step.committed()
-                self.cond.notify_all()
 
     def drop(self, t: Tasklet, step: int) -> None:
         """This pipeline lost a member: forget the step's work; other pipelines redo its micro-batches."""
@@ -267,17 +275,18 @@ class Feeder:
         return loop.current() is self.t and loop.step.feeds(self.step, self.attempt) and not loop.stopped.is_set()
 
     def run(self) -> None:
+        """Lease one micro-batch ahead: the next lease's round trip runs while the pipeline is full, so no
+        micro-batch waits for it; its forward is queued only once there is room (the 1F1B limit holds)."""
         loop, t, step = self.loop, self.t, self.step
         spec, a = t.spec, t.assignment
         key = make_key(spec.run_id, a.epoch, step, stage=0, replica=a.replica)
         while True:
             with loop.cond:
-                while self._current() and loop.step.inflight >= a.n_stages:
-                    loop.cond.wait(0.5)
                 if not self._current():
                     return
             try:
-                reply = loop.outbox.call(t, key, ctl.Op.LEASE)
+                with loop.sync.times.timed("control"):
+                    reply = loop.outbox.call(t, key, ctl.Op.LEASE)
             except TransportError as exc:
                 log.warning("lease request for step %d failed: %s", step, exc)
                 time.sleep(0.5)
@@ -288,6 +297,9 @@ class Feeder:
             if status is not ctl.PoolStatus.LEASE:
                 time.sleep(0.02)
                 continue
+            with loop.cond:
+                while self._current() and loop.step.inflight >= a.n_stages:
+                    loop.cond.wait(0.5)
             if not self.take(reply.key.microbatch, ctl.is_speculative(reply)):
                 return
 

@@ -139,6 +139,7 @@ class GradientExchange:
         self._cond = threading.Condition()
         self._attempts: dict[Tag, _Attempt] = {}
         self._aborted_through: Tag = (-1, -1)
+        self.waited_s = 0.0  # seconds the compute thread waited here for messages (peer.runtime.stage.timing)
 
     def _attempt(self, tag: Tag, participants: Sequence[int]) -> _Attempt:
         parts = tuple(participants)
@@ -192,15 +193,19 @@ class GradientExchange:
             self._cond.notify_all()
 
     def _wait(self, tag: Tag, ready: Callable[[], bool], timeout_s: float, what: Callable[[], str]) -> None:
-        deadline = time.monotonic() + timeout_s
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
         with self._cond:
-            while not ready():
-                if tag <= self._aborted_through:
-                    raise ExchangeAbortedError(f"attempt {tag} was abandoned")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ExchangeTimeoutError(what())
-                self._cond.wait(left)
+            try:
+                while not ready():
+                    if tag <= self._aborted_through:
+                        raise ExchangeAbortedError(f"attempt {tag} was abandoned")
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise ExchangeTimeoutError(what())
+                    self._cond.wait(left)
+            finally:
+                self.waited_s += time.monotonic() - t0
 
     def reduce(
         self, tag: Tag, participants: Sequence[int], n_microbatches: int | None, timeout_s: float

@@ -82,7 +82,7 @@ class WorkerStep:
     dropped: bool = False  # this pipeline was dropped from the current step
     known: set[int] = field(default_factory=set)  # micro-batches forwarded here this step
     grads_seen: set[int] = field(default_factory=set)  # micro-batches whose activation gradient arrived
-    inflight: int = 0  # micro-batches leased by the feeder and not yet committed
+    inflight: int = 0  # micro-batches leased by the feeder whose backward has not finished here
     pending: tuple[int, torch.Tensor] | None = None  # (step, summed gradient) awaiting apply
     local_count: int = 0  # DiLoCo inner step: micro-batches this pipeline committed (divides ``pending``)
     outer_pending: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (step, average, residual): outer apply
@@ -152,8 +152,9 @@ class WorkerStep:
         self.known.add(mb)
         self.inflight += 1
 
-    def committed(self) -> None:
-        """A leased micro-batch's commit to the pool returned (either way): one fewer in flight."""
+    def finished(self) -> None:
+        """A leased micro-batch's backward finished on this first stage (its commit to the pool goes on off the
+        compute thread): it holds no memory here any more, one fewer in flight."""
         self.inflight = max(0, self.inflight - 1)
 
     def check_current(self, step: int) -> None:

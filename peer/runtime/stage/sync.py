@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +33,7 @@ from peer.runtime.stage.outbox import Outbox
 from peer.runtime.stage.snapshot import Tasklet
 from peer.runtime.stage.step import WorkerStep
 from peer.runtime.stage.tied import sum_with_other_end
+from peer.runtime.stage.timing import StepTimes
 from peer.runtime.tasklet import params_hash
 from peer.runtime.wire import envelope
 from peer.timing import REDUCE_WAIT_S
@@ -72,6 +75,18 @@ class GradientSync:
                  load: Loader) -> None:
         self.step, self.cond, self.outbox = step, cond, outbox
         self.endpoint, self.load = endpoint, load
+        self.times = StepTimes()  # where each step's time goes (peer.runtime.stage.timing)
+
+    @contextmanager
+    def _timed(self, t: Tasklet) -> Iterator[None]:
+        """Time a part of the averaging or the apply: its waits in the exchange are network, the rest host."""
+        waited, t0 = t.exchange.waited_s, time.monotonic()
+        try:
+            yield
+        finally:
+            network = t.exchange.waited_s - waited
+            self.times.add("network", network)
+            self.times.add("host", time.monotonic() - t0 - network)
 
     def reduce(self, t: Tasklet, step: int, msg: ctl.Reduce) -> None:
         """Check exactly-once locally, then reduce-scatter + all-gather with the participants; keep the sum.
@@ -82,15 +97,17 @@ class GradientSync:
         (:meth:`contribute`, :meth:`sum_shard`, :meth:`gather`, :meth:`verify`) run one after the other on the
         compute thread; they are separate so that a test can interleave the replicas of a group without threads."""
         if msg.outer:
-            self.outer_reduce(t, step, msg)
+            with self._timed(t):
+                self.outer_reduce(t, step, msg)
             return
-        sync = self.contribute(t, step, msg)
+        with self._timed(t):
+            sync = self.contribute(t, step, msg)
+            if sync is not None:
+                self.sum_shard(t, sync)
+                self.gather(t, sync)
+                self.verify(t, sync)
         if sync is None and msg.apply:  # DiLoCo inner step: nothing crosses replicas, so apply at once
             self.apply(t, step)
-        elif sync is not None:
-            self.sum_shard(t, sync)
-            self.gather(t, sync)
-            self.verify(t, sync)
 
     def contribute(self, t: Tasklet, step: int, msg: ctl.Reduce) -> SyncAttempt | None:
         """Phase 1: the accumulator must hold exactly this pipeline's micro-batches of the commit record; send
@@ -116,13 +133,16 @@ class GradientSync:
                 self.outbox.report(t, ctl.Reduced(step, attempt))
             return None
         meta = {"attempt": str(attempt), "participants": json.dumps(participants)}
-        flat = compute.accumulated_grad()
+        alone = participants == [a.replica] and exchange.tied is None
+        # a group of one sends nothing, checks nothing and adds nothing to its sum before the apply: it applies
+        # the accumulator itself (no copy of the stage's size); otherwise a copy that nothing changes
+        flat = compute.accumulated_view() if alone else compute.accumulated_grad()
         sync = SyncAttempt(step, attempt, participants, meta, flat=flat)
         for r in participants:
             lo, hi = exchange.shard_of(participants, r)
             if r == a.replica:
-                exchange.put_contribution(sync.tag, participants, r, flat[lo:hi], mine,  # flat is never changed
-                                          whole_norm=float(flat.norm()))
+                exchange.put_contribution(sync.tag, participants, r, flat[lo:hi], mine,
+                                          whole_norm=0.0 if alone else float(flat.norm()))
             else:
                 env = envelope(pb.GRAD_SHARD, t.key(step), {"grad": flat[lo:hi]}, microbatches=mine)
                 env.meta.update(sync.meta)
@@ -214,19 +234,26 @@ class GradientSync:
             self.outer_apply(t, step)
             return
         compute = t.compute
-        with self.cond:
-            pending = self.step.apply(step, compute.step)
-        if pending is not None:
-            summed, count = pending
-            if t.outer is None:
-                compute.apply_update(summed, t.spec.n_microbatches)
-            elif count:
-                compute.apply_update(summed, count)
-            else:
-                compute.skip_update()
+        optimizer_s = compute.optimizer_s
+        with self._timed(t):
             with self.cond:
-                self.step.applied(step)
-        self.outbox.report(t, ctl.Synced(step, compute.step, params_hash(compute)))
+                pending = self.step.apply(step, compute.step)
+            if pending is not None:
+                summed, count = pending
+                if t.outer is None:
+                    compute.apply_update(summed, t.spec.n_microbatches)
+                elif count:
+                    compute.apply_update(summed, count)
+                else:
+                    compute.skip_update()
+                with self.cond:
+                    self.step.applied(step)
+            synced = ctl.Synced(step, compute.step, params_hash(compute))
+        self.times.move("host", "optimizer", compute.optimizer_s - optimizer_s)
+        self.outbox.report(t, synced)
+        done = self.times.finish(step)
+        if done is not None:
+            log.info("%s", done.line())
 
     def outer_reduce(self, t: Tasklet, step: int, msg: ctl.Reduce) -> None:
         """The outer round after inner step ``step``: reduce-scatter + all-gather of the participants'
