@@ -1,5 +1,6 @@
 """A volunteer GPU's check, in one run: what `peer doctor` measures, an exact two-peer run on the GPU checked
-against single-process training on the CPU, and a bf16 single-peer run's throughput.
+against single-process training on the CPU, a bf16 single-peer run's throughput, and ``bench.overhead`` (a peer's
+step against plain PyTorch, MFU).
 
     python scripts/gpu_check.py --out DIR [--device cuda] [--quick]
 
@@ -129,6 +130,19 @@ def part_throughput(out: Path, device: str, quick: bool, peers: int = 1, steps: 
     return result
 
 
+def part_overhead(out: Path, device: str, quick: bool) -> dict[str, Any]:
+    """``python -m bench.overhead`` on the device: a lone peer (and two on loopback) against a plain PyTorch loop of
+    the same model, with each peer's breakdown of its step and the MFU (its own process, so its JSON is whole)."""
+    cmd = [sys.executable, "-m", "bench.overhead", "--json", "--device", device, "--out", str(out / "overhead")]
+    cmd += ["--quick"] if quick else ["--cases", "plain,lone,replicas,pipeline", "--steps", "6"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                          check=False, cwd=Path(__file__).resolve().parent.parent)
+    (out / "overhead.err").write_text(done.stderr)
+    result = json.loads(done.stdout) if done.returncode == 0 else {"error": done.stderr[-3000:]}
+    print(json.dumps(result, indent=1)[:6000], flush=True)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for gpu_check.json and the peers' logs")
@@ -137,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--one-thread", action="store_true",
                         help="peers' torch on one CPU thread, as in `peer swarm` (default: all cores, as a volunteer)")
     parser.add_argument("--steps", type=int, default=10, help="steps of the throughput runs (default: 10)")
-    parser.add_argument("--parts", default="doctor,exact,throughput1,throughput2",
+    parser.add_argument("--parts", default="doctor,exact,throughput1,throughput2,overhead",
                         help="which parts, comma-separated (default: %(default)s)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -147,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     parts: dict[str, Callable[[Path, str, bool], dict[str, Any]]] = {
         "doctor": part_doctor, "exact": part_exact,
         "throughput1": lambda o, d, q: part_throughput(o, d, q, steps=args.steps),
-        "throughput2": lambda o, d, q: part_throughput(o, d, q, peers=2, steps=args.steps)}
+        "throughput2": lambda o, d, q: part_throughput(o, d, q, peers=2, steps=args.steps),
+        "overhead": part_overhead}
     report: dict[str, Any] = {"device": args.device}
     for name, part in parts.items():
         if name not in args.parts.split(","):

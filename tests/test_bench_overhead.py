@@ -1,0 +1,54 @@
+"""``bench.overhead``: a peer's step against a plain PyTorch loop. The breakdown a peer logs per step is parsed and
+summed right (unit), and one quick real run of a lone peer and two replicas finishes and reports it
+(integration; no ratio asserted: timings depend on the machine's load)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import overhead
+from peer.runtime.stage.timing import StepBreakdown, StepTimes
+
+
+@pytest.mark.unit
+def test_a_logged_breakdown_reads_back() -> None:
+    clock = iter([0.0, 10.0]).__next__
+    times = StepTimes(now=clock)
+    times.begin(3)
+    times.add("compute", 6.0)
+    times.add("host", 1.5)
+    times.add("optimizer", 1.0)
+    times.move("host", "optimizer", 0.5)
+    done = times.finish(3)
+    assert done is not None and times.last is done and times.finish(3) is None
+    assert done.parts["host"] == 1.0 and done.parts["optimizer"] == 1.5
+    assert done.compute_share == pytest.approx(0.75) and done.idle_s == pytest.approx(1.5)
+    [row] = overhead.peer_times("2026 INFO peer.runtime.stage.sync: " + done.line())
+    assert row["step"] == 3 and row["wall"] == 10.0 and row["compute"] == 6.0 and row["compute_share"] == 0.75
+    assert StepBreakdown(0, 0.0).compute_share == 0.0
+
+
+@pytest.mark.unit
+def test_summary_leaves_the_warm_up_out() -> None:
+    case = {"steps": [{"s": 9.0}, {"s": 2.0}, {"s": 3.0}, {"s": 4.0}],
+            "peers": [[{"step": 0, "compute": 9.0}, {"step": 1, "compute": 1.0}, {"step": 2, "compute": 3.0}]]}
+    got = overhead.summarise(case, 1)
+    assert got["step_s"] == 3.0 and got["peers"] == [{"compute": 2.0}]
+    row = {"cases": {"plain": {"step_s": 2.0}, "lone": {"step_s": 2.2}, "pipeline": {"step_s": 2.2}}}
+    assert overhead.ratios(row) == {"lone_over_plain": 1.1, "pipeline_over_lone": 1.0}
+
+
+@pytest.mark.integration
+def test_a_quick_run_reports_each_case(tmp_path, capsys, processes) -> None:
+    assert overhead.main(["--quick", "--json", "--tokens", "64", "--steps", "3", "--cases", "plain,lone,replicas",
+                          "--out", str(tmp_path)]) == 0
+    [row] = json.loads(capsys.readouterr().out)["results"]
+    assert set(row["cases"]) == {"plain", "lone", "replicas"}
+    assert row["cases"]["lone"]["finished"] and row["cases"]["replicas"]["finished"]
+    assert len(row["cases"]["replicas"]["peers"]) == 2
+    for case in ("lone", "replicas"):
+        for peer in row["cases"][case]["peers"]:
+            assert peer["wall"] > 0 and 0.0 <= peer["compute_share"] <= 1.0
+    assert {"lone_over_plain", "replicas_over_lone_plus_wire"} <= set(row["ratios"])
