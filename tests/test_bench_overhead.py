@@ -52,3 +52,12 @@ def test_a_quick_run_reports_each_case(tmp_path, capsys, processes) -> None:
         for peer in row["cases"][case]["peers"]:
             assert peer["wall"] > 0 and 0.0 <= peer["compute_share"] <= 1.0
     assert {"lone_over_plain", "replicas_over_lone_plus_wire"} <= set(row["ratios"])
+
+
+@pytest.mark.unit
+def test_an_adverts_compute_share_is_a_claim_checked_before_it_is_shown() -> None:
+    from peer.swarm.adverts import compute_share
+
+    assert compute_share({"compute_share": 0.5}) == 0.5 and compute_share({}) is None
+    for bad in (1.5, -0.1, float("nan"), True, "0.5", None):
+        assert compute_share({"compute_share": bad}) is None

@@ -221,6 +221,7 @@ class PeerDaemon:
         self.membership = Membership(
             self.dht, run_id, self.identity, o.secret or None, heartbeat_s=self.config.swarm.heartbeat_s
         )
+        self.membership.live_extra = lambda: live_extra(self.worker)
         self.plan_board = PlanBoard(self.dht, run_id, self.identity, o.secret or None, elector=self.elected)
         self.progress = ProgressBoard(self.dht, run_id, self.identity, o.secret or None)
         self.view = SwarmView(self.membership, self.plan_board, self.progress)
@@ -567,6 +568,12 @@ class PeerDaemon:
                 self.dht.shutdown()
             except Exception as exc:  # the child process may be gone already
                 log.info("DHT shutdown: %s", exc)
+
+
+def live_extra(worker: StageWorker | None) -> dict[str, Any]:
+    """What the advert says of this peer's last applied step: the share of it its device computed."""
+    last = None if worker is None else worker.loop.sync.times.last
+    return {} if last is None else {"compute_share": round(last.compute_share, 3)}
 
 
 def owner_limits(device: DeviceInfo, extra: dict[str, Any], o: PeerOptions) -> tuple[DeviceInfo, dict[str, Any]]:

@@ -8,7 +8,7 @@ not collide. Three kinds of figures, each read where it lives:
 * the transport, read at scrape time from ``peer.net.counters.TRAFFIC``: bytes and messages sent and
   received per message kind, calls this peer's server refused by gRPC status;
 * the stage worker, read at scrape time from its stats: micro-batches computed (forward and backward
-  passes), seconds of compute.
+  passes), seconds of compute, and the share of the last applied step its device spent computing.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from peer.net.counters import TRAFFIC, TrafficCounters
@@ -49,7 +49,7 @@ class _WorkerCollector(Collector):
     def __init__(self, stats: WorkerStats) -> None:
         self.stats = stats
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         stats = self.stats()
         passes = CounterMetricFamily(
             "tasklet_microbatches_computed", "Micro-batch passes this peer's stage computed", labels=["pass"]
@@ -62,6 +62,10 @@ class _WorkerCollector(Collector):
         busy = stats.get("busy_s")
         if isinstance(busy, (int, float)) and not isinstance(busy, bool):
             yield CounterMetricFamily("tasklet_compute_busy_seconds", "Seconds this peer's stage computed", busy)
+        share = stats.get("compute_share")
+        if isinstance(share, (int, float)) and not isinstance(share, bool):
+            yield GaugeMetricFamily("tasklet_compute_share", "Share of the last applied step this peer's device "
+                                    "spent computing (forwards, backwards, optimizer)", share)
 
 
 class NodeMetrics:

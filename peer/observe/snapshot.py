@@ -17,7 +17,7 @@ from typing import Any
 
 from hivemind.utils import get_dht_time
 
-from peer.swarm.adverts import LinkReport
+from peer.swarm.adverts import LinkReport, compute_share
 from peer.swarm.credit import credit_rows
 from peer.swarm.membership import PeerEntry
 from peer.swarm.plans import PlanRecord
@@ -157,6 +157,7 @@ def build_snapshot(source: SwarmSource, run_id: str) -> dict[str, Any]:
                 "last_seen_s": round(e.last_seen_s(now), 2),
                 "reached_by": reached.get(a.peer_id, 0),
                 "leader": a.peer_id == plan["leader"],
+                "compute_share": compute_share(a.extra),
             }
         )
     link_rows = [

@@ -133,6 +133,15 @@ def device_from_record(record: object, name: str = "device") -> DeviceInfo:
     )
 
 
+def compute_share(extra: dict) -> float | None:
+    """The share of its last applied step a peer's device spent computing, as its advert claims it (``extra``):
+    a number in [0, 1], else None (a claim, shown, never planned with)."""
+    value = extra.get("compute_share")
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0:
+        return float(value)
+    return None
+
+
 def check_extra(value: object, name: str = "extra") -> dict:
     """A small dict of JSON data with string keys (stage, throughput, ... whatever the daemon adds)."""
     if not isinstance(value, dict):

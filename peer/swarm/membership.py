@@ -31,8 +31,9 @@ import logging
 import statistics
 import threading
 import time
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, replace
+from typing import Any
 
 import hivemind
 
@@ -160,6 +161,8 @@ class Membership:
         self.store = RecordStore(dht, run_id, identity, secret, timeout_s)
         self._lock = threading.Lock()
         self._advert: Advert | None = None
+        # what changes between heartbeats (the daemon: its device's compute share), merged into the advert's extra
+        self.live_extra: Callable[[], dict[str, Any]] | None = None
         self._links: list[LinkReport] = []
         self._run: RunRecord | None = None
         self._stewards: dict[int, dict] = {}  # revision -> the organiser's signed stewards record, kept alive
@@ -205,6 +208,8 @@ class Membership:
             advert = self._advert
         if advert is None:
             return False
+        if self.live_extra is not None:
+            advert = replace(advert, extra={**advert.extra, **self.live_extra()})
         at = now()
         expires_at = max(at + self.ttl_s, self._last_expiry + 1e-3)
         payload = {"advert": advert.to_record(), "at": at, "found": list(self._found or [])}

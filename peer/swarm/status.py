@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from peer.swarm.adverts import compute_share
 from peer.swarm.charter import LeaderPolicy, waiting_line
 from peer.swarm.credit import credit_rows
 from peer.swarm.dht import DHTConfig, start_dht
@@ -168,6 +169,7 @@ class StatusReader:
                     "reachable": a.reachable,
                     "relay": a.relay or None,
                     "paths": sorted(inbound.get(a.peer_id, ())),
+                    "compute_share": compute_share(a.extra),
                 }
             )
         bws = [r.bandwidth_bps for r in links if r.measured]
@@ -249,14 +251,16 @@ def format_status(st: SwarmStatus) -> str:
             f"{kind} {v['links']} ({v['median_bandwidth_mbps']} Mbit/s, {v['median_rtt_ms']} ms)"
             for kind, v in lk["by_path"].items()))
     lines.append(f"{'peer':<14}{'device':<22}{'TFLOP/s':>9}  {'stage':>5} {'repl':>4}  {'seen':>6}  "
-                 f"{'credit':>7}  {'reached':<22}region")
+                 f"{'credit':>7}  {'busy':>5}  {'reached':<22}region")
     for peer in st.peers:
         tf = f"{peer['tflops']:.4g}" + ("*" if peer["emulated"] else "")
         stage = "-" if peer["stage"] is None else str(peer["stage"])
         rep = "-" if peer["replica"] is None else str(peer["replica"])
+        share = peer.get("compute_share")
+        busy = "-" if share is None else f"{share:.0%}"
         lines.append(
             f"{peer['peer_id'][:12]:<14}{peer['device'][:21]:<22}{tf:>9}  {stage:>5} {rep:>4}  "
-            f"{peer['last_seen_s']:>5.1f}s  {peer.get('credit_microbatches', 0):>7}  {_reached(peer):<22}"
+            f"{peer['last_seen_s']:>5.1f}s  {peer.get('credit_microbatches', 0):>7}  {busy:>5}  {_reached(peer):<22}"
             f"{peer['region'] or '-'}"
         )
     if any(peer["emulated"] for peer in st.peers):

@@ -131,6 +131,8 @@ function renderPeers(s) {
     row.appendChild(el("td", { class: "num" }, p.stage ?? "-"));
     row.appendChild(el("td", { class: "num" }, p.replica ?? "-"));
     row.appendChild(el("td", {}, p.layers ? `${p.layers[0]}–${p.layers[1] - 1}` : "-"));
+    row.appendChild(el("td", { class: "num", title: "share of its last step the device computed" },
+                       p.compute_share == null ? "-" : `${Math.round(p.compute_share * 100)} %`));
     row.appendChild(el("td", { class: "num" }, n > 1 ? `${p.reached_by}/${n - 1} peers` : "-"));
     row.appendChild(el("td", { class: "num" }, `${fmt(p.last_seen_s, 1)} s ago`));
     row.appendChild(el("td", {}, p.endpoint));

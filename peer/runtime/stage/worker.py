@@ -258,6 +258,7 @@ class StageWorker:
         with self._lock:
             t, step, pending = self._tasklet, self._step.step, self._step.pending_apply
         a, running = None if t is None else t.assignment, self.loop.running
+        last = self.loop.sync.times.last
         return {
             "peer_id": self.peer_id,
             "stage": None if a is None else a.stage,
@@ -273,6 +274,9 @@ class StageWorker:
             # the compute op in progress (a straggler judged before its slow op ends): seconds so far, its op count
             "running_s": 0.0 if running is None else self.loop.clock.now() - running[0],
             "running_ops": 0 if running is None else running[1],
+            # where the last applied step's time went (peer.runtime.stage.timing), and the share its device computed
+            "step_times": None if last is None else last.as_dict(),
+            "compute_share": None if last is None else round(last.compute_share, 4),
         }
 
     def preload_corpus(self, corpus: Any, local: RunSpec | None = None) -> None:
