@@ -287,8 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-preset", default=None,
                         help="Hugging Face preset (default: llama-3.2-1b on cuda, tiny-llama on cpu)")
     parser.add_argument("--tokens", default="512,8192", help="tokens a step, comma-separated (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=6, help="steps of each case (default: %(default)s)")
-    parser.add_argument("--warmup", type=int, default=2, help="first steps left out (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=8, help="steps of each case (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="first steps left out: kernels, allocator and caches warm up (default: %(default)s)")
     parser.add_argument("--precision", default=None, help="fp32 / bf16 (default: bf16 on cuda, fp32 on cpu)")
     parser.add_argument("--out", type=Path, default=None, help="folder for run files and logs (default: a temp)")
     parser.add_argument("--deadline", type=float, default=900.0, help="seconds a swarm case may run")
