@@ -284,14 +284,16 @@ class Feeder:
             with loop.cond:
                 if not self._current():
                     return
+            asked = time.monotonic()
             try:
-                with loop.sync.times.timed("control"):
-                    reply = loop.outbox.call(t, key, ctl.Op.LEASE)
+                reply = loop.outbox.call(t, key, ctl.Op.LEASE)
             except TransportError as exc:
                 log.warning("lease request for step %d failed: %s", step, exc)
                 time.sleep(0.5)
                 continue
             status = ctl.pool_status(reply)
+            if status is ctl.PoolStatus.LEASE:  # a request answered "nothing free yet" is waiting, not control
+                loop.sync.times.add("control", time.monotonic() - asked)
             if status is ctl.PoolStatus.DONE:
                 return
             if status is not ctl.PoolStatus.LEASE:
