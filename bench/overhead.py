@@ -89,9 +89,9 @@ def plain(cfg: Path, steps: int, device: str) -> dict[str, Any]:
     """Train the run file's model in this process with a textbook loop; per-step seconds."""
     import torch
 
-    from peer.compute.data import Corpus, microbatch
-    from peer.compute.model import is_weight_decayed, lm_loss
-    from peer.config import RunConfig
+    from tasklet.peer.compute.data import Corpus, microbatch
+    from tasklet.peer.compute.model import is_weight_decayed, lm_loss
+    from tasklet.peer.config import RunConfig
 
     spec = RunConfig.load(cfg).spec()
     model = spec.model.build_stage(0, spec.model.n_layers).to(device)
@@ -139,7 +139,7 @@ def peer_times(log: str) -> list[dict[str, float]]:
 
 def swarm(folder: Path, cfg: Path, peers: int, device: str, deadline_s: float) -> dict[str, Any]:
     """Run ``peers`` real peers on ``cfg`` until the first one (the leader) exits at the run's end."""
-    from peer.emulation.procs import PeerProcesses
+    from tasklet.peer.emulation.procs import PeerProcesses
 
     threads = max(1, (os.cpu_count() or 1) // peers)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -211,7 +211,7 @@ def device_peak(device: str) -> float | None:
     """The device's measured TFLOP/s (``peer doctor``'s probe), for MFU; None off a GPU."""
     if not device.startswith("cuda"):
         return None
-    from peer.compute.device_probe import measure_device
+    from tasklet.peer.compute.device_probe import measure_device
 
     return float(measure_device(device, seconds=2.0).tflops)
 

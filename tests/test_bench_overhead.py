@@ -9,7 +9,7 @@ import json
 import pytest
 
 from bench import overhead
-from peer.runtime.stage.timing import StepBreakdown, StepTimes
+from tasklet.peer.runtime.stage.timing import StepBreakdown, StepTimes
 
 
 @pytest.mark.unit
@@ -56,7 +56,7 @@ def test_a_quick_run_reports_each_case(tmp_path, capsys, processes) -> None:
 
 @pytest.mark.unit
 def test_an_adverts_compute_share_is_a_claim_checked_before_it_is_shown() -> None:
-    from peer.swarm.adverts import compute_share
+    from tasklet.peer.swarm.adverts import compute_share
 
     assert compute_share({"compute_share": 0.5}) == 0.5 and compute_share({}) is None
     for bad in (1.5, -0.1, float("nan"), True, "0.5", None):

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("processes")  # fresh interpreters: sys.mod
 
 PROBE = """
 import contextlib, io, json, sys
-import peer.cli
+import tasklet.peer.cli
 out = {"import": [m for m in HEAVY if m in sys.modules]}
 for name, argv in CASES.items():
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):

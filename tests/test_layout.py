@@ -51,9 +51,9 @@ def test_the_import_graph_has_no_cycle() -> None:
 
 
 def test_the_cycle_check_finds_a_cycle() -> None:
-    assert _find_cycle({"peer.a": {"peer.b.X"}, "peer.b": {"peer.c"}, "peer.c": {"peer.a"}}) == [
-        "peer.a", "peer.b", "peer.c", "peer.a"]
-    assert _find_cycle({"peer.a": {"peer.b"}, "peer.b": set()}) is None
+    assert _find_cycle({"tasklet.peer.a": {"tasklet.peer.b.X"}, "tasklet.peer.b": {"tasklet.peer.c"}, "tasklet.peer.c": {"tasklet.peer.a"}}) == [
+        "tasklet.peer.a", "tasklet.peer.b", "tasklet.peer.c", "tasklet.peer.a"]
+    assert _find_cycle({"tasklet.peer.a": {"tasklet.peer.b"}, "tasklet.peer.b": set()}) is None
 
 
 def test_scheduler_and_protocol_import_nothing_of_ours() -> None:
@@ -68,7 +68,7 @@ def test_nothing_outside_tests_imports_tests() -> None:
 
 
 def test_core_layers_never_import_the_emulation_harness() -> None:
-    assert importing(import_graph(), CORE, ("peer.emulation",)) == []
+    assert importing(import_graph(), CORE, ("tasklet.peer.emulation",)) == []
 
 
 def test_the_top_level_of_peer_is_small() -> None:
@@ -183,25 +183,25 @@ def test_the_layer_table_parser_lets_the_most_specific_row_win() -> None:
 ## Next
 """
     rows = parse_layer_table(table)
-    assert [r.folders for r in rows] == [("protocol",), ("peer.runtime",), ("peer.runtime.lead",),
-                                         ("peer.runtime.stage",), ("peer.node",), ("peer.cli",)]
+    assert [r.folders for r in rows] == [("protocol",), ("tasklet.peer.runtime",), ("tasklet.peer.runtime.lead",),
+                                         ("tasklet.peer.runtime.stage",), ("tasklet.peer.node",), ("tasklet.peer.cli",)]
     assert rows[0].may_import == frozenset() and rows[1].may_import == {"protocol"}
-    assert rows[2].may_import == {"protocol", "peer.runtime"}
-    assert "peer.cli" not in rows[4].may_import and "peer.runtime.stage" in rows[4].may_import
+    assert rows[2].may_import == {"protocol", "tasklet.peer.runtime"}
+    assert "tasklet.peer.cli" not in rows[4].may_import and "tasklet.peer.runtime.stage" in rows[4].may_import
     graph = {
-        "protocol.codec": set(),
-        "peer.runtime.control": {"protocol.codec"},
-        "peer.runtime.lead.coordinator": {"peer.runtime.control", "peer.runtime.lead.pool"},
-        "peer.runtime.lead.pool": set(),
-        "peer.runtime.stage.worker": {"peer.runtime.control.Op", "peer.runtime.lead.pool"},
-        "peer.node.daemon": {"peer.runtime.stage.worker", "peer.runtime.lead.coordinator"},
-        "peer.cli": {"peer.node.daemon"},
+        "tasklet.protocol.codec": set(),
+        "tasklet.peer.runtime.control": {"tasklet.protocol.codec"},
+        "tasklet.peer.runtime.lead.coordinator": {"tasklet.peer.runtime.control", "tasklet.peer.runtime.lead.pool"},
+        "tasklet.peer.runtime.lead.pool": set(),
+        "tasklet.peer.runtime.stage.worker": {"tasklet.peer.runtime.control.Op", "tasklet.peer.runtime.lead.pool"},
+        "tasklet.peer.node.daemon": {"tasklet.peer.runtime.stage.worker", "tasklet.peer.runtime.lead.coordinator"},
+        "tasklet.peer.cli": {"tasklet.peer.node.daemon"},
     }
     # the peer side names `peer.runtime`, which covers the shared contracts but not the leader side's own row
     assert layer_violations(graph, rows) == [
-        "peer.runtime.stage.worker -> peer.runtime.lead.pool (row peer.runtime.stage may import "
-        "['peer.runtime', 'protocol'])"]
-    graph["peer.runtime.control"].add("peer.runtime.stage.worker")  # a contract importing a side
+        "tasklet.peer.runtime.stage.worker -> peer.runtime.lead.pool (row peer.runtime.stage may import "
+        "['tasklet.peer.runtime', 'protocol'])"]
+    graph["tasklet.peer.runtime.control"].add("tasklet.peer.runtime.stage.worker")  # a contract importing a side
     assert len(layer_violations(graph, rows)) == 2
 
 
@@ -216,7 +216,7 @@ def _classes() -> dict[str, tuple[ast.ClassDef, str]]:
     """``{module.Class: (node, module)}`` of every top-level class in ``peer/`` outside ``peer/emulation``."""
     found = {}
     for module, path in modules(("peer",)).items():
-        if module == "peer.emulation" or module.startswith("peer.emulation."):
+        if module == "tasklet.peer.emulation" or module.startswith("tasklet.peer.emulation."):
             continue
         for node in ast.parse(path.read_text(), str(path)).body:
             if isinstance(node, ast.ClassDef):

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scheduler.bench import bench_scenario, format_table
-from scheduler.cluster import PACKAGED_SCENARIOS, Cluster
-from scheduler.workload import Workload
+from tasklet.scheduler.bench import bench_scenario, format_table
+from tasklet.scheduler.cluster import PACKAGED_SCENARIOS, Cluster
+from tasklet.scheduler.workload import Workload
 
 pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("peer", "protocol", "scheduler", "bench")
 OURS = (*PACKAGES, "tests")
-CORE = ("peer.net", "peer.swarm", "peer.compute", "peer.runtime", "peer.node")
+CORE = ("tasklet.peer.net", "tasklet.peer.swarm", "tasklet.peer.compute", "tasklet.peer.runtime", "tasklet.peer.node")
 
 
 def _module_name(path: Path) -> str:
