@@ -75,13 +75,13 @@ from typing import Any
 
 import torch
 
-from peer.compute.data import Corpus, microbatch
-from peer.compute.model import ModelConfig, build_stage, is_weight_decayed, lm_loss
-from protocol.codec import decode_tensor, encode_tensor
-from protocol.lowbit import ErrorFeedback
-from scheduler.api import plan as schedule_plan
-from scheduler.cluster import Cluster, load_scenario
-from scheduler.compression import (
+from tasklet.peer.compute.data import Corpus, microbatch
+from tasklet.peer.compute.model import ModelConfig, build_stage, is_weight_decayed, lm_loss
+from tasklet.protocol.codec import decode_tensor, encode_tensor
+from tasklet.protocol.lowbit import ErrorFeedback
+from tasklet.scheduler.api import plan as schedule_plan
+from tasklet.scheduler.cluster import Cluster, load_scenario
+from tasklet.scheduler.compression import (
     EXACT,
     PENALTY_PATH,
     Choice,
@@ -91,9 +91,9 @@ from scheduler.compression import (
     bytes_per_step,
     predict,
 )
-from scheduler.memetic import MemeticConfig
-from scheduler.plan import Plan, even_stages
-from scheduler.workload import Workload
+from tasklet.scheduler.memetic import MemeticConfig
+from tasklet.scheduler.plan import Plan, even_stages
+from tasklet.scheduler.workload import Workload
 
 log = logging.getLogger("bench.bandwidth")
 
@@ -614,10 +614,10 @@ def validate(steps: int = 8, options: tuple[tuple[str, SyncOption], ...] = VALID
     scenario, compute emulated) for each (activation codec, sync) of ``options`` (default: exact training,
     int4 activations, and DiLoCo H=4 with int8 pseudo-gradients), against the ``full`` model's prediction of
     the same scaled run."""
-    from peer.compute.stage import OptimConfig
-    from peer.emulation.local import LocalSwarm
-    from peer.emulation.network import link_model, scaled_cluster
-    from peer.runtime.spec import RunSpec
+    from tasklet.peer.compute.stage import OptimConfig
+    from tasklet.peer.emulation.local import LocalSwarm
+    from tasklet.peer.emulation.network import link_model, scaled_cluster
+    from tasklet.peer.runtime.spec import RunSpec
 
     w = VALIDATE_WORKLOAD
     mid = w.stage_forward_flops(1, 2)

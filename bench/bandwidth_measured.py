@@ -33,15 +33,15 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from bench.headline.run import PlanRun, run_plan
-from peer.compute.model import ModelConfig
-from peer.compute.stage import OptimConfig
-from peer.emulation.network import scaled_cluster
-from peer.runtime.spec import RunSpec
-from scheduler.api import plan as schedule_plan
-from scheduler.cluster import Cluster, load_scenario
-from scheduler.compression import Choice, CompressionSpace, PenaltyTable, SyncOption, bytes_per_step, predict
-from scheduler.plan import Plan, even_stages
-from scheduler.workload import Workload
+from tasklet.peer.compute.model import ModelConfig
+from tasklet.peer.compute.stage import OptimConfig
+from tasklet.peer.emulation.network import scaled_cluster
+from tasklet.peer.runtime.spec import RunSpec
+from tasklet.scheduler.api import plan as schedule_plan
+from tasklet.scheduler.cluster import Cluster, load_scenario
+from tasklet.scheduler.compression import Choice, CompressionSpace, PenaltyTable, SyncOption, bytes_per_step, predict
+from tasklet.scheduler.plan import Plan, even_stages
+from tasklet.scheduler.workload import Workload
 
 log = logging.getLogger("bench.bandwidth")
 

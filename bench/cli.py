@@ -1,7 +1,7 @@
 """How fast the `peer` command answers when it has nothing heavy to do.
 
 ``python -m bench.cli [--json] [--repeats 5]`` runs, each ``--repeats`` times in a fresh interpreter
-(``python -m peer.cli``, as the ``peer`` script does): ``peer --help``, ``peer init FILE`` (into a temporary
+(``python -m tasklet.peer.cli``, as the ``peer`` script does): ``peer --help``, ``peer init FILE`` (into a temporary
 folder), ``peer status --help`` and an argument error (``peer join`` without ``--dht``), and prints the median
 wall time of each in seconds. These commands parse arguments and write a file; they must not load torch,
 transformers, hivemind or grpc (``tests/test_cli_fast.py`` checks the imports; this measures the time). Load on
@@ -37,7 +37,7 @@ def time_command(args: list[str], repeats: int) -> float:
         argv = [a.replace("{dir}", tmp) for a in args]
         for _ in range(repeats):
             started = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "peer.cli", *argv], env=env, capture_output=True, timeout=120,
+            subprocess.run([sys.executable, "-m", "tasklet.peer.cli", *argv], env=env, capture_output=True, timeout=120,
                            check=False)
             times.append(time.perf_counter() - started)
     return statistics.median(times)

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from peer.runtime.outer import allgather_codec, roundtrip
-from scheduler.compression import CODEC_S_PER_ELEMENT
+from tasklet.peer.runtime.outer import allgather_codec, roundtrip
+from tasklet.scheduler.compression import CODEC_S_PER_ELEMENT
 
 SIZES = (50_000, 1_000_000, 16_000_000)
 QUICK_SIZES = (20_000,)

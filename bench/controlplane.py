@@ -36,8 +36,8 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from peer.emulation.cpsim.churn import ChurnModel
-from peer.emulation.cpsim.sim import SimConfig, simulate
+from tasklet.peer.emulation.cpsim.churn import ChurnModel
+from tasklet.peer.emulation.cpsim.sim import SimConfig, simulate
 
 
 def run(peers: int, seed: int = 0, window_s: float = 60.0, evaluations: int = 50,

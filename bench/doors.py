@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from peer.emulation import multihost, netbed
-from peer.emulation.doors_attack import PeakSampler, proc_usage
-from peer.swarm.identity import Identity
+from tasklet.peer.emulation import multihost, netbed
+from tasklet.peer.emulation.doors_attack import PeakSampler, proc_usage
+from tasklet.peer.swarm.identity import Identity
 
 REPO = Path(__file__).resolve().parent.parent
 METRICS_PORT = 31404
@@ -38,7 +38,7 @@ SCENARIOS = ("none", "relay", "ports", "dht")
 
 
 def _attack(host: netbed.Host, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(host.cmd(sys.executable, "-m", "peer.emulation.doors_attack", *args),
+    return subprocess.Popen(host.cmd(sys.executable, "-m", "tasklet.peer.emulation.doors_attack", *args),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
 
 

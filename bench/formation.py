@@ -11,7 +11,7 @@ Launchers. ``--launcher fork`` (the default, ``bench.launcher``): one process im
 the peer code once, then forks each daemon, which runs exactly `peer start` / `peer join` (``peer.cli.main``)
 as a process of its own: its own session, identity, hivemind DHT process, libp2p daemon, gRPC server and
 heartbeats. This is representative of a real swarm, where every volunteer starts on its own machine in
-parallel and pays its own imports there; ``--launcher exec`` (one ``python -m peer.cli`` per peer) serializes
+parallel and pays its own imports there; ``--launcher exec`` (one ``python -m tasklet.peer.cli`` per peer) serializes
 N interpreters' imports (about 3.5 CPU-s each) on this machine's cores, which measures the emulation, not the
 protocol. What the fork launcher does not measure: that per-host import time (reported once as
 ``launcher_import_s``), and each host's own memory (children share pages copy-on-write). All peers still
@@ -60,8 +60,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.launcher import ForkedPeers
-from peer.emulation.procs import PeerProcesses, write_small_config
-from peer.swarm.status import StatusReader
+from tasklet.peer.emulation.procs import PeerProcesses, write_small_config
+from tasklet.peer.swarm.status import StatusReader
 
 POLL_S = 1.0  # the status client's poll: a faster one would load the DHT it measures
 _STAMP = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) "
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-logs", action="store_true", help="keep each swarm's peer logs and say where")
     parser.add_argument("--launcher", choices=("fork", "exec"), default="fork",
                         help="fork: daemons forked from one process that imported torch/hivemind once (hosts "
-                             "starting in parallel); exec: one `python -m peer.cli` process each (default: fork)")
+                             "starting in parallel); exec: one `peer` process each (default: fork)")
     args = parser.parse_args(argv)
     if any(n < 2 for n in args.sizes) or args.steps < 1:
         parser.error("--sizes must be at least 2 and --steps at least 1")

@@ -47,15 +47,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from peer.emulation.procs import JOIN_LINE_PREFIX, JOIN_LINE_TIMEOUT_S, child_env
+from tasklet.peer.emulation.procs import JOIN_LINE_PREFIX, JOIN_LINE_TIMEOUT_S, child_env
 
 ZYGOTE_COMMAND = [sys.executable, "-m", "bench.launcher"]
 READY_TIMEOUT_S = 120.0  # importing torch + hivemind on a loaded machine
 STOP_GRACE_S = 15.0
 # everything a daemon imports, lazily included (the leader's scheduler, the runtime, the observer, and
 # torch._dynamo, which the worker's warm-up optimizer imports: 2 CPU-seconds per daemon, by py-spy)
-PRELOAD = ("peer.cli", "peer.node.daemon", "peer.node.leader_role", "peer.runtime.lead.driver", "peer.observe.node",
-           "peer.swarm.status", "scheduler", "numpy", "torch", "torch._dynamo", "torch.optim", "hivemind", "grpc")
+PRELOAD = ("tasklet.peer.cli", "tasklet.peer.node.daemon", "tasklet.peer.node.leader_role",
+           "tasklet.peer.runtime.lead.driver", "tasklet.peer.observe.node", "tasklet.peer.swarm.status",
+           "tasklet.scheduler", "numpy", "torch", "torch._dynamo", "torch.optim", "hivemind", "grpc")
 
 
 # ------------------------------------------------------------------------------------------------ zygote side
@@ -90,7 +91,7 @@ def _run_child(argv: list[str], out: str, log: str) -> None:
     torch.seed()
     rc = 1
     try:
-        from peer.cli import main
+        from tasklet.peer.cli import main
 
         sys.argv = ["peer", *argv]
         rc = main(argv)

@@ -36,19 +36,19 @@ from typing import Any
 
 import torch
 
-from peer.compute.data import Corpus
-from peer.compute.model import ModelConfig, unflatten_stage
-from peer.compute.reference import train_reference
-from peer.emulation.local import chunk_planner
-from peer.emulation.multihost import BedPeers
-from peer.emulation.netbed import Host, NetBed
-from peer.emulation.procs import PEER_COMMAND, child_env, launch, write_small_config
-from peer.emulation.reference_check import ReferenceGap, gap_to_reference
-from peer.runtime.assign import build_assignments
-from peer.runtime.lead.coordinator import Coordinator
-from peer.runtime.lead.driver import DriverConfig, Pipelines, RunDriver, RunEvents, Stages
-from peer.runtime.spec import Assignment, RunSpec
-from peer.runtime.stage.worker import StageWorker
+from tasklet.peer.compute.data import Corpus
+from tasklet.peer.compute.model import ModelConfig, unflatten_stage
+from tasklet.peer.compute.reference import train_reference
+from tasklet.peer.emulation.local import chunk_planner
+from tasklet.peer.emulation.multihost import BedPeers
+from tasklet.peer.emulation.netbed import Host, NetBed
+from tasklet.peer.emulation.procs import PEER_COMMAND, child_env, launch, write_small_config
+from tasklet.peer.emulation.reference_check import ReferenceGap, gap_to_reference
+from tasklet.peer.runtime.assign import build_assignments
+from tasklet.peer.runtime.lead.coordinator import Coordinator
+from tasklet.peer.runtime.lead.driver import DriverConfig, Pipelines, RunDriver, RunEvents, Stages
+from tasklet.peer.runtime.spec import Assignment, RunSpec
+from tasklet.peer.runtime.stage.worker import StageWorker
 
 SPEC = RunSpec(run_id="leader-loss", model=ModelConfig(n_layers=2, d_model=16, n_heads=2, seq_len=8), micro_batch=2,
                n_microbatches=4)

@@ -34,13 +34,13 @@ from dataclasses import asdict, dataclass
 import hivemind
 from hivemind.utils import get_dht_time
 
-from peer.compute.device_probe import DeviceInfo
-from peer.swarm.adverts import Advert
-from peer.swarm.dht import DHTConfig, start_dht, visible_maddrs
-from peer.swarm.election import elect_leader
-from peer.swarm.identity import Identity
-from peer.swarm.membership import Membership
-from peer.swarm.plans import PlanBoard
+from tasklet.peer.compute.device_probe import DeviceInfo
+from tasklet.peer.swarm.adverts import Advert
+from tasklet.peer.swarm.dht import DHTConfig, start_dht, visible_maddrs
+from tasklet.peer.swarm.election import elect_leader
+from tasklet.peer.swarm.identity import Identity
+from tasklet.peer.swarm.membership import Membership
+from tasklet.peer.swarm.plans import PlanBoard
 
 DEVICE = DeviceInfo("emulated", "cpu", 2**33, 10.0, False, True)
 POLL_S = 0.02  # propagation: one reader, poll fast for resolution

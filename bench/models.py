@@ -27,15 +27,15 @@ import statistics
 import sys
 import time
 
-from peer.compute.data import Corpus
-from peer.compute.hf import resolve_model
-from peer.compute.reference import train_reference
-from peer.compute.stage import OptimConfig
-from peer.emulation.local import train_plan
-from peer.runtime.spec import RunSpec
-from scheduler import plan
-from scheduler.cluster import load_scenario
-from scheduler.model_workload import model_preset
+from tasklet.peer.compute.data import Corpus
+from tasklet.peer.compute.hf import resolve_model
+from tasklet.peer.compute.reference import train_reference
+from tasklet.peer.compute.stage import OptimConfig
+from tasklet.peer.emulation.local import train_plan
+from tasklet.peer.runtime.spec import RunSpec
+from tasklet.scheduler import plan
+from tasklet.scheduler.cluster import load_scenario
+from tasklet.scheduler.model_workload import model_preset
 
 SEQ_LEN, MICRO_BATCH, N_MICROBATCHES = 64, 4, 8
 STAGES, PIPELINES = [(0, 2), (2, 4)], [[0, 1], [2, 3]]

@@ -19,13 +19,13 @@ import sys
 
 import numpy as np
 
-from peer.compute.model import ModelConfig
-from peer.emulation.local import train_plan
-from peer.emulation.network import link_model
-from peer.node.planning import workload_for
-from peer.runtime.spec import RunSpec
-from scheduler import Cluster, plan
-from scheduler.cost_full import predict
+from tasklet.peer.compute.model import ModelConfig
+from tasklet.peer.emulation.local import train_plan
+from tasklet.peer.emulation.network import link_model
+from tasklet.peer.node.planning import workload_for
+from tasklet.peer.runtime.spec import RunSpec
+from tasklet.scheduler import Cluster, plan
+from tasklet.scheduler.cost_full import predict
 
 MODEL = ModelConfig(n_layers=4, d_model=64, n_heads=4, seq_len=64, seed=0)
 SPEC = RunSpec(run_id="bench-pipeline", model=MODEL, seed=0, micro_batch=4, n_microbatches=8)

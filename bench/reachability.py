@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from peer.emulation import multihost, netbed
+from tasklet.peer.emulation import multihost, netbed
 
 REPO = Path(__file__).resolve().parent.parent
 SERVER_PORT, RELAY_PORT = 5400, 5402
@@ -47,7 +47,7 @@ PROBE_BYTES = 8 << 20
 
 
 def _shaper(delay_ms: float) -> Any:
-    from peer.net.shaping import LinkShaper
+    from tasklet.peer.net.shaping import LinkShaper
 
     return LinkShaper(None, delay_ms / 1e3) if delay_ms > 0 else None
 
@@ -55,15 +55,15 @@ def _shaper(delay_ms: float) -> Any:
 def _transport(key: str, **kwargs: Any) -> Any:
     """Mutual TLS with the bench's one shared key (every role trusts itself, so all trust each other), or
     plaintext when ``key`` is "-"."""
-    from peer.net import TransportConfig
-    from peer.net.tls import TlsContext
-    from peer.swarm.identity import Identity
+    from tasklet.peer.net import TransportConfig
+    from tasklet.peer.net.tls import TlsContext
+    from tasklet.peer.swarm.identity import Identity
 
     return TransportConfig(tls=None if key == "-" else TlsContext(Identity.load(key)), **kwargs)
 
 
 def _serve(host: str, port: int, delay_ms: float, key: str) -> Any:
-    from peer.net import PeerServer
+    from tasklet.peer.net import PeerServer
 
     server = PeerServer(_transport(key, host=host, port=port, max_concurrent_streams=8, thread_pool_size=12))
     shaper = _shaper(delay_ms)
@@ -74,7 +74,7 @@ def _serve(host: str, port: int, delay_ms: float, key: str) -> Any:
 
 def role_public(port: int, relay_port: int, delay_ms: float, tls_key: str) -> None:
     """A public peer: a gRPC server (direct target) and a relay."""
-    from peer.net.relay import RelayServer
+    from tasklet.peer.net.relay import RelayServer
 
     _serve("0.0.0.0", port, delay_ms, tls_key)
     RelayServer("0.0.0.0", relay_port).start()
@@ -84,8 +84,8 @@ def role_public(port: int, relay_port: int, delay_ms: float, tls_key: str) -> No
 
 def role_nated(port: int, relays: list[str], delay_ms: float, key: str, tls_key: str) -> None:
     """A peer behind NAT: a gRPC server on loopback, reached only through its relay registrations."""
-    from peer.net.relay import RelayAgent
-    from peer.swarm.identity import Identity
+    from tasklet.peer.net.relay import RelayAgent
+    from tasklet.peer.swarm.identity import Identity
 
     _serve("127.0.0.1", port, delay_ms, tls_key)
     identity = Identity.load(key)
@@ -102,9 +102,9 @@ def role_nated(port: int, relays: list[str], delay_ms: float, key: str, tls_key:
 
 def role_client(endpoint: str, delay_ms: float, relay_port: int, trials: int, tls_key: str) -> None:
     """Measure one path: bulk throughput (median of ``trials`` probes) and RTT (median of 20 pings)."""
-    from peer.net import PeerClient
-    from peer.net.endpoint import set_local_relay
-    from peer.net.relay import RelayServer
+    from tasklet.peer.net import PeerClient
+    from tasklet.peer.net.endpoint import set_local_relay
+    from tasklet.peer.net.relay import RelayServer
 
     if relay_port:  # this host's own relay, with which the target registered: connection reversal
         relay = RelayServer("0.0.0.0", relay_port)
@@ -152,7 +152,7 @@ def _measure(proc: subprocess.Popen[str], timeout_s: float = 300) -> dict[str, A
 
 
 def measure_paths(rate_mbit: float, delay_ms: float, trials: int, tls: bool) -> dict[str, Any]:
-    from peer.swarm.identity import Identity
+    from tasklet.peer.swarm.identity import Identity
 
     d, t = str(delay_ms), str(trials)
     with netbed.open_bed() as bed, tempfile.TemporaryDirectory(prefix="bench-reach-") as tmp:

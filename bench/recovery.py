@@ -45,12 +45,12 @@ from typing import Any
 import torch
 
 from bench.leader_loss import run_bed_leader_loss, run_leader_loss
-from peer.compute.data import Corpus
-from peer.compute.model import ModelConfig, unflatten_stage
-from peer.compute.reference import train_reference
-from peer.compute.stage import OptimConfig
-from peer.emulation.local import LinkModel, LocalSwarm, RunResult
-from peer.runtime.spec import RunSpec
+from tasklet.peer.compute.data import Corpus
+from tasklet.peer.compute.model import ModelConfig, unflatten_stage
+from tasklet.peer.compute.reference import train_reference
+from tasklet.peer.compute.stage import OptimConfig
+from tasklet.peer.emulation.local import LinkModel, LocalSwarm, RunResult
+from tasklet.peer.runtime.spec import RunSpec
 
 SPEC = RunSpec(run_id="bench-recovery", model=ModelConfig(n_layers=4, d_model=32, n_heads=4, seq_len=32, seed=1),
                optim=OptimConfig(lr=3e-3, eps=1e-3), seed=3, micro_batch=2, n_microbatches=12)
@@ -258,7 +258,7 @@ def leader_disk_run(say: Any) -> dict[str, Any]:
 
 def leader_disk_bed_run(say: Any) -> dict[str, Any]:
     """The bed variant (real daemons, a disk per host): kill of the leader to the new leader's first step."""
-    from peer.emulation.netbed import open_bed, unavailable_reason
+    from tasklet.peer.emulation.netbed import open_bed, unavailable_reason
 
     reason = unavailable_reason()
     if reason:

@@ -54,16 +54,16 @@ from pathlib import Path
 from typing import Any
 
 from bench.headline.run import PlanRun, run_plan
-from peer.compute.model import ModelConfig
-from peer.emulation.network import scaled_cluster
-from peer.node.planning import workload_for
-from peer.runtime.spec import RunSpec
-from scheduler import Cluster, Plan, Workload, plan
-from scheduler.baselines import random_plan
-from scheduler.bound import lower_bound
-from scheduler.cluster import load_scenario
-from scheduler.compression import Choice, CompressionSpace, PenaltyTable, SyncOption, timing_for
-from scheduler.compression import predict as choice_predict
+from tasklet.peer.compute.model import ModelConfig
+from tasklet.peer.emulation.network import scaled_cluster
+from tasklet.peer.node.planning import workload_for
+from tasklet.peer.runtime.spec import RunSpec
+from tasklet.scheduler import Cluster, Plan, Workload, plan
+from tasklet.scheduler.baselines import random_plan
+from tasklet.scheduler.bound import lower_bound
+from tasklet.scheduler.cluster import load_scenario
+from tasklet.scheduler.compression import Choice, CompressionSpace, PenaltyTable, SyncOption, timing_for
+from tasklet.scheduler.compression import predict as choice_predict
 
 log = logging.getLogger("bench.scaling")
 

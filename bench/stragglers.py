@@ -41,14 +41,14 @@ from typing import Any
 
 import torch
 
-from peer.compute.data import Corpus
-from peer.compute.model import ModelConfig, unflatten_stage
-from peer.compute.reference import train_reference
-from peer.compute.stage import OptimConfig
-from peer.emulation.faults import BusyGpuClock
-from peer.emulation.local import LinkModel, LocalSwarm, RunResult
-from peer.runtime.lead.driver import Pipelines, Stages
-from peer.runtime.spec import RunSpec
+from tasklet.peer.compute.data import Corpus
+from tasklet.peer.compute.model import ModelConfig, unflatten_stage
+from tasklet.peer.compute.reference import train_reference
+from tasklet.peer.compute.stage import OptimConfig
+from tasklet.peer.emulation.faults import BusyGpuClock
+from tasklet.peer.emulation.local import LinkModel, LocalSwarm, RunResult
+from tasklet.peer.runtime.lead.driver import Pipelines, Stages
+from tasklet.peer.runtime.spec import RunSpec
 
 SPEC = RunSpec(run_id="bench-stragglers", model=ModelConfig(n_layers=4, d_model=32, n_heads=4, seq_len=32, seed=1),
                optim=OptimConfig(lr=3e-3, eps=1e-3), seed=3, micro_batch=2, n_microbatches=8)

@@ -61,12 +61,12 @@ from typing import Any
 import grpc
 import torch
 
-from peer.net import PeerClient, PeerServer, TransportConfig
-from peer.net.shaping import LinkShaper
-from peer.net.tls import TlsContext, process_tls
-from protocol import tasklet_pb2 as pb
-from protocol.codec import decode_tensor
-from protocol.message import WireEnvelope
+from tasklet.peer.net import PeerClient, PeerServer, TransportConfig
+from tasklet.peer.net.shaping import LinkShaper
+from tasklet.peer.net.tls import TlsContext, process_tls
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.codec import decode_tensor
+from tasklet.protocol.message import WireEnvelope
 
 LIMITS = dict(max_message_bytes=8 << 20, chunk_bytes=4 << 20, max_envelope_bytes=256 << 20)
 CONFIG = TransportConfig(**LIMITS)  # this process's TLS identity (peer.net.tls.process_tls)

@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from peer.compute.stage import shard_bounds
-from peer.runtime.stage import checks
-from peer.runtime.stage.exchange import digest_text
+from tasklet.peer.compute.stage import shard_bounds
+from tasklet.peer.runtime.stage import checks
+from tasklet.peer.runtime.stage.exchange import digest_text
 
 
 def _time(fn: Any, repeats: int) -> float:
@@ -106,12 +106,12 @@ def overhead(steps: int) -> dict[str, Any]:
     import dataclasses
 
     from bench.bandwidth import VALIDATE_BANDWIDTH_SCALE, VALIDATE_FWD_S, VALIDATE_WORKLOAD, world
-    from peer.compute.model import ModelConfig
-    from peer.compute.stage import OptimConfig
-    from peer.emulation.local import LocalSwarm
-    from peer.emulation.network import link_model, scaled_cluster
-    from peer.runtime.spec import RunSpec
-    from scheduler.plan import even_stages
+    from tasklet.peer.compute.model import ModelConfig
+    from tasklet.peer.compute.stage import OptimConfig
+    from tasklet.peer.emulation.local import LocalSwarm
+    from tasklet.peer.emulation.network import link_model, scaled_cluster
+    from tasklet.peer.runtime.spec import RunSpec
+    from tasklet.scheduler.plan import even_stages
 
     w = VALIDATE_WORKLOAD
     cluster = scaled_cluster(world(), VALIDATE_BANDWIDTH_SCALE, w.stage_forward_flops(1, 2) / VALIDATE_FWD_S / 5e13)
@@ -142,7 +142,7 @@ def detection(q: float, patient: bool, trials: int, steps: int, per_step: int = 
     doc); ``patient``: it works honestly until its probation is over."""
     import random
 
-    from peer.runtime.lead.spot import Probation, SpotChecks
+    from tasklet.peer.runtime.lead.spot import Probation, SpotChecks
 
     rng = random.Random(11)
     caught_at: list[int] = []
@@ -190,15 +190,15 @@ def order_checks(repeats: int, peers: int = 256) -> list[dict[str, Any]]:
     """What a worker's checks of one leader's order cost (``peer.runtime.stage.assignment``,
     ``peer.node.leadership``), per assignment: the spec compared field by field with the signed one, the stage's
     memory bound from its shapes, and every endpoint the order names looked up among ``peers`` live adverts."""
-    from peer.compute.device_probe import DeviceInfo
-    from peer.compute.model import ModelConfig
-    from peer.node.leadership import Leadership
-    from peer.runtime import control as ctl
-    from peer.runtime.assign import build_assignments
-    from peer.runtime.bounds import stage_memory_bytes
-    from peer.runtime.spec import RunSpec
-    from peer.runtime.stage.assignment import order_endpoints, require_signed_spec
-    from peer.swarm.adverts import Advert
+    from tasklet.peer.compute.device_probe import DeviceInfo
+    from tasklet.peer.compute.model import ModelConfig
+    from tasklet.peer.node.leadership import Leadership
+    from tasklet.peer.runtime import control as ctl
+    from tasklet.peer.runtime.assign import build_assignments
+    from tasklet.peer.runtime.bounds import stage_memory_bytes
+    from tasklet.peer.runtime.spec import RunSpec
+    from tasklet.peer.runtime.stage.assignment import order_endpoints, require_signed_spec
+    from tasklet.peer.swarm.adverts import Advert
 
     device = DeviceInfo("bench", "cpu", 2**34, 1.0, False, True)
     adverts = [Advert(f"p{i:04d}", f"127.0.{i // 250}.{i % 250 + 1}:5000", device, 0.0) for i in range(peers)]

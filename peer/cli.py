@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from peer.config import (
+from tasklet.peer.config import (
     SECRET_ENV,
     ConfigError,
     RunConfig,
@@ -22,7 +22,7 @@ from peer.config import (
     reference_markdown,
     resolve_secret,
 )
-from peer.runtime.choices import PSEUDO_GRAD_COMPRESSIONS
+from tasklet.peer.runtime.choices import PSEUDO_GRAD_COMPRESSIONS
 
 DESCRIPTION = """\
 Tasklet peer: train a transformer language model together with other volunteers' GPUs.
@@ -69,7 +69,7 @@ def _port(text: str) -> int:
 
 
 def _schedule(text: str):  # noqa: ANN202 - peer.node.schedule.Schedule (a small module: parsing stays fast)
-    from peer.node.schedule import ScheduleError, parse_schedule
+    from tasklet.peer.node.schedule import ScheduleError, parse_schedule
 
     try:
         return parse_schedule(text)
@@ -484,7 +484,7 @@ class UserError(RuntimeError):
 
 
 def _options(args: argparse.Namespace):  # noqa: ANN202 - PeerOptions, imported lazily (torch, hivemind)
-    from peer.node.daemon import PeerOptions
+    from tasklet.peer.node.daemon import PeerOptions
 
     return PeerOptions(
         host=args.host,
@@ -516,7 +516,7 @@ def _options(args: argparse.Namespace):  # noqa: ANN202 - PeerOptions, imported 
 
 def _run_daemon(args: argparse.Namespace, config: RunConfig | None, peers: list[str],
                 local_paths: dict[tuple[str, str], str] | None = None) -> int:
-    from peer.node.daemon import DaemonError, PeerDaemon
+    from tasklet.peer.node.daemon import DaemonError, PeerDaemon
 
     if args.announce and ":" not in args.announce:
         raise UserError(f"--announce {args.announce!r}: expected HOST:PORT")
@@ -533,7 +533,7 @@ def _run_daemon(args: argparse.Namespace, config: RunConfig | None, peers: list[
     opts.local_paths = local_paths or {}
     if config is not None and config.swarm.secret:
         opts.secret = config.swarm.secret
-    from peer.emulation.network import ScenarioEmulation  # an emulated run's network and device clock
+    from tasklet.peer.emulation.network import ScenarioEmulation  # an emulated run's network and device clock
 
     daemon = PeerDaemon(opts, peers, config, emulation=ScenarioEmulation())
     try:
@@ -577,7 +577,7 @@ def _me(value: str | None) -> str | None:
     """--me: the peer id of an identity file, or the value itself when it is no file (a peer id)."""
     if value is None or not os.path.exists(value):
         return value
-    from peer.swarm.identity import Identity
+    from tasklet.peer.swarm.identity import Identity
 
     try:
         return Identity.load(value).peer_id
@@ -586,8 +586,8 @@ def _me(value: str | None) -> str | None:
 
 
 def _status_reader(args: argparse.Namespace):  # noqa: ANN202 - StatusReader, imported lazily (hivemind)
-    from peer.swarm.dht import DHTStartError
-    from peer.swarm.status import StatusReader
+    from tasklet.peer.swarm.dht import DHTStartError
+    from tasklet.peer.swarm.status import StatusReader
 
     try:
         return StatusReader(list(args.dht), args.run, args.secret)
@@ -598,7 +598,7 @@ def _status_reader(args: argparse.Namespace):  # noqa: ANN202 - StatusReader, im
 def cmd_status(args: argparse.Namespace) -> int:
     import json
 
-    from peer.swarm.status import credit_summary, format_credits, format_status, status_json
+    from tasklet.peer.swarm.status import credit_summary, format_credits, format_status, status_json
 
     me = _me(args.me)
     with _status_reader(args) as reader:
@@ -625,7 +625,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_credits(args: argparse.Namespace) -> int:
     import json
 
-    from peer.swarm.status import credit_summary, format_credits
+    from tasklet.peer.swarm.status import credit_summary, format_credits
 
     me = _me(args.me)
     with _status_reader(args) as reader:
@@ -644,8 +644,8 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from peer.observe.dashboard import serve_dashboard
-    from peer.swarm.dht import DHTStartError
+    from tasklet.peer.observe.dashboard import serve_dashboard
+    from tasklet.peer.swarm.dht import DHTStartError
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -658,8 +658,8 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
 
 def cmd_swarm(args: argparse.Namespace) -> int:
-    from peer.emulation.daemon_swarm import SwarmOptions, run_swarm
-    from scheduler import PlanningError
+    from tasklet.peer.emulation.daemon_swarm import SwarmOptions, run_swarm
+    from tasklet.scheduler import PlanningError
 
     if args.peers < 1:
         raise UserError(f"--peers must be at least 1, got {args.peers}")
@@ -693,7 +693,7 @@ def cmd_swarm(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from peer.compute.hf.export import export
+    from tasklet.peer.compute.hf.export import export
 
     try:
         out = export(args.result_dir, args.out_dir)
@@ -704,7 +704,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from peer.compute.hf.export import generate
+    from tasklet.peer.compute.hf.export import generate
 
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
@@ -718,7 +718,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     import json
 
-    from peer.node.doctor import DoctorOptions, format_report, run_doctor
+    from tasklet.peer.node.doctor import DoctorOptions, format_report, run_doctor
 
     opts = DoctorOptions(dht=list(args.dht), run_id=args.run, secret=args.secret, config=args.config,
                          host=args.host, port=args.port, dht_port=args.dht_port, device=args.device,
@@ -732,7 +732,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_control(args: argparse.Namespace) -> int:
-    from peer.node.control_socket import ControlError, ask, default_state_dir, find_socket
+    from tasklet.peer.node.control_socket import ControlError, ask, default_state_dir, find_socket
 
     folder = Path(args.state_dir).expanduser() if args.state_dir else default_state_dir()
     try:
@@ -748,8 +748,8 @@ def cmd_control(args: argparse.Namespace) -> int:
 
 
 def cmd_identity(args: argparse.Namespace) -> int:
-    from peer.node.identity_backup import BackupError, export_identity, import_identity
-    from peer.swarm.identity import Identity
+    from tasklet.peer.node.identity_backup import BackupError, export_identity, import_identity
+    from tasklet.peer.swarm.identity import Identity
 
     if args.action not in ("show", "export", "import"):
         raise UserError(f"peer identity {args.action[:40]!r}: expected show, export or import")
@@ -770,10 +770,10 @@ def cmd_identity(args: argparse.Namespace) -> int:
 
 
 def cmd_stewards(args: argparse.Namespace) -> int:
-    from peer.node.stewards import StewardsError, add_stewards
-    from peer.swarm.adverts import check_peer_id
-    from peer.swarm.dht import DHTStartError
-    from peer.swarm.identity import Identity
+    from tasklet.peer.node.stewards import StewardsError, add_stewards
+    from tasklet.peer.swarm.adverts import check_peer_id
+    from tasklet.peer.swarm.dht import DHTStartError
+    from tasklet.peer.swarm.identity import Identity
 
     try:
         ids = [check_peer_id(p, "peer_id") for p in args.peer_id]

@@ -16,11 +16,11 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from peer.runtime.choices import COMPRESSIONS, DEFAULT_KEEP, PRECISIONS, PSEUDO_GRAD_COMPRESSIONS
-from peer.timing import ADVERT_TTL_HEARTBEATS, CHECKPOINT_COPIES, HEARTBEAT_S, MAX_HEARTBEAT_S, QUORUM_WAIT_S
+from tasklet.peer.runtime.choices import COMPRESSIONS, DEFAULT_KEEP, PRECISIONS, PSEUDO_GRAD_COMPRESSIONS
+from tasklet.peer.timing import ADVERT_TTL_HEARTBEATS, CHECKPOINT_COPIES, HEARTBEAT_S, MAX_HEARTBEAT_S, QUORUM_WAIT_S
 
 if TYPE_CHECKING:
-    from peer.runtime.spec import RunSpec
+    from tasklet.peer.runtime.spec import RunSpec
 
 
 class ConfigError(ValueError):
@@ -251,10 +251,10 @@ class RunConfig:
     def spec(self, corpus_fingerprint: str = "") -> RunSpec:
         """The runtime's view of this configuration (imports the model code here: declaring and writing a run.toml
         must not load torch)."""
-        from peer.compute.hf.resolve import resolve_model_cached
-        from peer.compute.model import ModelConfig
-        from peer.compute.stage import OptimConfig
-        from peer.runtime.spec import RunSpec
+        from tasklet.peer.compute.hf.resolve import resolve_model_cached
+        from tasklet.peer.compute.model import ModelConfig
+        from tasklet.peer.compute.stage import OptimConfig
+        from tasklet.peer.runtime.spec import RunSpec
 
         r, m, o = self.run, self.model, self.optim
         model: Any = (
@@ -286,8 +286,8 @@ class RunConfig:
         )
 
     def validate(self, where: str = "config") -> None:
-        from peer.compute.hf import ModelSourceError
-        from peer.runtime.spec import SpecError
+        from tasklet.peer.compute.hf import ModelSourceError
+        from tasklet.peer.runtime.spec import SpecError
 
         try:
             spec = self.spec().validate()
@@ -337,7 +337,7 @@ def is_shared_name(section: str, key: str, value: Any) -> bool:
     if (section, key) == ("run", "corpus"):
         return value == "stdlib"
     if (section, key) == ("model", "config"):
-        from peer.compute.hf.presets import PRESETS
+        from tasklet.peer.compute.hf.presets import PRESETS
 
         return value in PRESETS
     if (section, key) == ("emulation", "scenario"):

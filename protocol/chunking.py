@@ -19,10 +19,10 @@ from typing import NamedTuple, Protocol
 
 from google.protobuf.message import DecodeError
 
-from protocol import PROTOCOL_VERSION
-from protocol import tasklet_pb2 as pb
-from protocol.errors import BadMessage
-from protocol.message import StreamReader, WireEnvelope
+from tasklet.protocol import PROTOCOL_VERSION
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.errors import BadMessage
+from tasklet.protocol.message import StreamReader, WireEnvelope
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 

@@ -31,9 +31,9 @@ from typing import Protocol
 
 import torch
 
-from protocol import lowbit
-from protocol import tasklet_pb2 as pb
-from protocol.errors import BadMessage
+from tasklet.protocol import lowbit
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.errors import BadMessage
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -58,7 +58,7 @@ FP16_MAX = 65504.0
 INT8_LEVELS = 127
 
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
-    raise ImportError("protocol.codec assumes a little-endian host (the wire format is little-endian)")
+    raise ImportError("tasklet.protocol.codec assumes a little-endian host (the wire format is little-endian)")
 
 
 def _label(name: str) -> str:

@@ -54,7 +54,7 @@ def copy_check_f32(dest: np.ndarray, at: int, src: np.ndarray, checked: int) -> 
     one of them is NaN or +-inf (everything is copied either way). The bounds are checked here, before C writes
     anything: a wrong offset must raise, never write outside the buffer."""
     if _COPY_CHECK is None:
-        raise RuntimeError("protocol._copycheck was not built")
+        raise RuntimeError("tasklet.protocol._copycheck was not built")
     n = src.size
     if not (dest.dtype == np.uint8 and src.dtype == np.uint8 and dest.flags.c_contiguous and dest.flags.writeable
             and src.flags.c_contiguous and 0 <= checked <= at and at + n <= dest.size):

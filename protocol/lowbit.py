@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from protocol import tasklet_pb2 as pb
-from protocol.errors import BadMessage
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.errors import BadMessage
 
 WIRE_IDS: dict[str, int] = {"int4": pb.INT4_BLOCKWISE, "int2": pb.INT2_BLOCKWISE, "topk": pb.TOPK}
 LEVELS = {"int4": 7, "int2": 1}  # symmetric levels -L..L around an exact zero

@@ -34,10 +34,10 @@ import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
-from protocol import fastcopy
-from protocol import tasklet_pb2 as pb
-from protocol.codec import DEFAULT_BLOCK_SIZE, encode_payload
-from protocol.errors import BadMessage
+from tasklet.protocol import fastcopy
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.codec import DEFAULT_BLOCK_SIZE, encode_payload
+from tasklet.protocol.errors import BadMessage
 
 # Wire tags: Envelope.tensors and Tensor.data are both field 4, length-delimited: (4 << 3) | 2.
 _TAG_BYTES_4 = 0x22

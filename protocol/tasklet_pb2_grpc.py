@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protocol import tasklet_pb2 as tasklet__pb2
+from tasklet.protocol import tasklet_pb2 as tasklet__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

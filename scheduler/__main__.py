@@ -1,4 +1,4 @@
-"""``python -m scheduler``: see :mod:`scheduler.cli`."""
+"""``python -m tasklet.scheduler``: see :mod:`scheduler.cli`."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""``python -m scheduler bench``: how the default search stops; ``--baselines``: the comparison with others.
+"""``python -m tasklet.scheduler bench``: how the default search stops; ``--baselines``: the comparison with others.
 
 The default (:func:`run_stop_bench`): every bundled scenario and generated 64 / 256 / 1,024-device ones, under
 three device numberings, with ``plan``'s defaults (2 % gap, default time limit): the best cost at 0.5, 1 and 2
@@ -218,7 +218,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Stopping benchmark (the default of ``python -m scheduler bench``): how fast the search gets close to its bound.
+# Stopping benchmark (the default of ``python -m tasklet.scheduler bench``): how fast the search nears its bound.
 
 STOP_SCENARIOS_64 = ("hetero64_0", "geo64_0")
 STOP_SCENARIOS_LARGE = ("hetero256_0", "geo1024_0")

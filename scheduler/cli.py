@@ -1,4 +1,4 @@
-"""Command line: ``python -m scheduler plan ...`` and ``python -m scheduler bench ...``.
+"""Command line: ``python -m tasklet.scheduler plan ...`` and ``python -m tasklet.scheduler bench ...``.
 
 Bad input ends with one line ``error: <field>: <reason>`` on stderr and exit status 2, never a traceback.
 """
@@ -73,7 +73,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m scheduler", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m tasklet.scheduler", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     pp = sub.add_parser("plan", help="place tasklets on the devices of a scenario")
     pp.add_argument("--scenario", required=True, help="FILE[:NAME] or a scenario name of the shared file")

@@ -105,8 +105,8 @@ def parser_table(parser: argparse.ArgumentParser) -> str:
 
 def generate() -> str:
     """The whole reference block, markers included."""
-    from peer.cli import build_parser
-    from peer.config import reference_markdown
+    from tasklet.peer.cli import build_parser
+    from tasklet.peer.config import reference_markdown
 
     parser = build_parser()
     parts = [

@@ -26,9 +26,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from peer.compute.model import ModelConfig  # noqa: E402
-from peer.emulation.procs import PEER_COMMAND, PeerProcesses, child_env  # noqa: E402
-from peer.runtime.bounds import stage_numel  # noqa: E402
+from tasklet.peer.compute.model import ModelConfig  # noqa: E402
+from tasklet.peer.emulation.procs import PEER_COMMAND, PeerProcesses, child_env  # noqa: E402
+from tasklet.peer.runtime.bounds import stage_numel  # noqa: E402
 
 STEP_LINE = re.compile(r"step (\d+): loss ([0-9.]+|-), ([0-9.]+) s, ([0-9.]+) tokens/s")
 
@@ -88,7 +88,7 @@ def part_doctor(out: Path, device: str, quick: bool) -> dict[str, Any]:
 
 
 def part_exact(out: Path, device: str, quick: bool) -> dict[str, Any]:
-    from peer.emulation.reference_check import gap_to_reference
+    from tasklet.peer.emulation.reference_check import gap_to_reference
 
     steps = 3 if quick else 8
     folder = out / "exact"

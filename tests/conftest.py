@@ -26,7 +26,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from peer.emulation.netbed import NetBed, open_bed, unavailable_reason
+from tasklet.peer.emulation.netbed import NetBed, open_bed, unavailable_reason
 from tests.support.driver import workers_fixture
 from tests.support.equivalence import reference_fixture
 from tests.support.newcomer import newcomer_fixture, prepare_in_background, stop_background

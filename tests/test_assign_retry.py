@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from peer.runtime.lead import coordinator
-from protocol.errors import PeerUnreachable, Refused, TransportError
+from tasklet.peer.runtime.lead import coordinator
+from tasklet.protocol.errors import PeerUnreachable, Refused, TransportError
 
 pytestmark = pytest.mark.unit
 

@@ -11,7 +11,7 @@ import pytest
 
 from bench import bandwidth
 from bench.bandwidth_measured import MeasuredConfig, claim_choice, first_reaching, measured, modeled_wall, trailing
-from scheduler.compression import SyncOption
+from tasklet.scheduler.compression import SyncOption
 
 
 def test_trailing_mean_and_first_step_reaching_the_target() -> None:

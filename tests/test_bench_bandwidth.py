@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench import bandwidth
-from scheduler.compression import PenaltyTable
+from tasklet.scheduler.compression import PenaltyTable
 
 
 def test_quick_bench_output_shape(tmp_path: Path, capsys: pytest.CaptureFixture[str], processes: None) -> None:

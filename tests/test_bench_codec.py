@@ -8,8 +8,8 @@ import math
 import pytest
 
 from bench import codec
-from peer.runtime.outer import allgather_codec
-from scheduler.compression import CODEC_S_PER_ELEMENT
+from tasklet.peer.runtime.outer import allgather_codec
+from tasklet.scheduler.compression import CODEC_S_PER_ELEMENT
 
 
 def test_codec_bench_json(capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,7 +12,7 @@ import pytest
 from bench import scaling
 from bench.headline.run import PlanRun
 from bench.scaling import ScalingConfig, ScalingConfigError, city_devices, headline, measured_step_s
-from scheduler.cluster import load_scenario
+from tasklet.scheduler.cluster import load_scenario
 
 
 def test_peers_are_taken_round_robin_over_the_cities() -> None:
@@ -98,7 +98,7 @@ def test_device_throughput_counts_three_forwards_per_token() -> None:
     cfg = ScalingConfig()
     cluster = scaling.build_cluster(cfg, 4)
     spec = cfg.spec(1)
-    from peer.node.planning import workload_for
+    from tasklet.peer.node.planning import workload_for
 
     w = workload_for(spec, stages=4, replicas=1)
     per_token = w.stage_forward_flops(0, w.n_layers) / (w.micro_batch * w.seq_len)

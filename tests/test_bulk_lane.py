@@ -21,17 +21,25 @@ import grpc
 import pytest
 import torch
 
-from peer.net import PeerClient, PeerServer, TransportConfig, bulk_client, bulk_server
-from peer.net.bulk_client import BulkLane
-from peer.net.bulk_server import FIRST_PIECE_BYTES
-from peer.net.bulk_wire import HEAD, HEAD_MAGIC, read_reply
-from peer.net.counters import TRAFFIC
-from peer.net.tls import SERVER_NAME, TlsContext
-from protocol import PROTOCOL_VERSION
-from protocol import tasklet_pb2 as pb
-from protocol.codec import decode_tensor, encode_tensor
-from protocol.errors import BadMessage, Forbidden, PeerUnreachable, Refused, Rejected, Unauthenticated, Unavailable
-from protocol.message import WireEnvelope
+from tasklet.peer.net import PeerClient, PeerServer, TransportConfig, bulk_client, bulk_server
+from tasklet.peer.net.bulk_client import BulkLane
+from tasklet.peer.net.bulk_server import FIRST_PIECE_BYTES
+from tasklet.peer.net.bulk_wire import HEAD, HEAD_MAGIC, read_reply
+from tasklet.peer.net.counters import TRAFFIC
+from tasklet.peer.net.tls import SERVER_NAME, TlsContext
+from tasklet.protocol import PROTOCOL_VERSION
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.codec import decode_tensor, encode_tensor
+from tasklet.protocol.errors import (
+    BadMessage,
+    Forbidden,
+    PeerUnreachable,
+    Refused,
+    Rejected,
+    Unauthenticated,
+    Unavailable,
+)
+from tasklet.protocol.message import WireEnvelope
 
 MIB = 1 << 20
 OK = grpc.StatusCode.OK

@@ -32,9 +32,9 @@ from pathlib import Path
 
 import pytest
 
-from peer.emulation.procs import PEER_COMMAND, PeerProcesses, child_env, launch, poll_until, write_small_config
-from peer.emulation.reference_check import gap_to_reference
-from peer.swarm.identity import Identity
+from tasklet.peer.emulation.procs import PEER_COMMAND, PeerProcesses, child_env, launch, poll_until, write_small_config
+from tasklet.peer.emulation.reference_check import gap_to_reference
+from tasklet.peer.swarm.identity import Identity
 
 pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
 
@@ -46,9 +46,9 @@ PATCHED = '''\
 import dataclasses
 import sys
 
-from peer.runtime import control as ctl
-from peer.runtime.stage.outbox import Outbox
-from peer.runtime.stage.worker import StageWorker
+from tasklet.peer.runtime import control as ctl
+from tasklet.peer.runtime.stage.outbox import Outbox
+from tasklet.peer.runtime.stage.worker import StageWorker
 
 LIE = sys.argv.pop(1)
 if LIE == "nan-loss":
@@ -69,7 +69,7 @@ elif LIE == "params-hash":
 else:
     raise SystemExit(f"unknown lie {LIE!r}")
 
-from peer.cli import main
+from tasklet.peer.cli import main
 
 sys.exit(main())
 '''

@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peer.compute.data import Corpus
-from peer.compute.reference import train_reference
-from peer.emulation.local import LocalSwarm
-from peer.swarm.credit import CreditBook
+from tasklet.peer.compute.data import Corpus
+from tasklet.peer.compute.reference import train_reference
+from tasklet.peer.emulation.local import LocalSwarm
+from tasklet.peer.swarm.credit import CreditBook
 from tests.test_fault_tolerance import FULL, SLOW, SPEC, STEPS, assert_matches_reference, flops
 
 pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from bench.leader_loss import SPEC, STAGES, run_leader_loss
-from peer.net import PeerClient, TransportConfig
-from peer.net.tls import TlsContext
-from peer.runtime import checkpoints
-from peer.runtime.checkpoints import (
+from tasklet.peer.net import PeerClient, TransportConfig
+from tasklet.peer.net.tls import TlsContext
+from tasklet.peer.runtime import checkpoints
+from tasklet.peer.runtime.checkpoints import (
     MANIFEST,
     CheckpointError,
     CheckpointStore,
@@ -24,8 +24,8 @@ from peer.runtime.checkpoints import (
     fetch_copy_files,
     serve_copy,
 )
-from peer.runtime.stage.worker import StageWorker
-from protocol.errors import TransportError
+from tasklet.peer.runtime.stage.worker import StageWorker
+from tasklet.protocol.errors import TransportError
 
 
 def test_leader_host_and_disk_lost_run_finishes_from_a_replicated_checkpoint(tmp_path, caplog) -> None:

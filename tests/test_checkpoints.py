@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.runtime.checkpoints import CheckpointDamagedError, CheckpointStore
-from peer.runtime.lead.driver import DriverConfig
+from tasklet.peer.runtime.checkpoints import CheckpointDamagedError, CheckpointStore
+from tasklet.peer.runtime.lead.driver import DriverConfig
 from tests.support.driver import FakePlanner, make_driver
 
 
@@ -93,7 +93,7 @@ def test_hostile_manifest_cannot_point_outside_its_folder(tmp_path) -> None:
 WRITER = """
 import sys, torch
 from pathlib import Path
-from peer.runtime.checkpoints import CheckpointStore
+from tasklet.peer.runtime.checkpoints import CheckpointStore
 store = CheckpointStore(Path(sys.argv[1]))
 big = {"params": torch.randn(8_000_000), "step": 4}
 print("writing", flush=True)

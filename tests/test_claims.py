@@ -12,37 +12,37 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.compute.data import Corpus
-from peer.compute.model import ModelConfig
-from peer.compute.stage import flat_digest
-from peer.net import PeerClient
-from peer.node.history import adopt_history
-from peer.node.leader_role import (
+from tasklet.peer.compute.data import Corpus
+from tasklet.peer.compute.model import ModelConfig
+from tasklet.peer.compute.stage import flat_digest
+from tasklet.peer.net import PeerClient
+from tasklet.peer.node.history import adopt_history
+from tasklet.peer.node.leader_role import (
     MAX_RECORDED_STAGES,
     judge_claims,
     recorded_checkpoints,
     recorded_progress,
     signed_hashes,
 )
-from peer.node.leadership import Leadership
-from peer.runtime import control as ctl
-from peer.runtime.assign import build_assignments
-from peer.runtime.checkpoints import CheckpointError, CheckpointStore, store_copy
-from peer.runtime.lead.coordinator import MAX_LOSS, Coordinator, check_loss
-from peer.runtime.lead.driver import DriverConfig, RunDriver
-from peer.runtime.lead.machine import StepMachine
-from peer.runtime.lead.referee import MAX_TRACKED, Referee, Verdict
-from peer.runtime.spec import RunSpec
-from peer.runtime.stage.assignment import require_named_leader
-from peer.runtime.wire import make_key
-from peer.swarm.adverts import Advert, DeviceInfo
-from peer.swarm.charter import LeaderPolicy
-from peer.swarm.election import elect_leader
-from peer.swarm.membership import EndpointBinding, PeerEntry
-from peer.swarm.progress import publishable
-from protocol import tasklet_pb2 as pb
-from protocol.codec import decode_tensor
-from protocol.errors import BadMessage, Forbidden, Refused
+from tasklet.peer.node.leadership import Leadership
+from tasklet.peer.runtime import control as ctl
+from tasklet.peer.runtime.assign import build_assignments
+from tasklet.peer.runtime.checkpoints import CheckpointError, CheckpointStore, store_copy
+from tasklet.peer.runtime.lead.coordinator import MAX_LOSS, Coordinator, check_loss
+from tasklet.peer.runtime.lead.driver import DriverConfig, RunDriver
+from tasklet.peer.runtime.lead.machine import StepMachine
+from tasklet.peer.runtime.lead.referee import MAX_TRACKED, Referee, Verdict
+from tasklet.peer.runtime.spec import RunSpec
+from tasklet.peer.runtime.stage.assignment import require_named_leader
+from tasklet.peer.runtime.wire import make_key
+from tasklet.peer.swarm.adverts import Advert, DeviceInfo
+from tasklet.peer.swarm.charter import LeaderPolicy
+from tasklet.peer.swarm.election import elect_leader
+from tasklet.peer.swarm.membership import EndpointBinding, PeerEntry
+from tasklet.peer.swarm.progress import publishable
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.codec import decode_tensor
+from tasklet.protocol.errors import BadMessage, Forbidden, Refused
 from tests.test_coordinator import ScriptedWorker
 from tests.test_step_machine import make_roster
 from tests.test_worker_step import ENDPOINTS, VirtualRun

@@ -19,12 +19,12 @@ pytestmark = pytest.mark.usefixtures("processes")  # fresh interpreters: sys.mod
 
 PROBE = """
 import contextlib, io, json, sys
-import peer.cli
+import tasklet.peer.cli
 out = {"import": [m for m in HEAVY if m in sys.modules]}
 for name, argv in CASES.items():
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         try:
-            code = peer.cli.main(argv)
+            code = tasklet.peer.cli.main(argv)
         except SystemExit as exc:
             code = exc.code
     out[name] = {"code": code, "heavy": [m for m in HEAVY if m in sys.modules]}

@@ -6,7 +6,7 @@ import tomllib
 
 import pytest
 
-from peer.config import ConfigError, RunConfig
+from tasklet.peer.config import ConfigError, RunConfig
 
 
 def test_to_toml_round_trips() -> None:

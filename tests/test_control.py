@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from peer.runtime import control as ctl
-from protocol import tasklet_pb2 as pb
-from protocol.errors import BadMessage
+from tasklet.peer.runtime import control as ctl
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.errors import BadMessage
 
 MESSAGES = [ctl.Stop(), ctl.StartStep(3, 1, True), ctl.DropStep(2), ctl.Reduce(4, 2, (0, 1), {0: 1, 5: 0}, True),
             ctl.Reduce(4, 3, (1,), {2: 1}, apply=True),

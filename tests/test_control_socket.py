@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from peer.node.control_socket import MAX_REQUEST, ControlError, ControlSocket, PauseState, ask, find_socket, socket_path
+from tasklet.peer.node.control_socket import (
+    MAX_REQUEST,
+    ControlError,
+    ControlSocket,
+    PauseState,
+    ask,
+    find_socket,
+    socket_path,
+)
 
 
 class Calls:

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from bench.controlplane import main
-from peer.emulation.cpsim.churn import ChurnModel
-from peer.emulation.cpsim.memdht import LatencyModel, MemoryDHT
-from peer.timing import now
+from tasklet.peer.emulation.cpsim.churn import ChurnModel
+from tasklet.peer.emulation.cpsim.memdht import LatencyModel, MemoryDHT
+from tasklet.peer.timing import now
 
 # sessions of minutes (scale 300 s) so that 50 peers see departures within a short window
 ARGS = ["--peers", "50", "--window", "60", "--session-scale", "300", "--evaluations", "20", "--json"]

@@ -16,16 +16,16 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from peer.compute.model import ModelConfig
-from peer.net import PeerClient, PeerServer, TransportConfig
-from peer.runtime import control as ctl
-from peer.runtime.assign import build_assignments
-from peer.runtime.lead.coordinator import Coordinator, StepFailedError
-from peer.runtime.lead.pacing import SAT_OUT_DECAY
-from peer.runtime.spec import RunSpec
-from peer.runtime.wire import make_key
-from protocol import tasklet_pb2 as pb
-from protocol.errors import Refused, TransportError
+from tasklet.peer.compute.model import ModelConfig
+from tasklet.peer.net import PeerClient, PeerServer, TransportConfig
+from tasklet.peer.runtime import control as ctl
+from tasklet.peer.runtime.assign import build_assignments
+from tasklet.peer.runtime.lead.coordinator import Coordinator, StepFailedError
+from tasklet.peer.runtime.lead.pacing import SAT_OUT_DECAY
+from tasklet.peer.runtime.spec import RunSpec
+from tasklet.peer.runtime.wire import make_key
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.errors import Refused, TransportError
 
 SPEC = RunSpec(run_id="coord", model=ModelConfig(n_layers=2, d_model=16, n_heads=2, seq_len=8), micro_batch=2,
                n_microbatches=6)

@@ -6,14 +6,14 @@ from __future__ import annotations
 import threading
 import time
 
-from peer.compute.device_probe import DeviceInfo
-from peer.node.watch import CoordinatorWatch
-from peer.runtime.spec import Assignment
-from peer.swarm.adverts import Advert
-from peer.swarm.membership import PeerEntry
-from peer.swarm.view import SwarmView
-from peer.timing import COORDINATOR_LOST_HEARTBEATS, DEPOSE_HEARTBEATS
-from protocol.errors import TransportError
+from tasklet.peer.compute.device_probe import DeviceInfo
+from tasklet.peer.node.watch import CoordinatorWatch
+from tasklet.peer.runtime.spec import Assignment
+from tasklet.peer.swarm.adverts import Advert
+from tasklet.peer.swarm.membership import PeerEntry
+from tasklet.peer.swarm.view import SwarmView
+from tasklet.peer.timing import COORDINATOR_LOST_HEARTBEATS, DEPOSE_HEARTBEATS
+from tasklet.protocol.errors import TransportError
 
 HEARTBEAT_S = 0.01
 A = Assignment(epoch=3, stage=1, replica=0, n_stages=2, n_replicas=1, layers=(2, 4), group=("w",),

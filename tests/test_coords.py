@@ -6,13 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from peer.compute.device_probe import DeviceInfo
-from peer.emulation.cpsim.sampling import PlanInputs, compare_on_truth, compare_sampled_plan
-from peer.node.planning import build_cluster, probe_targets_for
-from peer.swarm.adverts import Advert, LinkReport
-from scheduler import Cluster, Workload
-from scheduler.cluster import load_scenario
-from scheduler.coords import Sample, estimate_links, fit_vivaldi, plan_neighbours, probe_targets
+from tasklet.peer.compute.device_probe import DeviceInfo
+from tasklet.peer.emulation.cpsim.sampling import PlanInputs, compare_on_truth, compare_sampled_plan
+from tasklet.peer.node.planning import build_cluster, probe_targets_for
+from tasklet.peer.swarm.adverts import Advert, LinkReport
+from tasklet.scheduler import Cluster, Workload
+from tasklet.scheduler.cluster import load_scenario
+from tasklet.scheduler.coords import Sample, estimate_links, fit_vivaldi, plan_neighbours, probe_targets
 
 SCENARIOS = ["datacenter_on_demand", "datacenter_spot", "multi_universities", "regional_geo_distributed",
              "worldwide_geo_distributed", "homogeneous_tc"]

@@ -7,12 +7,12 @@ import json
 from types import SimpleNamespace
 from typing import Any
 
-from peer.node.leader_role import credit_step
-from peer.observe.snapshot import _credit
-from peer.runtime.lead.step import StepReport
-from peer.swarm.credit import MAX_IDENTITIES, MAX_REASON, CreditBook, credit_rows
-from peer.swarm.progress import FULL_ONLY, ProgressBoard
-from peer.swarm.status import SwarmStatus, credit_summary, format_credits, format_status
+from tasklet.peer.node.leader_role import credit_step
+from tasklet.peer.observe.snapshot import _credit
+from tasklet.peer.runtime.lead.step import StepReport
+from tasklet.peer.swarm.credit import MAX_IDENTITIES, MAX_REASON, CreditBook, credit_rows
+from tasklet.peer.swarm.progress import FULL_ONLY, ProgressBoard
+from tasklet.peer.swarm.status import SwarmStatus, credit_summary, format_credits, format_status
 
 A, B, C, D = "QmAaaa", "QmBbbb", "QmCccc", "QmDddd"
 

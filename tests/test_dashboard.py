@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from peer.emulation.procs import PEER_COMMAND, PeerProcesses, launch, read_line, stop_all, write_small_config
-from peer.observe.http import ObserveServer, asset
-from peer.observe.watch import diff_events
+from tasklet.peer.emulation.procs import PEER_COMMAND, PeerProcesses, launch, read_line, stop_all, write_small_config
+from tasklet.peer.observe.http import ObserveServer, asset
+from tasklet.peer.observe.watch import diff_events
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DEAD_DHT = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWAj3BTFRBD4KWhiWMGopsoPREfShqbe4MKMccyMJtxdQg"  # discard port
@@ -139,16 +139,18 @@ def test_the_http_server_serves_package_assets_and_refuses_the_rest() -> None:
 
 @pytest.mark.unit
 def test_observe_sits_between_the_swarm_and_the_node() -> None:
-    """peer.observe reads peer.swarm / peer.net / peer.config / peer.timing; no lower layer imports it."""
+    """tasklet.peer.observe reads peer.swarm / peer.net / peer.config / peer.timing; no lower layer imports it."""
     from tests.support.imports import import_graph, importing
 
     graph = import_graph()
-    lower = ("peer.net", "peer.swarm", "peer.compute", "peer.runtime", "peer.timing", "protocol", "scheduler")
-    assert importing(graph, lower, ("peer.observe",)) == []
-    allowed = ("peer.observe", "peer.swarm", "peer.net", "peer.config", "peer.timing")
-    uses = {t for m, targets in graph.items() if m.startswith("peer.observe") for t in targets}
+    lower = ("tasklet.peer.net", "tasklet.peer.swarm", "tasklet.peer.compute", "tasklet.peer.runtime",
+             "tasklet.peer.timing", "tasklet.protocol", "tasklet.scheduler")
+    assert importing(graph, lower, ("tasklet.peer.observe",)) == []
+    allowed = ("tasklet.peer.observe", "tasklet.peer.swarm", "tasklet.peer.net", "tasklet.peer.config",
+               "tasklet.peer.timing")
+    uses = {t for m, targets in graph.items() if m.startswith("tasklet.peer.observe") for t in targets}
     assert all(any(u == a or u.startswith(a + ".") for a in allowed) for u in uses), sorted(uses)
-    assert any(t.startswith("peer.observe") for t in graph["peer.node.daemon"])
+    assert any(t.startswith("tasklet.peer.observe") for t in graph["tasklet.peer.node.daemon"])
 
 
 # ---- the command: errors -------------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from peer.compute import device_probe as device_mod
-from peer.compute.device_probe import MatmulTiming, _cuda_sizes, measure_device
+from tasklet.peer.compute import device_probe as device_mod
+from tasklet.peer.compute.device_probe import MatmulTiming, _cuda_sizes, measure_device
 
 pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
 
@@ -112,7 +112,7 @@ def test_cuda_path_with_a_mocked_gpu(monkeypatch):
 
 def test_cli_prints_json():
     result = subprocess.run(
-        [sys.executable, "-m", "peer.compute.device_probe", "--json", "--device", "cpu", "--seconds", "0.2"],
+        [sys.executable, "-m", "tasklet.peer.compute.device_probe", "--json", "--device", "cpu", "--seconds", "0.2"],
         capture_output=True, text=True, timeout=60, check=True,
     )
     info = json.loads(result.stdout)
@@ -121,7 +121,7 @@ def test_cli_prints_json():
 
 def test_cli_bad_device_is_one_line_error():
     result = subprocess.run(
-        [sys.executable, "-m", "peer.compute.device_probe", "--device", "tpu"],
+        [sys.executable, "-m", "tasklet.peer.compute.device_probe", "--device", "tpu"],
         capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 2

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peer.cli import build_parser
-from peer.compute import device_choice
-from peer.compute.device_choice import (
+from tasklet.peer.cli import build_parser
+from tasklet.peer.compute import device_choice
+from tasklet.peer.compute.device_choice import (
     DEVICE_CHOICES,
     DeviceError,
     backend_of,
@@ -19,8 +19,8 @@ from peer.compute.device_choice import (
     resolve_device,
     runtime_version,
 )
-from peer.compute.device_probe import DEVICE_KINDS, DeviceInfo, cpu_memory_bytes, measure_device, mps_memory
-from peer.swarm.adverts import device_from_record
+from tasklet.peer.compute.device_probe import DEVICE_KINDS, DeviceInfo, cpu_memory_bytes, measure_device, mps_memory
+from tasklet.peer.swarm.adverts import device_from_record
 from tests.support.fake_devices import GiB, fake_cuda_api, fake_mps, fake_rocm, no_gpu
 
 MPS = torch.device("mps")

@@ -19,14 +19,14 @@ import threading
 import pytest
 import torch
 
-from peer.compute.data import Corpus
-from peer.compute.model import ModelConfig, unflatten_stage
-from peer.compute.reference import train_diloco_reference, train_reference
-from peer.compute.stage import OptimConfig, shard_bounds
-from peer.emulation.local import LinkModel, LocalSwarm, RunResult
-from peer.runtime.outer import BLOCK_SIZE, OuterState, allgather_codec, assignment_record, roundtrip
-from peer.runtime.spec import RunSpec, SpecError
-from scheduler.compression import PenaltyTable, SyncOption
+from tasklet.peer.compute.data import Corpus
+from tasklet.peer.compute.model import ModelConfig, unflatten_stage
+from tasklet.peer.compute.reference import train_diloco_reference, train_reference
+from tasklet.peer.compute.stage import OptimConfig, shard_bounds
+from tasklet.peer.emulation.local import LinkModel, LocalSwarm, RunResult
+from tasklet.peer.runtime.outer import BLOCK_SIZE, OuterState, allgather_codec, assignment_record, roundtrip
+from tasklet.peer.runtime.spec import RunSpec, SpecError
+from tasklet.scheduler.compression import PenaltyTable, SyncOption
 
 STEPS = 6
 SPEC = RunSpec(run_id="diloco", model=ModelConfig(n_layers=4, d_model=32, n_heads=4, seq_len=32, seed=5),

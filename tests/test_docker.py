@@ -33,9 +33,9 @@ from typing import Any
 import pytest
 import yaml
 
-from peer.cli import build_parser
-from peer.config import RunConfig
-from peer.emulation import procs
+from tasklet.peer.cli import build_parser
+from tasklet.peer.config import RunConfig
+from tasklet.peer.emulation import procs
 from tests.support.newcomer import REPO, Clone, newcomer_env
 
 pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
@@ -330,8 +330,8 @@ def test_install_script_and_entrypoint_start_a_swarm(newcomer: Clone, tmp_path: 
                           env=dict(env, VENV=str(newcomer.root / ".venv")), timeout=420)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "[install] done: torch 2.13.0" in proc.stderr
-    probe = ("import peer; from scheduler.cluster import default_scenarios_path as d; "
-             "print(peer.__file__); print(d()); assert d().is_file()")
+    probe = ("import tasklet.peer; from tasklet.scheduler.cluster import default_scenarios_path as d; "
+             "print(tasklet.peer.__file__); print(d()); assert d().is_file()")
     where = subprocess.run([str(newcomer.python), "-c", probe], cwd=tmp_path, capture_output=True, text=True,
                            env=env, timeout=60)
     assert where.returncode == 0, where.stderr[-2000:]
@@ -351,7 +351,7 @@ def test_install_script_and_entrypoint_start_a_swarm(newcomer: Clone, tmp_path: 
     def container(i: int, *args: str) -> subprocess.Popen[str]:
         c_env = dict(env, PATH=path, TASKLET_LISTEN_HOST=hosts[i], TASKLET_ANNOUNCE_HOST=hosts[i],
                      TASKLET_PORT=str(port), TASKLET_DHT_PORT=str(dht_port), TASKLET_JOIN_FILE=str(join_file),
-                     TASKLET_IDENTITY=str(tmp_path / f"identity-{i}" / "peer.key"), TASKLET_JOIN_WAIT_S="120")
+                     TASKLET_IDENTITY=str(tmp_path / f"identity-{i}" / "tasklet.peer.key"), TASKLET_JOIN_WAIT_S="120")
         # its own process group, like a container: cleanup can end the peer even if only bash got a signal
         p, log = procs.launch(["bash", str(newcomer.root / "docker" / "entrypoint.sh"), *args],
                               tmp_path / f"peer-{i}.log", env=c_env, cwd=tmp_path)
@@ -384,7 +384,7 @@ def test_install_script_and_entrypoint_start_a_swarm(newcomer: Clone, tmp_path: 
         endpoints = sorted(p["endpoint"] for p in status["peers"])
         assert endpoints == [f"{h}:{port}" for h in hosts], "each peer announces the address the entry point chose"
         for i in (0, 1):
-            key = tmp_path / f"identity-{i}" / "peer.key"
+            key = tmp_path / f"identity-{i}" / "tasklet.peer.key"
             assert key.exists() and (key.stat().st_mode & 0o077) == 0, "the identity key is kept, private"
 
         # 3. docker stop: SIGTERM reaches the peer (the start entry point forwards it) and both leave cleanly

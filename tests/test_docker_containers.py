@@ -37,10 +37,10 @@ from pathlib import Path
 import pytest
 
 from bench.images import CPU_TORCH, GPU_STAGES_CPU_IMAGE, build_image, probe_torch
-from peer.emulation import procs
-from peer.emulation.multihost import RELAY_PORT, BedPeers, readme_flags
-from peer.emulation.netbed import NetBed
-from peer.emulation.reference_check import gap_to_reference
+from tasklet.peer.emulation import procs
+from tasklet.peer.emulation.multihost import RELAY_PORT, BedPeers, readme_flags
+from tasklet.peer.emulation.netbed import NetBed
+from tasklet.peer.emulation.reference_check import gap_to_reference
 from tests.support.containers import REPO, Engine, Images, compose_project, container_images_fixture, read_json_from
 
 # the first test also waits for the image build (a cold one: minutes), whichever test that is
@@ -81,7 +81,7 @@ leaders = "any"  # the volunteers go on without the first peer (by default they 
 GAP_SCRIPT = """\
 import json, sys
 from pathlib import Path
-from peer.emulation.reference_check import gap_to_reference
+from tasklet.peer.emulation.reference_check import gap_to_reference
 gap = gap_to_reference(Path("/tasklet/checkpoints/final"), {steps})
 print(json.dumps({{"max_abs": gap.max_abs, "max_rel": gap.max_rel, "losses": len(gap.run["loss"])}}))
 """
@@ -109,8 +109,8 @@ def wait_for(what: str, check: Callable[[], bool], timeout_s: float, context: Ca
 def test_cpu_image(container_images: Images) -> None:
     engine, image = container_images.engine, container_images.cpu
     assert "CUDA None" in container_images.torch_line or not container_images.torch_line, container_images.torch_line
-    probe = ("import json, os, torch, peer; print(json.dumps({'cuda': torch.version.cuda, 'torch': torch.__version__,"
-             " 'uid': os.getuid(), 'peer': peer.__file__}))")
+    probe = ("import json, os, torch, tasklet.peer as peer; print(json.dumps({'cuda': torch.version.cuda,"
+             " 'torch': torch.__version__, 'uid': os.getuid(), 'peer': peer.__file__}))")
     out = engine.run("run", "--rm", "--entrypoint", "/opt/tasklet/bin/python", image, "-c", probe).stdout
     facts = json.loads(out.strip().splitlines()[-1])
     assert facts["cuda"] is None, f"the CPU image has a CUDA torch: {facts}"

@@ -25,8 +25,8 @@ from types import ModuleType
 
 import pytest
 
-from peer.cli import build_parser
-from peer.config import SECTIONS
+from tasklet.peer.cli import build_parser
+from tasklet.peer.config import SECTIONS
 from tests.support.newcomer import REPO, Clone, newcomer_env
 
 README = REPO / "README.md"
@@ -243,4 +243,4 @@ def test_every_benchmark_has_a_page() -> None:
         if module.stem in helpers or 'if __name__ == "__main__"' not in module.read_text():
             continue
         assert f"python -m bench.{module.stem}" in pages, f"bench/{module.name} has no page in docs/benchmarks/"
-    assert "python -m bench.headline" in pages and "python -m scheduler bench" in pages
+    assert "python -m bench.headline" in pages and "python -m tasklet.scheduler bench" in pages

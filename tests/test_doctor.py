@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from peer.compute import device_probe
-from peer.config import RunConfig
-from peer.node import doctor
-from peer.node.doctor import DoctorOptions, run_doctor, verdict
-from peer.node.planning import workload_for
+from tasklet.peer.compute import device_probe
+from tasklet.peer.config import RunConfig
+from tasklet.peer.node import doctor
+from tasklet.peer.node.doctor import DoctorOptions, run_doctor, verdict
+from tasklet.peer.node.planning import workload_for
 from tests.support.fake_devices import fake_mps, fake_rocm
 
 KEYS = ["device", "memory", "disk", "ports", "reachability", "clock", "links", "verdict"]

@@ -14,11 +14,11 @@ import pytest
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer
 
-from peer.config import SECRET_ENV, ConfigError, resolve_secret
-from peer.net import PeerClient, PeerServer, TransportConfig
-from peer.net.endpoint import set_relay_credentials
-from peer.net.limits import ConnectionCap, raise_nofile
-from peer.net.relay import (
+from tasklet.peer.config import SECRET_ENV, ConfigError, resolve_secret
+from tasklet.peer.net import PeerClient, PeerServer, TransportConfig
+from tasklet.peer.net.endpoint import set_relay_credentials
+from tasklet.peer.net.limits import ConnectionCap, raise_nofile
+from tasklet.peer.net.relay import (
     MAGIC,
     RelayAgent,
     RelayLimits,
@@ -27,9 +27,9 @@ from peer.net.relay import (
     registration_proof,
     relay_key,
 )
-from peer.observe import http as observe_http
-from peer.swarm.identity import Identity
-from peer.swarm.records import (
+from tasklet.peer.observe import http as observe_http
+from tasklet.peer.swarm.identity import Identity
+from tasklet.peer.swarm.records import (
     MAX_SUBKEYS_PER_OWNER,
     MAX_VALUE_BYTES,
     RECORD_TTL_S,
@@ -37,8 +37,8 @@ from peer.swarm.records import (
     record_key,
     seal,
 )
-from peer.timing import now
-from protocol.errors import PeerUnreachable
+from tasklet.peer.timing import now
+from tasklet.protocol.errors import PeerUnreachable
 
 RUN = "doors-run"
 KEY = relay_key("open sesame", RUN)
@@ -321,9 +321,9 @@ def test_the_secret_from_a_flag_a_file_or_the_environment(tmp_path: Path) -> Non
 
 # ------------------------------------------------------------------------------------------------ run record
 def test_a_run_record_without_fingerprints_is_refused() -> None:
-    from peer.config import RunConfig
-    from peer.node.joining import JoinError, check_files
-    from peer.swarm.membership import RunRecord
+    from tasklet.peer.config import RunConfig
+    from tasklet.peer.node.joining import JoinError, check_files
+    from tasklet.peer.swarm.membership import RunRecord
 
     config = RunConfig.from_dict({"run": {"corpus": "stdlib"}}, where="test")
     published = config.public_dict()
@@ -347,7 +347,7 @@ def test_idle_streams_are_cancelled_and_free_their_slots() -> None:
 
     import grpc
 
-    from protocol import tasklet_pb2 as pb
+    from tasklet.protocol import tasklet_pb2 as pb
 
     got: list[pb.Envelope] = []
     server = PeerServer(TransportConfig(max_concurrent_streams=2, thread_pool_size=4, stream_idle_s=1.0,

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from peer.emulation.doors_attack import PeakSampler, proc_usage
-from peer.emulation.multihost import (
+from tasklet.peer.emulation.doors_attack import PeakSampler, proc_usage
+from tasklet.peer.emulation.multihost import (
     BULK_PORT,
     GRPC_PORT,
     RELAY_PORT,
@@ -27,9 +27,9 @@ from peer.emulation.multihost import (
     readme_flags,
     write_config,
 )
-from peer.emulation.netbed import NetBed
-from peer.emulation.procs import PEER_COMMAND
-from peer.swarm.identity import Identity
+from tasklet.peer.emulation.netbed import NetBed
+from tasklet.peer.emulation.procs import PEER_COMMAND
+from tasklet.peer.swarm.identity import Identity
 
 pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.timeout(400)]
 REPO = Path(__file__).resolve().parent.parent
@@ -47,7 +47,7 @@ def _wait_for(peers: BedPeers, name: str, needle: str, timeout_s: float) -> None
 
 
 def _attack(host, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(host.cmd(sys.executable, "-m", "peer.emulation.doors_attack", *args),
+    return subprocess.Popen(host.cmd(sys.executable, "-m", "tasklet.peer.emulation.doors_attack", *args),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
 
 

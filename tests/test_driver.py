@@ -14,18 +14,18 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from peer.compute.data import Corpus
-from peer.compute.model import unflatten_stage
-from peer.compute.reference import train_reference
-from peer.compute.stage import flat_digest
-from peer.runtime.assign import build_assignments
-from peer.runtime.checkpoints import CheckpointStore
-from peer.runtime.control import SourceKind
-from peer.runtime.lead.coordinator import StepFailedError, StepReport
-from peer.runtime.lead.driver import DriverConfig, Pipelines, RunDriver, Stages, StragglerJudge, _stage_holders
-from peer.runtime.lead.spot import Finding
-from peer.runtime.lead.step import TooFewPeersError
-from peer.runtime.stage.step import Work
+from tasklet.peer.compute.data import Corpus
+from tasklet.peer.compute.model import unflatten_stage
+from tasklet.peer.compute.reference import train_reference
+from tasklet.peer.compute.stage import flat_digest
+from tasklet.peer.runtime.assign import build_assignments
+from tasklet.peer.runtime.checkpoints import CheckpointStore
+from tasklet.peer.runtime.control import SourceKind
+from tasklet.peer.runtime.lead.coordinator import StepFailedError, StepReport
+from tasklet.peer.runtime.lead.driver import DriverConfig, Pipelines, RunDriver, Stages, StragglerJudge, _stage_holders
+from tasklet.peer.runtime.lead.spot import Finding
+from tasklet.peer.runtime.lead.step import TooFewPeersError
+from tasklet.peer.runtime.stage.step import Work
 from tests.support.driver import SPEC, WHOLE_MODEL, FakePlanner, make_driver
 
 

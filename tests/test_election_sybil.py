@@ -7,12 +7,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from peer.compute.device_probe import DeviceInfo
-from peer.swarm.adverts import Advert
-from peer.swarm.election import bootstrap_credited, credited_of, elect_leader, seniority
-from peer.swarm.identity import Identity
-from peer.swarm.membership import ClockSkewError, Membership, PeerEntry
-from peer.timing import now
+from tasklet.peer.compute.device_probe import DeviceInfo
+from tasklet.peer.swarm.adverts import Advert
+from tasklet.peer.swarm.election import bootstrap_credited, credited_of, elect_leader, seniority
+from tasklet.peer.swarm.identity import Identity
+from tasklet.peer.swarm.membership import ClockSkewError, Membership, PeerEntry
+from tasklet.peer.timing import now
 
 DEVICE = DeviceInfo("emulated", "cpu", 2**33, 10.0, False, True)
 HONEST = ["h-lead", "h-1", "h-2", "h-3"]  # joined in this order

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from peer.config import EmulationSection
-from peer.emulation.network import (
+from tasklet.peer.config import EmulationSection
+from tasklet.peer.emulation.network import (
     DeclaredSpeedClock,
     LinkModel,
     LoopbackLinks,
@@ -18,11 +18,11 @@ from peer.emulation.network import (
     loopback_device,
     loopback_host,
 )
-from peer.node.emulated_links import EmulatedLinks, emulated_device
-from peer.runtime.assign import build_assignments
-from peer.runtime.spec import Assignment, RunSpec
-from peer.runtime.stage.outbox import DeviceClock
-from peer.swarm.adverts import Advert
+from tasklet.peer.node.emulated_links import EmulatedLinks, emulated_device
+from tasklet.peer.runtime.assign import build_assignments
+from tasklet.peer.runtime.spec import Assignment, RunSpec
+from tasklet.peer.runtime.stage.outbox import DeviceClock
+from tasklet.peer.swarm.adverts import Advert
 
 
 class VirtualSpeedClock(DeclaredSpeedClock):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from peer.emulation.local import LinkModel, train_plan
+from tasklet.peer.emulation.local import LinkModel, train_plan
 from tests.support.equivalence import PIPELINES, SPEC, STAGES, STEPS, check_equivalent
 
 pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)

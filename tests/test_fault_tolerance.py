@@ -15,12 +15,12 @@ import threading
 import pytest
 import torch
 
-from peer.compute.data import Corpus
-from peer.compute.model import ModelConfig, unflatten_stage
-from peer.compute.reference import train_reference
-from peer.compute.stage import OptimConfig
-from peer.emulation.local import LinkModel, LocalSwarm, RunResult
-from peer.runtime.spec import RunSpec
+from tasklet.peer.compute.data import Corpus
+from tasklet.peer.compute.model import ModelConfig, unflatten_stage
+from tasklet.peer.compute.reference import train_reference
+from tasklet.peer.compute.stage import OptimConfig
+from tasklet.peer.emulation.local import LinkModel, LocalSwarm, RunResult
+from tasklet.peer.runtime.spec import RunSpec
 
 pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
 

@@ -22,9 +22,9 @@ from bench.headline.plot import write_png
 from bench.headline.report import RunSummary, max_loss_difference, representatives, table, targets
 from bench.headline.run import run_plan
 from bench.headline.setup import ONE_PER_CITY, HeadlineConfig, HeadlineConfigError, build_cluster, prepare
-from peer.compute.model import ModelConfig
-from scheduler import Cluster
-from scheduler.cluster import default_scenarios_path
+from tasklet.peer.compute.model import ModelConfig
+from tasklet.scheduler import Cluster
+from tasklet.scheduler.cluster import default_scenarios_path
 
 pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
 

@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.compute.data import Corpus
-from peer.compute.hf import resolve_model
-from peer.compute.hf.export import export, generate, write_result
-from peer.compute.model import unflatten_stage
-from peer.compute.reference import train_reference
-from peer.compute.stage import OptimConfig
-from peer.emulation.local import train_plan
-from peer.runtime.spec import RunSpec
+from tasklet.peer.compute.data import Corpus
+from tasklet.peer.compute.hf import resolve_model
+from tasklet.peer.compute.hf.export import export, generate, write_result
+from tasklet.peer.compute.model import unflatten_stage
+from tasklet.peer.compute.reference import train_reference
+from tasklet.peer.compute.stage import OptimConfig
+from tasklet.peer.emulation.local import train_plan
+from tasklet.peer.runtime.spec import RunSpec
 
 STEPS = 5
 STAGES = [(0, 2), (2, 4)]

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from peer.compute.hf import ModelSourceError, resolve_model
-from peer.compute.hf import spec as spec_module
-from peer.compute.hf.selfcheck import self_check, tiny_copy
+from tasklet.peer.compute.hf import ModelSourceError, resolve_model
+from tasklet.peer.compute.hf import spec as spec_module
+from tasklet.peer.compute.hf.selfcheck import self_check, tiny_copy
 
 LAYOUTS = {
     "tiny-llama": "LlamaForCausalLM: model.embed_tokens, model.layers[], model.norm, lm_head",

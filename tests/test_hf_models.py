@@ -5,21 +5,21 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from peer.compute.data import microbatch
-from peer.compute.hf import ModelSourceError, resolve_model
-from peer.compute.hf.export import export, generate, write_result
-from peer.compute.hf.stage import full_model
-from peer.compute.model import unflatten_stage
-from peer.compute.reference import train_reference
-from peer.compute.stage import OptimConfig, StageCompute, StageComputeConfig
-from peer.compute.textdata import load_corpus
-from peer.compute.tokenize import TokenizerError
+from tasklet.peer.compute.data import microbatch
+from tasklet.peer.compute.hf import ModelSourceError, resolve_model
+from tasklet.peer.compute.hf.export import export, generate, write_result
+from tasklet.peer.compute.hf.stage import full_model
+from tasklet.peer.compute.model import unflatten_stage
+from tasklet.peer.compute.reference import train_reference
+from tasklet.peer.compute.stage import OptimConfig, StageCompute, StageComputeConfig
+from tasklet.peer.compute.textdata import load_corpus
+from tasklet.peer.compute.tokenize import TokenizerError
+from tasklet.peer.emulation.procs import PEER_COMMAND as PEER
 from tests.support.hf import make_tokenizer, save_model, write_jsonl, write_parquet
 
 OPTIM = OptimConfig(lr=3e-3, eps=1e-3)
@@ -125,7 +125,7 @@ def test_export_loads_with_from_pretrained_and_matches_the_pipeline(
     assert err < 1e-5, f"exported logits differ from the pipeline's by {err:.2e}"
     text = generate(out, "def ", max_new_tokens=8)
     assert text.startswith("def ") and len(text) > 4
-    cli = subprocess.run([sys.executable, "-m", "peer.cli", "generate", "--model", str(out), "--prompt", "import",
+    cli = subprocess.run([*PEER, "generate", "--model", str(out), "--prompt", "import",
                           "--max-new-tokens", "5"], capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0, cli.stderr
     assert cli.stdout.startswith("import") and len(cli.stdout.strip()) > len("import")
@@ -171,7 +171,7 @@ def test_jsonl_without_the_text_field_is_refused(files: Path, tmp_path: Path) ->
 
 
 def test_a_spec_from_the_network_with_an_absurd_shape_is_refused() -> None:
-    from peer.runtime.spec import RunSpec, SpecError
+    from tasklet.peer.runtime.spec import RunSpec, SpecError
 
     d = RunSpec(model=resolve_model("tiny-llama", 16)).to_dict()
     d["model"]["config"]["num_hidden_layers"] = 10**9

@@ -14,15 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.compute.hf.export import read_result
-from peer.runtime.spec import RunSpec
+from tasklet.peer.compute.hf.export import read_result
+from tasklet.peer.runtime.spec import RunSpec
 from tests.support.hf import make_tokenizer, save_model, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("processes")
 
 
 def peer(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "peer.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "tasklet.peer.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
 
 
 @pytest.mark.timeout(600)

@@ -11,15 +11,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from peer.compute.data import microbatch
-from peer.compute.hf import resolve_model
-from peer.compute.hf.export import export, write_result
-from peer.compute.hf.stage import full_model
-from peer.compute.hf.tied import sum_tied, tied_slice, tied_sq_norm
-from peer.compute.model import unflatten_stage
-from peer.compute.reference import train_reference
-from peer.compute.stage import OptimConfig, StageCompute, StageComputeConfig
-from peer.compute.textdata import load_corpus
+from tasklet.peer.compute.data import microbatch
+from tasklet.peer.compute.hf import resolve_model
+from tasklet.peer.compute.hf.export import export, write_result
+from tasklet.peer.compute.hf.stage import full_model
+from tasklet.peer.compute.hf.tied import sum_tied, tied_slice, tied_sq_norm
+from tasklet.peer.compute.model import unflatten_stage
+from tasklet.peer.compute.reference import train_reference
+from tasklet.peer.compute.stage import OptimConfig, StageCompute, StageComputeConfig
+from tasklet.peer.compute.textdata import load_corpus
 
 SPLIT = [(0, 2), (2, 4)]
 STEPS, N_MB, MB = 5, 2, 2

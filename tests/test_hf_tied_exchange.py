@@ -14,23 +14,23 @@ from typing import Any
 import pytest
 import torch
 
-from peer.compute.hf import resolve_model
-from peer.compute.stage import StageCompute, StageComputeConfig
-from peer.config import RunConfig
-from peer.runtime import control as ctl
-from peer.runtime.assign import build_assignments
-from peer.runtime.bounds import ENVELOPE_SLACK_BYTES, push_limits
-from peer.runtime.roles import Roles
-from peer.runtime.spec import Assignment, RunSpec, SpecError
-from peer.runtime.stage.exchange import ExchangeAbortedError, ExchangeTimeoutError, GradientExchange
-from peer.runtime.stage.intake import Intake
-from peer.runtime.stage.snapshot import Tasklet
-from peer.runtime.stage.step import WorkerStep
-from peer.runtime.stage.tied import TiedEnd, combine, sum_with_other_end, tied_end, tied_envelope
-from peer.runtime.wire import make_key, tensor_named
-from protocol import tasklet_pb2 as pb
-from protocol.codec import decode_tensor
-from protocol.errors import BadMessage, Forbidden, Rejected
+from tasklet.peer.compute.hf import resolve_model
+from tasklet.peer.compute.stage import StageCompute, StageComputeConfig
+from tasklet.peer.config import RunConfig
+from tasklet.peer.runtime import control as ctl
+from tasklet.peer.runtime.assign import build_assignments
+from tasklet.peer.runtime.bounds import ENVELOPE_SLACK_BYTES, push_limits
+from tasklet.peer.runtime.roles import Roles
+from tasklet.peer.runtime.spec import Assignment, RunSpec, SpecError
+from tasklet.peer.runtime.stage.exchange import ExchangeAbortedError, ExchangeTimeoutError, GradientExchange
+from tasklet.peer.runtime.stage.intake import Intake
+from tasklet.peer.runtime.stage.snapshot import Tasklet
+from tasklet.peer.runtime.stage.step import WorkerStep
+from tasklet.peer.runtime.stage.tied import TiedEnd, combine, sum_with_other_end, tied_end, tied_envelope
+from tasklet.peer.runtime.wire import make_key, tensor_named
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.codec import decode_tensor
+from tasklet.protocol.errors import BadMessage, Forbidden, Rejected
 
 pytestmark = pytest.mark.unit
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from peer.config import RunConfig
-from peer.node.history import (
+from tasklet.peer.config import RunConfig
+from tasklet.peer.node.history import (
     HISTORY_STEPS,
     MAX_REASON,
     NO_LOSS,
@@ -28,8 +28,8 @@ from peer.node.history import (
     adopt_history,
     newest_record,
 )
-from peer.node.leader_role import LeaderRole
-from peer.runtime.spec import RunSpec
+from tasklet.peer.node.leader_role import LeaderRole
+from tasklet.peer.runtime.spec import RunSpec
 
 pytestmark = pytest.mark.unit
 

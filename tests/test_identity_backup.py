@@ -8,13 +8,19 @@ from pathlib import Path
 
 import pytest
 
-from peer.node.identity_backup import MAX_BACKUP_BYTES, BackupError, export_identity, import_identity, read_backup
-from peer.swarm.identity import Identity
+from tasklet.peer.node.identity_backup import (
+    MAX_BACKUP_BYTES,
+    BackupError,
+    export_identity,
+    import_identity,
+    read_backup,
+)
+from tasklet.peer.swarm.identity import Identity
 
 
 @pytest.fixture(name="key")
 def key_fixture(tmp_path: Path) -> tuple[Path, str]:
-    path = tmp_path / "peer.key"
+    path = tmp_path / "tasklet.peer.key"
     return path, Identity.load_or_create(path).peer_id
 
 
@@ -23,7 +29,7 @@ def test_round_trip(tmp_path: Path, key: tuple[Path, str]) -> None:
     backup = tmp_path / "backup.txt"
     assert export_identity(path, backup) == peer_id
     assert stat.S_IMODE(backup.stat().st_mode) == 0o600
-    restored = tmp_path / "new" / "peer.key"
+    restored = tmp_path / "new" / "tasklet.peer.key"
     assert import_identity(backup, restored) == peer_id
     assert stat.S_IMODE(restored.stat().st_mode) == 0o600
     assert Identity.load(restored).peer_id == peer_id and restored.read_bytes() == path.read_bytes()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from bench.launcher import ForkedPeers
-from peer.emulation.procs import write_small_config
+from tasklet.peer.emulation.procs import write_small_config
 
 pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
 

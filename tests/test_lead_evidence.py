@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from peer.runtime.lead.coordinator import Coordinator
-from peer.runtime.lead.machine import StepMachine
-from peer.runtime.lead.referee import Referee
-from peer.runtime.lead.resync import Resync, judge_stage
-from peer.runtime.spec import RunSpec
+from tasklet.peer.runtime.lead.coordinator import Coordinator
+from tasklet.peer.runtime.lead.machine import StepMachine
+from tasklet.peer.runtime.lead.referee import Referee
+from tasklet.peer.runtime.lead.resync import Resync, judge_stage
+from tasklet.peer.runtime.spec import RunSpec
 from tests.test_step_machine import ep, make_roster
 
 pytestmark = pytest.mark.unit
@@ -165,7 +165,7 @@ def resync_over(held: dict[str, str], events: list[tuple[str, dict[str, Any]]],
 
 
 def test_check_replicas_excludes_the_liars_and_signs_the_honest_hash(monkeypatch: pytest.MonkeyPatch) -> None:
-    import peer.runtime.lead.resync as resync_module
+    import tasklet.peer.runtime.lead.resync as resync_module
     monkeypatch.setattr(resync_module, "flat_digest", lambda params: params)  # the served "bytes" are the hash
     roster = make_roster(3)
     stage1 = [ep(1, r) for r in range(3)]
@@ -182,7 +182,7 @@ def test_check_replicas_excludes_the_liars_and_signs_the_honest_hash(monkeypatch
 
 
 def test_check_replicas_leaves_a_two_replica_dispute_unsigned_and_reported(monkeypatch: pytest.MonkeyPatch) -> None:
-    import peer.runtime.lead.resync as resync_module
+    import tasklet.peer.runtime.lead.resync as resync_module
     monkeypatch.setattr(resync_module, "flat_digest", lambda params: params)
     roster = make_roster(2)
     held = {e: GOOD for e in roster.assignments} | {ep(0, 1): BAD}

@@ -10,13 +10,13 @@ from collections.abc import Callable, Iterator
 import pytest
 from hivemind.utils import get_dht_time
 
-from peer.compute.device_probe import DeviceInfo
-from peer.swarm.adverts import Advert
-from peer.swarm.dht import DHTConfig, start_dht, visible_maddrs
-from peer.swarm.election import elect_leader
-from peer.swarm.identity import Identity
-from peer.swarm.membership import Membership, PeerEntry
-from peer.swarm.plans import MAX_EPOCH_STEP, NoQuorumError, PlanBoard, PlanRecord, has_quorum
+from tasklet.peer.compute.device_probe import DeviceInfo
+from tasklet.peer.swarm.adverts import Advert
+from tasklet.peer.swarm.dht import DHTConfig, start_dht, visible_maddrs
+from tasklet.peer.swarm.election import elect_leader
+from tasklet.peer.swarm.identity import Identity
+from tasklet.peer.swarm.membership import Membership, PeerEntry
+from tasklet.peer.swarm.plans import MAX_EPOCH_STEP, NoQuorumError, PlanBoard, PlanRecord, has_quorum
 
 pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
 

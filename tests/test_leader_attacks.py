@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from peer.emulation.procs import PeerProcesses, child_env, launch, poll_until, status_json, write_small_config
-from peer.emulation.reference_check import gap_to_reference
+from tasklet.peer.emulation.procs import PeerProcesses, child_env, launch, poll_until, status_json, write_small_config
+from tasklet.peer.emulation.reference_check import gap_to_reference
 
 pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
 
@@ -35,9 +35,9 @@ PATCHED = '''\
 import dataclasses
 import sys
 
-from peer.node.leader_role import LeaderRole
-from peer.runtime import control as ctl
-from peer.swarm.progress import ProgressBoard
+from tasklet.peer.node.leader_role import LeaderRole
+from tasklet.peer.runtime import control as ctl
+from tasklet.peer.swarm.progress import ProgressBoard
 
 MODE, CANARY = sys.argv.pop(1), sys.argv.pop(1)
 honest_envelope = ctl.StageAssignment.to_envelope
@@ -64,7 +64,7 @@ else:  # it leads without ever planning: its beat is all the followers see of it
     ProgressBoard.publish = publish
     LeaderRole._lead = lambda self: self.stop_event.wait()
 
-from peer.cli import main
+from tasklet.peer.cli import main
 
 sys.exit(main())
 '''

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from peer.emulation.procs import (
+from tasklet.peer.emulation.procs import (
     PEER_COMMAND,
     PeerProcesses,
     child_env,
@@ -31,8 +31,8 @@ from peer.emulation.procs import (
     status_json,
     write_small_config,
 )
-from peer.emulation.reference_check import gap_to_reference
-from peer.swarm.identity import Identity
+from tasklet.peer.emulation.reference_check import gap_to_reference
+from tasklet.peer.swarm.identity import Identity
 
 pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
 
@@ -41,9 +41,9 @@ PATCHED = '''\
 """A volunteer's modified client: it testifies for nobody and forges a run record, then the ordinary CLI."""
 import sys
 
-from peer.swarm.charter import sign_run
-from peer.swarm.membership import Membership
-from peer.timing import now
+from tasklet.peer.swarm.charter import sign_run
+from tasklet.peer.swarm.membership import Membership
+from tasklet.peer.timing import now
 
 honest_announce = Membership.announce
 
@@ -62,7 +62,7 @@ def announce(self, advert):
 
 Membership.announce = announce
 
-from peer.cli import main
+from tasklet.peer.cli import main
 
 sys.exit(main())
 '''

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from peer.compute.device_probe import DeviceInfo
-from peer.config import ConfigError, RunConfig
-from peer.node.leadership import Leadership
-from peer.node.roles import Action, Observed, State, transition
-from peer.swarm.adverts import Advert
-from peer.swarm.charter import (
+from tasklet.peer.compute.device_probe import DeviceInfo
+from tasklet.peer.config import ConfigError, RunConfig
+from tasklet.peer.node.leadership import Leadership
+from tasklet.peer.node.roles import Action, Observed, State, transition
+from tasklet.peer.swarm.adverts import Advert
+from tasklet.peer.swarm.charter import (
     CharterError,
     LeaderPolicy,
     run_organiser,
@@ -19,12 +19,12 @@ from peer.swarm.charter import (
     stewards_of,
     waiting_line,
 )
-from peer.swarm.election import elect
-from peer.swarm.identity import Identity
-from peer.swarm.membership import PeerEntry
-from peer.swarm.plans import check_plan_body
-from peer.swarm.records import SignedRecord
-from peer.swarm.view import SwarmView
+from tasklet.peer.swarm.election import elect
+from tasklet.peer.swarm.identity import Identity
+from tasklet.peer.swarm.membership import PeerEntry
+from tasklet.peer.swarm.plans import check_plan_body
+from tasklet.peer.swarm.records import SignedRecord
+from tasklet.peer.swarm.view import SwarmView
 
 pytestmark = pytest.mark.unit
 
@@ -240,7 +240,7 @@ def test_done_is_accepted_only_at_the_signed_last_step_and_a_false_one_deposes_a
 
 
 def test_an_elected_leader_that_trains_no_step_for_long_is_deposed() -> None:
-    from peer.node.leadership import NO_PROGRESS_MIN_S
+    from tasklet.peer.node.leadership import NO_PROGRESS_MIN_S
 
     t = [0.0]
     view = _DoneView(LeaderPolicy.from_record("org", "any"))
@@ -282,7 +282,7 @@ def test_an_order_may_name_only_live_peers_of_the_run_with_their_own_certificate
 
 
 def test_the_dashboard_says_the_swarm_waits_for_a_steward() -> None:
-    from peer.observe.snapshot import SwarmSource, build_snapshot
+    from tasklet.peer.observe.snapshot import SwarmSource, build_snapshot
 
     policy = LeaderPolicy.from_record("org", ["s1", "s2"])
     waiting = {"organiser": "org", "leaders": list(policy.stewards), "waiting": waiting_line(policy)}
@@ -296,7 +296,7 @@ def test_the_dashboard_says_the_swarm_waits_for_a_steward() -> None:
 
 
 def test_peer_status_says_the_swarm_waits_for_a_steward() -> None:
-    from peer.swarm.status import SwarmStatus, format_status
+    from tasklet.peer.swarm.status import SwarmStatus, format_status
 
     line = waiting_line(LeaderPolicy.from_record("org", None))
     st = SwarmStatus([], {"epoch": 3, "leader": "org", "pipelines": [], "stages": []}, {"step": 4, "state": "training"},

@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-from peer.cli import join_paths
-from peer.compute.textdata import load_corpus
-from peer.config import RunConfig, local_paths_from_toml, strip_local_paths
-from peer.node.joining import JoinError, check_files, joiner_config
-from peer.swarm.membership import RunRecord
+from tasklet.peer.cli import join_paths
+from tasklet.peer.compute.textdata import load_corpus
+from tasklet.peer.config import RunConfig, local_paths_from_toml, strip_local_paths
+from tasklet.peer.node.joining import JoinError, check_files, joiner_config
+from tasklet.peer.swarm.membership import RunRecord
 
 HOSTILE = {
     ("run", "corpus"): "~/secret.txt",
@@ -81,7 +81,7 @@ def test_a_joiner_opens_nothing_a_hostile_record_names(tmp_path: Path, caplog: p
     _OPENED.clear()
     _WATCH.append(True)
     try:
-        with caplog.at_level(logging.WARNING, logger="peer.node.joining"):
+        with caplog.at_level(logging.WARNING, logger="tasklet.peer.node.joining"):
             config = joiner_config(record.config, own, "tasklet")
             files = check_files(config, record)
     finally:
@@ -130,8 +130,8 @@ def test_join_paths_come_from_flags_then_the_own_run_toml_then_the_state_folder(
 def test_an_assignment_is_built_from_this_peers_own_files_not_the_leaders() -> None:
     from dataclasses import replace
 
-    from peer.runtime.stage.assignment import with_local_files
-    from protocol.errors import Rejected
+    from tasklet.peer.runtime.stage.assignment import with_local_files
+    from tasklet.protocol.errors import Rejected
 
     config = RunConfig()
     config.model.config = "tiny-llama"

@@ -13,12 +13,18 @@ from collections.abc import Callable, Iterator
 import pytest
 from hivemind.utils import get_dht_time
 
-from peer.compute.device_probe import DeviceInfo
-from peer.swarm.adverts import Advert, LinkReport
-from peer.swarm.charter import CharterError, run_organiser
-from peer.swarm.dht import DHTConfig, start_dht, visible_maddrs
-from peer.swarm.identity import Identity
-from peer.swarm.membership import Membership, OrganiserError, SwarmSecretError, organisers_run, verify_swarm_secret
+from tasklet.peer.compute.device_probe import DeviceInfo
+from tasklet.peer.swarm.adverts import Advert, LinkReport
+from tasklet.peer.swarm.charter import CharterError, run_organiser
+from tasklet.peer.swarm.dht import DHTConfig, start_dht, visible_maddrs
+from tasklet.peer.swarm.identity import Identity
+from tasklet.peer.swarm.membership import (
+    Membership,
+    OrganiserError,
+    SwarmSecretError,
+    organisers_run,
+    verify_swarm_secret,
+)
 
 pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
 

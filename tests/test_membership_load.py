@@ -15,15 +15,15 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from peer.compute.device_probe import DeviceInfo
-from peer.swarm.adverts import Advert
-from peer.swarm.dht import DHTConfig, ops_delta, start_dht, visible_maddrs
-from peer.swarm.identity import Identity
-from peer.swarm.membership import Membership
-from peer.swarm.plans import PlanBoard
-from peer.swarm.progress import ProgressBoard
-from peer.swarm.view import SwarmView
-from peer.timing import now
+from tasklet.peer.compute.device_probe import DeviceInfo
+from tasklet.peer.swarm.adverts import Advert
+from tasklet.peer.swarm.dht import DHTConfig, ops_delta, start_dht, visible_maddrs
+from tasklet.peer.swarm.identity import Identity
+from tasklet.peer.swarm.membership import Membership
+from tasklet.peer.swarm.plans import PlanBoard
+from tasklet.peer.swarm.progress import ProgressBoard
+from tasklet.peer.swarm.view import SwarmView
+from tasklet.peer.timing import now
 
 pytestmark = pytest.mark.usefixtures("processes")
 

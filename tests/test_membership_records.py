@@ -7,10 +7,10 @@ import stat
 
 import pytest
 
-from peer.compute.device_probe import DeviceInfo
-from peer.swarm.adverts import PROTOCOL_VERSION, Advert, LinkReport, check_endpoint
-from peer.swarm.identity import Identity, peer_id_from_public_key, split_owner_subkey
-from peer.swarm.records import MacStatus, RecordStore, canonical_json
+from tasklet.peer.compute.device_probe import DeviceInfo
+from tasklet.peer.swarm.adverts import PROTOCOL_VERSION, Advert, LinkReport, check_endpoint
+from tasklet.peer.swarm.identity import Identity, peer_id_from_public_key, split_owner_subkey
+from tasklet.peer.swarm.records import MacStatus, RecordStore, canonical_json
 
 DEVICE = DeviceInfo("RTX 4090", "cuda", 24 * 2**30, 82.5, True, False)
 
@@ -93,7 +93,7 @@ def test_link_report_checks():
 
 
 def test_identity_file_round_trip(tmp_path):
-    path = tmp_path / "keys" / "peer.key"
+    path = tmp_path / "keys" / "tasklet.peer.key"
     first = Identity.load_or_create(path)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     second = Identity.load_or_create(path)

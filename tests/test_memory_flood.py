@@ -30,15 +30,15 @@ from pathlib import Path
 import grpc
 import pytest
 
-from peer.emulation.local import LocalWorkers
-from peer.net import PeerClient, TransportConfig
-from peer.net.bulk_wire import HEAD, HEAD_MAGIC, read_reply
-from peer.net.endpoint import parse_endpoint
-from peer.net.tls import SERVER_NAME, TlsContext
-from peer.runtime.bounds import ASSIGNMENT_BYTES
-from peer.runtime.stage.worker import WORKER_TRANSPORT
-from protocol import PROTOCOL_VERSION
-from protocol import tasklet_pb2 as pb
+from tasklet.peer.emulation.local import LocalWorkers
+from tasklet.peer.net import PeerClient, TransportConfig
+from tasklet.peer.net.bulk_wire import HEAD, HEAD_MAGIC, read_reply
+from tasklet.peer.net.endpoint import parse_endpoint
+from tasklet.peer.net.tls import SERVER_NAME, TlsContext
+from tasklet.peer.runtime.bounds import ASSIGNMENT_BYTES
+from tasklet.peer.runtime.stage.worker import WORKER_TRANSPORT
+from tasklet.protocol import PROTOCOL_VERSION
+from tasklet.protocol import tasklet_pb2 as pb
 
 pytestmark = pytest.mark.usefixtures("processes")
 

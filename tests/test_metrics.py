@@ -16,15 +16,15 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from peer.emulation.procs import PeerProcesses, write_small_config
-from peer.net import PeerClient, PeerServer, TransportConfig
-from peer.net.tls import TlsContext, make_certificate
-from peer.observe.http import ObserveServer
-from peer.observe.metrics import NodeMetrics
-from peer.swarm.identity import Identity
-from protocol import tasklet_pb2 as pb
-from protocol.codec import encode_tensor
-from protocol.errors import BadMessage, PeerUnreachable, Refused
+from tasklet.peer.emulation.procs import PeerProcesses, write_small_config
+from tasklet.peer.net import PeerClient, PeerServer, TransportConfig
+from tasklet.peer.net.tls import TlsContext, make_certificate
+from tasklet.peer.observe.http import ObserveServer
+from tasklet.peer.observe.metrics import NodeMetrics
+from tasklet.peer.swarm.identity import Identity
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.codec import encode_tensor
+from tasklet.protocol.errors import BadMessage, PeerUnreachable, Refused
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

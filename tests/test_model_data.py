@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.compute.data import Corpus, CorpusError, decode, encode, microbatch
+from tasklet.peer.compute.data import Corpus, CorpusError, decode, encode, microbatch
 
 TEXT = "def f(x):\n    return x + 1  # größer, 数字\n" * 50
 

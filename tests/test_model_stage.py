@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from peer.compute.model import ModelConfig, ModelConfigError, build_stage, lm_loss
+from tasklet.peer.compute.model import ModelConfig, ModelConfigError, build_stage, lm_loss
 
 CFG = ModelConfig(n_layers=4, d_model=32, n_heads=4, seq_len=32, seed=11)
 SPLITS = [[(0, 4)], [(0, 2), (2, 4)], [(0, 1), (1, 4)], [(0, 1), (1, 2), (2, 3), (3, 4)]]
@@ -27,7 +27,7 @@ def _tokens(batch: int = 3, seq: int = 32) -> torch.Tensor:
 # Runs both here and in a fresh interpreter, so it must be self-contained source.
 DIGEST_SOURCE = '''
 import hashlib
-from peer.compute.model import build_stage
+from tasklet.peer.compute.model import build_stage
 
 
 def params_digest(cfg, first, last):

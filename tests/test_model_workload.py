@@ -4,18 +4,18 @@ the run's precision as the runtime holds it, the presets plan, and a stage never
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from peer.compute.hf import resolve_model
-from peer.node.planning import check_model_fits, workload_for
-from peer.runtime.spec import RunSpec
-from scheduler import Cluster, PlanningError, plan
-from scheduler.model_workload import from_hf_config, model_preset
+from tasklet.peer.compute.hf import resolve_model
+from tasklet.peer.emulation.procs import PEER_COMMAND
+from tasklet.peer.node.planning import check_model_fits, workload_for
+from tasklet.peer.runtime.spec import RunSpec
+from tasklet.scheduler import Cluster, PlanningError, plan
+from tasklet.scheduler.model_workload import from_hf_config, model_preset
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2", "tiny-gemma2", "tiny-olmo2", "tiny-granite",
@@ -62,7 +62,7 @@ def test_a_model_that_fits_no_device_is_refused_in_one_line(tmp_path: Path, proc
     scenario = tmp_path / "small.json"
     scenario.write_text('{"devices": 2, "delay_ms": [[0, 10], [10, 0]], "bandwidth_gbps": [[1, 1], [1, 1]], '
                         '"memory_gb": [0.001, 0.002]}')
-    cli = subprocess.run([sys.executable, "-m", "peer.cli", "swarm", "--peers", "2", "--scenario", str(scenario),
+    cli = subprocess.run([*PEER_COMMAND, "swarm", "--peers", "2", "--scenario", str(scenario),
                           "--model", "tiny-llama"], capture_output=True, text=True, timeout=120)
     assert cli.returncode == 2
     lines = cli.stderr.strip().splitlines()
@@ -73,8 +73,8 @@ def test_a_model_that_fits_no_device_is_refused_in_one_line(tmp_path: Path, proc
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2", "tiny-gemma2"])
 def test_half_precision_keeps_fp32_master_weights(preset: str, precision: str) -> None:
-    from peer.compute.data import Corpus, microbatch
-    from peer.compute.stage import OptimConfig, StageCompute, StageComputeConfig
+    from tasklet.peer.compute.data import Corpus, microbatch
+    from tasklet.peer.compute.stage import OptimConfig, StageCompute, StageComputeConfig
 
     torch.set_num_threads(1)
     model = resolve_model(preset, seq_len=32, seed=1)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from peer.emulation.multihost import (
+from tasklet.peer.emulation.multihost import (
     BULK_PORT,
     DHT_PORT,
     GRPC_PORT,
@@ -23,13 +23,13 @@ from peer.emulation.multihost import (
     readme_flags,
     write_config,
 )
-from peer.emulation.netbed import (
+from tasklet.peer.emulation.netbed import (
     NetBed,
     port_forwarded,
     three_public,
     two_public_two_home,
 )
-from peer.emulation.procs import PEER_COMMAND
+from tasklet.peer.emulation.procs import PEER_COMMAND
 
 pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.timeout(300)]
 STEPS = 5

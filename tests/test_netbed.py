@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from peer.emulation.netbed import (
+from tasklet.peer.emulation.netbed import (
     PREFIX,
     NetBed,
     can_connect,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from bench.leader_loss import BED_CHECKPOINT_EVERY, BED_STEPS, run_bed_leader_loss
-from peer.emulation.netbed import NetBed
+from tasklet.peer.emulation.netbed import NetBed
 
 pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.slow]
 

@@ -16,18 +16,18 @@ import threading
 
 import pytest
 
-from peer.emulation.local import LocalSwarm
-from protocol import tasklet_pb2 as pb
+from tasklet.peer.emulation.local import LocalSwarm
+from tasklet.protocol import tasklet_pb2 as pb
 from tests.support.equivalence import PIPELINES, SPEC, STAGES, STEPS, check_equivalent
 
 pytestmark = pytest.mark.usefixtures("processes")
 
 OUTSIDER = r"""
 import json, sys
-from peer.net import PeerClient, TransportConfig
-from peer.net.tls import TlsContext
-from protocol import tasklet_pb2 as pb
-from protocol.errors import TransportError
+from tasklet.peer.net import PeerClient, TransportConfig
+from tasklet.peer.net.tls import TlsContext
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.errors import TransportError
 
 endpoints, run_id = json.loads(sys.argv[1]), sys.argv[2]
 results = {}

@@ -7,14 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from peer.compute.device_probe import DeviceInfo
-from peer.compute.model import ModelConfig
-from peer.net.shaping import CappedLink, LinkShaper, LinkTable, set_upload_cap, upload_cap
-from peer.node.daemon import PeerOptions, owner_limits
-from peer.node.planning import build_cluster, owner_cap_bps, workload_for
-from peer.runtime.spec import RunSpec
-from peer.swarm.adverts import Advert, LinkReport
-from scheduler import plan
+from tasklet.peer.compute.device_probe import DeviceInfo
+from tasklet.peer.compute.model import ModelConfig
+from tasklet.peer.net.shaping import CappedLink, LinkShaper, LinkTable, set_upload_cap, upload_cap
+from tasklet.peer.node.daemon import PeerOptions, owner_limits
+from tasklet.peer.node.planning import build_cluster, owner_cap_bps, workload_for
+from tasklet.peer.runtime.spec import RunSpec
+from tasklet.peer.swarm.adverts import Advert, LinkReport
+from tasklet.scheduler import plan
 
 CAP_MBPS = 5.0
 SPEC = RunSpec(run_id="caps", model=ModelConfig(n_layers=4, d_model=256, n_heads=4, seq_len=256), micro_batch=4,

@@ -19,10 +19,17 @@ from pathlib import Path
 
 import pytest
 
-from peer.emulation.multihost import BedPeers
-from peer.emulation.netbed import Host, NetBed, open_bed, unavailable_reason
-from peer.emulation.procs import JOIN_LINE_PREFIX, PEER_COMMAND, child_env, poll_until, read_line, write_small_config
-from peer.emulation.reference_check import gap_to_reference
+from tasklet.peer.emulation.multihost import BedPeers
+from tasklet.peer.emulation.netbed import Host, NetBed, open_bed, unavailable_reason
+from tasklet.peer.emulation.procs import (
+    JOIN_LINE_PREFIX,
+    PEER_COMMAND,
+    child_env,
+    poll_until,
+    read_line,
+    write_small_config,
+)
+from tasklet.peer.emulation.reference_check import gap_to_reference
 
 pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.slow]
 
@@ -142,8 +149,8 @@ def test_partition_2_plus_2_minority_pauses_and_rejoins(tmp_path: Path) -> None:
             # the minority elected a leader of its own, which paused: no plan, no step there
             minority_logs = swarm.log("pub2") + swarm.log("pub3")
             assert "paused, only 2 of the 4 members" in minority_logs
-            assert "peer.runtime.lead.driver: plan epoch" not in minority_logs
-            assert "peer.runtime.lead.coordinator: step" not in minority_logs
+            assert "tasklet.peer.runtime.lead.driver: plan epoch" not in minority_logs
+            assert "tasklet.peer.runtime.lead.coordinator: step" not in minority_logs
 
             st = wait_status(hosts[0], dht0, lambda s: len(in_plan(s)) == 4, 120, "all four peers in one plan")
             rejoin_s = time.time() - t_heal
@@ -155,7 +162,7 @@ def test_partition_2_plus_2_minority_pauses_and_rejoins(tmp_path: Path) -> None:
             assert "run finished" in swarm.log("pub0")
             assert all("the run is done" in swarm.log(h.name) for h in hosts[1:])
             for host in minority:  # work again after the partition: a second assignment, from the same leader
-                assert swarm.log(host.name).count("peer.runtime.stage.worker: assigned stage") >= 2
+                assert swarm.log(host.name).count("tasklet.peer.runtime.stage.worker: assigned stage") >= 2
         finally:
             swarm.close()
     error = check_against_reference(save)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from peer.emulation.netbed import open_bed, unavailable_reason
-from peer.emulation.procs import JOIN_LINE_PREFIX, read_line, write_small_config
+from tasklet.peer.emulation.netbed import open_bed, unavailable_reason
+from tasklet.peer.emulation.procs import JOIN_LINE_PREFIX, read_line, write_small_config
 from tests.test_partition import Swarm, check_against_reference, cut, heal, in_plan, step_times, wait_status
 
 pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.slow]

@@ -4,14 +4,14 @@
 
 from __future__ import annotations
 
-from peer.compute.device_probe import DeviceInfo
-from peer.node.partition import QuorumWait, bounded_step, find_rival, judge, side_wins, split_step
-from peer.swarm.adverts import Advert
-from peer.swarm.election import elect_leader
-from peer.swarm.membership import PeerEntry
-from peer.swarm.plans import PlanRecord, has_quorum, waives
-from peer.swarm.status import SwarmStatus, format_status
-from peer.timing import now
+from tasklet.peer.compute.device_probe import DeviceInfo
+from tasklet.peer.node.partition import QuorumWait, bounded_step, find_rival, judge, side_wins, split_step
+from tasklet.peer.swarm.adverts import Advert
+from tasklet.peer.swarm.election import elect_leader
+from tasklet.peer.swarm.membership import PeerEntry
+from tasklet.peer.swarm.plans import PlanRecord, has_quorum, waives
+from tasklet.peer.swarm.status import SwarmStatus, format_status
+from tasklet.peer.timing import now
 
 DEVICE = DeviceInfo("emulated", "cpu", 2**33, 10.0, False, True)
 OLD = PlanRecord(3, "p0", {"pipelines": [["p0"], ["p1"], ["p2"], ["p3"]]}, ("p0", "p1", "p2", "p3"))

@@ -1,6 +1,6 @@
 """The `peer` command as a user meets it: clear one-line errors for what a user can get wrong.
 
-Real processes (``python -m peer.cli``), a real hivemind DHT on loopback. Each error must come back within a
+Real processes (``python -m tasklet.peer.cli``), a real hivemind DHT on loopback. Each error must come back within a
 bounded time as one line and a non-zero exit status, never a traceback.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from peer.emulation.procs import PEER_COMMAND, PeerProcesses, write_small_config
+from tasklet.peer.emulation.procs import PEER_COMMAND, PeerProcesses, write_small_config
 
 pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
 
@@ -104,8 +104,8 @@ def test_swarm_bad_arguments(args: list[str]) -> None:
 def test_bulk_port_flag_and_its_default_with_an_announced_address() -> None:
     """--bulk-port takes a port or 'off'; with --announce and no --bulk-port the lane is off (an announced address
     forwards the user's chosen ports, never one picked at start), with a chosen port it is on."""
-    from peer.cli import build_parser
-    from peer.node.daemon import bulk_lane_port
+    from tasklet.peer.cli import build_parser
+    from tasklet.peer.node.daemon import bulk_lane_port
 
     parse = build_parser().parse_args
     base = ["join", "--dht", "/ip4/127.0.0.1/tcp/1/p2p/X"]

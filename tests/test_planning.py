@@ -3,10 +3,10 @@ the current plan, so a departure moves few tasklets."""
 
 from __future__ import annotations
 
-from peer.compute.model import ModelConfig
-from peer.node.planning import ClusterView, make_planner
-from peer.runtime.spec import RunSpec
-from scheduler.cluster import load_scenario
+from tasklet.peer.compute.model import ModelConfig
+from tasklet.peer.node.planning import ClusterView, make_planner
+from tasklet.peer.runtime.spec import RunSpec
+from tasklet.scheduler.cluster import load_scenario
 
 SPEC = RunSpec(run_id="planning", model=ModelConfig(n_layers=8, d_model=64, n_heads=4, seq_len=32), micro_batch=4,
                n_microbatches=16)

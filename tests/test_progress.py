@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 import logging
 
-from peer.observe.progress import ProgressDisplay, progress_line
+from tasklet.peer.observe.progress import ProgressDisplay, progress_line
 
 
 def test_plain_lines_once_per_step_when_not_a_terminal() -> None:
@@ -42,7 +42,7 @@ def test_a_bar_on_a_terminal_with_logs_above_it() -> None:
         assert display.fancy
         assert handler.stream is not stream, "log lines must go through the live display while it runs"
         display.update(3, loss=4.25, tokens_per_s=900.0, epoch=2, peers=4)
-        logging.getLogger("peer.test").warning("a log line during training")
+        logging.getLogger("tasklet.peer.test").warning("a log line during training")
         display.close()
         assert handler.stream is stream
     finally:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from protocol import PROTOCOL_VERSION
-from protocol import tasklet_pb2 as pb
-from protocol.chunking import (
+from tasklet.protocol import PROTOCOL_VERSION
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.chunking import (
     Reassembler,
     decode_chunk,
     encode_chunk,
@@ -16,8 +16,8 @@ from protocol.chunking import (
     split_bytes,
     split_envelope,
 )
-from protocol.codec import decode_tensor, encode_tensor
-from protocol.errors import BadMessage
+from tasklet.protocol.codec import decode_tensor, encode_tensor
+from tasklet.protocol.errors import BadMessage
 
 
 @pytest.mark.parametrize(

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from protocol import tasklet_pb2 as pb
-from protocol.codec import DTYPES, decode_tensor, encode_tensor
-from protocol.errors import BadMessage
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.codec import DTYPES, decode_tensor, encode_tensor
+from tasklet.protocol.errors import BadMessage
 
 
 def _sample(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:

@@ -13,17 +13,17 @@ import shutil
 import numpy as np
 import pytest
 
-from protocol import fastcopy
+from tasklet.protocol import fastcopy
 
 
 def test_built_wherever_a_c_compiler_exists() -> None:
     """`pip install` builds it as an optional extension: with a compiler present, missing means a broken build."""
     if not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler here: the numpy path is used (tests/test_protocol_message.py covers it)")
-    assert fastcopy.AVAILABLE, "protocol._copycheck was not built: run `pip install -e .` (scripts/setup.sh)"
+    assert fastcopy.AVAILABLE, "tasklet.protocol._copycheck was not built: run `pip install -e .` (scripts/setup.sh)"
 
 
-needs_c = pytest.mark.skipif(not fastcopy.AVAILABLE, reason="protocol._copycheck is not built here")
+needs_c = pytest.mark.skipif(not fastcopy.AVAILABLE, reason="tasklet.protocol._copycheck is not built here")
 
 
 def _reference(dest: np.ndarray, at: int, src: np.ndarray, checked: int) -> int:

@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from protocol import lowbit
-from protocol import tasklet_pb2 as pb
-from protocol.codec import COMPRESSIONS, decode_tensor, encode_tensor
-from protocol.errors import BadMessage
+from tasklet.protocol import lowbit
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.codec import COMPRESSIONS, decode_tensor, encode_tensor
+from tasklet.protocol.errors import BadMessage
 
 
 def _blocks_absmax(x: torch.Tensor, block: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""protocol.message: envelopes whose tensor bytes travel outside protobuf.
+"""tasklet.protocol.message: envelopes whose tensor bytes travel outside protobuf.
 
 The wire form must be a valid serialized Envelope (protobuf reads it as the same message), the receiver's walk
 must read any valid Envelope exactly as protobuf does, however the stream is cut, and refuse what protobuf
@@ -12,12 +12,12 @@ import random
 import pytest
 import torch
 
-from protocol import PROTOCOL_VERSION, fastcopy
-from protocol import tasklet_pb2 as pb
-from protocol.chunking import Reassembler, decode_chunk, iter_chunk_wire, iter_segment_chunks
-from protocol.codec import decode_tensor, encode_tensor
-from protocol.errors import BadMessage
-from protocol.message import MAX_WALKED_FIELDS, BufferPool, StreamReader, WireEnvelope, varint
+from tasklet.protocol import PROTOCOL_VERSION, fastcopy
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.chunking import Reassembler, decode_chunk, iter_chunk_wire, iter_segment_chunks
+from tasklet.protocol.codec import decode_tensor, encode_tensor
+from tasklet.protocol.errors import BadMessage
+from tasklet.protocol.message import MAX_WALKED_FIELDS, BufferPool, StreamReader, WireEnvelope, varint
 
 
 def _wire_envelope() -> tuple[WireEnvelope, dict[str, torch.Tensor]]:
@@ -230,7 +230,7 @@ def float32_copy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     """Both ways the receiver copies and checks float32 data: the C routine (when built; tests/
     test_protocol_fastcopy.py requires it wherever a C compiler exists) and numpy."""
     if request.param == "c" and not fastcopy.AVAILABLE:
-        pytest.skip("protocol._copycheck is not built here")
+        pytest.skip("tasklet.protocol._copycheck is not built here")
     monkeypatch.setattr(fastcopy, "AVAILABLE", request.param == "c")
     return str(request.param)
 

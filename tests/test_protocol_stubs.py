@@ -6,8 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from protocol import PROTOCOL_VERSION
-from protocol import tasklet_pb2 as pb
+from tasklet.protocol import PROTOCOL_VERSION
+from tasklet.protocol import tasklet_pb2 as pb
 
 ROOT = Path(__file__).resolve().parent.parent
 STUBS = ("tasklet_pb2.py", "tasklet_pb2.pyi", "tasklet_pb2_grpc.py")
@@ -28,10 +28,10 @@ def test_checked_in_stubs_are_fresh(tmp_path: Path, processes: None) -> None:
 
 
 def test_grpc_stub_imports_from_the_package() -> None:
-    from protocol import tasklet_pb2_grpc
+    from tasklet.protocol import tasklet_pb2_grpc
 
     text = (ROOT / "protocol" / "tasklet_pb2_grpc.py").read_text()
-    assert "from protocol import tasklet_pb2 as tasklet__pb2" in text
+    assert "from tasklet.protocol import tasklet_pb2 as tasklet__pb2" in text
     assert tasklet_pb2_grpc.tasklet__pb2 is pb
 
 

@@ -14,16 +14,16 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-import peer.timing
-from peer.compute.device_probe import DeviceInfo
-from peer.swarm.adverts import Advert
-from peer.swarm.dht import DHTConfig, start_dht, visible_maddrs
-from peer.swarm.election import elect_leader
-from peer.swarm.identity import Identity
-from peer.swarm.membership import ClockSkewError, Membership
-from peer.swarm.plans import PlanBoard
-from peer.swarm.progress import ProgressBoard
-from peer.timing import now
+import tasklet.peer.timing
+from tasklet.peer.compute.device_probe import DeviceInfo
+from tasklet.peer.swarm.adverts import Advert
+from tasklet.peer.swarm.dht import DHTConfig, start_dht, visible_maddrs
+from tasklet.peer.swarm.election import elect_leader
+from tasklet.peer.swarm.identity import Identity
+from tasklet.peer.swarm.membership import ClockSkewError, Membership
+from tasklet.peer.swarm.plans import PlanBoard
+from tasklet.peer.swarm.progress import ProgressBoard
+from tasklet.peer.timing import now
 
 pytestmark = pytest.mark.usefixtures("processes")
 
@@ -154,9 +154,9 @@ def test_replayed_records_are_ignored(run):
 def test_a_skewed_clock_is_refused_at_join(run, monkeypatch):
     joiner = run[2]
     assert -HEARTBEAT_S - 0.5 <= joiner.membership.check_clock() <= 0.5
-    monkeypatch.setattr(peer.timing, "_CLOCK_OFFSET_S", -6.0)  # the TASKLET_CLOCK_OFFSET_S hook, in process
+    monkeypatch.setattr(tasklet.peer.timing, "_CLOCK_OFFSET_S", -6.0)  # the TASKLET_CLOCK_OFFSET_S hook, in process
     with pytest.raises(ClockSkewError, match=r"clock is [56]\.\d s behind the swarm.s"):
         joiner.membership.check_clock()
-    monkeypatch.setattr(peer.timing, "_CLOCK_OFFSET_S", 6.0)
+    monkeypatch.setattr(tasklet.peer.timing, "_CLOCK_OFFSET_S", 6.0)
     with pytest.raises(ClockSkewError, match="ahead of the swarm's"):
         joiner.membership.check_clock()

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from peer.net import PeerClient, PeerServer, TransportConfig
-from peer.net.endpoint import (
+from tasklet.peer.net import PeerClient, PeerServer, TransportConfig
+from tasklet.peer.net.endpoint import (
     PATH_DIRECT,
     PATH_RELAYED,
     PATH_REVERSED,
@@ -19,10 +19,10 @@ from peer.net.endpoint import (
     set_local_relay,
     with_route,
 )
-from peer.net.relay import MAGIC, RelayAgent, RelayLimits, RelayServer, check_reachable
-from peer.swarm.identity import Identity
-from protocol import tasklet_pb2 as pb
-from protocol.errors import BadMessage, PeerUnreachable, Refused
+from tasklet.peer.net.relay import MAGIC, RelayAgent, RelayLimits, RelayServer, check_reachable
+from tasklet.peer.swarm.identity import Identity
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.errors import BadMessage, PeerUnreachable, Refused
 
 
 @pytest.fixture(name="relay")
@@ -179,7 +179,7 @@ def test_check_tells_whether_a_port_is_open(relay: RelayServer, nated) -> None:
 
 
 def test_a_peer_follows_its_relays_when_one_goes_away(nated) -> None:
-    from peer.node.reachability import Reach
+    from tasklet.peer.node.reachability import Reach
 
     server, _ = nated
     first, second = RelayServer("127.0.0.1", 0), RelayServer("127.0.0.1", 0)
@@ -208,8 +208,8 @@ def test_a_peer_follows_its_relays_when_one_goes_away(nated) -> None:
 
 
 def test_adverts_and_link_reports_carry_reachability() -> None:
-    from peer.compute.device_probe import DeviceInfo
-    from peer.swarm.adverts import Advert, LinkReport
+    from tasklet.peer.compute.device_probe import DeviceInfo
+    from tasklet.peer.swarm.adverts import Advert, LinkReport
 
     device = DeviceInfo("emulated", "cpu", 2**33, 10.0, False, True)
     pid = "0123456789abcdef0123"
@@ -230,7 +230,7 @@ def test_adverts_and_link_reports_carry_reachability() -> None:
 
 
 def test_undialable_setups_are_refused() -> None:
-    from peer.node.reachability import ReachabilityError, refuse_undialable
+    from tasklet.peer.node.reachability import ReachabilityError, refuse_undialable
 
     remote = ["/ip4/198.51.100.7/tcp/31401/p2p/12D3KooWH4ecARXxDuWHreqMq8ALtetbyNfvoQLayNHeW39sAAea"]
     local = ["/ip4/127.0.0.1/tcp/31401/p2p/12D3KooWH4ecARXxDuWHreqMq8ALtetbyNfvoQLayNHeW39sAAea"]

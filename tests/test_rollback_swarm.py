@@ -20,11 +20,11 @@ import dataclasses
 import pytest
 import torch
 
-from peer.compute.data import Corpus
-from peer.compute.reference import train_reference
-from peer.emulation.local import LocalSwarm
-from peer.runtime.lead.roster import Roster
-from peer.runtime.lead.spot import SpotChecks
+from tasklet.peer.compute.data import Corpus
+from tasklet.peer.compute.reference import train_reference
+from tasklet.peer.emulation.local import LocalSwarm
+from tasklet.peer.runtime.lead.roster import Roster
+from tasklet.peer.runtime.lead.spot import SpotChecks
 from tests.test_fault_tolerance import SLOW, SPEC, STAGES, flops
 from tests.test_spot_swarm import worst_error
 

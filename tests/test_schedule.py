@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from peer.compute.device_probe import DeviceInfo
-from peer.node import leader_role
-from peer.node.daemon import PeerOptions, owner_limits
-from peer.node.leader_role import LeaderRole
-from peer.node.schedule import SCHEDULE_NOTICE_S, ScheduleError, action, leaves_at, leaving_soon, parse_schedule
+from tasklet.peer.compute.device_probe import DeviceInfo
+from tasklet.peer.node import leader_role
+from tasklet.peer.node.daemon import PeerOptions, owner_limits
+from tasklet.peer.node.leader_role import LeaderRole
+from tasklet.peer.node.schedule import SCHEDULE_NOTICE_S, ScheduleError, action, leaves_at, leaving_soon, parse_schedule
 
 NIGHT = parse_schedule("22:00-08:00")
 

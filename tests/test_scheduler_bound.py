@@ -12,8 +12,8 @@ import itertools
 import numpy as np
 import pytest
 
-from scheduler import Cluster, Workload
-from scheduler.bound import (
+from tasklet.scheduler import Cluster, Workload
+from tasklet.scheduler.bound import (
     _partitions,
     _window_finish,
     _window_spread,
@@ -21,9 +21,9 @@ from scheduler.bound import (
     dtfm_lower_bound,
     full_lower_bound,
 )
-from scheduler.cost_dtfm import DtfmPairs
-from scheduler.cost_full import predict
-from scheduler.plan import Plan
+from tasklet.scheduler.cost_dtfm import DtfmPairs
+from tasklet.scheduler.cost_full import predict
+from tasklet.scheduler.plan import Plan
 
 
 def clustered(seed: int, n: int, tflops: bool = False) -> Cluster:

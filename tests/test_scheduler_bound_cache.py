@@ -13,13 +13,13 @@ import pytest
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import connected_components
 
-from scheduler import Cluster, Workload
-from scheduler.bound import ThresholdComponents, lower_bound
-from scheduler.bound_cache import BOUNDS, BoundCache
-from scheduler.cost_dtfm import DtfmPairs, evaluate
-from scheduler.cost_full import predict
-from scheduler.layers import fixed_split_cost
-from scheduler.plan import Plan
+from tasklet.scheduler import Cluster, Workload
+from tasklet.scheduler.bound import ThresholdComponents, lower_bound
+from tasklet.scheduler.bound_cache import BOUNDS, BoundCache
+from tasklet.scheduler.cost_dtfm import DtfmPairs, evaluate
+from tasklet.scheduler.cost_full import predict
+from tasklet.scheduler.layers import fixed_split_cost
+from tasklet.scheduler.plan import Plan
 
 
 def region_cluster(seed: int, n: int) -> Cluster:
@@ -105,7 +105,7 @@ def test_a_bound_is_not_reused_for_what_is_not_part_of_the_cached_cluster() -> N
 
 
 def test_replan_after_a_departure_reuses_the_bound() -> None:
-    from scheduler import plan, replan
+    from tasklet.scheduler import plan, replan
 
     whole = region_cluster(5, 20)
     w = Workload.preset("gpt3-xl-dtfm").with_split(4, 4)
@@ -135,7 +135,7 @@ def test_memoised_group_syncs_give_the_same_cost() -> None:
 
 
 def test_a_warm_replan_after_a_join_computes_the_quick_bound_for_quick_requests_only() -> None:
-    from scheduler import plan, replan
+    from tasklet.scheduler import plan, replan
 
     whole = region_cluster(7, 21)
     w = Workload.preset("gpt3-xl-dtfm").with_split(4, 4)

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scheduler.bench import bench_scenario, format_table
-from scheduler.cluster import PACKAGED_SCENARIOS, Cluster
-from scheduler.workload import Workload
+from tasklet.scheduler.bench import bench_scenario, format_table
+from tasklet.scheduler.cluster import PACKAGED_SCENARIOS, Cluster
+from tasklet.scheduler.workload import Workload
 
 pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
 
@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_cli(*args: str, timeout: float = 240.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "scheduler", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "tasklet.scheduler", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, check=False)
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scheduler import Cluster, Plan, Workload, cost_full
-from scheduler.api import plan
-from scheduler.compression import (
+from tasklet.scheduler import Cluster, Plan, Workload, cost_full
+from tasklet.scheduler.api import plan
+from tasklet.scheduler.compression import (
     CODEC_S_PER_ELEMENT,
     EXACT,
     OUTER_CODEC_PASSES,
@@ -25,10 +25,10 @@ from scheduler.compression import (
     predict,
     timing_for,
 )
-from scheduler.errors import PlanningError
-from scheduler.memetic import MemeticConfig
-from scheduler.schedule import CONTROL_S_PER_WORKER
-from scheduler.simulate import simulate_timing
+from tasklet.scheduler.errors import PlanningError
+from tasklet.scheduler.memetic import MemeticConfig
+from tasklet.scheduler.schedule import CONTROL_S_PER_WORKER
+from tasklet.scheduler.simulate import simulate_timing
 
 QUICK = MemeticConfig(generations=4, max_evaluations=400, population=2)  # 4 devices: a tiny search space
 

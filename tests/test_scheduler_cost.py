@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scheduler import Cluster, Plan, Workload, cost_dtfm, cost_full
-from scheduler.plan import even_stages
-from scheduler.schedule import Timing
-from scheduler.simulate import simulate, simulate_timing
+from tasklet.scheduler import Cluster, Plan, Workload, cost_dtfm, cost_full
+from tasklet.scheduler.plan import even_stages
+from tasklet.scheduler.schedule import Timing
+from tasklet.scheduler.simulate import simulate, simulate_timing
 
 REPO = Path(__file__).resolve().parents[1]
 SCENARIOS = Path(os.environ.get("TASKLET_SCENARIOS", REPO.parent / "shared" / "scenarios" / "dtfm_scenarios.json"))

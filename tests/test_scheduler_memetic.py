@@ -7,18 +7,18 @@ import itertools
 import numpy as np
 import pytest
 
-from scheduler import Cluster, MemeticConfig, Plan, PlanningError, SearchConfig, Workload, plan
-from scheduler.baselines import random_plan, rank_order_plan
-from scheduler.bench import synthetic
-from scheduler.bound import dtfm_lower_bound, full_lower_bound
-from scheduler.cluster import PACKAGED_SCENARIOS
-from scheduler.cost_dtfm import DtfmPairs, evaluate
-from scheduler.layers import LayerTable, fits_memory
-from scheduler.paper_ga import PaperGAConfig, paper_ga
-from scheduler.replan import move_costs, objective_of, replan
-from scheduler.search import DtfmObjective
-from scheduler.sweep import trial_all
-from scheduler.synthetic import hetero_scenario
+from tasklet.scheduler import Cluster, MemeticConfig, Plan, PlanningError, SearchConfig, Workload, plan
+from tasklet.scheduler.baselines import random_plan, rank_order_plan
+from tasklet.scheduler.bench import synthetic
+from tasklet.scheduler.bound import dtfm_lower_bound, full_lower_bound
+from tasklet.scheduler.cluster import PACKAGED_SCENARIOS
+from tasklet.scheduler.cost_dtfm import DtfmPairs, evaluate
+from tasklet.scheduler.layers import LayerTable, fits_memory
+from tasklet.scheduler.paper_ga import PaperGAConfig, paper_ga
+from tasklet.scheduler.replan import move_costs, objective_of, replan
+from tasklet.scheduler.search import DtfmObjective
+from tasklet.scheduler.sweep import trial_all
+from tasklet.scheduler.synthetic import hetero_scenario
 
 FAST = MemeticConfig(generations=6, population=4)
 

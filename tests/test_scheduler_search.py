@@ -7,11 +7,11 @@ import itertools
 import numpy as np
 import pytest
 
-from scheduler import Cluster, PlanningError, SearchConfig, Workload, plan
-from scheduler.baselines import random_plan, rank_order_plan
-from scheduler.cost_dtfm import DtfmPairs, evaluate
-from scheduler.layout import best_pipelines, bottleneck_matching, open_path_tsp
-from scheduler.paper_ga import PaperGAConfig, paper_ga
+from tasklet.scheduler import Cluster, PlanningError, SearchConfig, Workload, plan
+from tasklet.scheduler.baselines import random_plan, rank_order_plan
+from tasklet.scheduler.cost_dtfm import DtfmPairs, evaluate
+from tasklet.scheduler.layout import best_pipelines, bottleneck_matching, open_path_tsp
+from tasklet.scheduler.paper_ga import PaperGAConfig, paper_ga
 
 
 def random_cluster(seed: int, n: int, **extra: object) -> Cluster:

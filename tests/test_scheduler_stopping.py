@@ -1,7 +1,7 @@
 """Stopping at the gap, the bound below every returned plan, robustness to device numbering, warm re-plans.
 
 Searches here are bounded by evaluations or generations (or stop at the gap), never by time, so the results do
-not depend on the machine's load; the seconds they take are in ``python -m scheduler bench``, not asserted.
+not depend on the machine's load; the seconds they take are in ``python -m tasklet.scheduler bench``, not asserted.
 """
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scheduler import Cluster, MemeticConfig, Plan, Workload, api, plan, replan
-from scheduler.api import default_time_limit, evaluation_budget, stopping
-from scheduler.bench import synthetic
-from scheduler.canonical import canonical_order
-from scheduler.cluster import PACKAGED_SCENARIOS
-from scheduler.cost_dtfm import DtfmPairs, evaluate
-from scheduler.errors import PlanningError
+from tasklet.scheduler import Cluster, MemeticConfig, Plan, Workload, api, plan, replan
+from tasklet.scheduler.api import default_time_limit, evaluation_budget, stopping
+from tasklet.scheduler.bench import synthetic
+from tasklet.scheduler.canonical import canonical_order
+from tasklet.scheduler.cluster import PACKAGED_SCENARIOS
+from tasklet.scheduler.cost_dtfm import DtfmPairs, evaluate
+from tasklet.scheduler.errors import PlanningError
 
 PAPER = ("datacenter_on_demand", "datacenter_spot", "multi_universities", "regional_geo_distributed",
          "worldwide_geo_distributed")
@@ -117,7 +117,7 @@ def test_warm_replan_after_one_departure_starts_from_the_running_plan() -> None:
 
 
 def test_stopping_bench_smoke() -> None:
-    from scheduler.bench import format_stop_table, replan_run, stop_run
+    from tasklet.scheduler.bench import format_stop_table, replan_run, stop_run
 
     c = paper("datacenter_spot")
     w = Workload.preset("gpt3-xl-dtfm")

@@ -10,7 +10,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils.crypto import RSAPrivateKey
 
-from peer.swarm.identity import CachingSignatureValidator
+from tasklet.peer.swarm.identity import CachingSignatureValidator
 
 
 @pytest.fixture

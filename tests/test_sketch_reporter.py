@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from peer.runtime.lead.spot import expected_points
-from peer.runtime.stage.compute import SketchReporter
+from tasklet.peer.runtime.lead.spot import expected_points
+from tasklet.peer.runtime.stage.compute import SketchReporter
 
 pytestmark = pytest.mark.unit
 

@@ -11,11 +11,11 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from peer.runtime import control as ctl
-from peer.runtime.lead import spot as spot_module
-from peer.runtime.lead.machine import Emit, Spot, StepMachine
-from peer.runtime.lead.roster import Roster
-from peer.runtime.lead.spot import (
+from tasklet.peer.runtime import control as ctl
+from tasklet.peer.runtime.lead import spot as spot_module
+from tasklet.peer.runtime.lead.machine import Emit, Spot, StepMachine
+from tasklet.peer.runtime.lead.roster import Roster
+from tasklet.peer.runtime.lead.spot import (
     Finding,
     Ledger,
     Probation,
@@ -25,11 +25,11 @@ from peer.runtime.lead.spot import (
     majority,
     path,
 )
-from peer.runtime.lead.step import ReplanNeededError
-from peer.runtime.lead.verify import Verification
-from peer.runtime.sketch import PER_POINT, agree, seed_of, sketch, tolerance
-from peer.runtime.spec import Assignment, RunSpec
-from protocol.errors import BadMessage
+from tasklet.peer.runtime.lead.step import ReplanNeededError
+from tasklet.peer.runtime.lead.verify import Verification
+from tasklet.peer.runtime.sketch import PER_POINT, agree, seed_of, sketch, tolerance
+from tasklet.peer.runtime.spec import Assignment, RunSpec
+from tasklet.protocol.errors import BadMessage
 
 pytestmark = pytest.mark.unit
 
@@ -290,8 +290,8 @@ def test_sketches_of_micro_batches_or_pipelines_the_step_does_not_have_are_not_k
 
 
 def test_link_tolerance_covers_the_wire_codecs_error_and_skips_the_integer_codecs() -> None:
-    from peer.runtime.sketch import link_tolerance
-    from protocol.codec import decode_tensor, encode_tensor
+    from tasklet.peer.runtime.sketch import link_tolerance
+    from tasklet.protocol.codec import decode_tensor, encode_tensor
 
     torch.manual_seed(0)
     x = torch.randn(2, 32, 32) * 3 + 0.5

@@ -15,10 +15,10 @@ import dataclasses
 import pytest
 import torch
 
-from peer.compute.data import Corpus
-from peer.compute.model import unflatten_stage
-from peer.compute.reference import train_reference
-from peer.emulation.local import LocalSwarm, RunResult
+from tasklet.peer.compute.data import Corpus
+from tasklet.peer.compute.model import unflatten_stage
+from tasklet.peer.compute.reference import train_reference
+from tasklet.peer.emulation.local import LocalSwarm, RunResult
 from tests.test_fault_tolerance import SLOW, SPEC, STAGES, flops
 
 pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)

@@ -7,11 +7,11 @@ import hashlib
 import pytest
 import torch
 
-from peer.compute import device_choice as devices
-from peer.compute.data import Corpus, microbatch
-from peer.compute.device_choice import DeviceError, check_precision, resolve_device, resolve_dtype
-from peer.compute.model import ModelConfig
-from peer.compute.stage import (
+from tasklet.peer.compute import device_choice as devices
+from tasklet.peer.compute.data import Corpus, microbatch
+from tasklet.peer.compute.device_choice import DeviceError, check_precision, resolve_device, resolve_dtype
+from tasklet.peer.compute.model import ModelConfig
+from tasklet.peer.compute.stage import (
     GradientError,
     OptimConfig,
     StageCompute,
@@ -294,7 +294,7 @@ def test_update_uses_the_mean_of_the_micro_batch_gradients(corpus: Corpus) -> No
 
 def test_a_digest_of_several_parts_hashes_each_part_and_differs_when_one_byte_does() -> None:
     """Parts hashed on threads, joined in order: the same bytes give the same digest, a moved byte another."""
-    from peer.compute.stage import HASH_PART_BYTES, bytes_digest
+    from tasklet.peer.compute.stage import HASH_PART_BYTES, bytes_digest
 
     data = bytearray(torch.randint(0, 256, (2 * HASH_PART_BYTES + 5,), dtype=torch.uint8).numpy().tobytes())
     tree = b"".join(hashlib.sha256(data[i:i + HASH_PART_BYTES]).digest()

@@ -14,10 +14,10 @@ import math
 import pytest
 import torch
 
-from peer.compute.data import Corpus, microbatch
-from peer.compute.model import ModelConfig
-from peer.compute.reference import train_reference
-from peer.compute.stage import OptimConfig, StageCompute, StageComputeConfig
+from tasklet.peer.compute.data import Corpus, microbatch
+from tasklet.peer.compute.model import ModelConfig
+from tasklet.peer.compute.reference import train_reference
+from tasklet.peer.compute.stage import OptimConfig, StageCompute, StageComputeConfig
 
 SEED = 7
 STEPS = 10

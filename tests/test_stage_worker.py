@@ -11,16 +11,16 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from peer.compute.model import ModelConfig
-from peer.net import PeerClient
-from peer.runtime.control import Reduce, StartStep, encode
-from peer.runtime.lead.coordinator import Coordinator
-from peer.runtime.spec import Assignment, RunSpec
-from peer.runtime.stage.worker import StageWorker
-from peer.runtime.wire import envelope, make_key
-from protocol import PROTOCOL_VERSION
-from protocol import tasklet_pb2 as pb
-from protocol.errors import Refused
+from tasklet.peer.compute.model import ModelConfig
+from tasklet.peer.net import PeerClient
+from tasklet.peer.runtime.control import Reduce, StartStep, encode
+from tasklet.peer.runtime.lead.coordinator import Coordinator
+from tasklet.peer.runtime.spec import Assignment, RunSpec
+from tasklet.peer.runtime.stage.worker import StageWorker
+from tasklet.peer.runtime.wire import envelope, make_key
+from tasklet.protocol import PROTOCOL_VERSION
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.errors import Refused
 
 SPEC = RunSpec(run_id="badinput", model=ModelConfig(n_layers=4, d_model=16, n_heads=2, seq_len=8), micro_batch=2,
                n_microbatches=2)

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from peer.runtime import control as ctl
-from peer.runtime.lead.machine import Command, Done, Emit, Fail, Send, StepMachine
-from peer.runtime.lead.roster import Roster
-from peer.runtime.lead.step import OuterRoundFailedError, ReplanNeededError, StepPhase
-from peer.runtime.spec import Assignment
+from tasklet.peer.runtime import control as ctl
+from tasklet.peer.runtime.lead.machine import Command, Done, Emit, Fail, Send, StepMachine
+from tasklet.peer.runtime.lead.roster import Roster
+from tasklet.peer.runtime.lead.step import OuterRoundFailedError, ReplanNeededError, StepPhase
+from tasklet.peer.runtime.spec import Assignment
 
 pytestmark = pytest.mark.unit
 

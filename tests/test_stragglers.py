@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from bench.stragglers import N_DEVICES, SLOW_FROM_STEP, SPEC, STRAGGLER, WITH_ALL, max_rel_diff, run
-from peer.compute.data import Corpus
-from peer.compute.model import ModelConfig
-from peer.compute.reference import train_reference
-from peer.compute.stage import StageCompute, StageComputeConfig
-from peer.runtime.lead.driver import ExpiringBans
-from peer.runtime.lead.pool import CommitResult, TaskPool
+from tasklet.peer.compute.data import Corpus
+from tasklet.peer.compute.model import ModelConfig
+from tasklet.peer.compute.reference import train_reference
+from tasklet.peer.compute.stage import StageCompute, StageComputeConfig
+from tasklet.peer.runtime.lead.driver import ExpiringBans
+from tasklet.peer.runtime.lead.pool import CommitResult, TaskPool
 
 STEPS = SLOW_FROM_STEP + 2
 

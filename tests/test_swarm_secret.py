@@ -18,7 +18,7 @@ import pytest
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import MSGPackSerializer
 
-from peer.emulation.procs import PEER_COMMAND, PeerProcesses, child_env, write_small_config
+from tasklet.peer.emulation.procs import PEER_COMMAND, PeerProcesses, child_env, write_small_config
 
 pytestmark = pytest.mark.usefixtures("processes")
 

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from peer.emulation.procs import PeerProcesses, child_env, launch, poll_until, write_small_config
-from peer.emulation.reference_check import gap_to_reference
-from peer.timing import ADVERT_TTL_HEARTBEATS, LEADER_CONFIRM_TICKS, TICKS_PER_HEARTBEAT
+from tasklet.peer.emulation.procs import PeerProcesses, child_env, launch, poll_until, write_small_config
+from tasklet.peer.emulation.reference_check import gap_to_reference
+from tasklet.peer.timing import ADVERT_TTL_HEARTBEATS, LEADER_CONFIRM_TICKS, TICKS_PER_HEARTBEAT
 
 pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
 
@@ -40,7 +40,7 @@ PATCHED = '''\
 """A client whose leadership fails inside a takeover, then the ordinary CLI."""
 import sys
 
-from peer.node.leader_role import LeaderRole
+from tasklet.peer.node.leader_role import LeaderRole
 
 
 def adopt_history(self, *args, **kwargs):
@@ -49,7 +49,7 @@ def adopt_history(self, *args, **kwargs):
 
 LeaderRole._adopt_history = adopt_history
 
-from peer.cli import main
+from tasklet.peer.cli import main
 
 sys.exit(main())
 '''

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from peer.runtime.lead.pool import CommitResult, TaskPool
+from tasklet.peer.runtime.lead.pool import CommitResult, TaskPool
 
 
 class FakeClock:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from peer.observe.scalars import ScalarWriter
+from tasklet.peer.observe.scalars import ScalarWriter
 
 
 def read_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
@@ -59,7 +59,7 @@ def test_unconfigured_writes_nothing(tmp_path: Path) -> None:
 def test_an_unwritable_folder_is_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
-    with caplog.at_level(logging.WARNING, logger="peer.observe.scalars"):
+    with caplog.at_level(logging.WARNING, logger="tasklet.peer.observe.scalars"):
         writer = ScalarWriter(str(blocker / "tb"))
     assert not writer.enabled
     assert "cannot write TensorBoard events" in caplog.text
@@ -68,7 +68,7 @@ def test_an_unwritable_folder_is_a_warning(tmp_path: Path, caplog: pytest.LogCap
 
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
 def test_wandb_configured_but_not_installed_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="peer.observe.scalars"):
+    with caplog.at_level(logging.WARNING, logger="tasklet.peer.observe.scalars"):
         writer = ScalarWriter("", "my-project")
     assert not writer.enabled
     assert "wandb package is not installed" in caplog.text

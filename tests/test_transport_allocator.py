@@ -11,10 +11,10 @@ import pytest
 # A thread (its own malloc arena, as gRPC's server threads) makes and frees three 4 MiB buffers 20 times.
 PROBE = """
 import resource, sys, threading
-from peer.net.allocator import keep_freed_buffers
+from tasklet.peer.net.allocator import keep_freed_buffers
 applied = keep_freed_buffers() if sys.argv[1] == "1" else False
 if sys.argv[1] == "client":  # a sender: constructing a PeerClient applies the policy (no server in the process)
-    from peer.net import PeerClient, TransportConfig
+    from tasklet.peer.net import PeerClient, TransportConfig
     client = PeerClient("127.0.0.1:9", TransportConfig(tls=None))
     applied = keep_freed_buffers()
     client.close()

@@ -15,13 +15,13 @@ import grpc
 import pytest
 import torch
 
-from peer.net import PeerClient, PeerServer, TransportConfig
-from peer.net.tls import process_tls
-from protocol import PROTOCOL_VERSION
-from protocol import tasklet_pb2 as pb
-from protocol.chunking import encode_chunk, split_envelope
-from protocol.codec import decode_tensor, encode_tensor
-from protocol.errors import BadMessage, Refused, Rejected
+from tasklet.peer.net import PeerClient, PeerServer, TransportConfig
+from tasklet.peer.net.tls import process_tls
+from tasklet.protocol import PROTOCOL_VERSION
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.chunking import encode_chunk, split_envelope
+from tasklet.protocol.codec import decode_tensor, encode_tensor
+from tasklet.protocol.errors import BadMessage, Refused, Rejected
 
 SHAPE = (4, 8, 16)
 CONFIG = TransportConfig(max_message_bytes=256 * 1024, chunk_bytes=64 * 1024, max_envelope_bytes=1 << 20)

@@ -8,12 +8,12 @@ import threading
 import pytest
 import torch
 
-from peer.net import PeerClient, PeerServer, TransportConfig
-from peer.runtime.checkpoints import MANIFEST, copy_parts
-from peer.runtime.wire import envelope, make_key, tensor_named
-from protocol import tasklet_pb2 as pb
-from protocol.codec import decode_tensor, encode_tensor
-from protocol.message import WireEnvelope
+from tasklet.peer.net import PeerClient, PeerServer, TransportConfig
+from tasklet.peer.runtime.checkpoints import MANIFEST, copy_parts
+from tasklet.peer.runtime.wire import envelope, make_key, tensor_named
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.codec import decode_tensor, encode_tensor
+from tasklet.protocol.message import WireEnvelope
 
 PLAIN = TransportConfig(tls=None)
 

@@ -16,15 +16,15 @@ import grpc
 import pytest
 import torch
 
-from peer.net import PeerClient, PeerServer, TransportConfig
-from peer.net.bulk_client import BulkLane
-from peer.net.shaping import LinkShaper, download_cap, set_download_cap
-from peer.net.tls import process_tls
-from protocol import PROTOCOL_VERSION
-from protocol import tasklet_pb2 as pb
-from protocol.codec import decode_tensor, encode_tensor
-from protocol.errors import Backpressure, BadMessage, PeerUnreachable, Refused
-from protocol.message import WireEnvelope
+from tasklet.peer.net import PeerClient, PeerServer, TransportConfig
+from tasklet.peer.net.bulk_client import BulkLane
+from tasklet.peer.net.shaping import LinkShaper, download_cap, set_download_cap
+from tasklet.peer.net.tls import process_tls
+from tasklet.protocol import PROTOCOL_VERSION
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.codec import decode_tensor, encode_tensor
+from tasklet.protocol.errors import Backpressure, BadMessage, PeerUnreachable, Refused
+from tasklet.protocol.message import WireEnvelope
 
 CONFIG = TransportConfig(max_message_bytes=2 << 20, chunk_bytes=1 << 20, max_envelope_bytes=64 << 20)
 PATHS = ("grpc", "lane")
@@ -148,8 +148,8 @@ def test_a_fetch_of_known_size_is_bounded_by_it_not_by_the_transport_default(ser
                                                                               path: str) -> None:
     """A stage's state may exceed ``max_envelope_bytes`` (a 1 GiB default; ~50M parameters of state): the
     fetcher that knows its size bounds it by that size instead, and a reply over that bound is refused."""
-    from peer.compute.model import ModelConfig
-    from peer.runtime.bounds import stage_numel, state_bytes
+    from tasklet.peer.compute.model import ModelConfig
+    from tasklet.peer.runtime.bounds import stage_numel, state_bytes
 
     model = ModelConfig(n_layers=2, d_model=64, n_heads=4, seq_len=16)
     numel = stage_numel(model, (0, 2))

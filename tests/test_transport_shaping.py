@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from peer.net.shaping import MIN_CHUNK_BYTES, LinkShaper, LinkTable
+from tasklet.peer.net.shaping import MIN_CHUNK_BYTES, LinkShaper, LinkTable
 
 
 class SimClock:

@@ -16,9 +16,9 @@ import grpc
 import pytest
 import torch
 
-from peer.compute.model import ModelConfig
-from peer.net import PeerClient, PeerServer, TransportConfig
-from peer.net.tls import (
+from tasklet.peer.compute.model import ModelConfig
+from tasklet.peer.net import PeerClient, PeerServer, TransportConfig
+from tasklet.peer.net.tls import (
     TlsContext,
     fingerprint,
     make_certificate,
@@ -26,17 +26,17 @@ from peer.net.tls import (
     pem_from_text,
     pem_to_text,
 )
-from peer.runtime import control as ctl
-from peer.runtime.assign import build_assignments
-from peer.runtime.lead.coordinator import Coordinator
-from peer.runtime.spec import RunSpec
-from peer.runtime.stage.worker import StageWorker
-from peer.runtime.wire import envelope, make_key
-from peer.swarm.adverts import Advert
-from peer.swarm.identity import Identity
-from protocol import PROTOCOL_VERSION
-from protocol import tasklet_pb2 as pb
-from protocol.errors import PeerUnreachable, Refused, TransportError
+from tasklet.peer.runtime import control as ctl
+from tasklet.peer.runtime.assign import build_assignments
+from tasklet.peer.runtime.lead.coordinator import Coordinator
+from tasklet.peer.runtime.spec import RunSpec
+from tasklet.peer.runtime.stage.worker import StageWorker
+from tasklet.peer.runtime.wire import envelope, make_key
+from tasklet.peer.swarm.adverts import Advert
+from tasklet.peer.swarm.identity import Identity
+from tasklet.protocol import PROTOCOL_VERSION
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.errors import PeerUnreachable, Refused, TransportError
 
 SPEC = RunSpec(run_id="trust", model=ModelConfig(n_layers=2, d_model=16, n_heads=2, seq_len=8),
                micro_batch=2, n_microbatches=4)
@@ -58,7 +58,7 @@ def test_certificate_is_bound_to_the_identity_key() -> None:
 
 @pytest.mark.unit
 def test_advert_refuses_a_certificate_of_another_key() -> None:
-    from peer.compute.device_probe import DeviceInfo
+    from tasklet.peer.compute.device_probe import DeviceInfo
 
     me, other = Identity.generate(), Identity.generate()
     device = DeviceInfo("cpu", "cpu", 1 << 30, 1.0, measured=True, emulated=False)
@@ -250,7 +250,7 @@ class Replicas:
     """One stage, three pipelines, in-process; worker ``faulty`` (if any) sends huge gradient shards."""
 
     def __init__(self, faulty: int | None = None) -> None:
-        from peer.emulation.faults import worker_class
+        from tasklet.peer.emulation.faults import worker_class
 
         torch.set_num_threads(1)
         self.events: list[tuple[str, dict]] = []
@@ -314,11 +314,11 @@ def test_a_peer_stays_trusted_through_dht_reads_that_miss_its_advert(tmp_path, m
     """A daemon trusts the certificates of the adverts it reads, and keeps one for at least TRUST_KEEP_MIN_S
     after the advert was last read: while a dead DHT node makes reads and stores time out (5 s each), a live
     peer's connections must not be refused, even with heartbeats of 1 s (adverts living 3 s)."""
-    from peer.compute.device_probe import DeviceInfo
-    from peer.config import RunConfig
-    from peer.node import daemon as daemon_module
-    from peer.node.daemon import PeerDaemon, PeerOptions
-    from peer.timing import TRUST_KEEP_MIN_S
+    from tasklet.peer.compute.device_probe import DeviceInfo
+    from tasklet.peer.config import RunConfig
+    from tasklet.peer.node import daemon as daemon_module
+    from tasklet.peer.node.daemon import PeerDaemon, PeerOptions
+    from tasklet.peer.timing import TRUST_KEEP_MIN_S
 
     config = RunConfig()
     config.swarm.heartbeat_s = 1.0

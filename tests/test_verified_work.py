@@ -14,18 +14,18 @@ import math
 import pytest
 import torch
 
-from peer.compute.data import Corpus, microbatch
-from peer.compute.model import ModelConfig
-from peer.compute.stage import OptimConfig, StageCompute, StageComputeConfig, shard_bounds
-from peer.runtime.stage import checks
-from peer.runtime.stage.exchange import (
+from tasklet.peer.compute.data import Corpus, microbatch
+from tasklet.peer.compute.model import ModelConfig
+from tasklet.peer.compute.stage import OptimConfig, StageCompute, StageComputeConfig, shard_bounds
+from tasklet.peer.runtime.stage import checks
+from tasklet.peer.runtime.stage.exchange import (
     DigestMismatchError,
     GradientExchange,
     OutlierContributionError,
     digest_text,
     parse_digest,
 )
-from protocol.errors import BadMessage
+from tasklet.protocol.errors import BadMessage
 
 NUMEL = 6_000
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from peer.emulation.procs import PEER_COMMAND, PeerProcesses, poll_until, write_small_config
-from peer.emulation.reference_check import gap_to_reference
+from tasklet.peer.emulation.procs import PEER_COMMAND, PeerProcesses, poll_until, write_small_config
+from tasklet.peer.emulation.reference_check import gap_to_reference
 
 pytestmark = pytest.mark.usefixtures("processes")
 

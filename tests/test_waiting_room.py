@@ -15,12 +15,12 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from peer.net import PeerClient, PeerServer, TransportConfig
-from peer.net.tls import TlsContext
-from peer.net.waiting import RoomFullError, WaitingRoom
-from protocol import tasklet_pb2 as pb
-from protocol.chunking import encode_chunk
-from protocol.errors import Forbidden
+from tasklet.peer.net import PeerClient, PeerServer, TransportConfig
+from tasklet.peer.net.tls import TlsContext
+from tasklet.peer.net.waiting import RoomFullError, WaitingRoom
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.chunking import encode_chunk
+from tasklet.protocol.errors import Forbidden
 
 ATTACKERS = 5  # member identities without a role on this server
 IDLE_PER_IDENTITY = 16

@@ -24,20 +24,20 @@ from typing import Any
 import pytest
 import torch
 
-from peer.compute.hf.resolve import resolve_model_cached
-from peer.compute.model import ModelConfig
-from peer.compute.stage import StageCompute, StageComputeConfig
-from peer.net import PeerClient
-from peer.net.tls import TlsContext
-from peer.runtime import checkpoints
-from peer.runtime import control as ctl
-from peer.runtime.bounds import checkpoint_bytes, model_numel, stage_memory_bytes, stage_numel
-from peer.runtime.checkpoints import CheckpointStore, copies_folder, copy_parts, prune_copies
-from peer.runtime.spec import Assignment, RunSpec
-from peer.runtime.stage import assignment as taking
-from peer.runtime.stage.assignment import order_endpoints, spec_differences
-from peer.runtime.stage.worker import StageWorker
-from protocol.errors import Refused, Rejected
+from tasklet.peer.compute.hf.resolve import resolve_model_cached
+from tasklet.peer.compute.model import ModelConfig
+from tasklet.peer.compute.stage import StageCompute, StageComputeConfig
+from tasklet.peer.net import PeerClient
+from tasklet.peer.net.tls import TlsContext
+from tasklet.peer.runtime import checkpoints
+from tasklet.peer.runtime import control as ctl
+from tasklet.peer.runtime.bounds import checkpoint_bytes, model_numel, stage_memory_bytes, stage_numel
+from tasklet.peer.runtime.checkpoints import CheckpointStore, copies_folder, copy_parts, prune_copies
+from tasklet.peer.runtime.spec import Assignment, RunSpec
+from tasklet.peer.runtime.stage import assignment as taking
+from tasklet.peer.runtime.stage.assignment import order_endpoints, spec_differences
+from tasklet.peer.runtime.stage.worker import StageWorker
+from tasklet.protocol.errors import Refused, Rejected
 
 SPEC = RunSpec(run_id="orders", model=ModelConfig(n_layers=3, d_model=16, n_heads=2, seq_len=8), micro_batch=2,
                n_microbatches=2, spot_check=0.25, probation_check=0.5, probation_microbatches=4).validate()

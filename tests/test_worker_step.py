@@ -23,26 +23,26 @@ from typing import Any
 import pytest
 import torch
 
-from peer.compute.data import Corpus
-from peer.compute.model import ModelConfig
-from peer.compute.reference import train_diloco_reference
-from peer.compute.stage import StageCompute, StageComputeConfig
-from peer.runtime import control as ctl
-from peer.runtime.assign import build_assignments
-from peer.runtime.outer import OuterState
-from peer.runtime.roles import Roles
-from peer.runtime.spec import Assignment, RunSpec
-from peer.runtime.stage.compute import ComputeLoop, Feeder
-from peer.runtime.stage.exchange import GradientExchange
-from peer.runtime.stage.intake import Intake
-from peer.runtime.stage.outbox import DeviceClock
-from peer.runtime.stage.snapshot import Tasklet
-from peer.runtime.stage.step import Phase, Work, WorkerStep
-from peer.runtime.stage.sync import GradientSync, SyncAttempt
-from peer.runtime.wire import envelope
-from protocol import tasklet_pb2 as pb
-from protocol.codec import decode_tensor
-from protocol.errors import Rejected
+from tasklet.peer.compute.data import Corpus
+from tasklet.peer.compute.model import ModelConfig
+from tasklet.peer.compute.reference import train_diloco_reference
+from tasklet.peer.compute.stage import StageCompute, StageComputeConfig
+from tasklet.peer.runtime import control as ctl
+from tasklet.peer.runtime.assign import build_assignments
+from tasklet.peer.runtime.outer import OuterState
+from tasklet.peer.runtime.roles import Roles
+from tasklet.peer.runtime.spec import Assignment, RunSpec
+from tasklet.peer.runtime.stage.compute import ComputeLoop, Feeder
+from tasklet.peer.runtime.stage.exchange import GradientExchange
+from tasklet.peer.runtime.stage.intake import Intake
+from tasklet.peer.runtime.stage.outbox import DeviceClock
+from tasklet.peer.runtime.stage.snapshot import Tasklet
+from tasklet.peer.runtime.stage.step import Phase, Work, WorkerStep
+from tasklet.peer.runtime.stage.sync import GradientSync, SyncAttempt
+from tasklet.peer.runtime.wire import envelope
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.codec import decode_tensor
+from tasklet.protocol.errors import Rejected
 
 pytestmark = pytest.mark.unit
 
@@ -518,7 +518,7 @@ def _fresh_stage(spec: RunSpec, a: Assignment) -> StageCompute:
 
 
 def _task(t: Tasklet, step: int, kind: Work = Work.REDUCE, *args: Any) -> Any:
-    from peer.runtime.stage.compute import Task
+    from tasklet.peer.runtime.stage.compute import Task
 
     return Task(kind, t, step, tuple(args))
 
@@ -527,7 +527,7 @@ def _task(t: Tasklet, step: int, kind: Work = Work.REDUCE, *args: Any) -> Any:
 def _no_real_waits(monkeypatch: pytest.MonkeyPatch) -> None:
     """A reduce that would wait for a message never sent fails at once (as a reported error) instead of
     after REDUCE_WAIT_S: the virtual run only resumes a reduce phase whose messages are all there."""
-    monkeypatch.setattr("peer.runtime.stage.sync.REDUCE_WAIT_S", 0.0)
+    monkeypatch.setattr("tasklet.peer.runtime.stage.sync.REDUCE_WAIT_S", 0.0)
     torch.set_num_threads(1)
 
 
@@ -677,8 +677,8 @@ def test_diloco_a_death_in_the_round_s_last_inner_step_or_its_outer_round(corpus
 
 # --------------------------------------------------------------------------------------------- the seams
 def test_a_busy_gpu_is_a_clock_that_slows_ops_from_its_step_on_in_virtual_time() -> None:
-    from peer.emulation.faults import BusyGpuClock
-    from peer.emulation.network import DeclaredSpeedClock
+    from tasklet.peer.emulation.faults import BusyGpuClock
+    from tasklet.peer.emulation.network import DeclaredSpeedClock
 
     class VirtualBusyClock(BusyGpuClock, VirtualClock):
         def __init__(self, tflops: float) -> None:
@@ -698,7 +698,7 @@ def test_a_busy_gpu_is_a_clock_that_slows_ops_from_its_step_on_in_virtual_time()
 
 
 def test_a_tampering_outbox_changes_only_the_gradients_it_sends() -> None:
-    from peer.emulation.faults import HugeGradOutbox, NanGradOutbox
+    from tasklet.peer.emulation.faults import HugeGradOutbox, NanGradOutbox
 
     class Capture:
         def __init__(self) -> None:
@@ -751,7 +751,7 @@ def test_a_group_of_one_keeps_its_own_sum_without_computing_or_sending_a_digest(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """One replica of a stage: the reduce-scatter and all-gather stay local and the digest phase, O(stage size)
     of host work with nobody to check it against, is skipped: the sum kept is the replica's own gradient."""
-    from peer.runtime.stage import checks
+    from tasklet.peer.runtime.stage import checks
 
     def no_digest(*_args: object) -> None:
         raise AssertionError("a group of one computed a digest")

@@ -33,9 +33,9 @@ from bench.headline.plot import write_png
 from bench.headline.report import RunSummary, representatives, summarise, summary_from_dict, table, targets
 from bench.headline.run import PlanRun, run_plan
 from bench.headline.setup import Candidate, HeadlineConfig, HeadlineConfigError, prepare
-from peer.runtime.lead.coordinator import StepReport
-from peer.runtime.spec import RunSpec
-from scheduler import Cluster, PlanningError, Workload
+from tasklet.peer.runtime.lead.coordinator import StepReport
+from tasklet.peer.runtime.spec import RunSpec
+from tasklet.scheduler import Cluster, PlanningError, Workload
 
 log = logging.getLogger("bench.headline")
 

@@ -22,12 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from peer.emulation.local import LocalSwarm
-from peer.emulation.network import link_model
-from peer.runtime.lead.coordinator import Coordinator, StepReport
-from peer.runtime.spec import RunSpec
-from protocol.errors import TransportError
-from scheduler import Cluster, Plan, Workload
+from tasklet.peer.emulation.local import LocalSwarm
+from tasklet.peer.emulation.network import link_model
+from tasklet.peer.runtime.lead.coordinator import Coordinator, StepReport
+from tasklet.peer.runtime.spec import RunSpec
+from tasklet.protocol.errors import TransportError
+from tasklet.scheduler import Cluster, Plan, Workload
 
 log = logging.getLogger(__name__)
 

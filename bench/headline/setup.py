@@ -24,14 +24,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from peer.compute.model import ModelConfig
-from peer.emulation.network import scaled_cluster
-from peer.node.planning import workload_for
-from peer.runtime.spec import RunSpec
-from scheduler import Cluster, Plan, Workload, plan
-from scheduler.baselines import random_plan, rank_order_plan
-from scheduler.cluster import default_scenarios_path
-from scheduler.cost_full import predict
+from tasklet.peer.compute.model import ModelConfig
+from tasklet.peer.emulation.network import scaled_cluster
+from tasklet.peer.node.planning import workload_for
+from tasklet.peer.runtime.spec import RunSpec
+from tasklet.scheduler import Cluster, Plan, Workload, plan
+from tasklet.scheduler.baselines import random_plan, rank_order_plan
+from tasklet.scheduler.cluster import default_scenarios_path
+from tasklet.scheduler.cost_full import predict
 
 SCENARIO = "worldwide_geo_distributed"
 # Device i of the scenario lies in city i // 8 (Oregon, Virginia, Ohio, Tokyo, Seoul, London, Frankfurt,

@@ -21,7 +21,7 @@ or the host's memory where torch is too old to say (``mps_memory`` gives the not
 ``emulate_tflops`` replaces the measurement by a declared figure, for local swarms where many peers share a
 few cores and a measurement would say nothing about the GPU being emulated; the result is marked so.
 
-Run ``python -m peer.compute.device_probe [--json]`` to see what this machine measures.
+Run ``python -m tasklet.peer.compute.device_probe [--json]`` to see what this machine measures.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from peer.compute.device_choice import BACKENDS, backend_of, mps_bf16_refusal, torch_device
+from tasklet.peer.compute.device_choice import BACKENDS, backend_of, mps_bf16_refusal, torch_device
 
 logger = logging.getLogger(__name__)
 
@@ -259,7 +259,7 @@ def measure_device(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m peer.compute.device_probe",
+    parser = argparse.ArgumentParser(prog="python -m tasklet.peer.compute.device_probe",
                                      description="Measure this device's speed.")
     parser.add_argument("--device", default="auto",
                         help="auto, cuda[:N], rocm[:N], mps or cpu (default: auto)")

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from peer.compute.data import Corpus, microbatch
-from peer.compute.model import ModelConfig, build_stage, is_weight_decayed, lm_loss
-from peer.compute.stage import OptimConfig, clip_coefficient, shard_bounds
-from protocol.codec import DEFAULT_BLOCK_SIZE, decode_tensor, encode_tensor
+from tasklet.peer.compute.data import Corpus, microbatch
+from tasklet.peer.compute.model import ModelConfig, build_stage, is_weight_decayed, lm_loss
+from tasklet.peer.compute.stage import OptimConfig, clip_coefficient, shard_bounds
+from tasklet.protocol.codec import DEFAULT_BLOCK_SIZE, decode_tensor, encode_tensor
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ def _full_model(model_cfg: ModelConfig | Any) -> tuple[torch.nn.Module, Callable
     if isinstance(model_cfg, ModelConfig):
         model = build_stage(model_cfg, 0, model_cfg.n_layers)
         return model, model
-    from peer.compute.hf.stage import full_model
+    from tasklet.peer.compute.hf.stage import full_model
 
     hf_model = full_model(model_cfg)
     hf_model.train()

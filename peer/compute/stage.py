@@ -50,8 +50,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from peer.compute.device_choice import check_precision, resolve_device
-from peer.compute.model import ModelConfig, is_weight_decayed, lm_loss
+from tasklet.peer.compute.device_choice import check_precision, resolve_device
+from tasklet.peer.compute.model import ModelConfig, is_weight_decayed, lm_loss
 
 log = logging.getLogger(__name__)
 

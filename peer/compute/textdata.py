@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from peer.compute.data import Corpus, CorpusError
-from peer.compute.tokenize import ByteTokenizer, Tokenizer, check_vocab, load_tokenizer
+from tasklet.peer.compute.data import Corpus, CorpusError
+from tasklet.peer.compute.tokenize import ByteTokenizer, Tokenizer, check_vocab, load_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from peer.compute.hf import HFModelSpec
-from scheduler.model_workload import Workload, from_hf_config
+from tasklet.peer.compute.hf import HFModelSpec
+from tasklet.scheduler.model_workload import Workload, from_hf_config
 
 
 def workload_for(spec: Any, stages: int | None = None, replicas: int | None = None) -> Workload:

@@ -21,14 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from peer.compute.textdata import load_corpus
-from peer.config import RunConfig
-from peer.emulation.procs import PeerProcesses
-from peer.node.planning import check_model_fits
-from peer.observe.progress import ProgressDisplay
-from peer.swarm.status import StatusReader
-from scheduler import Cluster
-from scheduler.cluster import load_scenario
+from tasklet.peer.compute.textdata import load_corpus
+from tasklet.peer.config import RunConfig
+from tasklet.peer.emulation.procs import PeerProcesses
+from tasklet.peer.node.planning import check_model_fits
+from tasklet.peer.observe.progress import ProgressDisplay
+from tasklet.peer.swarm.status import StatusReader
+from tasklet.scheduler import Cluster
+from tasklet.scheduler.cluster import load_scenario
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Attacks on a peer's open doors, run as a stranger (no join secret): for tests/test_doors_swarm.py and bench.doors.
 
-``python -m peer.emulation.doors_attack KIND ...`` runs one attack and prints one JSON line of what the target
+``python -m tasklet.peer.emulation.doors_attack KIND ...`` runs one attack and prints one JSON line of what the target
 answered (so the caller can tell "refused" from "held"). Kinds:
 
 * ``relay HOST:PORT PEERID``: 64 sockets trickling a byte every 9 s at the relay, 256 REGISTERs with fresh
@@ -89,7 +89,7 @@ def relay_attack(addr: str, target: str, seconds: float, trickle: int = 64, regi
     from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.asymmetric import padding
 
-    from peer.swarm.identity import peer_id_from_public_key
+    from tasklet.peer.swarm.identity import peer_id_from_public_key
 
     host, port = _split(addr)
     out = {"trickle_cut": 0, "trickle_refused": 0, "register_answers": {}, "connect_answers": {}}
@@ -232,7 +232,7 @@ async def _flood_in_child(_dht: object, node: object, keys: tuple[str, ...], unt
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m peer.emulation.doors_attack")
+    p = argparse.ArgumentParser(prog="python -m tasklet.peer.emulation.doors_attack")
     p.add_argument("kind", choices=["relay", "ports", "dht"])
     p.add_argument("args", nargs="+")
     p.add_argument("--seconds", type=float, default=20.0)

@@ -19,15 +19,15 @@ from typing import Any
 
 import torch
 
-from peer.emulation.network import DeclaredSpeedClock
-from peer.runtime import control as ctl
-from peer.runtime.sketch import PER_POINT, seed_of, sketch
-from peer.runtime.spec import Assignment
-from peer.runtime.stage.outbox import Outbox
-from peer.runtime.stage.snapshot import Tasklet
-from peer.runtime.stage.worker import StageWorker
-from protocol import tasklet_pb2 as pb
-from protocol.codec import COMPRESSIONS, decode_tensor, encode_tensor
+from tasklet.peer.emulation.network import DeclaredSpeedClock
+from tasklet.peer.runtime import control as ctl
+from tasklet.peer.runtime.sketch import PER_POINT, seed_of, sketch
+from tasklet.peer.runtime.spec import Assignment
+from tasklet.peer.runtime.stage.outbox import Outbox
+from tasklet.peer.runtime.stage.snapshot import Tasklet
+from tasklet.peer.runtime.stage.worker import StageWorker
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.codec import COMPRESSIONS, decode_tensor, encode_tensor
 
 
 def _retensor(env: pb.Envelope, change: Callable[[torch.Tensor], torch.Tensor]) -> None:

@@ -23,14 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from peer.emulation.network import LinkModel, loopback_device, loopback_host
-from peer.emulation.procs import launch, read_line
-from peer.net.tls import TlsContext
-from peer.runtime.assign import build_assignments
-from peer.runtime.lead.coordinator import Coordinator, StepReport
-from peer.runtime.lead.driver import DriverConfig, Pipelines, Planner, RunDriver, RunEvents, Stages
-from peer.runtime.lead.step import TooFewPeersError
-from peer.runtime.spec import Assignment, RunSpec
+from tasklet.peer.emulation.network import LinkModel, loopback_device, loopback_host
+from tasklet.peer.emulation.procs import launch, read_line
+from tasklet.peer.net.tls import TlsContext
+from tasklet.peer.runtime.assign import build_assignments
+from tasklet.peer.runtime.lead.coordinator import Coordinator, StepReport
+from tasklet.peer.runtime.lead.driver import DriverConfig, Pipelines, Planner, RunDriver, RunEvents, Stages
+from tasklet.peer.runtime.lead.step import TooFewPeersError
+from tasklet.peer.runtime.spec import Assignment, RunSpec
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class LocalWorkers:
         cmd = [
             sys.executable,
             "-m",
-            "peer.emulation.worker_main",
+            "tasklet.peer.emulation.worker_main",
             "--host",
             loopback_host(i),
             "--peer-id",

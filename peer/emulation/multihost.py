@@ -1,7 +1,7 @@
 """Real `peer` processes on the hosts of a network-namespace test bed (peer/emulation/netbed.py), started with the
 README's internet commands; used by tests/test_multihost.py and bench/reachability.py.
 
-Every peer runs ``ip netns exec <host> python -m peer.cli start|join --host 0.0.0.0 --port 31400 --bulk-port 31403
+Every peer runs ``ip netns exec <host> peer start|join --host 0.0.0.0 --port 31400 --bulk-port 31403
 --dht-host 0.0.0.0 --dht-port 31401 --announce ADDR:31400`` (``ADDR`` the host's public address, its router's for a
 home host), logs to ``log_dir/<host>.log`` and is killed with its whole process group at the end.
 """
@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import IO
 
-from peer.emulation.netbed import Host
-from peer.emulation.procs import (
+from tasklet.peer.emulation.netbed import Host
+from tasklet.peer.emulation.procs import (
     JOIN_LINE_PREFIX,
     PEER_COMMAND,
     child_env,
@@ -25,7 +25,7 @@ from peer.emulation.procs import (
     organiser_flag,
     read_line,
 )
-from peer.emulation.reference_check import gap_to_reference
+from tasklet.peer.emulation.reference_check import gap_to_reference
 
 REPO = Path(__file__).resolve().parents[2]
 GRPC_PORT, DHT_PORT, RELAY_PORT, BULK_PORT = 31400, 31401, 31402, 31403

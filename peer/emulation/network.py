@@ -28,11 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
-from peer.config import EmulationSection
-from peer.runtime.spec import Assignment
-from peer.runtime.stage.outbox import DeviceClock
-from scheduler import Cluster
-from scheduler.cluster import default_scenarios_path, load_scenario
+from tasklet.peer.config import EmulationSection
+from tasklet.peer.runtime.spec import Assignment
+from tasklet.peer.runtime.stage.outbox import DeviceClock
+from tasklet.scheduler import Cluster
+from tasklet.scheduler.cluster import default_scenarios_path, load_scenario
 
 
 @dataclass(frozen=True)

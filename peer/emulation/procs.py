@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-PEER_COMMAND = [sys.executable, "-m", "peer.cli"]
+PEER_COMMAND = [sys.executable, "-m", "tasklet.peer.cli"]
 JOIN_LINE_TIMEOUT_S = 90.0  # a first peer prints its join line within this (DHT start, device measurement)
 JOIN_LINE_PREFIX = "peer join --dht "
 

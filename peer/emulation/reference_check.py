@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from peer.compute.data import Corpus
-from peer.compute.reference import train_reference
-from peer.config import RunConfig
+from tasklet.peer.compute.data import Corpus
+from tasklet.peer.compute.reference import train_reference
+from tasklet.peer.config import RunConfig
 
 
 @dataclass

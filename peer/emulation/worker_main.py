@@ -1,4 +1,4 @@
-"""Process entry of a local stage worker: ``python -m peer.emulation.worker_main --host 127.0.0.2``.
+"""Process entry of a local stage worker: ``python -m tasklet.peer.emulation.worker_main --host 127.0.0.2``.
 
 Prints ``READY <host:port> <certificate>`` on stdout once serving (the certificate of its ephemeral identity, in
 peer.net.tls's one-line form; the launcher passes it on to the coordinator and into assignments), then runs
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from peer.emulation.faults import FAULTS, worker_class
-from peer.emulation.network import LinkModel, LoopbackLinks
-from peer.net.tls import TlsContext, peer_id_of_certificate, pem_from_text
+from tasklet.peer.emulation.faults import FAULTS, worker_class
+from tasklet.peer.emulation.network import LinkModel, LoopbackLinks
+from tasklet.peer.net.tls import TlsContext, peer_id_of_certificate, pem_from_text
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,7 @@
 
 One import point for the runtime:
 
-    from peer.net import PeerServer, PeerClient, TransportConfig, LinkShaper
+    from tasklet.peer.net import PeerServer, PeerClient, TransportConfig, LinkShaper
 
 * `PeerServer(config)`: `register_push(kind, handler)`, `register_fetch(kind, handler)`,
   `set_status_provider(fn)`, `set_reply_shaper(lookup)`, `start() -> port`, `stop(grace)`. Checks protocol
@@ -20,10 +20,10 @@ One import point for the runtime:
 * `LinkShaper(rate_bps, delay_s)`, `LinkTable(link_of)`: sender-side emulation of a link (peer.net.shaping).
 """
 
-from peer.net.client import PeerClient, map_rpc_error
-from peer.net.config import TransportConfig
-from peer.net.server import PeerServer, kind_value
-from peer.net.shaping import LinkShaper, LinkTable
+from tasklet.peer.net.client import PeerClient, map_rpc_error
+from tasklet.peer.net.config import TransportConfig
+from tasklet.peer.net.server import PeerServer, kind_value
+from tasklet.peer.net.shaping import LinkShaper, LinkTable
 
 __all__ = [
     "LinkShaper",

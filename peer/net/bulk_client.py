@@ -19,12 +19,12 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 
-from peer.net.bulk_server import IDLE_TIMEOUT_S
-from peer.net.bulk_wire import HEAD, HEAD_MAGIC, REPLY, LaneClosedError, read_reply
-from peer.net.statuses import error_of_status
-from peer.net.tls import SERVER_NAME, TlsContext
-from protocol import PROTOCOL_VERSION
-from protocol.errors import PeerUnreachable
+from tasklet.peer.net.bulk_server import IDLE_TIMEOUT_S
+from tasklet.peer.net.bulk_wire import HEAD, HEAD_MAGIC, REPLY, LaneClosedError, read_reply
+from tasklet.peer.net.statuses import error_of_status
+from tasklet.peer.net.tls import SERVER_NAME, TlsContext
+from tasklet.protocol import PROTOCOL_VERSION
+from tasklet.protocol.errors import PeerUnreachable
 
 logger = logging.getLogger(__name__)
 

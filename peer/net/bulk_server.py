@@ -31,13 +31,13 @@ from typing import Protocol
 import grpc
 import numpy as np
 
-from peer.net.bulk_wire import HEAD, HEAD_MAGIC, LaneClosedError, encode_reply, recv_exact
-from peer.net.config import HANDSHAKE_TIMEOUT_S, SOURCE_SHARE, TransportConfig
-from peer.net.counters import TRAFFIC
-from peer.net.statuses import refusal_of
-from protocol import tasklet_pb2 as pb
-from protocol.chunking import ChunkView, check_version
-from protocol.errors import BadMessage
+from tasklet.peer.net.bulk_wire import HEAD, HEAD_MAGIC, LaneClosedError, encode_reply, recv_exact
+from tasklet.peer.net.config import HANDSHAKE_TIMEOUT_S, SOURCE_SHARE, TransportConfig
+from tasklet.peer.net.counters import TRAFFIC
+from tasklet.peer.net.statuses import refusal_of
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.chunking import ChunkView, check_version
+from tasklet.protocol.errors import BadMessage
 
 logger = logging.getLogger(__name__)
 

@@ -26,19 +26,26 @@ from typing import Any
 
 import grpc
 
-from peer.net.allocator import keep_freed_buffers
-from peer.net.bulk_client import BulkLane, LaneUnusableError, StaleConnectionError, mark_unusable, pieces, usable
-from peer.net.config import TransportConfig
-from peer.net.counters import TRAFFIC
-from peer.net.endpoint import EndpointError, dial_plan, parse_endpoint, proxy_url
-from peer.net.server import _kind_name, kind_value, service_name
-from peer.net.shaping import LinkShaper, take_in
-from peer.net.statuses import error_of_status
-from protocol import PROTOCOL_VERSION
-from protocol import tasklet_pb2 as pb
-from protocol.chunking import Reassembler, check_version, chunk_payload_sizes, decode_chunk, iter_segment_chunks
-from protocol.errors import Backpressure, PeerUnreachable, Refused, TransportError
-from protocol.message import WireEnvelope, envelope_segments
+from tasklet.peer.net.allocator import keep_freed_buffers
+from tasklet.peer.net.bulk_client import (
+    BulkLane,
+    LaneUnusableError,
+    StaleConnectionError,
+    mark_unusable,
+    pieces,
+    usable,
+)
+from tasklet.peer.net.config import TransportConfig
+from tasklet.peer.net.counters import TRAFFIC
+from tasklet.peer.net.endpoint import EndpointError, dial_plan, parse_endpoint, proxy_url
+from tasklet.peer.net.server import _kind_name, kind_value, service_name
+from tasklet.peer.net.shaping import LinkShaper, take_in
+from tasklet.peer.net.statuses import error_of_status
+from tasklet.protocol import PROTOCOL_VERSION
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.chunking import Reassembler, check_version, chunk_payload_sizes, decode_chunk, iter_segment_chunks
+from tasklet.protocol.errors import Backpressure, PeerUnreachable, Refused, TransportError
+from tasklet.protocol.message import WireEnvelope, envelope_segments
 
 logger = logging.getLogger(__name__)
 

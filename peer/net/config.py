@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from peer.net.limits import descriptor_budget
-from peer.net.tls import TlsContext, process_tls
+from tasklet.peer.net.limits import descriptor_budget
+from tasklet.peer.net.tls import TlsContext, process_tls
 
 MIB = 1 << 20
 # The longest deadline a peer's server accepts: above every call timeout of peer.timing (a step's 600 s).

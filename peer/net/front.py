@@ -24,7 +24,7 @@ import socket
 import tempfile
 import threading
 
-from peer.net.limits import ConnectionCap
+from tasklet.peer.net.limits import ConnectionCap
 
 logger = logging.getLogger(__name__)
 

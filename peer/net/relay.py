@@ -54,8 +54,8 @@ from dataclasses import dataclass, replace
 
 from hivemind.utils.crypto import RSAPublicKey
 
-from peer.net.endpoint import RELAY_AUTHORITY_SUFFIX
-from peer.swarm.identity import Identity, peer_id_from_public_key
+from tasklet.peer.net.endpoint import RELAY_AUTHORITY_SUFFIX
+from tasklet.peer.swarm.identity import Identity, peer_id_from_public_key
 
 log = logging.getLogger(__name__)
 

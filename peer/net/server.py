@@ -42,19 +42,19 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 
-from peer.net.allocator import keep_freed_buffers
-from peer.net.bulk_server import BulkListener
-from peer.net.config import TransportConfig
-from peer.net.counters import TRAFFIC
-from peer.net.front import GrpcFront
-from peer.net.idle import IdleWatch
-from peer.net.limits import ConnectionCap
-from peer.net.shaping import LinkShaper, take_in
-from peer.net.statuses import SlotRefusedError, refusal_of
-from peer.net.waiting import RoomFullError, WaitingRoom
-from protocol import PROTOCOL_VERSION
-from protocol import tasklet_pb2 as pb
-from protocol.chunking import (
+from tasklet.peer.net.allocator import keep_freed_buffers
+from tasklet.peer.net.bulk_server import BulkListener
+from tasklet.peer.net.config import TransportConfig
+from tasklet.peer.net.counters import TRAFFIC
+from tasklet.peer.net.front import GrpcFront
+from tasklet.peer.net.idle import IdleWatch
+from tasklet.peer.net.limits import ConnectionCap
+from tasklet.peer.net.shaping import LinkShaper, take_in
+from tasklet.peer.net.statuses import SlotRefusedError, refusal_of
+from tasklet.peer.net.waiting import RoomFullError, WaitingRoom
+from tasklet.protocol import PROTOCOL_VERSION
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.chunking import (
     ChunkView,
     Reassembler,
     check_version,
@@ -63,8 +63,8 @@ from protocol.chunking import (
     envelope_kind_prefix,
     iter_segment_chunks,
 )
-from protocol.errors import BadMessage, Rejected
-from protocol.message import WireEnvelope, envelope_segments
+from tasklet.protocol.errors import BadMessage, Rejected
+from tasklet.protocol.message import WireEnvelope, envelope_segments
 
 logger = logging.getLogger(__name__)
 

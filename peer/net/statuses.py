@@ -8,7 +8,7 @@ import logging
 
 import grpc
 
-from protocol.errors import (
+from tasklet.protocol.errors import (
     BadMessage,
     Forbidden,
     PeerUnreachable,

@@ -37,7 +37,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from peer.swarm.identity import Identity, peer_id_from_public_key
+from tasklet.peer.swarm.identity import Identity, peer_id_from_public_key
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from peer.net.idle import Cancellable
+from tasklet.peer.net.idle import Cancellable
 
 
 class RoomFullError(Exception):

@@ -29,8 +29,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from peer.node.schedule import Schedule, action, leaves_at
-from peer.timing import now
+from tasklet.peer.node.schedule import Schedule, action, leaves_at
+from tasklet.peer.timing import now
 
 log = logging.getLogger(__name__)
 

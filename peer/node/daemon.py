@@ -27,35 +27,35 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from peer.compute.device_probe import DeviceInfo, measure_device
-from peer.config import RunConfig
-from peer.net.limits import raise_nofile
-from peer.net.relay import relay_key
-from peer.net.shaping import set_download_cap, set_upload_cap
-from peer.net.tls import TlsContext
-from peer.node.control_socket import OwnerControl, open_control
-from peer.node.emulated_links import EmulatedLinks, Emulation, NetworkModel, emulated_device
-from peer.node.joining import JoinError, check_files, find_run
-from peer.node.leader_role import LeaderContext, LeaderRole
-from peer.node.leadership import Leadership
-from peer.node.prober import LinkProber, ProbeSources
-from peer.node.reachability import Reach, ReachabilityError, establish, refuse_undialable
-from peer.node.roles import Action, State
-from peer.node.schedule import Schedule, leaves_at
-from peer.node.watch import CoordinatorWatch
-from peer.observe.node import NodeObserver, ObserveError, ObserveOptions
-from peer.observe.snapshot import SwarmSource
-from peer.runtime.lead.driver import RunDriver
-from peer.runtime.stage.worker import StageWorker
-from peer.swarm.adverts import Advert
-from peer.swarm.dht import DHT_OPS, DHTConfig, DHTStartError, ops_delta, reconnect, start_dht, visible_maddrs
-from peer.swarm.identity import Identity
-from peer.swarm.membership import ClockSkewError, Membership
-from peer.swarm.plans import PlanBoard, PlanRecord
-from peer.swarm.progress import ProgressBoard
-from peer.swarm.records import RunRecordValidator, record_key
-from peer.swarm.view import SwarmView
-from peer.timing import (
+from tasklet.peer.compute.device_probe import DeviceInfo, measure_device
+from tasklet.peer.config import RunConfig
+from tasklet.peer.net.limits import raise_nofile
+from tasklet.peer.net.relay import relay_key
+from tasklet.peer.net.shaping import set_download_cap, set_upload_cap
+from tasklet.peer.net.tls import TlsContext
+from tasklet.peer.node.control_socket import OwnerControl, open_control
+from tasklet.peer.node.emulated_links import EmulatedLinks, Emulation, NetworkModel, emulated_device
+from tasklet.peer.node.joining import JoinError, check_files, find_run
+from tasklet.peer.node.leader_role import LeaderContext, LeaderRole
+from tasklet.peer.node.leadership import Leadership
+from tasklet.peer.node.prober import LinkProber, ProbeSources
+from tasklet.peer.node.reachability import Reach, ReachabilityError, establish, refuse_undialable
+from tasklet.peer.node.roles import Action, State
+from tasklet.peer.node.schedule import Schedule, leaves_at
+from tasklet.peer.node.watch import CoordinatorWatch
+from tasklet.peer.observe.node import NodeObserver, ObserveError, ObserveOptions
+from tasklet.peer.observe.snapshot import SwarmSource
+from tasklet.peer.runtime.lead.driver import RunDriver
+from tasklet.peer.runtime.stage.worker import StageWorker
+from tasklet.peer.swarm.adverts import Advert
+from tasklet.peer.swarm.dht import DHT_OPS, DHTConfig, DHTStartError, ops_delta, reconnect, start_dht, visible_maddrs
+from tasklet.peer.swarm.identity import Identity
+from tasklet.peer.swarm.membership import ClockSkewError, Membership
+from tasklet.peer.swarm.plans import PlanBoard, PlanRecord
+from tasklet.peer.swarm.progress import ProgressBoard
+from tasklet.peer.swarm.records import RunRecordValidator, record_key
+from tasklet.peer.swarm.view import SwarmView
+from tasklet.peer.timing import (
     ADVERT_TTL_HEARTBEATS,
     DHT_RECONNECT_HEARTBEATS,
     EXIT_COPY_WAIT_S,

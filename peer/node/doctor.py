@@ -30,13 +30,13 @@ from typing import Any
 
 import torch
 
-from peer.compute.device_choice import PRECISIONS, backend_of, precision_refusal, runtime_version, torch_device
-from peer.compute.device_probe import cpu_memory_bytes, measure_device, mps_memory
-from peer.config import ConfigError, RunConfig, local_paths_from_toml
-from peer.node.joining import joiner_config
-from peer.node.planning import workload_for
-from peer.runtime.spec import RunSpec
-from scheduler.plan import even_stages
+from tasklet.peer.compute.device_choice import PRECISIONS, backend_of, precision_refusal, runtime_version, torch_device
+from tasklet.peer.compute.device_probe import cpu_memory_bytes, measure_device, mps_memory
+from tasklet.peer.config import ConfigError, RunConfig, local_paths_from_toml
+from tasklet.peer.node.joining import joiner_config
+from tasklet.peer.node.planning import workload_for
+from tasklet.peer.runtime.spec import RunSpec
+from tasklet.scheduler.plan import even_stages
 
 GB = 1e9
 LINK_PEERS = 3  # peers a doctor connects to
@@ -240,7 +240,7 @@ def _clock(reader: Any, heartbeat_s: float) -> dict[str, Any]:
     """This machine's clock minus the swarm's, bounded from heartbeat times: a peer's lag ``now - heartbeat_at``
     is the offset plus the heartbeat's age (0..one heartbeat), so the offset lies in
     [max lag - heartbeat, min lag]; reads a few times to narrow it."""
-    from peer.swarm.membership import now
+    from tasklet.peer.swarm.membership import now
 
     low, high, peers = -math.inf, math.inf, 0
     for i in range(CLOCK_READS):
@@ -287,12 +287,12 @@ def _links(entries: list[Any], reader: Any, endpoint: str, heartbeat_s: float) -
 
 def _bandwidths(rows: list[tuple[dict[str, Any], Any]], reader: Any, endpoint: str, heartbeat_s: float) -> None:
     """Publish a ``client`` advert (so the peers trust this doctor's certificate), probe each peer's link, leave."""
-    from peer.compute.device_probe import DeviceInfo
-    from peer.net import PeerClient, TransportConfig
-    from peer.net.tls import TlsContext
-    from peer.swarm.adverts import Advert
-    from peer.timing import now
-    from protocol.errors import TransportError
+    from tasklet.peer.compute.device_probe import DeviceInfo
+    from tasklet.peer.net import PeerClient, TransportConfig
+    from tasklet.peer.net.tls import TlsContext
+    from tasklet.peer.swarm.adverts import Advert
+    from tasklet.peer.timing import now
+    from tasklet.protocol.errors import TransportError
 
     tls = TlsContext(reader.identity)
     tls.trust.set_group("swarm", [a.cert for _, a in rows if a.cert])
@@ -319,7 +319,7 @@ def _bandwidths(rows: list[tuple[dict[str, Any], Any]], reader: Any, endpoint: s
 
 
 def _reachability(relays: list[str], port: int) -> dict[str, Any]:
-    from peer.net.relay import check_reachable
+    from tasklet.peer.net.relay import check_reachable
 
     if not relays:
         return {"checked": False, "why": "no peer of the swarm offers a relay (--relay-port) to dial this one back"}
@@ -333,9 +333,9 @@ def _reachability(relays: list[str], port: int) -> dict[str, Any]:
 
 def _swarm(opts: DoctorOptions, grpc_port: int) -> tuple[dict[str, Any], RunConfig | None, list | None]:
     """Reachability, clock and links from the swarm, and the published run's config and stage split."""
-    from peer.swarm.dht import DHTStartError
-    from peer.swarm.membership import SwarmSecretError, verify_swarm_secret
-    from peer.swarm.status import StatusReader
+    from tasklet.peer.swarm.dht import DHTStartError
+    from tasklet.peer.swarm.membership import SwarmSecretError, verify_swarm_secret
+    from tasklet.peer.swarm.status import StatusReader
 
     try:
         reader = StatusReader(list(opts.dht), opts.run_id, opts.secret)

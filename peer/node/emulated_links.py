@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from peer.config import EmulationSection
-from peer.net.shaping import LinkShaper, with_upload_cap
-from peer.runtime.stage.outbox import DeviceClock
-from peer.swarm.adverts import Advert
+from tasklet.peer.config import EmulationSection
+from tasklet.peer.net.shaping import LinkShaper, with_upload_cap
+from tasklet.peer.runtime.stage.outbox import DeviceClock
+from tasklet.peer.swarm.adverts import Advert
 
 REFRESH_S = 2.0  # an endpoint no advert read so far names is looked up again at most this often
 

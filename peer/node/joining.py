@@ -17,12 +17,12 @@ from typing import Any
 
 import hivemind
 
-from peer.compute.data import Corpus, CorpusError
-from peer.compute.textdata import load_corpus
-from peer.config import ConfigError, RunConfig, strip_local_paths, with_local_paths
-from peer.runtime.spec import RunSpec
-from peer.swarm.membership import RunReadTimeoutError, RunRecord, SwarmSecretError, verify_swarm_secret
-from peer.timing import JOINER_RUN_WAIT_S
+from tasklet.peer.compute.data import Corpus, CorpusError
+from tasklet.peer.compute.textdata import load_corpus
+from tasklet.peer.config import ConfigError, RunConfig, strip_local_paths, with_local_paths
+from tasklet.peer.runtime.spec import RunSpec
+from tasklet.peer.swarm.membership import RunReadTimeoutError, RunRecord, SwarmSecretError, verify_swarm_secret
+from tasklet.peer.timing import JOINER_RUN_WAIT_S
 
 log = logging.getLogger(__name__)
 

@@ -26,28 +26,28 @@ from typing import Any
 
 import torch
 
-from peer.compute.model import unflatten_stage
-from peer.config import RunConfig
-from peer.net import PeerClient, PeerServer, TransportConfig
-from peer.node.history import LossHistory, newest_record
-from peer.node.partition import QuorumWait, find_rival, judge, split_step
-from peer.node.planning import ClusterView, build_cluster, make_planner, workload_for
-from peer.node.schedule import leaving_soon
-from peer.observe.scalars import ScalarWriter
-from peer.runtime.assign import build_assignments
-from peer.runtime.control import MAX_HASH, Apply, encode
-from peer.runtime.lead.coordinator import Coordinator, StepReport
-from peer.runtime.lead.driver import KEPT_DIGESTS, DriverConfig, Pipelines, RunDriver, Stages, verified_states
-from peer.runtime.lead.resync import Digests
-from peer.runtime.lead.spot import Ledger
-from peer.runtime.outer import assignment_record
-from peer.runtime.spec import Assignment, RunSpec
-from peer.swarm.adverts import Advert, LinkReport
-from peer.swarm.credit import CreditBook
-from peer.swarm.election import MAX_CREDITED, credited_of
-from peer.swarm.plans import PlanBoard, has_quorum
-from peer.swarm.progress import ProgressBoard, publishable
-from peer.timing import (
+from tasklet.peer.compute.model import unflatten_stage
+from tasklet.peer.config import RunConfig
+from tasklet.peer.net import PeerClient, PeerServer, TransportConfig
+from tasklet.peer.node.history import LossHistory, newest_record
+from tasklet.peer.node.partition import QuorumWait, find_rival, judge, split_step
+from tasklet.peer.node.planning import ClusterView, build_cluster, make_planner, workload_for
+from tasklet.peer.node.schedule import leaving_soon
+from tasklet.peer.observe.scalars import ScalarWriter
+from tasklet.peer.runtime.assign import build_assignments
+from tasklet.peer.runtime.control import MAX_HASH, Apply, encode
+from tasklet.peer.runtime.lead.coordinator import Coordinator, StepReport
+from tasklet.peer.runtime.lead.driver import KEPT_DIGESTS, DriverConfig, Pipelines, RunDriver, Stages, verified_states
+from tasklet.peer.runtime.lead.resync import Digests
+from tasklet.peer.runtime.lead.spot import Ledger
+from tasklet.peer.runtime.outer import assignment_record
+from tasklet.peer.runtime.spec import Assignment, RunSpec
+from tasklet.peer.swarm.adverts import Advert, LinkReport
+from tasklet.peer.swarm.credit import CreditBook
+from tasklet.peer.swarm.election import MAX_CREDITED, credited_of
+from tasklet.peer.swarm.plans import PlanBoard, has_quorum
+from tasklet.peer.swarm.progress import ProgressBoard, publishable
+from tasklet.peer.timing import (
     LINK_REPORT_WAIT_HEARTBEATS,
     PREDECESSOR_READ_HEARTBEATS,
     STATUS_TIMEOUT_S,

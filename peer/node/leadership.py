@@ -16,13 +16,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from peer.net.endpoint import EndpointError, with_route
-from peer.node.roles import Action, Observed, State, transition
-from peer.swarm.adverts import Advert
-from peer.swarm.charter import LeaderPolicy, waiting_line
-from peer.swarm.election import elect
-from peer.swarm.membership import Membership
-from peer.swarm.view import SwarmView
+from tasklet.peer.net.endpoint import EndpointError, with_route
+from tasklet.peer.node.roles import Action, Observed, State, transition
+from tasklet.peer.swarm.adverts import Advert
+from tasklet.peer.swarm.charter import LeaderPolicy, waiting_line
+from tasklet.peer.swarm.election import elect
+from tasklet.peer.swarm.membership import Membership
+from tasklet.peer.swarm.view import SwarmView
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from peer.swarm.plans import PlanRecord
-from peer.timing import now
+from tasklet.peer.swarm.plans import PlanRecord
+from tasklet.peer.timing import now
 
 log = logging.getLogger(__name__)
 

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from peer.compute.workload import workload_for
-from peer.runtime.lead.driver import Pipelines, Planner, Stages
-from peer.runtime.lead.step import TooFewPeersError
-from peer.runtime.spec import RunSpec
-from peer.swarm.adverts import Advert, LinkReport
-from scheduler import Cluster, MemeticConfig, Plan, PlanningError, Workload, plan, replan
-from scheduler.coords import Sample, estimate_links, probe_targets
+from tasklet.peer.compute.workload import workload_for
+from tasklet.peer.runtime.lead.driver import Pipelines, Planner, Stages
+from tasklet.peer.runtime.lead.step import TooFewPeersError
+from tasklet.peer.runtime.spec import RunSpec
+from tasklet.peer.swarm.adverts import Advert, LinkReport
+from tasklet.scheduler import Cluster, MemeticConfig, Plan, PlanningError, Workload, plan, replan
+from tasklet.scheduler.coords import Sample, estimate_links, probe_targets
 
 log = logging.getLogger(__name__)
 

@@ -15,12 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from peer.net import PeerClient, TransportConfig
-from peer.net.shaping import LinkShaper
-from peer.net.tls import TlsContext
-from peer.node.planning import PROBE_K, PROBE_RANDOM, probe_targets_for
-from peer.swarm.adverts import Advert, LinkReport
-from peer.timing import PROBE_PING_TIMEOUT_S, PROBE_TIMEOUT_S, now
+from tasklet.peer.net import PeerClient, TransportConfig
+from tasklet.peer.net.shaping import LinkShaper
+from tasklet.peer.net.tls import TlsContext
+from tasklet.peer.node.planning import PROBE_K, PROBE_RANDOM, probe_targets_for
+from tasklet.peer.swarm.adverts import Advert, LinkReport
+from tasklet.peer.timing import PROBE_PING_TIMEOUT_S, PROBE_TIMEOUT_S, now
 
 log = logging.getLogger(__name__)
 

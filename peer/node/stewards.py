@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import time
 
-from peer.swarm.charter import CharterError, sign_stewards, stewards_of
-from peer.swarm.dht import DHTConfig, start_dht
-from peer.swarm.identity import Identity
-from peer.swarm.membership import organisers_run
-from peer.swarm.records import RECORD_TTL_S, RecordStore, RunRecordValidator, record_key
-from peer.swarm.status import listen_host
-from peer.timing import now
+from tasklet.peer.swarm.charter import CharterError, sign_stewards, stewards_of
+from tasklet.peer.swarm.dht import DHTConfig, start_dht
+from tasklet.peer.swarm.identity import Identity
+from tasklet.peer.swarm.membership import organisers_run
+from tasklet.peer.swarm.records import RECORD_TTL_S, RecordStore, RunRecordValidator, record_key
+from tasklet.peer.swarm.status import listen_host
+from tasklet.peer.timing import now
 
 READ_BACK_S = 30.0  # how long the command waits to read its record back from the swarm
 

@@ -15,10 +15,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from peer.net import PeerClient, TransportConfig
-from peer.net.tls import TlsContext
-from peer.runtime.spec import Assignment
-from peer.timing import COORDINATOR_LOST_HEARTBEATS, DEPOSE_HEARTBEATS, STATUS_TIMEOUT_S
+from tasklet.peer.net import PeerClient, TransportConfig
+from tasklet.peer.net.tls import TlsContext
+from tasklet.peer.runtime.spec import Assignment
+from tasklet.peer.timing import COORDINATOR_LOST_HEARTBEATS, DEPOSE_HEARTBEATS, STATUS_TIMEOUT_S
 
 
 class CoordinatorWatch:

@@ -12,9 +12,9 @@ import logging
 import threading
 from collections.abc import Callable
 
-from peer.observe.http import ObserveServer, Route, asset
-from peer.observe.snapshot import SwarmSource, build_snapshot
-from peer.observe.watch import SwarmWatcher
+from tasklet.peer.observe.http import ObserveServer, Route, asset
+from tasklet.peer.observe.snapshot import SwarmSource, build_snapshot
+from tasklet.peer.observe.watch import SwarmWatcher
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def serve_dashboard(
 
     Raises OSError (the port) or ``peer.swarm.dht.DHTStartError`` (the DHT), each with a one-line message.
     """
-    from peer.swarm.status import StatusReader
+    from tasklet.peer.swarm.status import StatusReader
 
     stop = stop or threading.Event()
     sources: list[SwarmSource] = []  # filled once the DHT is up; the watcher only reads after that

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 
-from peer.net.limits import ConnectionCap
+from tasklet.peer.net.limits import ConnectionCap
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ ASSET_TYPES = {
 def asset(name: str) -> Route:
     """A route serving ``peer/observe/static/<name>`` (package data: the page works offline, no CDN)."""
     suffix = name[name.rfind(".") :]
-    body = resources.files("peer.observe").joinpath("static", name).read_bytes()
+    body = resources.files("tasklet.peer.observe").joinpath("static", name).read_bytes()
     content_type = ASSET_TYPES[suffix]
     return lambda: (body, content_type)
 

@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from peer.net.counters import TRAFFIC, TrafficCounters
+from tasklet.peer.net.counters import TRAFFIC, TrafficCounters
 
 WorkerStats = Callable[[], dict[str, Any]]
 

@@ -13,11 +13,11 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from peer.observe.dashboard import Dashboard
-from peer.observe.http import ObserveServer
-from peer.observe.metrics import NodeMetrics, WorkerStats
-from peer.observe.progress import ProgressDisplay
-from peer.observe.snapshot import SwarmSource
+from tasklet.peer.observe.dashboard import Dashboard
+from tasklet.peer.observe.http import ObserveServer
+from tasklet.peer.observe.metrics import NodeMetrics, WorkerStats
+from tasklet.peer.observe.progress import ProgressDisplay
+from tasklet.peer.observe.snapshot import SwarmSource
 
 
 class ObserveError(RuntimeError):
@@ -55,7 +55,7 @@ class NodeObserver:
             raise ObserveError(f"{exc} (--metrics-port/--dashboard-port)") from None
         if opts.progress:
             self.display = ProgressDisplay(opts.total_steps, stream=sys.stderr, plain=logging.getLogger(
-                "peer.progress").info)
+                "tasklet.peer.progress").info)
 
     @property
     def metrics_url(self) -> str | None:

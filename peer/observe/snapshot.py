@@ -17,11 +17,11 @@ from typing import Any
 
 from hivemind.utils import get_dht_time
 
-from peer.swarm.adverts import LinkReport
-from peer.swarm.credit import credit_rows
-from peer.swarm.membership import PeerEntry
-from peer.swarm.plans import PlanRecord
-from peer.swarm.status import StatusReader
+from tasklet.peer.swarm.adverts import LinkReport
+from tasklet.peer.swarm.credit import credit_rows
+from tasklet.peer.swarm.membership import PeerEntry
+from tasklet.peer.swarm.plans import PlanRecord
+from tasklet.peer.swarm.status import StatusReader
 
 MAX_HISTORY = 5000  # steps of loss history shown (the leader publishes at most 2000)
 MAX_PIPELINES = 256

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from peer.runtime.spec import Assignment, RunSpec
+from tasklet.peer.runtime.spec import Assignment, RunSpec
 
 
 def build_assignments(

@@ -17,10 +17,10 @@ import json
 import math
 from typing import Any
 
-from peer.compute.model import ModelConfig
-from peer.compute.workload import workload_for
-from peer.runtime.spec import RunSpec
-from protocol import tasklet_pb2 as pb
+from tasklet.peer.compute.model import ModelConfig
+from tasklet.peer.compute.workload import workload_for
+from tasklet.peer.runtime.spec import RunSpec
+from tasklet.protocol import tasklet_pb2 as pb
 
 # Room for an Envelope's key, names, shapes, meta and JSON bodies on top of its tensor bytes.
 ENVELOPE_SLACK_BYTES = 64 * 1024

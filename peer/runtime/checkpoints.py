@@ -40,9 +40,9 @@ from typing import Any
 
 import torch
 
-from peer.runtime.choices import DEFAULT_KEEP
-from protocol import tasklet_pb2 as pb
-from protocol.message import WireEnvelope
+from tasklet.peer.runtime.choices import DEFAULT_KEEP
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.message import WireEnvelope
 
 log = logging.getLogger(__name__)
 

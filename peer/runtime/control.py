@@ -28,11 +28,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-from peer.runtime.spec import Assignment, RunSpec, SpecError
-from peer.runtime.wire import body_of, envelope, make_key
-from protocol import tasklet_pb2 as pb
-from protocol.errors import BadMessage
-from protocol.message import WireEnvelope
+from tasklet.peer.runtime.spec import Assignment, RunSpec, SpecError
+from tasklet.peer.runtime.wire import body_of, envelope, make_key
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.errors import BadMessage
+from tasklet.protocol.message import WireEnvelope
 
 MAX_TEXT = 1000  # an error text or a reason
 MAX_ENDPOINT = 300
@@ -267,7 +267,7 @@ class Sketch(Message):
 
     def parsed(self) -> dict[str, tuple[float, ...]]:
         """Point -> its sketch; BadMessage when the points are unknown or repeated, or the values do not fit."""
-        from peer.runtime.sketch import PER_POINT, POINTS  # noqa: PLC0415 - torch only where sketches are read
+        from tasklet.peer.runtime.sketch import PER_POINT, POINTS  # noqa: PLC0415 - torch only where sketches are read
 
         if len(self.points) > len(POINTS) or len(set(self.points)) != len(self.points):
             raise BadMessage("sketch.points", f"{list(self.points)[:8]} are not distinct points")

@@ -18,8 +18,8 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 from cryptography.x509 import load_pem_x509_certificate
 
-from peer.net.tls import TlsContext
-from protocol.errors import BadMessage
+from tasklet.peer.net.tls import TlsContext
+from tasklet.protocol.errors import BadMessage
 
 
 @dataclass(frozen=True)

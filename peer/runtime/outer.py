@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from protocol.codec import DEFAULT_BLOCK_SIZE, decode_tensor, encode_tensor
+from tasklet.protocol.codec import DEFAULT_BLOCK_SIZE, decode_tensor, encode_tensor
 
 BLOCK_SIZE = DEFAULT_BLOCK_SIZE  # of int8 blocks and of top-k density (1 / BLOCK_SIZE)
 

@@ -16,9 +16,9 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from peer.net.tls import TlsContext, peer_ids
-from peer.runtime.spec import Assignment
-from protocol.errors import Forbidden
+from tasklet.peer.net.tls import TlsContext, peer_ids
+from tasklet.peer.runtime.spec import Assignment
+from tasklet.protocol.errors import Forbidden
 
 log = logging.getLogger(__name__)
 

@@ -10,11 +10,11 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from peer.compute.hf.spec import HFModelSpec
-from peer.compute.model import ModelConfig
-from peer.compute.stage import OptimConfig
-from peer.runtime.choices import COMPRESSIONS, PRECISIONS, PSEUDO_GRAD_COMPRESSIONS
-from protocol.codec import COMPRESSIONS as WIRE_COMPRESSIONS
+from tasklet.peer.compute.hf.spec import HFModelSpec
+from tasklet.peer.compute.model import ModelConfig
+from tasklet.peer.compute.stage import OptimConfig
+from tasklet.peer.runtime.choices import COMPRESSIONS, PRECISIONS, PSEUDO_GRAD_COMPRESSIONS
+from tasklet.protocol.codec import COMPRESSIONS as WIRE_COMPRESSIONS
 
 
 class SpecError(ValueError):

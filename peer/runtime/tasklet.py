@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from peer.compute.stage import StageCompute
-from peer.runtime.outer import OuterState
-from peer.runtime.wire import body_of, envelope, make_key, tensor_named
-from protocol import tasklet_pb2 as pb
-from protocol.codec import decode_tensor
-from protocol.errors import BadMessage
+from tasklet.peer.compute.stage import StageCompute
+from tasklet.peer.runtime.outer import OuterState
+from tasklet.peer.runtime.wire import body_of, envelope, make_key, tensor_named
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.codec import decode_tensor
+from tasklet.protocol.errors import BadMessage
 
 
 def params_hash(compute: StageCompute) -> str:

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from protocol import tasklet_pb2 as pb
-from protocol.errors import BadMessage
-from protocol.message import WireEnvelope, WireTensor
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.errors import BadMessage
+from tasklet.protocol.message import WireEnvelope, WireTensor
 
 MAX_BODY_BYTES = 1 << 20
 

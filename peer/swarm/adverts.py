@@ -14,12 +14,12 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from peer.compute.device_probe import DEVICE_KINDS, DeviceInfo
-from peer.net.tls import CertificateError, peer_id_of_certificate, pem_from_text
-from peer.swarm.records import canonical_json
+from tasklet.peer.compute.device_probe import DEVICE_KINDS, DeviceInfo
+from tasklet.peer.net.tls import CertificateError, peer_id_of_certificate, pem_from_text
+from tasklet.peer.swarm.records import canonical_json
 
 try:
-    from protocol import PROTOCOL_VERSION
+    from tasklet.protocol import PROTOCOL_VERSION
 except ImportError:  # the protocol package may not define it yet
     PROTOCOL_VERSION = 1
 

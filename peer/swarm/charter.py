@@ -21,9 +21,9 @@ from typing import Any
 
 from hivemind.utils.crypto import RSAPublicKey
 
-from peer.swarm.adverts import check_peer_id
-from peer.swarm.identity import Identity, peer_id_from_public_key
-from peer.swarm.records import canonical_json
+from tasklet.peer.swarm.adverts import check_peer_id
+from tasklet.peer.swarm.identity import Identity, peer_id_from_public_key
+from tasklet.peer.swarm.records import canonical_json
 
 ANY = "any"  # [swarm] leaders = "any": credited members elect (opt-in)
 MAX_STEWARDS = 64  # peer ids one record may name

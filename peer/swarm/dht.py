@@ -25,8 +25,8 @@ from hivemind.dht.validation import RecordValidatorBase
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from peer.swarm.identity import Identity
-from peer.timing import DHT_STARTUP_TIMEOUT_S
+from tasklet.peer.swarm.identity import Identity
+from tasklet.peer.timing import DHT_STARTUP_TIMEOUT_S
 
 RECONNECT_PING_S = 5.0  # one re-ping of a bootstrap node waits at most this
 # hivemind's defaults tuned for a run's few, small, short-lived dictionary records (see start_dht)

@@ -41,9 +41,9 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from typing import Any
 
-from peer.swarm.adverts import check_peer_id
-from peer.swarm.charter import LeaderPolicy
-from peer.swarm.membership import PeerEntry
+from tasklet.peer.swarm.adverts import check_peer_id
+from tasklet.peer.swarm.charter import LeaderPolicy
+from tasklet.peer.swarm.membership import PeerEntry
 
 MAX_CREDITED = 4096  # peer ids one plan may credit (the plan board's member bound)
 

@@ -36,11 +36,11 @@ from dataclasses import dataclass
 
 import hivemind
 
-from peer.swarm.adverts import Advert, LinkReport, check_peer_id
-from peer.swarm.charter import CharterError, run_organiser, sign_run, stewards_of
-from peer.swarm.identity import Identity
-from peer.swarm.records import MacStatus, RecordStore
-from peer.timing import (
+from tasklet.peer.swarm.adverts import Advert, LinkReport, check_peer_id
+from tasklet.peer.swarm.charter import CharterError, run_organiser, sign_run, stewards_of
+from tasklet.peer.swarm.identity import Identity
+from tasklet.peer.swarm.records import MacStatus, RecordStore
+from tasklet.peer.timing import (
     ADVERT_TTL_HEARTBEATS,
     DHT_CALL_TIMEOUT_S,
     HEARTBEAT_S,

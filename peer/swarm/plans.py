@@ -35,10 +35,10 @@ from typing import NamedTuple
 
 import hivemind
 
-from peer.swarm.adverts import check_peer_id
-from peer.swarm.identity import Identity
-from peer.swarm.records import RecordStore
-from peer.timing import DHT_CALL_TIMEOUT_S, PLAN_TTL_S, now
+from tasklet.peer.swarm.adverts import check_peer_id
+from tasklet.peer.swarm.identity import Identity
+from tasklet.peer.swarm.records import RecordStore
+from tasklet.peer.timing import DHT_CALL_TIMEOUT_S, PLAN_TTL_S, now
 
 logger = logging.getLogger(__name__)
 

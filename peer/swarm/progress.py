@@ -30,9 +30,9 @@ from typing import Any
 
 import hivemind
 
-from peer.swarm.identity import Identity
-from peer.swarm.records import RecordStore
-from peer.timing import DHT_CALL_TIMEOUT_S, PROGRESS_TTL_S, now
+from tasklet.peer.swarm.identity import Identity
+from tasklet.peer.swarm.records import RecordStore
+from tasklet.peer.timing import DHT_CALL_TIMEOUT_S, PROGRESS_TTL_S, now
 
 # what only the full record carries: the loss history and the contribution record (peer.swarm.credit), which grow
 # with the run and the swarm, so a beat stays a few hundred bytes

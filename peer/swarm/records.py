@@ -49,9 +49,9 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer
 
-from peer.swarm.dht import DHT_OPS, DhtOps
-from peer.swarm.identity import Identity, split_owner_subkey
-from peer.timing import (
+from tasklet.peer.swarm.dht import DHT_OPS, DhtOps
+from tasklet.peer.swarm.identity import Identity, split_owner_subkey
+from tasklet.peer.timing import (
     ADVERT_TTL_HEARTBEATS,
     DHT_CALL_TIMEOUT_S,
     MAX_CLOCK_SKEW_S,

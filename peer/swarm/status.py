@@ -15,15 +15,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from peer.swarm.charter import LeaderPolicy, waiting_line
-from peer.swarm.credit import credit_rows
-from peer.swarm.dht import DHTConfig, start_dht
-from peer.swarm.election import bootstrap_credited, credited_of, elect
-from peer.swarm.identity import Identity
-from peer.swarm.membership import Membership, PeerEntry
-from peer.swarm.plans import PlanBoard, PlanRecord
-from peer.swarm.progress import ProgressBoard
-from peer.timing import now
+from tasklet.peer.swarm.charter import LeaderPolicy, waiting_line
+from tasklet.peer.swarm.credit import credit_rows
+from tasklet.peer.swarm.dht import DHTConfig, start_dht
+from tasklet.peer.swarm.election import bootstrap_credited, credited_of, elect
+from tasklet.peer.swarm.identity import Identity
+from tasklet.peer.swarm.membership import Membership, PeerEntry
+from tasklet.peer.swarm.plans import PlanBoard, PlanRecord
+from tasklet.peer.swarm.progress import ProgressBoard
+from tasklet.peer.timing import now
 
 VIEW_REUSE_S = 1.0
 

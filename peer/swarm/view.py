@@ -35,12 +35,12 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from peer.swarm.charter import LeaderPolicy
-from peer.swarm.election import bootstrap_credited, credited_of, elect
-from peer.swarm.membership import Membership, PeerEntry
-from peer.swarm.plans import PlanBoard, PlanRecord
-from peer.swarm.progress import ProgressBoard
-from peer.timing import LEADER_CONFIRM_TICKS, TICKS_PER_HEARTBEAT, now
+from tasklet.peer.swarm.charter import LeaderPolicy
+from tasklet.peer.swarm.election import bootstrap_credited, credited_of, elect
+from tasklet.peer.swarm.membership import Membership, PeerEntry
+from tasklet.peer.swarm.plans import PlanBoard, PlanRecord
+from tasklet.peer.swarm.progress import ProgressBoard
+from tasklet.peer.timing import LEADER_CONFIRM_TICKS, TICKS_PER_HEARTBEAT, now
 
 logger = logging.getLogger(__name__)
 

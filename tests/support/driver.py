@@ -8,12 +8,12 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from peer.compute.model import ModelConfig
-from peer.runtime.assign import build_assignments
-from peer.runtime.lead.coordinator import Coordinator, StepReport
-from peer.runtime.lead.driver import DriverConfig, Pipelines, RunDriver, Stages
-from peer.runtime.spec import Assignment, RunSpec
-from peer.runtime.stage.worker import StageWorker
+from tasklet.peer.compute.model import ModelConfig
+from tasklet.peer.runtime.assign import build_assignments
+from tasklet.peer.runtime.lead.coordinator import Coordinator, StepReport
+from tasklet.peer.runtime.lead.driver import DriverConfig, Pipelines, RunDriver, Stages
+from tasklet.peer.runtime.spec import Assignment, RunSpec
+from tasklet.peer.runtime.stage.worker import StageWorker
 
 SPEC = RunSpec(run_id="driver", model=ModelConfig(n_layers=2, d_model=16, n_heads=2, seq_len=8), micro_batch=2,
                n_microbatches=4)

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peer.compute.data import Corpus
-from peer.compute.model import ModelConfig, unflatten_stage
-from peer.compute.reference import train_reference
-from peer.compute.stage import OptimConfig
-from peer.emulation.local import RunResult
-from peer.runtime.spec import RunSpec
+from tasklet.peer.compute.data import Corpus
+from tasklet.peer.compute.model import ModelConfig, unflatten_stage
+from tasklet.peer.compute.reference import train_reference
+from tasklet.peer.compute.stage import OptimConfig
+from tasklet.peer.emulation.local import RunResult
+from tasklet.peer.runtime.spec import RunSpec
 
 STEPS = 10
 SPEC = RunSpec(run_id="equivalence", model=ModelConfig(n_layers=4, d_model=32, n_heads=4, seq_len=32, seed=5),

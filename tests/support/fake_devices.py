@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from peer.compute import device_probe
+from tasklet.peer.compute import device_probe
 
 GiB = 1 << 30
 

@@ -52,7 +52,7 @@ def save_model(folder: Path, preset: str, seed: int = 0, max_shard_size: str | N
     import torch
     from transformers import AutoModelForCausalLM
 
-    from peer.compute.hf import resolve_model
+    from tasklet.peer.compute.hf import resolve_model
 
     torch.manual_seed(seed)
     spec = resolve_model(preset, seq_len=32, tie=tie)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from peer.compute.hf.layout import ModelSourceError
+from tasklet.peer.compute.hf.layout import ModelSourceError
 
 log = logging.getLogger(__name__)
 

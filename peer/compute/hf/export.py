@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from peer.compute.hf.layout import ModelSourceError
-from peer.compute.hf.spec import HFModelSpec
+from tasklet.peer.compute.hf.layout import ModelSourceError
+from tasklet.peer.compute.hf.spec import HFModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 40, seed:
     """Sample a continuation of ``prompt`` from an exported (or any local Hugging Face) model folder."""
     from transformers import AutoModelForCausalLM
 
-    from peer.compute.tokenize import ByteTokenizer, HFTokenizer, Tokenizer
+    from tasklet.peer.compute.tokenize import ByteTokenizer, HFTokenizer, Tokenizer
 
     _quiet()
     folder = Path(model_dir)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from scheduler.model_workload import MODEL_SHAPES
+from tasklet.scheduler.model_workload import MODEL_SHAPES
 
 _ROTARY: dict[str, Any] = {
     "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,

@@ -9,11 +9,11 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from peer.compute.hf.checkpoint import Checkpoint, has_weights, model_fingerprint
-from peer.compute.hf.layout import ModelSourceError
-from peer.compute.hf.presets import PRESETS
-from peer.compute.hf.selfcheck import self_check
-from peer.compute.hf.spec import HFModelSpec, normalise_config, read_config
+from tasklet.peer.compute.hf.checkpoint import Checkpoint, has_weights, model_fingerprint
+from tasklet.peer.compute.hf.layout import ModelSourceError
+from tasklet.peer.compute.hf.presets import PRESETS
+from tasklet.peer.compute.hf.selfcheck import self_check
+from tasklet.peer.compute.hf.spec import HFModelSpec, normalise_config, read_config
 
 
 @functools.lru_cache(maxsize=16)

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from peer.compute.hf.layout import ModelSourceError, build_meta_model
-from peer.compute.hf.spec import HFModelSpec, config_value
+from tasklet.peer.compute.hf.layout import ModelSourceError, build_meta_model
+from tasklet.peer.compute.hf.spec import HFModelSpec, config_value
 
 log = logging.getLogger(__name__)
 

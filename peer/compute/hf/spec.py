@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from peer.compute.hf.layout import Layout, ModelSourceError, build_meta_model, find_layout
+from tasklet.peer.compute.hf.layout import Layout, ModelSourceError, build_meta_model, find_layout
 
 log = logging.getLogger(__name__)
 
@@ -168,13 +168,13 @@ class HFModelSpec:
         return _to_config(self.config, self.source or "model")
 
     def build_stage(self, first_layer: int, last_layer: int) -> Any:
-        from peer.compute.hf.stage import HFStageModule
+        from tasklet.peer.compute.hf.stage import HFStageModule
 
         return HFStageModule(self, first_layer, last_layer)
 
     def stage_shapes(self, first_layer: int, last_layer: int) -> list[tuple[str, Any]]:
         """Parameter names and shapes of a stage in flat order, without allocating or reading weights."""
-        from peer.compute.hf.stage import HFStageModule
+        from tasklet.peer.compute.hf.stage import HFStageModule
 
         module = HFStageModule(self, first_layer, last_layer, materialise=False)
         return [(n, p.shape) for n, p in module.named_parameters()]

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from peer.compute.hf.checkpoint import Checkpoint, model_fingerprint
-from peer.compute.hf.layout import ModelSourceError, build_meta_model
-from peer.compute.model import component_seed
+from tasklet.peer.compute.hf.checkpoint import Checkpoint, model_fingerprint
+from tasklet.peer.compute.hf.layout import ModelSourceError, build_meta_model
+from tasklet.peer.compute.model import component_seed
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduler.cluster import load_scenario
+from tasklet.scheduler.cluster import load_scenario
 
 SESSION_SHAPE = 0.5
 SESSION_SCALE_S = 3600.0

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduler import Cluster, Plan, Workload, plan
-from scheduler.api import predict
-from scheduler.coords import LinkEstimate, Sample, estimate_links, nearest_peers, probe_targets
-from scheduler.memetic import MemeticConfig
+from tasklet.scheduler import Cluster, Plan, Workload, plan
+from tasklet.scheduler.api import predict
+from tasklet.scheduler.coords import LinkEstimate, Sample, estimate_links, nearest_peers, probe_targets
+from tasklet.scheduler.memetic import MemeticConfig
 
 
 @dataclass

@@ -41,22 +41,29 @@ from typing import Any
 
 import numpy as np
 
-from peer.compute.device_probe import DeviceInfo
-from peer.compute.model import ModelConfig
-from peer.emulation.cpsim.churn import ChurnModel, Network
-from peer.emulation.cpsim.memdht import DHTHandle, LatencyModel, MemoryDHT
-from peer.emulation.cpsim.sampling import PlanComparison, PlanInputs, compare_on_truth
-from peer.node.planning import PROBE_K, PROBE_RANDOM, build_cluster, make_planner, probe_targets_for, workload_for
-from peer.runtime.spec import RunSpec
-from peer.swarm import view as view_module
-from peer.swarm.adverts import Advert, LinkReport
-from peer.swarm.election import elect_leader
-from peer.swarm.identity import owner_tag, peer_id_from_public_key
-from peer.swarm.membership import Membership, PeerEntry
-from peer.swarm.plans import PlanBoard, has_quorum
-from peer.swarm.progress import ProgressBoard
-from peer.swarm.view import SwarmView
-from peer.timing import (
+from tasklet.peer.compute.device_probe import DeviceInfo
+from tasklet.peer.compute.model import ModelConfig
+from tasklet.peer.emulation.cpsim.churn import ChurnModel, Network
+from tasklet.peer.emulation.cpsim.memdht import DHTHandle, LatencyModel, MemoryDHT
+from tasklet.peer.emulation.cpsim.sampling import PlanComparison, PlanInputs, compare_on_truth
+from tasklet.peer.node.planning import (
+    PROBE_K,
+    PROBE_RANDOM,
+    build_cluster,
+    make_planner,
+    probe_targets_for,
+    workload_for,
+)
+from tasklet.peer.runtime.spec import RunSpec
+from tasklet.peer.swarm import view as view_module
+from tasklet.peer.swarm.adverts import Advert, LinkReport
+from tasklet.peer.swarm.election import elect_leader
+from tasklet.peer.swarm.identity import owner_tag, peer_id_from_public_key
+from tasklet.peer.swarm.membership import Membership, PeerEntry
+from tasklet.peer.swarm.plans import PlanBoard, has_quorum
+from tasklet.peer.swarm.progress import ProgressBoard
+from tasklet.peer.swarm.view import SwarmView
+from tasklet.peer.timing import (
     HEARTBEAT_S,
     LINK_REPORT_WAIT_HEARTBEATS,
     PING_MISSES,
@@ -64,7 +71,7 @@ from peer.timing import (
     TICKS_PER_HEARTBEAT,
     set_clock,
 )
-from scheduler import Cluster, MemeticConfig, PlanningError
+from tasklet.scheduler import Cluster, MemeticConfig, PlanningError
 
 log = logging.getLogger(__name__)
 

@@ -32,23 +32,23 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from peer.net import PeerClient, PeerServer, TransportConfig
-from peer.net.endpoint import with_route
-from peer.net.tls import TlsContext, peer_ids, process_tls
-from peer.runtime import control as ctl
-from peer.runtime.bounds import CONTROL_BYTES
-from peer.runtime.grants import sign_grant
-from peer.runtime.lead.liveness import Liveness
-from peer.runtime.lead.machine import Command, Done, Emit, Fail, Send, Spot, StepMachine
-from peer.runtime.lead.pacing import Pacing
-from peer.runtime.lead.referee import Referee, Verdict, set_aside, witnesses
-from peer.runtime.lead.resync import SYNC_LIMIT_S, Resync
-from peer.runtime.lead.roster import Roster
-from peer.runtime.lead.states import StageStates
-from peer.runtime.lead.step import Event, OuterRoundFailedError, ReplanNeededError, StepFailedError, StepReport
-from peer.runtime.lead.verify import MAX_LOSS, Verification, check_loss
-from peer.runtime.spec import Assignment, RunSpec
-from peer.timing import (
+from tasklet.peer.net import PeerClient, PeerServer, TransportConfig
+from tasklet.peer.net.endpoint import with_route
+from tasklet.peer.net.tls import TlsContext, peer_ids, process_tls
+from tasklet.peer.runtime import control as ctl
+from tasklet.peer.runtime.bounds import CONTROL_BYTES
+from tasklet.peer.runtime.grants import sign_grant
+from tasklet.peer.runtime.lead.liveness import Liveness
+from tasklet.peer.runtime.lead.machine import Command, Done, Emit, Fail, Send, Spot, StepMachine
+from tasklet.peer.runtime.lead.pacing import Pacing
+from tasklet.peer.runtime.lead.referee import Referee, Verdict, set_aside, witnesses
+from tasklet.peer.runtime.lead.resync import SYNC_LIMIT_S, Resync
+from tasklet.peer.runtime.lead.roster import Roster
+from tasklet.peer.runtime.lead.states import StageStates
+from tasklet.peer.runtime.lead.step import Event, OuterRoundFailedError, ReplanNeededError, StepFailedError, StepReport
+from tasklet.peer.runtime.lead.verify import MAX_LOSS, Verification, check_loss
+from tasklet.peer.runtime.spec import Assignment, RunSpec
+from tasklet.peer.timing import (
     ASSIGN_RETRY_HEARTBEATS,
     ASSIGN_TIMEOUT_S,
     BROADCAST_POLL_S,
@@ -58,8 +58,8 @@ from peer.timing import (
     STATUS_TIMEOUT_S,
     STEP_TIMEOUT_S,
 )
-from protocol import tasklet_pb2 as pb
-from protocol.errors import Forbidden, PeerUnreachable, Refused, Rejected, TransportError
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.errors import Forbidden, PeerUnreachable, Refused, Rejected, TransportError
 
 # the step's outcomes, named from here by the coordinator's callers (driver, local swarm, benchmarks)
 __all__ = ["COORDINATOR_ROUTE", "MAX_LOSS", "Coordinator", "OuterRoundFailedError", "ReplanNeededError",

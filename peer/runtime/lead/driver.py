@@ -37,20 +37,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from peer.compute.stage import flat_digest
-from peer.runtime.checkpoints import DEFAULT_KEEP, Checkpoint, CheckpointError, CheckpointStore, store_copy
-from peer.runtime.control import SourceKind, StateSource
-from peer.runtime.lead.coordinator import (
+from tasklet.peer.compute.stage import flat_digest
+from tasklet.peer.runtime.checkpoints import DEFAULT_KEEP, Checkpoint, CheckpointError, CheckpointStore, store_copy
+from tasklet.peer.runtime.control import SourceKind, StateSource
+from tasklet.peer.runtime.lead.coordinator import (
     Coordinator,
     OuterRoundFailedError,
     ReplanNeededError,
     StepFailedError,
     StepReport,
 )
-from peer.runtime.lead.resync import Digests
-from peer.runtime.lead.step import TooFewPeersError
-from peer.runtime.spec import Assignment, RunSpec
-from peer.timing import (
+from tasklet.peer.runtime.lead.resync import Digests
+from tasklet.peer.runtime.lead.step import TooFewPeersError
+from tasklet.peer.runtime.spec import Assignment, RunSpec
+from tasklet.peer.timing import (
     BAN_MAX_S,
     BAN_S,
     CHECKPOINT_COPIES,

@@ -17,10 +17,10 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from peer.compute.model import ModelConfig
-from peer.runtime.spec import Assignment
-from peer.timing import PING_MISSES, PING_RTT_FACTOR, PING_TIMEOUT_MAX_S, PING_TIMEOUT_S
-from protocol.errors import TransportError
+from tasklet.peer.compute.model import ModelConfig
+from tasklet.peer.runtime.spec import Assignment
+from tasklet.peer.timing import PING_MISSES, PING_RTT_FACTOR, PING_TIMEOUT_MAX_S, PING_TIMEOUT_S
+from tasklet.protocol.errors import TransportError
 
 log = logging.getLogger(__name__)
 

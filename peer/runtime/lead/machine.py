@@ -32,11 +32,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from peer.runtime import control as ctl
-from peer.runtime.lead.pool import CommitResult, TaskPool
-from peer.runtime.lead.roster import Roster
-from peer.runtime.lead.spot import Finding, SpotChecks
-from peer.runtime.lead.step import (
+from tasklet.peer.runtime import control as ctl
+from tasklet.peer.runtime.lead.pool import CommitResult, TaskPool
+from tasklet.peer.runtime.lead.roster import Roster
+from tasklet.peer.runtime.lead.spot import Finding, SpotChecks
+from tasklet.peer.runtime.lead.step import (
     OuterRoundFailedError,
     ReplanNeededError,
     StepFailedError,

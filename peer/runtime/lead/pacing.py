@@ -12,8 +12,14 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-from peer.runtime.lead.pool import TaskPool
-from peer.timing import LEASE_FACTOR, LEASE_FLOOR_S, SPECULATE_FACTOR, SPECULATE_FLOOR_S, SPECULATE_FORWARD_FACTOR
+from tasklet.peer.runtime.lead.pool import TaskPool
+from tasklet.peer.timing import (
+    LEASE_FACTOR,
+    LEASE_FLOOR_S,
+    SPECULATE_FACTOR,
+    SPECULATE_FLOOR_S,
+    SPECULATE_FORWARD_FACTOR,
+)
 
 SAT_OUT_DECAY = 0.7  # a paced pipeline's carried seconds per micro-batch shrink by this for each step it sat out
 

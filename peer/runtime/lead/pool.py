@@ -82,7 +82,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from peer.timing import LEASE_TIMEOUT_S
+from tasklet.peer.timing import LEASE_TIMEOUT_S
 
 KNOWN_SLOWER = 1.5  # a pipeline is known slower than another when its pacing figure is over this x the other's
 

@@ -45,8 +45,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
-from peer.runtime.lead.machine import StepMachine
-from peer.runtime.lead.roster import Roster
+from tasklet.peer.runtime.lead.machine import StepMachine
+from tasklet.peer.runtime.lead.roster import Roster
 
 FALSE_REPORTS = 2  # contradicted accusations that make a reporter a false one
 # a lone reporter's pipeline is set aside only this long after its report: the other witnesses of the same data

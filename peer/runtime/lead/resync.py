@@ -33,14 +33,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from peer.compute.stage import flat_digest
-from peer.net import PeerClient
-from peer.runtime import control as ctl
-from peer.runtime.lead.liveness import Liveness
-from peer.runtime.lead.roster import Roster
-from peer.runtime.lead.step import Event
-from peer.timing import CONTROL_TIMEOUT_S, WORKER_FETCH_STATE_TIMEOUT_S
-from protocol.errors import TransportError
+from tasklet.peer.compute.stage import flat_digest
+from tasklet.peer.net import PeerClient
+from tasklet.peer.runtime import control as ctl
+from tasklet.peer.runtime.lead.liveness import Liveness
+from tasklet.peer.runtime.lead.roster import Roster
+from tasklet.peer.runtime.lead.step import Event
+from tasklet.peer.timing import CONTROL_TIMEOUT_S, WORKER_FETCH_STATE_TIMEOUT_S
+from tasklet.protocol.errors import TransportError
 
 log = logging.getLogger(__name__)
 

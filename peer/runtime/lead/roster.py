@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
-from peer.runtime.spec import Assignment
+from tasklet.peer.runtime.spec import Assignment
 
 
 @dataclass(frozen=True)

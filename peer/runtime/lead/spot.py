@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from peer.runtime.sketch import agree, link_tolerance, tolerance
+from tasklet.peer.runtime.sketch import agree, link_tolerance, tolerance
 
 SKETCH_WAIT_S = 10.0  # after a commit, how long its pipeline's sketches may take to arrive
 MAX_PROBATION_RECORDS = 4096  # identities whose verified work the leader counts (bounded whatever joins)

@@ -13,16 +13,16 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from peer.net import PeerClient
-from peer.runtime.bounds import stage_numel, state_bytes
-from peer.runtime.checkpoints import copy_bound_bytes, copy_parts, fetch_copy_files
-from peer.runtime.lead.roster import Roster
-from peer.runtime.spec import RunSpec
-from peer.runtime.tasklet import state_envelope, state_from_envelope
-from peer.runtime.wire import make_key
-from peer.timing import FETCH_STATE_TIMEOUT_S, STATUS_TIMEOUT_S
-from protocol import tasklet_pb2 as pb
-from protocol.errors import Forbidden, Rejected
+from tasklet.peer.net import PeerClient
+from tasklet.peer.runtime.bounds import stage_numel, state_bytes
+from tasklet.peer.runtime.checkpoints import copy_bound_bytes, copy_parts, fetch_copy_files
+from tasklet.peer.runtime.lead.roster import Roster
+from tasklet.peer.runtime.spec import RunSpec
+from tasklet.peer.runtime.tasklet import state_envelope, state_from_envelope
+from tasklet.peer.runtime.wire import make_key
+from tasklet.peer.timing import FETCH_STATE_TIMEOUT_S, STATUS_TIMEOUT_S
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.errors import Forbidden, Rejected
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from peer.runtime.lead.pool import TaskPool
+from tasklet.peer.runtime.lead.pool import TaskPool
 
 Event = tuple[str, dict[str, Any]]  # (name, info) for the coordinator's on_event
 

@@ -11,13 +11,13 @@ import math
 import threading
 from collections.abc import Callable
 
-from peer.runtime import control as ctl
-from peer.runtime.lead.machine import StepMachine
-from peer.runtime.lead.roster import Roster
-from peer.runtime.lead.spot import Finding, Ledger, Probation, SpotChecks
-from peer.runtime.spec import RunSpec
-from protocol import tasklet_pb2 as pb
-from protocol.errors import BadMessage, Forbidden, Rejected
+from tasklet.peer.runtime import control as ctl
+from tasklet.peer.runtime.lead.machine import StepMachine
+from tasklet.peer.runtime.lead.roster import Roster
+from tasklet.peer.runtime.lead.spot import Finding, Ledger, Probation, SpotChecks
+from tasklet.peer.runtime.spec import RunSpec
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.errors import BadMessage, Forbidden, Rejected
 
 log = logging.getLogger(__name__)
 

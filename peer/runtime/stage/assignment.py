@@ -28,25 +28,25 @@ from typing import Any
 
 import torch
 
-from peer.compute.data import Corpus
-from peer.compute.hf import ModelSourceError
-from peer.compute.stage import StageCompute, StageComputeConfig
-from peer.compute.textdata import load_corpus
-from peer.net import PeerClient, TransportConfig
-from peer.net.tls import TlsContext
-from peer.runtime import control as ctl
-from peer.runtime.bounds import stage_memory_bytes, state_bytes
-from peer.runtime.outer import OuterState
-from peer.runtime.roles import Roles
-from peer.runtime.spec import Assignment, RunSpec
-from peer.runtime.stage.exchange import GradientExchange
-from peer.runtime.stage.snapshot import Tasklet
-from peer.runtime.stage.tied import tied_end
-from peer.runtime.tasklet import state_envelope, state_from_envelope
-from peer.runtime.wire import make_key
-from peer.timing import WORKER_FETCH_STATE_TIMEOUT_S
-from protocol import tasklet_pb2 as pb
-from protocol.errors import BadMessage, Forbidden, Rejected, TransportError
+from tasklet.peer.compute.data import Corpus
+from tasklet.peer.compute.hf import ModelSourceError
+from tasklet.peer.compute.stage import StageCompute, StageComputeConfig
+from tasklet.peer.compute.textdata import load_corpus
+from tasklet.peer.net import PeerClient, TransportConfig
+from tasklet.peer.net.tls import TlsContext
+from tasklet.peer.runtime import control as ctl
+from tasklet.peer.runtime.bounds import stage_memory_bytes, state_bytes
+from tasklet.peer.runtime.outer import OuterState
+from tasklet.peer.runtime.roles import Roles
+from tasklet.peer.runtime.spec import Assignment, RunSpec
+from tasklet.peer.runtime.stage.exchange import GradientExchange
+from tasklet.peer.runtime.stage.snapshot import Tasklet
+from tasklet.peer.runtime.stage.tied import tied_end
+from tasklet.peer.runtime.tasklet import state_envelope, state_from_envelope
+from tasklet.peer.runtime.wire import make_key
+from tasklet.peer.timing import WORKER_FETCH_STATE_TIMEOUT_S
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.errors import BadMessage, Forbidden, Rejected, TransportError
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ import struct
 
 import torch
 
-from peer.compute.stage import bytes_digest, shard_bounds
+from tasklet.peer.compute.stage import bytes_digest, shard_bounds
 
 DIGEST_K = 4  # projections per shard: a forger's chance per try is about (r ln(1/r))^K, r = tolerance / change
 DIGEST_ROW = 4096  # elements per row of a shard's product weights

@@ -23,18 +23,18 @@ from typing import Any
 
 import torch
 
-from peer.compute.data import microbatch
-from peer.runtime import control as ctl
-from peer.runtime.control import SPECULATIVE_META
-from peer.runtime.sketch import POINTS, seed_of, sketch
-from peer.runtime.stage.exchange import ExchangeAbortedError
-from peer.runtime.stage.outbox import DeviceClock, Outbox
-from peer.runtime.stage.snapshot import Tasklet
-from peer.runtime.stage.step import Work, WorkerStep
-from peer.runtime.stage.sync import GradientSync
-from peer.runtime.wire import envelope, make_key
-from protocol import tasklet_pb2 as pb
-from protocol.errors import Rejected, TransportError
+from tasklet.peer.compute.data import microbatch
+from tasklet.peer.runtime import control as ctl
+from tasklet.peer.runtime.control import SPECULATIVE_META
+from tasklet.peer.runtime.sketch import POINTS, seed_of, sketch
+from tasklet.peer.runtime.stage.exchange import ExchangeAbortedError
+from tasklet.peer.runtime.stage.outbox import DeviceClock, Outbox
+from tasklet.peer.runtime.stage.snapshot import Tasklet
+from tasklet.peer.runtime.stage.step import Work, WorkerStep
+from tasklet.peer.runtime.stage.sync import GradientSync
+from tasklet.peer.runtime.wire import envelope, make_key
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.errors import Rejected, TransportError
 
 log = logging.getLogger(__name__)
 

@@ -44,10 +44,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from peer.compute.stage import shard_bounds
-from peer.runtime.stage import checks
-from peer.runtime.stage.tied import TiedEnd
-from protocol.errors import BadMessage
+from tasklet.peer.compute.stage import shard_bounds
+from tasklet.peer.runtime.stage import checks
+from tasklet.peer.runtime.stage.tied import TiedEnd
+from tasklet.protocol.errors import BadMessage
 
 Tag = tuple[int, int]  # (step, attempt)
 

@@ -17,22 +17,22 @@ from typing import Any
 
 import torch
 
-from peer.net.tls import TlsContext
-from peer.runtime import control as ctl
-from peer.runtime.bounds import push_limits
-from peer.runtime.checkpoints import copy_part_bound_bytes
-from peer.runtime.control import SPECULATIVE_META
-from peer.runtime.grants import read_grant
-from peer.runtime.stage.compute import Task
-from peer.runtime.stage.exchange import DIGEST_META, Tag, parse_digest
-from peer.runtime.stage.outbox import Outbox
-from peer.runtime.stage.snapshot import Tasklet
-from peer.runtime.stage.step import Work, WorkerStep
-from peer.runtime.stage.tied import ATTEMPT_META
-from peer.runtime.wire import tensor_named
-from protocol import tasklet_pb2 as pb
-from protocol.codec import decode_tensor
-from protocol.errors import BadMessage, Forbidden, Rejected
+from tasklet.peer.net.tls import TlsContext
+from tasklet.peer.runtime import control as ctl
+from tasklet.peer.runtime.bounds import push_limits
+from tasklet.peer.runtime.checkpoints import copy_part_bound_bytes
+from tasklet.peer.runtime.control import SPECULATIVE_META
+from tasklet.peer.runtime.grants import read_grant
+from tasklet.peer.runtime.stage.compute import Task
+from tasklet.peer.runtime.stage.exchange import DIGEST_META, Tag, parse_digest
+from tasklet.peer.runtime.stage.outbox import Outbox
+from tasklet.peer.runtime.stage.snapshot import Tasklet
+from tasklet.peer.runtime.stage.step import Work, WorkerStep
+from tasklet.peer.runtime.stage.tied import ATTEMPT_META
+from tasklet.peer.runtime.wire import tensor_named
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.codec import decode_tensor
+from tasklet.protocol.errors import BadMessage, Forbidden, Rejected
 
 TIED_ROLE = "the other end of this pipeline's tied embedding"
 

@@ -16,13 +16,13 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from peer.net import PeerClient, TransportConfig
-from peer.net.shaping import LinkTable
-from peer.runtime import control as ctl
-from peer.runtime.spec import Assignment
-from peer.runtime.stage.snapshot import Tasklet
-from peer.timing import CONTROL_TIMEOUT_S, SEND_TIMEOUT_S
-from protocol import tasklet_pb2 as pb
+from tasklet.peer.net import PeerClient, TransportConfig
+from tasklet.peer.net.shaping import LinkTable
+from tasklet.peer.runtime import control as ctl
+from tasklet.peer.runtime.spec import Assignment
+from tasklet.peer.runtime.stage.snapshot import Tasklet
+from tasklet.peer.timing import CONTROL_TIMEOUT_S, SEND_TIMEOUT_S
+from tasklet.protocol import tasklet_pb2 as pb
 
 log = logging.getLogger(__name__)
 

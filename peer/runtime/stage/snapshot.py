@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from peer.compute.data import Corpus
-from peer.compute.stage import StageCompute
-from peer.runtime.outer import OuterState
-from peer.runtime.roles import Roles
-from peer.runtime.spec import Assignment, RunSpec
-from peer.runtime.stage.exchange import GradientExchange
-from peer.runtime.wire import make_key
-from protocol import tasklet_pb2 as pb
+from tasklet.peer.compute.data import Corpus
+from tasklet.peer.compute.stage import StageCompute
+from tasklet.peer.runtime.outer import OuterState
+from tasklet.peer.runtime.roles import Roles
+from tasklet.peer.runtime.spec import Assignment, RunSpec
+from tasklet.peer.runtime.stage.exchange import GradientExchange
+from tasklet.peer.runtime.wire import make_key
+from tasklet.protocol import tasklet_pb2 as pb
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from protocol.errors import Rejected
+from tasklet.protocol.errors import Rejected
 
 ATTEMPT_WINDOW = 2  # shards of attempts up to this far ahead of the current one are kept (a bounded mailbox)
 

@@ -16,26 +16,26 @@ from dataclasses import dataclass
 
 import torch
 
-from peer.compute.stage import StageCompute
-from peer.runtime import control as ctl
-from peer.runtime.outer import BLOCK_SIZE, OuterState, allgather_codec, is_round_end, roundtrip
-from peer.runtime.spec import Assignment, RunSpec
-from peer.runtime.stage.exchange import (
+from tasklet.peer.compute.stage import StageCompute
+from tasklet.peer.runtime import control as ctl
+from tasklet.peer.runtime.outer import BLOCK_SIZE, OuterState, allgather_codec, is_round_end, roundtrip
+from tasklet.peer.runtime.spec import Assignment, RunSpec
+from tasklet.peer.runtime.stage.exchange import (
     DIGEST_META,
     DigestMismatchError,
     OutlierContributionError,
     Tag,
     digest_text,
 )
-from peer.runtime.stage.outbox import Outbox
-from peer.runtime.stage.snapshot import Tasklet
-from peer.runtime.stage.step import WorkerStep
-from peer.runtime.stage.tied import sum_with_other_end
-from peer.runtime.tasklet import params_hash
-from peer.runtime.wire import envelope
-from peer.timing import REDUCE_WAIT_S
-from protocol import tasklet_pb2 as pb
-from protocol.errors import Rejected
+from tasklet.peer.runtime.stage.outbox import Outbox
+from tasklet.peer.runtime.stage.snapshot import Tasklet
+from tasklet.peer.runtime.stage.step import WorkerStep
+from tasklet.peer.runtime.stage.tied import sum_with_other_end
+from tasklet.peer.runtime.tasklet import params_hash
+from tasklet.peer.runtime.wire import envelope
+from tasklet.peer.timing import REDUCE_WAIT_S
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.errors import Rejected
 
 log = logging.getLogger(__name__)
 

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from peer.compute.hf.tied import tied_slice
-from peer.runtime.spec import Assignment, RunSpec
-from peer.runtime.wire import envelope
-from protocol import tasklet_pb2 as pb
-from protocol.errors import Rejected
+from tasklet.peer.compute.hf.tied import tied_slice
+from tasklet.peer.runtime.spec import Assignment, RunSpec
+from tasklet.peer.runtime.wire import envelope
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.errors import Rejected
 
 ATTEMPT_META = "attempt"
 

@@ -44,12 +44,12 @@ from typing import Any
 
 import torch
 
-from peer.compute.stage import StageCompute, StageComputeConfig
-from peer.net import PeerServer, TransportConfig
-from peer.net.tls import TlsContext, process_tls
-from peer.runtime import control as ctl
-from peer.runtime.bounds import checkpoint_bytes
-from peer.runtime.checkpoints import (
+from tasklet.peer.compute.stage import StageCompute, StageComputeConfig
+from tasklet.peer.net import PeerServer, TransportConfig
+from tasklet.peer.net.tls import TlsContext, process_tls
+from tasklet.peer.runtime import control as ctl
+from tasklet.peer.runtime.bounds import checkpoint_bytes
+from tasklet.peer.runtime.checkpoints import (
     COPIES_KEEP,
     CheckpointError,
     CheckpointStore,
@@ -58,17 +58,17 @@ from peer.runtime.checkpoints import (
     prune_copies,
     serve_copy,
 )
-from peer.runtime.spec import Assignment, RunSpec
-from peer.runtime.stage.assignment import DialCheck, StageTaker, fence, require_named_leader
-from peer.runtime.stage.compute import ComputeLoop, Task
-from peer.runtime.stage.exchange import GradientExchange
-from peer.runtime.stage.intake import Intake
-from peer.runtime.stage.outbox import DeviceClock, LinkSource, Outbox
-from peer.runtime.stage.snapshot import Tasklet
-from peer.runtime.stage.step import Work, WorkerStep
-from peer.runtime.stage.sync import GradientSync
-from protocol import tasklet_pb2 as pb
-from protocol.errors import BadMessage, Rejected
+from tasklet.peer.runtime.spec import Assignment, RunSpec
+from tasklet.peer.runtime.stage.assignment import DialCheck, StageTaker, fence, require_named_leader
+from tasklet.peer.runtime.stage.compute import ComputeLoop, Task
+from tasklet.peer.runtime.stage.exchange import GradientExchange
+from tasklet.peer.runtime.stage.intake import Intake
+from tasklet.peer.runtime.stage.outbox import DeviceClock, LinkSource, Outbox
+from tasklet.peer.runtime.stage.snapshot import Tasklet
+from tasklet.peer.runtime.stage.step import Work, WorkerStep
+from tasklet.peer.runtime.stage.sync import GradientSync
+from tasklet.protocol import tasklet_pb2 as pb
+from tasklet.protocol.errors import BadMessage, Rejected
 
 log = logging.getLogger(__name__)
 ALL_ATTEMPTS = 2**62  # a step beyond every real one: abort_before((ALL_ATTEMPTS, 0)) abandons every attempt
@@ -412,7 +412,7 @@ def _warm_up() -> None:
     """Pay torch's one-time lazy initialisation (about a second: optimizer and autograd machinery) while the
     peer waits for its first assignment, instead of inside it where every peer of a new plan pays it at once."""
     try:
-        from peer.compute.model import ModelConfig
+        from tasklet.peer.compute.model import ModelConfig
 
         tiny = StageCompute(StageComputeConfig(ModelConfig(n_layers=1, d_model=8, n_heads=1, seq_len=4), 0, 1))
         tiny.forward_loss(0, torch.zeros(1, 4, dtype=torch.int64), torch.zeros(1, 4, dtype=torch.int64))
