@@ -15,7 +15,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 HEAVY = ("torch", "transformers", "hivemind", "grpc")
 
-pytestmark = pytest.mark.usefixtures("processes")  # fresh interpreters: sys.modules of this one is not clean
+# fresh interpreters: sys.modules of this one is not clean
+pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.light_processes]
 
 PROBE = """
 import contextlib, io, json, sys

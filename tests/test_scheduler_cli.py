@@ -15,7 +15,8 @@ from tasklet.scheduler.bench import bench_scenario, format_table
 from tasklet.scheduler.cluster import PACKAGED_SCENARIOS, Cluster
 from tasklet.scheduler.workload import Workload
 
-pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
+# starts real processes (tests/support/processes.py)
+pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.light_processes]
 
 REPO = Path(__file__).resolve().parents[1]
 
