@@ -111,6 +111,9 @@ def run_leader_loss(root: Path, steps: int = 5, die_after: int = 3, checkpoint_e
         # a new leader plans above its predecessor's epoch (the daemon reads it from the plan board)
         driver2, coordinator2 = _driver(survivors, planner, DriverConfig(steps=steps, checkpoint_dir=root / "leader2",
                                                                          checkpoint_copies=copies), epoch=driver1.epoch)
+        # what a new leader reads from its predecessor's signed progress record (peer.node.leader_role)
+        driver2.checkpoint_digests = driver1.checkpoint_digests
+        driver2.checkpoint_manifests = driver1.checkpoint_manifests
         started = time.monotonic()
         first_done: list[float] = []
         driver2.on_step = lambda report: first_done.append(time.monotonic()) if not first_done else None
@@ -176,6 +179,9 @@ def run_half_loss(root: Path, n_peers: int, steps: int = 6, die_after: int = 3,
         driver2, coordinator2 = _driver(survivors, planner, DriverConfig(
             steps=steps, checkpoint_dir=root / "leader2" if checkpoints else None, checkpoint_copies=0),
             epoch=driver1.epoch)
+        # what a new leader reads from its predecessor's signed progress record (peer.node.leader_role)
+        driver2.checkpoint_digests = driver1.checkpoint_digests
+        driver2.checkpoint_manifests = driver1.checkpoint_manifests
         started = time.monotonic()
         first_done: list[float] = []
         driver2.on_step = lambda report: first_done.append(time.monotonic()) if not first_done else None

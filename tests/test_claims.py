@@ -4,6 +4,7 @@ tests/test_byzantine_claims.py)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Iterator
@@ -21,13 +22,14 @@ from tasklet.peer.node.leader_role import (
     MAX_RECORDED_STAGES,
     judge_claims,
     recorded_checkpoints,
+    recorded_manifests,
     recorded_progress,
     signed_hashes,
 )
 from tasklet.peer.node.leadership import Leadership
 from tasklet.peer.runtime import control as ctl
 from tasklet.peer.runtime.assign import build_assignments
-from tasklet.peer.runtime.checkpoints import CheckpointError, CheckpointStore, store_copy
+from tasklet.peer.runtime.checkpoints import MANIFEST, CheckpointError, CheckpointStore, store_copy
 from tasklet.peer.runtime.lead.coordinator import MAX_LOSS, Coordinator, check_loss
 from tasklet.peer.runtime.lead.driver import DriverConfig, RunDriver
 from tasklet.peer.runtime.lead.machine import StepMachine
@@ -210,6 +212,7 @@ def test_a_checkpoint_copy_beyond_the_recorded_step_is_not_believed(tmp_path: Pa
     driver = RunDriver(SPEC, holders, lambda: {0: "liar:1", 1: "honest:1"},  # type: ignore[arg-type]
                        lambda d, s: ([(0, 2)], [d]), lambda *a: {}, DriverConfig(steps=10))
     driver.recorded_step = 5
+    driver.checkpoint_manifests = {4: _manifest_hash(holders.copies["honest:1"])}
     assert driver._latest_checkpoint(ask_peers=True) == 4
     assert holders.fetched == ["honest:1"]  # the liar's copy was not even fetched
     # a roll-back from step 3 never goes forward, whatever peers hold
@@ -218,7 +221,8 @@ def test_a_checkpoint_copy_beyond_the_recorded_step_is_not_believed(tmp_path: Pa
     assert driver._latest_checkpoint(ask_peers=True, at_most=3) is None and holders.fetched == []
 
 
-def test_a_checkpoint_copy_whose_parameters_are_not_the_recorded_ones_is_refused(tmp_path: Path) -> None:
+def test_a_checkpoint_copy_whose_parameters_are_not_the_recorded_ones_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A self-consistent copy (manifest, checksums and all) of a step the leader recorded, but with other
     parameters than the stage hashes it signed for that step: not used, and never stored on the leader's disk."""
     forged, honest = _ckpt_files(tmp_path, 4), _ckpt_files(tmp_path, 3)
@@ -229,9 +233,35 @@ def test_a_checkpoint_copy_whose_parameters_are_not_the_recorded_ones_is_refused
     driver.recorded_step = 5
     driver.checkpoint_digests = recorded_checkpoints(
         [[4, 0, 2, flat_digest(torch.full((8,), 4.5))], [3, 0, 2, flat_digest(torch.full((8,), 3.0))]])
+    # the leader signed both layers: the parameters' hash, and the manifest (its checkpoint of step 4 was another)
+    driver.checkpoint_manifests = {3: _manifest_hash(honest), 4: "0" * 64}
+    loads = _count_torch_loads(monkeypatch)
     assert driver._latest_checkpoint(ask_peers=True) == 3, "step 4's copy holds other parameters"
     assert holders.fetched == ["liar:1", "honest:1"]
+    assert loads == [1], "only the copy whose manifest the leader signed was deserialised"
     assert CheckpointStore(store_dir).newest_valid(at_most=10).step == 3, "the forged copy was not stored"
+    # signed manifest but other parameters than the signed hash (a leader's own inconsistency): still refused
+    driver.checkpoint_manifests = {4: _manifest_hash(forged)}
+    driver.checkpoint_digests = recorded_checkpoints([[4, 0, 2, flat_digest(torch.full((8,), 4.5))]])
+    assert driver._store_fetched(4, forged, "liar:1") is None
+
+
+def _manifest_hash(files: dict[str, bytes]) -> str:
+    return hashlib.sha256(files[MANIFEST]).hexdigest()
+
+
+def _count_torch_loads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the stage files deserialised (``torch.load`` as the checkpoint store calls it)."""
+    import tasklet.peer.runtime.checkpoints as checkpoints
+
+    count, real = [0], checkpoints._torch_load
+
+    def counting(data: bytes) -> dict:
+        count[0] += 1
+        return real(data)
+
+    monkeypatch.setattr(checkpoints, "_torch_load", counting)
+    return count
 
 
 def test_the_signed_checkpoint_hashes_round_trip_and_are_read_as_hostile() -> None:
@@ -241,6 +271,10 @@ def test_the_signed_checkpoint_hashes_round_trip_and_are_read_as_hostile() -> No
     record = json.loads(json.dumps(signed_hashes(driver, 5)))  # through JSON, as the record is published
     assert record["stage_hashes"] is None, "no hashes agreed at step 5"
     assert recorded_checkpoints(record["checkpoint_hashes"]) == driver.checkpoint_digests
+    driver.checkpoint_manifests = {2: "d" * 64, 4: "e" * 64}
+    record = json.loads(json.dumps(signed_hashes(driver, 5)))
+    assert recorded_manifests(record["checkpoint_manifests"]) == driver.checkpoint_manifests
+    assert recorded_manifests([[2, "d" * 63], ["2", "d" * 64], [2], None, [2, "d" * 64, 1]]) == {}
     junk = [[2, 0, 1], [2, 0, 1, 5], ["2", 0, 1, "a"], [2, 0, 1, "x" * 65], None, "2,0,1,a"]
     assert recorded_checkpoints(junk) == {} and recorded_checkpoints({"2": []}) == {}
 

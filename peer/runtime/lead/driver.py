@@ -24,6 +24,7 @@ logged and counted, never fatal.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import statistics
@@ -38,7 +39,15 @@ from pathlib import Path
 from typing import Any
 
 from tasklet.peer.compute.stage import flat_digest
-from tasklet.peer.runtime.checkpoints import DEFAULT_KEEP, Checkpoint, CheckpointError, CheckpointStore, store_copy
+from tasklet.peer.runtime.checkpoints import (
+    DEFAULT_KEEP,
+    MANIFEST,
+    Checkpoint,
+    CheckpointError,
+    CheckpointStore,
+    sha256_of,
+    store_copy,
+)
 from tasklet.peer.runtime.control import SourceKind, StateSource
 from tasklet.peer.runtime.lead.coordinator import (
     Coordinator,
@@ -255,6 +264,7 @@ class RunDriver:
         self.digests = Digests()
         # step -> the stage hashes of the checkpoints written (or the previous leader recorded): a copy must match
         self.checkpoint_digests: dict[int, dict[tuple[int, int], str]] = {}
+        self.checkpoint_manifests: dict[int, str] = {}  # step -> sha256 of its manifest, signed in the record
         self._attempt = 0  # of the re-plan running now
         # on_checkpoint(step, folder): after each checkpoint is written (replication to other peers)
         self.on_checkpoint: Callable[[int, Path], None] | None = None
@@ -572,6 +582,8 @@ class RunDriver:
         self.events.checkpoints.append(step)
         if digests := self.digests.at(step):  # the newest few, for the progress record
             self.checkpoint_digests = dict(sorted({**self.checkpoint_digests, step: digests}.items())[-KEPT_DIGESTS:])
+        manifests = {**self.checkpoint_manifests, step: sha256_of(step_dir / MANIFEST)}
+        self.checkpoint_manifests = dict(sorted(manifests.items())[-KEPT_DIGESTS:])
         log.info("checkpoint of step %d written to %s", step, step_dir)
         if self.cfg.checkpoint_copies > 0:
             self._replicate(step)
@@ -643,7 +655,15 @@ class RunDriver:
         return None
 
     def _store_fetched(self, step: int, files: dict[str, bytes], source: str) -> Checkpoint | None:
-        """Verify a fetched copy (and keep it on this leader's disk when it has a checkpoint folder)."""
+        """Verify a fetched copy (and keep it on this leader's disk when it has a checkpoint folder).
+
+        Its manifest must be the one the leader signed for that step before any file is deserialised: the manifest
+        names every file's sha256, which ``store_copy`` checks, so no byte a member chose reaches ``torch.load``."""
+        want = self.checkpoint_manifests.get(step)
+        if want is None or hashlib.sha256(files.get(MANIFEST, b"")).hexdigest() != want:
+            log.error("the checkpoint copy of step %d from %s is not the one the leader signed (%s); not loaded",
+                      step, source, "no signed manifest of that step" if want is None else f"manifest {want[:12]}")
+            return None
         with tempfile.TemporaryDirectory(prefix="tasklet-copy-") as tmp:
             try:  # verified apart first: a copy that fails never lands among this disk's checkpoints
                 store_copy(CheckpointStore(Path(tmp)), step, files)
