@@ -17,7 +17,7 @@ from hivemind.utils import MSGPackSerializer
 from tasklet.peer.config import SECRET_ENV, ConfigError, resolve_secret
 from tasklet.peer.net import PeerClient, PeerServer, TransportConfig
 from tasklet.peer.net.endpoint import set_relay_credentials
-from tasklet.peer.net.limits import ConnectionCap, raise_nofile
+from tasklet.peer.net.limits import ConnectionCap, network_of, raise_nofile
 from tasklet.peer.net.relay import (
     MAGIC,
     RelayAgent,
@@ -384,3 +384,31 @@ def test_idle_streams_are_cancelled_and_free_their_slots() -> None:
     finally:
         release.set()
         server.stop()
+
+
+def test_a_network_is_one_source_and_members_keep_most_of_the_port() -> None:
+    assert network_of("203.0.113.7") == network_of("203.0.113.250") == "203.0.113.0/24"
+    assert network_of("2001:db8:1:ff::1") == network_of("[2001:db8:1:ab::9]") == "2001:db8:1::/56"
+    assert network_of("::ffff:203.0.113.9") == "203.0.113.0/24"
+    assert network_of("127.0.0.2") != network_of("127.0.0.3"), "each loopback address is a host of its own"
+    cap = ConnectionCap(total=8, per_source=3)
+    assert cap.stranger_total == 2
+    # before the members are known: by network, so three addresses of one /24 use up its share
+    strangers = ["198.51.100.1", "198.51.100.2", "198.51.100.3"]
+    assert all(cap.admit(a) for a in strangers)
+    assert not cap.admit("198.51.100.4"), "a fourth address of the same /24"
+    assert cap.admit("2001:db8::1"), "another network is another source"
+    for a in [*strangers, "2001:db8::1"]:
+        cap.release(a)
+    assert cap.held == 0
+    # members known: strangers from any number of networks hold at most a quarter of the port, members the rest
+    cap.set_members(["203.0.113.7", "[2001:db8:5::7]"])
+    assert cap.admit("192.0.2.1") and cap.admit("100.64.0.1")
+    assert not cap.admit("100.65.0.1"), "a third stranger network past the strangers' share"
+    assert cap.admit("203.0.113.7") and cap.admit("203.0.113.7") and cap.admit("2001:db8:5::7")
+    assert not cap.admit("203.0.113.8"), "a member's neighbour is a stranger"
+    # released as admitted, even after the member set changed
+    cap.set_members([])
+    cap.release("203.0.113.7")
+    cap.release("192.0.2.1")
+    assert cap.held == 3 and cap.admit("100.66.0.1") and not cap.admit("100.67.0.1")
