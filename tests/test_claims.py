@@ -40,7 +40,7 @@ from tasklet.peer.runtime.wire import make_key
 from tasklet.peer.swarm.adverts import Advert, DeviceInfo
 from tasklet.peer.swarm.charter import LeaderPolicy
 from tasklet.peer.swarm.election import elect_leader
-from tasklet.peer.swarm.membership import EndpointBinding, PeerEntry
+from tasklet.peer.swarm.membership import EndpointBinding, EndpointHints, PeerEntry
 from tasklet.peer.swarm.progress import publishable
 from tasklet.protocol import tasklet_pb2 as pb
 from tasklet.protocol.codec import decode_tensor
@@ -341,15 +341,38 @@ def test_an_endpoint_stays_with_its_first_advertiser_whatever_the_claimants_peer
     # a member advertises the victim's endpoint: larger and smaller peer ids alike are ignored
     for thief in (_entry("peer-z", "10.0.0.1:5000"), _entry("peer-a", "10.0.0.1:5000")):
         assert binding.filter([victim, other, thief]) == [victim, other]
-    # claimed by two at first sight: held by neither; our own endpoint is always ours
-    fresh = EndpointBinding()
+    # our own endpoint is always ours
     a, b = _entry("peer-a", "10.0.0.9:5000"), _entry("peer-b", "10.0.0.9:5000")
-    assert fresh.filter([a, b]) == []
-    assert fresh.filter([a, b], own=b.advert) == [b]
+    assert EndpointBinding().filter([a, b], own=b.advert) == [b]
     # a holder that left releases its endpoint to the next advertiser
     assert binding.filter([other]) == [other]
     newcomer = _entry("peer-n", "10.0.0.1:5000")
     assert binding.filter([other, newcomer]) == [other, newcomer]
+
+
+def test_a_fresh_reader_of_a_squatted_endpoint_still_sees_one_claimant_the_right_one() -> None:
+    """A squatter advertises the leader's address: a reader that sees both at once (a joiner, a restarted peer,
+    `peer status`) keeps the claimant the followed plan names, else the one more credited witnesses name, else
+    the oldest advert; never none (which would blind a joiner to the leader)."""
+    leader = PeerEntry(_entry("peer-l", "10.0.0.1:5000").advert, 1.0, 100.0)
+    squatter = PeerEntry(Advert("peer-0", "10.0.0.1:5000", leader.advert.device, started_at=0.5), 1.0, 100.0)
+    honest = [PeerEntry(_entry(f"peer-w{i}", f"10.0.1.{i}:5000").advert, 1.0, 100.0, found=frozenset({"peer-l"}))
+              for i in range(2)]
+    sybils = [PeerEntry(_entry(f"peer-s{i}", f"10.0.2.{i}:5000").advert, 1.0, 100.0, found=frozenset({"peer-0"}))
+              for i in range(3)]
+    everyone = [leader, squatter, *honest, *sybils]
+
+    def holder(hints: EndpointHints | None) -> list[str]:
+        kept = EndpointBinding().filter(everyone, hints=hints)
+        return [e.advert.peer_id for e in kept if e.advert.endpoint == "10.0.0.1:5000"]
+
+    assert holder(EndpointHints(plan_members=frozenset({"peer-l", "peer-w0"}))) == ["peer-l"]
+    # no plan: three uncredited sybils outnumber two witnesses, but the leader's signed credit outweighs them
+    assert holder(None) == ["peer-0"]
+    assert holder(EndpointHints(credit={"peer-w0": 40, "peer-w1": 40, "peer-0": 10**6})) == ["peer-l"]
+    # nobody names either: the older advert, and never nobody
+    tie = EndpointBinding().filter([leader, squatter])
+    assert [e.advert.peer_id for e in tie] == ["peer-0"]
 
 
 def test_an_assignment_in_another_leaders_name_is_refused() -> None:
