@@ -22,6 +22,7 @@ from collections.abc import Callable
 from tasklet.peer.net import PeerClient, TransportConfig
 from tasklet.peer.net.tls import TlsContext
 from tasklet.peer.runtime.spec import Assignment
+from tasklet.peer.swarm.view import SwarmView
 from tasklet.peer.timing import COORDINATOR_LOST_HEARTBEATS, DEPOSE_HEARTBEATS, STATUS_TIMEOUT_S
 
 
@@ -104,3 +105,16 @@ class CoordinatorWatch:
                 continue
             del self.deposed[leader]
             self.depose(leader, 0.0, f"the coordinator of {leader} answers again")  # e.g. a healed partition
+
+
+def signed_step(view: SwarmView) -> Callable[[str], int | None]:
+    """``progress_step`` for a CoordinatorWatch: the step of the newest beat the view read of the leader it
+    elects (the beat is the leader's signed record), None for any other leader or before a beat."""
+
+    def step(leader: str) -> int | None:
+        beat = view.elected_beat
+        if isinstance(beat, dict) and beat.get("leader") == leader and type(beat.get("step")) is int:
+            return beat["step"]
+        return None
+
+    return step
