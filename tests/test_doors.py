@@ -1,5 +1,5 @@
 """The doors strangers knock on, in-process: the relay's membership proofs, request deadline, slots per source
-and CONNECT rate; the DHT validator of a run's keys; connection caps of the HTTP, bulk-lane and gRPC ports;
+and CONNECT rate; connection caps of the HTTP, bulk-lane and gRPC ports;
 the join secret from a file or the environment."""
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from hivemind.dht.validation import DHTRecord
-from hivemind.utils import MSGPackSerializer
 
 from tasklet.peer.config import SECRET_ENV, ConfigError, resolve_secret
 from tasklet.peer.net import PeerClient, PeerServer, TransportConfig
@@ -29,15 +27,6 @@ from tasklet.peer.net.relay import (
 )
 from tasklet.peer.observe import http as observe_http
 from tasklet.peer.swarm.identity import Identity
-from tasklet.peer.swarm.records import (
-    MAX_SUBKEYS_PER_OWNER,
-    MAX_VALUE_BYTES,
-    RECORD_TTL_S,
-    RunRecordValidator,
-    record_key,
-    seal,
-)
-from tasklet.peer.timing import now
 from tasklet.protocol.errors import PeerUnreachable
 
 RUN = "doors-run"
@@ -172,53 +161,6 @@ def test_relay_limits_fit_a_descriptor_budget() -> None:
     assert limits.max_splices >= 1 and limits.max_registrations >= 1
     assert RelayLimits().within(10**6) == RelayLimits()
     assert raise_nofile() >= 1024 or raise_nofile() > 0
-
-
-# ------------------------------------------------------------------------------------------------ DHT
-def _record(name: str, writer: Identity | None, payload: dict, expires_at: float, key: bytes | None,
-            suffix: bytes = b"", mac: str | None = "auto") -> DHTRecord:
-    """A DHT entry as a hivemind node hands it to the validator (signature already stripped)."""
-    from hivemind.dht.routing import DHTID
-
-    owner = writer.peer_id if writer is not None else "x"
-    if mac == "auto":
-        mac = None if key is None else seal(key, RUN, name, owner, suffix, expires_at, payload)
-    subkey = (writer.owner_tag if writer is not None else b"") + suffix
-    return DHTRecord(DHTID.generate(source=f"{RUN}:{name}").to_bytes(), MSGPackSerializer.dumps(subkey),
-                     MSGPackSerializer.dumps({"p": payload, "mac": mac}), expires_at)
-
-
-def test_the_validator_refuses_what_may_not_be_stored_under_the_run_keys() -> None:
-    key = record_key("open sesame", RUN)
-    guard = RunRecordValidator(RUN, key)
-    writer = Identity.generate()
-    at = now()
-    assert guard.validate(_record("peers", writer, {"a": 1}, at + 6, key))
-    for name in RECORD_TTL_S:
-        assert not guard.validate(_record(name, None, {"a": 1}, at + 6, key)), f"untagged under {name}"
-    assert not guard.validate(_record("peers", writer, {"a": 1}, at + 6, key, mac=None))
-    assert not guard.validate(_record("peers", writer, {"a": 1}, at + 6, record_key("guess", RUN)))
-    assert not guard.validate(_record("peers", writer, {"a": "x" * MAX_VALUE_BYTES}, at + 6, key))
-    assert not guard.validate(_record("peers", writer, {"a": 1}, at + 10**6, key))
-    assert not guard.validate(_record("plans", writer, {"a": 1}, at + RECORD_TTL_S["plans"] + 3600, key))
-    assert guard.validate(_record("plans", writer, {"a": 1}, at + RECORD_TTL_S["plans"], key))
-    for i in range(MAX_SUBKEYS_PER_OWNER - 1):  # plans already holds one of this writer's
-        assert guard.validate(_record("plans", writer, {"e": i}, at + 60, key, suffix=b"|epoch=%d" % i))
-    assert not guard.validate(_record("plans", writer, {"e": -1}, at + 60, key, suffix=b"|epoch=-1"))
-    assert guard.validate(_record("plans", Identity.generate(), {"e": 0}, at + 60, key))  # another writer
-    assert guard.refused == {"no owner tag": len(RECORD_TTL_S), "no seal": 1, "bad seal": 1, "value too large": 1,
-                             "expiry beyond the record's lifetime": 2, "too many entries of this owner": 1}
-    other = _record("peers", None, {"a": 1}, at + 10**6, key)
-    assert guard.validate(DHTRecord(b"another key", other.subkey, other.value, other.expiration_time))
-
-
-def test_an_open_swarm_validator_still_requires_owner_tags_and_bounds() -> None:
-    guard = RunRecordValidator(RUN, None)
-    writer = Identity.generate()
-    at = now()
-    assert guard.validate(_record("peers", writer, {"a": 1}, at + 6, None))
-    assert not guard.validate(_record("peers", None, {"a": 1}, at + 6, None))
-    assert not guard.validate(_record("beat", writer, {"a": 1}, at + 10**5, None))
 
 
 # ------------------------------------------------------------------------------------------------ ports
