@@ -12,7 +12,8 @@ answered (so the caller can tell "refused" from "held"). Kinds:
   that stores ``--count`` values of ``--value-bytes`` under fresh random keys with hour-long expiries;
 * ``dht-fill MULTIADDR RUN SECRET_FILE``: a member's attack: ``--count`` fresh identities each store one advert
   padded to its largest under ``peers`` and a full ``beat``, and one identity stores 64 subkeys of 257 KiB under
-  ``plans`` (sealed with the secret; an empty file: an open swarm).
+  ``plans`` (sealed with the secret; an empty file: an open swarm). Its stores go through hivemind's pipe to the
+  DHT process, which breaks on values of a few hundred KiB: most of them time out (not yet a working attack).
 """
 
 from __future__ import annotations
