@@ -169,3 +169,10 @@ def test_the_run_s_budget_holds_a_reply_under_p2pd_s_limit() -> None:
     assert budget.keys[_key("peers")].owner_entries == 1 and budget.keys[_key("plans")].owner_entries == 64
     assert MAX_SUBKEYS_PER_OWNER * budget.keys[_key("plans")].owner_entries >= 64
     assert budget.total_bytes >= len(budget.keys) * MAX_KEY_BYTES
+
+
+def test_the_schema_s_found_bound_is_membership_s() -> None:
+    from tasklet.peer.swarm.membership import MAX_FOUND
+    from tasklet.peer.swarm.records import MAX_FOUND_IDS
+
+    assert MAX_FOUND_IDS == MAX_FOUND

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -56,6 +55,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer
 
+from tasklet.peer.swarm.canonical import canonical_json
 from tasklet.peer.swarm.dht import DHT_OPS, DhtOps, KeyBudget, StorageBudget
 from tasklet.peer.swarm.identity import Identity, split_owner_subkey
 from tasklet.peer.timing import (
@@ -78,6 +78,7 @@ MAX_ENTRIES_READ = 4096  # a read looks at no more entries of one key than this 
 MAX_SUBKEYS_PER_KEY = 4096  # live entries a DHT node of ours holds under one key of the run
 MAX_SUBKEYS_PER_OWNER = 64  # of those, from one writer (plans: one per epoch within a plan's lifetime)
 MAX_ADVERT_VALUE_BYTES = 16 * 1024  # a peers entry: the largest honest one is 11 KiB (full extra and found lists)
+MAX_FOUND_IDS = 256  # peer ids in a peers entry's found list (peer.swarm.membership.MAX_FOUND)
 SIGNATURE_BYTES = 512  # hivemind's "[signature:...]" after a stored value (an RSA-2048 signature: 356 bytes)
 # Every key's entries travel in one find reply, which p2pd caps at 4 MiB (persistentConnMaxMsgSize): a key holds
 # at most 3 MiB of subkeys and signed values, so with msgpack's framing (about 25 bytes an entry, 100 KiB for
@@ -121,14 +122,6 @@ class SignedRecord:
     payload: dict
     expires_at: float
     mac_status: MacStatus
-
-
-def canonical_json(payload: object) -> bytes:
-    """Deterministic bytes of a JSON-like value; ValueError for anything else (bytes, NaN, sets...)."""
-    try:
-        return json.dumps(payload, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"payload is not plain JSON data: {error}") from error
 
 
 def record_key(secret: str, run_id: str) -> bytes:
@@ -368,8 +361,7 @@ class RunRecordValidator(RecordValidatorBase):
 def peers_schema_refusal(payload: dict, writer: str) -> str:
     """Why ``payload`` is not a ``peers`` entry of ``writer`` ("" when it is): exactly ``{advert, at, found}``
     with the writer's own well-formed advert, or a tombstone ``{left: true, at}``."""
-    from tasklet.peer.swarm.adverts import Advert, check_peer_id  # adverts imports this module
-    from tasklet.peer.swarm.membership import MAX_FOUND
+    from tasklet.peer.swarm.adverts import Advert, check_peer_id  # imports what it needs, not this module
 
     at = payload.get("at")
     if isinstance(at, bool) or not isinstance(at, (int, float)):
@@ -381,8 +373,8 @@ def peers_schema_refusal(payload: dict, writer: str) -> str:
     found = payload["found"]
     try:
         advert = Advert.from_record(payload["advert"])
-        if not isinstance(found, list) or len(found) > MAX_FOUND:
-            raise ValueError(f"found: not a list of at most {MAX_FOUND}")
+        if not isinstance(found, list) or len(found) > MAX_FOUND_IDS:
+            raise ValueError(f"found: not a list of at most {MAX_FOUND_IDS}")
         for item in found:
             check_peer_id(item, "found[]")
     except ValueError as error:
