@@ -254,7 +254,7 @@ BED_STEPS = 14
 BED_CHECKPOINT_EVERY = 3
 BED_TFLOPS = "0.0002"  # about a second a step: the kill lands between two checkpoints
 BED_LEADER_TFLOPS = "0.0006"  # the fastest device: the planner gives it a stage (the slowest is the spare)
-_STEP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO peer.node.leader_role: step (\d+):", re.M)
+_STEP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO tasklet.peer.node.leader_role: step (\d+):", re.M)
 _COPIED = re.compile(r"checkpoint of step (\d+) copied to")
 
 
