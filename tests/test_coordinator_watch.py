@@ -74,6 +74,9 @@ class _Membership:
     peer_id = "c"
     ttl_s = 3.0
 
+    def use_endpoint_hints(self, hints: object) -> None:
+        pass
+
     def live_entries(self) -> list[PeerEntry]:
         return [_entry("a", set()), _entry("b", {"a"}), _entry("c", {"a", "b"})]
 

@@ -15,6 +15,7 @@ record so the others notice within a heartbeat instead of after the advert expir
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ from typing import Any
 
 from tasklet.peer.compute.device_probe import DeviceInfo, measure_device
 from tasklet.peer.config import RunConfig
+from tasklet.peer.net.endpoint import EndpointError, parse_endpoint
 from tasklet.peer.net.limits import raise_nofile
 from tasklet.peer.net.relay import relay_key
 from tasklet.peer.net.shaping import set_download_cap, set_upload_cap
@@ -44,7 +46,7 @@ from tasklet.peer.node.prober import LinkProber, ProbeSources
 from tasklet.peer.node.reachability import Reach, ReachabilityError, establish, refuse_undialable
 from tasklet.peer.node.roles import Action, State
 from tasklet.peer.node.schedule import Schedule, leaves_at
-from tasklet.peer.node.watch import CoordinatorWatch
+from tasklet.peer.node.watch import CoordinatorWatch, signed_step
 from tasklet.peer.observe.node import NodeObserver, ObserveError, ObserveOptions
 from tasklet.peer.observe.phases import PhaseReporter
 from tasklet.peer.observe.snapshot import SwarmSource
@@ -367,7 +369,8 @@ class PeerDaemon:
         assert self.view is not None
         watch = CoordinatorWatch(self.config.swarm.heartbeat_s, self.tls, self.identity.peer_id,
                                  lambda: self.worker.assignment if self.worker else None,
-                                 lambda: self.role is not None, self.elected, self.view.depose, self.stop_requested)
+                                 lambda: self.role is not None, self.elected, self.view.depose, self.stop_requested,
+                                 progress_step=signed_step(self.view))
         threading.Thread(target=watch.run, name="coordinator-watch", daemon=True).start()
         while not self.done.is_set() and not self.stop_requested.is_set():
             self._tick()
@@ -482,6 +485,8 @@ class PeerDaemon:
                 self._trusted[a.peer_id] = (a.cert, now_s + keep_s)
         self._trusted = {pid: v for pid, v in self._trusted.items() if v[1] > now_s}
         self.tls.trust.set_group("swarm", [cert for cert, _ in self._trusted.values()])
+        if self.worker is not None:  # the gRPC port keeps most of its connections for the members' hosts
+            self.worker.server.set_members(member_hosts(entries))
 
     def elected(self) -> str | None:
         """The leader this peer elects now (not yet confirmed): the only peer whose plans it accepts.
@@ -656,6 +661,18 @@ def _ops_summary(delta: dict[str, int], heartbeats: float, role: str) -> dict[st
     by_record = {k: round(n / heartbeats, 2) for k, n in sorted(delta.items())}
     return {"role": role, "heartbeats": heartbeats, "get": per_heartbeat("get:"), "store": per_heartbeat("store:"),
             "rows": per_heartbeat("rows:"), "by_record": by_record}
+
+
+def member_hosts(adverts: list[Advert]) -> list[str]:
+    """The hosts live members dial from as far as their adverts say: a direct endpoint's host (a peer behind NAT
+    dials from an address no advert names, and counts as a stranger at the door)."""
+    hosts = []
+    for a in adverts:
+        with contextlib.suppress(EndpointError):
+            endpoint = parse_endpoint(a.endpoint)
+            if not endpoint.relayed:
+                hosts.append(endpoint.host)
+    return hosts
 
 
 def _progress_leader(plan: PlanRecord | None, elected: str | None) -> str | None:

@@ -210,13 +210,17 @@ class Membership:
         self._found: list[str] | None = None  # who was alive when we joined (read once, at the first announce)
         self._endpoints = EndpointBinding()  # an endpoint is its first advertiser's
         # the followed plan's members and the signed credit, for an endpoint first seen with several claimants
-        self.endpoint_hints: Callable[[], EndpointHints] = EndpointHints
+        self._endpoint_hints: Callable[[], EndpointHints] = EndpointHints
 
     @property
     def peer_id(self) -> str:
         return self.identity.peer_id
 
     # ---- writing --------------------------------------------------------------------------------------
+
+    def use_endpoint_hints(self, hints: Callable[[], EndpointHints]) -> None:
+        """Where a contested endpoint's holder is looked up (peer.swarm.view: the followed plan, the credited)."""
+        self._endpoint_hints = hints
 
     def announce(self, advert: Advert) -> bool:
         """Store (or replace) our advert now and keep renewing it until :meth:`leave`.
@@ -401,7 +405,7 @@ class Membership:
                     if entry.advert.peer_id not in seen and entry.advert.peer_id not in departed]
         with self._lock:
             own = self._advert
-        entries = self._endpoints.filter(entries, own, self.endpoint_hints())
+        entries = self._endpoints.filter(entries, own, self._endpoint_hints())
         self._last_entries = entries
         return list(entries)
 
