@@ -579,7 +579,7 @@ class RunDriver:
         self.events.checkpoints.append(step)
         if digests := self.digests.at(step):  # the newest few, for the progress record
             self.checkpoint_digests = _newest(self.checkpoint_digests, step, digests)
-        self.checkpoint_manifests = _newest(self.checkpoint_manifests, step, sha256_of(step_dir / MANIFEST))
+        self.checkpoint_manifests = _newest(self.checkpoint_manifests, step, _manifest_of(step_dir))
         log.info("checkpoint of step %d written to %s", step, step_dir)
         if self.cfg.checkpoint_copies > 0:
             self._replicate(step)
@@ -742,8 +742,18 @@ def _every_stage(states: dict, stages: Stages, step: int) -> dict:
 
 
 def _newest(table: dict[int, Any], step: int, value: Any) -> dict[int, Any]:
-    """``table`` with ``value`` at ``step``, keeping the KEPT_DIGESTS newest steps (what a progress record signs)."""
-    return dict(sorted({**table, step: value}.items())[-KEPT_DIGESTS:])
+    """``table`` with ``value`` at ``step`` (unless None), keeping the KEPT_DIGESTS newest steps (what a progress
+    record signs)."""
+    return table if value is None else dict(sorted({**table, step: value}.items())[-KEPT_DIGESTS:])
+
+
+def _manifest_of(step_dir: Path) -> str | None:
+    """The sha256 of a checkpoint's manifest; None when the folder is already pruned (an older step written after a
+    roll-back, not among the checkpoints kept)."""
+    try:
+        return sha256_of(step_dir / MANIFEST)
+    except OSError:
+        return None
 
 
 def _match_manifest(files: dict[str, bytes], want: str | None) -> None:
