@@ -9,11 +9,15 @@ so nothing trains and the figures are the doors'. Scenarios, one after the other
 * ``relay``: 64 sockets trickling a byte every 9 s at the relay, 256 fresh-key REGISTERs, a CONNECT flood at the
   joiner's peer id;
 * ``ports``: 300 connections held to each of the victim's gRPC, bulk-lane and metrics ports;
-* ``dht``: untagged subkeys and 1 MiB values under every key of the run.
+* ``dht``: untagged subkeys and 1 MiB values under every key of the run;
+* ``dht_foreign_flood``: a plain hivemind node (the join line, no key, no secret) stores 1,024 values of 1 MiB under
+  random keys with hour-long expiries.
 
 For each: the victim's peak descriptors, threads and resident MiB while the attack runs and a NAT'd member joins
-(sampled from /proc every 0.5 s), the joiner's time from launch to "reached through relay" and its start-up
-``reach`` phase (reachability check and relay registration), and what the stranger got. Prints one JSON object.
+(sampled from /proc every 0.5 s; its DHT process and p2pd apart, as the largest and the sum of its children), the
+joiner's time from launch to "reached through relay" and its start-up ``reach`` phase (reachability check and relay
+registration), and what the attacker got. Prints one JSON object. Not measured yet: steps/s under attack (this
+swarm waits for more peers, so nothing trains).
 """
 
 from __future__ import annotations
@@ -29,12 +33,12 @@ from pathlib import Path
 from typing import Any
 
 from tasklet.peer.emulation import multihost, netbed
-from tasklet.peer.emulation.doors_attack import PeakSampler, proc_usage
+from tasklet.peer.emulation.doors_attack import PeakSampler, descendants, proc_usage
 from tasklet.peer.swarm.identity import Identity
 
 REPO = Path(__file__).resolve().parent.parent
 METRICS_PORT = 31404
-SCENARIOS = ("none", "relay", "ports", "dht")
+SCENARIOS = ("none", "relay", "ports", "dht", "dht_foreign_flood")
 
 
 def _attack(host: netbed.Host, *args: str) -> subprocess.Popen[str]:
@@ -81,7 +85,8 @@ def _scenario(bed: netbed.NetBed, peers: multihost.BedPeers, evil: netbed.Host, 
     identity.save(folder / f"home{i}.key")
     ports = [f"{pub0.addr}:{p}" for p in (multihost.GRPC_PORT, multihost.BULK_PORT, METRICS_PORT)]
     relay = f"{pub0.addr}:{multihost.RELAY_PORT}"
-    with PeakSampler({"victim": victim}) as sampler:
+    children = {f"child{pid}": pid for pid in descendants(victim)}  # its DHT process, p2pd, any other
+    with PeakSampler({"victim": victim, **children}) as sampler:
         attack = None
         if scenario == "relay":
             attack = _attack(evil, "relay", relay, identity.peer_id, "--seconds", str(seconds))
@@ -90,6 +95,9 @@ def _scenario(bed: netbed.NetBed, peers: multihost.BedPeers, evil: netbed.Host, 
         elif scenario == "dht":
             attack = _attack(evil, "dht", dht, "tasklet", "--untagged", "300", "--oversized", "2", "--seconds",
                              str(seconds))
+        elif scenario == "dht_foreign_flood":
+            attack = _attack(evil, "dht-foreign", dht, "--count", "1024", "--value-bytes", str(1 << 20), "--seconds",
+                             str(seconds * 4))
         time.sleep(8 if attack is not None else 1)
         peers.join(home, dht, *multihost.readme_flags(home, announce=False), *member,
                    "--identity", str(folder / f"home{i}.key"))
@@ -98,11 +106,14 @@ def _scenario(bed: netbed.NetBed, peers: multihost.BedPeers, evil: netbed.Host, 
         phases = re.search(r"start-up phases (\{.*\})", peers.log(home.name))
         got = None
         if attack is not None:
-            stdout, _ = attack.communicate(timeout=seconds + 120)
+            stdout, _ = attack.communicate(timeout=seconds * 4 + 120)
             got = json.loads(stdout.strip().splitlines()[-1]) if stdout.strip() else None
     peers.kill(home.name)
     peak = sampler.peak["victim"]
+    child_rss = [sampler.peak[name].get("rss", 0) for name in children]
     return {
+        "victim_dht_peak_rss_mib": round(max(child_rss, default=0) / 2**20, 1),
+        "victim_children_peak_rss_mib": round(sum(child_rss) / 2**20, 1),
         "victim_peak_fds": peak.get("fds"),
         "victim_peak_threads": peak.get("threads"),
         "victim_peak_rss_mib": round(peak.get("rss", 0) / 2**20, 1),

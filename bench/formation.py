@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-logs", action="store_true", help="keep each swarm's peer logs and say where")
     parser.add_argument("--launcher", choices=("fork", "exec"), default="fork",
                         help="fork: daemons forked from one process that imported torch/hivemind once (hosts "
-                             "starting in parallel); exec: one `python -m tasklet.peer.cli` process each (default: fork)")
+                             "starting in parallel); exec: one `peer` process each (default: fork)")
     args = parser.parse_args(argv)
     if any(n < 2 for n in args.sizes) or args.steps < 1:
         parser.error("--sizes must be at least 2 and --steps at least 1")

@@ -45,8 +45,9 @@ PIP_CONFIG_FILES = ("/etc/pip.conf", "/etc/xdg/pip/pip.conf", "~/.config/pip/pip
 PIP_PATH_KEYS = ("cert", "client-cert", "find-links", "index-url", "extra-index-url", "constraint")
 CPU_TORCH = {"TORCH_SPEC": "torch==2.13.0+cpu", "TORCH_BUILD": "cpu", "TORCH_INDEX": ""}
 GPU_TORCH = {"TORCH_SPEC": "torch==2.13.0", "TORCH_BUILD": "cuda", "TORCH_INDEX": ""}
-TORCH_PROBE = ("import json, os, torch, peer; print(json.dumps({'cuda': torch.version.cuda, 'torch': torch.__version__,"
-               " 'uid': os.getuid(), 'peer': peer.__file__, 'nvidia': os.environ.get('NVIDIA_VISIBLE_DEVICES')}))")
+TORCH_PROBE = ("import json, os, torch, tasklet.peer as peer; print(json.dumps({'cuda': torch.version.cuda,"
+               " 'torch': torch.__version__, 'uid': os.getuid(), 'peer': peer.__file__,"
+               " 'nvidia': os.environ.get('NVIDIA_VISIBLE_DEVICES')}))")
 
 
 class EngineError(RuntimeError):

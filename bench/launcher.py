@@ -54,8 +54,9 @@ READY_TIMEOUT_S = 120.0  # importing torch + hivemind on a loaded machine
 STOP_GRACE_S = 15.0
 # everything a daemon imports, lazily included (the leader's scheduler, the runtime, the observer, and
 # torch._dynamo, which the worker's warm-up optimizer imports: 2 CPU-seconds per daemon, by py-spy)
-PRELOAD = ("tasklet.peer.cli", "tasklet.peer.node.daemon", "tasklet.peer.node.leader_role", "tasklet.peer.runtime.lead.driver", "tasklet.peer.observe.node",
-           "tasklet.peer.swarm.status", "scheduler", "numpy", "torch", "torch._dynamo", "torch.optim", "hivemind", "grpc")
+PRELOAD = ("tasklet.peer.cli", "tasklet.peer.node.daemon", "tasklet.peer.node.leader_role",
+           "tasklet.peer.runtime.lead.driver", "tasklet.peer.observe.node", "tasklet.peer.swarm.status",
+           "tasklet.scheduler", "numpy", "torch", "torch._dynamo", "torch.optim", "hivemind", "grpc")
 
 
 # ------------------------------------------------------------------------------------------------ zygote side

@@ -111,6 +111,9 @@ def run_leader_loss(root: Path, steps: int = 5, die_after: int = 3, checkpoint_e
         # a new leader plans above its predecessor's epoch (the daemon reads it from the plan board)
         driver2, coordinator2 = _driver(survivors, planner, DriverConfig(steps=steps, checkpoint_dir=root / "leader2",
                                                                          checkpoint_copies=copies), epoch=driver1.epoch)
+        # what a new leader reads from its predecessor's signed progress record (peer.node.leader_role)
+        driver2.checkpoint_digests = driver1.checkpoint_digests
+        driver2.checkpoint_manifests = driver1.checkpoint_manifests
         started = time.monotonic()
         first_done: list[float] = []
         driver2.on_step = lambda report: first_done.append(time.monotonic()) if not first_done else None
@@ -176,6 +179,9 @@ def run_half_loss(root: Path, n_peers: int, steps: int = 6, die_after: int = 3,
         driver2, coordinator2 = _driver(survivors, planner, DriverConfig(
             steps=steps, checkpoint_dir=root / "leader2" if checkpoints else None, checkpoint_copies=0),
             epoch=driver1.epoch)
+        # what a new leader reads from its predecessor's signed progress record (peer.node.leader_role)
+        driver2.checkpoint_digests = driver1.checkpoint_digests
+        driver2.checkpoint_manifests = driver1.checkpoint_manifests
         started = time.monotonic()
         first_done: list[float] = []
         driver2.on_step = lambda report: first_done.append(time.monotonic()) if not first_done else None
@@ -248,7 +254,7 @@ BED_STEPS = 14
 BED_CHECKPOINT_EVERY = 3
 BED_TFLOPS = "0.0002"  # about a second a step: the kill lands between two checkpoints
 BED_LEADER_TFLOPS = "0.0006"  # the fastest device: the planner gives it a stage (the slowest is the spare)
-_STEP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO peer.node.leader_role: step (\d+):", re.M)
+_STEP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO tasklet.peer.node.leader_role: step (\d+):", re.M)
 _COPIED = re.compile(r"checkpoint of step (\d+) copied to")
 
 

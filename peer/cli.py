@@ -22,6 +22,7 @@ from tasklet.peer.config import (
     reference_markdown,
     resolve_secret,
 )
+from tasklet.peer.observe.logs import clean, log_formatter
 from tasklet.peer.runtime.choices import PSEUDO_GRAD_COMPRESSIONS
 
 DESCRIPTION = """\
@@ -184,6 +185,14 @@ def _add_peer_options(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="PORT",
         help="serve the swarm dashboard (as `peer dashboard`) on --host at this port (default: off)",
+    )
+    g.add_argument(
+        "--json-log",
+        action="store_true",
+        help="write every log record and every phase event on stderr as one JSON object per line, for machines, "
+        "instead of the human lines and bars: ts, level, logger, msg; a phase event (measuring, waiting for a "
+        "plan, fetching, training, done, left) adds event, phase, reason and its figures (bytes_done, "
+        "bytes_total, bytes_per_s, eta_s, steps_per_s, tokens_per_s, busy_share, ...) (default: off)",
     )
     p.add_argument(
         "--log-level",
@@ -458,7 +467,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     level = getattr(args, "log_level", "WARNING")
-    logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler(sys.stderr)  # control characters inert in either format
+    handler.setFormatter(log_formatter(json_log=getattr(args, "json_log", False)))
+    logging.basicConfig(level=level, handlers=[handler])
     for noisy in ("hivemind", "grpc"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(level)))
     try:
@@ -466,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
             args.secret = resolve_secret(args.secret, args.secret_file, os.environ)
         return COMMANDS[args.command](args)
     except (ConfigError, UserError) as exc:
-        print(f"peer: error: {exc}", file=sys.stderr)
+        last_line(f"error: {exc}", getattr(args, "json_log", False))
         return 2
     except KeyboardInterrupt:
         return 130
@@ -481,6 +492,15 @@ SECRET_FILE_HELP = f"read the join secret from FILE (its first line); or set {SE
 
 class UserError(RuntimeError):
     """Something the user can fix; shown as one line."""
+
+
+def last_line(text: str, json_log: bool) -> None:
+    """A failed command's last line on stderr, ``peer: TEXT`` (control characters inert: it may quote a peer),
+    or with --json-log a JSON record of it, so that stderr stays one JSON object per line."""
+    if json_log:
+        logging.getLogger("tasklet.peer.cli").error(text)
+    else:
+        print(f"peer: {clean(text)}", file=sys.stderr)
 
 
 def _options(args: argparse.Namespace):  # noqa: ANN202 - PeerOptions, imported lazily (torch, hivemind)
@@ -504,6 +524,7 @@ def _options(args: argparse.Namespace):  # noqa: ANN202 - PeerOptions, imported 
         metrics_port=args.metrics_port,
         dashboard_port=args.dashboard_port,
         progress=True,
+        json_log=args.json_log,
         relay_port=args.relay_port,
         max_vram_gb=args.max_vram,
         max_upload_mbps=args.max_upload,
@@ -517,6 +538,7 @@ def _options(args: argparse.Namespace):  # noqa: ANN202 - PeerOptions, imported 
 def _run_daemon(args: argparse.Namespace, config: RunConfig | None, peers: list[str],
                 local_paths: dict[tuple[str, str], str] | None = None) -> int:
     from tasklet.peer.node.daemon import DaemonError, PeerDaemon
+    from tasklet.peer.node.join_watch import report_end
 
     if args.announce and ":" not in args.announce:
         raise UserError(f"--announce {args.announce!r}: expected HOST:PORT")
@@ -545,10 +567,11 @@ def _run_daemon(args: argparse.Namespace, config: RunConfig | None, peers: list[
         if config is not None:
             print(daemon.join_line(), flush=True)
         status = daemon.run()
+        report_end(daemon.phases, daemon.done.is_set(), daemon.exit_error)
     finally:
         daemon.shutdown()
     if daemon.exit_error:
-        print(f"peer: {daemon.exit_error}", file=sys.stderr)
+        last_line(daemon.exit_error, args.json_log)
     return status
 
 

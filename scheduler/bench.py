@@ -218,7 +218,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Stopping benchmark (the default of ``python -m tasklet.scheduler bench``): how fast the search gets close to its bound.
+# Stopping benchmark (the default of ``python -m tasklet.scheduler bench``): how fast the search nears its bound.
 
 STOP_SCENARIOS_64 = ("hetero64_0", "geo64_0")
 STOP_SCENARIOS_LARGE = ("hetero256_0", "geo1024_0")

@@ -4,7 +4,7 @@
 Usage: python scripts/gen_protos.py [--out DIR]   (default: protocol/, next to the .proto)
 
 protoc writes `import tasklet_pb2 as tasklet__pb2` into the gRPC stub, which only works when protocol/ itself
-is on sys.path. The stubs live in the `protocol` package, so that line is rewritten to a package import.
+is on sys.path. The stubs live in the `tasklet.protocol` package, so that line is rewritten to a package import.
 tests/test_protocol_stubs.py runs this script into a temporary folder and fails when the checked-in files
 differ, so a change to the .proto without regenerating cannot go unnoticed.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 PROTO_DIR = Path(__file__).resolve().parent.parent / "protocol"
 PROTO_NAME = "tasklet.proto"
 TOP_LEVEL_IMPORT = "import tasklet_pb2 as tasklet__pb2"
-PACKAGE_IMPORT = "from protocol import tasklet_pb2 as tasklet__pb2"
+PACKAGE_IMPORT = "from tasklet.protocol import tasklet_pb2 as tasklet__pb2"
 
 
 def generate(out_dir: Path) -> list[Path]:

@@ -24,5 +24,5 @@ pip_q -e '.[dev]'
 if command -v podman >/dev/null && [ ! -x "$VENV/bin/podman-compose" ]; then
   pip_q 'podman-compose>=1.6'
 fi
-"$VENV/bin/python" -c 'import torch, hivemind, grpc, scheduler, peer, protocol' \
+"$VENV/bin/python" -c 'import torch, hivemind, grpc, tasklet.scheduler, tasklet.peer, tasklet.protocol' \
   || { echo "[setup] FAILED: the virtualenv $VENV cannot import Tasklet's dependencies" >&2; exit 1; }

@@ -16,8 +16,9 @@ pytest-xdist (``TASKLET_TEST_WORKERS``, 2 by default, ``--dist loadgroup``, see 
 lanes, an ``xdist_group`` each, so one worker each: lane 1 the in-process tests, then the fresh clone's (its
 set-up, the README's first command, the install script); lane 2 every other test with processes, one at a time
 (two swarms at once on 2 cores only wait on each other; the network-namespace bed and the container engine are
-machine-wide). Lane 1 is over in about 8 minutes, lane 2 sets the suite's time. In one process, the fresh clone's
-set-up starts in the background when the tests are collected (tests/support/newcomer.py).
+machine-wide). Tests marked ``light_processes`` (a CLI, a probe, a script; no swarm) run in lane 1 after the fresh
+clone's, beside lane 2's swarms. Lane 1 is over in about 10 minutes, lane 2 sets the suite's time. In one process,
+the fresh clone's set-up starts in the background when the tests are collected (tests/support/newcomer.py).
 """
 
 from __future__ import annotations
@@ -46,12 +47,15 @@ LAYER_MARKERS = ("unit", "integration", "slow")
 # other test with processes, one at a time (two swarms at once on 2 cores only wait on each other, and the namespace
 # bed and the container engine are machine-wide)
 LANE1, LANE2 = "lane1", "lane2"
+LIGHT = "light_processes"
 
 
 def pytest_configure(config: pytest.Config) -> None:
     # pytest-xdist registers it too; without xdist (-p no:xdist) the marks set below would warn as unknown. Here
     # and not in pyproject.toml, whose every change rebuilds the container images' dependency layer.
     config.addinivalue_line("markers", "xdist_group(name): the lane a test runs in (set here, not by hand)")
+    config.addinivalue_line("markers", f"{LIGHT}: starts only short, light processes (a CLI, a probe, a script), "
+                            "no swarm: runs in lane 1 after the fresh clone's tests, beside lane 2's swarms")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks set here
@@ -68,7 +72,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(pytest.mark.xdist_group(_group(item)))
     # the in-process tests first, then the fresh clone's tests (in one process its set-up runs in the background
     # beside the in-process tests: pytest_collection_finish), then the rest, each in its order
-    items.sort(key=lambda item: 0 if not _with_processes(item) else 1 if "newcomer" in _fixtures(item) else 2)
+    items.sort(key=_order)
+
+
+def _order(item: pytest.Item) -> int:
+    if not _with_processes(item):
+        return 0
+    return 1 if "newcomer" in _fixtures(item) else 2 if item.get_closest_marker(LIGHT) else 3
 
 
 def _with_processes(item: pytest.Item) -> bool:
@@ -76,7 +86,8 @@ def _with_processes(item: pytest.Item) -> bool:
 
 
 def _group(item: pytest.Item) -> str:
-    return LANE1 if not _with_processes(item) or "newcomer" in _fixtures(item) else LANE2
+    lane1 = not _with_processes(item) or "newcomer" in _fixtures(item) or item.get_closest_marker(LIGHT)
+    return LANE1 if lane1 else LANE2
 
 
 def _fixtures(item: pytest.Item) -> tuple[str, ...]:

@@ -4,6 +4,7 @@ tests/test_byzantine_claims.py)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Iterator
@@ -21,13 +22,14 @@ from tasklet.peer.node.leader_role import (
     MAX_RECORDED_STAGES,
     judge_claims,
     recorded_checkpoints,
+    recorded_manifests,
     recorded_progress,
     signed_hashes,
 )
 from tasklet.peer.node.leadership import Leadership
 from tasklet.peer.runtime import control as ctl
 from tasklet.peer.runtime.assign import build_assignments
-from tasklet.peer.runtime.checkpoints import CheckpointError, CheckpointStore, store_copy
+from tasklet.peer.runtime.checkpoints import MANIFEST, CheckpointError, CheckpointStore, store_copy
 from tasklet.peer.runtime.lead.coordinator import MAX_LOSS, Coordinator, check_loss
 from tasklet.peer.runtime.lead.driver import DriverConfig, RunDriver
 from tasklet.peer.runtime.lead.machine import StepMachine
@@ -38,7 +40,7 @@ from tasklet.peer.runtime.wire import make_key
 from tasklet.peer.swarm.adverts import Advert, DeviceInfo
 from tasklet.peer.swarm.charter import LeaderPolicy
 from tasklet.peer.swarm.election import elect_leader
-from tasklet.peer.swarm.membership import EndpointBinding, PeerEntry
+from tasklet.peer.swarm.membership import EndpointBinding, EndpointHints, PeerEntry
 from tasklet.peer.swarm.progress import publishable
 from tasklet.protocol import tasklet_pb2 as pb
 from tasklet.protocol.codec import decode_tensor
@@ -210,6 +212,7 @@ def test_a_checkpoint_copy_beyond_the_recorded_step_is_not_believed(tmp_path: Pa
     driver = RunDriver(SPEC, holders, lambda: {0: "liar:1", 1: "honest:1"},  # type: ignore[arg-type]
                        lambda d, s: ([(0, 2)], [d]), lambda *a: {}, DriverConfig(steps=10))
     driver.recorded_step = 5
+    driver.checkpoint_manifests = {4: _manifest_hash(holders.copies["honest:1"])}
     assert driver._latest_checkpoint(ask_peers=True) == 4
     assert holders.fetched == ["honest:1"]  # the liar's copy was not even fetched
     # a roll-back from step 3 never goes forward, whatever peers hold
@@ -218,7 +221,8 @@ def test_a_checkpoint_copy_beyond_the_recorded_step_is_not_believed(tmp_path: Pa
     assert driver._latest_checkpoint(ask_peers=True, at_most=3) is None and holders.fetched == []
 
 
-def test_a_checkpoint_copy_whose_parameters_are_not_the_recorded_ones_is_refused(tmp_path: Path) -> None:
+def test_a_checkpoint_copy_whose_parameters_are_not_the_recorded_ones_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A self-consistent copy (manifest, checksums and all) of a step the leader recorded, but with other
     parameters than the stage hashes it signed for that step: not used, and never stored on the leader's disk."""
     forged, honest = _ckpt_files(tmp_path, 4), _ckpt_files(tmp_path, 3)
@@ -229,9 +233,35 @@ def test_a_checkpoint_copy_whose_parameters_are_not_the_recorded_ones_is_refused
     driver.recorded_step = 5
     driver.checkpoint_digests = recorded_checkpoints(
         [[4, 0, 2, flat_digest(torch.full((8,), 4.5))], [3, 0, 2, flat_digest(torch.full((8,), 3.0))]])
+    # the leader signed both layers: the parameters' hash, and the manifest (its checkpoint of step 4 was another)
+    driver.checkpoint_manifests = {3: _manifest_hash(honest), 4: "0" * 64}
+    loads = _count_torch_loads(monkeypatch)
     assert driver._latest_checkpoint(ask_peers=True) == 3, "step 4's copy holds other parameters"
     assert holders.fetched == ["liar:1", "honest:1"]
+    assert loads == [1], "only the copy whose manifest the leader signed was deserialised"
     assert CheckpointStore(store_dir).newest_valid(at_most=10).step == 3, "the forged copy was not stored"
+    # signed manifest but other parameters than the signed hash (a leader's own inconsistency): still refused
+    driver.checkpoint_manifests = {4: _manifest_hash(forged)}
+    driver.checkpoint_digests = recorded_checkpoints([[4, 0, 2, flat_digest(torch.full((8,), 4.5))]])
+    assert driver._store_fetched(4, forged, "liar:1") is None
+
+
+def _manifest_hash(files: dict[str, bytes]) -> str:
+    return hashlib.sha256(files[MANIFEST]).hexdigest()
+
+
+def _count_torch_loads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the stage files deserialised (``torch.load`` as the checkpoint store calls it)."""
+    import tasklet.peer.runtime.checkpoints as checkpoints
+
+    count, real = [0], checkpoints._torch_load
+
+    def counting(data: bytes) -> dict:
+        count[0] += 1
+        return real(data)
+
+    monkeypatch.setattr(checkpoints, "_torch_load", counting)
+    return count
 
 
 def test_the_signed_checkpoint_hashes_round_trip_and_are_read_as_hostile() -> None:
@@ -241,6 +271,10 @@ def test_the_signed_checkpoint_hashes_round_trip_and_are_read_as_hostile() -> No
     record = json.loads(json.dumps(signed_hashes(driver, 5)))  # through JSON, as the record is published
     assert record["stage_hashes"] is None, "no hashes agreed at step 5"
     assert recorded_checkpoints(record["checkpoint_hashes"]) == driver.checkpoint_digests
+    driver.checkpoint_manifests = {2: "d" * 64, 4: "e" * 64}
+    record = json.loads(json.dumps(signed_hashes(driver, 5)))
+    assert recorded_manifests(record["checkpoint_manifests"]) == driver.checkpoint_manifests
+    assert recorded_manifests([[2, "d" * 63], ["2", "d" * 64], [2], None, [2, "d" * 64, 1]]) == {}
     junk = [[2, 0, 1], [2, 0, 1, 5], ["2", 0, 1, "a"], [2, 0, 1, "x" * 65], None, "2,0,1,a"]
     assert recorded_checkpoints(junk) == {} and recorded_checkpoints({"2": []}) == {}
 
@@ -307,15 +341,38 @@ def test_an_endpoint_stays_with_its_first_advertiser_whatever_the_claimants_peer
     # a member advertises the victim's endpoint: larger and smaller peer ids alike are ignored
     for thief in (_entry("peer-z", "10.0.0.1:5000"), _entry("peer-a", "10.0.0.1:5000")):
         assert binding.filter([victim, other, thief]) == [victim, other]
-    # claimed by two at first sight: held by neither; our own endpoint is always ours
-    fresh = EndpointBinding()
+    # our own endpoint is always ours
     a, b = _entry("peer-a", "10.0.0.9:5000"), _entry("peer-b", "10.0.0.9:5000")
-    assert fresh.filter([a, b]) == []
-    assert fresh.filter([a, b], own=b.advert) == [b]
+    assert EndpointBinding().filter([a, b], own=b.advert) == [b]
     # a holder that left releases its endpoint to the next advertiser
     assert binding.filter([other]) == [other]
     newcomer = _entry("peer-n", "10.0.0.1:5000")
     assert binding.filter([other, newcomer]) == [other, newcomer]
+
+
+def test_a_fresh_reader_of_a_squatted_endpoint_still_sees_one_claimant_the_right_one() -> None:
+    """A squatter advertises the leader's address: a reader that sees both at once (a joiner, a restarted peer,
+    `peer status`) keeps the claimant the followed plan names, else the one more credited witnesses name, else
+    the oldest advert; never none (which would blind a joiner to the leader)."""
+    leader = PeerEntry(_entry("peer-l", "10.0.0.1:5000").advert, 1.0, 100.0)
+    squatter = PeerEntry(Advert("peer-0", "10.0.0.1:5000", leader.advert.device, started_at=0.5), 1.0, 100.0)
+    honest = [PeerEntry(_entry(f"peer-w{i}", f"10.0.1.{i}:5000").advert, 1.0, 100.0, found=frozenset({"peer-l"}))
+              for i in range(2)]
+    sybils = [PeerEntry(_entry(f"peer-s{i}", f"10.0.2.{i}:5000").advert, 1.0, 100.0, found=frozenset({"peer-0"}))
+              for i in range(3)]
+    everyone = [leader, squatter, *honest, *sybils]
+
+    def holder(hints: EndpointHints | None) -> list[str]:
+        kept = EndpointBinding().filter(everyone, hints=hints)
+        return [e.advert.peer_id for e in kept if e.advert.endpoint == "10.0.0.1:5000"]
+
+    assert holder(EndpointHints(plan_members=frozenset({"peer-l", "peer-w0"}))) == ["peer-l"]
+    # no plan: three uncredited sybils outnumber two witnesses, but the leader's signed credit outweighs them
+    assert holder(None) == ["peer-0"]
+    assert holder(EndpointHints(credit={"peer-w0": 40, "peer-w1": 40, "peer-0": 10**6})) == ["peer-l"]
+    # nobody names either: the older advert, and never nobody
+    tie = EndpointBinding().filter([leader, squatter])
+    assert [e.advert.peer_id for e in tie] == ["peer-0"]
 
 
 def test_an_assignment_in_another_leaders_name_is_refused() -> None:

@@ -15,7 +15,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 HEAVY = ("torch", "transformers", "hivemind", "grpc")
 
-pytestmark = pytest.mark.usefixtures("processes")  # fresh interpreters: sys.modules of this one is not clean
+# fresh interpreters: sys.modules of this one is not clean
+pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.light_processes]
 
 PROBE = """
 import contextlib, io, json, sys
@@ -24,7 +25,7 @@ out = {"import": [m for m in HEAVY if m in sys.modules]}
 for name, argv in CASES.items():
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         try:
-            code = peer.cli.main(argv)
+            code = tasklet.peer.cli.main(argv)
         except SystemExit as exc:
             code = exc.code
     out[name] = {"code": code, "heavy": [m for m in HEAVY if m in sys.modules]}

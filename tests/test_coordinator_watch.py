@@ -74,6 +74,9 @@ class _Membership:
     peer_id = "c"
     ttl_s = 3.0
 
+    def use_endpoint_hints(self, hints: object) -> None:
+        pass
+
     def live_entries(self) -> list[PeerEntry]:
         return [_entry("a", set()), _entry("b", {"a"}), _entry("c", {"a", "b"})]
 
@@ -97,3 +100,35 @@ def test_a_deposed_leader_is_left_out_of_the_election_until_the_time_is_up():
     time.sleep(0.25)
     view._elect(_Membership().live_entries())
     assert view.elected() == "a" and not view.is_deposed("a")
+
+
+def test_a_leader_whose_signed_progress_moves_is_not_deposed_for_one_followers_lost_pings():
+    watch, deposed = _watch(answers=False)
+    steps = iter(range(10**6))
+    watch.progress_step = lambda leader: next(steps) if leader == "lead" else None
+    _run_checks(watch, HEARTBEAT_S * COORDINATOR_LOST_HEARTBEATS * 3)
+    assert deposed == [], "the leader trains with its other workers: the fault is between it and this follower"
+    watch.progress_step = lambda leader: 7  # its progress stops too: now it is deposed
+    _run_checks(watch, HEARTBEAT_S * COORDINATOR_LOST_HEARTBEATS * 2)
+    assert deposed and deposed[0][0] == "lead"
+
+
+def test_the_ping_reuses_one_open_channel_to_the_coordinator():
+    from tasklet.peer.net import PeerServer, TransportConfig
+    from tasklet.peer.net.tls import process_tls
+
+    server = PeerServer(TransportConfig())
+    server.start()
+    try:
+        a = Assignment(epoch=3, stage=1, replica=0, n_stages=2, n_replicas=1, layers=(2, 4), group=("w",),
+                       coordinator=f"127.0.0.1:{server.port}", leader="")
+        watch = CoordinatorWatch(HEARTBEAT_S, process_tls(), "me", lambda: a, lambda: False, lambda: "",
+                                 lambda *args: None, threading.Event())
+        watch._ping(a)
+        first = watch._client
+        watch._ping(a)
+        assert first is not None and watch._client is first, "a new channel per ping"
+        watch.close()
+        assert watch._client is None
+    finally:
+        server.stop()

@@ -143,9 +143,11 @@ def test_observe_sits_between_the_swarm_and_the_node() -> None:
     from tests.support.imports import import_graph, importing
 
     graph = import_graph()
-    lower = ("tasklet.peer.net", "tasklet.peer.swarm", "tasklet.peer.compute", "tasklet.peer.runtime", "tasklet.peer.timing", "protocol", "scheduler")
+    lower = ("tasklet.peer.net", "tasklet.peer.swarm", "tasklet.peer.compute", "tasklet.peer.runtime",
+             "tasklet.peer.timing", "tasklet.protocol", "tasklet.scheduler")
     assert importing(graph, lower, ("tasklet.peer.observe",)) == []
-    allowed = ("tasklet.peer.observe", "tasklet.peer.swarm", "tasklet.peer.net", "tasklet.peer.config", "tasklet.peer.timing")
+    allowed = ("tasklet.peer.observe", "tasklet.peer.swarm", "tasklet.peer.net", "tasklet.peer.config",
+               "tasklet.peer.timing")
     uses = {t for m, targets in graph.items() if m.startswith("tasklet.peer.observe") for t in targets}
     assert all(any(u == a or u.startswith(a + ".") for a in allowed) for u in uses), sorted(uses)
     assert any(t.startswith("tasklet.peer.observe") for t in graph["tasklet.peer.node.daemon"])

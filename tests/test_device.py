@@ -14,7 +14,8 @@ import torch
 from tasklet.peer.compute import device_probe as device_mod
 from tasklet.peer.compute.device_probe import MatmulTiming, _cuda_sizes, measure_device
 
-pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
+# starts real processes (tests/support/processes.py)
+pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.light_processes]
 
 
 def test_cpu_measurement_is_real():

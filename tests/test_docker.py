@@ -330,8 +330,8 @@ def test_install_script_and_entrypoint_start_a_swarm(newcomer: Clone, tmp_path: 
                           env=dict(env, VENV=str(newcomer.root / ".venv")), timeout=420)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "[install] done: torch 2.13.0" in proc.stderr
-    probe = ("import peer; from scheduler.cluster import default_scenarios_path as d; "
-             "print(peer.__file__); print(d()); assert d().is_file()")
+    probe = ("import tasklet.peer; from tasklet.scheduler.cluster import default_scenarios_path as d; "
+             "print(tasklet.peer.__file__); print(d()); assert d().is_file()")
     where = subprocess.run([str(newcomer.python), "-c", probe], cwd=tmp_path, capture_output=True, text=True,
                            env=env, timeout=60)
     assert where.returncode == 0, where.stderr[-2000:]

@@ -109,8 +109,8 @@ def wait_for(what: str, check: Callable[[], bool], timeout_s: float, context: Ca
 def test_cpu_image(container_images: Images) -> None:
     engine, image = container_images.engine, container_images.cpu
     assert "CUDA None" in container_images.torch_line or not container_images.torch_line, container_images.torch_line
-    probe = ("import json, os, torch, peer; print(json.dumps({'cuda': torch.version.cuda, 'torch': torch.__version__,"
-             " 'uid': os.getuid(), 'peer': peer.__file__}))")
+    probe = ("import json, os, torch, tasklet.peer as peer; print(json.dumps({'cuda': torch.version.cuda,"
+             " 'torch': torch.__version__, 'uid': os.getuid(), 'peer': peer.__file__}))")
     out = engine.run("run", "--rm", "--entrypoint", "/opt/tasklet/bin/python", image, "-c", probe).stdout
     facts = json.loads(out.strip().splitlines()[-1])
     assert facts["cuda"] is None, f"the CPU image has a CUDA torch: {facts}"

@@ -20,6 +20,7 @@ import importlib.util
 import json
 import re
 import subprocess
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -28,6 +29,7 @@ import pytest
 from tasklet.peer.cli import build_parser
 from tasklet.peer.config import SECTIONS
 from tests.support.newcomer import REPO, Clone, newcomer_env
+from tests.support.system_watch import forbidding, snapshot, system_calls
 
 README = REPO / "README.md"
 DOCS = REPO / "docs"
@@ -81,10 +83,21 @@ def test_readme_starts_with_what_it_is_and_two_one_line_commands() -> None:
 def test_readme_first_command_trains_a_swarm_from_a_fresh_clone(newcomer: Clone) -> None:
     command = readme_commands(README.read_text())[0]
     tmp = newcomer.root.parent / "tmp"
-    proc = subprocess.run(["bash", "-c", command], cwd=newcomer.root, env=newcomer_env(tmp), capture_output=True,
-                          text=True, timeout=DEMO_TIMEOUT_S)
+    # the demo may not install or configure anything outside the checkout: the system tools it could reach for
+    # fail (and say so), and the system folders it could write are compared before and after
+    forbidden, calls = newcomer.root.parent / "forbidden-bin", newcomer.root.parent / "forbidden-calls"
+    forbidding(forbidden, calls)
+    env = newcomer_env(tmp)
+    env["PATH"] = f"{forbidden}:{env['PATH']}"
+    before = snapshot()
+    started = time.monotonic()
+    proc = subprocess.run(["bash", "-c", command], cwd=newcomer.root, env=env, capture_output=True, text=True,
+                          timeout=DEMO_TIMEOUT_S)
+    print(f"the README's first command took {time.monotonic() - started:.1f} s (the virtualenv already made)")
     out = proc.stdout
     assert proc.returncode == 0, f"{command!r} exited {proc.returncode}\n{out[-3000:]}\n{proc.stderr[-3000:]}"
+    assert system_calls(calls) == [], f"the demo ran system tools: {system_calls(calls)}"
+    assert snapshot() == before, "the demo changed /usr/local or /etc"
     assert "Traceback" not in out + proc.stderr, proc.stderr[-3000:]
     assert re.search(r"^swarm: 4 peers emulating worldwide_geo_distributed", out, re.M), out
     assert re.search(r"^plan \(epoch \d+\): stages", out, re.M), out

@@ -1,5 +1,5 @@
 """The doors strangers knock on, in-process: the relay's membership proofs, request deadline, slots per source
-and CONNECT rate; the DHT validator of a run's keys; connection caps of the HTTP, bulk-lane and gRPC ports;
+and CONNECT rate; connection caps of the HTTP, bulk-lane and gRPC ports;
 the join secret from a file or the environment."""
 
 from __future__ import annotations
@@ -11,13 +11,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from hivemind.dht.validation import DHTRecord
-from hivemind.utils import MSGPackSerializer
 
 from tasklet.peer.config import SECRET_ENV, ConfigError, resolve_secret
 from tasklet.peer.net import PeerClient, PeerServer, TransportConfig
 from tasklet.peer.net.endpoint import set_relay_credentials
-from tasklet.peer.net.limits import ConnectionCap, raise_nofile
+from tasklet.peer.net.limits import ConnectionCap, network_of, raise_nofile
 from tasklet.peer.net.relay import (
     MAGIC,
     RelayAgent,
@@ -29,15 +27,6 @@ from tasklet.peer.net.relay import (
 )
 from tasklet.peer.observe import http as observe_http
 from tasklet.peer.swarm.identity import Identity
-from tasklet.peer.swarm.records import (
-    MAX_SUBKEYS_PER_OWNER,
-    MAX_VALUE_BYTES,
-    RECORD_TTL_S,
-    RunRecordValidator,
-    record_key,
-    seal,
-)
-from tasklet.peer.timing import now
 from tasklet.protocol.errors import PeerUnreachable
 
 RUN = "doors-run"
@@ -172,53 +161,6 @@ def test_relay_limits_fit_a_descriptor_budget() -> None:
     assert limits.max_splices >= 1 and limits.max_registrations >= 1
     assert RelayLimits().within(10**6) == RelayLimits()
     assert raise_nofile() >= 1024 or raise_nofile() > 0
-
-
-# ------------------------------------------------------------------------------------------------ DHT
-def _record(name: str, writer: Identity | None, payload: dict, expires_at: float, key: bytes | None,
-            suffix: bytes = b"", mac: str | None = "auto") -> DHTRecord:
-    """A DHT entry as a hivemind node hands it to the validator (signature already stripped)."""
-    from hivemind.dht.routing import DHTID
-
-    owner = writer.peer_id if writer is not None else "x"
-    if mac == "auto":
-        mac = None if key is None else seal(key, RUN, name, owner, suffix, expires_at, payload)
-    subkey = (writer.owner_tag if writer is not None else b"") + suffix
-    return DHTRecord(DHTID.generate(source=f"{RUN}:{name}").to_bytes(), MSGPackSerializer.dumps(subkey),
-                     MSGPackSerializer.dumps({"p": payload, "mac": mac}), expires_at)
-
-
-def test_the_validator_refuses_what_may_not_be_stored_under_the_run_keys() -> None:
-    key = record_key("open sesame", RUN)
-    guard = RunRecordValidator(RUN, key)
-    writer = Identity.generate()
-    at = now()
-    assert guard.validate(_record("peers", writer, {"a": 1}, at + 6, key))
-    for name in RECORD_TTL_S:
-        assert not guard.validate(_record(name, None, {"a": 1}, at + 6, key)), f"untagged under {name}"
-    assert not guard.validate(_record("peers", writer, {"a": 1}, at + 6, key, mac=None))
-    assert not guard.validate(_record("peers", writer, {"a": 1}, at + 6, record_key("guess", RUN)))
-    assert not guard.validate(_record("peers", writer, {"a": "x" * MAX_VALUE_BYTES}, at + 6, key))
-    assert not guard.validate(_record("peers", writer, {"a": 1}, at + 10**6, key))
-    assert not guard.validate(_record("plans", writer, {"a": 1}, at + RECORD_TTL_S["plans"] + 3600, key))
-    assert guard.validate(_record("plans", writer, {"a": 1}, at + RECORD_TTL_S["plans"], key))
-    for i in range(MAX_SUBKEYS_PER_OWNER - 1):  # plans already holds one of this writer's
-        assert guard.validate(_record("plans", writer, {"e": i}, at + 60, key, suffix=b"|epoch=%d" % i))
-    assert not guard.validate(_record("plans", writer, {"e": -1}, at + 60, key, suffix=b"|epoch=-1"))
-    assert guard.validate(_record("plans", Identity.generate(), {"e": 0}, at + 60, key))  # another writer
-    assert guard.refused == {"no owner tag": len(RECORD_TTL_S), "no seal": 1, "bad seal": 1, "value too large": 1,
-                             "expiry beyond the record's lifetime": 2, "too many entries of this owner": 1}
-    other = _record("peers", None, {"a": 1}, at + 10**6, key)
-    assert guard.validate(DHTRecord(b"another key", other.subkey, other.value, other.expiration_time))
-
-
-def test_an_open_swarm_validator_still_requires_owner_tags_and_bounds() -> None:
-    guard = RunRecordValidator(RUN, None)
-    writer = Identity.generate()
-    at = now()
-    assert guard.validate(_record("peers", writer, {"a": 1}, at + 6, None))
-    assert not guard.validate(_record("peers", None, {"a": 1}, at + 6, None))
-    assert not guard.validate(_record("beat", writer, {"a": 1}, at + 10**5, None))
 
 
 # ------------------------------------------------------------------------------------------------ ports
@@ -384,3 +326,31 @@ def test_idle_streams_are_cancelled_and_free_their_slots() -> None:
     finally:
         release.set()
         server.stop()
+
+
+def test_a_network_is_one_source_and_members_keep_most_of_the_port() -> None:
+    assert network_of("203.0.113.7") == network_of("203.0.113.250") == "203.0.113.0/24"
+    assert network_of("2001:db8:1:ff::1") == network_of("[2001:db8:1:ab::9]") == "2001:db8:1::/56"
+    assert network_of("::ffff:203.0.113.9") == "203.0.113.0/24"
+    assert network_of("127.0.0.2") != network_of("127.0.0.3"), "each loopback address is a host of its own"
+    cap = ConnectionCap(total=8, per_source=3)
+    assert cap.stranger_total == 2
+    # before the members are known: by network, so three addresses of one /24 use up its share
+    strangers = ["198.51.100.1", "198.51.100.2", "198.51.100.3"]
+    assert all(cap.admit(a) for a in strangers)
+    assert not cap.admit("198.51.100.4"), "a fourth address of the same /24"
+    assert cap.admit("2001:db8::1"), "another network is another source"
+    for a in [*strangers, "2001:db8::1"]:
+        cap.release(a)
+    assert cap.held == 0
+    # members known: strangers from any number of networks hold at most a quarter of the port, members the rest
+    cap.set_members(["203.0.113.7", "[2001:db8:5::7]"])
+    assert cap.admit("192.0.2.1") and cap.admit("100.64.0.1")
+    assert not cap.admit("100.65.0.1"), "a third stranger network past the strangers' share"
+    assert cap.admit("203.0.113.7") and cap.admit("203.0.113.7") and cap.admit("2001:db8:5::7")
+    assert not cap.admit("203.0.113.8"), "a member's neighbour is a stranger"
+    # released as admitted, even after the member set changed
+    cap.set_members([])
+    cap.release("203.0.113.7")
+    cap.release("192.0.2.1")
+    assert cap.held == 3 and cap.admit("100.66.0.1") and not cap.admit("100.67.0.1")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from tasklet.peer.compute.reference import train_reference
 from tasklet.peer.compute.stage import OptimConfig, StageCompute, StageComputeConfig
 from tasklet.peer.compute.textdata import load_corpus
 from tasklet.peer.compute.tokenize import TokenizerError
+from tasklet.peer.emulation.procs import PEER_COMMAND as PEER
 from tests.support.hf import make_tokenizer, save_model, write_jsonl, write_parquet
 
 OPTIM = OptimConfig(lr=3e-3, eps=1e-3)
@@ -125,7 +125,7 @@ def test_export_loads_with_from_pretrained_and_matches_the_pipeline(
     assert err < 1e-5, f"exported logits differ from the pipeline's by {err:.2e}"
     text = generate(out, "def ", max_new_tokens=8)
     assert text.startswith("def ") and len(text) > 4
-    cli = subprocess.run([sys.executable, "-m", "tasklet.peer.cli", "generate", "--model", str(out), "--prompt", "import",
+    cli = subprocess.run([*PEER, "generate", "--model", str(out), "--prompt", "import",
                           "--max-new-tokens", "5"], capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0, cli.stderr
     assert cli.stdout.startswith("import") and len(cli.stdout.strip()) > len("import")

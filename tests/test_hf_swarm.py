@@ -22,7 +22,8 @@ pytestmark = pytest.mark.usefixtures("processes")
 
 
 def peer(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tasklet.peer.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "tasklet.peer.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
 
 
 @pytest.mark.timeout(600)

@@ -11,7 +11,7 @@ import ast
 import re
 from dataclasses import dataclass
 
-from tests.support.imports import CORE, PACKAGES, ROOT, import_graph, importing, modules
+from tests.support.imports import CORE, PACKAGES, ROOT, SHIPPED, import_graph, importing, modules
 
 
 def _resolve(target: str, graph: dict[str, set[str]]) -> str | None:
@@ -51,15 +51,18 @@ def test_the_import_graph_has_no_cycle() -> None:
 
 
 def test_the_cycle_check_finds_a_cycle() -> None:
-    assert _find_cycle({"tasklet.peer.a": {"tasklet.peer.b.X"}, "tasklet.peer.b": {"tasklet.peer.c"}, "tasklet.peer.c": {"tasklet.peer.a"}}) == [
-        "tasklet.peer.a", "tasklet.peer.b", "tasklet.peer.c", "tasklet.peer.a"]
-    assert _find_cycle({"tasklet.peer.a": {"tasklet.peer.b"}, "tasklet.peer.b": set()}) is None
+    assert _find_cycle({"peer.a": {"peer.b.X"}, "peer.b": {"peer.c"}, "peer.c": {"peer.a"}}) == [
+        "peer.a", "peer.b", "peer.c", "peer.a"]
+    assert _find_cycle({"peer.a": {"peer.b"}, "peer.b": set()}) is None
 
 
 def test_scheduler_and_protocol_import_nothing_of_ours() -> None:
     graph = import_graph()
-    leaks = [f"{m} -> {t}" for m, targets in graph.items() if m.split(".")[0] in ("scheduler", "protocol")
-             for t in targets if t.split(".")[0] != m.split(".")[0]]
+    def package(name: str) -> str:
+        return ".".join(name.split(".")[:2])
+
+    leaks = [f"{m} -> {t}" for m, targets in graph.items() if package(m) in ("tasklet.scheduler", "tasklet.protocol")
+             for t in targets if package(t) != package(m)]
     assert leaks == []
 
 
@@ -89,9 +92,14 @@ class LayerRow:
     may_import: frozenset[str]
 
 
+def _qualified(name: str) -> str:
+    """A module as the docs name it (``peer.net``) -> as it is imported (``tasklet.peer.net``)."""
+    return f"tasklet.{name}" if name.split(".")[0] in SHIPPED else name
+
+
 def _dotted(path: str) -> str:
-    """``peer/net/`` -> ``peer.net``; ``peer/cli.py`` -> ``peer.cli``."""
-    return path.strip("/").removesuffix(".py").replace("/", ".")
+    """``peer/net/`` -> ``tasklet.peer.net``; ``peer/cli.py`` -> ``tasklet.peer.cli``."""
+    return _qualified(path.strip("/").removesuffix(".py").replace("/", "."))
 
 
 def parse_layer_table(markdown: str) -> list[LayerRow]:
@@ -112,9 +120,9 @@ def parse_layer_table(markdown: str) -> list[LayerRow]:
         text = row[import_col]
         while re.search(r"\([^()]*\)", text):
             text = re.sub(r"\([^()]*\)", "", text)
-        names = set(re.findall(r"`([^`]+)`", text))
+        names = {_qualified(n) for n in re.findall(r"`([^`]+)`", text)}
         if "everything" in text:
-            but = set(re.findall(r"`([^`]+)`", text.split("but", 1)[1])) if "but" in text else set()
+            but = {_qualified(n) for n in re.findall(r"`([^`]+)`", text.split("but", 1)[1])} if "but" in text else set()
             names = {f for fs in folders for f in fs if f not in but}
         if "all of the above" in text:
             for above in rows:
@@ -183,10 +191,11 @@ def test_the_layer_table_parser_lets_the_most_specific_row_win() -> None:
 ## Next
 """
     rows = parse_layer_table(table)
-    assert [r.folders for r in rows] == [("protocol",), ("tasklet.peer.runtime",), ("tasklet.peer.runtime.lead",),
+    assert [r.folders for r in rows] == [("tasklet.protocol",), ("tasklet.peer.runtime",),
+                                         ("tasklet.peer.runtime.lead",),
                                          ("tasklet.peer.runtime.stage",), ("tasklet.peer.node",), ("tasklet.peer.cli",)]
-    assert rows[0].may_import == frozenset() and rows[1].may_import == {"protocol"}
-    assert rows[2].may_import == {"protocol", "tasklet.peer.runtime"}
+    assert rows[0].may_import == frozenset() and rows[1].may_import == {"tasklet.protocol"}
+    assert rows[2].may_import == {"tasklet.protocol", "tasklet.peer.runtime"}
     assert "tasklet.peer.cli" not in rows[4].may_import and "tasklet.peer.runtime.stage" in rows[4].may_import
     graph = {
         "tasklet.protocol.codec": set(),
@@ -199,8 +208,8 @@ def test_the_layer_table_parser_lets_the_most_specific_row_win() -> None:
     }
     # the peer side names `peer.runtime`, which covers the shared contracts but not the leader side's own row
     assert layer_violations(graph, rows) == [
-        "tasklet.peer.runtime.stage.worker -> peer.runtime.lead.pool (row peer.runtime.stage may import "
-        "['tasklet.peer.runtime', 'protocol'])"]
+        "tasklet.peer.runtime.stage.worker -> tasklet.peer.runtime.lead.pool (row tasklet.peer.runtime.stage may "
+        "import ['tasklet.peer.runtime', 'tasklet.protocol'])"]
     graph["tasklet.peer.runtime.control"].add("tasklet.peer.runtime.stage.worker")  # a contract importing a side
     assert len(layer_violations(graph, rows)) == 2
 

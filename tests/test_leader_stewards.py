@@ -85,12 +85,12 @@ def test_a_lying_early_member_never_leads_the_swarm_waits_for_a_steward_and_fini
     steward = Identity.load_or_create(steward_key)
     script = tmp_path / "patched_peer.py"
     script.write_text(PATCHED)
-    with PeerProcesses(tmp_path, emulate_tflops=0.0001) as procs:  # about a second a step
+    with PeerProcesses(tmp_path, emulate_tflops=0.00005) as procs:  # about two seconds a step
         addr = procs.start(cfg, "--identity", str(organiser_key))
         organiser = Identity.load(organiser_key).peer_id
         assert f"--organiser {organiser}" in procs.join_line
         cmd = [sys.executable, str(script), "join", "--dht", addr, "--organiser", organiser, "--host", "127.0.0.3",
-               "--identity", str(tmp_path / "attacker.key"), "--log-level", "INFO", "--emulate-tflops", "0.0001"]
+               "--identity", str(tmp_path / "attacker.key"), "--log-level", "INFO", "--emulate-tflops", "0.00005"]
         proc, log = launch(cmd, procs.log_dir / "peer-1.log", env=child_env())
         procs._logs.append(log)
         procs.procs.append(proc)
@@ -98,8 +98,11 @@ def test_a_lying_early_member_never_leads_the_swarm_waits_for_a_steward_and_fini
                    "the attacker's forged run record")
         procs.join(addr, 2)
         procs.join(addr, 3)  # after the forgery, with the join line's --organiser
-        st = poll_until(lambda: status_json(addr), lambda s: len(s["peers"]) == 4 and (s["step"] or 0) >= 2, 180,
-                        "four peers training")
+        # the organiser's log says when training is under way (cheaper than a `peer status` per poll, which
+        # under load could let the whole run end before the organiser is killed)
+        poll_until(lambda: {"log": procs.log_text(0)}, lambda s: "leader_role: step 1:" in s["log"], 180,
+                   "the organiser's first steps")
+        st = poll_until(lambda: status_json(addr), lambda s: len(s["peers"]) == 4, 60, "four peers in the status")
         assert st["plan"]["leader"] == organiser and st["leadership"]["leaders"] == [organiser]
         assert f"of organiser {organiser}" in procs.log_text(3)
         procs.kill(0)  # the organiser's peer dies: nobody else may lead

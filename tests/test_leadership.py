@@ -133,6 +133,9 @@ class _Membership:
     peer_id = "me"
     ttl_s = 3.0
 
+    def use_endpoint_hints(self, hints: object) -> None:
+        pass
+
     def __init__(self, entries: list[PeerEntry]) -> None:
         self.entries = entries
 

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
+# starts real processes (tests/support/processes.py)
+pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.light_processes]
 
 
 def test_bench_membership_json_on_a_tiny_swarm():

@@ -94,7 +94,7 @@ def test_microbatch_is_a_pure_function_of_its_ids(stdlib: Corpus) -> None:
 def test_microbatch_is_identical_in_another_process(stdlib: Corpus, processes: None) -> None:
     code = (
         "import hashlib\n"
-        "from peer.compute.data import Corpus, microbatch\n"
+        "from tasklet.peer.compute.data import Corpus, microbatch\n"
         "x, y = microbatch(Corpus.from_stdlib(max_bytes=1 << 20), 1, 5, 3, 4, 16)\n"
         "print(hashlib.sha256(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest())\n"
     )

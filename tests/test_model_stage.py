@@ -91,7 +91,7 @@ def test_initialisation_is_a_pure_function_of_seed_and_component() -> None:
 def test_a_stage_built_in_another_process_is_bit_identical(processes: None) -> None:
     code = (
         "import torch; torch.set_num_threads(1)\n"
-        "from peer.compute.model import ModelConfig\n"
+        "from tasklet.peer.compute.model import ModelConfig\n"
         f"{DIGEST_SOURCE}\n"
         f"print(params_digest(ModelConfig(**{CFG.to_dict()!r}), 1, 3))\n"
     )

@@ -4,7 +4,6 @@ the run's precision as the runtime holds it, the presets plan, and a stage never
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +11,7 @@ import pytest
 import torch
 
 from tasklet.peer.compute.hf import resolve_model
+from tasklet.peer.emulation.procs import PEER_COMMAND
 from tasklet.peer.node.planning import check_model_fits, workload_for
 from tasklet.peer.runtime.spec import RunSpec
 from tasklet.scheduler import Cluster, PlanningError, plan
@@ -62,7 +62,7 @@ def test_a_model_that_fits_no_device_is_refused_in_one_line(tmp_path: Path, proc
     scenario = tmp_path / "small.json"
     scenario.write_text('{"devices": 2, "delay_ms": [[0, 10], [10, 0]], "bandwidth_gbps": [[1, 1], [1, 1]], '
                         '"memory_gb": [0.001, 0.002]}')
-    cli = subprocess.run([sys.executable, "-m", "tasklet.peer.cli", "swarm", "--peers", "2", "--scenario", str(scenario),
+    cli = subprocess.run([*PEER_COMMAND, "swarm", "--peers", "2", "--scenario", str(scenario),
                           "--model", "tiny-llama"], capture_output=True, text=True, timeout=120)
     assert cli.returncode == 2
     lines = cli.stderr.strip().splitlines()

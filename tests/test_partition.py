@@ -68,7 +68,8 @@ def in_plan(st: dict) -> set[str]:
     return {pid for pipe in st["plan"]["pipelines"] or [] for pid in pipe}
 
 
-_STEP_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO peer.node.leader_role: step (\d+):", re.M)
+_STAMP = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})"
+_STEP_LINE = re.compile(_STAMP + r" INFO tasklet.peer.node.leader_role: step (\d+):", re.M)
 
 
 def step_times(log: str) -> dict[int, float]:
@@ -79,7 +80,7 @@ def step_times(log: str) -> dict[int, float]:
     return out
 
 
-_PLAN_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO peer.runtime.lead.driver: plan epoch \d+ .*"
+_PLAN_LINE = re.compile(_STAMP + r" INFO tasklet.peer.runtime.lead.driver: plan epoch \d+ .*"
                         r"pipelines (\[.*\]), continuing", re.M)
 
 

@@ -31,7 +31,7 @@ def test_grpc_stub_imports_from_the_package() -> None:
     from tasklet.protocol import tasklet_pb2_grpc
 
     text = (ROOT / "protocol" / "tasklet_pb2_grpc.py").read_text()
-    assert "from protocol import tasklet_pb2 as tasklet__pb2" in text
+    assert "from tasklet.protocol import tasklet_pb2 as tasklet__pb2" in text
     assert tasklet_pb2_grpc.tasklet__pb2 is pb
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+import tasklet.peer.timing
 from tasklet.peer.compute.device_probe import DeviceInfo
 from tasklet.peer.swarm.adverts import Advert
 from tasklet.peer.swarm.dht import DHTConfig, start_dht, visible_maddrs
@@ -153,9 +154,9 @@ def test_replayed_records_are_ignored(run):
 def test_a_skewed_clock_is_refused_at_join(run, monkeypatch):
     joiner = run[2]
     assert -HEARTBEAT_S - 0.5 <= joiner.membership.check_clock() <= 0.5
-    monkeypatch.setattr(peer.timing, "_CLOCK_OFFSET_S", -6.0)  # the TASKLET_CLOCK_OFFSET_S hook, in process
+    monkeypatch.setattr(tasklet.peer.timing, "_CLOCK_OFFSET_S", -6.0)  # the TASKLET_CLOCK_OFFSET_S hook, in process
     with pytest.raises(ClockSkewError, match=r"clock is [56]\.\d s behind the swarm.s"):
         joiner.membership.check_clock()
-    monkeypatch.setattr(peer.timing, "_CLOCK_OFFSET_S", 6.0)
+    monkeypatch.setattr(tasklet.peer.timing, "_CLOCK_OFFSET_S", 6.0)
     with pytest.raises(ClockSkewError, match="ahead of the swarm's"):
         joiner.membership.check_clock()

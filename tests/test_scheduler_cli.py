@@ -15,13 +15,14 @@ from tasklet.scheduler.bench import bench_scenario, format_table
 from tasklet.scheduler.cluster import PACKAGED_SCENARIOS, Cluster
 from tasklet.scheduler.workload import Workload
 
-pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
+# starts real processes (tests/support/processes.py)
+pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.light_processes]
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def run_cli(*args: str, timeout: float = 240.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "scheduler", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "tasklet.scheduler", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, check=False)
 
 

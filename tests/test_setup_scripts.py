@@ -12,7 +12,6 @@ tests/test_docs.py's, from a fresh clone.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -20,18 +19,13 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.usefixtures("processes")  # runs bash (tests/support/processes.py)
+from tests.support.system_watch import SYSTEM_TOOLS, forbidding, script, snapshot
+
+# runs bash (tests/support/processes.py)
+pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.light_processes]
 
 REPO = Path(__file__).resolve().parents[1]
-SYSTEM_TOOLS = ("apt-get", "apt", "dpkg", "sudo", "podman", "runc", "mmdebstrap", "chromium", "nft", "docker-compose")
 REAL_TOOLS = ("bash", "sh", "dirname", "grep", "mkdir", "cp")
-WATCHED = (Path("/usr/local/bin"), Path("/usr/local/sbin"), Path("/usr/local/lib"), Path("/etc"),
-           Path("/etc/containers"))
-
-
-def _script(path: Path, body: str) -> None:
-    path.write_text("#!/bin/sh\n" + body)
-    path.chmod(0o755)
 
 
 def _bed(tmp: Path, uid: int, stand_ins: tuple[str, ...] = SYSTEM_TOOLS) -> tuple[dict[str, str], Path]:
@@ -44,14 +38,11 @@ def _bed(tmp: Path, uid: int, stand_ins: tuple[str, ...] = SYSTEM_TOOLS) -> tupl
         found = shutil.which(tool)
         assert found, f"{tool} is needed to run the set-up scripts"
         (bin_dir / tool).symlink_to(found)
-    for tool in stand_ins:  # apt-get's update succeeds, so that the install it guards is tried (and fails)
-        update_ok = '[ "$1" = update ] && exit 0\n' if tool == "apt-get" else ""
-        _script(bin_dir / tool, f'echo "{tool} $*" >> "{logs}/system"\n{update_ok}'
-                f'echo "stand-in {tool}: refused" >&2\nexit 97\n')
-    _script(bin_dir / "id", f'if [ "$1" = "-u" ]; then echo {uid}; else echo "uid={uid}"; fi\n')
-    _script(templates / "python", f'echo "$*" >> "{logs}/venv-python"\n')
-    _script(templates / "peer", f'echo "$*" >> "{logs}/peer"\n')
-    _script(bin_dir / "python3", f'echo "$*" >> "{logs}/python3"\n'
+    forbidding(bin_dir, logs, stand_ins)
+    script(bin_dir / "id", f'if [ "$1" = "-u" ]; then echo {uid}; else echo "uid={uid}"; fi\n')
+    script(templates / "python", f'echo "$*" >> "{logs}/venv-python"\n')
+    script(templates / "peer", f'echo "$*" >> "{logs}/peer"\n')
+    script(bin_dir / "python3", f'echo "$*" >> "{logs}/python3"\n'
             f'if [ "$1" = "-m" ] && [ "$2" = "venv" ]; then\n  mkdir -p "$3/bin"\n'
             f'  cp "{templates}/python" "{templates}/peer" "$3/bin/"\nfi\n')
     env = {"PATH": str(bin_dir), "HOME": str(tmp / "home"), "TMPDIR": str(tmp), "LC_ALL": "C"}
@@ -63,28 +54,17 @@ def _log(logs: Path, name: str) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
-def _snapshot() -> dict[str, tuple[int, int]]:
-    """Name -> (mtime_ns, size) of every entry directly in the system folders a set-up could write to."""
-    seen: dict[str, tuple[int, int]] = {}
-    for folder in WATCHED:
-        if folder.is_dir():
-            for entry in os.scandir(folder):
-                st = entry.stat(follow_symlinks=False)
-                seen[entry.path] = (st.st_mtime_ns, st.st_size)
-    return seen
-
-
 def test_demo_setup_as_root_writes_only_its_virtualenv(tmp_path: Path) -> None:
     # no runc: a set-up that wrongly writes the runc wrapper (it needs podman and runc) must not get to do it
     env, logs = _bed(tmp_path, uid=0, stand_ins=tuple(t for t in SYSTEM_TOOLS if t != "runc"))
     venv = tmp_path / "checkout-venv"
     env["VENV"] = str(venv)
-    before = _snapshot()
+    before = snapshot()
     proc = subprocess.run(["bash", str(REPO / "scripts" / "demo.sh"), "--steps", "1"], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert _log(logs, "system") == [], f"demo.sh ran system tools: {_log(logs, 'system')}\n{proc.stderr}"
-    assert _snapshot() == before, "demo.sh changed /usr/local or /etc"
+    assert snapshot() == before, "demo.sh changed /usr/local or /etc"
     # it made the virtualenv, installed the checkout into it, and started the swarm from it
     assert _log(logs, "python3") == [f"-m venv {venv}"]
     pip = [line for line in _log(logs, "venv-python") if line.startswith("-m pip install")]
@@ -94,7 +74,7 @@ def test_demo_setup_as_root_writes_only_its_virtualenv(tmp_path: Path) -> None:
 
 def test_test_tools_script_holds_the_apt_calls_and_tolerates_their_failure(tmp_path: Path) -> None:
     env, logs = _bed(tmp_path, uid=0, stand_ins=("apt-get", "apt", "dpkg", "sudo"))  # a machine without the tools
-    before = _snapshot()
+    before = snapshot()
     proc = subprocess.run(["bash", str(REPO / "scripts" / "setup-test-tools.sh")], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr  # a failed apt-get leaves the tests that need the tool to skip
@@ -103,7 +83,7 @@ def test_test_tools_script_holds_the_apt_calls_and_tolerates_their_failure(tmp_p
         assert package in installs, installs
     assert "the container tests will skip" in proc.stderr
     # no podman was installed (apt-get failed), so no runc wrapper was written
-    assert _snapshot() == before
+    assert snapshot() == before
 
 
 @pytest.mark.parametrize(("uid", "skip_apt"), [(1000, ""), (0, "1")])

@@ -1,4 +1,4 @@
-"""tasklet.peer.swarm.identity.CachingSignatureValidator: a DHT node skips the RSA check only for a record identical, byte
+"""peer.swarm.identity.CachingSignatureValidator: a DHT node skips the RSA check only for a record identical, byte
 for byte, to one it verified; anything changed is checked again and refused, and refusals are never remembered."""
 
 from __future__ import annotations

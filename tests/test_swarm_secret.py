@@ -88,6 +88,10 @@ def test_the_secret_is_in_no_record_log_status_or_run_json_and_skew_is_refused(t
         for proc in procs.procs:
             assert proc.wait(timeout=300) == 0, "a peer failed"
         logs = "".join(procs.log_text(i) for i in range(2))
+        joiner = procs.log_text(1)
+    for phase in ("] measuring: this device", "] waiting for a plan: ", "] training: stage 0",
+                  "] done: the run is over"):
+        assert phase in joiner, f"the joiner showed no {phase!r} line"  # what a volunteer sees (peer.observe.phases)
     assert skewed.returncode != 0
     last = skewed_err.strip().splitlines()[-1]
     assert "clock is" in last and "behind the swarm" in last, skewed_err[-2000:]

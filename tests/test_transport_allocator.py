@@ -1,4 +1,4 @@
-"""tasklet.peer.net.allocator: a peer reuses freed multi-MiB buffers (as gRPC's received chunks are) instead of faulting in
+"""peer.net.allocator: a peer reuses freed multi-MiB buffers (as gRPC's received chunks are) instead of faulting in
 fresh pages for each one. Measured in fresh processes, with the page faults the kernel counts."""
 
 from __future__ import annotations

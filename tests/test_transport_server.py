@@ -136,7 +136,11 @@ def test_fetch_stage_state(server: PeerServer, client: PeerClient) -> None:
 
     server.register_fetch("STAGE_STATE", stage_state)
     key = pb.Key(run_id="r", stage=1)
-    env = client.fetch("STAGE_STATE", key, meta={"why": "join"}, timeout_s=30)
+    seen: list[tuple[int, int]] = []
+    env = client.fetch("STAGE_STATE", key, meta={"why": "join"}, timeout_s=30,
+                       progress=lambda done, total: seen.append((done, total)))
+    assert len(seen) > 2 and seen[-1][0] == seen[-1][1] > 5 << 20  # bytes so far of the announced total, per chunk
+    assert [d for d, _ in seen] == sorted({d for d, _ in seen})
     assert env.key.stage == 1 and env.meta["optimizer_step"] == "7" and env.meta["asked_by"] == process_tls().peer_id
     assert torch.equal(decode_tensor(env.tensors[0]), params)
     with pytest.raises(Refused) as info:

@@ -54,6 +54,11 @@ def test_certificate_is_bound_to_the_identity_key() -> None:
     assert pem_from_text(pem_to_text(cert)) == cert
     assert len(fingerprint(cert)) == 64
     assert peer_id_of_certificate(make_certificate(Identity.generate())) != identity.peer_id
+    # a leaf, not an authority: a trusted peer's certificate can never vouch for a certificate of another key
+    from cryptography import x509
+
+    constraints = x509.load_pem_x509_certificate(cert).extensions.get_extension_for_class(x509.BasicConstraints)
+    assert constraints.critical and constraints.value.ca is False
 
 
 @pytest.mark.unit

@@ -7,7 +7,13 @@ answered (so the caller can tell "refused" from "held"). Kinds:
   keys, and a flood of CONNECTs to ``PEERID``, for ``--seconds``;
 * ``ports HOST:PORT ...``: ``--count`` TCP connections held open to each port for ``--seconds``;
 * ``dht MULTIADDR RUN``: a hivemind DHT node of its own that stores, under every key of the run, untagged
-  subkeys and oversized values.
+  subkeys and oversized values;
+* ``dht-foreign MULTIADDR``: a plain hivemind DHT node (no key, no secret: what the public join line gives anyone)
+  that stores ``--count`` values of ``--value-bytes`` under fresh random keys with hour-long expiries;
+* ``dht-fill MULTIADDR RUN SECRET_FILE``: a member's attack: ``--count`` fresh identities each store one advert
+  padded to its largest under ``peers`` and a full ``beat``, and one identity stores 64 subkeys of 257 KiB under
+  ``plans`` (sealed with the secret; an empty file: an open swarm). Its stores go through hivemind's pipe to the
+  DHT process, which breaks on values of a few hundred KiB: most of them time out (not yet a working attack).
 """
 
 from __future__ import annotations
@@ -21,6 +27,10 @@ import sys
 import threading
 import time
 from functools import partial
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tasklet.peer.swarm.identity import Identity
 
 RUN_KEYS = ("peers", "links", "run", "plans", "progress", "beat")
 
@@ -43,6 +53,33 @@ def proc_usage(pid: int) -> dict[str, int]:
             if line.startswith("Max open files"):
                 limit = int(line.split()[3])
     return {"fds": fds, "threads": threads, "rss": rss, "fd_limit": limit}
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, theirs, ...), from /proc's parent ids."""
+    import os
+
+    parents: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError), open(f"/proc/{name}/stat") as stat:
+                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+                parents.setdefault(ppid, []).append(int(name))
+    out, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and every process below it (a DHT process and its p2pd)."""
+    total = 0
+    for each in [pid, *descendants(pid)]:
+        with contextlib.suppress(OSError, KeyError):
+            total += proc_usage(each)["rss"]
+    return total
 
 
 class PeakSampler:
@@ -231,9 +268,90 @@ async def _flood_in_child(_dht: object, node: object, keys: tuple[str, ...], unt
     return {"stored": stored, "tried": tried}
 
 
+def dht_foreign_flood(initial_peer: str, count: int, value_bytes: int, seconds: float) -> dict:
+    """Store ``count`` values of ``value_bytes`` under random keys through a plain hivemind node, as a stranger."""
+    import hivemind
+
+    dht = hivemind.DHT(initial_peers=[initial_peer], start=True, client_mode=False,
+                       host_maddrs=["/ip4/0.0.0.0/tcp/0"])
+    try:
+        job = partial(_foreign_in_child, count=count, value_bytes=value_bytes, deadline=time.time() + seconds)
+        return dht.run_coroutine(job)
+    finally:
+        dht.shutdown()
+
+
+async def _foreign_in_child(_dht: object, node: object, count: int, value_bytes: int, deadline: float) -> dict:
+    """Runs in the attacker's DHT process: 8 stores at a time, each to the nodes nearest its random key."""
+    import asyncio
+    import os
+
+    out = {"stored": 0, "tried": 0, "bytes_sent": 0}
+    queue = list(range(count))
+
+    async def worker() -> None:
+        while queue and time.time() < deadline:
+            queue.pop()
+            out["tried"] += 1
+            value = os.urandom(value_bytes)
+            with contextlib.suppress(Exception):
+                ok = await asyncio.wait_for(node.store(os.urandom(16).hex(), value, time.time() + 3600.0), 20.0)
+                out["stored"] += bool(ok)
+                out["bytes_sent"] += value_bytes
+
+    await asyncio.gather(*(worker() for _ in range(8)))
+    return out
+
+
+def dht_run_key_fill(initial_peer: str, run_id: str, secret: str | None, identities: int, seconds: float) -> dict:
+    """A member with the secret and free identities fills the run's keys: ``identities`` padded adverts under
+    ``peers`` and full beats under ``beat``, and one identity's 64 subkeys of 257 KiB under ``plans``."""
+    from tasklet.peer.swarm.dht import DHTConfig, start_dht
+    from tasklet.peer.swarm.identity import Identity
+    from tasklet.peer.swarm.records import RecordStore
+    from tasklet.peer.timing import now
+
+    first = Identity.generate()
+    dht = start_dht(DHTConfig(initial_peers=(initial_peer,), host="0.0.0.0", client_mode=True), first)
+    out = {"peers": 0, "beat": 0, "plans": 0, "tried": 0}
+    deadline = time.monotonic() + seconds
+    try:
+        keys = [first] + [Identity.generate() for _ in range(identities - 1)]
+        for identity in keys:
+            if time.monotonic() > deadline:
+                break
+            store = RecordStore(dht, run_id, identity, secret)
+            out["tried"] += 2
+            out["peers"] += store.put("peers", padded_advert(identity), now() + 50.0)
+            out["beat"] += store.put("beat", {"leader": identity.peer_id, "pad": "x" * (250 << 10)}, now() + 100.0)
+        store = RecordStore(dht, run_id, first, secret)
+        for epoch in range(64):
+            if time.monotonic() > deadline:
+                break
+            out["tried"] += 1
+            out["plans"] += store.put("plans", {"epoch": epoch, "pad": "x" * (255 << 10)}, now() + 500.0,
+                                      suffix=b"|epoch=%d" % epoch)
+    finally:
+        dht.shutdown()
+    return out
+
+
+def padded_advert(identity: Identity) -> dict:
+    """The writer's own advert, as large as the schema lets it be (full ``extra`` and ``found``)."""
+    from tasklet.peer.compute.device_probe import DeviceInfo
+    from tasklet.peer.net.tls import make_certificate, pem_to_text
+    from tasklet.peer.swarm.adverts import Advert
+    from tasklet.peer.timing import now
+
+    device = DeviceInfo("attacker", "cpu", 2**40, 1e4, True, False)
+    advert = Advert(identity.peer_id, "192.0.2.1:9", device, now() - 10**6, extra={"pad": "x" * 4000},
+                    cert=pem_to_text(make_certificate(identity)))
+    return {"advert": advert.to_record(), "at": now(), "found": [f"{i:020x}" for i in range(256)]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tasklet.peer.emulation.doors_attack")
-    p.add_argument("kind", choices=["relay", "ports", "dht"])
+    p.add_argument("kind", choices=["relay", "ports", "dht", "dht-foreign", "dht-fill"])
     p.add_argument("args", nargs="+")
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--count", type=int, default=400)
@@ -245,6 +363,12 @@ def main(argv: list[str] | None = None) -> int:
         result = relay_attack(a.args[0], a.args[1], a.seconds)
     elif a.kind == "ports":
         result = port_flood(a.args, a.count, a.seconds)
+    elif a.kind == "dht-foreign":
+        result = dht_foreign_flood(a.args[0], a.count, a.value_bytes, a.seconds)
+    elif a.kind == "dht-fill":
+        with open(a.args[2]) as handle:
+            secret = handle.read().strip() or None
+        result = dht_run_key_fill(a.args[0], a.args[1], secret, a.count, a.seconds)
     else:
         result = dht_flood(a.args[0], a.args[1], a.untagged, a.oversized, a.value_bytes, a.seconds)
     print(json.dumps(result), flush=True)

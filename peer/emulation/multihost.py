@@ -1,7 +1,7 @@
 """Real `peer` processes on the hosts of a network-namespace test bed (peer/emulation/netbed.py), started with the
 README's internet commands; used by tests/test_multihost.py and bench/reachability.py.
 
-Every peer runs ``ip netns exec <host> python -m tasklet.peer.cli start|join --host 0.0.0.0 --port 31400 --bulk-port 31403
+Every peer runs ``ip netns exec <host> peer start|join --host 0.0.0.0 --port 31400 --bulk-port 31403
 --dht-host 0.0.0.0 --dht-port 31401 --announce ADDR:31400`` (``ADDR`` the host's public address, its router's for a
 home host), logs to ``log_dir/<host>.log`` and is killed with its whole process group at the end.
 """

@@ -34,6 +34,7 @@ import numpy as np
 from tasklet.peer.net.bulk_wire import HEAD, HEAD_MAGIC, LaneClosedError, encode_reply, recv_exact
 from tasklet.peer.net.config import HANDSHAKE_TIMEOUT_S, SOURCE_SHARE, TransportConfig
 from tasklet.peer.net.counters import TRAFFIC
+from tasklet.peer.net.limits import network_of
 from tasklet.peer.net.statuses import refusal_of
 from tasklet.protocol import tasklet_pb2 as pb
 from tasklet.protocol.chunking import ChunkView, check_version
@@ -123,7 +124,7 @@ class BulkListener:
                 conn, addr = sock.accept()
             except OSError:
                 return  # closed by stop()
-            source = str(addr[0])
+            source = network_of(str(addr[0]))  # a block of addresses is one source (peer.net.limits)
             with self._lock:
                 crowded = self._per_source.get(source, 0) >= self.max_per_source
                 full = crowded or len(self._conns) >= self.max_connections

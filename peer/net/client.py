@@ -19,7 +19,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -311,11 +311,12 @@ class PeerClient:
         meta: Mapping[str, str] | None = None,
         timeout_s: float | None = None,
         max_bytes: int | None = None,
+        progress: Callable[[int, int], None] | None = None,
     ) -> WireEnvelope:
         """Ask the peer for an Envelope of `kind` (e.g. STAGE_STATE) about `key`; checked like a push, and
         received like one (a WireEnvelope: read like a pb.Envelope, its tensors decode without a copy).
         `max_bytes`: the largest reply accepted, for a caller that knows the size (a stage's state); default
-        the transport's `max_envelope_bytes`.
+        the transport's `max_envelope_bytes`. `progress(bytes so far, bytes announced)` after each chunk.
 
         Raises Refused/PeerUnreachable, or protocol.errors.BadMessage if the reply stream is malformed.
         """
@@ -337,6 +338,8 @@ class PeerClient:
             for raw in stream:
                 asm.add(decode_chunk(raw))
                 take_in(len(raw))  # the owner's download cap
+                if progress is not None:
+                    progress(asm.received, asm.total)
                 del raw  # read: free it before gRPC makes the next chunk (memory reused)
         except grpc.RpcError as exc:
             raise map_rpc_error(exc, self.endpoint) from None

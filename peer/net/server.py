@@ -522,6 +522,13 @@ class PeerServer:
         logger.info("peer server listening on %s (bulk lane on port %d)", self.endpoint, self.bulk_port)
         return port
 
+    def set_members(self, hosts: list[str]) -> None:
+        """The hosts of the swarm's live members: the gRPC port keeps most of its connections for them
+        (peer.net.limits.ConnectionCap), whatever strangers hold."""
+        front = self._front
+        if front is not None:
+            front.cap.set_members(hosts)
+
     def stop(self, grace: float = 1.0) -> None:
         """Stop accepting calls, give running ones `grace` seconds, then cancel them and release the threads.
 

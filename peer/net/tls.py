@@ -55,7 +55,8 @@ def make_certificate(identity: Identity) -> bytes:
     """A self-signed certificate (PEM) for the identity's key; its peer id is the hash of that key.
 
     Deterministic for a given key (fixed validity, serial from the peer id, PKCS#1 v1.5 signature), so a peer
-    that restarts with its --identity file presents the same certificate and fingerprint.
+    that restarts with its --identity file presents the same certificate and fingerprint. ``CA:FALSE``: it is
+    trusted as itself (a self-signed leaf in the trust store), never as an issuer of certificates for other keys.
     """
     key = identity.private_key._private_key  # hivemind's RSAPrivateKey wraps a cryptography key
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, identity.peer_id)])
@@ -68,7 +69,7 @@ def make_certificate(identity: Identity) -> bytes:
         .not_valid_before(_VALID_FROM)
         .not_valid_after(_VALID_UNTIL)
         .add_extension(x509.SubjectAlternativeName([x509.DNSName(SERVER_NAME)]), critical=False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(
             x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
         )

@@ -15,11 +15,13 @@ record so the others notice within a heartbeat instead of after the advert expir
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import random
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -29,12 +31,14 @@ from typing import Any
 
 from tasklet.peer.compute.device_probe import DeviceInfo, measure_device
 from tasklet.peer.config import RunConfig
+from tasklet.peer.net.endpoint import EndpointError, parse_endpoint
 from tasklet.peer.net.limits import raise_nofile
 from tasklet.peer.net.relay import relay_key
 from tasklet.peer.net.shaping import set_download_cap, set_upload_cap
 from tasklet.peer.net.tls import TlsContext
 from tasklet.peer.node.control_socket import OwnerControl, open_control
 from tasklet.peer.node.emulated_links import EmulatedLinks, Emulation, NetworkModel, emulated_device
+from tasklet.peer.node.join_watch import JoinWatch, WatchSources
 from tasklet.peer.node.joining import JoinError, check_files, find_run
 from tasklet.peer.node.leader_role import LeaderContext, LeaderRole
 from tasklet.peer.node.leadership import Leadership
@@ -42,8 +46,9 @@ from tasklet.peer.node.prober import LinkProber, ProbeSources
 from tasklet.peer.node.reachability import Reach, ReachabilityError, establish, refuse_undialable
 from tasklet.peer.node.roles import Action, State
 from tasklet.peer.node.schedule import Schedule, leaves_at
-from tasklet.peer.node.watch import CoordinatorWatch
+from tasklet.peer.node.watch import CoordinatorWatch, signed_step
 from tasklet.peer.observe.node import NodeObserver, ObserveError, ObserveOptions
+from tasklet.peer.observe.phases import PhaseReporter
 from tasklet.peer.observe.snapshot import SwarmSource
 from tasklet.peer.runtime.lead.driver import RunDriver
 from tasklet.peer.runtime.stage.worker import StageWorker
@@ -99,7 +104,8 @@ class PeerOptions:
     measure_seconds: float = 1.0
     metrics_port: int | None = None  # serve /metrics here (0: a free port); None: off
     dashboard_port: int | None = None  # serve the swarm dashboard here; None: off
-    progress: bool = False  # live progress on stderr (a bar on a terminal, plain lines elsewhere)
+    progress: bool = False  # the join phases and progress on stderr (peer.observe.phases); False: silent
+    json_log: bool = False  # --json-log: phase events as JSON log records instead of lines and bars
     relay_port: int | None = None  # serve a relay for peers behind NAT on this port of --host; None: off
     bulk_port: int | None = 0  # the bulk lane's port on --host (peer.net.bulk_server); 0: a free one, None: off
     # the owner's limits, honoured by the plan (advertised) and, for upload, by the transport's shaper
@@ -148,6 +154,8 @@ class PeerDaemon:
         self.role: LeaderRole | None = None
         self.leadership: Leadership | None = None  # the organiser's policy and this peer's role (from _join_run)
         self.observer: NodeObserver | None = None
+        self.phases = PhaseReporter.for_stream(sys.stderr, enabled=opts.progress, json_log=opts.json_log)
+        self.watch: JoinWatch | None = None  # feeds self.phases once a heartbeat (from start)
         self.done = threading.Event()
         self.stop_requested = threading.Event()
         self._live: list[Advert] = []
@@ -199,7 +207,7 @@ class PeerDaemon:
             self._announce()
             phase("announce")
             self._start_observer()
-            self.control = open_control(self)
+            self.control, self.watch = open_control(self), join_watch(self)
             log.info("others can join through this peer: %s", self.join_line())
             # seconds of each start-up phase ("process": from the process's start to here, imports included)
             log.info("start-up phases %s", json.dumps({k: round(v, 2) for k, v in phases.items()}))
@@ -221,7 +229,7 @@ class PeerDaemon:
         self.membership = Membership(
             self.dht, run_id, self.identity, o.secret or None, heartbeat_s=self.config.swarm.heartbeat_s
         )
-        self.membership.live_extra = lambda: live_extra(self.worker)
+        self.membership.use_live_extra(lambda: live_extra(self.worker))
         self.plan_board = PlanBoard(self.dht, run_id, self.identity, o.secret or None, elector=self.elected)
         self.progress = ProgressBoard(self.dht, run_id, self.identity, o.secret or None)
         self.view = SwarmView(self.membership, self.plan_board, self.progress)
@@ -269,6 +277,7 @@ class PeerDaemon:
         self.worker.may_assign = self.leadership.may_assign  # the elected leader's orders only
         self.worker.may_dial = self.leadership.may_dial  # naming only live peers of the run
         self.worker.on_refused = self.leadership.refuse  # and keeping to the signed run
+        self.worker.taker.on_fetch = self.phases.fetch_progress  # a stage's state arriving, shown
         self.worker.server.reserve_threads(COORDINATOR_THREADS)  # in case this peer leads (coordinator mounted)
         try:
             self.endpoint = self.worker.start()
@@ -300,6 +309,7 @@ class PeerDaemon:
     def _announce(self) -> None:
         o = self.opts
         tflops, extra = self.declared_tflops, self._emulated_extra
+        self.phases.measuring("this device: matmul speed and memory")
         device = measure_device("cpu" if tflops else o.device, emulate_tflops=tflops, seconds=o.measure_seconds)
         device, extra = owner_limits(device, extra, o)
         assert self.worker is not None
@@ -318,14 +328,8 @@ class PeerDaemon:
         assert self.membership is not None
         self.membership.announce(self.advert)
         self._announced_at = time.monotonic()
-        log.info(
-            "peer %s announced: %s, %.4g TFLOP/s%s, gRPC at %s",
-            self.identity.peer_id,
-            device.name,
-            device.tflops,
-            " (emulated)" if device.emulated else "",
-            self.endpoint,
-        )
+        log.info("peer %s announced: %s, %.4g TFLOP/s%s, gRPC at %s", self.identity.peer_id, device.name,
+                 device.tflops, " (emulated)" if device.emulated else "", self.endpoint)
 
     def _start_observer(self) -> None:
         """/metrics, the optional dashboard (read-only boards of its own) and terminal progress."""
@@ -343,8 +347,8 @@ class PeerDaemon:
             self.membership.get_run,
             lambda: self.leadership.summary() if self.leadership is not None else None,
         )
-        opts = ObserveOptions(o.host, o.metrics_port, o.dashboard_port, o.progress, self.config.run.steps,
-                              max(2.0, self.config.swarm.heartbeat_s))
+        opts = ObserveOptions(o.host, o.metrics_port, o.dashboard_port, o.progress and not self.phases.fancy,
+                              self.config.run.steps, max(2.0, self.config.swarm.heartbeat_s))
         try:
             self.observer = NodeObserver(opts, run_id, source, self.worker.status)
         except ObserveError as exc:
@@ -366,7 +370,8 @@ class PeerDaemon:
         assert self.view is not None
         watch = CoordinatorWatch(self.config.swarm.heartbeat_s, self.tls, self.identity.peer_id,
                                  lambda: self.worker.assignment if self.worker else None,
-                                 lambda: self.role is not None, self.elected, self.view.depose, self.stop_requested)
+                                 lambda: self.role is not None, self.elected, self.view.depose, self.stop_requested,
+                                 progress_step=signed_step(self.view))
         threading.Thread(target=watch.run, name="coordinator-watch", daemon=True).start()
         while not self.done.is_set() and not self.stop_requested.is_set():
             self._tick()
@@ -398,8 +403,9 @@ class PeerDaemon:
             self.membership.announce(self.advert)
         if self._ticks % TICKS_PER_HEARTBEAT == 0:  # once a heartbeat is enough to notice the end of the run
             progress = self.view.beat  # the leader's beat, read by the view once a heartbeat
-            if self.observer is not None:
+            if self.observer is not None and self.watch is not None:
                 self.observer.on_progress(progress, peers_live=self._peers_live(), is_leader=self.role is not None)
+                self.watch.tick()
             assert self.leadership is not None
             self.leadership.on_progress(progress)
             if self.view.elected_beat is not progress:  # a leader elected but not yet planning is watched too
@@ -480,6 +486,8 @@ class PeerDaemon:
                 self._trusted[a.peer_id] = (a.cert, now_s + keep_s)
         self._trusted = {pid: v for pid, v in self._trusted.items() if v[1] > now_s}
         self.tls.trust.set_group("swarm", [cert for cert, _ in self._trusted.values()])
+        if self.worker is not None:  # the gRPC port keeps most of its connections for the members' hosts
+            self.worker.server.set_members(member_hosts(entries))
 
     def elected(self) -> str | None:
         """The leader this peer elects now (not yet confirmed): the only peer whose plans it accepts.
@@ -544,7 +552,7 @@ class PeerDaemon:
 
     def shutdown(self) -> None:
         """Leave gracefully: checkpoint (leader), departure record, stop serving, stop the DHT."""
-        for part in (self.observer, self.control):
+        for part in (self.observer, self.control, self.phases):
             if part is not None:
                 part.close()
         if self.role is not None:
@@ -568,6 +576,26 @@ class PeerDaemon:
                 self.dht.shutdown()
             except Exception as exc:  # the child process may be gone already
                 log.info("DHT shutdown: %s", exc)
+
+
+def join_watch(d: PeerDaemon) -> JoinWatch:
+    """What the phase reporter is told once a heartbeat (peer.node.join_watch), read from ``d`` and nothing more."""
+    assert d.config is not None and d.leadership is not None and d.view is not None and d.worker is not None
+    leadership, view, worker = d.leadership, d.view, d.worker
+    sources = WatchSources(
+        worker_status=worker.status,
+        role_state=lambda: leadership.state,
+        waiting_line=lambda: (leadership.summary() or {}).get("waiting"),
+        beat=lambda: view.beat,
+        elected=d.elected,
+        leading=lambda: d.role is not None,
+        followed_plan=view.followed_plan,
+        paused_by=lambda: (d.control.paused_by or "owner") if d.control is not None and d.control.paused else None,
+        probe_rounds=lambda: d.prober.rounds_done if d.prober is not None else 1,
+        peers_live=lambda: len(d.live_adverts()),
+        memory_bytes=lambda: d.advert.device.memory_bytes if d.advert is not None else None,
+    )
+    return JoinWatch(d.identity.peer_id, d.spec, d.config.run.steps, sources, d.phases)
 
 
 def live_extra(worker: StageWorker | None) -> dict[str, Any]:
@@ -640,6 +668,18 @@ def _ops_summary(delta: dict[str, int], heartbeats: float, role: str) -> dict[st
     by_record = {k: round(n / heartbeats, 2) for k, n in sorted(delta.items())}
     return {"role": role, "heartbeats": heartbeats, "get": per_heartbeat("get:"), "store": per_heartbeat("store:"),
             "rows": per_heartbeat("rows:"), "by_record": by_record}
+
+
+def member_hosts(adverts: list[Advert]) -> list[str]:
+    """The hosts live members dial from as far as their adverts say: a direct endpoint's host (a peer behind NAT
+    dials from an address no advert names, and counts as a stranger at the door)."""
+    hosts = []
+    for a in adverts:
+        with contextlib.suppress(EndpointError):
+            endpoint = parse_endpoint(a.endpoint)
+            if not endpoint.relayed:
+                hosts.append(endpoint.host)
+    return hosts
 
 
 def _progress_leader(plan: PlanRecord | None, elected: str | None) -> str | None:

@@ -337,6 +337,7 @@ class LeaderRole:
         )
         self.driver.recorded_step = self._recorded()[0] if previous else None
         self.driver.checkpoint_digests = recorded_checkpoints(record.get("checkpoint_hashes"))
+        self.driver.checkpoint_manifests = recorded_manifests(record.get("checkpoint_manifests"))
         if takeover is not None and takeover[0] == self._takeover_digests.step:
             self.driver.digests = self._takeover_digests  # holders must match what the previous leader signed
         self.driver.on_pause = self._on_pause
@@ -594,13 +595,22 @@ def recorded_progress(progress: dict[str, Any]) -> tuple[int | None, dict[tuple[
 
 
 def signed_hashes(driver: RunDriver, trained: int) -> dict[str, Any]:
-    """The parameters hashes a leader signs in its progress record: per stage at ``trained`` (when the replicas
-    agreed on them) and per stage of its newest checkpoints (read back by ``recorded_progress`` and
-    ``recorded_checkpoints``)."""
+    """The hashes a leader signs in its progress record: the parameters' per stage at ``trained`` (when the replicas
+    agreed on them) and per stage of its newest checkpoints, and those checkpoints' manifests (read back by
+    ``recorded_progress``, ``recorded_checkpoints`` and ``recorded_manifests``)."""
     digests = driver.digests.at(trained)
     return {"stage_hashes": [[a, b, h] for (a, b), h in sorted(digests.items())] if digests else None,
             "checkpoint_hashes": [[t, a, b, h] for t, d in sorted(driver.checkpoint_digests.items())
-                                  for (a, b), h in sorted(d.items())]}
+                                  for (a, b), h in sorted(d.items())],
+            "checkpoint_manifests": [[t, h] for t, h in sorted(driver.checkpoint_manifests.items())]}
+
+
+def recorded_manifests(value: Any) -> dict[int, str]:
+    """A progress record's ``checkpoint_manifests`` ([[step, sha256], ...]): the manifest a peer's checkpoint copy
+    of that step must have before any of its files is deserialised; anything malformed is dropped."""
+    items = value[:KEPT_DIGESTS] if isinstance(value, list) else []
+    return {item[0]: item[1] for item in items if isinstance(item, list) and len(item) == 2 and type(item[0]) is int
+            and isinstance(item[1], str) and len(item[1]) == 64}
 
 
 def recorded_checkpoints(value: Any) -> dict[int, dict[tuple[int, int], str]]:

@@ -53,6 +53,7 @@ class LinkProber:
         self.probed: dict[str, LinkReport] = {}
         self._failed: dict[str, int] = {}  # peer id -> the round its last probe failed in
         self._rounds = 0
+        self.rounds_done = 0  # rounds finished (the first one ends this peer's "measuring" phase)
         self._lock = threading.Lock()
         self._reported: frozenset[str] = frozenset()
 
@@ -79,6 +80,7 @@ class LinkProber:
                 self.sources.report_links(reports)
                 self._reported = key
         finally:
+            self.rounds_done += 1
             self._lock.release()
 
     def _measure(self, a: Advert) -> LinkReport | None:

@@ -31,7 +31,7 @@ class ObserveOptions:
     host: str = "127.0.0.1"
     metrics_port: int | None = None
     dashboard_port: int | None = None
-    progress: bool = False  # live progress on stderr (a bar on a terminal, lines elsewhere)
+    progress: bool = False  # a progress line per step, logged (on a terminal the phase reporter draws a bar instead)
     total_steps: int | None = None
     interval_s: float = 2.0
 
@@ -53,8 +53,8 @@ class NodeObserver:
         except OSError as exc:
             self.close()
             raise ObserveError(f"{exc} (--metrics-port/--dashboard-port)") from None
-        if opts.progress:
-            self.display = ProgressDisplay(opts.total_steps, stream=sys.stderr, plain=logging.getLogger(
+        if opts.progress:  # a line per step; a terminal's bar is the phase reporter's (peer.observe.phases)
+            self.display = ProgressDisplay(opts.total_steps, stream=sys.stderr, fancy=False, plain=logging.getLogger(
                 "tasklet.peer.progress").info)
 
     @property

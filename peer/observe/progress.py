@@ -27,6 +27,25 @@ def progress_line(
     return f"[{elapsed_s:6.1f}s] plan epoch {epoch}: step {step}{of}, {loss_s}{extra}{live}"
 
 
+def route_logging(console: Any, stream: IO[str]) -> list[tuple[logging.StreamHandler, Any]]:
+    """Point the root logger's handlers that write to ``stream`` through ``console`` (a live rich display on it),
+    so log lines land above the bar; what :func:`restore_logging` takes to undo it."""
+    from rich.file_proxy import FileProxy
+
+    proxy, routed = FileProxy(console, stream), []
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is stream:
+            routed.append((handler, handler.stream))
+            handler.setStream(proxy)
+    return routed
+
+
+def restore_logging(routed: list[tuple[logging.StreamHandler, Any]]) -> None:
+    for handler, stream in routed:
+        handler.setStream(stream)
+    routed.clear()
+
+
 class ProgressDisplay:
     """Shows the run's progress; ``fancy`` None = a rich bar exactly when ``stream`` is a terminal."""
 
@@ -53,7 +72,6 @@ class ProgressDisplay:
 
     def _start_rich(self) -> None:
         from rich.console import Console
-        from rich.file_proxy import FileProxy
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         console = Console(file=self.stream)
@@ -69,12 +87,7 @@ class ProgressDisplay:
         )
         self._task = self._progress.add_task("train", total=self.total, info="waiting for the first plan")
         self._progress.start()
-        # logging's handlers hold the real stream; route them through rich's proxy so lines land above the bar
-        proxy = FileProxy(console, self.stream)
-        for handler in logging.getLogger().handlers:
-            if isinstance(handler, logging.StreamHandler) and handler.stream is self.stream:
-                self._handlers.append((handler, handler.stream))
-                handler.setStream(proxy)
+        self._handlers = route_logging(console, self.stream)
 
     def __enter__(self) -> ProgressDisplay:
         return self
@@ -112,7 +125,5 @@ class ProgressDisplay:
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
-            for handler, stream in self._handlers:
-                handler.setStream(stream)
-            self._handlers.clear()
+            restore_logging(self._handlers)
             self._progress = None

@@ -592,18 +592,27 @@ def fetch_copy_files(fetch: Callable[[dict[str, str]], pb.Envelope], bound_bytes
 
 
 def store_copy(store: CheckpointStore, step: int, files: dict[str, bytes]) -> Path:
-    """Store a received copy durably and verify it; a copy that does not verify is removed (and raises)."""
+    """Store a received copy durably and verify it; a copy that does not verify is removed (and raises).
+
+    Verified without deserialising: every file against the sender's manifest, the metadata's step (JSON); the
+    stage files are loaded only by whoever uses the copy, after checking the manifest against a signed hash."""
     payload = {name: data for name, data in files.items() if name != MANIFEST}
     folder = store.write_files(step, payload)
-    received = json.loads(files[MANIFEST])
-    written = json.loads((folder / MANIFEST).read_text())
     try:
-        if received.get("files") != written.get("files"):
+        received = json.loads(files[MANIFEST])
+        written = json.loads((folder / MANIFEST).read_text())
+        if not isinstance(received, dict) or received.get("files") != written.get("files"):
             raise CheckpointDamagedError(f"{folder}: the copy's files differ from the sender's manifest")
-        store.load(step)
-    except CheckpointDamagedError:
+        store.verify(step)
+        meta = json.loads(files.get(RUN_META, b"null"))
+        if not isinstance(meta, dict) or meta.get("step") != step:
+            raise CheckpointDamagedError(f"{folder}: its metadata is of step "
+                                         f"{meta.get('step') if isinstance(meta, dict) else None!r}")
+    except (CheckpointDamagedError, ValueError, KeyError) as exc:
         shutil.rmtree(folder, ignore_errors=True)
-        raise
+        if isinstance(exc, CheckpointDamagedError):
+            raise
+        raise CheckpointDamagedError(f"{folder}: unreadable manifest or metadata ({exc})") from None
     return folder
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from tasklet.peer.compute.device_probe import DEVICE_KINDS, DeviceInfo
 from tasklet.peer.net.tls import CertificateError, peer_id_of_certificate, pem_from_text
-from tasklet.peer.swarm.records import canonical_json
+from tasklet.peer.swarm.canonical import canonical_json
 
 try:
     from tasklet.protocol import PROTOCOL_VERSION

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import ipaddress
 import logging
 import re
@@ -21,11 +22,14 @@ from functools import partial
 from typing import Any
 
 import hivemind
+from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
+from hivemind.utils.timed_storage import TimedStorage, get_dht_time
 
-from tasklet.peer.swarm.identity import Identity
+from tasklet.peer.swarm.identity import Identity, split_owner_subkey
 from tasklet.peer.timing import DHT_STARTUP_TIMEOUT_S
 
 RECONNECT_PING_S = 5.0  # one re-ping of a bootstrap node waits at most this
@@ -130,6 +134,171 @@ def _explain(config: DHTConfig, message: str) -> str:
     return f"cannot start the DHT: {message}"
 
 
+@dataclass(frozen=True)
+class KeyBudget:
+    """What one DHT node stores under one key: bytes (subkey + signed value of every live entry) and entries,
+    in all and of one owner (the writer whose owner tag starts the subkey)."""
+
+    max_bytes: int
+    max_entries: int
+    owner_bytes: int
+    owner_entries: int
+
+
+@dataclass(frozen=True)
+class StorageBudget:
+    """The keys (DHTID bytes) a DHT node stores, each with its budget, and the bytes of all of them together."""
+
+    keys: dict[bytes, KeyBudget]
+    total_bytes: int
+
+
+class _Usage:
+    """A key's live entries as the budget counts them: subkey -> (owner, bytes, expiry), with sums."""
+
+    def __init__(self) -> None:
+        self.entries: dict[Any, tuple[str, int, float]] = {}
+        self.bytes = 0
+        self.owner_bytes: Counter[str] = Counter()
+        self.owner_entries: Counter[str] = Counter()
+        self.pruned_at = float("-inf")
+
+    def add(self, subkey: Any, owner: str, size: int, expiry: float) -> None:
+        self.remove(subkey)
+        self.entries[subkey] = (owner, size, expiry)
+        self.bytes += size
+        self.owner_bytes[owner] += size
+        self.owner_entries[owner] += 1
+
+    def remove(self, subkey: Any) -> int:
+        """Forget ``subkey``; the bytes it held (0 if none)."""
+        old = self.entries.pop(subkey, None)
+        if old is None:
+            return 0
+        owner, size, _ = old
+        self.bytes -= size
+        self.owner_bytes[owner] -= size
+        self.owner_entries[owner] -= 1
+        if not self.owner_entries[owner]:
+            del self.owner_bytes[owner], self.owner_entries[owner]
+        return size
+
+
+class BudgetedStorage(DHTLocalStorage):
+    """hivemind's local storage holding only the budget's keys, each as a dictionary within its budget.
+
+    hivemind's own storage takes any key, any number of subkeys and any expiry, without a size limit: a stranger
+    could fill a volunteer's DHT process until it is killed for memory. This one refuses a plain (non-dictionary)
+    value, a key outside the budget, an entry whose subkey has no owner tag, and a new or larger entry that would
+    take its key, its owner's share of the key or all keys past their bytes or entries; expired entries are
+    pruned before refusing (at most once a second per key, so a flood at the cap costs no scan per store). A
+    re-store of an entry with a later expiry replaces it, as in hivemind (the old bytes are given back).
+    hivemind keeps a heap of expiries with one item per store; it is compacted when it holds more than twice the
+    live items, so re-stores of one entry cannot grow it either. Used on stores only: lookups are unaffected.
+    """
+
+    def __init__(self, budget: StorageBudget) -> None:
+        super().__init__()
+        self.budget = budget
+        self._keys = {DHTID.from_bytes(key): limits for key, limits in budget.keys.items()}
+        self._usage: dict[DHTID, _Usage] = {}
+        self.total_bytes = 0
+        self.refused: Counter[str] = Counter()
+
+    def store(self, key: DHTID, value: Any, expiration_time: float, subkey: Any = None) -> bool:
+        if subkey is None:
+            self.refused["plain value"] += 1
+            return False
+        return self.store_subkey(key, subkey, value, expiration_time)
+
+    def store_subkey(self, key: DHTID, subkey: Any, value: Any, expiration_time: float) -> bool:
+        reason = self._refusal(key, subkey, value, expiration_time)
+        if reason:
+            self.refused[reason] += 1
+            return False
+        if not super().store_subkey(key, subkey, value, expiration_time):
+            return False
+        usage = self._usage.setdefault(key, _Usage())
+        self.total_bytes -= usage.remove(subkey)
+        size = _entry_bytes(subkey, value)
+        usage.add(subkey, _owner(subkey) or "", size, expiration_time)
+        self.total_bytes += size
+        self._compact(key)
+        return True
+
+    def _refusal(self, key: DHTID, subkey: Any, value: Any, expiration_time: float) -> str:
+        limits = self._keys.get(key)
+        if limits is None:
+            return "not a key of this node's run"
+        if not isinstance(value, bytes):
+            return "not a binary value"
+        owner = _owner(subkey)
+        if owner is None:
+            return "no owner tag"
+        at = get_dht_time()
+        if expiration_time < at:
+            return ""  # hivemind refuses it itself
+        usage = self._usage.setdefault(key, _Usage())
+        old = usage.entries.get(subkey)
+        if old is not None and old[2] >= at and expiration_time <= old[2]:
+            return ""  # hivemind keeps the stored entry, which is counted already
+        reason = self._over(limits, usage, subkey, owner, _entry_bytes(subkey, value))
+        if reason and at - usage.pruned_at >= 1.0:
+            usage.pruned_at = at
+            for stale in [k for k, (_, _, expiry) in usage.entries.items() if expiry < at]:
+                self.total_bytes -= usage.remove(stale)
+            reason = self._over(limits, usage, subkey, owner, _entry_bytes(subkey, value))
+        return reason
+
+    def _over(self, limits: KeyBudget, usage: _Usage, subkey: Any, owner: str, size: int) -> str:
+        """Which budget storing this entry would break ("" when none)."""
+        old = usage.entries.get(subkey)
+        freed = old[1] if old is not None else 0
+        new = old is None
+        if usage.bytes - freed + size > limits.max_bytes:
+            return "key bytes"
+        if new and len(usage.entries) >= limits.max_entries:
+            return "key entries"
+        if usage.owner_bytes[owner] - (freed if old is not None and old[0] == owner else 0) + size > limits.owner_bytes:
+            return "owner bytes"
+        if new and usage.owner_entries[owner] >= limits.owner_entries:
+            return "owner entries"
+        if self.total_bytes - freed + size > self.budget.total_bytes:
+            return "total bytes"
+        return ""
+
+    def _compact(self, key: DHTID) -> None:
+        """Drop the heap items of replaced entries when they outnumber the live ones."""
+        for storage in (self, (self.data.get(key) or (None, 0))[0]):
+            if isinstance(storage, TimedStorage) and len(storage.expiration_heap) > 2 * len(storage.data) + 64:
+                storage.expiration_heap = [storage.key_to_heap[k] for k in storage.data if k in storage.key_to_heap]
+                heapq.heapify(storage.expiration_heap)
+
+
+def _owner(subkey: Any) -> str | None:
+    owner = split_owner_subkey(subkey)
+    return None if owner is None else owner[0]
+
+
+def _entry_bytes(subkey: Any, value: bytes) -> int:
+    return (len(subkey) if isinstance(subkey, bytes) else 64) + len(value)
+
+
+async def _install_storage(_dht: hivemind.DHT, node: hivemind.DHTNode, budget: StorageBudget) -> int:
+    """Runs in the DHT's process: swap in a budgeted storage (entries stored meanwhile are moved into it, within
+    the budget) and a cache that takes nothing (our nodes never ask others to cache: ``cache_nearest`` 0).
+    Returns the entries moved."""
+    storage = BudgetedStorage(budget)
+    moved = 0
+    for key, item in list(node.protocol.storage.items()):
+        if isinstance(item.value, DictionaryDHTValue):
+            for subkey, (value, expiry) in list(item.value.items()):
+                moved += storage.store_subkey(key, subkey, value, expiry)
+    node.protocol.storage = storage
+    node.protocol.cache = BudgetedStorage(StorageBudget(keys={}, total_bytes=0))
+    return moved
+
+
 def start_dht(config: DHTConfig, identity: Identity, validators: Sequence[RecordValidatorBase] = ()) -> hivemind.DHT:
     """A running DHT that signs this identity's records, or a :class:`DHTStartError` within the deadline.
     ``validators`` join the signature validator (e.g. peer.swarm.records.RunRecordValidator, which refuses
@@ -167,6 +336,13 @@ def start_dht(config: DHTConfig, identity: Identity, validators: Sequence[Record
     except Exception as error:  # hivemind raises P2PDaemonError, ValueError, OSError, ...
         _stop(dht)
         raise DHTStartError(_explain(config, _clean_daemon_message(error))) from error
+    budgets = [v.storage_budget() for v in validators if hasattr(v, "storage_budget")]
+    if budgets:
+        try:
+            dht.run_coroutine(partial(_install_storage, budget=budgets[0]))
+        except Exception as error:
+            _stop(dht)
+            raise DHTStartError(f"cannot set up the DHT's storage: {type(error).__name__}: {error}") from error
     return dht
 
 

@@ -31,8 +31,8 @@ import logging
 import statistics
 import threading
 import time
-from collections.abc import Callable, Collection
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import hivemind
@@ -84,18 +84,30 @@ class PeerEntry:
         return max(0.0, (now() if at is None else at) - self.heartbeat_at)
 
 
+@dataclass(frozen=True)
+class EndpointHints:
+    """What decides an endpoint first seen with several claimants: the peers of the signed plan this peer follows
+    (its leader and pipelines) and the credit the leader signed per identity (verified micro-batches)."""
+
+    plan_members: frozenset[str] = frozenset()
+    credit: Mapping[str, int] = field(default_factory=dict)
+
+
 class EndpointBinding:
     """An endpoint belongs to the first peer seen advertising it: a later advert naming it (another member
     claiming a victim's address, so that whoever dials it pins the claimant's certificate and the victim looks
-    dead) is logged and ignored, whatever its peer id. An endpoint first seen with several claimants at once
-    is held by none of them until all but one are gone; this peer's own endpoint is always its own. A holder
-    whose advert is gone releases its endpoint (a peer restarted with a new identity at the same address)."""
+    dead) is logged and ignored, whatever its peer id. An endpoint first seen with several claimants at once (a
+    fresh reader of a squatted address) goes to the one the followed signed plan names, else to the one the most
+    credited witnesses name (peers whose testimony lists it), else to the oldest advert: never to none, so a
+    squatter cannot blind a joiner to the leader. This peer's own endpoint is always its own. A holder whose advert
+    is gone releases its endpoint (a peer restarted with a new identity at the same address)."""
 
     def __init__(self) -> None:
         self.holders: dict[str, str] = {}  # endpoint -> peer id
         self._logged: set[tuple[str, str]] = set()
 
-    def filter(self, entries: list[PeerEntry], own: Advert | None = None) -> list[PeerEntry]:
+    def filter(self, entries: list[PeerEntry], own: Advert | None = None,
+               hints: EndpointHints | None = None) -> list[PeerEntry]:
         """``entries`` without the adverts whose endpoint another peer holds."""
         claims: dict[str, list[PeerEntry]] = {}
         for entry in entries:
@@ -107,16 +119,41 @@ class EndpointBinding:
         kept: list[PeerEntry] = []
         for endpoint, group in claims.items():
             holder = self.holders.get(endpoint)
-            if holder is None and len({e.advert.peer_id for e in group}) == 1:
-                holder = self.holders[endpoint] = group[0].advert.peer_id
+            if holder is None:
+                holder = self.holders[endpoint] = _first_holder(group, entries, hints or EndpointHints())
             for entry in group:
                 if entry.advert.peer_id == holder:
                     kept.append(entry)
                 elif (endpoint, entry.advert.peer_id) not in self._logged:
                     self._logged.add((endpoint, entry.advert.peer_id))
-                    logger.warning("ignoring the advert of %s: endpoint %s is %s", entry.advert.peer_id, endpoint,
-                                   f"held by {holder}" if holder else "claimed by several peers at once")
+                    logger.warning("ignoring the advert of %s: endpoint %s is held by %s", entry.advert.peer_id,
+                                   endpoint, holder)
         return sorted(kept, key=lambda entry: entry.advert.peer_id)
+
+
+def _first_holder(group: list[PeerEntry], entries: list[PeerEntry], hints: EndpointHints) -> str:
+    """Who holds an endpoint nobody held yet, among its claimants ``group`` (see EndpointBinding)."""
+    claimants = sorted({e.advert.peer_id for e in group})
+    if len(claimants) == 1:
+        return claimants[0]
+    in_plan = [pid for pid in claimants if pid in hints.plan_members]
+    if len(in_plan) == 1:
+        return in_plan[0]
+    # (credit of the witnesses naming it, their number): free identities add to the count only, which decides
+    # only between claimants equally credited; a claimant's own testimony, or another claimant's, counts for nothing
+    weight = {pid: (0, 0) for pid in claimants}
+    for witness in entries:
+        if witness.advert.peer_id not in weight:
+            credit = hints.credit.get(witness.advert.peer_id, 0)
+            credit = credit if type(credit) is int and credit > 0 else 0
+            for pid in witness.found & weight.keys():
+                weight[pid] = (weight[pid][0] + credit, weight[pid][1] + 1)
+    best = max(weight.values())
+    named = [pid for pid in claimants if weight[pid] == best]
+    if len(named) == 1:
+        return named[0]
+    oldest = min((e for e in group if e.advert.peer_id in named), key=lambda e: (e.advert.started_at, e.advert.peer_id))
+    return oldest.advert.peer_id
 
 
 @dataclass(frozen=True)
@@ -162,7 +199,7 @@ class Membership:
         self._lock = threading.Lock()
         self._advert: Advert | None = None
         # what changes between heartbeats (the daemon: its device's compute share), merged into the advert's extra
-        self.live_extra: Callable[[], dict[str, Any]] | None = None
+        self._live_extra: Callable[[], dict[str, Any]] | None = None
         self._links: list[LinkReport] = []
         self._run: RunRecord | None = None
         self._stewards: dict[int, dict] = {}  # revision -> the organiser's signed stewards record, kept alive
@@ -175,12 +212,22 @@ class Membership:
         self._last_links: list[LinkReport] = []
         self._found: list[str] | None = None  # who was alive when we joined (read once, at the first announce)
         self._endpoints = EndpointBinding()  # an endpoint is its first advertiser's
+        # the followed plan's members and the signed credit, for an endpoint first seen with several claimants
+        self._endpoint_hints: Callable[[], EndpointHints] = EndpointHints
 
     @property
     def peer_id(self) -> str:
         return self.identity.peer_id
 
     # ---- writing --------------------------------------------------------------------------------------
+
+    def use_live_extra(self, extra: Callable[[], dict[str, Any]]) -> None:
+        """What each heartbeat's advert adds to its extra (the daemon: its device's compute share)."""
+        self._live_extra = extra
+
+    def use_endpoint_hints(self, hints: Callable[[], EndpointHints]) -> None:
+        """Where a contested endpoint's holder is looked up (peer.swarm.view: the followed plan, the credited)."""
+        self._endpoint_hints = hints
 
     def announce(self, advert: Advert) -> bool:
         """Store (or replace) our advert now and keep renewing it until :meth:`leave`.
@@ -208,8 +255,8 @@ class Membership:
             advert = self._advert
         if advert is None:
             return False
-        if self.live_extra is not None:
-            advert = replace(advert, extra={**advert.extra, **self.live_extra()})
+        if self._live_extra is not None:
+            advert = replace(advert, extra={**advert.extra, **self._live_extra()})
         at = now()
         expires_at = max(at + self.ttl_s, self._last_expiry + 1e-3)
         payload = {"advert": advert.to_record(), "at": at, "found": list(self._found or [])}
@@ -367,7 +414,7 @@ class Membership:
                     if entry.advert.peer_id not in seen and entry.advert.peer_id not in departed]
         with self._lock:
             own = self._advert
-        entries = self._endpoints.filter(entries, own)
+        entries = self._endpoints.filter(entries, own, self._endpoint_hints())
         self._last_entries = entries
         return list(entries)
 

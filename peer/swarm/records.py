@@ -28,17 +28,23 @@ missing, or that is too large is skipped with a log line; the payload of a recor
 returned; a read looks at no more than :data:`MAX_ENTRIES_READ` entries of a key. The caller's own schema
 check comes after.
 
-Storing does not trust it either: :class:`RunRecordValidator`, in every DHT node of ours, refuses under the
-run's keys (before hivemind stores anything) an entry without an owner tag (hivemind's own signature check
-passes an untagged one), one whose MAC does not verify (a sealed swarm), a value over the size cap, an expiry
-beyond the lifetime of its kind of record, and a new subkey over the count caps per key and per owner.
+Storing does not trust it either. :class:`RunRecordValidator`, in every DHT node of ours, refuses any key that
+is not one of the run's (a volunteer's DHT stores nothing else), and under the run's keys (before hivemind
+stores anything) an entry without an owner tag (hivemind's own signature check passes an untagged one), one
+whose MAC does not verify (a sealed swarm), a value over its kind's size (``peers``: 16 KiB), a second subkey
+of one owner where a writer has one entry (``peers``, ``links``, ``run``, ``progress``, ``beat``), a ``peers``
+entry that is not exactly the writer's own advert (or tombstone), and an expiry beyond the lifetime of its kind.
+The node's storage (``peer.swarm.dht.BudgetedStorage``) then holds each key within a byte and entry budget, in
+all and per owner, and all keys within :data:`MAX_STORED_BYTES`. A key's budget is what one find reply can
+carry (:data:`MAX_KEY_BYTES`): a ``peers`` entry of a typical peer is 2.2 KiB (7.6 KiB once its ``found`` list
+names 256 peers), so a single ``peers`` key holds about 1,400 such peers (400 with full ``found`` lists); past
+that, new adverts are refused and the ones stored stay readable, where before every read failed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -49,7 +55,8 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer
 
-from tasklet.peer.swarm.dht import DHT_OPS, DhtOps
+from tasklet.peer.swarm.canonical import canonical_json
+from tasklet.peer.swarm.dht import DHT_OPS, DhtOps, KeyBudget, StorageBudget
 from tasklet.peer.swarm.identity import Identity, split_owner_subkey
 from tasklet.peer.timing import (
     ADVERT_TTL_HEARTBEATS,
@@ -70,6 +77,14 @@ MAX_SUBKEY_BYTES = 2048  # an owner tag (an RSA public key) and a short suffix
 MAX_ENTRIES_READ = 4096  # a read looks at no more entries of one key than this (see RunRecordValidator)
 MAX_SUBKEYS_PER_KEY = 4096  # live entries a DHT node of ours holds under one key of the run
 MAX_SUBKEYS_PER_OWNER = 64  # of those, from one writer (plans: one per epoch within a plan's lifetime)
+MAX_ADVERT_VALUE_BYTES = 16 * 1024  # a peers entry: the largest honest one is 11 KiB (full extra and found lists)
+MAX_FOUND_IDS = 256  # peer ids in a peers entry's found list (peer.swarm.membership.MAX_FOUND)
+SIGNATURE_BYTES = 512  # hivemind's "[signature:...]" after a stored value (an RSA-2048 signature: 356 bytes)
+# Every key's entries travel in one find reply, which p2pd caps at 4 MiB (persistentConnMaxMsgSize): a key holds
+# at most 3 MiB of subkeys and signed values, so with msgpack's framing (about 25 bytes an entry, 100 KiB for
+# 4,096 entries) and the 8 nearest peers a reply stays under 3.2 MiB, whatever is stored.
+MAX_KEY_BYTES = 3 * 1024 * 1024
+MAX_STORED_BYTES = 24 * 1024 * 1024  # every key of the run together (seven keys of at most 3 MiB: 21 MiB)
 EXPIRY_SLACK_S = 30.0 + MAX_CLOCK_SKEW_S  # a writer's clock and the moment of its store may run ahead this much
 _ADVERT_TTL_MAX = ADVERT_TTL_HEARTBEATS * MAX_HEARTBEAT_S
 # the longest lifetime each kind of record is stored with (peer.swarm.membership, plans, progress)
@@ -82,6 +97,10 @@ RECORD_TTL_S = {
     "beat": PROGRESS_TTL_S,
     "stewards": max(_ADVERT_TTL_MAX, RUN_RECORD_MIN_TTL_S),  # the organiser's additions (peer.swarm.charter)
 }
+# the largest value (as stored, before hivemind's signature) of each kind of record
+RECORD_VALUE_BYTES = {name: MAX_ADVERT_VALUE_BYTES if name == "peers" else MAX_VALUE_BYTES for name in RECORD_TTL_S}
+# the kinds a writer stores exactly one entry of: its subkey is its owner tag with no suffix
+ONE_SUBKEY_PER_OWNER = frozenset({"peers", "links", "run", "progress", "beat"})
 _ENVELOPE_FIELDS = {"p", "mac"}
 
 
@@ -103,14 +122,6 @@ class SignedRecord:
     payload: dict
     expires_at: float
     mac_status: MacStatus
-
-
-def canonical_json(payload: object) -> bytes:
-    """Deterministic bytes of a JSON-like value; ValueError for anything else (bytes, NaN, sets...)."""
-    try:
-        return json.dumps(payload, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"payload is not plain JSON data: {error}") from error
 
 
 def record_key(secret: str, run_id: str) -> bytes:
@@ -276,21 +287,19 @@ class RecordStore:
 
 
 class RunRecordValidator(RecordValidatorBase):
-    """What a DHT node of ours stores under one run's keys (see the module docstring); other keys pass.
+    """What a DHT node of ours accepts: the records of one run, each in its kind's schema (module docstring).
 
     hivemind runs it after its signature validator (``priority`` below that one's 10), on the value with the
-    signature stripped, both when a node asks us to store an entry and on the entries a lookup of ours returns.
-    The counts are this node's own view: the live subkeys it has validated per key (hashed, pruned of expired
-    ones when a cap is reached), so a flood of fresh subkeys costs at most the caps in memory. Picklable: it
-    travels to the DHT's child process with the record key, never the secret.
+    signature stripped, both when a node asks us to store an entry and on the entries a lookup of ours returns
+    (one refused entry drops that node's whole answer for the key). It is stateless, so a lookup's answer is
+    judged the same whatever this node has seen: what depends on what is already stored (the byte and count
+    budgets of :data:`STORAGE_BUDGET`) is enforced by the node's storage (``peer.swarm.dht.BudgetedStorage``),
+    on stores only. Picklable: it travels to the DHT's child process with the record key, never the secret.
     """
 
     def __init__(self, run_id: str, key: bytes | None) -> None:
         self.run_id, self._key = run_id, key
         self._names = {DHTID.generate(source=f"{run_id}:{name}").to_bytes(): name for name in RECORD_TTL_S}
-        self._live: dict[bytes, dict[bytes, tuple[bytes, float]]] = {}  # key -> subkey hash -> (owner hash, expiry)
-        self._owners: dict[bytes, dict[bytes, int]] = {}  # key -> owner hash -> its live subkeys
-        self._pruned: dict[bytes, float] = {}  # key -> when its expired subkeys were last pruned
         self.refused: dict[str, int] = {}
 
     @property
@@ -300,11 +309,16 @@ class RunRecordValidator(RecordValidatorBase):
     def merge_with(self, other: RecordValidatorBase) -> bool:
         return False
 
+    def storage_budget(self) -> StorageBudget:
+        """The budgets ``peer.swarm.dht.start_dht`` gives this node's storage: only this run's keys."""
+        return StorageBudget(
+            keys={key: _key_budget(name) for key, name in self._names.items()},
+            total_bytes=MAX_STORED_BYTES,
+        )
+
     def validate(self, record: DHTRecord) -> bool:
         name = self._names.get(record.key)
-        if name is None:
-            return True  # not this run's: another run's validator (or none) decides
-        reason = self._refusal(name, record)
+        reason = "not a key of this run" if name is None else self._refusal(name, record)
         if reason:
             self.refused[reason] = self.refused.get(reason, 0) + 1
             logger.debug("%s:%s: refused a record: %s", self.run_id, name, reason)
@@ -315,10 +329,9 @@ class RunRecordValidator(RecordValidatorBase):
         """Why ``record`` may not be stored under ``name`` ("" when it may)."""
         if len(record.subkey) > MAX_SUBKEY_BYTES:
             return "subkey too large"
-        if len(record.value) > MAX_VALUE_BYTES:
+        if len(record.value) > RECORD_VALUE_BYTES[name]:
             return "value too large"
-        at = now()
-        if record.expiration_time > at + RECORD_TTL_S[name] + EXPIRY_SLACK_S:
+        if record.expiration_time > now() + RECORD_TTL_S[name] + EXPIRY_SLACK_S:
             return "expiry beyond the record's lifetime"
         try:
             subkey = MSGPackSerializer.loads(record.subkey)
@@ -328,6 +341,8 @@ class RunRecordValidator(RecordValidatorBase):
         if owner is None:
             return "no owner tag"
         writer, suffix = owner
+        if name in ONE_SUBKEY_PER_OWNER and suffix:
+            return "a second subkey of this owner"
         try:
             payload, mac = open_envelope(MSGPackSerializer.loads(record.value))
         except Exception:  # msgpack's own errors, ValueError of the envelope
@@ -340,27 +355,40 @@ class RunRecordValidator(RecordValidatorBase):
                 return "bad seal"
         elif mac is not None:
             return "a seal in an open swarm"
-        return self._count(record.key, hashlib.sha256(record.subkey).digest()[:16],
-                           hashlib.sha256(writer.encode()).digest()[:16], record.expiration_time, at)
+        return peers_schema_refusal(payload, writer) if name == "peers" else ""
 
-    def _count(self, key: bytes, subkey: bytes, owner: bytes, expires_at: float, at: float) -> str:
-        live = self._live.setdefault(key, {})
-        owners = self._owners.setdefault(key, {})
-        if subkey in live:
-            live[subkey] = (owner, max(expires_at, live[subkey][1]))
-            return ""
-        full = len(live) >= MAX_SUBKEYS_PER_KEY or owners.get(owner, 0) >= MAX_SUBKEYS_PER_OWNER
-        if full and at - self._pruned.get(key, float("-inf")) >= 1.0:  # a flood at the cap prunes once a second
-            self._pruned[key] = at
-            for stale in [k for k, (_, exp) in live.items() if exp < at]:
-                gone = live.pop(stale)[0]
-                owners[gone] -= 1
-                if not owners[gone]:
-                    del owners[gone]
-        if len(live) >= MAX_SUBKEYS_PER_KEY:
-            return "too many entries under this key"
-        if owners.get(owner, 0) >= MAX_SUBKEYS_PER_OWNER:
-            return "too many entries of this owner"
-        live[subkey] = (owner, expires_at)
-        owners[owner] = owners.get(owner, 0) + 1
-        return ""
+
+def peers_schema_refusal(payload: dict, writer: str) -> str:
+    """Why ``payload`` is not a ``peers`` entry of ``writer`` ("" when it is): exactly ``{advert, at, found}``
+    with the writer's own well-formed advert, or a tombstone ``{left: true, at}``."""
+    from tasklet.peer.swarm.adverts import Advert, check_peer_id  # imports what it needs, not this module
+
+    at = payload.get("at")
+    if isinstance(at, bool) or not isinstance(at, (int, float)):
+        return "peers: at is not a number"
+    if set(payload) == {"left", "at"}:
+        return "" if payload["left"] is True else "peers: left is not true"
+    if set(payload) != {"advert", "at", "found"}:
+        return "peers: not exactly advert, at and found"
+    found = payload["found"]
+    try:
+        advert = Advert.from_record(payload["advert"])
+        if not isinstance(found, list) or len(found) > MAX_FOUND_IDS:
+            raise ValueError(f"found: not a list of at most {MAX_FOUND_IDS}")
+        for item in found:
+            check_peer_id(item, "found[]")
+    except ValueError as error:
+        return f"peers: {error}"
+    return "" if advert.peer_id == writer else "peers: an advert of another peer"
+
+
+def _key_budget(name: str) -> KeyBudget:
+    """A key's budget: the reply limit in all; one owner gets its kind's one entry, or an eighth of the key."""
+    single = name in ONE_SUBKEY_PER_OWNER
+    entry = RECORD_VALUE_BYTES[name] + SIGNATURE_BYTES + MAX_SUBKEY_BYTES
+    return KeyBudget(
+        max_bytes=MAX_KEY_BYTES,
+        max_entries=MAX_SUBKEYS_PER_KEY,
+        owner_bytes=entry if single else MAX_KEY_BYTES // 8,
+        owner_entries=1 if single else MAX_SUBKEYS_PER_OWNER,
+    )

@@ -213,6 +213,15 @@ def _by_path(links: list) -> dict[str, dict[str, Any]]:
     return out
 
 
+def inert(text: str) -> str:
+    """``text`` with every control or format character (escape sequences, newlines, bidi overrides) shown as a
+    ``\\xNN`` / ``\\uNNNN`` escape: adverts, plans and reasons are other peers' words, printed on the reader's
+    terminal."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def format_status(st: SwarmStatus) -> str:
     """A readable screen: progress, plan, then one line per peer."""
     p, plan = st.progress, st.plan
@@ -266,7 +275,7 @@ def format_status(st: SwarmStatus) -> str:
     if any(peer["emulated"] for peer in st.peers):
         lines.append("* emulated TFLOP/s")
     lines.append("credit: verified micro-batches in the leader's signed record (`peer credits` lists every identity)")
-    return "\n".join(lines)
+    return "\n".join(inert(line) for line in lines)
 
 
 def credit_summary(progress: dict[str, Any]) -> dict[str, Any]:
@@ -296,7 +305,8 @@ def format_credits(summary: dict[str, Any], me: str | None = None) -> str:
     if me is not None:
         rows = [r for r in rows if r["peer_id"] == me]
         if not rows:
-            return "\n".join([*lines, f"{me[:46]}: no credit in the record (no verified work yet, or not this run)"])
+            return "\n".join(inert(line) for line in
+                             [*lines, f"{me[:46]}: no credit in the record (no verified work yet, or not this run)"])
     lines.append(f"{'peer':<48}{'micro-batches':>14}{'share':>8}{'steps':>7}{'plans':>7}{'train s':>10}"
                  f"{'served MB':>11}{'excluded':>10}  last exclusion")
     for r in rows:
@@ -304,7 +314,7 @@ def format_credits(summary: dict[str, Any], me: str | None = None) -> str:
         lines.append(f"{r['peer_id'][:46]:<48}{r['microbatches']:>14}{share:>8}{r['steps']:>7}{r['plans']:>7}"
                      f"{r['train_s']:>10.1f}{r['bytes_served'] / 1e6:>11.1f}{r['excluded']:>10}  "
                      f"{r['last_exclusion'] or '-'}")
-    return "\n".join(lines)
+    return "\n".join(inert(line) for line in lines)
 
 
 def _paused_line(paused: dict[str, Any]) -> str:

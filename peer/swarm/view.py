@@ -37,7 +37,7 @@ from typing import Any
 
 from tasklet.peer.swarm.charter import LeaderPolicy
 from tasklet.peer.swarm.election import bootstrap_credited, credited_of, elect
-from tasklet.peer.swarm.membership import Membership, PeerEntry
+from tasklet.peer.swarm.membership import EndpointHints, Membership, PeerEntry
 from tasklet.peer.swarm.plans import PlanBoard, PlanRecord
 from tasklet.peer.swarm.progress import ProgressBoard
 from tasklet.peer.timing import LEADER_CONFIRM_TICKS, TICKS_PER_HEARTBEAT, now
@@ -77,6 +77,7 @@ class SwarmView:
         self.ticks = 0
         self.full_reads = 0
         self._bootstrap: frozenset[str] | None = None  # the credited set while no plan is followed
+        membership.use_endpoint_hints(self.endpoint_hints)
         self.deposed: dict[str, float] = {}  # peer id -> until when (monotonic) the election leaves it out
         self.policy: LeaderPolicy | None = None  # who may lead (the organiser's signed choice; set by the daemon)
         self.live_ids: frozenset[str] = frozenset()  # the live workers at the last complete read
@@ -171,6 +172,16 @@ class SwarmView:
         policy = self.policy
         return policy is not None and not policy.any and not (self.live_ids & set(policy.stewards)) \
             and bool(self.live_ids)
+
+    def endpoint_hints(self) -> EndpointHints:
+        """Who holds an endpoint first seen with several claimants: the followed plan's leader and workers, and
+        the peers its leader credits with accepted work (peer.swarm.membership.EndpointBinding)."""
+        plan = self.plans.followed()
+        if plan is None:
+            return EndpointHints(credit=dict.fromkeys(self._bootstrap or (), 1))
+        workers = {pid for row in plan.plan.get("pipelines") or [] for pid in row}
+        return EndpointHints(frozenset({plan.leader_id, *plan.members, *workers}),
+                             dict.fromkeys(credited_of(plan.plan), 1))
 
     def credited(self, entries: list[PeerEntry]) -> frozenset[str]:
         """Whose testimony counts in the election (``peer.swarm.election``): the peers the followed plan credits

@@ -8,7 +8,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("peer", "protocol", "scheduler", "bench")
-OURS = (*PACKAGES, "tests")
+SHIPPED = ("peer", "protocol", "scheduler")  # imported as tasklet.peer, tasklet.protocol, tasklet.scheduler
+OURS = ("tasklet", "bench", "tests")
 CORE = ("tasklet.peer.net", "tasklet.peer.swarm", "tasklet.peer.compute", "tasklet.peer.runtime", "tasklet.peer.node")
 
 
@@ -16,7 +17,7 @@ def _module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
-    return ".".join(parts)
+    return ".".join(["tasklet", *parts] if parts[0] in SHIPPED else parts)
 
 
 def modules(packages: tuple[str, ...]) -> dict[str, Path]:

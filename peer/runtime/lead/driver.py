@@ -24,6 +24,7 @@ logged and counted, never fatal.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import statistics
@@ -38,7 +39,15 @@ from pathlib import Path
 from typing import Any
 
 from tasklet.peer.compute.stage import flat_digest
-from tasklet.peer.runtime.checkpoints import DEFAULT_KEEP, Checkpoint, CheckpointError, CheckpointStore, store_copy
+from tasklet.peer.runtime.checkpoints import (
+    DEFAULT_KEEP,
+    MANIFEST,
+    Checkpoint,
+    CheckpointError,
+    CheckpointStore,
+    sha256_of,
+    store_copy,
+)
 from tasklet.peer.runtime.control import SourceKind, StateSource
 from tasklet.peer.runtime.lead.coordinator import (
     Coordinator,
@@ -255,6 +264,7 @@ class RunDriver:
         self.digests = Digests()
         # step -> the stage hashes of the checkpoints written (or the previous leader recorded): a copy must match
         self.checkpoint_digests: dict[int, dict[tuple[int, int], str]] = {}
+        self.checkpoint_manifests: dict[int, str] = {}  # step -> sha256 of its manifest, signed in the record
         self._attempt = 0  # of the re-plan running now
         # on_checkpoint(step, folder): after each checkpoint is written (replication to other peers)
         self.on_checkpoint: Callable[[int, Path], None] | None = None
@@ -556,10 +566,7 @@ class RunDriver:
             return None
         step, stages = self.trained, list(self.stages)  # read once: another thread (a peer leaving) may call this
         try:
-            states = verified_states(self.coordinator, stages, self.digests, step)
-            saved = {stage for stage, _ in states}
-            if saved != set(range(len(stages))):
-                raise CheckpointError(f"stages {sorted(set(range(len(stages))) - saved)} did not answer at step {step}")
+            states = _every_stage(verified_states(self.coordinator, stages, self.digests, step), stages, step)
             meta = {"run": self.spec.to_dict(), "stages": stages, "step": step}
             # the checkpoint a roll-back for a live worker's unverified work would need is kept (one at most)
             self.store.pin = self.coordinator.verification.earliest_unverified(
@@ -571,7 +578,8 @@ class RunDriver:
             return None
         self.events.checkpoints.append(step)
         if digests := self.digests.at(step):  # the newest few, for the progress record
-            self.checkpoint_digests = dict(sorted({**self.checkpoint_digests, step: digests}.items())[-KEPT_DIGESTS:])
+            self.checkpoint_digests = _newest(self.checkpoint_digests, step, digests)
+        self.checkpoint_manifests = _newest(self.checkpoint_manifests, step, _manifest_of(step_dir))
         log.info("checkpoint of step %d written to %s", step, step_dir)
         if self.cfg.checkpoint_copies > 0:
             self._replicate(step)
@@ -646,6 +654,7 @@ class RunDriver:
         """Verify a fetched copy (and keep it on this leader's disk when it has a checkpoint folder)."""
         with tempfile.TemporaryDirectory(prefix="tasklet-copy-") as tmp:
             try:  # verified apart first: a copy that fails never lands among this disk's checkpoints
+                _match_manifest(files, self.checkpoint_manifests.get(step))
                 store_copy(CheckpointStore(Path(tmp)), step, files)
                 ckpt = CheckpointStore(Path(tmp)).load(step)
                 _match_digests(ckpt, self.checkpoint_digests.get(step, {}))
@@ -722,6 +731,39 @@ def verified_states(coordinator: Coordinator, stages: Stages, digests: Digests,
         return h is None or flat_digest(state["params"]) == h
 
     return coordinator.live_states(at_step=step, accept=accept)
+
+
+def _every_stage(states: dict, stages: Stages, step: int) -> dict:
+    """``states`` ((stage, endpoint) -> state) when every stage answered, else CheckpointError."""
+    missing = set(range(len(stages))) - {stage for stage, _ in states}
+    if missing:
+        raise CheckpointError(f"stages {sorted(missing)} did not answer at step {step}")
+    return states
+
+
+def _newest(table: dict[int, Any], step: int, value: Any) -> dict[int, Any]:
+    """``table`` with ``value`` at ``step`` (unless None), keeping the KEPT_DIGESTS newest steps (what a progress
+    record signs)."""
+    return table if value is None else dict(sorted({**table, step: value}.items())[-KEPT_DIGESTS:])
+
+
+def _manifest_of(step_dir: Path) -> str | None:
+    """The sha256 of a checkpoint's manifest; None when the folder is already pruned (an older step written after a
+    roll-back, not among the checkpoints kept)."""
+    try:
+        return sha256_of(step_dir / MANIFEST)
+    except OSError:
+        return None
+
+
+def _match_manifest(files: dict[str, bytes], want: str | None) -> None:
+    """A copy's manifest must be the one the leader signed for its step, before any file is deserialised: the
+    manifest names every file's sha256 (``store_copy`` checks them), so no byte a member chose reaches
+    ``torch.load``."""
+    if want is None:
+        raise CheckpointError("no leader signed a manifest of that step")
+    if hashlib.sha256(files.get(MANIFEST, b"")).hexdigest() != want:
+        raise CheckpointError(f"its manifest is not the one the leader signed ({want[:12]})")
 
 
 def _match_digests(ckpt: Checkpoint, want: dict[tuple[int, int], str]) -> None:

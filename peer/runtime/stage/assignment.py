@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -57,6 +58,7 @@ FETCH_STATE_RETRY_S = 15.0
 Held = tuple[StageCompute, int, "OuterState | None"]  # (compute, stage index, outer state)
 # (endpoint, peer id the order names for it, "" when none) -> whether this worker may dial it
 DialCheck = Callable[[str, str], bool]
+FetchProgress = Callable[[str, int, int], None]  # (which stage from where, bytes so far, bytes in all); never raises
 
 
 def plan_order(assignment: Assignment) -> tuple[int, str]:
@@ -102,6 +104,7 @@ class StageTaker:
         self.local: RunSpec | None = None  # the worker's state lock: this peer's own files (with_local_files)
         self.memory_limit_bytes = memory_limit_bytes
         self.may_dial: DialCheck | None = None
+        self.on_fetch: FetchProgress | None = None  # told the bytes of each state fetch as they arrive (a display)
         self._holdings: dict[tuple[int, int], Held] = {}  # lock: the current stage and the one held before
 
     def check(self, msg: ctl.StageAssignment) -> RunSpec:
@@ -205,6 +208,8 @@ class StageTaker:
                     meta={"layers": json.dumps(list(a.layers)), **({"grant": grant} if grant else {}), **want_outer},
                     timeout_s=WORKER_FETCH_STATE_TIMEOUT_S,
                     max_bytes=state_bytes(compute.numel),
+                    progress=None if self.on_fetch is None else partial(
+                        self.on_fetch, f"stage {a.stage} (layers {a.layers[0]}..{a.layers[1] - 1}) from {endpoint}"),
                 )
                 break
             except TransportError as exc:
