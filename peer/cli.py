@@ -472,6 +472,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, handlers=[handler])
     for noisy in ("hivemind", "grpc"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(level)))
+    if args.command in ("start", "join"):  # a peer: one OpenMP team, its compute thread's (peer.compute.threads)
+        from tasklet.peer.compute.threads import prepare_process
+
+        prepare_process()
     try:
         if hasattr(args, "secret"):  # --secret, --secret-file or TASKLET_SECRET, resolved once
             args.secret = resolve_secret(args.secret, args.secret_file, os.environ)
@@ -555,8 +559,10 @@ def _run_daemon(args: argparse.Namespace, config: RunConfig | None, peers: list[
     opts.local_paths = local_paths or {}
     if config is not None and config.swarm.secret:
         opts.secret = config.swarm.secret
+    from tasklet.peer.compute.threads import claim_compute_threads
     from tasklet.peer.emulation.network import ScenarioEmulation  # an emulated run's network and device clock
 
+    claim_compute_threads()  # this thread measures the device and computes (PeerDaemon.run)
     daemon = PeerDaemon(opts, peers, config, emulation=ScenarioEmulation())
     try:
         daemon.start()

@@ -280,7 +280,7 @@ class PeerDaemon:
         self.worker.taker.on_fetch = self.phases.fetch_progress  # a stage's state arriving, shown
         self.worker.server.reserve_threads(COORDINATOR_THREADS)  # in case this peer leads (coordinator mounted)
         try:
-            self.endpoint = self.worker.start()
+            self.endpoint = self.worker.start(compute_thread=False)  # run() serves it
         except OSError as exc:
             raise DaemonError(f"{exc}: the address is in use or not available (--host/--port)") from None
         self.worker.server.set_reply_shaper(self.links.reply_shaper)
@@ -363,11 +363,15 @@ class PeerDaemon:
 
     # ------------------------------------------------------------------------------------------ main loop
     def run(self) -> int:
-        """Follow or lead until the run is done or a signal arrives; return the exit status."""
-        assert self.config is not None
+        """Follow or lead until done or a signal arrives; return the exit status (compute here, control beside)."""
+        assert self.worker is not None
+        self.worker.run_beside(self._control_loop)  # torch on the main thread: docs/benchmarks/overhead.md
+        return 0 if self.exit_error is None else 1
+
+    def _control_loop(self) -> None:
+        assert self.config is not None and self.view is not None
         period = self.config.swarm.heartbeat_s / TICKS_PER_HEARTBEAT
         prober = threading.Thread(target=self._probe_loop, name="prober", daemon=True)
-        assert self.view is not None
         watch = CoordinatorWatch(self.config.swarm.heartbeat_s, self.tls, self.identity.peer_id,
                                  lambda: self.worker.assignment if self.worker else None,
                                  lambda: self.role is not None, self.elected, self.view.depose, self.stop_requested,
@@ -378,7 +382,6 @@ class PeerDaemon:
             if not prober.is_alive() and not prober.ident:
                 prober.start()  # after the first tick: the prober picks its targets from the adverts it read
             self.stop_requested.wait(period)
-        return 0 if self.exit_error is None else 1
 
     def _tick(self) -> None:
         assert self.membership is not None and self.view is not None
@@ -475,9 +478,8 @@ class PeerDaemon:
         )
 
     def _trust_adverts(self, entries: list[Advert]) -> None:
-        """Trust the certificates of live adverts (each checked against its signer's key when read). A peer
-        stays trusted for an advert lifetime (at least TRUST_KEEP_MIN_S) after its last sighting, so DHT reads
-        that miss an advert for a while (a DHT node died) do not cut a live peer off."""
+        """Trust live adverts' certificates, each for an advert lifetime (>= TRUST_KEEP_MIN_S) after its last
+        sighting: DHT reads that miss an advert for a while (a DHT node died) do not cut a live peer off."""
         assert self.config is not None
         now_s = time.monotonic()
         keep_s = max(TRUST_KEEP_MIN_S, self.config.swarm.heartbeat_s * ADVERT_TTL_HEARTBEATS)

@@ -78,9 +78,9 @@ class ComputeLoop:
         """Queue a task: backward and control work before forward work (1F1B)."""
         self._tasks.put((1 if task.kind is Work.FORWARD else 0, next(self._seq), task))
 
-    def serve(self) -> None:
-        """The compute thread: run queued tasks until the worker stops."""
-        while not self.stopped.is_set():
+    def serve(self, until: Callable[[], bool] | None = None) -> None:
+        """The compute thread: run queued tasks until the worker stops (or ``until()`` holds)."""
+        while not self.stopped.is_set() and not (until is not None and until()):
             try:
                 _, _, task = self._tasks.get(timeout=0.2)
             except queue.Empty:

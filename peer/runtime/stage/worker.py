@@ -146,6 +146,7 @@ class StageWorker:
         self._copy_receiver = CopyReceiver()  # checkpoint copies arrive in bounded parts (peer.runtime.checkpoints)
         self._copy_bound_of: tuple[RunSpec, int] | None = None  # (signed spec, its largest copy): see _copy_bound
         self._compute_thread = threading.Thread(target=self.loop.serve, name="compute", daemon=True)
+        self._external_compute = False  # the caller runs the compute loop (start(compute_thread=False))
 
         self.server = PeerServer(self.config)
         self.server.register_push(pb.STAGE_ASSIGNMENT, self._on_assignment)
@@ -170,11 +171,36 @@ class StageWorker:
         }
 
     # ------------------------------------------------------------------------------------------- lifecycle
-    def start(self) -> str:
+    def start(self, compute_thread: bool = True) -> str:
+        """Serve; ``compute_thread`` False: the caller runs the compute loop (:meth:`run_beside`)."""
         self.server.start()
-        self._compute_thread.start()
-        threading.Thread(target=_warm_up, name="warm-up", daemon=True).start()
+        self._external_compute = not compute_thread
+        if compute_thread:
+            self._compute_thread.start()
+            threading.Thread(target=_warm_up, name="warm-up", daemon=True).start()
         return self.server.endpoint
+
+    def run_beside(self, control: Callable[[], None]) -> None:
+        """Run ``control`` on a thread of its own and the compute loop on the calling thread until ``control``
+        returns (or the worker stops). Why: torch on a process's main thread is the fast case of libgomp (a
+        non-main thread's OpenMP team counts one thread more, spins far less when threads outnumber cores, and
+        ran the same CPU training 25-30 % slower here: docs/benchmarks/overhead.md)."""
+        if not self._external_compute:  # the compute thread already serves: just run control here
+            control()
+            return
+        done = threading.Event()
+
+        def wrapped() -> None:
+            try:
+                control()
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=wrapped, name="control", daemon=True)
+        thread.start()
+        _warm_up()
+        self.loop.serve(until=done.is_set)
+        thread.join()
 
     def stop(self) -> None:
         self.stopped.set()
