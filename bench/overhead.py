@@ -139,22 +139,14 @@ def peer_times(log: str) -> list[dict[str, float]]:
 
 def swarm(folder: Path, cfg: Path, peers: int, device: str, deadline_s: float) -> dict[str, Any]:
     """Run ``peers`` real peers on ``cfg`` until the first one (the leader) exits at the run's end."""
-    from tasklet.peer.emulation.procs import PeerProcesses
+    from tasklet.peer.emulation.procs import run_to_end
 
     threads = max(1, (os.cpu_count() or 1) // peers)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if peers > 1:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     t0 = time.monotonic()
-    with PeerProcesses(folder / "logs", env=env) as procs:
-        addr = procs.start(cfg, "--device", device)
-        for i in range(1, peers):
-            procs.join(addr, i, "--device", device)
-        while procs.procs[0].poll() is None and time.monotonic() - t0 < deadline_s:
-            time.sleep(0.5)
-        finished = procs.procs[0].poll() is not None
-        procs.close(grace_s=20.0, ask_first=False)
-        logs = [procs.log_text(i) for i in range(peers)]
+    finished, logs = run_to_end(folder, cfg, peers, deadline_s, device=device, env=env)
     rows = [{"step": int(m[1]), "s": float(m[3]), "tokens_per_s": float(m[4])} for m in STEP_LINE.finditer(logs[0])]
     return {"finished": finished, "wall_s": round(time.monotonic() - t0, 1), "steps": rows,
             "peers": [peer_times(text) for text in logs]}

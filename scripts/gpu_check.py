@@ -28,7 +28,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tasklet.peer.compute.model import ModelConfig  # noqa: E402
-from tasklet.peer.emulation.procs import PEER_COMMAND, PeerProcesses, child_env  # noqa: E402
+from tasklet.peer.emulation.procs import PEER_COMMAND, child_env, run_to_end  # noqa: E402
 from tasklet.peer.runtime.bounds import stage_numel  # noqa: E402
 
 STEP_LINE = re.compile(r"step (\d+): loss ([0-9.]+|-), ([0-9.]+) s, ([0-9.]+) tokens/s")
@@ -63,15 +63,8 @@ PEER_ENV: dict[str, str] | None = None  # the peers' environment: None, one torc
 def swarm(folder: Path, cfg: Path, peers: int, device: str, deadline_s: float) -> dict[str, Any]:
     """Run ``peers`` peers on ``cfg`` until the first one exits (the run's end) or ``deadline_s``."""
     t0 = time.monotonic()
-    with PeerProcesses(folder / "logs", env=PEER_ENV) as procs:
-        addr = procs.start(cfg, "--device", device)
-        for i in range(1, peers):
-            procs.join(addr, i, "--device", device)
-        while procs.procs[0].poll() is None and time.monotonic() - t0 < deadline_s:
-            time.sleep(1.0)
-        finished = procs.procs[0].poll() is not None
-        procs.close(grace_s=20.0, ask_first=False)
-        log = procs.log_text(0)
+    finished, logs = run_to_end(folder, cfg, peers, deadline_s, device=device, env=PEER_ENV, poll_s=1.0)
+    log = logs[0]
     rows = steps_of(log)
     probe = [ln.split("device_probe: ", 1)[-1] for ln in log.splitlines() if "device_probe: " in ln][:1]
     return {"finished": finished, "wall_s": round(time.monotonic() - t0, 1), "steps": rows,

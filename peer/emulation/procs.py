@@ -232,3 +232,19 @@ class PeerProcesses:
         for f in self._logs:
             f.close()
         self._logs = []
+
+
+def run_to_end(folder: Path, cfg: Path, peers: int, deadline_s: float, *, device: str = "cpu",
+               env: Mapping[str, str] | None = None, poll_s: float = 0.5) -> tuple[bool, list[str]]:
+    """``peer start`` on ``cfg`` and ``peers - 1`` joiners, until the first (the leader) exits at the run's end or
+    ``deadline_s``; every peer is then stopped. Returns (whether the run ended, each peer's log)."""
+    t0 = time.monotonic()
+    with PeerProcesses(folder / "logs", env=env) as procs:
+        addr = procs.start(cfg, "--device", device)
+        for i in range(1, peers):
+            procs.join(addr, i, "--device", device)
+        while procs.procs[0].poll() is None and time.monotonic() - t0 < deadline_s:
+            time.sleep(poll_s)
+        finished = procs.procs[0].poll() is not None
+        procs.close(grace_s=20.0, ask_first=False)
+        return finished, [procs.log_text(i) for i in range(peers)]
