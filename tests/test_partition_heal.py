@@ -1,7 +1,8 @@
 """A 2 + 2 partition longer than ``[swarm] quorum_wait_s``, four real `peer` processes on the namespace bed.
 
 As in tests/test_partition.py, but the minority's leader pauses only ``QUORUM_WAIT_S`` and then goes on with
-its two peers in a new epoch whose plan waives the quorum: both sides train. When the partition heals, the
+its two peers in a new epoch whose plan waives the quorum: both sides train (the partition lasts until the
+minority has trained a step and the majority three, from their logs). When the partition heals, the
 leader the whole swarm elects finds the other side's plan, the side with the newer (epoch, trained step) wins,
 the loser's steps since the split are discarded (its log and `peer status` say so), every peer ends on one
 plan, and the final parameters equal single-process training of the winning side's history within 1e-5.
@@ -17,13 +18,24 @@ import pytest
 
 from tasklet.peer.emulation.netbed import open_bed, unavailable_reason
 from tasklet.peer.emulation.procs import JOIN_LINE_PREFIX, read_line, write_small_config
-from tests.test_partition import Swarm, check_against_reference, cut, heal, in_plan, step_times, wait_status
+from tests.test_partition import (
+    Swarm,
+    check_against_reference,
+    cut,
+    heal,
+    in_plan,
+    step_times,
+    steps_since,
+    wait_status,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.slow]
 
-STEPS = 24  # both sides train through the 30 s partition (the majority reaches ~13); the merged run goes on after
+STEPS = 20  # both sides train through the ~20 s partition (the majority reaches ~9); the merged run goes on after
 QUORUM_WAIT_S = 8.0
-PARTITION_S = 30.0  # detection (~7 s) + the 8 s wait + a takeover, then ~7 steps on the minority
+PARTITION_S = 90.0  # at most: detection (~7 s) + the 8 s wait + a takeover, then a step on the minority (~20 s)
+GOING_ON = "going on with the 2 present in a new epoch"
 
 
 @pytest.mark.skipif(unavailable_reason() is not None, reason=f"network namespaces: {unavailable_reason()}")
@@ -52,9 +64,15 @@ def test_partition_longer_than_quorum_wait_both_sides_train_then_one_wins(tmp_pa
             cut(bed, majority, minority)
             cut(bed, minority, majority)
             t_cut = time.time()
-            time.sleep(PARTITION_S)
+
+            def both_sides_trained() -> bool:  # the minority went on and trained a step, the majority 3 (logged)
+                minor = [log for log in (swarm.log(h.name) for h in minority) if GOING_ON in log]
+                return bool(minor) and steps_since(minor[0], t_cut) >= 1 and steps_since(swarm.log("pub0"), t_cut) >= 3
+
+            wait_until(both_sides_trained, PARTITION_S)
             heal(hosts)
             t_heal = time.time()
+            partition_s = t_heal - t_cut
 
             major_steps = sum(1 for t in step_times(swarm.log("pub0")).values() if t_cut < t < t_heal)
             minority_logs = {h.name: swarm.log(h.name) for h in minority}
@@ -62,10 +80,11 @@ def test_partition_longer_than_quorum_wait_both_sides_train_then_one_wins(tmp_pa
                                None)
             assert paused_side is not None, "\n".join(t[-3000:] for t in minority_logs.values())
             minor_log = minority_logs[paused_side]
-            assert "going on with the 2 present in a new epoch" in minor_log, minor_log[-3000:]
+            assert GOING_ON in minor_log, minor_log[-3000:]
             minor_steps = sum(1 for t in step_times(minor_log).values() if t_cut < t < t_heal)
             assert major_steps >= 3 and minor_steps >= 1, (major_steps, minor_steps, minor_log[-3000:])
 
+            wait_until(lambda: "a partition healed" in swarm.log("pub0"), 180)  # then `peer status` shows it
             st = wait_status(hosts[0], dht0, lambda s: len(in_plan(s)) == 4 and s.get("discarded"), 180,
                              "all four peers on one plan, the discarded side reported")
             rejoin_s = time.time() - t_heal
@@ -81,6 +100,6 @@ def test_partition_longer_than_quorum_wait_both_sides_train_then_one_wins(tmp_pa
         finally:
             swarm.close()
     error = check_against_reference(save, STEPS)
-    print(f"\nheal figures: during the {PARTITION_S:g} s partition the leader's side trained {major_steps} steps, the "
-          f"other {minor_steps} (after {QUORUM_WAIT_S:g} s paused); discarded {discarded}; one plan "
+    print(f"\nheal figures: during the {partition_s:.1f} s partition the leader's side trained {major_steps} steps, "
+          f"the other {minor_steps} (after {QUORUM_WAIT_S:g} s paused); discarded {discarded}; one plan "
           f"{rejoin_s:.1f} s after healing; final parameters within {error:.2e} of single-process training")
