@@ -102,6 +102,7 @@ print("done", flush=True)
 """
 
 
+@pytest.mark.light_processes  # one short process, no swarm: lane 1 (tests/conftest.py)
 def test_a_write_killed_midway_leaves_the_previous_checkpoint_in_force(tmp_path, processes: None) -> None:
     store = CheckpointStore(tmp_path)
     write(store, 2)

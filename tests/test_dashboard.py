@@ -160,6 +160,7 @@ def _dashboard_error(*args: str) -> tuple[int, list[str]]:
     return proc.returncode, proc.stderr.strip().splitlines()
 
 
+@pytest.mark.light_processes  # one short process, no swarm: lane 1 (tests/conftest.py)
 @pytest.mark.usefixtures("processes")
 def test_dashboard_with_a_dead_dht_address_fails_with_one_line() -> None:
     rc, lines = _dashboard_error("--dht", DEAD_DHT, "--port", "0")
@@ -167,6 +168,7 @@ def test_dashboard_with_a_dead_dht_address_fails_with_one_line() -> None:
     assert len(lines) == 1 and lines[0].startswith("peer: error: cannot join the DHT"), lines
 
 
+@pytest.mark.light_processes  # one short process, no swarm: lane 1 (tests/conftest.py)
 @pytest.mark.usefixtures("processes")
 def test_dashboard_on_a_port_in_use_fails_with_one_line() -> None:
     with socket.socket() as busy:

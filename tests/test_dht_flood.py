@@ -12,7 +12,8 @@ from tasklet.peer.swarm.identity import Identity
 from tasklet.peer.swarm.records import RecordStore, RunRecordValidator, record_key
 from tasklet.peer.timing import now
 
-pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.timeout(120)]
+# two DHT processes and a flooding client, no swarm: lane 1 (tests/conftest.py)
+pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.timeout(120), pytest.mark.light_processes]
 RUN, SECRET = "flood-run", "members only"
 
 

@@ -38,7 +38,9 @@ from tasklet.peer.config import RunConfig
 from tasklet.peer.emulation import procs
 from tests.support.newcomer import REPO, Clone, newcomer_env
 
-pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
+# starts real processes (tests/support/processes.py): hadolint, the entrypoint script, and the fresh clone's swarm
+# (the newcomer's, lane 1 in any case); the rest are light, no swarm: lane 1 (tests/conftest.py)
+pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.light_processes]
 
 DOCKER = REPO / "docker"
 DOCKERFILES = [DOCKER / "Dockerfile", DOCKER / "Dockerfile.cpu"]

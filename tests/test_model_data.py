@@ -91,6 +91,7 @@ def test_microbatch_is_a_pure_function_of_its_ids(stdlib: Corpus) -> None:
     assert not torch.equal(x[0], x[1]), "rows of a micro-batch differ"
 
 
+@pytest.mark.light_processes  # one short process, no swarm: lane 1 (tests/conftest.py)
 def test_microbatch_is_identical_in_another_process(stdlib: Corpus, processes: None) -> None:
     code = (
         "import hashlib\n"

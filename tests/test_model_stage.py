@@ -88,6 +88,7 @@ def test_initialisation_is_a_pure_function_of_seed_and_component() -> None:
     assert not torch.equal(again["blocks.1.fc.weight"], again["blocks.2.fc.weight"])
 
 
+@pytest.mark.light_processes  # one short process, no swarm: lane 1 (tests/conftest.py)
 def test_a_stage_built_in_another_process_is_bit_identical(processes: None) -> None:
     code = (
         "import torch; torch.set_num_threads(1)\n"

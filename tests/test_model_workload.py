@@ -53,6 +53,7 @@ def test_a_stage_is_never_planned_on_a_device_it_does_not_fit() -> None:
             assert w.stage_memory_bytes(a, b, in_flight=len(p.stages) - s) <= memory[device]
 
 
+@pytest.mark.light_processes  # one short process, no swarm: lane 1 (tests/conftest.py)
 def test_a_model_that_fits_no_device_is_refused_in_one_line(tmp_path: Path, processes: None) -> None:
     spec = RunSpec(model=resolve_model("llama-3-8b", seq_len=2048), micro_batch=1, n_microbatches=8)
     refused = r"^memory_gb: preset llama-3-8b: the smallest stage \(layer \d+ with the (embeddings|head)\) needs "

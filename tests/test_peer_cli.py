@@ -17,6 +17,9 @@ import pytest
 from tasklet.peer.emulation.procs import PEER_COMMAND, PeerProcesses, write_small_config
 
 pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
+# a CLI call each, no swarm: lane 1 (tests/conftest.py). In lane 2: the wrong secret's test (it starts a peer) and
+# the unreachable peer's (its 10 s DHT wait under an 18 s bound: in lane 1 it would run beside lane 2's swarms)
+light = pytest.mark.light_processes
 
 
 def run_peer(args: list[str], timeout: float = 60.0) -> tuple[int, str, float]:
@@ -34,6 +37,7 @@ def assert_one_line_error(rc: int, err: str, *needles: str) -> None:
         assert needle in last, last
 
 
+@light
 def test_bad_dht_address_fails_fast() -> None:
     rc, err, took = run_peer(["join", "--dht", "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWNotARealPeerIdAtAll"])
     assert_one_line_error(rc, err, "--dht")
@@ -47,6 +51,7 @@ def test_unreachable_dht_peer_fails_fast() -> None:
     assert took < 10 + 8
 
 
+@light
 def test_missing_config_field(tmp_path: Path) -> None:
     cfg = tmp_path / "run.toml"
     cfg.write_text('[run]\nrun_id = "x"\n')
@@ -54,6 +59,7 @@ def test_missing_config_field(tmp_path: Path) -> None:
     assert_one_line_error(rc, err, "[run] steps is missing")
 
 
+@light
 def test_bad_config_value(tmp_path: Path) -> None:
     cfg = tmp_path / "run.toml"
     cfg.write_text('[run]\nrun_id = "x"\nsteps = 3\n[model]\nn_heads = 5\n')
@@ -61,6 +67,7 @@ def test_bad_config_value(tmp_path: Path) -> None:
     assert_one_line_error(rc, err, "n_heads")
 
 
+@light
 def test_port_in_use(tmp_path: Path) -> None:
     cfg = write_small_config(tmp_path, steps=1)
     with socket.socket() as busy:
@@ -83,6 +90,7 @@ def test_wrong_join_secret_is_refused(tmp_path: Path) -> None:
                 assert_one_line_error(rc, err, "secret")
 
 
+@light
 def test_help_explains_every_flag_with_its_default() -> None:
     for command in ["start", "join", "status", "swarm", "init"]:
         proc = subprocess.run([*PEER_COMMAND, command, "--help"], capture_output=True, text=True, timeout=60)
@@ -94,6 +102,7 @@ def test_help_explains_every_flag_with_its_default() -> None:
     assert out.count("default") >= 8
 
 
+@light
 @pytest.mark.parametrize("args", [["swarm", "--peers", "0", "--scenario", "x"],
                                   ["swarm", "--peers", "2", "--scenario", "no_such_scenario"]])
 def test_swarm_bad_arguments(args: list[str]) -> None:
@@ -101,6 +110,7 @@ def test_swarm_bad_arguments(args: list[str]) -> None:
     assert_one_line_error(rc, err)
 
 
+@light
 def test_bulk_port_flag_and_its_default_with_an_announced_address() -> None:
     """--bulk-port takes a port or 'off'; with --announce and no --bulk-port the lane is off (an announced address
     forwards the user's chosen ports, never one picked at start), with a chosen port it is on."""

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tasklet.protocol import PROTOCOL_VERSION
 from tasklet.protocol import tasklet_pb2 as pb
 
@@ -13,6 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 STUBS = ("tasklet_pb2.py", "tasklet_pb2.pyi", "tasklet_pb2_grpc.py")
 
 
+@pytest.mark.light_processes  # one short process, no swarm: lane 1 (tests/conftest.py)
 def test_checked_in_stubs_are_fresh(tmp_path: Path, processes: None) -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gen_protos.py"), "--out", str(tmp_path)],

@@ -41,6 +41,7 @@ def _faults(apply: bool | str) -> tuple[bool, int]:
     return applied == "True", int(faults)
 
 
+@pytest.mark.light_processes  # one short process, no swarm: lane 1 (tests/conftest.py)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: the policy applies on Linux")
 def test_freed_buffers_are_reused_instead_of_faulted_in_again(processes: None) -> None:
     applied, kept = _faults(True)
@@ -50,6 +51,7 @@ def test_freed_buffers_are_reused_instead_of_faulted_in_again(processes: None) -
     assert default > 5 * kept, (default, kept)  # glibc's default gives the pages back and faults them in again
 
 
+@pytest.mark.light_processes  # one short process, no swarm: lane 1 (tests/conftest.py)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: the policy applies on Linux")
 def test_a_sender_alone_keeps_freed_buffers_too(processes: None) -> None:
     """Each pushed chunk is a fresh multi-MiB bytes object on the sender: a process with only a PeerClient
