@@ -101,6 +101,7 @@ def test_each_stage_reads_only_its_tensors_from_a_sharded_checkpoint(preset: str
             assert torch.equal(p, saved[n]) and torch.equal(p, hf[n]), n
 
 
+@pytest.mark.light_processes  # in-process training and export, then one `peer generate`, no swarm: lane 1
 def test_export_loads_with_from_pretrained_and_matches_the_pipeline(
     files: Path, tmp_path: Path, processes: None
 ) -> None:
