@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import hivemind
@@ -34,8 +35,12 @@ def status(addr: str) -> dict:
     return json.loads(proc.stdout)
 
 
-def wait_for_training(addr: str, timeout_s: float) -> dict:
+def wait_for_training(addr: str, leader_log: Callable[[], str], timeout_s: float) -> dict:
+    """The first `peer status` that shows a trained step, asked once the leader's log has one (a status call costs
+    seconds of a core beside the peers starting up)."""
     deadline, last = time.monotonic() + timeout_s, {}
+    while "leader_role: step " not in leader_log() and time.monotonic() < deadline:
+        time.sleep(0.5)
     while time.monotonic() < deadline:
         try:
             last = status(addr)
@@ -66,7 +71,8 @@ def raw_records(addr: str) -> dict[str, object]:
 
 def test_the_secret_is_in_no_record_log_status_or_run_json_and_skew_is_refused(tmp_path: Path) -> None:
     save = tmp_path / "result"
-    cfg = write_small_config(tmp_path, steps=16, secret=SECRET, min_peers=2, stages=1,
+    # 12 steps: the look (a status, every raw record) is done a few steps in; more steps only added time
+    cfg = write_small_config(tmp_path, steps=12, secret=SECRET, min_peers=2, stages=1,
                              extra=f"save_dir = {json.dumps(str(save))}\n")
     with PeerProcesses(tmp_path, emulate_tflops=0.0001) as procs:  # about 1.4 s a step: time to look
         addr = procs.start(cfg)
@@ -76,7 +82,7 @@ def test_the_secret_is_in_no_record_log_status_or_run_json_and_skew_is_refused(t
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env({"TASKLET_CLOCK_OFFSET_S": "-6"}),
         )
         try:
-            wait_for_training(addr, 180)
+            wait_for_training(addr, lambda: procs.log_text(0), 180)
             records = raw_records(addr)
             _, skewed_err = skewed.communicate(timeout=120)
         finally:
