@@ -22,7 +22,7 @@ from tests.test_partition import Swarm, check_against_reference, step_times
 
 pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.slow]
 
-STEPS = 9  # the block comes after step 3; the new leader trains the rest (a longer run adds only time)
+STEPS = 7  # the block comes after step 3; the new leader trains the rest (a longer run adds only time)
 REELECT_S = 90.0  # block to the new leader's first plan: 5 heartbeats of 1 s, the election, the takeover, load
 
 
