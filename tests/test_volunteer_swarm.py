@@ -20,7 +20,7 @@ from tasklet.peer.emulation.reference_check import gap_to_reference
 
 pytestmark = pytest.mark.usefixtures("processes")
 
-STEPS = 16  # the capped peer makes a step ~2-3 s: pause and resume take ~8 steps, from step 1 or 2
+STEPS = 14  # the capped peer makes a step ~2-3 s: pause and resume take ~8 steps, from step 1 or 2
 CAP_MBPS = 1.0  # low enough that the capped peer's gradient shards (~2 Mbit a step) are held to it
 KEYS = ["device", "memory", "disk", "ports", "reachability", "clock", "links", "verdict"]
 
