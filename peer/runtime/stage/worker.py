@@ -180,6 +180,16 @@ class StageWorker:
             threading.Thread(target=_warm_up, name="warm-up", daemon=True).start()
         return self.server.endpoint
 
+    def _let_go(self) -> None:
+        """Stop computing: the compute loop ends after its task, and a task waiting (a reduce, up to
+        REDUCE_WAIT_S, for shards) lets go now, not after we are gone."""
+        self.stopped.set()
+        with self._cond:
+            self._cond.notify_all()
+        t = self._tasklet
+        if t is not None:
+            t.exchange.abort_before((ALL_ATTEMPTS, 0))
+
     def run_beside(self, control: Callable[[], None]) -> None:
         """Run ``control`` on a thread of its own and the compute loop on the calling thread until ``control``
         returns (or the worker stops). Why: torch on a process's main thread is the fast case of libgomp (a
@@ -195,6 +205,7 @@ class StageWorker:
                 control()
             finally:
                 done.set()
+                self._let_go()  # as a compute thread is let go when the daemon stops its worker
 
         thread = threading.Thread(target=wrapped, name="control", daemon=True)
         thread.start()
@@ -203,12 +214,7 @@ class StageWorker:
         thread.join()
 
     def stop(self) -> None:
-        self.stopped.set()
-        with self._cond:
-            self._cond.notify_all()
-        t = self._tasklet
-        if t is not None:  # a reduce waiting (up to REDUCE_WAIT_S) for shards lets go now, not after we are gone
-            t.exchange.abort_before((ALL_ATTEMPTS, 0))
+        self._let_go()
         if self._compute_thread.is_alive():
             self._compute_thread.join(timeout=5.0)
         self.outbox.close()
