@@ -87,7 +87,7 @@ else
 fi
 
 # Fail the build here, not on a volunteer's machine: every import the daemon needs, and the entry point.
-"$VENV/bin/python" -c 'import torch, hivemind, grpc, scheduler, peer, protocol'
+"$VENV/bin/python" -c 'import torch, hivemind, grpc, tasklet.scheduler, tasklet.peer, tasklet.protocol'
 "$VENV/bin/peer" --help >/dev/null
 check_torch
 echo "[install] done: $("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda)')" >&2

@@ -55,7 +55,6 @@ from dataclasses import dataclass, replace
 from hivemind.utils.crypto import RSAPublicKey
 
 from tasklet.peer.net.endpoint import RELAY_AUTHORITY_SUFFIX
-from tasklet.peer.net.limits import network_of
 from tasklet.peer.swarm.identity import Identity, peer_id_from_public_key
 
 log = logging.getLogger(__name__)
@@ -279,7 +278,7 @@ class RelayServer:
                 conn, addr = self._sock.accept()
             except OSError:
                 return
-            source = network_of(str(addr[0]))  # a block of addresses is one source (peer.net.limits)
+            source = str(addr[0])
             with self._lock:
                 crowded = self._per_source.get(source, 0) >= self.limits.max_handshakes_per_source
                 if not crowded:
@@ -316,7 +315,7 @@ class RelayServer:
             nonlocal released
             if not released:
                 released = True
-                self._release_slot(network_of(str(addr[0])))
+                self._release_slot(str(addr[0]))
 
         deadline = time.monotonic() + self.limits.handshake_timeout_s
         try:
