@@ -195,9 +195,8 @@ class StageWorker:
         returns (or the worker stops). Why: torch on a process's main thread is the fast case of libgomp (a
         non-main thread's OpenMP team counts one thread more, spins far less when threads outnumber cores, and
         ran the same CPU training 25-30 % slower here: docs/benchmarks/overhead.md)."""
-        if not self._external_compute:  # the compute thread already serves: just run control here
-            control()
-            return
+        if not self._external_compute:
+            raise RuntimeError("run_beside needs a worker started with compute_thread=False")
         done = threading.Event()
 
         def wrapped() -> None:
