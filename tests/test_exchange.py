@@ -38,7 +38,7 @@ def run_attempt(
             for r in participants:
                 lo, hi = box.shard_of(participants, r)
                 boxes[r].put_contribution(tag, participants, me, grads[me][lo:hi].clone(), microbatches[me])
-            mine = box.reduce(tag, participants, n_microbatches, timeout_s)
+            mine = box.shard_sum(tag, participants, n_microbatches, timeout_s)
             for r in participants:
                 boxes[r].put_reduced(tag, participants, me, mine.clone())
             out[me] = box.gather(tag, participants, timeout_s)
@@ -114,7 +114,7 @@ def test_shard_arriving_before_the_replica_is_told_to_reduce_is_kept() -> None:
     lo, hi = box.shard_of(parts, 0)
     box.put_contribution((4, 1), parts, 1, grads[1][lo:hi].clone(), [1])  # replica 1 was faster
     box.put_contribution((4, 1), parts, 0, grads[0][lo:hi].clone(), [0])  # replica 0 is told to reduce
-    assert torch.equal(box.reduce((4, 1), parts, 2, timeout_s=1.0), grads[0][lo:hi] + grads[1][lo:hi])
+    assert torch.equal(box.shard_sum((4, 1), parts, 2, timeout_s=1.0), grads[0][lo:hi] + grads[1][lo:hi])
 
 BAD: dict[str, tuple[Callable[[GradientExchange], None], str]] = {
     "wrong size": (lambda b: b.put_contribution((0, 1), [0, 1], 1, torch.zeros(3), [0]), "tensors.grad"),
@@ -159,12 +159,12 @@ def test_a_sparse_shard_of_two_honest_replicas_passes_and_a_scaled_one_does_not(
     assert float(other.norm()) > 10 * 1e-4, "without the floor this part would be an outlier of the owner's"
     owner.put_contribution(tag, participants, 0, own[lo:hi].clone(), [0, 1], whole_norm=float(own.norm()))
     owner.put_contribution(tag, participants, 1, other.clone(), [2, 3])
-    summed = owner.reduce(tag, participants, 4, 1.0)
+    summed = owner.shard_sum(tag, participants, 4, 1.0)
     assert torch.equal(summed, own[lo:hi] + other)
 
     scaled = GradientExchange(0, n)
     scaled.put_contribution(tag, participants, 0, own[lo:hi].clone(), [0, 1], whole_norm=float(own.norm()))
     scaled.put_contribution(tag, participants, 1, other * 1000, [2, 3])
     with pytest.raises(OutlierContributionError) as info:
-        scaled.reduce(tag, participants, 4, 1.0)
+        scaled.shard_sum(tag, participants, 4, 1.0)
     assert info.value.replicas == [1] and "whole gradient" in str(info.value)

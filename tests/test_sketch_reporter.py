@@ -1,4 +1,4 @@
-"""A stage's sketch reports after a re-plan (peer.runtime.stage.compute.SketchReporter).
+"""A stage's sketch reports after a re-plan (peer.runtime.stage.loop.SketchReporter).
 
 A step redone after a re-plan can move a peer to another stage. Its tensors kept for the old stage must not join
 the new stage's report: the coordinator refuses a report whose points are not its stage's
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tasklet.peer.runtime.lead.spot import expected_points
-from tasklet.peer.runtime.stage.compute import SketchReporter
+from tasklet.peer.runtime.stage.loop import SketchReporter
 
 pytestmark = pytest.mark.unit
 

@@ -40,7 +40,7 @@ def _group(n: int, grads: list[torch.Tensor], z: float = 0.0, tokens: int = 0) -
             lo, hi = boxes[owner].shard_of(parts, owner)
             boxes[owner].put_contribution(tag, parts, sender, grads[sender][lo:hi].clone(), [sender])
     for owner in parts:
-        summed = boxes[owner].reduce(tag, parts, n, 1.0)
+        summed = boxes[owner].shard_sum(tag, parts, n, 1.0)
         for r in parts:
             boxes[r].put_reduced(tag, parts, owner, summed)
     return boxes
@@ -234,7 +234,7 @@ def test_a_noise_contribution_of_honest_norm_is_refused_before_the_sum() -> None
     for r in (0, 1):
         box.put_contribution((0, 0), [0, 1], r, per[r][lo:hi].clone(), [r])
     with pytest.raises(OutlierContributionError) as info:
-        box.reduce((0, 0), [0, 1], 2, 1.0)
+        box.shard_sum((0, 0), [0, 1], 2, 1.0)
     assert info.value.replicas == [1]
 
 

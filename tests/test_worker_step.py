@@ -32,9 +32,9 @@ from tasklet.peer.runtime.assign import build_assignments
 from tasklet.peer.runtime.outer import OuterState
 from tasklet.peer.runtime.roles import Roles
 from tasklet.peer.runtime.spec import Assignment, RunSpec
-from tasklet.peer.runtime.stage.compute import ComputeLoop, Feeder
 from tasklet.peer.runtime.stage.exchange import GradientExchange
 from tasklet.peer.runtime.stage.intake import Intake
+from tasklet.peer.runtime.stage.loop import ComputeLoop, Feeder
 from tasklet.peer.runtime.stage.outbox import DeviceClock
 from tasklet.peer.runtime.stage.snapshot import Tasklet
 from tasklet.peer.runtime.stage.step import Phase, Work, WorkerStep
@@ -123,11 +123,11 @@ def test_shards_of_a_stale_or_far_round_are_refused() -> None:
 def test_reduce_needs_the_started_step_and_exactly_the_committed_micro_batches() -> None:
     s = started(0)
     with pytest.raises(Rejected, match="a reduce of step 1, the current step is 0"):
-        s.reduce(1, [0], [0])
+        s.check_accumulated(1, [0], [0])
     with pytest.raises(Rejected, match=r"accumulator holds micro-batches \[0, 1\], the pool committed \[1\] for "
                                        r"pipeline 1"):
-        s.reduce(0, [1], [1, 0])
-    assert s.reduce(0, [2, 0], [0, 2]) == [0, 2]
+        s.check_accumulated(0, [1], [1, 0])
+    assert s.check_accumulated(0, [2, 0], [0, 2]) == [0, 2]
 
 
 def test_apply_needs_a_reduced_gradient_once_and_a_repeat_only_re_reports() -> None:
@@ -443,7 +443,7 @@ class VirtualRun:
         for p in participants:
             for node in self.pipeline_nodes(p):
                 assert node.t is not None
-                node.loop.reduce(node.t, ctl.Reduce(self.step, self.attempt, participants, dict(self.pool.record),
+                node.loop.queue_reduce(node.t, ctl.Reduce(self.step, self.attempt, participants, dict(self.pool.record),
                                                     apply=self.merged))
 
     def _outer_round(self) -> bool:
@@ -455,7 +455,7 @@ class VirtualRun:
         for p in participants:
             for node in self.pipeline_nodes(p):
                 assert node.t is not None
-                node.loop.reduce(node.t, ctl.Reduce(self.step, self.attempt, participants, {}, outer=True))
+                node.loop.queue_reduce(node.t, ctl.Reduce(self.step, self.attempt, participants, {}, outer=True))
         return True
 
     # ------------------------------------------------------------------------------------------ deaths
@@ -518,7 +518,7 @@ def _fresh_stage(spec: RunSpec, a: Assignment) -> StageCompute:
 
 
 def _task(t: Tasklet, step: int, kind: Work = Work.REDUCE, *args: Any) -> Any:
-    from tasklet.peer.runtime.stage.compute import Task
+    from tasklet.peer.runtime.stage.loop import Task
 
     return Task(kind, t, step, tuple(args))
 

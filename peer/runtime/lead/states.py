@@ -18,7 +18,7 @@ from tasklet.peer.runtime.bounds import stage_numel, state_bytes
 from tasklet.peer.runtime.checkpoints import copy_bound_bytes, copy_parts, fetch_copy_files
 from tasklet.peer.runtime.lead.roster import Roster
 from tasklet.peer.runtime.spec import RunSpec
-from tasklet.peer.runtime.tasklet import state_envelope, state_from_envelope
+from tasklet.peer.runtime.stage_state import state_envelope, state_from_envelope
 from tasklet.peer.runtime.wire import make_key
 from tasklet.peer.timing import FETCH_STATE_TIMEOUT_S, STATUS_TIMEOUT_S
 from tasklet.protocol import tasklet_pb2 as pb

@@ -43,7 +43,7 @@ from tasklet.peer.runtime.spec import Assignment, RunSpec
 from tasklet.peer.runtime.stage.exchange import GradientExchange
 from tasklet.peer.runtime.stage.snapshot import Tasklet
 from tasklet.peer.runtime.stage.tied import tied_end
-from tasklet.peer.runtime.tasklet import state_envelope, state_from_envelope
+from tasklet.peer.runtime.stage_state import state_envelope, state_from_envelope
 from tasklet.peer.runtime.wire import make_key
 from tasklet.peer.timing import WORKER_FETCH_STATE_TIMEOUT_S
 from tasklet.protocol import tasklet_pb2 as pb

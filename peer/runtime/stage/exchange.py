@@ -207,7 +207,7 @@ class GradientExchange:
             finally:
                 self.waited_s += time.monotonic() - t0
 
-    def reduce(
+    def shard_sum(
         self, tag: Tag, participants: Sequence[int], n_microbatches: int | None, timeout_s: float
     ) -> torch.Tensor:
         """Wait for every participant's contribution to my shard; return their sum (participant order).

@@ -198,7 +198,7 @@ class WorkerStep:
         return not (self.dropped and work in (Work.FORWARD, Work.BACKWARD))
 
     # ------------------------------------------------------------------------------------ reduce / apply
-    def reduce(self, step: int, expected: Iterable[int], held: Iterable[int]) -> list[int]:
+    def check_accumulated(self, step: int, expected: Iterable[int], held: Iterable[int]) -> list[int]:
         """Exactly once, locally: the accumulator must hold exactly the micro-batches the commit record gives
         this pipeline. Returns them (sorted)."""
         self._require_current(step, "a reduce")

@@ -34,7 +34,7 @@ from tasklet.peer.runtime.stage.snapshot import Tasklet
 from tasklet.peer.runtime.stage.step import WorkerStep
 from tasklet.peer.runtime.stage.tied import sum_with_other_end
 from tasklet.peer.runtime.stage.timing import StepTimes
-from tasklet.peer.runtime.tasklet import params_hash
+from tasklet.peer.runtime.stage_state import params_hash
 from tasklet.peer.runtime.wire import envelope
 from tasklet.peer.timing import REDUCE_WAIT_S
 from tasklet.protocol import tasklet_pb2 as pb
@@ -125,7 +125,7 @@ class GradientSync:
             compute.reset_step()
         compute.settle(set(expected))  # speculative copies: the ones the pool gave this pipeline now count
         with self.cond:
-            mine = self.step.reduce(step, expected, compute.accumulated())
+            mine = self.step.check_accumulated(step, expected, compute.accumulated())
         if t.outer is not None:
             with self.cond:
                 self.step.reduced(step, compute.accumulated_grad(), len(expected))
@@ -155,7 +155,7 @@ class GradientSync:
         (all-gather); an outlier's sender is reported."""
         a, exchange, participants = t.assignment, t.exchange, sync.participants
         try:
-            reduced = exchange.reduce(sync.tag, participants, None if sync.outer else t.spec.n_microbatches,
+            reduced = exchange.shard_sum(sync.tag, participants, None if sync.outer else t.spec.n_microbatches,
                                       REDUCE_WAIT_S)
         except OutlierContributionError as exc:
             log.warning("%s %d: %s", "outer round of step" if sync.outer else "step", sync.step, exc)

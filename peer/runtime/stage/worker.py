@@ -6,7 +6,7 @@
   state, on the gRPC server threads;
 * :mod:`~peer.runtime.stage.assignment` takes an assignment (fencing, keep/init/fetch of the stage state) and
   serves this peer's stage state to others;
-* :mod:`~peer.runtime.stage.compute` runs every forward, backward, reduce and apply on one compute thread
+* :mod:`~peer.runtime.stage.loop` runs every forward, backward, reduce and apply on one compute thread
   (1F1B: backward first), and a first stage's feeder;
 * :mod:`~peer.runtime.stage.sync` is the worker's end of the gradient averaging, apply, DiLoCo's outer round
   and a resync;
@@ -60,9 +60,9 @@ from tasklet.peer.runtime.checkpoints import (
 )
 from tasklet.peer.runtime.spec import Assignment, RunSpec
 from tasklet.peer.runtime.stage.assignment import DialCheck, StageTaker, fence, require_named_leader
-from tasklet.peer.runtime.stage.compute import ComputeLoop, Task
 from tasklet.peer.runtime.stage.exchange import GradientExchange
 from tasklet.peer.runtime.stage.intake import Intake
+from tasklet.peer.runtime.stage.loop import ComputeLoop, Task
 from tasklet.peer.runtime.stage.outbox import DeviceClock, LinkSource, Outbox
 from tasklet.peer.runtime.stage.snapshot import Tasklet
 from tasklet.peer.runtime.stage.step import Work, WorkerStep
@@ -165,7 +165,7 @@ class StageWorker:
         self._control_handlers: dict[ctl.Op, Callable[[Tasklet, Any], None]] = {
             ctl.Op.START_STEP: self._on_start_step,
             ctl.Op.DROP_STEP: lambda t, m: self.loop.put(Task(Work.DROP, t, m.step)),
-            ctl.Op.REDUCE: self.loop.reduce,
+            ctl.Op.REDUCE: self.loop.queue_reduce,
             ctl.Op.APPLY: lambda t, m: self.loop.put(Task(Work.APPLY, t, m.step, (m,))),
             ctl.Op.RESYNC: lambda t, m: self.loop.put(Task(Work.RESYNC, t, m.step, (m,))),
         }

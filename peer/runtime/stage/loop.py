@@ -146,7 +146,7 @@ class ComputeLoop:
         t.exchange.abort_before((msg.step, msg.attempt))
         return Feeder(self, t, msg.step, msg.attempt) if msg.feed else None
 
-    def reduce(self, t: Tasklet, msg: ctl.Reduce) -> None:
+    def queue_reduce(self, t: Tasklet, msg: ctl.Reduce) -> None:
         """Queue a reduce. An outer round (DiLoCo) may be restarted with fewer participants after a death: its
         new attempt becomes current here at once, and a compute task still waiting on the abandoned one lets go."""
         if msg.outer:
