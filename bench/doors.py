@@ -34,7 +34,7 @@ from typing import Any
 
 from tasklet.peer.emulation import multihost, netbed
 from tasklet.peer.emulation.doors_attack import PeakSampler, descendants, proc_usage
-from tasklet.peer.swarm.identity import Identity
+from tasklet.peer.identity.keys import Identity
 
 REPO = Path(__file__).resolve().parent.parent
 METRICS_PORT = 31404

@@ -55,15 +55,15 @@ def _shaper(delay_ms: float) -> Any:
 def _transport(key: str, **kwargs: Any) -> Any:
     """Mutual TLS with the bench's one shared key (every role trusts itself, so all trust each other), or
     plaintext when ``key`` is "-"."""
-    from tasklet.peer.net import TransportConfig
+    from tasklet.peer.identity.keys import Identity
+    from tasklet.peer.net.config import TransportConfig
     from tasklet.peer.net.tls import TlsContext
-    from tasklet.peer.swarm.identity import Identity
 
     return TransportConfig(tls=None if key == "-" else TlsContext(Identity.load(key)), **kwargs)
 
 
 def _serve(host: str, port: int, delay_ms: float, key: str) -> Any:
-    from tasklet.peer.net import PeerServer
+    from tasklet.peer.net.server import PeerServer
 
     server = PeerServer(_transport(key, host=host, port=port, max_concurrent_streams=8, thread_pool_size=12))
     shaper = _shaper(delay_ms)
@@ -84,8 +84,8 @@ def role_public(port: int, relay_port: int, delay_ms: float, tls_key: str) -> No
 
 def role_nated(port: int, relays: list[str], delay_ms: float, key: str, tls_key: str) -> None:
     """A peer behind NAT: a gRPC server on loopback, reached only through its relay registrations."""
+    from tasklet.peer.identity.keys import Identity
     from tasklet.peer.net.relay import RelayAgent
-    from tasklet.peer.swarm.identity import Identity
 
     _serve("127.0.0.1", port, delay_ms, tls_key)
     identity = Identity.load(key)
@@ -102,7 +102,7 @@ def role_nated(port: int, relays: list[str], delay_ms: float, key: str, tls_key:
 
 def role_client(endpoint: str, delay_ms: float, relay_port: int, trials: int, tls_key: str) -> None:
     """Measure one path: bulk throughput (median of ``trials`` probes) and RTT (median of 20 pings)."""
-    from tasklet.peer.net import PeerClient
+    from tasklet.peer.net.client import PeerClient
     from tasklet.peer.net.endpoint import set_local_relay
     from tasklet.peer.net.relay import RelayServer
 
@@ -152,7 +152,7 @@ def _measure(proc: subprocess.Popen[str], timeout_s: float = 300) -> dict[str, A
 
 
 def measure_paths(rate_mbit: float, delay_ms: float, trials: int, tls: bool) -> dict[str, Any]:
-    from tasklet.peer.swarm.identity import Identity
+    from tasklet.peer.identity.keys import Identity
 
     d, t = str(delay_ms), str(trials)
     with netbed.open_bed() as bed, tempfile.TemporaryDirectory(prefix="bench-reach-") as tmp:

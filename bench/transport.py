@@ -61,7 +61,9 @@ from typing import Any
 import grpc
 import torch
 
-from tasklet.peer.net import PeerClient, PeerServer, TransportConfig
+from tasklet.peer.net.client import PeerClient
+from tasklet.peer.net.config import TransportConfig
+from tasklet.peer.net.server import PeerServer
 from tasklet.peer.net.shaping import LinkShaper
 from tasklet.peer.net.tls import TlsContext, process_tls
 from tasklet.protocol import tasklet_pb2 as pb

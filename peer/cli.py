@@ -606,7 +606,7 @@ def _me(value: str | None) -> str | None:
     """--me: the peer id of an identity file, or the value itself when it is no file (a peer id)."""
     if value is None or not os.path.exists(value):
         return value
-    from tasklet.peer.swarm.identity import Identity
+    from tasklet.peer.identity.keys import Identity
 
     try:
         return Identity.load(value).peer_id
@@ -777,8 +777,8 @@ def cmd_control(args: argparse.Namespace) -> int:
 
 
 def cmd_identity(args: argparse.Namespace) -> int:
+    from tasklet.peer.identity.keys import Identity
     from tasklet.peer.node.identity_backup import BackupError, export_identity, import_identity
-    from tasklet.peer.swarm.identity import Identity
 
     if args.action not in ("show", "export", "import"):
         raise UserError(f"peer identity {args.action[:40]!r}: expected show, export or import")
@@ -799,10 +799,10 @@ def cmd_identity(args: argparse.Namespace) -> int:
 
 
 def cmd_stewards(args: argparse.Namespace) -> int:
+    from tasklet.peer.identity.keys import Identity
     from tasklet.peer.node.stewards import StewardsError, add_stewards
     from tasklet.peer.swarm.adverts import check_peer_id
     from tasklet.peer.swarm.dht import DHTStartError
-    from tasklet.peer.swarm.identity import Identity
 
     try:
         ids = [check_peer_id(p, "peer_id") for p in args.peer_id]

@@ -21,12 +21,16 @@ import grpc
 import pytest
 import torch
 
-from tasklet.peer.net import PeerClient, PeerServer, TransportConfig, bulk_client, bulk_server
+from tasklet.peer.identity.certs import SERVER_NAME
+from tasklet.peer.net import bulk_client, bulk_server
 from tasklet.peer.net.bulk_client import BulkLane
 from tasklet.peer.net.bulk_server import FIRST_PIECE_BYTES
 from tasklet.peer.net.bulk_wire import HEAD, HEAD_MAGIC, read_reply
+from tasklet.peer.net.client import PeerClient
+from tasklet.peer.net.config import TransportConfig
 from tasklet.peer.net.counters import TRAFFIC
-from tasklet.peer.net.tls import SERVER_NAME, TlsContext
+from tasklet.peer.net.server import PeerServer
+from tasklet.peer.net.tls import TlsContext
 from tasklet.protocol import PROTOCOL_VERSION
 from tasklet.protocol import tasklet_pb2 as pb
 from tasklet.protocol.codec import decode_tensor, encode_tensor

@@ -34,7 +34,7 @@ import pytest
 
 from tasklet.peer.emulation.procs import PEER_COMMAND, PeerProcesses, child_env, launch, poll_until, write_small_config
 from tasklet.peer.emulation.reference_check import gap_to_reference
-from tasklet.peer.swarm.identity import Identity
+from tasklet.peer.identity.keys import Identity
 
 pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
 

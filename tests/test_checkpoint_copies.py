@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from bench.leader_loss import SPEC, STAGES, run_leader_loss
-from tasklet.peer.net import PeerClient, TransportConfig
+from tasklet.peer.net.client import PeerClient
+from tasklet.peer.net.config import TransportConfig
 from tasklet.peer.net.tls import TlsContext
 from tasklet.peer.runtime import checkpoints
 from tasklet.peer.runtime.checkpoints import (

@@ -16,7 +16,7 @@ import torch
 from tasklet.peer.compute.data import Corpus
 from tasklet.peer.compute.model import ModelConfig
 from tasklet.peer.compute.stage import flat_digest
-from tasklet.peer.net import PeerClient
+from tasklet.peer.net.client import PeerClient
 from tasklet.peer.node.history import adopt_history
 from tasklet.peer.node.leader_role import (
     MAX_RECORDED_STAGES,

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from tasklet.peer.compute.model import ModelConfig
-from tasklet.peer.net import PeerClient, PeerServer, TransportConfig
+from tasklet.peer.net.client import PeerClient
+from tasklet.peer.net.config import TransportConfig
+from tasklet.peer.net.server import PeerServer
 from tasklet.peer.runtime import control as ctl
 from tasklet.peer.runtime.assign import build_assignments
 from tasklet.peer.runtime.lead.coordinator import Coordinator, StepFailedError

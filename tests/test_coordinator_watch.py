@@ -114,7 +114,8 @@ def test_a_leader_whose_signed_progress_moves_is_not_deposed_for_one_followers_l
 
 
 def test_the_ping_reuses_one_open_channel_to_the_coordinator():
-    from tasklet.peer.net import PeerServer, TransportConfig
+    from tasklet.peer.net.config import TransportConfig
+    from tasklet.peer.net.server import PeerServer
     from tasklet.peer.net.tls import process_tls
 
     server = PeerServer(TransportConfig())

@@ -11,10 +11,10 @@ from hivemind.utils import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
 from tasklet.peer.compute.device_probe import DeviceInfo
-from tasklet.peer.net.tls import make_certificate, pem_to_text
+from tasklet.peer.identity.certs import make_certificate, pem_to_text
+from tasklet.peer.identity.keys import Identity
 from tasklet.peer.swarm.adverts import Advert
 from tasklet.peer.swarm.dht import BudgetedStorage, KeyBudget, StorageBudget
-from tasklet.peer.swarm.identity import Identity
 from tasklet.peer.swarm.records import (
     MAX_ADVERT_VALUE_BYTES,
     MAX_KEY_BYTES,

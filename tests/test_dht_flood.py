@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from tasklet.peer.emulation.doors_attack import descendants, dht_foreign_flood, padded_advert
+from tasklet.peer.identity.keys import Identity
 from tasklet.peer.swarm.dht import DHTConfig, start_dht, visible_maddrs
-from tasklet.peer.swarm.identity import Identity
 from tasklet.peer.swarm.records import RecordStore, RunRecordValidator, record_key
 from tasklet.peer.timing import now
 

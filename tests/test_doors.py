@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from tasklet.peer.config import SECRET_ENV, ConfigError, resolve_secret
-from tasklet.peer.net import PeerClient, PeerServer, TransportConfig
+from tasklet.peer.identity.keys import Identity
+from tasklet.peer.net.client import PeerClient
+from tasklet.peer.net.config import TransportConfig
 from tasklet.peer.net.endpoint import set_relay_credentials
 from tasklet.peer.net.limits import ConnectionCap, network_of, raise_nofile
 from tasklet.peer.net.relay import (
@@ -25,8 +27,8 @@ from tasklet.peer.net.relay import (
     registration_proof,
     relay_key,
 )
+from tasklet.peer.net.server import PeerServer
 from tasklet.peer.observe import http as observe_http
-from tasklet.peer.swarm.identity import Identity
 from tasklet.protocol.errors import PeerUnreachable
 
 RUN = "doors-run"

@@ -29,7 +29,7 @@ from tasklet.peer.emulation.multihost import (
 )
 from tasklet.peer.emulation.netbed import NetBed
 from tasklet.peer.emulation.procs import PEER_COMMAND
-from tasklet.peer.swarm.identity import Identity
+from tasklet.peer.identity.keys import Identity
 
 pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.timeout(400)]
 REPO = Path(__file__).resolve().parent.parent

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 
 from tasklet.peer.compute.device_probe import DeviceInfo
+from tasklet.peer.identity.keys import Identity
 from tasklet.peer.swarm.adverts import Advert
 from tasklet.peer.swarm.election import bootstrap_credited, credited_of, elect_leader, seniority
-from tasklet.peer.swarm.identity import Identity
 from tasklet.peer.swarm.membership import ClockSkewError, Membership, PeerEntry
 from tasklet.peer.timing import now
 

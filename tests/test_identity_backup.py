@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tasklet.peer.identity.keys import Identity
 from tasklet.peer.node.identity_backup import (
     MAX_BACKUP_BYTES,
     BackupError,
@@ -15,7 +16,6 @@ from tasklet.peer.node.identity_backup import (
     import_identity,
     read_backup,
 )
-from tasklet.peer.swarm.identity import Identity
 
 
 @pytest.fixture(name="key")

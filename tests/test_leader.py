@@ -11,10 +11,10 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from tasklet.peer.compute.device_probe import DeviceInfo
+from tasklet.peer.identity.keys import Identity
 from tasklet.peer.swarm.adverts import Advert
 from tasklet.peer.swarm.dht import DHTConfig, start_dht, visible_maddrs
 from tasklet.peer.swarm.election import elect_leader
-from tasklet.peer.swarm.identity import Identity
 from tasklet.peer.swarm.membership import Membership, PeerEntry
 from tasklet.peer.swarm.plans import MAX_EPOCH_STEP, NoQuorumError, PlanBoard, PlanRecord, has_quorum
 

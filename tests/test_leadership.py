@@ -7,6 +7,7 @@ import pytest
 
 from tasklet.peer.compute.device_probe import DeviceInfo
 from tasklet.peer.config import ConfigError, RunConfig
+from tasklet.peer.identity.keys import Identity
 from tasklet.peer.node.leadership import Leadership
 from tasklet.peer.node.roles import Action, Observed, State, transition
 from tasklet.peer.swarm.adverts import Advert
@@ -20,7 +21,6 @@ from tasklet.peer.swarm.charter import (
     waiting_line,
 )
 from tasklet.peer.swarm.election import elect
-from tasklet.peer.swarm.identity import Identity
 from tasklet.peer.swarm.membership import PeerEntry
 from tasklet.peer.swarm.plans import check_plan_body
 from tasklet.peer.swarm.records import SignedRecord

@@ -14,10 +14,10 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from tasklet.peer.compute.device_probe import DeviceInfo
+from tasklet.peer.identity.keys import Identity
 from tasklet.peer.swarm.adverts import Advert, LinkReport
 from tasklet.peer.swarm.charter import CharterError, run_organiser
 from tasklet.peer.swarm.dht import DHTConfig, start_dht, visible_maddrs
-from tasklet.peer.swarm.identity import Identity
 from tasklet.peer.swarm.membership import (
     Membership,
     OrganiserError,

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from tasklet.peer.identity.keys import Identity
 from tasklet.peer.swarm.dht import DHTConfig, DHTStartError, start_dht, visible_maddrs
-from tasklet.peer.swarm.identity import Identity
 
 pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
 

@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from tasklet.peer.compute.device_probe import DeviceInfo
+from tasklet.peer.identity.keys import Identity
 from tasklet.peer.swarm.adverts import Advert
 from tasklet.peer.swarm.dht import DHTConfig, ops_delta, start_dht, visible_maddrs
-from tasklet.peer.swarm.identity import Identity
 from tasklet.peer.swarm.membership import Membership
 from tasklet.peer.swarm.plans import PlanBoard
 from tasklet.peer.swarm.progress import ProgressBoard

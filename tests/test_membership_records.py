@@ -8,8 +8,8 @@ import stat
 import pytest
 
 from tasklet.peer.compute.device_probe import DeviceInfo
+from tasklet.peer.identity.keys import Identity, peer_id_from_public_key, split_owner_subkey
 from tasklet.peer.swarm.adverts import PROTOCOL_VERSION, Advert, LinkReport, check_endpoint
-from tasklet.peer.swarm.identity import Identity, peer_id_from_public_key, split_owner_subkey
 from tasklet.peer.swarm.records import MacStatus, RecordStore, canonical_json
 
 DEVICE = DeviceInfo("RTX 4090", "cuda", 24 * 2**30, 82.5, True, False)

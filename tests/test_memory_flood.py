@@ -31,10 +31,12 @@ import grpc
 import pytest
 
 from tasklet.peer.emulation.local import LocalWorkers
-from tasklet.peer.net import PeerClient, TransportConfig
+from tasklet.peer.identity.certs import SERVER_NAME
 from tasklet.peer.net.bulk_wire import HEAD, HEAD_MAGIC, read_reply
+from tasklet.peer.net.client import PeerClient
+from tasklet.peer.net.config import TransportConfig
 from tasklet.peer.net.endpoint import parse_endpoint
-from tasklet.peer.net.tls import SERVER_NAME, TlsContext
+from tasklet.peer.net.tls import TlsContext
 from tasklet.peer.runtime.bounds import ASSIGNMENT_BYTES
 from tasklet.peer.runtime.stage.worker import WORKER_TRANSPORT
 from tasklet.protocol import PROTOCOL_VERSION

@@ -17,11 +17,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tasklet.peer.emulation.procs import PeerProcesses, write_small_config
-from tasklet.peer.net import PeerClient, PeerServer, TransportConfig
-from tasklet.peer.net.tls import TlsContext, make_certificate
+from tasklet.peer.identity.certs import make_certificate
+from tasklet.peer.identity.keys import Identity
+from tasklet.peer.net.client import PeerClient
+from tasklet.peer.net.config import TransportConfig
+from tasklet.peer.net.server import PeerServer
+from tasklet.peer.net.tls import TlsContext
 from tasklet.peer.observe.http import ObserveServer
 from tasklet.peer.observe.metrics import NodeMetrics
-from tasklet.peer.swarm.identity import Identity
 from tasklet.protocol import tasklet_pb2 as pb
 from tasklet.protocol.codec import encode_tensor
 from tasklet.protocol.errors import BadMessage, PeerUnreachable, Refused

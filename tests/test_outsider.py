@@ -24,7 +24,8 @@ pytestmark = pytest.mark.usefixtures("processes")
 
 OUTSIDER = r"""
 import json, sys
-from tasklet.peer.net import PeerClient, TransportConfig
+from tasklet.peer.net.client import PeerClient
+from tasklet.peer.net.config import TransportConfig
 from tasklet.peer.net.tls import TlsContext
 from tasklet.protocol import tasklet_pb2 as pb
 from tasklet.protocol.errors import TransportError

@@ -16,10 +16,10 @@ import pytest
 
 import tasklet.peer.timing
 from tasklet.peer.compute.device_probe import DeviceInfo
+from tasklet.peer.identity.keys import Identity
 from tasklet.peer.swarm.adverts import Advert
 from tasklet.peer.swarm.dht import DHTConfig, start_dht, visible_maddrs
 from tasklet.peer.swarm.election import elect_leader
-from tasklet.peer.swarm.identity import Identity
 from tasklet.peer.swarm.membership import ClockSkewError, Membership
 from tasklet.peer.swarm.plans import PlanBoard
 from tasklet.peer.swarm.progress import ProgressBoard

@@ -9,7 +9,9 @@ import time
 
 import pytest
 
-from tasklet.peer.net import PeerClient, PeerServer, TransportConfig
+from tasklet.peer.identity.keys import Identity
+from tasklet.peer.net.client import PeerClient
+from tasklet.peer.net.config import TransportConfig
 from tasklet.peer.net.endpoint import (
     PATH_DIRECT,
     PATH_RELAYED,
@@ -20,7 +22,7 @@ from tasklet.peer.net.endpoint import (
     with_route,
 )
 from tasklet.peer.net.relay import MAGIC, RelayAgent, RelayLimits, RelayServer, check_reachable
-from tasklet.peer.swarm.identity import Identity
+from tasklet.peer.net.server import PeerServer
 from tasklet.protocol import tasklet_pb2 as pb
 from tasklet.protocol.errors import BadMessage, PeerUnreachable, Refused
 

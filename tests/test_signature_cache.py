@@ -1,4 +1,4 @@
-"""peer.swarm.identity.CachingSignatureValidator: a DHT node skips the RSA check only for a record identical, byte
+"""peer.identity.keys.CachingSignatureValidator: a DHT node skips the RSA check only for a record identical, byte
 for byte, to one it verified; anything changed is checked again and refused, and refusals are never remembered."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils.crypto import RSAPrivateKey
 
-from tasklet.peer.swarm.identity import CachingSignatureValidator
+from tasklet.peer.identity.keys import CachingSignatureValidator
 
 
 @pytest.fixture

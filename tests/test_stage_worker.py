@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tasklet.peer.compute.model import ModelConfig
-from tasklet.peer.net import PeerClient
+from tasklet.peer.net.client import PeerClient
 from tasklet.peer.runtime.control import Reduce, StartStep, encode
 from tasklet.peer.runtime.lead.coordinator import Coordinator
 from tasklet.peer.runtime.spec import Assignment, RunSpec

@@ -14,7 +14,8 @@ import resource, sys, threading
 from tasklet.peer.net.allocator import keep_freed_buffers
 applied = keep_freed_buffers() if sys.argv[1] == "1" else False
 if sys.argv[1] == "client":  # a sender: constructing a PeerClient applies the policy (no server in the process)
-    from tasklet.peer.net import PeerClient, TransportConfig
+    from tasklet.peer.net.client import PeerClient
+    from tasklet.peer.net.config import TransportConfig
     client = PeerClient("127.0.0.1:9", TransportConfig(tls=None))
     applied = keep_freed_buffers()
     client.close()

@@ -15,7 +15,9 @@ import grpc
 import pytest
 import torch
 
-from tasklet.peer.net import PeerClient, PeerServer, TransportConfig
+from tasklet.peer.net.client import PeerClient
+from tasklet.peer.net.config import TransportConfig
+from tasklet.peer.net.server import PeerServer
 from tasklet.peer.net.tls import process_tls
 from tasklet.protocol import PROTOCOL_VERSION
 from tasklet.protocol import tasklet_pb2 as pb

@@ -8,7 +8,9 @@ import threading
 import pytest
 import torch
 
-from tasklet.peer.net import PeerClient, PeerServer, TransportConfig
+from tasklet.peer.net.client import PeerClient
+from tasklet.peer.net.config import TransportConfig
+from tasklet.peer.net.server import PeerServer
 from tasklet.peer.runtime.checkpoints import MANIFEST, copy_parts
 from tasklet.peer.runtime.wire import envelope, make_key, tensor_named
 from tasklet.protocol import tasklet_pb2 as pb

@@ -16,8 +16,10 @@ import grpc
 import pytest
 import torch
 
-from tasklet.peer.net import PeerClient, PeerServer, TransportConfig
 from tasklet.peer.net.bulk_client import BulkLane
+from tasklet.peer.net.client import PeerClient
+from tasklet.peer.net.config import TransportConfig
+from tasklet.peer.net.server import PeerServer
 from tasklet.peer.net.shaping import LinkShaper, download_cap, set_download_cap
 from tasklet.peer.net.tls import process_tls
 from tasklet.protocol import PROTOCOL_VERSION

@@ -17,15 +17,18 @@ import pytest
 import torch
 
 from tasklet.peer.compute.model import ModelConfig
-from tasklet.peer.net import PeerClient, PeerServer, TransportConfig
-from tasklet.peer.net.tls import (
-    TlsContext,
+from tasklet.peer.identity.certs import (
     fingerprint,
     make_certificate,
     peer_id_of_certificate,
     pem_from_text,
     pem_to_text,
 )
+from tasklet.peer.identity.keys import Identity
+from tasklet.peer.net.client import PeerClient
+from tasklet.peer.net.config import TransportConfig
+from tasklet.peer.net.server import PeerServer
+from tasklet.peer.net.tls import TlsContext
 from tasklet.peer.runtime import control as ctl
 from tasklet.peer.runtime.assign import build_assignments
 from tasklet.peer.runtime.lead.coordinator import Coordinator
@@ -33,7 +36,6 @@ from tasklet.peer.runtime.spec import RunSpec
 from tasklet.peer.runtime.stage.worker import StageWorker
 from tasklet.peer.runtime.wire import envelope, make_key
 from tasklet.peer.swarm.adverts import Advert
-from tasklet.peer.swarm.identity import Identity
 from tasklet.protocol import PROTOCOL_VERSION
 from tasklet.protocol import tasklet_pb2 as pb
 from tasklet.protocol.errors import PeerUnreachable, Refused, TransportError

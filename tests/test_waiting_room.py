@@ -15,7 +15,9 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from tasklet.peer.net import PeerClient, PeerServer, TransportConfig
+from tasklet.peer.net.client import PeerClient
+from tasklet.peer.net.config import TransportConfig
+from tasklet.peer.net.server import PeerServer
 from tasklet.peer.net.tls import TlsContext
 from tasklet.peer.net.waiting import RoomFullError, WaitingRoom
 from tasklet.protocol import tasklet_pb2 as pb

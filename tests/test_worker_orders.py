@@ -27,7 +27,7 @@ import torch
 from tasklet.peer.compute.hf.resolve import resolve_model_cached
 from tasklet.peer.compute.model import ModelConfig
 from tasklet.peer.compute.stage import StageCompute, StageComputeConfig
-from tasklet.peer.net import PeerClient
+from tasklet.peer.net.client import PeerClient
 from tasklet.peer.net.tls import TlsContext
 from tasklet.peer.runtime import checkpoints
 from tasklet.peer.runtime import control as ctl

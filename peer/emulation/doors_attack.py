@@ -30,7 +30,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tasklet.peer.swarm.identity import Identity
+    from tasklet.peer.identity.keys import Identity
 
 RUN_KEYS = ("peers", "links", "run", "plans", "progress", "beat")
 
@@ -126,7 +126,7 @@ def relay_attack(addr: str, target: str, seconds: float, trickle: int = 64, regi
     from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.asymmetric import padding
 
-    from tasklet.peer.swarm.identity import peer_id_from_public_key
+    from tasklet.peer.identity.keys import peer_id_from_public_key
 
     host, port = _split(addr)
     out = {"trickle_cut": 0, "trickle_refused": 0, "register_answers": {}, "connect_answers": {}}
@@ -306,8 +306,8 @@ async def _foreign_in_child(_dht: object, node: object, count: int, value_bytes:
 def dht_run_key_fill(initial_peer: str, run_id: str, secret: str | None, identities: int, seconds: float) -> dict:
     """A member with the secret and free identities fills the run's keys: ``identities`` padded adverts under
     ``peers`` and full beats under ``beat``, and one identity's 64 subkeys of 257 KiB under ``plans``."""
+    from tasklet.peer.identity.keys import Identity
     from tasklet.peer.swarm.dht import DHTConfig, start_dht
-    from tasklet.peer.swarm.identity import Identity
     from tasklet.peer.swarm.records import RecordStore
     from tasklet.peer.timing import now
 
@@ -339,7 +339,7 @@ def dht_run_key_fill(initial_peer: str, run_id: str, secret: str | None, identit
 def padded_advert(identity: Identity) -> dict:
     """The writer's own advert, as large as the schema lets it be (full ``extra`` and ``found``)."""
     from tasklet.peer.compute.device_probe import DeviceInfo
-    from tasklet.peer.net.tls import make_certificate, pem_to_text
+    from tasklet.peer.identity.certs import make_certificate, pem_to_text
     from tasklet.peer.swarm.adverts import Advert
     from tasklet.peer.timing import now
 

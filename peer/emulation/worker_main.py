@@ -21,7 +21,8 @@ import torch
 
 from tasklet.peer.emulation.faults import FAULTS, worker_class
 from tasklet.peer.emulation.network import LinkModel, LoopbackLinks
-from tasklet.peer.net.tls import TlsContext, peer_id_of_certificate, pem_from_text
+from tasklet.peer.identity.certs import peer_id_of_certificate, pem_from_text
+from tasklet.peer.net.tls import TlsContext
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,10 +19,11 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 
+from tasklet.peer.identity.certs import SERVER_NAME
 from tasklet.peer.net.bulk_server import IDLE_TIMEOUT_S
 from tasklet.peer.net.bulk_wire import HEAD, HEAD_MAGIC, REPLY, LaneClosedError, read_reply
 from tasklet.peer.net.statuses import error_of_status
-from tasklet.peer.net.tls import SERVER_NAME, TlsContext
+from tasklet.peer.net.tls import TlsContext
 from tasklet.protocol import PROTOCOL_VERSION
 from tasklet.protocol.errors import PeerUnreachable
 

@@ -9,7 +9,7 @@ Roles (all TCP, one optional port on a public peer, ``--relay-port``):
 
 * A peer behind NAT (:class:`RelayAgent`) keeps an outbound *control connection* to one or more relays and
   registers under its peer id: the relay sends a fresh nonce, the agent answers with its public key and a
-  signature of the nonce by its identity key (peer.swarm.identity); the relay checks that the key hashes to
+  signature of the nonce by its identity key (peer.identity.keys); the relay checks that the key hashes to
   the claimed peer id and that the signature verifies. A later registration of the same id (a restart)
   replaces the earlier one; nobody without the key can take it over.
 * A client (any peer's gRPC channel, see peer.net.endpoint) connects to the relay and sends ``CONNECT
@@ -54,8 +54,8 @@ from dataclasses import dataclass, replace
 
 from hivemind.utils.crypto import RSAPublicKey
 
+from tasklet.peer.identity.keys import Identity, peer_id_from_public_key
 from tasklet.peer.net.endpoint import RELAY_AUTHORITY_SUFFIX
-from tasklet.peer.swarm.identity import Identity, peer_id_from_public_key
 
 log = logging.getLogger(__name__)
 

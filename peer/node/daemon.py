@@ -31,6 +31,7 @@ from typing import Any
 
 from tasklet.peer.compute.device_probe import DeviceInfo, measure_device
 from tasklet.peer.config import RunConfig
+from tasklet.peer.identity.keys import Identity
 from tasklet.peer.net.endpoint import EndpointError, parse_endpoint
 from tasklet.peer.net.limits import raise_nofile
 from tasklet.peer.net.relay import relay_key
@@ -54,7 +55,6 @@ from tasklet.peer.runtime.lead.driver import RunDriver
 from tasklet.peer.runtime.stage.worker import StageWorker
 from tasklet.peer.swarm.adverts import Advert
 from tasklet.peer.swarm.dht import DHT_OPS, DHTConfig, DHTStartError, ops_delta, reconnect, start_dht, visible_maddrs
-from tasklet.peer.swarm.identity import Identity
 from tasklet.peer.swarm.membership import ClockSkewError, Membership
 from tasklet.peer.swarm.plans import PlanBoard, PlanRecord
 from tasklet.peer.swarm.progress import ProgressBoard

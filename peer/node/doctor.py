@@ -288,7 +288,8 @@ def _links(entries: list[Any], reader: Any, endpoint: str, heartbeat_s: float) -
 def _bandwidths(rows: list[tuple[dict[str, Any], Any]], reader: Any, endpoint: str, heartbeat_s: float) -> None:
     """Publish a ``client`` advert (so the peers trust this doctor's certificate), probe each peer's link, leave."""
     from tasklet.peer.compute.device_probe import DeviceInfo
-    from tasklet.peer.net import PeerClient, TransportConfig
+    from tasklet.peer.net.client import PeerClient
+    from tasklet.peer.net.config import TransportConfig
     from tasklet.peer.net.tls import TlsContext
     from tasklet.peer.swarm.adverts import Advert
     from tasklet.peer.timing import now

@@ -26,7 +26,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from tasklet.peer.swarm.identity import Identity
+from tasklet.peer.identity.keys import Identity
 
 MAGIC = "tasklet-identity 1"
 MAX_BACKUP_BYTES = 64 * 1024  # an RSA key of any sane size, base64'd, is a few KiB

@@ -28,7 +28,9 @@ import torch
 
 from tasklet.peer.compute.model import unflatten_stage
 from tasklet.peer.config import RunConfig
-from tasklet.peer.net import PeerClient, PeerServer, TransportConfig
+from tasklet.peer.net.client import PeerClient
+from tasklet.peer.net.config import TransportConfig
+from tasklet.peer.net.server import PeerServer
 from tasklet.peer.node.history import LossHistory, newest_record
 from tasklet.peer.node.partition import QuorumWait, find_rival, judge, split_step
 from tasklet.peer.node.planning import ClusterView, build_cluster, make_planner, workload_for

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tasklet.peer.net import PeerClient, TransportConfig
+from tasklet.peer.net.client import PeerClient
+from tasklet.peer.net.config import TransportConfig
 from tasklet.peer.net.shaping import LinkShaper
 from tasklet.peer.net.tls import TlsContext
 from tasklet.peer.node.planning import PROBE_K, PROBE_RANDOM, probe_targets_for

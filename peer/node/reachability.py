@@ -23,10 +23,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tasklet.peer.identity.keys import Identity
 from tasklet.peer.net.endpoint import set_local_relay, set_relay_credentials
 from tasklet.peer.net.limits import descriptor_budget
 from tasklet.peer.net.relay import RelayAgent, RelayLimits, RelayServer, check_reachable, connect_credentials
-from tasklet.peer.swarm.identity import Identity
 
 log = logging.getLogger(__name__)
 

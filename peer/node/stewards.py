@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import time
 
+from tasklet.peer.identity.keys import Identity
 from tasklet.peer.swarm.charter import CharterError, sign_stewards, stewards_of
 from tasklet.peer.swarm.dht import DHTConfig, start_dht
-from tasklet.peer.swarm.identity import Identity
 from tasklet.peer.swarm.membership import organisers_run
 from tasklet.peer.swarm.records import RECORD_TTL_S, RecordStore, RunRecordValidator, record_key
 from tasklet.peer.swarm.status import listen_host

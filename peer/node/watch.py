@@ -19,7 +19,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from tasklet.peer.net import PeerClient, TransportConfig
+from tasklet.peer.net.client import PeerClient
+from tasklet.peer.net.config import TransportConfig
 from tasklet.peer.net.tls import TlsContext
 from tasklet.peer.runtime.spec import Assignment
 from tasklet.peer.swarm.view import SwarmView

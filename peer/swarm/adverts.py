@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 
 from tasklet.peer.compute.device_probe import DEVICE_KINDS, DeviceInfo
-from tasklet.peer.net.tls import CertificateError, peer_id_of_certificate, pem_from_text
+from tasklet.peer.identity.certs import CertificateError, peer_id_of_certificate, pem_from_text
 from tasklet.peer.swarm.canonical import canonical_json
 
 try:

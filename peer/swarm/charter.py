@@ -21,8 +21,8 @@ from typing import Any
 
 from hivemind.utils.crypto import RSAPublicKey
 
+from tasklet.peer.identity.keys import Identity, peer_id_from_public_key
 from tasklet.peer.swarm.adverts import check_peer_id
-from tasklet.peer.swarm.identity import Identity, peer_id_from_public_key
 from tasklet.peer.swarm.records import canonical_json
 
 ANY = "any"  # [swarm] leaders = "any": credited members elect (opt-in)

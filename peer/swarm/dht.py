@@ -29,7 +29,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import TimedStorage, get_dht_time
 
-from tasklet.peer.swarm.identity import Identity, split_owner_subkey
+from tasklet.peer.identity.keys import Identity, split_owner_subkey
 from tasklet.peer.timing import DHT_STARTUP_TIMEOUT_S
 
 RECONNECT_PING_S = 5.0  # one re-ping of a bootstrap node waits at most this

@@ -37,9 +37,9 @@ from typing import Any
 
 import hivemind
 
+from tasklet.peer.identity.keys import Identity
 from tasklet.peer.swarm.adverts import Advert, LinkReport, check_peer_id
 from tasklet.peer.swarm.charter import CharterError, run_organiser, sign_run, stewards_of
-from tasklet.peer.swarm.identity import Identity
 from tasklet.peer.swarm.records import MacStatus, RecordStore
 from tasklet.peer.timing import (
     ADVERT_TTL_HEARTBEATS,

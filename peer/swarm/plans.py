@@ -35,8 +35,8 @@ from typing import NamedTuple
 
 import hivemind
 
+from tasklet.peer.identity.keys import Identity
 from tasklet.peer.swarm.adverts import check_peer_id
-from tasklet.peer.swarm.identity import Identity
 from tasklet.peer.swarm.records import RecordStore
 from tasklet.peer.timing import DHT_CALL_TIMEOUT_S, PLAN_TTL_S, now
 

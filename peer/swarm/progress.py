@@ -30,7 +30,7 @@ from typing import Any
 
 import hivemind
 
-from tasklet.peer.swarm.identity import Identity
+from tasklet.peer.identity.keys import Identity
 from tasklet.peer.swarm.records import RecordStore
 from tasklet.peer.timing import DHT_CALL_TIMEOUT_S, PROGRESS_TTL_S, now
 

@@ -4,7 +4,7 @@ Every record of a run lives under the key ``f"{run_id}:{name}"`` (``peers``, ``l
 ``progress``) with a subkey ``owner_tag + suffix``: hivemind's ``RSASignatureValidator`` makes every DHT node
 require the owner's signature over (key, subkey, value, expiry), so nobody can write under somebody else's
 subkey or give an old record a new expiry, and readers take the writer's peer id from the tag (see
-``peer.swarm.identity``).
+``peer.identity.keys``).
 
 A swarm may also have a join secret. The secret itself never travels and is never stored: not in a record,
 not in a log line. Each peer derives a record key from it,
@@ -55,9 +55,9 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer
 
+from tasklet.peer.identity.keys import Identity, split_owner_subkey
 from tasklet.peer.swarm.canonical import canonical_json
 from tasklet.peer.swarm.dht import DHT_OPS, DhtOps, KeyBudget, StorageBudget
-from tasklet.peer.swarm.identity import Identity, split_owner_subkey
 from tasklet.peer.timing import (
     ADVERT_TTL_HEARTBEATS,
     DHT_CALL_TIMEOUT_S,

@@ -15,12 +15,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from tasklet.peer.identity.keys import Identity
 from tasklet.peer.swarm.adverts import compute_share
 from tasklet.peer.swarm.charter import LeaderPolicy, waiting_line
 from tasklet.peer.swarm.credit import credit_rows
 from tasklet.peer.swarm.dht import DHTConfig, start_dht
 from tasklet.peer.swarm.election import bootstrap_credited, credited_of, elect
-from tasklet.peer.swarm.identity import Identity
 from tasklet.peer.swarm.membership import Membership, PeerEntry
 from tasklet.peer.swarm.plans import PlanBoard, PlanRecord
 from tasklet.peer.swarm.progress import ProgressBoard

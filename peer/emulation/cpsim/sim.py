@@ -46,6 +46,7 @@ from tasklet.peer.compute.model import ModelConfig
 from tasklet.peer.emulation.cpsim.churn import ChurnModel, Network
 from tasklet.peer.emulation.cpsim.memdht import DHTHandle, LatencyModel, MemoryDHT
 from tasklet.peer.emulation.cpsim.sampling import PlanComparison, PlanInputs, compare_on_truth
+from tasklet.peer.identity.keys import owner_tag, peer_id_from_public_key
 from tasklet.peer.node.planning import (
     PROBE_K,
     PROBE_RANDOM,
@@ -58,7 +59,6 @@ from tasklet.peer.runtime.spec import RunSpec
 from tasklet.peer.swarm import view as view_module
 from tasklet.peer.swarm.adverts import Advert, LinkReport
 from tasklet.peer.swarm.election import elect_leader
-from tasklet.peer.swarm.identity import owner_tag, peer_id_from_public_key
 from tasklet.peer.swarm.membership import Membership, PeerEntry
 from tasklet.peer.swarm.plans import PlanBoard, has_quorum
 from tasklet.peer.swarm.progress import ProgressBoard

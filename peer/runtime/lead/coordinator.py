@@ -32,8 +32,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from tasklet.peer.net import PeerClient, PeerServer, TransportConfig
+from tasklet.peer.net.client import PeerClient
+from tasklet.peer.net.config import TransportConfig
 from tasklet.peer.net.endpoint import with_route
+from tasklet.peer.net.server import PeerServer
 from tasklet.peer.net.tls import TlsContext, peer_ids, process_tls
 from tasklet.peer.runtime import control as ctl
 from tasklet.peer.runtime.bounds import CONTROL_BYTES

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tasklet.peer.compute.stage import flat_digest
-from tasklet.peer.net import PeerClient
+from tasklet.peer.net.client import PeerClient
 from tasklet.peer.runtime import control as ctl
 from tasklet.peer.runtime.lead.liveness import Liveness
 from tasklet.peer.runtime.lead.roster import Roster

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from tasklet.peer.net import PeerClient
+from tasklet.peer.net.client import PeerClient
 from tasklet.peer.runtime.bounds import stage_numel, state_bytes
 from tasklet.peer.runtime.checkpoints import copy_bound_bytes, copy_parts, fetch_copy_files
 from tasklet.peer.runtime.lead.roster import Roster

@@ -33,7 +33,8 @@ from tasklet.peer.compute.data import Corpus
 from tasklet.peer.compute.hf import ModelSourceError
 from tasklet.peer.compute.stage import StageCompute, StageComputeConfig
 from tasklet.peer.compute.textdata import load_corpus
-from tasklet.peer.net import PeerClient, TransportConfig
+from tasklet.peer.net.client import PeerClient
+from tasklet.peer.net.config import TransportConfig
 from tasklet.peer.net.tls import TlsContext
 from tasklet.peer.runtime import control as ctl
 from tasklet.peer.runtime.bounds import stage_memory_bytes, state_bytes

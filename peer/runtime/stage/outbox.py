@@ -16,7 +16,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from tasklet.peer.net import PeerClient, TransportConfig
+from tasklet.peer.net.client import PeerClient
+from tasklet.peer.net.config import TransportConfig
 from tasklet.peer.net.shaping import LinkTable
 from tasklet.peer.runtime import control as ctl
 from tasklet.peer.runtime.spec import Assignment

@@ -45,7 +45,8 @@ from typing import Any
 import torch
 
 from tasklet.peer.compute.stage import StageCompute, StageComputeConfig
-from tasklet.peer.net import PeerServer, TransportConfig
+from tasklet.peer.net.config import TransportConfig
+from tasklet.peer.net.server import PeerServer
 from tasklet.peer.net.tls import TlsContext, process_tls
 from tasklet.peer.runtime import control as ctl
 from tasklet.peer.runtime.bounds import checkpoint_bytes
