@@ -30,13 +30,15 @@ A lying owner: after the all-gather, every participant sends every other the dig
 (``checks.shard_digest``, seeded by each summed shard as received) and checks each summed shard against them
 (:meth:`GradientExchange.verify`) before it reports the step reduced; the owner checks the contributors' digests
 against what they sent it. Nobody applies a shard that fails (:class:`DigestMismatchError` names the culprit).
+
+These defences are the entries of ``gradient_checks.GRADIENT_CHECKS``, which the exchange runs in order: the
+``SUM`` ones in :meth:`GradientExchange.shard_sum`, the ``VERIFY`` ones in :meth:`GradientExchange.verify`.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -45,40 +47,28 @@ from dataclasses import dataclass, field
 import torch
 
 from tasklet.peer.compute.stage import shard_bounds
-from tasklet.peer.runtime.stage import checks
+from tasklet.peer.runtime.stage import checks, gradient_checks
+from tasklet.peer.runtime.stage.gradient_checks import (
+    AttemptView,
+    CheckSettings,
+    Digest,
+    DigestMismatchError,
+    ExchangeAbortedError,
+    GradientCheck,
+    OutlierContributionError,
+    Phase,
+    Tag,
+)
 from tasklet.peer.runtime.stage.tied import TiedEnd
 from tasklet.protocol.errors import BadMessage
 
-Tag = tuple[int, int]  # (step, attempt)
-
+__all__ = [  # the refusals and types of gradient_checks are part of this module's face (callers import them here)
+    "DIGEST_META", "MAX_DIGEST_CHARS", "Digest", "DigestMismatchError", "ExchangeAbortedError", "ExchangeTimeoutError",
+    "GradientExchange", "OutlierContributionError", "Tag", "digest_text", "parse_digest",
+]
 
 class ExchangeTimeoutError(TimeoutError):
     """Not every participant's message arrived in time (a peer died or is partitioned)."""
-
-
-class ExchangeAbortedError(RuntimeError):
-    """The attempt was abandoned (a participant died and the coordinator started a new attempt)."""
-
-
-class OutlierContributionError(ExchangeAbortedError):
-    """Contributions refused before the sum (``replicas``): a norm per micro-batch above k x the median of the
-    others', or a direction unrelated to the others' sum."""
-
-    def __init__(self, tag: Tag, replicas: list[int], why: str) -> None:
-        self.replicas = replicas
-        super().__init__(f"attempt {tag}: gradient of replica(s) {replicas} {why}")
-
-
-class DigestMismatchError(ExchangeAbortedError):
-    """The all-gather failed its digest check: ``replicas`` sent a summed shard that is not the sum of the
-    contributions, or a digest that is not of what they contributed."""
-
-    def __init__(self, tag: Tag, replicas: list[int], why: str) -> None:
-        self.replicas = replicas
-        super().__init__(f"attempt {tag}: replica(s) {replicas}: {why}")
-
-
-Digest = tuple[list[str], list[tuple[list[float], list[float]]]]  # per participant: seed; (projections, scales)
 
 
 DIGEST_META = "digest"  # a PARAM_SHARD with this meta carries all-gather digests, no tensor
@@ -116,30 +106,65 @@ def parse_digest(text: str, n: int) -> Digest:
 
 @dataclass
 class _Attempt:
+    """One attempt's mail at this replica; the exchange changes it only through these methods, under its lock."""
+
     participants: tuple[int, ...]
     contributions: dict[int, tuple[torch.Tensor, list[int]]] = field(default_factory=dict)
     reduced: dict[int, torch.Tensor] = field(default_factory=dict)
     digests: dict[int, Digest] = field(default_factory=dict)
-    own_scale: float = 0.0  # this replica's whole-gradient norm per micro-batch (the outlier check's floor)
+    own_scale: float = 0.0  # this replica's whole-gradient norm per micro-batch (the norm check's floor)
     whole: torch.Tensor | None = None  # the summed shards joined, once all arrived (gather is asked twice)
+
+    def add_contribution(self, sender: int, shard: torch.Tensor, microbatches: list[int],
+                         own_whole_norm: float | None = None) -> None:
+        """``own_whole_norm``: with this replica's own part, its whole gradient's norm (the norm check's floor)."""
+        self.contributions[sender] = (shard, microbatches)
+        if own_whole_norm is not None and math.isfinite(own_whole_norm):
+            self.own_scale = own_whole_norm / max(1, len(microbatches))
+
+    def add_reduced(self, owner: int, shard: torch.Tensor) -> None:
+        self.reduced[owner] = shard
+
+    def add_digest(self, sender: int, digest: Digest) -> None:
+        self.digests[sender] = digest
+
+    def whole_gradient(self, lock: threading.Condition) -> torch.Tensor:
+        """The summed shards joined into the whole gradient, once: copied out under ``lock``, joined outside it."""
+        if self.whole is None:
+            with lock:
+                shards = [self.reduced[r] for r in self.participants]
+            self.whole = shards[0] if len(shards) == 1 else torch.cat(shards)
+        return self.whole
+
+    def view(self, tag: Tag, replica: int, settings: CheckSettings, n_microbatches: int | None) -> AttemptView:
+        return AttemptView(tag, replica, self.participants, self.contributions, self.own_scale, n_microbatches,
+                           self.reduced, self.digests, settings)
 
 
 class GradientExchange:
-    """Mailbox for one stage replica's reduce-scatter and all-gather messages."""
+    """Mailbox for one stage replica's reduce-scatter and all-gather messages. ``checks``: the defences it runs,
+    in order (None: :data:`~peer.runtime.stage.gradient_checks.GRADIENT_CHECKS` as it is when the exchange is
+    built)."""
 
     def __init__(self, replica: int, numel: int, outlier_factor: float = 10.0, direction_z: float = 0.0,
-                 tokens_per_microbatch: int = 0, tied: TiedEnd | None = None) -> None:
+                 tokens_per_microbatch: int = 0, tied: TiedEnd | None = None,
+                 checks: Sequence[GradientCheck] | None = None) -> None:
         self.replica = replica
         self.numel = numel
         self.tied = tied  # this stage's end of a tied weight (peer.runtime.stage.tied), None: nothing to sum
         self._tied_mail: dict[Tag, torch.Tensor] = {}  # the other end's tied gradient, per attempt
-        self.outlier_factor = outlier_factor  # 0: no check
-        self.direction_z = direction_z  # 0: no direction test
-        self.tokens_per_microbatch = tokens_per_microbatch  # a contribution under MIN_DIRECTION_TOKENS: untested
+        self.settings = CheckSettings(outlier_factor, direction_z, tokens_per_microbatch)
+        self.gradient_checks = tuple(gradient_checks.GRADIENT_CHECKS if checks is None else checks)
         self._cond = threading.Condition()
         self._attempts: dict[Tag, _Attempt] = {}
         self._aborted_through: Tag = (-1, -1)
         self.waited_s = 0.0  # seconds the compute thread waited here for messages (peer.runtime.stage.timing)
+
+    def _run_checks(self, phase: Phase, view: AttemptView) -> None:
+        """Run the checks of ``phase`` in their order; the first refusal propagates to the caller."""
+        for check in self.gradient_checks:
+            if check.phase is phase:
+                check.inspect(view)
 
     def _attempt(self, tag: Tag, participants: Sequence[int]) -> _Attempt:
         parts = tuple(participants)
@@ -177,9 +202,8 @@ class GradientExchange:
             self._check_shard(attempt, self.replica, shard)
             if sender in attempt.contributions:
                 raise BadMessage("key.replica", f"replica {sender} already sent its shard for attempt {tag}")
-            attempt.contributions[sender] = (shard, list(microbatches))
-            if sender == self.replica and math.isfinite(whole_norm):
-                attempt.own_scale = whole_norm / max(1, len(microbatches))
+            attempt.add_contribution(sender, shard, list(microbatches),
+                                     whole_norm if sender == self.replica else None)
             self._cond.notify_all()
 
     def put_reduced(self, tag: Tag, participants: Sequence[int], owner: int, shard: torch.Tensor) -> None:
@@ -189,7 +213,7 @@ class GradientExchange:
             if owner not in attempt.participants:
                 raise BadMessage("key.replica", f"owner replica {owner} is not a participant")
             self._check_shard(attempt, owner, shard)
-            attempt.reduced[owner] = shard
+            attempt.add_reduced(owner, shard)
             self._cond.notify_all()
 
     def _wait(self, tag: Tag, ready: Callable[[], bool], timeout_s: float, what: Callable[[], str]) -> None:
@@ -210,10 +234,10 @@ class GradientExchange:
     def shard_sum(
         self, tag: Tag, participants: Sequence[int], n_microbatches: int | None, timeout_s: float
     ) -> torch.Tensor:
-        """Wait for every participant's contribution to my shard; return their sum (participant order).
+        """Wait for every participant's contribution to my shard, run the ``SUM`` checks on them in order
+        (peer.runtime.stage.gradient_checks: norm, direction, exactly-once; the first refusal propagates), and
+        return their sum (participant order).
 
-        Raises BadMessage when the union of the contributions' micro-batches is not exactly
-        ``0..n_microbatches-1`` with each once: the exactly-once invariant, checked where the sum happens.
         ``n_microbatches=None``: the contributions are DiLoCo pseudo-gradients (peer.runtime.outer), which carry
         no micro-batches — each inner step's accounting was checked when it was applied.
         """
@@ -222,71 +246,16 @@ class GradientExchange:
         n = len(attempt.participants)
         self._wait(tag, lambda: len(attempt.contributions) == n, timeout_s,
                    lambda: f"attempt {tag}: {len(attempt.contributions)}/{n} gradient shards arrived")
-        self._check_outliers(tag, attempt)
-        seen: list[int] = []
+        self._run_checks(Phase.SUM, attempt.view(tag, self.replica, self.settings, n_microbatches))
         total: torch.Tensor | None = None
         for r in attempt.participants:
-            shard, mbs = attempt.contributions[r]
-            seen += mbs
+            shard = attempt.contributions[r][0]
             if total is None:  # a group of one: its own shard is the sum (nothing is added to it in place)
                 total = shard if n == 1 else shard.clone()
             else:
                 total.add_(shard)
-        if n_microbatches is not None and sorted(seen) != list(range(n_microbatches)):
-            raise BadMessage(
-                "microbatches",
-                f"attempt {tag}: contributions cover {sorted(seen)}, expected each "
-                f"of 0..{n_microbatches - 1} exactly once",
-            )
         assert total is not None
         return total
-
-    def _check_outliers(self, tag: Tag, attempt: _Attempt) -> None:
-        k = self.outlier_factor
-        if len(attempt.contributions) < 2:
-            return
-        norms = {r: float(shard.norm()) / max(1, len(mbs)) for r, (shard, mbs) in attempt.contributions.items()}
-        bad = []
-        for r, norm in norms.items():
-            # the floor: a shard of sparse rows (token embeddings) can be near zero in one honest replica and not in
-            # another, but no honest part exceeds a whole honest gradient; this replica's own never counts as bad
-            scale = max(statistics.median(v for q, v in norms.items() if q != r), attempt.own_scale)
-            if k and r != self.replica and (not math.isfinite(norm) or (scale > 0 and norm > k * scale)):
-                bad.append(r)
-        if bad:
-            shown = ", ".join(f"{r}: {v:.3g}" for r, v in sorted(norms.items()))
-            raise OutlierContributionError(
-                tag, sorted(bad), f"exceeds {k:g} x the larger of the others' median norm per micro-batch and this "
-                                  f"replica's whole gradient's ({attempt.own_scale:.3g}) (norms {shown})")
-        self._check_directions(tag, attempt)
-
-    def _check_directions(self, tag: Tag, attempt: _Attempt) -> None:
-        """Refuse a contribution unrelated to the others' sum (``checks.unrelatedness``)."""
-        z = self.direction_z
-        if not z:
-            return
-        shards = {r: shard for r, (shard, _) in attempt.contributions.items()}
-        total: torch.Tensor | None = None
-        if len(shards) > 2:  # with two, the others' sum of one is the other's shard itself
-            first, *rest = shards.values()
-            total = first.clone()
-            for shard in rest:
-                total.add_(shard)
-        scores: dict[int, tuple[float, float]] = {}  # replica -> (score, least score it needs)
-        for r, (shard, mbs) in attempt.contributions.items():
-            if r == self.replica or len(mbs) * self.tokens_per_microbatch < checks.MIN_DIRECTION_TOKENS:
-                continue  # this replica's own is never refused (below), so it is not scored
-            others = total - shard if total is not None else next(s for q, s in shards.items() if q != r)
-            found = checks.unrelatedness(shard, others)
-            if found is not None:
-                scores[r] = (found[0], checks.direction_threshold(z, found[1]))
-        # never this replica: it computed its own contribution (with two participants the test is symmetric, so
-        # the owner names the other one)
-        bad = sorted(r for r, (v, floor) in scores.items() if v < floor)
-        if bad:
-            shown = ", ".join(f"{r}: {v:.2f} of {floor:.2f}" for r, (v, floor) in sorted(scores.items()))
-            raise OutlierContributionError(tag, bad, f"is unrelated to the others' sum (mean scaled cosine "
-                                                     f"per block, of the least needed: {shown})")
 
     def gather(self, tag: Tag, participants: Sequence[int], timeout_s: float) -> torch.Tensor:
         """Wait for every owner's summed shard; return the whole summed gradient. The attempt's mail is kept
@@ -296,11 +265,7 @@ class GradientExchange:
         n = len(attempt.participants)
         self._wait(tag, lambda: len(attempt.reduced) == n, timeout_s,
                    lambda: f"attempt {tag}: {len(attempt.reduced)}/{n} summed shards arrived")
-        if attempt.whole is None:  # joined once (a copy of the stage's whole gradient), outside the lock
-            with self._cond:
-                shards = [attempt.reduced[r] for r in attempt.participants]
-            attempt.whole = shards[0] if n == 1 else torch.cat(shards)
-        return attempt.whole
+        return attempt.whole_gradient(self._cond)
 
     def my_digest(self, tag: Tag, participants: Sequence[int], flat: torch.Tensor) -> Digest:
         """This replica's digest of its own contribution ``flat`` (its whole accumulated gradient) to each
@@ -329,46 +294,22 @@ class GradientExchange:
                 raise BadMessage("meta.digest", f"expected {n} seeds and {n} x {checks.DIGEST_K} projections")
             if sender in attempt.digests:
                 raise BadMessage("key.replica", f"replica {sender} already sent its digest for attempt {tag}")
-            attempt.digests[sender] = digest
+            attempt.add_digest(sender, digest)
             self._cond.notify_all()
 
     def verify(self, tag: Tag, participants: Sequence[int], timeout_s: float) -> None:
-        """Wait for every participant's digest (this replica's own included, via :meth:`put_digest`) and check
-        each summed shard against the contributors' digests; then forget the attempt.
-
-        Raises :class:`DigestMismatchError` naming the culprits: the owner of a shard that is not the sum (or
-        that reached participants as different bytes), or, where this replica owns the shard, a contributor
-        whose digest is not of the contribution it sent. An owner does not name a contributor whose digest is
-        seeded by other bytes than it holds: the other receivers can tell which owner sent what."""
+        """Wait for every participant's digest (this replica's own included, via :meth:`put_digest`), run the
+        ``VERIFY`` checks in order (``gradient_checks.DigestCheck``: each summed shard against the contributors'
+        digests; :class:`DigestMismatchError` names the culprits), then forget the attempt, refused or not."""
         with self._cond:
             attempt = self._attempt(tag, participants)
-        parts = attempt.participants
-        n = len(parts)
+        n = len(attempt.participants)
         self._wait(tag, lambda: len(attempt.digests) == n, timeout_s,
                    lambda: f"attempt {tag}: {len(attempt.digests)}/{n} all-gather digests arrived")
-        bad: dict[int, str] = {}
-        failed = False
-        for j, owner in enumerate(parts):
-            seed = attempt.digests[self.replica][0][j]
-            if owner == self.replica:
-                for r in parts:
-                    if r == owner:
-                        continue
-                    if attempt.digests[r][0][j] != seed:
-                        failed = True  # a contributor that saw other bytes: the receivers name whoever sent them
-                    elif not checks.digest_matches(attempt.contributions[r][0], seed, attempt.digests[r][1][j]):
-                        bad[r] = f"its digest of shard {j} is not of the contribution it sent"
-                continue
-            if any(attempt.digests[r][0][j] != seed for r in parts):
-                bad[owner] = f"summed shard {j} reached the participants as different bytes"
-                continue
-            off = checks.sum_mismatch(attempt.reduced[owner], seed, [attempt.digests[r][1][j] for r in parts], j)
-            if not off <= 1.0:
-                bad[owner] = f"summed shard {j} is not the sum of the contributions ({off:.3g} x the tolerance)"
-        self.forget_through(tag)
-        if bad or failed:
-            why = "; ".join(f"{r}: {w}" for r, w in sorted(bad.items())) or "a contributor saw other bytes of my shard"
-            raise DigestMismatchError(tag, sorted(bad), why)
+        try:
+            self._run_checks(Phase.VERIFY, attempt.view(tag, self.replica, self.settings, None))
+        finally:
+            self.forget_through(tag)
 
     def put_tied(self, tag: Tag, grad: torch.Tensor) -> None:
         """The other end's summed gradient of the tied weight for ``tag``: float32 of exactly the tied weight's
