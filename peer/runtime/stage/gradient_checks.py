@@ -28,7 +28,7 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -92,6 +92,7 @@ class AttemptView:
     settings: CheckSettings
 
 
+@runtime_checkable
 class GradientCheck(Protocol):
     """One defence of the exchange: ``inspect`` raises a refusal naming the culprits, or returns None."""
 
