@@ -12,23 +12,17 @@ for the step it poisoned and adds up to the micro-batches trained.
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tasklet.peer.compute.data import Corpus
-from tasklet.peer.compute.reference import train_reference
 from tasklet.peer.emulation.local import LocalSwarm
 from tasklet.peer.swarm.credit import CreditBook
-from tests.test_fault_tolerance import FULL, SLOW, SPEC, STEPS, assert_matches_reference, flops
+from tests.support.fault_runs import FULL, SLOW, SPEC, STEPS, Reference, assert_matches_reference, flops, reference_run
 
 pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
 
 
 @pytest.fixture(scope="module")
-def reference() -> tuple[dict[str, torch.Tensor], list[float]]:
-    torch.set_num_threads(1)
-    corpus = Corpus.load(SPEC.corpus)
-    return train_reference(SPEC.model, SPEC.optim, corpus, SPEC.seed, STEPS, SPEC.n_microbatches,
-                           SPEC.micro_batch)
+def reference() -> Reference:
+    return reference_run(STEPS)
 
 
 @pytest.mark.parametrize(("fault", "device", "why"), [

@@ -13,55 +13,26 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
 
-from tasklet.peer.compute.data import Corpus
-from tasklet.peer.compute.model import ModelConfig, unflatten_stage
-from tasklet.peer.compute.reference import train_reference
-from tasklet.peer.compute.stage import OptimConfig
-from tasklet.peer.emulation.local import LinkModel, LocalSwarm, RunResult
-from tasklet.peer.runtime.spec import RunSpec
+from tasklet.peer.emulation.local import LocalSwarm
+from tests.support.fault_runs import (
+    FULL,
+    SLOW,
+    SPEC,
+    STAGES,
+    STEPS,
+    Reference,
+    assert_matches_reference,
+    flops,
+    reference_run,
+)
 
 pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
 
-STEPS = 5
-SPEC = RunSpec(run_id="faults", model=ModelConfig(n_layers=4, d_model=32, n_heads=4, seq_len=32, seed=2),
-               optim=OptimConfig(lr=3e-3, eps=1e-3), seed=4, micro_batch=2, n_microbatches=8)
-STAGES = [(0, 2), (2, 4)]
-FULL = (STAGES, [[0, 1], [2, 3]])
-# ~2.4 MFLOP per stage forward at 1e-4 TFLOP/s: ~25 ms forward, ~50 ms backward
-SLOW = LinkModel(tflops=[1e-4] * 8)
-
-
-def flops(a: int, b: int) -> float:
-    return 2.4e6
-
 
 @pytest.fixture(scope="module")
-def reference() -> tuple[dict[str, torch.Tensor], list[float]]:
-    torch.set_num_threads(1)
-    corpus = Corpus.load(SPEC.corpus)
-    return train_reference(SPEC.model, SPEC.optim, corpus, SPEC.seed, STEPS, SPEC.n_microbatches,
-                           SPEC.micro_batch)
-
-
-def assert_matches_reference(result: RunResult, reference: tuple[dict[str, torch.Tensor], list[float]]) -> None:
-    ref_params, ref_losses = reference
-    assert len(result.reports) == STEPS
-    by_stage: dict[int, dict] = {}
-    for (stage, _), state in result.states.items():
-        assert state["step"] == STEPS
-        if stage in by_stage:
-            assert torch.equal(by_stage[stage]["params"], state["params"]), "replicas of a stage differ"
-        by_stage[stage] = state
-    assert sorted(by_stage) == list(range(len(STAGES)))
-    for s, (a, b) in enumerate(STAGES):
-        for name, got in unflatten_stage(SPEC.model, a, b, by_stage[s]["params"]).items():
-            ref = ref_params[name]
-            err = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
-            assert err < 1e-5, f"{name}: {err:.2e} of the tensor's scale off the undisturbed run"
-    for step, (got, want) in enumerate(zip(result.losses, ref_losses, strict=True)):
-        assert got == pytest.approx(want, rel=1e-5), f"step {step}: loss {got} vs {want}"
+def reference() -> Reference:
+    return reference_run(STEPS)
 
 
 def kill_on(swarm: LocalSwarm, event: str, step: int, devices: list[int]) -> threading.Event:

@@ -18,15 +18,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
-from tasklet.peer.compute.data import Corpus
-from tasklet.peer.compute.reference import train_reference
 from tasklet.peer.emulation.local import LocalSwarm
 from tasklet.peer.runtime.lead.roster import Roster
 from tasklet.peer.runtime.lead.spot import SpotChecks
-from tests.test_fault_tolerance import SLOW, SPEC, STAGES, flops
-from tests.test_spot_swarm import worst_error
+from tests.support.fault_runs import SLOW, SPEC, STAGES, flops, reference_run, worst_error
 
 pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
 
@@ -40,9 +36,7 @@ CHEATER = 0  # stage 0 of pipeline 0
 
 
 def test_a_patient_cheaters_applied_work_is_rolled_back_to_single_process_training(tmp_path) -> None:
-    torch.set_num_threads(1)
-    reference = train_reference(SPEC.model, SPEC.optim, Corpus.load(SPEC.corpus), SPEC.seed, STEPS,
-                                SPEC.n_microbatches, SPEC.micro_batch)
+    reference = reference_run(STEPS)
     seen: list[tuple[str, dict]] = []
 
     def watch(name: str, info: dict) -> None:
@@ -81,5 +75,5 @@ def test_a_patient_cheaters_applied_work_is_rolled_back_to_single_process_traini
     assert alive == [d for d in range(6) if d != CHEATER], "every honest worker is alive"
     assert all(CHEATER not in p for p in result.events.replans[-1]["pipelines"]), "never planned again"
     assert [r.step for r in result.reports] == list(range(STEPS))
-    err = worst_error(result, reference)
+    err = worst_error(result, reference, STEPS)
     assert err < 1e-5, f"{err:.2e} of a tensor's scale off single-process training of the honest work"

@@ -13,13 +13,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
-from tasklet.peer.compute.data import Corpus
-from tasklet.peer.compute.model import unflatten_stage
-from tasklet.peer.compute.reference import train_reference
-from tasklet.peer.emulation.local import LocalSwarm, RunResult
-from tests.test_fault_tolerance import SLOW, SPEC, STAGES, flops
+from tasklet.peer.emulation.local import LocalSwarm
+from tests.support.fault_runs import SLOW, SPEC, STAGES, Reference, flops, reference_run, worst_error
 
 pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
 
@@ -30,36 +26,15 @@ CHEATER_PIPELINE = 0
 
 
 @pytest.fixture(scope="module")
-def reference() -> tuple[dict[str, torch.Tensor], list[float]]:
-    torch.set_num_threads(1)
-    corpus = Corpus.load(SPEC.corpus)
-    return train_reference(SPEC.model, SPEC.optim, corpus, SPEC.seed, STEPS, SPEC.n_microbatches, SPEC.micro_batch)
-
-
-def worst_error(result: RunResult, reference: tuple[dict[str, torch.Tensor], list[float]]) -> float:
-    """The largest error, relative to each tensor's scale, of the saved parameters against the reference; every
-    stage's replicas must be equal and at step ``STEPS``."""
-    ref_params, _ = reference
-    by_stage: dict[int, dict] = {}
-    for (stage, _), state in result.states.items():
-        assert state["step"] == STEPS
-        if stage in by_stage:
-            assert torch.equal(by_stage[stage]["params"], state["params"]), "replicas of a stage differ"
-        by_stage[stage] = state
-    assert sorted(by_stage) == list(range(len(STAGES)))
-    worst = 0.0
-    for s, (a, b) in enumerate(STAGES):
-        for name, got in unflatten_stage(SPEC.model, a, b, by_stage[s]["params"]).items():
-            ref = ref_params[name]
-            worst = max(worst, float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12)))
-    return worst
+def reference() -> Reference:
+    return reference_run(STEPS)
 
 
 def test_wrong_activations_reach_the_model_without_spot_checks(reference) -> None:
     with LocalSwarm(SPEC, 4, links=SLOW, forward_flops=flops, faults={CHEATER: "wrong-activations"}) as swarm:
         result = swarm.train((STAGES, [[0, 1], [2, 3]]), STEPS)
     assert len(result.reports) == STEPS
-    assert worst_error(result, reference) > 1e-3, "the cheater's activations did not reach the model"
+    assert worst_error(result, reference, STEPS) > 1e-3, "the cheater's activations did not reach the model"
 
 
 def test_spot_checks_exclude_the_cheater_and_the_model_is_the_honest_one(reference) -> None:
@@ -94,7 +69,7 @@ def test_spot_checks_exclude_the_cheater_and_the_model_is_the_honest_one(referen
     # leadership's totals keep the checks that agreed before the exclusion
     assert shadows and totals["verified"] >= 1 and totals["excluded"] == 1, totals
     assert all(CHEATER not in p for p in result.events.replans[-1]["pipelines"])
-    err = worst_error(result, reference)
+    err = worst_error(result, reference, STEPS)
     assert err < 1e-5, f"{err:.2e} of a tensor's scale off single-process training of the honest work"
     for step, (got, want) in enumerate(zip(result.losses, reference[1], strict=True)):
         assert got == pytest.approx(want, rel=1e-5), f"step {step}: loss {got} vs {want}"
