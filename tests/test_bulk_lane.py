@@ -44,6 +44,7 @@ from tasklet.protocol.errors import (
     Unavailable,
 )
 from tasklet.protocol.message import WireEnvelope
+from tests.support.waits import wait_until
 
 MIB = 1 << 20
 OK = grpc.StatusCode.OK
@@ -197,13 +198,6 @@ def body(step: int = 0, tensor: torch.Tensor | None = None, *, kind: int = pb.AC
     env.key.step = step
     env.tensors.append(encode_tensor("h", torch.ones(4) if tensor is None else tensor))
     return env.SerializeToString()
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 def open_connections(server: PeerServer) -> int:
@@ -482,7 +476,7 @@ def test_truncated_body_is_not_delivered(lanes: Lanes, ids: Identities) -> None:
     with RawLane(server.bulk_port, ids.client) as raw:
         raw.head(len(data))
         raw.send(data[: len(data) // 2])
-    wait_until(lambda: open_connections(server) == 0)
+    wait_until(lambda: open_connections(server) == 0, 5.0, "every connection closed", 0.01)
     assert_still_serving(server, inbox, ids.client)
 
 
@@ -498,7 +492,7 @@ def test_stalled_body_is_cut_at_its_deadline(lanes: Lanes, ids: Identities) -> N
         assert not raw.closed_by_server(within_s=0.2)
         assert raw.closed_by_server(within_s=3.0)
         assert 0.35 < time.monotonic() - start < 3.0
-    wait_until(lambda: open_connections(server) == 0)
+    wait_until(lambda: open_connections(server) == 0, 5.0, "every connection closed", 0.01)
     assert_still_serving(server, inbox, ids.client)
 
 
@@ -512,7 +506,7 @@ def test_connections_over_the_cap_are_closed_at_once(lanes: Lanes, ids: Identiti
     idle = [socket.create_connection(("127.0.0.1", server.bulk_port), timeout=5, source_address=(f"127.0.0.{i}", 0))
             for i in range(1, 5)]
     try:
-        wait_until(lambda: open_connections(server) == 4)
+        wait_until(lambda: open_connections(server) == 4, 5.0, "4 open connections", 0.01)
         with socket.create_connection(("127.0.0.1", server.bulk_port), timeout=5,
                                       source_address=("127.0.0.5", 0)) as extra:
             extra.settimeout(2.0)
@@ -521,7 +515,7 @@ def test_connections_over_the_cap_are_closed_at_once(lanes: Lanes, ids: Identiti
         assert TRAFFIC.snapshot().refused.get("UNAVAILABLE", 0) > before
         assert not select.select(idle, [], [], 0)[0]  # the ones let in are still open, waiting
         idle.pop().close()
-        wait_until(lambda: open_connections(server) == 3)
+        wait_until(lambda: open_connections(server) == 3, 5.0, "3 open connections", 0.01)
         assert_still_serving(server, inbox, ids.client)
     finally:
         for sock in idle:

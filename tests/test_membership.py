@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 from hivemind.utils import get_dht_time
@@ -25,6 +25,7 @@ from tasklet.peer.swarm.membership import (
     organisers_run,
     verify_swarm_secret,
 )
+from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.usefixtures("processes")  # starts real processes (tests/support/processes.py)
 
@@ -79,16 +80,6 @@ def members() -> Iterator[list[Membership]]:
             membership.leave()
 
 
-def wait_for(condition: Callable[[], bool], timeout_s: float, poll_s: float = 0.1) -> float:
-    """Seconds until ``condition()`` held; fails the test after ``timeout_s``."""
-    start = time.monotonic()
-    while not condition():
-        if time.monotonic() - start > timeout_s:
-            pytest.fail(f"condition not met within {timeout_s} s")
-        time.sleep(poll_s)
-    return time.monotonic() - start
-
-
 def ids(membership: Membership) -> set[str]:
     return {advert.peer_id for advert in membership.live_peers()}
 
@@ -99,7 +90,7 @@ def test_adverts_appear_on_all_peers(nodes, run_id, members):
         assert membership.announce(node.advert(port, extra={"stage": port - 5000}))
     everyone = {node.identity.peer_id for node in nodes}
     for membership in members:
-        wait_for(lambda m=membership: ids(m) == everyone, timeout_s=10)
+        wait_until(lambda m=membership: ids(m) == everyone, 10, "every membership sees everyone")
     adverts = {advert.peer_id: advert for advert in members[0].live_peers()}
     for port, node in enumerate(nodes, start=5000):
         advert = adverts[node.identity.peer_id]
@@ -116,7 +107,7 @@ def test_heartbeat_keeps_advert_alive_and_announce_updates_it(nodes, run_id, mem
     time.sleep(3 * TTL_S)  # far past one ttl: only the heartbeat can keep it there
     assert ids(other) == {nodes[0].identity.peer_id}
     mine.announce(nodes[0].advert(6001))
-    wait_for(lambda: other.live_peers()[0].endpoint == "127.0.0.1:6001", timeout_s=5)
+    wait_until(lambda: other.live_peers()[0].endpoint == "127.0.0.1:6001", 5, "the new endpoint")
 
 
 def test_leave_is_noticed_long_before_the_advert_would_expire(nodes, run_id, members):
@@ -124,13 +115,13 @@ def test_leave_is_noticed_long_before_the_advert_would_expire(nodes, run_id, mem
     watcher = nodes[2].membership(run_id)
     members.extend([slow, watcher])
     slow.announce(nodes[0].advert(6100))
-    wait_for(lambda: ids(watcher) == {nodes[0].identity.peer_id}, timeout_s=5)
+    wait_until(lambda: ids(watcher) == {nodes[0].identity.peer_id}, 5, "the watcher sees the advert")
     slow.leave()
     # The advert would live 60 s; the tombstone removes it at the next read.
-    wait_for(lambda: not ids(watcher), timeout_s=5)
+    wait_until(lambda: not ids(watcher), 5, "the tombstone removes the advert")
     # Rejoining with the same identity works: the new advert expires later than the tombstone.
     slow.announce(nodes[0].advert(6101))
-    wait_for(lambda: ids(watcher) == {nodes[0].identity.peer_id}, timeout_s=5)
+    wait_until(lambda: ids(watcher) == {nodes[0].identity.peer_id}, 5, "the watcher sees the advert")
 
 
 def test_peer_whose_heartbeat_stops_expires(nodes, run_id, members):
@@ -140,10 +131,10 @@ def test_peer_whose_heartbeat_stops_expires(nodes, run_id, members):
         watcher = nodes[3].membership(run_id)
         members.append(watcher)
         membership.announce(doomed.advert(6200))
-        wait_for(lambda: ids(watcher) == {doomed.identity.peer_id}, timeout_s=5)
+        wait_until(lambda: ids(watcher) == {doomed.identity.peer_id}, 5, "the watcher sees the doomed peer")
         membership.stop_heartbeat()  # the process "dies": no more heartbeats, no departure
         doomed.dht.shutdown()
-        gone_after = wait_for(lambda: not ids(watcher), timeout_s=TTL_S + HEARTBEAT_S + 5)
+        gone_after = wait_until(lambda: not ids(watcher), TTL_S + HEARTBEAT_S + 5, "the dead peer's advert expires")
         assert gone_after > 0  # it did not vanish before its advert expired
     finally:
         doomed.dht.shutdown()
@@ -228,7 +219,7 @@ def test_wrong_secret_makes_records_invisible_and_check_fails(nodes, run_id, mem
     for node, membership, port in zip(nodes, everyone, range(6400, 6404), strict=True):
         membership.announce(node.advert(port))
     insider_ids = {nodes[0].identity.peer_id, nodes[1].identity.peer_id}
-    wait_for(lambda: ids(insiders[1]) == insider_ids, timeout_s=5)
+    wait_until(lambda: ids(insiders[1]) == insider_ids, 5, "the insiders see each other")
     time.sleep(2 * HEARTBEAT_S)  # give the outsiders' adverts time to spread, so absence means something
     assert ids(insiders[0]) == insider_ids  # neither outsider is seen
     assert ids(outsider) == {nodes[2].identity.peer_id}  # the outsider sees only itself
@@ -252,7 +243,7 @@ def test_another_peer_cannot_overwrite_my_advert(nodes, run_id, members):
     reader = nodes[3].membership(run_id)
     members.extend([owner, reader])
     owner.announce(nodes[0].advert(6500))
-    wait_for(lambda: ids(reader) == {nodes[0].identity.peer_id}, timeout_s=5)
+    wait_until(lambda: ids(reader) == {nodes[0].identity.peer_id}, 5, "the reader sees the owner")
     forged = nodes[0].advert(6666).to_record()  # same peer id, the forger's endpoint
     envelope = {"p": {"advert": forged, "at": get_dht_time()}, "mac": None}
     # The forger's DHT signs with the forger's key, which does not match the owner tag in the subkey.

@@ -8,9 +8,8 @@ epochs, and MACs bound to the writer and the expiry.
 from __future__ import annotations
 
 import itertools
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -24,6 +23,7 @@ from tasklet.peer.swarm.membership import ClockSkewError, Membership
 from tasklet.peer.swarm.plans import PlanBoard
 from tasklet.peer.swarm.progress import ProgressBoard
 from tasklet.peer.timing import now
+from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.usefixtures("processes")
 
@@ -74,19 +74,11 @@ def run() -> Iterator[list[Member]]:
         members.append(Member(bootstrap, run_id, 1.0))  # claims to have started in 1970
         for member in members:
             member.membership.announce(member.advert)
-        wait_for(lambda: all(len(m.membership.live_peers()) == 3 for m in members), 10)
+        wait_until(lambda: all(len(m.membership.live_peers()) == 3 for m in members), 10, "every member sees all three")
         yield members
     finally:
         for member in members:
             member.close()
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"condition not met within {timeout_s} s")
-        time.sleep(0.1)
 
 
 def start_run(leader: Member, members: list[Member]) -> None:
