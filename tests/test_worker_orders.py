@@ -146,11 +146,11 @@ def test_a_stage_over_the_memory_limit_is_refused_before_anything_is_allocated(
     built: list[Any] = []
     real = taking.StageCompute
     monkeypatch.setattr(taking, "StageCompute", lambda cfg: built.append(cfg) or real(cfg))
-    worker.memory_limit_bytes = int(need / 1.5)  # the model's stage is 1.5x what this peer may hold
+    worker.limit_memory(int(need / 1.5))  # the model's stage is 1.5x what this peer may hold
     detail = refused(worker)
     assert "memory limit" in detail and "stage 1" in detail, detail
     assert built == [] and worker.compute is None
-    worker.memory_limit_bytes = int(need) + 1
+    worker.limit_memory(int(need) + 1)
     order(worker)
     assert len(built) == 1 and worker.compute is not None
 
@@ -196,7 +196,7 @@ def test_a_fetch_from_an_endpoint_may_dial_refuses_never_connects(worker: StageW
         asked.append((ep, peer))
         return ep != endpoint
 
-    worker.may_dial = may_dial
+    worker.set_policies(may_dial=may_dial)
     detail = refused(worker, source=ctl.StateSource.fetch(endpoint, 0), peers={endpoint: stranger.certificate_text})
     assert endpoint in detail and "state source" in detail and "before dialling" in detail, detail
     assert (endpoint, stranger.peer_id) in asked, "the hook is given the peer id the order's certificate names"
@@ -218,7 +218,7 @@ def test_without_the_hook_the_same_fetch_does_dial_the_canary(worker: StageWorke
 @pytest.mark.parametrize("role", ["coordinator", "upstream neighbour", "downstream neighbour"])
 def test_an_assignment_naming_an_endpoint_may_dial_refuses_is_refused(worker: StageWorker, role: str) -> None:
     bad = {"coordinator": COORDINATOR, "upstream neighbour": PREV, "downstream neighbour": NEXT}[role]
-    worker.may_dial = lambda ep, peer: ep != bad
+    worker.set_policies(may_dial=lambda ep, peer: ep != bad)
     detail = refused(worker)
     assert bad in detail and role in detail, detail
     assert worker.assignment is None
@@ -226,8 +226,8 @@ def test_an_assignment_naming_an_endpoint_may_dial_refuses_is_refused(worker: St
 
 def test_a_matching_assignment_passes_every_check(worker: StageWorker) -> None:
     asked: list[str] = []
-    worker.may_dial = lambda ep, peer: asked.append(ep) or True
-    worker.memory_limit_bytes = int(stage_memory_bytes(SPEC, LAYERS, in_flight=2)) + 1
+    worker.set_policies(may_dial=lambda ep, peer: asked.append(ep) or True)
+    worker.limit_memory(int(stage_memory_bytes(SPEC, LAYERS, in_flight=2)) + 1)
     order(worker)
     assert worker.assignment is not None
     assert sorted(asked) == sorted([COORDINATOR, PREV, NEXT]), "every endpoint it dials, never its own"
@@ -244,7 +244,7 @@ def test_order_endpoints_cover_replicas_and_the_source_but_not_this_worker() -> 
 def test_a_resync_source_may_dial_refuses_is_never_dialled(worker: StageWorker, canary) -> None:
     sock, endpoint = canary
     order(worker)
-    worker.may_dial = lambda ep, peer: ep != endpoint
+    worker.set_policies(may_dial=lambda ep, peer: ep != endpoint)
     compute = StageCompute(StageComputeConfig(model=SPEC.model, first_layer=1, last_layer=2))
     assert worker.assignment is not None
     with pytest.raises(Rejected, match="before dialling"):

@@ -108,6 +108,23 @@ class StageTaker:
         self.on_fetch: FetchProgress | None = None  # told the bytes of each state fetch as they arrive (a display)
         self._holdings: dict[tuple[int, int], Held] = {}  # lock: the current stage and the one held before
 
+    def use_corpus(self, corpus: Corpus | None, local: RunSpec | None) -> None:
+        """Take ``corpus`` as already loaded and ``local`` as this peer's own signed spec (its files, and what
+        an order's spec is checked against); call under the worker's state lock."""
+        self.corpus, self.local = corpus, local
+
+    def limit_memory(self, limit_bytes: int | None) -> None:
+        """Refuse a stage that needs more device memory than ``limit_bytes`` (None: no bound)."""
+        self.memory_limit_bytes = limit_bytes
+
+    def check_dials_with(self, may_dial: DialCheck | None) -> None:
+        """Vet every endpoint an order makes this worker dial with ``may_dial`` (None: any endpoint)."""
+        self.may_dial = may_dial
+
+    def show_fetches_with(self, on_fetch: FetchProgress | None) -> None:
+        """Tell ``on_fetch`` the bytes of each state fetch as they arrive (None: nobody)."""
+        self.on_fetch = on_fetch
+
     def check(self, msg: ctl.StageAssignment) -> RunSpec:
         """The spec ``msg`` is taken with (this peer's own files), once every claim of the order is checked;
         nothing is allocated or dialled here. Raises Rejected naming what does not fit."""

@@ -48,10 +48,14 @@ class Intake:
                  current: Callable[[], Tasklet | None], step: WorkerStep, cond: threading.Condition,
                  outbox: Outbox, put: Callable[[Task], None]) -> None:
         self.tls, self.controllers, self.keeps_copies = tls, controllers, keeps_copies
-        self.may_assign: Callable[[str], bool] | None = None
+        self.may_assign: Callable[[str], bool] | None = None  # set by accept_assignments_from
         self._current, self.step, self.cond, self.outbox, self.put = current, step, cond, outbox, put
 
     # ------------------------------------------------------------------------------------------ authority
+    def accept_assignments_from(self, may_assign: Callable[[str], bool] | None) -> None:
+        """Who else may assign this worker and stop it (the daemon: the elected leader); None: nobody else."""
+        self.may_assign = may_assign
+
     def require_controller(self, caller: str, what: str) -> None:
         """Assignments (and a stop) come from the current plan's coordinator, a controller named at start-up,
         whatever ``may_assign`` accepts (the daemon: the elected leader), or this process itself."""

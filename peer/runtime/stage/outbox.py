@@ -37,7 +37,7 @@ class Outbox:
 
     ``current`` gives the current snapshot (the peer ids its roles expect), ``current_step`` the step a report
     without one is filed under, ``stopped`` silences failures reported during shutdown. Links are shaped as
-    :attr:`link_source` says (an emulated network's; None: unshaped)."""
+    the source given to :meth:`shape_links` says (an emulated network's; None, the default: unshaped)."""
 
     def __init__(self, config: TransportConfig, peer_id: str, current: Callable[[], Tasklet | None],
                  current_step: Callable[[], int], stopped: threading.Event) -> None:
@@ -45,7 +45,7 @@ class Outbox:
         self._current, self._current_step = current, current_step
         self._lock = threading.Lock()  # clients and their shapers
         self._clients: dict[str, PeerClient] = {}
-        self.link_source: LinkSource | None = None
+        self._link_source: LinkSource | None = None
         self._links = LinkTable(self._link_of)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="worker-control")
 
@@ -92,7 +92,11 @@ class Outbox:
             return client
 
     def _link_of(self, endpoint: str) -> tuple[float, float] | None:
-        return None if self.link_source is None else self.link_source(endpoint)
+        return None if self._link_source is None else self._link_source(endpoint)
+
+    def shape_links(self, source: LinkSource | None) -> None:
+        """Shape each link as ``source`` says from the next client on (None: unshaped); set before sending."""
+        self._link_source = source
 
     def reset(self) -> None:
         """Close every client: the next send dials again under the current links and roles."""

@@ -60,7 +60,7 @@ from tasklet.peer.runtime.checkpoints import (
     serve_copy,
 )
 from tasklet.peer.runtime.spec import Assignment, RunSpec
-from tasklet.peer.runtime.stage.assignment import DialCheck, StageTaker, fence, require_named_leader
+from tasklet.peer.runtime.stage.assignment import DialCheck, FetchProgress, StageTaker, fence, require_named_leader
 from tasklet.peer.runtime.stage.exchange import GradientExchange
 from tasklet.peer.runtime.stage.intake import Intake
 from tasklet.peer.runtime.stage.loop import ComputeLoop, Task
@@ -133,7 +133,7 @@ class StageWorker:
         self._step = WorkerStep()  # _lock
 
         self.outbox = outbox(self.config, peer_id, lambda: self._tasklet, self._current_step, self.stopped)
-        self.outbox.link_source = links
+        self.outbox.shape_links(links)
         self.taker = StageTaker(self.config, self.tls, peer_id, device, self._trust_group, self._lock, self.stopped,
                                 memory_limit_bytes)
         sync = GradientSync(self._step, self._cond, self.outbox, lambda: self.server.endpoint, self.taker.load_from)
@@ -255,36 +255,55 @@ class StageWorker:
         """Compute counters: forwards, backwards, busy seconds, ops over their emulated time."""
         return self.loop.stats
 
+    def set_policies(self, *, may_assign: Callable[[str], bool] | None = None, may_dial: DialCheck | None = None,
+                     on_refused: Callable[[str, str], None] | None = None,
+                     on_fetch: FetchProgress | None = None) -> None:
+        """What the daemon decides for this worker, all four at once (each None: no such policy).
+
+        ``may_assign``: besides the plan's coordinator and ``controllers``, who else may assign (the daemon: the
+        elected leader). ``may_dial``: ``(endpoint, peer id) -> bool``, whether an order may make this worker dial
+        ``endpoint`` (the daemon: a live advert of the run at that endpoint, of that peer id, the one the order's
+        certificate names; "" when the order names no certificate for it), checked for every endpoint an
+        assignment names and every fetch or resync source, before any connection (None: any endpoint).
+        ``on_refused``: told (leader's peer id, reason) of an order refused for breaking the signed run.
+        ``on_fetch``: told the bytes of each state fetch as they arrive (a display)."""
+        self.intake.accept_assignments_from(may_assign)
+        self.taker.check_dials_with(may_dial)
+        self.taker.show_fetches_with(on_fetch)
+        self.on_refused = on_refused
+
+    def limit_memory(self, limit_bytes: int | None) -> None:
+        """The most device memory a stage may need on this peer (the daemon: its advertised device memory);
+        a larger stage's assignment is refused before it is built. None: no bound."""
+        self.taker.limit_memory(limit_bytes)
+
     @property
     def may_assign(self) -> Callable[[str], bool] | None:
-        """Besides the plan's coordinator and ``controllers``: who else may assign (the daemon: the leader)."""
+        """Who else may assign this worker (:meth:`set_policies`)."""
         return self.intake.may_assign
-
-    @may_assign.setter
-    def may_assign(self, accept: Callable[[str], bool] | None) -> None:
-        self.intake.may_assign = accept
 
     @property
     def may_dial(self) -> DialCheck | None:
-        """``(endpoint, peer id) -> bool``: whether an order may make this worker dial ``endpoint`` (the daemon:
-        a live advert of the run at that endpoint, of that peer id, the one the order's certificate names; ""
-        when the order names no certificate for it). Checked for every endpoint an assignment names and every
-        fetch or resync source, before any connection; None: any endpoint (in-process runs)."""
+        """Which endpoints an order may make this worker dial (:meth:`set_policies`); None: any."""
         return self.taker.may_dial
-
-    @may_dial.setter
-    def may_dial(self, check: DialCheck | None) -> None:
-        self.taker.may_dial = check
 
     @property
     def memory_limit_bytes(self) -> int | None:
-        """The most device memory a stage may need on this peer (the daemon: its advertised device memory);
-        a larger stage's assignment is refused before it is built. None: no bound."""
+        """The most device memory a stage may need on this peer (:meth:`limit_memory`); None: no bound."""
         return self.taker.memory_limit_bytes
+
+    # Until peer/node/daemon.py calls set_policies and limit_memory: its attribute writes, through the methods.
+    @may_assign.setter
+    def may_assign(self, accept: Callable[[str], bool] | None) -> None:
+        self.intake.accept_assignments_from(accept)
+
+    @may_dial.setter
+    def may_dial(self, check: DialCheck | None) -> None:
+        self.taker.check_dials_with(check)
 
     @memory_limit_bytes.setter
     def memory_limit_bytes(self, limit: int | None) -> None:
-        self.taker.memory_limit_bytes = limit
+        self.taker.limit_memory(limit)
 
     def status(self) -> dict[str, Any]:
         with self._lock:
@@ -315,8 +334,7 @@ class StageWorker:
         """Use an already loaded corpus (the daemon reads it at start-up to check its fingerprint) and, with
         ``local`` (the daemon's spec), this peer's own file paths in place of an assignment's."""
         with self._state_lock:
-            self.taker.corpus = corpus
-            self.taker.local = local
+            self.taker.use_corpus(corpus, local)
 
     def _current_step(self) -> int:
         with self._lock:
