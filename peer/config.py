@@ -251,16 +251,13 @@ class RunConfig:
     def spec(self, corpus_fingerprint: str = "") -> RunSpec:
         """The runtime's view of this configuration (imports the model code here: declaring and writing a run.toml
         must not load torch)."""
-        from tasklet.peer.compute.hf.resolve import resolve_model_cached
-        from tasklet.peer.compute.model import ModelConfig
+        from tasklet.peer.compute.family import model_from_config
         from tasklet.peer.compute.stage import OptimConfig
         from tasklet.peer.runtime.spec import RunSpec
 
-        r, m, o = self.run, self.model, self.optim
-        model: Any = (
-            resolve_model_cached(m.config, m.seq_len, r.seed, tie=r.sync_period == 1) if m.config
-            else ModelConfig(n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, seq_len=m.seq_len, seed=r.seed)
-        )
+        r, o = self.run, self.optim
+        # which family's model the [model] section names; a tied model stays tied when the run averages exactly
+        model = model_from_config(self.model, r.seed, tie=r.sync_period == 1)
         return RunSpec(
             run_id=r.run_id,
             model=model,

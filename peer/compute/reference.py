@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from tasklet.peer.compute.data import Corpus, microbatch
-from tasklet.peer.compute.model import ModelConfig, build_stage, is_weight_decayed, lm_loss
+from tasklet.peer.compute.family import ModelSpec, family_of
+from tasklet.peer.compute.model import is_weight_decayed, lm_loss
 from tasklet.peer.compute.stage import OptimConfig, clip_coefficient, shard_bounds
 from tasklet.protocol.codec import DEFAULT_BLOCK_SIZE, decode_tensor, encode_tensor
 
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 def train_reference(
-    model_cfg: ModelConfig | Any,
+    model_cfg: ModelSpec,
     optim_cfg: OptimConfig,
     corpus: Corpus,
     seed: int,
@@ -38,15 +39,16 @@ def train_reference(
     """Train the full model for ``steps`` steps on the CPU in fp32; return ``(state_dict, per_step_losses)``.
 
     The state dict's names are the full model's (``blocks.3.fc.weight``), i.e. the same names a stage uses.
-    For a Hugging Face model spec the model is transformers' own ``AutoModelForCausalLM`` (not the stage module),
-    started from the same weights, so the comparison also checks the stage split against the library.
+    The model is what the spec's family gives (``ModelFamily.full_model``): the one stage holding every layer, or
+    for a Hugging Face model transformers' own ``AutoModelForCausalLM`` started from the same weights, so the
+    comparison also checks the stage split against the library.
     """
     model_cfg.validate()
     optim_cfg.validate()
     if steps < 0 or n_microbatches < 1 or micro_batch < 1:
         raise ValueError(f"need steps >= 0, n_microbatches >= 1, micro_batch >= 1; got {steps}, "
                          f"{n_microbatches}, {micro_batch}")
-    model, forward = _full_model(model_cfg)
+    model, forward = family_of(model_cfg).full_model(model_cfg)
     named = list(model.named_parameters())
     groups = [
         {"params": [p for n, p in named if is_weight_decayed(n, p)], "weight_decay": optim_cfg.weight_decay},
@@ -181,15 +183,3 @@ def _gather_codec(codec: str, numel: int, n_participants: int) -> tuple[str, int
         return codec, DEFAULT_BLOCK_SIZE
     block = numel // max(1, n_participants * math.ceil(numel / DEFAULT_BLOCK_SIZE)) if numel else 0
     return ("topk", block) if block >= 2 else ("none", DEFAULT_BLOCK_SIZE)
-
-
-def _full_model(model_cfg: ModelConfig | Any) -> tuple[torch.nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
-    """The whole model and its ids -> logits function."""
-    if isinstance(model_cfg, ModelConfig):
-        model = build_stage(model_cfg, 0, model_cfg.n_layers)
-        return model, model
-    from tasklet.peer.compute.hf.stage import full_model
-
-    hf_model = full_model(model_cfg)
-    hf_model.train()
-    return hf_model, lambda ids: hf_model(input_ids=ids).logits

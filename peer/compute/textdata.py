@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from tasklet.peer.compute.data import Corpus, CorpusError
+from tasklet.peer.compute.family import family_of
 from tasklet.peer.compute.tokenize import ByteTokenizer, Tokenizer, check_vocab, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -169,11 +170,11 @@ def load_corpus(source: str | None, tokenizer: str | None = None, text_field: st
                 model: Any = None, cache: Path | None = None) -> Corpus:
     """The run's corpus: ``source`` None/"stdlib" or a path, tokenized with ``tokenizer`` (None: bytes).
 
-    ``model`` (anything with ``vocab_size``, and ``source`` for messages) is checked to embed every token id.
+    ``model`` (a spec of a registered family) is checked to embed every token id.
     """
     tok = load_tokenizer(tokenizer)
     if model is not None:
-        check_vocab(tok, int(model.vocab_size), getattr(model, "source", "") or "the model")
+        check_vocab(tok, int(model.vocab_size), family_of(model).describe(model))
     if isinstance(tok, ByteTokenizer):
         if source is None or source == "stdlib":
             return Corpus.from_stdlib()

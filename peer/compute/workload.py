@@ -5,18 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasklet.peer.compute.hf import HFModelSpec
-from tasklet.scheduler.model_workload import Workload, from_hf_config
+from tasklet.peer.compute.family import family_of
+from tasklet.scheduler.model_workload import Workload
 
 
 def workload_for(spec: Any, stages: int | None = None, replicas: int | None = None) -> Workload:
-    """The scheduler's description of a ``RunSpec``'s model and batch (4-byte params, activations in fp32/bf16);
-    a Hugging Face model's figures come from its config (``scheduler.model_workload``)."""
-    m = spec.model
-    if isinstance(m, HFModelSpec):
-        return from_hf_config(m.config, m.seq_len, spec.micro_batch, spec.n_microbatches, spec.precision,
-                              stages, replicas, name=m.source)
-    act_bytes = 4 if spec.precision == "fp32" else 2
-    return Workload.gpt(n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, seq_len=m.seq_len,
-                        vocab=m.vocab_size, micro_batch=spec.micro_batch, n_microbatches=spec.n_microbatches,
-                        stages=stages, replicas=replicas, param_bytes=4, act_bytes=act_bytes)
+    """The scheduler's description of a ``RunSpec``'s model and batch (4-byte params, activations in fp32/bf16),
+    as the model's family gives it (a Hugging Face model's figures come from its config,
+    ``scheduler.model_workload``)."""
+    return family_of(spec.model).workload(spec, stages, replicas)

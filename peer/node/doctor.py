@@ -32,6 +32,7 @@ import torch
 
 from tasklet.peer.compute.device_choice import PRECISIONS, backend_of, precision_refusal, runtime_version, torch_device
 from tasklet.peer.compute.device_probe import cpu_memory_bytes, measure_device, mps_memory
+from tasklet.peer.compute.family import family_of
 from tasklet.peer.config import ConfigError, RunConfig, local_paths_from_toml
 from tasklet.peer.node.joining import joiner_config
 from tasklet.peer.node.planning import workload_for
@@ -402,7 +403,7 @@ def run_doctor(opts: DoctorOptions) -> dict[str, Any]:
     memory = memory_section(device, opts.max_vram_gb)
     split = [(int(a), int(b)) for a, b in stages] if stages else (
         even_stages(workload_for(spec).n_layers, config.swarm.stages) if config.swarm.stages else None)
-    source = getattr(spec.model, "source", "") or f"byte GPT, {workload_for(spec).n_layers} layers"
+    source = family_of(spec.model).describe(spec.model)
     judged = verdict(spec, memory["usable_bytes"], split, source)
     refusal = device["precisions"].get(spec.precision, "ok")
     if refusal != "ok":  # the memory may suffice, but this device cannot compute in the run's precision at all

@@ -18,6 +18,7 @@ from typing import Any
 import hivemind
 
 from tasklet.peer.compute.data import Corpus, CorpusError
+from tasklet.peer.compute.family import family_of
 from tasklet.peer.compute.textdata import load_corpus
 from tasklet.peer.config import ConfigError, RunConfig, strip_local_paths, with_local_paths
 from tasklet.peer.runtime.spec import RunSpec
@@ -138,7 +139,8 @@ def check_files(config: RunConfig, existing: RunRecord | None) -> CheckedFiles:
         raise JoinError(f"[run] corpus: {exc}") from None
     except ValueError as exc:  # a tokenizer that cannot be read or does not fit the model (names its file)
         raise JoinError(f"[run] tokenizer: {exc}") from None
-    model_fingerprint = getattr(own.model, "fingerprint", "")
+    family = family_of(own.model)
+    model_fingerprint = family.fingerprint(own.model)
     published_model, published = model_fingerprint, corpus.fingerprint
     if existing is not None:  # the run fixes both fingerprints; a record without them is refused, never adopted
         published_model = existing.config.get("model_fingerprint")
@@ -150,7 +152,7 @@ def check_files(config: RunConfig, existing: RunRecord | None) -> CheckedFiles:
         raise JoinError(
             f"this peer's model files differ from the run's (fingerprint {model_fingerprint[:12]} vs "
             f"{published_model[:12]}): a different config.json or checkpoint at "
-            f"{getattr(own.model, 'source', '') or 'the byte GPT'} (a joiner names its model with --model)"
+            f"{family.describe(own.model)} (a joiner names its model with --model)"
         )
     if corpus.fingerprint != published:
         raise JoinError(

@@ -17,7 +17,7 @@ import json
 import math
 from typing import Any
 
-from tasklet.peer.compute.model import ModelConfig
+from tasklet.peer.compute.family import family_of
 from tasklet.peer.compute.workload import workload_for
 from tasklet.peer.runtime.spec import RunSpec
 from tasklet.protocol import tasklet_pb2 as pb
@@ -39,7 +39,7 @@ def push_limits(spec: RunSpec | None, stage_numel: int) -> dict[int, int]:
     limits[pb.ACTIVATION_GRAD] = hidden + ENVELOPE_SLACK_BYTES
     limits[pb.GRAD_SHARD] = shard + ENVELOPE_SLACK_BYTES + 16 * spec.n_microbatches
     limits[pb.PARAM_SHARD] = shard + ENVELOPE_SLACK_BYTES
-    if getattr(spec.model, "keep_tied", False):  # the tied weight's gradient, first <-> last stage
+    if family_of(spec.model).keeps_tied(spec.model):  # the tied weight's gradient, first <-> last stage
         limits[pb.TIED_GRAD] = spec.model.vocab_size * spec.model.d_model * 4 + ENVELOPE_SLACK_BYTES
     return limits
 
@@ -53,7 +53,7 @@ STATE_VECTORS = 5  # a STAGE_STATE's float32 vectors: parameters, two AdamW mome
 
 
 def stage_numel(model: Any, layers: tuple[int, int]) -> int:
-    """Parameters of the stage holding ``layers`` of ``model`` (a ModelConfig or a Hugging Face spec), from
+    """Parameters of the stage holding ``layers`` of ``model`` (a spec of any family), from
     their shapes alone: nothing is allocated."""
     return sum(math.prod(shape) for _, shape in model.stage_shapes(*layers))
 
@@ -65,11 +65,9 @@ def state_bytes(stage_params: int) -> int:
 
 
 def model_numel(model: Any) -> int:
-    """Parameters of the whole model, from its shapes alone (nothing is allocated): the GPT's closed form, or
-    a Hugging Face spec's stage shapes of every layer."""
-    if isinstance(model, ModelConfig):
-        return model.n_layers * model.params_per_layer() + model.params_embedding() + model.params_head()
-    return stage_numel(model, (0, model.n_layers))
+    """Parameters of the whole model, from its shapes alone (nothing is allocated), as its family counts them
+    (the byte GPT's closed form; else the shapes of the stage of every layer)."""
+    return family_of(model).numel(model)
 
 
 def checkpoint_bytes(spec: RunSpec) -> int:
@@ -80,7 +78,7 @@ def checkpoint_bytes(spec: RunSpec) -> int:
     description, which every stage file and ``run.json`` repeat."""
     model = spec.model
     numel = model_numel(model)
-    if getattr(model, "keep_tied", False):
+    if family_of(model).keeps_tied(model):
         numel += model.vocab_size * model.d_model
     files = model.n_layers + 1
     described = len(json.dumps(spec.to_dict()))

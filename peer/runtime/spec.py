@@ -10,7 +10,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tasklet.peer.compute.hf.spec import HFModelSpec
+from tasklet.peer.compute.family import ModelSpec, family_of, model_from_dict, model_to_dict
 from tasklet.peer.compute.model import ModelConfig
 from tasklet.peer.compute.stage import OptimConfig
 from tasklet.peer.runtime.choices import COMPRESSIONS, PRECISIONS, PSEUDO_GRAD_COMPRESSIONS
@@ -42,7 +42,7 @@ class RunSpec:
     """
 
     run_id: str = "tasklet"
-    model: ModelConfig | HFModelSpec = field(default_factory=ModelConfig)
+    model: ModelSpec = field(default_factory=ModelConfig)  # of a registered family (peer.compute.family)
     optim: OptimConfig = field(default_factory=OptimConfig)
     seed: int = 0
     micro_batch: int = 4
@@ -100,7 +100,7 @@ class RunSpec:
         count = self.probation_microbatches
         if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= 1_000_000:
             raise SpecError(f"trust.probation_microbatches: must be an integer in [0, 1000000], got {count!r}")
-        if getattr(self.model, "keep_tied", False) and self.sync_period > 1:
+        if family_of(self.model).keeps_tied(self.model) and self.sync_period > 1:
             raise SpecError("run.sync_period: a model that keeps its embeddings tied trains with exact averaging "
                             "(sync_period 1) only")
         return self
@@ -122,6 +122,7 @@ class RunSpec:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d["model"] = model_to_dict(self.model)
         d["optim"]["betas"] = list(self.optim.betas)
         return d
 
@@ -142,7 +143,7 @@ class RunSpec:
         try:
             spec = cls(
                 run_id=_need(d, "run_id", str, "run"),
-                model=HFModelSpec.from_dict(model) if model.get("kind") == "hf" else ModelConfig(**model),
+                model=model_from_dict(model),
                 optim=OptimConfig(**optim),
                 seed=_need(d, "seed", int, "run"),
                 micro_batch=_need(d, "micro_batch", int, "run"),
@@ -165,7 +166,7 @@ class RunSpec:
             )
         except TypeError as exc:  # an unknown key inside model/optim
             raise SpecError(f"run: {exc}") from None
-        except ValueError as exc:  # a bad HF model spec
+        except ValueError as exc:  # a bad model spec, or an unknown model family (model.kind)
             raise SpecError(f"run.{exc}") from None
         return spec.validate()
 
