@@ -7,18 +7,22 @@
   quality can be judged. With no measurement at all, conservative defaults stand in.
 * :func:`probe_targets_for` is what a peer's prober asks: which peers to measure next (its neighbours in the
   plan it follows, then a few at random), so the measurements a plan depends on are the ones taken.
-* :func:`make_planner` keeps the stage split fixed after the first plan (see ``peer.runtime.lead.driver``).
+* :class:`SwarmPlanner` (:func:`make_planner`) keeps the stage split fixed after the first plan (see
+  ``peer.runtime.lead.driver``).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from tasklet.peer.compute.family import family_of
 from tasklet.peer.compute.workload import workload_for
-from tasklet.peer.runtime.lead.driver import Pipelines, Planner, Stages
+from tasklet.peer.runtime.lead.driver import Pipelines, Stages
 from tasklet.peer.runtime.lead.step import TooFewPeersError
 from tasklet.peer.runtime.spec import RunSpec
 from tasklet.peer.swarm.adverts import Advert, LinkReport
@@ -43,7 +47,7 @@ def check_model_fits(spec: RunSpec, memory_bytes: list[float]) -> None:
     for what, (a, b) in (("layer 0 with the embeddings", (0, 1)), (f"layer {n - 1} with the head", (n - 1, n))):
         need = w.stage_memory_bytes(a, b, in_flight=1)
         if need > largest:
-            source = getattr(spec.model, "source", "") or "[model]"
+            source = family_of(spec.model).describe(spec.model)
             raise PlanningError("memory_gb", f"{source}: the smallest stage ({what}) needs {need / 1e9:.3g} GB at "
                                 f"{spec.precision}, the largest device has {largest / 1e9:.3g} GB")
 
@@ -130,15 +134,7 @@ def probe_targets_for(me: str, live: list[str], plan_record: dict | None, probed
     return [str(p) for p in chosen]
 
 
-def make_planner(
-    spec: RunSpec,
-    view_of: callable,
-    stages_hint: int = 0,
-    time_limit_s: float | None = 5.0,  # type: ignore[valid-type]
-    seed: int = 0,
-    replan_time_limit_s: float | None = None,
-    config: MemeticConfig | None = None,
-) -> Planner:
+class SwarmPlanner:
     """A planner over live daemon device ids; ``view_of(ids)`` gives the ClusterView of those devices.
 
     The first plan chooses the layer split; later plans keep it (``stages``) and start from the pipelines this
@@ -146,40 +142,35 @@ def make_planner(
     departure moves few tasklets instead of reshuffling the swarm. ``config`` bounds the search by evaluations
     instead of time (the control-plane simulator does, to be deterministic). ``time_limit_s`` bounds a plan
     from scratch; a re-plan gets ``replan_time_limit_s`` (default: the scheduler's warm limit, at most 0.5 s,
-    because the swarm waits for it).
+    because the swarm waits for it). ``last_predicted``: the scheduler's figures of the plan returned last,
+    which the run driver bounds leases by until it has measured figures (peer.timing, "Stragglers").
     """
-    previous: dict[str, Pipelines] = {}  # the last pipelines this planner returned, in daemon device ids
 
-    def planner(live: list[int], stages: Stages | None) -> tuple[Stages, Pipelines]:
-        view: ClusterView = view_of(live)
+    def __init__(self, spec: RunSpec, view_of: Callable[[list[int]], ClusterView], stages_hint: int = 0,
+                 time_limit_s: float | None = 5.0, seed: int = 0, replan_time_limit_s: float | None = None,
+                 config: MemeticConfig | None = None) -> None:
+        self.spec = spec
+        self.view_of = view_of
+        self.stages_hint = stages_hint
+        self.time_limit_s = time_limit_s
+        self.seed = seed
+        self.replan_time_limit_s = replan_time_limit_s
+        self.config = config
+        self.previous: Pipelines | None = None  # the last pipelines returned, in daemon device ids
+        self.last_predicted: dict[str, Any] = {}
+
+    def __call__(self, live: list[int], stages: Stages | None) -> tuple[Stages, Pipelines]:
+        view = self.view_of(live)
         n = len(live)
-        if stages is not None:
-            n_st = len(stages)
-        elif stages_hint:
-            n_st = stages_hint
-        else:
-            n_st = 0
+        n_st = len(stages) if stages is not None else self.stages_hint
         if n_st and n // n_st < 1:
             raise TooFewPeersError(f"{n} live peer(s) cannot hold {n_st} stages")
-        workload: Workload = workload_for(spec, n_st or None, (n // n_st) if n_st else None)
-        p = None
-        if stages is not None and previous.get("pipelines"):
-            index = {dev: i for i, dev in enumerate(live)}
-            current = Plan(stages=[(int(a), int(b)) for a, b in stages],
-                           pipelines=[[index.get(d, -1) for d in row] for row in previous["pipelines"]])
-            try:
-                p = replan(view.cluster, workload, current, cost_model="full", seed=seed,
-                           time_limit_s=replan_time_limit_s, config=config, replicas=n // len(stages))
-                moves = p.predicted.get("moves", {})
-                log.info("re-plan from the current plan: %s tasklet(s) move, predicted state transfer %.2f s",
-                         moves.get("moved_tasklets"), float(moves.get("transfer_s", 0.0)))
-            except PlanningError as exc:
-                log.info("re-plan from the current plan not possible (%s); planning from scratch", exc)
-                p = None
+        workload: Workload = workload_for(self.spec, n_st or None, (n // n_st) if n_st else None)
+        p = self._replan(view, workload, live, stages) if stages is not None and self.previous else None
         if p is None:
-            p = plan(view.cluster, workload, cost_model="full", seed=seed, time_limit_s=time_limit_s, config=config,
-                     stages=[(int(a), int(b)) for a, b in stages] if stages is not None else None)
-        chosen = stages if stages is not None else [tuple(s) for s in p.stages]
+            p = plan(view.cluster, workload, cost_model="full", seed=self.seed, time_limit_s=self.time_limit_s,
+                     config=self.config, stages=[(int(a), int(b)) for a, b in stages] if stages is not None else None)
+        chosen = stages if stages is not None else [tuple(st) for st in p.stages]
         pipelines = [[live[d] for d in pipe] for pipe in p.pipelines]
         log.info(
             "planned %d stages x %d pipelines over %d peers (%d links measured, %d estimated); predicted "
@@ -191,9 +182,35 @@ def make_planner(
             view.estimated_pairs,
             p.predicted.get("total_s", float("nan")),
         )
-        previous["pipelines"] = pipelines
-        # the run driver bounds leases by this until it has measured figures (peer.timing, "Stragglers")
-        planner.last_predicted = dict(p.predicted)  # type: ignore[attr-defined]
-        return list(chosen), pipelines  # type: ignore[arg-type]
+        self.previous = pipelines
+        self.last_predicted = dict(p.predicted)
+        return list(chosen), pipelines
 
-    return planner
+    def _replan(self, view: ClusterView, workload: Workload, live: list[int], stages: Stages) -> Plan | None:
+        """A plan from the pipelines returned last (dead devices' places empty), or None when none is possible."""
+        index = {dev: i for i, dev in enumerate(live)}
+        current = Plan(stages=[(int(a), int(b)) for a, b in stages],
+                       pipelines=[[index.get(d, -1) for d in row] for row in self.previous or []])
+        try:
+            p = replan(view.cluster, workload, current, cost_model="full", seed=self.seed,
+                       time_limit_s=self.replan_time_limit_s, config=self.config, replicas=len(live) // len(stages))
+        except PlanningError as exc:
+            log.info("re-plan from the current plan not possible (%s); planning from scratch", exc)
+            return None
+        moves = p.predicted.get("moves", {})
+        log.info("re-plan from the current plan: %s tasklet(s) move, predicted state transfer %.2f s",
+                 moves.get("moved_tasklets"), float(moves.get("transfer_s", 0.0)))
+        return p
+
+
+def make_planner(
+    spec: RunSpec,
+    view_of: Callable[[list[int]], ClusterView],
+    stages_hint: int = 0,
+    time_limit_s: float | None = 5.0,
+    seed: int = 0,
+    replan_time_limit_s: float | None = None,
+    config: MemeticConfig | None = None,
+) -> SwarmPlanner:
+    """The :class:`SwarmPlanner` of ``spec`` (a ``Planner`` of the run driver)."""
+    return SwarmPlanner(spec, view_of, stages_hint, time_limit_s, seed, replan_time_limit_s, config)
