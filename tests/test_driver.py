@@ -372,7 +372,7 @@ def test_a_pipeline_whose_reloads_outlast_steps_is_in_sync_when_the_run_ends(wor
     coordinator.wait_in_sync = lambda timeout_s=20.0: in_sync.append(wait(timeout_s=20.0)) or in_sync[-1]
     try:
         reports = driver.run()
-        pending = dict(coordinator.resync.pending)
+        pending = coordinator.resync.laggards()
         states = coordinator.live_states(every_replica=True)
     finally:
         coordinator.close()

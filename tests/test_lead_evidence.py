@@ -154,6 +154,9 @@ class FakeLiveness:
     def alive(self, endpoint: str) -> bool:
         return True
 
+    def is_dead(self, endpoint: str) -> bool:
+        return endpoint in self.dead
+
 
 def resync_over(held: dict[str, str], events: list[tuple[str, dict[str, Any]]],
                 told: list[str]) -> tuple[Resync, FakeLiveness]:

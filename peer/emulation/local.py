@@ -227,7 +227,7 @@ class LocalSwarm:
         self.links = links
         self.forward_flops = forward_flops
         self.coordinator = Coordinator(spec, liveness_interval_s=heartbeat_s, tls=TlsContext.generate())
-        self.coordinator.liveness.link_bps = self._slowest_link_bps
+        self.coordinator.liveness.use_link_speeds(self._slowest_link_bps)
         coordinator_cert = self.coordinator.tls.certificate_text
         self.workers = LocalWorkers(n_devices, log_dir=log_dir, faults=faults, coordinator_cert=coordinator_cert,
                                     links=links)

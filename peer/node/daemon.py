@@ -386,7 +386,7 @@ class PeerDaemon:
     def _tick(self) -> None:
         assert self.membership is not None and self.view is not None
         leading = self.role is not None and not self.role.finished.is_set()
-        self.view.holding_plan = self.worker is not None and self.worker.assignment is not None
+        self.view.note_holding_plan(self.worker is not None and self.worker.assignment is not None)
         tick = self.view.tick(leading)
         if tick.entries is not None:
             entries = [entry.advert for entry in tick.entries]

@@ -39,7 +39,15 @@ from tasklet.peer.observe.scalars import ScalarWriter
 from tasklet.peer.runtime.assign import build_assignments
 from tasklet.peer.runtime.control import MAX_HASH, Apply, encode
 from tasklet.peer.runtime.lead.coordinator import Coordinator, StepReport
-from tasklet.peer.runtime.lead.driver import KEPT_DIGESTS, DriverConfig, Pipelines, RunDriver, Stages, verified_states
+from tasklet.peer.runtime.lead.driver import (
+    KEPT_DIGESTS,
+    DriverConfig,
+    Inherited,
+    Pipelines,
+    RunDriver,
+    Stages,
+    verified_states,
+)
 from tasklet.peer.runtime.lead.resync import Digests
 from tasklet.peer.runtime.lead.spot import Ledger
 from tasklet.peer.runtime.outer import assignment_record
@@ -208,7 +216,7 @@ class LeaderRole:
             if pid in live:
                 endpoints[d] = live[pid].endpoint
         peer_of = {a.endpoint: pid for pid, a in live.items()}
-        self.coordinator.liveness.link_bps = _slowest_measured(peer_of, self.ctx.links())
+        self.coordinator.liveness.use_link_speeds(_slowest_measured(peer_of, self.ctx.links()))
         workload = workload_for(self.spec, len(stages), len(pipelines))
         self._wait_for_quorum()  # never send a plan that a majority of the previous plan's members does not back
         return build_assignments(
@@ -301,7 +309,7 @@ class LeaderRole:
         self.credited = set(credited_of(previous.plan if previous else None))
         record = self._read_predecessor()
         self.credit = CreditBook.from_record(record.get("credit"))  # kept in the records published while it waits
-        self.coordinator.verification.ledger = Ledger.from_record(record.get("unverified"))  # its roll-backs too
+        self.coordinator.verification.inherit(Ledger.from_record(record.get("unverified")))  # its roll-backs too
         self.start_epoch = board.highest_epoch
         self._wait_for_peers(taking_over=previous is not None)
         self._wait_for_quorum()
@@ -326,23 +334,16 @@ class LeaderRole:
             checkpoint_keep=s.checkpoint_keep,
             checkpoint_copies=s.checkpoint_copies,
         )
-        self.driver = RunDriver(
-            self.spec,
-            self.coordinator,
-            self.live_devices,
-            planner,
-            self._assignments,
-            cfg,
-            on_step=self._on_step,
-            epoch=board.next_epoch() - 1,
-            on_replan=self._on_replan,
-        )
-        self.driver.recorded_step = self._recorded()[0] if previous else None
-        self.driver.checkpoint_digests = recorded_checkpoints(record.get("checkpoint_hashes"))
-        self.driver.checkpoint_manifests = recorded_manifests(record.get("checkpoint_manifests"))
-        if takeover is not None and takeover[0] == self._takeover_digests.step:
-            self.driver.digests = self._takeover_digests  # holders must match what the previous leader signed
-        self.driver.on_pause = self._on_pause
+        inherited = Inherited(
+            step=self._recorded()[0] if previous else None,
+            # holders must match what the previous leader signed for the step a takeover starts from
+            digests=self._takeover_digests if takeover is not None and takeover[0] == self._takeover_digests.step
+            else Digests(),
+            checkpoint_digests=recorded_checkpoints(record.get("checkpoint_hashes")),
+            checkpoint_manifests=recorded_manifests(record.get("checkpoint_manifests")))
+        self.driver = RunDriver(self.spec, self.coordinator, self.live_devices, planner, self._assignments, cfg,
+                                on_step=self._on_step, epoch=board.next_epoch() - 1, on_replan=self._on_replan,
+                                on_pause=self._on_pause, inherited=inherited)
         for ep in self.excluded:
             self.driver.banned.add(ep)
         if takeover is not None and takeover[0] >= self.config.run.steps:  # planned only to save the final state
@@ -483,7 +484,7 @@ class LeaderRole:
         for r in report.applied:  # accepted work: the peers of each pipeline that applied the step
             if 0 <= r < len(self.driver.pipelines):
                 self.credited.update(self.peer_of[d] for d in self.driver.pipelines[r] if d in self.peer_of)
-        self.driver.replan_on_join = bool(self.credited - self.published_credited)
+        self.driver.replan_when_a_peer_joins(bool(self.credited - self.published_credited))
         credit_step(self.credit, report, self.driver.pipelines, self.peer_of, self.coordinator, self._act_bytes)
         self.scalars.add(report.step, {"train/loss": report.loss, "train/tokens_per_s": tokens_per_s,
                                        "train/step_s": report.seconds, "swarm/plan_epoch": self.driver.epoch,

@@ -54,8 +54,9 @@ class Leadership:
 
     def adopt(self, organiser: str) -> None:
         """The run this peer takes part in is ``organiser``'s: who may lead is its signed choice."""
-        self.view.policy = LeaderPolicy.from_record(organiser, self.leaders)
-        log.info("run of organiser %s; who may lead: %s", organiser, self.view.policy.describe())
+        policy = LeaderPolicy.from_record(organiser, self.leaders)
+        self.view.adopt_policy(policy)
+        log.info("run of organiser %s; who may lead: %s", organiser, policy.describe())
 
     def step(self, leader: str | None, may_lead: bool, role_finished: bool, role_failed: bool) -> tuple[Action, ...]:
         """One tick of the role machine; the actions for the daemon, in order."""
@@ -158,7 +159,7 @@ class Leadership:
         new = LeaderPolicy.from_record(policy.organiser, self.leaders, added)
         if new != policy:
             log.info("the organiser's stewards: %s", ", ".join(new.stewards))
-            self.view.policy = new
+            self.view.adopt_policy(new)
 
     def summary(self) -> dict[str, Any] | None:
         """Who may lead and whether the swarm waits for a steward (the dashboard, /metrics)."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -57,16 +58,23 @@ class Tick:
     leader: str | None
 
 
+# elect(live entries, credited peers, policy, incumbent) -> the leader (``peer.swarm.election.elect``)
+Elect = Callable[[list[PeerEntry], Collection[str], LeaderPolicy | None, str | None], str | None]
+
 class SwarmView:
     """One peer's reading policy over its membership, plan board and progress board (see the module docstring).
 
-    ``holding_plan`` is set by the owner (the daemon: whether its worker holds an assignment). Thread-safe
-    enough for its use: ``suspect_leader`` may be called from a gRPC thread, it only sets a flag.
+    The owner tells it whether its worker holds an assignment (``note_holding_plan``) and who may lead
+    (``adopt_policy``). ``elect``: the election (``peer.swarm.election.elect``; a simulator passes one that
+    shares work between its peers). Thread-safe enough for its use: ``suspect_leader`` may be called from a gRPC
+    thread, it only sets a flag.
     """
 
     def __init__(self, membership: Membership, plans: PlanBoard, progress: ProgressBoard, *,
-                 confirm_ticks: int = LEADER_CONFIRM_TICKS, ticks_per_heartbeat: int = TICKS_PER_HEARTBEAT) -> None:
+                 confirm_ticks: int = LEADER_CONFIRM_TICKS, ticks_per_heartbeat: int = TICKS_PER_HEARTBEAT,
+                 elect: Elect = elect) -> None:
         self.membership, self.plans, self.progress = membership, plans, progress
+        self._elect_leader = elect
         self.confirm_ticks, self.ticks_per_heartbeat = confirm_ticks, ticks_per_heartbeat
         self.candidate: str | None = None  # the leader elected at the last complete full read
         self.streak = 0  # full reads in a row that elected the candidate
@@ -79,9 +87,17 @@ class SwarmView:
         self._bootstrap: frozenset[str] | None = None  # the credited set while no plan is followed
         membership.use_endpoint_hints(self.endpoint_hints)
         self.deposed: dict[str, float] = {}  # peer id -> until when (monotonic) the election leaves it out
-        self.policy: LeaderPolicy | None = None  # who may lead (the organiser's signed choice; set by the daemon)
+        self.policy: LeaderPolicy | None = None  # who may lead (the organiser's signed choice: adopt_policy)
         self.live_ids: frozenset[str] = frozenset()  # the live workers at the last complete read
         self._pinned: dict[str, frozenset[str]] = {}  # peer id -> its testimony (found) as first seen
+
+    def note_holding_plan(self, holding: bool) -> None:
+        """Whether this peer's worker holds an assignment (a holder reads fewer adverts between heartbeats)."""
+        self.holding_plan = holding
+
+    def adopt_policy(self, policy: LeaderPolicy) -> None:
+        """Who may lead from now on: the organiser's signed choice."""
+        self.policy = policy
 
     @property
     def me(self) -> str:
@@ -141,7 +157,7 @@ class SwarmView:
         deposed = {pid for pid in self.deposed if self.is_deposed(pid)}
         kept = [self._pin(e) for e in entries if e.advert.peer_id not in deposed]
         self.live_ids = frozenset(e.advert.peer_id for e in entries if e.advert.role == "worker")
-        candidate = elect(kept, self.credited(entries), self.policy, self._incumbent(deposed))
+        candidate = self._elect_leader(kept, self.credited(entries), self.policy, self._incumbent(deposed))
         if candidate == self.candidate:
             self.streak += 1
         else:

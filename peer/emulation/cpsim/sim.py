@@ -56,9 +56,9 @@ from tasklet.peer.node.planning import (
     workload_for,
 )
 from tasklet.peer.runtime.spec import RunSpec
-from tasklet.peer.swarm import view as view_module
 from tasklet.peer.swarm.adverts import Advert, LinkReport
-from tasklet.peer.swarm.election import elect_leader
+from tasklet.peer.swarm.charter import LeaderPolicy
+from tasklet.peer.swarm.election import elect, elect_leader
 from tasklet.peer.swarm.membership import Membership, PeerEntry
 from tasklet.peer.swarm.plans import PlanBoard, has_quorum
 from tasklet.peer.swarm.progress import ProgressBoard
@@ -201,6 +201,11 @@ class SharedReads:
             return memo[1]
         return elect_leader(entries)
 
+    def elect_under(self, entries: list[PeerEntry], credited: Collection[str], policy: LeaderPolicy | None,
+                    incumbent: str | None = None) -> str | None:
+        """``peer.swarm.election.elect`` for the peers' views: the members' election shared (:meth:`elect`)."""
+        return self.elect(entries, credited) if policy is None else elect(entries, credited, policy, incumbent)
+
     def entries(self, caller: str) -> list[PeerEntry]:
         """Every live advert: the real ``Membership.live_entries`` of a reader that announced nothing (so it
         never falls back to an older view)."""
@@ -245,7 +250,7 @@ class SimPeer:
         self.membership = SimMembership(self.dht, identity, sim.shared, sim.cfg.heartbeat_s)
         self.plans = SimPlanBoard(self.dht, identity, sim.shared, lambda: self.view.elected())
         self.progress = ProgressBoard(self.dht, RUN_ID, identity)  # type: ignore[arg-type]
-        self.view = SwarmView(self.membership, self.plans, self.progress)
+        self.view = SwarmView(self.membership, self.plans, self.progress, elect=sim.shared.elect_under)
         rng = sim.rng
         tflops = float(rng.choice([35.0, 50.0, 80.0, 120.0]))
         device = DeviceInfo(name="sim-gpu", kind="cuda", memory_bytes=int(rng.choice([24, 32, 48, 80])) * 2**30,
@@ -275,7 +280,7 @@ class SimPeer:
             if self.probed:
                 self.membership.report_links(list(self.probed.values()))
         plan = self.view.followed_plan()
-        self.view.holding_plan = plan is not None and any(self.pid in row for row in plan.plan.get("pipelines", []))
+        self.view.note_holding_plan(plan is not None and any(self.pid in row for row in plan.plan.get("pipelines", [])))
         tick = self.view.tick(self.leader is not None)
         if tick.entries is not None:
             self.known = [e.advert.peer_id for e in tick.entries if e.advert.peer_id != self.pid]
@@ -551,7 +556,6 @@ class Simulator:
     def run(self, max_virtual_s: float = 900.0) -> SimResult:
         cfg = self.cfg
         set_clock(lambda: EPOCH_S + self.now)
-        view_module.elect_leader = self.shared.elect  # the same function, computed once per shared parse
         try:
             for _ in range(cfg.peers):
                 self.add_peer(float(self.churn_rng.uniform(0.0, cfg.join_spread_s)),
@@ -575,7 +579,6 @@ class Simulator:
                     break
         finally:
             set_clock(None)
-            view_module.elect_leader = elect_leader
         return self._result()
 
     def _result(self) -> SimResult:

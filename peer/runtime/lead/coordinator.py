@@ -13,11 +13,12 @@ changed or 0.2 s passed. After an apply, :class:`peer.runtime.lead.resync.Resync
 has the laggards reload their stage; :class:`peer.runtime.lead.pacing.Pacing` keeps what the steps measured
 for the next one's leases and speculation.
 
-Threads and locks. ``_cond`` (a condition) guards the machine, the roster, the epoch and the dead set; the
-step loop waits on it. The observer (``on_event``) is never called while it is held: commands are collected
-under the lock and carried out after. A broadcast the step waits for (start, reduce, apply) runs on the step
-loop's thread; background work (drop notices, restarts, confirming a reported death) runs on one executor,
-shut down by :meth:`close`.
+Threads and locks. ``_cond`` (a condition) guards the machine, the roster and the epoch; the step loop waits
+on it. The helpers own their state under locks of their own (the dead set is the liveness's, the laggards the
+resync's), leaves taken under ``_cond`` and never the other way round. The observer (``on_event``) is never
+called while ``_cond`` is held: commands are collected under the lock and carried out after. A broadcast the
+step waits for (start, reduce, apply) runs on the step loop's thread; background work (drop notices, restarts,
+confirming a reported death) runs on one executor, shut down by :meth:`close`.
 """
 
 from __future__ import annotations
@@ -112,11 +113,10 @@ class Coordinator:
         self._clients: dict[str, PeerClient] = {}  # _clients_lock
         self._clients_lock = threading.Lock()
         self._background = ThreadPoolExecutor(max_workers=8, thread_name_prefix="coordinator")
-        self.pacing = Pacing()  # set predicted_mb_s, speculation there
-        self.liveness = Liveness(liveness_interval_s, self._cond, self._ping, self.declare_dead, self.spec.model,
+        self.pacing = Pacing()  # measured and predicted micro-batch times, speculation on or off
+        self.liveness = Liveness(liveness_interval_s, self._ping, self.declare_dead, self.spec.model,
                                  self.spec.micro_batch)
-        self.states = StageStates(self.spec, self._cond, lambda: (self.roster, self.epoch), self.liveness.dead,
-                                  self._client, self.tls.peer_id)
+        self.states = StageStates(self.spec, self._plan, self._client, self.tls.peer_id)
         self.resync = Resync(self.spec.run_id, self._cond, self.liveness, self._client, self._submit, self._emit,
                              fetch=self.states.fetch_state, own=lambda ep: self._who(ep) == self.tls.peer_id)
         self.server.register_fetch(pb.STAGE_STATE, self.states.on_state_request)
@@ -144,13 +144,17 @@ class Coordinator:
     @property
     def dead(self) -> frozenset[str]:
         """Workers of the current plan declared dead (a snapshot)."""
-        with self._cond:
-            return frozenset(self.liveness.dead)
+        return self.liveness.dead_now()
 
     @property
     def dead_reasons(self) -> dict[str, str]:
         """Why each dead worker of the current plan was declared dead."""
-        return self.liveness.reasons
+        return self.liveness.reasons()
+
+    def _plan(self) -> tuple[Roster, int, frozenset[str]]:
+        """The current plan: (roster, epoch, dead workers), read together."""
+        with self._cond:
+            return self.roster, self.epoch, self.liveness.dead_now()
 
     def start(self) -> str:
         if self._host_server is not None:
@@ -219,7 +223,7 @@ class Coordinator:
             self._machine = None
             self.roster = Roster(dict(assignments), peer_ids(certificates))
             self.liveness.reset(self.roster.assignments)
-            self.resync.pending.clear()  # the new plan's state sources say who holds what
+            self.resync.new_plan()
         sources = {ep: self._granted(ep, a, src) for ep, src in (sources or {}).items() if (a := assignments.get(ep))}
         envelopes = {ep: ctl.StageAssignment(self.spec, a, sources.get(ep, ctl.StateSource.init())).to_envelope()
                      for ep, a in assignments.items()}
@@ -256,7 +260,7 @@ class Coordinator:
             machine = StepMachine(
                 step, roster, self.spec.n_microbatches, now=now, timeout_s=timeout_s, lease_timeout_s=lease_timeout_s,
                 sync_period=self.spec.sync_period,
-                dead=sorted(self.liveness.dead), syncing=syncing, service_s=self.pacing.service_s(epoch),
+                dead=sorted(self.liveness.dead_now()), syncing=syncing, service_s=self.pacing.service_s(epoch),
                 speculate_after=self.pacing.speculate_after_s(), judge_after_s=self.liveness.interval_s,
                 spot=self.verification.checks(step, roster, lease_timeout_s))
             self._machine = machine
@@ -343,7 +347,7 @@ class Coordinator:
                     f.result(timeout=max(0.0, min(BROADCAST_POLL_S, give_up_at - time.monotonic())))
                 except TimeoutError:
                     with self._cond:
-                        dead = ep in self.liveness.dead
+                        dead = self.liveness.is_dead(ep)
                     if dead:
                         log.info("%s to %s: no answer yet, and it was declared dead; not waiting", msg.op.value, ep)
                     elif time.monotonic() < give_up_at:
@@ -398,9 +402,11 @@ class Coordinator:
                 if answer.seconds is not None:
                     self.pacing.mb_seconds.append(answer.seconds)
             self._cond.notify_all()
-        reply = ctl.pool_reply(request.kind, key, answer.status, bool(answer.speculative))
+        reply_key = pb.Key()  # a lease names its micro-batch in the key
+        reply_key.CopyFrom(key)
         if answer.status is ctl.PoolStatus.LEASE and answer.microbatch is not None:
-            reply.key.microbatch = answer.microbatch
+            reply_key.microbatch = answer.microbatch
+        reply = ctl.pool_reply(request.kind, reply_key, answer.status, bool(answer.speculative))
         self._carry_out(machine, answer.commands)
         return reply
 
@@ -441,7 +447,7 @@ class Coordinator:
         the plan or sets the reporter's pipeline aside for the step."""
         with self._cond:
             machine = self._machine
-            out = set(self.liveness.dead) | set(roster.members(machine.state.dropped if machine else ()))
+            out = set(self.liveness.dead_now()) | set(roster.members(machine.state.dropped if machine else ()))
             seen_by = witnesses(roster, reporter, accused, out)
             verdict = self.referee.report(self._who(reporter), self._who(accused), seen_by, step)
             if machine is not None:
@@ -505,7 +511,7 @@ class Coordinator:
     def stop_workers(self) -> None:
         """Ask every live worker to exit (best effort)."""
         with self._cond:
-            workers, epoch = [ep for ep in self.assignments if ep not in self.liveness.dead], self.epoch
+            workers, epoch = [ep for ep in self.assignments if not self.liveness.is_dead(ep)], self.epoch
         for ep in workers:
             try:
                 # as short as a status query: a worker that does not answer at once is gone or going
@@ -519,7 +525,7 @@ class Coordinator:
         own = {self._public_endpoint, self.server.endpoint if self._host_server is None else None}
         with self._cond:
             live = [ep for ep in self.roster.assignments
-                    if ep not in self.liveness.dead and ep not in own and ep not in exclude]
+                    if not self.liveness.is_dead(ep) and ep not in own and ep not in exclude]
         return sorted(live, key=lambda ep: (self.liveness.rtt.get(ep, math.inf), ep))[:n]
 
     def worker_status(self, endpoint: str, timeout_s: float = STATUS_TIMEOUT_S) -> dict[str, Any]:

@@ -206,6 +206,27 @@ class RunEvents:
     copies: list[dict[str, Any]] = field(default_factory=list)  # checkpoint copies sent: step, peers, errors
     fetched_copy: dict[str, Any] | None = None  # a checkpoint this leader fetched from a peer (its disk had none)
 
+    def resumed(self, step: int, skipped_damaged: list[int]) -> None:
+        """A resume started from the checkpoint of ``step``, passing over the damaged newer ones."""
+        self.resumed_from = {"step": step, "skipped_damaged": skipped_damaged}
+
+    def fetched(self, step: int, source: str) -> None:
+        """This leader uses the checkpoint copy of ``step`` it fetched from ``source``."""
+        self.fetched_copy = {"step": step, "from": source}
+
+
+@dataclass(frozen=True)
+class Inherited:
+    """What the run's previous leader signed in its progress record, which a new leadership starts from: the step it
+    recorded (no checkpoint copy a peer offers is believed beyond it), the stage hashes it signed for the step a
+    takeover starts from (a holder's claim must match them), and its newest checkpoints' stage hashes and
+    manifests (a copy must match them)."""
+
+    step: int | None = None
+    digests: Digests = field(default_factory=Digests)
+    checkpoint_digests: dict[int, dict[tuple[int, int], str]] = field(default_factory=dict)
+    checkpoint_manifests: dict[int, str] = field(default_factory=dict)
+
 
 class PeerShortage:
     """A plan's wait for enough live peers to hold its stages: said once in the log and, through ``on_pause``, in
@@ -240,7 +261,11 @@ class RunDriver:
     def __init__(self, spec: RunSpec, coordinator: Coordinator, live_devices: Callable[[], dict[int, str]],
                  planner: Planner, build_assignments: AssignmentBuilder, cfg: DriverConfig,
                  on_step: Callable[[StepReport], None] | None = None, epoch: int = 0,
-                 on_replan: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 on_replan: Callable[[dict[str, Any]], None] | None = None,
+                 on_pause: Callable[[dict[str, Any] | None], None] | None = None,
+                 inherited: Inherited = Inherited()) -> None:
+        """``on_pause(why or None)``: the run waits for peers (the leader publishes it for `peer status`), or goes
+        on; ``inherited``: what the previous leader signed (a new leadership of a running run)."""
         self.spec, self.coordinator, self.live_devices, self.planner = spec, coordinator, live_devices, planner
         self.build_assignments, self.cfg, self.on_step = build_assignments, cfg, on_step
         self.events = RunEvents()
@@ -259,12 +284,12 @@ class RunDriver:
         self._loaded: Checkpoint | None = None  # the checkpoint _latest_checkpoint verified, until loaded
         # the step the run's leader last recorded and signed (a new leader reads it from its predecessor's progress
         # record): no checkpoint copy a peer offers is believed beyond it
-        self.recorded_step: int | None = None
+        self.recorded_step: int | None = inherited.step
         # what a peer's claim to hold a stage must match: its replicas' agreed hash, or the previous leader's record
-        self.digests = Digests()
+        self.digests = inherited.digests
         # step -> the stage hashes of the checkpoints written (or the previous leader recorded): a copy must match
-        self.checkpoint_digests: dict[int, dict[tuple[int, int], str]] = {}
-        self.checkpoint_manifests: dict[int, str] = {}  # step -> sha256 of its manifest, signed in the record
+        self.checkpoint_digests: dict[int, dict[tuple[int, int], str]] = dict(inherited.checkpoint_digests)
+        self.checkpoint_manifests: dict[int, str] = dict(inherited.checkpoint_manifests)  # step -> manifest sha256
         self._attempt = 0  # of the re-plan running now
         # on_checkpoint(step, folder): after each checkpoint is written (replication to other peers)
         self.on_checkpoint: Callable[[int, Path], None] | None = None
@@ -273,11 +298,13 @@ class RunDriver:
         # holder at the trained step), and those whose state it never keeps (the discarded side's)
         self.keep_only: set[str] | None = None
         self.discard: set[str] = set()
-        # the owner has news for the next plan (peers newly credited with work): re-plan when a peer joins, even
-        # one the plan will not use (a new identity must meet a plan that says whose testimony counts)
-        self.replan_on_join = False
-        # on_pause(why or None): the run waits for peers (the leader publishes it for `peer status`), or goes on
-        self.on_pause: Callable[[dict[str, Any] | None], None] | None = None
+        self.replan_on_join = False  # replan_when_a_peer_joins
+        self.on_pause = on_pause
+
+    def replan_when_a_peer_joins(self, wanted: bool) -> None:
+        """The owner has news for the next plan (peers newly credited with work): re-plan when a peer joins, even
+        one the plan will not use (a new identity must meet a plan that says whose testimony counts)."""
+        self.replan_on_join = wanted
 
     def _check_stopped(self) -> None:
         if self.stop_event.is_set():
@@ -290,7 +317,7 @@ class RunDriver:
         restore = self._latest_checkpoint(ask_peers=self.cfg.checkpoint_copies > 0) if resume else None
         if restore is not None:
             skipped = [] if self._loaded is None else [s for s, _ in self._loaded.skipped]
-            self.events.resumed_from = {"step": restore, "skipped_damaged": skipped}
+            self.events.resumed(restore, skipped)
             if skipped:
                 log.warning("resuming from the checkpoint of step %d: the newer one(s) of step(s) %s are damaged",
                             restore, skipped)
@@ -462,7 +489,7 @@ class RunDriver:
         predicted = getattr(self.planner, "last_predicted", None) or {}
         if isinstance(predicted.get("total_s"), int | float) and predicted["total_s"] > 0:
             # a micro-batch's lease-to-commit time is at most a step's: leases start from the plan's figure
-            self.coordinator.pacing.predicted_mb_s = float(predicted["total_s"])
+            self.coordinator.pacing.predict(float(predicted["total_s"]))
         self.stages = stages
         self.epoch += 1
         assignments = self.build_assignments(stages, pipelines, self.epoch)
@@ -664,7 +691,7 @@ class RunDriver:
                 log.error("the checkpoint copy of step %d from %s does not verify: %s", step, source, exc)
                 return None
         log.warning("using the checkpoint copy of step %d fetched from %s", step, source)
-        self.events.fetched_copy = {"step": step, "from": source}
+        self.events.fetched(step, source)
         return ckpt
 
     def _load_checkpoint_stages(self, step: int) -> None:

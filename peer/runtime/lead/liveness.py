@@ -5,9 +5,9 @@ one outstanding per worker) fail, or when a failed send to it (a neighbour's rep
 by one ping. A ping's deadline adapts to the worker: its measured round-trip time times a factor plus its
 largest message on its slowest known link (a ping queued behind that transfer is late, not lost).
 
-The dead set is guarded by the owner's lock (given as ``lock``), because the step machine is fed deaths under
-it; a death is announced through ``declare`` (the coordinator's ``declare_dead``), which tells the running
-step and the observer.
+Liveness owns its state under a lock of its own (a leaf: it calls nobody while holding it, so the coordinator
+may ask it under its own lock). It records a death when told to (``mark``) and announces one it finds through
+``declare`` (the coordinator's ``declare_dead``, which marks it and tells the running step and the observer).
 """
 
 from __future__ import annotations
@@ -31,19 +31,20 @@ class Liveness:
     ``ping(endpoint, timeout_s)`` returns a round-trip time or raises TransportError; ``declare(endpoint,
     reason)`` is called for a death; ``model`` and ``micro_batch`` size the largest message of a worker."""
 
-    def __init__(self, interval_s: float, lock: threading.Condition, ping: Callable[[str, float], float],
+    def __init__(self, interval_s: float, ping: Callable[[str, float], float],
                  declare: Callable[[str, str], None], model: ModelConfig, micro_batch: int) -> None:
         self.interval_s = interval_s
-        self._lock, self._ping, self._declare = lock, ping, declare
+        self._lock = threading.Lock()
+        self._ping, self._declare = ping, declare
         self._model, self._micro_batch = model, micro_batch
-        self.assignments: dict[str, Assignment] = {}  # the plan's workers; replaced whole (reset)
-        self.dead: set[str] = set()  # _lock
+        self._assignments: dict[str, Assignment] = {}  # the plan's workers; replaced whole (reset)
+        self._dead: set[str] = set()  # _lock
         self._refusing: set[str] = set()  # workers that refused the last plan's assignment as not ours (kept by reset)
-        self.reasons: dict[str, str] = {}  # _lock
+        self._reasons: dict[str, str] = {}  # _lock
         self.rtt: dict[str, float] = {}  # moving average per worker
         # endpoint -> the slowest link (bit/s) known from that worker: measured (a leader's link reports),
         # emulated (a local swarm), or None (unknown)
-        self.link_bps: Callable[[str], float | None] = lambda endpoint: None
+        self._link_bps: Callable[[str], float | None] = lambda endpoint: None
         self._misses: dict[str, int] = {}
         self._pings: dict[str, Future[None]] = {}
         self._pinger = ThreadPoolExecutor(max_workers=16, thread_name_prefix="ping")
@@ -59,6 +60,24 @@ class Liveness:
             self._thread.join(timeout=5.0)
         self._pinger.shutdown(wait=False, cancel_futures=True)
 
+    def use_link_speeds(self, link_bps: Callable[[str], float | None]) -> None:
+        """Size ping deadlines with ``link_bps(endpoint)``: the slowest link (bit/s) known from that worker."""
+        self._link_bps = link_bps
+
+    def is_dead(self, endpoint: str) -> bool:
+        with self._lock:
+            return endpoint in self._dead
+
+    def dead_now(self) -> frozenset[str]:
+        """The workers of the plan declared dead (a snapshot)."""
+        with self._lock:
+            return frozenset(self._dead)
+
+    def reasons(self) -> dict[str, str]:
+        """Why each dead worker of the plan was declared dead (a snapshot)."""
+        with self._lock:
+            return dict(self._reasons)
+
     def refused_again(self, endpoint: str, not_ours: bool) -> bool:
         """Record whether ``endpoint`` refused its assignment as not its leader's (PERMISSION_DENIED); True when it
         did so for the previous plan too: it follows another leader for good, whereas a peer back from a partition
@@ -71,18 +90,20 @@ class Liveness:
         return again
 
     def reset(self, assignments: dict[str, Assignment]) -> None:
-        """A new plan: nobody is dead (the driver left the dead out of it). ``_lock`` held."""
-        self.assignments = assignments
-        self.dead.clear()
-        self.reasons.clear()
-        self._misses.clear()
+        """A new plan: nobody is dead (the driver left the dead out of it)."""
+        with self._lock:
+            self._assignments = assignments
+            self._dead.clear()
+            self._reasons.clear()
+            self._misses.clear()
 
     def mark(self, endpoint: str, reason: str) -> bool:
-        """Record a death (``_lock`` held); False when it is no live worker of the plan."""
-        if endpoint in self.dead or endpoint not in self.assignments:
-            return False
-        self.dead.add(endpoint)
-        self.reasons[endpoint] = reason
+        """Record a death; False when it is no live worker of the plan."""
+        with self._lock:
+            if endpoint in self._dead or endpoint not in self._assignments:
+                return False
+            self._dead.add(endpoint)
+            self._reasons[endpoint] = reason
         log.warning("worker %s declared dead: %s", endpoint, reason)
         return True
 
@@ -103,16 +124,16 @@ class Liveness:
     def confirm(self, endpoint: str, reason: str) -> None:
         """Declare ``endpoint`` dead if it is a live worker of the plan and does not answer a ping."""
         with self._lock:
-            candidate = endpoint in self.assignments and endpoint not in self.dead
+            candidate = endpoint in self._assignments and endpoint not in self._dead
         if candidate and not self.alive(endpoint):
             self._declare(endpoint, reason)
 
     def ping_timeout_s(self, endpoint: str) -> float:
         """A ping's deadline for ``endpoint``: its measured RTT times a factor, plus its largest message on its
         slowest known link (a ping queued behind that transfer is late, not lost); see peer.timing."""
-        a = self.assignments.get(endpoint)
+        a = self._assignments.get(endpoint)
         transfer = 0.0
-        slowest = self.link_bps(endpoint)
+        slowest = self._link_bps(endpoint)
         if a is not None and slowest:
             transfer = 8.0 * self._largest_message_bytes(a) / slowest
         rtt = self.rtt.get(endpoint, 0.0)
@@ -129,7 +150,7 @@ class Liveness:
         """Ping every live worker each ``interval_s``; ``PING_MISSES`` misses in a row: dead."""
         while not self._stop.wait(self.interval_s):
             with self._lock:
-                workers = [ep for ep in self.assignments if ep not in self.dead]
+                workers = [ep for ep in self._assignments if ep not in self._dead]
             for ep in workers:  # concurrently, one ping outstanding per worker (a slow one delays no other)
                 pending = self._pings.get(ep)
                 if pending is not None and not pending.done():

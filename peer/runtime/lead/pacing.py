@@ -31,10 +31,14 @@ class Pacing:
         self.mb_seconds: deque[float] = deque(maxlen=64)  # lease-to-commit seconds of committed micro-batches
         self.head_seconds: deque[float] = deque(maxlen=64)  # head-of-window to commit (TaskPool.head_latencies)
         self.forward_seconds: deque[float] = deque(maxlen=64)  # forward head to loss (TaskPool.forward_latencies)
-        self.predicted_mb_s: float | None = None  # the plan's predicted figure (set by the driver; None: unknown)
+        self.predicted_mb_s: float | None = None  # the plan's predicted figure (``predict``; None: unknown)
         self.speculation = True
         # (epoch, pipeline -> seconds per micro-batch) measured in the last step: paces the next step's leases
         self.pipeline_service_s: tuple[int, dict[int, float]] = (-1, {})
+
+    def predict(self, mb_s: float) -> None:
+        """The plan's predicted seconds of a micro-batch: leases start from it until steps are measured."""
+        self.predicted_mb_s = mb_s
 
     def service_s(self, epoch: int) -> dict[int, float] | None:
         """The pacing figures for a step of plan ``epoch`` (None: the last step was of another plan)."""

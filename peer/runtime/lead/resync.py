@@ -129,50 +129,67 @@ def judge_stage(reported: dict[str, tuple[int, str]], own: str | None = None,
 class Resync:
     """Resyncing replicas that missed a step or diverged (module docstring).
 
-    Given the run's id, the owner's lock (which guards ``pending``, the running step's hashes and the dead
-    set), the liveness (pings, deaths), a client per worker, a way to run work in the background and the
-    observer's ``emit``; ``fetch(endpoint)``: a worker's stage state (the leader hashes disputed replicas' bytes
-    itself), ``own(endpoint)``: whether that worker is the leader's own."""
+    Given the run's id, the owner's condition ``step_lock`` (it guards the running step's hashes, and is notified
+    when a report arrives: a resync waits on it), the liveness (pings, deaths), a client per worker, a way to run
+    work in the background and the observer's ``emit``; ``fetch(endpoint)``: a worker's stage state (the leader
+    hashes disputed replicas' bytes itself), ``own(endpoint)``: whether that worker is the leader's own. The
+    laggards still reloading are its own, under a lock of its own (a leaf: taken under ``step_lock``, never
+    the other way round)."""
 
-    def __init__(self, run_id: str, lock: threading.Condition, liveness: Liveness,
+    def __init__(self, run_id: str, step_lock: threading.Condition, liveness: Liveness,
                  client: Callable[[str], PeerClient], submit: Callable[..., None],
                  emit: Callable[[Sequence[Event]], None], *,
                  fetch: Callable[[str], dict[str, Any]] | None = None,
                  own: Callable[[str], bool] | None = None) -> None:
-        self.run_id, self._lock, self._liveness = run_id, lock, liveness
+        self.run_id, self._step_lock, self._liveness = run_id, step_lock, liveness
         self._client, self._submit, self._emit = client, submit, emit
         self._fetch, self._own = fetch, own
+        self._lock = threading.Lock()
         # endpoint -> ((trained steps, params hash) it must reach, when told); _lock
-        self.pending: dict[str, tuple[tuple[int, str], float]] = {}
+        self._pending: dict[str, tuple[tuple[int, str], float]] = {}
+
+    def new_plan(self) -> None:
+        """A new plan: its state sources say who holds what, so no laggard is waited for any more."""
+        with self._lock:
+            self._pending.clear()
+
+    def laggards(self) -> dict[str, tuple[int, str]]:
+        """Endpoint -> the (trained steps, params hash) each laggard still reloading must reach (a snapshot)."""
+        with self._lock:
+            return {ep: target for ep, (target, _) in self._pending.items()}
 
     def syncing_pipelines(self, roster: Roster, now: float) -> set[int]:
-        """Pipelines with a live member still reloading its stage (``_lock`` held). One that has not reported in
-        sync within a control deadline plus a state fetch's is declared dead (it left its pipeline for good)."""
+        """Pipelines with a live member still reloading its stage (``step_lock`` held). One that has not reported
+        in sync within a control deadline plus a state fetch's is declared dead (it left its pipeline for good)."""
         limit = SYNC_LIMIT_S
-        for ep, (_, since) in list(self.pending.items()):
-            if ep in self._liveness.dead or ep not in roster.assignments:
-                del self.pending[ep]
-            elif now - since > limit:
-                del self.pending[ep]
-                self._liveness.mark(ep, f"did not reload its stage within {limit:.0f} s")
-        return roster.pipelines_of(self.pending)
+        with self._lock:
+            for ep, (_, since) in list(self._pending.items()):
+                if self._liveness.is_dead(ep) or ep not in roster.assignments:
+                    del self._pending[ep]
+                elif now - since > limit:
+                    del self._pending[ep]
+                    self._liveness.mark(ep, f"did not reload its stage within {limit:.0f} s")
+            return roster.pipelines_of(self._pending)
 
     def caught_up(self, roster: Roster, sender: str, msg: ctl.Synced) -> tuple[bool, int | None]:
         """A Synced report: whether it is a laggard's, and the pipeline it completes (every member in sync again:
-        it may join the running step), if any. ``_lock`` held."""
-        pending = self.pending.get(sender)
-        if pending is None:
-            return False, None
-        if (msg.trained_steps, msg.params_hash) != pending[0]:
-            return True, None  # an older resync's answer, or not there yet: still syncing
-        del self.pending[sender]
+        it may join the running step), if any. ``step_lock`` held."""
+        with self._lock:
+            pending = self._pending.get(sender)
+            if pending is None:
+                return False, None
+            if (msg.trained_steps, msg.params_hash) != pending[0]:
+                return True, None  # an older resync's answer, or not there yet: still syncing
+            del self._pending[sender]
+            still = roster.pipelines_of(self._pending)
         log.info("%s reloaded its stage (%d steps)", sender, msg.trained_steps)
         replica = roster.assignments[sender].replica
-        return True, None if replica in roster.pipelines_of(self.pending) else replica
+        return True, None if replica in still else replica
 
     def in_sync(self) -> bool:
-        """No laggard is left reloading (``_lock`` held)."""
-        return all(ep in self._liveness.dead for ep in self.pending)
+        """No laggard is left reloading."""
+        with self._lock:
+            return all(self._liveness.is_dead(ep) for ep in self._pending)
 
     def check_replicas(self, roster: Roster, epoch: int, step: int, members: list[str], hashes: Hashes,
                        deadline: float) -> dict[Layers, str]:
@@ -180,10 +197,10 @@ class Resync:
         :func:`judge_stage` decides (the leader's own replica, or hashes the leader computed from the served
         bytes with a strict majority of at least 3; never a count of reports alone). A replica it names reloads
         the stage, and is excluded if it still differs afterwards; one that lied about its parameters is
-        excluded; a disputed stage is logged and emitted. ``hashes``: the step's, filled under ``_lock`` as
+        excluded; a disputed stage is logged and emitted. ``hashes``: the step's, filled under ``step_lock`` as
         Synced reports arrive. Returns the hash each undisputed stage's live replicas then agree on
         (:func:`stage_digests`)."""
-        with self._lock:
+        with self._step_lock:
             seen = {ep: hashes.get(ep) for ep in members}
         stages = {ep: roster.assignments[ep].stage for ep in members if ep in roster.assignments}
         resyncs: dict[str, tuple[int, str]] = {}
@@ -214,8 +231,8 @@ class Resync:
                 resyncs[ep] = (reported[source][0], source)
         self._resync(epoch, step, resyncs, seen, hashes, deadline,
                      f"stage parameters still differ from the decided ones after step {step}")
-        with self._lock:
-            live = [m for m in members if m not in self._liveness.dead]
+        with self._step_lock:
+            live = [m for m in members if not self._liveness.is_dead(m)]
             digests = stage_digests(roster, live, hashes, step + 1)
         held = {roster.assignments[m].layers for m in members if stages.get(m) in disputed}
         return {layers: h for layers, h in digests.items() if layers not in held}
@@ -234,9 +251,9 @@ class Resync:
                  hashes: Hashes) -> None:
         """Live workers of ``left_out`` pipelines (dropped from the step without a death, or syncing) did not
         apply it: they reload their stage from a replica that did, in the background; their pipelines sync."""
-        with self._lock:
+        with self._step_lock:
             laggards = [ep for ep, a in roster.assignments.items()
-                        if a.replica in left_out and ep not in self._liveness.dead and ep not in members]
+                        if a.replica in left_out and not self._liveness.is_dead(ep) and ep not in members]
             seen = {ep: hashes.get(ep) for ep in members}
         stage_of = {ep: a.stage for ep, a in roster.assignments.items()}
         resyncs: dict[str, tuple[int, str]] = {}
@@ -251,7 +268,7 @@ class Resync:
         log.info("step %d: %s missed the step; reloading from a replica in the background", step, sorted(resyncs))
         with self._lock:
             for ep, (_, source) in resyncs.items():
-                self.pending[ep] = (seen[source], time.monotonic())  # type: ignore[assignment]
+                self._pending[ep] = (seen[source], time.monotonic())  # type: ignore[assignment]
         self._emit([("resync", {"step": step, "endpoints": sorted(resyncs), "background": True})])
         for ep, (trained, source) in resyncs.items():
             self._submit(self._tell, ep, epoch, step, trained, source)
@@ -270,7 +287,7 @@ class Resync:
         the source's; one that does not get there is excluded."""
         if not resyncs:
             return
-        with self._lock:
+        with self._step_lock:
             for ep in resyncs:
                 hashes.pop(ep, None)
         self._emit([("resync", {"step": step, "endpoints": sorted(resyncs)})])
@@ -287,9 +304,10 @@ class Resync:
             list(pool.map(tell, list(resyncs)))
         for ep, (_, source) in resyncs.items():
             good = seen[source]
-            with self._lock:
-                ok = self._lock.wait_for(lambda ep=ep, good=good: hashes.get(ep) == good or ep in self._liveness.dead,
-                                         timeout=max(0.0, deadline - time.monotonic()))
-                dead = ep in self._liveness.dead
+            with self._step_lock:
+                ok = self._step_lock.wait_for(
+                    lambda ep=ep, good=good: hashes.get(ep) == good or self._liveness.is_dead(ep),
+                    timeout=max(0.0, deadline - time.monotonic()))
+                dead = self._liveness.is_dead(ep)
             if not ok or dead:
                 self._liveness.declare(ep, failure)

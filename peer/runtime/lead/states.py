@@ -2,14 +2,14 @@
 
 The leader reads the trained stages (checkpoints, the final save, local runs), serves the stages of a
 checkpoint it rolls back to, and hands checkpoint copies to other peers. None of that touches the step machine;
-it needs only the plan (roster and epoch), who is dead, and a client per worker.
+it needs only the plan (roster, epoch and who is dead, one snapshot the owner takes under its lock) and a
+client per worker. What it holds is its own: the checkpoint it serves and the parameter counts of the stages.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -28,19 +28,18 @@ log = logging.getLogger(__name__)
 
 
 class StageStates:
-    """Stage states by worker, and checkpoint copies. ``plan()`` returns the current (roster, epoch) and
-    ``dead`` is the dead set, both read under ``lock``; ``own_peer_id`` is the leader's (it may read too)."""
+    """Stage states by worker, and checkpoint copies. ``plan()`` returns a snapshot of the current (roster, epoch,
+    dead workers); ``own_peer_id`` is the leader's (it may read too)."""
 
-    def __init__(self, spec: RunSpec, lock: threading.Condition, plan: Callable[[], tuple[Roster, int]],
-                 dead: set[str], client: Callable[[str], PeerClient], own_peer_id: str) -> None:
-        self.spec, self._lock, self._plan, self._dead = spec, lock, plan, dead
+    def __init__(self, spec: RunSpec, plan: Callable[[], tuple[Roster, int, frozenset[str]]],
+                 client: Callable[[str], PeerClient], own_peer_id: str) -> None:
+        self.spec, self._plan = spec, plan
         self._numel: dict[tuple[int, int], int] = {}  # stage layers -> parameters
         self._client, self._own = client, own_peer_id
         self._serving: dict[int, dict[str, Any]] = {}  # stage -> state; replaced whole
 
     def _epoch(self) -> int:
-        with self._lock:
-            return self._plan()[1]
+        return self._plan()[1]
 
     def serve_checkpoint(self, states: dict[int, dict[str, Any]]) -> None:
         """Serve these stage states (by stage index) to workers told to fetch from the coordinator."""
@@ -48,8 +47,7 @@ class StageStates:
 
     def on_state_request(self, request: pb.FetchRequest) -> pb.Envelope:
         """A worker of the plan fetches a served checkpoint stage (only a peer the plan gives that stage)."""
-        with self._lock:
-            roster, epoch = self._plan()
+        roster, epoch, _ = self._plan()
         holders = [ep for ep, a in roster.assignments.items() if a.stage == request.key.stage]
         if not any(roster.peer_ids.get(ep, self._own) == request.sender for ep in holders) \
                 and request.sender != self._own:
@@ -71,8 +69,7 @@ class StageStates:
 
     def fetch_state(self, endpoint: str, timeout_s: float = FETCH_STATE_TIMEOUT_S) -> dict[str, Any]:
         """A worker's stage state (params, AdamW moments, step) as a plain dict of tensors and numbers."""
-        with self._lock:
-            a = self._plan()[0].assignments[endpoint]
+        a = self._plan()[0].assignments[endpoint]
         env = self._client(endpoint).fetch(
             pb.STAGE_STATE,
             make_key(self.spec.run_id, a.epoch, -1, stage=a.stage),
@@ -92,9 +89,8 @@ class StageStates:
 
         The one way checkpoints, the leader's final save and local runs read the trained stages.
         """
-        with self._lock:
-            workers = sorted((a.stage, a.replica, ep) for ep, a in self._plan()[0].assignments.items()
-                             if ep not in self._dead)
+        roster, _, dead = self._plan()
+        workers = sorted((a.stage, a.replica, ep) for ep, a in roster.assignments.items() if ep not in dead)
         out: dict[tuple[int, int], dict[str, Any]] = {}
         done: set[int] = set()
         for stage, replica, ep in workers:

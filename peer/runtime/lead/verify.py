@@ -44,6 +44,11 @@ class Verification:
         self._undo: dict[str, tuple[int, str]] = {}
         self._lock = threading.Lock()  # act() runs on the threads that carry out commands, the rest on the driver's
 
+    def inherit(self, ledger: Ledger) -> None:
+        """Start from the unverified work a previous leader recorded (its roll-backs are this leadership's too)."""
+        with self._lock:
+            self.ledger = ledger
+
     def applied(self, step: int, roster: Roster, commits: dict[int, int], spot: SpotChecks | None) -> None:
         """A step was applied with ``commits`` (micro-batch -> pipeline): record, per identity, the work no spot
         check verified (``Ledger``)."""
