@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 from tasklet.peer.runtime.checkpoints import CheckpointDamagedError, CheckpointStore
 from tasklet.peer.runtime.lead.driver import DriverConfig
 from tests.support.driver import FakePlanner, make_driver
+from tests.support.waits import wait_until
 
 
 def state(step: int, n: int = 64, seed: int | None = None) -> dict:
@@ -110,10 +110,8 @@ def test_a_write_killed_midway_leaves_the_previous_checkpoint_in_force(tmp_path,
                             cwd=Path(__file__).resolve().parents[1])
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
-        deadline = time.monotonic() + 60
-        while not any(p.stat().st_size > 0 for p in tmp_path.glob(".tmp-*/*")):  # mid-way through the files
-            assert time.monotonic() < deadline and proc.poll() is None, "the writer never started writing"
-            time.sleep(0.005)
+        wait_until(lambda: any(p.stat().st_size > 0 for p in tmp_path.glob(".tmp-*/*")),  # mid-way through the files
+                   60, "the writer starts writing", 0.005, alive=proc)
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.wait(timeout=30)

@@ -31,7 +31,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,6 +42,7 @@ from tasklet.peer.emulation.multihost import RELAY_PORT, BedPeers, readme_flags
 from tasklet.peer.emulation.netbed import NetBed
 from tasklet.peer.emulation.reference_check import gap_to_reference
 from tests.support.containers import REPO, Engine, Images, compose_project, container_images_fixture, read_json_from
+from tests.support.waits import held_within, wait_for_text, wait_until
 
 # the first test also waits for the image build (a cold one: minutes), whichever test that is
 pytestmark = [pytest.mark.container, pytest.mark.usefixtures("processes"), pytest.mark.timeout(1800)]
@@ -94,16 +95,6 @@ def report(request: pytest.FixtureRequest, line: str) -> None:
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line(f"[containers] {line}")
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float, context: Callable[[], str]) -> float:
-    """Poll ``check`` until it holds; the seconds it took. Fails with ``context()`` after ``timeout_s``."""
-    start = time.monotonic()
-    while not check():
-        if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"{what}: not within {timeout_s:.0f} s\n{context()[-4000:]}")
-        time.sleep(1)
-    return time.monotonic() - start
 
 
 def test_cpu_image(container_images: Images) -> None:
@@ -168,7 +159,7 @@ def test_compose_swarm_trains_survives_stop_and_resumes(container_images: Images
             return "\n".join(f"--- {c}\n{project.logs(c)[-2500:]}" for c in project.containers())
 
         # 1. all four peers train
-        wait_for(f"step {STOP_AFTER_STEP}", lambda: trained() >= STOP_AFTER_STEP, 300, everything)
+        wait_until(lambda: trained() >= STOP_AFTER_STEP, 300, f"step {STOP_AFTER_STEP}", 1.0, detail=everything)
         first_log = project.logs(first)
         assert "4 peers live" in first_log or "over 4 peers" in first_log, first_log[-3000:]
         assert "--resume: no usable checkpoint" in first_log, "a fresh volume has no checkpoint: start at step 0"
@@ -188,8 +179,8 @@ def test_compose_swarm_trains_survives_stop_and_resumes(container_images: Images
         assert latest == f"step-{stopped_at:06d}", latest
 
         # 3. the volunteers elect a leader among themselves and finish the run without the first peer
-        wait_for("the volunteers finish", lambda: all(project.state(v)[0] == "exited" for v in volunteers), 300,
-                 everything)
+        wait_until(lambda: all(project.state(v)[0] == "exited" for v in volunteers), 300, "the volunteers finish", 1.0,
+                   detail=everything)
         assert [project.state(v)[1] for v in volunteers] == [0, 0, 0], everything()
         finished = [v for v in volunteers if f"run finished: {COMPOSE_STEPS} steps" in project.logs(v)]
         assert len(finished) == 1, f"one volunteer leads to the end, not {finished}"
@@ -201,7 +192,8 @@ def test_compose_swarm_trains_survives_stop_and_resumes(container_images: Images
         project("up", "-d", "--no-build")
         assert project.containers("first") == [first], "the first peer's container is restarted, not replaced"
         assert len(project.containers("volunteer")) == 3
-        wait_for("the restarted first peer finishes", lambda: project.state(first)[0] == "exited", 400, everything)
+        wait_until(lambda: project.state(first)[0] == "exited", 400, "the restarted first peer finishes", 1.0,
+                   detail=everything)
         first_log = project.logs(first)
         assert project.state(first) == ("exited", 0), first_log[-3000:]
         assert f"resuming from the checkpoint of step {stopped_at}" in first_log, first_log[-3000:]
@@ -268,10 +260,7 @@ def docker_api(engine: Engine, folder: Path) -> Iterator[str]:
         service = subprocess.Popen([engine.path, "system", "service", "--time=0", f"unix://{sock}"],
                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 30
-        while not sock.exists():
-            assert service.poll() is None and time.monotonic() < deadline, "podman's Docker API did not start"
-            time.sleep(0.2)
+        wait_until(sock.exists, 30, "podman's Docker API socket", 0.2, alive=service)
         yield f"unix://{sock}"
     finally:
         service.terminate()
@@ -303,10 +292,14 @@ def test_compose_1_starts_the_volunteers_the_file_says(container_images: Images,
         try:
             # docker-compose starts the volunteers once the first peer is healthy; podman without systemd runs
             # no healthcheck by itself, so the test runs it, as docker's engine would every `interval`
-            while up.poll() is None and time.monotonic() - start < 300:
+            def up_done() -> bool:
+                if up.poll() is not None:
+                    return True
                 for first in project.containers("first") if engine.name == "podman" else []:
                     engine.run("healthcheck", "run", first, check=False, timeout=60)
-                time.sleep(1.0)
+                return False
+
+            held_within(up_done, 300 - (time.monotonic() - start), 1.0)  # `up`'s exit status says the rest
             out, _ = up.communicate(timeout=10)
         finally:
             if up.poll() is None:
@@ -321,7 +314,7 @@ def test_compose_1_starts_the_volunteers_the_file_says(container_images: Images,
         def everything() -> str:
             return "\n".join(f"--- {c}\n{project.logs(c)[-2500:]}" for c in project.containers())
 
-        wait_for("a step over 4 peers", lambda: bool(STEP_LINE.search(project.logs(first))), 300, everything)
+        wait_until(lambda: STEP_LINE.search(project.logs(first)), 300, "a step over 4 peers", 1.0, detail=everything)
         log = project.logs(first)
         assert "4 peers live" in log or "over 4 peers" in log, log[-3000:]
     report(request, f"docker-compose 1.29 (Docker API of {engine.name}): 4 peers trained "
@@ -358,10 +351,10 @@ def test_volunteer_container_joins_a_host_swarm(container_images: Images, tmp_pa
             proc = engine.run("logs", name, check=False)
             return proc.stdout + proc.stderr
 
-        startup_s = wait_for("the container's peer listens", lambda: "peer server listening" in box_log(), 180, box_log)
+        startup_s = wait_for_text(box_log, "peer server listening", 180, "the container's peer", 1.0)
         assert first.wait(timeout=400) == 0, (tmp_path / "first.log").read_text()[-3000:]
-        wait_for("the volunteer leaves", lambda: engine.run("inspect", "--format", "{{.State.Status}}",
-                                                            name).stdout.strip() == "exited", 120, box_log)
+        wait_until(lambda: engine.run("inspect", "--format", "{{.State.Status}}", name).stdout.strip() == "exited", 120,
+                   "the volunteer leaves", 1.0, detail=box_log)
         code = engine.run("inspect", "--format", "{{.State.ExitCode}}", name).stdout.strip()
         assert code == "0", box_log()[-3000:]
         assert "assigned stage" in box_log(), "the container trained a stage"
@@ -406,7 +399,7 @@ def test_volunteer_container_behind_nat(container_images: Images, bed: NetBed, t
                 return status, code
 
             # both end when the run does; a container that fails early ends the wait at once
-            wait_for("the run ends", lambda: state()[0] == "exited", 400, box_log)
+            wait_until(lambda: state()[0] == "exited", 400, "the run ends", 1.0, detail=box_log)
             code = state()[1]
             codes = peers.wait_all(120)
             log = box_log()

@@ -30,6 +30,7 @@ from tasklet.peer.net.relay import (
 from tasklet.peer.net.server import PeerServer
 from tasklet.peer.observe import http as observe_http
 from tasklet.protocol.errors import PeerUnreachable
+from tests.support.waits import held_within
 
 RUN = "doors-run"
 KEY = relay_key("open sesame", RUN)
@@ -215,9 +216,7 @@ def test_grpc_port_caps_connections_per_source_and_in_total() -> None:
         assert sum(_closed_within(c, 0.5) for c in flood) == 3, "the total cap of 4 let more in"
         for c in [*conns, extra, *flood]:
             c.close()
-        deadline = time.monotonic() + 5
-        while front.held > 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        held_within(lambda: front.held <= 1, 5, 0.05)
         assert front.held == 1, f"{front.held} connections still counted after their sockets closed"
         # what the front admits reaches gRPC: an authenticated call works through it
         with PeerClient(f"127.0.0.1:{server.port}") as client:
@@ -319,9 +318,7 @@ def test_idle_streams_are_cancelled_and_free_their_slots() -> None:
                 assert info.value.code() is grpc.StatusCode.CANCELLED
             assert time.monotonic() - started < 5.0
             # the client hears CANCELLED before the handler thread has left its place: give it a moment
-            settle = time.monotonic() + 5.0
-            while server._waiting_room.waiting and time.monotonic() < settle:
-                time.sleep(0.02)
+            held_within(lambda: not server._waiting_room.waiting, 5.0, 0.02)
             assert server._idle.cancelled == 2 and not server._per_peer and server._waiting_room.waiting == 0
             client.push(pb.Envelope(kind=pb.OTHER, meta={"n": "1"}), timeout_s=10)
             assert len(got) == 1

@@ -30,20 +30,13 @@ from tasklet.peer.emulation.multihost import (
 from tasklet.peer.emulation.netbed import NetBed
 from tasklet.peer.emulation.procs import PEER_COMMAND
 from tasklet.peer.identity.keys import Identity
+from tests.support.waits import wait_for_text
 
 pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.timeout(400)]
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 4
 METRICS_PORT = 31404
 ATTACK_S = 30.0
-
-
-def _wait_for(peers: BedPeers, name: str, needle: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while needle not in peers.log(name):
-        assert time.monotonic() < deadline, f"{name} never logged {needle!r}:\n{peers.log(name)[-3000:]}"
-        assert peers.procs[name].poll() is None, peers.log(name)[-3000:]
-        time.sleep(0.2)
 
 
 def _attack(host, *args: str) -> subprocess.Popen[str]:
@@ -91,7 +84,7 @@ def test_a_nated_member_joins_and_the_run_trains_while_every_door_is_attacked(be
             time.sleep(8)  # the floods are under way
             joined_at = time.monotonic()
             peers.join(home, dht, *readme_flags(home, announce=False), *member, *who("home0"))
-            _wait_for(peers, "home0", "reached through relay", 60)
+            wait_for_text(lambda: peers.log("home0"), "reached through relay", 60, "home0", alive=peers.procs["home0"])
             join_s = time.monotonic() - joined_at
             status = subprocess.run(pub1.cmd(*PEER_COMMAND, "status", "--dht", dht, *member), capture_output=True,
                                     text=True, cwd=REPO, timeout=120)

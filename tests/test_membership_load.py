@@ -24,6 +24,7 @@ from tasklet.peer.swarm.plans import PlanBoard
 from tasklet.peer.swarm.progress import ProgressBoard
 from tasklet.peer.swarm.view import SwarmView
 from tasklet.peer.timing import now
+from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.usefixtures("processes")
 
@@ -119,14 +120,19 @@ def run_ticks(peers: list[Peer], heartbeats: float) -> None:
 
 def settle(peers: list[Peer], leader: Peer, timeout_s: float = 40.0) -> None:
     """Tick until every live worker follows ``leader``'s plan and no longer suspects it."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        workers = [p for p in peers if p.alive and p is not leader]
-        plan_leaders = {p.view.followed_plan().leader_id if p.view.followed_plan() else None for p in workers}
-        if plan_leaders == {leader.peer_id} and not any(p.view.suspect for p in workers):
-            return
-        assert time.monotonic() < deadline, f"workers did not settle on {leader.peer_id}: {plan_leaders}"
+    def workers() -> list[Peer]:
+        return [p for p in peers if p.alive and p is not leader]
+
+    def plan_leaders() -> set[str | None]:
+        return {p.view.followed_plan().leader_id if p.view.followed_plan() else None for p in workers()}
+
+    def settled() -> bool:
+        if plan_leaders() == {leader.peer_id} and not any(p.view.suspect for p in workers()):
+            return True
         run_ticks(peers, 1)
+        return False
+
+    wait_until(settled, timeout_s, f"workers settle on {leader.peer_id}", 0.0, detail=lambda: str(plan_leaders()))
 
 
 def reads_per_heartbeat(peers: list[Peer], heartbeats: int) -> list[dict[str, float]]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +29,7 @@ from tasklet.peer.emulation.netbed import (
     two_public_two_home,
 )
 from tasklet.peer.emulation.procs import PEER_COMMAND
+from tests.support.waits import wait_for_text
 
 pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.timeout(300)]
 STEPS = 5
@@ -110,11 +110,7 @@ def test_a_nated_peer_killed_mid_step_is_recovered(bed: NetBed, tmp_path: Path) 
             peers.join(home, dht, *readme_flags(home), *slow)
 
         def wait_for_step(step: int) -> None:
-            deadline = time.monotonic() + 180
-            while f"step {step}:" not in peers.log("pub0"):
-                assert time.monotonic() < deadline, f"training did not reach step {step}"
-                assert peers.procs["pub0"].poll() is None, peers.log("pub0")[-3000:]
-                time.sleep(0.1)
+            wait_for_text(lambda: peers.log("pub0"), f"step {step}:", 180, "pub0", 0.1, alive=peers.procs["pub0"])
 
         wait_for_step(1)  # `peer status` from another host of the bed, while the swarm trains
         status = subprocess.Popen(pubs[1].cmd(*PEER_COMMAND, "status", "--dht", dht), stdout=subprocess.PIPE,

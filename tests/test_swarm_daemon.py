@@ -32,10 +32,6 @@ def status(addr: str) -> dict:
     return json.loads(proc.stdout)
 
 
-def wait_for(predicate, timeout: float, what: str, addr: str) -> dict:
-    return poll_until(lambda: status(addr), predicate, timeout, what)
-
-
 def test_swarm_forms_trains_and_survives_leader_death(tmp_path: Path) -> None:
     save = tmp_path / "result"
     extra = f"save_dir = {json.dumps(str(save))}\n"
@@ -48,8 +44,8 @@ def test_swarm_forms_trains_and_survives_leader_death(tmp_path: Path) -> None:
         # four peers starting up); then the status must show them
         poll_until(lambda: {"log": procs.log_text(0)}, lambda s: "leader_role: step 1:" in s["log"], 180,
                    "the leader's first two steps")
-        st = wait_for(lambda s: len(s["peers"]) == N_PEERS and (s["step"] or 0) >= 2
-                      and all(p["stage"] is not None for p in s["peers"]), 180, "4 peers training", addr)
+        st = poll_until(lambda: status(addr), lambda s: len(s["peers"]) == N_PEERS and (s["step"] or 0) >= 2
+                        and all(p["stage"] is not None for p in s["peers"]), 180, "4 peers training")
         assert {p["stage"] for p in st["peers"]} == {0, 1}
         assert len(st["plan"]["pipelines"]) == 2 and all(len(p) == 2 for p in st["plan"]["pipelines"])
         for key in ("peer_id", "device", "tflops", "stage", "replica", "last_seen_s"):
@@ -60,8 +56,8 @@ def test_swarm_forms_trains_and_survives_leader_death(tmp_path: Path) -> None:
         procs.kill(0)  # the first peer is the oldest: the leader (its DHT process dies with it)
         addr = procs.join_address(1)  # the first peer's DHT address died with it
         t0 = time.monotonic()
-        st = wait_for(lambda s: (s["plan"]["epoch"] or 0) > epoch and s["plan"]["leader"] != leader, 60,
-                      "a new leader with a higher epoch", addr)
+        st = poll_until(lambda: status(addr), lambda s: (s["plan"]["epoch"] or 0) > epoch
+                        and s["plan"]["leader"] != leader, 60, "a new leader with a higher epoch")
         takeover_s = time.monotonic() - t0
         assert takeover_s < 15 + 10, f"new plan after {takeover_s:.1f} s"
         assert leader not in {p["peer_id"] for p in st["peers"]}

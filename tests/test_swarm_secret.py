@@ -19,7 +19,8 @@ import pytest
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import MSGPackSerializer
 
-from tasklet.peer.emulation.procs import PEER_COMMAND, PeerProcesses, child_env, write_small_config
+from tasklet.peer.emulation.procs import PEER_COMMAND, PeerProcesses, child_env, poll_until, write_small_config
+from tests.support.waits import wait_for_text
 
 pytestmark = pytest.mark.usefixtures("processes")
 
@@ -38,19 +39,10 @@ def status(addr: str) -> dict:
 def wait_for_training(addr: str, leader_log: Callable[[], str], timeout_s: float) -> dict:
     """The first `peer status` that shows a trained step, asked once the leader's log has one (a status call costs
     seconds of a core beside the peers starting up)."""
-    deadline, last = time.monotonic() + timeout_s, {}
-    while "leader_role: step " not in leader_log() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    while time.monotonic() < deadline:
-        try:
-            last = status(addr)
-        except (AssertionError, json.JSONDecodeError, subprocess.TimeoutExpired):
-            time.sleep(1.0)
-            continue
-        if (last.get("step") or 0) >= 1 and last["plan"]["epoch"]:
-            return last
-        time.sleep(1.0)
-    raise AssertionError(f"the swarm did not train; last status: {json.dumps(last)[:2000]}")
+    start = time.monotonic()
+    wait_for_text(leader_log, "leader_role: step ", timeout_s, "the leader", 0.5)
+    return poll_until(lambda: status(addr), lambda s: (s.get("step") or 0) >= 1 and bool(s["plan"]["epoch"]),
+                      timeout_s - (time.monotonic() - start), "a status that shows a trained step")
 
 
 def raw_records(addr: str) -> dict[str, object]:

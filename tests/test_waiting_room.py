@@ -23,6 +23,7 @@ from tasklet.peer.net.waiting import RoomFullError, WaitingRoom
 from tasklet.protocol import tasklet_pb2 as pb
 from tasklet.protocol.chunking import encode_chunk
 from tasklet.protocol.errors import Forbidden
+from tests.support.waits import held_within
 
 ATTACKERS = 5  # member identities without a role on this server
 IDLE_PER_IDENTITY = 16
@@ -149,8 +150,6 @@ def test_idle_streams_of_many_identities_hold_no_slot_and_an_honest_push_gets_th
             channel.close()
     assert "OK" not in outcomes and sum(outcomes.values()) == ATTACKERS * IDLE_PER_IDENTITY
     assert outcomes.get("RESOURCE_EXHAUSTED", 0) + outcomes.get("UNAVAILABLE", 0) > 0, outcomes
-    deadline = time.monotonic() + 10
-    while server._waiting_room.waiting and time.monotonic() < deadline:
-        time.sleep(0.05)
+    held_within(lambda: not server._waiting_room.waiting, 10, 0.05)
     assert server._waiting_room.waiting == 0 and server._per_peer == {}
 
