@@ -18,7 +18,7 @@ import pytest
 
 from tasklet.peer.emulation.netbed import open_bed, unavailable_reason
 from tasklet.peer.emulation.procs import JOIN_LINE_PREFIX, read_line, write_small_config
-from tests.test_partition import (
+from tests.support.partition_swarm import (
     Swarm,
     check_against_reference,
     cut,
@@ -26,9 +26,10 @@ from tests.test_partition import (
     in_plan,
     step_times,
     steps_since,
+    wait_for_training,
     wait_status,
-    wait_until,
 )
+from tests.support.waits import held_within
 
 pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.slow]
 
@@ -55,10 +56,7 @@ def test_partition_longer_than_quorum_wait_both_sides_train_then_one_wins(tmp_pa
             for host in hosts[1:]:
                 swarm.spawn(host, ["join", "--dht", dht0])
                 time.sleep(1.0)  # the join order is the seniority
-            deadline = time.monotonic() + 240
-            while len(step_times(swarm.log("pub0"))) < 3:
-                assert time.monotonic() < deadline, f"no training within 240 s:\n{swarm.log('pub0')[-3000:]}"
-                time.sleep(0.5)
+            wait_for_training(swarm, "pub0", 3, 240)
             leader = swarm.peer_id("pub0")
 
             cut(bed, majority, minority)
@@ -69,7 +67,7 @@ def test_partition_longer_than_quorum_wait_both_sides_train_then_one_wins(tmp_pa
                 minor = [log for log in (swarm.log(h.name) for h in minority) if GOING_ON in log]
                 return bool(minor) and steps_since(minor[0], t_cut) >= 1 and steps_since(swarm.log("pub0"), t_cut) >= 3
 
-            wait_until(both_sides_trained, PARTITION_S)
+            held_within(both_sides_trained, PARTITION_S, 0.5)  # bounded: the assertions below say what was missing
             heal(hosts)
             t_heal = time.time()
             partition_s = t_heal - t_cut
@@ -84,7 +82,7 @@ def test_partition_longer_than_quorum_wait_both_sides_train_then_one_wins(tmp_pa
             minor_steps = sum(1 for t in step_times(minor_log).values() if t_cut < t < t_heal)
             assert major_steps >= 3 and minor_steps >= 1, (major_steps, minor_steps, minor_log[-3000:])
 
-            wait_until(lambda: "a partition healed" in swarm.log("pub0"), 180)  # then `peer status` shows it
+            held_within(lambda: "a partition healed" in swarm.log("pub0"), 180, 0.5)  # then `peer status` shows it
             st = wait_status(hosts[0], dht0, lambda s: len(in_plan(s)) == 4 and s.get("discarded"), 180,
                              "all four peers on one plan, the discarded side reported")
             rejoin_s = time.time() - t_heal

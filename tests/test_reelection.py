@@ -18,7 +18,8 @@ import pytest
 
 from tasklet.peer.emulation.netbed import open_bed, unavailable_reason
 from tasklet.peer.emulation.procs import JOIN_LINE_PREFIX, read_line, write_small_config
-from tests.test_partition import Swarm, check_against_reference, step_times
+from tests.support.partition_swarm import Swarm, check_against_reference, wait_for_training
+from tests.support.waits import wait_for_value
 
 pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.slow]
 
@@ -41,10 +42,7 @@ def test_followers_reelect_when_the_coordinator_is_unreachable(tmp_path: Path) -
             for host in hosts[1:]:
                 swarm.spawn(host, ["join", "--dht", line.split()[3], "--save-dir", str(save)])  # the next leader saves
                 time.sleep(1.0)
-            deadline = time.monotonic() + 240
-            while len(step_times(swarm.log("pub0"))) < 3:
-                assert time.monotonic() < deadline, f"no training within 240 s:\n{swarm.log('pub0')[-3000:]}"
-                time.sleep(0.5)
+            wait_for_training(swarm, "pub0", 3, 240)
             old = swarm.peer_id("pub0")
             port = re.search(r"gRPC at [\d.]+:(\d+)", swarm.log("pub0"))
             assert port, swarm.log("pub0")[-2000:]
@@ -55,11 +53,9 @@ def test_followers_reelect_when_the_coordinator_is_unreachable(tmp_path: Path) -
             host.run("nft", "add", "rule", "inet", "block", "in", "tcp", "dport", port.group(1), "drop")
             t_block = time.monotonic()
             followers = hosts[1:]
-            new_leader = None
-            while new_leader is None:
-                assert time.monotonic() - t_block < REELECT_S, "\n".join(swarm.log(h.name)[-2500:] for h in followers)
-                new_leader = next((h.name for h in followers if "leads the swarm" in swarm.log(h.name)), None)
-                time.sleep(0.5)
+            new_leader = wait_for_value(
+                lambda: next((h.name for h in followers if "leads the swarm" in swarm.log(h.name)), None), REELECT_S,
+                "a follower leads", 0.5, detail=lambda: "\n".join(swarm.log(h.name)[-2500:] for h in followers))
             reelect_s = time.monotonic() - t_block
             assert any(f"electing a leader without {old}" in swarm.log(h.name) for h in followers)
             for h in followers:
