@@ -52,7 +52,8 @@ import torch
 from torch import nn
 
 from tasklet.peer.compute.device_choice import check_precision, resolve_device
-from tasklet.peer.compute.model import ModelConfig, is_weight_decayed, lm_loss
+from tasklet.peer.compute.family import ModelSpec
+from tasklet.peer.compute.model import is_weight_decayed, lm_loss
 
 log = logging.getLogger(__name__)
 
@@ -98,10 +99,10 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class StageComputeConfig:
-    """What one stage replica computes: layers ``[first_layer, last_layer)`` of ``model`` (the byte GPT's
-    ``ModelConfig`` or a Hugging Face ``HFModelSpec``: anything with ``build_stage``, ``n_layers``, ``to_dict``)."""
+    """What one stage replica computes: layers ``[first_layer, last_layer)`` of ``model`` (a spec of a registered
+    family, ``peer.compute.family``: the byte GPT's ``ModelConfig``, a Hugging Face ``HFModelSpec``, ...)."""
 
-    model: ModelConfig | Any
+    model: ModelSpec
     first_layer: int
     last_layer: int
     optim: OptimConfig = field(default_factory=OptimConfig)
