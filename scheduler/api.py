@@ -246,9 +246,9 @@ def _search_layout(cluster: Cluster, workload: Workload, cost_model: str, seed: 
     if cold_seeds or not starts:
         starts += seeds(link, n_st, n_rep)
     if algorithm == "ils":
-        cfg = config if isinstance(config, SearchConfig) else SearchConfig()
-        cfg = SearchConfig(**{**cfg.__dict__, "seed": seed,
-                              "time_limit_s": time_limit_s if time_limit_s is not None else cfg.time_limit_s})
+        base = config if isinstance(config, SearchConfig) else SearchConfig()
+        cfg = SearchConfig(**{**base.__dict__, "seed": seed,
+                              "time_limit_s": time_limit_s if time_limit_s is not None else base.time_limit_s})
         if cost_model == "full" and config is None:
             cfg.max_evaluations = min(cfg.max_evaluations, 4000)
         cfg.time_limit_s = _remaining(cfg.time_limit_s, cfg.cpu_clock, started)

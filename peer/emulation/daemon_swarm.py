@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tasklet.peer.compute.textdata import load_corpus
-from tasklet.peer.config import RunConfig
+from tasklet.peer.config import EmulationSection, ModelSection, RunConfig, RunSection, SwarmSection
 from tasklet.peer.emulation.procs import PeerProcesses
 from tasklet.peer.node.planning import check_model_fits
 from tasklet.peer.observe.progress import ProgressDisplay
@@ -85,19 +85,20 @@ def _absolute(value: str) -> str:
 
 
 def write_config(opts: SwarmOptions, folder: Path, devices: list[int], save_dir: Path) -> Path:
-    cfg = RunConfig()
-    cfg.run.run_id, cfg.run.steps, cfg.run.seed = "swarm", opts.steps, opts.seed
-    cfg.run.micro_batch, cfg.run.n_microbatches = opts.micro_batch, opts.n_microbatches
-    cfg.model.n_layers, cfg.model.d_model, cfg.model.seq_len = opts.n_layers, opts.d_model, opts.seq_len
-    cfg.model.config = _absolute(opts.model)  # peers run in other folders: paths must not be relative
-    cfg.run.tokenizer, cfg.run.corpus = _absolute(opts.tokenizer), _absolute(opts.data)
-    cfg.run.text_field = opts.text_field
-    cfg.run.sync_period, cfg.run.outer_lr = opts.sync_period, opts.outer_lr
-    cfg.run.outer_momentum, cfg.run.pseudo_grad_compression = opts.outer_momentum, opts.pseudo_grad_compression
-    cfg.swarm.min_peers, cfg.swarm.stages, cfg.swarm.heartbeat_s = opts.peers, opts.stages, opts.heartbeat_s
-    cfg.swarm.save_dir = str(save_dir)
-    cfg.emulation.scenario, cfg.emulation.devices = opts.scenario, devices
-    cfg.emulation.bandwidth_scale, cfg.emulation.tflops = opts.bandwidth_scale, opts.tflops
+    cfg = RunConfig(
+        run=RunSection(run_id="swarm", steps=opts.steps, seed=opts.seed, micro_batch=opts.micro_batch,
+                       n_microbatches=opts.n_microbatches, tokenizer=_absolute(opts.tokenizer),
+                       corpus=_absolute(opts.data), text_field=opts.text_field, sync_period=opts.sync_period,
+                       outer_lr=opts.outer_lr, outer_momentum=opts.outer_momentum,
+                       pseudo_grad_compression=opts.pseudo_grad_compression),
+        # peers run in other folders: paths must not be relative
+        model=ModelSection(n_layers=opts.n_layers, d_model=opts.d_model, seq_len=opts.seq_len,
+                           config=_absolute(opts.model)),
+        swarm=SwarmSection(min_peers=opts.peers, stages=opts.stages, heartbeat_s=opts.heartbeat_s,
+                           save_dir=str(save_dir)),
+        emulation=EmulationSection(scenario=opts.scenario, devices=devices, bandwidth_scale=opts.bandwidth_scale,
+                                   tflops=opts.tflops),
+    )
     cfg.validate("peer swarm")
     path = folder / "run.toml"
     path.write_text(cfg.to_toml())

@@ -42,6 +42,10 @@ class _End(asyncio.Protocol):
         self.early: list[bytes] = []  # bytes that came before the two sides were linked (a few frames at most)
         self.closed = False
 
+    def link(self, other: _End) -> None:
+        """From now on this side's bytes go to ``other``."""
+        self.other = other
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
@@ -177,7 +181,8 @@ class GrpcFront:
             if inside.transport is not None:
                 inside.transport.close()
             return
-        inside.other, outside.other = outside, inside
+        inside.link(outside)
+        outside.link(inside)
         assert inside.transport is not None
         # either side may have spoken before they were linked (an HTTP/2 server sends its SETTINGS at once)
         for src, dst in ((outside, inside.transport), (inside, outside.transport)):

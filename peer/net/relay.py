@@ -210,6 +210,13 @@ class _Registration:
     waiting: int = 0
     alive: bool = True
 
+    def end(self) -> None:
+        """The registration is over (unregistered, or replaced by a newer one of the same peer)."""
+        self.alive = False
+
+    def splice_closed(self) -> None:
+        self.splices -= 1
+
 
 class RelayServer:
     """The relay service of a public peer (see the module docstring); ``start()`` then ``close()``."""
@@ -393,7 +400,7 @@ class RelayServer:
                 reg = _Registration(peer_id, conn, threading.Lock())
                 if old is not None:
                     reg.splices = old.splices
-                    old.alive = False
+                    old.end()
                 self._registrations[peer_id] = reg
         if full:
             _send_line(conn, "DENIED relay full")
@@ -423,7 +430,7 @@ class RelayServer:
                 if self._registrations.get(reg.peer_id) is reg:
                     del self._registrations[reg.peer_id]
                     self._buckets.pop(reg.peer_id, None)
-                reg.alive = False
+                reg.end()
             with contextlib.suppress(OSError):
                 reg.control.close()
             log.info("relay: peer %s unregistered", reg.peer_id)
@@ -527,7 +534,7 @@ class RelayServer:
 
     def _splice_closed(self, reg: _Registration) -> None:
         with self._lock:
-            reg.splices -= 1
+            reg.splice_closed()
             self._splices -= 1
 
     def _on_accept(self, conn: socket.socket, token: str) -> bool:

@@ -400,7 +400,7 @@ class PeerServer:
             raise ValueError(f"route must be an identifier, got {route!r}")
         if other._server is not None:
             raise RuntimeError("a started server cannot be mounted")
-        other.route, other._host = route, self
+        other._mounted(route, self)
         with self._lock:
             self._mounts[route] = other
 
@@ -408,7 +408,11 @@ class PeerServer:
         with self._lock:
             other = self._mounts.pop(route, None)
         if other is not None:
-            other._host = None
+            other._mounted(other.route, None)
+
+    def _mounted(self, route: str, host: PeerServer | None) -> None:
+        """This server is served on ``host``'s port under ``route`` (None: no longer)."""
+        self.route, self._host = route, host
 
     def set_push_admission(self, admit: PushAdmission) -> None:
         """admit(kind, caller peer id) -> the largest Envelope of that Kind this caller may push now (capped by

@@ -22,15 +22,12 @@ import os
 import socket
 import struct
 import threading
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from tasklet.peer.node.schedule import Schedule, action, leaves_at
-from tasklet.peer.timing import now
 
 log = logging.getLogger(__name__)
 
@@ -306,9 +303,7 @@ class OwnerControl:
         end = leaves_at(self.schedule, datetime.now().astimezone())
         if end is not None:
             extra["leaves_at"] = end
-        d.advert = replace(d.advert, started_at=now(), extra=extra)  # a newcomer: it does not take the lead back
-        d._announced_at = time.monotonic()  # the daemon's guard against leading too early restarts
-        d.membership.announce(d.advert)
+        d.announce_as_newcomer(extra)
 
     def close(self) -> None:
         self._stop.set()

@@ -224,7 +224,8 @@ class PeerDaemon:
         except JoinError as exc:
             raise DaemonError(str(exc)) from None
         self.started_run = found.existing is None
-        self.config, o.secret, existing = found.config, found.secret, found.existing
+        self.config, existing = found.config, found.existing
+        self.opts = o = replace(o, secret=found.secret)  # the run's secret, as found (an invite's, or the config's)
         self.spec, self._corpus = files.spec, files.corpus
         self.membership = Membership(
             self.dht, run_id, self.identity, o.secret or None, heartbeat_s=self.config.swarm.heartbeat_s
@@ -330,6 +331,14 @@ class PeerDaemon:
         self._announced_at = time.monotonic()
         log.info("peer %s announced: %s, %.4g TFLOP/s%s, gRPC at %s", self.identity.peer_id, device.name,
                  device.tflops, " (emulated)" if device.emulated else "", self.endpoint)
+
+    def announce_as_newcomer(self, extra: dict[str, Any]) -> None:
+        """Announce again with ``extra`` as a newcomer (back from a pause): a new start time, so it does not take the
+        lead back, and the guard against leading too early starts over."""
+        assert self.advert is not None and self.membership is not None
+        self.advert = replace(self.advert, started_at=now(), extra=extra)
+        self._announced_at = time.monotonic()
+        self.membership.announce(self.advert)
 
     def _start_observer(self) -> None:
         """/metrics, the optional dashboard (read-only boards of its own) and terminal progress."""

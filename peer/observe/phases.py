@@ -86,6 +86,14 @@ class FetchProgress:
     base: int = 0
     complete: bool = False
 
+    def arrived(self, done: int, now: float) -> bool:
+        """``done`` bytes have come by ``now``; True when that completes the fetch (once)."""
+        self.done, self.last = done, now
+        if done >= self.total and not self.complete:
+            self.complete = True
+            return True
+        return False
+
     def rate(self, now: float) -> float | None:
         """Bytes per second since the fetch started (None before any time passed)."""
         elapsed = now - self.started
@@ -186,9 +194,7 @@ class PhaseReporter:
             if self.phase is not Phase.FETCHING or f is None or f.what != what or done < f.done:
                 f = self.fetch = FetchProgress(what, total, now, done, now, base=done)
                 self._change(Phase.FETCHING, f"{what}, {size_text(total)}", f.fields(now), now)
-            f.done, f.last = done, now
-            if done >= total and not f.complete:
-                f.complete = True
+            if f.arrived(done, now):
                 took = now - f.started
                 line = f"{what}: complete, {size_text(total)} in {took:.1f} s"
                 self.fields = f.fields(now)

@@ -28,7 +28,18 @@ from pathlib import Path
 from tests.support.imports import ROOT
 
 # "path relative to the repository:target as written" -> why writing that third-party object's attribute is its API.
+# An entry "path:name.*" covers every field of ``name`` there.
 THIRD_PARTY_WRITES: dict[str, str] = {
+    "peer/swarm/dht.py:node.protocol.storage": "hivemind's DHT node has no API to bound its storage: ours goes in",
+    "peer/swarm/dht.py:node.protocol.cache": "the same, for its cache (our nodes never ask others to cache)",
+    "protocol/codec.py:msg.*": "a protobuf Tensor filled in place: the caller's `out` (envelope.tensors.add()) "
+                               "saves the copy protobuf makes of an appended message",
+    "protocol/lowbit.py:msg.*": "the same protobuf Tensor, its low-bit fields",
+    "peer/net/client.py:envelope.*": "a protobuf Envelope (or its wire form) to send: its header gets the protocol "
+                                     "version and sender when the caller left them empty",
+    "peer/net/server.py:request.sender": "a received protobuf request: the TLS-authenticated caller replaces the "
+                                         "sender it claims",
+    "protocol/message.py:_ONES_F32.flags.writeable": "numpy's way to make an array read-only",
 }
 
 SCOPE = ("peer", "scheduler", "protocol")
@@ -56,6 +67,10 @@ def _chain(expr: ast.expr) -> tuple[str | None, list[str]]:
         elif isinstance(expr, ast.Subscript):
             steps.append("index")
             expr = expr.value
+        elif isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id == "getattr" \
+                and expr.args:
+            steps.append("attr")  # getattr(x, name) is x.<name>
+            expr = expr.args[0]
         elif isinstance(expr, ast.Call):
             steps.append("call")
             expr = expr.func
@@ -209,22 +224,12 @@ def _judge(target: ast.Attribute, scope: _Scope) -> str | None:
     if kind == _SELF:
         if not steps:
             return None
-        return None if _own_record(steps) else f"a field of self.{'.'.join(_attrs(target.value)[1:])}"
+        return None if _own_record(steps) else f"a field of {ast.unparse(target.value)}"
     if kind == _OWNED:
         return None if not steps else f"a field of a field of {root} (depth >= 2)"
     return {_PARAM: f"a field of the parameter {root}", _ALIAS: f"a field of {root}, an alias of another object's",
             _MODULE: f"an attribute of the module or module-level object {root}",
             _GLOBAL: f"a field of the global {root}"}[kind]
-
-
-def _attrs(expr: ast.expr) -> list[str]:
-    names: list[str] = []
-    while isinstance(expr, ast.Attribute):
-        names.append(expr.attr)
-        expr = expr.value
-    if isinstance(expr, ast.Name):
-        names.append(expr.id)
-    return names[::-1]
 
 
 def writes_in(source: str) -> list[Write]:
@@ -265,17 +270,23 @@ def cross_object_writes(paths: Iterable[Path] = tuple(ROOT / p for p in SCOPE),
     for path in _python_files(paths):
         rel = path.resolve().relative_to(ROOT).as_posix() if path.resolve().is_relative_to(ROOT) else str(path)
         for w in writes_in(path.read_text()):
-            if f"{rel}:{w.target}" not in allowed:
+            if not _allowed(f"{rel}:{w.target}", allowed):
                 bad.append(f"{rel}:{w.line}: {w.target} ({w.why})")
     return bad
+
+
+def _allowed(where: str, allowed: dict[str, str]) -> bool:
+    """``where`` ("path:target") is an entry of ``allowed``, or the field of a "path:name.*" entry's ``name``."""
+    path, _, target = where.partition(":")
+    return where in allowed or f"{path}:{target.rpartition('.')[0]}.*" in allowed
 
 
 def unused_allowances(paths: Iterable[Path] = tuple(ROOT / p for p in SCOPE),
                       allowed: dict[str, str] | None = None) -> list[str]:
     """Entries of ``allowed`` that no longer match a write (so the list can only shrink)."""
     allowed = THIRD_PARTY_WRITES if allowed is None else allowed
-    seen = set()
+    seen: set[str] = set()
     for path in _python_files(paths):
         rel = path.resolve().relative_to(ROOT).as_posix()
         seen |= {f"{rel}:{w.target}" for w in writes_in(path.read_text())}
-    return sorted(set(allowed) - seen)
+    return sorted(entry for entry in allowed if not any(_allowed(w, {entry: ""}) for w in seen))

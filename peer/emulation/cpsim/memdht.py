@@ -81,10 +81,11 @@ class LatencyModel:
 class MemoryDHT:
     """The shared store, the virtual clock it reads, and per-caller counts of calls and bytes."""
 
-    def __init__(self, clock: Callable[[], float], latency: LatencyModel) -> None:
+    def __init__(self, clock: Callable[[], float], latency: LatencyModel, n_nodes: int = 1) -> None:
+        """``n_nodes``: the swarm's size, which sets the hops of a lookup."""
         self.clock = clock
         self.latency = latency
-        self.n_nodes = 1
+        self.n_nodes = n_nodes
         self._data: dict[str, dict[bytes, Item]] = {}
         self._pending: list[tuple[float, int, str, bytes, Item]] = []  # (visible at, seq, key, subkey, item)
         self._seq = 0

@@ -297,7 +297,7 @@ class SimPeer:
         if self.leader is not None:
             self.leader.step(tick.entries or [])
         if (self.leader is not None or sim.is_leader(self.pid)) and sim.window_start is not None:
-            sim.leader_calls += sim.dht.calls_of(self.pid) - before
+            sim.count_leader_calls(sim.dht.calls_of(self.pid) - before)
 
     def _probe(self) -> None:
         """Probe the peers ``probe_targets_for`` names: at join, then once per plan this peer is part of."""
@@ -440,8 +440,8 @@ class Simulator:
         self.churn_rng = np.random.default_rng([cfg.seed, 1])
         self.now = 0.0
         self.network = Network(cfg.seed)
-        self.dht = MemoryDHT(lambda: EPOCH_S + self.now, LatencyModel(self.network.region_rtt_s(), seed=cfg.seed))
-        self.dht.n_nodes = cfg.peers
+        self.dht = MemoryDHT(lambda: EPOCH_S + self.now, LatencyModel(self.network.region_rtt_s(), seed=cfg.seed),
+                             n_nodes=cfg.peers)
         reader_identity = SimIdentity(cfg.seed, -1)
         reader = Membership(self.dht.handle("reader", 0), RUN_ID, reader_identity, None,  # type: ignore[arg-type]
                             cfg.heartbeat_s)
@@ -478,6 +478,10 @@ class Simulator:
     def at(self, t: float, what: str, action: Callable[[], None]) -> None:
         self._seq += 1
         heapq.heappush(self.events, (t, self._seq, what, action))
+
+    def count_leader_calls(self, n: int) -> None:
+        """``n`` DHT calls a leader (this tick's, or the previous plan's still leading) made in the window."""
+        self.leader_calls += n
 
     def is_leader(self, pid: str) -> bool:
         return pid == self.leader_pid

@@ -171,7 +171,7 @@ class StepMachine:
         if pool.complete():
             if self.spot is not None and not self.spot.settled(pool.assignment()):
                 return PoolAnswer(ctl.PoolStatus.WAIT)  # a check may still want a copy: the feeders stay
-            st.feeders_done = True
+            st.stop_feeders()
             return PoolAnswer(ctl.PoolStatus.DONE)
         if pipeline in st.syncing:  # not in sync (a start_step of before it was dropped): no work
             return PoolAnswer(ctl.PoolStatus.WAIT)
@@ -353,7 +353,7 @@ class StepMachine:
                 return True
             if broken and st.feeders_done:  # the feeders had stopped (pool complete): a new attempt restarts them
                 restarted = st.phase is StepPhase.REDUCE
-                st.phase, st.feeders_done = StepPhase.COMPUTE, False
+                st.restart_feeders()
                 self._refeed(out)
                 if restarted:
                     return True
@@ -388,18 +388,16 @@ class StepMachine:
 
     def _begin_reduce(self, out: list[Command]) -> None:
         st = self.state
-        st.phase, st.attempt, st.reduced = StepPhase.REDUCE, st.attempt + 1, set()
         st.pool.end_speculation()  # the stages settle what they hold apart: copies count no more
         # DiLoCo inner step: every live pipeline applies its own share (maybe none)
-        st.participants = self.intact() if self.sync_period == 1 else self.roster.alive_pipelines(self.dead)
-        st.commits = st.pool.assignment()
-        st.members = self.roster.members(st.participants, self.dead)
-        st.expected = set(st.members)
+        participants = self.intact() if self.sync_period == 1 else self.roster.alive_pipelines(self.dead)
+        st.new_round(StepPhase.REDUCE, self.roster.members(participants, self.dead), participants,
+                     st.pool.assignment())
         out.append(Emit("reduce", {"step": self.step, "attempt": st.attempt, "participants": st.participants}))
         if self.sync_period > 1:
             # DiLoCo inner step: each pipeline's update is its own (nothing crosses replicas), so the reduce and
             # the apply are one round; from here the commit record is final, as once an apply went out
-            st.phase = StepPhase.APPLY
+            st.enter(StepPhase.APPLY)
             st.synced.clear()
             out.append(Emit("apply", {"step": self.step, "merged": True}))
         out.append(Send(tuple(st.members), ctl.Reduce(self.step, st.attempt, tuple(st.participants), st.commits,
@@ -408,7 +406,7 @@ class StepMachine:
     def _begin_apply(self, out: list[Command]) -> None:
         st = self.state
         outer = st.phase is StepPhase.OUTER
-        st.phase = StepPhase.OUTER_APPLY if outer else StepPhase.APPLY
+        st.enter(StepPhase.OUTER_APPLY if outer else StepPhase.APPLY)
         out.append(Emit("apply", {"step": self.step, "outer": True} if outer else {"step": self.step}))
         out.append(Send(tuple(st.members), ctl.Apply(self.step, outer=outer), True))
 
@@ -419,9 +417,7 @@ class StepMachine:
             self._begin_outer(out)
             return
         outer = st.phase is StepPhase.OUTER_APPLY
-        if outer:
-            st.outer = self._outer
-        st.phase = StepPhase.DONE
+        st.done(self._outer if outer else None)
         out.append(Done(members, check=self.sync_period == 1 or outer, catch_up=self.sync_period == 1))
 
     def _round_end(self) -> bool:
@@ -433,13 +429,11 @@ class StepMachine:
         """DiLoCo's outer round (peer.runtime.outer): the live pipelines' replicas average their pseudo-gradients;
         only when every stage holds its average does anyone take the outer step (two-phase, as an apply)."""
         st = self.state
-        st.phase = StepPhase.OUTER
+        st.enter(StepPhase.OUTER)
         self._outer = self.roster.alive_pipelines(self.dead)
         if not self._outer:
             raise ReplanNeededError(f"step {self.step}: no pipeline left for the outer round")
-        st.attempt, st.reduced = st.attempt + 1, set()
-        st.members = self.roster.members(self._outer, self.dead)
-        st.expected = set(st.members)
+        st.new_round(StepPhase.OUTER, self.roster.members(self._outer, self.dead))
         out.append(Emit("outer", {"step": self.step, "attempt": st.attempt, "participants": self._outer}))
         out.append(Send(tuple(st.members), ctl.Reduce(self.step, st.attempt, tuple(self._outer), {}, outer=True), True))
 
@@ -477,7 +471,7 @@ class StepMachine:
         micro-batch is in flight (the pool had been complete), so the feeders' in-flight counts may be reset.
         The other stages are told first, as at the start of a step."""
         st = self.state
-        st.attempt += 1
+        st.next_attempt()
         intact = self.intact()
         feed = Send(tuple(self.roster.members(intact, self.dead, first=True)), ctl.StartStep(self.step, st.attempt,
                                                                                            feed=True))
@@ -487,9 +481,7 @@ class StepMachine:
     def _judge(self) -> None:
         """Errors whose wait is over: one from a live sender during averaging or apply fails the step."""
         st = self.state
-        due = [j for j in st.judging if j[0] <= self.now]
-        st.judging = [j for j in st.judging if j[0] > self.now]
-        for _, sender, what, error in due:
+        for _, sender, what, error in st.due_errors(self.now):
             if sender not in self.dead and what in ("reduce", "apply") and st.phase is not StepPhase.COMPUTE:
                 st.errors.append(f"{sender}: {error}")
 
@@ -500,7 +492,7 @@ class StepMachine:
             wrapped = OuterRoundFailedError(f"step {self.step}: the outer round failed: {exc}", self.report())
             wrapped.__cause__ = exc
             exc = wrapped
-        st.phase = StepPhase.FAILED
+        st.enter(StepPhase.FAILED)
         return [Fail(exc)]
 
     # ------------------------------------------------------------------------------------------- report

@@ -235,6 +235,14 @@ class Check:
     done: dict[int, float] = field(default_factory=dict)
     decided: bool = False
 
+    def decide(self) -> None:
+        """Nothing more is asked of this check (verified, judged, or no copy can run)."""
+        self.decided = True
+
+    def want_third(self) -> None:
+        """Two copies disagreed: a third one decides."""
+        self.wanted = 3
+
 
 class SpotChecks:
     """The spot checks of one step (module docstring). ``rate_of(pipeline)``: its sampling rate now."""
@@ -368,7 +376,7 @@ class SpotChecks:
             return [Finding("late", mb, (late[0],), f"its copy of micro-batch {mb} was not done in time")]
         ready = [p for p in check.copies if p in check.done and self.complete((mb, p))]
         if len(check.copies) < check.wanted and not free(mb, check.copies):
-            check.decided = True  # nobody left to run the copy
+            check.decide()  # nobody left to run the copy
             if check.wanted == 2:
                 self.unchecked += 1
                 return []
@@ -380,14 +388,14 @@ class SpotChecks:
         if check.wanted == 2:
             k = first_difference(copies[0], copies[1], self.n_stages, self.tol)
             if k is None:
-                check.decided = True
+                check.decide()
                 self.verified += 1
                 self.passed.update((mb, p) for p in check.copies)
                 return [Finding("verified", mb, tuple(check.copies), f"micro-batch {mb}: two copies agree")]
             stage, point = path(self.n_stages)[k]
             mine = [i for i in (0, 1) if self.own(check.copies[i], stage)]
             if len(mine) == 1:  # one suspect is the leader's own worker: it trusts its own copy
-                check.decided = True
+                check.decide()
                 winner, loser = check.copies[mine[0]], check.copies[1 - mine[0]]
                 self.verified += 1
                 self.passed.add((mb, winner))
@@ -397,9 +405,9 @@ class SpotChecks:
                         Finding("verified", mb, (winner,), f"micro-batch {mb}: the leader's own copy")]
             if len(check.copies) >= MAX_COPIES:
                 return []
-            check.wanted = 3  # a third copy decides (or, if none can run, the two are set aside now)
+            check.want_third()  # a third copy decides (or, if none can run, the two are set aside now)
             return self._decide(mb, check, now, free)
-        check.decided = True
+        check.decide()
         judged = majority(copies[:3], self.n_stages, self.tol)
         if judged is None:
             return [Finding("aside", mb, tuple(check.copies[:2]), f"spot check of micro-batch {mb}: three copies "

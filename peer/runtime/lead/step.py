@@ -96,3 +96,39 @@ class StepState:
     commits: dict[int, int] = field(default_factory=dict)  # the commit record of the last reduce
     outer: list[int] | None = None  # the outer round's participants (DiLoCo)
     judging: list[tuple[float, str, str, str]] = field(default_factory=list)  # (due, sender, what, error)
+
+    def enter(self, phase: StepPhase) -> None:
+        self.phase = phase
+
+    def stop_feeders(self) -> None:
+        """Some feeder was told "done": the pool was complete."""
+        self.feeders_done = True
+
+    def restart_feeders(self) -> None:
+        """A new attempt after the feeders had stopped: back to computing."""
+        self.phase, self.feeders_done = StepPhase.COMPUTE, False
+
+    def next_attempt(self) -> int:
+        self.attempt += 1
+        return self.attempt
+
+    def new_round(self, phase: StepPhase, members: list[str], participants: list[int] | None = None,
+                  commits: dict[int, int] | None = None) -> None:
+        """A reduce (or an outer round) goes to ``members``, a new attempt each of them must report;
+        ``participants`` and ``commits``: a reduce's pipelines and commit record (the report's)."""
+        self.phase, self.attempt, self.reduced = phase, self.attempt + 1, set()
+        if participants is not None:
+            self.participants, self.commits = participants, commits or {}
+        self.members, self.expected = members, set(members)
+
+    def due_errors(self, now: float) -> list[tuple[float, str, str, str]]:
+        """The errors whose wait is over at ``now``, taken out of ``judging``."""
+        due = [j for j in self.judging if j[0] <= now]
+        self.judging = [j for j in self.judging if j[0] > now]
+        return due
+
+    def done(self, outer: list[int] | None = None) -> None:
+        """The step ended (``outer``: the outer round's participants, when it had one)."""
+        if outer is not None:
+            self.outer = outer
+        self.phase = StepPhase.DONE
