@@ -45,10 +45,10 @@ from tasklet.peer.swarm.progress import publishable
 from tasklet.protocol import tasklet_pb2 as pb
 from tasklet.protocol.codec import decode_tensor
 from tasklet.protocol.errors import BadMessage, Forbidden, Refused
-from tests.test_coordinator import ScriptedWorker
-from tests.test_step_machine import make_roster
-from tests.test_worker_step import ENDPOINTS, VirtualRun
-from tests.test_worker_step import SPEC as STEP_SPEC
+from tests.support.rosters import make_roster
+from tests.support.scripted import ScriptedWorker
+from tests.support.virtual_run import ENDPOINTS, VirtualRun
+from tests.support.virtual_run import SPEC as STEP_SPEC
 
 SPEC = RunSpec(run_id="claims", model=ModelConfig(n_layers=2, d_model=16, n_heads=2, seq_len=8), micro_batch=2,
                n_microbatches=4)

@@ -20,7 +20,7 @@ from tasklet.peer.runtime.lead.machine import StepMachine
 from tasklet.peer.runtime.lead.referee import Referee
 from tasklet.peer.runtime.lead.resync import Resync, judge_stage
 from tasklet.peer.runtime.spec import RunSpec
-from tests.test_step_machine import ep, make_roster
+from tests.support.rosters import ep, make_roster
 
 pytestmark = pytest.mark.unit
 

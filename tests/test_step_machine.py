@@ -24,28 +24,12 @@ from tasklet.peer.runtime import control as ctl
 from tasklet.peer.runtime.lead.machine import Command, Done, Emit, Fail, Send, StepMachine
 from tasklet.peer.runtime.lead.roster import Roster
 from tasklet.peer.runtime.lead.step import OuterRoundFailedError, ReplanNeededError, StepPhase
-from tasklet.peer.runtime.spec import Assignment
+from tests.support.rosters import N_STAGES, ep, make_roster
 
 pytestmark = pytest.mark.unit
 
 N_MB = 4
-N_STAGES = 2
 TICK_S = 0.1
-
-
-def ep(stage: int, pipeline: int) -> str:
-    return f"s{stage}p{pipeline}"
-
-
-def make_roster(n_pipelines: int) -> Roster:
-    assignments = {}
-    for r in range(n_pipelines):
-        for s in range(N_STAGES):
-            assignments[ep(s, r)] = Assignment(
-                epoch=1, stage=s, replica=r, n_stages=N_STAGES, n_replicas=n_pipelines, layers=(s, s + 1),
-                group=tuple(ep(s, q) for q in range(n_pipelines)), coordinator="lead",
-                prev=ep(s - 1, r) if s > 0 else None, next=ep(s + 1, r) if s < N_STAGES - 1 else None)
-    return Roster(assignments)
 
 
 @dataclass
