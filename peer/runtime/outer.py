@@ -118,6 +118,10 @@ class OuterState:
         self.residual = residual.clone()
         return new
 
+    def resume(self, other: OuterState) -> None:
+        """Take a replica's round after a resync: its anchor and Nesterov buffer (the residual stays our own)."""
+        self.anchor, self.momentum = other.anchor, other.momentum
+
 
 def assignment_record(reports: Sequence[Any]) -> list[dict[str, Any]]:
     """The replayable record of a run's inner and outer steps from its StepReports (JSON-able):

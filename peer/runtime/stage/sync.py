@@ -312,7 +312,7 @@ class GradientSync:
             raise Rejected(f"resync to step {msg.trained_steps}, this stage has trained {compute.step} steps")
         outer = self.load(compute, msg.source, t.spec, a, msg.trained_steps)
         if t.outer is not None and outer is not None:  # DiLoCo: resyncs happen after an outer step (at an anchor)
-            t.outer.anchor, t.outer.momentum = outer.anchor, outer.momentum
+            t.outer.resume(outer)
         log.warning("step %d: parameters differed from the group's majority; reloaded from %s", step, msg.source)
         self.outbox.report(t, ctl.Synced(step, compute.step, params_hash(compute)))
 
