@@ -103,7 +103,7 @@ def export(result_dir: str | Path, out_dir: str | Path) -> Path:
                                f"({len(missing)} missing, {len(extra)} unexpected tensor(s))")
     model.load_state_dict(params, strict=False)
     out.mkdir(parents=True, exist_ok=True)
-    model.config.architectures = model_dict["config"].get("architectures")
+    model.config.update({"architectures": model_dict["config"].get("architectures")})
     model.save_pretrained(str(out))
     tokenizer = spec_dict.get("tokenizer")
     if tokenizer:

@@ -160,7 +160,8 @@ class HFStageModule(nn.Module):
         does: moving the modules (``to_empty`` off the meta device) gives each module a parameter of its own, and
         two copies trained apart would part."""
         if getattr(self.spec, "keep_tied", False) and self.is_first and self.is_last:
-            getattr(self, self.layout.lm_head).weight = getattr(self._base(), self.layout.token_embedding).weight
+            embedding = getattr(self._base(), self.layout.token_embedding)
+            getattr(self, self.layout.lm_head).register_parameter("weight", embedding.weight)
 
     # --------------------------------------------------------------------------------------------- forward
     def _masks(self, h: torch.Tensor, positions: torch.Tensor) -> dict[str, Any]:
