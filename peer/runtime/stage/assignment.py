@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from tasklet.peer.compute.data import Corpus
+from tasklet.peer.compute.family import ModelMismatchError, family_of
 from tasklet.peer.compute.hf import ModelSourceError
 from tasklet.peer.compute.stage import StageCompute, StageComputeConfig
 from tasklet.peer.compute.textdata import load_corpus
@@ -350,12 +351,10 @@ def with_local_files(spec: RunSpec, local: RunSpec | None) -> RunSpec:
     if local is None:
         return spec
     model = spec.model
-    if getattr(model, "kind", "") == "hf":
-        own_fingerprint = getattr(local.model, "fingerprint", None)
-        if own_fingerprint != model.fingerprint:
-            raise Rejected(f"the assignment's model (fingerprint {str(model.fingerprint)[:12]}) is not this "
-                           f"peer's ({str(own_fingerprint)[:12]})")
-        model = replace(model, checkpoint=local.model.checkpoint, source=local.model.source)
+    try:
+        model = family_of(model).with_local_files(model, local.model)
+    except ModelMismatchError as exc:
+        raise Rejected(str(exc)) from None
     if spec.corpus_fingerprint != local.corpus_fingerprint:
         raise Rejected(f"the assignment's data (fingerprint {spec.corpus_fingerprint[:12]}) is not this peer's "
                        f"({local.corpus_fingerprint[:12]})")

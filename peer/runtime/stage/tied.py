@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tasklet.peer.compute.hf.tied import tied_slice
+from tasklet.peer.compute.family import family_of
 from tasklet.peer.runtime.spec import Assignment, RunSpec
 from tasklet.peer.runtime.wire import envelope
 from tasklet.protocol import tasklet_pb2 as pb
@@ -46,9 +46,10 @@ class TiedEnd:
 
 def tied_end(spec: RunSpec, a: Assignment) -> TiedEnd | None:
     """This stage's end of a tied weight, or ``None``: an untied model, a middle stage, one stage holding both."""
-    if not getattr(spec.model, "keep_tied", False) or a.n_stages < 2 or not (a.is_first or a.is_last):
+    family = family_of(spec.model)
+    if not family.keeps_tied(spec.model) or a.n_stages < 2 or not (a.is_first or a.is_last):
         return None
-    found = tied_slice(spec.model, a.layers[0], a.layers[1])
+    found = family.tied_slice(spec.model, a.layers[0], a.layers[1])
     if found is None:
         return None
     if len(a.pipeline) != a.n_stages:
