@@ -211,14 +211,14 @@ def test_a_checkpoint_copy_beyond_the_recorded_step_is_not_believed(tmp_path: Pa
                           {"liar:1": 10**6, "honest:1": 4})
     driver = RunDriver(SPEC, holders, lambda: {0: "liar:1", 1: "honest:1"},  # type: ignore[arg-type]
                        lambda d, s: ([(0, 2)], [d]), lambda *a: {}, DriverConfig(steps=10))
-    driver.recorded_step = 5
-    driver.checkpoint_manifests = {4: _manifest_hash(holders.copies["honest:1"])}
-    assert driver._latest_checkpoint(ask_peers=True) == 4
+    driver.recovery.recorded_step = 5
+    driver.recovery.checkpoint_manifests = {4: _manifest_hash(holders.copies["honest:1"])}
+    assert driver.recovery.latest(ask_peers=True) == 4
     assert holders.fetched == ["honest:1"]  # the liar's copy was not even fetched
     # a roll-back from step 3 never goes forward, whatever peers hold
-    driver.recorded_step = None
+    driver.recovery.recorded_step = None
     holders.fetched.clear()
-    assert driver._latest_checkpoint(ask_peers=True, at_most=3) is None and holders.fetched == []
+    assert driver.recovery.latest(ask_peers=True, at_most=3) is None and holders.fetched == []
 
 
 def test_a_checkpoint_copy_whose_parameters_are_not_the_recorded_ones_is_refused(
@@ -230,20 +230,20 @@ def test_a_checkpoint_copy_whose_parameters_are_not_the_recorded_ones_is_refused
     store_dir = tmp_path / "leader"
     driver = RunDriver(SPEC, holders, lambda: {0: "liar:1", 1: "honest:1"},  # type: ignore[arg-type]
                        lambda d, s: ([(0, 2)], [d]), lambda *a: {}, DriverConfig(steps=10, checkpoint_dir=store_dir))
-    driver.recorded_step = 5
-    driver.checkpoint_digests = recorded_checkpoints(
+    driver.recovery.recorded_step = 5
+    driver.recovery.checkpoint_digests = recorded_checkpoints(
         [[4, 0, 2, flat_digest(torch.full((8,), 4.5))], [3, 0, 2, flat_digest(torch.full((8,), 3.0))]])
     # the leader signed both layers: the parameters' hash, and the manifest (its checkpoint of step 4 was another)
-    driver.checkpoint_manifests = {3: _manifest_hash(honest), 4: "0" * 64}
+    driver.recovery.checkpoint_manifests = {3: _manifest_hash(honest), 4: "0" * 64}
     loads = _count_torch_loads(monkeypatch)
-    assert driver._latest_checkpoint(ask_peers=True) == 3, "step 4's copy holds other parameters"
+    assert driver.recovery.latest(ask_peers=True) == 3, "step 4's copy holds other parameters"
     assert holders.fetched == ["liar:1", "honest:1"]
     assert loads == [1], "only the copy whose manifest the leader signed was deserialised"
     assert CheckpointStore(store_dir).newest_valid(at_most=10).step == 3, "the forged copy was not stored"
     # signed manifest but other parameters than the signed hash (a leader's own inconsistency): still refused
-    driver.checkpoint_manifests = {4: _manifest_hash(forged)}
-    driver.checkpoint_digests = recorded_checkpoints([[4, 0, 2, flat_digest(torch.full((8,), 4.5))]])
-    assert driver._store_fetched(4, forged, "liar:1") is None
+    driver.recovery.checkpoint_manifests = {4: _manifest_hash(forged)}
+    driver.recovery.checkpoint_digests = recorded_checkpoints([[4, 0, 2, flat_digest(torch.full((8,), 4.5))]])
+    assert driver.recovery.store_fetched(4, forged, "liar:1") is None
 
 
 def _manifest_hash(files: dict[str, bytes]) -> str:
@@ -267,13 +267,13 @@ def _count_torch_loads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_the_signed_checkpoint_hashes_round_trip_and_are_read_as_hostile() -> None:
     driver = RunDriver(SPEC, None, dict, lambda d, s: ([(0, 2)], [d]), lambda *a: {},  # type: ignore[arg-type]
                        DriverConfig(steps=10))
-    driver.checkpoint_digests = {2: {(0, 1): "a" * 32, (1, 2): "b" * 32}, 4: {(0, 1): "c" * 32}}
+    driver.recovery.checkpoint_digests = {2: {(0, 1): "a" * 32, (1, 2): "b" * 32}, 4: {(0, 1): "c" * 32}}
     record = json.loads(json.dumps(signed_hashes(driver, 5)))  # through JSON, as the record is published
     assert record["stage_hashes"] is None, "no hashes agreed at step 5"
-    assert recorded_checkpoints(record["checkpoint_hashes"]) == driver.checkpoint_digests
-    driver.checkpoint_manifests = {2: "d" * 64, 4: "e" * 64}
+    assert recorded_checkpoints(record["checkpoint_hashes"]) == driver.recovery.checkpoint_digests
+    driver.recovery.checkpoint_manifests = {2: "d" * 64, 4: "e" * 64}
     record = json.loads(json.dumps(signed_hashes(driver, 5)))
-    assert recorded_manifests(record["checkpoint_manifests"]) == driver.checkpoint_manifests
+    assert recorded_manifests(record["checkpoint_manifests"]) == driver.recovery.checkpoint_manifests
     assert recorded_manifests([[2, "d" * 63], ["2", "d" * 64], [2], None, [2, "d" * 64, 1]]) == {}
     junk = [[2, 0, 1], [2, 0, 1, 5], ["2", 0, 1, "a"], [2, 0, 1, "x" * 65], None, "2,0,1,a"]
     assert recorded_checkpoints(junk) == {} and recorded_checkpoints({"2": []}) == {}

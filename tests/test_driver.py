@@ -323,7 +323,7 @@ def test_a_checkpoint_passes_over_a_replica_that_serves_other_parameters(workers
         driver.run()
     finally:
         coordinator.close()
-    assert driver.events.checkpoints == [2] and driver.checkpoint_digests == {2: driver.digests.at(2)}
+    assert driver.events.checkpoints == [2] and driver.recovery.checkpoint_digests == {2: driver.digests.at(2)}
     saved = CheckpointStore(tmp_path).load(2).states[0]["params"]
     honest = workers[1].compute
     assert honest is not None and torch.equal(saved, honest.flat_params())

@@ -39,15 +39,8 @@ from tasklet.peer.observe.scalars import ScalarWriter
 from tasklet.peer.runtime.assign import build_assignments
 from tasklet.peer.runtime.control import MAX_HASH, Apply, encode
 from tasklet.peer.runtime.lead.coordinator import Coordinator, StepReport
-from tasklet.peer.runtime.lead.driver import (
-    KEPT_DIGESTS,
-    DriverConfig,
-    Inherited,
-    Pipelines,
-    RunDriver,
-    Stages,
-    verified_states,
-)
+from tasklet.peer.runtime.lead.driver import DriverConfig, Pipelines, RunDriver, Stages
+from tasklet.peer.runtime.lead.recovery import KEPT_DIGESTS, Inherited, verified_states
 from tasklet.peer.runtime.lead.resync import Digests
 from tasklet.peer.runtime.lead.spot import Ledger
 from tasklet.peer.runtime.outer import assignment_record
@@ -506,7 +499,7 @@ class LeaderRole:
         """Final parameters of every stage (torch state dicts by parameter name) and run.json."""
         assert self.driver is not None and self.driver.stages is not None
         folder.mkdir(parents=True, exist_ok=True)
-        saved = save_stages(verified_states(self.coordinator, self.driver.stages, self.driver.digests,
+        saved = save_stages(verified_states(self.coordinator.live_states, self.driver.stages, self.driver.digests,
                                             self.driver.trained), self.spec, folder)
         live = self._workers()
         peers = {
@@ -603,9 +596,9 @@ def signed_hashes(driver: RunDriver, trained: int) -> dict[str, Any]:
     ``recorded_progress``, ``recorded_checkpoints`` and ``recorded_manifests``)."""
     digests = driver.digests.at(trained)
     return {"stage_hashes": [[a, b, h] for (a, b), h in sorted(digests.items())] if digests else None,
-            "checkpoint_hashes": [[t, a, b, h] for t, d in sorted(driver.checkpoint_digests.items())
+            "checkpoint_hashes": [[t, a, b, h] for t, d in sorted(driver.recovery.checkpoint_digests.items())
                                   for (a, b), h in sorted(d.items())],
-            "checkpoint_manifests": [[t, h] for t, h in sorted(driver.checkpoint_manifests.items())]}
+            "checkpoint_manifests": [[t, h] for t, h in sorted(driver.recovery.checkpoint_manifests.items())]}
 
 
 def recorded_manifests(value: Any) -> dict[int, str]:

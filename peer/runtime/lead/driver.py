@@ -15,38 +15,29 @@ check verified was applied (the ledger of ``peer.runtime.lead.verify.Verificatio
 newest verified checkpoint of at most the first such step (never forward), the peer is banned for good, and the
 steps since are redone without it (``_discard_cheats``).
 
-Checkpoints are written by the leader: every ``checkpoint_every`` steps (and on request, e.g. SIGTERM) it
-fetches each stage's state from one replica and writes it durably through
-:class:`peer.runtime.checkpoints.CheckpointStore` (fsynced, checksummed, atomic ``latest``, the newest
-``checkpoint_keep`` kept). ``resume`` starts a run from the newest one that verifies; a failed checkpoint is
-logged and counted, never fatal.
+Checkpoints are written by the leader every ``checkpoint_every`` steps (and on request, e.g. SIGTERM); where they
+are written, copied and found again is :class:`peer.runtime.lead.recovery.Recovery`'s. ``resume`` starts a run
+from the newest one that verifies; a failed checkpoint is logged and counted, never fatal.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import statistics
-import tempfile
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, MutableSet
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tasklet.peer.compute.stage import flat_digest
 from tasklet.peer.runtime.checkpoints import (
     DEFAULT_KEEP,
-    MANIFEST,
-    Checkpoint,
-    CheckpointError,
     CheckpointStore,
-    sha256_of,
-    store_copy,
 )
 from tasklet.peer.runtime.control import SourceKind, StateSource
 from tasklet.peer.runtime.lead.coordinator import (
@@ -56,6 +47,7 @@ from tasklet.peer.runtime.lead.coordinator import (
     StepFailedError,
     StepReport,
 )
+from tasklet.peer.runtime.lead.recovery import Inherited, Recovery, RunEvents
 from tasklet.peer.runtime.lead.resync import Digests
 from tasklet.peer.runtime.lead.step import TooFewPeersError
 from tasklet.peer.runtime.spec import Assignment, RunSpec
@@ -63,7 +55,6 @@ from tasklet.peer.timing import (
     BAN_MAX_S,
     BAN_S,
     CHECKPOINT_COPIES,
-    COPY_TIMEOUT_S,
     REPLAN_WAIT_S,
     STEP_TIMEOUT_S,
     STRAGGLER_FACTOR,
@@ -72,8 +63,6 @@ from tasklet.peer.timing import (
 )
 
 log = logging.getLogger(__name__)
-
-KEPT_DIGESTS = 4  # checkpoints whose stage hashes the leader keeps and signs in its progress record
 
 Stages = list[tuple[int, int]]
 Pipelines = list[list[int]]
@@ -193,41 +182,6 @@ class DriverConfig:
     straggler_steps: int = STRAGGLER_STEPS
 
 
-@dataclass
-class RunEvents:
-    """What happened during a run, for logs, status and benchmarks."""
-
-    replans: list[dict[str, Any]] = field(default_factory=list)
-    rollbacks: list[dict[str, Any]] = field(default_factory=list)
-    checkpoints: list[int] = field(default_factory=list)
-    checkpoint_errors: list[dict[str, Any]] = field(default_factory=list)
-    resumed_from: dict[str, Any] | None = None  # the checkpoint a resume used, and the newer ones it skipped
-    stragglers: list[dict[str, Any]] = field(default_factory=list)  # slow workers reported to the planner
-    copies: list[dict[str, Any]] = field(default_factory=list)  # checkpoint copies sent: step, peers, errors
-    fetched_copy: dict[str, Any] | None = None  # a checkpoint this leader fetched from a peer (its disk had none)
-
-    def resumed(self, step: int, skipped_damaged: list[int]) -> None:
-        """A resume started from the checkpoint of ``step``, passing over the damaged newer ones."""
-        self.resumed_from = {"step": step, "skipped_damaged": skipped_damaged}
-
-    def fetched(self, step: int, source: str) -> None:
-        """This leader uses the checkpoint copy of ``step`` it fetched from ``source``."""
-        self.fetched_copy = {"step": step, "from": source}
-
-
-@dataclass(frozen=True)
-class Inherited:
-    """What the run's previous leader signed in its progress record, which a new leadership starts from: the step it
-    recorded (no checkpoint copy a peer offers is believed beyond it), the stage hashes it signed for the step a
-    takeover starts from (a holder's claim must match them), and its newest checkpoints' stage hashes and
-    manifests (a copy must match them)."""
-
-    step: int | None = None
-    digests: Digests = field(default_factory=Digests)
-    checkpoint_digests: dict[int, dict[tuple[int, int], str]] = field(default_factory=dict)
-    checkpoint_manifests: dict[int, str] = field(default_factory=dict)
-
-
 class PeerShortage:
     """A plan's wait for enough live peers to hold its stages: said once in the log and, through ``on_pause``, in
     the progress record; over after ``wait_s`` (math.inf: never)."""
@@ -263,7 +217,7 @@ class RunDriver:
                  on_step: Callable[[StepReport], None] | None = None, epoch: int = 0,
                  on_replan: Callable[[dict[str, Any]], None] | None = None,
                  on_pause: Callable[[dict[str, Any] | None], None] | None = None,
-                 inherited: Inherited = Inherited()) -> None:
+                 inherited: Inherited | None = None) -> None:
         """``on_pause(why or None)``: the run waits for peers (the leader publishes it for `peer status`), or goes
         on; ``inherited``: what the previous leader signed (a new leadership of a running run)."""
         self.spec, self.coordinator, self.live_devices, self.planner = spec, coordinator, live_devices, planner
@@ -280,20 +234,13 @@ class RunDriver:
         self._fresh_status: tuple[int, dict[str, dict[str, Any] | None]] = (-1, {})  # (trained, answers)
         self.reports: list[StepReport] = []
         self.stop_event = threading.Event()  # set when this leader loses leadership: stop driving at once
-        self.store = None if cfg.checkpoint_dir is None else CheckpointStore(cfg.checkpoint_dir, cfg.checkpoint_keep)
-        self._loaded: Checkpoint | None = None  # the checkpoint _latest_checkpoint verified, until loaded
-        # the step the run's leader last recorded and signed (a new leader reads it from its predecessor's progress
-        # record): no checkpoint copy a peer offers is believed beyond it
-        self.recorded_step: int | None = inherited.step
+        inherited = inherited or Inherited()
+        store = None if cfg.checkpoint_dir is None else CheckpointStore(cfg.checkpoint_dir, cfg.checkpoint_keep)
+        self.recovery = Recovery(spec, coordinator, store, cfg.checkpoint_copies, self.events, inherited,
+                                 peers=self._unbanned_peers, earliest_unverified=self._earliest_unverified)
         # what a peer's claim to hold a stage must match: its replicas' agreed hash, or the previous leader's record
         self.digests = inherited.digests
-        # step -> the stage hashes of the checkpoints written (or the previous leader recorded): a copy must match
-        self.checkpoint_digests: dict[int, dict[tuple[int, int], str]] = dict(inherited.checkpoint_digests)
-        self.checkpoint_manifests: dict[int, str] = dict(inherited.checkpoint_manifests)  # step -> manifest sha256
         self._attempt = 0  # of the re-plan running now
-        # on_checkpoint(step, folder): after each checkpoint is written (replication to other peers)
-        self.on_checkpoint: Callable[[int, Path], None] | None = None
-        self._replicating: threading.Thread | None = None
         # a healed partition (peer.node.leader_role): the endpoints whose state the next plan keeps (None: any
         # holder at the trained step), and those whose state it never keeps (the discarded side's)
         self.keep_only: set[str] | None = None
@@ -306,6 +253,15 @@ class RunDriver:
         one the plan will not use (a new identity must meet a plan that says whose testimony counts)."""
         self.replan_on_join = wanted
 
+    def _unbanned_peers(self) -> list[str]:
+        """The live peers not banned: where a checkpoint copy may be asked for."""
+        return sorted({ep for ep in self.live_devices().values() if ep not in self.banned})
+
+    def _earliest_unverified(self) -> int | None:
+        """The first step of unverified work a live worker of the plan applied (its checkpoint must stay)."""
+        c = self.coordinator
+        return c.verification.earliest_unverified([ep for ep in c.assignments if ep not in c.dead])
+
     def _check_stopped(self) -> None:
         if self.stop_event.is_set():
             raise InterruptedError("the driver was stopped (leadership lost)")
@@ -314,9 +270,9 @@ class RunDriver:
     def run(self, resume: bool = False, takeover: tuple[int, Stages] | None = None) -> list[StepReport]:
         """Train to ``cfg.steps``. ``resume``: start from the latest checkpoint. ``takeover=(trained, stages)``:
         continue a run whose previous leader died, from the workers' own state."""
-        restore = self._latest_checkpoint(ask_peers=self.cfg.checkpoint_copies > 0) if resume else None
+        restore = self.recovery.latest(ask_peers=self.cfg.checkpoint_copies > 0) if resume else None
         if restore is not None:
-            skipped = [] if self._loaded is None else [s for s, _ in self._loaded.skipped]
+            skipped = self.recovery.skipped()
             self.events.resumed(restore, skipped)
             if skipped:
                 log.warning("resuming from the checkpoint of step %d: the newer one(s) of step(s) %s are damaged",
@@ -497,14 +453,14 @@ class RunDriver:
         why = "every replica of a stage is gone"
         if undo is not None and undo[0] < self.trained:
             # an excluded cheater's unverified work: the newest verified checkpoint from before it (never forward)
-            sources, rollback = {}, self._rollback_point(undo[0])
+            sources, rollback = {}, self.recovery.rollback_point(undo[0])
             why = f"work of an excluded peer no spot check verified was applied from step {undo[0]} on ({undo[1]})"
         else:
             holders = self._holders(set(live.values())) if self.trained > 0 or restore_step is not None else {}
             sources, rollback = self._sources(assignments, holders, restore_step)
         if rollback is not None:
             redone = self.trained - rollback
-            seeded = rollback == 0 and self._loaded is None  # no checkpoint: the seeded initial state is step 0's
+            seeded = self.recovery.seeded(rollback)  # no checkpoint: the seeded initial state is step 0's
             log.warning(
                 "%s; rolling back to %s, redoing %d step(s)", why,
                 "step 0 (no checkpoint: the seeded initial state)" if seeded else f"the checkpoint of step {rollback}",
@@ -575,231 +531,24 @@ class RunDriver:
             elif self.trained == 0:
                 sources[ep] = StateSource.init()
             else:
-                return {}, self._rollback_point(self.trained)  # a wiped stage never ends the run
+                return {}, self.recovery.rollback_point(self.trained)  # a wiped stage never ends the run
         return sources, None
-
-    def _rollback_point(self, at_most: int) -> int:
-        """Where a roll-back goes: the newest verified checkpoint (a peer's copy too) of at most ``at_most``, else 0."""
-        self._loaded = None
-        return self._latest_checkpoint(ask_peers=True, at_most=at_most) or 0  # 0: every peer rebuilds it from the seed
 
     # ---------------------------------------------------------------------------------------- checkpoints
     def checkpoint(self) -> Path | None:
-        """Write every stage's state at the trained step (one replica each); return the folder.
-
-        A failure (disk full, a replica that does not answer) is logged and counted in
-        ``events.checkpoint_errors``; it never stops training."""
-        if self.store is None or not self.stages:
-            return None
-        step, stages = self.trained, list(self.stages)  # read once: another thread (a peer leaving) may call this
-        try:
-            states = _every_stage(verified_states(self.coordinator, stages, self.digests, step), stages, step)
-            meta = {"run": self.spec.to_dict(), "stages": stages, "step": step}
-            # the checkpoint a roll-back for a live worker's unverified work would need is kept (one at most)
-            self.store.pin = self.coordinator.verification.earliest_unverified(
-                [ep for ep in self.coordinator.assignments if ep not in self.coordinator.dead])
-            step_dir = self.store.write(step, {stage: st for (stage, _), st in states.items()}, meta)
-        except Exception as exc:  # a checkpoint error must not kill the leader
-            log.error("checkpoint of step %d failed: %s", step, exc)
-            self.events.checkpoint_errors.append({"step": step, "error": str(exc)[:500]})
-            return None
-        self.events.checkpoints.append(step)
-        if digests := self.digests.at(step):  # the newest few, for the progress record
-            self.checkpoint_digests = _newest(self.checkpoint_digests, step, digests)
-        self.checkpoint_manifests = _newest(self.checkpoint_manifests, step, _manifest_of(step_dir))
-        log.info("checkpoint of step %d written to %s", step, step_dir)
-        if self.cfg.checkpoint_copies > 0:
-            self._replicate(step)
-        if self.on_checkpoint is not None:
-            try:
-                self.on_checkpoint(step, step_dir)
-            except Exception as exc:  # replication failing is reported, never fatal
-                log.error("after the checkpoint of step %d: %s", step, exc)
-        return step_dir
-
-    def _replicate(self, step: int) -> None:
-        """Copy the checkpoint of ``step`` to ``checkpoint_copies`` peers in the background (:func:`_send_copies`)."""
-        assert self.store is not None
-        self._replicating = threading.Thread(
-            target=_send_copies, name=f"copy-{step}", daemon=True,
-            args=(self.coordinator, self.store, step, self.cfg.checkpoint_copies, self._replicating,
-                  self.events.copies))
-        self._replicating.start()
+        """Write every stage's state at the trained step (one replica each); return the folder
+        (:meth:`Recovery.write`: a failure is logged and counted, never fatal)."""
+        stages = list(self.stages or [])  # read once: another thread (a peer leaving) may call this
+        return self.recovery.write(self.trained, stages, self.digests)
 
     def wait_for_copies(self, timeout_s: float | None = None) -> None:
         """Wait until the last checkpoint's copies were sent (tests; a leader leaving gracefully)."""
-        if self._replicating is not None:
-            self._replicating.join(timeout_s)
-
-    def _latest_checkpoint(self, ask_peers: bool = False, at_most: int | None = None) -> int | None:
-        """The step of the newest checkpoint that verifies (damaged newer ones are skipped, and logged), of at
-        most ``at_most`` (a roll-back's: the trained step), else of at most the step the run recorded.
-        ``ask_peers``: also the newest copy live peers hold, when newer than this disk's (a new leader on another
-        host, or one whose disk was lost)."""
-        at_most = self.recorded_step if at_most is None else at_most
-        ckpt = None if self.store is None else self.store.newest_valid(at_most)
-        if ask_peers:
-            fetched = self._fetch_copy(newer_than=-1 if ckpt is None else ckpt.step, at_most=at_most)
-            if fetched is not None:
-                ckpt = fetched
-        if ckpt is None:
-            return None
-        self._loaded = ckpt
-        return ckpt.step
-
-    def _fetch_copy(self, newer_than: int, at_most: int | None = None) -> Checkpoint | None:
-        """The newest checkpoint copy of this run among live peers (verified), if newer than ``newer_than``;
-        stored on this leader's disk when it has a checkpoint folder. A peer's step is a claim: one beyond
-        ``at_most`` (the run's recorded step, or the step a roll-back starts from) is not fetched."""
-        steps: list[tuple[int, str]] = []
-        for ep in sorted({ep for ep in self.live_devices().values() if ep not in self.banned}):
-            try:
-                steps.append((self.coordinator.checkpoint_step(ep), ep))
-            except Exception as exc:  # no copy there, or unreachable
-                log.info("no checkpoint copy on %s: %s", ep, exc)
-        for step, ep in sorted(steps, key=lambda x: (-x[0], x[1])):  # the newest first; fetch only what is used
-            if at_most is not None and step > at_most:
-                log.warning("%s offers a checkpoint copy of step %d, beyond step %d the run recorded; not used",
-                            ep, step, at_most)
-                continue
-            if step <= newer_than:
-                return None
-            try:
-                got, files = self.coordinator.fetch_checkpoint(ep)
-            except Exception as exc:
-                log.warning("fetching the checkpoint copy of step %d from %s failed: %s", step, ep, exc)
-                continue
-            if got != step:
-                log.warning("%s offered a checkpoint copy of step %d and sent one of step %d; not used", ep, step, got)
-                continue
-            ckpt = self._store_fetched(got, files, ep) if got > newer_than else None
-            if ckpt is not None:
-                return ckpt
-        return None
-
-    def _store_fetched(self, step: int, files: dict[str, bytes], source: str) -> Checkpoint | None:
-        """Verify a fetched copy (and keep it on this leader's disk when it has a checkpoint folder)."""
-        with tempfile.TemporaryDirectory(prefix="tasklet-copy-") as tmp:
-            try:  # verified apart first: a copy that fails never lands among this disk's checkpoints
-                _match_manifest(files, self.checkpoint_manifests.get(step))
-                store_copy(CheckpointStore(Path(tmp)), step, files)
-                ckpt = CheckpointStore(Path(tmp)).load(step)
-                _match_digests(ckpt, self.checkpoint_digests.get(step, {}))
-                if self.store is not None:
-                    store_copy(self.store, step, files)
-            except CheckpointError as exc:
-                log.error("the checkpoint copy of step %d from %s does not verify: %s", step, source, exc)
-                return None
-        log.warning("using the checkpoint copy of step %d fetched from %s", step, source)
-        self.events.fetched(step, source)
-        return ckpt
+        self.recovery.wait_for_copies(timeout_s)
 
     def _load_checkpoint_stages(self, step: int) -> None:
-        """Read a checkpoint and let the coordinator serve it to the workers that will fetch it."""
-        if self._loaded is not None and self._loaded.step == step:
-            ckpt = self._loaded
-        else:
-            assert self.store is not None
-            ckpt = self.store.load(step)
-        self._loaded = None
-        where = f"of step {step}"
-        if ckpt.meta.get("run") != self.spec.to_dict():
-            raise StepFailedError(f"checkpoint {where} belongs to a different run configuration")
-        stages = [tuple(x) for x in ckpt.meta["stages"]]
-        if self.stages is not None and stages != self.stages:
-            raise StepFailedError(f"checkpoint {where} has stages {stages}, the run has {self.stages}")
-        self.stages = stages  # type: ignore[assignment]
-        self.coordinator.serve_checkpoint(ckpt.states)
+        """Train on from the checkpoint of ``step`` (the coordinator serves it to the workers that fetch it)."""
+        self.stages = self.recovery.load(step, self.stages)
         self.trained = step
-
-
-def _send_copies(coordinator: Coordinator, store: CheckpointStore, step: int, n: int,
-                  previous: threading.Thread | None, copies: list[dict[str, Any]]) -> None:
-    """Copy the checkpoint of ``step`` to ``n`` live peers (after ``previous`` replication ends); the record of
-    what went where is appended to ``copies``."""
-    if previous is not None:
-        previous.join()
-    record: dict[str, Any] = {"step": step, "peers": [], "errors": {}}
-    try:
-        files = store.read_files(step)
-    except CheckpointError as exc:
-        record["errors"]["local"] = str(exc)
-        copies.append(record)
-        return
-    tried: list[str] = []
-    while len(record["peers"]) < n:
-        targets = coordinator.copy_targets(n - len(record["peers"]), exclude=tried)
-        if not targets:
-            break
-        for ep in targets:
-            tried.append(ep)
-            try:
-                coordinator.push_checkpoint(ep, step, files, COPY_TIMEOUT_S)
-                record["peers"].append(ep)
-            except Exception as exc:  # another peer is tried; the leader trains on regardless
-                record["errors"][ep] = str(exc)[:300]
-    copies.append(record)
-    if len(record["peers"]) < n:
-        log.error("checkpoint of step %d: copied to %d peer(s) of %d wanted (%s)", step,
-                  len(record["peers"]), n, record["errors"] or "no other live worker")
-    else:
-        log.info("checkpoint of step %d copied to %s", step, record["peers"])
-
-
-def verified_states(coordinator: Coordinator, stages: Stages, digests: Digests,
-                    step: int) -> dict[tuple[int, int], dict[str, Any]]:
-    """One state per stage at ``step`` (for a checkpoint or the final save) whose parameters hash to what the
-    stage's replicas agreed on, when that is known: a replica serving the leader other parameters than it
-    reported is passed over for another."""
-    want = digests.at(step)
-
-    def accept(stage: int, state: dict[str, Any]) -> bool:
-        h = want.get(tuple(stages[stage])) if 0 <= stage < len(stages) else None  # type: ignore[arg-type]
-        return h is None or flat_digest(state["params"]) == h
-
-    return coordinator.live_states(at_step=step, accept=accept)
-
-
-def _every_stage(states: dict, stages: Stages, step: int) -> dict:
-    """``states`` ((stage, endpoint) -> state) when every stage answered, else CheckpointError."""
-    missing = set(range(len(stages))) - {stage for stage, _ in states}
-    if missing:
-        raise CheckpointError(f"stages {sorted(missing)} did not answer at step {step}")
-    return states
-
-
-def _newest(table: dict[int, Any], step: int, value: Any) -> dict[int, Any]:
-    """``table`` with ``value`` at ``step`` (unless None), keeping the KEPT_DIGESTS newest steps (what a progress
-    record signs)."""
-    return table if value is None else dict(sorted({**table, step: value}.items())[-KEPT_DIGESTS:])
-
-
-def _manifest_of(step_dir: Path) -> str | None:
-    """The sha256 of a checkpoint's manifest; None when the folder is already pruned (an older step written after a
-    roll-back, not among the checkpoints kept)."""
-    try:
-        return sha256_of(step_dir / MANIFEST)
-    except OSError:
-        return None
-
-
-def _match_manifest(files: dict[str, bytes], want: str | None) -> None:
-    """A copy's manifest must be the one the leader signed for its step, before any file is deserialised: the
-    manifest names every file's sha256 (``store_copy`` checks them), so no byte a member chose reaches
-    ``torch.load``."""
-    if want is None:
-        raise CheckpointError("no leader signed a manifest of that step")
-    if hashlib.sha256(files.get(MANIFEST, b"")).hexdigest() != want:
-        raise CheckpointError(f"its manifest is not the one the leader signed ({want[:12]})")
-
-
-def _match_digests(ckpt: Checkpoint, want: dict[tuple[int, int], str]) -> None:
-    """A checkpoint copy's stage parameters must hash to what the leader recorded for its step (when it did)."""
-    for stage, layers in enumerate(tuple(x) for x in ckpt.meta.get("stages", [])):
-        h = want.get(layers)  # type: ignore[arg-type]
-        if h is not None and stage in ckpt.states and flat_digest(ckpt.states[stage]["params"]) != h:
-            raise CheckpointError(f"stage {stage}'s parameters are not the ones the leader recorded for step "
-                                  f"{ckpt.step} ({h})")
 
 
 def _stage_holders(answers: list[tuple[str, dict[str, Any] | None]], stages: Stages, trained: int,
