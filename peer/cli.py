@@ -541,7 +541,7 @@ def _options(args: argparse.Namespace):  # noqa: ANN202 - PeerOptions, imported 
 
 def _run_daemon(args: argparse.Namespace, config: RunConfig | None, peers: list[str],
                 local_paths: dict[tuple[str, str], str] | None = None) -> int:
-    from tasklet.peer.node.daemon import DaemonError, PeerDaemon
+    from tasklet.peer.node.daemon import DaemonError, PeerDaemon, stop_on_signals
     from tasklet.peer.node.join_watch import report_end
 
     if args.announce and ":" not in args.announce:
@@ -568,7 +568,7 @@ def _run_daemon(args: argparse.Namespace, config: RunConfig | None, peers: list[
         daemon.start()
     except DaemonError as exc:
         raise UserError(str(exc)) from None
-    daemon.install_signal_handlers()
+    stop_on_signals(daemon.stop_requested)
     try:
         if config is not None:
             print(daemon.join_line(), flush=True)

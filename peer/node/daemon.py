@@ -140,7 +140,7 @@ class PeerDaemon:
         self.identity = Identity.load_or_create(opts.identity)
         # mutual TLS with a certificate of the identity key; trust = peers with a live, verified advert
         self.tls = TlsContext(self.identity)
-        self._trusted: dict[str, tuple[str, float]] = {}  # peer id -> (certificate, trusted until, monotonic)
+        self.trust = AdvertTrust(self.tls)
         self.dht: Any = None
         self.worker: StageWorker | None = None
         self.membership: Membership | None = None
@@ -487,16 +487,9 @@ class PeerDaemon:
         )
 
     def _trust_adverts(self, entries: list[Advert]) -> None:
-        """Trust live adverts' certificates, each for an advert lifetime (>= TRUST_KEEP_MIN_S) after its last
-        sighting: DHT reads that miss an advert for a while (a DHT node died) do not cut a live peer off."""
+        """Trust live adverts' certificates (:class:`AdvertTrust`)."""
         assert self.config is not None
-        now_s = time.monotonic()
-        keep_s = max(TRUST_KEEP_MIN_S, self.config.swarm.heartbeat_s * ADVERT_TTL_HEARTBEATS)
-        for a in entries:
-            if a.cert:
-                self._trusted[a.peer_id] = (a.cert, now_s + keep_s)
-        self._trusted = {pid: v for pid, v in self._trusted.items() if v[1] > now_s}
-        self.tls.trust.set_group("swarm", [cert for cert, _ in self._trusted.values()])
+        self.trust.saw(entries, max(TRUST_KEEP_MIN_S, self.config.swarm.heartbeat_s * ADVERT_TTL_HEARTBEATS))
         if self.worker is not None:  # the gRPC port keeps most of its connections for the members' hosts
             self.worker.server.set_members(member_hosts(entries))
 
@@ -553,14 +546,6 @@ class PeerDaemon:
         return self.progress.read(_progress_leader(self.plan_board.latest(), self.elected()))
 
     # ----------------------------------------------------------------------------------------- shutdown
-    def install_signal_handlers(self) -> None:
-        def on_signal(signum: int, _frame: Any) -> None:
-            log.warning("received %s; leaving the swarm", signal.Signals(signum).name)
-            self.stop_requested.set()
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, on_signal)
-
     def shutdown(self) -> None:
         """Leave gracefully: checkpoint (leader), departure record, stop serving, stop the DHT."""
         for part in (self.observer, self.control, self.phases):
@@ -587,6 +572,35 @@ class PeerDaemon:
                 self.dht.shutdown()
             except Exception as exc:  # the child process may be gone already
                 log.info("DHT shutdown: %s", exc)
+
+
+class AdvertTrust:
+    """The swarm's trusted certificates: each live advert's, for ``keep_s`` (at least TRUST_KEEP_MIN_S, an advert
+    lifetime) after its last sighting, so that DHT reads missing an advert for a while (a DHT node died) do not cut
+    a live peer off."""
+
+    def __init__(self, tls: TlsContext) -> None:
+        self.tls = tls
+        self._trusted: dict[str, tuple[str, float]] = {}  # peer id -> (certificate, trusted until, monotonic)
+
+    def saw(self, entries: list[Advert], keep_s: float) -> None:
+        """The live adverts of one read: trust their certificates, forget those not seen for ``keep_s``."""
+        now_s = time.monotonic()
+        for a in entries:
+            if a.cert:
+                self._trusted[a.peer_id] = (a.cert, now_s + keep_s)
+        self._trusted = {pid: v for pid, v in self._trusted.items() if v[1] > now_s}
+        self.tls.trust.set_group("swarm", [cert for cert, _ in self._trusted.values()])
+
+
+def stop_on_signals(stop: threading.Event) -> None:
+    """SIGINT and SIGTERM set ``stop``: the daemon leaves the swarm (checkpointing first when it leads)."""
+    def on_signal(signum: int, _frame: Any) -> None:
+        log.warning("received %s; leaving the swarm", signal.Signals(signum).name)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
 
 
 def join_watch(d: PeerDaemon) -> JoinWatch:

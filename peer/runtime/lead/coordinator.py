@@ -386,7 +386,7 @@ class Coordinator:
     def _on_pool_request(self, request: pb.FetchRequest) -> pb.Envelope:
         op = ctl.op_of(request, ctl.POOL_OPS)
         key = request.key
-        endpoint = self._require_member(request.sender, key.stage, key.replica, f"a {op.value}")
+        endpoint = self.roster.member(request.sender, key.stage, key.replica, f"a {op.value}", self.tls.peer_id)
         a = self.roster.assignments.get(endpoint)
         if a is None or not a.is_first:  # only the head of a pipeline feeds it and knows when its backward ended
             raise Forbidden(f"a {op.value} is taken only from the first stage of a pipeline; "
@@ -416,7 +416,8 @@ class Coordinator:
             epoch, roster = self.epoch, self.roster
         if env.key.epoch != epoch:
             raise Rejected(f"report of epoch {env.key.epoch}, the plan is at epoch {epoch}")
-        sender = self._require_member(env.sender, env.key.stage, env.key.replica, f"a {msg.op.value} report")
+        sender = self.roster.member(env.sender, env.key.stage, env.key.replica, f"a {msg.op.value} report",
+                                    self.tls.peer_id)
         if isinstance(msg, ctl.Loss):
             self.verification.check_loss(self._cond, self._machine, env.key, msg, roster.is_last(sender), env.sender)
         if isinstance(msg, ctl.PeerError):
@@ -458,8 +459,7 @@ class Coordinator:
         self._exclude(roster, verdict, f"sent data {reporter} refused ({error}); {verdict.reason}")
 
     def _who(self, endpoint: str) -> str:
-        """A worker's identity for the referee and the credit record: its peer id (else, locally, its endpoint)."""
-        return self.roster.peer_ids.get(endpoint, endpoint)
+        return self.roster.who(endpoint)  # the current plan's (the roster is replaced whole)
 
     def _exclude(self, roster: Roster, verdict: Verdict, reason: str) -> None:
         """Exclude whom the verdict names: on the leader's own evidence its unverified applied work is rolled back;
@@ -492,20 +492,6 @@ class Coordinator:
         if caller != self.tls.peer_id and caller not in self.roster.peer_ids.values():
             raise Forbidden(f"the coordinator takes reports only from workers of its plan; peer {caller} is not one")
         return CONTROL_BYTES if kind == pb.CONTROL else 0
-
-    def _peer_of(self, endpoint: str | None) -> str | None:
-        """The peer id of a worker of the plan (this process's own when its assignment carried no certificate)."""
-        return None if endpoint is None else self.roster.peer_ids.get(endpoint, self.tls.peer_id)
-
-    def _require_member(self, caller: str, stage: int, replica: int, what: str) -> str:
-        """The endpoint of (stage, replica) in the plan, if ``caller`` is the peer there; else Forbidden."""
-        endpoint = self.roster.endpoint_of(stage, replica)
-        if endpoint is None or self._peer_of(endpoint) != caller:
-            raise Forbidden(
-                f"{what} for stage {stage} of pipeline {replica} is taken only from the worker the plan puts "
-                f"there; peer {caller} is not"
-            )
-        return endpoint
 
     # ------------------------------------------------------------------------------------------- queries
     def stop_workers(self) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from tasklet.peer.runtime.spec import Assignment
+from tasklet.protocol.errors import Forbidden
 
 
 @dataclass(frozen=True)
@@ -44,3 +45,16 @@ class Roster:
     def is_last(self, endpoint: str | None) -> bool:
         a = self.assignments.get(endpoint or "")
         return a is not None and a.is_last
+
+    def who(self, endpoint: str) -> str:
+        """A worker's identity for the referee and the credit record: its peer id (else, locally, its endpoint)."""
+        return self.peer_ids.get(endpoint, endpoint)
+
+    def member(self, caller: str, stage: int, replica: int, what: str, own_id: str) -> str:
+        """The endpoint of (stage, replica), if ``caller`` is the peer the plan puts there (``own_id``: the leader's,
+        whose own worker's assignment may carry no certificate); else Forbidden naming ``what`` was refused."""
+        endpoint = self.endpoint_of(stage, replica)
+        if endpoint is None or self.peer_ids.get(endpoint, own_id) != caller:
+            raise Forbidden(f"{what} for stage {stage} of pipeline {replica} is taken only from the worker the plan "
+                            f"puts there; peer {caller} is not")
+        return endpoint
