@@ -47,6 +47,7 @@ from tasklet.peer.emulation.reference_check import ReferenceGap, gap_to_referenc
 from tasklet.peer.runtime.assign import build_assignments
 from tasklet.peer.runtime.lead.coordinator import Coordinator
 from tasklet.peer.runtime.lead.driver import DriverConfig, Pipelines, RunDriver, RunEvents, Stages
+from tasklet.peer.runtime.lead.recovery import Inherited
 from tasklet.peer.runtime.spec import Assignment, RunSpec
 from tasklet.peer.runtime.stage.worker import StageWorker
 
@@ -65,7 +66,7 @@ class LeaderLossResult:
 
 
 def _driver(workers: dict[int, StageWorker], planner: Any, cfg: DriverConfig,
-            epoch: int = 0) -> tuple[RunDriver, Coordinator]:
+            epoch: int = 0, inherited: Inherited | None = None) -> tuple[RunDriver, Coordinator]:
     coordinator = Coordinator(SPEC, liveness_interval_s=60.0)
     coordinator.start()
     endpoints = {d: w.server.endpoint for d, w in workers.items()}
@@ -75,7 +76,14 @@ def _driver(workers: dict[int, StageWorker], planner: Any, cfg: DriverConfig,
     def assignments(stages: Stages, pipelines: Pipelines, epoch: int) -> dict[str, Assignment]:
         return build_assignments(SPEC, stages, pipelines, table, coordinator.endpoint, epoch)
 
-    return RunDriver(SPEC, coordinator, lambda: dict(endpoints), planner, assignments, cfg, epoch=epoch), coordinator
+    return RunDriver(SPEC, coordinator, lambda: dict(endpoints), planner, assignments, cfg, epoch=epoch,
+                     inherited=inherited), coordinator
+
+
+def _inherited(driver: RunDriver) -> Inherited:
+    """What a new leader reads from its predecessor's signed progress record (peer.node.leader_role)."""
+    return Inherited(checkpoint_digests=driver.recovery.checkpoint_digests,
+                     checkpoint_manifests=driver.recovery.checkpoint_manifests)
 
 
 def run_leader_loss(root: Path, steps: int = 5, die_after: int = 3, checkpoint_every: int = 2,
@@ -110,10 +118,8 @@ def run_leader_loss(root: Path, steps: int = 5, die_after: int = 3, checkpoint_e
 
         # a new leader plans above its predecessor's epoch (the daemon reads it from the plan board)
         driver2, coordinator2 = _driver(survivors, planner, DriverConfig(steps=steps, checkpoint_dir=root / "leader2",
-                                                                         checkpoint_copies=copies), epoch=driver1.epoch)
-        # what a new leader reads from its predecessor's signed progress record (peer.node.leader_role)
-        driver2.checkpoint_digests = driver1.checkpoint_digests
-        driver2.checkpoint_manifests = driver1.checkpoint_manifests
+                                                                         checkpoint_copies=copies), epoch=driver1.epoch,
+                                     inherited=_inherited(driver1))
         started = time.monotonic()
         first_done: list[float] = []
         driver2.on_step = lambda report: first_done.append(time.monotonic()) if not first_done else None
@@ -178,10 +184,7 @@ def run_half_loss(root: Path, n_peers: int, steps: int = 6, die_after: int = 3,
 
         driver2, coordinator2 = _driver(survivors, planner, DriverConfig(
             steps=steps, checkpoint_dir=root / "leader2" if checkpoints else None, checkpoint_copies=0),
-            epoch=driver1.epoch)
-        # what a new leader reads from its predecessor's signed progress record (peer.node.leader_role)
-        driver2.checkpoint_digests = driver1.checkpoint_digests
-        driver2.checkpoint_manifests = driver1.checkpoint_manifests
+            epoch=driver1.epoch, inherited=_inherited(driver1))
         started = time.monotonic()
         first_done: list[float] = []
         driver2.on_step = lambda report: first_done.append(time.monotonic()) if not first_done else None

@@ -275,10 +275,12 @@ class PeerDaemon:
                                if self.config.swarm.checkpoint_dir else None),
         )
         assert self.leadership is not None
-        self.worker.may_assign = self.leadership.may_assign  # the elected leader's orders only
-        self.worker.may_dial = self.leadership.may_dial  # naming only live peers of the run
-        self.worker.on_refused = self.leadership.refuse  # and keeping to the signed run
-        self.worker.taker.on_fetch = self.phases.fetch_progress  # a stage's state arriving, shown
+        self.worker.set_policies(
+            may_assign=self.leadership.may_assign,  # the elected leader's orders only
+            may_dial=self.leadership.may_dial,  # naming only live peers of the run
+            on_refused=self.leadership.refuse,  # and keeping to the signed run
+            on_fetch=self.phases.fetch_progress,  # a stage's state arriving, shown
+        )
         self.worker.server.reserve_threads(COORDINATOR_THREADS)  # in case this peer leads (coordinator mounted)
         try:
             self.endpoint = self.worker.start(compute_thread=False)  # run() serves it
@@ -314,7 +316,7 @@ class PeerDaemon:
         device = measure_device("cpu" if tflops else o.device, emulate_tflops=tflops, seconds=o.measure_seconds)
         device, extra = owner_limits(device, extra, o)
         assert self.worker is not None
-        self.worker.memory_limit_bytes = device.memory_bytes  # what the plan may give this peer, and no more
+        self.worker.limit_memory(device.memory_bytes)  # what the plan may give this peer, and no more
         self.advert = Advert(
             peer_id=self.identity.peer_id,
             endpoint=self.endpoint,

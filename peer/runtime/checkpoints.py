@@ -119,6 +119,10 @@ class CheckpointStore:
         # for a cheater's unverified work would go to (peer.runtime.lead.driver); one extra checkpoint at most
         self.pin: int | None = None
 
+    def keep_for_rollback(self, step: int | None) -> None:
+        """Keep the newest checkpoint at or before ``step`` beyond ``keep`` (None: keep none extra)."""
+        self.pin = step
+
     # ------------------------------------------------------------------------------------------- writing
     def write(self, step: int, states: dict[int, dict[str, Any]], meta: dict[str, Any]) -> Path:
         """Write a complete checkpoint of ``step`` durably, point ``latest`` at it, prune; return its folder."""

@@ -331,10 +331,8 @@ def pool_kind(op: Op) -> int:
 
 def pool_reply(kind: int, key: pb.Key, status: PoolStatus, speculative: bool = False) -> pb.Envelope:
     """The task pool's answer to a request of ``kind`` for ``key`` (a lease names its micro-batch in the key)."""
-    reply = pb.Envelope(kind=kind, key=key)
-    reply.control.pool_reply.status = _POOL_WIRE[status]  # type: ignore[assignment]
-    reply.control.pool_reply.speculative = speculative
-    return reply
+    answer = pb.PoolReply(status=_POOL_WIRE[status], speculative=speculative)  # type: ignore[arg-type]
+    return pb.Envelope(kind=kind, key=key, control=pb.Control(pool_reply=answer))
 
 
 def pool_status(reply: pb.Envelope | WireEnvelope) -> PoolStatus | None:

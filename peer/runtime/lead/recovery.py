@@ -114,7 +114,7 @@ class Recovery:
             states = _every_stage(verified_states(self.coordinator.live_states, stages, digests, step), stages, step)
             meta = {"run": self.spec.to_dict(), "stages": stages, "step": step}
             # the checkpoint a roll-back for a live worker's unverified work would need is kept (one at most)
-            self.store.pin = self._earliest_unverified()
+            self.store.keep_for_rollback(self._earliest_unverified())
             step_dir = self.store.write(step, {stage: st for (stage, _), st in states.items()}, meta)
         except Exception as exc:  # a checkpoint error must not kill the leader
             log.error("checkpoint of step %d failed: %s", step, exc)

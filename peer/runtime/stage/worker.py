@@ -292,19 +292,6 @@ class StageWorker:
         """The most device memory a stage may need on this peer (:meth:`limit_memory`); None: no bound."""
         return self.taker.memory_limit_bytes
 
-    # Until peer/node/daemon.py calls set_policies and limit_memory: its attribute writes, through the methods.
-    @may_assign.setter
-    def may_assign(self, accept: Callable[[str], bool] | None) -> None:
-        self.intake.accept_assignments_from(accept)
-
-    @may_dial.setter
-    def may_dial(self, check: DialCheck | None) -> None:
-        self.taker.check_dials_with(check)
-
-    @memory_limit_bytes.setter
-    def memory_limit_bytes(self, limit: int | None) -> None:
-        self.taker.limit_memory(limit)
-
     def status(self) -> dict[str, Any]:
         with self._lock:
             t, step, pending = self._tasklet, self._step.step, self._step.pending_apply
