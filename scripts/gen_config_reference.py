@@ -9,7 +9,7 @@ The reference has two parts, both read from the objects the program itself uses:
   (``%(default)s`` becomes the default), so the page says what the program says.
 
 The block sits between ``<!-- config-reference:start -->`` and ``<!-- config-reference:end -->``;
-everything outside the markers is left alone. ``tests/test_docs.py`` fails when the page's block differs
+everything outside the markers is left alone. ``tests/project/test_docs.py`` fails when the page's block differs
 from what this script generates now.
 
     python scripts/gen_config_reference.py            # rewrite docs/configuration.md

@@ -5,7 +5,7 @@ Usage: python scripts/gen_protos.py [--out DIR]   (default: protocol/, next to t
 
 protoc writes `import tasklet_pb2 as tasklet__pb2` into the gRPC stub, which only works when protocol/ itself
 is on sys.path. The stubs live in the `tasklet.protocol` package, so that line is rewritten to a package import.
-tests/test_protocol_stubs.py runs this script into a temporary folder and fails when the checked-in files
+tests/protocol/test_protocol_stubs.py runs this script into a temporary folder and fails when the checked-in files
 differ, so a change to the .proto without regenerating cannot go unnoticed.
 """
 

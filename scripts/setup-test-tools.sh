@@ -23,7 +23,7 @@ if [ "$(id -u)" -eq 0 ] && [ -z "${SKIP_APT:-}" ] && command -v apt-get >/dev/nu
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null 2>&1 \
     || echo "[setup] apt-get could not install chromium; the dashboard's browser test will skip" >&2
 fi
-# The container tests (tests/test_docker_containers.py) build the images and run them with podman; as root on
+# The container tests (tests/project/test_docker_containers.py) build the images and run them with podman; as root on
 # Debian, install podman, runc and mmdebstrap (the base image is made from Debian's packages: no image registry
 # is needed). Where the kernel refuses to raise rlimits (some sandboxes), runc fails to start any container, so
 # podman gets a runc wrapper that drops `process.rlimits` from the container's config.json, as its default

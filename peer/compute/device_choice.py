@@ -16,7 +16,7 @@ and what the advert shows:
 rather than a silent CPU fallback: a volunteer who passed ``--device rocm`` wants to know their GPU is unused.
 
 Untested on this project's CI machines (CPU only): the GPU branches run here against fakes of the
-``torch.cuda``, ``torch.version`` and ``torch.backends.mps`` calls they use (tests/test_device_backends.py).
+``torch.cuda``, ``torch.version`` and ``torch.backends.mps`` calls they use (tests/compute/test_device_backends.py).
 """
 
 from __future__ import annotations

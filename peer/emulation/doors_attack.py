@@ -1,4 +1,5 @@
-"""Attacks on a peer's open doors, run as a stranger (no join secret): for tests/test_doors_swarm.py and bench.doors.
+"""Attacks on a peer's open doors, run as a stranger (no join secret): for tests/swarms/test_doors_swarm.py and
+bench.doors.
 
 ``python -m tasklet.peer.emulation.doors_attack KIND ...`` runs one attack and prints one JSON line of what the target
 answered (so the caller can tell "refused" from "held"). Kinds:

@@ -1,5 +1,5 @@
 """Real `peer` processes on the hosts of a network-namespace test bed (peer/emulation/netbed.py), started with the
-README's internet commands; used by tests/test_multihost.py and bench/reachability.py.
+README's internet commands; used by tests/swarms/test_multihost.py and bench/reachability.py.
 
 Every peer runs ``ip netns exec <host> peer start|join --host 0.0.0.0 --port 31400 --bulk-port 31403
 --dht-host 0.0.0.0 --dht-port 31401 --announce ADDR:31400`` (``ADDR`` the host's public address, its router's for a

@@ -1,6 +1,6 @@
 """The equivalence run: a small GPT as 2 stages x 2 replicas against single-process training of the same model on
-the same batches (``tests/test_equivalence.py``, and the outsider's attack on the same run in
-``tests/test_outsider.py``)."""
+the same batches (``tests/swarms/test_equivalence.py``, and the outsider's attack on the same run in
+``tests/net/test_outsider.py``)."""
 
 from __future__ import annotations
 

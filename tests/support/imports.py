@@ -1,5 +1,6 @@
 """The import graph of our packages, read from the source (every import counts: module level, inside functions,
-under ``TYPE_CHECKING``): shared by the layering checks of ``tests/test_layout.py`` and ``tests/test_dashboard.py``."""
+under ``TYPE_CHECKING``): shared by the layering checks of ``tests/project/test_layout.py`` and
+``tests/observe/test_dashboard.py``."""
 
 from __future__ import annotations
 
@@ -52,6 +53,13 @@ def import_graph() -> dict[str, set[str]]:
     ours = modules(PACKAGES)
     known = set(ours) | set(modules(("tests",)))
     return {name: _imports(name, path, known) for name, path in ours.items()}
+
+
+def graph_of_tests() -> dict[str, set[str]]:
+    """The import graph of the test modules and their support (what each imports of ours and of the tests)."""
+    tests = modules(("tests",))
+    known = set(tests) | set(modules(PACKAGES))
+    return {name: _imports(name, path, known) for name, path in tests.items()}
 
 
 def importing(graph: dict[str, set[str]], importers: tuple[str, ...], imported: tuple[str, ...]) -> list[str]:

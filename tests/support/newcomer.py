@@ -1,9 +1,10 @@
 """Test helper: the repository as a newcomer gets it — a fresh ``git clone`` with a freshly made ``.venv``.
 
 Installing torch, hivemind and gRPC into a new virtualenv takes one to two minutes here, so a test session
-makes one clone and one virtualenv and every test of ``tests/test_docs.py`` and ``tests/test_docker.py`` reuses
-them. A session that will use it starts making it in the background as soon as its tests are collected
-(``tests/conftest.py``), while the in-process tests run; the first test that asks waits for it. The virtualenv
+makes one clone and one virtualenv and every test of ``tests/project/test_docs.py`` and
+``tests/project/test_docker.py`` reuses them. A session that will use it starts making it in the background as
+soon as its tests are collected (``tests/conftest.py``), while the in-process tests run; the first test that asks
+waits for it. The virtualenv
 is a real, isolated one made by the project's own ``scripts/setup.sh`` from a plain ``python3``: no
 ``--system-site-packages``, which would hide a missing dependency behind the developer's installed packages.
 

@@ -1,4 +1,4 @@
-"""Writes into another object's fields, found from the source: the check behind ``tests/test_layout.py``'s
+"""Writes into another object's fields, found from the source: the check behind ``tests/project/test_layout.py``'s
 ``test_nothing_writes_another_objects_fields``.
 
 An object's fields are written by its own methods. An assignment (``=``, ``+=``, annotated, a tuple target's parts)

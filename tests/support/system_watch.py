@@ -2,8 +2,8 @@
 
 ``forbidding`` makes a folder of stand-ins for the system tools, each recording its call and failing, to put first
 on PATH; ``snapshot`` lists the entries directly in the system folders a set-up could write to. Shared by
-tests/test_setup_scripts.py (the scripts with stand-in Python) and tests/test_docs.py (the real demo from a fresh
-clone).
+tests/project/test_setup_scripts.py (the scripts with stand-in Python) and tests/project/test_docs.py (the real demo
+from a fresh clone).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ pipeline that lost a member. No pipeline intact: the step fails and the driver r
 
 The machine does no I/O, starts no thread and reads no clock: every event carries ``now`` (seconds on the
 caller's monotonic clock), and the task pool reads the same ``now``. That is what lets every transition be
-tested in virtual time (tests/test_step_machine.py). Its owner (peer.runtime.lead.coordinator) serialises the
+tested in virtual time (tests/runtime/test_step_machine.py). Its owner (peer.runtime.lead.coordinator) serialises the
 calls, carries out the commands in order, and calls ``tick`` whenever it wakes.
 """
 

@@ -34,7 +34,7 @@ other witness can clear is left out of the plan for a ban's time, and nothing is
   the leadership (it is not excluded: that too would rest on testimony).
 
 So one false report costs the run at most the current step (redone) and its victim one ban, never a roll-back
-(``tests/test_lead_evidence.py``). Limits: only the leader's own evidence rolls back a cheater's applied work; a
+(``tests/runtime/test_lead_evidence.py``). Limits: only the leader's own evidence rolls back a cheater's applied work; a
 cheater's work that passed every check is kept when testimony sidelines it. An honest receiver framed by a
 cheater that then behaves is counted as a false reporter.
 Identities are remembered for the leadership (``MAX_TRACKED``), not across leader changes.

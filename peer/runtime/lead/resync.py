@@ -20,7 +20,7 @@ own computation, never by counting reports alone, since two colluders are a majo
 * anything else (two replicas, a tie, verified hashes without such a majority) is **disputed**: nobody is rewritten,
   the stage is logged, emitted (``disputed``) and left out of the hashes the leader signs for the step.
 
-Tests: ``tests/test_lead_evidence.py``.
+Tests: ``tests/runtime/test_lead_evidence.py``.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ its shard has arrived, before it sums them (``shard_sum``), and the ``VERIFY`` c
 digests have arrived after the all-gather (``verify``). The first refusal ends the attempt; the worker reports
 the replicas it names to the coordinator (peer.runtime.stage.sync).
 
-The checks, in order (this list is checked against :data:`GRADIENT_CHECKS` by tests/test_gradient_checks.py):
+The checks, in order (this list is checked against :data:`GRADIENT_CHECKS` by tests/runtime/test_gradient_checks.py):
 
 1. ``norm`` (SUM, :class:`NormCheck`): a contribution whose norm per micro-batch is above k
    (``outlier_factor``) x the larger of the others' median and this replica's whole gradient's, or not finite.

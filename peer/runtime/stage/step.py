@@ -4,7 +4,7 @@
 precondition and raises :class:`protocol.errors.Rejected` with the reason when the event does not fit the
 step as it stands — a message of another step, a micro-batch seen twice, an apply with nothing reduced. The
 worker calls it under its step lock and acts only on what a transition allowed, so the rules of a step live in
-one place and can be tested event by event (tests/test_worker_step.py).
+one place and can be tested event by event (tests/runtime/test_worker_step.py).
 
 The step's life (docs/architecture.md, "One step"): ``start_step`` (a new step, or a new attempt of the current
 one), micro-batches enter (``lease`` on a first stage, ``take_activation`` elsewhere) and their gradients

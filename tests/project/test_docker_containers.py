@@ -221,7 +221,7 @@ def _shared_corpus(tmp_path: Path) -> Path:
     """A text file for both sides: the image's Python differs from this one, and so do their standard
     libraries (the default corpus), which peers would refuse each other for."""
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text((Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text())
+    corpus.write_text((Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text())
     corpus.chmod(0o644)  # read by the container's unprivileged user
     return corpus
 

@@ -3,7 +3,7 @@
 The folders ``peer/``, ``protocol/`` and ``scheduler/`` stay at the top of the checkout and pyproject.toml maps
 them to ``tasklet.peer``, ``tasklet.protocol`` and ``tasklet.scheduler``; PyPI has packages named ``peer``,
 ``protocol`` and ``scheduler``, which an install of ours must never shadow. ``bench`` is not shipped. That a
-non-editable install trains is tests/test_docker.py's (docker/install.sh, then a two-peer swarm); here: the
+non-editable install trains is tests/project/test_docker.py's (docker/install.sh, then a two-peer swarm); here: the
 wheel built from a fresh clone, its names, and ``peer --help`` from it in a fresh virtualenv with nothing else
 installed.
 """
@@ -21,7 +21,7 @@ import pytest
 
 from tests.support.newcomer import Clone
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHIPPED = ("peer", "protocol", "scheduler")
 
 

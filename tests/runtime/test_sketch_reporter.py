@@ -3,7 +3,7 @@
 A step redone after a re-plan can move a peer to another stage. Its tensors kept for the old stage must not join
 the new stage's report: the coordinator refuses a report whose points are not its stage's
 (``spot.expected_points``), and the pipeline was then set aside for sketches that "did not arrive" (seen in
-tests/test_spot_swarm.py: a second re-plan, 11 s -> 45 s).
+tests/swarms/test_spot_swarm.py: a second re-plan, 11 s -> 45 s).
 """
 
 from __future__ import annotations

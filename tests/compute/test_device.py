@@ -1,6 +1,6 @@
 """Device measurement: the real CPU path, the emulated figure, the CLI, and the CUDA glue on a mocked GPU.
 
-The other backends (ROCm, MPS) and the choice between them: tests/test_device_backends.py (in-process)."""
+The other backends (ROCm, MPS) and the choice between them: tests/compute/test_device_backends.py (in-process)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A 2 + 2 partition longer than ``[swarm] quorum_wait_s``, four real `peer` processes on the namespace bed.
 
-As in tests/test_partition.py, but the minority's leader pauses only ``QUORUM_WAIT_S`` and then goes on with
+As in tests/swarms/test_partition.py, but the minority's leader pauses only ``QUORUM_WAIT_S`` and then goes on with
 its two peers in a new epoch whose plan waives the quorum: both sides train (the partition lasts until the
 minority has trained a step and the majority three, from their logs). When the partition heals, the
 leader the whole swarm elects finds the other side's plan, the side with the newer (epoch, trained step) wins,

@@ -17,7 +17,7 @@ from tasklet.protocol.errors import BadMessage
 
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NAMES = ("norm", "direction", "exactly_once", "digest")
 NUMEL = 11
 

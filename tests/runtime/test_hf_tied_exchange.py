@@ -2,7 +2,7 @@
 its partner is, the mailbox that holds the other end's gradient, and the refusals of a worker's intake — only
 the other end of this pipeline may send it, for this pipeline, of the tied weight's exact float32 size, finite,
 once per attempt — each refused with a clear status, nothing held. The whole exchange in a swarm is in
-tests/test_hf_equivalence.py (Gemma-2 and Granite, 2 stages x 2 replicas, against transformers' tied model)."""
+tests/swarms/test_hf_equivalence.py (Gemma-2 and Granite, 2 stages x 2 replicas, against transformers' tied model)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "transformers", "hivemind", "grpc")
 
 # fresh interpreters: sys.modules of this one is not clean

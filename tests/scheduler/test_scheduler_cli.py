@@ -18,7 +18,7 @@ from tasklet.scheduler.workload import Workload
 # starts real processes (tests/support/processes.py)
 pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.light_processes]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run_cli(*args: str, timeout: float = 240.0) -> subprocess.CompletedProcess[str]:

@@ -11,7 +11,7 @@ import pytest
 from tasklet.protocol import PROTOCOL_VERSION
 from tasklet.protocol import tasklet_pb2 as pb
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STUBS = ("tasklet_pb2.py", "tasklet_pb2.pyi", "tasklet_pb2_grpc.py")
 
 

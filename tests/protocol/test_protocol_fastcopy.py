@@ -19,7 +19,7 @@ from tasklet.protocol import fastcopy
 def test_built_wherever_a_c_compiler_exists() -> None:
     """`pip install` builds it as an optional extension: with a compiler present, missing means a broken build."""
     if not (shutil.which("cc") or shutil.which("gcc")):
-        pytest.skip("no C compiler here: the numpy path is used (tests/test_protocol_message.py covers it)")
+        pytest.skip("no C compiler here: the numpy path is used (tests/protocol/test_protocol_message.py covers it)")
     assert fastcopy.AVAILABLE, "tasklet.protocol._copycheck was not built: run `pip install -e .` (scripts/setup.sh)"
 
 

@@ -3,7 +3,7 @@
 After a partition heals, the leader sees a peer's advert before the peer has read the leader's again: the peer's
 TLS trust store no longer holds the leader's certificate and its intake does not follow that leader yet, so the
 assignment is refused at once. Declared dead on that, the peer was banned for twice ``BAN_S`` and sat out the rest
-of the run (seen in tests/test_partition_heal.py).
+of the run (seen in tests/swarms/test_partition_heal.py).
 """
 
 from __future__ import annotations

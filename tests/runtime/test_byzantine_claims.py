@@ -17,7 +17,7 @@ The honest survivor finishes every step, and the saved parameters equal single-p
 The contribution record survives the leader's death: while the new leader trains, `peer credits --json --me
 KEY` shows the dead leader's identity (which the new leader never planned) credited in a record the new leader
 signed, and run.json's record adds up to the micro-batches of the steps it credits.
-The same swarm without liars, through the same leader death, is tests/test_swarm_daemon.py (the control run).
+The same swarm without liars, through the same leader death, is tests/swarms/test_swarm_daemon.py (the control run).
 """
 
 from __future__ import annotations

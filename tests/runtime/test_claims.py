@@ -1,6 +1,6 @@
 """What a member says about itself is checked before it is believed: reported numbers, the role a report may
 come from, the progress record it ends up in (unit tests; the swarm-level cases are in
-tests/test_byzantine_claims.py)."""
+tests/runtime/test_byzantine_claims.py)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ The scripts run for real, on a PATH that holds nothing but the few tools they ne
 no package is installed and no swarm starts), ``id`` saying root (or not), and ``apt-get``, ``apt``, ``dpkg``,
 ``sudo``, ``podman``, ``runc``, ``mmdebstrap``, ``chromium``, ``nft`` and ``docker-compose`` that record the call
 and fail (``apt-get update`` succeeds, so that the install it guards is tried). The full demo is
-tests/test_docs.py's, from a fresh clone.
+tests/project/test_docs.py's, from a fresh clone.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tests.support.system_watch import SYSTEM_TOOLS, forbidding, script, snapsho
 # runs bash (tests/support/processes.py)
 pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.light_processes]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 REAL_TOOLS = ("bash", "sh", "dirname", "grep", "mkdir", "cp")
 
 

@@ -107,7 +107,7 @@ def test_a_write_killed_midway_leaves_the_previous_checkpoint_in_force(tmp_path,
     store = CheckpointStore(tmp_path)
     write(store, 2)
     proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True,
-                            cwd=Path(__file__).resolve().parents[1])
+                            cwd=Path(__file__).resolve().parents[2])
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
         wait_until(lambda: any(p.stat().st_size > 0 for p in tmp_path.glob(".tmp-*/*")),  # mid-way through the files

@@ -33,7 +33,7 @@ from tasklet.peer.identity.keys import Identity
 from tests.support.waits import wait_for_text
 
 pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.timeout(400)]
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
 METRICS_PORT = 31404
 ATTACK_S = 30.0

@@ -14,7 +14,7 @@ from tasklet.scheduler.plan import even_stages
 from tasklet.scheduler.schedule import Timing
 from tasklet.scheduler.simulate import simulate, simulate_timing
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = Path(os.environ.get("TASKLET_SCENARIOS", REPO.parent / "shared" / "scenarios" / "dtfm_scenarios.json"))
 if not SCENARIOS.exists():
     SCENARIOS = REPO / "scheduler" / "data" / "dtfm_scenarios.json"

@@ -114,7 +114,7 @@ def test_a_nated_peer_killed_mid_step_is_recovered(bed: NetBed, tmp_path: Path) 
 
         wait_for_step(1)  # `peer status` from another host of the bed, while the swarm trains
         status = subprocess.Popen(pubs[1].cmd(*PEER_COMMAND, "status", "--dht", dht), stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent)
+                                  stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
         wait_for_step(3)
         peers.kill("home1")  # within step 4 (a step takes about a second)
         out, err = status.communicate(timeout=120)

@@ -11,7 +11,7 @@ import ast
 import re
 from dataclasses import dataclass
 
-from tests.support.imports import CORE, PACKAGES, ROOT, SHIPPED, import_graph, importing, modules
+from tests.support.imports import CORE, PACKAGES, ROOT, SHIPPED, graph_of_tests, import_graph, importing, modules
 from tests.support.seams import THIRD_PARTY_WRITES, cross_object_writes, unused_allowances, writes_in
 
 
@@ -376,3 +376,76 @@ class Book:
         return book
 """
     assert _written(source) == []
+
+
+# ------------------------------------------------------------------------------------ the tests' own layout
+# tests/<folder>/ mirrors a package of the code; four folders hold what spans packages: whole swarms of real
+# processes, the benchmarks' tests, the project itself (install, images, docs, this file) and the shared support
+CODE_FOLDERS = {"protocol", "scheduler", "identity", "net", "swarm", "compute", "runtime", "node", "observe",
+                "emulation"}
+CROSS_FOLDERS = {"swarms", "benchmarks", "project", "support"}
+
+
+def test_no_test_module_imports_another() -> None:
+    """What tests share lives in tests/support."""
+    graph = graph_of_tests()
+    assert len(graph) > 100, "the walk found too few test modules to be meaningful"
+    assert _test_to_test_imports(graph) == []
+
+
+def _test_to_test_imports(graph: dict[str, set[str]]) -> list[str]:
+    def is_test_module(name: str) -> bool:
+        return name.startswith("tests.") and name.rsplit(".", 1)[-1].startswith("test_")
+
+    return [f"{m} -> {t}" for m, targets in sorted(graph.items()) for t in sorted(targets)
+            if is_test_module(t) and t != m]
+
+
+def test_the_test_import_check_finds_one() -> None:
+    graph = {"tests.swarms.test_a": {"tests.support.waits", "tests.swarms.test_b"}, "tests.swarms.test_b": set(),
+             "tests.support.waits": set()}
+    assert _test_to_test_imports(graph) == ["tests.swarms.test_a -> tests.swarms.test_b"]
+
+
+def test_tests_are_grouped_in_folders_that_mirror_the_code() -> None:
+    tests = ROOT / "tests"
+    assert sorted(p.name for p in tests.glob("test_*.py")) == [], "a test module belongs in a folder of tests/"
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith(("_", "."))}
+    assert folders <= CODE_FOLDERS | CROSS_FOLDERS, folders - CODE_FOLDERS - CROSS_FOLDERS
+    packages = {p.name for p in (ROOT / "peer").iterdir() if (p / "__init__.py").exists()} | {"protocol", "scheduler"}
+    assert packages >= CODE_FOLDERS, f"a test folder names no package of the code: {CODE_FOLDERS - packages}"
+    for folder in folders:
+        assert (tests / folder / "__init__.py").exists(), f"tests/{folder} is not a package (test names would clash)"
+        if folder != "support":
+            assert list((tests / folder).glob("test_*.py")), f"tests/{folder} holds no test module"
+
+
+# ------------------------------------------------------------------------------- registered extension points
+def test_every_model_family_module_is_registered() -> None:
+    """A family's module under peer/compute/family/ defines a ModelFamily that the registry holds: a family file
+    that nobody registered is dead code a reader would take for a working family."""
+    from tasklet.peer.compute import family
+
+    registered = {type(family.family_by_kind(k)) for k in family.kinds()}
+    assert {"gpt", "hf"} <= set(family.kinds())
+    defined = []
+    for path in sorted((ROOT / "peer" / "compute" / "family").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        defined += [(path.stem, n.name) for n in tree.body if isinstance(n, ast.ClassDef)
+                    and any(isinstance(b, ast.Name) and b.id == "ModelFamily" for b in n.bases)]
+    assert defined, "no ModelFamily subclass found: the check reads the wrong folder"
+    assert {name for _, name in defined} == {cls.__name__ for cls in registered}, (defined, registered)
+
+
+def test_every_gradient_check_is_in_the_list_the_exchange_runs() -> None:
+    """Each check class of peer/runtime/stage/gradient_checks.py is an entry of GRADIENT_CHECKS, once."""
+    from tasklet.peer.runtime.stage import gradient_checks as gc
+
+    path = ROOT / "peer" / "runtime" / "stage" / "gradient_checks.py"
+    classes = {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)
+               and any(isinstance(f, ast.FunctionDef) and f.name == "inspect" for f in n.body)
+               and not any(isinstance(b, ast.Name) and b.id == "Protocol" for b in n.bases)}
+    listed = [type(c).__name__ for c in gc.GRADIENT_CHECKS]
+    assert len(classes) >= 4 and sorted(listed) == sorted(classes), (classes, listed)
+    names = [c.name for c in gc.GRADIENT_CHECKS]
+    assert len(set(names)) == len(names), names
