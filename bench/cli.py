@@ -4,7 +4,7 @@
 (``python -m tasklet.peer.cli``, as the ``peer`` script does): ``peer --help``, ``peer init FILE`` (into a temporary
 folder), ``peer status --help`` and an argument error (``peer join`` without ``--dht``), and prints the median
 wall time of each in seconds. These commands parse arguments and write a file; they must not load torch,
-transformers, hivemind or grpc (``tests/test_cli_fast.py`` checks the imports; this measures the time). Load on
+transformers, hivemind or grpc (``tests/node/test_cli_fast.py`` checks the imports; this measures the time). Load on
 a shared machine inflates every figure: report ``uptime`` beside them.
 """
 

@@ -1,6 +1,6 @@
 """The leader's host dies together with its disk: a new leader on another host resumes from a checkpoint copy.
 
-Used by ``tests/test_checkpoint_copies.py`` and ``python -m bench.recovery`` (``leader_disk_resume_s``).
+Used by ``tests/runtime/test_checkpoint_copies.py`` and ``python -m bench.recovery`` (``leader_disk_resume_s``).
 
 The swarm: five stage workers in this process (real gRPC over loopback with mutual TLS, real torch), each
 keeping checkpoint copies in its own folder. Leader 1 (a coordinator and a run driver, checkpoint folder D1)
@@ -12,7 +12,7 @@ the newest copy from the live peers, rolls the run back to it (the log says how 
 trains to the end on ``[[w4, w1]]``. ``resume_s`` is the time from leader 2's start to its first finished step.
 
 The same on the network-namespace test bed (:func:`run_bed_leader_loss`, used by
-``tests/test_netbed_leader_loss.py`` and ``python -m bench.recovery --leader-disk-bed``): four real `peer`
+``tests/swarms/test_netbed_leader_loss.py`` and ``python -m bench.recovery --leader-disk-bed``): four real `peer`
 daemons on four bed hosts, each with a disk of its own (every peer's process bind-mounts its host's folder at
 the run's ``checkpoint_dir``, in the mount namespace ``ip netns exec`` gives it). The plan is one pipeline of
 three stages and a spare; the leader (the fastest device, so it holds a stage) checkpoints every

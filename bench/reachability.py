@@ -16,7 +16,7 @@ PeerClient.ping: median round trip of 20; the roles share one TLS key so that th
 shaper (peer.net.shaping) on the client's sends and the server's replies, for every path alike (RTTs include
 it; bulk throughput is measured free of latency). Then two swarms of real ``peer`` daemons (the README's
 commands; 2 stages x 2 pipelines of a small GPT) train ``--steps`` steps on the same shaped bed: the four
-peers all public, and two of them behind NAT (topology (b) of tests/test_multihost.py); the median step
+peers all public, and two of them behind NAT (topology (b) of tests/swarms/test_multihost.py); the median step
 time of each (steps after the first) is reported. The daemons' links are shaped by tbf only (no added delay).
 
 Prints ``{"direct_mbps", "punched_mbps", "relayed_mbps", "reversed_mbps", "nat_step_s", "public_step_s", ...}``.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install Tasklet into a virtualenv: the install steps of both images (docker/Dockerfile, docker/Dockerfile.cpu),
-# kept in one script so that tests/test_docker.py runs exactly what an image build runs.
+# kept in one script so that tests/project/test_docker.py runs exactly what an image build runs.
 #
 #   VENV         virtualenv to create or reuse                   (default /opt/tasklet)
 #   SRC          the project's source tree                       (default: the folder above this script)

@@ -97,7 +97,7 @@
   on the delays alone, for any one group, so it adds to every sync term.
 
 All are relaxations: valid by construction, exact only on some instances; ``gap`` is an upper bound on how far
-a plan is from optimal. ``tests/test_scheduler_bound.py`` checks every bound against exhaustive search.
+a plan is from optimal. ``tests/scheduler/test_scheduler_bound.py`` checks every bound against exhaustive search.
 """
 
 from __future__ import annotations
