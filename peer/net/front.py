@@ -23,6 +23,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 
 from tasklet.peer.net.limits import ConnectionCap
 
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 HIGH_WATER_BYTES = 1 << 20  # bytes one direction may hold in the front before its sender is paused
 START_TIMEOUT_S = 10.0
+REFUSAL_LOG_S = 10.0  # refusals are logged at most this often (a flood would otherwise cost a log line each)
 
 
 class _End(asyncio.Protocol):
@@ -96,6 +98,7 @@ class GrpcFront:
         self._thread: threading.Thread | None = None
         self._server: asyncio.AbstractServer | None = None
         self._outside: set[_End] = set()  # loop thread only
+        self._refusals_logged = (0.0, 0)  # loop thread only: (when, cap.refused then)
         self.port = 0
 
     @property
@@ -152,6 +155,16 @@ class GrpcFront:
     def forget(self, end: _End) -> None:
         self._outside.discard(end)
 
+    def refused(self, source: str) -> None:
+        """Log a refusal, at most once every REFUSAL_LOG_S with the number refused since (loop thread)."""
+        at, then = self._refusals_logged
+        now = time.monotonic()
+        if now - at >= REFUSAL_LOG_S:
+            logger.info("gRPC port: connection cap reached (%d in all, %d per source, %d per stranger network): "
+                        "%d closed since the last report, the latest from %s", self.cap.total, self.cap.per_source,
+                        self.cap.per_stranger_network, self.cap.refused - then, source)
+            self._refusals_logged = (now, self.cap.refused)
+
     # --- on the loop thread -------------------------------------------------------------------------------
     def _admit(self) -> asyncio.Protocol:
         return _Door(self)
@@ -201,8 +214,7 @@ class _Door(_End):
         peer = transport.get_extra_info("peername")
         source = str(peer[0]) if peer else "?"
         if not self.front.cap.admit(source):
-            logger.info("gRPC port: connection cap reached (%d in all, %d per source), one more from %s closed",
-                        self.front.cap.total, self.front.cap.per_source, source)
+            self.front.refused(source)
             transport.abort()
             return
         self.source = source

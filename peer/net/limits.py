@@ -24,6 +24,9 @@ log = logging.getLogger(__name__)
 IPV4_PREFIX = 24
 IPV6_PREFIX = 56
 STRANGER_SHARE = 0.25  # of a port that knows its members' addresses, what all other sources together may hold
+# of that share, what one stranger network may hold: several addresses of one block (a rented /24, an IPv6 /56)
+# cannot take the whole share from the NAT'd members who dial from their own home networks
+STRANGER_NETWORKS = 8
 NOFILE_TARGET = 65536  # what raise_nofile asks for (capped by the hard limit)
 RESERVED_DESCRIPTORS = 256  # never handed to listeners: the process's own files, DHT, clients, CUDA
 
@@ -77,7 +80,9 @@ class ConnectionCap:
     ``total`` from all. A source is a network (:func:`network_of`); once the port knows its members' addresses
     (``set_members``: the hosts of live sealed adverts), a member's address is a source of its own and every
     other source together may hold at most ``STRANGER_SHARE`` of ``total``, so strangers from any number of
-    networks cannot take the port from the swarm. ``admit(address)`` returns False for one over a cap (the
+    networks cannot take the port from the swarm, and one stranger network at most ``1 / STRANGER_NETWORKS`` of
+    that share, so that one network cannot take it from the members behind NAT (who dial from addresses no advert
+    names and are strangers here). ``admit(address)`` returns False for one over a cap (the
     listener closes it at once, before reading); each admitted one is given back with ``release(address)``.
     Thread-safe."""
 
@@ -86,6 +91,7 @@ class ConnectionCap:
             raise ValueError(f"caps must be >= 1, got total={total}, per_source={per_source}")
         self.total, self.per_source = total, per_source
         self.stranger_total = max(1, int(total * stranger_share))
+        self.per_stranger_network = max(1, min(per_source, self.stranger_total // STRANGER_NETWORKS))
         self._lock = threading.Lock()
         self._members: frozenset[str] | None = None  # _lock; None: not known, every source counts alike
         self._held: dict[str, int] = {}  # _lock: per source key
@@ -110,7 +116,9 @@ class ConnectionCap:
         with self._lock:
             key, member = self._key(address)
             held = self._held.get(key, 0)
-            crowded = self._members is not None and not member and self._strangers >= self.stranger_total
+            known = self._members is not None
+            crowded = known and not member and (self._strangers >= self.stranger_total
+                                                or held >= self.per_stranger_network)
             if self._count >= self.total or held >= self.per_source or crowded:
                 self.refused += 1
                 return False

@@ -31,7 +31,7 @@ relay has no key and asks for neither.
 
 Bounds on what anyone can make a relay hold (:class:`RelayLimits`): one deadline for a connection's whole
 request (its lines and its answer to the nonce, however slowly the bytes come), request connections per
-source address and in all, registrations, dials waiting for their dial-back, CONNECTs per target and second,
+source network and in all, registrations, dials waiting for their dial-back, CONNECTs per target and second,
 spliced connections per registered peer and in all, and an idle timeout on every spliced connection. So the
 relay's threads are at most ``max_pending_handshakes + max_waiting_total + max_registrations + 2 * max_splices``
 + 2 and its descriptors (:meth:`RelayLimits.descriptors`) at most ``max_pending_handshakes + max_waiting_total +
@@ -56,6 +56,7 @@ from hivemind.utils.crypto import RSAPublicKey
 
 from tasklet.peer.identity.keys import Identity, peer_id_from_public_key
 from tasklet.peer.net.endpoint import RELAY_AUTHORITY_SUFFIX
+from tasklet.peer.net.limits import network_of
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class RelayLimits:
     max_header_lines: int = 16
     handshake_timeout_s: float = 10.0  # for a connection's whole request (its lines, its answer to the nonce)
     max_pending_handshakes: int = 64  # connections that have not said what they want yet
-    max_handshakes_per_source: int = 16  # of those, from one source address
+    max_handshakes_per_source: int = 16  # of those, from one source network (peer.net.limits.network_of)
     connects_per_s: float = 20.0  # CONNECTs to one registered peer per second (a burst of 2 s worth passes)
     max_registrations: int = 256
     max_waiting_dials: int = 16  # per registered peer: clients waiting for its dial-back
@@ -230,7 +231,7 @@ class RelayServer:
             None if key is None else "Basic " + base64.b64encode(connect_credentials(key).encode()).decode()
         )
         self._lock = threading.Lock()
-        self._per_source: dict[str, int] = {}  # _lock: request connections in progress per source address
+        self._per_source: dict[str, int] = {}  # _lock: request connections in progress per source network
         self._buckets: dict[str, tuple[float, float]] = {}  # _lock: peer id -> (CONNECT tokens, at)
         self._registrations: dict[str, _Registration] = {}  # _lock
         self._pending: dict[str, tuple[str, threading.Event, list[socket.socket]]] = {}  # _lock: token -> dial
@@ -285,7 +286,7 @@ class RelayServer:
                 conn, addr = self._sock.accept()
             except OSError:
                 return
-            source = str(addr[0])
+            source = network_of(str(addr[0]))  # a block of addresses is one source (peer.net.limits)
             with self._lock:
                 crowded = self._per_source.get(source, 0) >= self.limits.max_handshakes_per_source
                 if not crowded:
@@ -322,7 +323,7 @@ class RelayServer:
             nonlocal released
             if not released:
                 released = True
-                self._release_slot(str(addr[0]))
+                self._release_slot(network_of(str(addr[0])))
 
         deadline = time.monotonic() + self.limits.handshake_timeout_s
         try:

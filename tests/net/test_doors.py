@@ -353,3 +353,20 @@ def test_a_network_is_one_source_and_members_keep_most_of_the_port() -> None:
     cap.release("203.0.113.7")
     cap.release("192.0.2.1")
     assert cap.held == 3 and cap.admit("100.66.0.1") and not cap.admit("100.67.0.1")
+
+
+def test_one_stranger_network_holds_an_eighth_of_the_strangers_share() -> None:
+    # the gRPC port of a public peer with the common hard limit of 20,000 descriptors: 1,974 connections
+    cap = ConnectionCap(total=1974, per_source=1480)
+    cap.set_members(["10.77.0.11"])
+    assert cap.stranger_total == 493 and cap.per_stranger_network == 61
+    rented = [f"10.77.1.{i}" for i in range(10, 14)]  # four addresses of one rented /24
+    admitted = sum(cap.admit(rented[i % 4]) for i in range(800))
+    assert admitted == 61, "several addresses of one network are one stranger"
+    assert cap.admit("10.77.0.101"), "a NAT'd member dialling from its home network still gets in"
+    assert all(cap.admit("10.77.0.11") for _ in range(500)), "members keep the rest of the port"
+    before = cap.held
+    for i in range(8):  # strangers from eight networks together fill the strangers' share, no more
+        while cap.admit(f"100.{64 + i}.0.1"):
+            pass
+    assert cap.held - before == 493 - 62
