@@ -17,7 +17,7 @@ import re
 import threading
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -137,24 +137,20 @@ def _explain(config: DHTConfig, message: str) -> str:
 @dataclass(frozen=True)
 class KeyBudget:
     """What one DHT node stores under one key: bytes (subkey + signed value of every live entry) and entries,
-    in all and of one owner (the writer whose owner tag starts the subkey). ``group`` names the keys whose bytes
-    are also counted together (the shards of one kind: ``StorageBudget.group_bytes``); "" for none."""
+    in all and of one owner (the writer whose owner tag starts the subkey)."""
 
     max_bytes: int
     max_entries: int
     owner_bytes: int
     owner_entries: int
-    group: str = ""
 
 
 @dataclass(frozen=True)
 class StorageBudget:
-    """The keys (DHTID bytes) a DHT node stores, each with its budget, the bytes of each group of keys together
-    (by ``KeyBudget.group``; a group not named here has no cap of its own) and of all of them together."""
+    """The keys (DHTID bytes) a DHT node stores, each with its budget, and the bytes of all of them together."""
 
     keys: dict[bytes, KeyBudget]
     total_bytes: int
-    group_bytes: dict[str, int] = field(default_factory=dict)
 
 
 class _Usage:
@@ -194,8 +190,7 @@ class BudgetedStorage(DHTLocalStorage):
     hivemind's own storage takes any key, any number of subkeys and any expiry, without a size limit: a stranger
     could fill a volunteer's DHT process until it is killed for memory. This one refuses a plain (non-dictionary)
     value, a key outside the budget, an entry whose subkey has no owner tag, and a new or larger entry that would
-    take its key, its owner's share of the key, its key's group or all keys past their bytes or entries (a
-    group's cap keeps one kind's shards from taking the bytes the other kinds need); expired entries are
+    take its key, its owner's share of the key or all keys past their bytes or entries; expired entries are
     pruned before refusing (at most once a second per key, so a flood at the cap costs no scan per store). A
     re-store of an entry with a later expiry replaces it, as in hivemind (the old bytes are given back).
     hivemind keeps a heap of expiries with one item per store; it is compacted when it holds more than twice the
@@ -208,7 +203,6 @@ class BudgetedStorage(DHTLocalStorage):
         self._keys = {DHTID.from_bytes(key): limits for key, limits in budget.keys.items()}
         self._usage: dict[DHTID, _Usage] = {}
         self.total_bytes = 0
-        self.group_bytes: Counter[str] = Counter()
         self.refused: Counter[str] = Counter()
 
     def store(self, key: DHTID, value: Any, expiration_time: float, subkey: Any = None) -> bool:
@@ -225,19 +219,12 @@ class BudgetedStorage(DHTLocalStorage):
         if not super().store_subkey(key, subkey, value, expiration_time):
             return False
         usage = self._usage.setdefault(key, _Usage())
-        group = self._keys[key].group
-        self._give_back(group, usage.remove(subkey))
+        self.total_bytes -= usage.remove(subkey)
         size = _entry_bytes(subkey, value)
         usage.add(subkey, _owner(subkey) or "", size, expiration_time)
         self.total_bytes += size
-        self.group_bytes[group] += size
         self._compact(key)
         return True
-
-    def _give_back(self, group: str, size: int) -> None:
-        """Count ``size`` bytes of a removed entry of a key in ``group`` off the totals."""
-        self.total_bytes -= size
-        self.group_bytes[group] -= size
 
     def _refusal(self, key: DHTID, subkey: Any, value: Any, expiration_time: float) -> str:
         limits = self._keys.get(key)
@@ -259,7 +246,7 @@ class BudgetedStorage(DHTLocalStorage):
         if reason and at - usage.pruned_at >= 1.0:
             usage.pruned_at = at
             for stale in [k for k, (_, _, expiry) in usage.entries.items() if expiry < at]:
-                self._give_back(limits.group, usage.remove(stale))
+                self.total_bytes -= usage.remove(stale)
             reason = self._over(limits, usage, subkey, owner, _entry_bytes(subkey, value))
         return reason
 
@@ -276,9 +263,6 @@ class BudgetedStorage(DHTLocalStorage):
             return "owner bytes"
         if new and usage.owner_entries[owner] >= limits.owner_entries:
             return "owner entries"
-        group_cap = self.budget.group_bytes.get(limits.group)
-        if group_cap is not None and self.group_bytes[limits.group] - freed + size > group_cap:
-            return "group bytes"
         if self.total_bytes - freed + size > self.budget.total_bytes:
             return "total bytes"
         return ""

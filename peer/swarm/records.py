@@ -1,8 +1,7 @@
 """Owner-signed, secret-sealed records of one run in the hivemind DHT.
 
-Every record of a run lives under the key ``f"{run_id}:{name}"`` (``plans``, ``progress``, ``beat``; the kinds
-every member writes, ``peers``, ``links``, ``run`` and ``stewards``, under ``f"{run_id}:{name}/{shard}"``: see
-Sharding below) with a subkey ``owner_tag + suffix``: hivemind's ``RSASignatureValidator`` makes every DHT node
+Every record of a run lives under the key ``f"{run_id}:{name}"`` (``peers``, ``links``, ``plans``, ``run``,
+``progress``) with a subkey ``owner_tag + suffix``: hivemind's ``RSASignatureValidator`` makes every DHT node
 require the owner's signature over (key, subkey, value, expiry), so nobody can write under somebody else's
 subkey or give an old record a new expiry, and readers take the writer's peer id from the tag (see
 ``peer.identity.keys``).
@@ -33,26 +32,13 @@ Storing does not trust it either. :class:`RunRecordValidator`, in every DHT node
 is not one of the run's (a volunteer's DHT stores nothing else), and under the run's keys (before hivemind
 stores anything) an entry without an owner tag (hivemind's own signature check passes an untagged one), one
 whose MAC does not verify (a sealed swarm), a value over its kind's size (``peers``: 16 KiB), a second subkey
-of one owner where a writer has one entry (``peers``, ``links``, ``run``, ``progress``, ``beat``), an entry
-under a shard that is not its writer's (below), a ``peers`` entry that is not exactly the writer's own advert
-(or tombstone), and an expiry beyond the lifetime of its kind. The node's storage
-(``peer.swarm.dht.BudgetedStorage``) then holds each key within a byte and entry budget, in all and per owner,
-each sharded kind's keys within :data:`MAX_KIND_BYTES`, and all keys within :data:`MAX_STORED_BYTES`.
-
-Sharding. A key's entries travel in one find reply, which p2pd caps at 4 MiB (:data:`P2PD_REPLY_BYTES`), so a
-key holds at most :data:`MAX_KEY_BYTES` (3 MiB). The kinds every member writes (:data:`SHARDED`: ``peers``,
-``links``, ``run``, ``stewards``) grow with the swarm, so each is split into :data:`SHARDS` keys
-``f"{run_id}:{name}/{shard}"``, the shard chosen by the writer's peer id (:func:`shard_of`): a writer stores in
-its own shard only (the validator refuses any other, so one identity cannot fill somebody else's shard), and a
-read asks every shard with one get each, all at once, and merges them (:meth:`RecordStore.read`). Not one
-``get_many``: hivemind packs up to sqrt(n) keys of a ``get_many`` into one find request, and that reply would
-carry several shards. The largest honest ``peers`` entry is 11.5 KiB as it travels (subkey, sealed and signed
-value: an advert with its certificate, a full ``extra`` and a full ``found`` list), so a shard holds 266 of them,
-and with the fullest of the 64 shards taken 4 standard deviations above the mean (:func:`peers_at_limit`) the
-shards hold 13,300 peers of the largest entries before one is full, and a reply would pass 4 MiB (were there no
-key budget) at 18,400; with a typical 3.2 KiB entry, at 74,000. Past that, new adverts are refused and the ones
-stored stay readable; no reply ever passes the key budget. A single key, as before, passed 4 MiB at about 1,900
-typical peers. The other kinds (``plans``, ``progress``, ``beat``) are written by leaders only: one key each.
+of one owner where a writer has one entry (``peers``, ``links``, ``run``, ``progress``, ``beat``), a ``peers``
+entry that is not exactly the writer's own advert (or tombstone), and an expiry beyond the lifetime of its kind.
+The node's storage (``peer.swarm.dht.BudgetedStorage``) then holds each key within a byte and entry budget, in
+all and per owner, and all keys within :data:`MAX_STORED_BYTES`. A key's budget is what one find reply can
+carry (:data:`MAX_KEY_BYTES`): a ``peers`` entry of a typical peer is 2.2 KiB (7.6 KiB once its ``found`` list
+names 256 peers), so a single ``peers`` key holds about 1,400 such peers (400 with full ``found`` lists); past
+that, new adverts are refused and the ones stored stay readable, where before every read failed.
 """
 
 from __future__ import annotations
@@ -60,8 +46,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import math
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
@@ -97,21 +81,10 @@ MAX_ADVERT_VALUE_BYTES = 16 * 1024  # a peers entry: the largest honest one is 1
 MAX_FOUND_IDS = 256  # peer ids in a peers entry's found list (peer.swarm.membership.MAX_FOUND)
 SIGNATURE_BYTES = 512  # hivemind's "[signature:...]" after a stored value (an RSA-2048 signature: 356 bytes)
 # Every key's entries travel in one find reply, which p2pd caps at 4 MiB (persistentConnMaxMsgSize): a key holds
-# at most 3 MiB of subkeys and signed values, so with msgpack's framing (16 bytes an entry, 64 KiB for 4,096
-# entries) and the 8 nearest peers a reply stays under 3.2 MiB, whatever is stored.
-P2PD_REPLY_BYTES = 4 * 1024 * 1024
+# at most 3 MiB of subkeys and signed values, so with msgpack's framing (about 25 bytes an entry, 100 KiB for
+# 4,096 entries) and the 8 nearest peers a reply stays under 3.2 MiB, whatever is stored.
 MAX_KEY_BYTES = 3 * 1024 * 1024
-ENTRY_FRAMING_BYTES = 32  # msgpack's framing of one entry in a reply (subkey, value, expiry): 16 bytes measured
-REPLY_OVERHEAD_BYTES = 4096  # a find reply besides its entries: the responder, its 8 nearest peers, protobuf
-SHARDS = 64  # keys each kind in SHARDED is split into (module docstring: Sharding)
-SHARDED = frozenset({"peers", "links", "run", "stewards"})  # the kinds every member writes: they grow with the swarm
-SHARD_HEADROOM_SD = 4.0  # the fullest of SHARDS shards is taken this many standard deviations above the mean
-# A node stores the keys it is among the nearest to: at 10,000 peers (64 shards of each sharded kind, each on
-# hivemind's 5 replicas among 10,000 nodes) a node holds a given sharded kind's shard with odds of 3 %, two of
-# them for a handful of nodes, three almost never; three full shards of each sharded kind and every other key
-# full fit its total. In a swarm of 5 nodes or fewer every node holds every key, and the swarm's records are small.
-MAX_KIND_BYTES = 3 * MAX_KEY_BYTES  # one sharded kind's keys together, on one node (one kind cannot starve another)
-MAX_STORED_BYTES = len(SHARDED) * MAX_KIND_BYTES + 3 * MAX_KEY_BYTES  # 48 MiB: all keys of the run together
+MAX_STORED_BYTES = 24 * 1024 * 1024  # every key of the run together (seven keys of at most 3 MiB: 21 MiB)
 EXPIRY_SLACK_S = 30.0 + MAX_CLOCK_SKEW_S  # a writer's clock and the moment of its store may run ahead this much
 _ADVERT_TTL_MAX = ADVERT_TTL_HEARTBEATS * MAX_HEARTBEAT_S
 # the longest lifetime each kind of record is stored with (peer.swarm.membership, plans, progress)
@@ -149,45 +122,6 @@ class SignedRecord:
     payload: dict
     expires_at: float
     mac_status: MacStatus
-
-
-def shard_of(peer_id: str) -> int:
-    """The shard a writer stores its entries of a sharded kind in: its peer id (the first 80 bits of the SHA-256
-    of its public key, so evenly spread) modulo :data:`SHARDS`."""
-    return int(peer_id, 16) % SHARDS
-
-
-def stored_name(name: str, writer: str) -> str:
-    """The key name ``writer``'s records of kind ``name`` are stored under: ``peers/17``, or ``plans``."""
-    return f"{name}/{shard_of(writer)}" if name in SHARDED else name
-
-
-def key_names(name: str) -> tuple[str, ...]:
-    """Every key name the records of kind ``name`` are stored under (what a read of the kind asks for)."""
-    return tuple(f"{name}/{shard}" for shard in range(SHARDS)) if name in SHARDED else (name,)
-
-
-def peers_at_limit(entry_bytes: int, limit: int = P2PD_REPLY_BYTES, shards: int = SHARDS) -> int:
-    """The smallest swarm at which one key's reply would pass ``limit`` bytes, each peer writing one entry of
-    ``entry_bytes`` (subkey and signed value) into one of ``shards`` keys by its peer id.
-
-    The fullest shard is taken :data:`SHARD_HEADROOM_SD` standard deviations above the mean (the peers per shard
-    are binomial): at 10,000 peers in 64 shards the mean is 156 and the fullest of 64 about 190. With
-    ``limit=MAX_KEY_BYTES`` this is where the storage starts refusing honest entries instead (no reply ever
-    passes the key budget)."""
-    per_key = (limit - REPLY_OVERHEAD_BYTES) // (entry_bytes + ENTRY_FRAMING_BYTES)
-    p = 1.0 / shards
-
-    def fullest(peers: int) -> float:
-        return peers * p + SHARD_HEADROOM_SD * math.sqrt(peers * p * (1.0 - p))
-
-    low, high = 0, 1
-    while fullest(high) <= per_key:
-        low, high = high, high * 2
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if fullest(middle) <= per_key else (low, middle)
-    return high
 
 
 def record_key(secret: str, run_id: str) -> bytes:
@@ -245,16 +179,7 @@ class RecordStore:
         return f"RecordStore(run_id={self.run_id!r}, sealed={self._record_key is not None})"
 
     def key(self, name: str) -> str:
-        """The DHT key of a key name (``peers/17``, ``plans``)."""
         return f"{self.run_id}:{name}"
-
-    def key_of(self, name: str, writer: str) -> str:
-        """The DHT key ``writer``'s records of kind ``name`` are stored under (its shard of a sharded kind)."""
-        return self.key(stored_name(name, writer))
-
-    def keys(self, name: str) -> list[str]:
-        """Every DHT key of kind ``name`` (the :data:`SHARDS` shards of a sharded kind)."""
-        return [self.key(stored) for stored in key_names(name)]
 
     def mac(self, name: str, writer: str, suffix: bytes, expires_at: float, payload: dict) -> str | None:
         """The record's MAC (None in an open swarm): binds run, key name, writer, suffix, expiry and payload."""
@@ -276,53 +201,40 @@ class RecordStore:
         expires_at = float(expires_at)
         envelope = {"p": payload, "mac": self.mac(name, self.identity.peer_id, suffix, expires_at, payload)}
         self._count("store", name)
-        key = self.key_of(name, self.identity.peer_id)
-        future = self.dht.store(key, envelope, expires_at, subkey=self.identity.owner_tag + suffix, return_future=True)
+        future = self.dht.store(
+            self.key(name), envelope, expires_at, subkey=self.identity.owner_tag + suffix, return_future=True
+        )
         try:
             return bool(future.result(timeout=self.timeout_s))
         except TimeoutError:
             future.cancel()
-            logger.warning("storing %s timed out after %.1f s", key, self.timeout_s)
+            logger.warning("storing %s timed out after %.1f s", self.key(name), self.timeout_s)
             return False
         except Exception as error:  # the DHT process reports its own failures; the caller retries
-            logger.warning("storing %s failed: %s: %s", key, type(error).__name__, error)
+            logger.warning("storing %s failed: %s: %s", self.key(name), type(error).__name__, error)
             return False
 
     def read(self, name: str, include_expired: bool = False) -> list[SignedRecord] | None:
-        """Every well-formed, unexpired record of kind ``name`` with its MAC status (the payload only where the
+        """Every well-formed, unexpired record under ``name`` with its MAC status (the payload only where the
         MAC verifies); None if the DHT timed out. ``include_expired`` keeps records that are expired by our own
-        clock but still held by the DHT (the clock check at join compares clocks with them).
-
-        Every reader of a kind goes through here: a sharded kind's :data:`SHARDS` keys are asked all at once, one
-        get each (each a lookup of its own, counted as one get), within one ``timeout_s``, and merged; a shard
-        that did not answer in time is left out with a log line (its records are missing from this read, as
-        when a node holding a key does not answer), and only when no key answered is the read None."""
-        keys = self.keys(name)
-        self._count("get", name, len(keys))
-        futures = [self.dht.get(key, latest=True, return_future=True) for key in keys]
-        deadline = time.monotonic() + self.timeout_s
-        at = float("-inf") if include_expired else now()
-        records: list[SignedRecord] = []
-        answered = 0
-        for key, future in zip(keys, futures, strict=True):
-            try:
-                found = future.result(timeout=max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                future.cancel()
-                logger.warning("reading %s timed out after %.1f s", key, self.timeout_s)
-                continue
-            except Exception as error:  # e.g. hivemind's storage heap comparing a str subkey with a bytes one
-                logger.warning("reading %s failed: %s: %s", key, type(error).__name__, error)
-                continue
-            answered += 1
-            if found is None:
-                continue
-            if not isinstance(found.value, dict):
-                logger.warning("%s holds a plain value, not per-peer records; ignored", key)
-                continue
-            records.extend(self._parse(name, key, found.value, at))
-        if not answered:
+        clock but still held by the DHT (the clock check at join compares clocks with them)."""
+        self._count("get", name)
+        future = self.dht.get(self.key(name), latest=True, return_future=True)
+        try:
+            found = future.result(timeout=self.timeout_s)
+        except TimeoutError:
+            future.cancel()
+            logger.warning("reading %s timed out after %.1f s", self.key(name), self.timeout_s)
             return None
+        except Exception as error:  # e.g. hivemind's storage heap comparing a str subkey with a bytes one
+            logger.warning("reading %s failed: %s: %s", self.key(name), type(error).__name__, error)
+            return None
+        if found is None:
+            return []
+        if not isinstance(found.value, dict):
+            logger.warning("%s holds a plain value, not per-peer records; ignored", self.key(name))
+            return []
+        records = list(self._parse(name, found.value, float("-inf") if include_expired else now()))
         self._count("rows", name, len(records))
         return records
 
@@ -330,15 +242,15 @@ class RecordStore:
         self.ops.add(kind, name, n)
         DHT_OPS.add(kind, name, n)
 
-    def _parse(self, name: str, key: str, entries: dict, at: float) -> Iterator[SignedRecord]:
-        """The records of kind ``name`` in one key's entries, as :meth:`read` describes."""
+    def _parse(self, name: str, entries: dict, at: float) -> Iterator[SignedRecord]:
         for seen, (subkey, item) in enumerate(entries.items()):
             if seen >= MAX_ENTRIES_READ:
-                logger.warning("%s holds more than %d entries; the rest are not read", key, MAX_ENTRIES_READ)
+                logger.warning("%s holds more than %d entries; the rest are not read", self.key(name),
+                               MAX_ENTRIES_READ)
                 return
             owner = split_owner_subkey(subkey)
             if owner is None:
-                logger.debug("%s: skipping a record without an owner tag", key)
+                logger.debug("%s: skipping a record without an owner tag", self.key(name))
                 continue
             peer_id, suffix = owner
             expires_at = float(item.expiration_time)
@@ -348,7 +260,7 @@ class RecordStore:
                 payload, mac = open_envelope(item.value)
                 status = self._check_mac(name, peer_id, suffix, expires_at, payload, mac)
             except ValueError as error:
-                logger.warning("%s: ignoring a malformed record from %s: %s", key, peer_id, error)
+                logger.warning("%s: ignoring a malformed record from %s: %s", self.key(name), peer_id, error)
                 continue
             yield SignedRecord(peer_id, suffix, payload if status is MacStatus.OK else {}, expires_at, status)
 
@@ -387,12 +299,7 @@ class RunRecordValidator(RecordValidatorBase):
 
     def __init__(self, run_id: str, key: bytes | None) -> None:
         self.run_id, self._key = run_id, key
-        # DHT key -> (kind, shard): every shard of a sharded kind (None for the others)
-        self._names: dict[bytes, tuple[str, int | None]] = {
-            DHTID.generate(source=f"{run_id}:{stored}").to_bytes(): (name, shard if name in SHARDED else None)
-            for name in RECORD_TTL_S
-            for shard, stored in enumerate(key_names(name))
-        }
+        self._names = {DHTID.generate(source=f"{run_id}:{name}").to_bytes(): name for name in RECORD_TTL_S}
         self.refused: dict[str, int] = {}
 
     @property
@@ -405,23 +312,21 @@ class RunRecordValidator(RecordValidatorBase):
     def storage_budget(self) -> StorageBudget:
         """The budgets ``peer.swarm.dht.start_dht`` gives this node's storage: only this run's keys."""
         return StorageBudget(
-            keys={key: _key_budget(name) for key, (name, _) in self._names.items()},
+            keys={key: _key_budget(name) for key, name in self._names.items()},
             total_bytes=MAX_STORED_BYTES,
-            group_bytes={name: MAX_KIND_BYTES for name in SHARDED},
         )
 
     def validate(self, record: DHTRecord) -> bool:
-        found = self._names.get(record.key)
-        reason = "not a key of this run" if found is None else self._refusal(*found, record)
+        name = self._names.get(record.key)
+        reason = "not a key of this run" if name is None else self._refusal(name, record)
         if reason:
             self.refused[reason] = self.refused.get(reason, 0) + 1
-            logger.debug("%s:%s: refused a record: %s", self.run_id, found, reason)
+            logger.debug("%s:%s: refused a record: %s", self.run_id, name, reason)
             return False
         return True
 
-    def _refusal(self, name: str, shard: int | None, record: DHTRecord) -> str:
-        """Why ``record`` may not be stored under kind ``name`` (in ``shard`` of a sharded kind; "" when it
-        may)."""
+    def _refusal(self, name: str, record: DHTRecord) -> str:
+        """Why ``record`` may not be stored under ``name`` ("" when it may)."""
         if len(record.subkey) > MAX_SUBKEY_BYTES:
             return "subkey too large"
         if len(record.value) > RECORD_VALUE_BYTES[name]:
@@ -436,8 +341,6 @@ class RunRecordValidator(RecordValidatorBase):
         if owner is None:
             return "no owner tag"
         writer, suffix = owner
-        if shard is not None and shard != shard_of(writer):
-            return "a shard of another owner"
         if name in ONE_SUBKEY_PER_OWNER and suffix:
             return "a second subkey of this owner"
         try:
@@ -480,8 +383,7 @@ def peers_schema_refusal(payload: dict, writer: str) -> str:
 
 
 def _key_budget(name: str) -> KeyBudget:
-    """A key's budget: the reply limit in all; one owner gets its kind's one entry, or an eighth of the key; the
-    shards of a sharded kind share their kind's bytes on one node (:data:`MAX_KIND_BYTES`)."""
+    """A key's budget: the reply limit in all; one owner gets its kind's one entry, or an eighth of the key."""
     single = name in ONE_SUBKEY_PER_OWNER
     entry = RECORD_VALUE_BYTES[name] + SIGNATURE_BYTES + MAX_SUBKEY_BYTES
     return KeyBudget(
@@ -489,5 +391,4 @@ def _key_budget(name: str) -> KeyBudget:
         max_entries=MAX_SUBKEYS_PER_KEY,
         owner_bytes=entry if single else MAX_KEY_BYTES // 8,
         owner_entries=1 if single else MAX_SUBKEYS_PER_OWNER,
-        group=name if name in SHARDED else "",
     )

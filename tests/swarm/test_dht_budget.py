@@ -16,22 +16,14 @@ from tasklet.peer.identity.keys import Identity
 from tasklet.peer.swarm.adverts import Advert
 from tasklet.peer.swarm.dht import BudgetedStorage, KeyBudget, StorageBudget
 from tasklet.peer.swarm.records import (
-    ENTRY_FRAMING_BYTES,
     MAX_ADVERT_VALUE_BYTES,
     MAX_KEY_BYTES,
-    MAX_SUBKEYS_PER_KEY,
     MAX_SUBKEYS_PER_OWNER,
     MAX_VALUE_BYTES,
-    P2PD_REPLY_BYTES,
     RECORD_TTL_S,
-    REPLY_OVERHEAD_BYTES,
-    SHARDED,
-    SHARDS,
     RunRecordValidator,
-    key_names,
     record_key,
     seal,
-    stored_name,
 )
 from tasklet.peer.timing import now
 
@@ -44,16 +36,14 @@ def _key(name: str, run: str = RUN) -> bytes:
 
 
 def _record(name: str, writer: Identity | None, payload: dict, expires_at: float, key: bytes | None = KEY,
-            suffix: bytes = b"", mac: str | None = "auto", run: str = RUN, shard: int | None = None) -> DHTRecord:
-    """A DHT entry as a hivemind node hands it to the validator (signature already stripped), under the writer's
-    shard of a sharded kind unless ``shard`` names another."""
-    owner = writer.peer_id if writer is not None else "0" * 20
+            suffix: bytes = b"", mac: str | None = "auto", run: str = RUN) -> DHTRecord:
+    """A DHT entry as a hivemind node hands it to the validator (signature already stripped)."""
+    owner = writer.peer_id if writer is not None else "x"
     if mac == "auto":
         mac = None if key is None else seal(key, RUN, name, owner, suffix, expires_at, payload)
     subkey = (writer.owner_tag if writer is not None else b"") + suffix
     value = MSGPackSerializer.dumps({"p": payload, "mac": mac})
-    stored = stored_name(name, owner) if shard is None else f"{name}/{shard}"
-    return DHTRecord(_key(stored, run), MSGPackSerializer.dumps(subkey), value, expires_at)
+    return DHTRecord(_key(name, run), MSGPackSerializer.dumps(subkey), value, expires_at)
 
 
 def _advert(identity: Identity, **changes: object) -> dict:
@@ -71,10 +61,7 @@ def test_only_the_run_s_keys_are_stored() -> None:
                      at + 10**6)
     assert not guard.validate(junk)
     assert guard.refused == {"not a key of this run": 2}
-    assert set(guard.storage_budget().keys) == {_key(stored) for name in RECORD_TTL_S for stored in key_names(name)}
-    assert not guard.validate(_record("plans", writer, {"a": 1}, at + 6, shard=0))  # plans are not sharded
-    assert not guard.validate(_record("peers", writer, _advert(writer), at + 6, shard=SHARDS))
-    assert guard.refused == {"not a key of this run": 4}
+    assert set(guard.storage_budget().keys) == {_key(name) for name in RECORD_TTL_S}
 
 
 def test_the_validator_refuses_what_may_not_be_stored_under_the_run_keys() -> None:
@@ -177,35 +164,11 @@ def test_re_stores_of_one_entry_do_not_grow_the_storage() -> None:
 
 def test_the_run_s_budget_holds_a_reply_under_p2pd_s_limit() -> None:
     budget = RunRecordValidator(RUN, KEY).storage_budget()
-    framing = ENTRY_FRAMING_BYTES * MAX_SUBKEYS_PER_KEY + REPLY_OVERHEAD_BYTES
-    assert all(b.max_bytes + framing < P2PD_REPLY_BYTES for b in budget.keys.values())
-    assert budget.keys[_key("peers/0")].owner_entries == 1 and budget.keys[_key("plans")].owner_entries == 64
+    framing = 25 * 4096 + 8 * 80 + 1024  # msgpack per entry, the nearest peers, protobuf
+    assert all(b.max_bytes + framing < 4 * 2**20 for b in budget.keys.values())
+    assert budget.keys[_key("peers")].owner_entries == 1 and budget.keys[_key("plans")].owner_entries == 64
     assert MAX_SUBKEYS_PER_OWNER * budget.keys[_key("plans")].owner_entries >= 64
-    # a node's total holds every unsharded key full and each sharded kind's cap (three full shards) at once
-    unsharded = [b for b in budget.keys.values() if not b.group]
-    assert len(unsharded) == len(RECORD_TTL_S) - len(SHARDED)
-    assert budget.total_bytes >= sum(b.max_bytes for b in unsharded) + sum(budget.group_bytes.values())
-    assert set(budget.group_bytes) == SHARDED and all(n >= 3 * MAX_KEY_BYTES for n in budget.group_bytes.values())
-    assert {b.group for b in budget.keys.values()} == SHARDED | {""}
-
-
-def test_one_kind_s_shards_cannot_take_the_bytes_of_another_kind() -> None:
-    keys = {name: [_key(f"{name}/{i}") for i in range(3)] for name in ("links", "peers")}
-    per_key = KeyBudget(max_bytes=3_000, max_entries=8, owner_bytes=3_000, owner_entries=1)
-    budget = StorageBudget({k: KeyBudget(**{**per_key.__dict__, "group": name}) for name, ks in keys.items()
-                            for k in ks}, total_bytes=100_000, group_bytes={"links": 5_000, "peers": 5_000})
-    storage = BudgetedStorage(budget)
-    owners = [Identity.generate().owner_tag for _ in range(3)]
-    at = get_dht_time()
-    links = [DHTID.from_bytes(k) for k in keys["links"]]
-    assert storage.store_subkey(links[0], owners[0], b"v" * 2000, at + 60)
-    assert storage.store_subkey(links[1], owners[1], b"v" * 2000, at + 60)
-    assert not storage.store_subkey(links[2], owners[2], b"v" * 2000, at + 60)  # the kind's bytes on this node
-    assert storage.refused == {"group bytes": 1}
-    assert storage.store_subkey(DHTID.from_bytes(keys["peers"][0]), owners[2], b"v" * 2000, at + 60)
-    assert storage.store_subkey(links[0], owners[0], b"w" * 1000, at + 61)  # a smaller re-store gives bytes back
-    assert storage.group_bytes["links"] == sum(len(owners[i]) for i in (0, 1)) + 3000
-    assert storage.store_subkey(links[2], owners[2], b"v" * 500, at + 60)
+    assert budget.total_bytes >= len(budget.keys) * MAX_KEY_BYTES
 
 
 def test_the_schema_s_found_bound_is_membership_s() -> None:

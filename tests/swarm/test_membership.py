@@ -153,7 +153,7 @@ def test_malformed_records_are_ignored(nodes, run_id, members):
     bad_advert["device"]["tflops"] = "very fast"
     someone_else = forger.advert(6302).to_record()
     someone_else["peer_id"] = nodes[0].identity.peer_id  # claims to be another peer
-    dht, key = forger.dht, reader.store.key_of("peers", forger.identity.peer_id)  # the forger's own shard
+    dht, key = forger.dht, f"{run_id}:peers"
     assert dht.store(key, {"p": {"advert": bad_advert, "at": 1.0}, "mac": None}, next(expiries), subkey=tag)
     impostor = {"p": {"advert": someone_else, "at": 1.0}, "mac": None}
     assert dht.store(key, impostor, next(expiries), subkey=tag + b"x")
@@ -161,12 +161,12 @@ def test_malformed_records_are_ignored(nodes, run_id, members):
     assert dht.store(key, {"p": {"advert": [1, 2]}, "mac": None}, next(expiries), subkey=tag + b"z")
     assert dht.store(key, {"p": {}, "mac": "zz"}, next(expiries), subkey=tag + b"w")
     assert dht.store(key, {"advert": bad_advert}, next(expiries), subkey="no-owner-tag")
-    link_key = reader.store.key_of("links", forger.identity.peer_id)
+    link_key = f"{run_id}:links"
     forged_link = LinkReport(nodes[0].identity.peer_id, forger.identity.peer_id, 0.1, 1e6, True, 1.0)
     links = {"p": {"links": [forged_link.to_record(), {"src": 1}], "at": 1.0}, "mac": None}
     assert dht.store(link_key, links, next(expiries), subkey=tag)
     run = {"p": {"config": "nope", "created_at": 0.0}, "mac": None}
-    assert dht.store(reader.store.key_of("run", forger.identity.peer_id), run, next(expiries), subkey=tag)
+    assert dht.store(f"{run_id}:run", run, next(expiries), subkey=tag)
     # Readers survive all of it and see only the honest peer, no links, no run.
     assert [advert.peer_id for advert in reader.live_peers()] == [nodes[0].identity.peer_id]
     assert reader.links() == []
@@ -248,7 +248,6 @@ def test_another_peer_cannot_overwrite_my_advert(nodes, run_id, members):
     envelope = {"p": {"advert": forged, "at": get_dht_time()}, "mac": None}
     # The forger's DHT signs with the forger's key, which does not match the owner tag in the subkey.
     # Its expiry (90 s) is later than the owner's (60 s), so an unsigned-check DHT would take it.
-    key = reader.store.key_of("peers", nodes[0].identity.peer_id)  # the owner's shard, where its advert is
-    nodes[1].dht.store(key, envelope, get_dht_time() + 90, subkey=nodes[0].identity.owner_tag)
+    nodes[1].dht.store(f"{run_id}:peers", envelope, get_dht_time() + 90, subkey=nodes[0].identity.owner_tag)
     adverts = reader.live_peers()
     assert [advert.endpoint for advert in adverts] == ["127.0.0.1:6500"]

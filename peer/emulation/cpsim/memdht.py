@@ -5,10 +5,7 @@
 * ``store(key, value, expiration_time, subkey=..., return_future=True)``: a future of a bool. Per subkey the
   DHT keeps the value with the latest expiration; a store that does not expire later is refused (False);
 * ``get(key, latest=True, return_future=True)``: a future of None or of an object whose ``value`` maps each
-  subkey to an item with ``value`` and ``expiration_time`` (unexpired entries only). A read of a sharded kind
-  asks for all its shard keys at once (one get each) before it waits for any: the gets a handle has open when
-  the first of them is waited for are answered together, each counted as one call, and priced as one round
-  (:meth:`MemoryDHT.get_batch`: the slowest of them, as parallel lookups take).
+  subkey to an item with ``value`` and ``expiration_time`` (unexpired entries only).
 
 :class:`MemoryDHT` is one shared store; each simulated peer gets a :class:`DHTHandle` (what it passes where a
 ``hivemind.DHT`` is expected) that names the caller. The :class:`LatencyModel` prices each call: a Kademlia
@@ -106,17 +103,13 @@ class MemoryDHT:
     def calls_of(self, caller: str) -> int:
         return self.calls[caller, "get"] + self.calls[caller, "store"]
 
-    def charge_gets(self, caller: str, keys: list[str]) -> None:
-        """Count and time gets of ``keys`` (made at once) by ``caller`` whose answers another reader already
-        parsed: one call each, one round of the slowest."""
+    def charge_get(self, caller: str, key: str) -> None:
+        """Count and time a get of ``key`` by ``caller`` whose answer another reader already parsed."""
         self._arrive()
         at = self.clock()
-        rounds = []
-        for key in keys:
-            entries = self._data.get(key) or {}
-            size = sum(item.nbytes for item in entries.values() if item.expiration_time >= at)
-            rounds.append(self._charge(caller, "get", size + len(key), defer=True))
-        self._elapsed[caller] += max(rounds, default=0.0)
+        entries = self._data.get(key) or {}
+        size = sum(item.nbytes for item in entries.values() if item.expiration_time >= at)
+        self._charge(caller, "get", size + len(key))
 
     def handle(self, caller: str, region: int) -> DHTHandle:
         self.region[caller] = region
@@ -141,11 +134,9 @@ class MemoryDHT:
         entries[subkey] = item
         return True
 
-    def _charge(self, caller: str, kind: str, nbytes: int, defer: bool = False) -> float:
-        """Count a call and return its latency, added to the caller's elapsed time unless ``defer`` (a batch)."""
+    def _charge(self, caller: str, kind: str, nbytes: int) -> float:
         lat = self.latency.latency_s(self.region.get(caller, 0), self.n_nodes, nbytes)
-        if not defer:
-            self._elapsed[caller] += lat
+        self._elapsed[caller] += lat
         self.calls[caller, kind] += 1
         self.bytes[caller] += nbytes
         return lat
@@ -166,42 +157,18 @@ class MemoryDHT:
         return True
 
     def get(self, caller: str, key: str) -> Found | None:
-        return self.get_batch(caller, [key])[0]
-
-    def get_batch(self, caller: str, keys: list[str]) -> list[Found | None]:
-        """Gets of ``keys`` made at once: one call each, the caller's time advanced by the slowest."""
         self._arrive()
         at = self.clock()
-        out: list[Found | None] = []
-        rounds = []
-        for key in keys:
-            entries = self._data.get(key)
-            if entries:
-                expired = [sk for sk, item in entries.items() if item.expiration_time < at]
-                for sk in expired:
-                    del entries[sk]
-            size = sum(item.nbytes for item in entries.values()) if entries else 0
-            rounds.append(self._charge(caller, "get", size + len(key), defer=True))
-            found = Found(dict(entries), max(item.expiration_time for item in entries.values())) if entries else None
-            out.append(found)
-        self._elapsed[caller] += max(rounds, default=0.0)
-        return out
-
-
-class _BatchedGet:
-    """The future of a get made with others at once: the first ``result()`` of the batch answers them all."""
-
-    def __init__(self, handle: DHTHandle, key: str) -> None:
-        self._handle, self.key = handle, key
-        self.answered, self.found = False, None
-
-    def result(self, timeout: float | None = None) -> Found | None:
-        if not self.answered:
-            self._handle._answer()
-        return self.found
-
-    def cancel(self) -> bool:
-        return False
+        entries = self._data.get(key)
+        if entries:
+            expired = [sk for sk, item in entries.items() if item.expiration_time < at]
+            for sk in expired:
+                del entries[sk]
+        size = sum(item.nbytes for item in entries.values()) if entries else 0
+        self._charge(caller, "get", size + len(key))
+        if not entries:
+            return None
+        return Found(dict(entries), max(item.expiration_time for item in entries.values()))
 
 
 class DHTHandle:
@@ -209,25 +176,15 @@ class DHTHandle:
 
     def __init__(self, dht: MemoryDHT, caller: str) -> None:
         self._dht, self.caller = dht, caller
-        self._open: list[_BatchedGet] = []  # gets asked for with return_future and not yet waited for
 
     def store(self, key: str, value: Any, expiration_time: float, subkey: bytes = b"",
               return_future: bool = False) -> Done | bool:
         ok = self._dht.store(self.caller, key, value, float(expiration_time), subkey)
         return Done(ok) if return_future else ok
 
-    def get(self, key: str, latest: bool = True, return_future: bool = False) -> _BatchedGet | Found | None:
-        if return_future:
-            future = _BatchedGet(self, key)
-            self._open.append(future)
-            return future
-        return self._dht.get(self.caller, key)
-
-    def _answer(self) -> None:
-        """Answer every open get at once (``MemoryDHT.get_batch``)."""
-        batch, self._open = self._open, []
-        for future, found in zip(batch, self._dht.get_batch(self.caller, [f.key for f in batch]), strict=True):
-            future.answered, future.found = True, found
+    def get(self, key: str, latest: bool = True, return_future: bool = False) -> Done | Found | None:
+        found = self._dht.get(self.caller, key)
+        return Done(found) if return_future else found
 
     def shutdown(self) -> None:
         """Nothing to stop (the daemon shuts its DHT down when it leaves)."""

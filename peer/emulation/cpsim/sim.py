@@ -168,8 +168,7 @@ class SharedReads:
 
     A parse of every advert or of every plan record is a pure function of the DHT's content and the time, the
     same for every reader (no join secret in the simulation); each reader's get is still counted and timed as
-    its own (``MemoryDHT.charge_gets``: every shard key of a sharded kind), and what it does with the result is
-    its own code.
+    its own (``MemoryDHT.charge_get``), and what it does with the result is its own code.
     """
 
     def __init__(self, dht: MemoryDHT, reader: Membership) -> None:
@@ -181,7 +180,7 @@ class SharedReads:
         key = (self.dht.clock(), self.dht.version())
         hit = self._memo.get(what)
         if hit is not None and hit[0] == key:
-            self.dht.charge_gets(caller, self.reader.store.keys(what))
+            self.dht.charge_get(caller, f"{RUN_ID}:{what}")
             return hit[1]
         value = compute()  # the caller's own (real) read, counted by the DHT
         self._memo[what] = ((self.dht.clock(), self.dht.version()), value)
@@ -211,7 +210,7 @@ class SharedReads:
         """Every live advert: the real ``Membership.live_entries`` of a reader that announced nothing (so it
         never falls back to an older view)."""
         def read() -> list[PeerEntry]:
-            self.dht.charge_gets(caller, self.reader.store.keys("peers"))
+            self.dht.charge_get(caller, f"{RUN_ID}:peers")
             return self.reader.live_entries()
 
         return list(self.memo("peers", caller, read))
