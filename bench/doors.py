@@ -1,9 +1,10 @@
 """Doors benchmark: what each attack on a public peer's open doors costs it, and what it costs a legitimate joiner.
 
 ``python -m bench.doors [--json] [--seconds 30]`` builds a namespace bed (peer/emulation/netbed.py; needs root):
-a public leader with a relay and a metrics port (the victim), a second public member, a stranger's host, and one
-home host behind NAT per scenario. The swarm has a join secret (from a file) and waits for more peers than join,
-so nothing trains and the figures are the doors'. Scenarios, one after the other in the same swarm:
+a public leader with a relay and a metrics port (the victim), a second public member, a stranger's host (on a /24
+of its own: the relay counts request slots per network), and one home host behind NAT per scenario. The swarm
+has a join secret (from a file) and waits for more peers than join, so nothing trains and the figures are the
+doors'. Scenarios, one after the other in the same swarm:
 
 * ``none``: no attack (the baseline);
 * ``relay``: 64 sockets trickling a byte every 9 s at the relay, 256 fresh-key REGISTERs, a CONNECT flood at the
@@ -13,11 +14,23 @@ so nothing trains and the figures are the doors'. Scenarios, one after the other
 * ``dht_foreign_flood``: a plain hivemind node (the join line, no key, no secret) stores 1,024 values of 1 MiB under
   random keys with hour-long expiries.
 
+Then, in a second bed whose swarm trains (two public members, the leader with a relay; one step at a time, data
+parallel: ``MemberSwarm``), the attacks that need a training run to judge:
+
+* ``network_caps``: a stranger with four addresses of one rented /24 (``NetBed.add_addresses``) holds 200 connections
+  from each to the leader's gRPC port (800: past the strangers' share of the port) and 16 from each to its relay
+  (64: every request slot, were slots counted per address), reopening what is cut. Prints steps/s over the same
+  window unattacked and under attack, the leader's peak descriptors, the leadership changes the peers logged (a
+  deposition, a new leader: 0 expected), and a NAT'd member's time to reach through the relay and to train;
+* ``endpoint_squat``: a member (the secret, a real identity) advertises the leader's endpoint as its own with the
+  oldest start time a record allows; a NAT'd joiner started after the squat: its time to train (so it found and
+  followed the real leader), whether it logged the squatter ignored, and whether a fresh reader's ``peer status``
+  lists the leader at its endpoint.
+
 For each: the victim's peak descriptors, threads and resident MiB while the attack runs and a NAT'd member joins
 (sampled from /proc every 0.5 s; its DHT process and p2pd apart, as the largest and the sum of its children), the
 joiner's time from launch to "reached through relay" and its start-up ``reach`` phase (reachability check and relay
-registration), and what the attacker got. Prints one JSON object. Not measured yet: steps/s under attack (this
-swarm waits for more peers, so nothing trains).
+registration), and what the attacker got. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -34,11 +47,19 @@ from typing import Any
 
 from tasklet.peer.emulation import multihost, netbed
 from tasklet.peer.emulation.doors_attack import PeakSampler, descendants, proc_usage
+from tasklet.peer.emulation.procs import PEER_COMMAND, child_env, read_line
 from tasklet.peer.identity.keys import Identity
 
 REPO = Path(__file__).resolve().parent.parent
 METRICS_PORT = 31404
 SCENARIOS = ("none", "relay", "ports", "dht", "dht_foreign_flood")
+MEMBER_SCENARIOS = ("network_caps", "endpoint_squat")
+BLOCK_ADDRESSES = 4  # of the stranger's one rented /24
+HOLD_GRPC = 200  # connections per address to the leader's gRPC port (its strangers' share is 493 at 20,000 fds)
+HOLD_RELAY = 16  # per address to the relay: its request slots per source, four times over
+TRAINING_LINE = "of pipeline"  # in a member's phase line once it holds a stage of the plan: it trains
+# what a peer logs when leadership changes: a follower deposes its leader, the leader ends, another one leads
+LEADERSHIP_CHANGES = ("electing a leader without", "leadership ended", "leads the swarm")
 
 
 def _attack(host: netbed.Host, *args: str) -> subprocess.Popen[str]:
@@ -55,11 +76,12 @@ def _wait_for(peers: multihost.BedPeers, name: str, needle: str, timeout_s: floa
     return time.monotonic() - started
 
 
-def run(seconds: float) -> dict[str, Any]:
+def run(seconds: float, scenarios: list[str] | tuple[str, ...] = SCENARIOS) -> dict[str, Any]:
     out: dict[str, Any] = {"scenarios": {}}
     with netbed.open_bed() as bed, tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        pub0, pub1, evil = bed.add_public("pub0"), bed.add_public("pub1"), bed.add_public("evil")
+        pub0, pub1 = bed.add_public("pub0"), bed.add_public("pub1")
+        evil = bed.add_public("evil", own_network=True)  # a stranger's network is not the members' or the homes'
         secret = folder / "secret"
         secret.write_text("bench doors\n")
         member = ["--secret-file", str(secret)]
@@ -71,7 +93,7 @@ def run(seconds: float) -> dict[str, Any]:
             _wait_for(peers, "pub1", "others can join through this peer", 120)
             victim = peers.procs["pub0"].pid
             out["victim_idle"] = proc_usage(victim)
-            for i, scenario in enumerate(SCENARIOS):
+            for i, scenario in enumerate(scenarios):
                 out["scenarios"][scenario] = _scenario(bed, peers, evil, pub0, dht, member, folder, i, scenario,
                                                        seconds, victim)
             out["victim_after"] = proc_usage(victim)
@@ -124,23 +146,193 @@ def _scenario(bed: netbed.NetBed, peers: multihost.BedPeers, evil: netbed.Host, 
     }
 
 
+class MemberSwarm:
+    """A swarm that trains on a bed of its own: the leader ``pub0`` (with a relay) and ``pub1``, both public, one
+    step after another for as long as the attacks take (data parallel: every joiner gets a pipeline of its own);
+    a stranger's host ``evil`` with a rented block of addresses; NAT'd joiners added by the attacks. ``start()``
+    returns once the run trains; each attack method returns its figures (bench.doors, and
+    tests/swarms/test_doors_member.py on a shorter window)."""
+
+    def __init__(self, bed: netbed.NetBed, folder: Path) -> None:
+        self.bed, self.folder = bed, folder
+        self.pub0, self.pub1 = bed.add_public("pub0"), bed.add_public("pub1")
+        self.evil = bed.add_public("evil", own_network=True)
+        self.block = [self.evil.addr, *bed.add_addresses(self.evil, BLOCK_ADDRESSES - 1)]
+        self.secret = folder / "secret"
+        self.secret.write_text("bench doors members\n")
+        self.secret.chmod(0o600)
+        self.member = ["--secret-file", str(self.secret)]
+        self.ids = {name: self._identity(name) for name in ("pub0", "pub1")}
+        self.peers = multihost.BedPeers(folder / "logs")
+        self.dht = ""
+        self.homes = 0
+
+    def _identity(self, name: str) -> Identity:
+        identity = Identity.generate()
+        identity.save(self.folder / f"{name}.key")
+        return identity
+
+    def start(self, timeout_s: float = 240) -> None:
+        cfg = multihost.write_config(self.folder, 100000, 2, self.folder / "save", stages=1)
+        self.dht = self.peers.start(self.pub0, cfg, *multihost.readme_flags(self.pub0), "--relay-port",
+                                    str(multihost.RELAY_PORT), *self.member, "--identity",
+                                    str(self.folder / "pub0.key"))
+        self.peers.join(self.pub1, self.dht, *multihost.readme_flags(self.pub1), *self.member, "--identity",
+                        str(self.folder / "pub1.key"))
+        if _wait_for(self.peers, "pub0", "leader_role: step 5:", timeout_s) is None:
+            raise RuntimeError(f"the swarm did not train:\n{self.peers.log('pub0')[-3000:]}")
+
+    def close(self) -> None:
+        self.peers.close()
+
+    def __enter__(self) -> MemberSwarm:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def steps_per_s(self, window_s: float) -> float:
+        """The leader's steps per second over the next ``window_s``."""
+        start = time.time()
+        time.sleep(window_s)
+        return multihost.steps_per_s(self.peers.log("pub0"), start, time.time())
+
+    def marks(self) -> dict[str, int]:
+        """Where each peer's log ends now (leadership_changes counts what is logged after)."""
+        return {name: len(self.peers.log(name)) for name in self.peers.procs}
+
+    def leadership_changes(self, marks: dict[str, int]) -> list[str]:
+        """The lines about a change of leadership the peers logged after ``marks`` (of a peer started since: all)."""
+        found = []
+        for name in self.peers.procs:  # a peer started since: all of its log
+            for line in self.peers.log(name)[marks.get(name, 0):].splitlines():
+                if any(needle in line for needle in LEADERSHIP_CHANGES):
+                    found.append(f"{name}: {line[:300]}")
+        return found
+
+    def join_home(self, timeout_s: float) -> tuple[str, float | None, float | None]:
+        """A NAT'd member joins: (its name, seconds to reach through the relay, seconds to train; None: not
+        within ``timeout_s``)."""
+        name = f"home{self.homes}"
+        self.homes += 1
+        home = self.bed.add_home(name)
+        self.ids[name] = self._identity(name)
+        launched = time.monotonic()
+        self.peers.join(home, self.dht, *multihost.readme_flags(home, announce=False), *self.member, "--identity",
+                        str(self.folder / f"{name}.key"))
+        reached = _wait_for(self.peers, name, "reached through relay", timeout_s)
+        left = timeout_s - (time.monotonic() - launched)
+        trained = _wait_for(self.peers, name, TRAINING_LINE, left) if reached is not None else None
+        return name, reached, None if trained is None else time.monotonic() - launched
+
+    def status(self) -> dict[str, Any]:
+        """`peer status --json` of a fresh reader on ``pub1``'s host (a new identity, nothing remembered)."""
+        done = subprocess.run(self.pub1.cmd(*PEER_COMMAND, "status", "--dht", self.dht, *self.member, "--json"),
+                              capture_output=True, text=True, timeout=120, cwd=REPO, env=child_env())
+        if done.returncode != 0:
+            return {"error": done.stderr[-2000:]}
+        return json.loads(done.stdout)
+
+    def network_caps(self, window_s: float, join_timeout_s: float = 150) -> dict[str, Any]:
+        unattacked = self.steps_per_s(window_s)
+        marks = self.marks()
+        victim = self.peers.procs["pub0"].pid
+        grpc = f"{self.pub0.addr}:{multihost.GRPC_PORT}"
+        relay = f"{self.pub0.addr}:{multihost.RELAY_PORT}"
+        sources = ["--sources", ",".join(self.block), "--every", "2", "--seconds", "900"]
+        with PeakSampler({"victim": victim}) as sampler:
+            attacks = {"grpc": _attack(self.evil, "hold", grpc, "--count", str(HOLD_GRPC), *sources),
+                       "relay": _attack(self.evil, "hold", relay, "--count", str(HOLD_RELAY), *sources)}
+            time.sleep(5)  # the connections are in place
+            attacked = self.steps_per_s(window_s)
+            name, reached, trained = self.join_home(join_timeout_s)
+            got = {kind: _stop(proc) for kind, proc in attacks.items()}
+        peak = sampler.peak["victim"]
+        return {
+            "steps_per_s_unattacked": round(unattacked, 3),
+            "steps_per_s_attacked": round(attacked, 3),
+            "leadership_changes": self.leadership_changes(marks),
+            "victim_peak_fds": peak.get("fds"),
+            "victim_fd_limit": peak.get("fd_limit"),
+            "victim_peak_threads": peak.get("threads"),
+            "joiner": name,
+            "joiner_reached_s": None if reached is None else round(reached, 2),
+            "joiner_trains_s": None if trained is None else round(trained, 2),
+            "attack": got,
+        }
+
+    def endpoint_squat(self, join_timeout_s: float = 150) -> dict[str, Any]:
+        endpoint = f"{self.pub0.addr}:{multihost.GRPC_PORT}"
+        squat = _attack(self.evil, "squat", self.dht, "tasklet", str(self.secret), endpoint, "--seconds", "900")
+        first = read_line(squat, 90, "{")
+        squatter = json.loads(first)["peer_id"] if first else ""
+        time.sleep(4)  # its advert stored and renewed: every reader now finds two claimants of the endpoint
+        marks = self.marks()
+        name, reached, trained = self.join_home(join_timeout_s)
+        status = self.status()
+        got = _stop(squat)
+        leader = self.ids["pub0"].peer_id
+        listed = {p.get("peer_id"): p.get("endpoint") for p in status.get("peers", [])}
+        return {
+            "squatter": squatter,
+            "squatter_adverts_stored": (got or {}).get("stored"),
+            "joiner": name,
+            "joiner_reached_s": None if reached is None else round(reached, 2),
+            "joiner_trains_s": None if trained is None else round(trained, 2),
+            "joiner_ignored_squatter": bool(squatter) and f"ignoring the advert of {squatter}" in
+            self.peers.log(name),
+            "status_lists_leader": listed.get(leader) == endpoint,
+            "status_lists_squatter": squatter in listed,
+            "status_error": status.get("error"),
+            "leadership_changes": self.leadership_changes(marks),
+        }
+
+
+def _stop(proc: subprocess.Popen[str]) -> dict[str, Any] | None:
+    """End an attack that runs until told (SIGTERM) and return what it reported."""
+    proc.terminate()
+    try:
+        stdout, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, _ = proc.communicate()
+    lines = stdout.strip().splitlines()
+    return json.loads(lines[-1]) if lines else None
+
+
+def run_members(seconds: float) -> dict[str, Any]:
+    """The member-side scenarios on a swarm that trains (``MemberSwarm``), one after the other."""
+    with netbed.open_bed() as bed, tempfile.TemporaryDirectory() as tmp, MemberSwarm(bed, Path(tmp)) as swarm:
+        swarm.start()
+        return {"network_caps": swarm.network_caps(seconds), "endpoint_squat": swarm.endpoint_squat()}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.doors", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--seconds", type=float, default=30.0, help="how long the relay and port attacks last")
+    p.add_argument("--seconds", type=float, default=30.0, help="how long the relay and port attacks last, and "
+                   "the steps/s windows (unattacked, attacked) of network_caps")
+    p.add_argument("--only", default="", help="comma-separated scenarios to run (default: all)")
     args = p.parse_args(argv)
+    only = {x for x in args.only.split(",") if x}
+    unknown = only - set(SCENARIOS) - set(MEMBER_SCENARIOS)
+    if unknown:
+        p.error(f"unknown scenarios {sorted(unknown)}: {', '.join(SCENARIOS + MEMBER_SCENARIOS)}")
     reason = netbed.unavailable_reason()
     if reason:
         print(f"bench.doors needs network namespaces: {reason}", file=sys.stderr)
         return 2
-    result = run(args.seconds)
+    result: dict[str, Any] = {"scenarios": {}}
+    if not only or only & set(SCENARIOS):
+        result = run(args.seconds, [s for s in SCENARIOS if not only or s in only])
+    if not only or only & set(MEMBER_SCENARIOS):
+        members = run_members(args.seconds)
+        result["scenarios"].update({k: v for k, v in members.items() if not only or k in only})
     if args.json:
         print(json.dumps(result))
     else:
         for name, row in result["scenarios"].items():
-            print(f"{name:>6}: victim fds {row['victim_peak_fds']} threads {row['victim_peak_threads']} "
-                  f"rss {row['victim_peak_rss_mib']} MiB; joiner {row['joiner_reached_s']} s "
-                  f"(reach {row['joiner_reach_phase_s']} s)")
+            print(f"{name}: {json.dumps({k: v for k, v in row.items() if k != 'attack'})}")
     return 0
 
 

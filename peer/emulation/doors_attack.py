@@ -7,6 +7,11 @@ answered (so the caller can tell "refused" from "held"). Kinds:
 * ``relay HOST:PORT PEERID``: 64 sockets trickling a byte every 9 s at the relay, 256 REGISTERs with fresh
   keys, and a flood of CONNECTs to ``PEERID``, for ``--seconds``;
 * ``ports HOST:PORT ...``: ``--count`` TCP connections held open to each port for ``--seconds``;
+* ``hold HOST:PORT ...``: from each of the ``--sources`` addresses (several of one network: a rented block),
+  ``--count`` connections to each port, each one reopened when the port cuts it, for ``--seconds``;
+* ``squat MULTIADDR RUN SECRET_FILE ENDPOINT``: a member's attack (it has the secret and a real identity): an
+  advert of its own naming someone else's ``ENDPOINT`` (the leader's), claiming the oldest start there is, renewed
+  every second for ``--seconds``;
 * ``dht MULTIADDR RUN``: a hivemind DHT node of its own that stores, under every key of the run, untagged
   subkeys and oversized values;
 * ``dht-foreign MULTIADDR``: a plain hivemind DHT node (no key, no secret: what the public join line gives anyone)
@@ -23,6 +28,7 @@ import argparse
 import base64
 import contextlib
 import json
+import signal
 import socket
 import sys
 import threading
@@ -34,6 +40,7 @@ if TYPE_CHECKING:
     from tasklet.peer.identity.keys import Identity
 
 RUN_KEYS = ("peers", "links", "run", "plans", "progress", "beat")
+STOP = threading.Event()  # set by SIGTERM: the attacks that run until a deadline (hold, squat) end early and report
 
 
 def proc_usage(pid: int) -> dict[str, int]:
@@ -232,6 +239,92 @@ def port_flood(addrs: list[str], count: int, seconds: float) -> dict:
     return {"opened": {a: len(c) for a, c in held.items()}, "refused": refused, "open_at_end": still}
 
 
+def hold_ports(addrs: list[str], sources: list[str], count: int, seconds: float, every_s: float = 1.0) -> dict:
+    """Hold ``count`` connections to each of ``addrs`` from each of ``sources`` (bound source addresses; empty:
+    the host's own), reopening the ones the port cut every ``every_s``; per port: the most held at once (counted
+    when a round's connections have lived a round: a port that admits and cuts at once holds none), the cuts, and
+    how many were held at the end."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max(soft, min(hard, len(addrs) * max(1, len(sources)) * count + 256))
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    slots = [(addr, src) for addr in addrs for src in (sources or [""])]
+    held: dict[tuple[str, str], list[socket.socket]] = {slot: [] for slot in slots}
+    peak, cut, failed = dict.fromkeys(addrs, 0), dict.fromkeys(addrs, 0), dict.fromkeys(addrs, 0)
+    stop = time.monotonic() + seconds
+    while True:
+        alive_now = dict.fromkeys(addrs, 0)
+        for (addr, src), conns in held.items():
+            alive = [c for c in conns if _alive(c)]
+            for c in conns:
+                if c not in alive:
+                    c.close()
+            cut[addr] += len(conns) - len(alive)
+            held[(addr, src)] = alive
+            alive_now[addr] += len(alive)
+        for addr in addrs:
+            peak[addr] = max(peak[addr], alive_now[addr])
+        if time.monotonic() >= stop or STOP.is_set():
+            break
+        for (addr, src), conns in held.items():
+            while len(conns) < count and time.monotonic() < stop and not STOP.is_set():
+                try:
+                    conns.append(socket.create_connection(_split(addr), timeout=3,
+                                                          source_address=(src, 0) if src else None))
+                except OSError:
+                    failed[addr] += 1
+                    break
+        if STOP.wait(max(0.0, min(every_s, stop - time.monotonic()))):
+            time.sleep(min(every_s, 1.0))  # the connections just opened get their answer before the last count
+    for conns in held.values():
+        for c in conns:
+            c.close()
+    return {"sources": len(sources) or 1, "peak_held": peak, "cut": cut, "failed": failed, "held_at_end": alive_now}
+
+
+def _alive(s: socket.socket) -> bool:
+    """Whether the other end has not closed ``s`` (it may have sent bytes: those stay unread)."""
+    s.setblocking(False)
+    try:
+        return s.recv(1, socket.MSG_PEEK) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+def squat(initial_peer: str, run_id: str, secret: str | None, endpoint: str, seconds: float) -> dict:
+    """A member with a real identity advertises ``endpoint`` (another peer's) as its own, with the oldest start a
+    record allows, renewing the advert every second; what it stored and its peer id."""
+    from tasklet.peer.compute.device_probe import DeviceInfo
+    from tasklet.peer.identity.certs import make_certificate, pem_to_text
+    from tasklet.peer.identity.keys import Identity
+    from tasklet.peer.swarm.adverts import Advert
+    from tasklet.peer.swarm.dht import DHTConfig, start_dht
+    from tasklet.peer.swarm.records import RecordStore
+    from tasklet.peer.timing import now
+
+    identity = Identity.generate()
+    dht = start_dht(DHTConfig(initial_peers=(initial_peer,), host="0.0.0.0", client_mode=True), identity)
+    out = {"peer_id": identity.peer_id, "stored": 0, "tried": 0}
+    print(json.dumps({"peer_id": identity.peer_id}), flush=True)  # who squats, while it does
+    try:
+        store = RecordStore(dht, run_id, identity, secret)
+        device = DeviceInfo("squatter", "cpu", 2**34, 1e3, True, False)
+        advert = Advert(identity.peer_id, endpoint, device, 1.0, cert=pem_to_text(make_certificate(identity)))
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not STOP.is_set():
+            out["tried"] += 1
+            out["stored"] += bool(store.put("peers", {"advert": advert.to_record(), "at": now(), "found": []},
+                                            now() + 5.0))
+            STOP.wait(1.0)
+    finally:
+        dht.shutdown()
+    return out
+
+
 def dht_flood(initial_peer: str, run_id: str, untagged: int, oversized: int, value_bytes: int, seconds: float) -> dict:
     """Store untagged subkeys and oversized, long-lived values under every key of the run until done or ``seconds``
     have passed. The stores run inside the attacker's DHT process (hivemind's pipe to it breaks on large values)."""
@@ -352,18 +445,27 @@ def padded_advert(identity: Identity) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tasklet.peer.emulation.doors_attack")
-    p.add_argument("kind", choices=["relay", "ports", "dht", "dht-foreign", "dht-fill"])
+    p.add_argument("kind", choices=["relay", "ports", "hold", "squat", "dht", "dht-foreign", "dht-fill"])
     p.add_argument("args", nargs="+")
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--count", type=int, default=400)
     p.add_argument("--untagged", type=int, default=200)
     p.add_argument("--oversized", type=int, default=2)
     p.add_argument("--value-bytes", type=int, default=512 << 10)
+    p.add_argument("--sources", default="", help="hold: comma-separated source addresses to bind")
+    p.add_argument("--every", type=float, default=1.0, help="hold: seconds between rounds of reopening")
     a = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: STOP.set())
     if a.kind == "relay":
         result = relay_attack(a.args[0], a.args[1], a.seconds)
     elif a.kind == "ports":
         result = port_flood(a.args, a.count, a.seconds)
+    elif a.kind == "hold":
+        result = hold_ports(a.args, [x for x in a.sources.split(",") if x], a.count, a.seconds, a.every)
+    elif a.kind == "squat":
+        with open(a.args[2]) as handle:
+            secret = handle.read().strip() or None
+        result = squat(a.args[0], a.args[1], secret, a.args[3], a.seconds)
     elif a.kind == "dht-foreign":
         result = dht_foreign_flood(a.args[0], a.count, a.value_bytes, a.seconds)
     elif a.kind == "dht-fill":

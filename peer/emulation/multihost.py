@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -124,3 +125,19 @@ def max_error_vs_reference(save: Path, steps: int) -> tuple[float, dict]:
     would turn float summation order into a large relative figure."""
     gap = gap_to_reference(save, steps)
     return gap.max_abs, gap.run
+
+
+_STEP_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) INFO tasklet.peer.node.leader_role: "
+                        r"step (\d+):", re.M)
+
+
+def step_times(log: str) -> dict[int, float]:
+    """Step -> the wall-clock time (seconds since the epoch) a leader's log says it was done (the last, if redone)."""
+    return {int(step): time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")) + int(ms) / 1e3
+            for stamp, ms, step in _STEP_LINE.findall(log)}
+
+
+def steps_per_s(log: str, start: float, end: float) -> float:
+    """Steps a leader's log says were done between wall-clock times ``start`` and ``end``, per second."""
+    done = sum(1 for t in step_times(log).values() if start < t <= end)
+    return done / max(1e-9, end - start)

@@ -156,6 +156,8 @@ class NetBed:
         self.hosts: dict[str, Host] = {}
         self._next_public = 10
         self._next_home = 1
+        self.blocks: list[str] = []  # the /24s of public hosts on networks of their own, routed on the segment
+        self._next_in: dict[str, int] = {}  # /24 prefix -> the next free host number there (add_addresses)
         self.switch = self._namespace("sw")
         _sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
         _sh("ip", "-n", self.switch, "link", "set", "br0", "up")
@@ -180,16 +182,47 @@ class NetBed:
         _sh("ip", "-n", self.switch, "link", "set", port_name, "master", "br0", "up")
         _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
         _sh("ip", "-n", ns, "link", "set", "eth0", "up")
+        own = addr.rsplit(".", 1)[0] + ".0/24"
+        for block in [*self.blocks, f"{self.public_subnet}.0/24"]:
+            if block != own:  # another network on the same segment: on-link too
+                _sh("ip", "-n", ns, "route", "add", block, "dev", "eth0")
 
-    def add_public(self, name: str) -> Host:
-        """A host on the public segment with its own address."""
-        addr = f"{self.public_subnet}.{self._next_public}"
-        self._next_public += 1
+    def add_public(self, name: str, own_network: bool = False) -> Host:
+        """A host on the public segment with its own address: in the public /24 of the other public hosts and of
+        the home routers, or (``own_network``) in a /24 of its own on the same segment, as a stranger's rented
+        block is (per-network caps count it apart from the members and the home networks; every host on the
+        segment, now and later, routes that /24 to the bridge)."""
+        if own_network:
+            a, b, c = self.public_subnet.split(".")
+            prefix = f"{a}.{b}.{int(c) + 1 + len(self.blocks)}"
+            for other in self.hosts.values():
+                if other.router is None:  # public hosts and home routers: on the segment
+                    _sh("ip", "-n", other.ns, "route", "add", f"{prefix}.0/24", "dev", "eth0")
+            self.blocks.append(f"{prefix}.0/24")
+            addr = f"{prefix}.10"
+            self._next_in[prefix] = 11
+        else:
+            addr = f"{self.public_subnet}.{self._next_public}"
+            self._next_public += 1
         ns = self._namespace(name)
         self._plug(ns, addr, f"p-{name}"[:15])
         host = Host(self, name, ns, addr, addr, switch_port=f"p-{name}"[:15])
         self.hosts[name] = host
         return host
+
+    def add_addresses(self, host: Host, count: int) -> list[str]:
+        """Give public ``host`` on a network of its own (``add_public(own_network=True)``) ``count`` more addresses
+        in that /24: one network to a per-network cap, many sources to a per-address one. A process binds one as
+        its source address to send from it."""
+        prefix = host.addr.rsplit(".", 1)[0]
+        first = self._next_in.get(prefix)
+        if host.router is not None or first is None or not 1 <= count <= 254 - first:
+            raise ValueError("add_addresses: a public host on a network of its own, and room in its /24")
+        addrs = [f"{prefix}.{i}" for i in range(first, first + count)]
+        for addr in addrs:
+            _sh("ip", "-n", host.ns, "addr", "add", f"{addr}/24", "dev", "eth0")
+        self._next_in[prefix] = first + count
+        return addrs
 
     def add_home(self, name: str, forward_ports: Sequence[int] = ()) -> Host:
         """A host at 192.168.<n>.2 behind its own NAT router (masquerade; ``forward_ports`` DNAT'd to it)."""
