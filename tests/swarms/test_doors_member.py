@@ -54,7 +54,9 @@ def test_a_rented_network_on_the_leaders_doors_deposes_nobody_and_a_nated_member
     # needs a place in) and more than all the relay's request slots, and held what one network may
     cap = _grpc_cap(got["victim_fd_limit"])
     assert HOLD_GRPC * len(swarm.block) > cap.stranger_total
-    assert 0 < max(grpc["peak_held"].values()) <= cap.per_stranger_network, grpc
+    # one network: an eighth of the strangers' quarter (holding the whole quarter, it made a NAT'd member wait
+    # 23 s instead of 8 for its place at the leader's port)
+    assert 0 < max(grpc["peak_held"].values()) <= cap.stranger_total // 8, grpc
     assert 0 < max(relay["peak_held"].values()) <= RelayLimits().max_handshakes_per_source, relay
     assert HOLD_RELAY * len(swarm.block) >= RelayLimits().max_pending_handshakes
     assert got["leadership_changes"] == [], got["leadership_changes"]
