@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
-from tasklet.peer.runtime.stage.exchange import ExchangeAbortedError, ExchangeTimeoutError, GradientExchange, Tag
+from tasklet.peer.runtime.stage.exchange import ExchangeTimeoutError, GradientExchange
+from tasklet.peer.runtime.stage.gradient_checks import ExchangeAbortedError, Tag
 from tasklet.protocol.errors import BadMessage
 
 NUMEL = 11  # not a multiple of 2 or 3: shards of unequal size
@@ -147,7 +148,7 @@ def test_a_sparse_shard_of_two_honest_replicas_passes_and_a_scaled_one_does_not(
     """Two participants: the owner's part of a token-embedding shard is almost zero (its micro-batches' tokens
     hit other rows), the other's is of honest size. The owner's whole gradient floors the comparison, so the honest
     part passes; the same part x1000 is refused, naming its sender, never the owner."""
-    from tasklet.peer.runtime.stage.exchange import OutlierContributionError
+    from tasklet.peer.runtime.stage.gradient_checks import OutlierContributionError
 
     n, participants, tag = 64, [0, 1], (3, 1)
     owner = GradientExchange(0, n)

@@ -11,8 +11,14 @@ import pytest
 import torch
 
 from tasklet.peer.runtime.stage import gradient_checks
-from tasklet.peer.runtime.stage.exchange import GradientExchange, OutlierContributionError
-from tasklet.peer.runtime.stage.gradient_checks import GRADIENT_CHECKS, AttemptView, GradientCheck, Phase
+from tasklet.peer.runtime.stage.exchange import GradientExchange
+from tasklet.peer.runtime.stage.gradient_checks import (
+    GRADIENT_CHECKS,
+    AttemptView,
+    GradientCheck,
+    OutlierContributionError,
+    Phase,
+)
 from tasklet.protocol.errors import BadMessage
 
 pytestmark = pytest.mark.unit

@@ -22,7 +22,8 @@ from tasklet.peer.runtime.assign import build_assignments
 from tasklet.peer.runtime.bounds import ENVELOPE_SLACK_BYTES, push_limits
 from tasklet.peer.runtime.roles import Roles
 from tasklet.peer.runtime.spec import Assignment, RunSpec, SpecError
-from tasklet.peer.runtime.stage.exchange import ExchangeAbortedError, ExchangeTimeoutError, GradientExchange
+from tasklet.peer.runtime.stage.exchange import ExchangeTimeoutError, GradientExchange
+from tasklet.peer.runtime.stage.gradient_checks import ExchangeAbortedError
 from tasklet.peer.runtime.stage.intake import Intake
 from tasklet.peer.runtime.stage.snapshot import Tasklet
 from tasklet.peer.runtime.stage.step import WorkerStep

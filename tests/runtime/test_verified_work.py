@@ -18,13 +18,8 @@ from tasklet.peer.compute.data import Corpus, microbatch
 from tasklet.peer.compute.model import ModelConfig
 from tasklet.peer.compute.stage import OptimConfig, StageCompute, StageComputeConfig, shard_bounds
 from tasklet.peer.runtime.stage import checks
-from tasklet.peer.runtime.stage.exchange import (
-    DigestMismatchError,
-    GradientExchange,
-    OutlierContributionError,
-    digest_text,
-    parse_digest,
-)
+from tasklet.peer.runtime.stage.exchange import GradientExchange, digest_text, parse_digest
+from tasklet.peer.runtime.stage.gradient_checks import DigestMismatchError, OutlierContributionError
 from tasklet.protocol.errors import BadMessage
 
 NUMEL = 6_000

@@ -52,20 +52,14 @@ from tasklet.peer.runtime.stage.gradient_checks import (
     AttemptView,
     CheckSettings,
     Digest,
-    DigestMismatchError,
     ExchangeAbortedError,
     GradientCheck,
-    OutlierContributionError,
     Phase,
     Tag,
 )
 from tasklet.peer.runtime.stage.tied import TiedEnd
 from tasklet.protocol.errors import BadMessage
 
-__all__ = [  # the refusals and types of gradient_checks are part of this module's face (callers import them here)
-    "DIGEST_META", "MAX_DIGEST_CHARS", "Digest", "DigestMismatchError", "ExchangeAbortedError", "ExchangeTimeoutError",
-    "GradientExchange", "OutlierContributionError", "Tag", "digest_text", "parse_digest",
-]
 
 class ExchangeTimeoutError(TimeoutError):
     """Not every participant's message arrived in time (a peer died or is partitioned)."""

@@ -23,7 +23,8 @@ from tasklet.peer.runtime.bounds import push_limits
 from tasklet.peer.runtime.checkpoints import copy_part_bound_bytes
 from tasklet.peer.runtime.control import SPECULATIVE_META
 from tasklet.peer.runtime.grants import read_grant
-from tasklet.peer.runtime.stage.exchange import DIGEST_META, Tag, parse_digest
+from tasklet.peer.runtime.stage.exchange import DIGEST_META, parse_digest
+from tasklet.peer.runtime.stage.gradient_checks import Tag
 from tasklet.peer.runtime.stage.loop import Task
 from tasklet.peer.runtime.stage.outbox import Outbox
 from tasklet.peer.runtime.stage.snapshot import Tasklet

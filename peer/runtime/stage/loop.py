@@ -27,7 +27,7 @@ from tasklet.peer.compute.data import microbatch
 from tasklet.peer.runtime import control as ctl
 from tasklet.peer.runtime.control import SPECULATIVE_META
 from tasklet.peer.runtime.sketch import POINTS, seed_of, sketch
-from tasklet.peer.runtime.stage.exchange import ExchangeAbortedError
+from tasklet.peer.runtime.stage.gradient_checks import ExchangeAbortedError
 from tasklet.peer.runtime.stage.outbox import DeviceClock, Outbox
 from tasklet.peer.runtime.stage.snapshot import Tasklet
 from tasklet.peer.runtime.stage.step import Work, WorkerStep

@@ -22,13 +22,8 @@ from tasklet.peer.compute.stage import StageCompute
 from tasklet.peer.runtime import control as ctl
 from tasklet.peer.runtime.outer import BLOCK_SIZE, OuterState, allgather_codec, is_round_end, roundtrip
 from tasklet.peer.runtime.spec import Assignment, RunSpec
-from tasklet.peer.runtime.stage.exchange import (
-    DIGEST_META,
-    DigestMismatchError,
-    OutlierContributionError,
-    Tag,
-    digest_text,
-)
+from tasklet.peer.runtime.stage.exchange import DIGEST_META, digest_text
+from tasklet.peer.runtime.stage.gradient_checks import DigestMismatchError, OutlierContributionError, Tag
 from tasklet.peer.runtime.stage.outbox import Outbox
 from tasklet.peer.runtime.stage.snapshot import Tasklet
 from tasklet.peer.runtime.stage.step import WorkerStep
