@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tasklet.peer.emulation.multihost import BedPeers
 from tasklet.peer.emulation.netbed import Host, NetBed
-from tasklet.peer.emulation.procs import PEER_COMMAND, child_env, poll_until
+from tasklet.peer.emulation.procs import JOIN_LINE_PREFIX, PEER_COMMAND, child_env, poll_until, read_line
 from tasklet.peer.emulation.reference_check import gap_to_reference
 from tests.support.waits import wait_until
 
@@ -31,6 +31,18 @@ class Swarm(BedPeers):
     def spawn(self, host: Host, args: list[str]) -> subprocess.Popen[str]:
         return super().spawn(host, [*args, "--host", host.addr, "--dht-host", host.addr,
                                     "--emulate-tflops", EMULATE_TFLOPS])
+
+    def form(self, hosts: list[Host], config: Path, join_args: list[str]) -> str:
+        """`peer start` on the first host, then `peer join` (with ``join_args``) on the others one a second apart,
+        so that the join order is the seniority; returns the first peer's DHT address."""
+        starter = self.spawn(hosts[0], ["start", "--config", str(config)])
+        line = read_line(starter, 120, JOIN_LINE_PREFIX)
+        assert line, self.log(hosts[0].name)[-3000:]
+        dht = line.split()[3]
+        for host in hosts[1:]:
+            self.spawn(host, ["join", "--dht", dht, *join_args])
+            time.sleep(1.0)
+        return dht
 
     def peer_id(self, name: str) -> str:
         found = re.search(r"peer (\w+) announced:", self.log(name))

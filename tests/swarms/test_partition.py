@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tasklet.peer.emulation.netbed import open_bed, unavailable_reason
-from tasklet.peer.emulation.procs import JOIN_LINE_PREFIX, read_line, write_small_config
+from tasklet.peer.emulation.procs import write_small_config
 from tests.support.partition_swarm import (
     Swarm,
     check_against_reference,
@@ -51,13 +51,7 @@ def test_partition_2_plus_2_minority_pauses_and_rejoins(tmp_path: Path) -> None:
         hosts = [bed.add_public(f"pub{i}") for i in range(4)]
         majority, minority = hosts[:2], hosts[2:]
         try:
-            starter = swarm.spawn(hosts[0], ["start", "--config", str(cfg)])
-            line = read_line(starter, 120, JOIN_LINE_PREFIX)
-            assert line, swarm.log("pub0")[-3000:]
-            dht0 = line.split()[3]
-            for host in hosts[1:]:
-                swarm.spawn(host, ["join", "--dht", dht0, "--config", str(cfg)])  # its own save_dir
-                time.sleep(1.0)  # join one after the other: the order is the seniority
+            dht0 = swarm.form(hosts, cfg, ["--config", str(cfg)])  # each joiner its own save_dir
             # four peers training (from the leader's log: `peer status` costs seconds on a loaded machine)
             wait_for_training(swarm, "pub0", 3, 240)
             ids = {h.addr: swarm.peer_id(h.name) for h in hosts}

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tasklet.peer.emulation.netbed import open_bed, unavailable_reason
-from tasklet.peer.emulation.procs import JOIN_LINE_PREFIX, read_line, write_small_config
+from tasklet.peer.emulation.procs import write_small_config
 from tests.support.partition_swarm import (
     Swarm,
     check_against_reference,
@@ -49,13 +49,7 @@ def test_partition_longer_than_quorum_wait_both_sides_train_then_one_wins(tmp_pa
         hosts = [bed.add_public(f"pub{i}") for i in range(4)]
         majority, minority = hosts[:2], hosts[2:]
         try:
-            starter = swarm.spawn(hosts[0], ["start", "--config", str(cfg)])
-            line = read_line(starter, 120, JOIN_LINE_PREFIX)
-            assert line, swarm.log("pub0")[-3000:]
-            dht0 = line.split()[3]
-            for host in hosts[1:]:
-                swarm.spawn(host, ["join", "--dht", dht0])
-                time.sleep(1.0)  # the join order is the seniority
+            dht0 = swarm.form(hosts, cfg, [])
             wait_for_training(swarm, "pub0", 3, 240)
             leader = swarm.peer_id("pub0")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tasklet.peer.emulation.netbed import open_bed, unavailable_reason
-from tasklet.peer.emulation.procs import JOIN_LINE_PREFIX, read_line, write_small_config
+from tasklet.peer.emulation.procs import write_small_config
 from tests.support.partition_swarm import Swarm, check_against_reference, wait_for_training
 from tests.support.waits import wait_for_value
 
@@ -36,12 +36,7 @@ def test_followers_reelect_when_the_coordinator_is_unreachable(tmp_path: Path) -
     with open_bed() as bed:
         hosts = [bed.add_public(f"pub{i}") for i in range(4)]
         try:
-            starter = swarm.spawn(hosts[0], ["start", "--config", str(cfg)])
-            line = read_line(starter, 120, JOIN_LINE_PREFIX)
-            assert line, swarm.log("pub0")[-3000:]
-            for host in hosts[1:]:
-                swarm.spawn(host, ["join", "--dht", line.split()[3], "--save-dir", str(save)])  # the next leader saves
-                time.sleep(1.0)
+            swarm.form(hosts, cfg, ["--save-dir", str(save)])  # the next leader saves
             wait_for_training(swarm, "pub0", 3, 240)
             old = swarm.peer_id("pub0")
             port = re.search(r"gRPC at [\d.]+:(\d+)", swarm.log("pub0"))
