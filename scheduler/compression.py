@@ -15,7 +15,7 @@ Quality: compressing costs loss. ``PenaltyTable`` holds measured relative loss p
 steps vs exact training, ``bench.bandwidth`` writes ``data/loss_penalties.json``): each activation option alone
 (every boundary, exact sync), each sync option alone, and ``joint`` entries for activation + DiLoCo measured
 *together* (penalties of different kinds do not add: int4 + DiLoCo H=32 measured 11 % where the sum said 5.5 % on one
-seed in session 3; 9.1 % against 4.5 + 3.7 % over 3 seeds in session 4).
+seed, and 9.1 % against 4.5 + 3.7 % over 3 seeds).
 A choice's penalty is looked up, never summed: its activation part is the most aggressive codec on any boundary
 (a boundary compressed less is assumed to cost no more: the uniform choice bounds the mix), and a combination of
 compressed activations with DiLoCo needs its ``joint`` entry. Anything unmeasured is never chosen. The search
