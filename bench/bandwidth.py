@@ -119,8 +119,8 @@ DEFAULT_PLOT = Path("docs/bandwidth_loss.svg")
 # momentum (few outer rounds: a short run does not live long enough for a 0.9 buffer to pay off). H = 2: plain
 # averaging and outer lr above 1, no momentum: each pipeline's AdamW sees half the step's micro-batches, so its
 # normalised update carries more noise and averaging two of them shrinks the step; an outer lr of 1.25-1.5 gives
-# some of it back. Left out, on exploration runs of int8 activations + H = 2 on seeds 100-103 (mean gap to
-# exact; docs/measurements.md): lr 1.75 +2.37 %, Nesterov 1.0/0.3 +2.35 % and 1.25/0.2 +2.58 %, against 1.25 +1.98 % and 1.5
+# some of it back. Left out, on exploration runs of int8 activations + H = 2 on seeds 100-103 (mean gap to exact;
+# docs/measurements.md): lr 1.75 +2.37 %, Nesterov 1.0/0.3 +2.35 % and 1.25/0.2 +2.58 %, against 1.25 +1.98 % and 1.5
 # +1.83 %; lr 1 lost to 1.25 on seed 100, and lr 2 or momentum 0.5-0.9 were far worse (9.0 %, 5.8 %)
 _LONG_H_OUTER = ((0.7, 0.9), (1.0, 0.0), (1.0, 0.5))
 OUTER_SETTINGS: dict[int, tuple[tuple[float, float], ...]] = {
