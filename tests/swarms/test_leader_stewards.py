@@ -68,11 +68,20 @@ sys.exit(main())
 '''
 
 
-def small_id_identity(path: Path) -> Identity:
-    """A key generated until its peer id starts with "0" (the attacker grinds for the members' tie-break)."""
+def small_id_identity(path: Path, below: str) -> Identity:
+    """A key generated until its peer id sorts below ``below`` (the attacker grinds for the members' tie-break)."""
     while True:
         identity = Identity.generate()
-        if identity.peer_id.startswith("0"):
+        if identity.peer_id < below:
+            identity.save(path)
+            return identity
+
+
+def high_id_identity(path: Path) -> Identity:
+    """A key whose peer id starts at "4" or above, so that a lower one takes a few tries to grind, not thousands."""
+    while True:
+        identity = Identity.generate()
+        if identity.peer_id[0] >= "4":
             identity.save(path)
             return identity
 
@@ -81,13 +90,15 @@ def test_a_lying_early_member_never_leads_the_swarm_waits_for_a_steward_and_fini
     save = tmp_path / "result"
     cfg = write_small_config(tmp_path, steps=STEPS, min_peers=4, stages=1)
     organiser_key, steward_key = tmp_path / "organiser.key", tmp_path / "steward.key"
-    attacker = small_id_identity(tmp_path / "attacker.key")
+    organiser_id = high_id_identity(organiser_key).peer_id
+    attacker = small_id_identity(tmp_path / "attacker.key", below=organiser_id)
     steward = Identity.load_or_create(steward_key)
     script = tmp_path / "patched_peer.py"
     script.write_text(PATCHED)
     with PeerProcesses(tmp_path, emulate_tflops=0.00005) as procs:  # about two seconds a step
         addr = procs.start(cfg, "--identity", str(organiser_key))
         organiser = Identity.load(organiser_key).peer_id
+        assert organiser == organiser_id
         assert f"--organiser {organiser}" in procs.join_line
         cmd = [sys.executable, str(script), "join", "--dht", addr, "--organiser", organiser, "--host", "127.0.0.3",
                "--identity", str(tmp_path / "attacker.key"), "--log-level", "INFO", "--emulate-tflops", "0.00005"]
