@@ -5,8 +5,10 @@ This package imports nothing else of Tasklet's, so any process (daemon, tests, b
 protocol without pulling in the runtime.
 """
 
-PROTOCOL_VERSION: int = 2
+PROTOCOL_VERSION: int = 3
 """Bumped on any change to the wire format that an older peer would misread. Peers refuse messages of any
-other version (see peer.net), so mixed-version swarms fail loudly instead of corrupting training."""
+other version (see peer.net), so mixed-version swarms fail loudly instead of corrupting training. Version 3: the
+parameters hash replicas report is BLAKE3 (peer.compute.stage.bytes_digest), which a version-2 peer computes
+with sha256."""
 
 __all__ = ["PROTOCOL_VERSION"]

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
-
+import blake3
 import pytest
 import torch
 
@@ -186,10 +185,9 @@ def test_state_dict_hand_over_resumes_bit_identically(corpus: Corpus) -> None:
 
 
 def test_the_parameters_digest_is_cached_until_the_parameters_change(corpus: Corpus) -> None:
-    def fresh(c: StageCompute) -> str:  # the digest written out: sha256 of a label and of each 64 MiB part
-        data, part = c.flat_params().numpy().tobytes(), 64 << 20
-        tree = b"".join(hashlib.sha256(data[i:i + part]).digest() for i in range(0, len(data), part))
-        return hashlib.sha256(b"tasklet/params" + tree).hexdigest()[:32]
+    def fresh(c: StageCompute) -> str:  # the digest written out: BLAKE3 of the prefixed label and the bytes
+        label = b"tasklet/params"
+        return blake3.blake3(len(label).to_bytes(2, "big") + label + c.flat_params().numpy().tobytes()).hexdigest()[:32]
 
     c = make(0, 4)
     assert c.known_digest is None, "never computed unasked (a Status reply reads it)"
@@ -292,14 +290,13 @@ def test_update_uses_the_mean_of_the_micro_batch_gradients(corpus: Corpus) -> No
     torch.testing.assert_close(state["exp_avg_sq"], (1 - 0.95) * mean * mean, rtol=1e-5, atol=1e-16)
 
 
-def test_a_digest_of_several_parts_hashes_each_part_and_differs_when_one_byte_does() -> None:
-    """Parts hashed on threads, joined in order: the same bytes give the same digest, a moved byte another."""
-    from tasklet.peer.compute.stage import HASH_PART_BYTES, bytes_digest
+def test_a_digest_is_blake3_of_the_prefixed_label_and_the_bytes_and_differs_when_one_byte_does() -> None:
+    """A large input hashed on threads gives what one thread gives over the same bytes; a moved byte another."""
+    from tasklet.peer.compute.stage import bytes_digest
 
-    data = bytearray(torch.randint(0, 256, (2 * HASH_PART_BYTES + 5,), dtype=torch.uint8).numpy().tobytes())
-    tree = b"".join(hashlib.sha256(data[i:i + HASH_PART_BYTES]).digest()
-                    for i in range(0, len(data), HASH_PART_BYTES))
-    assert bytes_digest(memoryview(data), b"x") == hashlib.sha256(b"x" + tree).hexdigest()
+    data = bytearray(torch.randint(0, 256, (3 << 20,), dtype=torch.uint8).numpy().tobytes())
+    assert bytes_digest(memoryview(data), b"x") == blake3.blake3(b"\x00\x01x" + bytes(data)).hexdigest()
+    assert bytes_digest(memoryview(data), b"xy") != bytes_digest(memoryview(data), b"x")
     before = bytes_digest(memoryview(data), b"x")
-    data[HASH_PART_BYTES + 1] ^= 1
+    data[(1 << 20) + 1] ^= 1
     assert bytes_digest(memoryview(data), b"x") != before
