@@ -13,6 +13,7 @@ from bench import bandwidth
 from tasklet.scheduler.compression import PenaltyTable
 
 
+@pytest.mark.light_processes  # a quick bench, no bed, no timing asserted: lane 1 (tests/conftest.py)
 def test_quick_bench_output_shape(tmp_path: Path, capsys: pytest.CaptureFixture[str], processes: None) -> None:
     table, plot = tmp_path / "penalties.json", tmp_path / "loss.svg"
     assert bandwidth.main(["--quick", "--json", "--table", str(table), "--plot", str(plot),

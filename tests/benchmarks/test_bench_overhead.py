@@ -41,6 +41,7 @@ def test_summary_leaves_the_warm_up_out() -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.light_processes  # a quick bench, no bed, no ratio asserted: lane 1 (tests/conftest.py)
 def test_a_quick_run_reports_each_case(tmp_path, capsys, processes) -> None:
     assert overhead.main(["--quick", "--json", "--tokens", "64", "--steps", "3", "--cases", "plain,lone,replicas",
                           "--out", str(tmp_path)]) == 0

@@ -105,6 +105,7 @@ def test_device_throughput_counts_three_forwards_per_token() -> None:
     assert scaling.device_tokens_per_s(cluster, w) == pytest.approx(4 * cluster.tflops[0] * 1e12 / (3 * per_token))
 
 
+@pytest.mark.light_processes  # four small workers, no bed, no timing asserted: lane 1 (tests/conftest.py)
 def test_small_real_run_prints_its_rows(processes: None, capsys: pytest.CaptureFixture[str]) -> None:
     """Four worker processes, the scheduler's plan (its compression choice included), two steps: the row is
     filled and the table prints."""

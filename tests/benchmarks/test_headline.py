@@ -142,6 +142,7 @@ def _children() -> set[int]:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.light_processes  # two steps of a tiny model, no bed: lane 1 (tests/conftest.py)
 def test_one_real_swarm_trains_through_the_runner_and_leaves_nothing_running() -> None:
     cfg = replace(HeadlineConfig(), devices=(0, 24, 40, 48), stages=2, replicas=2, steps=2, random_seeds=(0,),
                   model=ModelConfig(n_layers=2, d_model=32, n_heads=2, seq_len=32, seed=0), bandwidth_scale=0.1,

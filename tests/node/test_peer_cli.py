@@ -78,6 +78,7 @@ def test_port_in_use(tmp_path: Path) -> None:
     assert_one_line_error(rc, err, f"127.0.0.1:{port}")
 
 
+@light  # a waiting starter and two refused joiners, mostly waiting out the run-record wait
 def test_wrong_join_secret_is_refused(tmp_path: Path) -> None:
     cfg = write_small_config(tmp_path, steps=1000, secret="open-sesame", min_peers=2)
     with PeerProcesses(tmp_path, emulate_tflops=0.001) as procs:
