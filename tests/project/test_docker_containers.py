@@ -183,7 +183,7 @@ def test_compose_swarm_trains_survives_stop_and_resumes(container_images: Images
                    detail=everything)
         assert [project.state(v)[1] for v in volunteers] == [0, 0, 0], everything()
         finished = [v for v in volunteers if f"run finished: {COMPOSE_STEPS} steps" in project.logs(v)]
-        assert len(finished) == 1, f"one volunteer leads to the end, not {finished}"
+        assert len(finished) == 1, f"one volunteer leads to the end, not {finished}:\n{everything()}"
         takeover_s = time.monotonic() - start
 
         # 4. fresh volunteers (no checkpoint copies anywhere), `up` again: the same first container restarts and
