@@ -225,6 +225,7 @@ class StageCompute:
         self._accumulated: set[int] = set()  # micro-batches whose gradient is in _accum
         self._accum = torch.zeros_like(self._master)
         self._accum_views = self._views(self._accum)
+        self._accum_stale = False  # the sum holds an ended step's values: the next addition overwrites them
         self.optimizer_s = 0.0  # seconds in AdamW's step (the arithmetic any training loop does)
         self.accumulate_s = 0.0  # host seconds spent adding micro-batch gradients to the sum (peer.runtime timing)
         # speculative copies (runtime pool, stragglers): their gradient is held apart until settle()
@@ -356,15 +357,35 @@ class StageCompute:
         a flat temporary of the stage's size: no allocation, one pass less. With a loss scale other than 1 the
         division comes first, as there."""
         if self.loss_scale != 1.0:
-            self._accum += self._flatten_grads(grads)
+            self._add_flat(self._flatten_grads(grads))
             return
+        first, self._accum_stale = self._accum_stale, False
         pairs = [(view, g) for view, g in zip(self._accum_views, grads, strict=True) if g is not None]
+        if first:  # the step's first gradient is copied in (0 + g is g): no zeroing pass, no read of the sum
+            for view, g in zip(self._accum_views, grads, strict=True):
+                if g is None:
+                    view.zero_()
         same = [(v, g) for v, g in pairs if g.dtype == torch.float32]
         if same:
-            torch._foreach_add_([v for v, _ in same], [g for _, g in same])
+            (torch._foreach_copy_ if first else torch._foreach_add_)([v for v, _ in same], [g for _, g in same])
         for view, g in pairs:
-            if g.dtype != torch.float32:
-                view.add_(g)  # fp32 += bf16/fp16: promoted to fp32 before the add, as g.float() would be
+            if g.dtype != torch.float32:  # fp32 (+)= bf16/fp16: promoted to fp32 first, as g.float() would be
+                view.copy_(g) if first else view.add_(g)
+
+    def _add_flat(self, flat: torch.Tensor) -> None:
+        """Add a flat fp32 gradient to the step's sum (copied in when the sum holds an ended step's values)."""
+        if self._accum_stale:
+            self._accum.copy_(flat)
+            self._accum_stale = False
+        else:
+            self._accum += flat
+
+    def _fresh_accum(self) -> torch.Tensor:
+        """The step's sum, zeroed first if nothing was added since the last step ended."""
+        if self._accum_stale:
+            self._accum.zero_()
+            self._accum_stale = False
+        return self._accum
 
     # ------------------------------------------------------------------------------- exactly-once bookkeeping
     def accumulated(self) -> set[int]:
@@ -381,20 +402,20 @@ class StageCompute:
         return the ones added. Called when the reduce says which micro-batches count for this pipeline."""
         added = sorted(mb for mb in self._held if mb in mine and mb not in self._accumulated)
         for mb in added:
-            self._accum += self._held[mb]
+            self._add_flat(self._held[mb])
             self._accumulated.add(mb)
         self._held.clear()  # _tentative stays: a copy whose backward arrives late is still held apart
         return added
 
     def accumulated_grad(self) -> torch.Tensor:
         """The step's accumulated gradient sum, flat fp32 on the host (a copy)."""
-        return self._accum.detach().to("cpu", copy=True)  # one copy, from a GPU or on the host
+        return self._fresh_accum().detach().to("cpu", copy=True)  # one copy, from a GPU or on the host
 
     def accumulated_view(self) -> torch.Tensor:
         """The step's accumulated gradient sum itself, on the compute device (no copy): for a caller that hands
         it back to :meth:`apply_update` before anything else is added to the sum (a group of one replica). It
-        changes with every micro-batch added and is zeroed when the step ends."""
-        return self._accum.detach()
+        changes with every micro-batch added, and the step's end makes it stale (the next addition overwrites it)."""
+        return self._fresh_accum().detach()
 
     # ------------------------------------------------------------------------------------- optimizer step
     def _check_flat(self, flat: torch.Tensor, what: str, finite: bool = True) -> None:
@@ -479,7 +500,7 @@ class StageCompute:
         self._clear_step_state()
 
     def _clear_step_state(self) -> None:
-        self._accum.zero_()
+        self._accum_stale = True  # zeroed lazily: the next step's first gradient is copied over it
         self._accumulated.clear()
         self._stash.clear()
         self._tentative.clear()

@@ -300,3 +300,27 @@ def test_a_digest_is_blake3_of_the_prefixed_label_and_the_bytes_and_differs_when
     before = bytes_digest(memoryview(data), b"x")
     data[(1 << 20) + 1] ^= 1
     assert bytes_digest(memoryview(data), b"x") != before
+
+
+def test_a_steps_sum_starts_from_nothing_though_the_last_steps_values_are_overwritten_not_zeroed(
+        corpus: Corpus) -> None:
+    """The ended step's sum is left in place and the next gradient copied over it: what a step sums is still
+    exactly its own micro-batches, and a step that adds nothing reads as zeros."""
+    a, b = make(0, 4), make(0, 4)
+    x, y = batch(corpus, 0, 0)
+    for stage in (a, b):
+        stage.forward_loss(0, x, y)
+        stage.forward_loss(1, *batch(corpus, 0, 1))
+    a.apply_update(a.accumulated_view(), 2)
+    b.apply_update(b.accumulated_grad(), 2)
+    assert torch.equal(a.flat_params(), b.flat_params())
+    assert torch.count_nonzero(a.accumulated_grad()) == 0, "nothing added since the step ended"
+    fresh = make(0, 4)
+    fresh.set_params(a.flat_params())
+    for stage in (a, fresh):
+        stage.forward_loss(2, *batch(corpus, 1, 2))
+        stage.forward_loss(3, *batch(corpus, 1, 3))
+    assert torch.equal(a.accumulated_grad(), fresh.accumulated_grad())
+    b.forward_loss(2, *batch(corpus, 1, 2))  # b's stale sum was never read: overwritten by the copy
+    b.forward_loss(3, *batch(corpus, 1, 3))
+    assert torch.equal(b.accumulated_view(), fresh.accumulated_grad())
