@@ -46,6 +46,7 @@ class Sim:
     n_pipelines: int
     step: int = 0
     sync_period: int = 1
+    n_stages: int = N_STAGES
     kills: list[Kill] = field(default_factory=list)
     roster: Roster = field(init=False)
     machine: StepMachine = field(init=False)
@@ -62,7 +63,7 @@ class Sim:
     killed_after: list[tuple[str, list[str]]] = field(default_factory=list)  # victim, ops sent before the death
 
     def __post_init__(self) -> None:
-        self.roster = make_roster(self.n_pipelines)
+        self.roster = make_roster(self.n_pipelines, self.n_stages)
         self.alive = set(self.roster.assignments)
         self.machine = StepMachine(self.step, self.roster, N_MB, now=0.0, timeout_s=100.0, lease_timeout_s=50.0,
                                    sync_period=self.sync_period)
@@ -124,7 +125,7 @@ class Sim:
             self._deliver(send.then)
 
     def _whole(self, pipeline: int) -> bool:
-        return all(ep(s, pipeline) in self.alive for s in range(N_STAGES))
+        return all(ep(s, pipeline) in self.alive for s in range(self.n_stages))
 
     def _act(self) -> None:
         m = self.machine
@@ -142,7 +143,7 @@ class Sim:
                 continue  # a pipeline with a dead member finishes nothing
             if self.held[p]:
                 mb = self.held[p].pop(0)
-                m.loss(ep(N_STAGES - 1, p), p, mb, float(mb), self.t)
+                m.loss(ep(self.n_stages - 1, p), p, mb, float(mb), self.t)
                 answer = self._at("commit", lambda mb=mb, p=p: m.commit(mb, p, self.t))
             else:
                 answer = self._at("lease", lambda p=p: m.lease(p, self.t))
@@ -407,3 +408,18 @@ def test_a_diloco_inner_step_reduces_and_applies_in_one_round() -> None:
     assert [a.msg.outer for a in end.sends(ctl.Apply)] == [True]
     exact = Sim(2).run()
     assert [r.msg.apply for r in exact.sends(ctl.Reduce)] == [False], "an exact step keeps its two phases"
+
+
+def test_an_exact_step_of_one_pipeline_of_one_stage_reduces_and_applies_in_one_round() -> None:
+    """The one member holds the whole model alone: nothing to average, no other stage to wait for, so the apply
+    comes with the reduce; one pipeline of two stages, or two pipelines of one, keep both phases."""
+    lone = Sim(1, n_stages=1).run()
+    assert isinstance(lone.outcome, Done) and lone.outcome.check
+    assert [label for label in lone.labels if label.startswith(("start", "tick:"))] == [
+        "start", "tick:compute->apply", "tick:apply->done"]
+    (reduce,) = lone.sends(ctl.Reduce)
+    assert reduce.msg.apply and not lone.sends(ctl.Apply) and not lone.reduced_by
+    assert lone.machine.report().applied == [0]
+    for two in (Sim(1).run(), Sim(2, n_stages=1).run()):
+        assert isinstance(two.outcome, Done)
+        assert [r.msg.apply for r in two.sends(ctl.Reduce)] == [False] and len(two.sends(ctl.Apply)) == 1

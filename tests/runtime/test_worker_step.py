@@ -397,6 +397,39 @@ def test_a_laggard_several_steps_behind_reloads_the_told_step_and_never_goes_bac
         sync.resync(t, 5, ctl.Resync(5, 6, "me"))  # type: ignore[arg-type]
 
 
+def _lone_stage(n_stages: int) -> tuple[GradientSync, SimpleNamespace, StageCompute, list[ctl.Message]]:
+    """A group of one replica of stage 0 of an ``n_stages`` pipeline, with one micro-batch accumulated."""
+    compute = StageCompute(StageComputeConfig(ModelConfig(n_layers=1, d_model=8, n_heads=2, seq_len=4), 0, 1))
+    tokens = torch.randint(0, 256, (2, 4))
+    compute.forward_loss(0, tokens, torch.roll(tokens, -1, 1))
+    step = WorkerStep()
+    step.reset(pipeline=0)
+    step.start_step(0, 0, trained_steps=0)
+    reports: list[ctl.Message] = []
+    outbox = SimpleNamespace(report=lambda _t, msg: reports.append(msg), send=lambda *a: None)
+    sync = GradientSync(step, threading.Condition(), outbox, lambda: "me", no_load)  # type: ignore[arg-type]
+    t = SimpleNamespace(assignment=SimpleNamespace(replica=0, group=["me"], n_stages=n_stages), compute=compute,
+                        outer=None, exchange=GradientExchange(0, compute.numel, 10.0),
+                        spec=SimpleNamespace(n_microbatches=1), key=lambda s, mb=-1: pb.Key(run_id="r", step=s,
+                                                                                            microbatch=mb))
+    return sync, t, compute, reports
+
+
+def test_an_apply_with_the_reduce_is_taken_by_a_lone_one_stage_pipeline_and_refused_by_any_other() -> None:
+    """An exact step's apply may come with its reduce (one control round trip less) only where nothing crosses
+    replicas or stages: a leader that sends it to a stage of a longer pipeline is refused, nothing applied."""
+    sync, t, compute, reports = _lone_stage(n_stages=1)
+    before = compute.flat_params()
+    sync.reduce(t, 0, ctl.Reduce(0, 0, (0,), {0: 0}, apply=True))  # type: ignore[arg-type]
+    assert [type(m) for m in reports] == [ctl.Synced], "one report: synced, no reduced"
+    assert compute.step == 1 and not torch.equal(compute.flat_params(), before)
+    assert reports[0].trained_steps == 1 and reports[0].params_hash == compute.params_digest()
+    sync, t, compute, reports = _lone_stage(n_stages=2)
+    with pytest.raises(Rejected, match="only to a pipeline of one stage"):
+        sync.reduce(t, 0, ctl.Reduce(0, 0, (0,), {0: 0}, apply=True))  # type: ignore[arg-type]
+    assert reports == [] and compute.step == 0
+
+
 def test_a_group_of_one_keeps_its_own_sum_without_computing_or_sending_a_digest(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """One replica of a stage: the reduce-scatter and all-gather stay local and the digest phase, O(stage size)

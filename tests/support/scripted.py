@@ -104,6 +104,8 @@ class ScriptedWorker:
         elif isinstance(msg, ctl.Reduce):
             if self.script.fail_reduce:
                 reply: ctl.Message = ctl.TaskError("reduce", msg.step, "boom: averaging failed")
+            elif msg.apply:  # the apply comes with the reduce (a lone one-stage pipeline): one report, synced
+                reply, self.reduced_at = ctl.Synced(msg.step, msg.step + 1, f"params-{msg.step + 1}"), time.monotonic()
             else:
                 reply, self.reduced_at = ctl.Reduced(msg.step, msg.attempt), time.monotonic()
             self._spawn(self._report, reply, msg.step)

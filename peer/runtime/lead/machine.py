@@ -394,14 +394,17 @@ class StepMachine:
         st.new_round(StepPhase.REDUCE, self.roster.members(participants, self.dead), participants,
                      st.pool.assignment())
         out.append(Emit("reduce", {"step": self.step, "attempt": st.attempt, "participants": st.participants}))
-        if self.sync_period > 1:
-            # DiLoCo inner step: each pipeline's update is its own (nothing crosses replicas), so the reduce and
-            # the apply are one round; from here the commit record is final, as once an apply went out
+        # a DiLoCo inner step (each pipeline's update is its own: nothing crosses replicas), or an exact step whose
+        # one member holds the whole model alone (nothing to average, no other stage to wait for): the reduce and
+        # the apply are one round, a control round trip less; from here the commit record is final, as once an
+        # apply went out
+        merged = self.sync_period > 1 or (len(st.participants) == 1 and len(st.members) == 1)
+        if merged:
             st.enter(StepPhase.APPLY)
             st.synced.clear()
             out.append(Emit("apply", {"step": self.step, "merged": True}))
         out.append(Send(tuple(st.members), ctl.Reduce(self.step, st.attempt, tuple(st.participants), st.commits,
-                                                      apply=self.sync_period > 1), True))
+                                                      apply=merged), True))
 
     def _begin_apply(self, out: list[Command]) -> None:
         st = self.state

@@ -100,8 +100,8 @@ class GradientSync:
             if sync is not None:
                 self.sum_shard(t, sync)
                 self.gather(t, sync)
-                self.verify(t, sync)
-        if sync is None and msg.apply:  # DiLoCo inner step: nothing crosses replicas, so apply at once
+                self.verify(t, sync, report=not msg.apply)
+        if msg.apply:  # nothing crosses replicas or stages (a DiLoCo inner step, a lone one-stage pipeline)
             self.apply(t, step)
 
     def contribute(self, t: Tasklet, step: int, msg: ctl.Reduce) -> SyncAttempt | None:
@@ -109,6 +109,9 @@ class GradientSync:
         each participant its shard of the sum (reduce-scatter). None: a DiLoCo inner step, kept locally."""
         a, compute, exchange = t.assignment, t.compute, t.exchange
         attempt, participants = msg.attempt, list(msg.participants)
+        if msg.apply and t.outer is None and not (participants == [a.replica] and a.n_stages == 1):
+            raise Rejected("an exact step's apply comes with its reduce only to a pipeline of one stage, alone; "
+                           f"this stage has {a.n_stages} stages and participants {participants}")
         expected = sorted(mb for mb, p in msg.assignment.items() if p == a.replica)
         if t.outer is not None and not expected:
             # DiLoCo: a pipeline the record gives nothing (dropped from the step: its share went back to the pool)
@@ -196,10 +199,11 @@ class GradientSync:
                 env.meta[DIGEST_META] = digest_text(digest)
                 self.outbox.send(t, a.group[r], env)
 
-    def verify(self, t: Tasklet, sync: SyncAttempt) -> None:
+    def verify(self, t: Tasklet, sync: SyncAttempt, report: bool = True) -> None:
         """Phase 4 of an exact step: check every summed shard against the participants' digests, keep the whole
-        sum for apply and report ``reduced``. A failure is reported and raised: this replica does not report
-        ``reduced``, so no replica of the run applies the step."""
+        sum for apply and report ``reduced`` (not when the apply comes with the reduce: ``report`` False). A
+        failure is reported and raised: this replica does not report ``reduced``, so no replica of the run
+        applies the step."""
         if sync.flat is None:
             return  # an outer round finished in phase 3
         summed = t.exchange.gather(sync.tag, sync.participants, REDUCE_WAIT_S)  # held since phase 3
@@ -219,7 +223,8 @@ class GradientSync:
                                lambda: t.exchange.take_tied(sync.tag, REDUCE_WAIT_S))
         with self.cond:
             self.step.reduced(sync.step, summed)
-        self.outbox.report(t, ctl.Reduced(sync.step, sync.attempt))
+        if report:
+            self.outbox.report(t, ctl.Reduced(sync.step, sync.attempt))
 
     def apply(self, t: Tasklet, step: int, msg: ctl.Apply | None = None) -> None:
         """Apply the reduced gradient of ``step`` (idempotent: a repeated apply only re-reports). DiLoCo: an inner
