@@ -450,13 +450,20 @@ class StageCompute:
         if not (isinstance(n_microbatches, int) and n_microbatches >= 1):
             raise GradientError(f"n_microbatches must be a positive integer, got {n_microbatches!r}")
         grad = self._master_grad  # the optimizer's gradient buffer, overwritten each step: no new allocation
-        if summed_grad.device == grad.device:
-            torch.div(summed_grad, n_microbatches, out=grad)  # bitwise copy_ then div_, in one pass
+        own_sum = summed_grad.device == grad.device and summed_grad.data_ptr() == self._accum.data_ptr()
+        if n_microbatches == 1 and own_sum:  # our own sum of one micro-batch is the gradient as it is: no copy
+            if not math.isfinite(float(summed_grad.sum())):
+                raise GradientError("summed_grad holds NaN or inf values")
+            self._take_sum_as_grad()
+            grad = self._master_grad
         else:
-            grad.copy_(summed_grad)  # from the host
-            grad.div_(n_microbatches)
-        if not math.isfinite(float(grad.sum())):  # NaN or inf anywhere makes the sum so: one pass, on the device
-            raise GradientError("summed_grad holds NaN or inf values")
+            if summed_grad.device == grad.device:
+                torch.div(summed_grad, n_microbatches, out=grad)  # bitwise copy_ then div_, in one pass
+            else:
+                grad.copy_(summed_grad)  # from the host
+                grad.div_(n_microbatches)
+            if not math.isfinite(float(grad.sum())):  # NaN or inf anywhere makes the sum so: one pass, on the device
+                raise GradientError("summed_grad holds NaN or inf values")
         clip = self.cfg.optim.grad_clip
         if clip is not None:
             if global_grad_norm is None:
@@ -474,6 +481,15 @@ class StageCompute:
         self._sync_compute_weights()
         self._clear_step_state()
         self.step += 1
+
+    def _take_sum_as_grad(self) -> None:
+        """The step's sum becomes the optimizer's gradient buffer and the old buffer the next step's (stale) sum:
+        the two swap places, the parameters' ``.grad`` views are pointed at the new buffer, nothing is copied."""
+        self._accum, self._master_grad = self._master_grad, self._accum
+        self._accum_views = self._views(self._accum)
+        for param, view in zip(self._master_views, self._views(self._master_grad), strict=True):
+            param.grad = view
+        self._accum_stale = True
 
     def skip_update(self) -> None:
         """End a step without an optimizer step (``step += 1``, AdamW untouched).

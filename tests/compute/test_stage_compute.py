@@ -324,3 +324,23 @@ def test_a_steps_sum_starts_from_nothing_though_the_last_steps_values_are_overwr
     b.forward_loss(2, *batch(corpus, 1, 2))  # b's stale sum was never read: overwritten by the copy
     b.forward_loss(3, *batch(corpus, 1, 3))
     assert torch.equal(b.accumulated_view(), fresh.accumulated_grad())
+
+
+def test_a_one_micro_batch_step_applies_its_own_sum_in_place_of_a_copy_and_trains_the_same(corpus: Corpus) -> None:
+    """Applying the stage's own sum of one micro-batch swaps it in as the optimizer's gradient (no copy): the
+    parameters are bitwise those of applying a copy, step after step; a sum holding NaN is refused first."""
+    a, b = make(0, 4), make(0, 4)
+    for step in range(3):
+        x, y = batch(corpus, step, 0)
+        for stage in (a, b):
+            stage.forward_loss(0, x, y)
+        a.apply_update(a.accumulated_view(), 1)  # its own sum: swapped in
+        b.apply_update(b.accumulated_grad(), 1)  # a copy: divided into the optimizer's buffer
+        assert torch.equal(a.flat_params(), b.flat_params()), f"step {step}"
+    a.forward_loss(0, *batch(corpus, 3, 0))
+    a.accumulated_view()[5] = float("nan")
+    before, state = a.flat_params(), a.state_dict()
+    with pytest.raises(GradientError, match="NaN"):
+        a.apply_update(a.accumulated_view(), 1)
+    assert torch.equal(a.flat_params(), before) and a.step == 3
+    assert torch.equal(a.state_dict()["exp_avg"], state["exp_avg"])
