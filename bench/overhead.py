@@ -20,6 +20,11 @@ device computed. The figures of merit are ``lone / plain`` (target <= 1.10), ``r
 ``wire`` is the time the shards a replica exchanges take on loopback at the measured rate (target <= 1.25), and
 ``pipeline / lone`` (target <= 1.15 at 8,192 tokens a step).
 
+A shared or virtual machine's speed drifts by more than these margins from minute to minute: ``--rounds R``
+runs the cases of each row R times in turn (plain, lone, ..., plain, lone, ...), and each ratio is the median
+of the R ratios of cases run minutes apart (``ratios_by_round`` lists them); a case's figures are those of its
+median round.
+
 Peers use the machine's cores as a volunteer's would (no thread cap); two peers on one machine get half the
 cores each. ``--quick``: a 2-layer GPT of width 64 and a few steps, a check of this script (well under a
 minute on a CPU). On a GPU (``--device cuda``, ``scripts/gpu_check.py``) the report adds each case's model
@@ -209,7 +214,9 @@ def device_peak(device: str) -> float | None:
 
 
 def run(models: list[Model], tokens: list[int], cases: list[str], steps: int, warmup: int, device: str,
-        precision: str, out: Path, deadline_s: float) -> list[dict[str, Any]]:
+        precision: str, out: Path, deadline_s: float, rounds: int = 1) -> list[dict[str, Any]]:
+    """Every case of every model and step size, the cases of one row ``rounds`` times in turn (module docstring:
+    a round's cases run minutes apart, so their ratios are paired against the machine's drift)."""
     peak = device_peak(device)
     results = []
     for model in models:
@@ -221,37 +228,62 @@ def run(models: list[Model], tokens: list[int], cases: list[str], steps: int, wa
                                    "micro_batch": micro_batch, "micro_batches": micro_batches, "device": device,
                                    "precision": precision, "cases": {}}
             tag = f"{model.name.replace(' ', '_')}-{per_step}"
-            for case in cases:
-                peers, stages = {"plain": (0, 0), "lone": (1, 1), "replicas": (2, 1), "pipeline": (2, 2)}[case]
-                if peers > 1 and micro_batches < 2:
-                    continue
-                cfg = run_toml(out / tag / case, model, steps=steps, peers=max(1, peers), stages=max(1, stages),
-                               micro_batch=micro_batch, micro_batches=micro_batches, precision=precision)
-                before = load()
-                if case == "plain":
-                    got = plain(cfg, steps, device)
-                    row["params"] = got["params"]
-                    summary: dict[str, Any] = {"step_s": _median_after(got["step_s"], warmup)}
-                    summary["all_step_s"] = [round(s, 4) for s in got["step_s"]]
-                else:
-                    got = swarm(out / tag / case, cfg, peers, device, deadline_s)
-                    summary = summarise(got, warmup)
-                    summary["all_step_s"] = [r["s"] for r in got["steps"]]
-                    summary["finished"] = got["finished"]
-                summary["load"] = f"{before} -> {load()}"
-                s = summary["step_s"]
-                summary["tokens_per_s"] = round(row["tokens_per_step"] / s, 1) if s else None
-                if peak and s and "params" in row:
-                    flops = 6 * row["params"] * row["tokens_per_step"] / s
-                    summary["model_tflops"] = round(flops / 1e12, 3)
-                    summary["mfu"] = round(flops / (peak * 1e12), 4)
-                row["cases"][case] = summary
-                print(f"  {model.name}, {row['tokens_per_step']} tokens/step, {case}: "
-                      f"{'-' if s is None else f'{s:.3f}'} s/step (load {summary['load']})", file=sys.stderr,
-                      flush=True)
-            row["ratios"] = ratios(row)
+            by_round: list[dict[str, dict[str, Any]]] = []
+            for rnd in range(rounds):
+                got_cases: dict[str, dict[str, Any]] = {}
+                for case in cases:
+                    summary = _run_case(row, case, model, out / tag / f"round{rnd}" / case, steps, warmup, device,
+                                        precision, deadline_s, peak)
+                    if summary is not None:
+                        got_cases[case] = summary
+                by_round.append(got_cases)
+            row["cases"] = {case: _median_round([r[case] for r in by_round if case in r]) for case in by_round[0]}
+            per_round = [ratios({**row, "cases": r}) for r in by_round]
+            row["ratios"] = {k: round(statistics.median(r[k] for r in per_round if k in r), 3)
+                             for k in per_round[0]}
+            if rounds > 1:
+                row["ratios_by_round"] = per_round
             results.append(row)
     return results
+
+
+def _run_case(row: dict[str, Any], case: str, model: Model, folder: Path, steps: int, warmup: int, device: str,
+              precision: str, deadline_s: float, peak: float | None) -> dict[str, Any] | None:
+    """One case of ``row`` (its model and step size): its summary, or None when the case needs more micro-batches."""
+    micro_batch, micro_batches = row["micro_batch"], row["micro_batches"]
+    peers, stages = {"plain": (0, 0), "lone": (1, 1), "replicas": (2, 1), "pipeline": (2, 2)}[case]
+    if peers > 1 and micro_batches < 2:
+        return None
+    cfg = run_toml(folder, model, steps=steps, peers=max(1, peers), stages=max(1, stages),
+                   micro_batch=micro_batch, micro_batches=micro_batches, precision=precision)
+    before = load()
+    if case == "plain":
+        got = plain(cfg, steps, device)
+        row["params"] = got["params"]
+        summary: dict[str, Any] = {"step_s": _median_after(got["step_s"], warmup)}
+        summary["all_step_s"] = [round(s, 4) for s in got["step_s"]]
+    else:
+        got = swarm(folder, cfg, peers, device, deadline_s)
+        summary = summarise(got, warmup)
+        summary["all_step_s"] = [r["s"] for r in got["steps"]]
+        summary["finished"] = got["finished"]
+    summary["load"] = f"{before} -> {load()}"
+    s = summary["step_s"]
+    summary["tokens_per_s"] = round(row["tokens_per_step"] / s, 1) if s else None
+    if peak and s and "params" in row:
+        flops = 6 * row["params"] * row["tokens_per_step"] / s
+        summary["model_tflops"] = round(flops / 1e12, 3)
+        summary["mfu"] = round(flops / (peak * 1e12), 4)
+    print(f"  {model.name}, {row['tokens_per_step']} tokens/step, {case}: "
+          f"{'-' if s is None else f'{s:.3f}'} s/step (load {summary['load']})", file=sys.stderr, flush=True)
+    return summary
+
+
+def _median_round(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A case over its rounds: the round whose step time is the median (its breakdown too), with every round's."""
+    timed = sorted((r for r in runs if r["step_s"] is not None), key=lambda r: r["step_s"])
+    pick = timed[(len(timed) - 1) // 2] if timed else runs[-1]
+    return {**pick, "rounds_step_s": [r["step_s"] for r in runs]} if len(runs) > 1 else pick
 
 
 def ratios(row: dict[str, Any]) -> dict[str, float]:
@@ -285,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", default=None, help="fp32 / bf16 (default: bf16 on cuda, fp32 on cpu)")
     parser.add_argument("--out", type=Path, default=None, help="folder for run files and logs (default: a temp)")
     parser.add_argument("--deadline", type=float, default=900.0, help="seconds a swarm case may run")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the cases of each row this many times in turn; each ratio is the median of the "
+                             "rounds' ratios, each paired in time against a machine whose speed drifts "
+                             "(default: %(default)s)")
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
     if args.quick:
@@ -303,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
         out = args.out or Path(tmp)
         results = run(models, tokens, args.cases.split(","), steps, warmup, args.device, precision, out,
-                      args.deadline)
+                      args.deadline, max(1, args.rounds))
     if args.json:
         print(json.dumps({"results": results, "load": load()}))
         return 0

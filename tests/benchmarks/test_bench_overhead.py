@@ -62,3 +62,22 @@ def test_an_adverts_compute_share_is_a_claim_checked_before_it_is_shown() -> Non
     assert compute_share({"compute_share": 0.5}) == 0.5 and compute_share({}) is None
     for bad in (1.5, -0.1, float("nan"), True, "0.5", None):
         assert compute_share({"compute_share": bad}) is None
+
+
+@pytest.mark.unit
+def test_rounds_pair_each_ratio_in_time_and_take_the_median(monkeypatch, tmp_path) -> None:
+    """With --rounds, a ratio is the median of each round's own ratio (plain and lone run minutes apart), not the
+    ratio of two medians taken at different times; a case's figures are those of its median round."""
+    times = iter([1.0, 1.1, 2.0, 2.4, 1.5, 1.6])  # round by round: plain then lone; the machine slows, then less
+
+    def fake(row, case, *_args):
+        row["params"] = 10
+        return {"step_s": next(times), "case": case}
+
+    monkeypatch.setattr(overhead, "_run_case", fake)
+    [row] = overhead.run([overhead.byte_gpt(2, 64, 4, 32)], [64], ["plain", "lone"], 3, 1, "cpu", "fp32", tmp_path,
+                         60.0, rounds=3)
+    assert [r["lone_over_plain"] for r in row["ratios_by_round"]] == [1.1, 1.2, 1.067]
+    assert row["ratios"]["lone_over_plain"] == 1.1  # the median round's pair, not 1.6 / 1.5
+    assert row["cases"]["plain"]["step_s"] == 1.5 and row["cases"]["plain"]["rounds_step_s"] == [1.0, 2.0, 1.5]
+    assert row["cases"]["lone"]["step_s"] == 1.6
