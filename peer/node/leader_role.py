@@ -471,7 +471,7 @@ class LeaderRole:
         loss = report.loss if math.isfinite(report.loss) else None  # a micro-batch's loss report was refused or lost
         self.losses.record(report.step, loss, report.seconds)
         tokens_per_s = self._tokens_per_step / report.seconds if report.seconds > 0 else 0.0
-        log.info("step %d: loss %s, %.2f s, %.0f tokens/s", report.step, "-" if loss is None else f"{loss:.4f}",
+        log.info("step %d: loss %s, %.3f s, %.0f tokens/s", report.step, "-" if loss is None else f"{loss:.4f}",
                  report.seconds, tokens_per_s)
         assert self.driver is not None
         for r in report.applied:  # accepted work: the peers of each pipeline that applied the step
