@@ -397,8 +397,9 @@ def test_a_laggard_several_steps_behind_reloads_the_told_step_and_never_goes_bac
         sync.resync(t, 5, ctl.Resync(5, 6, "me"))  # type: ignore[arg-type]
 
 
-def _lone_stage(n_stages: int) -> tuple[GradientSync, SimpleNamespace, StageCompute, list[ctl.Message]]:
-    """A group of one replica of stage 0 of an ``n_stages`` pipeline, with one micro-batch accumulated."""
+def _lone_stage(n_stages: int) -> tuple[GradientSync, SimpleNamespace, StageCompute, list[ctl.Message], list[object]]:
+    """A group of one replica of stage 0 of an ``n_stages`` pipeline, with one micro-batch accumulated; its
+    reports to the leader and its sends to other peers are recorded."""
     compute = StageCompute(StageComputeConfig(ModelConfig(n_layers=1, d_model=8, n_heads=2, seq_len=4), 0, 1))
     tokens = torch.randint(0, 256, (2, 4))
     compute.forward_loss(0, tokens, torch.roll(tokens, -1, 1))
@@ -406,25 +407,26 @@ def _lone_stage(n_stages: int) -> tuple[GradientSync, SimpleNamespace, StageComp
     step.reset(pipeline=0)
     step.start_step(0, 0, trained_steps=0)
     reports: list[ctl.Message] = []
-    outbox = SimpleNamespace(report=lambda _t, msg: reports.append(msg), send=lambda *a: None)
+    sends: list[object] = []
+    outbox = SimpleNamespace(report=lambda _t, msg: reports.append(msg), send=lambda *a: sends.append(a))
     sync = GradientSync(step, threading.Condition(), outbox, lambda: "me", no_load)  # type: ignore[arg-type]
     t = SimpleNamespace(assignment=SimpleNamespace(replica=0, group=["me"], n_stages=n_stages), compute=compute,
                         outer=None, exchange=GradientExchange(0, compute.numel, 10.0),
                         spec=SimpleNamespace(n_microbatches=1), key=lambda s, mb=-1: pb.Key(run_id="r", step=s,
                                                                                             microbatch=mb))
-    return sync, t, compute, reports
+    return sync, t, compute, reports, sends
 
 
 def test_an_apply_with_the_reduce_is_taken_by_a_lone_one_stage_pipeline_and_refused_by_any_other() -> None:
     """An exact step's apply may come with its reduce (one control round trip less) only where nothing crosses
     replicas or stages: a leader that sends it to a stage of a longer pipeline is refused, nothing applied."""
-    sync, t, compute, reports = _lone_stage(n_stages=1)
+    sync, t, compute, reports, _ = _lone_stage(n_stages=1)
     before = compute.flat_params()
     sync.reduce(t, 0, ctl.Reduce(0, 0, (0,), {0: 0}, apply=True))  # type: ignore[arg-type]
     assert [type(m) for m in reports] == [ctl.Synced], "one report: synced, no reduced"
     assert compute.step == 1 and not torch.equal(compute.flat_params(), before)
     assert reports[0].trained_steps == 1 and reports[0].params_hash == compute.params_digest()
-    sync, t, compute, reports = _lone_stage(n_stages=2)
+    sync, t, compute, reports, _ = _lone_stage(n_stages=2)
     with pytest.raises(Rejected, match="only to a pipeline of one stage"):
         sync.reduce(t, 0, ctl.Reduce(0, 0, (0,), {0: 0}, apply=True))  # type: ignore[arg-type]
     assert reports == [] and compute.step == 0
@@ -441,21 +443,9 @@ def test_a_group_of_one_keeps_its_own_sum_without_computing_or_sending_a_digest(
 
     monkeypatch.setattr(checks, "shard_digest", no_digest)
     monkeypatch.setattr(checks, "digest_seed", no_digest)
-    compute = StageCompute(StageComputeConfig(ModelConfig(n_layers=1, d_model=8, n_heads=2, seq_len=4), 0, 1))
-    tokens = torch.randint(0, 256, (2, 4))
-    compute.forward_loss(0, tokens, torch.roll(tokens, -1, 1))
-    step = WorkerStep()
-    step.reset(pipeline=0)
-    step.start_step(0, 0, trained_steps=0)
-    reports: list[ctl.Message] = []
-    sends: list[object] = []
-    outbox = SimpleNamespace(report=lambda _t, msg: reports.append(msg), send=lambda *a: sends.append(a))
-    sync = GradientSync(step, threading.Condition(), outbox, lambda: "me", no_load)  # type: ignore[arg-type]
-    t = SimpleNamespace(assignment=SimpleNamespace(replica=0, group=["me"]), compute=compute, outer=None,
-                        exchange=GradientExchange(0, compute.numel, 10.0), spec=SimpleNamespace(n_microbatches=1),
-                        key=lambda s, mb=-1: pb.Key(run_id="r", step=s, microbatch=mb))
+    sync, t, compute, reports, sends = _lone_stage(n_stages=1)
     own = compute.accumulated_grad()
     sync.reduce(t, 0, ctl.Reduce(0, 0, [0], {0: 0}))  # type: ignore[arg-type]
     assert sends == [] and [type(m) for m in reports] == [ctl.Reduced]
-    summed, _count = step.apply(0, compute.step) or (None, 0)
+    summed, _count = sync.step.apply(0, compute.step) or (None, 0)
     assert summed is not None and torch.equal(summed, own)
