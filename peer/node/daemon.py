@@ -436,14 +436,19 @@ class PeerDaemon:
         assert self.leadership is not None
         me, role = self.identity.peer_id, self.role
         finished = role is not None and role.finished.is_set()
+        stopped = finished and role.stopped is not None  # the lead given up before the run's end: not the end
         may_lead = leader == me and self.leadership.state is not State.LEADER and self._may_lead()
-        for action in self.leadership.step(leader, may_lead, finished, finished and role.error is not None):
+        for action in self.leadership.step(leader, may_lead, finished and not stopped,
+                                           finished and role.error is not None, role_stopped=stopped):
             if action is Action.START_ROLE:
                 log.info("this peer (%s) leads the swarm", me)
                 self.role = LeaderRole(self._leader_context())
                 self.role.start()
             elif action is Action.STOP_ROLE and self.role is not None:
-                log.warning("leadership moved to %s; stepping down", leader)
+                if stopped:
+                    log.warning("this peer's leadership ended before the run's (%s); following", role.stopped)
+                else:
+                    log.warning("leadership moved to %s; stepping down", leader)
                 self.role.stop()
                 self.role = None
             elif action is Action.RESIGN:

@@ -102,6 +102,7 @@ class LeaderRole:
         self.driver: RunDriver | None = None
         self.thread = threading.Thread(target=self._run, name="leader", daemon=True)
         self.error: BaseException | None = None
+        self.stopped: str | None = None  # why the role gave up the lead before the run's end (InterruptedError)
         self.finished = threading.Event()
         # step -> (loss, seconds) of the whole run, also the steps before a takeover (read from the progress
         # record the previous leader published), so run.json and status keep the full curve
@@ -233,6 +234,7 @@ class LeaderRole:
             self._lead()
         except InterruptedError as exc:  # stopped on purpose (leadership lost, or the peer is leaving)
             log.info("leadership ended: %s", exc)
+            self.stopped = str(exc)
         except BaseException as exc:  # reported by the daemon, which decides whether to exit
             log.exception("leadership ended with an error")
             self.error = exc

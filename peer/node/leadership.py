@@ -58,10 +58,12 @@ class Leadership:
         self.view.adopt_policy(policy)
         log.info("run of organiser %s; who may lead: %s", organiser, policy.describe())
 
-    def step(self, leader: str | None, may_lead: bool, role_finished: bool, role_failed: bool) -> tuple[Action, ...]:
+    def step(self, leader: str | None, may_lead: bool, role_finished: bool, role_failed: bool,
+             role_stopped: bool = False) -> tuple[Action, ...]:
         """One tick of the role machine; the actions for the daemon, in order."""
         seen = Observed(me=self.me, leader=leader, waiting=self.view.waiting_for_steward(), may_lead=may_lead,
-                        role_finished=role_finished, role_failed=role_failed, run_done=self.run_done)
+                        role_finished=role_finished, role_failed=role_failed, run_done=self.run_done,
+                        role_stopped=role_stopped)
         state, actions = transition(self.state, seen)
         if state is not self.state:
             log.info("role: %s -> %s%s", self.state.value, state.value, self._reason(state, leader))

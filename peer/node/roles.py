@@ -35,7 +35,9 @@ class Observed:
     """One tick's view. ``leader``: the confirmed leader (None while the election settles or nobody may lead);
     ``waiting``: only stewards may lead and none is live; ``may_lead``: this peer's guards allow it to take the
     lead; ``role_finished`` / ``role_failed``: how this peer's leader role stands; ``run_done``: the followed
-    leader reported "done" at the signed last step (a "done" elsewhere is refused before it gets here)."""
+    leader reported "done" at the signed last step (a "done" elsewhere is refused before it gets here);
+    ``role_stopped``: the leader role gave up the lead before the run's end (its plan was refused: a newer plan
+    was accepted, or the quorum was lost), which ends the leadership, not the run."""
 
     me: str
     leader: str | None
@@ -44,6 +46,7 @@ class Observed:
     role_finished: bool = False
     role_failed: bool = False
     run_done: bool = False
+    role_stopped: bool = False
 
 
 def transition(state: State, seen: Observed) -> tuple[State, tuple[Action, ...]]:
@@ -51,6 +54,8 @@ def transition(state: State, seen: Observed) -> tuple[State, tuple[Action, ...]]
     if state is State.DONE:
         return state, ()
     if state is State.LEADER:
+        if seen.role_stopped:  # a follower again: the election goes on, and may name this peer again
+            return State.RESIGNED, (Action.STOP_ROLE, Action.RESIGN)
         if seen.role_finished:
             return State.DONE, ((Action.RESIGN, Action.LEAVE) if seen.role_failed else (Action.LEAVE,))
         if seen.leader is not None and seen.leader != seen.me:

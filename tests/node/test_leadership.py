@@ -191,6 +191,16 @@ def test_roles_follow_wait_lead_resign_and_finish() -> None:
     assert transition(State.DONE, Observed("me", "me")) == (State.DONE, ())
 
 
+def test_a_leader_role_that_gives_up_the_lead_before_the_runs_end_makes_a_follower_not_a_leaver() -> None:
+    """Its plan refused (a newer plan accepted, the quorum lost): the peer resigns and follows, and may be elected
+    again; it does not leave the run as if it had ended (exit 0 with the run unfinished)."""
+    s, acts = transition(State.LEADER, Observed("me", "me", role_stopped=True))
+    assert (s, acts) == (State.RESIGNED, (Action.STOP_ROLE, Action.RESIGN))
+    assert transition(s, Observed("me", "other")) == (State.FOLLOWER, ())
+    assert transition(s, Observed("me", "me", may_lead=True)) == (State.LEADER, (Action.START_ROLE,))
+    assert Action.LEAVE not in acts
+
+
 def test_a_stored_record_payload_is_what_is_verified() -> None:
     """The reader verifies the payload exactly as stored (a SignedRecord's), not a re-encoding of it."""
     config = {"run": {"steps": 3}, "model": {"d_model": 64}}
