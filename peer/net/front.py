@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 HIGH_WATER_BYTES = 1 << 20  # bytes one direction may hold in the front before its sender is paused
 START_TIMEOUT_S = 10.0
 REFUSAL_LOG_S = 10.0  # refusals are logged at most this often (a flood would otherwise cost a log line each)
+DRAIN_S = 1.0  # on stop, connections may finish forwarding what gRPC already answered for at most this long
 
 
 class _End(asyncio.Protocol):
@@ -140,12 +141,14 @@ class GrpcFront:
         self.port = sock.getsockname()[1]
         return self.port
 
-    def stop(self) -> None:
+    def stop(self, drain_s: float = DRAIN_S) -> None:
+        """Stop accepting, let open connections forward what gRPC behind already wrote (an answer sent within the
+        server's grace must reach its caller) for at most ``drain_s``, then cut what is left."""
         loop, thread = self._loop, self._thread
         if loop is not None and thread is not None and thread.is_alive():
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(self._close_all)
-            thread.join(timeout=5.0)
+                asyncio.run_coroutine_threadsafe(self._drain_then_close(drain_s), loop)
+            thread.join(timeout=drain_s + 5.0)
         self._loop = self._thread = None
         shutil.rmtree(self._dir, ignore_errors=True)
 
@@ -168,6 +171,17 @@ class GrpcFront:
     # --- on the loop thread -------------------------------------------------------------------------------
     def _admit(self) -> asyncio.Protocol:
         return _Door(self)
+
+    async def _drain_then_close(self, drain_s: float) -> None:
+        """Close the listener; wait until every connection closed by itself (gRPC behind has stopped, so its end
+        of each pair reaches EOF after its last bytes), or ``drain_s``; then :meth:`_close_all`."""
+        assert self._loop is not None
+        if self._server is not None:
+            self._server.close()
+        deadline = self._loop.time() + drain_s
+        while self._outside and self._loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        self._close_all()
 
     def _close_all(self) -> None:
         assert self._loop is not None
