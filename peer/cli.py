@@ -368,7 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--outer-momentum", type=float, default=0.9,
                    help="DiLoCo outer Nesterov momentum, in [0, 1) (default: %(default)s)")
     p.add_argument("--pseudo-grad-compression", default="none", choices=PSEUDO_GRAD_COMPRESSIONS,
-                   help="DiLoCo pseudo-gradients on the wire (topk: with error feedback) (default: %(default)s)")
+                   help="DiLoCo pseudo-gradients on the wire; topk, topk2, topk4 (one entry per block of 64, "
+                        "fp32 / 2-bit / 4-bit) go with error feedback (default: %(default)s)")
 
     p = sub.add_parser(
         "export",

@@ -15,6 +15,8 @@ Encodings (`compression=`):
   so |x - q * s| <= s / 2 = absmax(block) / 254, plus float32 rounding of the division and the product, at
   most about 2 * 2^-24 * absmax(block). Cost: 1 byte per element + 4 bytes per block (block_size=64: 1.0625
   bytes per element, 3.8x smaller than float32). Non-finite inputs cannot be coded; the encoder refuses them.
+* ``"int4"``, ``"int2"``, ``"topk"``: :mod:`protocol.lowbit`; ``"topk2"``, ``"topk4"`` (one entry per block in
+  2 or 4 bits, for pseudo-gradients with error feedback): :mod:`protocol.sparse`.
 
 Decoding trusts nothing: dtype, shape, element count, byte sizes, compression parameters and (unless allowed)
 finiteness are all checked before a tensor is built, and each failure raises `protocol.errors.BadMessage`
@@ -31,7 +33,7 @@ from typing import Protocol
 
 import torch
 
-from tasklet.protocol import lowbit
+from tasklet.protocol import lowbit, sparse
 from tasklet.protocol import tasklet_pb2 as pb
 from tasklet.protocol.errors import BadMessage
 
@@ -50,7 +52,8 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 FLOAT_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
 
-COMPRESSIONS: dict[str, int] = {"none": pb.NONE, "fp16": pb.FP16, "int8": pb.INT8_BLOCKWISE, **lowbit.WIRE_IDS}
+COMPRESSIONS: dict[str, int] = {"none": pb.NONE, "fp16": pb.FP16, "int8": pb.INT8_BLOCKWISE, **lowbit.WIRE_IDS,
+                               **sparse.WIRE_IDS}
 DEFAULT_BLOCK_SIZE = 64
 MAX_BLOCK_SIZE = 1 << 20
 MAX_NDIM = 32
@@ -164,6 +167,8 @@ def encode_tensor(
         return msg
     if compression in lowbit.WIRE_IDS:  # int4 / int2 / topk: see protocol/lowbit.py
         return lowbit.encode_into(msg, name, x, compression, block_size)
+    if compression in sparse.WIRE_IDS:  # topk2 / topk4: see protocol/sparse.py
+        return sparse.encode_into(msg, _label(name), x, compression, block_size)
     if not 1 <= block_size <= MAX_BLOCK_SIZE:
         raise ValueError(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
     codes, scales = _quantize_int8(x.to(torch.float32).reshape(-1), block_size)
@@ -278,6 +283,10 @@ def decode_tensor(
         if dtype not in FLOAT_DTYPES:
             raise BadMessage(f"{label}.compression", f"low-bit compression of a {msg.dtype} tensor")
         flat = lowbit.decode_flat(msg, label, numel, data).to(dtype)
+    elif msg.compression in sparse.KIND_OF:
+        if dtype not in FLOAT_DTYPES:
+            raise BadMessage(f"{label}.compression", f"sparse compression of a {msg.dtype} tensor")
+        flat = sparse.decode_flat(msg, label, numel, data).to(dtype)
     else:
         raise BadMessage(f"{label}.compression", f"unknown compression {msg.compression}")
     if not allow_nonfinite and dtype in FLOAT_DTYPES and numel and not _proven_finite(msg):

@@ -15,6 +15,8 @@ class Compression(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INT4_BLOCKWISE: _ClassVar[Compression]
     INT2_BLOCKWISE: _ClassVar[Compression]
     TOPK: _ClassVar[Compression]
+    TOPK2: _ClassVar[Compression]
+    TOPK4: _ClassVar[Compression]
 
 class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -47,6 +49,8 @@ INT8_BLOCKWISE: Compression
 INT4_BLOCKWISE: Compression
 INT2_BLOCKWISE: Compression
 TOPK: Compression
+TOPK2: Compression
+TOPK4: Compression
 KIND_UNSPECIFIED: Kind
 ACTIVATION: Kind
 ACTIVATION_GRAD: Kind

@@ -22,6 +22,7 @@ from tasklet.peer.compute.data import Corpus, microbatch
 from tasklet.peer.compute.family import ModelSpec, family_of
 from tasklet.peer.compute.model import is_weight_decayed, lm_loss
 from tasklet.peer.compute.stage import OptimConfig, clip_coefficient, shard_bounds
+from tasklet.peer.runtime.choices import ERROR_FEEDBACK_COMPRESSIONS
 from tasklet.protocol.codec import DEFAULT_BLOCK_SIZE, decode_tensor, encode_tensor
 
 log = logging.getLogger(__name__)
@@ -137,10 +138,10 @@ def train_diloco_reference(
                 sums = [torch.empty(0)] * len(parts)
                 for r in parts:
                     pseudo = flat_anchor - torch.cat([params[r][n].detach().reshape(-1) for n in names[s]])
-                    if codec == "topk":
+                    if codec in ERROR_FEEDBACK_COMPRESSIONS:
                         pseudo = pseudo + residual.get((r, s), torch.zeros_like(pseudo))
                     sent = torch.cat([_wire(pseudo[lo:hi], codec) for lo, hi in bounds])
-                    if codec == "topk":
+                    if codec in ERROR_FEEDBACK_COMPRESSIONS:
                         residual[(r, s)] = pseudo - sent
                     for j, (lo, hi) in enumerate(bounds):
                         sums[j] = sent[lo:hi].clone() if r == parts[0] else sums[j].add_(sent[lo:hi])
@@ -176,10 +177,10 @@ def _wire(x: torch.Tensor, codec: str, block_size: int = DEFAULT_BLOCK_SIZE) -> 
 
 
 def _gather_codec(codec: str, numel: int, n_participants: int) -> tuple[str, int]:
-    """The all-gather's codec of a summed shard: int8 stays int8; a top-k sum (at most n_participants x
-    ceil(numel / block) non-zeros) goes as top-k with a block small enough to keep them all, or uncompressed
-    when that block would be below 2."""
-    if codec != "topk":
+    """The all-gather's codec of a summed shard: int8 stays int8; a sum of sparse contributions (at most
+    n_participants x ceil(numel / block) non-zeros) goes as top-k with a block small enough to keep them all, or
+    uncompressed when that block would be below 2."""
+    if codec not in ERROR_FEEDBACK_COMPRESSIONS:
         return codec, DEFAULT_BLOCK_SIZE
     block = numel // max(1, n_participants * math.ceil(numel / DEFAULT_BLOCK_SIZE)) if numel else 0
     return ("topk", block) if block >= 2 else ("none", DEFAULT_BLOCK_SIZE)

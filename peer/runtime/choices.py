@@ -9,7 +9,8 @@ from __future__ import annotations
 
 COMPRESSIONS = ("none", "fp16", "int8", "int4", "int2")  # int4/int2: protocol/lowbit.py
 PRECISIONS = ("fp32", "bf16", "fp16")
-# of DiLoCo pseudo-gradients in the outer round (peer.runtime.outer); "topk" (with error feedback) only where the
-# wire codec has it (protocol.lowbit)
-PSEUDO_GRAD_COMPRESSIONS = ("none", "int8", "topk")
+# of DiLoCo pseudo-gradients in the outer round (peer.runtime.outer); the sparse ones go with error feedback:
+# "topk" (protocol.lowbit), "topk2" and "topk4" (one entry per block of 64 in 2 or 4 bits, protocol.sparse)
+PSEUDO_GRAD_COMPRESSIONS = ("none", "int8", "topk", "topk2", "topk4")
+ERROR_FEEDBACK_COMPRESSIONS = ("topk", "topk2", "topk4")
 DEFAULT_KEEP = 3  # checkpoints kept on the leader's disk

@@ -20,7 +20,10 @@ Compression of a contribution (the reduce-scatter's shards): ``"int8"`` sends ea
 pseudo-gradient int8-blockwise (deterministic, so the owner's own shard is the same encode/decode round trip);
 ``"topk"`` adds this replica's error-feedback residual, keeps the k largest entries of each shard
 (k = ceil(shard / block)), and keeps what it did not send as the new residual — committed only when the outer
-step is applied, so an outer round restarted after a death starts again from the same residual.
+step is applied, so an outer round restarted after a death starts again from the same residual. ``"topk2"`` /
+``"topk4"`` do the same with one entry per block of 64 in 2 or 4 bits (:mod:`protocol.sparse`: 195x / 164x
+smaller than fp32); what rounding loses goes to the residual too. The all-gather of a sparse codec's summed
+shard is exact (:func:`allgather_codec`).
 
 Deaths (see also docs/architecture.md, "One step"): a pipeline that loses a member during an inner step is
 dropped from that step as in exact training (its micro-batches of that step go back to the pool and are redone
@@ -44,6 +47,7 @@ from typing import Any
 
 import torch
 
+from tasklet.peer.runtime.choices import ERROR_FEEDBACK_COMPRESSIONS
 from tasklet.protocol.codec import DEFAULT_BLOCK_SIZE, decode_tensor, encode_tensor
 
 BLOCK_SIZE = DEFAULT_BLOCK_SIZE  # of int8 blocks and of top-k density (1 / BLOCK_SIZE)
@@ -64,11 +68,12 @@ def roundtrip(x: torch.Tensor, compression: str, block_size: int = BLOCK_SIZE) -
 def allgather_codec(compression: str, shard_numel: int, n_participants: int) -> tuple[str, int]:
     """(compression, block size) of a summed shard in the all-gather.
 
-    int8 stays int8. A top-k sum holds at most ``n_participants x ceil(shard / BLOCK_SIZE)`` non-zeros, so it
-    goes as top-k with a block small enough to keep them all (exact); when that block would be below 2
-    (8 bytes per kept entry, more than fp32) it goes uncompressed.
+    int8 stays int8. A sum of sparse contributions (topk, topk2, topk4: at most one kept entry per
+    ``BLOCK_SIZE``) holds at most ``n_participants x ceil(shard / BLOCK_SIZE)`` non-zeros, so it goes as top-k
+    with a block small enough to keep them all (exact); when that block would be below 2 (8 bytes per kept
+    entry, more than fp32) it goes uncompressed.
     """
-    if compression != "topk":
+    if compression not in ERROR_FEEDBACK_COMPRESSIONS:
         return compression, BLOCK_SIZE
     kept = n_participants * math.ceil(shard_numel / BLOCK_SIZE) if shard_numel else 1
     block = shard_numel // max(1, kept)
@@ -94,15 +99,16 @@ class OuterState:
         """(what to send, shard by shard, under ``compression``; the residual after sending it).
 
         For none/int8 that is the pseudo-gradient itself (the wire quantizes int8); for top-k it is the dense
-        tensor of the kept entries (which top-k encodes exactly), the rest going to the new residual.
+        tensor of the kept entries (which top-k encodes exactly), the rest going to the new residual; topk2 /
+        topk4 send the decoded round trip of each shard, its rounding going to the residual too.
         """
         pseudo = self.anchor - params
-        if compression != "topk":
+        if compression not in ERROR_FEEDBACK_COMPRESSIONS:
             return pseudo, self.residual
         corrected = pseudo + self.residual
         sent = torch.zeros_like(corrected)
         for lo, hi in shards:
-            sent[lo:hi] = roundtrip(corrected[lo:hi], "topk")
+            sent[lo:hi] = roundtrip(corrected[lo:hi], compression)
         return sent, corrected - sent
 
     def apply(self, average: torch.Tensor, lr: float, momentum: float, residual: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ def _old_style(kind: int, key: pb.Key, tensors: dict[str, torch.Tensor], compres
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("compression", ["none", "fp16", "int8", "int4", "int2", "topk"])
+@pytest.mark.parametrize("compression", ["none", "fp16", "int8", "int4", "int2", "topk", "topk2", "topk4"])
 def test_runtime_envelopes_serialize_as_the_protobuf_ones(compression: str) -> None:
     key = make_key("run", 1, 2, 3, 0, 1)
     tensors = {"hidden": torch.randn(4, 8, 16), "ids": torch.arange(6), "half": torch.randn(5).to(torch.bfloat16)}
