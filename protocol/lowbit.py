@@ -150,11 +150,21 @@ def topk_count(numel: int, block_size: int) -> int:
 
 
 def topk_encode(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ascending int32 indices, float32 values) of the k entries of largest magnitude."""
+    """(ascending int32 indices, float32 values) of the k entries of largest magnitude.
+
+    A tensor with at most k non-zeros (a sum of sparse pseudo-gradients in an all-gather) takes them all and
+    the first zeros to make k, in a few linear passes instead of a selection over the whole tensor.
+    """
     flat = flat.detach().to("cpu", torch.float32).reshape(-1)
-    if not bool(torch.isfinite(flat).all()):
+    if not bool(torch.isfinite(flat.sum())) and not bool(torch.isfinite(flat).all()):  # a finite sum proves it
         raise ValueError("topk compression needs finite values")
     k = max(0, min(int(k), flat.numel()))
+    keep = flat != 0
+    count = int(torch.count_nonzero(keep))
+    if count <= k:  # the first k positions hold at most `count` non-zeros, so at least k - count zeros
+        keep[torch.nonzero(~keep[:k]).flatten()[: k - count]] = True
+        idx = torch.nonzero(keep).flatten()
+        return idx.to(torch.int32), flat[idx].contiguous()
     idx = torch.topk(flat.abs(), k, sorted=False).indices if k else torch.empty(0, dtype=torch.long)
     idx = torch.sort(idx).values
     return idx.to(torch.int32), flat[idx].contiguous()

@@ -7,9 +7,12 @@ Two kinds of option (names match the runtime's: ``protocol.lowbit``, ``RunSpec``
   scale per block of 64), ``int4`` (0.5 B + scale), ``int2`` (0.25 B + scale). Encoding and decoding cost
   ``CODEC_FLOPS_PER_ELEMENT`` on each side, charged as compute to the two stages of the boundary.
 * **data-parallel sync**: ``exact`` (every step, fp32 gradients: today's runtime) or a DiLoCo outer loop with
-  period ``H`` whose pseudo-gradients travel as ``none`` (fp32), ``int8`` or ``topk`` (1/64 of the entries as
-  index + value, error feedback). The sync term of the ``full`` model (reduce-scatter + all-gather) is then
-  paid once per ``H`` steps, with the compressed bytes: per step it costs ``sync(bytes) / H``.
+  period ``H`` whose pseudo-gradients travel as ``none`` (fp32), ``int8``, ``topk`` (1/64 of the entries as
+  index + value, error feedback) or ``topk2`` / ``topk4`` (each block of 64's largest entry in 2 / 4 bits,
+  error feedback). The sync term of the ``full`` model (reduce-scatter + all-gather) is then paid once per
+  ``H`` steps, with the compressed bytes: per step it costs ``sync(bytes) / H``. A sparse codec's all-gather
+  carries the members' summed shard exactly (up to D entries per 64 at 8 bytes each, at most fp32):
+  :func:`sync_bytes_factor`.
 
 Quality: compressing costs loss. ``PenaltyTable`` holds measured relative loss penalties (final loss after N
 steps vs exact training, ``bench.bandwidth`` writes ``data/loss_penalties.json``): each activation option alone
@@ -48,15 +51,17 @@ from .schedule import EXACT_ROUNDS, Timing, control_time, stage_flops, sync_time
 from .workload import Workload
 
 ACTIVATION_OPTIONS = ("none", "fp16", "int8", "int4", "int2")
-PSEUDO_GRAD_OPTIONS = ("none", "int8", "topk")
+PSEUDO_GRAD_OPTIONS = ("none", "int8", "topk", "topk2", "topk4")
+SPARSE_OPTIONS = ("topk", "topk2", "topk4")
+GROUP_BLOCKS = 64  # blocks sharing one scale in topk2 / topk4 (protocol.sparse)
 BLOCK_SIZE = 64
 CODEC_FLOPS_PER_ELEMENT = 8.0  # absmax, scale, noise, round, pack (and the inverse): a few ops per element
 # An outer round's pseudo-gradient codec runs on the worker's CPU, not the emulated device: encode + decode per
 # element on one thread at the sizes where it matters (16 M elements, out of cache; `python -m bench.codec`):
-# int8 24 ns, top-k 36-42 ns (a member's blocks of 64 and the all-gather's small blocks alike); in cache both are
-# 2-4x faster. Each member encodes its pseudo-gradient and the summed shard and decodes what it receives: about
-# 2 round trips of its stage's parameters per round.
-CODEC_S_PER_ELEMENT = {"int8": 25e-9, "topk": 40e-9}
+# int8 18-24 ns, top-k 28-42 ns, topk2 / topk4 6.5 ns, and the exact top-k of a summed sparse shard 8.4 ns; in
+# cache int8 and top-k are 2-4x faster. Each member encodes its pseudo-gradient and the summed shard and decodes
+# what it receives: about 2 round trips of its stage's parameters per round.
+CODEC_S_PER_ELEMENT = {"int8": 25e-9, "topk": 40e-9, "topk2": 7.5e-9, "topk4": 7.5e-9}
 OUTER_CODEC_PASSES = 2.0
 DILOCO_ROUND_END_ROUNDS = 2  # the outer round's reduce and its apply, once per H steps
 DILOCO_INNER_ROUNDS = 2  # start_step and the inner step's merged reduce-and-apply, every step
@@ -77,7 +82,19 @@ def bytes_per_element(option: str, dtype_bytes: float) -> float:
         return 0.25 + 4.0 / BLOCK_SIZE
     if option == "topk":
         return 8.0 / BLOCK_SIZE
+    if option in ("topk2", "topk4"):  # a byte offset and a 2 / 4-bit code per block, a float32 scale per group
+        return (1.0 + (2 if option == "topk2" else 4) / 8) / BLOCK_SIZE + 4.0 / (BLOCK_SIZE * GROUP_BLOCKS)
     raise PlanningError("compression", f"unknown option {option!r}")
+
+
+def sync_bytes_factor(option: str, members: int, param_bytes: float) -> float:
+    """Bytes of an outer round's two phases against exact training's, as the one factor both phases scale by:
+    the reduce-scatter sends contributions under ``option``; the all-gather sends the summed shard, which for a
+    sparse codec holds up to ``members`` entries per block and goes as an exact top-k (8 bytes an entry, at
+    most fp32: ``peer.runtime.outer.allgather_codec``)."""
+    scatter = bytes_per_element(option, param_bytes)
+    gather = min(members * 8.0 / BLOCK_SIZE, 4.0) if option in SPARSE_OPTIONS else scatter
+    return (scatter + gather) / 2 / param_bytes
 
 
 @dataclass(frozen=True)
@@ -262,7 +279,7 @@ def timing_for(cluster: Cluster, workload: Workload, plan: Plan, choice: Choice,
     t = _with_activation(cluster, workload, timing(cluster, workload, plan, flops), choice.activation)
     control = control_s(workload, plan.stages, t.m.size, choice.sync)
     if choice.sync != EXACT:
-        factor = bytes_per_element(choice.sync.pseudo_grad_compression, workload.param_bytes) / workload.param_bytes
+        factor = sync_bytes_factor(choice.sync.pseudo_grad_compression, plan.n_replicas, workload.param_bytes)
         t = replace(t, sync=sync_times(cluster, workload, plan.stages, t.m, factor, digests=False)
                   / choice.sync.period)
     return replace(t, control=control)
@@ -321,8 +338,8 @@ def bytes_per_step(workload: Workload, plan: Plan, choice: Choice) -> dict[str, 
     pipe = sum(2.0 * elems * bytes_per_element(a, workload.act_bytes) for a in choice.activation)
     pipe *= workload.n_microbatches
     d = plan.n_replicas
-    per_elem = (workload.param_bytes if choice.sync == EXACT
-                else bytes_per_element(choice.sync.pseudo_grad_compression, workload.param_bytes))
+    per_elem = workload.param_bytes * (1.0 if choice.sync == EXACT else sync_bytes_factor(
+        choice.sync.pseudo_grad_compression, plan.n_replicas, workload.param_bytes))
     # reduce-scatter + all-gather: each member sends (D - 1) shards of P / D in each phase
     params = sum(workload.stage_params(a, b) for a, b in plan.stages)
     sync = 2.0 * (d - 1) * params * per_elem / choice.sync.period if d > 1 else 0.0
@@ -340,16 +357,14 @@ class CompressedCost:
         pen = space.penalties
         limit = space.max_loss_penalty + 1e-12
         n_b = len(stages) - 1
-        self.options: list[tuple[str, SyncOption, float, float]] = []  # (activation, sync, penalty, bytes factor)
+        self.options: list[tuple[str, SyncOption, float, str]] = []  # (activation, sync, penalty, pseudo codec)
         for a in space.activation:
             for s in space.sync:
                 p = pen.penalty(Choice((a,) * n_b, s))
                 if p <= limit:
-                    f = 1.0 if s == EXACT else (bytes_per_element(s.pseudo_grad_compression, workload.param_bytes)
-                                                / workload.param_bytes)
-                    self.options.append((a, s, p, f))
+                    self.options.append((a, s, p, "exact" if s == EXACT else s.pseudo_grad_compression))
         if not self.options:
-            self.options = [("none", EXACT, 0.0, 1.0)]  # exact training has no penalty by definition
+            self.options = [("none", EXACT, 0.0, "exact")]  # exact training has no penalty by definition
 
     def _sync(self, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per stage, the delays and 8 / bandwidth of every ordered member pair: (S, D, D) each."""
@@ -364,26 +379,27 @@ class CompressedCost:
         base = timing(self.cluster, self.workload, Plan(self.stages, m.tolist()), self.flops)
         base = replace(base, sync=np.zeros_like(base.sync))
         pipe: dict[str, float] = {}
-        dp: dict[float, float] = {}
+        dp: dict[str, float] = {}
         extra: dict[SyncOption, float] = {}
         pairs = self._sync(m) if d > 1 else None
         eye = np.eye(d, dtype=bool)
         scored: list[tuple[float, float, str, SyncOption]] = []
-        for a, s, p, f in self.options:
+        for a, s, p, codec in self.options:
             if a not in pipe:
                 t = _with_activation(self.cluster, self.workload, base, (a,) * n_b)
                 pipe[a] = cost_full.predict_timing(t)["pipeline_s"]
-            if f not in dp:
+            if codec not in dp:
                 if pairs is None:
-                    dp[f] = 0.0
+                    dp[codec] = 0.0
                 else:
+                    f = 1.0 if codec == "exact" else sync_bytes_factor(codec, d, self.workload.param_bytes)
                     x = pairs[0] + pairs[1] * (f * self.shard_bytes / d)[:, None, None]
                     x[:, eye] = 0.0
-                    dp[f] = 2.0 * float(x.max())
+                    dp[codec] = 2.0 * float(x.max())
             if s not in extra:  # the option's control rounds beyond exact training's (module docstring)
                 extra[s] = (control_s(self.workload, self.stages, m.size, s)
                             - control_s(self.workload, self.stages, m.size, EXACT))
-            scored.append((pipe[a] + dp[f] / s.period + extra[s], p, a, s))
+            scored.append((pipe[a] + dp[codec] / s.period + extra[s], p, a, s))
         fastest = min(t for t, *_ in scored)
         # the least penalty among the choices within min_gain of the fastest (then the faster of those)
         t, _, a, s = min((x for x in scored if x[0] <= fastest * (1 + self.space.min_gain)),

@@ -118,6 +118,20 @@ def test_topk_keeps_the_largest_entries_exactly() -> None:
     assert float(x[~kept].abs().max()) <= float(x[kept].abs().min())
 
 
+@pytest.mark.parametrize(("n", "k", "nonzeros"), [(1000, 20, 20), (1000, 20, 7), (1000, 20, 0), (30, 30, 30),
+                                                  (64, 9, 9)])
+def test_topk_of_a_tensor_sparser_than_k_sends_it_exactly(n: int, k: int, nonzeros: int) -> None:
+    """An all-gather's summed shard holds at most k non-zeros: all of them go, zeros fill the count."""
+    torch.manual_seed(n + nonzeros)
+    x = torch.zeros(n)
+    x[torch.randperm(n)[:nonzeros]] = torch.randn(nonzeros)
+    idx, vals = lowbit.topk_encode(x, k)
+    assert idx.numel() == k and bool((idx[1:] > idx[:-1]).all())
+    assert torch.equal(lowbit.topk_decode(idx, vals, n), x)
+    msg = encode_tensor("s", x, "topk", block_size=n // k)  # keeps ceil(n / (n // k)) >= k entries
+    assert torch.equal(decode_tensor(msg), x)
+
+
 def test_error_feedback_residual_carries_what_was_not_sent() -> None:
     torch.manual_seed(3)
     ef = lowbit.ErrorFeedback(block_size=16)

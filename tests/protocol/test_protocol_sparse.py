@@ -12,6 +12,7 @@ from tasklet.protocol import sparse
 from tasklet.protocol import tasklet_pb2 as pb
 from tasklet.protocol.codec import COMPRESSIONS, decode_tensor, encode_tensor
 from tasklet.protocol.errors import BadMessage
+from tasklet.scheduler.compression import bytes_per_element as scheduler_bytes
 
 pytestmark = pytest.mark.unit
 KINDS = ("topk2", "topk4")
@@ -49,6 +50,7 @@ def test_bytes_per_element_match_the_wire(kind: str) -> None:
     assert len(msg.data) + len(msg.scales) == pytest.approx(sparse.bytes_per_element(kind) * n)
     assert 4 / sparse.bytes_per_element(kind) > 150, "over 150x smaller than float32"
     assert COMPRESSIONS[kind] == sparse.WIRE_IDS[kind]
+    assert scheduler_bytes(kind, 4) == pytest.approx(sparse.bytes_per_element(kind)), "the scheduler's figure"
 
 
 def test_zeros_bfloat16_and_empty_round_trip() -> None:

@@ -147,11 +147,12 @@ def test_sync_period_amortises_the_compressed_dp_term() -> None:
     c, w = uniform_cluster(4, 0.1), workload()
     p = Plan([(0, 4), (4, 8)], [[0, 1], [2, 3]])
     exact = predict(c, w, p, Choice.exact(2))
-    for comp in ("none", "int8", "topk"):
+    for comp in ("none", "int8", "topk", "topk2", "topk4"):
         h8 = predict(c, w, p, Choice(("none",), SyncOption(8, comp)))
         assert h8["pipeline_s"] == pytest.approx(exact["pipeline_s"])
-        # per stage 2 (delay + 8 f P_s / (D bw)) / H
-        f = bytes_per_element(comp, 4) / 4
+        # per stage 2 (delay + 8 f P_s / (D bw)) / H; a sparse all-gather sends the 2 members' sum exactly
+        gather = 2 * 8 / 64 if comp.startswith("topk") else bytes_per_element(comp, 4)
+        f = (bytes_per_element(comp, 4) + gather) / 2 / 4
         want = max(2 * (0.001 + 8 * f * w.stage_param_bytes(a, b) / 2 / 0.1e9) / 8 for a, b in p.stages)
         assert h8["dp_s"] == pytest.approx(want)
     # activation bytes per boundary follow the codec's bytes per element
@@ -178,8 +179,12 @@ def test_bytes_per_step_counts_both_phases() -> None:
     p = Plan([(0, 4), (4, 8)], [[0, 1], [2, 3]])
     b = bytes_per_step(w, p, Choice.exact(2))
     assert b["sync"] == pytest.approx(2 * 1 * w.total_params * 4)
-    b32 = bytes_per_step(w, p, Choice(("none",), SyncOption(32, "topk")))
-    assert b32["sync"] == pytest.approx(b["sync"] / 32 / 32)
+    b32 = bytes_per_step(w, p, Choice(("none",), SyncOption(32, "int8")))
+    assert b32["sync"] == pytest.approx(b["sync"] / 32 * (1 + 4 / 64) / 4)
+    # sparse: contributions as coded, the 2 members' summed shard as an exact top-k (2 entries per 64, 8 B each)
+    for comp, scatter in (("topk", 8 / 64), ("topk2", 1.25 / 64 + 4 / 4096), ("topk4", 1.5 / 64 + 4 / 4096)):
+        sparse = bytes_per_step(w, p, Choice(("none",), SyncOption(32, comp)))
+        assert sparse["sync"] == pytest.approx(b["sync"] / 32 * (scatter + 2 * 8 / 64) / 2 / 4)
 
 
 def test_bad_inputs_are_refused(tmp_path: Path) -> None:
