@@ -334,6 +334,10 @@ def _outer_step(pipes: list[_Pipeline], anchor: list[torch.Tensor], momentum: li
             if comp == "topk":
                 delta = feedback[r].compress(str(i), delta)
                 delta = decode_tensor(encode_tensor("d", delta, "topk")).view_as(a)
+            elif comp in ("topk2", "topk4"):  # error feedback: what rounding and selection lose, a later round sends
+                corrected = delta + feedback[r].residual.get(str(i), torch.zeros_like(delta))
+                delta = decode_tensor(encode_tensor("d", corrected, comp)).view_as(a)
+                feedback[r].residual[str(i)] = corrected - delta
             elif comp != "none":
                 delta = decode_tensor(encode_tensor("d", delta, comp)).view_as(a)
             total += delta

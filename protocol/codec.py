@@ -186,16 +186,20 @@ def encode_tensor(
 def _quantize_int8(flat: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Blockwise absmax int8 codes (numel of them) and one float32 scale per block (see module docstring)."""
     numel = flat.numel()
-    blocks = lowbit.padded_blocks(flat, block_size)
-    scales = blocks.abs().amax(dim=1) / INT8_LEVELS
+    whole = numel % block_size == 0  # whole blocks: a view, no padded copy
+    blocks = flat.contiguous().view(-1, block_size) if whole else lowbit.padded_blocks(flat, block_size)
+    # absmax as max(max, -min): the same value as abs().amax() without an |x| copy of the tensor
+    scales = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()) / INT8_LEVELS
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(blocks / safe[:, None]).clamp_(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
+    codes = torch.div(blocks, safe[:, None]).round_().clamp_(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
     return codes.reshape(-1)[:numel], scales
 
 
 def _dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, block_size: int) -> torch.Tensor:
     numel = codes.numel()
     n_blocks = scales.numel()
+    if numel == n_blocks * block_size:
+        return codes.view(n_blocks, block_size).to(torch.float32).mul_(scales[:, None]).reshape(-1)
     padded = torch.zeros(n_blocks * block_size, dtype=torch.float32)
     padded[:numel] = codes.to(torch.float32)
     return (padded.view(n_blocks, block_size) * scales[:, None]).reshape(-1)[:numel]

@@ -56,12 +56,13 @@ SPARSE_OPTIONS = ("topk", "topk2", "topk4")
 GROUP_BLOCKS = 64  # blocks sharing one scale in topk2 / topk4 (protocol.sparse)
 BLOCK_SIZE = 64
 CODEC_FLOPS_PER_ELEMENT = 8.0  # absmax, scale, noise, round, pack (and the inverse): a few ops per element
-# An outer round's pseudo-gradient codec runs on the worker's CPU, not the emulated device: encode + decode per
-# element on one thread at the sizes where it matters (16 M elements, out of cache; `python -m bench.codec`):
-# int8 18-24 ns, top-k 28-42 ns, topk2 / topk4 6.5 ns, and the exact top-k of a summed sparse shard 8.4 ns; in
-# cache int8 and top-k are 2-4x faster. Each member encodes its pseudo-gradient and the summed shard and decodes
-# what it receives: about 2 round trips of its stage's parameters per round.
-CODEC_S_PER_ELEMENT = {"int8": 25e-9, "topk": 40e-9, "topk2": 7.5e-9, "topk4": 7.5e-9}
+# An outer round's pseudo-gradient codec runs on the worker's CPU, not the emulated device. Each member encodes
+# its pseudo-gradient and the summed shard and decodes what it receives: about 2 round trips of its stage's
+# parameters per round, one at the contribution's codec and one at the summed shard's (int8 for int8; an exact
+# top-k of a sparse sum for the sparse codecs). Encode + decode per element on one thread at the size where it
+# matters (16 M elements, out of cache; `python -m bench.codec`): int8 6.7 ns, top-k 27.6 ns, topk2 / topk4
+# 6.2-6.3 ns, the sparse sum 6.9 ns; the charge is the mean of a round's two passes, rounded up.
+CODEC_S_PER_ELEMENT = {"int8": 7e-9, "topk": 18e-9, "topk2": 7e-9, "topk4": 7e-9}
 OUTER_CODEC_PASSES = 2.0
 DILOCO_ROUND_END_ROUNDS = 2  # the outer round's reduce and its apply, once per H steps
 DILOCO_INNER_ROUNDS = 2  # start_step and the inner step's merged reduce-and-apply, every step
