@@ -89,7 +89,8 @@ class RunSection:
     outer_lr: float = _f(0.7, "DiLoCo outer learning rate (Nesterov SGD on the averaged pseudo-gradient)")
     outer_momentum: float = _f(0.9, "DiLoCo outer Nesterov momentum, in [0, 1)")
     pseudo_grad_compression: str = _f("none", "DiLoCo pseudo-gradients on the wire, one of "
-                                      f"{', '.join(PSEUDO_GRAD_COMPRESSIONS)} (topk: with error feedback)")
+                                      f"{', '.join(PSEUDO_GRAD_COMPRESSIONS)} "
+                                      "(the topk ones: sparse, with error feedback)")
 
 
 @dataclass

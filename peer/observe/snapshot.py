@@ -21,7 +21,7 @@ from tasklet.peer.swarm.adverts import LinkReport, compute_share
 from tasklet.peer.swarm.credit import credit_rows
 from tasklet.peer.swarm.membership import PeerEntry
 from tasklet.peer.swarm.plans import PlanRecord
-from tasklet.peer.swarm.status import StatusReader
+from tasklet.peer.swarm.status import StatusReader, sync_summary
 
 MAX_HISTORY = 5000  # steps of loss history shown (the leader publishes at most 2000)
 MAX_PIPELINES = 256
@@ -189,6 +189,7 @@ def build_snapshot(source: SwarmSource, run_id: str) -> dict[str, Any]:
         "links": link_rows,
         "history": _history(progress, tokens_per_step(run_config)),
         "credit": _credit(progress.get("credit")),
+        "sync": sync_summary(run_config),
     }
 
 

@@ -44,6 +44,7 @@ class SwarmStatus:
     progress: dict[str, Any]
     links: dict[str, Any]
     leadership: dict[str, Any] | None = None  # the organiser, who may lead, and "waiting" while no steward lives
+    sync: dict[str, Any] | None = None  # how replicas synchronise, from the run record (:func:`sync_summary`)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -59,6 +60,7 @@ class SwarmStatus:
             "links": self.links,
             "credit": credit_summary(self.progress),
             "leadership": self.leadership,
+            "sync": self.sync,
         }
 
 
@@ -76,6 +78,7 @@ class StatusReader:
         self.progress = ProgressBoard(self.dht, run_id, None, secret)
         self._view: tuple[float, list[PeerEntry]] = (-1.0, [])
         self._policy: tuple[float, LeaderPolicy | None] = (-1.0, None)
+        self.sync: dict[str, Any] | None = None  # from the run record, read with the policy
 
     def live_entries(self) -> list[PeerEntry]:
         """The live peers; one DHT read serves every caller within ``VIEW_REUSE_S`` (a status screen asks
@@ -106,6 +109,7 @@ class StatusReader:
                 leaders = swarm.get("leaders") if isinstance(swarm, dict) else None
                 added = self.membership.read_stewards(record.organiser) or ()
                 policy = LeaderPolicy.from_record(record.organiser, leaders, added)
+                self.sync = sync_summary(record.config)
             self._policy = (time.monotonic(), policy)
         return policy
 
@@ -197,7 +201,30 @@ class StatusReader:
         credited = {row["peer_id"]: row["microbatches"] for row in credit_rows((progress or {}).get("credit"))}
         for peer in peers:  # each live peer's verified micro-batches, from the leader's signed record
             peer["credit_microbatches"] = credited.get(peer["peer_id"], 0)
-        return SwarmStatus(peers, plan_out, progress or {}, link_summary, self.leadership(entries))
+        return SwarmStatus(peers, plan_out, progress or {}, link_summary, self.leadership(entries), self.sync)
+
+
+def sync_summary(run_config: object) -> dict[str, Any] | None:
+    """How the run's replicas synchronise, from its record's ``run`` section: ``{"period": H, "codec": C,
+    "overlap": False}`` (period 1: exact averaging every step, codec None); None when the record lacks it.
+    The outer round is not overlapped with compute yet, so ``overlap`` is always False."""
+    run = run_config.get("run") if isinstance(run_config, dict) else None
+    if not isinstance(run, dict):
+        return None
+    period = run.get("sync_period", 1)
+    codec = run.get("pseudo_grad_compression", "none")
+    if isinstance(period, bool) or not isinstance(period, int) or period < 1 or not isinstance(codec, str):
+        return None
+    return {"period": period, "codec": None if period == 1 else codec[:16], "overlap": False}
+
+
+def sync_line(sync: dict[str, Any]) -> str:
+    """``sync_summary`` in words."""
+    if sync["period"] == 1:
+        return "sync: exact gradient averaging every step"
+    codec = "fp32" if sync["codec"] == "none" else sync["codec"]
+    overlap = "overlapped with the next round" if sync["overlap"] else "not overlapped"
+    return f"sync: DiLoCo, outer round every {sync['period']} steps, {inert(codec)} pseudo-gradients, {overlap}"
 
 
 def _by_path(links: list) -> dict[str, dict[str, Any]]:
@@ -246,6 +273,8 @@ def format_status(st: SwarmStatus) -> str:
                      f"{str(discarded.get('leader'))[:12]} (plan epoch {discarded.get('epoch')}, step "
                      f"{discarded.get('step')}); kept epoch {discarded.get('kept_epoch')}, "
                      f"step {discarded.get('kept_step')}")
+    if st.sync:
+        lines.append(sync_line(st.sync))
     lines.append(
         f"plan: epoch {plan.get('epoch')}, leader {str(plan.get('leader'))[:12]}, "
         f"{len(plan.get('pipelines') or [])} pipeline(s) x {len(plan.get('stages') or [])} stage(s)"

@@ -66,7 +66,9 @@ class PageDom(HTMLParser):
         self.peer_rows: list[str] = []
         self.plan_cells: list[str] = []
         self.loss_points = 0
+        self.sync = ""  # the summary's sync setting
         self._in_loss_chart = False
+        self._in_sync = False
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         a = dict(attrs)
@@ -78,10 +80,16 @@ class PageDom(HTMLParser):
             self._in_loss_chart = a.get("id") == "loss-chart"
         elif tag == "circle" and self._in_loss_chart and a.get("class") == "point":
             self.loss_points += 1
+        self._in_sync = a.get("id") == "sync"
+
+    def handle_data(self, data: str) -> None:
+        if self._in_sync:
+            self.sync += data
 
     def handle_endtag(self, tag: str) -> None:
         if tag == "svg":
             self._in_loss_chart = False
+        self._in_sync = False
 
 
 def chromium(url: str, tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -210,6 +218,7 @@ def test_dashboard_of_a_live_swarm_in_headless_chromium(tmp_path: Path) -> None:
             assert all(p["device"] and p["tflops"] > 0 and p["last_seen_s"] >= 0 for p in api["peers"])
             assert {e["kind"] for e in api["events"]} >= {"watch"}
             assert all(isinstance(x, float) for x in api["history"]["loss"])
+            assert api["sync"] == {"period": 1, "codec": None, "overlap": False}
 
             dom_run = chromium(url, tmp_path, "--dump-dom")
             assert dom_run.returncode == 0, dom_run.stderr[-2000:]
@@ -218,6 +227,7 @@ def test_dashboard_of_a_live_swarm_in_headless_chromium(tmp_path: Path) -> None:
             assert sorted(dom.peer_rows) == peer_ids, dom_run.stdout[:3000]
             assert set(dom.plan_cells) == set(peer_ids)
             assert dom.loss_points >= 3, "the loss chart has no points"
+            assert dom.sync == "exact sync"
             shot = tmp_path / "dashboard.png"
             shot_run = chromium(url, tmp_path, f"--screenshot={shot}", "--window-size=1280,1400")
             assert shot.exists() and shot.stat().st_size > 20_000, shot_run.stderr[-2000:]

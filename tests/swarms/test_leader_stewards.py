@@ -117,6 +117,7 @@ def test_a_lying_early_member_never_leads_the_swarm_waits_for_a_steward_and_fini
                    "the organiser's first steps")
         st = poll_until(lambda: status_json(addr), lambda s: len(s["peers"]) == 4, 60, "four peers in the status")
         assert st["plan"]["leader"] == organiser and st["leadership"]["leaders"] == [organiser]
+        assert st["sync"] == {"period": 1, "codec": None, "overlap": False}  # from the organiser's run record
         assert f"of organiser {organiser}" in procs.log_text(3)
         procs.kill(0)  # the organiser's peer dies: nobody else may lead
         addr = procs.join_address(2)

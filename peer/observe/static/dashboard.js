@@ -70,6 +70,13 @@ function bandwidthColour(mbps, lo, hi) {
   return `hsl(${Math.round(8 + 112 * Math.max(0, Math.min(1, t)))}, 60%, 78%)`;
 }
 
+function syncText(sync) {
+  if (!sync) return "";
+  if (sync.period === 1) return "exact sync";
+  const codec = sync.codec === "none" ? "fp32" : sync.codec;
+  return `DiLoCo H=${sync.period}, ${codec}${sync.overlap ? ", overlapped" : ""}`;
+}
+
 function renderSummary(s) {
   setText("run-name", s.run ? `run ${s.run}` : "");
   const state = document.getElementById("state");
@@ -78,6 +85,7 @@ function renderSummary(s) {
   setText("step", s.step === null || s.step === undefined ? "-" : (s.steps ? `${s.step}/${s.steps}` : `${s.step}`));
   setText("loss", fmt(s.loss, 4));
   setText("tps", fmtNum(s.tokens_per_s));
+  setText("sync", syncText(s.sync));
   setText("peer-count", (s.peers || []).length);
   setText("epoch", s.plan && s.plan.epoch !== null ? s.plan.epoch : "-");
   setText("freshness", s.age_s === null || s.age_s === undefined ? "" : `read ${fmt(s.age_s, 1)} s ago`);
