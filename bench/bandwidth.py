@@ -62,12 +62,14 @@ choice under a 2 % limit, trains that choice too when it is a per-boundary mix n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
 import multiprocessing
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -159,6 +161,7 @@ class TrainConfig:
     cut_after: float = 0.25  # an option still > cut_gap worse than exact after this fraction of the steps ...
     cut_gap: float = 0.2  # ... is clearly dominated: its run stops there (its row reports the gap measured there)
     workers: int = 2  # training runs in parallel (processes)
+    overlap: str = ""  # DiLoCo's outer round one round late: "delayed" or "eager" (:class:`OuterLoop`); "": in step
 
     @property
     def stages(self) -> list[tuple[int, int]]:
@@ -290,9 +293,7 @@ def train(cfg: TrainConfig, choice: Choice, train_corpus: Corpus, val: Corpus, m
     sync = choice.sync
     n_pipes = 1 if sync == EXACT else cfg.replicas
     pipes = [_Pipeline(cfg, model, choice.activation) for _ in range(n_pipes)]
-    anchor = [p.detach().clone() for p in pipes[0].params()]
-    momentum = [torch.zeros_like(p) for p in anchor]
-    feedback = [ErrorFeedback() for _ in pipes]
+    outer = OuterLoop(pipes, sync, cfg)
     curve = Curve(name or _label(choice))
     curve.steps.append(0)
     curve.val.append(_val_loss(pipes[0], val, cfg))
@@ -308,10 +309,11 @@ def train(cfg: TrainConfig, choice: Choice, train_corpus: Corpus, val: Corpus, m
             torch.nn.utils.clip_grad_norm_(pipe.params(), 1.0)
             pipe.opt.step()
         if sync != EXACT and (step + 1) % sync.period == 0:
-            _outer_step(pipes, anchor, momentum, feedback, sync, cfg)
+            outer.round_end()
         if (step + 1) % every == 0:
             curve.steps.append(step + 1)
-            curve.val.append(_val_loss(pipes[0], val, cfg))
+            with outer.flushed(pipes[0]):
+                curve.val.append(_val_loss(pipes[0], val, cfg))
             if stop_below is not None and step + 1 >= cfg.steps and curve.val[-1] <= stop_below:
                 break
             if (against is not None and cfg.cut_after * cfg.steps <= step + 1 < cfg.steps
@@ -323,31 +325,101 @@ def train(cfg: TrainConfig, choice: Choice, train_corpus: Corpus, val: Corpus, m
     return curve
 
 
-def _outer_step(pipes: list[_Pipeline], anchor: list[torch.Tensor], momentum: list[torch.Tensor],
-                feedback: list[ErrorFeedback], sync: SyncOption, cfg: TrainConfig) -> None:
-    """Average the pseudo-gradients (through the codec) and take a Nesterov step from the anchor."""
-    comp = sync.pseudo_grad_compression
-    for i, a in enumerate(anchor):
-        total = torch.zeros_like(a)
-        for r, pipe in enumerate(pipes):
-            delta = a - pipe.params()[i].detach()
-            if comp == "topk":
-                delta = feedback[r].compress(str(i), delta)
-                delta = decode_tensor(encode_tensor("d", delta, "topk")).view_as(a)
-            elif comp in ("topk2", "topk4"):  # error feedback: what rounding and selection lose, a later round sends
-                corrected = delta + feedback[r].residual.get(str(i), torch.zeros_like(delta))
-                delta = decode_tensor(encode_tensor("d", corrected, comp)).view_as(a)
-                feedback[r].residual[str(i)] = corrected - delta
-            elif comp != "none":
-                delta = decode_tensor(encode_tensor("d", delta, comp)).view_as(a)
-            total += delta
-        avg = total / len(pipes)
-        momentum[i].mul_(cfg.outer_momentum).add_(avg)
-        a.sub_(cfg.outer_lr * (avg + cfg.outer_momentum * momentum[i]))
-    with torch.no_grad():
-        for pipe in pipes:
+class OuterLoop:
+    """DiLoCo's outer loop over the pipelines of one run: average the pseudo-gradients (through the codec, with
+    error feedback for the sparse ones) and take a Nesterov step from the anchor.
+
+    Synchronous (``cfg.overlap`` ""): at a round's end every pipeline's pseudo-gradient is ``anchor - params``,
+    the outer step is taken at once and every pipeline restarts from the new anchor.
+
+    One round late, as a runtime that sends round k's pseudo-gradients while round k + 1 computes: a pipeline's
+    pseudo-gradient is its progress over the round (``start - params``); at the end of round k + 1 the average
+    of round k has arrived and the anchor takes its outer step with it. Each pipeline then goes on from
+    (``"delayed"``) ``anchor - its own progress of round k + 1``, or (``"eager"``, after Kale et al., "Eager
+    updates for overlapped communication in DiLoCo", 2025) a provisional outer step from the anchor with its
+    estimate of round k + 1's average: its own pseudo-gradient for its share and the others' of round k for
+    theirs (``pending + (own_now - own_before) / M``), momentum not committed. The model of the run at any point
+    is the anchor with the pending average applied (:meth:`flushed`): what every replica holds after the last
+    round's average lands, which is how a run ends.
+    """
+
+    def __init__(self, pipes: list[_Pipeline], sync: SyncOption, cfg: TrainConfig) -> None:
+        self.pipes, self.sync, self.cfg = pipes, sync, cfg
+        self.anchor = [p.detach().clone() for p in pipes[0].params()]
+        self.momentum = [torch.zeros_like(p) for p in self.anchor]
+        self.residual: list[dict[int, torch.Tensor]] = [{} for _ in pipes]
+        self.feedback = [ErrorFeedback() for _ in pipes]
+        self.start = [[a.clone() for a in self.anchor] for _ in pipes]
+        self.pending: list[torch.Tensor] | None = None  # the last round's average, still travelling
+        self.sent_before: list[list[torch.Tensor]] | None = None  # each pipeline's sent pseudo-gradient, last round
+
+    def _sent(self, r: int, i: int, delta: torch.Tensor) -> torch.Tensor:
+        """What pipeline ``r``'s pseudo-gradient of tensor ``i`` decodes to on the wire."""
+        comp = self.sync.pseudo_grad_compression
+        if comp == "topk":
+            delta = self.feedback[r].compress(str(i), delta)
+            return decode_tensor(encode_tensor("d", delta, "topk")).view_as(delta)
+        if comp in ("topk2", "topk4"):  # error feedback: what rounding and selection lose, a later round sends
+            corrected = delta + self.residual[r].get(i, torch.zeros_like(delta))
+            sent = decode_tensor(encode_tensor("d", corrected, comp)).view_as(delta)
+            self.residual[r][i] = corrected - sent
+            return sent
+        return delta if comp == "none" else decode_tensor(encode_tensor("d", delta, comp)).view_as(delta)
+
+    def _step(self, anchor: list[torch.Tensor], momentum: list[torch.Tensor], avg: list[torch.Tensor]) -> None:
+        mu, lr = self.cfg.outer_momentum, self.cfg.outer_lr
+        for a, m, g in zip(anchor, momentum, avg, strict=True):
+            m.mul_(mu).add_(g)
+            a.sub_(lr * (g + mu * m))
+
+    def round_end(self) -> None:
+        n = len(self.pipes)
+        progress = [[s - p.detach() for s, p in zip(self.start[r], pipe.params(), strict=True)]
+                    for r, pipe in enumerate(self.pipes)]
+        sent = [[self._sent(r, i, progress[r][i]) for i in range(len(self.anchor))] for r in range(n)]
+        avg = [sum(sent[r][i] for r in range(n)) / n for i in range(len(self.anchor))]
+        if not self.cfg.overlap:
+            self._step(self.anchor, self.momentum, avg)
+            starts = [self.anchor] * n
+        else:
+            if self.pending is not None:
+                self._step(self.anchor, self.momentum, self.pending)
+            if self.cfg.overlap == "delayed":
+                starts = [[a - d for a, d in zip(self.anchor, progress[r], strict=True)] for r in range(n)]
+            else:  # eager: a provisional outer step with this pipeline's estimate of the average
+                starts = []
+                for r in range(n):
+                    est = [(self.pending[i] if self.pending is not None else 0)
+                           + (sent[r][i] - (self.sent_before[r][i] if self.sent_before else 0)) / n
+                           for i in range(len(self.anchor))]
+                    start = [a.clone() for a in self.anchor]
+                    self._step(start, [m.clone() for m in self.momentum], est)
+                    starts.append(start)
+            self.pending, self.sent_before = avg, sent
+        with torch.no_grad():
+            for r, pipe in enumerate(self.pipes):
+                for p, s in zip(pipe.params(), starts[r], strict=True):
+                    p.copy_(s)
+                self.start[r] = [p.detach().clone() for p in pipe.params()]
+
+    @contextlib.contextmanager
+    def flushed(self, pipe: _Pipeline) -> Iterator[None]:
+        """``pipe`` holds the run's model meanwhile (with an outer round pending: the anchor after it)."""
+        if not self.cfg.overlap or self.pending is None:
+            yield
+            return
+        saved = [p.detach().clone() for p in pipe.params()]
+        anchor = [a.clone() for a in self.anchor]
+        self._step(anchor, [m.clone() for m in self.momentum], self.pending)
+        with torch.no_grad():
             for p, a in zip(pipe.params(), anchor, strict=True):
                 p.copy_(a)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, s in zip(pipe.params(), saved, strict=True):
+                    p.copy_(s)
 
 
 def _label(choice: Choice) -> str:

@@ -1,0 +1,93 @@
+"""bench.overlap and the outer loop it measures (bench.bandwidth.OuterLoop): synchronous and one round late."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from bench import bandwidth, overlap
+from tasklet.peer.compute.model import ModelConfig
+from tasklet.scheduler.compression import SyncOption
+
+
+def _pipes(cfg: bandwidth.TrainConfig, n: int) -> list[bandwidth._Pipeline]:
+    model = ModelConfig(n_layers=cfg.n_layers, d_model=cfg.d_model, n_heads=cfg.n_heads, seq_len=cfg.seq_len,
+                        seed=cfg.seed)
+    return [bandwidth._Pipeline(cfg, model, ("none",) * (len(cfg.stages) - 1)) for _ in range(n)]
+
+
+def _inner_steps(pipes: list[bandwidth._Pipeline], gen: torch.Generator) -> None:
+    """Stand-in for a round of inner steps: each pipeline moves its own way."""
+    with torch.no_grad():
+        for pipe in pipes:
+            for p in pipe.params():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.01)
+
+
+def _flat(pipe: bandwidth._Pipeline) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in pipe.params()])
+
+
+@pytest.mark.unit
+def test_overlapped_outer_loop_keeps_own_progress_and_flushes_to_the_average() -> None:
+    """With outer lr 1, no momentum and no codec, an outer step is model averaging. One round late, each pipeline
+    goes on from the anchor minus its own latest round, and the run's model (the anchor with the pending
+    round applied) is then exactly the pipelines' average; synchronous, every pipeline holds the anchor."""
+    cfg = replace(bandwidth.QUICK, outer_lr=1.0, outer_momentum=0.0)
+    gen = torch.Generator().manual_seed(5)
+    for overlap_on in ("", "delayed"):
+        pipes = _pipes(cfg, 3)
+        loop = bandwidth.OuterLoop(pipes, SyncOption(4, "none"), replace(cfg, overlap=overlap_on))
+        for round_no in range(3):
+            _inner_steps(pipes, gen)
+            before = [_flat(p) for p in pipes]
+            loop.round_end()
+            after = [_flat(p) for p in pipes]
+            mean = torch.stack(before).mean(0)
+            if not overlap_on:
+                for a in after:
+                    assert torch.allclose(a, mean, atol=1e-6), "synchronous: every pipeline holds the average"
+            elif round_no == 0:
+                for b, a in zip(before, after, strict=True):
+                    assert torch.equal(a, b), "the first round's average is still travelling: nothing moves"
+            else:
+                assert not torch.allclose(after[0], after[1]), "each keeps its own latest round"
+            with loop.flushed(pipes[0]):
+                assert torch.allclose(_flat(pipes[0]), mean, atol=1e-6), "the run's model is the average"
+            assert torch.equal(_flat(pipes[0]), after[0]), "flushed() gives the pipeline back as it was"
+
+
+@pytest.mark.unit
+def test_eager_outer_loop_takes_its_own_share_of_the_first_round_at_once() -> None:
+    """Eager, first round: no average has arrived, so a pipeline's estimate is its own pseudo-gradient over M
+    (the others' share unknown): with outer lr 1 it goes on from start + its own progress / M."""
+    cfg = replace(bandwidth.QUICK, outer_lr=1.0, outer_momentum=0.0, overlap="eager")
+    gen = torch.Generator().manual_seed(6)
+    pipes = _pipes(cfg, 2)
+    start = _flat(pipes[0])
+    loop = bandwidth.OuterLoop(pipes, SyncOption(4, "none"), cfg)
+    _inner_steps(pipes, gen)
+    before = [_flat(p) for p in pipes]
+    loop.round_end()
+    for b, p in zip(before, pipes, strict=True):
+        assert torch.allclose(_flat(p), start + (b - start) / 2, atol=1e-6)
+    with loop.flushed(pipes[0]):
+        assert torch.allclose(_flat(pipes[0]), (before[0] + before[1]) / 2, atol=1e-6)
+
+
+@pytest.mark.light_processes  # two forked trainers for seconds, no timing asserted: lane 1 (tests/conftest.py)
+def test_quick_overlap_bench_prints_sync_and_overlapped_gaps(capsys: pytest.CaptureFixture[str],
+                                                             processes: None) -> None:
+    assert overlap.main(["--quick", "--json", "--seeds", "1", "--periods", "2", "--codecs", "int8,topk2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [(r["period"], r["codec"]) for r in out["rows"]] == [(2, "int8"), (2, "topk2")]
+    for r in out["rows"]:
+        for mode in ("delayed", "eager"):
+            assert r[f"{mode}_cost"] == pytest.approx(r[f"{mode}_gap"] - r["sync_gap"], abs=2e-5)
+            assert len(r[f"{mode}_gaps_per_seed"]) == len(r["sync_gaps_per_seed"]) == 1
+    assert out["rows"][0]["outer_lr"] == 1.5  # H = 2's setting in the shipped table
+    with pytest.raises(SystemExit):
+        overlap.main(["--periods", "1"])
