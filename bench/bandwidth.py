@@ -10,7 +10,7 @@ to matter):
   for every option: activation compression at every stage boundary through the wire codec itself (forward:
   activations, backward: activation gradients; ``protocol.codec`` encode + decode), and DiLoCo (each of the
   ``replicas`` pipelines trains ``H`` inner AdamW steps on its own micro-batches, then the pseudo-gradients
-  go through the codec (``int8``, or ``topk`` with ``protocol.lowbit.ErrorFeedback`` per pipeline), are
+  go through the codec (``int8``, or ``topk`` / ``topk2`` with error feedback per pipeline), are
   averaged and applied by Nesterov SGD). Exact training is gradient averaging every step (one model, every
   micro-batch of the step). Every option sees the same micro-batches per step: equal tokens per step, each
   DiLoCo pipeline training on its own share of them, as the runtime does.
@@ -110,8 +110,9 @@ ACTIVATIONS = ("fp16", "int8", "int4", "int2")
 SYNC_PERIODS = (2, 16, 32)
 # fp32 pseudo-gradients (``none``) are left out: int8 sends 3.8x fewer bytes at the same loss (measured: H32
 # 2.70 % vs 2.69 %; H2 on the tuning seed 3.99 % vs 3.98 %), so the scheduler would never take them; left
-# unmeasured, it never can. top-k (31-40 % at H 8-32, cut at step 64) is not measured at H 2 either.
-SYNCS = tuple(SyncOption(h, c) for h in SYNC_PERIODS for c in (("int8",) if h < 16 else ("int8", "topk")))
+# unmeasured, it never can. top-k (31-40 % at H 8-32, cut at step 64) is not measured at H 2 either, nor topk2
+# (one seed at H 2: +15.8 %; 3 seeds at H 16-32: +25-44 %, docs/benchmarks/outer-round.md).
+SYNCS = tuple(SyncOption(h, c) for h in SYNC_PERIODS for c in (("int8",) if h < 16 else ("int8", "topk", "topk2")))
 JOINT_ACTIVATIONS = ("int8", "int4")  # measured together with DiLoCo (the codecs worth their bytes)
 MAX_LOSS_PENALTY = 0.02
 LOOSE_LOSS_PENALTY = 0.06  # also reported: the choice when 6 % more loss after N steps is acceptable
