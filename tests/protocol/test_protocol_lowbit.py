@@ -287,6 +287,6 @@ def test_received_payload_buffer_is_decoded_without_reading_data() -> None:
             raise AssertionError("the payload buffer should be used")
 
     x = torch.randn(4, 50)
-    for kind in ("int4", "int2", "topk"):
+    for kind in ("int4", "int2", "topk", "topk2", "topk4"):  # topk2 / topk4: protocol/sparse.py
         msg = encode_tensor("r", x, kind, block_size=16)
         assert torch.equal(decode_tensor(Received(msg)), decode_tensor(msg))  # type: ignore[arg-type]
