@@ -11,4 +11,8 @@ other version (see peer.net), so mixed-version swarms fail loudly instead of cor
 parameters hash replicas report is BLAKE3 (peer.compute.stage.bytes_digest), which a version-2 peer computes
 with sha256."""
 
-__all__ = ["PROTOCOL_VERSION"]
+SPARSE_COMPRESSIONS: tuple[str, ...] = ("topk", "topk2", "topk4")
+"""The codecs that send a tensor's largest entries only (protocol.lowbit, protocol.sparse): a sender keeps what
+they leave out as an error-feedback residual, and a sum of such tensors is itself sparse."""
+
+__all__ = ["PROTOCOL_VERSION", "SPARSE_COMPRESSIONS"]

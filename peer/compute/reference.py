@@ -22,7 +22,7 @@ from tasklet.peer.compute.data import Corpus, microbatch
 from tasklet.peer.compute.family import ModelSpec, family_of
 from tasklet.peer.compute.model import is_weight_decayed, lm_loss
 from tasklet.peer.compute.stage import OptimConfig, clip_coefficient, shard_bounds
-from tasklet.peer.runtime.choices import ERROR_FEEDBACK_COMPRESSIONS
+from tasklet.protocol import SPARSE_COMPRESSIONS as ERROR_FEEDBACK_COMPRESSIONS
 from tasklet.protocol.codec import DEFAULT_BLOCK_SIZE, decode_tensor, encode_tensor
 
 log = logging.getLogger(__name__)

@@ -7,10 +7,12 @@ torch, so they live apart from ``peer.runtime.spec`` (which validates against th
 
 from __future__ import annotations
 
+from tasklet.protocol import SPARSE_COMPRESSIONS
+
 COMPRESSIONS = ("none", "fp16", "int8", "int4", "int2")  # int4/int2: protocol/lowbit.py
 PRECISIONS = ("fp32", "bf16", "fp16")
 # of DiLoCo pseudo-gradients in the outer round (peer.runtime.outer); the sparse ones go with error feedback:
 # "topk" (protocol.lowbit), "topk2" and "topk4" (one entry per block of 64 in 2 or 4 bits, protocol.sparse)
-PSEUDO_GRAD_COMPRESSIONS = ("none", "int8", "topk", "topk2", "topk4")
-ERROR_FEEDBACK_COMPRESSIONS = ("topk", "topk2", "topk4")
+PSEUDO_GRAD_COMPRESSIONS = ("none", "int8", *SPARSE_COMPRESSIONS)
+ERROR_FEEDBACK_COMPRESSIONS = SPARSE_COMPRESSIONS
 DEFAULT_KEEP = 3  # checkpoints kept on the leader's disk

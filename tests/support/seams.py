@@ -35,6 +35,7 @@ THIRD_PARTY_WRITES: dict[str, str] = {
     "protocol/codec.py:msg.*": "a protobuf Tensor filled in place: the caller's `out` (envelope.tensors.add()) "
                                "saves the copy protobuf makes of an appended message",
     "protocol/lowbit.py:msg.*": "the same protobuf Tensor, its low-bit fields",
+    "protocol/sparse.py:msg.*": "the same protobuf Tensor, its sparse low-bit fields",
     "peer/net/client.py:envelope.*": "a protobuf Envelope (or its wire form) to send: its header gets the protocol "
                                      "version and sender when the caller left them empty",
     "peer/net/server.py:request.sender": "a received protobuf request: the TLS-authenticated caller replaces the "
