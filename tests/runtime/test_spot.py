@@ -360,3 +360,33 @@ def test_a_full_ledger_rolls_back_further_never_less(monkeypatch) -> None:
     assert ledger.earliest(["c", "zz"]) == 4
     ledger.rolled_back(4)
     assert ledger.overflow is None and ledger.first_unverified("c") is None and ledger.first == {"a": 3, "b": 3}
+
+
+def test_a_backup_copy_that_takes_over_a_commit_is_linked_and_the_step_reduces() -> None:
+    """Pipeline 0 commits micro-batch 0 before pipeline 2's speculative copy of it, which becomes its backup; then
+    pipeline 0 loses a member, so the backup's gradient counts. The spot checks must take the backup's commit as
+    checked like any other, or the reduce waits for a link that is never checked (a swarm stalled this way after
+    a healed partition, until its step deadline)."""
+    n = 3
+    assignments = {ep(s, r): Assignment(
+        epoch=1, stage=s, replica=r, n_stages=N_STAGES, n_replicas=n, layers=(s, s + 1),
+        group=tuple(ep(s, q) for q in range(n)), coordinator="lead",
+        prev=ep(s - 1, r) if s > 0 else None, next=ep(s + 1, r) if s < N_STAGES - 1 else None)
+        for r in range(n) for s in range(N_STAGES)}
+    spot = SpotChecks(0, N_STAGES, lambda p: 0.0, rng=random.Random(3))  # no shadows: only the backup path
+    machine = StepMachine(0, Roster(assignments), 4, now=0.0, timeout_s=600.0, lease_timeout_s=60.0, spot=spot,
+                          speculate_after=(1.0, None))
+    machine.start()
+    assert [machine.lease(p, 0.1).microbatch for p in range(n)] == [0, 1, 2]
+    run_copy(machine, 2, 2, wrong=False, now=0.5)
+    assert machine.lease(2, 0.6).microbatch == 3
+    run_copy(machine, 3, 2, wrong=False, now=0.7)
+    copy = machine.lease(2, 2.0)  # pipelines 0 and 1 are overdue: a copy of the oldest lease
+    assert (copy.microbatch, copy.speculative) == (0, True)
+    run_copy(machine, 0, 0, wrong=False, now=2.1)  # the original wins ...
+    run_copy(machine, 0, 2, wrong=False, now=2.2)  # ... and the copy is its backup
+    machine.died(ep(1, 0))
+    run_copy(machine, 1, 1, wrong=False, now=2.5)
+    emitted = [c.name for t in (2.6, 3.0) for c in machine.tick(t) if isinstance(c, Emit)]
+    assert machine.pool.assignment() == {0: 2, 1: 1, 2: 2, 3: 2}, "the backup counts, nothing is redone"
+    assert "reduce" in emitted, f"the step stalled in {machine.phase}: {emitted}"

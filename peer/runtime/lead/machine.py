@@ -448,6 +448,7 @@ class StepMachine:
         dead = self.roster.pipelines_of(self.dead)
         aside = {r for r, at in st.aside.items() if at <= self.now}
         broken = sorted((dead | pool.failed() | set(pool.losers()) | aside) - st.dropped)
+        before = pool.assignment()
         for r in broken:
             why = ("lost a member" if r in dead else "was set aside by the referee" if r in aside
                    else "is late with nothing committed; its work goes to the others" if r in pool.abandoned
@@ -455,6 +456,9 @@ class StepMachine:
                    else "held a lease past its deadline")
             lost = pool.fail_pipeline(r)
             if self.spot is not None:  # a finished shadow of a lost micro-batch counts instead of a redo
+                for mb, p in pool.assignment().items():  # a backup copy took over a commit: its links are checked
+                    if before.get(mb) not in (None, p):
+                        self.spot.commit(mb, p, self.now)
                 for mb in lost:
                     adopter = next((p for p in self.spot.done_copies(mb) if p not in broken and p in self.intact()),
                                    None)
