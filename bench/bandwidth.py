@@ -162,7 +162,8 @@ class TrainConfig:
     cut_after: float = 0.25  # an option still > cut_gap worse than exact after this fraction of the steps ...
     cut_gap: float = 0.2  # ... is clearly dominated: its run stops there (its row reports the gap measured there)
     workers: int = 2  # training runs in parallel (processes)
-    overlap: str = ""  # DiLoCo's outer round one round late: "delayed" or "eager" (:class:`OuterLoop`); "": in step
+    overlap: str = ""  # DiLoCo's outer round late: "delayed", "eager" or "streaming" (:class:`OuterLoop`); "": in step
+    overlap_steps: int = 1  # "streaming": inner steps the average may take to arrive
 
     @property
     def stages(self) -> list[tuple[int, int]]:
@@ -309,6 +310,7 @@ def train(cfg: TrainConfig, choice: Choice, train_corpus: Corpus, val: Corpus, m
                 (lm_loss(pipe.forward(x), y) / len(mine)).backward()
             torch.nn.utils.clip_grad_norm_(pipe.params(), 1.0)
             pipe.opt.step()
+        outer.after_inner_step()
         if sync != EXACT and (step + 1) % sync.period == 0:
             outer.round_end()
         if (step + 1) % every == 0:
@@ -342,9 +344,15 @@ class OuterLoop:
     theirs (``pending + (own_now - own_before) / M``), momentum not committed. The model of the run at any point
     is the anchor with the pending average applied (:meth:`flushed`): what every replica holds after the last
     round's average lands, which is how a run ends.
+
+    ``"streaming"`` (the overlap of Streaming DiLoCo, Douillard et al. 2025, without its fragments): the average
+    of round k may take ``cfg.overlap_steps`` (tau) inner steps of round k + 1 to arrive; then the anchor takes
+    its outer step and each pipeline goes on from ``anchor + its own progress of those tau steps``.
     """
 
     def __init__(self, pipes: list[_Pipeline], sync: SyncOption, cfg: TrainConfig) -> None:
+        if cfg.overlap == "streaming" and not 1 <= cfg.overlap_steps < sync.period:
+            raise ValueError(f"streaming overlap: {cfg.overlap_steps} steps must be in [1, H = {sync.period})")
         self.pipes, self.sync, self.cfg = pipes, sync, cfg
         self.anchor = [p.detach().clone() for p in pipes[0].params()]
         self.momentum = [torch.zeros_like(p) for p in self.anchor]
@@ -353,6 +361,8 @@ class OuterLoop:
         self.start = [[a.clone() for a in self.anchor] for _ in pipes]
         self.pending: list[torch.Tensor] | None = None  # the last round's average, still travelling
         self.sent_before: list[list[torch.Tensor]] | None = None  # each pipeline's sent pseudo-gradient, last round
+        self.due_in = 0  # "streaming": inner steps until the pending average lands
+        self.round_end_params: list[list[torch.Tensor]] = []  # "streaming": each pipeline at the last round's end
 
     def _sent(self, r: int, i: int, delta: torch.Tensor) -> torch.Tensor:
         """What pipeline ``r``'s pseudo-gradient of tensor ``i`` decodes to on the wire."""
@@ -379,6 +389,10 @@ class OuterLoop:
                     for r, pipe in enumerate(self.pipes)]
         sent = [[self._sent(r, i, progress[r][i]) for i in range(len(self.anchor))] for r in range(n)]
         avg = [sum(sent[r][i] for r in range(n)) / n for i in range(len(self.anchor))]
+        if self.cfg.overlap == "streaming":  # nothing moves until the average lands (after_inner_step)
+            self.pending, self.due_in = avg, max(1, self.cfg.overlap_steps)
+            self.round_end_params = [[p.detach().clone() for p in pipe.params()] for pipe in self.pipes]
+            return
         if not self.cfg.overlap:
             self._step(self.anchor, self.momentum, avg)
             starts = [self.anchor] * n
@@ -402,6 +416,21 @@ class OuterLoop:
                 for p, s in zip(pipe.params(), starts[r], strict=True):
                     p.copy_(s)
                 self.start[r] = [p.detach().clone() for p in pipe.params()]
+
+    def after_inner_step(self) -> None:
+        """"streaming": the pending average lands ``overlap_steps`` inner steps after its round's end."""
+        if self.cfg.overlap != "streaming" or self.pending is None:
+            return
+        self.due_in -= 1
+        if self.due_in > 0:
+            return
+        self._step(self.anchor, self.momentum, self.pending)
+        with torch.no_grad():
+            for r, pipe in enumerate(self.pipes):
+                for p, a, e in zip(pipe.params(), self.anchor, self.round_end_params[r], strict=True):
+                    p.copy_(a + (p.detach() - e))
+                self.start[r] = [a.clone() for a in self.anchor]
+        self.pending = None
 
     @contextlib.contextmanager
     def flushed(self, pipe: _Pipeline) -> Iterator[None]:

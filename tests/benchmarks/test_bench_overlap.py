@@ -78,16 +78,44 @@ def test_eager_outer_loop_takes_its_own_share_of_the_first_round_at_once() -> No
         assert torch.allclose(_flat(pipes[0]), (before[0] + before[1]) / 2, atol=1e-6)
 
 
+@pytest.mark.unit
+def test_streaming_outer_loop_lands_the_average_tau_steps_later_keeping_those_steps() -> None:
+    """Streaming, outer lr 1, no momentum: at the round's end nothing moves; one inner step later (tau 1) every
+    pipeline holds the round's average plus its own progress of that step."""
+    cfg = replace(bandwidth.QUICK, outer_lr=1.0, outer_momentum=0.0, overlap="streaming", overlap_steps=1)
+    gen = torch.Generator().manual_seed(7)
+    pipes = _pipes(cfg, 2)
+    loop = bandwidth.OuterLoop(pipes, SyncOption(4, "none"), cfg)
+    _inner_steps(pipes, gen)
+    loop.after_inner_step()  # nothing pending: nothing happens
+    before = [_flat(p) for p in pipes]
+    loop.round_end()
+    assert all(torch.equal(_flat(p), b) for p, b in zip(pipes, before, strict=True)), "nothing moves yet"
+    mean = (before[0] + before[1]) / 2
+    with loop.flushed(pipes[0]):
+        assert torch.allclose(_flat(pipes[0]), mean, atol=1e-6)
+    _inner_steps(pipes, gen)
+    own = [_flat(p) - b for p, b in zip(pipes, before, strict=True)]
+    loop.after_inner_step()
+    for p, step in zip(pipes, own, strict=True):
+        assert torch.allclose(_flat(p), mean + step, atol=1e-6)
+    with pytest.raises(ValueError, match="streaming"):
+        bandwidth.OuterLoop(pipes, SyncOption(4, "none"), replace(cfg, overlap_steps=4))
+
+
 @pytest.mark.light_processes  # two forked trainers for seconds, no timing asserted: lane 1 (tests/conftest.py)
 def test_quick_overlap_bench_prints_sync_and_overlapped_gaps(capsys: pytest.CaptureFixture[str],
                                                              processes: None) -> None:
     assert overlap.main(["--quick", "--json", "--seeds", "1", "--periods", "2", "--codecs", "int8,topk2"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [(r["period"], r["codec"]) for r in out["rows"]] == [(2, "int8"), (2, "topk2")]
+    assert out["modes"] == list(overlap.MODES) and out["tau"] == 1
+    assert "streaming, tau 1 (cost)" in overlap.table(out)
     for r in out["rows"]:
-        for mode in ("delayed", "eager"):
+        for mode in ("delayed", "eager", "streaming"):
             assert r[f"{mode}_cost"] == pytest.approx(r[f"{mode}_gap"] - r["sync_gap"], abs=2e-5)
             assert len(r[f"{mode}_gaps_per_seed"]) == len(r["sync_gaps_per_seed"]) == 1
     assert out["rows"][0]["outer_lr"] == 1.5  # H = 2's setting in the shipped table
-    with pytest.raises(SystemExit):
-        overlap.main(["--periods", "1"])
+    for bad in (["--periods", "1"], ["--modes", "delayed"], ["--periods", "2", "--tau", "2"]):
+        with pytest.raises(SystemExit):
+            overlap.main(bad)
