@@ -79,8 +79,9 @@ import torch
 
 from tasklet.peer.compute.data import Corpus, microbatch
 from tasklet.peer.compute.model import ModelConfig, build_stage, is_weight_decayed, lm_loss
+from tasklet.peer.runtime.outer import roundtrip
+from tasklet.protocol import SPARSE_COMPRESSIONS
 from tasklet.protocol.codec import decode_tensor, encode_tensor
-from tasklet.protocol.lowbit import ErrorFeedback
 from tasklet.scheduler.api import plan as schedule_plan
 from tasklet.scheduler.cluster import Cluster, load_scenario
 from tasklet.scheduler.compression import (
@@ -356,8 +357,7 @@ class OuterLoop:
         self.pipes, self.sync, self.cfg = pipes, sync, cfg
         self.anchor = [p.detach().clone() for p in pipes[0].params()]
         self.momentum = [torch.zeros_like(p) for p in self.anchor]
-        self.residual: list[dict[int, torch.Tensor]] = [{} for _ in pipes]
-        self.feedback = [ErrorFeedback() for _ in pipes]
+        self.residual: list[dict[int, torch.Tensor]] = [{} for _ in pipes]  # error feedback, per pipeline
         self.start = [[a.clone() for a in self.anchor] for _ in pipes]
         self.pending: list[torch.Tensor] | None = None  # the last round's average, still travelling
         self.sent_before: list[list[torch.Tensor]] | None = None  # each pipeline's sent pseudo-gradient, last round
@@ -365,17 +365,15 @@ class OuterLoop:
         self.round_end_params: list[list[torch.Tensor]] = []  # "streaming": each pipeline at the last round's end
 
     def _sent(self, r: int, i: int, delta: torch.Tensor) -> torch.Tensor:
-        """What pipeline ``r``'s pseudo-gradient of tensor ``i`` decodes to on the wire."""
+        """What pipeline ``r``'s pseudo-gradient of tensor ``i`` decodes to on the wire; a sparse codec's error
+        feedback keeps what selection and rounding lost for the next round."""
         comp = self.sync.pseudo_grad_compression
-        if comp == "topk":
-            delta = self.feedback[r].compress(str(i), delta)
-            return decode_tensor(encode_tensor("d", delta, "topk")).view_as(delta)
-        if comp in ("topk2", "topk4"):  # error feedback: what rounding and selection lose, a later round sends
-            corrected = delta + self.residual[r].get(i, torch.zeros_like(delta))
-            sent = decode_tensor(encode_tensor("d", corrected, comp)).view_as(delta)
-            self.residual[r][i] = corrected - sent
-            return sent
-        return delta if comp == "none" else decode_tensor(encode_tensor("d", delta, comp)).view_as(delta)
+        if comp not in SPARSE_COMPRESSIONS:
+            return roundtrip(delta, comp)
+        corrected = delta + self.residual[r].get(i, torch.zeros_like(delta))
+        sent = roundtrip(corrected, comp)
+        self.residual[r][i] = corrected - sent
+        return sent
 
     def _step(self, anchor: list[torch.Tensor], momentum: list[torch.Tensor], avg: list[torch.Tensor]) -> None:
         mu, lr = self.cfg.outer_momentum, self.cfg.outer_lr

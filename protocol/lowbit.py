@@ -15,9 +15,9 @@ dominate a step. fp16 halves them and int8 (in :mod:`protocol.codec`) quarters t
   64 -> 0.3125 B (12.8x smaller than float32), block 128 -> 14.2x.
 * ``"topk"``: the k = ceil(numel / block_size) entries of largest magnitude (density 1 / block_size), sent as
   k strictly increasing int32 indices followed by their k float32 values; everything else decodes to zero.
-  Cost: 8 bytes per kept entry (block 64 -> 0.125 B per element, 32x smaller). Lossy alone; with
-  :class:`ErrorFeedback` the caller keeps what was not sent and adds it to the next round's tensor, so over
-  rounds everything is sent eventually (the sum of what was sent converges to the sum of the inputs).
+  Cost: 8 bytes per kept entry (block 64 -> 0.125 B per element, 32x smaller). Lossy alone; with error
+  feedback the caller keeps what was not sent (``x - decode(encode(x))``) and adds it to the next round's
+  tensor, so over rounds everything is sent eventually (``peer.runtime.outer.OuterState`` does).
 
 Stochastic rounding is deterministic given a seed: ``seed=None`` derives it from the tensor's bytes (CRC32),
 so the same tensor always encodes the same way while different tensors get independent rounding noise.
@@ -111,11 +111,10 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, block_size: int) -> to
     return (padded.view(n_blocks, block_size) * scales[:, None]).reshape(-1)[:numel]
 
 
-def pack(codes: torch.Tensor, kind: str) -> bytes:
-    """Offset codes (q + L) packed ``8 / bits`` per byte, lowest bits first; padding bits are zero."""
-    bits, levels = BITS[kind], LEVELS[kind]
+def pack_bits(u: torch.Tensor, bits: int) -> bytes:
+    """Unsigned codes (uint8, each below 2^bits) packed ``8 / bits`` per byte, lowest bits first; padding bits
+    are zero. The layout of every sub-byte codec (int4 / int2 here, topk2 / topk4 in ``protocol.sparse``)."""
     per = 8 // bits
-    u = (codes.to(torch.int16) + levels).to(torch.uint8)
     n = u.numel()
     padded = torch.zeros(math.ceil(n / per) * per, dtype=torch.uint8)
     padded[:n] = u
@@ -126,18 +125,27 @@ def pack(codes: torch.Tensor, kind: str) -> bytes:
     return out.numpy().tobytes()
 
 
-def unpack(data: bytes, numel: int, kind: str, label: str) -> torch.Tensor:
-    """Signed codes from packed bytes; refuses codes above 2 L and non-zero padding bits."""
-    bits, levels = BITS[kind], LEVELS[kind]
+def unpack_bits(raw: torch.Tensor, n: int, bits: int, label: str) -> torch.Tensor:
+    """The first ``n`` codes (uint8) of packed bytes ``raw``; refuses non-zero padding bits."""
     per = 8 // bits
-    if numel == 0:
-        return torch.empty(0, dtype=torch.int8)
-    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     mask = (1 << bits) - 1
     lanes = torch.stack([(raw >> (bits * i)) & mask for i in range(per)], dim=1).reshape(-1)
-    if bool((lanes[numel:] != 0).any()):
+    if bool((lanes[n:] != 0).any()):
         raise BadMessage(f"{label}.data", "padding bits after the last code are not zero")
-    u = lanes[:numel]
+    return lanes[:n]
+
+
+def pack(codes: torch.Tensor, kind: str) -> bytes:
+    """Offset codes (q + L) packed ``8 / bits`` per byte (:func:`pack_bits`)."""
+    return pack_bits((codes.to(torch.int16) + LEVELS[kind]).to(torch.uint8), BITS[kind])
+
+
+def unpack(data: bytes, numel: int, kind: str, label: str) -> torch.Tensor:
+    """Signed codes from packed bytes; refuses codes above 2 L and non-zero padding bits."""
+    levels = LEVELS[kind]
+    if numel == 0:
+        return torch.empty(0, dtype=torch.int8)
+    u = unpack_bits(torch.frombuffer(bytearray(data), dtype=torch.uint8), numel, BITS[kind], label)
     if bool((u > 2 * levels).any()):
         raise BadMessage(f"{label}.data", f"{kind} code out of range (stored codes are 0..{2 * levels})")
     return (u.to(torch.int16) - levels).to(torch.int8)
@@ -174,39 +182,6 @@ def topk_decode(indices: torch.Tensor, values: torch.Tensor, numel: int) -> torc
     out = torch.zeros(numel, dtype=torch.float32)
     out[indices.to(torch.long)] = values
     return out
-
-
-class ErrorFeedback:
-    """Top-k with error feedback: the residual (what earlier rounds did not send) is state the caller keeps.
-
-    ``compress(key, t)`` adds the residual kept under ``key`` to ``t``, keeps the k largest entries of the sum
-    (k = ceil(numel / block_size)), stores the rest as the new residual and returns the dense tensor that was
-    kept. Encoding that tensor with ``"topk"`` and the same ``block_size`` sends it exactly. Hence after n
-    rounds  sum(sent) = sum(inputs) - residual, and the residual stays bounded, so the average of what was
-    sent converges to the average of the inputs.
-    """
-
-    def __init__(self, block_size: int = 64) -> None:
-        if not 1 <= block_size <= MAX_BLOCK_SIZE:
-            raise ValueError(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
-        self.block_size = block_size
-        self.residual: dict[str, torch.Tensor] = {}
-
-    def compress(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        x = t.detach().to("cpu", torch.float32)
-        res = self.residual.get(key)
-        if res is not None and res.shape != x.shape:
-            raise ValueError(f"error feedback {key!r}: shape {list(x.shape)} differs from {list(res.shape)}")
-        corrected = x if res is None else x + res
-        flat = corrected.reshape(-1)
-        idx, vals = topk_encode(flat, topk_count(flat.numel(), self.block_size))
-        sent = topk_decode(idx, vals, flat.numel()).reshape(x.shape)
-        self.residual[key] = corrected - sent
-        return sent.to(t.dtype)
-
-    def reset(self) -> None:
-        """Forget every residual (after a re-plan or a rollback, the old residuals belong to other state)."""
-        self.residual.clear()
 
 
 # --------------------------------------------------------------------------------------- the wire hooks

@@ -33,6 +33,7 @@ import torch
 
 from tasklet.protocol import tasklet_pb2 as pb
 from tasklet.protocol.errors import BadMessage
+from tasklet.protocol.lowbit import pack_bits, unpack_bits
 
 WIRE_IDS: dict[str, int] = {"topk2": pb.TOPK2, "topk4": pb.TOPK4}
 BITS = {"topk2": 2, "topk4": 4}
@@ -101,27 +102,6 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Te
     return (codes.to(torch.float32) * 2 - m) / m * _per_block(scales, codes.numel())
 
 
-def _pack(codes: torch.Tensor, bits: int) -> bytes:
-    per = 8 // bits
-    n = codes.numel()
-    lanes = torch.zeros(math.ceil(n / per) * per, dtype=torch.uint8)
-    lanes[:n] = codes
-    lanes = lanes.view(-1, per)
-    out = lanes[:, 0].clone()
-    for i in range(1, per):
-        out |= lanes[:, i] << (bits * i)
-    return out.numpy().tobytes()
-
-
-def _unpack(raw: torch.Tensor, n: int, bits: int, label: str) -> torch.Tensor:
-    per = 8 // bits
-    mask = (1 << bits) - 1
-    lanes = torch.stack([(raw >> (bits * i)) & mask for i in range(per)], dim=1).reshape(-1)
-    if bool((lanes[n:] != 0).any()):
-        raise BadMessage(f"{label}.data", "padding bits after the last code are not zero")
-    return lanes[:n]
-
-
 def encode_into(msg: pb.Tensor, label: str, x: torch.Tensor, compression: str, block_size: int) -> pb.Tensor:
     """Fill ``msg`` (name, dtype and shape already set by the caller) with ``x`` under topk2 / topk4."""
     _check_block(block_size)
@@ -133,7 +113,7 @@ def encode_into(msg: pb.Tensor, label: str, x: torch.Tensor, compression: str, b
         raise ValueError(f"{label}: {compression} compression needs finite values (NaN/inf or overflow)")
     msg.compression = WIRE_IDS[compression]  # type: ignore[assignment]
     msg.block_size = block_size
-    msg.data = offsets.to(torch.uint8).numpy().tobytes() + _pack(codes, bits)
+    msg.data = offsets.to(torch.uint8).numpy().tobytes() + pack_bits(codes, bits)
     msg.scales = scales.numpy().tobytes()
     return msg
 
@@ -166,7 +146,7 @@ def decode_flat(msg: Any, label: str, numel: int, data: bytes | memoryview) -> t
     scales = torch.frombuffer(bytearray(msg.scales), dtype=torch.float32)
     if not bool((torch.isfinite(scales) & (scales >= 0)).all()):
         raise BadMessage(f"{label}.scales", "scales must be finite and non-negative")
-    codes = _unpack(raw[n_blocks:], n_blocks, bits, label)
+    codes = unpack_bits(raw[n_blocks:], n_blocks, bits, label)
     starts = torch.arange(n_blocks, dtype=torch.int64) * block_size
     out[starts + offsets] = dequantize(codes, scales, bits)
     return out

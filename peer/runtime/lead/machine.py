@@ -448,7 +448,7 @@ class StepMachine:
         dead = self.roster.pipelines_of(self.dead)
         aside = {r for r, at in st.aside.items() if at <= self.now}
         broken = sorted((dead | pool.failed() | set(pool.losers()) | aside) - st.dropped)
-        before = pool.assignment()
+        before = pool.assignment() if broken and self.spot is not None else {}  # to see a backup take a commit
         for r in broken:
             why = ("lost a member" if r in dead else "was set aside by the referee" if r in aside
                    else "is late with nothing committed; its work goes to the others" if r in pool.abandoned
