@@ -47,6 +47,7 @@ class Leadership:
         self.state = State.FOLLOWER
         self.run_done = False  # the followed leader reported "done" at the signed last step
         self._refused: set[tuple[str, str]] = set()  # (leader, what) refusals already logged
+        self._followed: str | None = None  # the leader this follower's log last named
 
     @property
     def policy(self) -> LeaderPolicy | None:
@@ -65,9 +66,15 @@ class Leadership:
                         role_finished=role_finished, role_failed=role_failed, run_done=self.run_done,
                         role_stopped=role_stopped)
         state, actions = transition(self.state, seen)
-        if state is not self.state:
+        # a follower whose leader changed logs it too: the log's last role line names whom it follows now
+        moved = state is State.FOLLOWER and leader is not None and leader != self._followed
+        if state is not self.state or moved:
             log.info("role: %s -> %s%s", self.state.value, state.value, self._reason(state, leader))
             self.state = state
+        if state is not State.FOLLOWER:
+            self._followed = None
+        elif leader is not None:
+            self._followed = leader
         return actions
 
     def _reason(self, state: State, leader: str | None) -> str:

@@ -275,6 +275,18 @@ def test_an_elected_leader_that_trains_no_step_for_long_is_deposed() -> None:
     assert view.deposed == ["slow"]  # it moved: a new wait
 
 
+def test_a_follower_logs_each_change_of_the_leader_it_follows(caplog: pytest.LogCaptureFixture) -> None:
+    view = _DoneView(LeaderPolicy.from_record("org", "any"))
+    keeper = Leadership("me", 10, 1.0, "any", view, None)  # type: ignore[arg-type]
+    caplog.set_level("INFO", logger="tasklet.peer.node.leadership")
+    for leader in (None, "a", "a", None, "a", "b", "me", "a", "a"):
+        keeper.step(leader, leader == "me", False, False)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("role: ")]
+    # a partition's leader "b", then ours: the last line names whom this peer follows now, and no line repeats
+    assert lines == ["role: follower -> follower (leader a)", "role: follower -> follower (leader b)",
+                     "role: follower -> leader", "role: leader -> resigned", "role: resigned -> follower (leader a)"]
+
+
 def test_an_order_may_name_only_live_peers_of_the_run_with_their_own_certificates() -> None:
     relayed = "0123456789abcdef0123@127.0.0.9:7000"
     adverts = [Advert("leader", "127.0.0.2:5000", DEVICE, 0.0), Advert("w1", relayed, DEVICE, 0.0, reachable=False)]
