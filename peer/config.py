@@ -91,6 +91,8 @@ class RunSection:
     pseudo_grad_compression: str = _f("none", "DiLoCo pseudo-gradients on the wire, one of "
                                       f"{', '.join(PSEUDO_GRAD_COMPRESSIONS)} "
                                       "(the topk ones: sparse, with error feedback)")
+    outer_overlap: bool = _f(False, "DiLoCo: the outer round travels while the next round's first inner step "
+                             "computes and lands one step late (hides the round behind compute)")
 
 
 @dataclass
@@ -278,6 +280,7 @@ class RunConfig:
             outer_lr=float(r.outer_lr),
             outer_momentum=float(r.outer_momentum),
             pseudo_grad_compression=r.pseudo_grad_compression,
+            outer_overlap=bool(r.outer_overlap),
             spot_check=float(self.trust.spot_check),
             probation_check=float(self.trust.probation_check),
             probation_microbatches=int(self.trust.probation_microbatches),

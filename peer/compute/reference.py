@@ -99,6 +99,9 @@ def train_diloco_reference(
     ``anchor - params``, shard by shard through the wire's encode/decode (top-k after adding the pipeline's
     error-feedback residual), summed in participant order, the sum through the wire again, divided by the
     participants; then ``torch.optim.SGD(nesterov=True)`` from the anchor, copied into every participant.
+    With overlap (an entry's ``outer_of``: the round of that earlier step lands after this entry's inner step)
+    the pseudo-gradients are the participants' parameters at their round's end, and each participant goes on
+    from the new anchor plus its own progress since (``anchor + (params - round_end)``).
     """
     model_cfg, optim_cfg, codec = spec.model, spec.optim, spec.pseudo_grad_compression
     corpus = corpus if corpus is not None else Corpus.load(spec.corpus)
@@ -113,6 +116,7 @@ def train_diloco_reference(
     outer = torch.optim.SGD(list(anchor.values()), lr=spec.outer_lr, momentum=mu, nesterov=mu > 0)
     names = {s: [n for n, _ in model_cfg.stage_shapes(a, b)] for s, (a, b) in enumerate(stages)}
     residual: dict[tuple[int, int], torch.Tensor] = {}
+    round_end: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # a round's last step -> each pipeline then
     losses: list[float] = []
     for entry in record:
         step = int(entry["step"])
@@ -129,34 +133,42 @@ def train_diloco_reference(
             if mine:
                 inner[r].step()
         losses.append(sum(mb_loss[mb] for mb in sorted(commits)) / len(commits))
-        if entry["outer"]:
-            parts = sorted(int(p) for p in entry["outer"])
-            for s in names:
-                params = {r: dict(models[r].named_parameters()) for r in parts}
-                flat_anchor = torch.cat([anchor[n].detach().reshape(-1) for n in names[s]])
-                bounds = shard_bounds(flat_anchor.numel(), len(parts))
-                sums = [torch.empty(0)] * len(parts)
-                for r in parts:
-                    pseudo = flat_anchor - torch.cat([params[r][n].detach().reshape(-1) for n in names[s]])
-                    if codec in ERROR_FEEDBACK_COMPRESSIONS:
-                        pseudo = pseudo + residual.get((r, s), torch.zeros_like(pseudo))
-                    sent = torch.cat([_wire(pseudo[lo:hi], codec) for lo, hi in bounds])
-                    if codec in ERROR_FEEDBACK_COMPRESSIONS:
-                        residual[(r, s)] = pseudo - sent
-                    for j, (lo, hi) in enumerate(bounds):
-                        sums[j] = sent[lo:hi].clone() if r == parts[0] else sums[j].add_(sent[lo:hi])
-                average = torch.cat([_wire(x, *_gather_codec(codec, x.numel(), len(parts))) for x in sums])
-                average = average / len(parts)
-                offset = 0
-                for n in names[s]:
-                    numel = anchor[n].numel()
-                    anchor[n].grad = average[offset:offset + numel].view(anchor[n].shape).clone()
-                    offset += numel
-            outer.step()
+        if (step + 1) % spec.sync_period == 0:  # a round's end: what it sends, whenever its round lands
+            round_end[step] = {r: {n: p.detach().clone() for n, p in m.named_parameters()} for r, m in models.items()}
+        if not entry["outer"]:
+            continue
+        of = entry.get("outer_of")
+        of = step if of is None else int(of)  # overlap: the round of an earlier step lands after this one
+        ends = round_end.pop(of)
+        parts = sorted(int(p) for p in entry["outer"])
+        for s in names:
+            flat_anchor = torch.cat([anchor[n].detach().reshape(-1) for n in names[s]])
+            bounds = shard_bounds(flat_anchor.numel(), len(parts))
+            sums = [torch.empty(0)] * len(parts)
             for r in parts:
-                with torch.no_grad():
-                    for n, p in models[r].named_parameters():
+                pseudo = flat_anchor - torch.cat([ends[r][n].reshape(-1) for n in names[s]])
+                if codec in ERROR_FEEDBACK_COMPRESSIONS:
+                    pseudo = pseudo + residual.get((r, s), torch.zeros_like(pseudo))
+                sent = torch.cat([_wire(pseudo[lo:hi], codec) for lo, hi in bounds])
+                if codec in ERROR_FEEDBACK_COMPRESSIONS:
+                    residual[(r, s)] = pseudo - sent
+                for j, (lo, hi) in enumerate(bounds):
+                    sums[j] = sent[lo:hi].clone() if r == parts[0] else sums[j].add_(sent[lo:hi])
+            average = torch.cat([_wire(x, *_gather_codec(codec, x.numel(), len(parts))) for x in sums])
+            average = average / len(parts)
+            offset = 0
+            for n in names[s]:
+                numel = anchor[n].numel()
+                anchor[n].grad = average[offset:offset + numel].view(anchor[n].shape).clone()
+                offset += numel
+        outer.step()
+        for r in parts:
+            with torch.no_grad():
+                for n, p in models[r].named_parameters():
+                    if of == step or torch.equal(p, ends[r][n]):
                         p.copy_(anchor[n])
+                    else:  # landed late: the new anchor plus this pipeline's progress since the round's end
+                        p.copy_(anchor[n] + (p - ends[r][n]))
     return {r: {n: p.detach().clone() for n, p in m.named_parameters()} for r, m in models.items()}, losses
 
 

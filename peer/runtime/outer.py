@@ -36,6 +36,21 @@ restarts it without that pipeline; when no pipeline is left whole (or the round 
 still counts (``OuterRoundFailedError``): the survivors keep their local parameters and the anchor, and the next
 outer round covers both rounds' inner steps. A tasklet that fetches its state from a replica whose parameters
 are not its anchor (mid-round) starts from the anchor: the source's own inner progress reaches the average once.
+
+Overlap (``RunSpec.outer_overlap``; docs/architecture.md, "The outer round behind compute"): the outer round of
+step ``s`` (a round's last inner step) starts as above, but step ``s`` ends as soon as the reduce went out; each
+replica takes its contribution from its parameters at the round's end (kept as ``round_end`` until the round
+lands, so a restart after a death sends the same) and averages on a thread of its own while step ``s + 1``
+computes. After step ``s + 1``'s inner apply the outer step lands: the anchor takes it as before, and each replica
+goes on from ``new anchor + (params - round_end)``, its own progress of step ``s + 1`` on top (Streaming DiLoCo's
+overlap with tau = 1). ``bench.overlap`` measured what that costs in loss (docs/benchmarks/outer-round.md).
+A round in flight is *finished*, never replayed: a death while it travels restarts its averaging without that
+pipeline, as in step; before a re-plan, a checkpoint or the run's end the leader lands it at once (the replicas
+are then at the anchor, as after a round in step); a round that cannot land (no pipeline left whole, an error)
+fails as a round in step does, and the next round covers its inner steps. A new plan, a roll-back or a new leader
+drops a round in flight (every worker's new assignment forgets it). With overlap the replicas' parameters are
+compared only where a round lands in step (before a re-plan or checkpoint, at the run's end): after a late
+landing each replica holds its own progress.
 """
 
 from __future__ import annotations
@@ -87,6 +102,9 @@ class OuterState:
     anchor: torch.Tensor  # flat fp32 parameters at the start of the round (identical on every replica)
     momentum: torch.Tensor  # Nesterov buffer (identical on every replica)
     residual: torch.Tensor  # error feedback of top-k (this replica's own)
+    # overlap: this replica's parameters at the end of the round in flight, and that round's last inner step
+    round_end: torch.Tensor | None = None
+    round_end_step: int = -1
 
     @classmethod
     def start(cls, params: torch.Tensor, momentum: torch.Tensor | None = None) -> OuterState:
@@ -124,17 +142,40 @@ class OuterState:
         self.residual = residual.clone()
         return new
 
+    def keep_round_end(self, params: torch.Tensor, step: int) -> None:
+        """Overlap: keep this replica's parameters at the end of the round of ``step`` until it lands."""
+        self.round_end, self.round_end_step = params, step
+
+    def forget_round(self) -> None:
+        """Drop a round in flight (a new plan): its work stays in the parameters, the next round covers it."""
+        self.round_end, self.round_end_step = None, -1
+
+    def land(self, step: int, average: torch.Tensor, lr: float, momentum: float, residual: torch.Tensor,
+             params: torch.Tensor) -> torch.Tensor:
+        """Overlap: the outer step lands after inner steps of the next round; this replica goes on from the new
+        anchor plus its own progress since the round's end (``params - round_end``). Without progress (the round
+        landed in step, or the snapshot is gone) that is the new anchor itself, bit for bit."""
+        new = self.apply(average, lr, momentum, residual)
+        end = self.round_end if self.round_end_step == step else None  # ``step``: the round's last inner step
+        self.round_end, self.round_end_step = None, -1
+        if end is None or torch.equal(end, params):
+            return new
+        return new.add_(params - end)
+
     def resume(self, other: OuterState) -> None:
-        """Take a replica's round after a resync: its anchor and Nesterov buffer (the residual stays our own)."""
+        """Take a replica's round after a resync: its anchor and Nesterov buffer (the residual stays our own; a
+        round in flight is abandoned)."""
         self.anchor, self.momentum = other.anchor, other.momentum
+        self.round_end, self.round_end_step = None, -1
 
 
 def assignment_record(reports: Sequence[Any]) -> list[dict[str, Any]]:
     """The replayable record of a run's inner and outer steps from its StepReports (JSON-able):
-    ``[{"step", "commits": {micro-batch: pipeline}, "applied": [pipelines], "outer": [participants] | None}]``,
-    what :func:`peer.compute.reference.train_diloco_reference` replays (``reports``: StepReports)."""
+    ``[{"step", "commits": {micro-batch: pipeline}, "applied": [pipelines], "outer": [participants] | None,
+    "outer_of": step | None}]``, what :func:`peer.compute.reference.train_diloco_reference` replays
+    (``reports``: StepReports). ``outer_of``: with overlap, the earlier step whose round landed after this one."""
     return [
         {"step": r.step, "commits": dict(r.commits), "applied": list(r.applied),
-         "outer": None if r.outer is None else list(r.outer)}
+         "outer": None if r.outer is None else list(r.outer), "outer_of": r.outer_of}
         for r in reports
     ]

@@ -67,6 +67,9 @@ class RunSpec:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     pseudo_grad_compression: str = "none"
+    # DiLoCo: the outer round of round k travels while round k + 1's first inner step computes, and lands after
+    # it (one step late; peer.runtime.outer, "Overlap"); False: every inner step waits for the round
+    outer_overlap: bool = False
     # verified work (peer.runtime.lead.spot): the fraction of micro-batches re-run on another pipeline and
     # compared, the fraction while a member is on probation, and the verified micro-batches that end it. Off in
     # the runtime's default; the run file's [trust] turns it on
@@ -113,6 +116,8 @@ class RunSpec:
             raise SpecError(f"run.outer_lr: must be a positive number, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:
             raise SpecError(f"run.outer_momentum: must be in [0, 1), got {self.outer_momentum}")
+        if not isinstance(self.outer_overlap, bool):
+            raise SpecError(f"run.outer_overlap: must be true or false, got {self.outer_overlap!r}")
         if self.pseudo_grad_compression not in PSEUDO_GRAD_COMPRESSIONS:
             raise SpecError(f"run.pseudo_grad_compression: must be one of {PSEUDO_GRAD_COMPRESSIONS}, "
                             f"got {self.pseudo_grad_compression!r}")
@@ -160,6 +165,7 @@ class RunSpec:
                 outer_lr=float(d.get("outer_lr", 0.7)),
                 outer_momentum=float(d.get("outer_momentum", 0.9)),
                 pseudo_grad_compression=d.get("pseudo_grad_compression", "none"),
+                outer_overlap=d.get("outer_overlap", False),
                 spot_check=float(d.get("spot_check", 0.0)),
                 probation_check=float(d.get("probation_check", 0.0)),
                 probation_microbatches=d.get("probation_microbatches", 0),

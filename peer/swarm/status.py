@@ -206,16 +206,18 @@ class StatusReader:
 
 def sync_summary(run_config: object) -> dict[str, Any] | None:
     """How the run's replicas synchronise, from its record's ``run`` section: ``{"period": H, "codec": C,
-    "overlap": False}`` (period 1: exact averaging every step, codec None); None when the record lacks it.
-    The outer round is not overlapped with compute yet, so ``overlap`` is always False."""
+    "overlap": bool}`` (period 1: exact averaging every step, codec None, no overlap; ``overlap``: the outer round
+    lands one inner step late, hidden behind it); None when the record lacks it or holds a value of another type."""
     run = run_config.get("run") if isinstance(run_config, dict) else None
     if not isinstance(run, dict):
         return None
     period = run.get("sync_period", 1)
     codec = run.get("pseudo_grad_compression", "none")
-    if isinstance(period, bool) or not isinstance(period, int) or period < 1 or not isinstance(codec, str):
+    overlap = run.get("outer_overlap", False)
+    if isinstance(period, bool) or not isinstance(period, int) or period < 1 or not isinstance(codec, str) \
+            or not isinstance(overlap, bool):
         return None
-    return {"period": period, "codec": None if period == 1 else codec[:16], "overlap": False}
+    return {"period": period, "codec": None if period == 1 else codec[:16], "overlap": overlap and period > 1}
 
 
 def sync_line(sync: dict[str, Any]) -> str:
@@ -223,7 +225,7 @@ def sync_line(sync: dict[str, Any]) -> str:
     if sync["period"] == 1:
         return "sync: exact gradient averaging every step"
     codec = "fp32" if sync["codec"] == "none" else sync["codec"]
-    overlap = "overlapped with the next round" if sync["overlap"] else "not overlapped"
+    overlap = "landing one step late, behind compute" if sync["overlap"] else "not overlapped"
     return f"sync: DiLoCo, outer round every {sync['period']} steps, {inert(codec)} pseudo-gradients, {overlap}"
 
 

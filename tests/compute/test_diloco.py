@@ -39,13 +39,15 @@ PIPELINES = [[0, 1], [2, 3]]
 SHIPPED_H2 = PenaltyTable.load().outer_for(SyncOption(2, "int8"))
 
 
-def _errors(result: RunResult, ref_params: dict[int, dict[str, torch.Tensor]], spec: RunSpec) -> torch.Tensor:
-    """Per entry, |runtime - reference| / the tensor's largest entry, over every stage and pipeline."""
+def _errors(result: RunResult, ref_params: dict[int, dict[str, torch.Tensor]], spec: RunSpec,
+            trained: dict[int, int] | None = None) -> torch.Tensor:
+    """Per entry, |runtime - reference| / the tensor's largest entry, over every stage and pipeline. ``trained``:
+    the steps a pipeline's states trained (all ``STEPS`` unless it says otherwise)."""
     out = []
     for s, (a, b) in enumerate(STAGES):
         for r in sorted(r for st, r in result.states if st == s):
             state = result.states[(s, r)]
-            assert state["step"] == STEPS
+            assert state["step"] == (trained or {}).get(r, STEPS)
             for name, value in unflatten_stage(spec.model, a, b, state["params"]).items():
                 ref = ref_params[r][name]
                 out.append(((value - ref).abs() / ref.abs().max().clamp_min(1e-12)).reshape(-1))
@@ -90,6 +92,28 @@ def test_diloco_two_pipelines_match_single_process_replay() -> None:
     a, b = STAGES[0]
     diloco = unflatten_stage(SPEC.model, a, b, result.states[(0, 0)]["params"])
     assert max(float((diloco[n] - exact[n]).abs().max()) for n in diloco) > 1e-3
+
+
+@pytest.mark.usefixtures("processes")
+def test_overlapped_outer_round_lands_a_step_late_and_matches_its_replay() -> None:
+    spec = dataclasses.replace(SPEC, run_id="diloco-overlap", outer_overlap=True)
+    result, record, (ref_params, ref_losses) = _run(spec)
+    # the round of step 2 travelled while step 3 computed and landed after it; the run's last round (step 5)
+    # landed in step, so that the run ends with every replica at the anchor
+    assert [(e["step"], e["outer"] is not None, e["outer_of"]) for e in record] == [
+        (0, False, None), (1, False, None), (2, False, None), (3, True, 2), (4, False, None), (5, True, None)]
+    assert all(sorted(int(mb) for mb in e["commits"]) == list(range(spec.n_microbatches)) for e in record)
+    for s in range(len(STAGES)):
+        assert torch.equal(result.states[(s, 0)]["params"], result.states[(s, 1)]["params"]), f"stage {s}"
+    err = _errors(result, ref_params, spec)
+    assert float(err.max()) < 1e-5, f"differs by {float(err.max()):.2e} of a tensor's largest entry"
+    for got, want in zip(result.losses, ref_losses, strict=True):
+        assert got == pytest.approx(want, rel=1e-5)
+    # and the run really was the late algorithm: the same work with the round landing in step ends elsewhere
+    in_step = [dict(e, outer=record[3]["outer"], outer_of=None) if e["step"] == 2 else
+               dict(e, outer=None, outer_of=None) if e["step"] == 3 else e for e in record]
+    sync_params, _ = train_diloco_reference(spec, in_step, STAGES, Corpus.load(spec.corpus))
+    assert max(float((sync_params[0][n] - ref_params[0][n]).abs().max()) for n in ref_params[0]) > 1e-4
 
 
 @pytest.mark.usefixtures("processes")
@@ -158,6 +182,56 @@ def test_pipeline_killed_mid_round_sits_the_round_out(event: str, step: int) -> 
     assert float(err.max()) < 1e-5, f"differs by {float(err.max()):.2e} of a tensor's largest entry"
     for got, want in zip(result.losses, ref_losses, strict=True):
         assert got == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.usefixtures("processes")
+def test_a_death_while_the_overlapped_round_travels_restarts_it_and_the_run_matches_its_replay() -> None:
+    """With overlap, device 3 (stage 1 of pipeline 1) dies while step 3 computes and the round of step 2
+    travels: the round is averaged again without pipeline 1 and lands after step 3; the record says so, and
+    replaying it gives the same parameters."""
+    torch.set_num_threads(1)
+    spec = dataclasses.replace(SPEC, run_id="diloco-overlap-death", outer_overlap=True)
+    with LocalSwarm(spec, 4, links=LinkModel(tflops=[1e-4] * 4), forward_flops=lambda a, b: 2.4e6) as swarm:
+        fired = threading.Event()
+
+        def hook(name: str, info: dict) -> None:
+            if name == "lease" and info.get("step") == 3 and not fired.is_set():
+                fired.set()
+                threading.Thread(target=swarm.workers.kill, args=(3,), daemon=True).start()
+
+        swarm.coordinator.on_event = hook
+        result = swarm.train((STAGES, PIPELINES), STEPS)
+    assert fired.is_set()
+    record = assignment_record(result.reports)
+    for e in record:
+        assert sorted(e["commits"]) == list(range(spec.n_microbatches)), "every micro-batch exactly once"
+    assert [(e["outer"], e["outer_of"]) for e in record[2:4]] == [(None, None), ([0], 2)]
+    assert [e["applied"] for e in record[3:]] == [[0]] * (STEPS - 3)
+    # no re-plan before the run's end: pipeline 1's survivor (stage 0) still holds its round-end parameters
+    assert sorted(result.states) == [(0, 0), (0, 1), (1, 0)]
+    ref_params, ref_losses = train_diloco_reference(spec, record, STAGES, Corpus.load(spec.corpus))
+    err = _errors(result, ref_params, spec, trained={1: 3})
+    assert float(err.max()) < 1e-5, f"differs by {float(err.max()):.2e} of a tensor's largest entry"
+    for got, want in zip(result.losses, ref_losses, strict=True):
+        assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_a_late_outer_step_keeps_each_replicas_progress_since_its_rounds_end() -> None:
+    torch.manual_seed(0)
+    anchor, end, avg = torch.randn(64), torch.randn(64), torch.randn(64) * 1e-2
+    now = end + torch.randn(64) * 1e-3  # one inner step after the round's end
+    late, in_step = OuterState.start(anchor), OuterState.start(anchor)
+    late.round_end, late.round_end_step = end.clone(), 5
+    new = in_step.apply(avg, 0.7, 0.9, torch.zeros(64))
+    assert torch.equal(late.land(5, avg, 0.7, 0.9, torch.zeros(64), now), new + (now - end))
+    assert torch.equal(late.anchor, new) and late.round_end is None
+    # without progress (it landed in step) the result is the anchor itself, bit for bit; a snapshot of another
+    # round (a stale one a new plan left behind) is never used
+    for step, params in ((5, end), (8, now)):
+        other = OuterState.start(anchor)
+        other.round_end, other.round_end_step = end.clone(), 5
+        got = other.land(step, avg, 0.7, 0.9, torch.zeros(64), params)
+        assert torch.equal(got, new)
 
 
 def test_outer_step_is_torch_nesterov_sgd_and_top_k_all_gather_is_exact() -> None:

@@ -23,7 +23,7 @@ import pytest
 from tasklet.peer.runtime import control as ctl
 from tasklet.peer.runtime.lead.machine import Command, Done, Emit, Fail, Send, StepMachine
 from tasklet.peer.runtime.lead.roster import Roster
-from tasklet.peer.runtime.lead.step import OuterRoundFailedError, ReplanNeededError, StepPhase
+from tasklet.peer.runtime.lead.step import OuterInFlight, OuterRoundFailedError, ReplanNeededError, StepPhase
 from tests.support.rosters import N_STAGES, ep, make_roster
 
 pytestmark = pytest.mark.unit
@@ -48,6 +48,9 @@ class Sim:
     sync_period: int = 1
     n_stages: int = N_STAGES
     kills: list[Kill] = field(default_factory=list)
+    overlap: bool = False  # the machine's outer round overlaps the next step (StepMachine's ``overlap``)
+    in_flight: OuterInFlight | None = None  # ... the round of the step before, landing in this one
+    land_only: bool = False
     roster: Roster = field(init=False)
     machine: StepMachine = field(init=False)
     t: float = 0.0
@@ -57,7 +60,7 @@ class Sim:
     alive: set[str] = field(init=False)
     feeding: set[int] = field(default_factory=set)
     held: dict[int, list[int]] = field(default_factory=dict)
-    inbox: list[tuple[str, str, int]] = field(default_factory=list)  # (endpoint, "reduced"/"synced", attempt)
+    inbox: list[tuple[str, str, int, int]] = field(default_factory=list)  # (endpoint, report, attempt, step)
     reduced_by: dict[int, set[str]] = field(default_factory=dict)  # attempt -> who reported it
     outcome: Done | Fail | None = None
     killed_after: list[tuple[str, list[str]]] = field(default_factory=list)  # victim, ops sent before the death
@@ -66,7 +69,8 @@ class Sim:
         self.roster = make_roster(self.n_pipelines, self.n_stages)
         self.alive = set(self.roster.assignments)
         self.machine = StepMachine(self.step, self.roster, N_MB, now=0.0, timeout_s=100.0, lease_timeout_s=50.0,
-                                   sync_period=self.sync_period)
+                                   sync_period=self.sync_period, overlap=self.overlap, in_flight=self.in_flight,
+                                   land_only=self.land_only)
 
     # -- the workers' side ---------------------------------------------------------------------------------
     def _sent(self) -> list[str]:
@@ -116,11 +120,11 @@ class Sim:
                 self.feeding.discard(replica)
                 self.held[replica] = []
             elif isinstance(msg, ctl.Reduce) and msg.apply:  # reduce and apply in one task: one report
-                self.inbox.append((e, "synced", 0))
+                self.inbox.append((e, "synced", 0, msg.step))
             elif isinstance(msg, ctl.Reduce):
-                self.inbox.append((e, "reduced", msg.attempt))
+                self.inbox.append((e, "reduced", msg.attempt, msg.step))
             elif isinstance(msg, ctl.Apply):
-                self.inbox.append((e, "synced", 0))
+                self.inbox.append((e, "synced", 0, msg.step))
         if send.then is not None:
             self._deliver(send.then)
 
@@ -130,12 +134,12 @@ class Sim:
     def _act(self) -> None:
         m = self.machine
         while self.inbox:
-            e, kind, attempt = self.inbox.pop(0)
+            e, kind, attempt, step = self.inbox.pop(0)
             if e not in self.alive:
                 continue
             if kind == "reduced":
                 self.reduced_by.setdefault(attempt, set()).add(e)
-                self._at("reduced", lambda e=e, attempt=attempt: m.reduced(e, attempt))
+                self._at("reduced", lambda e=e, attempt=attempt, step=step: m.reduced(e, attempt, step))
             else:
                 self._at("synced", lambda e=e: m.synced(e, self.step + 1, "h"))
         for p in sorted(self.feeding):
@@ -335,7 +339,7 @@ def test_an_error_from_a_sender_that_died_meanwhile_is_not_held_against_the_step
     sim._at("start", m.start)
     sim.resume(until=StepPhase.REDUCE)
     assert m.error(ep(1, 1), 1, "reduce", "peer gone", sim.t)
-    sim.inbox = [(e, kind, attempt) for e, kind, attempt in sim.inbox if e != ep(1, 1)]  # it never reports reduced
+    sim.inbox = [m for m in sim.inbox if m[0] != ep(1, 1)]  # it never reports reduced
     m.died(ep(1, 1))
     sim.resume()
     assert isinstance(sim.outcome, Done), sim.outcome
@@ -423,3 +427,63 @@ def test_an_exact_step_of_one_pipeline_of_one_stage_reduces_and_applies_in_one_r
     for two in (Sim(1).run(), Sim(2, n_stages=1).run()):
         assert isinstance(two.outcome, Done)
         assert [r.msg.apply for r in two.sends(ctl.Reduce)] == [False] and len(two.sends(ctl.Apply)) == 1
+
+
+# ---------------------------------------------------------------------------------------------- overlap
+def _overlapped(kills: list[Kill] | None = None) -> tuple[Sim, Sim]:
+    """Step 1 of sync period 2 hands its outer round on; step 2 computes while its reports come in, then lands
+    it (the reports of step 1's workers reach step 2's machine, as the coordinator routes them)."""
+    first = Sim(2, step=1, sync_period=2, overlap=True).run()
+    second = Sim(2, step=2, sync_period=2, in_flight=first.machine.carry, kills=kills or [])
+    second.inbox = list(first.inbox)  # the round's "reduced" reports, still travelling
+    return first, second.run()
+
+
+def test_an_overlapped_round_ends_its_step_at_once_and_lands_after_the_next_steps_apply() -> None:
+    first, second = _overlapped()
+    assert [label for label in first.labels if label.startswith(("start", "tick:"))] == [
+        "start", "tick:compute->apply", "tick:apply->done"]
+    assert isinstance(first.outcome, Done) and not first.outcome.check
+    (outer,) = first.sends(ctl.Reduce, outer=True)
+    assert outer.msg.step == 1 and first.machine.report().outer is None
+    assert first.machine.carry is not None and first.machine.carry.participants == [0, 1]
+    # every replica had averaged while step 2 computed: straight from step 2's apply to the outer step's
+    assert [label for label in second.labels if label.startswith(("start", "tick:"))] == [
+        "start", "tick:compute->apply", "tick:apply->outer_apply", "tick:outer_apply->done"]
+    (apply,) = second.sends(ctl.Apply, outer=True)
+    assert apply.msg.step == 1, "the outer step is the round's, sent after step 2's own apply"
+    report = second.machine.report()
+    assert report.step == 2 and report.outer == [0, 1] and report.outer_of == 1
+    assert isinstance(second.outcome, Done) and not second.outcome.check  # each replica keeps its own progress
+
+
+def test_a_death_while_the_round_travels_restarts_it_without_that_pipeline() -> None:
+    first, second = _overlapped([Kill(1, "after", ep(1, 0))])  # a member of pipeline 0, as step 2 starts
+    restarted = [s.msg for s in second.sends(ctl.Reduce, outer=True)]
+    assert [(m.step, m.participants) for m in restarted] == [(1, (1,))]
+    assert restarted[0].attempt > first.machine.carry.attempt - 1  # a later attempt than the one abandoned
+    report = second.machine.report()
+    assert report.outer == [1] and report.outer_of == 1 and 0 in report.dropped_pipelines
+    (apply,) = second.sends(ctl.Apply, outer=True)
+    assert set(apply.endpoints) == {ep(s, 1) for s in range(N_STAGES)}
+
+
+def test_a_round_in_flight_lands_alone_before_a_re_plan() -> None:
+    first = Sim(2, step=1, sync_period=2, overlap=True).run()
+    land = Sim(2, step=99, sync_period=2, in_flight=first.machine.carry, land_only=True)
+    land.inbox = list(first.inbox)
+    land.run()
+    assert [label for label in land.labels if label.startswith(("start", "tick:"))] == [
+        "start", "tick:outer->outer_apply", "tick:outer_apply->done"]
+    assert land.machine.step == 1 and land.machine.report().outer == [0, 1]
+    assert isinstance(land.outcome, Done) and land.outcome.check  # at the anchor: the replicas must agree
+    assert not land.sends(ctl.StartStep)
+
+
+def test_a_round_in_flight_with_no_pipeline_left_fails_where_it_lands() -> None:
+    first = Sim(2, step=1, sync_period=2, overlap=True).run()
+    carry = first.machine.carry
+    land = Sim(2, step=1, sync_period=2, in_flight=carry, land_only=True,
+               kills=[Kill(0, "before", ep(0, 0)), Kill(0, "before", ep(0, 1))])
+    land.run()
+    assert isinstance(land.outcome, Fail) and isinstance(land.outcome.error, OuterRoundFailedError)

@@ -165,6 +165,31 @@ def test_the_outer_round_takes_its_average_once_and_only_for_the_current_step() 
     assert s.take_outer(1) is not None and s.take_outer(1) is None
 
 
+def test_an_overlapped_outer_round_stays_in_flight_while_the_next_step_runs() -> None:
+    s = started(1)
+    s.outer_round(1, 2)  # the round of step 1 starts; then step 2 (the worker trained step 1) starts beside it
+    s.start_step(2, 0, trained_steps=2, feed=True)
+    assert s.outer_live and s.outer_step == 1 and s.attempt == 0
+    s.check_shard(1, 2)  # the round's shards still fit, by the round's attempt ...
+    s.check_shard(2, 0)  # ... and the new step's by its own
+    with pytest.raises(Rejected, match="attempt 1 is not within 2 of the current attempt 2"):
+        s.check_shard(1, 1)
+    assert s.runs(Work.REDUCE, 1) and s.runs(Work.APPLY, 1)  # its restart and its landing are not stale
+    assert not s.runs(Work.FORWARD, 1)
+    s.outer_round(1, 3)  # restarted after a death while step 2 computes
+    with pytest.raises(Rejected, match="attempt 2"):
+        s.outer_reduced(1, torch.ones(2), torch.zeros(2), attempt=2)  # the abandoned attempt's late result
+    s.outer_reduced(1, torch.ones(2), torch.zeros(2), attempt=3)
+    with pytest.raises(Rejected, match="outer round of step 0"):
+        s.outer_round(0, 4)
+    assert s.take_outer(1) is not None
+    assert not s.outer_live and not s.runs(Work.REDUCE, 1)
+    with pytest.raises(Rejected, match="step 1 is not the current step 2"):
+        s.check_shard(1, 3)
+    s.reset(0)
+    assert not s.outer_live
+
+
 def test_a_new_assignment_forgets_the_step() -> None:
     s = started(4)
     s.reduced(4, torch.ones(1))

@@ -22,11 +22,16 @@ def test_sync_summary_of_exact_and_diloco_runs() -> None:
     assert sync_line(diloco) == ("sync: DiLoCo, outer round every 16 steps, topk2 pseudo-gradients, "
                                  "not overlapped")
     assert sync_line({"period": 1, "codec": None, "overlap": False}) == "sync: exact gradient averaging every step"
+    late = sync_summary({"run": {"sync_period": 16, "pseudo_grad_compression": "int8", "outer_overlap": True}})
+    assert late == {"period": 16, "codec": "int8", "overlap": True}
+    assert sync_line(late).endswith("int8 pseudo-gradients, landing one step late, behind compute")
+    assert sync_summary({"run": {"outer_overlap": True}})["overlap"] is False  # exact training has no round
 
 
 @pytest.mark.parametrize("config", [None, [], {"run": "x"}, {"run": {"sync_period": 0}},
                                     {"run": {"sync_period": True}}, {"run": {"sync_period": "4"}},
-                                    {"run": {"sync_period": 4, "pseudo_grad_compression": 7}}])
+                                    {"run": {"sync_period": 4, "pseudo_grad_compression": 7}},
+                                    {"run": {"sync_period": 4, "outer_overlap": "yes"}}])
 def test_a_record_without_a_readable_sync_shows_none(config: object) -> None:
     assert sync_summary(config) is None
 

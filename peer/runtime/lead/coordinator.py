@@ -48,7 +48,14 @@ from tasklet.peer.runtime.lead.referee import Referee, Verdict, set_aside, witne
 from tasklet.peer.runtime.lead.resync import SYNC_LIMIT_S, Resync
 from tasklet.peer.runtime.lead.roster import Roster
 from tasklet.peer.runtime.lead.states import StageStates
-from tasklet.peer.runtime.lead.step import Event, OuterRoundFailedError, ReplanNeededError, StepFailedError, StepReport
+from tasklet.peer.runtime.lead.step import (
+    Event,
+    OuterInFlight,
+    OuterRoundFailedError,
+    ReplanNeededError,
+    StepFailedError,
+    StepReport,
+)
 from tasklet.peer.runtime.lead.verify import MAX_LOSS, Verification, check_loss
 from tasklet.peer.runtime.spec import Assignment, RunSpec
 from tasklet.peer.timing import (
@@ -108,6 +115,7 @@ class Coordinator:
         self.server.set_push_admission(self._admit_push)
         self._cond = threading.Condition()
         self._machine: StepMachine | None = None  # _cond: the running (or last) step
+        self._carry: OuterInFlight | None = None  # _cond: an overlapped outer round, for the next step to land
         self.roster = Roster()  # _cond; replaced whole by assign(), so a read sees one plan
         self.epoch = 0  # _cond
         self._clients: dict[str, PeerClient] = {}  # _clients_lock
@@ -221,6 +229,7 @@ class Coordinator:
         with self._cond:
             self.epoch = epochs.pop()
             self._machine = None
+            self._carry = None  # a round in flight does not survive a new plan (peer.runtime.outer, "Overlap")
             self.roster = Roster(dict(assignments), peer_ids(certificates))
             self.liveness.reset(self.roster.assignments)
             self.resync.new_plan()
@@ -249,11 +258,13 @@ class Coordinator:
         return dataclasses.replace(source, grant=sign_grant(self.tls, self.spec.run_id, a.epoch, peer, a.layers))
 
     # ------------------------------------------------------------------------------------------ step loop
-    def run_step(self, step: int, timeout_s: float = STEP_TIMEOUT_S) -> StepReport:
-        """Run one step to the end (all intact pipelines' stages updated) and report it."""
+    def run_step(self, step: int, timeout_s: float = STEP_TIMEOUT_S, overlap: bool = False) -> StepReport:
+        """Run one step to the end (all intact pipelines' stages updated) and report it. ``overlap``: a round-end
+        step hands its outer round on, to land after the next step (:meth:`land_outer` lands it at once)."""
         with self._cond:
             if not self.roster.assignments:
                 raise RuntimeError("assign() the workers first")
+            in_flight, self._carry = self._carry, None
             now, roster, epoch = time.monotonic(), self.roster, self.epoch
             syncing = self.resync.syncing_pipelines(roster, now)  # may declare a laggard dead
             lease_timeout_s = self.pacing.lease_timeout_s(timeout_s)
@@ -262,9 +273,36 @@ class Coordinator:
                 sync_period=self.spec.sync_period,
                 dead=sorted(self.liveness.dead_now()), syncing=syncing, service_s=self.pacing.service_s(epoch),
                 speculate_after=self.pacing.speculate_after_s(), judge_after_s=self.liveness.interval_s,
-                spot=self.verification.checks(step, roster, lease_timeout_s))
+                spot=self.verification.checks(step, roster, lease_timeout_s), overlap=overlap, in_flight=in_flight)
             self._machine = machine
             commands = machine.start()
+        return self._drive(machine, commands, roster, epoch, step)
+
+    def land_outer(self, timeout_s: float = STEP_TIMEOUT_S) -> StepReport | None:
+        """Land the overlapped outer round in flight now (every replica at the new anchor: before a re-plan, a
+        checkpoint, the run's end); None when none is in flight. Its report's ``outer``: the participants."""
+        with self._cond:
+            in_flight, self._carry = self._carry, None
+            if in_flight is None:
+                return None
+            now, roster, epoch = time.monotonic(), self.roster, self.epoch
+            machine = StepMachine(
+                in_flight.step, roster, self.spec.n_microbatches, now=now, timeout_s=timeout_s,
+                lease_timeout_s=self.pacing.lease_timeout_s(timeout_s), sync_period=self.spec.sync_period,
+                dead=sorted(self.liveness.dead_now()), judge_after_s=self.liveness.interval_s, in_flight=in_flight,
+                land_only=True)
+            self._machine = machine
+            commands = machine.start()
+        return self._drive(machine, commands, roster, epoch, in_flight.step)
+
+    def drop_outer(self) -> None:
+        """Forget an overlapped outer round in flight (a re-plan: the workers' new assignments drop it too)."""
+        with self._cond:
+            self._carry = None
+
+    def _drive(self, machine: StepMachine, commands: list[Command], roster: Roster, epoch: int,
+               step: int) -> StepReport:
+        """Carry the machine's commands out and tick it until its step is done; check the replicas; report."""
         while (done := self._carry_out(machine, commands)) is None:
             with self._cond:
                 while not (commands := machine.tick(time.monotonic())):
@@ -279,14 +317,16 @@ class Coordinator:
             self.resync.catch_up(roster, epoch, step, live, left_out, hashes)
         with self._cond:
             machine.tick(time.monotonic())
-            report = machine.report()
-            report.stage_hashes = digests
+            report = dataclasses.replace(machine.report(), stage_hashes=digests)
             self.verification.applied(step, roster, report.commits, machine.spot)
             applied = {self._who(ep) for ep in roster.members(report.applied)}
             verdict = self.referee.vindicate(applied, step)  # their work passed every other witness's checks
         if verdict.reason:
             log.warning("step %d: %s", step, verdict.reason)
-        self._finish(epoch, machine, report)
+        with self._cond:
+            self._carry = machine.carry
+        if not machine.land_only:
+            self._finish(epoch, machine, report)
         return report
 
     def _finish(self, epoch: int, machine: StepMachine, report: StepReport) -> None:
@@ -471,18 +511,18 @@ class Coordinator:
 
     def _step_report(self, machine: StepMachine | None, key: pb.Key, sender: str, msg: ctl.Message) -> None:
         """A report of the running step, to its machine (``_cond`` held)."""
-        if machine is None or key.step != machine.step:
+        if machine is None or not machine.carries(key.step):
             raise Rejected(f"report for step {key.step}, which is not running")
         if isinstance(msg, ctl.Loss):
             machine.loss(sender, key.replica, msg.microbatch, msg.loss, time.monotonic())
         elif isinstance(msg, ctl.Sketch):
             self.verification.sketch(machine, key, msg)
         elif isinstance(msg, ctl.Reduced):
-            machine.reduced(sender, msg.attempt)
+            machine.reduced(sender, msg.attempt, key.step)
         elif isinstance(msg, ctl.Synced):
             machine.synced(sender, msg.trained_steps, msg.params_hash)
         elif isinstance(msg, ctl.TaskError):
-            if machine.error(sender, key.replica, msg.what, msg.error, time.monotonic()):
+            if machine.error(sender, key.replica, msg.what, msg.error, time.monotonic(), key.step):
                 log.error("worker stage %d replica %d: %s", key.stage, key.replica, msg)
             else:
                 log.info("ignoring an error from dropped or syncing pipeline %d: %s", key.replica, msg)

@@ -292,7 +292,8 @@ class RunDriver:
                 self._replan_until_done(reason="membership changed")
             self._fresh_status = (-1, {})  # what a step may change is asked again after it
             try:
-                report = self.coordinator.run_step(self.trained, timeout_s=self.cfg.step_timeout_s)
+                report = self.coordinator.run_step(self.trained, timeout_s=self.cfg.step_timeout_s,
+                                                   overlap=self._overlaps(self.trained))
             except StepFailedError as exc:
                 replans += 1
                 if replans > self.cfg.max_replans:
@@ -319,10 +320,34 @@ class RunDriver:
             if self.trained < self.cfg.steps and self._at_round_start() and self._check_stragglers():
                 self._replan_until_done(reason="straggler")
             if self.cfg.checkpoint_every and self.trained % self.cfg.checkpoint_every == 0 and self._at_round_start():
+                self._land_outer()
                 self.checkpoint()
+        self._land_outer()
         if not self.coordinator.wait_in_sync():  # laggards reload in the background: the run's states are read next
             log.warning("some workers did not reload their stage after the last step: %s", self.coordinator.dead)
         return self.reports
+
+    def _overlaps(self, step: int) -> bool:
+        """Whether ``step``'s outer round lands one step late (``RunSpec.outer_overlap``): not the run's last
+        step, whose round must land for the run's states to be read."""
+        return self.spec.outer_overlap and (step + 1) % self.spec.sync_period == 0 and step + 1 < self.cfg.steps
+
+    def _land_outer(self) -> None:
+        """Land an overlapped outer round in flight now (before a re-plan, a checkpoint, the run's end): every
+        replica then holds the new anchor, as after a round in step. One that cannot land fails as a round in step
+        does: the next round covers it, and the swarm re-plans."""
+        try:
+            report = self.coordinator.land_outer(timeout_s=self.cfg.step_timeout_s)
+        except StepFailedError as exc:
+            log.warning("the outer round of step %d did not land (%s); re-planning", self.trained - 1, exc)
+            self._replan_until_done(reason=str(exc))
+            return
+        if report is None:
+            return
+        if self.reports and self.reports[-1].step == report.step:
+            self.reports[-1].outer = report.outer
+        if report.stage_hashes:
+            self.digests = Digests(self.trained, dict(report.stage_hashes))
 
     def _at_round_start(self) -> bool:
         """DiLoCo (``sync_period > 1``): whether the next step starts an outer round, where re-plans and
@@ -419,6 +444,10 @@ class RunDriver:
         """Re-plan; when a worker fails to take its assignment (it died meanwhile), exclude it and try again;
         when too few peers are live to hold the stages, wait for more (:class:`PeerShortage`). ``undo=(step,
         why)``: roll back to a checkpoint of at most ``step`` (:meth:`_discard_cheats`)."""
+        if undo is None:
+            self._land_outer()  # the new plan starts with every replica at the anchor
+        else:
+            self.coordinator.drop_outer()  # a roll-back: the round's work is discarded with the rest
         attempt, shortage = 0, PeerShortage(self.cfg.peers_wait_s, self.cfg.ban_s, self.on_pause)
         while True:
             self._check_stopped()

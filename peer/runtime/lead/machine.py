@@ -11,6 +11,11 @@ A step (docs/architecture.md, "One step") goes compute -> reduce -> apply -> [ou
   with its apply (``Reduce(apply=True)``): the machine goes straight to apply and waits for ``synced``.
 * outer (DiLoCo, the last inner step of a round): the live pipelines average their pseudo-gradients (a death
   restarts the averaging without that pipeline), then the outer step, as a second reduce and apply.
+* overlap (``RunSpec.outer_overlap``): the round-end step sends the outer reduce and ends at once, handing the
+  round on (:class:`OuterInFlight`, ``carry``); the next step's machine gets it as ``in_flight``, restarts it
+  without a pipeline that lost a member while it computes, and after its own apply lands it (outer, outer
+  apply of the earlier step). A machine made with ``land_only`` does only that (a re-plan, a checkpoint or the
+  run's end wants every replica at the anchor first).
 
 A death (``died``), a lease past its deadline or a micro-batch a speculative copy won drops that pipeline from
 the step: the pool requeues its work, its survivors are told to drop the step, and when the feeders had already
@@ -37,6 +42,7 @@ from tasklet.peer.runtime.lead.pool import CommitResult, TaskPool
 from tasklet.peer.runtime.lead.roster import Roster
 from tasklet.peer.runtime.lead.spot import Finding, SpotChecks
 from tasklet.peer.runtime.lead.step import (
+    OuterInFlight,
     OuterRoundFailedError,
     ReplanNeededError,
     StepFailedError,
@@ -119,8 +125,16 @@ class StepMachine:
                  lease_timeout_s: float, sync_period: int = 1, dead: Sequence[str] = (),
                  syncing: set[int] | None = None, service_s: dict[int, float] | None = None,
                  speculate_after: tuple[float | None, float | None] = (None, None),
-                 judge_after_s: float = 0.0, spot: SpotChecks | None = None) -> None:
+                 judge_after_s: float = 0.0, spot: SpotChecks | None = None, overlap: bool = False,
+                 in_flight: OuterInFlight | None = None, land_only: bool = False) -> None:
+        if land_only and in_flight is None:
+            raise ValueError("land_only needs an outer round in flight")
+        step = in_flight.step if land_only and in_flight is not None else step
         self.step, self.roster, self.sync_period = step, roster, sync_period
+        self.overlap, self.in_flight, self.land_only = overlap, in_flight, land_only
+        self.carry: OuterInFlight | None = None  # overlap: the outer round this step started and hands on
+        self._outer_step = step  # the step whose outer round the outer phases act on
+        self._landed: list[int] | None = None  # the in-flight round's participants, once it landed here
         self.now = self.started = now
         self.deadline = now + timeout_s
         self.dead: set[str] = set(dead)
@@ -147,6 +161,13 @@ class StepMachine:
     # ------------------------------------------------------------------------------------------ events
     def start(self) -> list[Command]:
         """The step's first commands: ``start_step`` to the intact pipelines, or a failure."""
+        if self.land_only:
+            out: list[Command] = []
+            try:
+                self._land(out)
+            except StepFailedError as exc:
+                out.extend(self._fail(exc))
+            return out
         mid_round = self.sync_period > 1 and self.step % self.sync_period != 0
         if self.dead and not (mid_round and self.roster.alive_pipelines(self.dead)):
             # DiLoCo mid-round: the pipelines that lost a member sit out the rest of the round (peer.runtime.outer)
@@ -256,9 +277,27 @@ class StepMachine:
                     self.set_aside(p, self.now)
             out.append(Spot(f))
 
-    def reduced(self, sender: str, attempt: int) -> None:
+    def reduced(self, sender: str, attempt: int, step: int | None = None) -> None:
+        """``sender`` averaged ``attempt`` (of ``step``: this one's, or an overlapped outer round's)."""
+        fl = self._travelling()
+        if fl is not None and step == fl.step:
+            if attempt == fl.attempt:
+                fl.reduced.add(sender)
+            return
         if attempt == self.state.attempt:
             self.state.reduced.add(sender)
+
+    def _travelling(self) -> OuterInFlight | None:
+        """The overlapped outer round whose reports are kept apart: the one this step handed on, or the one in
+        flight here until it lands (from then on its reports are the step's own)."""
+        if self.carry is not None:
+            return self.carry
+        fl = self.in_flight
+        return fl if fl is not None and self._outer_step != fl.step else None
+
+    def carries(self, step: int) -> bool:
+        """Whether reports of ``step`` belong here: this step's, or an overlapped outer round's."""
+        return step == self.step or any(f is not None and f.step == step for f in (self.carry, self.in_flight))
 
     def synced(self, sender: str, trained_steps: int, params_hash: str) -> None:
         self.state.synced.add(sender)
@@ -282,12 +321,18 @@ class StepMachine:
         if pipeline not in self.state.dropped:
             self.state.aside.pop(pipeline, None)
 
-    def error(self, sender: str, pipeline: int, what: str, error: str, now: float) -> bool:
+    def error(self, sender: str, pipeline: int, what: str, error: str, now: float, step: int | None = None) -> bool:
         """A worker's task failed. Judged ``judge_after_s`` later (``tick``): an error during averaging or apply
         with the sender still alive fails the step; anything else shows up as a death or finishes. False: ignored
         (its pipeline is out of the step, or it is dead)."""
         st = self.state
-        if pipeline in st.dropped or pipeline in st.syncing or sender in self.dead:
+        if sender in self.dead:
+            return False
+        fl = self._travelling()
+        if fl is not None and step == fl.step:  # the overlapped round, before it lands: judged there
+            fl.judging.append((now + self.judge_after_s, sender, error))
+            return True
+        if pipeline in st.dropped or pipeline in st.syncing:
             return False
         st.judging.append((now + self.judge_after_s, sender, what, error))
         return True
@@ -321,6 +366,7 @@ class StepMachine:
         try:
             self._judge()
             self._spot_judge(out)
+            self._restart_in_flight(out)
             while self._advance(out):
                 pass
         except StepFailedError as exc:
@@ -410,18 +456,60 @@ class StepMachine:
         st = self.state
         outer = st.phase is StepPhase.OUTER
         st.enter(StepPhase.OUTER_APPLY if outer else StepPhase.APPLY)
-        out.append(Emit("apply", {"step": self.step, "outer": True} if outer else {"step": self.step}))
-        out.append(Send(tuple(st.members), ctl.Apply(self.step, outer=outer), True))
+        step = self._outer_step if outer else self.step
+        out.append(Emit("apply", {"step": step, "outer": True} if outer else {"step": step}))
+        out.append(Send(tuple(st.members), ctl.Apply(step, outer=outer), True))
 
     def _end_apply(self, out: list[Command], live: set[str]) -> None:
         st = self.state
         members = tuple(m for m in st.members if m in live)
         if st.phase is StepPhase.APPLY and self._round_end():
             self._begin_outer(out)
+            if self.overlap:  # the round travels while the next step computes: this step ends now
+                self.carry = OuterInFlight(self.step, st.attempt, list(self._outer), list(st.members))
+                st.done(None)
+                out.append(Done(members, check=False, catch_up=False))
+            return
+        if st.phase is StepPhase.APPLY and self.in_flight is not None:
+            self._land(out)  # the round of the step before lands after this step's own apply
             return
         outer = st.phase is StepPhase.OUTER_APPLY
+        if outer and self._outer_step != self.step:  # landed late: each replica keeps its own progress on top
+            self._landed = list(self._outer)
+            st.done(None)
+            out.append(Done(members, check=False, catch_up=False))
+            return
         st.done(self._outer if outer else None)
         out.append(Done(members, check=self.sync_period == 1 or outer, catch_up=self.sync_period == 1))
+
+    def _land(self, out: list[Command]) -> None:
+        """The outer round in flight lands: its averaging is awaited (restarted without a pipeline that lost a
+        member), then its outer step, as a round-end step's own."""
+        fl, st = self.in_flight, self.state
+        assert fl is not None
+        self._outer_step, self._outer = fl.step, list(fl.participants)
+        st.land(fl)
+        if not self._outer:
+            raise StepFailedError(f"step {fl.step}: no pipeline left for the outer round")
+        out.append(Emit("outer", {"step": fl.step, "attempt": fl.attempt, "participants": self._outer,
+                                  "landing": self.step}))
+
+    def _restart_in_flight(self, out: list[Command]) -> None:
+        """Before it lands: a member of the round in flight died, so it averages again without that pipeline
+        (none left: it fails where it lands)."""
+        fl = self.in_flight
+        if fl is None or self._outer_step == fl.step or not set(fl.members) & self.dead:
+            return
+        alive = set(self.roster.alive_pipelines(self.dead))
+        parts = [p for p in fl.participants if p in alive]
+        fl.restart(parts, self.roster.members(parts, self.dead))
+        if not parts:
+            return
+        log.warning("step %d: a member of the outer round of step %d died; averaging it again without its "
+                    "pipeline", self.step, fl.step)
+        out.append(Emit("outer", {"step": fl.step, "attempt": fl.attempt, "participants": fl.participants}))
+        out.append(Send(tuple(fl.members), ctl.Reduce(fl.step, fl.attempt, tuple(fl.participants), {}, outer=True),
+                        True))
 
     def _round_end(self) -> bool:
         """DiLoCo: whether this inner step is the last of its round (an outer round follows). The same rule as
@@ -432,13 +520,16 @@ class StepMachine:
         """DiLoCo's outer round (peer.runtime.outer): the live pipelines' replicas average their pseudo-gradients;
         only when every stage holds its average does anyone take the outer step (two-phase, as an apply)."""
         st = self.state
+        restart = st.phase is StepPhase.OUTER
         st.enter(StepPhase.OUTER)
-        self._outer = self.roster.alive_pipelines(self.dead)
+        alive = self.roster.alive_pipelines(self.dead)
+        self._outer = [p for p in alive if p in self._outer] if restart else alive
         if not self._outer:
-            raise ReplanNeededError(f"step {self.step}: no pipeline left for the outer round")
+            raise ReplanNeededError(f"step {self._outer_step}: no pipeline left for the outer round")
         st.new_round(StepPhase.OUTER, self.roster.members(self._outer, self.dead))
-        out.append(Emit("outer", {"step": self.step, "attempt": st.attempt, "participants": self._outer}))
-        out.append(Send(tuple(st.members), ctl.Reduce(self.step, st.attempt, tuple(self._outer), {}, outer=True), True))
+        out.append(Emit("outer", {"step": self._outer_step, "attempt": st.attempt, "participants": self._outer}))
+        out.append(Send(tuple(st.members), ctl.Reduce(self._outer_step, st.attempt, tuple(self._outer), {},
+                                                      outer=True), True))
 
     def _drop_broken(self, out: list[Command]) -> list[int]:
         """Drop from the step the pipelines with a dead member, a lease past its deadline, a micro-batch a
@@ -510,7 +601,9 @@ class StepMachine:
         counts: dict[int, int] = {}
         for p in st.commits.values():
             counts[p] = counts.get(p, 0) + 1
+        landed = self._landed is not None
         return StepReport(self.step, sum(losses) / len(losses) if losses else math.nan, self.now - self.started,
                           counts, st.pool.requeued, sorted(st.dropped), st.pool.speculated, st.pool.speculation_won,
-                          dict(st.commits), sorted(st.participants), st.outer,
+                          dict(st.commits), sorted(st.participants), self._landed if landed else st.outer,
+                          self._outer_step if landed else None,
                           self.spot.sampled if self.spot else 0, self.spot.verified if self.spot else 0)

@@ -65,11 +65,33 @@ class StepReport:
     commits: dict[int, int] = field(default_factory=dict)
     applied: list[int] = field(default_factory=list)
     outer: list[int] | None = None
+    outer_of: int | None = None  # overlap: the earlier step whose outer round landed after this one (None: its own)
     spot_checked: int = 0  # micro-batches sampled for a spot check (peer.runtime.lead.spot)
     spot_verified: int = 0  # ... whose copies agreed (or two of three did)
     # layers -> the parameters hash a strict majority of the stage's replicas reported after the step (steps
     # whose replicas must agree: exact ones and DiLoCo's outer steps; empty otherwise)
     stage_hashes: dict[tuple[int, int], str] = field(default_factory=dict)
+
+
+@dataclass
+class OuterInFlight:
+    """An overlapped outer round (``RunSpec.outer_overlap``): the round of ``step`` travels while the next step
+    computes. Shared by the machine that started it and the one it lands in, so that no report of it is lost
+    between the two. ``members`` must each report ``reduced`` of ``attempt``; ``judging``: errors awaiting
+    judgement (due, sender, error), as ``StepState.judging``."""
+
+    step: int
+    attempt: int
+    participants: list[int]
+    members: list[str]
+    reduced: set[str] = field(default_factory=set)
+    judging: list[tuple[float, str, str]] = field(default_factory=list)
+
+    def restart(self, participants: list[int], members: list[str]) -> None:
+        """Average again with ``participants`` only (a member died): a new attempt, nobody has reported it."""
+        self.participants, self.members, self.reduced = participants, members, set()
+        if participants:
+            self.attempt += 1
 
 
 @dataclass
@@ -120,6 +142,14 @@ class StepState:
         if participants is not None:
             self.participants, self.commits = participants, commits or {}
         self.members, self.expected = members, set(members)
+
+    def land(self, fl: OuterInFlight) -> None:
+        """The overlapped round ``fl`` lands here: its averaging becomes this step's outer round, as it stands
+        (its attempt, members, who reported, the errors awaiting judgement)."""
+        self.phase, self.attempt, self.members = StepPhase.OUTER, fl.attempt, list(fl.members)
+        self.expected, self.reduced = set(fl.members), set(fl.reduced)
+        self.synced, self.hashes = set(), {}
+        self.judging.extend((due, sender, "reduce", error) for due, sender, error in fl.judging)
 
     def due_errors(self, now: float) -> list[tuple[float, str, str, str]]:
         """The errors whose wait is over at ``now``, taken out of ``judging``."""

@@ -166,6 +166,8 @@ class StageTaker:
             compute = old.compute
             compute.reset_step()
             outer = old.outer
+            if outer is not None:  # an overlapped outer round in flight does not survive a new plan
+                outer.forget_round()
         else:
             try:
                 compute = StageCompute(

@@ -183,10 +183,6 @@ class Intake:
                         "a gradient or parameter shard")
         if key.stage != t.assignment.stage:
             raise Rejected(f"stage {key.stage} is not this peer's stage {t.assignment.stage}")
-        with self.cond:
-            step = self.step.step
-        if key.step != step:
-            raise Rejected(f"step {key.step} is not the current step {step}")
         try:
             participants = [int(x) for x in json.loads(env.meta.get("participants", "[]"))]
             attempt = int(env.meta.get("attempt", ""))

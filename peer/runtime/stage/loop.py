@@ -142,8 +142,11 @@ class ComputeLoop:
             if self.current() is not t:
                 raise Rejected("this peer took a new assignment meanwhile")
             self.step.start_step(msg.step, msg.attempt, t.compute.step, feed=msg.feed)
+            # with overlap the outer round of the step before is still in flight: its averaging goes on
+            floor = (msg.step, msg.attempt) if not self.step.outer_live else \
+                min((msg.step, msg.attempt), (self.step.outer_step, self.step.outer_attempt))
         self.sync.times.begin(msg.step)
-        t.exchange.abort_before((msg.step, msg.attempt))
+        t.exchange.abort_before(floor)
         return Feeder(self, t, msg.step, msg.attempt) if msg.feed else None
 
     def queue_reduce(self, t: Tasklet, msg: ctl.Reduce) -> None:

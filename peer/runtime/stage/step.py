@@ -10,7 +10,8 @@ The step's life (docs/architecture.md, "One step"): ``start_step`` (a new step, 
 one), micro-batches enter (``lease`` on a first stage, ``take_activation`` elsewhere) and their gradients
 return (``take_grad``); ``drop`` throws the pipeline's work away; ``reduce`` checks the accumulator against the
 commit record and ``reduced`` keeps the sum; ``apply``/``applied`` step the optimizer once. DiLoCo's outer round
-has its own pair, ``outer_reduced``/``take_outer``.
+has its own pair, ``outer_reduced``/``take_outer``, and its own slot (``outer_step``, ``outer_attempt``): with
+overlap (``RunSpec.outer_overlap``) the round of step ``s`` is still in flight while step ``s + 1`` runs.
 
 ===================  =============================================  ================================================
 transition           refused (Rejected) when                        effect
@@ -31,9 +32,10 @@ transition           refused (Rejected) when                        effect
 ``apply``            nothing of that step held (unless applied      what to apply (None: a repeat, re-report)
                      already: trained = step + 1)
 ``applied``          that step was not awaiting apply               the gradient is applied once
-``outer_round``      not the current step                           the attempt only moves forward
-``outer_reduced``    not the current step                           OUTER_REDUCED: the average awaits the apply
-``take_outer``       never (None: nothing of that step held)        the average, taken once
+``outer_round``      neither the current step nor, with overlap,    the round's attempt only moves forward
+                     the round in flight
+``outer_reduced``    not the round's step and attempt               OUTER_REDUCED: the average awaits the apply
+``take_outer``       never (None: nothing of that step held)        the average, taken once; the round is over
 ===================  =============================================  ================================================
 """
 
@@ -86,6 +88,8 @@ class WorkerStep:
     pending: tuple[int, torch.Tensor] | None = None  # (step, summed gradient) awaiting apply
     local_count: int = 0  # DiLoCo inner step: micro-batches this pipeline committed (divides ``pending``)
     outer_pending: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (step, average, residual): outer apply
+    outer_step: int = -1  # DiLoCo: the step whose outer round is in flight (-1: none)
+    outer_attempt: int = 0  # ... and its attempt
 
     @property
     def phase(self) -> Phase:
@@ -108,6 +112,7 @@ class WorkerStep:
         self.pipeline = pipeline
         self.step, self.attempt, self.feeding, self.dropped, self.inflight = -1, 0, False, False, 0
         self.pending, self.local_count, self.outer_pending = None, 0, None
+        self.outer_step, self.outer_attempt = -1, 0
         self.known, self.grads_seen = set(), set()
 
     def start_step(self, step: int, attempt: int, trained_steps: int, feed: bool = False) -> None:
@@ -135,10 +140,20 @@ class WorkerStep:
         self.dropped, self.feeding = True, False
 
     def outer_round(self, step: int, attempt: int) -> None:
-        """DiLoCo: an outer round of ``step`` (restarted after a death: a later attempt) becomes current."""
-        if step != self.step:
+        """DiLoCo: an outer round of ``step`` (restarted after a death: a later attempt) becomes current. With
+        overlap a restart may come while the next step runs: the round in flight is then the previous step's."""
+        if step == self.step:
+            self.attempt = max(self.attempt, attempt)
+        elif step != self.outer_step:
             raise Rejected(f"outer round of step {step}, the current step is {self.step}")
-        self.attempt = max(self.attempt, attempt)
+        if step != self.outer_step:
+            self.outer_step, self.outer_attempt = step, attempt
+        self.outer_attempt = max(self.outer_attempt, attempt)
+
+    @property
+    def outer_live(self) -> bool:
+        """An outer round is in flight: started, its average not yet taken by the outer apply."""
+        return self.outer_step >= 0
 
     # ------------------------------------------------------------------------------------- micro-batches
     def feeds(self, step: int, attempt: int) -> bool:
@@ -181,11 +196,16 @@ class WorkerStep:
         self.grads_seen.add(mb)
 
     def check_shard(self, step: int, attempt: int) -> None:
-        """A gradient or parameter shard of (step, attempt) fits: the current step, an attempt that can follow."""
-        if step != self.step:
+        """A gradient or parameter shard of (step, attempt) fits: the current step (or the outer round in flight),
+        an attempt that can follow."""
+        if step == self.outer_step:
+            current = self.outer_attempt
+        elif step == self.step:
+            current = self.attempt
+        else:
             raise Rejected(f"step {step} is not the current step {self.step}")
-        if not self.attempt <= attempt <= self.attempt + ATTEMPT_WINDOW:
-            raise Rejected(f"attempt {attempt} is not within {ATTEMPT_WINDOW} of the current attempt {self.attempt}")
+        if not current <= attempt <= current + ATTEMPT_WINDOW:
+            raise Rejected(f"attempt {attempt} is not within {ATTEMPT_WINDOW} of the current attempt {current}")
 
     def runs(self, work: Work, step: int) -> bool:
         """Whether queued work of ``step`` still runs: stale work (another step; forward or backward of a
@@ -193,6 +213,8 @@ class WorkerStep:
         ``start_step`` until in sync, so its step stays the one it missed while the leader tells it newer ones."""
         if work is Work.RESYNC and step > self.step:
             return True
+        if work in (Work.REDUCE, Work.APPLY) and step == self.outer_step:
+            return True  # the outer round in flight (with overlap, the previous step's)
         if step != self.step:
             return False
         return not (self.dropped and work in (Work.FORWARD, Work.BACKWARD))
@@ -228,9 +250,13 @@ class WorkerStep:
             raise Rejected(f"step {step} was not awaiting apply")
         self.pending = None
 
-    def outer_reduced(self, step: int, average: torch.Tensor, residual: torch.Tensor) -> None:
-        """DiLoCo: the round's averaged pseudo-gradient (and this replica's new residual) awaits the outer apply."""
-        self._require_current(step, "an outer reduce")
+    def outer_reduced(self, step: int, average: torch.Tensor, residual: torch.Tensor,
+                      attempt: int | None = None) -> None:
+        """DiLoCo: the round's averaged pseudo-gradient (and this replica's new residual) awaits the outer apply.
+        ``attempt``: the averaging's own (one a restart abandoned is refused)."""
+        if step != self.outer_step or (attempt is not None and attempt != self.outer_attempt):
+            raise Rejected(f"an outer reduce of step {step} attempt {attempt}, the outer round in flight is of step "
+                           f"{self.outer_step} attempt {self.outer_attempt}")
         self.outer_pending = (step, average, residual)
 
     def take_outer(self, step: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -239,6 +265,7 @@ class WorkerStep:
         pending, self.outer_pending = self.outer_pending, None
         if pending is None or pending[0] != step:
             return None
+        self.outer_step, self.outer_attempt = -1, 0
         return pending[1], pending[2]
 
     def _require_current(self, step: int, what: str) -> None:

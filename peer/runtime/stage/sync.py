@@ -23,10 +23,15 @@ from tasklet.peer.runtime import control as ctl
 from tasklet.peer.runtime.outer import BLOCK_SIZE, OuterState, allgather_codec, is_round_end, roundtrip
 from tasklet.peer.runtime.spec import Assignment, RunSpec
 from tasklet.peer.runtime.stage.exchange import DIGEST_META, digest_text
-from tasklet.peer.runtime.stage.gradient_checks import DigestMismatchError, OutlierContributionError, Tag
+from tasklet.peer.runtime.stage.gradient_checks import (
+    DigestMismatchError,
+    ExchangeAbortedError,
+    OutlierContributionError,
+    Tag,
+)
 from tasklet.peer.runtime.stage.outbox import Outbox
 from tasklet.peer.runtime.stage.snapshot import Tasklet
-from tasklet.peer.runtime.stage.step import WorkerStep
+from tasklet.peer.runtime.stage.step import Work, WorkerStep
 from tasklet.peer.runtime.stage.tied import sum_with_other_end
 from tasklet.peer.runtime.stage.timing import StepTimes
 from tasklet.peer.runtime.stage_state import params_hash
@@ -184,7 +189,7 @@ class GradientSync:
             t.exchange.forget_through(sync.tag)
             assert sync.residual is not None
             with self.cond:
-                self.step.outer_reduced(sync.step, summed / len(sync.participants), sync.residual)
+                self.step.outer_reduced(sync.step, summed / len(sync.participants), sync.residual, sync.attempt)
             self.outbox.report(t, ctl.Reduced(sync.step, sync.attempt))
             return
         if len(sync.participants) == 1:
@@ -258,24 +263,49 @@ class GradientSync:
     def outer_reduce(self, t: Tasklet, step: int, msg: ctl.Reduce) -> None:
         """The outer round after inner step ``step``: reduce-scatter + all-gather of the participants'
         (compressed) pseudo-gradients; keep their average for the outer apply (peer.runtime.outer). The same
-        three phases as :meth:`reduce`."""
+        three phases as :meth:`reduce`. With overlap (``RunSpec.outer_overlap``) only the contribution is taken
+        here, on the compute thread; the waits and sums run on a thread of their own while the next inner step
+        computes."""
         sync = self.contribute_outer(t, step, msg)
-        self.sum_shard(t, sync)
-        self.gather(t, sync)
+        if not t.spec.outer_overlap:
+            self.sum_shard(t, sync)
+            self.gather(t, sync)
+            return
+        threading.Thread(target=self._outer_rest, args=(t, sync), name=f"outer-{step}.{sync.attempt}",
+                         daemon=True).start()
+
+    def _outer_rest(self, t: Tasklet, sync: SyncAttempt) -> None:
+        """Phases 2 and 3 of an overlapped outer round; a failure goes to the coordinator as the compute loop's
+        do (an abandoned attempt, restarted after a death, just ends)."""
+        try:
+            with self._timed(t):
+                self.sum_shard(t, sync)
+                self.gather(t, sync)
+        except ExchangeAbortedError as exc:
+            log.info("outer round of step %d attempt %d abandoned: %s", sync.step, sync.attempt, exc)
+        except Exception as exc:  # the coordinator decides
+            log.exception("outer round of step %d failed", sync.step)
+            self.outbox.report(t, ctl.TaskError(Work.REDUCE.value, sync.step, str(exc)[:500]))
 
     def contribute_outer(self, t: Tasklet, step: int, msg: ctl.Reduce) -> SyncAttempt:
         """Phase 1 of an outer round: send each participant its shard of this replica's pseudo-gradient."""
         a, compute, exchange, outer, spec = t.assignment, t.compute, t.exchange, t.outer, t.spec
         if outer is None or not is_round_end(step, spec.sync_period):
             raise Rejected(f"step {step} ends no outer round (sync_period {spec.sync_period})")
-        if compute.step != step + 1:
-            raise Rejected(f"outer round after step {step}, but this stage has trained {compute.step} steps")
         attempt, participants = msg.attempt, list(msg.participants)
         if a.replica not in participants:
             raise Rejected(f"pipeline {a.replica} is not among the outer round's participants {participants}")
+        if outer.round_end_step == step and outer.round_end is not None:
+            params = outer.round_end  # a restart while the next step computes: the round's end as it was
+        elif compute.step == step + 1:
+            params = compute.flat_params()
+            if spec.outer_overlap:  # kept until the round lands: the next inner steps move the parameters
+                outer.keep_round_end(params, step)
+        else:
+            raise Rejected(f"outer round after step {step}, but this stage has trained {compute.step} steps")
         shards = [exchange.shard_of(participants, r) for r in participants]
         codec = spec.pseudo_grad_compression
-        sent, residual = outer.contribution(compute.flat_params(), shards, codec)
+        sent, residual = outer.contribution(params, shards, codec)
         meta = {"attempt": str(attempt), "participants": json.dumps(participants)}
         sync = SyncAttempt(step, attempt, participants, meta, outer=True, codec=codec, residual=residual)
         for r, (lo, hi) in zip(participants, shards, strict=True):
@@ -299,7 +329,9 @@ class GradientSync:
                 return
             raise Rejected(f"outer apply of step {step}, but no averaged pseudo-gradient of that step is held")
         average, residual = pending
-        compute.set_params(outer.apply(average, spec.outer_lr, spec.outer_momentum, residual))
+        # landed late (overlap): the new anchor plus this replica's progress since the round's end
+        compute.set_params(outer.land(step, average, spec.outer_lr, spec.outer_momentum, residual,
+                                      compute.flat_params()))
         self.outbox.report(t, ctl.Synced(step, compute.step, params_hash(compute)))
 
     def resync(self, t: Tasklet, step: int, msg: ctl.Resync) -> None:
