@@ -114,6 +114,9 @@ SYNC_PERIODS = (2, 16, 32)
 # unmeasured, it never can. top-k (31-40 % at H 8-32, cut at step 64) is not measured at H 2 either, nor topk2
 # (one seed at H 2: +15.8 %; 3 seeds at H 16-32: +25-44 %, docs/benchmarks/outer-round.md).
 SYNCS = tuple(SyncOption(h, c) for h in SYNC_PERIODS for c in (("int8",) if h < 16 else ("int8", "topk", "topk2")))
+# int8 with the outer round landing one inner step late (the runtime's outer_overlap), alone only: measured with
+# activation codecs too it would double phase 3; unmeasured, a late round with compressed activations is never chosen
+LATE_SYNCS = tuple(SyncOption(h, "int8", overlap=True) for h in SYNC_PERIODS)
 JOINT_ACTIVATIONS = ("int8", "int4")  # measured together with DiLoCo (the codecs worth their bytes)
 MAX_LOSS_PENALTY = 0.02
 LOOSE_LOSS_PENALTY = 0.06  # also reported: the choice when 6 % more loss after N steps is acceptable
@@ -296,6 +299,8 @@ def train(cfg: TrainConfig, choice: Choice, train_corpus: Corpus, val: Corpus, m
     sync = choice.sync
     n_pipes = 1 if sync == EXACT else cfg.replicas
     pipes = [_Pipeline(cfg, model, choice.activation) for _ in range(n_pipes)]
+    if sync.overlap:  # a "-late" option is the runtime's outer_overlap: the streaming mode with tau = 1
+        cfg = replace(cfg, overlap="streaming", overlap_steps=1)
     outer = OuterLoop(pipes, sync, cfg)
     curve = Curve(name or _label(choice))
     curve.steps.append(0)
@@ -567,7 +572,8 @@ def _run(cfg: TrainConfig, pool: ProcessPoolExecutor | None, table_path: Path | 
                      f", cut at {measured[n].cut}" if measured[n].cut else "")
 
     # phase 2: every option alone
-    singles = [Choice((a,) * n_b, EXACT) for a in ACTIVATIONS] + [Choice(("none",) * n_b, s) for s in SYNCS]
+    singles = [Choice((a,) * n_b, EXACT) for a in ACTIVATIONS] + [Choice(("none",) * n_b, s)
+                                                                   for s in (*SYNCS, *LATE_SYNCS)]
     log.info("phase 2: %d options alone x %d seeds", len(singles), len(seeds))
     measure(singles)
 
@@ -589,7 +595,8 @@ def _run(cfg: TrainConfig, pool: ProcessPoolExecutor | None, table_path: Path | 
               if m.choice.sync != EXACT and m.choice.strongest_activation == "none"},
         joint={m.choice.penalty_key: penalty(n) for n, m in measured.items()
                if m.choice.sync != EXACT and m.choice.strongest_activation != "none"},
-        outer={s.name: {"outer_lr": outer[s.period][0], "outer_momentum": outer[s.period][1]} for s in SYNCS},
+        outer={s.name: {"outer_lr": outer[s.period][0], "outer_momentum": outer[s.period][1]}
+               for s in (*SYNCS, *LATE_SYNCS)},
         meta={"produced_by": "python -m bench.bandwidth", "date": time.strftime("%Y-%m-%d"),
               "penalty": f"relative validation-loss gap to exact training after {cfg.steps} steps (0 if better), "
                          f"mean over seeds {seeds} of the gap to the same seed's exact run; loss after N steps: "
@@ -608,7 +615,7 @@ def _run(cfg: TrainConfig, pool: ProcessPoolExecutor | None, table_path: Path | 
     searched = MemeticConfig(max_evaluations=2000, population=4)
 
     def choose(limit: float) -> tuple[Plan, Choice]:
-        space = CompressionSpace(table, limit, sync=(EXACT, *SYNCS))
+        space = CompressionSpace(table, limit, sync=(EXACT, *SYNCS, *LATE_SYNCS))
         found = schedule_plan(cluster, BIG, compression=space, time_limit_s=search_s, config=searched)
         d = found.predicted["choice"]
         return found, Choice(tuple(d["activation"]), SyncOption.parse(d["sync"]))
@@ -737,7 +744,8 @@ def validate(steps: int = 8, options: tuple[tuple[str, SyncOption], ...] = VALID
         choice = Choice((act,) * 3, sync)
         spec = RunSpec(run_id="bench-bandwidth", model=model, optim=OptimConfig(lr=3e-3, eps=1e-3), seed=3,
                        micro_batch=w.micro_batch, n_microbatches=w.n_microbatches, compression=act,
-                       sync_period=sync.period, pseudo_grad_compression=sync.pseudo_grad_compression)
+                       sync_period=sync.period, pseudo_grad_compression=sync.pseudo_grad_compression,
+                       outer_overlap=sync.overlap)
         with LocalSwarm(spec, 8, links=link_model(cluster), forward_flops=w.stage_forward_flops,
                         heartbeat_s=2.0) as swarm:
             result = swarm.train((stages, pipelines), steps, collect_states=False)

@@ -90,7 +90,8 @@ class MeasuredConfig:
         return RunSpec(run_id="bench-bandwidth-measured", model=model, optim=OptimConfig(lr=self.lr),
                        seed=self.seed, micro_batch=self.micro_batch, n_microbatches=self.n_microbatches,
                        compression=d["compression"], sync_period=d["sync_period"],
-                       pseudo_grad_compression=d["pseudo_grad_compression"], **outer).validate()
+                       pseudo_grad_compression=d["pseudo_grad_compression"], outer_overlap=d["outer_overlap"],
+                       **outer).validate()
 
 
 def world() -> Cluster:

@@ -127,7 +127,7 @@ class ScalingConfig:
         if choice is not None and not choice.is_exact:
             d = choice.to_dict(penalties)
             extra = {"compression": d["compression"], "sync_period": d["sync_period"],
-                     "pseudo_grad_compression": d["pseudo_grad_compression"]}
+                     "pseudo_grad_compression": d["pseudo_grad_compression"], "outer_overlap": d["outer_overlap"]}
             extra.update({k: d[k] for k in ("outer_lr", "outer_momentum") if k in d})
         return RunSpec(run_id="bench-scaling", model=self.model, seed=self.seed, micro_batch=self.micro_batch,
                        n_microbatches=self.microbatches_per_pipeline * replicas, **extra).validate()

@@ -12,7 +12,11 @@ Two kinds of option (names match the runtime's: ``protocol.lowbit``, ``RunSpec``
   error feedback). The sync term of the ``full`` model (reduce-scatter + all-gather) is then paid once per
   ``H`` steps, with the compressed bytes: per step it costs ``sync(bytes) / H``. A sparse codec's all-gather
   carries the members' summed shard exactly (up to D entries per 64 at 8 bytes each, at most fp32):
-  :func:`sync_bytes_factor`.
+  :func:`sync_bytes_factor`. A DiLoCo option may be ``-late`` (``SyncOption.overlap``, the runtime's
+  ``outer_overlap``): the round lands one inner step late, so its bytes and its codec travel while that step
+  computes, and a round costs only what exceeds one inner step's pipeline time (``max(0, round - pipe) / H``).
+  That hides the round from links and peers that are both shared with the inner step's activations only in the
+  model's ideal: the model does not charge the contention.
 
 Quality: compressing costs loss. ``PenaltyTable`` holds measured relative loss penalties (final loss after N
 steps vs exact training, ``bench.bandwidth`` writes ``data/loss_penalties.json``): each activation option alone
@@ -100,10 +104,13 @@ def sync_bytes_factor(option: str, members: int, param_bytes: float) -> float:
 
 @dataclass(frozen=True)
 class SyncOption:
-    """Every step exact (``period`` 1, ``none``), or DiLoCo with period H and a pseudo-gradient encoding."""
+    """Every step exact (``period`` 1, ``none``), or DiLoCo with period H and a pseudo-gradient encoding;
+    ``overlap``: the outer round lands one inner step late, travelling while that step computes (the runtime's
+    ``outer_overlap``)."""
 
     period: int = 1
     pseudo_grad_compression: str = "none"
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.period, int) or self.period < 1:
@@ -113,19 +120,25 @@ class SyncOption:
             raise PlanningError("pseudo_grad_compression", f"must be one of {have}, got {got!r}")
         if self.period == 1 and self.pseudo_grad_compression != "none":
             raise PlanningError("pseudo_grad_compression", "exact sync (period 1) sends fp32 gradients")
+        if self.period == 1 and self.overlap:
+            raise PlanningError("overlap", "exact sync (period 1) has no outer round to overlap")
 
     @property
     def name(self) -> str:
-        return "exact" if self.period == 1 else f"diloco-H{self.period}-{self.pseudo_grad_compression}"
+        if self.period == 1:
+            return "exact"
+        return f"diloco-H{self.period}-{self.pseudo_grad_compression}" + ("-late" if self.overlap else "")
 
     @classmethod
     def parse(cls, name: str) -> SyncOption:
         if name == "exact":
             return cls()
         parts = name.split("-")
-        if len(parts) != 3 or parts[0] != "diloco" or not parts[1].startswith("H") or not parts[1][1:].isdigit():
-            raise PlanningError("sync", f"expected 'exact' or 'diloco-H<period>-<encoding>', got {name!r}")
-        return cls(int(parts[1][1:]), parts[2])
+        late = len(parts) == 4 and parts[3] == "late"
+        if len(parts) != 3 + late or parts[0] != "diloco" or not parts[1].startswith("H") \
+                or not parts[1][1:].isdigit():
+            raise PlanningError("sync", f"expected 'exact' or 'diloco-H<period>-<encoding>[-late]', got {name!r}")
+        return cls(int(parts[1][1:]), parts[2], late)
 
 
 EXACT = SyncOption()
@@ -158,6 +171,7 @@ class Choice:
             "sync": self.sync.name,
             "sync_period": self.sync.period,
             "pseudo_grad_compression": self.sync.pseudo_grad_compression,
+            "outer_overlap": self.sync.overlap,
         }
         if penalties is not None and self.sync.period > 1:
             out.update(penalties.outer_for(self.sync))
@@ -281,22 +295,31 @@ def timing_for(cluster: Cluster, workload: Workload, plan: Plan, choice: Choice,
     control = control_s(workload, plan.stages, t.m.size, choice.sync)
     if choice.sync != EXACT:
         factor = sync_bytes_factor(choice.sync.pseudo_grad_compression, plan.n_replicas, workload.param_bytes)
-        t = replace(t, sync=sync_times(cluster, workload, plan.stages, t.m, factor, digests=False)
-                  / choice.sync.period)
+        rounds = sync_times(cluster, workload, plan.stages, t.m, factor, digests=False)
+        if choice.sync.overlap:  # the round (its bytes and its codec) travels while one inner step computes
+            pipe = cost_full.predict_timing(replace(t, sync=np.zeros_like(t.sync), control=0.0))["pipeline_s"]
+            rounds = np.maximum(0.0, rounds + codec_s(workload, plan.stages, choice.sync) - pipe)
+        t = replace(t, sync=rounds / choice.sync.period)
     return replace(t, control=control)
+
+
+def codec_s(workload: Workload, stages: list[tuple[int, int]], sync: SyncOption) -> float:
+    """Seconds of one outer round's pseudo-gradient codec on the workers' CPU (the largest stage's)."""
+    if sync == EXACT or sync.pseudo_grad_compression == "none":
+        return 0.0
+    elems = max(workload.stage_params(a, b) for a, b in stages)
+    return OUTER_CODEC_PASSES * elems * CODEC_S_PER_ELEMENT[sync.pseudo_grad_compression]
 
 
 def control_s(workload: Workload, stages: list[tuple[int, int]], n_workers: int, sync: SyncOption) -> float:
     """Seconds per step outside the pipeline and the averaging. Exact: the leader's start, reduce and apply
     rounds. DiLoCo: start and the merged inner reduce-and-apply every step, the outer reduce and apply once per
-    round, and the outer round's codec on the workers' CPU (the largest stage's), amortised over the period."""
+    round, and the outer round's codec on the workers' CPU (the largest stage's), amortised over the period
+    (with overlap the codec is part of the round hidden behind an inner step: :func:`timing_for`)."""
     if sync == EXACT:
         return control_time(n_workers, EXACT_ROUNDS)
     rounds = DILOCO_INNER_ROUNDS + DILOCO_ROUND_END_ROUNDS / sync.period
-    codec = 0.0
-    if sync.pseudo_grad_compression != "none":
-        elems = max(workload.stage_params(a, b) for a, b in stages)
-        codec = OUTER_CODEC_PASSES * elems * CODEC_S_PER_ELEMENT[sync.pseudo_grad_compression] / sync.period
+    codec = 0.0 if sync.overlap else codec_s(workload, stages, sync) / sync.period
     return control_time(n_workers, rounds) + codec
 
 
@@ -400,7 +423,11 @@ class CompressedCost:
             if s not in extra:  # the option's control rounds beyond exact training's (module docstring)
                 extra[s] = (control_s(self.workload, self.stages, m.size, s)
                             - control_s(self.workload, self.stages, m.size, EXACT))
-            scored.append((pipe[a] + dp[codec] / s.period + extra[s], p, a, s))
+            if s.overlap:  # the round and its codec hidden behind one inner step, up to that step's time
+                sync_s = max(0.0, dp[codec] + codec_s(self.workload, self.stages, s) - pipe[a]) / s.period
+            else:
+                sync_s = dp[codec] / s.period
+            scored.append((pipe[a] + sync_s + extra[s], p, a, s))
         fastest = min(t for t, *_ in scored)
         # the least penalty among the choices within min_gain of the fastest (then the faster of those)
         t, _, a, s = min((x for x in scored if x[0] <= fastest * (1 + self.space.min_gain)),

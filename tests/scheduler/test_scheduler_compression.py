@@ -231,3 +231,39 @@ def test_default_space_offers_only_what_the_table_measured() -> None:
         k.endswith("+" + s.name) for k in shipped.joint) for s in space.sync)
     # fp32 pseudo-gradients and H = 128 are not in the option space: nothing measures them
     assert not any(s.period == 128 or (s.period > 1 and s.pseudo_grad_compression == "none") for s in space.sync)
+
+
+def test_an_overlapped_round_is_hidden_behind_one_inner_step_and_chosen_only_where_measured() -> None:
+    c, w = uniform_cluster(4, 0.1), workload()
+    p = Plan([(0, 4), (4, 8)], [[0, 1], [2, 3]])
+    elems = max(w.stage_params(a, b) for a, b in p.stages)
+    codec = OUTER_CODEC_PASSES * elems * CODEC_S_PER_ELEMENT["int8"]
+    assert SyncOption.parse("diloco-H16-int8-late") == SyncOption(16, "int8", overlap=True)
+    assert SyncOption(16, "int8", overlap=True).name == "diloco-H16-int8-late"
+    with pytest.raises(PlanningError, match="overlap"):
+        SyncOption(1, "none", overlap=True)
+    for h in (2, 16):
+        sync = predict(c, w, p, Choice(("none",), SyncOption(h, "int8")))
+        late = predict(c, w, p, Choice(("none",), SyncOption(h, "int8", overlap=True)))
+        assert late["pipeline_s"] == pytest.approx(sync["pipeline_s"])
+        # the round (its bytes and its codec) takes the time of one inner step away, never less than nothing
+        per_round = sync["dp_s"] * h + codec
+        assert late["dp_s"] == pytest.approx(max(0.0, per_round - sync["pipeline_s"]) / h)
+        assert late["control_s"] == pytest.approx(sync["control_s"] - codec / h)
+        assert late["total_s"] < sync["total_s"]
+        assert late["choice"]["outer_overlap"] is True and sync["choice"]["outer_overlap"] is False
+    # the search's objective agrees with the prediction of the late choice
+    late_table = PenaltyTable(activation={}, sync={"diloco-H16-int8": 0.01, "diloco-H16-int8-late": 0.01})
+    cost = CompressedCost(c, w, p.stages, CompressionSpace(late_table, 0.02, activation=("none",), sync=(
+        EXACT, SyncOption(16, "int8"), SyncOption(16, "int8", overlap=True))))
+    m = np.array(p.pipelines)
+    total, choice = cost.best(m)
+    assert choice.sync == SyncOption(16, "int8", overlap=True)
+    got = predict(c, w, Plan(p.stages, m.tolist()), choice)
+    assert total + 3 * m.size * CONTROL_S_PER_WORKER == pytest.approx(got["total_s"], rel=1e-9)
+    # unmeasured (or over the limit): never chosen
+    for table in (PenaltyTable(activation={}, sync={"diloco-H16-int8": 0.01}),
+                  PenaltyTable(activation={}, sync={"diloco-H16-int8": 0.01, "diloco-H16-int8-late": 0.05})):
+        cost = CompressedCost(c, w, p.stages, CompressionSpace(table, 0.02, activation=("none",), sync=(
+            EXACT, SyncOption(16, "int8"), SyncOption(16, "int8", overlap=True))))
+        assert not cost.best(m)[1].sync.overlap
