@@ -3,6 +3,7 @@ codec costs, on the small model ``bench.bandwidth`` measures penalties with.
 
     python -m bench.overlap [--json] [--seeds K] [--periods 2,16,32] [--codecs int8,topk2] [--modes sync,...]
                             [--tau T] [--steps N] [--quick]
+    python -m bench.overlap --runtime [--json] [--steps N] [--period H] [--quick]   (bench/overlap_runtime.py)
 
 For every period H and codec: DiLoCo with the outer step taken at each round's end (``sync``); one round late
 (round k's average applied at the end of round k + 1), either ``delayed`` (each pipeline goes on with its own
@@ -145,7 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tau", type=int, default=TAU, help="streaming: inner steps the average may take, below "
                         "every H (default %(default)s)")
     parser.add_argument("--quick", action="store_true", help="a tiny configuration (seconds; for tests)")
+    parser.add_argument("--runtime", action="store_true", help="time the outer round in step against landing one "
+                        "inner step late on the emulated 8-peer swarm of real processes (bench/overlap_runtime.py; "
+                        "--steps: steps of each run, default 16; --period: the choice's H replaced)")
+    parser.add_argument("--period", type=int, default=None, help="--runtime: DiLoCo period H (default: the "
+                        "scheduler's choice)")
     args = parser.parse_args(argv)
+    if args.runtime:
+        return _runtime(args, parser)
     if args.seeds < 1:
         parser.error("--seeds must be at least 1")
     if not 1 <= args.tau < min(args.periods):
@@ -158,6 +166,21 @@ def main(argv: list[str] | None = None) -> int:
         cfg = replace(cfg, steps=args.steps)
     result = run(cfg, args.periods, args.codecs, args.seeds, args.modes, args.tau)
     print(json.dumps(result) if args.json else table(result))
+    return 0
+
+
+def _runtime(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from bench import overlap_runtime as rt
+    from bench.bandwidth_measured import MeasuredConfig
+
+    if args.period is not None and args.period < 2:
+        parser.error("--period must be at least 2 (an outer round to overlap)")
+    steps = args.steps if args.steps is not None else (4 if args.quick else rt.RUNTIME_STEPS)
+    if steps < 2:
+        parser.error("--steps must be at least 2")
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    out = rt.runtime(MeasuredConfig().small() if args.quick else MeasuredConfig(), steps, args.period)
+    print(json.dumps(out) if args.json else rt.summary(out))
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -119,3 +120,19 @@ def test_quick_overlap_bench_prints_sync_and_overlapped_gaps(capsys: pytest.Capt
     for bad in (["--periods", "1"], ["--modes", "delayed"], ["--periods", "2", "--tau", "2"]):
         with pytest.raises(SystemExit):
             overlap.main(bad)
+
+
+def test_runtime_overlap_at_a_small_size(processes: None) -> None:
+    """``--runtime``: the choice in step and landing late, two 8-worker swarms of 3 steps; no timing asserted."""
+    from bench.bandwidth_measured import MeasuredConfig
+    from bench.overlap_runtime import runtime, summary
+
+    out = runtime(MeasuredConfig().small(), steps=3)
+    print(summary(out))
+    assert out["choice"]["late"]["sync"].endswith("-late") and out["choice"]["late"]["outer_overlap"] is True
+    assert out["choice"]["in_step"]["outer_overlap"] is False
+    assert all(len(r) == 3 and all(math.isfinite(x) for x in r) for r in out["losses"].values())
+    for name in ("in_step", "late"):
+        st = out["step_s"][name]
+        assert st["mean"] > 0 and st["predicted"] > 0 and st["round_end"] is not None
+    assert out["predicted_speedup"] >= 1.0  # the model never charges a late round more than one in step
