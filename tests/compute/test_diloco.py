@@ -150,14 +150,17 @@ def test_sync_options_are_validated() -> None:
 
 
 @pytest.mark.usefixtures("processes")
-@pytest.mark.parametrize(("event", "step"), [("lease", 1), ("outer", 2)], ids=["mid-inner-step", "mid-outer-round"])
-def test_pipeline_killed_mid_round_sits_the_round_out(event: str, step: int) -> None:
+@pytest.mark.parametrize(("event", "step", "overlap"), [("lease", 1, False), ("outer", 2, False), ("lease", 1, True)],
+                         ids=["mid-inner-step", "mid-outer-round", "mid-inner-step-overlap"])
+def test_pipeline_killed_mid_round_sits_the_round_out(event: str, step: int, overlap: bool) -> None:
     """Device 3 (stage 1 of pipeline 1) dies during inner step 1, or during the outer round after step 2.
     Pipeline 1 takes no further inner step and does not join the outer round; its earlier inner work is
     discarded; the leader re-plans at the round boundary (devices 0-2 left: one pipeline, which keeps its
-    state). The run's record says all that, and replaying it single-process gives the same parameters."""
+    state). The run's record says all that, and replaying it single-process gives the same parameters. With
+    overlap the round of step 2 is in flight when the leader re-plans: it lands first, as a round in step."""
     torch.set_num_threads(1)
-    with LocalSwarm(SPEC, 4, links=LinkModel(tflops=[1e-4] * 4), forward_flops=lambda a, b: 2.4e6) as swarm:
+    spec = dataclasses.replace(SPEC, run_id="diloco-kill-overlap", outer_overlap=True) if overlap else SPEC
+    with LocalSwarm(spec, 4, links=LinkModel(tflops=[1e-4] * 4), forward_flops=lambda a, b: 2.4e6) as swarm:
         fired = threading.Event()
 
         def hook(name: str, info: dict) -> None:
@@ -174,11 +177,12 @@ def test_pipeline_killed_mid_round_sits_the_round_out(event: str, step: int) -> 
     assert record[0]["applied"] == [0, 1]
     assert record[1]["applied"] == ([0] if event == "lease" else [0, 1])
     assert record[2]["outer"] == [0], "the dead member's pipeline joins no outer round"
+    assert all(e["outer_of"] is None for e in record), "a round in flight at a re-plan lands before it, in step"
     assert [e["applied"] for e in record[3:]] == [[0]] * (STEPS - 3)
     assert len(result.events.replans) == 2 and result.events.replans[1]["step"] == SPEC.sync_period
     assert sorted(result.states) == [(0, 0), (1, 0)]
-    ref_params, ref_losses = train_diloco_reference(SPEC, record, STAGES, Corpus.load(SPEC.corpus))
-    err = _errors(result, ref_params, SPEC)
+    ref_params, ref_losses = train_diloco_reference(spec, record, STAGES, Corpus.load(SPEC.corpus))
+    err = _errors(result, ref_params, spec)
     assert float(err.max()) < 1e-5, f"differs by {float(err.max()):.2e} of a tensor's largest entry"
     for got, want in zip(result.losses, ref_losses, strict=True):
         assert got == pytest.approx(want, rel=1e-5)

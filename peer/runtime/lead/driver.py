@@ -344,6 +344,7 @@ class RunDriver:
             return
         if report is None:
             return
+        self._fresh_status = (-1, {})  # the landing moved every participant's parameters: ask again
         if self.reports and self.reports[-1].step == report.step:
             self.reports[-1].outer = report.outer
         if report.stage_hashes:
