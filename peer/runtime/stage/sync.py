@@ -276,11 +276,11 @@ class GradientSync:
 
     def _outer_rest(self, t: Tasklet, sync: SyncAttempt) -> None:
         """Phases 2 and 3 of an overlapped outer round; a failure goes to the coordinator as the compute loop's
-        do (an abandoned attempt, restarted after a death, just ends)."""
+        do (an abandoned attempt, restarted after a death, just ends). Not counted in the step's time breakdown:
+        it runs beside the step, off its critical path."""
         try:
-            with self._timed(t):
-                self.sum_shard(t, sync)
-                self.gather(t, sync)
+            self.sum_shard(t, sync)
+            self.gather(t, sync)
         except ExchangeAbortedError as exc:
             log.info("outer round of step %d attempt %d abandoned: %s", sync.step, sync.attempt, exc)
         except Exception as exc:  # the coordinator decides
