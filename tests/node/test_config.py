@@ -22,6 +22,7 @@ def test_to_toml_round_trips() -> None:
     ({"nonsense": {}}, "unknown section [nonsense]"),
     ({"run": {"steps": "3"}}, "steps must be int"),
     ({"emulation": {"devices": [0, "a"]}}, "devices must be a list of integers"),
+    ({"run": {"outer_overlap": "yes"}}, "outer_overlap must be bool"),
 ])
 def test_bad_values_name_the_key(data: dict, needle: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -40,3 +41,10 @@ def test_checkpoint_retention_and_copies_reach_the_run_driver() -> None:
     cfg = RunConfig.from_dict({"swarm": {"checkpoint_keep": 5, "checkpoint_copies": 0}})
     cfg.validate()
     assert (cfg.swarm.checkpoint_keep, cfg.swarm.checkpoint_copies) == (5, 0)
+
+
+def test_the_outer_overlap_reaches_the_run_spec() -> None:
+    cfg = RunConfig.from_dict({"run": {"sync_period": 4, "pseudo_grad_compression": "int8", "outer_overlap": True}})
+    spec = cfg.spec()
+    assert (spec.sync_period, spec.outer_overlap) == (4, True)
+    assert RunConfig().spec().outer_overlap is False  # in step unless the organiser asks
