@@ -150,17 +150,10 @@ def test_sync_options_are_validated() -> None:
     assert RunSpec.from_dict(d).sync_period == 1  # old specs mean exact averaging
 
 
-@pytest.mark.usefixtures("processes")
-@pytest.mark.parametrize(("event", "step", "overlap"), [("lease", 1, False), ("outer", 2, False), ("lease", 1, True)],
-                         ids=["mid-inner-step", "mid-outer-round", "mid-inner-step-overlap"])
-def test_pipeline_killed_mid_round_sits_the_round_out(event: str, step: int, overlap: bool) -> None:
-    """Device 3 (stage 1 of pipeline 1) dies during inner step 1, or during the outer round after step 2.
-    Pipeline 1 takes no further inner step and does not join the outer round; its earlier inner work is
-    discarded; the leader re-plans at the round boundary (devices 0-2 left: one pipeline, which keeps its
-    state). The run's record says all that, and replaying it single-process gives the same parameters. With
-    overlap the round of step 2 is in flight when the leader re-plans: it lands first, as a round in step."""
+def _killed_at(spec: RunSpec, event: str, step: int) -> tuple[RunResult, list[dict]]:
+    """Train ``spec`` on slow emulated devices, killing device 3 (stage 1 of pipeline 1) at the first ``event``
+    of ``step``; the run and its record."""
     torch.set_num_threads(1)
-    spec = dataclasses.replace(SPEC, run_id="diloco-kill-overlap", outer_overlap=True) if overlap else SPEC
     with LocalSwarm(spec, 4, links=LinkModel(tflops=[1e-4] * 4), forward_flops=lambda a, b: 2.4e6) as swarm:
         fired = threading.Event()
 
@@ -172,7 +165,20 @@ def test_pipeline_killed_mid_round_sits_the_round_out(event: str, step: int, ove
         swarm.coordinator.on_event = hook
         result = swarm.train((STAGES, PIPELINES), STEPS)
     assert fired.is_set()
-    record = assignment_record(result.reports)
+    return result, assignment_record(result.reports)
+
+
+@pytest.mark.usefixtures("processes")
+@pytest.mark.parametrize(("event", "step", "overlap"), [("lease", 1, False), ("outer", 2, False), ("lease", 1, True)],
+                         ids=["mid-inner-step", "mid-outer-round", "mid-inner-step-overlap"])
+def test_pipeline_killed_mid_round_sits_the_round_out(event: str, step: int, overlap: bool) -> None:
+    """Device 3 (stage 1 of pipeline 1) dies during inner step 1, or during the outer round after step 2.
+    Pipeline 1 takes no further inner step and does not join the outer round; its earlier inner work is
+    discarded; the leader re-plans at the round boundary (devices 0-2 left: one pipeline, which keeps its
+    state). The run's record says all that, and replaying it single-process gives the same parameters. With
+    overlap the round of step 2 is in flight when the leader re-plans: it lands first, as a round in step."""
+    spec = dataclasses.replace(SPEC, run_id="diloco-kill-overlap", outer_overlap=True) if overlap else SPEC
+    result, record = _killed_at(spec, event, step)
     for e in record:
         assert sorted(e["commits"]) == list(range(SPEC.n_microbatches)), "every micro-batch exactly once"
     assert record[0]["applied"] == [0, 1]
@@ -194,20 +200,8 @@ def test_a_death_while_the_overlapped_round_travels_restarts_it_and_the_run_matc
     """With overlap, device 3 (stage 1 of pipeline 1) dies while step 3 computes and the round of step 2
     travels: the round is averaged again without pipeline 1 and lands after step 3; the record says so, and
     replaying it gives the same parameters."""
-    torch.set_num_threads(1)
     spec = dataclasses.replace(SPEC, run_id="diloco-overlap-death", outer_overlap=True)
-    with LocalSwarm(spec, 4, links=LinkModel(tflops=[1e-4] * 4), forward_flops=lambda a, b: 2.4e6) as swarm:
-        fired = threading.Event()
-
-        def hook(name: str, info: dict) -> None:
-            if name == "lease" and info.get("step") == 3 and not fired.is_set():
-                fired.set()
-                threading.Thread(target=swarm.workers.kill, args=(3,), daemon=True).start()
-
-        swarm.coordinator.on_event = hook
-        result = swarm.train((STAGES, PIPELINES), STEPS)
-    assert fired.is_set()
-    record = assignment_record(result.reports)
+    result, record = _killed_at(spec, "lease", 3)
     for e in record:
         assert sorted(e["commits"]) == list(range(spec.n_microbatches)), "every micro-batch exactly once"
     assert [(e["outer"], e["outer_of"]) for e in record[2:4]] == [(None, None), ([0], 2)]
