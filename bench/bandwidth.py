@@ -114,8 +114,8 @@ SYNC_PERIODS = (2, 16, 32)
 # unmeasured, it never can. top-k (31-40 % at H 8-32, cut at step 64) is not measured at H 2 either, nor topk2
 # (one seed at H 2: +15.8 %; 3 seeds at H 16-32: +25-44 %, docs/benchmarks/outer-round.md).
 SYNCS = tuple(SyncOption(h, c) for h in SYNC_PERIODS for c in (("int8",) if h < 16 else ("int8", "topk", "topk2")))
-# int8 with the outer round landing one inner step late (the runtime's outer_overlap), alone only: measured with
-# activation codecs too it would double phase 3; unmeasured, a late round with compressed activations is never chosen
+# int8 with the outer round landing one inner step late (the runtime's outer_overlap): alone, and with int8
+# activations at H >= 16 only (every combination would double phase 3; an unmeasured one is never chosen)
 LATE_SYNCS = tuple(SyncOption(h, "int8", overlap=True) for h in SYNC_PERIODS)
 JOINT_ACTIVATIONS = ("int8", "int4")  # measured together with DiLoCo (the codecs worth their bytes)
 MAX_LOSS_PENALTY = 0.02
@@ -585,6 +585,9 @@ def _run(cfg: TrainConfig, pool: ProcessPoolExecutor | None, table_path: Path | 
     acts = [a for a in JOINT_ACTIVATIONS if penalty(f"act-{a}") <= LOOSE_LOSS_PENALTY]
     syncs = [s for s in SYNCS if s.pseudo_grad_compression == "int8" and penalty(s.name) <= LOOSE_LOSS_PENALTY]
     joint = [Choice((a,) * n_b, s) for a in acts for s in syncs]
+    # the late round with the cheapest activation codec, where landing late measured free alone (H >= 16)
+    joint += [Choice(("int8",) * n_b, s) for s in LATE_SYNCS if s.period >= 16 and "int8" in acts
+              and penalty(s.name) <= LOOSE_LOSS_PENALTY]
     log.info("phase 3: %d combinations measured together (%.0f s so far)", len(joint), time.perf_counter() - t0)
     measure(joint)
 
