@@ -150,15 +150,19 @@ class OuterState:
         """Drop a round in flight (a new plan): its work stays in the parameters, the next round covers it."""
         self.round_end, self.round_end_step = None, -1
 
+    def keeps_round_end(self, step: int) -> bool:
+        """Whether the snapshot of the round that ``step`` ended is held (overlap)."""
+        return self.round_end is not None and self.round_end_step == step
+
     def land(self, step: int, average: torch.Tensor, lr: float, momentum: float, residual: torch.Tensor,
-             params: torch.Tensor) -> torch.Tensor:
+             params: torch.Tensor | None) -> torch.Tensor:
         """Overlap: the outer step lands after inner steps of the next round; this replica goes on from the new
         anchor plus its own progress since the round's end (``params - round_end``). Without progress (the round
-        landed in step, or the snapshot is gone) that is the new anchor itself, bit for bit."""
+        landed in step, the snapshot is gone, or ``params`` is None) that is the new anchor itself, bit for bit."""
         new = self.apply(average, lr, momentum, residual)
-        end = self.round_end if self.round_end_step == step else None  # ``step``: the round's last inner step
-        self.round_end, self.round_end_step = None, -1
-        if end is None or torch.equal(end, params):
+        end = self.round_end if self.keeps_round_end(step) else None  # ``step``: the round's last inner step
+        self.forget_round()
+        if end is None or params is None or torch.equal(end, params):
             return new
         return new.add_(params - end)
 
@@ -166,7 +170,7 @@ class OuterState:
         """Take a replica's round after a resync: its anchor and Nesterov buffer (the residual stays our own; a
         round in flight is abandoned)."""
         self.anchor, self.momentum = other.anchor, other.momentum
-        self.round_end, self.round_end_step = None, -1
+        self.forget_round()
 
 
 def assignment_record(reports: Sequence[Any]) -> list[dict[str, Any]]:

@@ -129,7 +129,7 @@ class StepMachine:
                  in_flight: OuterInFlight | None = None, land_only: bool = False) -> None:
         if land_only and in_flight is None:
             raise ValueError("land_only needs an outer round in flight")
-        step = in_flight.step if land_only and in_flight is not None else step
+        step = in_flight.step if land_only and in_flight else step
         self.step, self.roster, self.sync_period = step, roster, sync_period
         self.overlap, self.in_flight, self.land_only = overlap, in_flight, land_only
         self.carry: OuterInFlight | None = None  # overlap: the outer round this step started and hands on

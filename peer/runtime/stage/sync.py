@@ -295,7 +295,8 @@ class GradientSync:
         attempt, participants = msg.attempt, list(msg.participants)
         if a.replica not in participants:
             raise Rejected(f"pipeline {a.replica} is not among the outer round's participants {participants}")
-        if outer.round_end_step == step and outer.round_end is not None:
+        if outer.keeps_round_end(step):
+            assert outer.round_end is not None
             params = outer.round_end  # a restart while the next step computes: the round's end as it was
         elif compute.step == step + 1:
             params = compute.flat_params()
@@ -330,8 +331,8 @@ class GradientSync:
             raise Rejected(f"outer apply of step {step}, but no averaged pseudo-gradient of that step is held")
         average, residual = pending
         # landed late (overlap): the new anchor plus this replica's progress since the round's end
-        compute.set_params(outer.land(step, average, spec.outer_lr, spec.outer_momentum, residual,
-                                      compute.flat_params()))
+        now = compute.flat_params() if outer.keeps_round_end(step) else None  # a copy only where it landed late
+        compute.set_params(outer.land(step, average, spec.outer_lr, spec.outer_momentum, residual, now))
         self.outbox.report(t, ctl.Synced(step, compute.step, params_hash(compute)))
 
     def resync(self, t: Tasklet, step: int, msg: ctl.Resync) -> None:
