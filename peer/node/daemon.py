@@ -26,6 +26,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,16 @@ from tasklet.peer.observe.snapshot import SwarmSource
 from tasklet.peer.runtime.lead.driver import RunDriver
 from tasklet.peer.runtime.stage.worker import StageWorker
 from tasklet.peer.swarm.adverts import Advert
-from tasklet.peer.swarm.dht import DHT_OPS, DHTConfig, DHTStartError, ops_delta, reconnect, start_dht, visible_maddrs
+from tasklet.peer.swarm.dht import (
+    DHT_OPS,
+    DHTConfig,
+    DHTStartError,
+    ops_delta,
+    reconnect,
+    restrict_writers,
+    start_dht,
+    visible_maddrs,
+)
 from tasklet.peer.swarm.membership import ClockSkewError, Membership
 from tasklet.peer.swarm.plans import PlanBoard, PlanRecord
 from tasklet.peer.swarm.progress import ProgressBoard
@@ -245,7 +255,8 @@ class PeerDaemon:
             record = existing
         self.organiser = record.organiser
         self.leadership = Leadership(self.identity.peer_id, self.config.run.steps, self.config.swarm.heartbeat_s,
-                                     self.config.swarm.leaders, self.view, self.membership, self.live_adverts)
+                                     self.config.swarm.leaders, self.view, self.membership, self.live_adverts,
+                                     guard=partial(restrict_writers, self.dht))
         self.leadership.adopt(record.organiser)
         try:
             self.network, self.declared_tflops, self._emulated_extra = emulated_device(

@@ -6,7 +6,10 @@ the network-namespace bed, on one swarm that trains (bench.doors.MemberSwarm, sh
   member (a stranger at the door, like the attacker) still joins and trains;
 * a member advertises the leader's endpoint as its own (with the oldest start a record allows): a joiner started
   after the squat ignores the squatter, follows the real leader and trains, and a fresh `peer status` lists the
-  leader at its endpoint.
+  leader at its endpoint;
+* a member with 64 free identities fills every key of the run (its largest advert under ``peers``, 250 KiB under
+  each other key, 64 ``plans`` subkeys from one): the leader's keys take none of it, a NAT'd joiner trains within
+  60 s, and a fresh `peer status` on each public member's host lists every honest peer.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.doors import HOLD_GRPC, HOLD_RELAY, MemberSwarm
+from bench.doors import FILL_IDENTITIES, HOLD_GRPC, HOLD_RELAY, MemberSwarm
 from tasklet.peer.emulation.netbed import open_bed, unavailable_reason
 from tasklet.peer.net.config import FRONT_DESCRIPTORS, GRPC_DESCRIPTOR_SHARE, SOURCE_SHARE
 from tasklet.peer.net.limits import RESERVED_DESCRIPTORS, ConnectionCap
@@ -75,3 +78,19 @@ def test_a_squatted_endpoint_hides_the_leader_from_no_fresh_reader(swarm: Member
     assert got["status_error"] is None, got["status_error"]
     assert got["status_lists_leader"] and not got["status_lists_squatter"], got
     assert got["leadership_changes"] == [], got["leadership_changes"]
+
+
+def test_free_identities_filling_the_run_s_keys_keep_no_joiner_out(swarm: MemberSwarm) -> None:
+    got = swarm.dht_run_key_fill(WINDOW_S)
+    print(f"dht_run_key_fill: {got}")
+    stored = got["attack"]
+    assert stored and stored["identities"] == FILL_IDENTITIES, got
+    # the attack was real: every free identity's advert is a member's, and the other keys took what their budget
+    # lets one key take (with a budget per owner only, the leader's keys filled up the same way)
+    assert stored["peers"] == FILL_IDENTITIES and stored["links"] > 0 and stored["run"] > 0, stored
+    assert stored["plans"] == stored["beat"] == stored["progress"] == stored["stewards"] == 0, stored
+    assert got["joiner_trains_s"] is not None and got["joiner_trains_s"] <= 60, swarm.peers.log(got["joiner"])[-3000:]
+    assert got["status_errors"] == {}, got["status_errors"]
+    assert all(got["status_lists_every_honest_peer"].values()), got
+    assert got["leadership_changes"] == [], got["leadership_changes"]
+    assert got["steps_per_s_attacked"] >= got["steps_per_s_unattacked"] / 2, got
