@@ -57,7 +57,8 @@ from tasklet.peer.identity.keys import Identity
 REPO = Path(__file__).resolve().parent.parent
 METRICS_PORT = 31404
 SCENARIOS = ("none", "relay", "ports", "dht", "dht_foreign_flood")
-MEMBER_SCENARIOS = ("network_caps", "endpoint_squat", "dht_run_key_fill")
+MEMBER_SCENARIOS = ("network_caps", "endpoint_squat", "dht_run_key_fill", "dht_eclipse")
+ECLIPSE_NODES = 8  # the stranger DHT nodes of dht_eclipse
 FILL_IDENTITIES = 64  # the free identities of dht_run_key_fill
 BLOCK_ADDRESSES = 4  # of the stranger's one rented /24
 HOLD_GRPC = 200  # connections per address to the leader's gRPC port (its strangers' share is 493 at 20,000 fds)
@@ -294,6 +295,35 @@ class MemberSwarm:
         }
 
 
+    def dht_eclipse(self, window_s: float, nodes: int = ECLIPSE_NODES, keys: str = "peers",
+                    join_timeout_s: float = 150) -> dict[str, Any]:
+        """``nodes`` stranger DHT nodes with ids next to the run's ``keys`` swallow every store there; then a NAT'd
+        member joins, and a fresh `peer status` on each public member's host lists the peers."""
+        unattacked = self.steps_per_s(window_s)
+        marks = self.marks()
+        eclipse = _attack(self.evil, "eclipse", self.dht, "tasklet", "--count", str(nodes), "--keys", keys,
+                          "--seconds", "900")
+        ready = read_line(eclipse, 120, "{")
+        time.sleep(8)  # the run's nodes meet them: from here on, every store next to those keys goes to them
+        attacked = self.steps_per_s(window_s)
+        name, reached, trained = self.join_home(join_timeout_s)
+        statuses = {host.name: self.status(host) for host in (self.pub0, self.pub1)}
+        got = _stop(eclipse)
+        honest = {self.ids[n].peer_id for n in ("pub0", "pub1", name)}
+        listed = {host: {p.get("peer_id") for p in st.get("peers", [])} for host, st in statuses.items()}
+        return {
+            "steps_per_s_unattacked": round(unattacked, 3),
+            "steps_per_s_attacked": round(attacked, 3),
+            "leadership_changes": self.leadership_changes(marks),
+            "stranger_nodes_ready": json.loads(ready).get("ready") if ready else None,
+            "joiner": name,
+            "joiner_reached_s": None if reached is None else round(reached, 2),
+            "joiner_trains_s": None if trained is None else round(trained, 2),
+            "status_errors": {h: st["error"][-300:] for h, st in statuses.items() if "error" in st},
+            "status_lists_every_honest_peer": {h: honest <= ids for h, ids in listed.items()},
+            "attack": got,
+        }
+
     def dht_run_key_fill(self, window_s: float, identities: int = FILL_IDENTITIES,
                          join_timeout_s: float = 150) -> dict[str, Any]:
         """A member with ``identities`` free identities fills every key of the run (peer.emulation.doors_attack);
@@ -360,7 +390,8 @@ def run_members(seconds: float, scenarios: list[str] | tuple[str, ...] = MEMBER_
     with netbed.open_bed() as bed, tempfile.TemporaryDirectory() as tmp, MemberSwarm(bed, Path(tmp)) as swarm:
         swarm.start()
         runs = {"network_caps": lambda: swarm.network_caps(seconds), "endpoint_squat": swarm.endpoint_squat,
-                "dht_run_key_fill": lambda: swarm.dht_run_key_fill(seconds)}
+                "dht_run_key_fill": lambda: swarm.dht_run_key_fill(seconds),
+                "dht_eclipse": lambda: swarm.dht_eclipse(seconds)}
         return {name: runs[name]() for name in scenarios}
 
 

@@ -18,7 +18,9 @@ answered (so the caller can tell "refused" from "held"). Kinds:
   that stores ``--count`` values of ``--value-bytes`` under fresh random keys with hour-long expiries;
 * ``dht-fill MULTIADDR RUN SECRET_FILE``: a member's attack: ``--count`` fresh identities each store their
   largest advert under ``peers`` and 250 KiB under every other key of the run, and one of them 64 subkeys under
-  ``plans`` (sealed with the secret; an empty file: an open swarm).
+  ``plans`` (sealed with the secret; an empty file: an open swarm);
+* ``eclipse MULTIADDR RUN``: ``--count`` stranger DHT nodes with ids next to the run keys ``--keys``, each taking
+  every store and keeping nothing, for ``--seconds`` (or until SIGTERM).
 """
 
 from __future__ import annotations
@@ -484,6 +486,64 @@ async def _fill_run_keys(_dht: object, node: object, run_id: str, secret: str | 
     return out
 
 
+def dht_eclipse(initial_peer: str, run_id: str, nodes: int, names: list[str], seconds: float,
+                host: str = "0.0.0.0") -> dict:
+    """``nodes`` stranger DHT nodes whose ids sit next to the run's keys ``names`` (spread over them in turn), each
+    accepting every store and keeping nothing: a lookup that trusts the nodes nearest a key finds nothing there.
+    Runs until ``seconds`` pass or SIGTERM; returns the stores and finds they swallowed."""
+    import asyncio
+
+    return asyncio.run(_eclipse(initial_peer, run_id, nodes, names, time.time() + seconds, host))
+
+
+async def _eclipse(initial_peer: str, run_id: str, nodes: int, names: list[str], deadline: float,
+                   host: str) -> dict:
+    import asyncio
+
+    from hivemind.dht.node import DHTNode
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.storage import DHTLocalStorage
+
+    out = {"nodes": 0, "stores": 0, "finds": 0, "keys": list(names)}
+
+    class Blackhole(DHTLocalStorage):
+        """Says yes to every store, keeps nothing, finds nothing."""
+
+        def store(self, key, value, expiration_time, subkey=None) -> bool:  # type: ignore[no-untyped-def]
+            out["stores"] += 1
+            return True
+
+        def store_subkey(self, key, subkey, value, expiration_time) -> bool:  # type: ignore[no-untyped-def]
+            out["stores"] += 1
+            return True
+
+        def get(self, key):  # type: ignore[no-untyped-def]
+            out["finds"] += 1
+            return None
+
+    started = []
+    for i in range(nodes):
+        target = DHTID.generate(source=f"{run_id}:{names[i % len(names)]}")
+        node_id = DHTID(int(target) ^ (1 + i // len(names)))  # the nearest ids there are, after the key's own
+        node = await DHTNode.create(initial_peers=[initial_peer], node_id=node_id, host_maddrs=[f"/ip4/{host}/tcp/0"],
+                                    bucket_size=8, num_replicas=5, cache_nearest=0)
+        node.protocol.storage, node.protocol.cache = Blackhole(), Blackhole()
+        started.append(node)
+        out["nodes"] += 1
+    print(json.dumps({"ready": out["nodes"]}), flush=True)
+    # make the run's nodes meet them: every lookup a stranger makes puts it in the routing tables it passes
+    while time.time() < deadline and not STOP.is_set():
+        for i, node in enumerate(started):
+            name = names[i % len(names)]
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(node.find_nearest_nodes([DHTID.generate(source=f"{run_id}:{name}")]), 5.0)
+        await asyncio.sleep(1.0)
+    for node in started:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(node.shutdown(), 10.0)
+    return out
+
+
 def padded_advert(identity: Identity) -> dict:
     """The writer's own advert, as large as the schema lets it be (full ``extra`` and ``found``)."""
     from tasklet.peer.compute.device_probe import DeviceInfo
@@ -499,7 +559,9 @@ def padded_advert(identity: Identity) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tasklet.peer.emulation.doors_attack")
-    p.add_argument("kind", choices=["relay", "ports", "hold", "squat", "dht", "dht-foreign", "dht-fill"])
+    p.add_argument("kind", choices=["relay", "ports", "hold", "squat", "dht", "dht-foreign", "dht-fill", "eclipse"])
+    p.add_argument("--keys", default="peers", help="eclipse: comma-separated run keys to sit next to")
+    p.add_argument("--host", default="0.0.0.0", help="eclipse: the address its nodes listen on")
     p.add_argument("args", nargs="+")
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--count", type=int, default=400)
@@ -522,6 +584,8 @@ def main(argv: list[str] | None = None) -> int:
         result = squat(a.args[0], a.args[1], secret, a.args[3], a.seconds)
     elif a.kind == "dht-foreign":
         result = dht_foreign_flood(a.args[0], a.count, a.value_bytes, a.seconds)
+    elif a.kind == "eclipse":
+        result = dht_eclipse(a.args[0], a.args[1], a.count, a.keys.split(","), a.seconds, a.host)
     elif a.kind == "dht-fill":
         with open(a.args[2]) as handle:
             secret = handle.read().strip() or None

@@ -338,6 +338,7 @@ class PeerDaemon:
             reachable=self.reach.reachable,
             relay=self.reach.relay_address,
             cert=self.tls.certificate_text,
+            dht=str(self.dht.peer_id) if self.reach.reachable else "",  # a NAT'd peer's DHT node is not dialable
         )
         assert self.membership is not None
         self.membership.announce(self.advert)
