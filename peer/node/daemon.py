@@ -339,6 +339,7 @@ class PeerDaemon:
             relay=self.reach.relay_address,
             cert=self.tls.certificate_text,
             dht=str(self.dht.peer_id) if self.reach.reachable else "",  # a NAT'd peer's DHT node is not dialable
+            dials_from=self.reach.dials_from,
         )
         assert self.membership is not None
         self.membership.announce(self.advert)
@@ -715,14 +716,16 @@ def _ops_summary(delta: dict[str, int], heartbeats: float, role: str) -> dict[st
 
 
 def member_hosts(adverts: list[Advert]) -> list[str]:
-    """The hosts live members dial from as far as their adverts say: a direct endpoint's host (a peer behind NAT
-    dials from an address no advert names, and counts as a stranger at the door)."""
+    """The hosts live members dial from as far as their adverts say: a direct endpoint's host, and a NAT'd peer's
+    public address as its relay saw it (``dials_from``)."""
     hosts = []
     for a in adverts:
         with contextlib.suppress(EndpointError):
             endpoint = parse_endpoint(a.endpoint)
             if not endpoint.relayed:
                 hosts.append(endpoint.host)
+        if a.dials_from:
+            hosts.append(a.dials_from)
     return hosts
 
 

@@ -37,6 +37,16 @@ _HOSTNAME_RE = re.compile(rf"^{_LABEL}(\.{_LABEL})*$")
 DHT_PEER_ID_RE = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{20,64}$")  # a base58 libp2p peer id (an advert's ``dht``)
 
 
+def _ip(value: object, what: str) -> str:
+    """An IP address, written as ``ipaddress`` writes it; ValueError otherwise."""
+    if not isinstance(value, str) or len(value) > 45:
+        raise ValueError(f"{what}: not an IP address")
+    try:
+        return str(ipaddress.ip_address(value))
+    except ValueError:
+        raise ValueError(f"{what}: not an IP address") from None
+
+
 def check_dht_peer_id(value: object, what: str) -> str:
     """A libp2p peer id in base58 (what an advert's ``dht`` names); ValueError otherwise."""
     if not isinstance(value, str) or not DHT_PEER_ID_RE.match(value):
@@ -204,6 +214,8 @@ class Advert:
     # the libp2p peer id of the peer's DHT node when others can dial it ("" = none): readers of the run's records
     # ask such members' nodes directly, whatever nodes sit next to the keys (peer.swarm.rendezvous)
     dht: str = ""
+    # a NAT'd peer's public address as a relay saw it ("" = none): the doors count its connections as a member's
+    dials_from: str = ""
 
     def __post_init__(self) -> None:
         Advert.from_record(self.to_record())  # the same checks for adverts we make as for those we read
@@ -216,6 +228,8 @@ class Advert:
             optional["cert"] = self.cert
         if self.dht:
             optional["dht"] = self.dht
+        if self.dials_from:
+            optional["dials_from"] = self.dials_from
         return {
             **optional,
             "peer_id": self.peer_id,
@@ -234,7 +248,7 @@ class Advert:
             record,
             "advert",
             {"peer_id", "endpoint", "device", "started_at", "protocol_version", "role", "corpus", "extra"},
-            {"reachable", "relay", "cert", "dht"},
+            {"reachable", "relay", "cert", "dht", "dials_from"},
         )
         advert = object.__new__(cls)  # bypass __post_init__: the checks are right here
         values = {
@@ -250,6 +264,7 @@ class Advert:
             "relay": check_endpoint(record["relay"], "advert.relay") if "relay" in record else "",
             "cert": _certificate(record.get("cert", ""), record["peer_id"]),
             "dht": check_dht_peer_id(record["dht"], "advert.dht") if "dht" in record else "",
+            "dials_from": _ip(record["dials_from"], "advert.dials_from") if "dials_from" in record else "",
         }
         if values["reachable"] == ("@" in values["endpoint"]):
             raise ValueError("advert.reachable: a peer is reachable exactly when its endpoint is not relayed")

@@ -245,6 +245,46 @@ def test_bulk_lane_caps_connections_per_source() -> None:
         server.stop()
 
 
+def test_the_bulk_lane_keeps_its_connections_for_members_once_it_knows_them() -> None:
+    """Strangers from any number of networks hold at most their share of the lane; a member's address (a NAT'd
+    member's too: its advert's ``dials_from``) still gets in, where counting per network alone shut it out."""
+    server = PeerServer(TransportConfig(max_concurrent_streams=8, thread_pool_size=10))
+    server.start()
+    conns: list[socket.socket] = []
+    try:
+        lane = server._lane
+        assert lane is not None and lane.cap.stranger_total < lane.max_connections
+        server.set_members(["127.0.0.2"])
+        strangers = [socket.create_connection(("127.0.0.1", server.bulk_port), source_address=(f"127.0.0.{i}", 0))
+                     for i in range(3, 3 + lane.cap.stranger_total + 2)]
+        conns += strangers
+        time.sleep(0.3)
+        assert sum(_closed_within(c, 0.5) for c in strangers) == 2, "strangers held more than their share"
+        members = [socket.create_connection(("127.0.0.1", server.bulk_port), source_address=("127.0.0.2", 0))
+                   for _ in range(4)]
+        conns += members
+        assert not any(_closed_within(c, 0.3) for c in members), "a member was refused while strangers held theirs"
+    finally:
+        for c in conns:
+            c.close()
+        server.stop()
+
+
+def test_a_nated_member_counts_at_the_doors_from_where_its_relay_saw_it() -> None:
+    from tasklet.peer.compute.device_probe import DeviceInfo
+    from tasklet.peer.node.daemon import member_hosts
+    from tasklet.peer.swarm.adverts import Advert
+
+    device = DeviceInfo("cpu", "cpu", 2**30, 0.1, True, False)
+    public = Advert("a" * 20, "10.0.0.1:4000", device, 1.0)
+    home = Advert("b" * 20, "bbbb@10.0.0.1:4001", device, 1.0, reachable=False, dials_from="198.51.100.7")
+    assert member_hosts([public, home]) == ["10.0.0.1", "198.51.100.7"]
+    assert Advert.from_record(home.to_record()).dials_from == "198.51.100.7"
+    for bad in ("", "10.0.0", "x" * 50, 5, "10.0.0.1:80"):
+        with pytest.raises(ValueError, match="dials_from"):
+            Advert.from_record({**home.to_record(), "dials_from": bad})
+
+
 # ------------------------------------------------------------------------------------------------ secret
 def test_the_secret_from_a_flag_a_file_or_the_environment(tmp_path: Path) -> None:
     path = tmp_path / "secret"
