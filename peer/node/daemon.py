@@ -510,8 +510,11 @@ class PeerDaemon:
         """Trust live adverts' certificates (:class:`AdvertTrust`)."""
         assert self.config is not None
         self.trust.saw(entries, max(TRUST_KEEP_MIN_S, self.config.swarm.heartbeat_s * ADVERT_TTL_HEARTBEATS))
-        if self.worker is not None:  # the gRPC port keeps most of its connections for the members' hosts
-            self.worker.server.set_members(member_hosts(entries))
+        hosts = member_hosts(entries)  # the doors keep most of their connections for the members' hosts
+        if self.worker is not None:
+            self.worker.server.set_members(hosts)
+        if self.reach is not None and self.reach.server is not None:
+            self.reach.server.set_members(hosts)
 
     def elected(self) -> str | None:
         """The leader this peer elects now (not yet confirmed): the only peer whose plans it accepts.

@@ -158,6 +158,30 @@ def test_request_slots_per_source_address(sealed_relay: RelayServer) -> None:
             s.close()
 
 
+def test_the_relay_keeps_its_request_slots_for_members_once_it_knows_them() -> None:
+    """Strangers from many networks hold at most a quarter of the request slots; a member's address (a public
+    member's CONNECT, a NAT'd member's re-registration from its ``dials_from``) still gets one."""
+    relay = RelayServer("127.0.0.1", 0, RelayLimits(handshake_timeout_s=5.0, max_pending_handshakes=16,
+                                                    max_handshakes_per_source=8), key=KEY)
+    relay.start()
+    held: list[socket.socket] = []
+    try:
+        relay.set_members(["127.0.0.2"])
+        strangers = [socket.create_connection(("127.0.0.1", relay.port), source_address=(f"127.0.0.{i}", 0))
+                     for i in range(3, 3 + relay.slots.stranger_total + 2)]
+        held += strangers
+        time.sleep(0.3)
+        assert sum(_closed_within(c, 0.5) for c in strangers) == 2, "strangers held more than their quarter"
+        members = [socket.create_connection(("127.0.0.1", relay.port), source_address=("127.0.0.2", 0))
+                   for _ in range(6)]
+        held += members
+        assert not any(_closed_within(c, 0.3) for c in members), "a member was refused a request slot"
+    finally:
+        for c in held:
+            c.close()
+        relay.close()
+
+
 def test_relay_limits_fit_a_descriptor_budget() -> None:
     limits = RelayLimits().within(600)
     assert limits.descriptors() <= 600
