@@ -31,8 +31,9 @@ relay has no key and asks for neither.
 
 Bounds on what anyone can make a relay hold (:class:`RelayLimits`): one deadline for a connection's whole
 request (its lines and its answer to the nonce, however slowly the bytes come), request connections per
-source network and in all (once the members' hosts are known, strangers together a quarter: ``set_members``), registrations, dials waiting for their dial-back, CONNECTs per target and second,
-spliced connections per registered peer and in all, and an idle timeout on every spliced connection. So the
+source network and in all (once the members' hosts are known, strangers together a quarter: ``set_members``),
+registrations, dials waiting for their dial-back, CONNECTs per target and second, spliced connections per
+registered peer and in all, and an idle timeout on every spliced connection. So the
 relay's threads are at most ``max_pending_handshakes + max_waiting_total + max_registrations + 2 * max_splices``
 + 2 and its descriptors (:meth:`RelayLimits.descriptors`) at most ``max_pending_handshakes + max_waiting_total +
 max_registrations + 2 * max_splices`` + 1 whatever the load (:meth:`RelayLimits.within` fits them to a budget).
