@@ -295,53 +295,48 @@ class MemberSwarm:
         }
 
 
-    def dht_eclipse(self, window_s: float, nodes: int = ECLIPSE_NODES, keys: str = "peers",
-                    join_timeout_s: float = 150) -> dict[str, Any]:
-        """``nodes`` stranger DHT nodes with ids next to the run's ``keys`` swallow every store there; then a NAT'd
-        member joins, and a fresh `peer status` on each public member's host lists the peers."""
-        unattacked = self.steps_per_s(window_s)
-        marks = self.marks()
-        eclipse = _attack(self.evil, "eclipse", self.dht, "tasklet", "--count", str(nodes), "--keys", keys,
-                          "--seconds", "900")
-        ready = read_line(eclipse, 120, "{")
-        time.sleep(8)  # the run's nodes meet them: from here on, every store next to those keys goes to them
-        attacked = self.steps_per_s(window_s)
-        name, reached, trained = self.join_home(join_timeout_s)
-        statuses = {host.name: self.status(host) for host in (self.pub0, self.pub1)}
-        got = _stop(eclipse)
-        honest = {self.ids[n].peer_id for n in ("pub0", "pub1", name)}
-        listed = {host: {p.get("peer_id") for p in st.get("peers", [])} for host, st in statuses.items()}
-        return {
-            "steps_per_s_unattacked": round(unattacked, 3),
-            "steps_per_s_attacked": round(attacked, 3),
-            "leadership_changes": self.leadership_changes(marks),
-            "stranger_nodes_ready": json.loads(ready).get("ready") if ready else None,
-            "joiner": name,
-            "joiner_reached_s": None if reached is None else round(reached, 2),
-            "joiner_trains_s": None if trained is None else round(trained, 2),
-            "status_errors": {h: st["error"][-300:] for h, st in statuses.items() if "error" in st},
-            "status_lists_every_honest_peer": {h: honest <= ids for h, ids in listed.items()},
-            "attack": got,
-        }
-
-    def dht_run_key_fill(self, window_s: float, identities: int = FILL_IDENTITIES,
-                         join_timeout_s: float = 150) -> dict[str, Any]:
-        """A member with ``identities`` free identities fills every key of the run (peer.emulation.doors_attack);
+    def dht_eclipse(self, window_s: float) -> dict[str, Any]:
+        """``ECLIPSE_NODES`` stranger DHT nodes with ids next to the run's ``peers`` key swallow every store there;
         then a NAT'd member joins, and a fresh `peer status` on each public member's host lists the peers."""
-        unattacked = self.steps_per_s(window_s)
+        return self.dht_attacks(window_s, fill=0, eclipse=ECLIPSE_NODES)
+
+    def dht_run_key_fill(self, window_s: float) -> dict[str, Any]:
+        """A member with ``FILL_IDENTITIES`` free identities fills every key of the run; then a NAT'd member joins,
+        and a fresh `peer status` on each public member's host lists the peers."""
+        return self.dht_attacks(window_s, fill=FILL_IDENTITIES, eclipse=0)
+
+    def dht_attacks(self, window_s: float, fill: int, eclipse: int, status_on: tuple[str, ...] = ("pub0", "pub1"),
+                    unattacked: float | None = None, join_timeout_s: float = 150) -> dict[str, Any]:
+        """The DHT attacks, one after the other: a member's ``fill`` free identities fill every key of the run, then
+        ``eclipse`` stranger nodes sit next to ``peers`` (peer.emulation.doors_attack; 0: not that attack), and the
+        fill stays while the strangers do; then steps/s over
+        ``window_s`` (``unattacked``: the figure before, measured here when None), a NAT'd joiner, and a fresh
+        `peer status` on the hosts ``status_on``. The members' DHT processes' resident MiB before and at peak."""
+        unattacked = self.steps_per_s(window_s) if unattacked is None else unattacked
         marks = self.marks()
         victims = {"pub0": self.peers.procs["pub0"].pid, "pub1": self.peers.procs["pub1"].pid}
         children = {f"{name}-{_comm(pid)}-{pid}": pid for name, v in victims.items() for pid in descendants(v)}
         before = {c: proc_usage(pid)["rss"] for c, pid in children.items()}
+        out: dict[str, Any] = {}
         with PeakSampler({**victims, **children}) as sampler:
             started = time.monotonic()
-            fill = _attack(self.evil, "dht-fill", self.dht, "tasklet", str(self.secret), "--count", str(identities),
-                           "--seconds", "300")
-            got = _stop(fill, wait_s=330)
-            attack_s = time.monotonic() - started
+            if fill:  # first: what the run's nodes took of it is what the attack reports (stranger nodes take all)
+                filler = _attack(self.evil, "dht-fill", self.dht, "tasklet", str(self.secret), "--count", str(fill),
+                                 "--seconds", "300")
+                out["fill"] = _stop(filler, wait_s=330)
+            if eclipse:
+                strangers = _attack(self.evil, "eclipse", self.dht, "tasklet", "--count", str(eclipse), "--keys",
+                                    "peers", "--seconds", "900")
+                ready = read_line(strangers, 120, "{")
+                out["stranger_nodes_ready"] = json.loads(ready).get("ready") if ready else None
+                time.sleep(8)  # the run's nodes meet the strangers: every store next to ``peers`` goes to them
+            out["attack_s"] = round(time.monotonic() - started, 1)
             attacked = self.steps_per_s(window_s)
             name, reached, trained = self.join_home(join_timeout_s)
-            statuses = {host.name: self.status(host) for host in (self.pub0, self.pub1)}
+            hosts = {"pub0": self.pub0, "pub1": self.pub1}
+            statuses = {h: self.status(hosts[h]) for h in status_on}
+            if eclipse:
+                out["eclipse"] = _stop(strangers)
         honest = {self.ids[n].peer_id for n in ("pub0", "pub1", name)}
         listed = {host: {p.get("peer_id") for p in st.get("peers", [])} for host, st in statuses.items()}
         rss = {c: (round(before[c] / 2**20), round(sampler.peak[c].get("rss", 0) / 2**20)) for c in children}
@@ -349,7 +344,6 @@ class MemberSwarm:
             "steps_per_s_unattacked": round(unattacked, 3),
             "steps_per_s_attacked": round(attacked, 3),
             "leadership_changes": self.leadership_changes(marks),
-            "attack_s": round(attack_s, 1),
             "victim_dht_peak_rss_mib": max((peak for _, peak in rss.values()), default=0),
             "children_rss_mib_before_and_peak": rss,
             "joiner": name,
@@ -357,8 +351,7 @@ class MemberSwarm:
             "joiner_trains_s": None if trained is None else round(trained, 2),
             "status_errors": {h: st["error"][-300:] for h, st in statuses.items() if "error" in st},
             "status_lists_every_honest_peer": {h: honest <= ids for h, ids in listed.items()},
-            "status_peers_listed": {h: len(ids) for h, ids in listed.items()},
-            "attack": got,
+            **out,
         }
 
 
