@@ -164,22 +164,30 @@ def test_the_relay_keeps_its_request_slots_for_members_once_it_knows_them() -> N
     relay = RelayServer("127.0.0.1", 0, RelayLimits(handshake_timeout_s=5.0, max_pending_handshakes=16,
                                                     max_handshakes_per_source=8), key=KEY)
     relay.start()
-    held: list[socket.socket] = []
     try:
         relay.set_members(["127.0.0.2"])
-        strangers = [socket.create_connection(("127.0.0.1", relay.port), source_address=(f"127.0.0.{i}", 0))
-                     for i in range(3, 3 + relay.slots.stranger_total + 2)]
+        _strangers_take_their_share_and_a_member_gets_in(relay.port, relay.slots.stranger_total, members=6)
+    finally:
+        relay.close()
+
+
+def _strangers_take_their_share_and_a_member_gets_in(port: int, stranger_total: int, members: int) -> None:
+    """One connection from each of ``stranger_total + 2`` stranger addresses: two are closed; then ``members``
+    from the member's address 127.0.0.2 all stay."""
+    held: list[socket.socket] = []
+    try:
+        strangers = [socket.create_connection(("127.0.0.1", port), source_address=(f"127.0.0.{i}", 0))
+                     for i in range(3, 3 + stranger_total + 2)]
         held += strangers
         time.sleep(0.3)
-        assert sum(_closed_within(c, 0.5) for c in strangers) == 2, "strangers held more than their quarter"
-        members = [socket.create_connection(("127.0.0.1", relay.port), source_address=("127.0.0.2", 0))
-                   for _ in range(6)]
-        held += members
-        assert not any(_closed_within(c, 0.3) for c in members), "a member was refused a request slot"
+        assert sum(_closed_within(c, 0.5) for c in strangers) == 2, "strangers held more than their share"
+        ours = [socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.2", 0))
+                for _ in range(members)]
+        held += ours
+        assert not any(_closed_within(c, 0.3) for c in ours), "a member was refused while strangers held theirs"
     finally:
         for c in held:
             c.close()
-        relay.close()
 
 
 def test_relay_limits_fit_a_descriptor_budget() -> None:
@@ -274,23 +282,12 @@ def test_the_bulk_lane_keeps_its_connections_for_members_once_it_knows_them() ->
     member's too: its advert's ``dials_from``) still gets in, where counting per network alone shut it out."""
     server = PeerServer(TransportConfig(max_concurrent_streams=8, thread_pool_size=10))
     server.start()
-    conns: list[socket.socket] = []
     try:
         lane = server._lane
         assert lane is not None and lane.cap.stranger_total < lane.max_connections
         server.set_members(["127.0.0.2"])
-        strangers = [socket.create_connection(("127.0.0.1", server.bulk_port), source_address=(f"127.0.0.{i}", 0))
-                     for i in range(3, 3 + lane.cap.stranger_total + 2)]
-        conns += strangers
-        time.sleep(0.3)
-        assert sum(_closed_within(c, 0.5) for c in strangers) == 2, "strangers held more than their share"
-        members = [socket.create_connection(("127.0.0.1", server.bulk_port), source_address=("127.0.0.2", 0))
-                   for _ in range(4)]
-        conns += members
-        assert not any(_closed_within(c, 0.3) for c in members), "a member was refused while strangers held theirs"
+        _strangers_take_their_share_and_a_member_gets_in(server.bulk_port, lane.cap.stranger_total, members=4)
     finally:
-        for c in conns:
-            c.close()
         server.stop()
 
 
