@@ -477,8 +477,9 @@ async def _fill_run_keys(_dht: object, node: object, run_id: str, secret: str | 
         async with gate:
             out["tried"] += 1
             with contextlib.suppress(Exception):
+                # exclude_self: what the run's nodes took, not the attacker's own node (hivemind counts it)
                 ok = await asyncio.wait_for(node.store(f"{run_id}:{name}", {"p": payload, "mac": mac}, expires_at,  # type: ignore[attr-defined]
-                                                       subkey=identity.owner_tag + suffix), 20.0)
+                                                       subkey=identity.owner_tag + suffix, exclude_self=True), 20.0)
                 out[name] += bool(ok)
 
     await asyncio.gather(*(store(*job) for job in jobs))
