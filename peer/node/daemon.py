@@ -338,7 +338,6 @@ class PeerDaemon:
             reachable=self.reach.reachable,
             relay=self.reach.relay_address,
             cert=self.tls.certificate_text,
-            dht=str(self.dht.peer_id) if self.reach.reachable else "",  # a NAT'd peer's DHT node is not dialable
             dials_from=self.reach.dials_from,
         )
         assert self.membership is not None

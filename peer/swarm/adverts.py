@@ -34,9 +34,6 @@ _PEER_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOSTNAME_RE = re.compile(rf"^{_LABEL}(\.{_LABEL})*$")
 
-DHT_PEER_ID_RE = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{20,64}$")  # a base58 libp2p peer id (an advert's ``dht``)
-
-
 def _ip(value: object, what: str) -> str:
     """An IP address, written as ``ipaddress`` writes it; ValueError otherwise."""
     if not isinstance(value, str) or len(value) > 45:
@@ -45,13 +42,6 @@ def _ip(value: object, what: str) -> str:
         return str(ipaddress.ip_address(value))
     except ValueError:
         raise ValueError(f"{what}: not an IP address") from None
-
-
-def check_dht_peer_id(value: object, what: str) -> str:
-    """A libp2p peer id in base58 (what an advert's ``dht`` names); ValueError otherwise."""
-    if not isinstance(value, str) or not DHT_PEER_ID_RE.match(value):
-        raise ValueError(f"{what}: not a base58 peer id")
-    return value
 
 
 # ---- field checks: each returns the value or raises ValueError naming the field ----------------------------
@@ -211,9 +201,6 @@ class Advert:
     # the peer's TLS certificate (peer.net.tls one-line form): its key must be the advert signer's, so the
     # certificate is bound to the peer id; others accept this peer's gRPC connections while the advert lives
     cert: str = ""
-    # the libp2p peer id of the peer's DHT node when others can dial it ("" = none): readers of the run's records
-    # ask such members' nodes directly, whatever nodes sit next to the keys (peer.swarm.rendezvous)
-    dht: str = ""
     # a NAT'd peer's public address as a relay saw it ("" = none): the doors count its connections as a member's
     dials_from: str = ""
 
@@ -226,8 +213,6 @@ class Advert:
             optional["relay"] = self.relay
         if self.cert:
             optional["cert"] = self.cert
-        if self.dht:
-            optional["dht"] = self.dht
         if self.dials_from:
             optional["dials_from"] = self.dials_from
         return {
@@ -248,7 +233,7 @@ class Advert:
             record,
             "advert",
             {"peer_id", "endpoint", "device", "started_at", "protocol_version", "role", "corpus", "extra"},
-            {"reachable", "relay", "cert", "dht", "dials_from"},
+            {"reachable", "relay", "cert", "dials_from"},
         )
         advert = object.__new__(cls)  # bypass __post_init__: the checks are right here
         values = {
@@ -263,7 +248,6 @@ class Advert:
             "reachable": _bool(record.get("reachable", True), "advert.reachable"),
             "relay": check_endpoint(record["relay"], "advert.relay") if "relay" in record else "",
             "cert": _certificate(record.get("cert", ""), record["peer_id"]),
-            "dht": check_dht_peer_id(record["dht"], "advert.dht") if "dht" in record else "",
             "dials_from": _ip(record["dials_from"], "advert.dials_from") if "dials_from" in record else "",
         }
         if values["reachable"] == ("@" in values["endpoint"]):

@@ -30,7 +30,6 @@ from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import TimedStorage, get_dht_time
 
 from tasklet.peer.identity.keys import Identity, split_owner_subkey
-from tasklet.peer.swarm.rendezvous import register
 from tasklet.peer.timing import DHT_STARTUP_TIMEOUT_S
 
 RECONNECT_PING_S = 5.0  # one re-ping of a bootstrap node waits at most this
@@ -378,7 +377,6 @@ def start_dht(config: DHTConfig, identity: Identity, validators: Sequence[Record
     except Exception as error:  # hivemind raises P2PDaemonError, ValueError, OSError, ...
         _stop(dht)
         raise DHTStartError(_explain(config, _clean_daemon_message(error))) from error
-    register(dht, config.initial_peers)  # reads and writes of the run also go through members' nodes
     budgets = [v.storage_budget() for v in validators if hasattr(v, "storage_budget")]
     if budgets:
         try:

@@ -11,8 +11,7 @@ the network-namespace bed, on one swarm that trains (bench.doors.MemberSwarm, sh
   each other key, 64 ``plans`` subkeys from one): the leader's keys take none of it, a NAT'd joiner trains within
   60 s, and a fresh `peer status` lists every honest peer.
 
-Eight stranger DHT nodes next to the ``peers`` key (``dht_eclipse``) run in bench.doors on this bed, and against
-real DHT nodes on loopback in tests/swarm/test_rendezvous.py.
+Eight stranger DHT nodes next to the ``peers`` key (``dht_eclipse``) run in bench.doors on this bed: not defended.
 """
 
 from __future__ import annotations
