@@ -25,7 +25,11 @@ parallel: ``MemberSwarm``), the attacks that need a training run to judge:
 * ``endpoint_squat``: a member (the secret, a real identity) advertises the leader's endpoint as its own with the
   oldest start time a record allows; a NAT'd joiner started after the squat: its time to train (so it found and
   followed the real leader), whether it logged the squatter ignored, and whether a fresh reader's ``peer status``
-  lists the leader at its endpoint.
+  lists the leader at its endpoint;
+* ``dht_run_key_fill``: a member with 64 free identities stores, from each, its largest advert under ``peers`` and
+  250 KiB under every other key of the run, and 64 ``plans`` subkeys from one of them; then a NAT'd member joins.
+  Prints steps/s before and during, the members' DHT processes' peak resident MiB, the joiner's time to train,
+  whether a fresh ``peer status`` on each public member's host lists every honest peer, and what each key took.
 
 For each: the victim's peak descriptors, threads and resident MiB while the attack runs and a NAT'd member joins
 (sampled from /proc every 0.5 s; its DHT process and p2pd apart, as the largest and the sum of its children), the
@@ -53,7 +57,9 @@ from tasklet.peer.identity.keys import Identity
 REPO = Path(__file__).resolve().parent.parent
 METRICS_PORT = 31404
 SCENARIOS = ("none", "relay", "ports", "dht", "dht_foreign_flood")
-MEMBER_SCENARIOS = ("network_caps", "endpoint_squat")
+MEMBER_SCENARIOS = ("network_caps", "endpoint_squat", "dht_run_key_fill", "dht_eclipse")
+ECLIPSE_NODES = 8  # the stranger DHT nodes of dht_eclipse
+FILL_IDENTITIES = 64  # the free identities of dht_run_key_fill
 BLOCK_ADDRESSES = 4  # of the stranger's one rented /24
 HOLD_GRPC = 200  # connections per address to the leader's gRPC port (its strangers' share is 493 at 20,000 fds)
 HOLD_RELAY = 16  # per address to the relay: its request slots per source, four times over
@@ -225,9 +231,10 @@ class MemberSwarm:
         trained = _wait_for(self.peers, name, TRAINING_LINE, left) if reached is not None else None
         return name, reached, None if trained is None else time.monotonic() - launched
 
-    def status(self) -> dict[str, Any]:
-        """`peer status --json` of a fresh reader on ``pub1``'s host (a new identity, nothing remembered)."""
-        done = subprocess.run(self.pub1.cmd(*PEER_COMMAND, "status", "--dht", self.dht, *self.member, "--json"),
+    def status(self, host: netbed.Host | None = None) -> dict[str, Any]:
+        """`peer status --json` of a fresh reader (a new identity, nothing remembered) on ``host`` (``pub1``'s)."""
+        host = host or self.pub1
+        done = subprocess.run(host.cmd(*PEER_COMMAND, "status", "--dht", self.dht, *self.member, "--json"),
                               capture_output=True, text=True, timeout=120, cwd=REPO, env=child_env())
         if done.returncode != 0:
             return {"error": done.stderr[-2000:]}
@@ -288,23 +295,97 @@ class MemberSwarm:
         }
 
 
-def _stop(proc: subprocess.Popen[str]) -> dict[str, Any] | None:
-    """End an attack that runs until told (SIGTERM) and return what it reported."""
-    proc.terminate()
+    def dht_eclipse(self, window_s: float) -> dict[str, Any]:
+        """``ECLIPSE_NODES`` stranger DHT nodes with ids next to the run's ``peers`` key swallow every store there;
+        then a NAT'd member joins, and a fresh `peer status` on each public member's host lists the peers."""
+        return self.dht_attacks(window_s, fill=0, eclipse=ECLIPSE_NODES)
+
+    def dht_run_key_fill(self, window_s: float) -> dict[str, Any]:
+        """A member with ``FILL_IDENTITIES`` free identities fills every key of the run; then a NAT'd member joins,
+        and a fresh `peer status` on each public member's host lists the peers."""
+        return self.dht_attacks(window_s, fill=FILL_IDENTITIES, eclipse=0)
+
+    def dht_attacks(self, window_s: float, fill: int, eclipse: int, status_on: tuple[str, ...] = ("pub0", "pub1"),
+                    unattacked: float | None = None, join_timeout_s: float = 150) -> dict[str, Any]:
+        """The DHT attacks, one after the other: a member's ``fill`` free identities fill every key of the run, then
+        ``eclipse`` stranger nodes sit next to ``peers`` (peer.emulation.doors_attack; 0: not that attack), and the
+        fill stays while the strangers do; then steps/s over
+        ``window_s`` (``unattacked``: the figure before, measured here when None), a NAT'd joiner, and a fresh
+        `peer status` on the hosts ``status_on``. The members' DHT processes' resident MiB before and at peak."""
+        unattacked = self.steps_per_s(window_s) if unattacked is None else unattacked
+        marks = self.marks()
+        victims = {"pub0": self.peers.procs["pub0"].pid, "pub1": self.peers.procs["pub1"].pid}
+        children = {f"{name}-{_comm(pid)}-{pid}": pid for name, v in victims.items() for pid in descendants(v)}
+        before = {c: proc_usage(pid)["rss"] for c, pid in children.items()}
+        out: dict[str, Any] = {}
+        with PeakSampler({**victims, **children}) as sampler:
+            started = time.monotonic()
+            if fill:  # first: what the run's nodes took of it is what the attack reports (stranger nodes take all)
+                filler = _attack(self.evil, "dht-fill", self.dht, "tasklet", str(self.secret), "--count", str(fill),
+                                 "--seconds", "300")
+                out["fill"] = _stop(filler, wait_s=330)
+            if eclipse:
+                strangers = _attack(self.evil, "eclipse", self.dht, "tasklet", "--count", str(eclipse), "--keys",
+                                    "peers", "--seconds", "900")
+                ready = read_line(strangers, 120, "{")
+                out["stranger_nodes_ready"] = json.loads(ready).get("ready") if ready else None
+                time.sleep(8)  # the run's nodes meet the strangers: every store next to ``peers`` goes to them
+            out["attack_s"] = round(time.monotonic() - started, 1)
+            attacked = self.steps_per_s(window_s)
+            name, reached, trained = self.join_home(join_timeout_s)
+            hosts = {"pub0": self.pub0, "pub1": self.pub1}
+            statuses = {h: self.status(hosts[h]) for h in status_on}
+            if eclipse:
+                out["eclipse"] = _stop(strangers)
+        honest = {self.ids[n].peer_id for n in ("pub0", "pub1", name)}
+        listed = {host: {p.get("peer_id") for p in st.get("peers", [])} for host, st in statuses.items()}
+        rss = {c: (round(before[c] / 2**20), round(sampler.peak[c].get("rss", 0) / 2**20)) for c in children}
+        return {
+            "steps_per_s_unattacked": round(unattacked, 3),
+            "steps_per_s_attacked": round(attacked, 3),
+            "leadership_changes": self.leadership_changes(marks),
+            "victim_dht_peak_rss_mib": max((peak for _, peak in rss.values()), default=0),
+            "children_rss_mib_before_and_peak": rss,
+            "joiner": name,
+            "joiner_reached_s": None if reached is None else round(reached, 2),
+            "joiner_trains_s": None if trained is None else round(trained, 2),
+            "status_errors": {h: st["error"][-300:] for h, st in statuses.items() if "error" in st},
+            "status_lists_every_honest_peer": {h: honest <= ids for h, ids in listed.items()},
+            **out,
+        }
+
+
+def _comm(pid: int) -> str:
+    """A process's command name (p2pd, python) from /proc."""
     try:
-        stdout, _ = proc.communicate(timeout=60)
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "gone"
+
+
+def _stop(proc: subprocess.Popen[str], wait_s: float = 0.0) -> dict[str, Any] | None:
+    """End an attack (after ``wait_s`` for it to end by itself; SIGTERM) and return what it reported."""
+    try:
+        stdout, _ = proc.communicate(timeout=wait_s or 0.01)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        stdout, _ = proc.communicate()
-    lines = stdout.strip().splitlines()
+        proc.terminate()
+        try:
+            stdout, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, _ = proc.communicate()
+    lines = (stdout or "").strip().splitlines()
     return json.loads(lines[-1]) if lines else None
 
 
-def run_members(seconds: float) -> dict[str, Any]:
+def run_members(seconds: float, scenarios: list[str] | tuple[str, ...] = MEMBER_SCENARIOS) -> dict[str, Any]:
     """The member-side scenarios on a swarm that trains (``MemberSwarm``), one after the other."""
     with netbed.open_bed() as bed, tempfile.TemporaryDirectory() as tmp, MemberSwarm(bed, Path(tmp)) as swarm:
         swarm.start()
-        return {"network_caps": swarm.network_caps(seconds), "endpoint_squat": swarm.endpoint_squat()}
+        runs = {"network_caps": lambda: swarm.network_caps(seconds), "endpoint_squat": swarm.endpoint_squat,
+                "dht_run_key_fill": lambda: swarm.dht_run_key_fill(seconds),
+                "dht_eclipse": lambda: swarm.dht_eclipse(seconds)}
+        return {name: runs[name]() for name in scenarios}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -326,8 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     if not only or only & set(SCENARIOS):
         result = run(args.seconds, [s for s in SCENARIOS if not only or s in only])
     if not only or only & set(MEMBER_SCENARIOS):
-        members = run_members(args.seconds)
-        result["scenarios"].update({k: v for k, v in members.items() if not only or k in only})
+        result["scenarios"].update(run_members(args.seconds, [s for s in MEMBER_SCENARIOS if not only or s in only]))
     if args.json:
         print(json.dumps(result))
     else:

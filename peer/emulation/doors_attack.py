@@ -16,10 +16,11 @@ answered (so the caller can tell "refused" from "held"). Kinds:
   subkeys and oversized values;
 * ``dht-foreign MULTIADDR``: a plain hivemind DHT node (no key, no secret: what the public join line gives anyone)
   that stores ``--count`` values of ``--value-bytes`` under fresh random keys with hour-long expiries;
-* ``dht-fill MULTIADDR RUN SECRET_FILE``: a member's attack: ``--count`` fresh identities each store one advert
-  padded to its largest under ``peers`` and a full ``beat``, and one identity stores 64 subkeys of 257 KiB under
-  ``plans`` (sealed with the secret; an empty file: an open swarm). Its stores go through hivemind's pipe to the
-  DHT process, which breaks on values of a few hundred KiB: most of them time out (not yet a working attack).
+* ``dht-fill MULTIADDR RUN SECRET_FILE``: a member's attack: ``--count`` fresh identities each store their
+  largest advert under ``peers`` and 250 KiB under every other key of the run, and one of them 64 subkeys under
+  ``plans`` (sealed with the secret; an empty file: an open swarm);
+* ``eclipse MULTIADDR RUN``: ``--count`` stranger DHT nodes with ids next to the run keys ``--keys``, each taking
+  every store and keeping nothing, for ``--seconds`` (or until SIGTERM).
 """
 
 from __future__ import annotations
@@ -398,35 +399,149 @@ async def _foreign_in_child(_dht: object, node: object, count: int, value_bytes:
 
 
 def dht_run_key_fill(initial_peer: str, run_id: str, secret: str | None, identities: int, seconds: float) -> dict:
-    """A member with the secret and free identities fills the run's keys: ``identities`` padded adverts under
-    ``peers`` and full beats under ``beat``, and one identity's 64 subkeys of 257 KiB under ``plans``."""
+    """A member with the secret and ``identities`` free identities fills every key of the run: each identity
+    stores its largest advert under ``peers``, and 250 KiB under ``links``, ``run``, ``beat``, ``progress``,
+    ``stewards`` and ``plans``; the first also stores 64 ``plans`` subkeys. The stores are made inside the
+    attacker's DHT process, each signed with its identity's key (hivemind's pipe to that process does not carry
+    values of this size). Returns what the run's nodes accepted, per key."""
     from tasklet.peer.identity.keys import Identity
     from tasklet.peer.swarm.dht import DHTConfig, start_dht
-    from tasklet.peer.swarm.records import RecordStore
-    from tasklet.peer.timing import now
 
-    first = Identity.generate()
-    dht = start_dht(DHTConfig(initial_peers=(initial_peer,), host="0.0.0.0", client_mode=True), first)
-    out = {"peers": 0, "beat": 0, "plans": 0, "tried": 0}
-    deadline = time.monotonic() + seconds
+    dht = start_dht(DHTConfig(initial_peers=(initial_peer,), host="0.0.0.0", client_mode=True), Identity.generate())
     try:
-        keys = [first] + [Identity.generate() for _ in range(identities - 1)]
-        for identity in keys:
-            if time.monotonic() > deadline:
-                break
-            store = RecordStore(dht, run_id, identity, secret)
-            out["tried"] += 2
-            out["peers"] += store.put("peers", padded_advert(identity), now() + 50.0)
-            out["beat"] += store.put("beat", {"leader": identity.peer_id, "pad": "x" * (250 << 10)}, now() + 100.0)
-        store = RecordStore(dht, run_id, first, secret)
-        for epoch in range(64):
-            if time.monotonic() > deadline:
-                break
-            out["tried"] += 1
-            out["plans"] += store.put("plans", {"epoch": epoch, "pad": "x" * (255 << 10)}, now() + 500.0,
-                                      suffix=b"|epoch=%d" % epoch)
+        return dht.run_coroutine(partial(_fill_run_keys, run_id=run_id, secret=secret, identities=identities,
+                                         deadline=time.time() + seconds))
     finally:
         dht.shutdown()
+
+
+class _Signer:
+    """A record validator that signs each record with the key of the identity whose owner tag it carries."""
+
+    def __init__(self, keys: dict[bytes, object]) -> None:
+        self.keys = keys
+
+    def sign_value(self, record: object) -> bytes:
+        import dataclasses
+
+        from hivemind.dht.crypto import RSASignatureValidator
+        from hivemind.utils import MSGPackSerializer
+
+        for tag, key in self.keys.items():
+            if tag in record.subkey:  # type: ignore[attr-defined]
+                signature = key.sign(MSGPackSerializer.dumps(dataclasses.astuple(record)))  # type: ignore[attr-defined]
+                return record.value + RSASignatureValidator.SIGNATURE_FORMAT.replace(b"_value_", signature)  # type: ignore[attr-defined]
+        return record.value  # type: ignore[attr-defined]
+
+    def validate(self, record: object) -> bool:
+        return True
+
+    def strip_value(self, record: object) -> bytes:
+        from hivemind.dht.crypto import RSASignatureValidator
+
+        return RSASignatureValidator._SIGNATURE_RE.sub(b"", record.value)  # type: ignore[attr-defined]
+
+
+async def _fill_run_keys(_dht: object, node: object, run_id: str, secret: str | None, identities: int,
+                         deadline: float) -> dict:
+    """Runs in the attacker's DHT process (see :func:`dht_run_key_fill`)."""
+    import asyncio
+
+    from tasklet.peer.identity.keys import Identity
+    from tasklet.peer.swarm.records import RECORD_TTL_S, record_key, seal
+    from tasklet.peer.timing import now
+
+    key = None if secret is None else record_key(secret, run_id)
+    ids = [Identity.generate() for _ in range(identities)]
+    node.protocol.record_validator = _Signer({i.owner_tag: i.private_key for i in ids})  # type: ignore[attr-defined]
+    pad = "x" * (250 << 10)
+    jobs: list[tuple[str, Identity, bytes, dict]] = []
+    for identity in ids:
+        jobs += [("peers", identity, b"", padded_advert(identity)),
+                 ("links", identity, b"", {"links": [], "at": now(), "pad": pad}),
+                 ("run", identity, b"", {"config": {}, "pad": pad}),
+                 ("beat", identity, b"", {"leader": identity.peer_id, "pad": pad}),
+                 ("progress", identity, b"", {"leader": identity.peer_id, "pad": pad}),
+                 ("stewards", identity, b"/0", {"pad": pad}),
+                 ("plans", identity, b"|epoch=0", {"epoch": 0, "pad": pad})]
+    jobs += [("plans", ids[0], b"|epoch=%d" % e, {"epoch": e, "pad": "x" * 4096}) for e in range(1, 64)]
+    out: dict = {name: 0 for name in ("peers", "links", "run", "beat", "progress", "stewards", "plans")}
+    out["tried"] = 0
+    gate = asyncio.Semaphore(8)
+
+    async def store(name: str, identity: Identity, suffix: bytes, payload: dict) -> None:
+        if time.time() > deadline:
+            return
+        expires_at = now() + RECORD_TTL_S[name] - 5.0  # as long as a record of its kind may live
+        mac = None if key is None else seal(key, run_id, name, identity.peer_id, suffix, expires_at, payload)
+        async with gate:
+            out["tried"] += 1
+            with contextlib.suppress(Exception):
+                # exclude_self: what the run's nodes took, not the attacker's own node (hivemind counts it)
+                ok = await asyncio.wait_for(node.store(f"{run_id}:{name}", {"p": payload, "mac": mac}, expires_at,  # type: ignore[attr-defined]
+                                                       subkey=identity.owner_tag + suffix, exclude_self=True), 20.0)
+                out[name] += bool(ok)
+
+    await asyncio.gather(*(store(*job) for job in jobs))
+    out["identities"] = identities
+    return out
+
+
+def dht_eclipse(initial_peer: str, run_id: str, nodes: int, names: list[str], seconds: float,
+                host: str = "0.0.0.0") -> dict:
+    """``nodes`` stranger DHT nodes whose ids sit next to the run's keys ``names`` (spread over them in turn), each
+    accepting every store and keeping nothing: a lookup that trusts the nodes nearest a key finds nothing there.
+    Runs until ``seconds`` pass or SIGTERM; returns the stores and finds they swallowed."""
+    import asyncio
+
+    return asyncio.run(_eclipse(initial_peer, run_id, nodes, names, time.time() + seconds, host))
+
+
+async def _eclipse(initial_peer: str, run_id: str, nodes: int, names: list[str], deadline: float,
+                   host: str) -> dict:
+    import asyncio
+
+    from hivemind.dht.node import DHTNode
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.storage import DHTLocalStorage
+
+    out = {"nodes": 0, "stores": 0, "finds": 0, "keys": list(names)}
+
+    class Blackhole(DHTLocalStorage):
+        """Says yes to every store, keeps nothing, finds nothing."""
+
+        def store(self, key, value, expiration_time, subkey=None) -> bool:  # type: ignore[no-untyped-def]
+            out["stores"] += 1
+            return True
+
+        def store_subkey(self, key, subkey, value, expiration_time) -> bool:  # type: ignore[no-untyped-def]
+            out["stores"] += 1
+            return True
+
+        def get(self, key):  # type: ignore[no-untyped-def]
+            out["finds"] += 1
+            return None
+
+    started = []
+    for i in range(nodes):
+        target = DHTID.generate(source=f"{run_id}:{names[i % len(names)]}")
+        node_id = DHTID(int(target) ^ (1 + i // len(names)))  # the nearest ids there are, after the key's own
+        node = await DHTNode.create(initial_peers=[initial_peer], node_id=node_id, host_maddrs=[f"/ip4/{host}/tcp/0"],
+                                    bucket_size=8, num_replicas=5, cache_nearest=0)
+        node.protocol.storage, node.protocol.cache = Blackhole(), Blackhole()
+        started.append(node)
+        out["nodes"] += 1
+    print(json.dumps({"ready": out["nodes"]}), flush=True)
+    # make the run's nodes meet them: every lookup a stranger makes puts it in the routing tables it passes
+    while time.time() < deadline and not STOP.is_set():
+        for i, node in enumerate(started):
+            name = names[i % len(names)]
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(node.find_nearest_nodes([DHTID.generate(source=f"{run_id}:{name}")]), 5.0)
+        await asyncio.sleep(1.0)
+    for node in started:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(node.shutdown(), 10.0)
     return out
 
 
@@ -445,7 +560,9 @@ def padded_advert(identity: Identity) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tasklet.peer.emulation.doors_attack")
-    p.add_argument("kind", choices=["relay", "ports", "hold", "squat", "dht", "dht-foreign", "dht-fill"])
+    p.add_argument("kind", choices=["relay", "ports", "hold", "squat", "dht", "dht-foreign", "dht-fill", "eclipse"])
+    p.add_argument("--keys", default="peers", help="eclipse: comma-separated run keys to sit next to")
+    p.add_argument("--host", default="0.0.0.0", help="eclipse: the address its nodes listen on")
     p.add_argument("args", nargs="+")
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--count", type=int, default=400)
@@ -468,6 +585,8 @@ def main(argv: list[str] | None = None) -> int:
         result = squat(a.args[0], a.args[1], secret, a.args[3], a.seconds)
     elif a.kind == "dht-foreign":
         result = dht_foreign_flood(a.args[0], a.count, a.value_bytes, a.seconds)
+    elif a.kind == "eclipse":
+        result = dht_eclipse(a.args[0], a.args[1], a.count, a.keys.split(","), a.seconds, a.host)
     elif a.kind == "dht-fill":
         with open(a.args[2]) as handle:
             secret = handle.read().strip() or None

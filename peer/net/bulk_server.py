@@ -11,7 +11,9 @@ the announced bytes, an Envelope of our version, a handler for its Kind; the han
 same status codes. A refusal is answered, then the connection is closed.
 
 What a stranger can make the lane hold: at most ``max_connections`` connections, ``max_per_source`` of them (3/4)
-from one address (a connection over a cap is closed at once, before its handshake), each given
+from one network, and once the lane knows the members' addresses (``set_members``) a quarter of them from all
+strangers together (``peer.net.limits.ConnectionCap``, as at the gRPC port; a connection over a cap is closed at
+once, before its handshake), each given
 ``HANDSHAKE_TIMEOUT_S`` for its whole TLS handshake (one deadline however slowly the bytes come: Python's ssl
 times the whole call) and ``IDLE_TIMEOUT_S`` between requests; one thread per connection; a request's memory is
 what its checked bytes need, as on gRPC.
@@ -34,7 +36,7 @@ import numpy as np
 from tasklet.peer.net.bulk_wire import HEAD, HEAD_MAGIC, LaneClosedError, encode_reply, recv_exact
 from tasklet.peer.net.config import HANDSHAKE_TIMEOUT_S, SOURCE_SHARE, TransportConfig
 from tasklet.peer.net.counters import TRAFFIC
-from tasklet.peer.net.limits import network_of
+from tasklet.peer.net.limits import ConnectionCap, network_of
 from tasklet.peer.net.statuses import refusal_of
 from tasklet.protocol import tasklet_pb2 as pb
 from tasklet.protocol.chunking import ChunkView, check_version
@@ -82,8 +84,8 @@ class BulkListener:
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, socket.socket] = {}  # accepted socket -> what serves it (TLS-wrapped)
-        self._sources: dict[socket.socket, str] = {}  # accepted socket -> its source address
-        self._per_source: dict[str, int] = {}  # _lock: connections open per source address
+        self._sources: dict[socket.socket, str] = {}  # _lock: accepted socket -> its source address
+        self.cap = ConnectionCap(self.max_connections, self.max_per_source)  # per network, members apart
         self._busy: set[socket.socket] = set()  # accepted sockets with a request in progress
         self._idle = threading.Condition(self._lock)  # notified when a request ends
         self._stopped = threading.Event()
@@ -124,18 +126,16 @@ class BulkListener:
                 conn, addr = sock.accept()
             except OSError:
                 return  # closed by stop()
-            source = network_of(str(addr[0]))  # a block of addresses is one source (peer.net.limits)
+            source = str(addr[0])
             with self._lock:
-                crowded = self._per_source.get(source, 0) >= self.max_per_source
-                full = crowded or len(self._conns) >= self.max_connections
+                full = not self.cap.admit(source)
                 if not full:
                     self._conns[conn] = conn
                     self._sources[conn] = source
-                    self._per_source[source] = self._per_source.get(source, 0) + 1
             if full:
                 TRAFFIC.refused("UNAVAILABLE")
                 logger.info("bulk lane: connection cap reached (%d in all, %d per source), one more from %s closed",
-                            self.max_connections, self.max_per_source, source)
+                            self.max_connections, self.max_per_source, network_of(source))
                 _close(conn)
                 continue
             try:
@@ -150,11 +150,7 @@ class BulkListener:
         """Give back ``raw``'s place in its source's count (call under ``_lock``)."""
         source = self._sources.pop(raw, None)
         if source is not None:
-            left = self._per_source.get(source, 0) - 1
-            if left > 0:
-                self._per_source[source] = left
-            else:
-                self._per_source.pop(source, None)
+            self.cap.release(source)
 
     def _serve(self, raw: socket.socket) -> None:
         conn: socket.socket = raw

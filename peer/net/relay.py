@@ -31,8 +31,9 @@ relay has no key and asks for neither.
 
 Bounds on what anyone can make a relay hold (:class:`RelayLimits`): one deadline for a connection's whole
 request (its lines and its answer to the nonce, however slowly the bytes come), request connections per
-source network and in all, registrations, dials waiting for their dial-back, CONNECTs per target and second,
-spliced connections per registered peer and in all, and an idle timeout on every spliced connection. So the
+source network and in all (once the members' hosts are known, strangers together a quarter: ``set_members``),
+registrations, dials waiting for their dial-back, CONNECTs per target and second, spliced connections per
+registered peer and in all, and an idle timeout on every spliced connection. So the
 relay's threads are at most ``max_pending_handshakes + max_waiting_total + max_registrations + 2 * max_splices``
 + 2 and its descriptors (:meth:`RelayLimits.descriptors`) at most ``max_pending_handshakes + max_waiting_total +
 max_registrations + 2 * max_splices`` + 1 whatever the load (:meth:`RelayLimits.within` fits them to a budget).
@@ -56,7 +57,7 @@ from hivemind.utils.crypto import RSAPublicKey
 
 from tasklet.peer.identity.keys import Identity, peer_id_from_public_key
 from tasklet.peer.net.endpoint import RELAY_AUTHORITY_SUFFIX
-from tasklet.peer.net.limits import network_of
+from tasklet.peer.net.limits import ConnectionCap
 
 log = logging.getLogger(__name__)
 
@@ -231,11 +232,11 @@ class RelayServer:
             None if key is None else "Basic " + base64.b64encode(connect_credentials(key).encode()).decode()
         )
         self._lock = threading.Lock()
-        self._per_source: dict[str, int] = {}  # _lock: request connections in progress per source network
+        # request connections in progress: per network, and once the members are known a quarter for strangers
+        self.slots = ConnectionCap(self.limits.max_pending_handshakes, self.limits.max_handshakes_per_source)
         self._buckets: dict[str, tuple[float, float]] = {}  # _lock: peer id -> (CONNECT tokens, at)
         self._registrations: dict[str, _Registration] = {}  # _lock
         self._pending: dict[str, tuple[str, threading.Event, list[socket.socket]]] = {}  # _lock: token -> dial
-        self._handshakes = threading.BoundedSemaphore(self.limits.max_pending_handshakes)
         self._splices = 0  # _lock
         self._waiting = 0  # _lock: clients waiting for a dial-back, all peers
         self._sock: socket.socket | None = None
@@ -286,14 +287,8 @@ class RelayServer:
                 conn, addr = self._sock.accept()
             except OSError:
                 return
-            source = network_of(str(addr[0]))  # a block of addresses is one source (peer.net.limits)
-            with self._lock:
-                crowded = self._per_source.get(source, 0) >= self.limits.max_handshakes_per_source
-                if not crowded:
-                    crowded = not self._handshakes.acquire(blocking=False)
-                if not crowded:
-                    self._per_source[source] = self._per_source.get(source, 0) + 1
-            if crowded:
+            source = str(addr[0])  # counted per network, members apart (peer.net.limits.ConnectionCap)
+            if not self.slots.admit(source):
                 self.stats["refused"] += 1
                 with contextlib.suppress(OSError):
                     conn.close()
@@ -306,13 +301,12 @@ class RelayServer:
                     conn.close()
 
     def _release_slot(self, source: str) -> None:
-        with self._lock:
-            left = self._per_source.get(source, 0) - 1
-            if left > 0:
-                self._per_source[source] = left
-            else:
-                self._per_source.pop(source, None)
-            self._handshakes.release()
+        self.slots.release(source)
+
+    def set_members(self, hosts: list[str]) -> None:
+        """The hosts of the swarm's live members (a NAT'd one's ``dials_from`` included): their requests (a
+        public member's CONNECT, a NAT'd member's re-registration) keep most of the request slots."""
+        self.slots.set_members(hosts)
 
     def _handle(self, conn: socket.socket, addr: tuple) -> None:
         """Read what the connection wants (bounded in size and time) and hand it to the right role."""
@@ -323,7 +317,7 @@ class RelayServer:
             nonlocal released
             if not released:
                 released = True
-                self._release_slot(network_of(str(addr[0])))
+                self._release_slot(str(addr[0]))
 
         deadline = time.monotonic() + self.limits.handshake_timeout_s
         try:

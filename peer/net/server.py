@@ -527,11 +527,13 @@ class PeerServer:
         return port
 
     def set_members(self, hosts: list[str]) -> None:
-        """The hosts of the swarm's live members: the gRPC port keeps most of its connections for them
-        (peer.net.limits.ConnectionCap), whatever strangers hold."""
-        front = self._front
+        """The hosts of the swarm's live members: the gRPC port and the bulk lane keep most of their connections
+        for them (peer.net.limits.ConnectionCap), whatever strangers hold."""
+        front, lane = self._front, self._lane
         if front is not None:
             front.cap.set_members(hosts)
+        if lane is not None:
+            lane.cap.set_members(hosts)
 
     def stop(self, grace: float = 1.0) -> None:
         """Stop accepting calls, give running ones `grace` seconds, then cancel them and release the threads.

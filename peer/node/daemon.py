@@ -26,6 +26,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,16 @@ from tasklet.peer.observe.snapshot import SwarmSource
 from tasklet.peer.runtime.lead.driver import RunDriver
 from tasklet.peer.runtime.stage.worker import StageWorker
 from tasklet.peer.swarm.adverts import Advert
-from tasklet.peer.swarm.dht import DHT_OPS, DHTConfig, DHTStartError, ops_delta, reconnect, start_dht, visible_maddrs
+from tasklet.peer.swarm.dht import (
+    DHT_OPS,
+    DHTConfig,
+    DHTStartError,
+    ops_delta,
+    reconnect,
+    restrict_writers,
+    start_dht,
+    visible_maddrs,
+)
 from tasklet.peer.swarm.membership import ClockSkewError, Membership
 from tasklet.peer.swarm.plans import PlanBoard, PlanRecord
 from tasklet.peer.swarm.progress import ProgressBoard
@@ -245,7 +255,8 @@ class PeerDaemon:
             record = existing
         self.organiser = record.organiser
         self.leadership = Leadership(self.identity.peer_id, self.config.run.steps, self.config.swarm.heartbeat_s,
-                                     self.config.swarm.leaders, self.view, self.membership, self.live_adverts)
+                                     self.config.swarm.leaders, self.view, self.membership, self.live_adverts,
+                                     guard=partial(restrict_writers, self.dht))
         self.leadership.adopt(record.organiser)
         try:
             self.network, self.declared_tflops, self._emulated_extra = emulated_device(
@@ -327,6 +338,7 @@ class PeerDaemon:
             reachable=self.reach.reachable,
             relay=self.reach.relay_address,
             cert=self.tls.certificate_text,
+            dials_from=self.reach.dials_from,
         )
         assert self.membership is not None
         self.membership.announce(self.advert)
@@ -497,8 +509,11 @@ class PeerDaemon:
         """Trust live adverts' certificates (:class:`AdvertTrust`)."""
         assert self.config is not None
         self.trust.saw(entries, max(TRUST_KEEP_MIN_S, self.config.swarm.heartbeat_s * ADVERT_TTL_HEARTBEATS))
-        if self.worker is not None:  # the gRPC port keeps most of its connections for the members' hosts
-            self.worker.server.set_members(member_hosts(entries))
+        hosts = member_hosts(entries)  # the doors keep most of their connections for the members' hosts
+        if self.worker is not None:
+            self.worker.server.set_members(hosts)
+        if self.reach is not None and self.reach.server is not None:
+            self.reach.server.set_members(hosts)
 
     def elected(self) -> str | None:
         """The leader this peer elects now (not yet confirmed): the only peer whose plans it accepts.
@@ -703,14 +718,16 @@ def _ops_summary(delta: dict[str, int], heartbeats: float, role: str) -> dict[st
 
 
 def member_hosts(adverts: list[Advert]) -> list[str]:
-    """The hosts live members dial from as far as their adverts say: a direct endpoint's host (a peer behind NAT
-    dials from an address no advert names, and counts as a stranger at the door)."""
+    """The hosts live members dial from as far as their adverts say: a direct endpoint's host, and a NAT'd peer's
+    public address as its relay saw it (``dials_from``)."""
     hosts = []
     for a in adverts:
         with contextlib.suppress(EndpointError):
             endpoint = parse_endpoint(a.endpoint)
             if not endpoint.relayed:
                 hosts.append(endpoint.host)
+        if a.dials_from:
+            hosts.append(a.dials_from)
     return hosts
 
 

@@ -35,13 +35,16 @@ NO_PROGRESS_STEPS = 10
 
 class Leadership:
     """The organiser's policy (kept current from its signed stewards records), this peer's role state, and the
-    checks of a leader's claims. ``last_step``: the signed run's last step; ``leaders``: its ``[swarm] leaders``."""
+    checks of a leader's claims. ``last_step``: the signed run's last step; ``leaders``: its ``[swarm] leaders``;
+    ``guard``: told who may write the leader's records each time the policy changes (the DHT node's storage)."""
 
     def __init__(self, me: str, last_step: int, heartbeat_s: float, leaders: object, view: SwarmView,
                  membership: Membership, live_adverts: Callable[[], list[Advert]] = list,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 guard: Callable[[tuple[str, ...] | None], object] = lambda writers: None) -> None:
         self.me, self.last_step, self.heartbeat_s, self.leaders = me, last_step, heartbeat_s, leaders
         self.view, self.membership, self.live_adverts, self.clock = view, membership, live_adverts, clock
+        self.guard = guard
         self._moved: tuple[str, object, object, object, float] | None = None  # leader, epoch, step, state, since
         self._slowest_step_s = 0.0
         self.state = State.FOLLOWER
@@ -57,6 +60,7 @@ class Leadership:
         """The run this peer takes part in is ``organiser``'s: who may lead is its signed choice."""
         policy = LeaderPolicy.from_record(organiser, self.leaders)
         self.view.adopt_policy(policy)
+        self.guard(policy.writers())
         log.info("run of organiser %s; who may lead: %s", organiser, policy.describe())
 
     def step(self, leader: str | None, may_lead: bool, role_finished: bool, role_failed: bool,
@@ -169,6 +173,7 @@ class Leadership:
         if new != policy:
             log.info("the organiser's stewards: %s", ", ".join(new.stewards))
             self.view.adopt_policy(new)
+            self.guard(new.writers())
 
     def summary(self) -> dict[str, Any] | None:
         """Who may lead and whether the swarm waits for a steward (the dashboard, /metrics)."""

@@ -83,6 +83,7 @@ class Reach:
     endpoint: str
     reachable: bool = True
     relay_address: str = ""  # the relay service this peer offers ("" = none)
+    dials_from: str = ""  # a NAT'd peer's address as the relay saw it: where its connections come from
     server: RelayServer | None = None
     agent: RelayAgent | None = None
     notes: list[str] = field(default_factory=list)
@@ -171,7 +172,7 @@ def establish(identity: Identity, host: str, port: int, announce: str | None, re
         agent.close()
         raise ReachabilityError(f"nobody can dial this peer at {seen_ip}:{check_port} and no relay accepted it "
                                 f"({', '.join(found[:MAX_RELAYS])})")
-    reach.agent, reach.reachable = agent, False
+    reach.agent, reach.reachable, reach.dials_from = agent, False, seen_ip
     reach.endpoint = f"{identity.peer_id}@{registered[0]}"
     log.info("reachability: nobody can dial %s:%d (behind NAT?); reached through relay %s", seen_ip, check_port,
              registered[0])

@@ -34,6 +34,15 @@ _PEER_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOSTNAME_RE = re.compile(rf"^{_LABEL}(\.{_LABEL})*$")
 
+def _ip(value: object, what: str) -> str:
+    """An IP address, written as ``ipaddress`` writes it; ValueError otherwise."""
+    if not isinstance(value, str) or len(value) > 45:
+        raise ValueError(f"{what}: not an IP address")
+    try:
+        return str(ipaddress.ip_address(value))
+    except ValueError:
+        raise ValueError(f"{what}: not an IP address") from None
+
 
 # ---- field checks: each returns the value or raises ValueError naming the field ----------------------------
 
@@ -192,6 +201,8 @@ class Advert:
     # the peer's TLS certificate (peer.net.tls one-line form): its key must be the advert signer's, so the
     # certificate is bound to the peer id; others accept this peer's gRPC connections while the advert lives
     cert: str = ""
+    # a NAT'd peer's public address as a relay saw it ("" = none): the doors count its connections as a member's
+    dials_from: str = ""
 
     def __post_init__(self) -> None:
         Advert.from_record(self.to_record())  # the same checks for adverts we make as for those we read
@@ -202,6 +213,8 @@ class Advert:
             optional["relay"] = self.relay
         if self.cert:
             optional["cert"] = self.cert
+        if self.dials_from:
+            optional["dials_from"] = self.dials_from
         return {
             **optional,
             "peer_id": self.peer_id,
@@ -220,7 +233,7 @@ class Advert:
             record,
             "advert",
             {"peer_id", "endpoint", "device", "started_at", "protocol_version", "role", "corpus", "extra"},
-            {"reachable", "relay", "cert"},
+            {"reachable", "relay", "cert", "dials_from"},
         )
         advert = object.__new__(cls)  # bypass __post_init__: the checks are right here
         values = {
@@ -235,6 +248,7 @@ class Advert:
             "reachable": _bool(record.get("reachable", True), "advert.reachable"),
             "relay": check_endpoint(record["relay"], "advert.relay") if "relay" in record else "",
             "cert": _certificate(record.get("cert", ""), record["peer_id"]),
+            "dials_from": _ip(record["dials_from"], "advert.dials_from") if "dials_from" in record else "",
         }
         if values["reachable"] == ("@" in values["endpoint"]):
             raise ValueError("advert.reachable: a peer is reachable exactly when its endpoint is not relayed")

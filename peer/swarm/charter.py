@@ -130,6 +130,11 @@ class LeaderPolicy:
     def may_lead(self, peer_id: str) -> bool:
         return self.any or peer_id in self.stewards
 
+    def writers(self) -> tuple[str, ...] | None:
+        """Who may store the leader's records (plans, beats) and the stewards records: the organiser and its
+        stewards; None where the members elect (any member may come to lead)."""
+        return None if self.any else tuple(sorted({self.organiser, *self.stewards}))
+
     def describe(self) -> str:
         return "any credited member (elected)" if self.any else f"{len(self.stewards)} steward(s)"
 

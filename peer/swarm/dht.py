@@ -147,10 +147,12 @@ class KeyBudget:
 
 @dataclass(frozen=True)
 class StorageBudget:
-    """The keys (DHTID bytes) a DHT node stores, each with its budget, and the bytes of all of them together."""
+    """The keys (DHTID bytes) a DHT node stores, each with its budget, and the bytes of all of them together.
+    ``steward_keys``: the keys that only the writers :func:`restrict_writers` names may store under, once named."""
 
     keys: dict[bytes, KeyBudget]
     total_bytes: int
+    steward_keys: frozenset[bytes] = frozenset()
 
 
 class _Usage:
@@ -193,6 +195,8 @@ class BudgetedStorage(DHTLocalStorage):
     take its key, its owner's share of the key or all keys past their bytes or entries; expired entries are
     pruned before refusing (at most once a second per key, so a flood at the cap costs no scan per store). A
     re-store of an entry with a later expiry replaces it, as in hivemind (the old bytes are given back).
+    Under a steward key, once the run's writers are known (:meth:`restrict`), only their entries are stored: free
+    identities could otherwise fill the leader's keys (plans, beats) until no leader can store.
     hivemind keeps a heap of expiries with one item per store; it is compacted when it holds more than twice the
     live items, so re-stores of one entry cannot grow it either. Used on stores only: lookups are unaffected.
     """
@@ -202,8 +206,26 @@ class BudgetedStorage(DHTLocalStorage):
         self.budget = budget
         self._keys = {DHTID.from_bytes(key): limits for key, limits in budget.keys.items()}
         self._usage: dict[DHTID, _Usage] = {}
+        self._steward_keys = {DHTID.from_bytes(key) for key in budget.steward_keys}
+        self.writers: frozenset[str] | None = None  # who may store under the steward keys (None: any owner)
         self.total_bytes = 0
         self.refused: Counter[str] = Counter()
+
+    def restrict(self, writers: frozenset[str] | None) -> int:
+        """Only ``writers`` store under the steward keys from now on (None: any owner); entries of others already
+        stored there are dropped. Returns how many were dropped."""
+        self.writers = writers
+        dropped = 0
+        for key in self._steward_keys if writers is not None else ():
+            item, usage = self.get(key), self._usage.get(key)
+            if item is None or not isinstance(item.value, DictionaryDHTValue) or usage is None:
+                continue
+            for subkey in [k for k, (owner, _, _) in usage.entries.items() if owner not in writers]:
+                self.total_bytes -= usage.remove(subkey)
+                if subkey in item.value:
+                    del item.value[subkey]
+                dropped += 1
+        return dropped
 
     def store(self, key: DHTID, value: Any, expiration_time: float, subkey: Any = None) -> bool:
         if subkey is None:
@@ -235,6 +257,8 @@ class BudgetedStorage(DHTLocalStorage):
         owner = _owner(subkey)
         if owner is None:
             return "no owner tag"
+        if self.writers is not None and key in self._steward_keys and owner not in self.writers:
+            return "not a steward of this run"
         at = get_dht_time()
         if expiration_time < at:
             return ""  # hivemind refuses it itself
@@ -297,6 +321,23 @@ async def _install_storage(_dht: hivemind.DHT, node: hivemind.DHTNode, budget: S
     node.protocol.storage = storage
     node.protocol.cache = BudgetedStorage(StorageBudget(keys={}, total_bytes=0))
     return moved
+
+
+async def _restrict(_dht: hivemind.DHT, node: hivemind.DHTNode, writers: frozenset[str] | None) -> int:
+    """Runs in the DHT's process: the writers of the steward keys (see :meth:`BudgetedStorage.restrict`)."""
+    storage = node.protocol.storage
+    return storage.restrict(writers) if isinstance(storage, BudgetedStorage) else 0
+
+
+def restrict_writers(dht: hivemind.DHT, writers: Sequence[str] | None, timeout_s: float = 10.0) -> int:
+    """Tell this node's storage who may write the run's steward keys (the organiser and its stewards; None: any
+    owner, as in a swarm that elects its leaders); the entries it dropped, -1 when the DHT did not answer."""
+    names = None if writers is None else frozenset(writers)
+    try:
+        return int(dht.run_coroutine(partial(_restrict, writers=names), return_future=True).result(timeout_s))
+    except Exception as error:  # a DHT process that is gone or busy: the next policy change tries again
+        logger.warning("could not restrict the run's steward keys: %s: %s", type(error).__name__, error)
+        return -1
 
 
 def start_dht(config: DHTConfig, identity: Identity, validators: Sequence[RecordValidatorBase] = ()) -> hivemind.DHT:

@@ -35,7 +35,8 @@ whose MAC does not verify (a sealed swarm), a value over its kind's size (``peer
 of one owner where a writer has one entry (``peers``, ``links``, ``run``, ``progress``, ``beat``), a ``peers``
 entry that is not exactly the writer's own advert (or tombstone), and an expiry beyond the lifetime of its kind.
 The node's storage (``peer.swarm.dht.BudgetedStorage``) then holds each key within a byte and entry budget, in
-all and per owner, and all keys within :data:`MAX_STORED_BYTES`. A key's budget is what one find reply can
+all and per owner, and all keys within :data:`MAX_STORED_BYTES`; once the daemon knows who the organiser lets lead,
+the leader's kinds (:data:`STEWARD_KINDS`) take entries of those writers only. A key's budget is what one find reply can
 carry (:data:`MAX_KEY_BYTES`): a ``peers`` entry of a typical peer is 2.2 KiB (7.6 KiB once its ``found`` list
 names 256 peers), so a single ``peers`` key holds about 1,400 such peers (400 with full ``found`` lists); past
 that, new adverts are refused and the ones stored stay readable, where before every read failed.
@@ -101,6 +102,8 @@ RECORD_TTL_S = {
 RECORD_VALUE_BYTES = {name: MAX_ADVERT_VALUE_BYTES if name == "peers" else MAX_VALUE_BYTES for name in RECORD_TTL_S}
 # the kinds a writer stores exactly one entry of: its subkey is its owner tag with no suffix
 ONE_SUBKEY_PER_OWNER = frozenset({"peers", "links", "run", "progress", "beat"})
+# the kinds only a leader (or the organiser) writes: where the organiser names who may lead, nobody else stores them
+STEWARD_KINDS = frozenset({"plans", "progress", "beat", "stewards"})
 _ENVELOPE_FIELDS = {"p", "mac"}
 
 
@@ -314,6 +317,7 @@ class RunRecordValidator(RecordValidatorBase):
         return StorageBudget(
             keys={key: _key_budget(name) for key, name in self._names.items()},
             total_bytes=MAX_STORED_BYTES,
+            steward_keys=frozenset(key for key, name in self._names.items() if name in STEWARD_KINDS),
         )
 
     def validate(self, record: DHTRecord) -> bool:

@@ -158,6 +158,38 @@ def test_request_slots_per_source_address(sealed_relay: RelayServer) -> None:
             s.close()
 
 
+def test_the_relay_keeps_its_request_slots_for_members_once_it_knows_them() -> None:
+    """Strangers from many networks hold at most a quarter of the request slots; a member's address (a public
+    member's CONNECT, a NAT'd member's re-registration from its ``dials_from``) still gets one."""
+    relay = RelayServer("127.0.0.1", 0, RelayLimits(handshake_timeout_s=5.0, max_pending_handshakes=16,
+                                                    max_handshakes_per_source=8), key=KEY)
+    relay.start()
+    try:
+        relay.set_members(["127.0.0.2"])
+        _strangers_take_their_share_and_a_member_gets_in(relay.port, relay.slots.stranger_total, members=6)
+    finally:
+        relay.close()
+
+
+def _strangers_take_their_share_and_a_member_gets_in(port: int, stranger_total: int, members: int) -> None:
+    """One connection from each of ``stranger_total + 2`` stranger addresses: two are closed; then ``members``
+    from the member's address 127.0.0.2 all stay."""
+    held: list[socket.socket] = []
+    try:
+        strangers = [socket.create_connection(("127.0.0.1", port), source_address=(f"127.0.0.{i}", 0))
+                     for i in range(3, 3 + stranger_total + 2)]
+        held += strangers
+        time.sleep(0.3)
+        assert sum(_closed_within(c, 0.5) for c in strangers) == 2, "strangers held more than their share"
+        ours = [socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.2", 0))
+                for _ in range(members)]
+        held += ours
+        assert not any(_closed_within(c, 0.3) for c in ours), "a member was refused while strangers held theirs"
+    finally:
+        for c in held:
+            c.close()
+
+
 def test_relay_limits_fit_a_descriptor_budget() -> None:
     limits = RelayLimits().within(600)
     assert limits.descriptors() <= 600
@@ -243,6 +275,35 @@ def test_bulk_lane_caps_connections_per_source() -> None:
             c.close()
     finally:
         server.stop()
+
+
+def test_the_bulk_lane_keeps_its_connections_for_members_once_it_knows_them() -> None:
+    """Strangers from any number of networks hold at most their share of the lane; a member's address (a NAT'd
+    member's too: its advert's ``dials_from``) still gets in, where counting per network alone shut it out."""
+    server = PeerServer(TransportConfig(max_concurrent_streams=8, thread_pool_size=10))
+    server.start()
+    try:
+        lane = server._lane
+        assert lane is not None and lane.cap.stranger_total < lane.max_connections
+        server.set_members(["127.0.0.2"])
+        _strangers_take_their_share_and_a_member_gets_in(server.bulk_port, lane.cap.stranger_total, members=4)
+    finally:
+        server.stop()
+
+
+def test_a_nated_member_counts_at_the_doors_from_where_its_relay_saw_it() -> None:
+    from tasklet.peer.compute.device_probe import DeviceInfo
+    from tasklet.peer.node.daemon import member_hosts
+    from tasklet.peer.swarm.adverts import Advert
+
+    device = DeviceInfo("cpu", "cpu", 2**30, 0.1, True, False)
+    public = Advert("a" * 20, "10.0.0.1:4000", device, 1.0)
+    home = Advert("b" * 20, "bbbb@10.0.0.1:4001", device, 1.0, reachable=False, dials_from="198.51.100.7")
+    assert member_hosts([public, home]) == ["10.0.0.1", "198.51.100.7"]
+    assert Advert.from_record(home.to_record()).dials_from == "198.51.100.7"
+    for bad in ("", "10.0.0", "x" * 50, 5, "10.0.0.1:80"):
+        with pytest.raises(ValueError, match="dials_from"):
+            Advert.from_record({**home.to_record(), "dials_from": bad})
 
 
 # ------------------------------------------------------------------------------------------------ secret

@@ -329,3 +329,31 @@ def test_peer_status_says_the_swarm_waits_for_a_steward() -> None:
                      {"organiser": "org", "leaders": ["org"], "live_stewards": [], "waiting": line})
     assert line in format_status(st)
     assert st.to_json()["leadership"]["waiting"] == line
+
+
+def test_the_dht_is_told_who_may_write_the_leaders_records_on_each_change_of_policy() -> None:
+    class _View(_DoneView):
+        def adopt_policy(self, policy: LeaderPolicy) -> None:
+            self.policy = policy
+
+    class _Stewards:
+        added: tuple[str, ...] | None = None
+
+        def read_stewards(self, organiser: str) -> tuple[str, ...] | None:
+            return self.added
+
+    told: list[tuple[str, ...] | None] = []
+    members = _Stewards()
+    keeper = Leadership("me", 10, 1.0, None, _View(LeaderPolicy("x")), members,  # type: ignore[arg-type]
+                        guard=told.append)
+    keeper.adopt("org")
+    assert told == [("org",)]
+    keeper.read_stewards()  # unreadable: nothing changes
+    members.added = ("s2", "s1")
+    keeper.read_stewards()
+    keeper.read_stewards()  # the same stewards: not told again
+    assert told == [("org",), ("org", "s1", "s2")]
+    elected = Leadership("me", 10, 1.0, "any", _View(LeaderPolicy("x")), members,  # type: ignore[arg-type]
+                         guard=told.append)
+    elected.adopt("org")
+    assert told[-1] is None  # members elect: any member may come to write them

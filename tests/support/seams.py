@@ -32,6 +32,11 @@ from tests.support.imports import ROOT
 THIRD_PARTY_WRITES: dict[str, str] = {
     "peer/swarm/dht.py:node.protocol.storage": "hivemind's DHT node has no API to bound its storage: ours goes in",
     "peer/swarm/dht.py:node.protocol.cache": "the same, for its cache (our nodes never ask others to cache)",
+    "peer/emulation/doors_attack.py:node.protocol.storage": "an attack's stranger DHT node: a storage that keeps "
+                                                            "nothing (hivemind has no API for it)",
+    "peer/emulation/doors_attack.py:node.protocol.cache": "the same, for its cache",
+    "peer/emulation/doors_attack.py:node.protocol.record_validator": "an attack's DHT node signing as each of its "
+                                                                     "free identities (hivemind signs as one)",
     "protocol/codec.py:msg.*": "a protobuf Tensor filled in place: the caller's `out` (envelope.tensors.add()) "
                                "saves the copy protobuf makes of an appended message",
     "protocol/lowbit.py:msg.*": "the same protobuf Tensor, its low-bit fields",

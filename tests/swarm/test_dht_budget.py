@@ -176,3 +176,34 @@ def test_the_schema_s_found_bound_is_membership_s() -> None:
     from tasklet.peer.swarm.records import MAX_FOUND_IDS
 
     assert MAX_FOUND_IDS == MAX_FOUND
+
+
+def test_once_the_writers_are_known_only_they_store_the_leader_s_keys() -> None:
+    """Free identities with the join secret could fill a leader's key until no plan is stored: once the daemon
+    knows whom the organiser lets lead, the steward keys take their entries only, and drop what others stored."""
+    keys = [_key("plans"), _key("peers")]
+    budget = KeyBudget(max_bytes=10_000, max_entries=8, owner_bytes=4_000, owner_entries=3)
+    storage = BudgetedStorage(StorageBudget({k: budget for k in keys}, 20_000, steward_keys=frozenset(keys[:1])))
+    plans, peers = (DHTID.from_bytes(k) for k in keys)
+    steward, member = Identity.generate(), Identity.generate()
+    at = get_dht_time()
+    assert storage.store_subkey(plans, member.owner_tag + b"0", b"v" * 500, at + 60)  # nobody named yet: any owner
+    assert storage.store_subkey(plans, steward.owner_tag + b"0", b"v" * 500, at + 60)
+    before = storage.total_bytes
+    assert storage.restrict(frozenset({steward.peer_id})) == 1
+    assert {k for k, _ in storage.get(plans).value.items()} == {steward.owner_tag + b"0"}
+    assert storage.total_bytes < before and storage._usage[plans].owner_entries == {steward.peer_id: 1}
+    assert not storage.store_subkey(plans, member.owner_tag + b"1", b"v", at + 60)
+    assert storage.refused["not a steward of this run"] == 1
+    assert storage.store_subkey(plans, steward.owner_tag + b"1", b"v", at + 60)
+    assert storage.store_subkey(peers, member.owner_tag, b"v", at + 60)  # a member's own kinds stay open to it
+    assert storage.restrict(None) == 0  # a swarm that elects: any owner again
+    assert storage.store_subkey(plans, member.owner_tag + b"1", b"v", at + 60)
+
+
+def test_the_leader_s_kinds_are_the_run_s_steward_keys() -> None:
+    from tasklet.peer.swarm.records import STEWARD_KINDS
+
+    budget = RunRecordValidator(RUN, KEY).storage_budget()
+    assert budget.steward_keys == {_key(name) for name in STEWARD_KINDS}
+    assert {"plans", "beat", "progress", "stewards"} == STEWARD_KINDS

@@ -1,12 +1,17 @@
 """The doors as a stranger with a rented network and as a member would attack them, with real `peer` processes in
-the network-namespace bed, on one swarm that trains (bench.doors.MemberSwarm, shared by both tests):
+the network-namespace bed, on one swarm that trains (bench.doors.MemberSwarm, shared by the tests):
 
 * four addresses of one /24 hold connections to the leader's gRPC port and its relay, reopening what is cut: they
   get one network's share of each, nobody deposes the leader, the run keeps at least half its steps/s, and a NAT'd
   member (a stranger at the door, like the attacker) still joins and trains;
 * a member advertises the leader's endpoint as its own (with the oldest start a record allows): a joiner started
   after the squat ignores the squatter, follows the real leader and trains, and a fresh `peer status` lists the
-  leader at its endpoint.
+  leader at its endpoint;
+* a member with 64 free identities fills every key of the run (its largest advert under ``peers``, 250 KiB under
+  each other key, 64 ``plans`` subkeys from one): the leader's keys take none of it, a NAT'd joiner trains within
+  60 s, and a fresh `peer status` lists every honest peer.
+
+Eight stranger DHT nodes next to the ``peers`` key (``dht_eclipse``) run in bench.doors on this bed: not defended.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.doors import HOLD_GRPC, HOLD_RELAY, MemberSwarm
+from bench.doors import FILL_IDENTITIES, HOLD_GRPC, HOLD_RELAY, MemberSwarm
 from tasklet.peer.emulation.netbed import open_bed, unavailable_reason
 from tasklet.peer.net.config import FRONT_DESCRIPTORS, GRPC_DESCRIPTOR_SHARE, SOURCE_SHARE
 from tasklet.peer.net.limits import RESERVED_DESCRIPTORS, ConnectionCap
@@ -75,3 +80,19 @@ def test_a_squatted_endpoint_hides_the_leader_from_no_fresh_reader(swarm: Member
     assert got["status_error"] is None, got["status_error"]
     assert got["status_lists_leader"] and not got["status_lists_squatter"], got
     assert got["leadership_changes"] == [], got["leadership_changes"]
+
+
+def test_free_identities_filling_the_run_s_keys_keep_no_joiner_out(swarm: MemberSwarm) -> None:
+    got = swarm.dht_attacks(WINDOW_S, fill=FILL_IDENTITIES, eclipse=0, status_on=("pub1",))
+    print(f"dht_run_key_fill: {got}")
+    fill = got["fill"]
+    assert fill and fill["identities"] == FILL_IDENTITIES, got
+    # the attack was real: every free identity's advert is a member's, and the other keys took what their budget
+    # lets one key take (with a budget per owner only, the leader's keys filled up the same way)
+    assert fill["peers"] == FILL_IDENTITIES and fill["links"] > 0 and fill["run"] > 0, fill
+    assert fill["plans"] == fill["beat"] == fill["progress"] == fill["stewards"] == 0, fill
+    assert got["joiner_trains_s"] is not None and got["joiner_trains_s"] <= 60, swarm.peers.log(got["joiner"])[-3000:]
+    assert got["status_errors"] == {}, got["status_errors"]
+    assert all(got["status_lists_every_honest_peer"].values()), got
+    assert got["leadership_changes"] == [], got["leadership_changes"]
+    assert got["steps_per_s_attacked"] >= got["steps_per_s_unattacked"] / 2, got
