@@ -22,6 +22,7 @@ from tasklet.peer.runtime.assign import build_assignments
 from tasklet.peer.runtime.bounds import ENVELOPE_SLACK_BYTES, push_limits
 from tasklet.peer.runtime.roles import Roles
 from tasklet.peer.runtime.spec import Assignment, RunSpec, SpecError
+from tasklet.peer.runtime.stage import intake as intake_module
 from tasklet.peer.runtime.stage.exchange import ExchangeTimeoutError, GradientExchange
 from tasklet.peer.runtime.stage.gradient_checks import ExchangeAbortedError
 from tasklet.peer.runtime.stage.intake import Intake
@@ -203,7 +204,9 @@ def test_the_other_end_of_the_pipeline_is_heard(first: tuple[Intake, Tasklet, Re
     ("a NaN", BadMessage, "NaN|finite"),
 ])
 def test_a_bad_tied_gradient_is_refused_and_nothing_is_held(first: tuple[Intake, Tasklet, Reports], case: str,
-                                                            error: type[Exception], match: str) -> None:
+                                                            error: type[Exception], match: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(intake_module, "EARLY_SHARD_WAIT_S", 0.1)  # the next step's shard waits for its start
     intake, t, _ = first
     n = t.exchange.tied.numel
     ok = torch.zeros(n)
@@ -223,6 +226,42 @@ def test_a_bad_tied_gradient_is_refused_and_nothing_is_held(first: tuple[Intake,
     with pytest.raises(error, match=match):
         intake.tied_grad(env)
     assert not t.exchange._tied_mail, "a refused message must leave nothing held"
+
+
+def test_a_shard_ahead_of_this_peers_start_waits_for_it_and_is_refused_without(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The leader's restart (attempt 2) and its reduce (attempt 3) reached the other end first: its shard waits
+    for this peer's own start instead of being refused (the push was lost, the reduce waited out its deadline)."""
+    monkeypatch.setattr(intake_module, "EARLY_SHARD_WAIT_S", 0.5)
+    intake, t, _ = worker("w0")
+    n = t.exchange.tied.numel
+    g = torch.randn(n)
+    pushed: Future[None] = Future()
+
+    def push() -> None:
+        try:
+            intake.tied_grad(tied_from("w1", 1, 0, g, attempt="3"))
+            pushed.set_result(None)
+        except Exception as exc:  # noqa: BLE001 - handed to the test's thread
+            pushed.set_exception(exc)
+
+    thread = threading.Thread(target=push)
+    thread.start()
+    time.sleep(0.1)
+    assert not pushed.done(), "the early shard must wait, not be refused"
+    with intake.cond:
+        intake.step.start_step(0, 2, trained_steps=0)
+        intake.cond.notify_all()
+    pushed.result(timeout=5)
+    thread.join()
+    assert torch.equal(t.exchange.take_tied((0, 3), 1.0), g)
+    started = time.monotonic()
+    with pytest.raises(Rejected, match="attempt 7 is not within 2 of the current attempt 2"):
+        intake.tied_grad(tied_from("w1", 1, 0, g, attempt="7"))  # a second restart ahead: refused at once
+    with pytest.raises(Rejected, match="attempt 6 is not within 2"):
+        intake.tied_grad(tied_from("w1", 1, 0, g, attempt="6"))  # early, but no start came: refused after the wait
+    assert 0.4 < time.monotonic() - started < 3.0
+    assert not t.exchange._tied_mail
 
 
 def test_a_stage_without_a_tie_refuses_the_kind() -> None:

@@ -126,6 +126,17 @@ def test_shards_of_a_stale_or_far_round_are_refused() -> None:
         s.check_shard(1, 3)
 
 
+def test_a_shard_that_ran_ahead_of_this_peers_own_start_is_early_not_refused_at_once() -> None:
+    s = started(4, attempt=0)
+    # a restart's reduce (attempt 3) from a replica that heard of the restart (attempt 2) before this peer did
+    assert s.early(4, 3) and s.early(4, 4)
+    assert not s.early(4, 2) and not s.early(4, 5)  # within the window already; or more than one restart ahead
+    assert s.early(5, 1) and not s.early(5, 5) and not s.early(6, 1) and not s.early(3, 1)  # the next step only
+    s.start_step(4, 2, trained_steps=4)
+    assert not s.early(4, 3)
+    s.check_shard(4, 3)
+
+
 def test_reduce_needs_the_started_step_and_exactly_the_committed_micro_batches() -> None:
     s = started(0)
     with pytest.raises(Rejected, match="a reduce of step 1, the current step is 0"):

@@ -35,6 +35,7 @@ from tasklet.protocol import tasklet_pb2 as pb
 from tasklet.protocol.codec import decode_tensor
 from tasklet.protocol.errors import BadMessage, Forbidden, Rejected
 
+EARLY_SHARD_WAIT_S = 5.0  # a shard that ran ahead of this peer's start of its step waits this long for it
 TIED_ROLE = "the other end of this pipeline's tied embedding"
 
 
@@ -188,13 +189,21 @@ class Intake:
             attempt = int(env.meta.get("attempt", ""))
         except (ValueError, TypeError):
             raise BadMessage("meta", "attempt and participants must be an integer and a JSON list") from None
-        with self.cond:  # bounded mailbox: only the attempts that can follow the one this peer was told about
-            self.step.check_shard(key.step, attempt)
+        self._check_shard(key.step, attempt)
         if tensor is None:
             return t, (key.step, attempt), participants, None
         # a shard is a slice of this stage: its declared shape is bounded by the stage before anything is allocated
         shard = self._decode(t, env, tensor, expect_dtype=torch.float32, max_elements=t.compute.numel)
         return t, (key.step, attempt), participants, shard
+
+    def _check_shard(self, step: int, attempt: int) -> None:
+        """Bounded mailbox: only the attempts that can follow the one this peer was told about. A shard that only
+        ran ahead of this peer's own start of the step or attempt (``StepState.early``) waits for it, at most
+        ``EARLY_SHARD_WAIT_S``, holding nothing but this call."""
+        with self.cond:
+            if self.step.early(step, attempt):
+                self.cond.wait_for(lambda: not self.step.early(step, attempt), EARLY_SHARD_WAIT_S)
+            self.step.check_shard(step, attempt)
 
     def grad_shard(self, env: pb.Envelope) -> None:
         t, tag, participants, shard = self._shard_message(env)
@@ -217,8 +226,7 @@ class Intake:
             attempt = int(env.meta.get(ATTEMPT_META, ""))
         except ValueError:
             raise BadMessage("meta.attempt", "must be an integer") from None
-        with self.cond:  # bounded mailbox: the current step, attempts that can follow the one this peer knows
-            self.step.check_shard(key.step, attempt)
+        self._check_shard(key.step, attempt)
         grad = self._decode(t, env, "grad", expect_shape=(end.numel,), expect_dtype=torch.float32)
         t.exchange.put_tied((key.step, attempt), grad)
 

@@ -142,6 +142,7 @@ class ComputeLoop:
             if self.current() is not t:
                 raise Rejected("this peer took a new assignment meanwhile")
             self.step.start_step(msg.step, msg.attempt, t.compute.step, feed=msg.feed)
+            self.cond.notify_all()  # a shard that ran ahead of this start waits for it (intake)
             # with overlap the outer round of the step before is still in flight: its averaging goes on
             floor = (msg.step, msg.attempt) if not self.step.outer_live else \
                 min((msg.step, msg.attempt), (self.step.outer_step, self.step.outer_attempt))

@@ -207,6 +207,18 @@ class WorkerStep:
         if not current <= attempt <= current + ATTEMPT_WINDOW:
             raise Rejected(f"attempt {attempt} is not within {ATTEMPT_WINDOW} of the current attempt {current}")
 
+    def early(self, step: int, attempt: int) -> bool:
+        """A shard that fits once this peer hears of the start its sender acted on: the next step, or the current
+        step one restart past the window. The leader's start of a new attempt goes to every replica at once, and
+        when the pool was already complete its reduce follows at once: a replica may push its shard of the new
+        attempt before this peer's own start has arrived (refused, the push was lost and the reduce waited for it
+        until its deadline)."""
+        if step == self.outer_step:
+            return False
+        if step == self.step:
+            return self.attempt + ATTEMPT_WINDOW < attempt <= self.attempt + 2 * ATTEMPT_WINDOW
+        return self.step >= 0 and step == self.step + 1 and 0 <= attempt <= 2 * ATTEMPT_WINDOW
+
     def runs(self, work: Work, step: int) -> bool:
         """Whether queued work of ``step`` still runs: stale work (another step; forward or backward of a
         dropped step) is thrown away. A resync of a later step runs: a pipeline left out of steps gets no
