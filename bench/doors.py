@@ -60,6 +60,7 @@ SCENARIOS = ("none", "relay", "ports", "dht", "dht_foreign_flood")
 MEMBER_SCENARIOS = ("network_caps", "endpoint_squat", "dht_run_key_fill", "dht_eclipse")
 ECLIPSE_NODES = 8  # the stranger DHT nodes of dht_eclipse
 FILL_IDENTITIES = 64  # the free identities of dht_run_key_fill
+LEAVE_SETTLE_S = 6.0  # after a joiner leaves: the leader plans without it (a few heartbeats)
 BLOCK_ADDRESSES = 4  # of the stranger's one rented /24
 HOLD_GRPC = 200  # connections per address to the leader's gRPC port (its strangers' share is 493 at 20,000 fds)
 HOLD_RELAY = 16  # per address to the relay: its request slots per source, four times over
@@ -231,6 +232,12 @@ class MemberSwarm:
         trained = _wait_for(self.peers, name, TRAINING_LINE, left) if reached is not None else None
         return name, reached, None if trained is None else time.monotonic() - launched
 
+    def leave(self, name: str) -> None:
+        """A joiner leaves once its attack is measured, so that each attack meets the same two-member swarm (on 2
+        cores, every joiner left training slowed the next attack's run and joiner)."""
+        self.peers.stop(name)
+        time.sleep(LEAVE_SETTLE_S)
+
     def status(self, host: netbed.Host | None = None) -> dict[str, Any]:
         """`peer status --json` of a fresh reader (a new identity, nothing remembered) on ``host`` (``pub1``'s)."""
         host = host or self.pub1
@@ -254,6 +261,7 @@ class MemberSwarm:
             attacked = self.steps_per_s(window_s)
             name, reached, trained = self.join_home(join_timeout_s)
             got = {kind: _stop(proc) for kind, proc in attacks.items()}
+        self.leave(name)
         peak = sampler.peak["victim"]
         return {
             "steps_per_s_unattacked": round(unattacked, 3),
@@ -278,6 +286,7 @@ class MemberSwarm:
         name, reached, trained = self.join_home(join_timeout_s)
         status = self.status()
         got = _stop(squat)
+        self.leave(name)
         leader = self.ids["pub0"].peer_id
         listed = {p.get("peer_id"): p.get("endpoint") for p in status.get("peers", [])}
         return {
@@ -337,6 +346,7 @@ class MemberSwarm:
             statuses = {h: self.status(hosts[h]) for h in status_on}
             if eclipse:
                 out["eclipse"] = _stop(strangers)
+        self.leave(name)
         honest = {self.ids[n].peer_id for n in ("pub0", "pub1", name)}
         listed = {host: {p.get("peer_id") for p in st.get("peers", [])} for host, st in statuses.items()}
         rss = {c: (round(before[c] / 2**20), round(sampler.peak[c].get("rss", 0) / 2**20)) for c in children}

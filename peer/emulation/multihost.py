@@ -88,6 +88,17 @@ class BedPeers:
         kill_group(self.procs[name])
         self.procs[name].wait(timeout=10)
 
+    def stop(self, name: str, grace_s: float = 30.0) -> int | None:
+        """Ask ``name`` to leave the swarm (SIGTERM, as a volunteer's Ctrl-C); killed if it has not exited within
+        ``grace_s``. Its exit code (None: killed)."""
+        proc = self.procs[name]
+        proc.terminate()
+        try:
+            return proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self.kill(name)
+            return None
+
     def close(self) -> None:
         for proc in self.procs.values():
             kill_group(proc)
