@@ -13,6 +13,7 @@ import contextlib
 import heapq
 import ipaddress
 import logging
+import os
 import re
 import threading
 from collections import Counter
@@ -356,7 +357,7 @@ def start_dht(config: DHTConfig, identity: Identity, validators: Sequence[Record
     adverts that live 3 heartbeats: almost always) double that for no reader of ours: every read asks for the
     latest value anyway.
     """
-    dht = hivemind.DHT(
+    dht = _CommandPipeDHT(
         initial_peers=list(config.initial_peers) or None,
         start=False,
         record_validators=[identity.signature_validator(), *validators],
@@ -377,6 +378,11 @@ def start_dht(config: DHTConfig, identity: Identity, validators: Sequence[Record
     except Exception as error:  # hivemind raises P2PDaemonError, ValueError, OSError, ...
         _stop(dht)
         raise DHTStartError(_explain(config, _clean_daemon_message(error))) from error
+    try:
+        dht.run_coroutine(_blocking_commands)
+    except Exception as error:
+        _stop(dht)
+        raise DHTStartError(f"cannot set up the DHT's command pipe: {type(error).__name__}: {error}") from error
     budgets = [v.storage_budget() for v in validators if hasattr(v, "storage_budget")]
     if budgets:
         try:
@@ -385,6 +391,43 @@ def start_dht(config: DHTConfig, identity: Identity, validators: Sequence[Record
             _stop(dht)
             raise DHTStartError(f"cannot set up the DHT's storage: {type(error).__name__}: {error}") from error
     return dht
+
+
+class _OneWriter:
+    """hivemind's end of the command pipe to the DHT process, written by one thread at a time. hivemind sends from
+    whichever thread calls ``get`` or ``store``, unlocked; a command larger than the room left in the pipe (the DHT
+    process busy, the pipe full) goes in several writes, which two threads interleave, and the DHT process then
+    reads a broken command and dies."""
+
+    def __init__(self, pipe: Any) -> None:
+        self._pipe, self._lock = pipe, threading.Lock()
+
+    def send(self, obj: Any) -> None:
+        with self._lock:
+            self._pipe.send(obj)
+
+    def close(self) -> None:
+        with self._lock:
+            self._pipe.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pipe, name)
+
+
+class _CommandPipeDHT(hivemind.DHT):
+    """hivemind's DHT whose command pipe has one writer at a time (:class:`_OneWriter`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._outer_pipe = _OneWriter(self._outer_pipe)
+
+
+async def _blocking_commands(dht: hivemind.DHT, _node: hivemind.DHTNode) -> None:
+    """Runs in the DHT's process: its end of the command pipe reads blocking again. hivemind watches the pipe
+    with the event loop, which makes it non-blocking; a command still being written then reads as EAGAIN halfway,
+    the rest of it as the next command, and the process dies (a leader's DHT, under a member's fill of the run's
+    keys on 2 busy cores). Blocking, the read waits the moment the writer needs to finish."""
+    os.set_blocking(dht._inner_pipe.fileno(), True)  # noqa: SLF001 - hivemind's own pipe, no API for it
 
 
 def _stop(dht: hivemind.DHT) -> None:
