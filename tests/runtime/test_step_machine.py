@@ -304,6 +304,24 @@ def test_a_death_during_the_averaging_restarts_it_without_the_pipeline() -> None
     assert report.dropped_pipelines == [2] and report.applied == [0, 1]
 
 
+def test_a_death_as_the_averaging_starts_restarts_it_though_no_feeder_asked_again() -> None:
+    """A member leaves right after the reduce went out, before any feeder asked for work again (so none was told
+    the pool is complete): the averaging still restarts without its pipeline, or the others wait for its shard
+    until their reduce's deadline."""
+    sim = Sim(3)
+    sim._at("start", sim.machine.start)
+    sim.resume(until=StepPhase.REDUCE)
+    sim.feeding.clear()  # every feeder committed its last micro-batch and has not asked again: in this simulator
+    sim.machine.state.feeders_done = False  # one asks within the same round, on a real swarm it may come later
+    sim.alive.discard(ep(1, 2))
+    sim.machine.died(ep(1, 2))
+    sim.resume()
+    reduces = sim.sends(ctl.Reduce)
+    assert [r.msg.participants for r in reduces] == [(0, 1, 2), (0, 1)]
+    assert isinstance(sim.outcome, Done)
+    assert sim.machine.report().dropped_pipelines == [2]
+
+
 @pytest.mark.parametrize(("point", "when"), restart_cases())
 @pytest.mark.parametrize("victim", [ep(0, 0), ep(1, 1)])
 def test_a_second_death_around_each_transition_of_a_restarted_attempt(point: int, when: str, victim: str) -> None:

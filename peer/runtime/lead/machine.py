@@ -397,7 +397,9 @@ class StepMachine:
                     self.spot is None or self.spot.settled(st.pool.assignment())):
                 self._begin_reduce(out)
                 return True
-            if broken and st.feeders_done:  # the feeders had stopped (pool complete): a new attempt restarts them
+            # the feeders had stopped, or the averaging began (the pool was complete either way, nothing is in
+            # flight): a new attempt restarts them; an averaging that counted a dropped pipeline never ends
+            if broken and (st.feeders_done or st.phase is StepPhase.REDUCE):
                 restarted = st.phase is StepPhase.REDUCE
                 st.restart_feeders()
                 self._refeed(out)
