@@ -64,6 +64,22 @@ def _run(spec: RunSpec) -> tuple[RunResult, list[dict], tuple[dict[int, dict[str
     return result, record, train_diloco_reference(spec, record, STAGES, Corpus.load(spec.corpus))
 
 
+def _apart(record: list[dict]) -> bool:
+    """Some step's micro-batches were committed by both pipelines (they really trained apart)."""
+    return any(len(set(e["commits"].values())) == 2 for e in record)
+
+
+def _run_apart(spec: RunSpec, tries: int = 3) -> tuple[RunResult, list[dict], tuple]:
+    """``_run``, again (at most ``tries`` runs) while one pipeline happened to take every micro-batch: with two
+    micro-batches a step, which pipeline leases them is the machine's timing, and a run without both training is a
+    weaker test, not a failure of the runtime. The checks after it are the same for every run."""
+    for _ in range(tries - 1):
+        got = _run(spec)
+        if _apart(got[1]):
+            return got
+    return _run(spec)
+
+
 def _check_record(result: RunResult, record: list[dict], spec: RunSpec) -> None:
     assert [e["step"] for e in record] == list(range(STEPS))
     for e in record:
@@ -74,7 +90,7 @@ def _check_record(result: RunResult, record: list[dict], spec: RunSpec) -> None:
     for s in range(len(STAGES)):
         assert torch.equal(result.states[(s, 0)]["params"], result.states[(s, 1)]["params"]), f"stage {s}"
     # the pipelines really trained apart: a run where one pipeline did everything would be a weaker test
-    assert any(len(set(e["commits"].values())) == 2 for e in record)
+    assert _apart(record)
 
 
 @pytest.mark.usefixtures("processes")
@@ -131,7 +147,7 @@ def test_diloco_compressed_pseudo_gradients_match_replay_with_the_same_codec(
     spec = dataclasses.replace(SPEC, run_id=f"diloco-{codec}-{period}", pseudo_grad_compression=codec,
                                sync_period=period, outer_lr=outer_lr, outer_momentum=outer_momentum,
                                n_microbatches=2, micro_batch=4)
-    result, record, (ref_params, ref_losses) = _run(spec)
+    result, record, (ref_params, ref_losses) = _run_apart(spec)
     _check_record(result, record, spec)
     err = _errors(result, ref_params, spec)
     assert float(err.max()) < 1e-5, f"{float((err >= 1e-5).sum())} of {err.numel()} entries differ by 1e-5 or more"
