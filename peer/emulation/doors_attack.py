@@ -479,17 +479,18 @@ async def _fill_run_keys(_dht: object, node: object, run_id: str, secret: str | 
         mac = None if key is None else seal(key, run_id, name, identity.peer_id, suffix, expires_at, payload)
         async with gate:
             out["tried"] += 1
-            for _ in range(STORE_TRIES):  # a store a busy node did not answer in time goes again
-                with contextlib.suppress(Exception):
+            for _ in range(STORE_TRIES):  # a store a busy node did not answer in time goes again; a refusal not
+                try:
                     # exclude_self: what the run's nodes took, not the attacker's own node (hivemind counts it)
                     ok = await asyncio.wait_for(node.store(f"{run_id}:{name}", {"p": payload, "mac": mac},  # type: ignore[attr-defined]
                                                            expires_at, subkey=identity.owner_tag + suffix,
                                                            exclude_self=True), 20.0)
-                    if ok:
-                        out[name] += 1
+                except Exception:  # noqa: BLE001 - no answer in time: try again while the attack lasts
+                    if time.time() > deadline:
                         return
-                if time.time() > deadline:
-                    return
+                    continue
+                out[name] += bool(ok)
+                return
 
     await asyncio.gather(*(store(*job) for job in jobs))
     out["identities"] = identities

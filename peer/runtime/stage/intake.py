@@ -198,7 +198,7 @@ class Intake:
 
     def _check_shard(self, step: int, attempt: int) -> None:
         """Bounded mailbox: only the attempts that can follow the one this peer was told about. A shard that only
-        ran ahead of this peer's own start of the step or attempt (``StepState.early``) waits for it, at most
+        ran ahead of this peer's own start of the step or attempt (``WorkerStep.early``) waits for it, at most
         ``EARLY_SHARD_WAIT_S``, holding nothing but this call."""
         with self.cond:
             if self.step.early(step, attempt):
