@@ -451,7 +451,7 @@ async def _fill_run_keys(_dht: object, node: object, run_id: str, secret: str | 
     import asyncio
 
     from tasklet.peer.identity.keys import Identity
-    from tasklet.peer.swarm.records import RECORD_TTL_S, record_key, seal
+    from tasklet.peer.swarm.records import RECORD_TTL_S, STEWARD_KINDS, record_key, seal
     from tasklet.peer.timing import now
 
     key = None if secret is None else record_key(secret, run_id)
@@ -479,7 +479,7 @@ async def _fill_run_keys(_dht: object, node: object, run_id: str, secret: str | 
         mac = None if key is None else seal(key, run_id, name, identity.peer_id, suffix, expires_at, payload)
         async with gate:
             out["tried"] += 1
-            for _ in range(STORE_TRIES):  # a store a busy node did not answer in time goes again; a refusal not
+            for _ in range(STORE_TRIES):  # a store a busy node did not answer or take in time goes again
                 try:
                     # exclude_self: what the run's nodes took, not the attacker's own node (hivemind counts it)
                     ok = await asyncio.wait_for(node.store(f"{run_id}:{name}", {"p": payload, "mac": mac},  # type: ignore[attr-defined]
@@ -489,8 +489,9 @@ async def _fill_run_keys(_dht: object, node: object, run_id: str, secret: str | 
                     if time.time() > deadline:
                         return
                     continue
-                out[name] += bool(ok)
-                return
+                if ok or name in STEWARD_KINDS:  # the leader's keys refuse it by design: no point asking again
+                    out[name] += bool(ok)
+                    return
 
     await asyncio.gather(*(store(*job) for job in jobs))
     out["identities"] = identities
