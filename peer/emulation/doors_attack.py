@@ -451,7 +451,7 @@ async def _fill_run_keys(_dht: object, node: object, run_id: str, secret: str | 
     import asyncio
 
     from tasklet.peer.identity.keys import Identity
-    from tasklet.peer.swarm.records import RECORD_TTL_S, STEWARD_KINDS, record_key, seal
+    from tasklet.peer.swarm.records import RECORD_TTL_S, record_key, seal
     from tasklet.peer.timing import now
 
     key = None if secret is None else record_key(secret, run_id)
@@ -489,7 +489,7 @@ async def _fill_run_keys(_dht: object, node: object, run_id: str, secret: str | 
                     if time.time() > deadline:
                         return
                     continue
-                if ok or name in STEWARD_KINDS:  # the leader's keys refuse it by design: no point asking again
+                if ok or name != "peers":  # only `peers` takes every identity's entry; elsewhere a budget refuses
                     out[name] += bool(ok)
                     return
 
