@@ -44,6 +44,16 @@ def _ip(value: object, what: str) -> str:
         raise ValueError(f"{what}: not an IP address") from None
 
 
+DHT_PEER_ID_RE = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{20,64}$")  # a base58 libp2p peer id (an advert's ``dht``)
+
+
+def check_dht_peer_id(value: object, what: str) -> str:
+    """A libp2p peer id in base58 (what an advert's ``dht`` names); ValueError otherwise."""
+    if not isinstance(value, str) or not DHT_PEER_ID_RE.match(value):
+        raise ValueError(f"{what}: not a base58 peer id")
+    return value
+
+
 # ---- field checks: each returns the value or raises ValueError naming the field ----------------------------
 
 
@@ -203,6 +213,9 @@ class Advert:
     cert: str = ""
     # a NAT'd peer's public address as a relay saw it ("" = none): the doors count its connections as a member's
     dials_from: str = ""
+    # the libp2p peer id of the peer's DHT node when others can dial it ("" = none): readers of the run's records
+    # ask such members' nodes directly, whatever nodes sit next to the keys (peer.swarm.rendezvous)
+    dht: str = ""
 
     def __post_init__(self) -> None:
         Advert.from_record(self.to_record())  # the same checks for adverts we make as for those we read
@@ -215,6 +228,8 @@ class Advert:
             optional["cert"] = self.cert
         if self.dials_from:
             optional["dials_from"] = self.dials_from
+        if self.dht:
+            optional["dht"] = self.dht
         return {
             **optional,
             "peer_id": self.peer_id,
@@ -233,7 +248,7 @@ class Advert:
             record,
             "advert",
             {"peer_id", "endpoint", "device", "started_at", "protocol_version", "role", "corpus", "extra"},
-            {"reachable", "relay", "cert", "dials_from"},
+            {"reachable", "relay", "cert", "dials_from", "dht"},
         )
         advert = object.__new__(cls)  # bypass __post_init__: the checks are right here
         values = {
@@ -249,6 +264,7 @@ class Advert:
             "relay": check_endpoint(record["relay"], "advert.relay") if "relay" in record else "",
             "cert": _certificate(record.get("cert", ""), record["peer_id"]),
             "dials_from": _ip(record["dials_from"], "advert.dials_from") if "dials_from" in record else "",
+            "dht": check_dht_peer_id(record["dht"], "advert.dht") if "dht" in record else "",
         }
         if values["reachable"] == ("@" in values["endpoint"]):
             raise ValueError("advert.reachable: a peer is reachable exactly when its endpoint is not relayed")

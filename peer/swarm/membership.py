@@ -41,6 +41,7 @@ from tasklet.peer.identity.keys import Identity
 from tasklet.peer.swarm.adverts import Advert, LinkReport, check_peer_id
 from tasklet.peer.swarm.charter import CharterError, run_organiser, sign_run, stewards_of
 from tasklet.peer.swarm.records import MacStatus, RecordStore
+from tasklet.peer.swarm.rendezvous import member_nodes
 from tasklet.peer.timing import (
     ADVERT_TTL_HEARTBEATS,
     DHT_CALL_TIMEOUT_S,
@@ -416,6 +417,7 @@ class Membership:
             own = self._advert
         entries = self._endpoints.filter(entries, own, self._endpoint_hints())
         self._last_entries = entries
+        member_nodes(self.store.dht).update(e.advert.dht for e in entries)  # where reads and writes also go
         return list(entries)
 
     def _unexpired(self, at: float) -> list[PeerEntry]:

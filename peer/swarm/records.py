@@ -57,6 +57,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer
 
 from tasklet.peer.identity.keys import Identity, split_owner_subkey
+from tasklet.peer.swarm import rendezvous
 from tasklet.peer.swarm.canonical import canonical_json
 from tasklet.peer.swarm.dht import DHT_OPS, DhtOps, KeyBudget, StorageBudget
 from tasklet.peer.timing import (
@@ -72,6 +73,7 @@ from tasklet.peer.timing import (
 
 logger = logging.getLogger(__name__)
 
+INNER_TIMEOUT_SHARE = 0.8  # of a call's deadline, what its lookups and member nodes have inside the DHT process
 MAX_PAYLOAD_BYTES = 256 * 1024
 MAX_VALUE_BYTES = MAX_PAYLOAD_BYTES + 1024  # a stored envelope: the payload, its MAC and msgpack framing
 MAX_SUBKEY_BYTES = 2048  # an owner tag (an RSA public key) and a short suffix
@@ -204,9 +206,8 @@ class RecordStore:
         expires_at = float(expires_at)
         envelope = {"p": payload, "mac": self.mac(name, self.identity.peer_id, suffix, expires_at, payload)}
         self._count("store", name)
-        future = self.dht.store(
-            self.key(name), envelope, expires_at, subkey=self.identity.owner_tag + suffix, return_future=True
-        )
+        future = rendezvous.store(self.dht, self.key(name), self.identity.owner_tag + suffix, envelope, expires_at,
+                                  INNER_TIMEOUT_SHARE * self.timeout_s)
         try:
             return bool(future.result(timeout=self.timeout_s))
         except TimeoutError:
@@ -222,7 +223,7 @@ class RecordStore:
         MAC verifies); None if the DHT timed out. ``include_expired`` keeps records that are expired by our own
         clock but still held by the DHT (the clock check at join compares clocks with them)."""
         self._count("get", name)
-        future = self.dht.get(self.key(name), latest=True, return_future=True)
+        future = rendezvous.read(self.dht, self.key(name), INNER_TIMEOUT_SHARE * self.timeout_s)
         try:
             found = future.result(timeout=self.timeout_s)
         except TimeoutError:
@@ -234,10 +235,7 @@ class RecordStore:
             return None
         if found is None:
             return []
-        if not isinstance(found.value, dict):
-            logger.warning("%s holds a plain value, not per-peer records; ignored", self.key(name))
-            return []
-        records = list(self._parse(name, found.value, float("-inf") if include_expired else now()))
+        records = list(self._parse(name, found, float("-inf") if include_expired else now()))
         self._count("rows", name, len(records))
         return records
 
