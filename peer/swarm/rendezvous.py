@@ -23,8 +23,9 @@ import asyncio
 import dataclasses
 import random
 import threading
+import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any
 
@@ -38,18 +39,32 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 from tasklet.peer.swarm.adverts import DHT_PEER_ID_RE
 
 ASK_MEMBERS = 2  # members' DHT nodes each read asks and each write is pushed to, besides hivemind's own
+QUIET_S = 60.0  # a member's node that did not answer is not asked again for this long
 MAX_MEMBER_NODES = 4096  # member DHT nodes one peer remembers
 
 
 class MemberNodes:
     """The DHT nodes this peer asks directly: the live members' (from their sealed adverts) and, while it knows
-    none, the bootstrap nodes of its join line. Thread-safe."""
+    none, the bootstrap nodes of its join line. A node that did not answer is left out for :data:`QUIET_S` (a
+    read waits for the nodes it asks: one that cannot be dialled would cost every read the protocol's timeout).
+    Thread-safe."""
 
-    def __init__(self, bootstrap: Iterable[str] = (), own: str = "") -> None:
+    def __init__(self, bootstrap: Iterable[str] = (), own: str = "",
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.bootstrap = tuple(dict.fromkeys(p for p in bootstrap if p != own))
-        self.own = own
+        self.own, self.clock = own, clock
         self._members: tuple[str, ...] = ()
+        self._quiet: dict[str, float] = {}  # _lock: node -> until when it is left out
         self._lock = threading.Lock()
+
+    def failed(self, peers: Iterable[str]) -> None:
+        """These nodes did not answer: leave them out for a while."""
+        until = self.clock() + QUIET_S
+        with self._lock:
+            for peer in peers:
+                self._quiet[peer] = until
+            if len(self._quiet) > MAX_MEMBER_NODES:
+                self._quiet = dict(sorted(self._quiet.items(), key=lambda kv: kv[1])[-MAX_MEMBER_NODES:])
 
     def update(self, peer_ids: Iterable[str]) -> None:
         """The members' DHT nodes as the last read of the adverts names them."""
@@ -58,12 +73,15 @@ class MemberNodes:
             self._members = members
 
     def pick(self, rng: random.Random | None = None) -> tuple[str, ...]:
-        """Whom one read or write asks: :data:`ASK_MEMBERS` members at random, or the bootstrap nodes."""
+        """Whom one read or write asks: :data:`ASK_MEMBERS` members at random (of those not left out), or the
+        bootstrap nodes while it knows no member."""
+        at = self.clock()
         with self._lock:
             members = self._members
+            answering = [p for p in members if self._quiet.get(p, 0.0) <= at]
         if not members:
             return self.bootstrap
-        return tuple((rng or random).sample(members, min(ASK_MEMBERS, len(members))))
+        return tuple((rng or random).sample(answering, min(ASK_MEMBERS, len(answering))))
 
 
 _NODES: weakref.WeakKeyDictionary[hivemind.DHT, MemberNodes] = weakref.WeakKeyDictionary()
@@ -85,6 +103,23 @@ def register(dht: hivemind.DHT, bootstrap: Sequence[str]) -> MemberNodes:
     return nodes
 
 
+class _Outcome:
+    """The future of a read or write in the DHT's process: its result, with the nodes that did not answer left
+    out of later picks."""
+
+    def __init__(self, inner: Any, nodes: MemberNodes) -> None:
+        self.inner, self.nodes = inner, nodes
+
+    def result(self, timeout: float | None = None) -> Any:
+        value, failed = self.inner.result(timeout)
+        if failed:
+            self.nodes.failed(failed)
+        return value
+
+    def cancel(self) -> bool:
+        return bool(self.inner.cancel())
+
+
 class _Ready:
     """A future already done: what a DHT without a process of its own answers (the control-plane simulation's)."""
 
@@ -103,9 +138,10 @@ def store(dht: hivemind.DHT, key: str, subkey: bytes, value: Any, expires_at: fl
     A DHT that is not hivemind's (the control-plane simulation's one store) is written as it is."""
     if not isinstance(dht, hivemind.DHT):
         return _Ready(dht.store(key, value, expires_at, subkey=subkey))
-    job = partial(_store, key=key, subkey=subkey, value=value, expires_at=expires_at,
-                  peers=member_nodes(dht).pick(), timeout_s=timeout_s)
-    return dht.run_coroutine(job, return_future=True)
+    nodes = member_nodes(dht)
+    job = partial(_store, key=key, subkey=subkey, value=value, expires_at=expires_at, peers=nodes.pick(),
+                  timeout_s=timeout_s)
+    return _Outcome(dht.run_coroutine(job, return_future=True), nodes)
 
 
 def read(dht: hivemind.DHT, key: str, timeout_s: float) -> Any:
@@ -115,8 +151,9 @@ def read(dht: hivemind.DHT, key: str, timeout_s: float) -> Any:
     if not isinstance(dht, hivemind.DHT):
         found = dht.get(key, latest=True)
         return _Ready(found.value if found is not None and isinstance(found.value, dict) else None)
-    job = partial(_read, key=key, peers=member_nodes(dht).pick(), timeout_s=timeout_s)
-    return dht.run_coroutine(job, return_future=True)
+    nodes = member_nodes(dht)
+    job = partial(_read, key=key, peers=nodes.pick(), timeout_s=timeout_s)
+    return _Outcome(dht.run_coroutine(job, return_future=True), nodes)
 
 
 def _peer(peer: str) -> PeerID | None:
@@ -127,8 +164,9 @@ def _peer(peer: str) -> PeerID | None:
 
 
 async def _store(_dht: hivemind.DHT, node: hivemind.DHTNode, key: str, subkey: bytes, value: Any,
-                 expires_at: float, peers: tuple[str, ...], timeout_s: float) -> bool:
-    """Runs in the DHT's process: hivemind's store, then the same signed entry in the own node and pushed."""
+                 expires_at: float, peers: tuple[str, ...], timeout_s: float) -> tuple[bool, list[str]]:
+    """Runs in the DHT's process: hivemind's store, then the same signed entry in the own node and pushed.
+    Returns (stored anywhere, the nodes pushed to that did not answer)."""
     protocol = node.protocol
     key_id = DHTID.generate(source=key)
     record = DHTRecord(key_id.to_bytes(), protocol.serializer.dumps(subkey), protocol.serializer.dumps(value),
@@ -136,30 +174,33 @@ async def _store(_dht: hivemind.DHT, node: hivemind.DHTNode, key: str, subkey: b
     if protocol.record_validator is not None:
         record = dataclasses.replace(record, value=protocol.record_validator.sign_value(record))
         if not protocol.record_validator.validate(record):
-            return False
+            return False, []
     kept = bool(protocol.storage.store(key_id, record.value, expires_at, subkey=subkey))
 
-    async def push(peer: PeerID) -> bool:
+    async def push(peer: PeerID) -> bool | None:
         done = await protocol.call_store(peer, [key_id], [record.value], expires_at, [subkey])
-        return bool(done and done[0])
+        return None if done is None else bool(done[0])  # None: no answer
 
+    asked = [p for p in peers if _peer(p) is not None]
     jobs = [asyncio.wait_for(node.store(key, value, expires_at, subkey=subkey), timeout_s)]
-    jobs += [asyncio.wait_for(push(p), timeout_s) for p in filter(None, map(_peer, peers))]
+    jobs += [asyncio.wait_for(push(_peer(p)), timeout_s) for p in asked]  # type: ignore[arg-type]
     results = await asyncio.gather(*jobs, return_exceptions=True)
-    return kept or any(r is True for r in results)
+    failed = [p for p, r in zip(asked, results[1:], strict=True) if r is None or isinstance(r, BaseException)]
+    return kept or any(r is True for r in results), failed
 
 
 async def _read(_dht: hivemind.DHT, node: hivemind.DHTNode, key: str, peers: tuple[str, ...],
-                timeout_s: float) -> dict | None:
-    """Runs in the DHT's process: see :func:`read`."""
+                timeout_s: float) -> tuple[dict | None, list[str]]:
+    """Runs in the DHT's process: see :func:`read`. Returns (the merged entries, the nodes that did not answer)."""
     protocol = node.protocol
     key_id = DHTID.generate(source=key)
-    asked = [p for p in map(_peer, peers) if p is not None]
+    asked = [p for p in peers if _peer(p) is not None]
     lookup, *finds = await asyncio.gather(
         asyncio.wait_for(node.get(key, latest=True), timeout_s),
-        *(asyncio.wait_for(protocol.call_find(p, [key_id]), timeout_s) for p in asked),
+        *(asyncio.wait_for(protocol.call_find(_peer(p), [key_id]), timeout_s) for p in asked),  # type: ignore[arg-type]
         return_exceptions=True,
     )
+    failed = [p for p, found in zip(asked, finds, strict=True) if not isinstance(found, dict)]
     merged: dict[Any, ValueWithExpiration] = {}
 
     def take(subkey: Any, value: Any, expiry: float) -> None:
@@ -190,4 +231,4 @@ async def _read(_dht: hivemind.DHT, node: hivemind.DHTNode, key: str, peers: tup
                 take(subkey, protocol.serializer.loads(stripped), item.expiration_time)
             except Exception:  # validated entries deserialise; a malformed one is skipped, never raised
                 continue
-    return merged or None
+    return merged or None, failed

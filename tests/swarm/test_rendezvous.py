@@ -18,7 +18,7 @@ from tasklet.peer.identity.keys import Identity
 from tasklet.peer.swarm.adverts import Advert
 from tasklet.peer.swarm.dht import DHTConfig, start_dht, visible_maddrs
 from tasklet.peer.swarm.records import RecordStore, RunRecordValidator, record_key, seal
-from tasklet.peer.swarm.rendezvous import ASK_MEMBERS, MemberNodes, member_nodes
+from tasklet.peer.swarm.rendezvous import ASK_MEMBERS, QUIET_S, MemberNodes, member_nodes
 from tasklet.peer.timing import now
 
 RUN, SECRET = "eclipse-run", "members only"
@@ -34,6 +34,17 @@ def test_a_read_asks_a_few_members_and_the_bootstrap_only_while_it_knows_none() 
     picks = {nodes.pick(random.Random(seed)) for seed in range(20)}
     assert all(len(p) == ASK_MEMBERS == len(set(p)) and set(p) <= set(members) for p in picks)
     assert len(picks) > 5  # spread over the members, so each member's node gathers the others' records
+
+
+def test_a_node_that_did_not_answer_is_left_out_for_a_while() -> None:
+    t = [0.0]
+    nodes = MemberNodes([PEER_A], own="own-id", clock=lambda: t[0])
+    members = [f"{PEER_B[:-4]}{i:04d}" for i in range(3)]
+    nodes.update(members)
+    nodes.failed(members[:2])
+    assert {nodes.pick(random.Random(seed)) for seed in range(10)} == {(members[2],)}
+    t[0] = QUIET_S + 1
+    assert len(nodes.pick()) == ASK_MEMBERS
 
 
 def test_an_advert_names_its_dht_node_only_as_a_peer_id() -> None:
