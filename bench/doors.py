@@ -29,7 +29,11 @@ parallel: ``MemberSwarm``), the attacks that need a training run to judge:
 * ``dht_run_key_fill``: a member with 64 free identities stores, from each, its largest advert under ``peers`` and
   250 KiB under every other key of the run, and 64 ``plans`` subkeys from one of them; then a NAT'd member joins.
   Prints steps/s before and during, the members' DHT processes' peak resident MiB, the joiner's time to train,
-  whether a fresh ``peer status`` on each public member's host lists every honest peer, and what each key took.
+  whether a fresh ``peer status`` on each public member's host lists every honest peer, and what each key took;
+* ``dht_eclipse``: eight stranger DHT nodes with ids next to the ``peers`` key take every store there and keep
+  nothing; the same figures;
+* ``dht_fill_eclipse``: the fill, then the eight strangers while the fill lives, and a stranger's node asking the
+  bootstrap node for the run's keys eight finds at a time; the same figures, and what the finds got.
 
 For each: the victim's peak descriptors, threads and resident MiB while the attack runs and a NAT'd member joins
 (sampled from /proc every 0.5 s; its DHT process and p2pd apart, as the largest and the sum of its children), the
@@ -57,9 +61,10 @@ from tasklet.peer.identity.keys import Identity
 REPO = Path(__file__).resolve().parent.parent
 METRICS_PORT = 31404
 SCENARIOS = ("none", "relay", "ports", "dht", "dht_foreign_flood")
-MEMBER_SCENARIOS = ("network_caps", "endpoint_squat", "dht_run_key_fill", "dht_eclipse")
+MEMBER_SCENARIOS = ("network_caps", "endpoint_squat", "dht_run_key_fill", "dht_eclipse", "dht_fill_eclipse")
 ECLIPSE_NODES = 8  # the stranger DHT nodes of dht_eclipse
 FILL_IDENTITIES = 64  # the free identities of dht_run_key_fill
+FIND_WORKERS = 8  # dht_fill_eclipse: a stranger's finds of the run's keys in flight at once
 LEAVE_SETTLE_S = 6.0  # after a joiner leaves: the leader plans without it (a few heartbeats)
 BLOCK_ADDRESSES = 4  # of the stranger's one rented /24
 HOLD_GRPC = 200  # connections per address to the leader's gRPC port (its strangers' share is 493 at 20,000 fds)
@@ -315,10 +320,11 @@ class MemberSwarm:
         return self.dht_attacks(window_s, fill=FILL_IDENTITIES, eclipse=0)
 
     def dht_attacks(self, window_s: float, fill: int, eclipse: int, status_on: tuple[str, ...] = ("pub0", "pub1"),
-                    unattacked: float | None = None, join_timeout_s: float = 150) -> dict[str, Any]:
+                    unattacked: float | None = None, join_timeout_s: float = 150, finds: int = 0) -> dict[str, Any]:
         """The DHT attacks, one after the other: a member's ``fill`` free identities fill every key of the run, then
         ``eclipse`` stranger nodes sit next to ``peers`` (peer.emulation.doors_attack; 0: not that attack), and the
-        fill stays while the strangers do; then steps/s over
+        fill stays while the strangers do, and a stranger's node asks the bootstrap node for the run's keys with
+        ``finds`` finds at a time; then steps/s over
         ``window_s`` (``unattacked``: the figure before, measured here when None), a NAT'd joiner, and a fresh
         `peer status` on the hosts ``status_on``. The members' DHT processes' resident MiB before and at peak."""
         unattacked = self.steps_per_s(window_s) if unattacked is None else unattacked
@@ -339,6 +345,9 @@ class MemberSwarm:
                 ready = read_line(strangers, 120, "{")
                 out["stranger_nodes_ready"] = json.loads(ready).get("ready") if ready else None
                 time.sleep(8)  # the run's nodes meet the strangers: every store next to ``peers`` goes to them
+            if finds:
+                asker = _attack(self.evil, "dht-finds", self.dht, "tasklet", "--keys", "peers,links,run,plans",
+                                "--count", str(finds), "--seconds", "900")
             out["attack_s"] = round(time.monotonic() - started, 1)
             attacked = self.steps_per_s(window_s)
             name, reached, trained = self.join_home(join_timeout_s)
@@ -346,6 +355,8 @@ class MemberSwarm:
             statuses = {h: self.status(hosts[h]) for h in status_on}
             if eclipse:
                 out["eclipse"] = _stop(strangers)
+            if finds:
+                out["finds"] = _stop(asker)
         self.leave(name)
         honest = {self.ids[n].peer_id for n in ("pub0", "pub1", name)}
         listed = {host: {p.get("peer_id") for p in st.get("peers", [])} for host, st in statuses.items()}
@@ -394,7 +405,9 @@ def run_members(seconds: float, scenarios: list[str] | tuple[str, ...] = MEMBER_
         swarm.start()
         runs = {"network_caps": lambda: swarm.network_caps(seconds), "endpoint_squat": swarm.endpoint_squat,
                 "dht_run_key_fill": lambda: swarm.dht_run_key_fill(seconds),
-                "dht_eclipse": lambda: swarm.dht_eclipse(seconds)}
+                "dht_eclipse": lambda: swarm.dht_eclipse(seconds),
+                "dht_fill_eclipse": lambda: swarm.dht_attacks(seconds, fill=FILL_IDENTITIES, eclipse=ECLIPSE_NODES,
+                                                              finds=FIND_WORKERS)}
         return {name: runs[name]() for name in scenarios}
 
 

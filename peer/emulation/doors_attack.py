@@ -20,7 +20,11 @@ answered (so the caller can tell "refused" from "held"). Kinds:
   largest advert under ``peers`` and 250 KiB under every other key of the run, and one of them 64 subkeys under
   ``plans`` (sealed with the secret; an empty file: an open swarm);
 * ``eclipse MULTIADDR RUN``: ``--count`` stranger DHT nodes with ids next to the run keys ``--keys``, each taking
-  every store and keeping nothing, for ``--seconds`` (or until SIGTERM).
+  every store and keeping nothing, for ``--seconds`` (or until SIGTERM);
+* ``dht-finds MULTIADDR RUN``: a stranger's node asking the node at ``MULTIADDR`` for the run keys ``--keys``,
+  ``--count`` finds at a time, for ``--seconds``: how many answers carried the key's value, and its bytes;
+* ``peers-crowd MULTIADDR RUN SECRET_FILE``: a member's ``--count`` free identities store their largest adverts in
+  the ``peers`` shards of ``--level`` (peer.swarm.shards).
 """
 
 from __future__ import annotations
@@ -415,6 +419,61 @@ def dht_run_key_fill(initial_peer: str, run_id: str, secret: str | None, identit
         dht.shutdown()
 
 
+def peers_crowd(initial_peer: str, run_id: str, secret: str | None, identities: int, level: int,
+                seconds: float) -> dict:
+    """A member's ``identities`` free identities each store their largest advert in the ``peers`` shard a writer
+    at ``level`` uses (peer.swarm.shards): more peers than one key holds, or readers pushed to deeper levels.
+    Returns the adverts the run's nodes took, per shard."""
+    from tasklet.peer.identity.keys import Identity
+    from tasklet.peer.swarm.dht import DHTConfig, start_dht
+
+    dht = start_dht(DHTConfig(initial_peers=(initial_peer,), host="0.0.0.0", client_mode=True), Identity.generate())
+    try:
+        return dht.run_coroutine(partial(_crowd, run_id=run_id, secret=secret, identities=identities, level=level,
+                                         deadline=time.time() + seconds))
+    finally:
+        dht.shutdown()
+
+
+async def _crowd(_dht: object, node: object, run_id: str, secret: str | None, identities: int, level: int,
+                 deadline: float) -> dict:
+    """Runs in the DHT process of :func:`peers_crowd`."""
+    import asyncio
+
+    from tasklet.peer.identity.keys import Identity
+    from tasklet.peer.swarm.records import RECORD_TTL_S, record_key, seal
+    from tasklet.peer.swarm.shards import level_suffix, shard_name, shard_of
+    from tasklet.peer.timing import now
+
+    key = None if secret is None else record_key(secret, run_id)
+    ids = [Identity.generate() for _ in range(identities)]
+    node.protocol.record_validator = _Signer({i.owner_tag: i.private_key for i in ids})  # type: ignore[attr-defined]
+    stored: dict[str, int] = {}
+    gate = asyncio.Semaphore(8)
+
+    async def store(identity: Identity) -> None:
+        payload = padded_advert(identity)
+        expires_at = now() + RECORD_TTL_S["peers"] - 5.0
+        suffix = level_suffix(level)
+        mac = None if key is None else seal(key, run_id, "peers", identity.peer_id, suffix, expires_at, payload)
+        shard = shard_of(identity.peer_id, level)
+        async with gate:
+            for _ in range(STORE_TRIES):
+                if time.time() > deadline:
+                    return
+                with contextlib.suppress(Exception):
+                    ok = await asyncio.wait_for(node.store(f"{run_id}:{shard_name('peers', shard)}",  # type: ignore[attr-defined]
+                                                           {"p": payload, "mac": mac}, expires_at,
+                                                           subkey=identity.owner_tag + suffix, exclude_self=True),
+                                                20.0)
+                    if ok:
+                        stored[str(shard)] = stored.get(str(shard), 0) + 1
+                        return
+
+    await asyncio.gather(*(store(identity) for identity in ids))
+    return {"identities": identities, "level": level, "stored": stored}
+
+
 class _Signer:
     """A record validator that signs each record with the key of the identity whose owner tag it carries."""
 
@@ -556,6 +615,50 @@ async def _eclipse(initial_peer: str, run_id: str, nodes: int, names: list[str],
     return out
 
 
+def dht_finds(target: str, run_id: str, names: list[str], workers: int, seconds: float) -> dict:
+    """A stranger's node asks ``target`` (a ``/p2p/`` multiaddr) for the run's keys ``names``, ``workers`` finds at
+    a time, until ``seconds`` pass or SIGTERM; returns the answers that carried a value and the bytes they held."""
+    import asyncio
+
+    return asyncio.run(_finds(target, run_id, names, workers, time.time() + seconds))
+
+
+async def _finds(target: str, run_id: str, names: list[str], workers: int, deadline: float) -> dict:
+    import asyncio
+
+    from hivemind.dht.node import DHTNode
+    from hivemind.dht.routing import DHTID
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    out = {"finds": 0, "with_value": 0, "value_bytes": 0, "errors": 0}
+    node = await DHTNode.create(initial_peers=[target], client_mode=True, cache_nearest=0)
+    peer = PeerID.from_base58(Multiaddr(target).get("p2p"))
+    keys = [DHTID.generate(source=f"{run_id}:{name}") for name in names]
+
+    async def worker(i: int) -> None:
+        while time.time() < deadline and not STOP.is_set():
+            key = keys[i % len(keys)]
+            i += 1
+            out["finds"] += 1
+            try:
+                found = await asyncio.wait_for(node.protocol.call_find(peer, [key]), 10.0)
+            except Exception:
+                out["errors"] += 1
+                continue
+            value = (found or {}).get(key, (None, None))[0]
+            if value is None:
+                continue
+            out["with_value"] += 1
+            items = value.value.items() if hasattr(value.value, "items") else [(None, (value.value, None))]
+            out["value_bytes"] += sum(len(v) for _, (v, _) in items)
+
+    await asyncio.gather(*(worker(i) for i in range(workers)))
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(node.shutdown(), 10.0)
+    return out
+
+
 def padded_advert(identity: Identity) -> dict:
     """The writer's own advert, as large as the schema lets it be (full ``extra`` and ``found``)."""
     from tasklet.peer.compute.device_probe import DeviceInfo
@@ -571,8 +674,10 @@ def padded_advert(identity: Identity) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tasklet.peer.emulation.doors_attack")
-    p.add_argument("kind", choices=["relay", "ports", "hold", "squat", "dht", "dht-foreign", "dht-fill", "eclipse"])
-    p.add_argument("--keys", default="peers", help="eclipse: comma-separated run keys to sit next to")
+    p.add_argument("kind", choices=["relay", "ports", "hold", "squat", "dht", "dht-foreign", "dht-fill", "eclipse",
+                                    "dht-finds", "peers-crowd"])
+    p.add_argument("--level", type=int, default=1, help="peers-crowd: the shard level its identities write at")
+    p.add_argument("--keys", default="peers", help="eclipse, dht-finds: comma-separated run keys to sit next to/ask")
     p.add_argument("--host", default="0.0.0.0", help="eclipse: the address its nodes listen on")
     p.add_argument("args", nargs="+")
     p.add_argument("--seconds", type=float, default=20.0)
@@ -598,6 +703,12 @@ def main(argv: list[str] | None = None) -> int:
         result = dht_foreign_flood(a.args[0], a.count, a.value_bytes, a.seconds)
     elif a.kind == "eclipse":
         result = dht_eclipse(a.args[0], a.args[1], a.count, a.keys.split(","), a.seconds, a.host)
+    elif a.kind == "dht-finds":
+        result = dht_finds(a.args[0], a.args[1], a.keys.split(","), a.count, a.seconds)
+    elif a.kind == "peers-crowd":
+        with open(a.args[2]) as handle:
+            secret = handle.read().strip() or None
+        result = peers_crowd(a.args[0], a.args[1], secret, a.count, a.level, a.seconds)
     elif a.kind == "dht-fill":
         with open(a.args[2]) as handle:
             secret = handle.read().strip() or None

@@ -339,7 +339,7 @@ class PeerDaemon:
             relay=self.reach.relay_address,
             cert=self.tls.certificate_text,
             dials_from=self.reach.dials_from,
-            dht=str(self.dht.peer_id) if self.reach.reachable else "",  # a NAT'd peer's DHT node is not dialable
+            dht=str(self.dht.peer_id),  # others ask it when it is reachable; its finds are a member's either way
         )
         assert self.membership is not None
         self.membership.announce(self.advert)

@@ -18,7 +18,7 @@ import re
 import threading
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -27,10 +27,12 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.p2p import PeerID
+from hivemind.proto import dht_pb2
 from hivemind.utils.multiaddr import Multiaddr
-from hivemind.utils.timed_storage import TimedStorage, get_dht_time
+from hivemind.utils.timed_storage import TimedStorage, ValueWithExpiration, get_dht_time
 
 from tasklet.peer.identity.keys import Identity, split_owner_subkey
+from tasklet.peer.swarm.findgate import FindGate, asking, gated_find
 from tasklet.peer.swarm.rendezvous import register
 from tasklet.peer.timing import DHT_STARTUP_TIMEOUT_S
 
@@ -145,6 +147,7 @@ class KeyBudget:
     max_entries: int
     owner_bytes: int
     owner_entries: int
+    group: str = ""  # keys of one group (the shards of one kind) share the storage's ``group_bytes`` for it
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,7 @@ class StorageBudget:
     keys: dict[bytes, KeyBudget]
     total_bytes: int
     steward_keys: frozenset[bytes] = frozenset()
+    group_bytes: dict[str, int] = field(default_factory=dict)
 
 
 class _Usage:
@@ -210,8 +214,21 @@ class BudgetedStorage(DHTLocalStorage):
         self._usage: dict[DHTID, _Usage] = {}
         self._steward_keys = {DHTID.from_bytes(key) for key in budget.steward_keys}
         self.writers: frozenset[str] | None = None  # who may store under the steward keys (None: any owner)
+        self.gate = FindGate()  # how much of the keys' values finds hand out, and to whom
         self.total_bytes = 0
+        self.group_used: Counter[str] = Counter()  # bytes held by each group's keys
+        self._pruned_all_at = float("-inf")
         self.refused: Counter[str] = Counter()
+
+    def get(self, key: DHTID) -> ValueWithExpiration | None:
+        """hivemind's ``get``; while a find is answered (peer.swarm.findgate), the value only within the asker's
+        budget (None otherwise: the answer says not found)."""
+        item = super().get(key)
+        asker = asking()
+        if item is None or asker is None:
+            return item
+        usage = self._usage.get(key)
+        return item if asker.gate.allow(asker.asker, key, usage.bytes if usage else 0) else None
 
     def restrict(self, writers: frozenset[str] | None) -> int:
         """Only ``writers`` store under the steward keys from now on (None: any owner); entries of others already
@@ -223,7 +240,7 @@ class BudgetedStorage(DHTLocalStorage):
             if item is None or not isinstance(item.value, DictionaryDHTValue) or usage is None:
                 continue
             for subkey in [k for k, (owner, _, _) in usage.entries.items() if owner not in writers]:
-                self.total_bytes -= usage.remove(subkey)
+                self._forget(key, usage, subkey)
                 if subkey in item.value:
                     del item.value[subkey]
                 dropped += 1
@@ -243,12 +260,23 @@ class BudgetedStorage(DHTLocalStorage):
         if not super().store_subkey(key, subkey, value, expiration_time):
             return False
         usage = self._usage.setdefault(key, _Usage())
-        self.total_bytes -= usage.remove(subkey)
+        self._forget(key, usage, subkey)
         size = _entry_bytes(subkey, value)
         usage.add(subkey, _owner(subkey) or "", size, expiration_time)
         self.total_bytes += size
+        self.group_used[self._keys[key].group] += size
         self._compact(key)
         return True
+
+    def _forget(self, key: DHTID, usage: _Usage, subkey: Any) -> None:
+        """Stop counting ``subkey`` of ``key`` (if counted) in the key's, its group's and the total bytes."""
+        size = usage.remove(subkey)
+        self.total_bytes -= size
+        self.group_used[self._keys[key].group] -= size
+
+    def _prune(self, key: DHTID, usage: _Usage, at: float) -> None:
+        for stale in [k for k, (_, _, expiry) in usage.entries.items() if expiry < at]:
+            self._forget(key, usage, stale)
 
     def _refusal(self, key: DHTID, subkey: Any, value: Any, expiration_time: float) -> str:
         limits = self._keys.get(key)
@@ -271,8 +299,12 @@ class BudgetedStorage(DHTLocalStorage):
         reason = self._over(limits, usage, subkey, owner, _entry_bytes(subkey, value))
         if reason and at - usage.pruned_at >= 1.0:
             usage.pruned_at = at
-            for stale in [k for k, (_, _, expiry) in usage.entries.items() if expiry < at]:
-                self.total_bytes -= usage.remove(stale)
+            self._prune(key, usage, at)
+            reason = self._over(limits, usage, subkey, owner, _entry_bytes(subkey, value))
+        if reason in ("group bytes", "total bytes") and at - self._pruned_all_at >= 1.0:
+            self._pruned_all_at = at  # the stale entries of the other keys count too
+            for other, other_usage in self._usage.items():
+                self._prune(other, other_usage, at)
             reason = self._over(limits, usage, subkey, owner, _entry_bytes(subkey, value))
         return reason
 
@@ -289,6 +321,9 @@ class BudgetedStorage(DHTLocalStorage):
             return "owner bytes"
         if new and usage.owner_entries[owner] >= limits.owner_entries:
             return "owner entries"
+        group = self.budget.group_bytes.get(limits.group)
+        if group is not None and self.group_used[limits.group] - freed + size > group:
+            return "group bytes"
         if self.total_bytes - freed + size > self.budget.total_bytes:
             return "total bytes"
         return ""
@@ -312,8 +347,8 @@ def _entry_bytes(subkey: Any, value: bytes) -> int:
 
 async def _install_storage(_dht: hivemind.DHT, node: hivemind.DHTNode, budget: StorageBudget) -> int:
     """Runs in the DHT's process: swap in a budgeted storage (entries stored meanwhile are moved into it, within
-    the budget) and a cache that takes nothing (our nodes never ask others to cache: ``cache_nearest`` 0).
-    Returns the entries moved."""
+    the budget), a cache that takes nothing (our nodes never ask others to cache: ``cache_nearest`` 0) and a find
+    handler whose answers draw on the storage's :class:`FindGate`. Returns the entries moved."""
     storage = BudgetedStorage(budget)
     moved = 0
     for key, item in list(node.protocol.storage.items()):
@@ -322,6 +357,10 @@ async def _install_storage(_dht: hivemind.DHT, node: hivemind.DHTNode, budget: S
                 moved += storage.store_subkey(key, subkey, value, expiry)
     node.protocol.storage = storage
     node.protocol.cache = BudgetedStorage(StorageBudget(keys={}, total_bytes=0))
+    protocol, p2p = node.protocol, node.protocol.p2p
+    name = protocol._get_handle_name(None, "rpc_find")  # noqa: SLF001 - the name hivemind registered it under
+    await p2p.remove_protobuf_handler(name)
+    await p2p.add_protobuf_handler(name, gated_find(protocol, storage.gate), dht_pb2.FindRequest)
     return moved
 
 

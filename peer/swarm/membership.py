@@ -417,7 +417,7 @@ class Membership:
             own = self._advert
         entries = self._endpoints.filter(entries, own, self._endpoint_hints())
         self._last_entries = entries
-        member_nodes(self.store.dht).update(e.advert.dht for e in entries)  # where reads and writes also go
+        member_nodes(self.store.dht).note(self.store.dht, (e.advert for e in entries))  # reads also go there
         return list(entries)
 
     def _unexpired(self, at: float) -> list[PeerEntry]:

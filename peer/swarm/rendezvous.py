@@ -37,6 +37,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from tasklet.peer.swarm.adverts import DHT_PEER_ID_RE
+from tasklet.peer.swarm.findgate import gate_members
 
 ASK_MEMBERS = 2  # members' DHT nodes each read asks and each write is pushed to, besides hivemind's own
 QUIET_S = 60.0  # a member's node that did not answer is not asked again for this long
@@ -54,6 +55,7 @@ class MemberNodes:
         self.bootstrap = tuple(dict.fromkeys(p for p in bootstrap if p != own))
         self.own, self.clock = own, clock
         self._members: tuple[str, ...] = ()
+        self.gated: frozenset[str] = frozenset()  # the members' nodes the find gate was last told of
         self._quiet: dict[str, float] = {}  # _lock: node -> until when it is left out
         self._lock = threading.Lock()
 
@@ -65,6 +67,16 @@ class MemberNodes:
                 self._quiet[peer] = until
             if len(self._quiet) > MAX_MEMBER_NODES:
                 self._quiet = dict(sorted(self._quiet.items(), key=lambda kv: kv[1])[-MAX_MEMBER_NODES:])
+
+    def note(self, dht: Any, adverts: Iterable[Any]) -> None:
+        """The live members' adverts as the last read names them: the reachable ones' nodes are asked, and the
+        DHT process's find gate (peer.swarm.findgate) favours every member's node; it is told when that changes."""
+        adverts = list(adverts)
+        self.update(a.dht for a in adverts if a.reachable)
+        every = frozenset(a.dht for a in adverts if a.dht)
+        if every != self.gated and isinstance(dht, hivemind.DHT):
+            self.gated = every
+            gate_members(dht, every)
 
     def update(self, peer_ids: Iterable[str]) -> None:
         """The members' DHT nodes as the last read of the adverts names them."""

@@ -1,0 +1,119 @@
+"""The DHT find gate (peer.swarm.findgate): members' nodes and everyone else draw on their own byte budgets, and one
+asker gets one key's value at most once per interval; against real DHT nodes on loopback, a stranger asking a
+member's node for a filled key as fast as it can gets what the budget allows while a member still reads it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tasklet.peer.emulation.procs import child_env, read_line
+from tasklet.peer.identity.keys import Identity
+from tasklet.peer.swarm.dht import DHTConfig, start_dht, visible_maddrs
+from tasklet.peer.swarm.findgate import MAX_ASKERS, FindGate, GateLimits, MiB, gate_members
+from tasklet.peer.swarm.records import RecordStore, RunRecordValidator, record_key
+
+RUN, SECRET = "gate-run", "members only"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_members_and_everyone_else_draw_on_their_own_budgets() -> None:
+    clock = Clock()
+    limits = GateLimits(member_bytes_per_s=10 * MiB, member_burst_bytes=20 * MiB, other_bytes_per_s=1 * MiB,
+                        other_burst_bytes=3 * MiB, member_repeat_s=0.5, other_repeat_s=2.0)
+    gate = FindGate(limits, clock)
+    gate.set_members(["member"])
+    # strangers (each a fresh id, so the per-asker interval never bites) share 3 MiB of burst
+    assert [gate.allow(f"stranger{i}", "key", MiB) for i in range(5)] == [True, True, True, False, False]
+    assert gate.allow("member", "key", 15 * MiB)  # the members' budget is not the strangers'
+    clock.t = 1.0  # one second refills one MiB for the strangers
+    assert gate.allow("stranger9", "key", MiB) and not gate.allow("stranger10", "key", MiB)
+    assert gate.stats() == {"to_members": 1, "to_others": 4, "refused_members": 0, "refused_others": 3}
+
+
+def test_one_asker_gets_one_key_at_most_once_per_interval() -> None:
+    clock = Clock()
+    gate = FindGate(GateLimits(member_repeat_s=0.5, other_repeat_s=2.0), clock)
+    gate.set_members(["member"])
+    assert gate.allow("stranger", "peers", 10) and not gate.allow("stranger", "peers", 10)
+    assert gate.allow("stranger", "plans", 10)  # another key
+    assert gate.allow("member", "peers", 10) and not gate.allow("member", "peers", 10)
+    clock.t = 0.6
+    assert gate.allow("member", "peers", 10) and not gate.allow("stranger", "peers", 10)
+    clock.t = 2.1
+    assert gate.allow("stranger", "peers", 10)
+
+
+def test_the_gate_remembers_a_bounded_number_of_askers() -> None:
+    gate = FindGate(GateLimits(other_bytes_per_s=1e12, other_burst_bytes=1e12), Clock())
+    for i in range(MAX_ASKERS + 100):
+        assert gate.allow(f"id{i}", "peers", 1)
+    assert len(gate._last) == MAX_ASKERS  # noqa: SLF001 - the bound is the point
+    assert gate.allow("id0", "peers", 1)  # the oldest were forgotten
+
+
+@pytest.mark.usefixtures("processes")
+@pytest.mark.light_processes
+@pytest.mark.timeout(180)
+def test_a_stranger_asking_for_a_filled_key_gets_its_budget_and_a_member_still_reads(tmp_path: Path) -> None:
+    ids = [Identity.generate() for _ in range(2)]
+    validators = [RunRecordValidator(RUN, record_key(SECRET, RUN))]
+    first = start_dht(DHTConfig(), ids[0], validators)
+    second = start_dht(DHTConfig(initial_peers=tuple(visible_maddrs(first))), ids[1],
+                       [RunRecordValidator(RUN, record_key(SECRET, RUN))])
+    seconds, limits = 6.0, GateLimits()
+    try:
+        gate_members(first, [str(second.peer_id)]).result(10)
+        secret = tmp_path / "secret"
+        secret.write_text(SECRET)
+        fill = subprocess.run(  # a member's 8 free identities fill `links` (2 MiB)
+            [sys.executable, "-m", "tasklet.peer.emulation.doors_attack", "dht-fill", visible_maddrs(first)[0], RUN,
+             str(secret), "--count", "8", "--seconds", "40"],
+            stdout=subprocess.PIPE, text=True, env=child_env(), timeout=90, check=True)
+        filled = json.loads(fill.stdout.strip().splitlines()[-1])["links"]
+        assert filled >= 6, fill.stdout
+        attack = subprocess.Popen(
+            [sys.executable, "-m", "tasklet.peer.emulation.doors_attack", "dht-finds", visible_maddrs(first)[0],
+             RUN, "--keys", "links", "--count", "4", "--seconds", str(seconds)],
+            stdout=subprocess.PIPE, text=True, env=child_env())
+        reads: list[int] = []
+        member = RecordStore(second, RUN, ids[1], SECRET)
+
+        def read_while_attacked() -> None:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                got = member.get_all("links")
+                reads.append(-1 if got is None else len(got))
+                time.sleep(0.5)
+
+        reader = threading.Thread(target=read_while_attacked)
+        time.sleep(2.0)  # the attacker's node is up and asking
+        reader.start()
+        reader.join(60)
+        line = read_line(attack, 60, "{")
+        attack.wait(30)
+        stats = gate_members(first, [str(second.peer_id)]).result(10)
+    finally:
+        second.shutdown()
+        first.shutdown()
+    got = json.loads(line or "{}")
+    print(f"stranger's finds: {got}; member's reads: {reads}; gate: {stats}")
+    assert got["finds"] > 50, got  # it asked as fast as it could
+    # what the strangers' bucket allows over the attack, and one key over (the answer that found it full)
+    allowed = limits.other_burst_bytes + seconds * limits.other_bytes_per_s + 3 * MiB
+    assert 0 < got["value_bytes"] <= allowed, got
+    assert stats["refused_others"] > 0, stats
+    assert reads and all(n >= filled for n in reads), reads  # every read of the member found every entry
