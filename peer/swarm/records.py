@@ -44,9 +44,11 @@ that, new adverts are refused and the ones stored stay readable, where before ev
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
@@ -60,6 +62,18 @@ from tasklet.peer.identity.keys import Identity, split_owner_subkey
 from tasklet.peer.swarm import rendezvous
 from tasklet.peer.swarm.canonical import canonical_json
 from tasklet.peer.swarm.dht import DHT_OPS, DhtOps, KeyBudget, StorageBudget
+from tasklet.peer.swarm.shards import (
+    MAX_SHARDS,
+    SHARDED,
+    crowded,
+    key_names,
+    level_suffix,
+    next_shards,
+    shard_name,
+    shard_of,
+    suffix_level,
+    write_level,
+)
 from tasklet.peer.timing import (
     ADVERT_TTL_HEARTBEATS,
     DHT_CALL_TIMEOUT_S,
@@ -73,6 +87,7 @@ from tasklet.peer.timing import (
 
 logger = logging.getLogger(__name__)
 
+LEVEL_REREAD_S = 30.0  # a refused store of a sharded kind reads the kind again at most this often
 INNER_TIMEOUT_SHARE = 0.8  # of a call's deadline, what its lookups and member nodes have inside the DHT process
 MAX_PAYLOAD_BYTES = 256 * 1024
 MAX_VALUE_BYTES = MAX_PAYLOAD_BYTES + 1024  # a stored envelope: the payload, its MAC and msgpack framing
@@ -87,7 +102,11 @@ SIGNATURE_BYTES = 512  # hivemind's "[signature:...]" after a stored value (an R
 # at most 3 MiB of subkeys and signed values, so with msgpack's framing (about 25 bytes an entry, 100 KiB for
 # 4,096 entries) and the 8 nearest peers a reply stays under 3.2 MiB, whatever is stored.
 MAX_KEY_BYTES = 3 * 1024 * 1024
-MAX_STORED_BYTES = 24 * 1024 * 1024  # every key of the run together (seven keys of at most 3 MiB: 21 MiB)
+# A node stores the keys it is among the nearest to. In a swarm of five nodes or fewer every node holds every key,
+# and such a swarm's records are small; at 10,000 peers (64 shards of each sharded kind on hivemind's 5 replicas
+# among 10,000 nodes) a node holds a given shard with odds of 3 %, three shards of one kind almost never.
+MAX_KIND_BYTES = 3 * MAX_KEY_BYTES  # one sharded kind's keys together, on one node (no kind starves another)
+MAX_STORED_BYTES = 36 * 1024 * 1024  # every key of the run together (two kinds of 9 MiB, five keys of 3 MiB: 33)
 EXPIRY_SLACK_S = 30.0 + MAX_CLOCK_SKEW_S  # a writer's clock and the moment of its store may run ahead this much
 _ADVERT_TTL_MAX = ADVERT_TTL_HEARTBEATS * MAX_HEARTBEAT_S
 # the longest lifetime each kind of record is stored with (peer.swarm.membership, plans, progress)
@@ -179,6 +198,9 @@ class RecordStore:
         self.dht, self.run_id, self.identity, self.timeout_s = dht, run_id, identity, timeout_s
         self._record_key = None if secret is None else record_key(secret, run_id)
         self.ops = DhtOps()  # this store's gets and stores (also counted in the process-wide DHT_OPS)
+        self.levels: dict[str, int] = {}  # sharded kind -> the level this writer writes it at (peer.swarm.shards)
+        self.depths: dict[str, int] = {}  # sharded kind -> the level the next read of it starts at
+        self._read_at: dict[str, float] = {}  # sharded kind -> when this store last read it (monotonic)
 
     def __repr__(self) -> str:  # never shows the record key
         return f"RecordStore(run_id={self.run_id!r}, sealed={self._record_key is not None})"
@@ -204,54 +226,109 @@ class RecordStore:
         if len(encoded) > MAX_PAYLOAD_BYTES:
             raise ValueError(f"{name} record is {len(encoded)} bytes, more than {MAX_PAYLOAD_BYTES}")
         expires_at = float(expires_at)
-        envelope = {"p": payload, "mac": self.mac(name, self.identity.peer_id, suffix, expires_at, payload)}
+        if name not in SHARDED:
+            return self._store(self.identity, name, self.key(name), suffix, payload, expires_at)
+        if suffix:
+            raise ValueError(f"{name}: one entry per writer, no suffix")
+        level = self.levels.get(name, 1)
+        if self._store_at_level(self.identity, name, level, payload, expires_at):
+            return True
+        # a writer that reads no adverts (a follower) may write at a level the swarm has left: a refused store
+        # reads the kind again (at most every LEVEL_REREAD_S) and goes where that read says, once
+        if time.monotonic() - self._read_at.get(name, float("-inf")) < LEVEL_REREAD_S or self.read(name) is None:
+            return False
+        moved = self.levels.get(name, 1)
+        return moved != level and self._store_at_level(self.identity, name, moved, payload, expires_at)
+
+    def _store_at_level(self, identity: Identity, name: str, level: int, payload: dict, expires_at: float) -> bool:
+        """Store a sharded kind's entry in this writer's shard of ``level`` (peer.swarm.shards)."""
+        key = self.key(shard_name(name, shard_of(identity.peer_id, level)))
+        return self._store(identity, name, key, level_suffix(level), payload, expires_at)
+
+    def _store(self, identity: Identity, name: str, key: str, suffix: bytes, payload: dict,
+               expires_at: float) -> bool:
+        envelope = {"p": payload, "mac": self.mac(name, identity.peer_id, suffix, expires_at, payload)}
         self._count("store", name)
-        future = rendezvous.store(self.dht, self.key(name), self.identity.owner_tag + suffix, envelope, expires_at,
+        future = rendezvous.store(self.dht, key, identity.owner_tag + suffix, envelope, expires_at,
                                   INNER_TIMEOUT_SHARE * self.timeout_s)
         try:
             return bool(future.result(timeout=self.timeout_s))
         except TimeoutError:
             future.cancel()
-            logger.warning("storing %s timed out after %.1f s", self.key(name), self.timeout_s)
+            logger.warning("storing %s timed out after %.1f s", key, self.timeout_s)
             return False
         except Exception as error:  # the DHT process reports its own failures; the caller retries
-            logger.warning("storing %s failed: %s: %s", self.key(name), type(error).__name__, error)
+            logger.warning("storing %s failed: %s: %s", key, type(error).__name__, error)
             return False
 
     def read(self, name: str, include_expired: bool = False) -> list[SignedRecord] | None:
         """Every well-formed, unexpired record under ``name`` with its MAC status (the payload only where the
         MAC verifies); None if the DHT timed out. ``include_expired`` keeps records that are expired by our own
-        clock but still held by the DHT (the clock check at join compares clocks with them)."""
-        self._count("get", name)
-        future = rendezvous.read(self.dht, self.key(name), INNER_TIMEOUT_SHARE * self.timeout_s)
-        try:
-            found = future.result(timeout=self.timeout_s)
-        except TimeoutError:
-            future.cancel()
-            logger.warning("reading %s timed out after %.1f s", self.key(name), self.timeout_s)
+        clock but still held by the DHT (the clock check at join compares clocks with them).
+
+        A sharded kind (peer.swarm.shards) is read level by level within the one deadline, the shards of a level
+        together; the level reached is where this store's writer then writes it. A writer's entries in several
+        shards (it moved a level) count once, the latest. None only when no shard answered."""
+        deadline = time.monotonic() + self.timeout_s
+        at = float("-inf") if include_expired else now()
+        level = self.depths.get(name, 1) if name in SHARDED else 1
+        shards, answered, deepest = list(range(level)), False, 1
+        records: list[SignedRecord] = []
+        while shards:
+            found = self._read_keys(name, shards, deadline)
+            answered = answered or any(entries is not None for entries in found)
+            for shard, entries in zip(shards, found, strict=True):
+                records.extend(self._parse(self.key(shard_name(name, shard)), name, entries or {}, at))
+            if name not in SHARDED or level >= MAX_SHARDS:
+                break
+            deepest = max([deepest, *(suffix_level(r.suffix) or 1 for r in records)])
+            if deepest <= level and not crowded({r.owner for r in records}, level):
+                break
+            shards, level = list(next_shards(level)), 2 * level
+        if not answered:
             return None
-        except Exception as error:  # e.g. hivemind's storage heap comparing a str subkey with a bytes one
-            logger.warning("reading %s failed: %s: %s", self.key(name), type(error).__name__, error)
-            return None
-        if found is None:
-            return []
-        records = list(self._parse(name, found, float("-inf") if include_expired else now()))
+        if name in SHARDED:
+            self._read_at[name] = time.monotonic()
+            records = _latest_per_writer(records)
+            self.levels[name] = write_level(r.owner for r in records)
+            self.depths[name] = max(self.levels[name], deepest)
         self._count("rows", name, len(records))
         return records
+
+    def _read_keys(self, name: str, shards: list[int], deadline: float) -> list[dict | None]:
+        """The entries under each shard's key (one get each, issued together): None where it did not answer."""
+        keys = [self.key(shard_name(name, shard)) for shard in shards]
+        self._count("get", name, len(keys))
+        futures = [rendezvous.read(self.dht, key, INNER_TIMEOUT_SHARE * self.timeout_s) for key in keys]
+        out: list[dict | None] = []
+        for key, future in zip(keys, futures, strict=True):
+            try:
+                found = future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                future.cancel()
+                logger.warning("reading %s timed out after %.1f s", key, self.timeout_s)
+                out.append(None)
+                continue
+            except Exception as error:  # e.g. hivemind's storage heap comparing a str subkey with a bytes one
+                logger.warning("reading %s failed: %s: %s", key, type(error).__name__, error)
+                out.append(None)
+                continue
+            out.append(found or {})
+        return out
 
     def _count(self, kind: str, name: str, n: int = 1) -> None:
         self.ops.add(kind, name, n)
         DHT_OPS.add(kind, name, n)
 
-    def _parse(self, name: str, entries: dict, at: float) -> Iterator[SignedRecord]:
+    def _parse(self, key: str, name: str, entries: dict, at: float) -> Iterator[SignedRecord]:
         for seen, (subkey, item) in enumerate(entries.items()):
             if seen >= MAX_ENTRIES_READ:
-                logger.warning("%s holds more than %d entries; the rest are not read", self.key(name),
+                logger.warning("%s holds more than %d entries; the rest are not read", key,
                                MAX_ENTRIES_READ)
                 return
             owner = split_owner_subkey(subkey)
             if owner is None:
-                logger.debug("%s: skipping a record without an owner tag", self.key(name))
+                logger.debug("%s: skipping a record without an owner tag", key)
                 continue
             peer_id, suffix = owner
             expires_at = float(item.expiration_time)
@@ -261,7 +338,7 @@ class RecordStore:
                 payload, mac = open_envelope(item.value)
                 status = self._check_mac(name, peer_id, suffix, expires_at, payload, mac)
             except ValueError as error:
-                logger.warning("%s: ignoring a malformed record from %s: %s", self.key(name), peer_id, error)
+                logger.warning("%s: ignoring a malformed record from %s: %s", key, peer_id, error)
                 continue
             yield SignedRecord(peer_id, suffix, payload if status is MacStatus.OK else {}, expires_at, status)
 
@@ -287,6 +364,17 @@ class RecordStore:
         return accepted
 
 
+def _latest_per_writer(records: list[SignedRecord]) -> list[SignedRecord]:
+    """A sharded kind's records, one per writer (the latest; one that moved a level left an older one behind),
+    without the level suffix, which only says where the entry was stored."""
+    latest: dict[str, SignedRecord] = {}
+    for record in records:
+        old = latest.get(record.owner)
+        if old is None or record.expires_at > old.expires_at:
+            latest[record.owner] = record
+    return [dataclasses.replace(record, suffix=b"") for record in latest.values()]
+
+
 class RunRecordValidator(RecordValidatorBase):
     """What a DHT node of ours accepts: the records of one run, each in its kind's schema (module docstring).
 
@@ -300,7 +388,12 @@ class RunRecordValidator(RecordValidatorBase):
 
     def __init__(self, run_id: str, key: bytes | None) -> None:
         self.run_id, self._key = run_id, key
-        self._names = {DHTID.generate(source=f"{run_id}:{name}").to_bytes(): name for name in RECORD_TTL_S}
+        # DHT key -> (kind, shard): every shard of a sharded kind (peer.swarm.shards), shard 0 for the others
+        self._names: dict[bytes, tuple[str, int]] = {
+            DHTID.generate(source=f"{run_id}:{stored}").to_bytes(): (name, shard)
+            for name in RECORD_TTL_S
+            for stored, shard in key_names(name)
+        }
         self.refused: dict[str, int] = {}
 
     @property
@@ -313,22 +406,23 @@ class RunRecordValidator(RecordValidatorBase):
     def storage_budget(self) -> StorageBudget:
         """The budgets ``peer.swarm.dht.start_dht`` gives this node's storage: only this run's keys."""
         return StorageBudget(
-            keys={key: _key_budget(name) for key, name in self._names.items()},
+            keys={key: _key_budget(name) for key, (name, _) in self._names.items()},
             total_bytes=MAX_STORED_BYTES,
-            steward_keys=frozenset(key for key, name in self._names.items() if name in STEWARD_KINDS),
+            steward_keys=frozenset(key for key, (name, _) in self._names.items() if name in STEWARD_KINDS),
+            group_bytes={name: MAX_KIND_BYTES for name in SHARDED},
         )
 
     def validate(self, record: DHTRecord) -> bool:
-        name = self._names.get(record.key)
-        reason = "not a key of this run" if name is None else self._refusal(name, record)
+        found = self._names.get(record.key)
+        reason = "not a key of this run" if found is None else self._refusal(*found, record)
         if reason:
             self.refused[reason] = self.refused.get(reason, 0) + 1
-            logger.debug("%s:%s: refused a record: %s", self.run_id, name, reason)
+            logger.debug("%s:%s: refused a record: %s", self.run_id, found, reason)
             return False
         return True
 
-    def _refusal(self, name: str, record: DHTRecord) -> str:
-        """Why ``record`` may not be stored under ``name`` ("" when it may)."""
+    def _refusal(self, name: str, shard: int, record: DHTRecord) -> str:
+        """Why ``record`` may not be stored under kind ``name``'s ``shard`` ("" when it may)."""
         if len(record.subkey) > MAX_SUBKEY_BYTES:
             return "subkey too large"
         if len(record.value) > RECORD_VALUE_BYTES[name]:
@@ -343,7 +437,13 @@ class RunRecordValidator(RecordValidatorBase):
         if owner is None:
             return "no owner tag"
         writer, suffix = owner
-        if name in ONE_SUBKEY_PER_OWNER and suffix:
+        if name in SHARDED:  # its suffix names the level it was written at, its key that level's shard of it
+            level = suffix_level(suffix)
+            if level is None:
+                return "not a level suffix"
+            if shard != shard_of(writer, level):
+                return "a shard of another writer"
+        elif name in ONE_SUBKEY_PER_OWNER and suffix:
             return "a second subkey of this owner"
         try:
             payload, mac = open_envelope(MSGPackSerializer.loads(record.value))
@@ -385,12 +485,14 @@ def peers_schema_refusal(payload: dict, writer: str) -> str:
 
 
 def _key_budget(name: str) -> KeyBudget:
-    """A key's budget: the reply limit in all; one owner gets its kind's one entry, or an eighth of the key."""
-    single = name in ONE_SUBKEY_PER_OWNER
+    """A key's budget: the reply limit in all; one owner gets its kind's one entry, or an eighth of the key; the
+    shards of a sharded kind share :data:`MAX_KIND_BYTES` on one node."""
+    single, sharded = name in ONE_SUBKEY_PER_OWNER, name in SHARDED  # a writer moving a level: two entries a while
     entry = RECORD_VALUE_BYTES[name] + SIGNATURE_BYTES + MAX_SUBKEY_BYTES
     return KeyBudget(
         max_bytes=MAX_KEY_BYTES,
         max_entries=MAX_SUBKEYS_PER_KEY,
-        owner_bytes=entry if single else MAX_KEY_BYTES // 8,
-        owner_entries=1 if single else MAX_SUBKEYS_PER_OWNER,
+        owner_bytes=entry * (2 if sharded else 1) if single else MAX_KEY_BYTES // 8,
+        owner_entries=(2 if sharded else 1) if single else MAX_SUBKEYS_PER_OWNER,
+        group=name if name in SHARDED else "",
     )
