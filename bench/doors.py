@@ -348,6 +348,7 @@ class MemberSwarm:
             if finds:
                 asker = _attack(self.evil, "dht-finds", self.dht, "tasklet", "--keys", "peers,links,run,plans",
                                 "--count", str(finds), "--seconds", "900")
+                asking = time.monotonic()
             out["attack_s"] = round(time.monotonic() - started, 1)
             attacked = self.steps_per_s(window_s)
             name, reached, trained = self.join_home(join_timeout_s)
@@ -357,6 +358,7 @@ class MemberSwarm:
                 out["eclipse"] = _stop(strangers)
             if finds:
                 out["finds"] = _stop(asker)
+                out["finds_s"] = round(time.monotonic() - asking, 1)
         self.leave(name)
         honest = {self.ids[n].peer_id for n in ("pub0", "pub1", name)}
         listed = {host: {p.get("peer_id") for p in st.get("peers", [])} for host, st in statuses.items()}

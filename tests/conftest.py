@@ -13,12 +13,13 @@ with no layer marker from either is ``unit``.
 
 Order: the in-process tests first, then the fresh clone's tests, then the other integration tests. With
 pytest-xdist (``TASKLET_TEST_WORKERS``, 2 by default, ``--dist loadgroup``, see scripts/test.sh) they run in two
-lanes, an ``xdist_group`` each, so one worker each: lane 1 the in-process tests, then the fresh clone's (its
-set-up, the README's first command, the install script); lane 2 every other test with processes, one at a time
-(two swarms at once on 2 cores only wait on each other; the network-namespace bed and the container engine are
-machine-wide). Tests marked ``light_processes`` (a CLI, a probe, a script; no swarm) run in lane 1 after the fresh
-clone's, beside lane 2's swarms. Lane 1 is over in about 10 minutes, lane 2 sets the suite's time. In one process,
-the fresh clone's set-up starts in the background when the tests are collected (tests/support/newcomer.py).
+lanes, an ``xdist_group`` each, so one worker each. Lane 1: the in-process tests, then the fresh clone's (its
+set-up, the README's first command, the install script), then the tests marked ``light_processes`` (a CLI, a
+probe, a script; no swarm), then the ``container`` tests (the images' build, about 4 minutes cold, and their
+swarms). Lane 2: every other test with processes, one at a time (two of its swarms at once on 2 cores only wait
+on each other). Lane 2 sets the suite's time; the container tests moved to lane 1 because it sat idle for most
+of the run while lane 2 took 38 minutes. In one process, the fresh clone's set-up starts in the background when
+the tests are collected (tests/support/newcomer.py).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ LAYER_MARKERS = ("unit", "integration", "slow")
 # bed and the container engine are machine-wide)
 LANE1, LANE2 = "lane1", "lane2"
 LIGHT = "light_processes"
+CONTAINER = "container"  # the image build and the container tests: lane 1, last (module docstring)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -78,7 +80,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _order(item: pytest.Item) -> int:
     if not _with_processes(item):
         return 0
-    return 1 if "newcomer" in _fixtures(item) else 2 if item.get_closest_marker(LIGHT) else 3
+    if "newcomer" in _fixtures(item):
+        return 1
+    return 2 if item.get_closest_marker(LIGHT) else 3 if item.get_closest_marker(CONTAINER) else 4
 
 
 def _with_processes(item: pytest.Item) -> bool:
@@ -86,7 +90,8 @@ def _with_processes(item: pytest.Item) -> bool:
 
 
 def _group(item: pytest.Item) -> str:
-    lane1 = not _with_processes(item) or "newcomer" in _fixtures(item) or item.get_closest_marker(LIGHT)
+    lane1 = (not _with_processes(item) or "newcomer" in _fixtures(item) or item.get_closest_marker(LIGHT)
+             or item.get_closest_marker(CONTAINER))
     return LANE1 if lane1 else LANE2
 
 

@@ -4,11 +4,14 @@ hivemind answers every node's find of a key with the whole key, whoever asks and
 also go through members' DHT nodes (peer.swarm.rendezvous), a key that a member's free identities had filled to
 its 3 MiB budget was sent whole to every asker, stranger or not: stranger nodes sitting next to the keys and the
 members' own reads took a bootstrap node's DHT process to 1.7 GiB and the swarm from 6.9 to 2.5 steps/s. So a
-node's answers with values of the run's keys draw on two byte buckets: one for the members' DHT nodes (named by
-their sealed adverts: only join-secret holders put them there) and a smaller one shared by everyone else (a
-joiner, `peer status`, strangers). Each asker also gets one key's value at most once per ``repeat_s``. An answer
-over budget says "not found" and still names the nearest nodes, as hivemind's does, so an asker's lookup goes on
-elsewhere. Sizes are the budgeted storage's own count of a key's bytes (peer.swarm.dht.BudgetedStorage).
+node's answers that carry a run key's value draw on byte buckets: each asker's own, and one for its class in
+all: the members' DHT nodes (named by their sealed adverts: only join-secret holders put them there), or
+everyone else (a joiner before its advert is read, `peer status`, strangers), whose buckets are smaller and who
+get one key's value at most once per ``other_repeat_s``. Each asker's own bucket keeps one busy asker (a stranger
+asking as fast as it can) from starving another (a joiner reading the run's record); the class's keeps many
+identities from taking the node's CPU. An answer over budget says "not found" and still names the nearest nodes,
+as hivemind's does, so the asker's lookup goes on elsewhere. Sizes are the budgeted storage's own count of a
+key's bytes (peer.swarm.dht.BudgetedStorage).
 """
 
 from __future__ import annotations
@@ -27,12 +30,18 @@ MAX_ASKERS = 4096  # askers whose last answers one node remembers (the oldest ar
 
 @dataclass(frozen=True)
 class GateLimits:
-    """Bytes per second (and bursts) of values a node's finds hand out: to members' nodes, to everyone else."""
+    """Bytes per second (and bursts) of values a node's finds hand out, per asker and in all: to members' DHT
+    nodes, and to everyone else. Per asker, so that one busy asker (a stranger asking as fast as it can) cannot
+    starve a joiner that asks for the run's record; in all, so that many identities cannot take the node's CPU."""
 
-    member_bytes_per_s: float = 16 * MiB
-    member_burst_bytes: float = 48 * MiB
-    other_bytes_per_s: float = 4 * MiB
-    other_burst_bytes: float = 12 * MiB
+    member_bytes_per_s: float = 8 * MiB
+    member_burst_bytes: float = 24 * MiB
+    members_bytes_per_s: float = 32 * MiB
+    members_burst_bytes: float = 96 * MiB
+    other_bytes_per_s: float = 2 * MiB
+    other_burst_bytes: float = 8 * MiB
+    others_bytes_per_s: float = 16 * MiB
+    others_burst_bytes: float = 48 * MiB
     member_repeat_s: float = 0.0  # one asker, one key: at most one answer with its value per this long (a member's
     # read asks a node twice at once: its lookup and its direct find)
     other_repeat_s: float = 2.0
@@ -45,14 +54,25 @@ class _Bucket:
         self.rate, self.burst, self.clock = rate, burst, clock
         self.tokens, self.at = burst, clock()
 
-    def take(self, amount: float) -> bool:
+    def has(self, amount: float) -> bool:
         now = self.clock()
         self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
         self.at = now
-        if amount > self.tokens:
+        return amount <= self.tokens
+
+    def take(self, amount: float) -> bool:
+        if not self.has(amount):
             return False
         self.tokens -= amount
         return True
+
+
+def _remember(table: OrderedDict, key: Any, value: Any) -> None:
+    """Put ``key`` last in ``table``, forgetting the oldest beyond :data:`MAX_ASKERS`."""
+    table[key] = value
+    table.move_to_end(key)
+    while len(table) > MAX_ASKERS:
+        table.popitem(last=False)
 
 
 class FindGate:
@@ -62,10 +82,11 @@ class FindGate:
     def __init__(self, limits: GateLimits = GateLimits(), clock: Callable[[], float] = time.monotonic) -> None:
         self.limits, self.clock = limits, clock
         self.members: frozenset[str] = frozenset()
-        self._buckets = {
-            True: _Bucket(limits.member_bytes_per_s, limits.member_burst_bytes, clock),
-            False: _Bucket(limits.other_bytes_per_s, limits.other_burst_bytes, clock),
+        self._all = {
+            True: _Bucket(limits.members_bytes_per_s, limits.members_burst_bytes, clock),
+            False: _Bucket(limits.others_bytes_per_s, limits.others_burst_bytes, clock),
         }
+        self._askers: OrderedDict[tuple[str, bool], _Bucket] = OrderedDict()  # its own bucket (oldest forgotten)
         self._last: OrderedDict[tuple[str, Any], float] = OrderedDict()  # (asker, key) -> when last answered
         self.answered = {True: 0, False: 0}  # answers with a value, to members / to others
         self.refused = {True: 0, False: 0}
@@ -80,15 +101,24 @@ class FindGate:
         now = self.clock()
         repeat = self.limits.member_repeat_s if member else self.limits.other_repeat_s
         last = self._last.get((asker, key))
-        if (last is not None and now - last < repeat) or not self._buckets[member].take(size):
+        own = self._bucket(asker, member)
+        if (last is not None and now - last < repeat) or not own.has(size) or not self._all[member].take(size):
             self.refused[member] += 1
             return False
-        self._last[(asker, key)] = now
-        self._last.move_to_end((asker, key))
-        while len(self._last) > MAX_ASKERS:
-            self._last.popitem(last=False)
+        own.take(size)
+        _remember(self._last, (asker, key), now)
         self.answered[member] += 1
         return True
+
+    def _bucket(self, asker: str, member: bool) -> _Bucket:
+        bucket = self._askers.get((asker, member))
+        if bucket is None:
+            limits = self.limits
+            rate, burst = ((limits.member_bytes_per_s, limits.member_burst_bytes) if member
+                           else (limits.other_bytes_per_s, limits.other_burst_bytes))
+            bucket = _Bucket(rate, burst, self.clock)
+        _remember(self._askers, (asker, member), bucket)
+        return bucket
 
     def stats(self) -> dict[str, int]:
         return {"to_members": self.answered[True], "to_others": self.answered[False],

@@ -30,18 +30,22 @@ class Clock:
         return self.t
 
 
-def test_members_and_everyone_else_draw_on_their_own_budgets() -> None:
+def test_each_asker_and_each_class_draw_on_their_own_budgets() -> None:
     clock = Clock()
-    limits = GateLimits(member_bytes_per_s=10 * MiB, member_burst_bytes=20 * MiB, other_bytes_per_s=1 * MiB,
-                        other_burst_bytes=3 * MiB, member_repeat_s=0.5, other_repeat_s=2.0)
+    limits = GateLimits(member_bytes_per_s=4 * MiB, member_burst_bytes=8 * MiB, members_bytes_per_s=10 * MiB,
+                        members_burst_bytes=20 * MiB, other_bytes_per_s=1 * MiB, other_burst_bytes=2 * MiB,
+                        others_bytes_per_s=2 * MiB, others_burst_bytes=3 * MiB, other_repeat_s=0.0)
     gate = FindGate(limits, clock)
-    gate.set_members(["member"])
-    # strangers (each a fresh id, so the per-asker interval never bites) share 3 MiB of burst
-    assert [gate.allow(f"stranger{i}", "key", MiB) for i in range(5)] == [True, True, True, False, False]
-    assert gate.allow("member", "key", 15 * MiB)  # the members' budget is not the strangers'
-    clock.t = 1.0  # one second refills one MiB for the strangers
-    assert gate.allow("stranger9", "key", MiB) and not gate.allow("stranger10", "key", MiB)
-    assert gate.stats() == {"to_members": 1, "to_others": 4, "refused_members": 0, "refused_others": 3}
+    gate.set_members(["member", "member2"])
+    # one busy stranger gets its own 2 MiB, and leaves the rest of the strangers' 3 MiB to another asker
+    assert [gate.allow("busy", "key", MiB) for _ in range(3)] == [True, True, False]
+    assert gate.allow("joiner", "key", MiB) and not gate.allow("third", "key", MiB)  # the class's 3 MiB are gone
+    assert gate.allow("member", "key", 8 * MiB)  # the members' budget is not the strangers'
+    assert not gate.allow("member", "key", MiB) and gate.allow("member2", "key", 8 * MiB)
+    assert not gate.allow("member3", "key", MiB)  # not a member: the strangers' class, spent
+    clock.t = 1.0  # a second: each bucket refills at its rate, the strangers' class by 2 MiB
+    assert gate.allow("busy", "key", MiB) and gate.allow("joiner", "key", MiB) and not gate.allow("x", "key", MiB)
+    assert gate.stats() == {"to_members": 2, "to_others": 5, "refused_members": 1, "refused_others": 4}
 
 
 def test_one_asker_gets_one_key_at_most_once_per_interval() -> None:
@@ -112,8 +116,8 @@ def test_a_stranger_asking_for_a_filled_key_gets_its_budget_and_a_member_still_r
     got = json.loads(line or "{}")
     print(f"stranger's finds: {got}; member's reads: {reads}; gate: {stats}")
     assert got["finds"] > 50, got  # it asked as fast as it could
-    # what the strangers' bucket allows over the attack, and one key over (the answer that found it full)
-    allowed = limits.other_burst_bytes + seconds * limits.other_bytes_per_s + 3 * MiB
+    # what one asker's bucket allows over the attack
+    allowed = limits.other_burst_bytes + seconds * limits.other_bytes_per_s
     assert 0 < got["value_bytes"] <= allowed, got
     assert stats["refused_others"] > 0, stats
     assert reads and all(n >= filled for n in reads), reads  # every read of the member found every entry
