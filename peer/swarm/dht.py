@@ -358,9 +358,10 @@ async def _install_storage(_dht: hivemind.DHT, node: hivemind.DHTNode, budget: S
     node.protocol.storage = storage
     node.protocol.cache = BudgetedStorage(StorageBudget(keys={}, total_bytes=0))
     protocol, p2p = node.protocol, node.protocol.p2p
-    name = protocol._get_handle_name(None, "rpc_find")  # noqa: SLF001 - the name hivemind registered it under
-    await p2p.remove_protobuf_handler(name)
-    await p2p.add_protobuf_handler(name, gated_find(protocol, storage.gate), dht_pb2.FindRequest)
+    if not protocol.client_mode:  # a client-mode node answers no finds: hivemind registered no handler
+        name = protocol._get_handle_name(None, "rpc_find")  # noqa: SLF001 - the name hivemind registered it under
+        await p2p.remove_protobuf_handler(name)
+        await p2p.add_protobuf_handler(name, gated_find(protocol, storage.gate), dht_pb2.FindRequest)
     return moved
 
 

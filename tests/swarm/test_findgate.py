@@ -121,3 +121,20 @@ def test_a_stranger_asking_for_a_filled_key_gets_its_budget_and_a_member_still_r
     assert 0 < got["value_bytes"] <= allowed, got
     assert stats["refused_others"] > 0, stats
     assert reads and all(n >= filled for n in reads), reads  # every read of the member found every entry
+
+
+@pytest.mark.usefixtures("processes")
+@pytest.mark.light_processes
+@pytest.mark.timeout(120)
+def test_a_client_mode_node_with_the_run_s_budgets_starts_and_reads() -> None:
+    """`peer stewards add` joins as a client with the run's guard: no find handler to gate, and it still starts."""
+    member = start_dht(DHTConfig(), Identity.generate(), [RunRecordValidator(RUN, record_key(SECRET, RUN))])
+    try:
+        client = start_dht(DHTConfig(initial_peers=tuple(visible_maddrs(member)), client_mode=True),
+                           Identity.generate(), [RunRecordValidator(RUN, record_key(SECRET, RUN))])
+        try:
+            assert RecordStore(client, RUN, None, SECRET).get_all("run") == []
+        finally:
+            client.shutdown()
+    finally:
+        member.shutdown()
