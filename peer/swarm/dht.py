@@ -37,6 +37,7 @@ from tasklet.peer.swarm.rendezvous import register
 from tasklet.peer.timing import DHT_STARTUP_TIMEOUT_S
 
 RECONNECT_PING_S = 5.0  # one re-ping of a bootstrap node waits at most this
+OTHERS_ANSWER_BYTES = 256 * 1024  # of one key, what a find answer to an asker that is not a member's node carries
 # hivemind's defaults tuned for a run's few, small, short-lived dictionary records (see start_dht)
 BUCKET_SIZE = 8  # k: nodes a lookup keeps in its beam and a find returns (hivemind: 20); >= the 5 replicas
 CACHE_NEAREST = 0  # hivemind re-stores every value a get found on the nearest node without it (hivemind: 1)
@@ -222,13 +223,26 @@ class BudgetedStorage(DHTLocalStorage):
 
     def get(self, key: DHTID) -> ValueWithExpiration | None:
         """hivemind's ``get``; while a find is answered (peer.swarm.findgate), the value only within the asker's
-        budget (None otherwise: the answer says not found)."""
+        budget (None otherwise: the answer says not found), and to an asker that is not a member's node only its
+        smallest entries, up to :data:`OTHERS_ANSWER_BYTES` (honest records are small: the run's record, adverts;
+        a key filled by free identities is mostly their padding)."""
         item = super().get(key)
         asker = asking()
         if item is None or asker is None:
             return item
-        usage = self._usage.get(key)
-        return item if asker.gate.allow(asker.asker, key, usage.bytes if usage else 0) else None
+        if asker.asker in asker.gate.members or not isinstance(item.value, DictionaryDHTValue):
+            usage = self._usage.get(key)
+            return item if asker.gate.allow(asker.asker, key, usage.bytes if usage else 0) else None
+        trimmed, size = DictionaryDHTValue(), 0
+        for subkey, (value, expiry) in sorted(item.value.items(), key=lambda kv: _entry_bytes(kv[0], kv[1].value)):
+            entry = _entry_bytes(subkey, value)
+            if size + entry > OTHERS_ANSWER_BYTES:
+                break
+            trimmed.store(subkey, value, expiry)
+            size += entry
+        if not size or not asker.gate.allow(asker.asker, key, size):
+            return None
+        return ValueWithExpiration(trimmed, item.expiration_time)
 
     def restrict(self, writers: frozenset[str] | None) -> int:
         """Only ``writers`` store under the steward keys from now on (None: any owner); entries of others already
