@@ -50,7 +50,7 @@ pytestmark = [pytest.mark.container, pytest.mark.usefixtures("processes"), pytes
 __all__ = ["container_images_fixture"]  # the session fixture, registered by being a name of this module
 
 TOLERANCE = 1e-5
-COMPOSE_STEPS = 18
+COMPOSE_STEPS = 30  # at ~0.25 s a step, 24 after the stop step: room for a slow `podman logs` and `stop` under load
 STOP_AFTER_STEP = 6
 HOST_STEPS = 10
 
