@@ -501,7 +501,7 @@ class _Signer:
         return RSASignatureValidator._SIGNATURE_RE.sub(b"", record.value)  # type: ignore[attr-defined]
 
 
-STORE_TRIES = 3  # of each of the fill's stores
+STORE_TRIES = 6  # of each of the fill's stores (a `peers` store not taken waits a second before the next)
 
 
 async def _fill_run_keys(_dht: object, node: object, run_id: str, secret: str | None, identities: int,
@@ -551,6 +551,7 @@ async def _fill_run_keys(_dht: object, node: object, run_id: str, secret: str | 
                 if ok or name != "peers":  # only `peers` takes every identity's entry; elsewhere a budget refuses
                     out[name] += bool(ok)
                     return
+                await asyncio.sleep(1.0)  # a busy node's refusal: give it a moment
 
     await asyncio.gather(*(store(*job) for job in jobs))
     out["identities"] = identities
