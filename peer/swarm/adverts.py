@@ -213,8 +213,9 @@ class Advert:
     cert: str = ""
     # a NAT'd peer's public address as a relay saw it ("" = none): the doors count its connections as a member's
     dials_from: str = ""
-    # the libp2p peer id of the peer's DHT node ("" = none): finds from a member's node draw on the members'
-    # budget of answers (peer.swarm.findgate)
+    # the libp2p peer id of the peer's DHT node ("" = none): readers of the run's records ask reachable members'
+    # nodes directly, whatever nodes sit next to the keys (peer.swarm.rendezvous); finds from any member's node
+    # draw on the members' budget of answers (peer.swarm.findgate)
     dht: str = ""
 
     def __post_init__(self) -> None:

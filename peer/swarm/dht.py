@@ -33,6 +33,7 @@ from hivemind.utils.timed_storage import TimedStorage, ValueWithExpiration, get_
 
 from tasklet.peer.identity.keys import Identity, split_owner_subkey
 from tasklet.peer.swarm.findgate import FindGate, asking, gated_find
+from tasklet.peer.swarm.rendezvous import register
 from tasklet.peer.timing import DHT_STARTUP_TIMEOUT_S
 
 RECONNECT_PING_S = 5.0  # one re-ping of a bootstrap node waits at most this
@@ -437,6 +438,7 @@ def start_dht(config: DHTConfig, identity: Identity, validators: Sequence[Record
     except Exception as error:
         _stop(dht)
         raise DHTStartError(f"cannot set up the DHT's command pipe: {type(error).__name__}: {error}") from error
+    register(dht, config.initial_peers)  # reads and writes of the run also go through members' nodes
     budgets = [v.storage_budget() for v in validators if hasattr(v, "storage_budget")]
     if budgets:
         try:

@@ -1,9 +1,9 @@
 """How much of the run's records a DHT node hands out in answer to finds, and to whom.
 
-hivemind answers every node's find of a key with the whole key, whoever asks and however often: a key that a
-member's free identities had filled to its 3 MiB budget was sent whole to every asker, stranger or not (with
-reads also through members' nodes, tried against an eclipse, stranger nodes sitting next to the keys and the
-members' own reads took a bootstrap node's DHT process to 1.7 GiB and a swarm from 6.9 to 2.5 steps/s). So a
+hivemind answers every node's find of a key with the whole key, whoever asks and however often. With reads that
+also go through members' DHT nodes (peer.swarm.rendezvous), a key that a member's free identities had filled to
+its 3 MiB budget was sent whole to every asker, stranger or not: stranger nodes sitting next to the keys and the
+members' own reads took a bootstrap node's DHT process to 1.7 GiB and the swarm from 6.9 to 2.5 steps/s. So a
 node's answers that carry a run key's value draw on byte buckets: each asker's own, and one for its class in
 all: the members' DHT nodes (named by their sealed adverts: only join-secret holders put them there), or
 everyone else (a joiner before its advert is read, `peer status`, strangers), whose buckets are smaller. (A
@@ -165,17 +165,3 @@ async def _set_members(_dht: Any, node: Any, members: frozenset[str]) -> dict[st
 def gate_members(dht: Any, members: Iterable[str]) -> Any:
     """Tell a ``hivemind.DHT``'s find gate the live members' DHT peer ids; a future of the gate's counts."""
     return dht.run_coroutine(partial(_set_members, members=frozenset(members)), return_future=True)
-
-
-class GateMembers:
-    """What a peer last told its DHT process's gate: the members' DHT nodes, from the adverts it read."""
-
-    def __init__(self) -> None:
-        self.told: frozenset[str] = frozenset()
-
-    def note(self, dht: Any, adverts: Iterable[Any]) -> None:
-        """The live members' adverts as the last read names them; the gate is told when its members change."""
-        every = frozenset(a.dht for a in adverts if a.dht)
-        if every != self.told and hasattr(dht, "run_coroutine"):  # the control-plane simulation's DHT has none
-            self.told = every
-            gate_members(dht, every)

@@ -40,8 +40,8 @@ import hivemind
 from tasklet.peer.identity.keys import Identity
 from tasklet.peer.swarm.adverts import Advert, LinkReport, check_peer_id
 from tasklet.peer.swarm.charter import CharterError, run_organiser, sign_run, stewards_of
-from tasklet.peer.swarm.findgate import GateMembers
 from tasklet.peer.swarm.records import MacStatus, RecordStore
+from tasklet.peer.swarm.rendezvous import member_nodes
 from tasklet.peer.timing import (
     ADVERT_TTL_HEARTBEATS,
     DHT_CALL_TIMEOUT_S,
@@ -210,7 +210,6 @@ class Membership:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_entries: list[PeerEntry] = []
-        self._gate = GateMembers()  # the members' DHT nodes this peer's gate was told of
         self._last_links: list[LinkReport] = []
         self._found: list[str] | None = None  # who was alive when we joined (read once, at the first announce)
         self._endpoints = EndpointBinding()  # an endpoint is its first advertiser's
@@ -418,7 +417,7 @@ class Membership:
             own = self._advert
         entries = self._endpoints.filter(entries, own, self._endpoint_hints())
         self._last_entries = entries
-        self._gate.note(self.store.dht, (e.advert for e in entries))  # finds from their DHT nodes: members'
+        member_nodes(self.store.dht).note(self.store.dht, (e.advert for e in entries))  # reads also go there
         return list(entries)
 
     def _unexpired(self, at: float) -> list[PeerEntry]:

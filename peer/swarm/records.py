@@ -59,6 +59,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer
 
 from tasklet.peer.identity.keys import Identity, split_owner_subkey
+from tasklet.peer.swarm import rendezvous
 from tasklet.peer.swarm.canonical import canonical_json
 from tasklet.peer.swarm.dht import DHT_OPS, DhtOps, KeyBudget, StorageBudget
 from tasklet.peer.swarm.shards import (
@@ -87,6 +88,7 @@ from tasklet.peer.timing import (
 logger = logging.getLogger(__name__)
 
 LEVEL_REREAD_S = 30.0  # a refused store of a sharded kind reads the kind again at most this often
+INNER_TIMEOUT_SHARE = 0.8  # of a call's deadline, what its lookups and member nodes have inside the DHT process
 MAX_PAYLOAD_BYTES = 256 * 1024
 MAX_VALUE_BYTES = MAX_PAYLOAD_BYTES + 1024  # a stored envelope: the payload, its MAC and msgpack framing
 MAX_SUBKEY_BYTES = 2048  # an owner tag (an RSA public key) and a short suffix
@@ -247,7 +249,8 @@ class RecordStore:
                expires_at: float) -> bool:
         envelope = {"p": payload, "mac": self.mac(name, identity.peer_id, suffix, expires_at, payload)}
         self._count("store", name)
-        future = self.dht.store(key, envelope, expires_at, subkey=identity.owner_tag + suffix, return_future=True)
+        future = rendezvous.store(self.dht, key, identity.owner_tag + suffix, envelope, expires_at,
+                                  INNER_TIMEOUT_SHARE * self.timeout_s)
         try:
             return bool(future.result(timeout=self.timeout_s))
         except TimeoutError:
@@ -296,7 +299,7 @@ class RecordStore:
         """The entries under each shard's key (one get each, issued together): None where it did not answer."""
         keys = [self.key(shard_name(name, shard)) for shard in shards]
         self._count("get", name, len(keys))
-        futures = [self.dht.get(key, latest=True, return_future=True) for key in keys]
+        futures = [rendezvous.read(self.dht, key, INNER_TIMEOUT_SHARE * self.timeout_s) for key in keys]
         out: list[dict | None] = []
         for key, future in zip(keys, futures, strict=True):
             try:
@@ -310,10 +313,7 @@ class RecordStore:
                 logger.warning("reading %s failed: %s: %s", key, type(error).__name__, error)
                 out.append(None)
                 continue
-            if found is not None and not isinstance(found.value, dict):
-                logger.warning("%s holds a plain value, not per-peer records; ignored", key)
-                found = None
-            out.append({} if found is None else found.value)
+            out.append(found or {})
         return out
 
     def _count(self, kind: str, name: str, n: int = 1) -> None:

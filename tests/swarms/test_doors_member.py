@@ -8,11 +8,12 @@ the network-namespace bed, on one swarm that trains (bench.doors.MemberSwarm, sh
   after the squat ignores the squatter, follows the real leader and trains, and a fresh `peer status` lists the
   leader at its endpoint;
 * a member with 64 free identities fills every key of the run (its largest advert under ``peers``, 250 KiB under
-  each other key, 64 ``plans`` subkeys from one): the leader's keys take none of it, a NAT'd joiner trains within
-  60 s, a fresh `peer status` lists every honest peer, and the run keeps half its steps/s.
+  each other key, 64 ``plans`` subkeys from one), then, while the fill lives, eight stranger DHT nodes sit next to
+  the ``peers`` key taking every store: the leader's keys take none of the fill, a NAT'd joiner trains within 60 s,
+  a fresh `peer status` lists every honest peer, and the run keeps half its steps/s.
 
-Eight stranger DHT nodes next to the ``peers`` key (``dht_eclipse``) run in bench.doors on this bed: not defended.
-The finds' byte budgets are tests/swarm/test_findgate.py.
+The eclipse alone, and with a stranger's find flood on top, run in bench.doors on this bed; the eclipse against
+real DHT nodes on loopback is tests/swarm/test_rendezvous.py, the finds' byte budgets tests/swarm/test_findgate.py.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.doors import FILL_IDENTITIES, HOLD_GRPC, HOLD_RELAY, MemberSwarm
+from bench.doors import ECLIPSE_NODES, FILL_IDENTITIES, HOLD_GRPC, HOLD_RELAY, MemberSwarm
 from tasklet.peer.emulation.netbed import open_bed, unavailable_reason
 from tasklet.peer.net.config import FRONT_DESCRIPTORS, GRPC_DESCRIPTOR_SHARE, SOURCE_SHARE
 from tasklet.peer.net.limits import RESERVED_DESCRIPTORS, ConnectionCap
@@ -83,9 +84,12 @@ def test_a_squatted_endpoint_hides_the_leader_from_no_fresh_reader(swarm: Member
     assert got["leadership_changes"] == [], got["leadership_changes"]
 
 
-def test_free_identities_filling_the_run_s_keys_keep_no_joiner_out(swarm: MemberSwarm) -> None:
-    got = swarm.dht_attacks(WINDOW_S, fill=FILL_IDENTITIES, eclipse=0, status_on=("pub1",))
-    print(f"dht_run_key_fill: {got}")
+def test_free_identities_filling_the_run_s_keys_then_stranger_nodes_next_to_them_keep_no_joiner_out(
+        swarm: MemberSwarm) -> None:
+    got = swarm.dht_attacks(WINDOW_S, fill=FILL_IDENTITIES, eclipse=ECLIPSE_NODES, status_on=("pub1",))
+    print(f"dht_fill_eclipse: {got}")
+    # the strangers were real: they sat next to `peers`, and the run's stores went to them
+    assert got["stranger_nodes_ready"] == ECLIPSE_NODES and got["eclipse"]["stores"] > 0, got
     fill = got["fill"]
     assert fill and fill["identities"] == FILL_IDENTITIES, got
     # the attack was real: every free identity's advert is a member's, and the other keys took what their budget

@@ -1,11 +1,14 @@
 """An in-memory DHT with the interface the control plane uses of ``hivemind.DHT``, in virtual time.
 
-``peer.swarm.records.RecordStore`` calls exactly two methods of a DHT:
+``peer.swarm.rendezvous`` (what ``peer.swarm.records.RecordStore`` reads and writes through) calls exactly two
+methods of a DHT that is not hivemind's:
 
-* ``store(key, value, expiration_time, subkey=..., return_future=True)``: a future of a bool. Per subkey the
-  DHT keeps the value with the latest expiration; a store that does not expire later is refused (False);
-* ``get(key, latest=True, return_future=True)``: a future of None or of an object whose ``value`` maps each
-  subkey to an item with ``value`` and ``expiration_time`` (unexpired entries only).
+* ``store(key, value, expiration_time, subkey=...)``: a bool. Per subkey the DHT keeps the value with the latest
+  expiration; a store that does not expire later is refused (False);
+* ``get(key, latest=True)``: None or an object whose ``value`` maps each subkey to an item with ``value`` and
+  ``expiration_time`` (unexpired entries only).
+
+The real node's asks of members' DHT nodes (two per read and per write, against an eclipse) are not simulated.
 
 :class:`MemoryDHT` is one shared store; each simulated peer gets a :class:`DHTHandle` (what it passes where a
 ``hivemind.DHT`` is expected) that names the caller. The :class:`LatencyModel` prices each call: a Kademlia
