@@ -88,7 +88,9 @@ from tasklet.peer.timing import (
 logger = logging.getLogger(__name__)
 
 LEVEL_REREAD_S = 30.0  # a refused store of a sharded kind reads the kind again at most this often
-INNER_TIMEOUT_SHARE = 0.8  # of a call's deadline, what its lookups and member nodes have inside the DHT process
+INNER_TIMEOUT_SHARE = 0.95  # of a call's deadline, what its lookups and member nodes have inside the DHT process
+# (a lookup cut off earlier than a plain get's, e.g. one waiting on the nodes of a partition's other side, missed
+# adverts a plain get found)
 MAX_PAYLOAD_BYTES = 256 * 1024
 MAX_VALUE_BYTES = MAX_PAYLOAD_BYTES + 1024  # a stored envelope: the payload, its MAC and msgpack framing
 MAX_SUBKEY_BYTES = 2048  # an owner tag (an RSA public key) and a short suffix

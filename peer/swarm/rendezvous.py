@@ -40,15 +40,16 @@ from tasklet.peer.swarm.adverts import DHT_PEER_ID_RE
 from tasklet.peer.swarm.findgate import gate_members
 
 ASK_MEMBERS = 2  # members' DHT nodes each read asks and each write is pushed to, besides hivemind's own
-QUIET_S = 60.0  # a member's node that did not answer is not asked again for this long
+QUIET_S = 10.0  # a member's node that did not answer is not asked again for this long (a healed partition's
+# nodes are asked again soon after)
+MEMBER_GRACE_S = 1.0  # a read waits for the members' answers at most this long after hivemind's lookup ended
 MAX_MEMBER_NODES = 4096  # member DHT nodes one peer remembers
 
 
 class MemberNodes:
     """The DHT nodes this peer asks directly: the live members' (from their sealed adverts) and, while it knows
-    none, the bootstrap nodes of its join line. A node that did not answer is left out for :data:`QUIET_S` (a
-    read waits for the nodes it asks: one that cannot be dialled would cost every read the protocol's timeout).
-    Thread-safe."""
+    none, the bootstrap nodes of its join line. A node that did not answer is left out for :data:`QUIET_S` (each
+    read would wait its grace for it). Thread-safe."""
 
     def __init__(self, bootstrap: Iterable[str] = (), own: str = "",
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -177,8 +178,9 @@ def _peer(peer: str) -> PeerID | None:
 
 async def _store(_dht: hivemind.DHT, node: hivemind.DHTNode, key: str, subkey: bytes, value: Any,
                  expires_at: float, peers: tuple[str, ...], timeout_s: float) -> tuple[bool, list[str]]:
-    """Runs in the DHT's process: hivemind's store, then the same signed entry in the own node and pushed.
-    Returns (stored anywhere, the nodes pushed to that did not answer)."""
+    """Runs in the DHT's process: the signed entry kept in the own node, pushed to ``peers`` in the background, and
+    hivemind's store. Returns (kept or stored by hivemind, the members' nodes that did not answer a push since the
+    last call)."""
     protocol = node.protocol
     key_id = DHTID.generate(source=key)
     record = DHTRecord(key_id.to_bytes(), protocol.serializer.dumps(subkey), protocol.serializer.dumps(value),
@@ -189,16 +191,51 @@ async def _store(_dht: hivemind.DHT, node: hivemind.DHTNode, key: str, subkey: b
             return False, []
     kept = bool(protocol.storage.store(key_id, record.value, expires_at, subkey=subkey))
 
-    async def push(peer: PeerID) -> bool | None:
-        done = await protocol.call_store(peer, [key_id], [record.value], expires_at, [subkey])
-        return None if done is None else bool(done[0])  # None: no answer
-
     asked = [p for p in peers if _peer(p) is not None]
-    jobs = [asyncio.wait_for(node.store(key, value, expires_at, subkey=subkey), timeout_s)]
-    jobs += [asyncio.wait_for(push(_peer(p)), timeout_s) for p in asked]  # type: ignore[arg-type]
-    results = await asyncio.gather(*jobs, return_exceptions=True)
-    failed = [p for p, r in zip(asked, results[1:], strict=True) if r is None or isinstance(r, BaseException)]
-    return kept or any(r is True for r in results), failed
+    for peer in asked:  # in the background: a write waits for no member's node (see _PUSHES)
+        _push(protocol, peer, key_id, subkey, record.value, expires_at, timeout_s)
+    # hivemind's own store goes on past our deadline, as a plain store would: cancelling it mid-traversal (its
+    # nodes slow or cut off) stored the entry nowhere
+    own_store = asyncio.ensure_future(node.store(key, value, expires_at, subkey=subkey))
+    try:
+        stored = bool(await asyncio.wait_for(asyncio.shield(own_store), timeout_s))
+    except Exception:  # our deadline, or hivemind's own failure: the entry is still in our node if kept
+        stored = False
+    return kept or stored, _unanswered()
+
+
+# Pushes of written entries to members' nodes run in the DHT's process, in the background: a write that waited for
+# them stalled its writer's heartbeat for hivemind's whole RPC timeout whenever a member's node was cut off, and
+# with adverts living three heartbeats, a partitioned side's adverts expired and its leader saw nobody present.
+_PUSHES: set[asyncio.Task] = set()
+_UNANSWERED: set[str] = set()  # members' nodes that did not answer a push, reported with the next call's result
+MAX_PUSHES = 64  # pushes in flight in one DHT process; past it, a write is pushed to nobody
+
+
+def _push(protocol: Any, peer: str, key_id: DHTID, subkey: bytes, value: bytes, expires_at: float,
+          timeout_s: float) -> None:
+    if len(_PUSHES) >= MAX_PUSHES:
+        return
+
+    async def push() -> None:
+        try:
+            done = await asyncio.wait_for(
+                protocol.call_store(_peer(peer), [key_id], [value], expires_at, [subkey]), timeout_s)
+        except Exception:
+            done = None
+        if done is None:  # no answer (a refusal is an answer)
+            _UNANSWERED.add(peer)
+
+    task = asyncio.ensure_future(push())
+    _PUSHES.add(task)
+    task.add_done_callback(_PUSHES.discard)
+
+
+def _unanswered() -> list[str]:
+    """The members' nodes that did not answer a push since the last call (and forgets them)."""
+    out = list(_UNANSWERED)
+    _UNANSWERED.clear()
+    return out
 
 
 async def _read(_dht: hivemind.DHT, node: hivemind.DHTNode, key: str, peers: tuple[str, ...],
@@ -207,12 +244,8 @@ async def _read(_dht: hivemind.DHT, node: hivemind.DHTNode, key: str, peers: tup
     protocol = node.protocol
     key_id = DHTID.generate(source=key)
     asked = [p for p in peers if _peer(p) is not None]
-    lookup, *finds = await asyncio.gather(
-        asyncio.wait_for(node.get(key, latest=True), timeout_s),
-        *(asyncio.wait_for(protocol.call_find(_peer(p), [key_id]), timeout_s) for p in asked),  # type: ignore[arg-type]
-        return_exceptions=True,
-    )
-    failed = [p for p, found in zip(asked, finds, strict=True) if not isinstance(found, dict)]
+    lookup, finds = await _lookup_and_finds(node, key, key_id, [_peer(p) for p in asked], timeout_s)  # type: ignore[misc]
+    failed = [p for p, found in zip(asked, finds, strict=True) if not isinstance(found, dict)] + _unanswered()
     merged: dict[Any, ValueWithExpiration] = {}
 
     def take(subkey: Any, value: Any, expiry: float) -> None:
@@ -244,3 +277,22 @@ async def _read(_dht: hivemind.DHT, node: hivemind.DHTNode, key: str, peers: tup
             except Exception:  # validated entries deserialise; a malformed one is skipped, never raised
                 continue
     return merged or None, failed
+
+
+async def _lookup_and_finds(node: hivemind.DHTNode, key: str, key_id: DHTID, peers: list[PeerID],
+                            timeout_s: float) -> tuple[Any, list[Any]]:
+    """hivemind's lookup of ``key`` and finds of it at ``peers`` (each answer, or None), all within ``timeout_s``;
+    the finds get at most :data:`MEMBER_GRACE_S` after the lookup ended, so a member's node that cannot be reached
+    costs a read that grace, not the whole deadline, while an eclipsed lookup that ends at once still hears the
+    members."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    lookup = asyncio.ensure_future(asyncio.wait_for(node.get(key, latest=True), timeout_s))
+    finds = [asyncio.ensure_future(node.protocol.call_find(p, [key_id])) for p in peers]
+    await asyncio.wait([lookup])
+    if finds:
+        await asyncio.wait(finds, timeout=max(0.0, min(MEMBER_GRACE_S, end - loop.time())))
+    for task in finds:
+        task.cancel()
+    answers = [t.result() if t.done() and not t.cancelled() and t.exception() is None else None for t in finds]
+    return (lookup.result() if lookup.exception() is None else None), answers

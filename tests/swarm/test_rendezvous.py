@@ -4,6 +4,7 @@ store there (an eclipse): a plain lookup between two members finds nothing, the 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import subprocess
@@ -11,6 +12,7 @@ import sys
 import time
 
 import pytest
+from hivemind.p2p import PeerID
 
 from tasklet.peer.compute.device_probe import DeviceInfo
 from tasklet.peer.emulation.procs import child_env, read_line
@@ -18,7 +20,15 @@ from tasklet.peer.identity.keys import Identity
 from tasklet.peer.swarm.adverts import Advert
 from tasklet.peer.swarm.dht import DHTConfig, start_dht, visible_maddrs
 from tasklet.peer.swarm.records import RecordStore, RunRecordValidator, record_key, seal
-from tasklet.peer.swarm.rendezvous import ASK_MEMBERS, QUIET_S, MemberNodes, member_nodes
+from tasklet.peer.swarm.rendezvous import (
+    ASK_MEMBERS,
+    MEMBER_GRACE_S,
+    QUIET_S,
+    MemberNodes,
+    _lookup_and_finds,
+    _store,
+    member_nodes,
+)
 from tasklet.peer.timing import now
 
 RUN, SECRET = "eclipse-run", "members only"
@@ -45,6 +55,90 @@ def test_a_node_that_did_not_answer_is_left_out_for_a_while() -> None:
     assert {nodes.pick(random.Random(seed)) for seed in range(10)} == {(members[2],)}
     t[0] = QUIET_S + 1
     assert len(nodes.pick()) == ASK_MEMBERS
+
+
+
+class _SlowNode:
+    """A DHT node's coroutines as the rendezvous calls them, each answering after a set delay (None: never)."""
+
+    def __init__(self, lookup_s: float, find_s: dict[str, float | None], store_s: float = 0.0) -> None:
+        self.lookup_s, self.find_s, self.store_s = lookup_s, find_s, store_s
+        self.stored = False
+        self.protocol = self
+        self.record_validator = None
+
+    async def get(self, key: str, latest: bool) -> None:
+        await asyncio.sleep(self.lookup_s)
+
+    async def call_find(self, peer: str, keys: list) -> dict:
+        delay = self.find_s[peer]
+        await asyncio.sleep(3600 if delay is None else delay)
+        return {"answered-by": peer}
+
+    async def store(self, *args: object, **kwargs: object) -> bool:
+        await asyncio.sleep(self.store_s)
+        self.stored = True
+        return True
+
+    async def call_store(self, peer: PeerID, *args: object) -> list[bool] | None:
+        delay = self.find_s[peer.to_base58()]
+        await asyncio.sleep(3600 if delay is None else delay)
+        return [True]
+
+
+def test_a_read_waits_for_unreachable_members_only_a_grace_after_the_lookup() -> None:
+    node = _SlowNode(0.05, {"near": 0.01, "late": 0.3, "cut-off": None})
+    took, answers = asyncio.run(_timed(node, 30.0))
+    assert answers == [{"answered-by": "near"}, {"answered-by": "late"}, None]
+    # not the 30 s deadline: the lookup's 0.05 s and then at most the grace for the node that never answers
+    assert MEMBER_GRACE_S - 0.1 < took < MEMBER_GRACE_S + 1.0, took
+    # a lookup that takes (nearly) the whole deadline leaves the members no grace past it: the caller's own
+    # deadline is only a little longer, and a read that overran it was lost whole
+    node.lookup_s = 0.4
+    took, answers = asyncio.run(_timed(node, 0.5))
+    assert answers[:2] == [{"answered-by": "near"}, {"answered-by": "late"}] and took < 0.5 + 0.2, took
+
+
+async def _timed(node: _SlowNode, timeout_s: float) -> tuple[float, list]:
+    started = time.monotonic()
+    _, answers = await _lookup_and_finds(node, "k", None, ["near", "late", "cut-off"], timeout_s)  # type: ignore[arg-type]
+    return time.monotonic() - started, answers
+
+
+def test_hivemind_s_own_store_goes_on_past_the_deadline() -> None:
+    node = _SlowNode(0.0, {}, store_s=0.5)
+
+    async def run() -> tuple[bool, bool]:
+        kept, _ = await _store(None, node, "k", b"sub", {"v": 1}, 0.0, (), timeout_s=0.1)  # type: ignore[arg-type]
+        at_deadline = node.stored
+        await asyncio.sleep(0.8)
+        return at_deadline, node.stored
+
+    class _Storage:
+        def store(self, *args: object, **kwargs: object) -> bool:
+            return False  # this node is not where the entry is kept
+
+    node.storage = _Storage()  # type: ignore[attr-defined]
+    node.serializer = type("S", (), {"dumps": staticmethod(lambda v: repr(v).encode())})  # type: ignore[attr-defined]
+    at_deadline, later = asyncio.run(run())
+    assert not at_deadline and later  # a cancelled traversal would have stored it nowhere
+
+
+def test_a_write_waits_for_no_member_s_node_and_a_silent_one_is_reported_later() -> None:
+    node = _SlowNode(0.0, {PEER_A: None, PEER_B: 0.01})
+    node.storage = type("K", (), {"store": lambda *a, **k: True})()  # type: ignore[attr-defined]
+    node.serializer = type("S", (), {"dumps": staticmethod(lambda v: repr(v).encode())})  # type: ignore[attr-defined]
+
+    async def run() -> tuple[float, list, list]:
+        started = time.monotonic()
+        kept, first = await _store(None, node, "k", b"sub", {"v": 1}, 0.0, (PEER_A, PEER_B), 0.3)  # type: ignore[arg-type]
+        took = time.monotonic() - started
+        await asyncio.sleep(0.5)  # PEER_A's push runs out its deadline meanwhile
+        _, later = await _store(None, node, "k", b"sub", {"v": 2}, 0.0, (), 0.3)  # type: ignore[arg-type]
+        return took, first, later
+
+    took, first, later = asyncio.run(run())
+    assert took < 0.2 and first == [] and later == [PEER_A], (took, first, later)
 
 
 def test_an_advert_names_its_dht_node_only_as_a_peer_id() -> None:
