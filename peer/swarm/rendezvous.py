@@ -11,10 +11,12 @@ stopped a training swarm and hid the run from every joiner). So besides hivemind
   run's records from the others, read after read, whoever the nearest nodes are.
 
 The members' DHT nodes are named by their sealed adverts (``Advert.dht``): only a peer with the join secret can
-put one there, so stranger ids chosen next to the keys cannot be among them. Every entry a member's node answers
-passes the same validators as a lookup's (signature, seal, schema), and its own storage's budgets bound what a
-node keeps. Costs: each read asks :data:`ASK_MEMBERS` more nodes for the whole key, each write is pushed to as
-many (docs/security.md).
+put one there, so stranger ids chosen next to the keys cannot be among them (in an open swarm anyone may advertise,
+and the defence is as good as the honest share of the adverts). Every entry a member's node answers passes the same
+validators as a lookup's (signature, seal, schema), and its own storage's budgets bound what a node keeps. Costs:
+each read asks :data:`ASK_MEMBERS` more nodes for the whole key and waits for them at most
+:data:`MEMBER_GRACE_S` past its lookup; each write is pushed to as many, in the background, so that no member's
+node slows a heartbeat (docs/security.md).
 """
 
 from __future__ import annotations
