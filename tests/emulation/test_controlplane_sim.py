@@ -71,6 +71,22 @@ def test_the_memory_dht_keeps_the_latest_expiry_and_delays_stores_by_their_laten
     assert dht.calls_of("a") == 2 and dht.calls_of("b") == 4 and dht.take_elapsed("b") > 0
 
 
+
+def test_gets_issued_together_count_each_and_take_the_slowest_s_time() -> None:
+    clock = [100.0]
+    dht = MemoryDHT(lambda: clock[0], LatencyModel(np.array([[0.01]]), access_bps=1e6, seed=0))
+    dht.handle("writer", 0).store("k/1", {"v": "x" * 100_000}, 200.0, subkey=b"x")
+    clock[0] += 10.0  # the store has arrived
+    dht.charge_get("one", "k/1")
+    large = dht.take_elapsed("one")  # 100 kB at 1 Mbit/s
+    dht.charge_gets("sharded", [f"k/{s}" for s in range(16)])  # a read of 16 shards: one of them large
+    assert dht.calls_of("sharded") == 16 and dht.calls_of("one") == 1
+    assert dht.take_elapsed("sharded") == pytest.approx(large)  # the large get's time, not sixteen gets in a row
+    log = dht.watched.setdefault("reader", [])
+    dht.handle("reader", 0).get("k/3")
+    dht.handle("other", 0).get("k/4")
+    assert log == ["k/3"]  # only a watched caller's gets are logged
+
 def test_churn_sessions_are_weibull_and_residuals_longer_on_average() -> None:
     model, rng = ChurnModel(), np.random.default_rng(0)
     sessions = np.array([model.session_s(rng) for _ in range(20_000)])

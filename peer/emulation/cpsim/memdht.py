@@ -97,6 +97,7 @@ class MemoryDHT:
         self.bytes: Counter[str] = Counter()  # caller -> bytes moved by its calls
         self.region: dict[str, int] = {}
         self._version = 0  # stores that have arrived so far
+        self.watched: dict[str, list[str]] = {}  # caller -> the keys of its gets, logged while it is watched
 
     def version(self) -> int:
         """Changes whenever a store arrives: with the clock, it names what a get would return."""
@@ -108,11 +109,19 @@ class MemoryDHT:
 
     def charge_get(self, caller: str, key: str) -> None:
         """Count and time a get of ``key`` by ``caller`` whose answer another reader already parsed."""
+        self.charge_gets(caller, [key])
+
+    def charge_gets(self, caller: str, keys: list[str]) -> None:
+        """Count gets of ``keys`` issued together by ``caller`` (a read of a sharded kind), whose answers another
+        reader already parsed: each is a call, and the read takes as long as its slowest get."""
         self._arrive()
         at = self.clock()
-        entries = self._data.get(key) or {}
-        size = sum(item.nbytes for item in entries.values() if item.expiration_time >= at)
-        self._charge(caller, "get", size + len(key))
+        slowest = 0.0
+        for key in keys:
+            entries = self._data.get(key) or {}
+            size = sum(item.nbytes for item in entries.values() if item.expiration_time >= at)
+            slowest = max(slowest, self._charge(caller, "get", size + len(key), timed=False))
+        self._elapsed[caller] += slowest
 
     def handle(self, caller: str, region: int) -> DHTHandle:
         self.region[caller] = region
@@ -137,9 +146,10 @@ class MemoryDHT:
         entries[subkey] = item
         return True
 
-    def _charge(self, caller: str, kind: str, nbytes: int) -> float:
+    def _charge(self, caller: str, kind: str, nbytes: int, timed: bool = True) -> float:
         lat = self.latency.latency_s(self.region.get(caller, 0), self.n_nodes, nbytes)
-        self._elapsed[caller] += lat
+        if timed:
+            self._elapsed[caller] += lat
         self.calls[caller, kind] += 1
         self.bytes[caller] += nbytes
         return lat
@@ -161,6 +171,9 @@ class MemoryDHT:
 
     def get(self, caller: str, key: str) -> Found | None:
         self._arrive()
+        log = self.watched.get(caller)
+        if log is not None:
+            log.append(key)
         at = self.clock()
         entries = self._data.get(key)
         if entries:

@@ -77,6 +77,7 @@ log = logging.getLogger(__name__)
 
 EPOCH_S = 1.7e9  # virtual DHT time starts here (records carry absolute times)
 RUN_ID = "cpsim"
+READER = "reader"  # the DHT caller of the shared parse's real reads of every advert (charged to nobody else)
 
 
 @dataclass
@@ -167,13 +168,14 @@ class SharedReads:
     """One parse per (what, instant, DHT content), shared by every peer that reads it then.
 
     A parse of every advert or of every plan record is a pure function of the DHT's content and the time, the
-    same for every reader (no join secret in the simulation); each reader's get is still counted and timed as
-    its own (``MemoryDHT.charge_get``), and what it does with the result is its own code.
+    same for every reader (no join secret in the simulation); each reader's gets are still counted and timed as
+    its own (``MemoryDHT.charge_gets``: a read of every advert is one get per shard the real read reached), and
+    what it does with the result is its own code.
     """
 
     def __init__(self, dht: MemoryDHT, reader: Membership) -> None:
         self.dht, self.reader = dht, reader
-        self._memo: dict[str, tuple[tuple[float, int], Any]] = {}
+        self._memo: dict[str, tuple[Any, ...]] = {}  # what -> (instant, parse[, the keys the parse's read got])
         self.parses = 0
 
     def memo(self, what: str, caller: str, compute: Callable[[], Any]) -> Any:
@@ -209,11 +211,17 @@ class SharedReads:
     def entries(self, caller: str) -> list[PeerEntry]:
         """Every live advert: the real ``Membership.live_entries`` of a reader that announced nothing (so it
         never falls back to an older view)."""
-        def read() -> list[PeerEntry]:
-            self.dht.charge_get(caller, f"{RUN_ID}:peers")
-            return self.reader.live_entries()
-
-        return list(self.memo("peers", caller, read))
+        stamp = (self.dht.clock(), self.dht.version())
+        hit = self._memo.get("peers")
+        if hit is None or hit[0] != stamp:
+            log = self.dht.watched.setdefault(READER, [])
+            log.clear()
+            value = self.reader.live_entries()  # the real read: every shard it reached, level by level
+            hit = (stamp, value, list(log))
+            self._memo["peers"] = hit
+            self.parses += 1
+        self.dht.charge_gets(caller, hit[2])  # the caller's read: the same gets, issued together
+        return list(hit[1])
 
 
 class SimMembership(Membership):
@@ -443,7 +451,7 @@ class Simulator:
         self.dht = MemoryDHT(lambda: EPOCH_S + self.now, LatencyModel(self.network.region_rtt_s(), seed=cfg.seed),
                              n_nodes=cfg.peers)
         reader_identity = SimIdentity(cfg.seed, -1)
-        reader = Membership(self.dht.handle("reader", 0), RUN_ID, reader_identity, None,  # type: ignore[arg-type]
+        reader = Membership(self.dht.handle(READER, 0), RUN_ID, reader_identity, None,  # type: ignore[arg-type]
                             cfg.heartbeat_s)
         self.shared = SharedReads(self.dht, reader)
         self.spec = RunSpec(run_id=RUN_ID, model=ModelConfig(n_layers=24, d_model=2048, n_heads=16, seq_len=1024),
