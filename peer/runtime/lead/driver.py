@@ -395,6 +395,8 @@ class RunDriver:
         if not self.cfg.straggler_factor:
             return False
         assignments = dict(self.coordinator.assignments)
+        if max(Counter(a.stage for a in assignments.values()).values(), default=0) < 2:
+            return False  # a straggler is slow against its stage's other replicas: no stage has two, ask nobody
         answers = dict(_ask_statuses(self.coordinator, sorted(assignments)))  # the unreachable: liveness's business
         self._fresh_status = (self.trained, answers)  # the re-plan that may follow need not ask again
         samples = {ep: sample for ep, st in answers.items() if st and (sample := _counters(st)) is not None}
