@@ -16,9 +16,11 @@ Per case: the median step time (the first steps, which warm caches and allocator
 for the peers, each peer's own breakdown of its step as it logs it (``peer.runtime.stage.timing``): device
 compute, waiting for the network (shards, digests), host work on parameters and gradients (copies, sums,
 checks, the optimizer step, the parameters hash), control round trips (leases) and the share of the step its
-device computed. The figures of merit are ``lone / plain`` (target <= 1.10), ``replicas / (lone + wire)`` where
-``wire`` is the time the shards a replica exchanges take on loopback at the measured rate (target <= 1.25), and
-``pipeline / lone`` (target <= 1.15 at 8,192 tokens a step).
+device computed. A peer's step time is the time from one step's end to the next as the leader logs them, so it
+counts what the leader does between steps too (``leader_step_s``: the leader's own figure, from a step's start
+order to its end, which leaves that out). The figures of merit are ``lone / plain`` (target <= 1.10),
+``replicas / (lone + wire)`` where ``wire`` is the time the shards a replica exchanges take on loopback at the
+measured rate (target <= 1.25), and ``pipeline / lone`` (target <= 1.15 at 8,192 tokens a step).
 
 A shared or virtual machine's speed drifts by more than these margins from minute to minute: ``--rounds R``
 runs the cases of each row R times in turn (plain, lone, ..., plain, lone, ...), and each ratio is the median
@@ -47,7 +49,8 @@ from typing import Any
 
 LOAD = "uptime"  # the machine's load is printed beside every figure: timings on a shared machine are noisy
 
-STEP_LINE = re.compile(r"step (\d+): loss ([0-9.]+|-), ([0-9.]+) s, ([0-9.]+) tokens/s")
+STEP_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .*?step (\d+): loss ([0-9.]+|-), ([0-9.]+) s, "
+                       r"([0-9.]+) tokens/s", re.MULTILINE)
 TIMES_LINE = re.compile(r"step (\d+) times: (.*)$", re.MULTILINE)
 
 
@@ -152,9 +155,23 @@ def swarm(folder: Path, cfg: Path, peers: int, device: str, deadline_s: float) -
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     t0 = time.monotonic()
     finished, logs = run_to_end(folder, cfg, peers, deadline_s, device=device, env=env)
-    rows = [{"step": int(m[1]), "s": float(m[3]), "tokens_per_s": float(m[4])} for m in STEP_LINE.finditer(logs[0])]
-    return {"finished": finished, "wall_s": round(time.monotonic() - t0, 1), "steps": rows,
+    return {"finished": finished, "wall_s": round(time.monotonic() - t0, 1), "steps": leader_steps(logs[0]),
             "peers": [peer_times(text) for text in logs]}
+
+
+def leader_steps(log: str) -> list[dict[str, Any]]:
+    """The leader's step lines: each step's own figure (``s``) and, from the second on, ``cycle_s``: the time from
+    the step before's line to its own (None after a gap in the steps: a re-plan or a roll-back)."""
+    rows = [{"step": int(m[3]), "s": float(m[5]), "tokens_per_s": float(m[6]), "at": _log_time(m[1], m[2])}
+            for m in STEP_LINE.finditer(log)]
+    for prev, row in zip(rows, rows[1:], strict=False):  # from one step's end to the next: all a step costs
+        row["cycle_s"] = round(row["at"] - prev["at"], 3) if row["step"] == prev["step"] + 1 else None
+    return rows
+
+
+def _log_time(stamp: str, millis: str) -> float:
+    """A log line's time (``2026-12-07 10:57:42`` and ``774``) in seconds."""
+    return time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")) + int(millis) / 1000
 
 
 def _median_after(values: list[float], warmup: int) -> float | None:
@@ -164,7 +181,11 @@ def _median_after(values: list[float], warmup: int) -> float | None:
 
 def summarise(case: dict[str, Any], warmup: int) -> dict[str, Any]:
     """Median step time and each peer's median breakdown over the steps after the warm-up."""
-    out: dict[str, Any] = {"step_s": _median_after([r["s"] for r in case["steps"]], warmup)}
+    steps = case["steps"]
+    cycles = [r["cycle_s"] for r in steps if r["step"] >= warmup and r.get("cycle_s") is not None]
+    out: dict[str, Any] = {"step_s": statistics.median(cycles) if cycles else _median_after([r["s"] for r in steps],
+                                                                                           warmup),
+                           "leader_step_s": _median_after([r["s"] for r in steps], warmup)}
     out["peers"] = []
     for rows in case.get("peers", []):
         kept = [r for r in rows if r["step"] >= warmup] or rows[-1:]
@@ -347,9 +368,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['model']}, {r['tokens_per_step']} tokens/step ({r['micro_batches']} x {r['micro_batch']} "
               f"sequences), {r['precision']} on {r['device']}")
         for case, c in r["cases"].items():
-            s = c["step_s"]
+            s, own = c["step_s"], c.get("leader_step_s")
             print(f"  {case:<9} {'-' if s is None else f'{s:8.3f}'} s/step  {c['tokens_per_s'] or 0:10.1f} tokens/s"
-                  f"  load {c['load']}" + (f"  MFU {c['mfu']:.3f}" if "mfu" in c else ""))
+                  f"  load {c['load']}" + (f"  MFU {c['mfu']:.3f}" if "mfu" in c else "")
+                  + (f"  (the leader's own step figure {own:.3f} s)" if own else ""))
             for i, p in enumerate(c.get("peers", [])):
                 print(f"    peer {i}: " + ", ".join(f"{k} {v}" for k, v in p.items()))
         print("  " + ", ".join(f"{k} {v}" for k, v in r["ratios"].items()))

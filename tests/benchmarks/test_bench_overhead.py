@@ -32,10 +32,16 @@ def test_a_logged_breakdown_reads_back() -> None:
 
 @pytest.mark.unit
 def test_summary_leaves_the_warm_up_out() -> None:
-    case = {"steps": [{"s": 9.0}, {"s": 2.0}, {"s": 3.0}, {"s": 4.0}],
+    log = "\n".join(f"2026-12-07 10:57:{sec:02d},{ms:03d} INFO tasklet.peer.node.leader_role: step {k}: loss 6.0, "
+                    f"{own} s, 100 tokens/s" for k, (sec, ms, own) in
+                    enumerate([(40, 0, 9.0), (41, 0, 0.5), (42, 500, 0.7), (45, 500, 2.0), (47, 0, 1.0)]))
+    steps = overhead.leader_steps(log)
+    assert [r.get("cycle_s") for r in steps] == [None, 1.0, 1.5, 3.0, 1.5], "from one step's line to the next"
+    case = {"steps": steps,
             "peers": [[{"step": 0, "compute": 9.0}, {"step": 1, "compute": 1.0}, {"step": 2, "compute": 3.0}]]}
     got = overhead.summarise(case, 1)
-    assert got["step_s"] == 3.0 and got["peers"] == [{"compute": 2.0}]
+    assert got["step_s"] == 1.5, "the median time between step lines after the warm-up, not the leader's figure"
+    assert got["leader_step_s"] == 0.85 and got["peers"] == [{"compute": 2.0}]
     row = {"cases": {"plain": {"step_s": 2.0}, "lone": {"step_s": 2.2}, "pipeline": {"step_s": 2.2}}}
     assert overhead.ratios(row) == {"lone_over_plain": 1.1, "pipeline_over_lone": 1.0}
 
