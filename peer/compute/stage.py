@@ -156,22 +156,67 @@ class _Stash:
 HASH_THREADS = 8  # a digest of a large stage hashes on up to this many threads (BLAKE3 splits the input itself)
 
 
+HASH_CHUNK_BYTES = 64 << 20  # a device tensor is hashed in chunks of this size, each copied while the last hashes
+
+
+def _hasher(label: bytes) -> Any:
+    """A BLAKE3 hasher fed ``label`` (length-prefixed, so no label is a prefix of another's input)."""
+    return blake3.blake3(len(label).to_bytes(2, "big") + label, max_threads=min(HASH_THREADS, os.cpu_count() or 1))
+
+
 def bytes_digest(data: memoryview, label: bytes) -> str:
     """BLAKE3 (hex) of ``label`` (length-prefixed, so no label is a prefix of another's input) and ``data``.
 
     BLAKE3, not sha256: it is a cryptographic hash too (a forged state must not match a signed digest) and, being
     a tree, hashes one input on several threads; a 608 MB stage hashes in about a third of the time the sha256
     tree of 64 MB parts took on this 2-core machine (docs/benchmarks/overhead.md)."""
-    h = blake3.blake3(len(label).to_bytes(2, "big") + label, max_threads=min(HASH_THREADS, os.cpu_count() or 1))
+    h = _hasher(label)
     h.update(data)
     return h.hexdigest()
 
 
 def flat_digest(flat: torch.Tensor) -> str:
     """The digest (32 hex digits, :func:`bytes_digest`) of a flat parameter vector's fp32 bytes:
-    :meth:`StageCompute.params_digest`, and what a leader computes of a stage state it fetched."""
-    host = flat.detach().to("cpu", torch.float32).contiguous().numpy()
+    :meth:`StageCompute.params_digest`, and what a leader computes of a stage state it fetched. A vector on a
+    device is streamed to the host in chunks (:func:`streamed_digest`), never copied whole."""
+    if flat.device.type != "cpu":
+        return streamed_digest(flat, b"tasklet/params")[:32]
+    host = flat.detach().to(torch.float32).contiguous().numpy()
     return bytes_digest(memoryview(host).cast("B"), b"tasklet/params")[:32]  # hashed in place: no copy
+
+
+def streamed_digest(flat: torch.Tensor, label: bytes, chunk_bytes: int = HASH_CHUNK_BYTES) -> str:
+    """:func:`bytes_digest` of a flat tensor's fp32 bytes, copied to the host a chunk at a time into two reused
+    buffers: on a CUDA (or ROCm) device pinned ones, each chunk's copy running while the one before is hashed.
+    The same digest as hashing the whole vector at once (BLAKE3 hashes a stream), without a host copy of the
+    stage's size or a pageable copy's slower transfer every step."""
+    x = flat.detach().reshape(-1)
+    step = max(1, chunk_bytes // 4)
+    n = x.numel()
+    h = _hasher(label)
+    if n == 0:
+        return h.hexdigest()
+    cuda = x.device.type == "cuda"
+    buffers = [torch.empty(min(step, n), dtype=torch.float32, pin_memory=cuda) for _ in range(2)]
+    pending: tuple[torch.Tensor, Any] | None = None  # the chunk copied last, and its copy's event
+    for i, lo in enumerate(range(0, n, step)):
+        part = buffers[i % 2][: min(n, lo + step) - lo]
+        part.copy_(x[lo:lo + part.numel()], non_blocking=cuda)  # the other buffer was hashed already
+        done = torch.cuda.Event() if cuda else None
+        if done is not None:
+            done.record()
+        if pending is not None:
+            _hash_when_copied(h, *pending)
+        pending = (part, done)
+    assert pending is not None
+    _hash_when_copied(h, *pending)
+    return h.hexdigest()
+
+
+def _hash_when_copied(h: Any, part: torch.Tensor, done: Any) -> None:
+    if done is not None:
+        done.synchronize()
+    h.update(memoryview(part.numpy()).cast("B"))
 
 
 class StageCompute:

@@ -302,6 +302,22 @@ def test_a_digest_is_blake3_of_the_prefixed_label_and_the_bytes_and_differs_when
     assert bytes_digest(memoryview(data), b"x") != before
 
 
+def test_a_digest_streamed_in_chunks_equals_the_whole_vectors() -> None:
+    """A device stage's parameters are hashed a chunk at a time (peer.compute.stage.streamed_digest): the digest is
+    the one of the whole vector, for chunks that divide it or not, and of its fp32 bytes whatever its dtype."""
+    from tasklet.peer.compute.stage import bytes_digest, flat_digest, streamed_digest
+
+    x = torch.randn(10_007, generator=torch.Generator().manual_seed(1))
+    whole = bytes_digest(memoryview(x.numpy()).cast("B"), b"tasklet/params")
+    for chunk_bytes in (4, 4 * 1_000, 4 * 10_007, 1 << 20, 6):
+        assert streamed_digest(x, b"tasklet/params", chunk_bytes) == whole, chunk_bytes
+    assert streamed_digest(x, b"tasklet/param", 4_000) != whole
+    assert flat_digest(x) == whole[:32]
+    half = x.to(torch.bfloat16)
+    assert streamed_digest(half, b"tasklet/params", 4_000)[:32] == flat_digest(half) == flat_digest(half.float())
+    assert streamed_digest(torch.empty(0), b"l") == bytes_digest(memoryview(b""), b"l")
+
+
 def test_a_steps_sum_starts_from_nothing_though_the_last_steps_values_are_overwritten_not_zeroed(
         corpus: Corpus) -> None:
     """The ended step's sum is left in place and the next gradient copied over it: what a step sums is still
