@@ -9,6 +9,7 @@ stage reduced, strict decoding of reports — from the stage workers' compute.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -106,6 +107,26 @@ def test_no_apply_goes_out_before_the_leaders_gate_lets_it(swarm) -> None:
     assert time.monotonic() - t0 >= 0.5, "the step waited for the gate"
     assert seen == [[[ctl.Op.START_STEP, ctl.Op.REDUCE]] * 2], "called once, with no apply sent yet"
     assert all(w.ops() == [ctl.Op.START_STEP, ctl.Op.REDUCE, ctl.Op.APPLY] for w in workers)
+
+
+@pytest.mark.parametrize("swarm", [[Script(loss_with_commit="{}.0"), Script(loss_with_commit="{}.0")]], indirect=True)
+def test_a_loss_carried_by_its_commit_counts_as_a_loss_report(swarm) -> None:
+    """A first stage that is also its pipeline's last sends each micro-batch's loss with the commit."""
+    coordinator, _ = swarm
+    report = coordinator.run_step(0, timeout_s=30)
+    assert sum(report.microbatches_per_pipeline.values()) == SPEC.n_microbatches
+    assert report.loss == pytest.approx(sum(range(SPEC.n_microbatches)) / SPEC.n_microbatches)
+
+
+@pytest.mark.parametrize("swarm", [[Script(loss_with_commit=bad), Script(loss_with_commit=bad)]
+                                   for bad in ("nan", "1e308", "inf", "one", "1" * 40)], indirect=True)
+def test_an_unusable_loss_on_a_commit_is_refused_and_the_commit_stands(swarm) -> None:
+    coordinator, workers = swarm
+    report = coordinator.run_step(0, timeout_s=30)
+    assert sum(report.microbatches_per_pipeline.values()) == SPEC.n_microbatches, "every micro-batch committed"
+    assert [r for w in workers for r in w.commit_replies].count("committed") == SPEC.n_microbatches
+    assert math.isnan(report.loss), "no refused loss reached the step's loss"
+    assert coordinator.dead == frozenset()
 
 
 @pytest.mark.parametrize("swarm", [[Script(commit_twice=True), Script(commit_twice=True)]], indirect=True)
