@@ -42,9 +42,9 @@ FULL_ONLY = frozenset({"history", "credit"})
 FULL_RENEW_S = 20.0  # an unchanged full record is stored again this often (it lives PROGRESS_TTL_S)
 RETRY_S = 0.5  # read_patiently's pause between lookups
 FLUSH_SLACK_S = 1.0  # a flush waits for a store in flight at most its DHT deadline and this
+MAX_SEEN_LEADERS = 16  # the leaders whose newest record read_patiently keeps
 
 log = logging.getLogger(__name__)
-MAX_SEEN_LEADERS = 16  # the leaders whose newest record read_patiently keeps
 
 
 def publishable(value: Any) -> Any:
