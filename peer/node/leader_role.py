@@ -49,7 +49,7 @@ from tasklet.peer.swarm.adverts import Advert, LinkReport
 from tasklet.peer.swarm.credit import CreditBook
 from tasklet.peer.swarm.election import MAX_CREDITED, credited_of
 from tasklet.peer.swarm.plans import PlanBoard, has_quorum
-from tasklet.peer.swarm.progress import ProgressBoard, ProgressPublisher, publishable
+from tasklet.peer.swarm.progress import ProgressBoard, publishable
 from tasklet.peer.timing import (
     LINK_REPORT_WAIT_HEARTBEATS,
     PREDECESSOR_READ_HEARTBEATS,
@@ -92,11 +92,8 @@ class LeaderRole:
     def __init__(self, ctx: LeaderContext) -> None:
         self.ctx, self.config, self.spec = ctx, ctx.config, ctx.spec
         self.stop_event = threading.Event()
-        # progress records are stored off the driver's thread; an apply waits for the record of the step before
-        self.publisher = ProgressPublisher(ctx.progress)
         self.coordinator = Coordinator(self.spec, liveness_interval_s=self.config.swarm.heartbeat_s,
-                                       host_server=ctx.worker_server, public_endpoint=ctx.worker_endpoint,
-                                       before_apply=self._record_stored)
+                                       host_server=ctx.worker_server, public_endpoint=ctx.worker_endpoint)
         self.index: dict[str, int] = {}  # peer id -> device id (stable for the whole leadership)
         self._last_live: set[str] = set()  # live workers at the previous look
         self._ever_live: set[str] = set()
@@ -133,7 +130,6 @@ class LeaderRole:
 
     def start(self) -> None:
         self.coordinator.start()
-        self.publisher.start()
         self.thread.start()
 
     def stop(self) -> None:
@@ -141,7 +137,6 @@ class LeaderRole:
         if self.driver is not None:
             self.driver.stop_event.set()
         self.coordinator.close()
-        self.publisher.close()
 
     # ----------------------------------------------------------------------------------------- membership
     def _workers(self) -> dict[str, Any]:
@@ -244,7 +239,6 @@ class LeaderRole:
             log.exception("leadership ended with an error")
             self.error = exc
         finally:
-            self.publisher.close()
             self.scalars.close()
             self.finished.set()
 
@@ -424,14 +418,7 @@ class LeaderRole:
                                "unverified": self.coordinator.verification.ledger.to_record()}
         if self.discarded is not None:  # the last healed partition's lost work stays in view
             self._last_progress["discarded"] = dict(self.discarded)
-        self.publisher.submit(self._last_progress)
-
-    def _record_stored(self) -> None:
-        """Before an apply: the progress record of the step before is stored (a takeover trusts no worker further
-        ahead of it than one step), or its store ended without success."""
-        if not self.publisher.flush() and not self.stop_event.is_set():
-            log.warning("the progress record was not stored before the apply (%d failed store(s) so far)",
-                        self.publisher.failures)
+        self.ctx.progress.publish(dict(self._last_progress))
 
     def _on_pause(self, pause: dict[str, Any] | None) -> None:
         """The driver waits for enough live peers to hold the stages (``pause``), or trains on (None)."""
@@ -444,7 +431,7 @@ class LeaderRole:
 
     def beat(self) -> None:
         """Renew the progress record (called every tick): followers see a live leader even between steps."""
-        self.publisher.renew(self._last_progress)
+        self.ctx.progress.publish(dict(self._last_progress))
 
     def _on_replan(self, info: dict[str, Any]) -> None:
         self.losses.forget_from(info["step"])  # a rollback redoes these steps
@@ -508,8 +495,6 @@ class LeaderRole:
         final = self.driver.reports[-1] if self.driver and self.driver.reports else None
         self._publish({"epoch": self.driver.epoch if self.driver else 0, "step": self.config.run.steps,
                        "loss": final.loss if final else None, "state": "done"})
-        if not self.publisher.flush():  # followers end on this record; the daemon may exit right after
-            log.warning("the record of the run's end may not be stored; followers end when it is read or renewed")
         log.info("run finished: %d steps", self.config.run.steps)
 
     def save(self, folder: Path) -> None:

@@ -23,9 +23,7 @@ records the newest wins: highest plan epoch, then highest step.
 
 from __future__ import annotations
 
-import logging
 import math
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,10 +39,7 @@ from tasklet.peer.timing import DHT_CALL_TIMEOUT_S, PROGRESS_TTL_S, now
 FULL_ONLY = frozenset({"history", "credit"})
 FULL_RENEW_S = 20.0  # an unchanged full record is stored again this often (it lives PROGRESS_TTL_S)
 RETRY_S = 0.5  # read_patiently's pause between lookups
-FLUSH_SLACK_S = 1.0  # a flush waits for a store in flight at most its DHT deadline and this
 MAX_SEEN_LEADERS = 16  # the leaders whose newest record read_patiently keeps
-
-log = logging.getLogger(__name__)
 
 
 def publishable(value: Any) -> Any:
@@ -153,81 +148,3 @@ class ProgressBoard:
             if best is None or (p["epoch"], p["step"]) > (best["epoch"], best["step"]):
                 best = dict(p)
         return best
-
-
-class ProgressPublisher:
-    """Stores a leader's progress records from a thread of its own, so that no step waits for the DHT.
-
-    A store takes a DHT round (milliseconds on one machine, up to ``DHT_CALL_TIMEOUT_S`` across the internet)
-    and the driver published after every step before starting the next: the device waited for it. Here
-    :meth:`submit` hands the newest payload over and returns; payloads not yet stored are replaced by newer ones
-    (only the newest matters). The takeover rule (``judge_claims``) trusts no worker more than one step past the
-    recorded one, so the coordinator calls :meth:`flush` before it orders an apply: the record of the step before
-    is stored, or its store failed, by then (a store ends by its own deadline). :meth:`renew` re-stores the last
-    payload (the beat that tells followers the leader lives, also before its first step) when nothing newer waits."""
-
-    def __init__(self, board: ProgressBoard, timeout_s: float = DHT_CALL_TIMEOUT_S) -> None:
-        self.board, self.timeout_s = board, timeout_s
-        self._cond = threading.Condition()
-        self._pending: dict[str, Any] | None = None
-        self._last: dict[str, Any] | None = None  # the newest payload submitted or renewed (what a renewal stores)
-        self._renew = False
-        self._submitted = 0  # payloads submitted so far
-        self._finished = 0  # ... of which the store of this one or a newer one has ended
-        self._closed = False
-        self.failures = 0  # stores that failed or raised (each is retried by the next submit or renewal)
-        self._thread = threading.Thread(target=self._run, name="progress-publisher", daemon=True)
-
-    def start(self) -> ProgressPublisher:
-        self._thread.start()
-        return self
-
-    def submit(self, payload: dict[str, Any]) -> None:
-        """Store ``payload`` soon, in place of any payload still waiting."""
-        with self._cond:
-            if self._closed:
-                return
-            self._pending, self._last = dict(payload), dict(payload)
-            self._submitted += 1
-            self._cond.notify_all()
-
-    def renew(self, payload: dict[str, Any]) -> None:
-        """Store ``payload`` (the newest progress, again: the beat), unless a submitted one is waiting anyway."""
-        with self._cond:
-            if not self._closed and self._pending is None:
-                self._last, self._renew = dict(payload), True
-                self._cond.notify_all()
-
-    def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait until every payload submitted so far is stored or its store ended (failed); False when that did
-        not happen within ``timeout_s`` (default: a store's deadline and ``FLUSH_SLACK_S``) or the publisher is
-        closed."""
-        wait_s = self.timeout_s + FLUSH_SLACK_S if timeout_s is None else timeout_s
-        with self._cond:
-            target = self._submitted
-            done = self._cond.wait_for(lambda: self._finished >= target or self._closed, timeout=wait_s)
-            return bool(done) and self._finished >= target
-
-    def close(self) -> None:
-        """Store nothing more (a waiting payload is dropped; a store in flight ends by its own deadline)."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._closed or self._pending is not None or self._renew)
-                if self._closed:
-                    return
-                payload = self._pending if self._pending is not None else self._last
-                seq, self._pending, self._renew = self._submitted, None, False
-            try:
-                stored = payload is not None and self.board.publish(payload)
-            except Exception:  # a broken store must not end the publications that follow
-                log.exception("storing the progress record failed")
-                stored = False
-            with self._cond:
-                self.failures += not stored
-                self._finished = max(self._finished, seq)
-                self._cond.notify_all()

@@ -91,24 +91,6 @@ def test_step_commits_each_microbatch_once_and_applies_after_every_stage_reduced
     assert min(applied) > last_reduced, "apply went out before every stage had reduced"
 
 
-def test_no_apply_goes_out_before_the_leaders_gate_lets_it(swarm) -> None:
-    """``before_apply`` (the leader: its progress record of the step before is stored) holds every apply order."""
-    coordinator, workers = swarm
-    gate, seen = threading.Event(), []
-
-    def before_apply() -> None:
-        seen.append([w.ops() for w in workers])
-        assert gate.wait(10)
-
-    coordinator.before_apply = before_apply  # as Coordinator(before_apply=...) sets it
-    threading.Timer(0.5, gate.set).start()
-    t0 = time.monotonic()
-    coordinator.run_step(0, timeout_s=30)
-    assert time.monotonic() - t0 >= 0.5, "the step waited for the gate"
-    assert seen == [[[ctl.Op.START_STEP, ctl.Op.REDUCE]] * 2], "called once, with no apply sent yet"
-    assert all(w.ops() == [ctl.Op.START_STEP, ctl.Op.REDUCE, ctl.Op.APPLY] for w in workers)
-
-
 @pytest.mark.parametrize("swarm", [[Script(loss_with_commit="{}.0"), Script(loss_with_commit="{}.0")]], indirect=True)
 def test_a_loss_carried_by_its_commit_counts_as_a_loss_report(swarm) -> None:
     """A first stage that is also its pipeline's last sends each micro-batch's loss with the commit."""

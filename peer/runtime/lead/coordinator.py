@@ -82,11 +82,6 @@ WAKE_S = 0.2  # the step loop ticks the machine at least this often (deadlines, 
 MAX_EXCLUSIONS = 1024  # exclusions kept until the leader takes them (bounded whatever a swarm reports)
 
 
-def orders_apply(msg: ctl.Message) -> bool:
-    """Whether ``msg`` makes its receivers change their parameters: an apply, or a reduce merged with its apply."""
-    return isinstance(msg, ctl.Apply) or (isinstance(msg, ctl.Reduce) and msg.apply)
-
-
 class Coordinator:
     """Drives a run over workers that have been given their assignments with :meth:`assign`."""
 
@@ -100,13 +95,11 @@ class Coordinator:
         host_server: PeerServer | None = None,
         public_endpoint: str | None = None,
         tls: TlsContext | None = None,
-        before_apply: Callable[[], object] | None = None,
     ) -> None:
         """``host_server``: serve on that (started) server's port under the route "coordinator" instead of a
         port of our own (a peer daemon's worker server: one port per peer); ``public_endpoint``: that server's
         announced endpoint, which workers dial (the listen address may be 0.0.0.0). ``tls``: this peer's
-        identity and trust (default: the host server's, else the process's own). ``before_apply``: called before
-        any order to apply a step goes out (the leader: its progress record of the step before is stored)."""
+        identity and trust (default: the host server's, else the process's own)."""
         self.spec = spec.validate()
         host_tls = None if host_server is None else host_server.config.tls
         self.tls = tls or host_tls or process_tls()
@@ -141,7 +134,6 @@ class Coordinator:
             self.states.push_checkpoint, self.states.checkpoint_step, self.states.fetch_checkpoint)
         # on_event(name, info), as they happen (lease commit reduce apply outer dead requeue resync disputed divergent)
         self.on_event: Callable[[str, dict[str, Any]], None] | None = None
-        self.before_apply = before_apply
         self._exclusions: deque[tuple[int, str, str]] = deque(maxlen=MAX_EXCLUSIONS)  # (epoch, id, reason): credit
         self.referee = Referee(own=self.tls.peer_id)  # weighs bad-peer reports: testimony excludes nobody (_cond)
         self.verification = Verification(self.spec, self._who, self.declare_dead, self._refer, self.tls.peer_id)
@@ -382,8 +374,6 @@ class Coordinator:
         The wait for an answer ends early once liveness has declared the worker dead: a peer cut off while a
         ``start_step`` was on its way must not hold the step for the whole control timeout (30 s) when its
         pipeline is already out of the step."""
-        if self.before_apply is not None and orders_apply(msg):
-            self.before_apply()
         with self._cond:
             epoch = self.epoch
         futures = {
