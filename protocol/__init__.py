@@ -5,12 +5,11 @@ This package imports nothing else of Tasklet's, so any process (daemon, tests, b
 protocol without pulling in the runtime.
 """
 
-PROTOCOL_VERSION: int = 4
+PROTOCOL_VERSION: int = 3
 """Bumped on any change to the wire format that an older peer would misread. Peers refuse messages of any
 other version (see peer.net), so mixed-version swarms fail loudly instead of corrupting training. Version 3: the
 parameters hash replicas report is BLAKE3 (peer.compute.stage.bytes_digest), which a version-2 peer computes
-with sha256. Version 4: a stage that is first and last of its pipeline sends each micro-batch's loss with its
-commit, not as a report of its own (peer.runtime.control.COMMIT_LOSS), which a version-3 leader would drop."""
+with sha256."""
 
 SPARSE_COMPRESSIONS: tuple[str, ...] = ("topk", "topk2", "topk4")
 """The codecs that send a tensor's largest entries only (protocol.lowbit, protocol.sparse): a sender keeps what

@@ -80,11 +80,6 @@ _POOL_WIRE: dict[PoolStatus, int] = {
 _POOL_FROM_WIRE = {wire: status for status, wire in _POOL_WIRE.items()}
 POOL_KINDS: dict[Op, int] = {Op.LEASE: pb.LEASE, Op.COMMIT: pb.COMMIT}
 
-# meta key of a commit: the micro-batch's loss (``repr`` of a float), sent with it by a first stage that is also its
-# pipeline's last (one message less per micro-batch); checked as a loss report is (commit_loss)
-COMMIT_LOSS = "loss"
-MAX_LOSS_TEXT = 32  # characters of that value read at most
-
 # meta key of the activations of a micro-batch: "1" when the pipeline runs a speculative copy of a micro-batch
 # another (straggling) pipeline holds; every stage keeps its gradient apart until the reduce
 SPECULATIVE_META = "speculative"
@@ -345,20 +340,6 @@ def pool_status(reply: pb.Envelope | WireEnvelope) -> PoolStatus | None:
     if not reply.HasField("control") or reply.control.WhichOneof("op") != "pool_reply":
         return None
     return _POOL_FROM_WIRE.get(reply.control.pool_reply.status)
-
-
-def commit_loss(meta: Mapping[str, str]) -> float | None:
-    """The loss a commit carries (``COMMIT_LOSS``), None when it carries none. Raises BadMessage for one that is
-    not a number (its range and finiteness are the loss check's: peer.runtime.lead.verify.check_loss)."""
-    text = meta.get(COMMIT_LOSS)
-    if text is None:
-        return None
-    if len(text) > MAX_LOSS_TEXT:
-        raise BadMessage(f"meta.{COMMIT_LOSS}", f"{len(text)} characters, at most {MAX_LOSS_TEXT}")
-    try:
-        return float(text)
-    except ValueError:
-        raise BadMessage(f"meta.{COMMIT_LOSS}", f"{text!r} is not a number") from None
 
 
 def is_speculative(reply: pb.Envelope | WireEnvelope) -> bool:

@@ -3,10 +3,9 @@ or end the run, and the model is the one single-process training gives.
 
 One swarm of five peers (one stage each: every peer holds the whole model, so any survivor holds it):
 
-* peer 2 runs a patched client whose every loss is NaN (``Outbox.report`` and ``Outbox.call`` replaced: a stage
-  that is first and last of its pipeline sends its loss with the commit): the coordinator refuses each, the commit
-  standing, and publishes those steps without a loss, instead of failing to serialise its progress record and
-  exiting;
+* peer 2 runs a patched client whose every loss report is NaN (``Outbox.report`` replaced): the coordinator
+  refuses each with INVALID_ARGUMENT and publishes those steps without a loss, instead of failing to serialise
+  its progress record and exiting;
 * peer 3 runs a patched client whose Status reply claims 10^9 trained steps (``StageWorker.status``
   replaced). The leader (peer 0) is killed mid-run; the new leader asks every worker how far it got, finds the
   claim beyond the step its predecessor signed in the progress record, leaves peer 3 out and goes on, instead
@@ -61,14 +60,6 @@ if LIE == "nan-loss":
         return honest_report(self, t, msg)
 
     Outbox.report = report
-    honest_call = Outbox.call
-
-    def call(self, t, key, op, meta=None):
-        if meta and ctl.COMMIT_LOSS in meta:
-            meta = {**meta, ctl.COMMIT_LOSS: "nan"}
-        return honest_call(self, t, key, op, meta)
-
-    Outbox.call = call
 elif LIE == "trained-steps":
     honest_status = StageWorker.status
     StageWorker.status = lambda self: {**honest_status(self), "trained_steps": 10**9}
@@ -139,7 +130,7 @@ def test_a_nan_loss_liar_and_a_trained_steps_liar_neither_crash_nor_end_the_run(
         assert procs.procs[2].poll() in (None, 0), "the NaN liar's client crashed"
         logs = {i: procs.log_text(i) for i in range(5)}
     leading = logs[0] + logs[1]
-    # the NaN losses were refused, and no leader failed on its progress record
+    # the NaN reports were refused with a status, and no leader failed on its progress record
     assert "loss: nan is not a finite number" in leading
     assert "Out of range float values" not in "".join(logs.values())
     assert "leadership ended with an error" not in leading

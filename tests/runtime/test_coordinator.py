@@ -9,7 +9,6 @@ stage reduced, strict decoding of reports — from the stage workers' compute.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Iterator
@@ -89,27 +88,6 @@ def test_step_commits_each_microbatch_once_and_applies_after_every_stage_reduced
     last_reduced = max(w.reduced_at for w in workers if w.reduced_at is not None)
     applied = [t for w in workers for t, m in w.received if isinstance(m, ctl.Apply)]
     assert min(applied) > last_reduced, "apply went out before every stage had reduced"
-
-
-@pytest.mark.parametrize("swarm", [[Script(loss_with_commit="{}.0"), Script(loss_with_commit="{}.0")]], indirect=True)
-def test_a_loss_carried_by_its_commit_counts_as_a_loss_report(swarm) -> None:
-    """A first stage that is also its pipeline's last sends each micro-batch's loss with the commit."""
-    coordinator, _ = swarm
-    report = coordinator.run_step(0, timeout_s=30)
-    assert sum(report.microbatches_per_pipeline.values()) == SPEC.n_microbatches
-    assert report.loss == pytest.approx(sum(range(SPEC.n_microbatches)) / SPEC.n_microbatches)
-
-
-@pytest.mark.parametrize("swarm", [[Script(loss_with_commit=bad), Script(loss_with_commit=bad)]
-                                   for bad in ("nan", "1e308", "inf", "one", "1" * 40)], indirect=True)
-def test_an_unusable_loss_on_a_commit_is_refused_and_the_commit_stands(swarm) -> None:
-    coordinator, workers = swarm
-    report = coordinator.run_step(0, timeout_s=30)
-    assert sum(report.microbatches_per_pipeline.values()) == SPEC.n_microbatches, "every micro-batch committed"
-    assert [r for w in workers for r in w.commit_replies].count("committed") == SPEC.n_microbatches
-    assert math.isnan(report.loss), "no refused loss reached the step's loss"
-    assert coordinator.dead == frozenset()
-
 
 @pytest.mark.parametrize("swarm", [[Script(commit_twice=True), Script(commit_twice=True)]], indirect=True)
 def test_duplicate_commit_is_answered_as_such_and_not_counted(swarm) -> None:

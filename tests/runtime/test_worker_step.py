@@ -485,27 +485,3 @@ def test_a_group_of_one_keeps_its_own_sum_without_computing_or_sending_a_digest(
     assert sends == [] and [type(m) for m in reports] == [ctl.Reduced]
     summed, _count = sync.step.apply(0, compute.step) or (None, 0)
     assert summed is not None and torch.equal(summed, own)
-
-
-def test_a_stage_first_and_last_sends_its_loss_with_the_commit_and_a_last_stage_reports_it(corpus: Corpus) -> None:
-    """One message less per micro-batch where a pipeline is one stage (a lone peer, data-parallel plans)."""
-    from tests.support.virtual_run import Node, fresh_stage
-
-    run = SimpleNamespace(spec=SPEC, pool_call=lambda pipeline, key, op: ctl.pool_reply(
-        pb.COMMIT, key, ctl.PoolStatus.COMMITTED), reported=lambda endpoint, msg: None)
-    node = Node(run, ENDPOINTS[0], corpus)  # type: ignore[arg-type]
-    a = build_assignments(SPEC, [(0, SPEC.model.n_layers)], [[0]], [ENDPOINTS[0]], COORDINATOR, epoch=1)[ENDPOINTS[0]]
-    node.assign(a, fresh_stage(SPEC, a), None)
-    assert node.t is not None
-    feeder = node.loop.start_step(node.t, ctl.StartStep(0, 0, feed=True))
-    assert feeder is not None and feeder.take(0)
-    assert node.loop.run_next()  # forward, loss and backward; the commit runs at once (FakeOutbox.submit)
-    assert not [m for m in node.outbox.reports if isinstance(m, ctl.Loss)], "no separate loss report"
-    [carried] = node.outbox.carried
-    assert (carried.step, carried.microbatch) == (0, 0) and 0 < carried.loss < 10
-
-    two = VirtualRun(SPEC, corpus)  # two stages a pipeline: the last reports, the first commits without a loss
-    two.begin(0)
-    two.run_to_end()
-    last, first = two.nodes[ENDPOINTS[PIPELINES[0][1]]], two.nodes[ENDPOINTS[PIPELINES[0][0]]]
-    assert [m for m in last.outbox.reports if isinstance(m, ctl.Loss)] and not first.outbox.carried

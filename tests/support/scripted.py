@@ -35,7 +35,6 @@ class Script:
     hold_s: dict[int, float] = field(default_factory=dict)  # step -> seconds each lease is held before its loss
     resync_delay_s: float = 0.0  # reloading the stage when told to resync takes this long
     hang_start_step: threading.Event | None = None  # hold the answer to a start_step until this is set
-    loss_with_commit: str | None = None  # send each loss as this text (format of the micro-batch) with its commit
 
 class ScriptedWorker:
     def __init__(self, script: Script | None = None) -> None:
@@ -141,12 +140,9 @@ class ScriptedWorker:
                 self.server.stop(grace=0)  # gone, holding an uncommitted lease
                 return
             time.sleep(self.script.hold_s.get(step, 0.0))
-            carried = self.script.loss_with_commit
-            if carried is None:
-                self._report(ctl.Loss(step, mb, float(mb)), step)
-            meta = None if carried is None else {ctl.COMMIT_LOSS: carried.format(mb)}
+            self._report(ctl.Loss(step, mb, float(mb)), step)
             for _ in range(2 if self.script.commit_twice else 1):
                 commit = make_key(SPEC.run_id, EPOCH, step, mb, 0, replica)
-                answer = self.client.fetch(ctl.pool_kind(ctl.Op.COMMIT), commit, meta=meta, timeout_s=10)
+                answer = self.client.fetch(ctl.pool_kind(ctl.Op.COMMIT), commit, timeout_s=10)
                 status = ctl.pool_status(answer)
                 self.commit_replies.append("" if status is None else status.value)

@@ -62,7 +62,6 @@ class FakeOutbox:
         self.run, self.endpoint = run, endpoint
         self.sent: list[tuple[str, str, int, int]] = []  # (to, kind, step, micro-batch)
         self.reports: list[ctl.Message] = []
-        self.carried: list[ctl.Loss] = []  # losses sent with a commit (a stage first and last of its pipeline)
 
     def send(self, t: Tasklet, endpoint: str, env: pb.Envelope) -> None:
         self.sent.append((endpoint, pb.Kind.Name(env.kind), env.key.step, env.key.microbatch))
@@ -73,9 +72,7 @@ class FakeOutbox:
         self.run.reported(self.endpoint, msg)
         return done_future()
 
-    def call(self, t: Tasklet, key: pb.Key, op: ctl.Op, meta: dict[str, str] | None = None) -> pb.Envelope:
-        if meta and (loss := ctl.commit_loss(meta)) is not None:  # a one-stage pipeline's loss, with its commit
-            self.carried.append(ctl.Loss(key.step, key.microbatch, loss))
+    def call(self, t: Tasklet, key: pb.Key, op: ctl.Op) -> pb.Envelope:
         return self.run.pool_call(t.assignment.replica, key, op)
 
     def submit(self, fn: Any, *args: Any) -> Future[None]:

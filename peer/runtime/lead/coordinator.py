@@ -69,7 +69,7 @@ from tasklet.peer.timing import (
     STEP_TIMEOUT_S,
 )
 from tasklet.protocol import tasklet_pb2 as pb
-from tasklet.protocol.errors import BadMessage, Forbidden, PeerUnreachable, Refused, Rejected, TransportError
+from tasklet.protocol.errors import Forbidden, PeerUnreachable, Refused, Rejected, TransportError
 
 # the step's outcomes, named from here by the coordinator's callers (driver, local swarm, benchmarks)
 __all__ = ["COORDINATOR_ROUTE", "MAX_LOSS", "Coordinator", "OuterRoundFailedError", "ReplanNeededError",
@@ -431,7 +431,6 @@ class Coordinator:
         if a is None or not a.is_first:  # only the head of a pipeline feeds it and knows when its backward ended
             raise Forbidden(f"a {op.value} is taken only from the first stage of a pipeline; "
                             f"peer {request.sender} holds stage {key.stage}")
-        loss = self._commit_loss(request, endpoint) if op is ctl.Op.COMMIT else None
         with self._cond:
             machine = self._machine
             if machine is None or key.step != machine.step or key.run_id != self.spec.run_id or key.epoch != self.epoch:
@@ -439,8 +438,6 @@ class Coordinator:
             if op is ctl.Op.LEASE:
                 answer = machine.lease(key.replica, time.monotonic())
             else:
-                if loss is not None:  # as a loss report would have come before the commit
-                    machine.loss(endpoint, key.replica, key.microbatch, loss, time.monotonic())
                 answer = machine.commit(key.microbatch, key.replica, time.monotonic())
                 if answer.seconds is not None:
                     self.pacing.mb_seconds.append(answer.seconds)
@@ -452,25 +449,6 @@ class Coordinator:
         reply = ctl.pool_reply(request.kind, reply_key, answer.status, bool(answer.speculative))
         self._carry_out(machine, answer.commands)
         return reply
-
-    def _commit_loss(self, request: pb.FetchRequest, endpoint: str) -> float | None:
-        """The loss a commit carries (a first stage that is also its pipeline's last), checked as a loss report is:
-        a refused one is left out (the spot checks hear of it as a copy without a usable loss) and the commit
-        stands, as it does beside a refused report."""
-        key = request.key
-        try:
-            value = ctl.commit_loss(request.meta)
-        except BadMessage:
-            value = math.nan  # refused below, as an unusable number
-        if value is None:
-            return None
-        try:
-            self.verification.check_loss(self._cond, self._machine, key, ctl.Loss(key.step, key.microbatch, value),
-                                         self.roster.is_last(endpoint), request.sender)
-        except (BadMessage, Forbidden) as exc:
-            log.warning("the loss with %s's commit of micro-batch %d is refused: %s", endpoint, key.microbatch, exc)
-            return None
-        return value
 
     def _on_report(self, env: pb.Envelope) -> None:
         msg = ctl.decode(env, ctl.REPORTS)

@@ -184,9 +184,8 @@ class ComputeLoop:
         loss, grad_in = compute.forward_loss(mb, x, targets)
         self._timed(t, step, started, 3.0, compute.accumulate_s - summed)
         self.stats["backward"] += 1
-        if not a.is_first:  # a stage that is first and last says its loss with the commit: one message less
-            self.outbox.report(t, ctl.Loss(step, mb, loss))
-        self._after_backward(t, step, mb, grad_in, loss)
+        self.outbox.report(t, ctl.Loss(step, mb, loss))
+        self._after_backward(t, step, mb, grad_in)
 
     def backward(self, t: Tasklet, step: int, mb: int, grad_out: torch.Tensor) -> None:
         started = self.clock.now()
@@ -197,8 +196,7 @@ class ComputeLoop:
         self.stats["backward"] += 1
         self._after_backward(t, step, mb, grad_in)
 
-    def _after_backward(self, t: Tasklet, step: int, mb: int, grad_in: torch.Tensor | None,
-                        loss: float | None = None) -> None:
+    def _after_backward(self, t: Tasklet, step: int, mb: int, grad_in: torch.Tensor | None) -> None:
         a = t.assignment
         if not a.is_first:
             assert grad_in is not None and a.prev is not None
@@ -211,15 +209,13 @@ class ComputeLoop:
         with self.cond:  # it holds no memory here any more: the feeder may let the next one in at once
             self.step.finished()
             self.cond.notify_all()
-        self.outbox.submit(self.commit, t, step, mb, loss)
+        self.outbox.submit(self.commit, t, step, mb)
 
-    def commit(self, t: Tasklet, step: int, mb: int, loss: float | None = None) -> None:
-        """Commit a first stage's finished micro-batch to the pool (off the compute thread); ``loss``: its loss,
-        where this stage is also the pipeline's last (``ctl.COMMIT_LOSS``)."""
-        meta = None if loss is None else {ctl.COMMIT_LOSS: repr(float(loss))}
+    def commit(self, t: Tasklet, step: int, mb: int) -> None:
+        """Commit a first stage's finished micro-batch to the pool (off the compute thread)."""
         try:
             with self.sync.times.timed("control"):
-                reply = self.outbox.call(t, t.key(step, mb), ctl.Op.COMMIT, meta)
+                reply = self.outbox.call(t, t.key(step, mb), ctl.Op.COMMIT)
             if ctl.pool_status(reply) is not ctl.PoolStatus.COMMITTED:
                 log.warning("micro-batch %d of step %d: pool answered %s", mb, step, ctl.pool_status(reply))
         except TransportError as exc:

@@ -69,10 +69,10 @@ class Outbox:
         env = ctl.encode(msg, t.spec.run_id, a.epoch, step, stage=a.stage, replica=a.replica)
         return self._pool.submit(self.client(a.coordinator).push, env, CONTROL_TIMEOUT_S)
 
-    def call(self, t: Tasklet, key: pb.Key, op: ctl.Op, meta: dict[str, str] | None = None) -> pb.Envelope:
+    def call(self, t: Tasklet, key: pb.Key, op: ctl.Op) -> pb.Envelope:
         """A task-pool call (lease, commit) to the coordinator; blocks (feeder and commit threads only)."""
         return self.client(t.assignment.coordinator).fetch(
-            ctl.pool_kind(op), key, meta=meta, timeout_s=CONTROL_TIMEOUT_S
+            ctl.pool_kind(op), key, timeout_s=CONTROL_TIMEOUT_S
         )
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
