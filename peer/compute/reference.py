@@ -79,6 +79,75 @@ def train_reference(
     return {n: p.detach().clone() for n, p in model.named_parameters()}, losses
 
 
+def groupings_of(record: Sequence[dict[str, Any]], steps: int, n_microbatches: int) -> list[list[list[int]]] | None:
+    """Each step's micro-batches per pipeline (pipelines ascending, micro-batches ascending) from a run's replayable
+    record (``peer.runtime.outer.assignment_record``), or None when the record does not hold exactly steps
+    ``0..steps-1`` each committing every micro-batch once (a record begun by a later leader, say)."""
+    if len(record) != steps or [int(e["step"]) for e in record] != list(range(steps)):
+        return None
+    groupings = []
+    for entry in record:
+        commits = {int(mb): int(p) for mb, p in entry["commits"].items()}
+        if sorted(commits) != list(range(n_microbatches)):
+            return None
+        groupings.append([sorted(mb for mb, q in commits.items() if q == p) for p in sorted(set(commits.values()))])
+    return groupings
+
+
+def train_grouped_reference(
+    model_cfg: ModelSpec,
+    optim_cfg: OptimConfig,
+    corpus: Corpus,
+    seed: int,
+    groupings: Sequence[Sequence[Sequence[int]]],
+    micro_batch: int,
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """:func:`train_reference` with each step's micro-batches summed as the run grouped them: ``groupings[step]``
+    lists each pipeline's micro-batches; a pipeline's unscaled gradients are summed in that order, the pipelines'
+    sums in list order, and the total divided by the step's micro-batch count (the runtime's arithmetic,
+    ``peer.compute.stage``). Why: float addition is not associative, and AdamW carries a last-bit difference from
+    step to step, so two groupings of one batch can end 1e-5 of a tensor's scale apart after 20 steps; replaying
+    the grouping leaves only what the machinery itself adds."""
+    model_cfg.validate()
+    optim_cfg.validate()
+    model, forward = family_of(model_cfg).full_model(model_cfg)
+    named = list(model.named_parameters())
+    optimizer = torch.optim.AdamW(_decay_groups(model, optim_cfg), lr=optim_cfg.lr, betas=optim_cfg.betas,
+                                  eps=optim_cfg.eps)
+    losses: list[float] = []
+    for step, pipelines in enumerate(groupings):
+        n = sum(len(mbs) for mbs in pipelines)
+        if n < 1:
+            raise ValueError(f"step {step} of the grouping commits no micro-batch")
+        total: list[torch.Tensor] | None = None
+        step_loss = 0.0
+        for mbs in pipelines:
+            optimizer.zero_grad(set_to_none=True)
+            for mb in mbs:
+                inputs, targets = microbatch(corpus, seed, step, mb, micro_batch, model_cfg.seq_len)
+                loss = lm_loss(forward(inputs), targets)
+                loss.backward()
+                step_loss += float(loss.detach())
+            part = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in named]
+            if total is None:
+                total = [g.clone() for g in part]
+            else:
+                for t, g in zip(total, part, strict=True):
+                    t.add_(g)
+        assert total is not None
+        for (_, p), t in zip(named, total, strict=True):
+            p.grad = t.div_(n)
+        if optim_cfg.grad_clip is not None:
+            norm = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for _, p in named))
+            coef = clip_coefficient(norm, optim_cfg.grad_clip)
+            if coef < 1.0:
+                for _, p in named:
+                    p.grad.mul_(coef)
+        optimizer.step()
+        losses.append(step_loss / n)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, losses
+
+
 def train_diloco_reference(
     spec: Any,
     record: Sequence[dict[str, Any]],
