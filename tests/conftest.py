@@ -15,10 +15,12 @@ Order: the in-process tests first, then the fresh clone's tests, then the other 
 pytest-xdist (``TASKLET_TEST_WORKERS``, 2 by default, ``--dist loadgroup``, see scripts/test.sh) they run in two
 lanes, an ``xdist_group`` each, so one worker each. Lane 1: the in-process tests, then the fresh clone's (its
 set-up, the README's first command, the install script), then the tests marked ``light_processes`` (a CLI, a
-probe, a script; no swarm), then the ``container`` tests (the images' build, about 4 minutes cold, and their
-swarms). Lane 2: every other test with processes, one at a time (two of its swarms at once on 2 cores only wait
-on each other). Lane 2 sets the suite's time; the container tests moved to lane 1 because it sat idle for most
-of the run while lane 2 took 38 minutes. In one process, the fresh clone's set-up starts in the background when
+probe, a script; no swarm), then those marked ``exact_processes`` (processes whose every assertion holds at any
+speed: results equal to a replay), then the ``container`` tests (the images' build, about 4 minutes cold, and
+their swarms). Lane 2: every other test with processes, one at a time (two of its swarms at once on 2 cores only
+wait on each other). Lane 2 sets the suite's time; the container tests moved to lane 1 because it sat idle for
+most of the run while lane 2 took 38 minutes, and the exact tests because lane 2 still ran 10 minutes longer. In
+one process, the fresh clone's set-up starts in the background when
 the tests are collected (tests/support/newcomer.py).
 """
 
@@ -49,6 +51,7 @@ LAYER_MARKERS = ("unit", "integration", "slow")
 # bed and the container engine are machine-wide)
 LANE1, LANE2 = "lane1", "lane2"
 LIGHT = "light_processes"
+EXACT = "exact_processes"  # processes, but no assertion depends on speed: lane 1, beside lane 2 (module docstring)
 CONTAINER = "container"  # the image build and the container tests: lane 1, last (module docstring)
 
 
@@ -58,6 +61,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "xdist_group(name): the lane a test runs in (set here, not by hand)")
     config.addinivalue_line("markers", f"{LIGHT}: starts only short, light processes (a CLI, a probe, a script), "
                             "no swarm: runs in lane 1 after the fresh clone's tests, beside lane 2's swarms")
+    config.addinivalue_line("markers", f"{EXACT}: starts processes but asserts nothing that depends on speed (results "
+                            "equal to a replay): runs in lane 1 after the light ones, beside lane 2")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks set here
@@ -82,7 +87,10 @@ def _order(item: pytest.Item) -> int:
         return 0
     if "newcomer" in _fixtures(item):
         return 1
-    return 2 if item.get_closest_marker(LIGHT) else 3 if item.get_closest_marker(CONTAINER) else 4
+    for rank, marker in enumerate((LIGHT, EXACT, CONTAINER), start=2):
+        if item.get_closest_marker(marker):
+            return rank
+    return 5
 
 
 def _with_processes(item: pytest.Item) -> bool:
@@ -90,8 +98,8 @@ def _with_processes(item: pytest.Item) -> bool:
 
 
 def _group(item: pytest.Item) -> str:
-    lane1 = (not _with_processes(item) or "newcomer" in _fixtures(item) or item.get_closest_marker(LIGHT)
-             or item.get_closest_marker(CONTAINER))
+    lane1 = (not _with_processes(item) or "newcomer" in _fixtures(item)
+             or any(item.get_closest_marker(m) for m in (LIGHT, EXACT, CONTAINER)))
     return LANE1 if lane1 else LANE2
 
 

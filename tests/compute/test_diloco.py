@@ -28,6 +28,8 @@ from tasklet.peer.runtime.outer import BLOCK_SIZE, OuterState, allgather_codec, 
 from tasklet.peer.runtime.spec import RunSpec, SpecError
 from tasklet.scheduler.compression import PenaltyTable, SyncOption
 
+pytestmark = pytest.mark.exact_processes  # every check is a replay's equality: lane 1 (tests/conftest.py)
+
 STEPS = 6
 SPEC = RunSpec(run_id="diloco", model=ModelConfig(n_layers=4, d_model=32, n_heads=4, seq_len=32, seed=5),
                optim=OptimConfig(lr=3e-3, eps=1e-3), seed=11, micro_batch=2, n_microbatches=4,

@@ -25,6 +25,8 @@ from tasklet.peer.compute.stage import OptimConfig
 from tasklet.peer.emulation.local import train_plan
 from tasklet.peer.runtime.spec import RunSpec
 
+pytestmark = pytest.mark.exact_processes  # every check is an equality with transformers: lane 1 (tests/conftest.py)
+
 STEPS = 5
 STAGES = [(0, 2), (2, 4)]
 PIPELINES = [[0, 1], [2, 3]]
