@@ -38,7 +38,8 @@ from tasklet.peer.net.bulk_client import (
 from tasklet.peer.net.config import TransportConfig
 from tasklet.peer.net.counters import TRAFFIC
 from tasklet.peer.net.endpoint import EndpointError, dial_plan, parse_endpoint, proxy_url
-from tasklet.peer.net.server import _kind_name, kind_value, service_name
+from tasklet.peer.net.local import caller_id, local_server
+from tasklet.peer.net.server import PeerServer, _kind_name, kind_value, service_name
 from tasklet.peer.net.shaping import LinkShaper, take_in
 from tasklet.peer.net.statuses import error_of_status
 from tasklet.protocol import PROTOCOL_VERSION
@@ -158,6 +159,10 @@ class PeerClient:
     def _timeout(self, timeout_s: float | None) -> float:
         return self.config.default_timeout_s if timeout_s is None else timeout_s
 
+    def _local(self) -> PeerServer | None:
+        """This process's own server behind our endpoint, when a call may skip the network (peer.net.local)."""
+        return None if self.shaper is not None else local_server(self.endpoint, self.config.tls)
+
     def _chunk_bytes(self) -> int:
         size = self.config.chunk_bytes
         return size if self.shaper is None else self.shaper.chunk_bytes(size)
@@ -190,6 +195,11 @@ class PeerClient:
                 envelope.sender = self.sender
             size = envelope.nbytes if isinstance(envelope, WireEnvelope) else envelope.ByteSize()
             TRAFFIC.sent(_kind_name(envelope.kind), size)
+            local = self._local()
+            if local is not None:
+                delivered = local.push_local(envelope, caller_id(self.config.tls))
+                delivered.add_done_callback(lambda _: self._inflight.release())
+                return delivered
             lane = self._bulk_lane(remaining) if size >= self.config.bulk_min_bytes else None
             if lane is not None:
                 pushed = self._bulk_executor().submit(self._push_on_lane, lane, envelope, deadline)
@@ -333,18 +343,29 @@ class PeerClient:
         if self.shaper is not None:
             self.shaper.wait_delay(start)
         asm = Reassembler(self.config.max_envelope_bytes if max_bytes is None else max_bytes)
-        stream = self._fetch(request, timeout=max(1e-3, timeout - (time.monotonic() - start)))
+        local = self._local()
+        if local is not None:
+            answered = local.fetch_local(request, caller_id(self.config.tls))
+            try:
+                segments, _ = answered.result(timeout=max(1e-3, timeout - (time.monotonic() - start)))
+            except FutureTimeout:
+                raise PeerUnreachable(self.endpoint, f"DEADLINE_EXCEEDED: no answer within {timeout:.3g} s") from None
+            stream = iter_segment_chunks(segments, self.config.chunk_bytes)
+        else:
+            stream = self._fetch(request, timeout=max(1e-3, timeout - (time.monotonic() - start)))
         try:
             for raw in stream:
                 asm.add(decode_chunk(raw))
-                take_in(len(raw))  # the owner's download cap
+                if local is None:
+                    take_in(len(raw))  # the owner's download cap
                 if progress is not None:
                     progress(asm.received, asm.total)
                 del raw  # read: free it before gRPC makes the next chunk (memory reused)
         except grpc.RpcError as exc:
             raise map_rpc_error(exc, self.endpoint) from None
         except Exception:
-            stream.cancel()
+            if local is None:
+                stream.cancel()
             raise
         reply = asm.message()
         TRAFFIC.received(_kind_name(reply.kind), asm.total)

@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NoReturn, TypeVar
 
 import grpc
@@ -50,7 +50,7 @@ from tasklet.peer.net.front import GrpcFront
 from tasklet.peer.net.idle import IdleWatch
 from tasklet.peer.net.limits import ConnectionCap
 from tasklet.peer.net.shaping import LinkShaper, take_in
-from tasklet.peer.net.statuses import SlotRefusedError, refusal_of
+from tasklet.peer.net.statuses import SlotRefusedError, error_of_status, refusal_of
 from tasklet.peer.net.waiting import RoomFullError, WaitingRoom
 from tasklet.protocol import PROTOCOL_VERSION
 from tasklet.protocol import tasklet_pb2 as pb
@@ -63,7 +63,7 @@ from tasklet.protocol.chunking import (
     envelope_kind_prefix,
     iter_segment_chunks,
 )
-from tasklet.protocol.errors import BadMessage, Rejected
+from tasklet.protocol.errors import BadMessage, PeerUnreachable, Rejected
 from tasklet.protocol.message import WireEnvelope, envelope_segments
 
 logger = logging.getLogger(__name__)
@@ -358,6 +358,7 @@ class PeerServer:
         self._host: PeerServer | None = None
         self._front: GrpcFront | None = None  # the port's front door (peer.net.front), while started
         self._lane: BulkListener | None = None
+        self._local: ThreadPoolExecutor | None = None  # this process's calls to itself (peer.net.local), while started
 
     # --- registration -------------------------------------------------------------------------------------
     def register_push(self, kind: int | str, handler: PushHandler) -> None:
@@ -522,6 +523,7 @@ class PeerServer:
             self._lane = lane
         server.start()
         self._idle.start()
+        self._local = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="peer-local")
         self._server, self.port = server, port
         logger.info("peer server listening on %s (bulk lane on port %d)", self.endpoint, self.bulk_port)
         return port
@@ -560,6 +562,9 @@ class PeerServer:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
+        local, self._local = self._local, None
+        if local is not None:
+            local.shutdown(wait=False, cancel_futures=True)
         logger.info("peer server on port %s stopped", self.port)
 
     def __enter__(self) -> PeerServer:
@@ -571,11 +576,77 @@ class PeerServer:
         self.stop()
 
     # --- call bodies (run on server threads) --------------------------------------------------------------
+    # --- calls from this process to itself (peer.net.local) ---------------------------------------------------
+    def mounted_at(self, route: str) -> PeerServer | None:
+        """The server mounted under ``route`` on this one, if any."""
+        with self._lock:
+            return self._mounts.get(route)
+
+    def _run_local(self, what: str, fn: Callable[[], R]) -> Future[R]:
+        """``fn`` on the threads kept for this process's calls to itself (the host's, when mounted)."""
+        pool = self._local if self._host is None else self._host._local
+        try:
+            if pool is None:
+                raise RuntimeError("not started")
+            return pool.submit(fn)
+        except RuntimeError:  # never started, or stopped (its pool shut down) since
+            where = self.endpoint if self.port or self._host else "local"
+            raise PeerUnreachable(where, f"{what}: not serving") from None
+
+    def push_local(self, envelope: pb.Envelope | WireEnvelope, caller: str) -> Future[None]:
+        """Deliver a push of this process to itself: serialised and checked as a gRPC push is, from the first
+        chunk's admission and a stream slot of ``caller``'s quota to the handler, on threads of its own; the
+        Future fails with the Refused or PeerUnreachable the gRPC path would give."""
+        def run() -> None:
+            held: list[bool] = []
+
+            def admitted() -> None:
+                self._admit_stream("Push", caller)
+                held.append(True)
+
+            raws = iter_segment_chunks(envelope_segments(envelope), self.config.chunk_bytes)
+            try:
+                self._deliver(_decoded(raws), caller, admitted, metered=False)
+            except Exception as exc:
+                raise self._local_refusal("Push", exc) from None
+            finally:
+                if held:
+                    self._release(caller)
+
+        return self._run_local("Push", run)
+
+    def fetch_local(self, request: pb.FetchRequest, caller: str) -> Future[tuple[list[Segment], int]]:
+        """Answer a fetch of this process from itself: a stream slot of ``caller``'s quota, then the handler, on
+        threads of its own; the Future holds the reply's pieces (as :meth:`_fetch` gives them) or fails with the
+        Refused or PeerUnreachable the gRPC path would give."""
+        if self.config.tls is not None:
+            request.sender = caller  # the authenticated caller, as on the gRPC path
+
+        def run() -> tuple[list[Segment], int]:
+            refusal = self._take_stream_slot("Fetch", caller)
+            if refusal is not None:
+                raise self._local_refusal("Fetch", SlotRefusedError(*refusal))
+            try:
+                return self._fetch(request)
+            except Exception as exc:
+                raise self._local_refusal("Fetch", exc) from None
+            finally:
+                self._release(caller)
+
+        return self._run_local("Fetch", run)
+
+    def _local_refusal(self, what: str, exc: Exception) -> Exception:
+        code, detail = refusal_of(what, exc)
+        if code is not grpc.StatusCode.CANCELLED:
+            TRAFFIC.refused(code.name)
+        return error_of_status(code, detail, self.endpoint)
+
     def _deliver(self, chunks: Iterator[ChunkView], caller: str = "",
-                 admitted: Callable[[], None] | None = None) -> pb.Ack:
+                 admitted: Callable[[], None] | None = None, metered: bool = True) -> pb.Ack:
         """Check, reassemble and hand over one pushed Envelope (chunks from gRPC or from the bulk lane).
         ``admitted()`` is called once the first chunk's Kind is admitted from ``caller`` (gRPC takes the
-        stream's slot there; the bulk lane took it from the request's head)."""
+        stream's slot there; the bulk lane took it from the request's head). ``metered``: the bytes count
+        against the owner's download cap (not for a call of this process to itself)."""
         asm: Reassembler | None = None
         announced = pb.KIND_UNSPECIFIED
         for chunk in chunks:
@@ -590,7 +661,8 @@ class PeerServer:
                 if admitted is not None:
                     admitted()
             asm.add(chunk)
-            take_in(len(chunk.payload))  # the owner's download cap: the next chunk is read when it allows
+            if metered:
+                take_in(len(chunk.payload))  # the owner's download cap: the next chunk is read when it allows
             del chunk  # its bytes are read: free them before the next chunk arrives (memory reused)
         if asm is None:
             raise BadMessage("chunk", "the stream carried no chunk")

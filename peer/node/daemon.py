@@ -33,6 +33,7 @@ from typing import Any
 from tasklet.peer.compute.device_probe import DeviceInfo, measure_device
 from tasklet.peer.config import RunConfig
 from tasklet.peer.identity.keys import Identity
+from tasklet.peer.net import local
 from tasklet.peer.net.endpoint import EndpointError, parse_endpoint
 from tasklet.peer.net.limits import raise_nofile
 from tasklet.peer.net.relay import relay_key
@@ -319,6 +320,13 @@ class PeerDaemon:
         except ReachabilityError as exc:
             raise DaemonError(str(exc)) from None
         self.endpoint = self.reach.endpoint
+        self._serve_own_calls()
+
+    def _serve_own_calls(self) -> None:
+        """This process's calls to its own endpoints (the leader's to its worker, and back) skip the network."""
+        assert self.worker is not None
+        local.publish(self.worker.server.endpoint, self.worker.server)
+        local.publish(self.endpoint, self.worker.server)
 
     def _announce(self) -> None:
         o = self.opts
@@ -426,6 +434,7 @@ class PeerDaemon:
         paused = self.control is not None and self.control.paused  # a paused peer stays out until resumed
         if self._ticks % TICKS_PER_HEARTBEAT == 0 and self.reach is not None and not paused and self.reach.refresh():
             self.endpoint = self.reach.endpoint  # our relay went away: publish one that still holds us
+            self._serve_own_calls()
             self.advert = replace(self.advert, endpoint=self.endpoint)
             self.membership.announce(self.advert)
         if self._ticks % TICKS_PER_HEARTBEAT == 0:  # once a heartbeat is enough to notice the end of the run
@@ -587,6 +596,7 @@ class PeerDaemon:
             except Exception as exc:  # the DHT may already be unreachable
                 log.info("leave: %s", exc)
         if self.worker is not None:
+            local.withdraw(self.worker.server)
             self.worker.stop()
         if self.reach is not None:
             self.reach.close()
