@@ -138,14 +138,16 @@ class Stop(_message.Message):
     def __init__(self) -> None: ...
 
 class StartStep(_message.Message):
-    __slots__ = ("step", "attempt", "feed")
+    __slots__ = ("step", "attempt", "feed", "record")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     FEED_FIELD_NUMBER: _ClassVar[int]
+    RECORD_FIELD_NUMBER: _ClassVar[int]
     step: int
     attempt: int
     feed: bool
-    def __init__(self, step: _Optional[int] = ..., attempt: _Optional[int] = ..., feed: _Optional[bool] = ...) -> None: ...
+    record: str
+    def __init__(self, step: _Optional[int] = ..., attempt: _Optional[int] = ..., feed: _Optional[bool] = ..., record: _Optional[str] = ...) -> None: ...
 
 class DropStep(_message.Message):
     __slots__ = ("step",)

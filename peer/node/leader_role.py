@@ -31,10 +31,12 @@ from tasklet.peer.config import RunConfig
 from tasklet.peer.net.client import PeerClient
 from tasklet.peer.net.config import TransportConfig
 from tasklet.peer.net.server import PeerServer
-from tasklet.peer.node.history import LossHistory, newest_record
+from tasklet.peer.node.history import LossHistory
+from tasklet.peer.node.history import newest_record as newest_progress
 from tasklet.peer.node.partition import QuorumWait, find_rival, judge, split_step
 from tasklet.peer.node.planning import ClusterView, build_cluster, make_planner, workload_for
 from tasklet.peer.node.schedule import leaving_soon
+from tasklet.peer.node.step_record import StepRecord, newest_record, sign_record
 from tasklet.peer.observe.scalars import ScalarWriter
 from tasklet.peer.runtime.assign import build_assignments
 from tasklet.peer.runtime.control import MAX_HASH, Apply, encode
@@ -54,6 +56,7 @@ from tasklet.peer.timing import (
     LINK_REPORT_WAIT_HEARTBEATS,
     PREDECESSOR_READ_HEARTBEATS,
     STATUS_TIMEOUT_S,
+    STEP_RECORD_STORE_S,
     TAKEOVER_APPLY_TIMEOUT_S,
     TAKEOVER_WAIT_S,
     TICKS_PER_HEARTBEAT,
@@ -110,6 +113,8 @@ class LeaderRole:
         self.history, self.missing = self.losses.steps, self.losses.missing  # the same dicts, read by tests
         self._predecessor: dict[str, Any] = {}  # the newest progress record of the previous leader read so far
         self._last_progress: dict[str, Any] = {"epoch": 0, "step": 0, "state": "forming"}
+        self._stored: tuple[float, Any] = (float("-inf"), None)  # the last progress store: when, its checkpoints
+        self._noted: StepRecord | None = None  # the newest step record of the previous leader a worker showed
         # peers whose pipelines applied a step of the run (carried over from the previous leader's plan): the
         # only witnesses of the election once there are some (peer.swarm.election), listed in every plan
         self.credited: set[str] = set()
@@ -361,7 +366,13 @@ class LeaderRole:
         for ep in sorted(silent):  # planning it would stall the first assignment on it (the old leader, often)
             log.warning("takeover: %s is left out of the first plan: it did not answer its status query", ep)
         self.excluded |= silent
+        previous = self.ctx.plan_board.latest()
+        self._noted = newest_record(((ep, st.get("step_record")) for ep, st in statuses.items()), self.spec.run_id,
+                                    None if previous is None else previous.leader_id)
         recorded, digests = self._recorded()
+        if self._noted is not None and self._noted.step == recorded:
+            log.info("takeover: the bound is the step record a worker showed (epoch %d, %d steps trained)",
+                     self._noted.epoch, recorded)
         judged = judge_claims(statuses, stages, recorded, digests)
         self._takeover_digests = Digests(recorded, digests) if recorded is not None else Digests()
         for ep, why in judged.liars.items():
@@ -390,14 +401,22 @@ class LeaderRole:
         return top, stages
 
     def _recorded(self) -> tuple[int | None, dict[tuple[int, int], str]]:
-        """The trained step and stage hashes the previous plan's leader last signed (``recorded_progress``)."""
-        return recorded_progress(self._read_predecessor())
+        """The trained step and stage hashes the previous plan's leader last signed: in its progress record
+        (``recorded_progress``) or in the step record a worker was sent with a start_step, whichever is newer
+        (plan epoch, then step: a re-plan may roll the step back)."""
+        record = self._read_predecessor()
+        step, hashes = recorded_progress(record)
+        noted = self._noted
+        epoch = record.get("epoch") if type(record.get("epoch")) is int else -1
+        if noted is not None and (step is None or (noted.epoch, noted.step) > (epoch, step)):
+            return noted.step, dict(noted.hashes)
+        return step, hashes
 
     def _read_predecessor(self) -> dict[str, Any]:
         """The previous plan's leader's progress record, read again; the newest of the reads so far. The step a
         takeover starts from and the history it adopts come from one record, or the newer: a stale read for the
         history would leave the steps between the two without a loss."""
-        self._predecessor = newest_record(self._predecessor, predecessor_progress(self.ctx, self.stop_event))
+        self._predecessor = newest_progress(self._predecessor, predecessor_progress(self.ctx, self.stop_event))
         return self._predecessor
 
     def _statuses(self, adverts: list[Any] | None = None) -> dict[str, dict[str, Any]]:
@@ -412,13 +431,29 @@ class LeaderRole:
         return out
 
     # -------------------------------------------------------------------------------------- publication
-    def _publish(self, payload: dict[str, Any]) -> None:
-        """Publish progress; every record carries the loss history, so a takeover at any moment keeps it."""
+    def _publish(self, payload: dict[str, Any], due: bool = True) -> None:
+        """Publish progress; every record carries the loss history, so a takeover at any moment keeps it.
+        ``due`` False (a step's end): store only when the last store is ``STEP_RECORD_STORE_S`` old or the
+        checkpoints it signs changed; else the next beat stores it (a takeover's bound is the step record)."""
         self._last_progress = {**payload, "history": self._history_payload(), "credit": self.credit.to_record(),
                                "unverified": self.coordinator.verification.ledger.to_record()}
         if self.discarded is not None:  # the last healed partition's lost work stays in view
             self._last_progress["discarded"] = dict(self.discarded)
+        checkpoints = self._last_progress.get("checkpoint_hashes")
+        if due or checkpoints != self._stored[1] or time.monotonic() - self._stored[0] >= STEP_RECORD_STORE_S:
+            self._store()
+
+    def _store(self) -> None:
+        self._stored = (time.monotonic(), self._last_progress.get("checkpoint_hashes"))
         self.ctx.progress.publish(dict(self._last_progress))
+
+    def _sign_step(self, epoch: int, trained: int) -> None:
+        """Sign the record of ``trained`` steps that every start_step carries from now on (peer.node.step_record)."""
+        identity = self.ctx.progress.store.identity
+        if identity is None or self.driver is None:
+            return
+        hashes = self.driver.digests.at(trained) or {}
+        self.coordinator.step_record = sign_record(identity, self.spec.run_id, StepRecord(epoch, trained, hashes))
 
     def _on_pause(self, pause: dict[str, Any] | None) -> None:
         """The driver waits for enough live peers to hold the stages (``pause``), or trains on (None)."""
@@ -431,7 +466,7 @@ class LeaderRole:
 
     def beat(self) -> None:
         """Renew the progress record (called every tick): followers see a live leader even between steps."""
-        self.ctx.progress.publish(dict(self._last_progress))
+        self._store()
 
     def _on_replan(self, info: dict[str, Any]) -> None:
         self.losses.forget_from(info["step"])  # a rollback redoes these steps
@@ -455,6 +490,7 @@ class LeaderRole:
             raise InterruptedError(f"plan of epoch {info['epoch']} not published: {exc}") from None
         if not stored:
             log.warning("plan of epoch %d was not stored in the DHT", info["epoch"])
+        self._sign_step(info["epoch"], info["step"])
         self._publish({"epoch": info["epoch"], "step": info["step"], "state": "training"})
 
     def _adopt_history(self, trained: int, progress: dict[str, Any] | None = None, since: int = 0) -> None:
@@ -484,9 +520,10 @@ class LeaderRole:
         self.scalars.add(report.step, {"train/loss": report.loss, "train/tokens_per_s": tokens_per_s,
                                        "train/step_s": report.seconds, "swarm/plan_epoch": self.driver.epoch,
                                        "swarm/peers": len(self._workers())})
+        self._sign_step(self.driver.epoch, report.step + 1)  # before the next start_step: the takeover's bound
         self._publish({"epoch": self.driver.epoch, "step": report.step + 1, "loss": loss, "step_s": report.seconds,
                        "tokens_per_s": tokens_per_s, "state": "training",
-                       **signed_hashes(self.driver, report.step + 1)})
+                       **signed_hashes(self.driver, report.step + 1)}, due=False)
 
     def _finish(self) -> None:
         save = self.config.swarm.save_dir

@@ -37,6 +37,7 @@ from tasklet.protocol.message import WireEnvelope
 MAX_TEXT = 1000  # an error text or a reason
 MAX_ENDPOINT = 300
 MAX_HASH = 64
+MAX_STEP_RECORD_CHARS = 16384  # a leader's signed step record (peer.node.step_record): a seal and stage hashes
 
 
 class Op(enum.Enum):
@@ -135,12 +136,16 @@ class Stop(Message):
 
 @dataclass(frozen=True)
 class StartStep(Message):
-    """Start (or, with a higher ``attempt``, restart) ``step``; ``feed``: a first stage leases micro-batches."""
+    """Start (or, with a higher ``attempt``, restart) ``step``; ``feed``: a first stage leases micro-batches.
+    ``record``: the leader's signed record of the steps trained so far, kept for a takeover (peer.node.step_record;
+    a worker neither reads nor trusts it)."""
 
     op: ClassVar[Op] = Op.START_STEP
+    _limits: ClassVar[dict[str, int]] = {"record": MAX_STEP_RECORD_CHARS}
     step: int
     attempt: int = 0
     feed: bool = False
+    record: str = ""
 
 
 @dataclass(frozen=True)

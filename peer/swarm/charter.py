@@ -41,39 +41,42 @@ def _message(domain: bytes, run_id: str, body: dict[str, Any]) -> bytes:
     return b"\x00".join([domain, run_id.encode(), canonical_json(body)])
 
 
-def _sign(identity: Identity, domain: bytes, run_id: str, body: dict[str, Any]) -> dict[str, str]:
+def seal(identity: Identity, domain: bytes, run_id: str, body: dict[str, Any]) -> dict[str, str]:
+    """``{"key", "sig"}``: ``identity``'s signature over ``body`` in ``domain`` (a signature of one kind of record
+    can never pass for another's) and ``run_id``."""
     signature = identity.private_key.sign(_message(domain, run_id, body))
     return {"key": identity.public_key.decode(), "sig": base64.b64encode(signature).decode()}
 
 
-def _verify(domain: bytes, run_id: str, body: dict[str, Any], seal: object) -> str:
-    """The signer's peer id of ``seal`` over ``body``; CharterError when it is malformed or does not verify."""
-    if not isinstance(seal, dict) or set(seal) != {"key", "sig"}:
-        raise CharterError("no organiser signature")
-    key, sig = seal["key"], seal["sig"]
+def signer_of(domain: bytes, run_id: str, body: dict[str, Any], sealed: object, who: str = "organiser") -> str:
+    """The signer's peer id of the seal ``sealed`` over ``body``; CharterError when it is malformed or does not
+    verify."""
+    if not isinstance(sealed, dict) or set(sealed) != {"key", "sig"}:
+        raise CharterError(f"no {who} signature")
+    key, sig = sealed["key"], sealed["sig"]
     if not (isinstance(key, str) and isinstance(sig, str) and len(key) <= MAX_KEY_CHARS and len(sig) <= MAX_SIG_CHARS):
-        raise CharterError("malformed organiser signature")
+        raise CharterError(f"malformed {who} signature")
     try:
         public = RSAPublicKey.from_bytes(key.encode())
         signature = base64.b64decode(sig.encode(), validate=True)
     except (ValueError, TypeError, binascii.Error) as exc:
-        raise CharterError(f"malformed organiser key or signature ({exc})") from None
+        raise CharterError(f"malformed {who} key or signature ({exc})") from None
     except Exception as exc:  # the key parser's own errors (cryptography's UnsupportedAlgorithm, ...)
-        raise CharterError(f"unreadable organiser key ({type(exc).__name__})") from None
+        raise CharterError(f"unreadable {who} key ({type(exc).__name__})") from None
     if not public.verify(_message(domain, run_id, body), signature):
-        raise CharterError("the organiser signature does not verify")
+        raise CharterError(f"the {who} signature does not verify")
     return peer_id_from_public_key(key.encode())
 
 
 def sign_run(identity: Identity, run_id: str, config: dict[str, Any], created_at: float) -> dict[str, str]:
     """The organiser's signature over the run's configuration and creation time."""
-    return _sign(identity, _DOMAIN_RUN, run_id, {"config": config, "created_at": float(created_at)})
+    return seal(identity, _DOMAIN_RUN, run_id, {"config": config, "created_at": float(created_at)})
 
 
 def run_organiser(run_id: str, payload: dict[str, Any]) -> str:
     """The peer id that signed a run record's payload (``config``, ``created_at``, ``organiser``)."""
     body = {"config": payload.get("config"), "created_at": payload.get("created_at")}
-    return _verify(_DOMAIN_RUN, run_id, body, payload.get("organiser"))
+    return signer_of(_DOMAIN_RUN, run_id, body, payload.get("organiser"))
 
 
 def sign_stewards(identity: Identity, run_id: str, stewards: list[str], revision: int) -> dict[str, Any]:
@@ -82,7 +85,7 @@ def sign_stewards(identity: Identity, run_id: str, stewards: list[str], revision
     if not ids or len(ids) > MAX_STEWARDS:
         raise CharterError(f"a stewards record names 1 to {MAX_STEWARDS} peer ids")
     body = {"stewards": ids, "revision": int(revision)}
-    return {**body, "organiser": _sign(identity, _DOMAIN_STEWARDS, run_id, body)}
+    return {**body, "organiser": seal(identity, _DOMAIN_STEWARDS, run_id, body)}
 
 
 def stewards_of(run_id: str, organiser: str, payload: object) -> tuple[str, ...]:
@@ -97,7 +100,7 @@ def stewards_of(run_id: str, organiser: str, payload: object) -> tuple[str, ...]
         ids = [check_peer_id(p, "steward") for p in ids]
     except ValueError as exc:
         raise CharterError(str(exc)) from None
-    signer = _verify(_DOMAIN_STEWARDS, run_id, {"stewards": ids, "revision": revision}, payload["organiser"])
+    signer = signer_of(_DOMAIN_STEWARDS, run_id, {"stewards": ids, "revision": revision}, payload["organiser"])
     if signer != organiser:
         raise CharterError(f"signed by {signer}, not by the organiser {organiser}")
     return tuple(ids)

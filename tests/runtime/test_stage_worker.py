@@ -112,6 +112,14 @@ def test_bad_message_refused_state_untouched(stage, case: str) -> None:
     assert worker.stats["forward"] == 1
 
 
+def test_the_newest_step_record_a_start_step_carried_shows_in_the_status(stage) -> None:
+    worker, _, client = stage
+    assert worker.status()["step_record"] is None, "the fixture's start_step carried none"
+    client.push(encode(StartStep(0, 1, record="the record of step 0"), SPEC.run_id, 3, 0), timeout_s=10)
+    client.push(encode(StartStep(0, 2), SPEC.run_id, 3, 0), timeout_s=10)  # one without: the newest stays
+    assert client.status(timeout_s=10)["step_record"] == "the record of step 0"
+
+
 def test_older_epoch_assignment_is_refused(stage) -> None:
     worker, coordinator, _ = stage
     with pytest.raises(Exception, match="older than this peer's epoch 3"):

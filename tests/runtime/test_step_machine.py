@@ -51,6 +51,7 @@ class Sim:
     overlap: bool = False  # the machine's outer round overlaps the next step (StepMachine's ``overlap``)
     in_flight: OuterInFlight | None = None  # ... the round of the step before, landing in this one
     land_only: bool = False
+    record: str = ""  # the leader's step record every start_step carries
     roster: Roster = field(init=False)
     machine: StepMachine = field(init=False)
     t: float = 0.0
@@ -70,7 +71,7 @@ class Sim:
         self.alive = set(self.roster.assignments)
         self.machine = StepMachine(self.step, self.roster, N_MB, now=0.0, timeout_s=100.0, lease_timeout_s=50.0,
                                    sync_period=self.sync_period, overlap=self.overlap, in_flight=self.in_flight,
-                                   land_only=self.land_only)
+                                   land_only=self.land_only, record=self.record)
 
     # -- the workers' side ---------------------------------------------------------------------------------
     def _sent(self) -> list[str]:
@@ -275,12 +276,22 @@ def test_a_death_before_or_after_each_transition_of_a_diloco_round(n_pipelines: 
         check(sim, n_pipelines, victim, diloco=True)
 
 
-def _restarted() -> Sim:
+def _restarted(record: str = "") -> Sim:
     """Three pipelines; pipeline 2 loses a member once the averaging started: the others compute again."""
     base = Sim(3).run()
     reduce_tick = base.labels.index("tick:compute->reduce")
     first = next(i for i in range(reduce_tick + 1, len(base.labels)) if base.labels[i] == "reduced")
-    return Sim(3, kills=[Kill(first, "after", ep(1, 2))])
+    return Sim(3, kills=[Kill(first, "after", ep(1, 2))], record=record)
+
+
+def test_every_start_step_of_every_attempt_carries_the_leaders_step_record() -> None:
+    """The record of the steps trained so far reaches every worker before it can apply this step (a takeover's
+    bound, peer.node.step_record), also with the restart of an attempt and the feed chained behind it."""
+    sim = _restarted(record="signed record").run()
+    starts = [s.msg for s in sim.sends(ctl.StartStep)]
+    chained = [s.then.msg for s in sim.sends(ctl.StartStep) if s.then is not None]
+    assert len({m.attempt for m in starts}) == 2 and chained, "the first attempt and the restart, with a feed"
+    assert all(m.record == "signed record" for m in starts + chained)
 
 
 def restart_cases() -> list:

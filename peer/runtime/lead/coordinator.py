@@ -118,6 +118,8 @@ class Coordinator:
         self._carry: OuterInFlight | None = None  # _cond: an overlapped outer round, for the next step to land
         self.roster = Roster()  # _cond; replaced whole by assign(), so a read sees one plan
         self.epoch = 0  # _cond
+        # the leader's signed record of the steps trained so far, sent with every start_step (peer.node.step_record)
+        self.step_record = ""
         self._clients: dict[str, PeerClient] = {}  # _clients_lock
         self._clients_lock = threading.Lock()
         self._background = ThreadPoolExecutor(max_workers=8, thread_name_prefix="coordinator")
@@ -273,7 +275,8 @@ class Coordinator:
                 sync_period=self.spec.sync_period,
                 dead=sorted(self.liveness.dead_now()), syncing=syncing, service_s=self.pacing.service_s(epoch),
                 speculate_after=self.pacing.speculate_after_s(), judge_after_s=self.liveness.interval_s,
-                spot=self.verification.checks(step, roster, lease_timeout_s), overlap=overlap, in_flight=in_flight)
+                spot=self.verification.checks(step, roster, lease_timeout_s), overlap=overlap, in_flight=in_flight,
+                record=self.step_record)
             self._machine = machine
             commands = machine.start()
         return self._drive(machine, commands, roster, epoch, step)

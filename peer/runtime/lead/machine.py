@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tasklet.peer.runtime import control as ctl
@@ -126,7 +126,7 @@ class StepMachine:
                  syncing: set[int] | None = None, service_s: dict[int, float] | None = None,
                  speculate_after: tuple[float | None, float | None] = (None, None),
                  judge_after_s: float = 0.0, spot: SpotChecks | None = None, overlap: bool = False,
-                 in_flight: OuterInFlight | None = None, land_only: bool = False) -> None:
+                 in_flight: OuterInFlight | None = None, land_only: bool = False, record: str = "") -> None:
         if land_only and in_flight is None:
             raise ValueError("land_only needs an outer round in flight")
         step = in_flight.step if land_only and in_flight else step
@@ -144,6 +144,7 @@ class StepMachine:
         self.state = StepState(pool=pool, syncing=set(syncing or ()))
         self._outer: list[int] = []
         self.spot = spot  # spot checks of this step (None: off)
+        self.record = record  # the leader's signed record of the steps trained before this one, in every start_step
 
     @property
     def phase(self) -> StepPhase:
@@ -177,9 +178,10 @@ class StepMachine:
         if not intact:
             return self._fail(ReplanNeededError(
                 f"step {self.step}: no pipeline in sync (syncing: {sorted(self.state.syncing)})"))
-        return [Send(tuple(self.roster.members(intact, self.dead, first=False)), ctl.StartStep(self.step, 0), True),
+        start = ctl.StartStep(self.step, 0, record=self.record)
+        return [Send(tuple(self.roster.members(intact, self.dead, first=False)), start, True),
                 Send(tuple(self.roster.members(intact, self.dead, first=True)),
-                     ctl.StartStep(self.step, 0, feed=True), True)]
+                     replace(start, feed=True), True)]
 
     def lease(self, pipeline: int, now: float) -> PoolAnswer:
         """A first stage of ``pipeline`` asks for a micro-batch."""
@@ -343,7 +345,8 @@ class StepMachine:
         st = self.state
         if st.phase is not StepPhase.COMPUTE or pipeline not in st.syncing:
             return []
-        return [Send(tuple(self.roster.members([pipeline], self.dead)), ctl.StartStep(self.step, st.attempt),
+        return [Send(tuple(self.roster.members([pipeline], self.dead)), ctl.StartStep(self.step, st.attempt,
+                                                                                       record=self.record),
                      rejoin=pipeline)]
 
     def rejoined(self, pipeline: int, attempt: int) -> list[Command]:
@@ -354,7 +357,7 @@ class StepMachine:
         st.syncing.discard(pipeline)
         log.info("step %d: pipeline %d is in sync again and joins the step", self.step, pipeline)
         firsts = tuple(ep for ep in self.roster.members([pipeline], self.dead, first=True))
-        return [Send(firsts, ctl.StartStep(self.step, attempt, feed=True))]
+        return [Send(firsts, ctl.StartStep(self.step, attempt, feed=True, record=self.record))]
 
     def tick(self, now: float) -> list[Command]:
         """Time passed, or something changed: judge errors, drop broken pipelines, move on when the phase's
@@ -573,10 +576,9 @@ class StepMachine:
         st = self.state
         st.next_attempt()
         intact = self.intact()
-        feed = Send(tuple(self.roster.members(intact, self.dead, first=True)), ctl.StartStep(self.step, st.attempt,
-                                                                                           feed=True))
-        out.append(Send(tuple(self.roster.members(intact, self.dead, first=False)),
-                        ctl.StartStep(self.step, st.attempt), then=feed))
+        start = ctl.StartStep(self.step, st.attempt, record=self.record)
+        feed = Send(tuple(self.roster.members(intact, self.dead, first=True)), replace(start, feed=True))
+        out.append(Send(tuple(self.roster.members(intact, self.dead, first=False)), start, then=feed))
 
     def _judge(self) -> None:
         """Errors whose wait is over: one from a live sender during averaging or apply fails the step."""

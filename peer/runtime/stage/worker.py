@@ -131,6 +131,7 @@ class StageWorker:
         self._cond = threading.Condition(self._lock)
         self._tasklet: Tasklet | None = None  # written under _state_lock and _lock; read once per handler
         self._step = WorkerStep()  # _lock
+        self.step_record = ""  # the newest leader's step record a start_step carried (one str: written atomically)
 
         self.outbox = outbox(self.config, peer_id, lambda: self._tasklet, self._current_step, self.stopped)
         self.outbox.shape_links(links)
@@ -315,6 +316,8 @@ class StageWorker:
             # where the last applied step's time went (peer.runtime.stage.timing), and the share its device computed
             "step_times": None if last is None else last.as_dict(),
             "compute_share": None if last is None else round(last.compute_share, 4),
+            # the newest signed record of a leader's this peer was sent (peer.node.step_record): a takeover's bound
+            "step_record": self.step_record or None,
         }
 
     def preload_corpus(self, corpus: Any, local: RunSpec | None = None) -> None:
@@ -388,6 +391,8 @@ class StageWorker:
 
     def _on_start_step(self, t: Tasklet, msg: ctl.StartStep) -> None:
         feeder = self.loop.start_step(t, msg)
+        if msg.record:  # the leader's record of the steps trained so far: shown to a takeover, never read here
+            self.step_record = msg.record
         if feeder is not None:
             threading.Thread(target=feeder.run, name=f"feeder-{msg.step}.{msg.attempt}", daemon=True).start()
 
