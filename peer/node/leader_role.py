@@ -65,6 +65,7 @@ from tasklet.peer.timing import (
 
 log = logging.getLogger(__name__)
 
+HEAVY = frozenset({"history", "credit", "unverified", "discarded"})  # progress fields built only for a store
 MAX_RECORDED_STAGES = 1024  # parameters hashes read from a progress record (more stages than any plan has)
 
 
@@ -114,6 +115,7 @@ class LeaderRole:
         self._predecessor: dict[str, Any] = {}  # the newest progress record of the previous leader read so far
         self._last_progress: dict[str, Any] = {"epoch": 0, "step": 0, "state": "forming"}
         self._stored: tuple[float, Any] = (float("-inf"), None)  # the last progress store: when, its checkpoints
+        self._heavy: dict[str, Any] = {}  # the history, credit, ... of the last store (built on the driver thread)
         self._noted: StepRecord | None = None  # the newest step record of the previous leader a worker showed
         # peers whose pipelines applied a step of the run (carried over from the previous leader's plan): the
         # only witnesses of the election once there are some (peer.swarm.election), listed in every plan
@@ -434,18 +436,24 @@ class LeaderRole:
     def _publish(self, payload: dict[str, Any], due: bool = True) -> None:
         """Publish progress; every record carries the loss history, so a takeover at any moment keeps it.
         ``due`` False (a step's end): store only when the last store is ``STEP_RECORD_STORE_S`` old or the
-        checkpoints it signs changed; else the next beat stores it (a takeover's bound is the step record)."""
-        self._last_progress = {**payload, "history": self._history_payload(), "credit": self.credit.to_record(),
-                               "unverified": self.coordinator.verification.ledger.to_record()}
-        if self.discarded is not None:  # the last healed partition's lost work stays in view
-            self._last_progress["discarded"] = dict(self.discarded)
+        checkpoints it signs changed; else the next beat stores it (a takeover's bound is the step record).
+        The history and credit are built here, on the driver's thread, only for a store (they grow with the run)."""
+        self._last_progress = {k: v for k, v in payload.items() if k not in HEAVY}
         checkpoints = self._last_progress.get("checkpoint_hashes")
         if due or checkpoints != self._stored[1] or time.monotonic() - self._stored[0] >= STEP_RECORD_STORE_S:
+            heavy = {"history": self._history_payload(), "credit": self.credit.to_record(),
+                     "unverified": self.coordinator.verification.ledger.to_record()}
+            if self.discarded is not None:  # the last healed partition's lost work stays in view
+                heavy["discarded"] = dict(self.discarded)
+            self._heavy = heavy
             self._store()
 
     def _store(self) -> None:
-        self._stored = (time.monotonic(), self._last_progress.get("checkpoint_hashes"))
-        self.ctx.progress.publish(dict(self._last_progress))
+        """Store the newest progress with the history and credit last built (a beat, from the daemon's thread,
+        reads both dicts but changes neither)."""
+        light = self._last_progress
+        self._stored = (time.monotonic(), light.get("checkpoint_hashes"))
+        self.ctx.progress.publish({**light, **self._heavy})
 
     def _sign_step(self, epoch: int, trained: int) -> None:
         """Sign the record of ``trained`` steps that every start_step carries from now on (peer.node.step_record)."""
@@ -458,7 +466,7 @@ class LeaderRole:
     def _on_pause(self, pause: dict[str, Any] | None) -> None:
         """The driver waits for enough live peers to hold the stages (``pause``), or trains on (None)."""
         self.pause = pause
-        rest = {k: v for k, v in self._last_progress.items() if k not in ("paused", "history")}
+        rest = {k: v for k, v in self._last_progress.items() if k != "paused"}
         if pause is None:
             self._publish({**rest, "state": "training"})
         else:
