@@ -118,3 +118,13 @@ def test_a_takeover_bounds_claims_by_the_newest_record_a_worker_shows(role: Lead
 def test_a_record_older_than_the_dhts_does_not_pull_the_bound_back(role: LeaderRole) -> None:
     role._noted = read_record(signed(2), RUN, LEADER.peer_id)
     assert role._recorded() == (3, {(0, 2): "d" * 64})
+
+
+def test_a_leader_signs_each_steps_record_for_its_coordinator_to_send(role: LeaderRole) -> None:
+    role.ctx.progress.store = SimpleNamespace(identity=LEADER)  # type: ignore[attr-defined]
+    role.driver = SimpleNamespace(digests=SimpleNamespace(at=lambda trained: HASHES if trained == 8 else None))  # type: ignore[assignment]
+    role._sign_step(2, 8)
+    record = read_record(role.coordinator.step_record, RUN, LEADER.peer_id)
+    assert (record.epoch, record.step, record.hashes) == (2, 8, HASHES)
+    role._sign_step(2, 9)  # no agreed hashes at that step: the record says so (no hash to hold claims to)
+    assert read_record(role.coordinator.step_record, RUN, LEADER.peer_id).hashes == {}

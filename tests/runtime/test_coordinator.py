@@ -89,6 +89,18 @@ def test_step_commits_each_microbatch_once_and_applies_after_every_stage_reduced
     applied = [t for w in workers for t, m in w.received if isinstance(m, ctl.Apply)]
     assert min(applied) > last_reduced, "apply went out before every stage had reduced"
 
+def test_the_leaders_step_record_goes_out_with_every_start_step_over_the_wire(swarm) -> None:
+    """The record of the steps trained so far reaches each worker before the step it could apply (a takeover's
+    bound, peer.node.step_record): set on the coordinator between steps, carried by the next start_step."""
+    coordinator, workers = swarm
+    coordinator.run_step(0, timeout_s=30)
+    coordinator.step_record = "signed record of 1 step"
+    coordinator.run_step(1, timeout_s=30)
+    for w in workers:
+        starts = [m for _, m in w.received if isinstance(m, ctl.StartStep)]
+        assert [(m.step, m.record) for m in starts] == [(0, ""), (1, "signed record of 1 step")]
+
+
 @pytest.mark.parametrize("swarm", [[Script(commit_twice=True), Script(commit_twice=True)]], indirect=True)
 def test_duplicate_commit_is_answered_as_such_and_not_counted(swarm) -> None:
     coordinator, workers = swarm
