@@ -38,7 +38,7 @@ from tasklet.peer.net.bulk_client import (
 from tasklet.peer.net.config import TransportConfig
 from tasklet.peer.net.counters import TRAFFIC
 from tasklet.peer.net.endpoint import EndpointError, dial_plan, parse_endpoint, proxy_url
-from tasklet.peer.net.local import caller_id, local_server
+from tasklet.peer.net.local import DEADLINES, caller_id, local_server, settle_from
 from tasklet.peer.net.server import PeerServer, _kind_name, kind_value, service_name
 from tasklet.peer.net.shaping import LinkShaper, take_in
 from tasklet.peer.net.statuses import error_of_status
@@ -198,8 +198,13 @@ class PeerClient:
             local = self._local()
             if local is not None:
                 delivered = local.push_local(envelope, caller_id(self.config.tls))
-                delivered.add_done_callback(lambda _: self._inflight.release())
-                return delivered
+                delivered.add_done_callback(lambda _: self._inflight.release())  # its handler's thread is free
+                answer: Future[None] = Future()
+                answer.set_running_or_notify_cancel()
+                delivered.add_done_callback(lambda done: settle_from(done, answer))
+                DEADLINES.watch(answer, deadline, lambda: PeerUnreachable(
+                    self.endpoint, f"DEADLINE_EXCEEDED: push not handled within {timeout:.3g} s"))
+                return answer
             lane = self._bulk_lane(remaining) if size >= self.config.bulk_min_bytes else None
             if lane is not None:
                 pushed = self._bulk_executor().submit(self._push_on_lane, lane, envelope, deadline)

@@ -16,7 +16,14 @@ tests of the transport, which publish nothing.
 
 from __future__ import annotations
 
+import contextlib
+import heapq
+import itertools
 import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from typing import Any
 
 from tasklet.peer.net.server import PeerServer
 from tasklet.peer.net.tls import TlsContext
@@ -56,3 +63,60 @@ def caller_id(tls: TlsContext | None) -> str:
     if tls is None:
         return ""
     return tls.trust.peer_of(tls.certificate) or tls.peer_id
+
+
+MAX_WATCHED = 4096  # entries before the settled ones are swept out (each settled one would leave at its deadline)
+
+
+class Deadlines:
+    """One thread that fails a local call's Future when its handler outlives the call's deadline, as gRPC ends a
+    call at its deadline: a caller that only waits on a done-callback (the worker's outbox) then hears of it."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, Future[Any], Callable[[], BaseException]]] = []
+        self._order = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, future: Future[Any], deadline: float, failure: Callable[[], BaseException]) -> None:
+        """Fail ``future`` with ``failure()`` at ``deadline`` (monotonic seconds) unless it is settled by then."""
+        with self._cond:
+            if len(self._heap) >= MAX_WATCHED:
+                self._heap = [entry for entry in self._heap if not entry[2].done()]
+                heapq.heapify(self._heap)
+            heapq.heappush(self._heap, (deadline, next(self._order), future, failure))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="local-deadlines", daemon=True)
+                self._thread.start()
+            if self._heap[0][2] is future:
+                self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap:
+                    self._cond.wait()
+                deadline, _, future, failure = self._heap[0]
+                wait_s = deadline - time.monotonic()
+                if not future.done() and wait_s > 0:
+                    self._cond.wait(wait_s)
+                    continue
+                heapq.heappop(self._heap)
+            if not future.done():
+                with contextlib.suppress(InvalidStateError):  # settled by its handler meanwhile
+                    future.set_exception(failure())
+
+
+DEADLINES = Deadlines()
+
+
+def settle_from(source: Future[Any], target: Future[Any]) -> None:
+    """Give ``target`` the outcome of ``source`` unless a deadline settled it first."""
+    try:
+        error = source.exception()
+        if error is None:
+            target.set_result(source.result())
+        else:
+            target.set_exception(error)
+    except InvalidStateError:
+        pass

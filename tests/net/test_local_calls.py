@@ -146,3 +146,22 @@ def test_a_stopped_server_is_unreachable_not_a_hang() -> None:
             client.push(control(1), timeout_s=1)
     finally:
         local.withdraw(server)
+
+
+def test_a_local_push_whose_handler_hangs_fails_at_its_deadline_for_a_callback_only_caller(
+        served: tuple[PeerServer, Handlers]) -> None:
+    _, handlers = served
+    heard: list[BaseException | None] = []
+    told = threading.Event()
+    with PeerClient(NOWHERE, CONFIG) as client:
+        start = time.monotonic()
+        future = client.push_async(control(99), timeout_s=0.4)  # the handler holds it until released
+        future.add_done_callback(lambda f: (heard.append(f.exception()), told.set()))
+        assert told.wait(3), "no outcome after the deadline"
+        assert 0.35 < time.monotonic() - start < 2.0
+        assert isinstance(heard[0], PeerUnreachable) and "DEADLINE_EXCEEDED" in str(heard[0])
+        handlers.release.set()  # the handler ends later: the outcome given stays
+        time.sleep(0.2)
+        assert isinstance(future.exception(), PeerUnreachable)
+        client.push(control(4), timeout_s=2)  # its stream slot and in-flight slot came back
+    assert (TLS.peer_id, 4) in handlers.pushed
