@@ -117,6 +117,7 @@ class LeaderRole:
         self._stored: tuple[float, Any] = (float("-inf"), None)  # the last progress store: when, its checkpoints
         self._heavy: dict[str, Any] = {}  # the history, credit, ... of the last store (built on the driver thread)
         self._noted: StepRecord | None = None  # the newest step record of the previous leader a worker showed
+        self._bound_by_record = ""  # what the DHT's record said when a step record was newer (the log says it)
         # peers whose pipelines applied a step of the run (carried over from the previous leader's plan): the
         # only witnesses of the election once there are some (peer.swarm.election), listed in every plan
         self.credited: set[str] = set()
@@ -372,9 +373,9 @@ class LeaderRole:
         self._noted = newest_record(((ep, st.get("step_record")) for ep, st in statuses.items()), self.spec.run_id,
                                     None if previous is None else previous.leader_id)
         recorded, digests = self._recorded()
-        if self._noted is not None and self._noted.step == recorded:
-            log.info("takeover: the bound is the step record a worker showed (epoch %d, %d steps trained)",
-                     self._noted.epoch, recorded)
+        if self._bound_by_record:
+            log.info("takeover: the bound is the step record a worker showed (%d steps trained; the progress record "
+                     "in the DHT said %s)", recorded, self._bound_by_record)
         judged = judge_claims(statuses, stages, recorded, digests)
         self._takeover_digests = Digests(recorded, digests) if recorded is not None else Digests()
         for ep, why in judged.liars.items():
@@ -411,7 +412,9 @@ class LeaderRole:
         noted = self._noted
         epoch = record.get("epoch") if type(record.get("epoch")) is int else -1
         if noted is not None and (step is None or (noted.epoch, noted.step) > (epoch, step)):
+            self._bound_by_record = f"epoch {epoch}, step {step}" if step is not None else "nothing"
             return noted.step, dict(noted.hashes)
+        self._bound_by_record = ""
         return step, hashes
 
     def _read_predecessor(self) -> dict[str, Any]:
