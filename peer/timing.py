@@ -138,7 +138,7 @@ MAX_CLOCK_SKEW_S = 1.0  # a joiner whose clock differs from the swarm's by more 
 DHT_RECONNECT_HEARTBEATS = 5  # re-ping the DHT nodes a peer joined through (heals a partitioned DHT)
 
 # -- the daemon's control loop ---------------------------------------------------------------------------
-STEP_RECORD_STORE_S = 1.0  # a leader stores its progress record at most this often between steps (beats too)
+PROGRESS_BUILD_S = 1.0  # a leader rebuilds its progress record's history and credit at most this often
 TICKS_PER_HEARTBEAT = 2  # the control loop ticks every heartbeat / 2
 LEADER_CONFIRM_TICKS = 3  # the same election result this many ticks in a row before roles change
 JOINER_RUN_WAIT_S = 15.0  # a joiner waits this long for the run record to appear in the DHT

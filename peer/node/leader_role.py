@@ -55,8 +55,8 @@ from tasklet.peer.swarm.progress import ProgressBoard, publishable
 from tasklet.peer.timing import (
     LINK_REPORT_WAIT_HEARTBEATS,
     PREDECESSOR_READ_HEARTBEATS,
+    PROGRESS_BUILD_S,
     STATUS_TIMEOUT_S,
-    STEP_RECORD_STORE_S,
     TAKEOVER_APPLY_TIMEOUT_S,
     TAKEOVER_WAIT_S,
     TICKS_PER_HEARTBEAT,
@@ -114,8 +114,9 @@ class LeaderRole:
         self.history, self.missing = self.losses.steps, self.losses.missing  # the same dicts, read by tests
         self._predecessor: dict[str, Any] = {}  # the newest progress record of the previous leader read so far
         self._last_progress: dict[str, Any] = {"epoch": 0, "step": 0, "state": "forming"}
-        self._stored: tuple[float, Any] = (float("-inf"), None)  # the last progress store: when, its checkpoints
-        self._heavy: dict[str, Any] = {}  # the history, credit, ... of the last store (built on the driver thread)
+        self._stored_checkpoints: Any = None  # the checkpoint hashes the last progress store signed
+        self._heavy: dict[str, Any] = {}  # the history, credit, ... last built (on the driver thread)
+        self._built_at = float("-inf")  # when (monotonic)
         self._noted: StepRecord | None = None  # the newest step record of the previous leader a worker showed
         self._bound_by_record = ""  # what the DHT's record said when a step record was newer (the log says it)
         # peers whose pipelines applied a step of the run (carried over from the previous leader's plan): the
@@ -438,24 +439,27 @@ class LeaderRole:
     # -------------------------------------------------------------------------------------- publication
     def _publish(self, payload: dict[str, Any], due: bool = True) -> None:
         """Publish progress; every record carries the loss history, so a takeover at any moment keeps it.
-        ``due`` False (a step's end): store only when the last store is ``STEP_RECORD_STORE_S`` old or the
-        checkpoints it signs changed; else the next beat stores it (a takeover's bound is the step record).
-        The history and credit are built here, on the driver's thread, only for a store (they grow with the run)."""
+        ``due`` False (a step's end): no store here unless the checkpoints it signs changed; the next beat stores
+        it, from the daemon's thread (a takeover's bound is the step record, peer.node.step_record). The history
+        and credit are built here, on the driver's thread, at most every ``PROGRESS_BUILD_S`` between steps
+        (they grow with the run)."""
         self._last_progress = {k: v for k, v in payload.items() if k not in HEAVY}
         checkpoints = self._last_progress.get("checkpoint_hashes")
-        if due or checkpoints != self._stored[1] or time.monotonic() - self._stored[0] >= STEP_RECORD_STORE_S:
+        now_s = time.monotonic()
+        if due or checkpoints != self._stored_checkpoints or now_s - self._built_at >= PROGRESS_BUILD_S:
             heavy = {"history": self._history_payload(), "credit": self.credit.to_record(),
                      "unverified": self.coordinator.verification.ledger.to_record()}
             if self.discarded is not None:  # the last healed partition's lost work stays in view
                 heavy["discarded"] = dict(self.discarded)
-            self._heavy = heavy
+            self._heavy, self._built_at = heavy, now_s
+        if due or checkpoints != self._stored_checkpoints:
             self._store()
 
     def _store(self) -> None:
         """Store the newest progress with the history and credit last built (a beat, from the daemon's thread,
         reads both dicts but changes neither)."""
         light = self._last_progress
-        self._stored = (time.monotonic(), light.get("checkpoint_hashes"))
+        self._stored_checkpoints = light.get("checkpoint_hashes")
         self.ctx.progress.publish({**light, **self._heavy})
 
     def _sign_step(self, epoch: int, trained: int) -> None:
@@ -464,7 +468,7 @@ class LeaderRole:
         if identity is None or self.driver is None:
             return
         hashes = self.driver.digests.at(trained) or {}
-        self.coordinator.step_record = sign_record(identity, self.spec.run_id, StepRecord(epoch, trained, hashes))
+        self.coordinator.note_trained(sign_record(identity, self.spec.run_id, StepRecord(epoch, trained, hashes)))
 
     def _on_pause(self, pause: dict[str, Any] | None) -> None:
         """The driver waits for enough live peers to hold the stages (``pause``), or trains on (None)."""

@@ -8,8 +8,10 @@ the same facts (run, plan epoch, trained steps, the parameters hash of each stag
 record and sends it with the next step's ``start_step``; each worker keeps the newest it was sent and shows it
 in its status. No worker can apply step ``k`` without having been sent the record of ``k`` trained steps
 first, so the newest record a new leader finds among the workers (or in the DHT, whichever is newer) bounds
-every honest claim exactly as the stored record did. The DHT record is still stored, at most every
-``STEP_RECORD_STORE_S`` between steps: ``peer status``, the loss history and the contribution record.
+every honest claim exactly as the stored record did. The DHT record (``peer status``, the loss history, the
+contribution record) is stored by the leader's beat, every control-loop tick, and at re-plans, pauses, new
+checkpoints and the run's end, never on a step's way; its history and credit are rebuilt at most every
+``PROGRESS_BUILD_S``.
 
 A record is the predecessor's claim, checked like any: it counts only when it is well formed, within
 ``MAX_RECORD_CHARS``, of this run, and signed by the leader of the previous plan. A worker can withhold its record

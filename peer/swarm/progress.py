@@ -1,8 +1,8 @@
 """The progress board: the leader's latest step, loss and state, for followers, `peer status` and its successor.
 
 The leader publishes two records (signed, like every record of the run), both on every call of
-:meth:`ProgressBoard.publish` (every control-loop tick, and between steps at most every ``STEP_RECORD_STORE_S``:
-a takeover's bound travels with the steps instead, ``peer.node.step_record``):
+:meth:`ProgressBoard.publish` (every control-loop tick, and at re-plans, pauses, new checkpoints and the run's
+end; not after every step: a takeover's bound travels with the steps instead, ``peer.node.step_record``):
 
 * the **beat** under ``f"{run_id}:beat"``: the progress without the loss history, a few hundred bytes. Every
   worker reads it once a heartbeat (``peer.swarm.view``): it tells a live leader from a dead one by its age

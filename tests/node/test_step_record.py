@@ -128,3 +128,31 @@ def test_a_leader_signs_each_steps_record_for_its_coordinator_to_send(role: Lead
     assert (record.epoch, record.step, record.hashes) == (2, 8, HASHES)
     role._sign_step(2, 9)  # no agreed hashes at that step: the record says so (no hash to hold claims to)
     assert read_record(role.coordinator.step_record, RUN, LEADER.peer_id).hashes == {}
+
+
+class Recorder(StaleProgress):
+    """The DHT's progress board as the leader writes it: every record stored, in order."""
+
+    def __init__(self) -> None:
+        super().__init__({})
+        self.stored: list[dict[str, Any]] = []
+
+    def publish(self, record: dict[str, Any]) -> bool:
+        self.stored.append(json.loads(json.dumps(record)))
+        return True
+
+
+def test_a_step_stores_nothing_its_beat_stores_it_and_the_history_keeps_up(role: LeaderRole) -> None:
+    board = role.ctx.progress = Recorder()  # type: ignore[misc]
+    role._publish({"epoch": 1, "step": 0, "state": "training"})  # a re-plan's: stored at once
+    assert len(board.stored) == 1
+    for step in range(6):
+        role.losses.record(step, 5.0 - step, 0.1)
+        role._built_at -= 10.0  # each step's end comes a build period after the last build
+        role._publish({"epoch": 1, "step": step + 1, "state": "training", "checkpoint_hashes": []}, due=False)
+        if step == 0:  # the checkpoints it signs changed (none -> []): stored from the driver's thread, once
+            assert len(board.stored) == 2
+        role.beat()  # the daemon's tick
+    assert len(board.stored) == 2 + 6, "only beats stored the steps"
+    newest = board.stored[-1]
+    assert newest["step"] == 6 and newest["history"]["loss"] == [5.0, 4.0, 3.0, 2.0, 1.0, 0.0], "not frozen"

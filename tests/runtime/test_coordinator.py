@@ -94,7 +94,7 @@ def test_the_leaders_step_record_goes_out_with_every_start_step_over_the_wire(sw
     bound, peer.node.step_record): set on the coordinator between steps, carried by the next start_step."""
     coordinator, workers = swarm
     coordinator.run_step(0, timeout_s=30)
-    coordinator.step_record = "signed record of 1 step"
+    coordinator.note_trained("signed record of 1 step")
     coordinator.run_step(1, timeout_s=30)
     for w in workers:
         starts = [m for _, m in w.received if isinstance(m, ctl.StartStep)]

@@ -119,7 +119,7 @@ class Coordinator:
         self.roster = Roster()  # _cond; replaced whole by assign(), so a read sees one plan
         self.epoch = 0  # _cond
         # the leader's signed record of the steps trained so far, sent with every start_step (peer.node.step_record)
-        self.step_record = ""
+        self.step_record = ""  # set between steps by note_trained (the driver's thread, which runs the steps)
         self._clients: dict[str, PeerClient] = {}  # _clients_lock
         self._clients_lock = threading.Lock()
         self._background = ThreadPoolExecutor(max_workers=8, thread_name_prefix="coordinator")
@@ -260,6 +260,10 @@ class Coordinator:
         return dataclasses.replace(source, grant=sign_grant(self.tls, self.spec.run_id, a.epoch, peer, a.layers))
 
     # ------------------------------------------------------------------------------------------ step loop
+    def note_trained(self, record: str) -> None:
+        """The leader's signed record of the steps trained so far: every start_step from now on carries it."""
+        self.step_record = record
+
     def run_step(self, step: int, timeout_s: float = STEP_TIMEOUT_S, overlap: bool = False) -> StepReport:
         """Run one step to the end (all intact pipelines' stages updated) and report it. ``overlap``: a round-end
         step hands its outer round on, to land after the next step (:meth:`land_outer` lands it at once)."""
