@@ -36,7 +36,7 @@ from tasklet.peer.node.history import newest_record as newest_progress
 from tasklet.peer.node.partition import QuorumWait, find_rival, judge, split_step
 from tasklet.peer.node.planning import ClusterView, build_cluster, make_planner, workload_for
 from tasklet.peer.node.schedule import leaving_soon
-from tasklet.peer.node.step_record import StepRecord, newest_record, sign_record
+from tasklet.peer.node.step_record import MAX_STAGES, StepRecord, newest_record, sign_record
 from tasklet.peer.observe.scalars import ScalarWriter
 from tasklet.peer.runtime.assign import build_assignments
 from tasklet.peer.runtime.control import MAX_HASH, Apply, encode
@@ -66,7 +66,7 @@ from tasklet.peer.timing import (
 log = logging.getLogger(__name__)
 
 HEAVY = frozenset({"history", "credit", "unverified", "discarded"})  # progress fields built only for a store
-MAX_RECORDED_STAGES = 1024  # parameters hashes read from a progress record (more stages than any plan has)
+MAX_RECORDED_STAGES = MAX_STAGES  # parameters hashes read from a progress record, as from a step record
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ checkpoints and the run's end, never on a step's way; its history and credit are
 ``PROGRESS_BUILD_S``.
 
 A record is the predecessor's claim, checked like any: it counts only when it is well formed, within
-``MAX_RECORD_CHARS``, of this run, and signed by the leader of the previous plan. A worker can withhold its record
+``MAX_STEP_RECORD_CHARS``, of this run, and signed by the leader of the previous plan. A worker can withhold its record
 (then its own claim past the others' is refused) but cannot forge one.
 """
 
