@@ -16,7 +16,13 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tasklet.peer.runtime.choices import COMPRESSIONS, DEFAULT_KEEP, PRECISIONS, PSEUDO_GRAD_COMPRESSIONS
+from tasklet.peer.runtime.choices import (
+    COMPRESSIONS,
+    DEFAULT_KEEP,
+    GRAD_OUTLIER_FACTOR,
+    PRECISIONS,
+    PSEUDO_GRAD_COMPRESSIONS,
+)
 from tasklet.peer.timing import ADVERT_TTL_HEARTBEATS, CHECKPOINT_COPIES, HEARTBEAT_S, MAX_HEARTBEAT_S, QUORUM_WAIT_S
 
 if TYPE_CHECKING:
@@ -79,9 +85,9 @@ class RunSection:
     n_microbatches: int = _f(8, "micro-batches per step (global batch = micro_batch x n_microbatches)")
     precision: str = _f("fp32", f"compute precision, one of {', '.join(PRECISIONS)} (fp32 master weights)")
     compression: str = _f("none", f"activations on the wire, one of {', '.join(COMPRESSIONS)}")
-    grad_outlier_factor: float = _f(10.0, "a replica's gradient shard above this many times its group's median norm "
-                                    "per micro-batch (or, when larger, the owner's whole gradient's) is refused and "
-                                    "its sender excluded; 0 turns the check off")
+    grad_outlier_factor: float = _f(GRAD_OUTLIER_FACTOR, "a replica's gradient shard above this many times its "
+                                    "group's median norm per micro-batch (or, when larger, the owner's whole "
+                                    "gradient's) is refused and its sender excluded; 0 turns the check off")
     grad_direction_z: float = _f(5.0, "a replica's gradient shard whose direction is unrelated to its group's (within "
                                  "this many standard errors of noise) is refused and its sender excluded; 0: off")
     sync_period: int = _f(1, "data-parallel sync: 1 = exact gradient averaging every step; H > 1 = DiLoCo, each "

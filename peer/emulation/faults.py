@@ -48,12 +48,13 @@ class NanGradOutbox(Outbox):
 
 
 class HugeGradOutbox(Outbox):
-    """Sends finite but 1000x too large gradient shards (plausible in form, wrong in size): the owners of the
-    shards must refuse them as outliers of the replica group and report the sender."""
+    """Sends finite but a million times too large gradient shards (plausible in form, far beyond any honest
+    spike in size): the owners of the shards must refuse them as outliers of the replica group and report the
+    sender."""
 
     def send(self, t: Tasklet, endpoint: str, env: pb.Envelope) -> None:
         if env.kind == pb.GRAD_SHARD:
-            _retensor(env, lambda good: good * 1000.0)
+            _retensor(env, lambda good: good * 1e6)
         super().send(t, endpoint, env)
 
 

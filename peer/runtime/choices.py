@@ -16,3 +16,6 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 PSEUDO_GRAD_COMPRESSIONS = ("none", "int8", *SPARSE_COMPRESSIONS)
 ERROR_FEEDBACK_COMPRESSIONS = SPARSE_COMPRESSIONS
 DEFAULT_KEEP = 3  # checkpoints kept on the leader's disk
+# the norm check's k (peer.runtime.stage.gradient_checks.NormCheck): above every honest spike measured, 174 x at
+# most (bench.gradient_tails, docs/security.md), so it refuses only a size no honest gradient came near
+GRAD_OUTLIER_FACTOR = 1000.0

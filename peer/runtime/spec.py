@@ -13,7 +13,7 @@ from typing import Any
 from tasklet.peer.compute.family import ModelSpec, family_of, model_from_dict, model_to_dict
 from tasklet.peer.compute.model import ModelConfig
 from tasklet.peer.compute.stage import OptimConfig
-from tasklet.peer.runtime.choices import COMPRESSIONS, PRECISIONS, PSEUDO_GRAD_COMPRESSIONS
+from tasklet.peer.runtime.choices import COMPRESSIONS, GRAD_OUTLIER_FACTOR, PRECISIONS, PSEUDO_GRAD_COMPRESSIONS
 from tasklet.protocol.codec import COMPRESSIONS as WIRE_COMPRESSIONS
 
 
@@ -53,9 +53,9 @@ class RunSpec:
     text_field: str = "text"  # the field of JSONL records / Parquet rows that holds the text
     precision: str = "fp32"
     compression: str = "none"  # of activations and activation gradients on the wire
-    # a replica's gradient more than this many times the median of its group's (per micro-batch) is refused
-    # and its sender excluded (peer.runtime.stage.exchange); 0 disables the check
-    grad_outlier_factor: float = 10.0
+    # a replica's gradient more than this many times the median of its group's (per micro-batch), or its owner's
+    # whole gradient's, is refused and its sender excluded (peer.runtime.stage.gradient_checks); 0: no check
+    grad_outlier_factor: float = GRAD_OUTLIER_FACTOR
     # a replica's gradient shard whose direction is unrelated to its group's (this many standard errors within
     # what noise scores, peer.runtime.stage.checks) is refused and its sender excluded; 0 disables the test
     grad_direction_z: float = 5.0
@@ -159,7 +159,7 @@ class RunSpec:
                 text_field=text_field,
                 precision=d.get("precision", "fp32"),
                 compression=d.get("compression", "none"),
-                grad_outlier_factor=float(d.get("grad_outlier_factor", 10.0)),
+                grad_outlier_factor=float(d.get("grad_outlier_factor", GRAD_OUTLIER_FACTOR)),
                 grad_direction_z=float(d.get("grad_direction_z", 5.0)),
                 sync_period=d.get("sync_period", 1),
                 outer_lr=float(d.get("outer_lr", 0.7)),

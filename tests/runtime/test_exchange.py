@@ -147,7 +147,7 @@ def test_duplicate_and_inconsistent_messages_are_refused() -> None:
 def test_a_sparse_shard_of_two_honest_replicas_passes_and_a_scaled_one_does_not() -> None:
     """Two participants: the owner's part of a token-embedding shard is almost zero (its micro-batches' tokens
     hit other rows), the other's is of honest size. The owner's whole gradient floors the comparison, so the honest
-    part passes; the same part x1000 is refused, naming its sender, never the owner."""
+    part passes; the same part x1e6 is refused, naming its sender, never the owner."""
     from tasklet.peer.runtime.stage.gradient_checks import OutlierContributionError
 
     n, participants, tag = 64, [0, 1], (3, 1)
@@ -157,7 +157,7 @@ def test_a_sparse_shard_of_two_honest_replicas_passes_and_a_scaled_one_does_not(
     own[hi:] = torch.randn(n - hi, generator=torch.Generator().manual_seed(1))  # its weight lands on shard 1
     own[lo] = 1e-4
     other = torch.randn(hi - lo, generator=torch.Generator().manual_seed(2))
-    assert float(other.norm()) > 10 * 1e-4, "without the floor this part would be an outlier of the owner's"
+    assert float(other.norm()) > 1000 * 1e-4, "without the floor this part would be an outlier of the owner's"
     owner.put_contribution(tag, participants, 0, own[lo:hi].clone(), [0, 1], whole_norm=float(own.norm()))
     owner.put_contribution(tag, participants, 1, other.clone(), [2, 3])
     summed = owner.shard_sum(tag, participants, 4, 1.0)
@@ -165,7 +165,28 @@ def test_a_sparse_shard_of_two_honest_replicas_passes_and_a_scaled_one_does_not(
 
     scaled = GradientExchange(0, n)
     scaled.put_contribution(tag, participants, 0, own[lo:hi].clone(), [0, 1], whole_norm=float(own.norm()))
-    scaled.put_contribution(tag, participants, 1, other * 1000, [2, 3])
+    scaled.put_contribution(tag, participants, 1, other * 1e6, [2, 3])
     with pytest.raises(OutlierContributionError) as info:
         scaled.shard_sum(tag, participants, 4, 1.0)
     assert info.value.replicas == [1] and "whole gradient" in str(info.value)
+
+
+@pytest.mark.parametrize(("times", "refused"), [(174.0, False), (999.0, False), (1001.0, True)])
+def test_an_honest_spike_passes_and_only_a_size_beyond_k_is_refused(times: float, refused: bool) -> None:
+    """The default k (1000) against a one-micro-batch contribution ``times`` the owner's whole gradient per
+    micro-batch (its three micro-batches): 174 x is the largest honest spike bench.gradient_tails measured."""
+    from tasklet.peer.runtime.stage.gradient_checks import OutlierContributionError
+
+    participants, tag = [0, 1], (3, 1)
+    box = GradientExchange(0, NUMEL)
+    lo, hi = box.shard_of(participants, 0)
+    own = torch.ones(hi - lo)
+    whole = 3.0 * float(own.norm())  # its whole gradient: its part's norm per micro-batch, three micro-batches
+    spike = own * times  # one micro-batch
+    box.put_contribution(tag, participants, 0, own.clone(), [0, 1, 2], whole_norm=whole)
+    box.put_contribution(tag, participants, 1, spike, [3])
+    if refused:
+        with pytest.raises(OutlierContributionError, match="exceeds 1000 x"):
+            box.shard_sum(tag, participants, 4, 1.0)
+    else:
+        assert torch.equal(box.shard_sum(tag, participants, 4, 1.0), own + spike)

@@ -18,8 +18,8 @@ waits); sending is the worker's job.
 
 Plausible but wrong gradients: before summing, the owner compares each contribution's norm per micro-batch
 with the median of the other participants' (``outlier_factor``, k), floored by the norm per micro-batch of its own
-whole gradient (a shard of token-embedding rows is sparse: honest replicas' parts can differ by more than k, but
-no honest part exceeds k whole honest gradients). One more than k times that is refused
+whole gradient (a shard of token-embedding rows is sparse: honest replicas' parts of it can differ by far more than
+their whole gradients do). One more than k times that is refused
 (:class:`OutlierContributionError`, the worker reports its sender to the coordinator, which excludes it and
 starts a new attempt of the step). This stops a member from blowing up the model with a huge gradient;
 it does not stop a small, plausible poisoning (see docs/security.md). With ``direction_z`` above 0 the owner also
@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tasklet.peer.compute.stage import shard_bounds
+from tasklet.peer.runtime.choices import GRAD_OUTLIER_FACTOR
 from tasklet.peer.runtime.stage import checks, gradient_checks
 from tasklet.peer.runtime.stage.gradient_checks import (
     AttemptView,
@@ -140,7 +141,7 @@ class GradientExchange:
     in order (None: :data:`~peer.runtime.stage.gradient_checks.GRADIENT_CHECKS` as it is when the exchange is
     built)."""
 
-    def __init__(self, replica: int, numel: int, outlier_factor: float = 10.0, direction_z: float = 0.0,
+    def __init__(self, replica: int, numel: int, outlier_factor: float = GRAD_OUTLIER_FACTOR, direction_z: float = 0.0,
                  tokens_per_microbatch: int = 0, tied: TiedEnd | None = None,
                  checks: Sequence[GradientCheck] | None = None) -> None:
         self.replica = replica
