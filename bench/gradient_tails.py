@@ -10,7 +10,10 @@ built as the exchange builds it and handed to the norm check's own ``NormCheck.r
 micro-batch over the larger of the others' median and the owner's whole gradient per micro-batch. ``worst`` is
 the largest ratio met, ``at`` the step, stage and shares where, and ``over`` the share of (step, sharing, owner)
 views in which an honest sender's ratio was above each k: a k below ``worst`` refuses honest work, which sidelines
-an honest member. A tied head's gradient is counted at the embedding's stage. CPU, one torch thread.
+an honest member. ``direction_refused``: the share of the same views in which the direction test (the run's
+default z; only contributions of at least ``checks.MIN_DIRECTION_TOKENS`` tokens are tested, so none at 64-token
+micro-batches of fewer than 4) refused an honest sender. A tied head's gradient is counted at the embedding's stage.
+CPU, one torch thread.
 """
 
 from __future__ import annotations
@@ -30,7 +33,13 @@ from tasklet.peer.compute.model import is_weight_decayed, lm_loss
 from tasklet.peer.compute.stage import OptimConfig, shard_bounds
 from tasklet.peer.runtime.choices import GRAD_OUTLIER_FACTOR
 from tasklet.peer.runtime.spec import RunSpec
-from tasklet.peer.runtime.stage.gradient_checks import AttemptView, CheckSettings, NormCheck
+from tasklet.peer.runtime.stage.gradient_checks import (
+    AttemptView,
+    CheckSettings,
+    DirectionCheck,
+    NormCheck,
+    OutlierContributionError,
+)
 
 PRESETS = ("tiny-llama", "tiny-mistral", "tiny-gpt2", "tiny-gemma2", "tiny-olmo2", "tiny-granite")
 TIED = {"tiny-gemma2", "tiny-granite"}
@@ -44,7 +53,8 @@ def spec_for(preset: str, micro_batch: int, microbatches: int) -> RunSpec:
                    n_microbatches=microbatches)
 
 
-def views(per: list[torch.Tensor], step: int) -> list[tuple[AttemptView, tuple[tuple[int, ...], ...]]]:
+def views(per: list[torch.Tensor], step: int, settings: CheckSettings
+          ) -> list[tuple[AttemptView, tuple[tuple[int, ...], ...]]]:
     """Every owner's view of its shard, for every sharing of the micro-batches between two replicas."""
     n = len(per)
     bounds = shard_bounds(per[0].numel(), 2)
@@ -57,7 +67,7 @@ def views(per: list[torch.Tensor], step: int) -> list[tuple[AttemptView, tuple[t
         for owner, (lo, hi) in enumerate(bounds):
             contributions = {r: (sums[r][lo:hi], list(mine[r])) for r in (0, 1)}
             view = AttemptView((step, 1), owner, (0, 1), contributions, float(sums[owner].norm()) / len(mine[owner]),
-                               n, {}, {}, CheckSettings())
+                               n, {}, {}, settings)
             out.append((view, mine))
     return out
 
@@ -74,8 +84,10 @@ def measure(preset: str, steps: int, micro_batch: int, microbatches: int) -> dic
               {"params": [p for n, p in named if not is_weight_decayed(n, p)], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=spec.optim.lr, betas=spec.optim.betas,
                                   eps=spec.optim.eps)
-    worst, at, seen = 0.0, {}, 0
+    worst, at, seen, unrelated = 0.0, {}, 0, 0
     over = dict.fromkeys(KS, 0)
+    settings = CheckSettings(direction_z=spec.grad_direction_z, tokens_per_microbatch=micro_batch * model_spec.seq_len)
+    direction = DirectionCheck()
     for step in range(steps):
         per_stage: list[list[torch.Tensor]] = [[] for _ in STAGES]
         total = {n: torch.zeros_like(p) for n, p in named}
@@ -93,16 +105,21 @@ def measure(preset: str, steps: int, micro_batch: int, microbatches: int) -> dic
             p.grad = total[n] / microbatches  # the step single-process training takes
         optimizer.step()
         for s, per in enumerate(per_stage):
-            for view, mine in views(per, step):
+            for view, mine in views(per, step, settings):
                 ratio = max(NormCheck.ratios(view).values())
                 seen += 1
+                try:
+                    direction.inspect(view)
+                except OutlierContributionError:
+                    unrelated += 1
                 for k in KS:
                     over[k] += ratio > k
                 if ratio > worst:
                     worst, at = ratio, {"step": step, "stage": s, "owner": view.replica, "shares": mine}
     return {"preset": preset, "steps": steps, "tokens_per_microbatch": micro_batch * model_spec.seq_len,
             "worst": round(worst, 2), "at": at, "views": seen,
-            "over": {f"{k:g}": round(over[k] / max(1, seen), 5) for k in KS}}
+            "over": {f"{k:g}": round(over[k] / max(1, seen), 5) for k in KS},
+            "direction_refused": round(unrelated / max(1, seen), 5)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -127,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
             over = ", ".join(f"k={k}: {v:.2%}" for k, v in row["over"].items())
             print(f"{preset:13s} {row['tokens_per_microbatch']} tokens/micro-batch, {row['steps']} steps: worst "
                   f"honest ratio {row['worst']:g} (step {row['at'].get('step')}, stage {row['at'].get('stage')}, "
-                  f"shares {row['at'].get('shares')}); views over k: {over}", flush=True)
+                  f"shares {row['at'].get('shares')}); views over k: {over}; refused by the direction test: "
+                  f"{row['direction_refused']:.2%}", flush=True)
 
 
 if __name__ == "__main__":

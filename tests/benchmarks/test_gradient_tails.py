@@ -19,6 +19,7 @@ def test_tiny_llamas_honest_spike_is_above_the_old_k_and_under_the_default(capsy
     assert 10 < row["worst"] < GRAD_OUTLIER_FACTOR / 10, row
     assert row["at"]["step"] == 3 and row["at"]["stage"] == 0 and row["at"]["shares"] == [[0, 1, 2], [3]], row
     assert row["over"]["10"] > 0 and row["over"][f"{GRAD_OUTLIER_FACTOR:g}"] == 0
+    assert row["direction_refused"] == 0, "contributions of under 256 tokens are never direction-tested"
 
 
 def test_unknown_presets_are_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
