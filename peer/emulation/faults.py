@@ -47,6 +47,9 @@ class NanGradOutbox(Outbox):
         super().send(t, endpoint, env)
 
 
+HUGE_GRAD_FACTOR = 1e6  # HugeGradOutbox's scale: 5,700 x the worst honest spike measured (bench.gradient_tails)
+
+
 class HugeGradOutbox(Outbox):
     """Sends finite but a million times too large gradient shards (plausible in form, far beyond any honest
     spike in size): the owners of the shards must refuse them as outliers of the replica group and report the
@@ -54,7 +57,7 @@ class HugeGradOutbox(Outbox):
 
     def send(self, t: Tasklet, endpoint: str, env: pb.Envelope) -> None:
         if env.kind == pb.GRAD_SHARD:
-            _retensor(env, lambda good: good * 1e6)
+            _retensor(env, lambda good: good * HUGE_GRAD_FACTOR)
         super().send(t, endpoint, env)
 
 

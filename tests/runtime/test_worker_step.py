@@ -384,7 +384,7 @@ def test_a_busy_gpu_is_a_clock_that_slows_ops_from_its_step_on_in_virtual_time()
 
 
 def test_a_tampering_outbox_changes_only_the_gradients_it_sends() -> None:
-    from tasklet.peer.emulation.faults import HugeGradOutbox, NanGradOutbox
+    from tasklet.peer.emulation.faults import HUGE_GRAD_FACTOR, HugeGradOutbox, NanGradOutbox
 
     class Capture:
         def __init__(self) -> None:
@@ -395,7 +395,7 @@ def test_a_tampering_outbox_changes_only_the_gradients_it_sends() -> None:
             return done_future()
 
     key = pb.Key(run_id="r", step=0)
-    huge = torch.full((4,), 2e3)
+    huge = torch.full((4,), 2.0 * HUGE_GRAD_FACTOR)
     for cls, kinds, check in ((NanGradOutbox, (pb.ACTIVATION_GRAD, pb.GRAD_SHARD), lambda x: bool(x.isnan().all())),
                               (HugeGradOutbox, (pb.GRAD_SHARD,), lambda x: bool(torch.equal(x, huge)))):
         outbox, sink = cls.__new__(cls), Capture()
