@@ -29,7 +29,8 @@ import torch
 from tasklet.peer.compute.data import Corpus, microbatch
 from tasklet.peer.compute.family import family_of
 from tasklet.peer.compute.hf import resolve_model
-from tasklet.peer.compute.model import is_weight_decayed, lm_loss
+from tasklet.peer.compute.model import lm_loss
+from tasklet.peer.compute.reference import reference_adamw
 from tasklet.peer.compute.stage import OptimConfig, shard_bounds
 from tasklet.peer.runtime.choices import GRAD_OUTLIER_FACTOR
 from tasklet.peer.runtime.spec import RunSpec
@@ -80,10 +81,7 @@ def measure(preset: str, steps: int, micro_batch: int, microbatches: int) -> dic
     named = list(model.named_parameters())
     params = dict(named)
     stage_names = [[n for n, _ in model_spec.build_stage(a, b).named_parameters() if n in params] for a, b in STAGES]
-    groups = [{"params": [p for n, p in named if is_weight_decayed(n, p)], "weight_decay": spec.optim.weight_decay},
-              {"params": [p for n, p in named if not is_weight_decayed(n, p)], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=spec.optim.lr, betas=spec.optim.betas,
-                                  eps=spec.optim.eps)
+    optimizer = reference_adamw(model, spec.optim)
     worst, at, seen, unrelated = 0.0, {}, 0, 0
     over = dict.fromkeys(KS, 0)
     settings = CheckSettings(direction_z=spec.grad_direction_z, tokens_per_microbatch=micro_batch * model_spec.seq_len)

@@ -98,16 +98,13 @@ def plain(cfg: Path, steps: int, device: str) -> dict[str, Any]:
     import torch
 
     from tasklet.peer.compute.data import Corpus, microbatch
-    from tasklet.peer.compute.model import is_weight_decayed, lm_loss
+    from tasklet.peer.compute.model import lm_loss
+    from tasklet.peer.compute.reference import reference_adamw
     from tasklet.peer.config import RunConfig
 
     spec = RunConfig.load(cfg).spec()
     model = spec.model.build_stage(0, spec.model.n_layers).to(device)
-    named = list(model.named_parameters())
-    o = spec.optim
-    groups = [{"params": [p for n, p in named if is_weight_decayed(n, p)], "weight_decay": o.weight_decay},
-              {"params": [p for n, p in named if not is_weight_decayed(n, p)], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=o.lr, betas=o.betas, eps=o.eps)
+    optimizer = reference_adamw(model, spec.optim)
     corpus = Corpus.load(spec.corpus)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.precision)
     seconds, losses = [], []
@@ -128,7 +125,7 @@ def plain(cfg: Path, steps: int, device: str) -> dict[str, Any]:
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - t0)
         losses.append(total / spec.n_microbatches)
-    params = sum(p.numel() for _, p in named)
+    params = sum(p.numel() for p in model.parameters())
     return {"step_s": seconds, "loss": losses, "params": params}
 
 

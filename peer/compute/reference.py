@@ -51,12 +51,7 @@ def train_reference(
                          f"{n_microbatches}, {micro_batch}")
     model, forward = family_of(model_cfg).full_model(model_cfg)
     named = list(model.named_parameters())
-    groups = [
-        {"params": [p for n, p in named if is_weight_decayed(n, p)], "weight_decay": optim_cfg.weight_decay},
-        {"params": [p for n, p in named if not is_weight_decayed(n, p)], "weight_decay": 0.0},
-    ]
-    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=optim_cfg.lr,
-                                  betas=optim_cfg.betas, eps=optim_cfg.eps)
+    optimizer = reference_adamw(model, optim_cfg)
     losses: list[float] = []
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
@@ -112,8 +107,7 @@ def train_grouped_reference(
     optim_cfg.validate()
     model, forward = family_of(model_cfg).full_model(model_cfg)
     named = list(model.named_parameters())
-    optimizer = torch.optim.AdamW(_decay_groups(model, optim_cfg), lr=optim_cfg.lr, betas=optim_cfg.betas,
-                                  eps=optim_cfg.eps)
+    optimizer = reference_adamw(model, optim_cfg)
     losses: list[float] = []
     for step, pipelines in enumerate(groupings):
         n = sum(len(mbs) for mbs in pipelines)
@@ -177,8 +171,7 @@ def train_diloco_reference(
     pipelines = sorted({p for e in record for p in (*e["applied"], *(e["outer"] or ()))}
                        | {int(p) for e in record for p in e["commits"].values()})
     models = {r: model_cfg.build_stage(0, model_cfg.n_layers) for r in pipelines}
-    inner = {r: torch.optim.AdamW(_decay_groups(m, optim_cfg), lr=optim_cfg.lr, betas=optim_cfg.betas,
-                                  eps=optim_cfg.eps) for r, m in models.items()}
+    inner = {r: reference_adamw(m, optim_cfg) for r, m in models.items()}
     first = models[pipelines[0]] if pipelines else model_cfg.build_stage(0, model_cfg.n_layers)
     anchor = {n: torch.nn.Parameter(p.detach().clone()) for n, p in first.named_parameters()}
     mu = spec.outer_momentum
@@ -241,13 +234,15 @@ def train_diloco_reference(
     return {r: {n: p.detach().clone() for n, p in m.named_parameters()} for r, m in models.items()}, losses
 
 
-def _decay_groups(model: torch.nn.Module, optim_cfg: OptimConfig) -> list[dict[str, Any]]:
+def reference_adamw(model: torch.nn.Module, optim_cfg: OptimConfig) -> torch.optim.AdamW:
+    """The reference's optimizer of ``model``: ``torch.optim.AdamW``, weight decay on what the stages decay."""
     named = list(model.named_parameters())
     groups = [
         {"params": [p for n, p in named if is_weight_decayed(n, p)], "weight_decay": optim_cfg.weight_decay},
         {"params": [p for n, p in named if not is_weight_decayed(n, p)], "weight_decay": 0.0},
     ]
-    return [g for g in groups if g["params"]]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=optim_cfg.lr, betas=optim_cfg.betas,
+                             eps=optim_cfg.eps)
 
 
 def _wire(x: torch.Tensor, codec: str, block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
