@@ -25,7 +25,9 @@ measured rate (target <= 1.25), and ``pipeline / lone`` (target <= 1.15 at 8,192
 A shared or virtual machine's speed drifts by more than these margins from minute to minute: ``--rounds R``
 runs the cases of each row R times in turn (plain, lone, ..., plain, lone, ...), and each ratio is the median
 of the R ratios of cases run minutes apart (``ratios_by_round`` lists them); a case's figures are those of its
-median round.
+median round. With R > 1 one more plain loop runs after the last round, and each round's ratios use the mean of
+the plain loop timed just before its peers and the one just after them (:func:`bracketed`): a drift of the
+machine's speed that is linear over a round cancels out.
 
 Peers use the machine's cores as a volunteer's would (no thread cap); two peers on one machine get half the
 cores each. ``--quick``: a 2-layer GPT of width 64 and a few steps, a check of this script (well under a
@@ -256,6 +258,11 @@ def run(models: list[Model], tokens: list[int], cases: list[str], steps: int, wa
                         got_cases[case] = summary
                 by_round.append(got_cases)
             row["cases"] = {case: _median_round([r[case] for r in by_round if case in r]) for case in by_round[0]}
+            if rounds > 1 and "plain" in cases:  # bracket the last round's peers in time too
+                closing = _run_case(row, "plain", model, out / tag / "closing" / "plain", steps, warmup, device,
+                                    precision, deadline_s, peak)
+                row["plain_closing_step_s"] = closing["step_s"] if closing else None
+                by_round = bracketed(by_round, row["plain_closing_step_s"])
             per_round = [ratios({**row, "cases": r}) for r in by_round]
             row["ratios"] = {k: round(statistics.median(r[k] for r in per_round if k in r), 3)
                              for k in per_round[0]}
@@ -302,6 +309,20 @@ def _median_round(runs: list[dict[str, Any]]) -> dict[str, Any]:
     timed = sorted((r for r in runs if r["step_s"] is not None), key=lambda r: r["step_s"])
     pick = timed[(len(timed) - 1) // 2] if timed else runs[-1]
     return {**pick, "rounds_step_s": [r["step_s"] for r in runs]} if len(runs) > 1 else pick
+
+
+def bracketed(by_round: list[dict[str, dict[str, Any]]], closing_s: float | None) -> list[dict[str, dict[str, Any]]]:
+    """Each round's plain figure replaced by the mean of its own and the next plain run's (the closing run's for the
+    last round): a round's peers then stand against plain loops timed just before and just after them, so a
+    drift of the machine's speed that is linear over a round cancels out of their ratios."""
+    plains = [r.get("plain", {}).get("step_s") for r in by_round] + [closing_s]
+    out = []
+    for i, r in enumerate(by_round):
+        before, after = plains[i], plains[i + 1]
+        if before and after:
+            r = {**r, "plain": {**r["plain"], "step_s": (before + after) / 2}}
+        out.append(r)
+    return out
 
 
 def ratios(row: dict[str, Any]) -> dict[str, float]:
@@ -371,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
                   + (f"  (the leader's own step figure {own:.3f} s)" if own else ""))
             for i, p in enumerate(c.get("peers", [])):
                 print(f"    peer {i}: " + ", ".join(f"{k} {v}" for k, v in p.items()))
+        if r.get("plain_closing_step_s"):
+            print(f"  plain loop after the last round: {r['plain_closing_step_s']:.3f} s/step (each round's ratios "
+                  "use the plain loops before and after its peers)")
         print("  " + ", ".join(f"{k} {v}" for k, v in r["ratios"].items()))
     return 0
 

@@ -72,18 +72,39 @@ def test_an_adverts_compute_share_is_a_claim_checked_before_it_is_shown() -> Non
 
 @pytest.mark.unit
 def test_rounds_pair_each_ratio_in_time_and_take_the_median(monkeypatch, tmp_path) -> None:
-    """With --rounds, a ratio is the median of each round's own ratio (plain and lone run minutes apart), not the
-    ratio of two medians taken at different times; a case's figures are those of its median round."""
-    times = iter([1.0, 1.1, 2.0, 2.4, 1.5, 1.6])  # round by round: plain then lone; the machine slows, then less
+    """With --rounds, a ratio is the median of each round's own ratio, the round's peers against the mean of the
+    plain loops timed just before and just after them (one more plain loop closes the last round): a machine whose
+    speed drifts linearly gives every round the true ratio. A case's figures are those of its median round."""
+    drift = iter(1.0 + 0.1 * k for k in range(7))  # the machine slows by 10 % of its first speed per case
+    truth = {"plain": 1.0, "lone": 1.2}
 
     def fake(row, case, *_args):
         row["params"] = 10
-        return {"step_s": next(times), "case": case}
+        return {"step_s": truth[case] * next(drift), "case": case}
 
     monkeypatch.setattr(overhead, "_run_case", fake)
     [row] = overhead.run([overhead.byte_gpt(2, 64, 4, 32)], [64], ["plain", "lone"], 3, 1, "cpu", "fp32", tmp_path,
                          60.0, rounds=3)
-    assert [r["lone_over_plain"] for r in row["ratios_by_round"]] == [1.1, 1.2, 1.067]
-    assert row["ratios"]["lone_over_plain"] == 1.1  # the median round's pair, not 1.6 / 1.5
-    assert row["cases"]["plain"]["step_s"] == 1.5 and row["cases"]["plain"]["rounds_step_s"] == [1.0, 2.0, 1.5]
-    assert row["cases"]["lone"]["step_s"] == 1.6
+    assert [r["lone_over_plain"] for r in row["ratios_by_round"]] == [1.2, 1.2, 1.2]  # unpaired: 1.32, 1.3, 1.29
+    assert row["ratios"]["lone_over_plain"] == 1.2
+    assert row["plain_closing_step_s"] == pytest.approx(1.6)
+    assert row["cases"]["plain"]["step_s"] == pytest.approx(1.2)
+    assert row["cases"]["plain"]["rounds_step_s"] == pytest.approx([1.0, 1.2, 1.4])
+    assert row["cases"]["lone"]["step_s"] == pytest.approx(1.2 * 1.3)
+
+
+def test_a_single_round_is_not_bracketed(monkeypatch, tmp_path) -> None:
+    """One round runs each case once: no closing plain loop, the ratio is the two figures'."""
+    times = iter([1.0, 1.25])
+    seen = []
+
+    def fake(row, case, *_args):
+        row["params"] = 10
+        seen.append(case)
+        return {"step_s": next(times), "case": case}
+
+    monkeypatch.setattr(overhead, "_run_case", fake)
+    [row] = overhead.run([overhead.byte_gpt(2, 64, 4, 32)], [64], ["plain", "lone"], 3, 1, "cpu", "fp32", tmp_path,
+                         60.0, rounds=1)
+    assert seen == ["plain", "lone"] and "plain_closing_step_s" not in row
+    assert row["ratios"]["lone_over_plain"] == 1.25
