@@ -21,10 +21,11 @@ Bandwidth: a link's bandwidth is the smaller of what the sender's uplink and the
       sites are the transitive closure of such links (fast links are transitive inside a LAN, slow ones are
       not);
     * *paths*: between two sites that were measured, the median of those measurements; between sites that
-      were not, the median of the measured links between sites whose RTT is nearest the pair's estimated RTT
-      (long paths are slower: TCP throughput falls with RTT) among those the path limited (slower than both
-      ends' capacities), else unlimited; inside a site none of whose own links was measured, the median of
-      the other sites' LANs.
+      were not, the lower quartile of the measured links between sites whose RTT is nearest the pair's
+      estimated RTT (long paths are slower: TCP throughput falls with RTT) among those the path limited (slower
+      than both ends' capacities), else unlimited. A quartile, not the median: the search picks the links the
+      estimate rates highest, so with the median it picked the ones the estimate overrated; inside a site
+      none of whose own links was measured, the median of the other sites' LANs.
     Between sites the estimate is ``min(path, up_i, down_j)``; inside a site it is the path's. A pair measured
     in one direction only takes the measurement of the other (paths are mostly symmetric). Estimated and
     measured RTTs are rounded to a probe's resolution (``MIN_RTT_S``): noise below it (Vivaldi's residue
@@ -62,6 +63,10 @@ SITE_BANDWIDTH_FRACTION = 0.8  # a site link carries at least this fraction of b
 SITE_GAP_FACTOR = 1.5  # ... is above a gap of at least this factor in the measured bandwidths ...
 SITE_MAX_RTT_S = 0.015  # ... over at most this RTT (a LAN or a metropolitan area)
 RTT_NEIGHBOURS = 8  # measured links whose RTT is nearest an unmeasured pair's estimate its bandwidth uses
+# an unmeasured path between sites takes this percentile of its RTT neighbours' bandwidths, not their median: a
+# search picks the links an estimate rates highest, so an estimate that errs both ways leads it to the ones it
+# overrates (docs/benchmarks/controlplane.md)
+UNMEASURED_PERCENTILE = 25.0
 ACCESS_LIMITED = 0.95  # a link at this fraction of one end's capacity was limited by that end, not the path
 
 
@@ -246,8 +251,9 @@ def estimate_links(n: int, samples: Sequence[Sample], seed: int | str = 0, dim: 
 
 def _path_bandwidth(n: int, bw: np.ndarray, known: np.ndarray, rtt: np.ndarray, est_rtt: np.ndarray,
                     sites: np.ndarray, capacity: np.ndarray) -> np.ndarray:
-    """Bandwidth of every pair's path: the median of the measured links between the two sites, else of the
-    measured links between sites with the nearest RTT that the path limited (slower than both ends'
+    """Bandwidth of every pair's path: the median of the measured links between the two sites, else the lower
+    quartile (``UNMEASURED_PERCENTILE``) of the measured links between sites with the nearest RTT that the path
+    limited (slower than both ends'
     capacities; a link as fast as one end's capacity says nothing about the path), else unlimited."""
     out = np.full((n, n), np.nan)
     ii, jj = np.nonzero(known)
@@ -289,7 +295,7 @@ def _path_bandwidth(n: int, bw: np.ndarray, known: np.ndarray, rtt: np.ndarray, 
         idx = lo[:, None] + np.arange(width)[None, :]
         dist = np.abs(m_rtt[idx] - q[:, None])
         nearest = np.take_along_axis(idx, np.argsort(dist, axis=1)[:, :k], axis=1)
-        out[qi, qj] = np.median(m_bw[nearest], axis=1)
+        out[qi, qj] = np.percentile(m_bw[nearest], UNMEASURED_PERCENTILE, axis=1)
     return out
 
 

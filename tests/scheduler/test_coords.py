@@ -144,3 +144,24 @@ def test_the_seeded_comparison_pairs_plans_by_seed_and_costs_both_on_the_truth()
     worse = compare_on_truth(PlanInputs(truth, noisy, workload), seeds=(0, 1), evaluations=2000)
     assert worse.full_costs_s == same.full_costs_s  # the truth's plans do not depend on the estimate
     assert worse.ratio > 1.0 and len(worse.seed_ratios) == 2
+
+
+def test_an_unmeasured_path_is_rated_by_the_lower_quartile_of_its_rtt_neighbours() -> None:
+    """Six peers, each its own site, four wide-area links measured at 10-40 Mbit/s with one RTT: the unmeasured path
+    0 -> 3 takes the lower quartile of those (17.5 Mbit/s), not their median (25), since a plan search seeks out the
+    links an estimate rates highest and a median overrates half of them."""
+    from tasklet.scheduler.coords import UNMEASURED_PERCENTILE, _path_bandwidth
+
+    n = 6
+    bw = np.full((n, n), np.nan)
+    rtt = np.full((n, n), np.nan)
+    for (i, j), mbit in {(0, 1): 10, (1, 2): 20, (3, 4): 30, (4, 5): 40}.items():
+        bw[i, j] = bw[j, i] = mbit * 1e6
+        rtt[i, j] = rtt[j, i] = 0.05
+    known = ~np.isnan(bw)
+    est = _path_bandwidth(n, bw, known, rtt, np.full((n, n), 0.05), np.arange(n), np.full(n, np.inf))
+    values = [10e6, 10e6, 20e6, 20e6, 30e6, 30e6, 40e6, 40e6]
+    assert UNMEASURED_PERCENTILE == 25.0
+    assert est[0, 3] == pytest.approx(float(np.percentile(values, 25))) == pytest.approx(17.5e6)
+    assert est[0, 3] < float(np.median(values))
+    assert est[0, 1] == pytest.approx(10e6)  # a measured path keeps its own measurement
