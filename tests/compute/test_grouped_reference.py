@@ -71,7 +71,8 @@ def test_replicas_under_changing_groupings_match_the_grouped_reference_not_the_t
     n = spec.n_microbatches
     textbook, _ = train_reference(spec.model, spec.optim, corpus, spec.seed, STEPS, n, spec.micro_batch)
     textbook_gaps, grouped_gaps = [], []
-    for seed in (0, 3):  # two groupings that end over 1e-5 from the textbook loop (seen with this model)
+    for seed in (0, 3):  # two groupings, one of which ends over 1e-5 from the textbook loop (with this model;
+        # which one depends on the CPU's vector width: 5.5e-6 and 2.0e-5 with AVX-512)
         groupings = random_groupings(seed, n)
         swarm = train_replicas(spec, corpus, groupings)
         grouped, losses = train_grouped_reference(spec.model, spec.optim, corpus, spec.seed, groupings,
@@ -81,7 +82,7 @@ def test_replicas_under_changing_groupings_match_the_grouped_reference_not_the_t
         grouped_gaps.append(gap(swarm, grouped))
     print(f"\ngap to the textbook loop {textbook_gaps}, to the grouped reference {grouped_gaps}")
     assert max(grouped_gaps) <= 1e-7, grouped_gaps  # the same additions in the same order: bitwise here
-    assert min(textbook_gaps) > 1e-5, textbook_gaps  # what the swarm tests' 1e-5 could not tell from a bug
+    assert max(textbook_gaps) > 1e-5, textbook_gaps  # what the swarm tests' 1e-5 could not tell from a bug
 
 
 def test_groupings_are_read_only_from_a_record_of_every_step() -> None:
