@@ -253,8 +253,8 @@ def _path_bandwidth(n: int, bw: np.ndarray, known: np.ndarray, rtt: np.ndarray, 
                     sites: np.ndarray, capacity: np.ndarray) -> np.ndarray:
     """Bandwidth of every pair's path: the median of the measured links between the two sites, else the lower
     quartile (``UNMEASURED_PERCENTILE``) of the measured links between sites with the nearest RTT that the path
-    limited (slower than both ends'
-    capacities; a link as fast as one end's capacity says nothing about the path), else unlimited."""
+    limited (slower than both ends' capacities; a link as fast as one end's capacity says nothing about the path),
+    else unlimited."""
     out = np.full((n, n), np.nan)
     ii, jj = np.nonzero(known)
     if ii.size == 0:
